@@ -1,0 +1,1 @@
+//! Sans-IO wire protocol of kvbridge.
