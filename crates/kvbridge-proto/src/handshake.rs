@@ -1,0 +1,709 @@
+//! The peer handshake, as two sans-IO state machines.
+//!
+//! ```text
+//! initiator                                  listener (one session per peer id)
+//! Hello{version, peer_id, incarnation,  ---> ListenerSession::accept: check version, compat
+//!       compat, auth}
+//!                                       <--- Welcome{peer_id, incarnation, token, compat}
+//!                                            | Reject{code, message}
+//! MemInfo{regions granted to listener}  ---> held until the data connection is bound
+//! data connection: DataHello{token}     ---> driver binds it, calls data_bound()
+//!                                       <--- MemInfo{regions granted to initiator}
+//!                                       <--- Ready
+//! ```
+//!
+//! The initiator sends its `MemInfo` as soon as it has the `Welcome`, without waiting for its
+//! data connection: that is the seed's ordering, and the listener must survive it. Both
+//! machines *hold* a data-path message that arrives before their own side's data connection
+//! is bound, and replay it once [`ListenerSession::data_bound`] / [`Initiator::data_bound`]
+//! is called. No message is ever answered from a state that cannot serve it: it is held, or
+//! refused with a typed [`Reject`].
+//!
+//! Every state has a deadline ([`Initiator::poll_timeout`]); the driver calls
+//! `handle_timeout(now)` when it passes. A failed machine emits exactly one `Failed` output
+//! and nothing after it; the driver then drops all state of that session (rollback).
+
+use crate::ids::{Incarnation, PeerId, SessionToken};
+use crate::msg::{Compat, ErrorCode, Hello, MemInfo, Message, Ping, Ready, Reject, Welcome};
+use crate::PROTOCOL_VERSION;
+use std::collections::VecDeque;
+use std::fmt;
+use std::time::{Duration, Instant};
+use thiserror::Error;
+
+/// Most data-path messages a session holds while its data connection is not bound yet. A
+/// correct peer sends one `MemInfo` (and the listener a `Ready`); more is misbehaviour.
+pub const MAX_HELD: usize = 8;
+
+/// Who we are, as the handshake states it.
+#[derive(Debug, Clone)]
+pub struct LocalIdentity {
+    /// Our peer id.
+    pub peer_id: PeerId,
+    /// Our incarnation.
+    pub incarnation: Incarnation,
+    /// What the other side must match.
+    pub compat: Compat,
+}
+
+/// The steps of the handshake, named in errors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Step {
+    /// Opening the control connection.
+    Connect,
+    /// Waiting for the initiator's `Hello`.
+    Hello,
+    /// Waiting for the listener's `Welcome`.
+    Welcome,
+    /// Opening and binding the data connection.
+    DataBind,
+    /// Exchanging memory information.
+    MemInfo,
+    /// Waiting for the listener's `Ready`.
+    Ready,
+    /// The session is established.
+    Established,
+}
+
+impl fmt::Display for Step {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = match self {
+            Step::Connect => "connect",
+            Step::Hello => "hello",
+            Step::Welcome => "welcome",
+            Step::DataBind => "data-bind",
+            Step::MemInfo => "mem-info",
+            Step::Ready => "ready",
+            Step::Established => "established",
+        };
+        f.write_str(s)
+    }
+}
+
+/// Why a handshake (or an established session's control stream) failed.
+#[derive(Debug, Clone, Error, PartialEq, Eq)]
+pub enum HandshakeError {
+    /// The peer refused with a typed reason.
+    #[error("peer rejected at step {step}: {code}: {message}")]
+    Rejected {
+        /// Where it happened.
+        step: Step,
+        /// The peer's code.
+        code: ErrorCode,
+        /// The peer's message.
+        message: String,
+    },
+    /// Protocol versions differ.
+    #[error("protocol version mismatch: ours {ours}, theirs {theirs}")]
+    VersionMismatch {
+        /// Our version.
+        ours: u8,
+        /// Theirs.
+        theirs: u8,
+    },
+    /// Compatibility hashes differ.
+    #[error("incompatible peers: ours {ours}, theirs {theirs}")]
+    Incompatible {
+        /// Our values.
+        ours: Compat,
+        /// Theirs.
+        theirs: Compat,
+    },
+    /// The peer sent a message its state cannot explain.
+    #[error("unexpected {got} at step {step}")]
+    Unexpected {
+        /// Where it happened.
+        step: Step,
+        /// Name of the message received.
+        got: &'static str,
+    },
+    /// The peer sent something invalid (bad id, too many held messages, ...).
+    #[error("malformed input at step {step}: {detail}")]
+    Malformed {
+        /// Where it happened.
+        step: Step,
+        /// What was wrong.
+        detail: String,
+    },
+    /// A step passed its deadline.
+    #[error("step {step} passed its deadline of {after:?}")]
+    Timeout {
+        /// The step that did not finish.
+        step: Step,
+        /// The deadline that passed.
+        after: Duration,
+    },
+    /// The peer closed the established session.
+    #[error("peer closed the session: {code}: {message}")]
+    Closed {
+        /// The peer's code.
+        code: ErrorCode,
+        /// The peer's message.
+        message: String,
+    },
+}
+
+impl HandshakeError {
+    /// The wire code that tells the peer about this failure.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            HandshakeError::Rejected { code, .. } | HandshakeError::Closed { code, .. } => *code,
+            HandshakeError::VersionMismatch { .. } => ErrorCode::UnsupportedVersion,
+            HandshakeError::Incompatible { .. } => ErrorCode::Incompatible,
+            HandshakeError::Unexpected { .. } => ErrorCode::UnexpectedMessage,
+            HandshakeError::Malformed { .. } => ErrorCode::Malformed,
+            HandshakeError::Timeout { .. } => ErrorCode::Timeout,
+        }
+    }
+
+    fn to_reject(&self) -> Reject {
+        Reject {
+            code: self.code(),
+            message: self.to_string(),
+        }
+    }
+}
+
+/// What the established peer is, as the handshake learnt it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Established {
+    /// The peer's id.
+    pub peer_id: PeerId,
+    /// The peer's incarnation.
+    pub incarnation: Incarnation,
+    /// The regions the peer granted to us.
+    pub regions: MemInfo,
+}
+
+/// What a state machine asks its driver to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Output {
+    /// Send this message on the control connection.
+    Send(Message),
+    /// (Initiator) The listener welcomed us: open the data connection with this token, and
+    /// call [`Initiator::provide_mem_info`] with the regions granted to `peer_id`.
+    Welcomed {
+        /// The listener's id.
+        peer_id: PeerId,
+        /// The listener's incarnation.
+        incarnation: Incarnation,
+        /// Token to present on the data connection.
+        token: SessionToken,
+    },
+    /// The session is established.
+    Ready(Established),
+    /// (Established) The peer changed the regions it grants us.
+    PeerMemInfo(MemInfo),
+    /// The handshake or session failed; tear everything down. Nothing follows this.
+    Failed(HandshakeError),
+}
+
+/// Common part of both machines: deadline, output queue, held messages.
+#[derive(Debug, Clone)]
+struct Core {
+    step_timeout: Duration,
+    deadline: Option<Instant>,
+    out: VecDeque<Output>,
+    held: VecDeque<Message>,
+    failed: bool,
+}
+
+impl Core {
+    fn new(step_timeout: Duration, now: Instant) -> Self {
+        Self {
+            step_timeout,
+            deadline: Some(now + step_timeout),
+            out: VecDeque::new(),
+            held: VecDeque::new(),
+            failed: false,
+        }
+    }
+
+    fn arm(&mut self, now: Instant) {
+        self.deadline = Some(now + self.step_timeout);
+    }
+
+    fn send(&mut self, m: Message) {
+        self.out.push_back(Output::Send(m));
+    }
+
+    /// Fails the machine: tells the peer why (unless the peer is the one that refused or
+    /// closed) and emits the single `Failed` output.
+    fn fail(&mut self, err: HandshakeError) {
+        if self.failed {
+            return;
+        }
+        if !matches!(
+            err,
+            HandshakeError::Rejected { .. } | HandshakeError::Closed { .. }
+        ) {
+            self.send(Message::Reject(err.to_reject()));
+        }
+        self.failed = true;
+        self.deadline = None;
+        self.held.clear();
+        self.out.push_back(Output::Failed(err));
+    }
+
+    fn hold(&mut self, m: Message, step: Step) {
+        if self.held.len() >= MAX_HELD {
+            self.fail(HandshakeError::Malformed {
+                step,
+                detail: format!("more than {MAX_HELD} messages before the data connection was bound"),
+            });
+        } else {
+            self.held.push_back(m);
+        }
+    }
+
+    fn check_timeout(&mut self, now: Instant, step: Step) {
+        if let Some(d) = self.deadline {
+            if now >= d && !self.failed {
+                let after = self.step_timeout;
+                self.fail(HandshakeError::Timeout { step, after });
+            }
+        }
+    }
+}
+
+/// Handles the messages that mean the same in every state: liveness and refusals. Returns the
+/// message back when it is not one of those.
+fn common(core: &mut Core, m: Message, step: Step) -> Option<Message> {
+    match m {
+        Message::Ping(p) => {
+            core.send(Message::Pong(p));
+            None
+        }
+        Message::Pong(_) => None,
+        Message::Reject(r) => {
+            core.fail(HandshakeError::Rejected {
+                step,
+                code: r.code,
+                message: r.message,
+            });
+            None
+        }
+        Message::Bye(r) => {
+            core.fail(HandshakeError::Closed {
+                code: r.code,
+                message: r.message,
+            });
+            None
+        }
+        other => Some(other),
+    }
+}
+
+fn unexpected(core: &mut Core, step: Step, m: &Message) {
+    core.fail(HandshakeError::Unexpected {
+        step,
+        got: m.name(),
+    });
+}
+
+fn check_peer(
+    local: &LocalIdentity,
+    version: u8,
+    compat: &Compat,
+    peer_id: &PeerId,
+    step: Step,
+) -> Result<(), HandshakeError> {
+    if version != PROTOCOL_VERSION {
+        return Err(HandshakeError::VersionMismatch {
+            ours: PROTOCOL_VERSION,
+            theirs: version,
+        });
+    }
+    if !peer_id.is_valid() {
+        return Err(HandshakeError::Malformed {
+            step,
+            detail: "invalid peer id".into(),
+        });
+    }
+    if compat.hash != local.compat.hash {
+        return Err(HandshakeError::Incompatible {
+            ours: local.compat.clone(),
+            theirs: compat.clone(),
+        });
+    }
+    Ok(())
+}
+
+// ------------------------------------------------------------------------------------------
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum InitState {
+    AwaitWelcome,
+    AwaitLocalMem,
+    AwaitReady,
+    Established,
+    Done,
+}
+
+/// The initiator's side of a session (the side that calls `connect`).
+#[derive(Debug, Clone)]
+pub struct Initiator {
+    local: LocalIdentity,
+    core: Core,
+    state: InitState,
+    bound: bool,
+    peer: Option<(PeerId, Incarnation)>,
+    peer_mem: Option<MemInfo>,
+}
+
+impl Initiator {
+    /// Starts a handshake: the first output is the `Hello` to send.
+    pub fn new(local: LocalIdentity, step_timeout: Duration, now: Instant) -> Self {
+        let mut core = Core::new(step_timeout, now);
+        core.send(Message::Hello(Hello {
+            version: PROTOCOL_VERSION,
+            peer_id: local.peer_id.clone(),
+            incarnation: local.incarnation,
+            compat: local.compat.clone(),
+            auth: None,
+        }));
+        Self {
+            local,
+            core,
+            state: InitState::AwaitWelcome,
+            bound: false,
+            peer: None,
+            peer_mem: None,
+        }
+    }
+
+    /// The step the handshake is waiting on.
+    pub fn step(&self) -> Step {
+        match self.state {
+            InitState::AwaitWelcome => Step::Welcome,
+            InitState::AwaitLocalMem => Step::MemInfo,
+            InitState::AwaitReady if !self.bound => Step::DataBind,
+            InitState::AwaitReady if self.peer_mem.is_none() => Step::MemInfo,
+            InitState::AwaitReady => Step::Ready,
+            InitState::Established | InitState::Done => Step::Established,
+        }
+    }
+
+    /// Whether the machine has failed or closed.
+    pub fn is_failed(&self) -> bool {
+        self.core.failed
+    }
+
+    /// Whether the session is established.
+    pub fn is_established(&self) -> bool {
+        self.state == InitState::Established && !self.core.failed
+    }
+
+    /// Next thing for the driver to do.
+    pub fn poll_output(&mut self) -> Option<Output> {
+        self.core.out.pop_front()
+    }
+
+    /// When [`Initiator::handle_timeout`] must be called next.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.core.deadline
+    }
+
+    /// Time has passed.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let step = self.step();
+        self.core.check_timeout(now, step);
+    }
+
+    /// The driver's answer to [`Output::Welcomed`]: the regions we grant the listener. Our
+    /// `MemInfo` goes out at once, before our data connection exists (the seed's ordering).
+    pub fn provide_mem_info(&mut self, mem: MemInfo, now: Instant) {
+        if self.core.failed {
+            return;
+        }
+        match self.state {
+            InitState::AwaitLocalMem => {
+                self.core.send(Message::MemInfo(mem));
+                self.state = InitState::AwaitReady;
+                self.core.arm(now);
+                self.replay(now);
+            }
+            InitState::Established => self.core.send(Message::MemInfo(mem)),
+            _ => {}
+        }
+    }
+
+    /// The driver opened the data connection and bound it to this session.
+    pub fn data_bound(&mut self, now: Instant) {
+        if self.core.failed || self.bound {
+            return;
+        }
+        self.bound = true;
+        self.core.arm(now);
+        self.replay(now);
+    }
+
+    fn replay(&mut self, now: Instant) {
+        if self.state != InitState::AwaitReady || !self.bound {
+            return;
+        }
+        while let Some(m) = self.core.held.pop_front() {
+            self.handle_message(m, now);
+            if self.core.failed {
+                return;
+            }
+        }
+    }
+
+    /// A message arrived on the control connection.
+    pub fn handle_message(&mut self, m: Message, now: Instant) {
+        if self.core.failed {
+            return;
+        }
+        let step = self.step();
+        let Some(m) = common(&mut self.core, m, step) else {
+            return;
+        };
+        match (self.state, m) {
+            (InitState::AwaitWelcome, Message::Welcome(w)) => self.on_welcome(w, now),
+            (InitState::AwaitLocalMem, m @ (Message::MemInfo(_) | Message::Ready(_))) => {
+                self.core.hold(m, step)
+            }
+            (InitState::AwaitReady, m @ (Message::MemInfo(_) | Message::Ready(_)))
+                if !self.bound =>
+            {
+                self.core.hold(m, step)
+            }
+            (InitState::AwaitReady, Message::MemInfo(mem)) => {
+                self.peer_mem = Some(mem);
+                self.core.arm(now);
+            }
+            (InitState::AwaitReady, Message::Ready(Ready {})) => match self.peer_mem.take() {
+                Some(regions) => {
+                    let (peer_id, incarnation) = self.peer.clone().expect("set by Welcome");
+                    self.state = InitState::Established;
+                    self.core.deadline = None;
+                    self.core.out.push_back(Output::Ready(Established {
+                        peer_id,
+                        incarnation,
+                        regions,
+                    }));
+                }
+                None => unexpected(&mut self.core, step, &Message::Ready(Ready {})),
+            },
+            (InitState::Established, Message::MemInfo(mem)) => {
+                self.core.out.push_back(Output::PeerMemInfo(mem))
+            }
+            (_, m) => unexpected(&mut self.core, step, &m),
+        }
+    }
+
+    fn on_welcome(&mut self, w: Welcome, now: Instant) {
+        if let Err(e) = check_peer(&self.local, w.version, &w.compat, &w.peer_id, Step::Welcome) {
+            self.core.fail(e);
+            return;
+        }
+        self.peer = Some((w.peer_id.clone(), w.incarnation));
+        self.state = InitState::AwaitLocalMem;
+        self.core.arm(now);
+        self.core.out.push_back(Output::Welcomed {
+            peer_id: w.peer_id,
+            incarnation: w.incarnation,
+            token: w.token,
+        });
+    }
+
+    /// Ends the session from our side with a reason for the peer.
+    pub fn close(&mut self, code: ErrorCode, message: String) {
+        if self.core.failed {
+            return;
+        }
+        self.core.send(Message::Bye(Reject {
+            code,
+            message: message.clone(),
+        }));
+        self.state = InitState::Done;
+        self.core.failed = true;
+        self.core.deadline = None;
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ListenState {
+    AwaitMem,
+    Established,
+    Done,
+}
+
+/// The listener's side of one session, created when a `Hello` arrives.
+#[derive(Debug, Clone)]
+pub struct ListenerSession {
+    core: Core,
+    state: ListenState,
+    bound: bool,
+    peer_id: PeerId,
+    incarnation: Incarnation,
+    granted: MemInfo,
+}
+
+impl ListenerSession {
+    /// Answers a `Hello`: the first output is a `Welcome` carrying `token`, or a `Reject`
+    /// followed by `Failed` when the peer is incompatible. `granted` is what this listener
+    /// grants to the hello's peer id.
+    pub fn accept(
+        hello: Hello,
+        local: &LocalIdentity,
+        token: SessionToken,
+        granted: MemInfo,
+        step_timeout: Duration,
+        now: Instant,
+    ) -> Self {
+        let mut core = Core::new(step_timeout, now);
+        let checked = check_peer(
+            local,
+            hello.version,
+            &hello.compat,
+            &hello.peer_id,
+            Step::Hello,
+        );
+        match checked {
+            Ok(()) => core.send(Message::Welcome(Welcome {
+                version: PROTOCOL_VERSION,
+                peer_id: local.peer_id.clone(),
+                incarnation: local.incarnation,
+                token,
+                compat: local.compat.clone(),
+                auth: None,
+            })),
+            Err(e) => core.fail(e),
+        }
+        Self {
+            core,
+            state: ListenState::AwaitMem,
+            bound: false,
+            peer_id: hello.peer_id,
+            incarnation: hello.incarnation,
+            granted,
+        }
+    }
+
+    /// The peer this session serves.
+    pub fn peer_id(&self) -> &PeerId {
+        &self.peer_id
+    }
+
+    /// The peer's incarnation.
+    pub fn incarnation(&self) -> Incarnation {
+        self.incarnation
+    }
+
+    /// The step the session is waiting on.
+    pub fn step(&self) -> Step {
+        match self.state {
+            ListenState::AwaitMem if !self.bound => Step::DataBind,
+            ListenState::AwaitMem => Step::MemInfo,
+            ListenState::Established | ListenState::Done => Step::Established,
+        }
+    }
+
+    /// Whether the machine has failed or closed.
+    pub fn is_failed(&self) -> bool {
+        self.core.failed
+    }
+
+    /// Whether the session is established.
+    pub fn is_established(&self) -> bool {
+        self.state == ListenState::Established && !self.core.failed
+    }
+
+    /// Next thing for the driver to do.
+    pub fn poll_output(&mut self) -> Option<Output> {
+        self.core.out.pop_front()
+    }
+
+    /// When [`ListenerSession::handle_timeout`] must be called next.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.core.deadline
+    }
+
+    /// Time has passed.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let step = self.step();
+        self.core.check_timeout(now, step);
+    }
+
+    /// The driver bound the session's data connection. Held messages are served now.
+    pub fn data_bound(&mut self, now: Instant) {
+        if self.core.failed || self.bound {
+            return;
+        }
+        self.bound = true;
+        self.core.arm(now);
+        while let Some(m) = self.core.held.pop_front() {
+            self.handle_message(m, now);
+            if self.core.failed {
+                return;
+            }
+        }
+    }
+
+    /// Regions granted to the peer changed after the handshake: tell it.
+    pub fn update_mem_info(&mut self, mem: MemInfo) {
+        if self.core.failed {
+            return;
+        }
+        if self.state == ListenState::Established {
+            self.core.send(Message::MemInfo(mem));
+        } else {
+            self.granted = mem;
+        }
+    }
+
+    /// A message arrived on the control connection.
+    pub fn handle_message(&mut self, m: Message, now: Instant) {
+        if self.core.failed {
+            return;
+        }
+        let step = self.step();
+        let Some(m) = common(&mut self.core, m, step) else {
+            return;
+        };
+        match (self.state, m) {
+            (ListenState::AwaitMem, m @ Message::MemInfo(_)) if !self.bound => {
+                // The seed's race: the peer's memory info beat the binding of its data
+                // connection. Hold it; data_bound() serves it.
+                self.core.hold(m, step)
+            }
+            (ListenState::AwaitMem, Message::MemInfo(mem)) => {
+                self.core
+                    .send(Message::MemInfo(std::mem::take(&mut self.granted)));
+                self.core.send(Message::Ready(Ready {}));
+                self.state = ListenState::Established;
+                self.core.deadline = None;
+                let _ = now;
+                self.core.out.push_back(Output::Ready(Established {
+                    peer_id: self.peer_id.clone(),
+                    incarnation: self.incarnation,
+                    regions: mem,
+                }));
+            }
+            (ListenState::Established, Message::MemInfo(mem)) => {
+                self.core.out.push_back(Output::PeerMemInfo(mem))
+            }
+            (_, m) => unexpected(&mut self.core, step, &m),
+        }
+    }
+
+    /// Ends the session from our side with a reason for the peer.
+    pub fn close(&mut self, code: ErrorCode, message: String) {
+        if self.core.failed {
+            return;
+        }
+        self.core.send(Message::Bye(Reject { code, message }));
+        self.state = ListenState::Done;
+        self.core.failed = true;
+        self.core.deadline = None;
+    }
+}
+
+/// A liveness probe message.
+pub fn ping(nonce: u64) -> Message {
+    Message::Ping(Ping { nonce })
+}

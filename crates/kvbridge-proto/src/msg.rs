@@ -1,0 +1,344 @@
+//! Messages exchanged by kvbridge peers.
+//!
+//! A frame body is one [`Message`], msgpack-encoded with named fields: a one-entry map from
+//! the message name to a map of its fields (`{"Hello": {"version": 1, "peer_id": ...}}`).
+//! `docs/protocol.md` lists who sends each message and in which state.
+
+use crate::frame::{FrameError, FrameHeader, FRAME_HEADER_LEN, PROTOCOL_VERSION};
+use crate::ids::{Blob, Incarnation, PeerId, RegionId, SessionToken};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// Every message of the protocol.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Message {
+    // ---- control connection ----
+    /// Initiator → listener: opens a session.
+    Hello(Hello),
+    /// Listener → initiator: session accepted; carries the data-connection token.
+    Welcome(Welcome),
+    /// Either side: a typed refusal; the sender tears the session down after it.
+    Reject(Reject),
+    /// Either side: the regions this side grants to the peer (full list; sent again whenever
+    /// it changes after the handshake).
+    MemInfo(MemInfo),
+    /// Listener → initiator: data connection bound and memory exchanged; the session is live.
+    Ready(Ready),
+    /// Either side: orderly close with a reason.
+    Bye(Reject),
+    /// Either side: liveness probe.
+    Ping(Ping),
+    /// Answer to [`Message::Ping`].
+    Pong(Ping),
+
+    // ---- data connection ----
+    /// Initiator → listener, first frame of a data connection.
+    DataHello(DataHello),
+    /// Write ops; the concatenated payloads of all ops follow the frame, in op order.
+    WriteBatch(Batch),
+    /// Completion of a [`Message::WriteBatch`].
+    WriteAck(Ack),
+    /// Read ops.
+    ReadBatch(Batch),
+    /// Completion of a [`Message::ReadBatch`]; on success the concatenated payloads follow.
+    ReadResp(Ack),
+    /// A small message for the peer's application, delivered after every write before it.
+    Notify(Notify),
+    /// Delivery of a [`Message::Notify`].
+    NotifyAck(Ack),
+}
+
+impl Message {
+    /// The message's name, for logs and errors.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Message::Hello(_) => "Hello",
+            Message::Welcome(_) => "Welcome",
+            Message::Reject(_) => "Reject",
+            Message::MemInfo(_) => "MemInfo",
+            Message::Ready(_) => "Ready",
+            Message::Bye(_) => "Bye",
+            Message::Ping(_) => "Ping",
+            Message::Pong(_) => "Pong",
+            Message::DataHello(_) => "DataHello",
+            Message::WriteBatch(_) => "WriteBatch",
+            Message::WriteAck(_) => "WriteAck",
+            Message::ReadBatch(_) => "ReadBatch",
+            Message::ReadResp(_) => "ReadResp",
+            Message::Notify(_) => "Notify",
+            Message::NotifyAck(_) => "NotifyAck",
+        }
+    }
+
+    /// Encodes the body (without the frame header).
+    pub fn encode_body(&self) -> Result<Vec<u8>, FrameError> {
+        rmp_serde::to_vec_named(self).map_err(|e| FrameError::Malformed(e.to_string()))
+    }
+
+    /// Encodes a whole frame: header plus body.
+    pub fn to_frame(&self) -> Result<Vec<u8>, FrameError> {
+        let mut out = vec![0u8; FRAME_HEADER_LEN];
+        rmp_serde::encode::write_named(&mut out, self)
+            .map_err(|e| FrameError::Malformed(e.to_string()))?;
+        let body_len = u32::try_from(out.len() - FRAME_HEADER_LEN).map_err(|_| {
+            FrameError::TooLarge {
+                len: u32::MAX,
+                limit: u32::MAX,
+            }
+        })?;
+        out[..FRAME_HEADER_LEN].copy_from_slice(&FrameHeader::encode(body_len));
+        Ok(out)
+    }
+
+    /// Decodes a body.
+    pub fn decode(body: &[u8]) -> Result<Self, FrameError> {
+        rmp_serde::from_slice(body).map_err(|e| FrameError::Malformed(e.to_string()))
+    }
+}
+
+/// What a peer must share with its counterpart to exchange KV: layout, dtype, page size,
+/// layer count, tensor parallelism. Peers compare `hash`; `description` is for the error
+/// message that names both sides' values.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct Compat {
+    /// A hash over everything that must match.
+    pub hash: u64,
+    /// Human-readable form of what was hashed.
+    pub description: String,
+}
+
+impl fmt::Display for Compat {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:016x} ({})", self.hash, self.description)
+    }
+}
+
+/// Placeholder for peer authentication (HMAC challenge/response), reserved in `Hello` and
+/// `Welcome` so that adding it does not change the message shapes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct Auth {
+    /// A fresh random challenge for the other side.
+    pub challenge: Option<Blob>,
+    /// The answer to the other side's challenge.
+    pub response: Option<Blob>,
+}
+
+/// Initiator → listener: the first message of a session.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    /// Protocol version the initiator speaks (also in every frame header).
+    pub version: u8,
+    /// The initiator's peer id.
+    pub peer_id: PeerId,
+    /// The initiator's incarnation.
+    pub incarnation: Incarnation,
+    /// What must match between the peers.
+    pub compat: Compat,
+    /// Reserved for authentication.
+    pub auth: Option<Auth>,
+}
+
+/// Listener → initiator: the session exists.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Welcome {
+    /// Protocol version the listener speaks.
+    pub version: u8,
+    /// The listener's peer id.
+    pub peer_id: PeerId,
+    /// The listener's incarnation.
+    pub incarnation: Incarnation,
+    /// Token that binds data connections to this session.
+    pub token: SessionToken,
+    /// The listener's compatibility values.
+    pub compat: Compat,
+    /// Reserved for authentication.
+    pub auth: Option<Auth>,
+}
+
+/// Error codes carried by [`Reject`], [`Message::Bye`] and failed [`Ack`]s.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ErrorCode {
+    /// Protocol versions differ.
+    UnsupportedVersion,
+    /// Compatibility hashes differ.
+    Incompatible,
+    /// A message arrived that the receiver's state cannot serve.
+    UnexpectedMessage,
+    /// A message could not be decoded or breaks a limit.
+    Malformed,
+    /// The data connection named a session that does not exist (any more).
+    UnknownSession,
+    /// A step took longer than its deadline.
+    Timeout,
+    /// The op names a region that does not exist or is not granted to this peer.
+    UnknownRegion,
+    /// The op reaches outside its region.
+    OutOfBounds,
+    /// A limit (ops per batch, bytes in flight, handshakes) was exceeded.
+    LimitExceeded,
+    /// The peer id restarted with a new incarnation.
+    PeerRestarted,
+    /// A newer session of the same peer replaced this one.
+    SessionReplaced,
+    /// Authentication failed or is required.
+    Unauthenticated,
+    /// The sender is shutting down.
+    ShuttingDown,
+    /// Anything else.
+    Internal,
+}
+
+impl fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
+
+/// A typed refusal: a code for programs, a message for people.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reject {
+    /// What went wrong.
+    pub code: ErrorCode,
+    /// Details, naming both sides' values where they differ.
+    pub message: String,
+}
+
+/// Kind of memory behind a region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MemKind {
+    /// Host memory.
+    Cpu,
+}
+
+/// One region as the peer may address it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionInfo {
+    /// Region id.
+    pub id: RegionId,
+    /// Size in bytes.
+    pub len: u64,
+    /// Page size in bytes, for addressing by page index.
+    pub page_size: u64,
+    /// Where the memory lives.
+    pub kind: MemKind,
+}
+
+/// The regions one side grants to the other.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct MemInfo {
+    /// All regions granted to the receiver of this message.
+    pub regions: Vec<RegionInfo>,
+}
+
+/// Listener → initiator: the session is live.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct Ready {}
+
+/// Liveness probe payload.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ping {
+    /// Echoed back in the pong.
+    pub nonce: u64,
+}
+
+/// First frame on a data connection.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DataHello {
+    /// The token from `Welcome`.
+    pub token: SessionToken,
+    /// The initiator's peer id (checked against the session's).
+    pub peer_id: PeerId,
+}
+
+/// One remote range of a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OpDesc {
+    /// Target region on the receiver of the batch.
+    pub region: RegionId,
+    /// Byte offset in that region.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+impl OpDesc {
+    /// Whether the op fits inside a region of `region_len` bytes (overflow-safe).
+    pub fn in_bounds(&self, region_len: u64) -> bool {
+        self.offset
+            .checked_add(self.len)
+            .is_some_and(|end| end <= region_len)
+    }
+}
+
+/// A batch of write or read ops.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Batch {
+    /// Sender-chosen id, echoed in the completion.
+    pub id: u64,
+    /// The ops, in payload order.
+    pub ops: Vec<OpDesc>,
+}
+
+impl Batch {
+    /// Total payload bytes, or `None` on overflow.
+    pub fn payload_len(&self) -> Option<u64> {
+        self.ops.iter().try_fold(0u64, |acc, op| acc.checked_add(op.len))
+    }
+}
+
+/// Completion of a batch or a notification.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ack {
+    /// The id of the batch or notification.
+    pub id: u64,
+    /// `None` on success, else why it failed.
+    pub error: Option<Reject>,
+}
+
+/// An application message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Notify {
+    /// Sender-chosen id, echoed in the [`Message::NotifyAck`].
+    pub id: u64,
+    /// The bytes.
+    pub data: Blob,
+}
+
+/// The version a `Hello` must carry.
+pub const fn current_version() -> u8 {
+    PROTOCOL_VERSION
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_are_maps_with_named_fields() {
+        let m = Message::Ping(Ping { nonce: 5 });
+        let body = m.encode_body().unwrap();
+        // fixmap(1) "Ping" fixmap(1) "nonce" 5
+        assert_eq!(body[0], 0x81);
+        assert_eq!(&body[1..6], b"\xa4Ping");
+        assert_eq!(body[6], 0x81);
+        assert_eq!(&body[7..13], b"\xa5nonce");
+        assert_eq!(Message::decode(&body).unwrap(), m);
+    }
+
+    #[test]
+    fn op_bounds_are_overflow_safe() {
+        let op = OpDesc {
+            region: RegionId([0; 16]),
+            offset: u64::MAX,
+            len: 2,
+        };
+        assert!(!op.in_bounds(u64::MAX));
+        let op = OpDesc {
+            region: RegionId([0; 16]),
+            offset: 10,
+            len: 6,
+        };
+        assert!(op.in_bounds(16));
+        assert!(!op.in_bounds(15));
+    }
+}

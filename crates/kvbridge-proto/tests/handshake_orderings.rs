@@ -1,0 +1,395 @@
+//! Drives an initiator and a listener session against each other under every ordering of
+//! message deliveries and data-connection bindings (exhaustively), and under arbitrary event
+//! sequences (property test).
+
+use kvbridge_proto::handshake::{
+    Established, HandshakeError, Initiator, ListenerSession, LocalIdentity, Output, Step,
+};
+use kvbridge_proto::msg::{Compat, Hello, MemInfo, MemKind, Message, Ready, Reject, RegionInfo};
+use kvbridge_proto::msg::{ErrorCode, Ping};
+use kvbridge_proto::{Incarnation, PeerId, RegionId, SessionToken};
+use proptest::prelude::*;
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+const STEP: Duration = Duration::from_secs(10);
+
+fn ident(name: &str, inc: u64, hash: u64) -> LocalIdentity {
+    LocalIdentity {
+        peer_id: PeerId::new(name).unwrap(),
+        incarnation: Incarnation(inc),
+        compat: Compat {
+            hash,
+            description: format!("layout-{hash}"),
+        },
+    }
+}
+
+fn mem(tag: u8) -> MemInfo {
+    MemInfo {
+        regions: vec![RegionInfo {
+            id: RegionId([tag; 16]),
+            len: 1 << 20,
+            page_size: 4096,
+            kind: MemKind::Cpu,
+        }],
+    }
+}
+
+/// Both machines and the messages in flight between them.
+#[derive(Clone)]
+struct Pair {
+    init: Initiator,
+    listen: Option<ListenerSession>,
+    to_listener: VecDeque<Message>,
+    to_initiator: VecDeque<Message>,
+    welcomed: bool,
+    init_bound: bool,
+    listen_bound: bool,
+    init_ready: Option<Established>,
+    listen_ready: Option<Established>,
+    failures: Vec<HandshakeError>,
+    now: Instant,
+}
+
+impl Pair {
+    fn new(now: Instant) -> Self {
+        let mut p = Pair {
+            init: Initiator::new(ident("prefill-0", 1, 42), STEP, now),
+            listen: None,
+            to_listener: VecDeque::new(),
+            to_initiator: VecDeque::new(),
+            welcomed: false,
+            init_bound: false,
+            listen_bound: false,
+            init_ready: None,
+            listen_ready: None,
+            failures: vec![],
+            now,
+        };
+        p.drain();
+        p
+    }
+
+    fn drain(&mut self) {
+        while let Some(o) = self.init.poll_output() {
+            match o {
+                Output::Send(m) => self.to_listener.push_back(m),
+                Output::Welcomed { .. } => {
+                    self.welcomed = true;
+                    self.init.provide_mem_info(mem(1), self.now);
+                }
+                Output::Ready(e) => self.init_ready = Some(e),
+                Output::PeerMemInfo(_) => {}
+                Output::Failed(e) => self.failures.push(e),
+            }
+        }
+        if let Some(l) = self.listen.as_mut() {
+            while let Some(o) = l.poll_output() {
+                match o {
+                    Output::Send(m) => self.to_initiator.push_back(m),
+                    Output::Ready(e) => self.listen_ready = Some(e),
+                    Output::Failed(e) => self.failures.push(e),
+                    Output::Welcomed { .. } | Output::PeerMemInfo(_) => {
+                        panic!("listener emitted an initiator output")
+                    }
+                }
+            }
+        }
+    }
+
+    /// The events possible now.
+    fn choices(&self) -> Vec<u8> {
+        let mut c = vec![];
+        if !self.to_listener.is_empty() {
+            c.push(0);
+        }
+        if !self.to_initiator.is_empty() {
+            c.push(1);
+        }
+        // The data connection exists once the initiator has its token.
+        if self.welcomed && !self.init_bound {
+            c.push(2);
+        }
+        if self.welcomed && !self.listen_bound && self.listen.is_some() {
+            c.push(3);
+        }
+        c
+    }
+
+    fn apply(&mut self, choice: u8) {
+        let now = self.now;
+        match choice {
+            0 => {
+                let m = self.to_listener.pop_front().unwrap();
+                match (&mut self.listen, m) {
+                    (None, Message::Hello(h)) => {
+                        self.listen = Some(ListenerSession::accept(
+                            h,
+                            &ident("decode-0", 2, 42),
+                            SessionToken([9; 16]),
+                            mem(2),
+                            STEP,
+                            now,
+                        ))
+                    }
+                    (Some(l), m) => l.handle_message(m, now),
+                    (None, m) => panic!("first message was {}", m.name()),
+                }
+            }
+            1 => {
+                let m = self.to_initiator.pop_front().unwrap();
+                self.init.handle_message(m, now);
+            }
+            2 => {
+                self.init_bound = true;
+                self.init.data_bound(now);
+            }
+            3 => {
+                self.listen_bound = true;
+                self.listen.as_mut().unwrap().data_bound(now);
+            }
+            _ => unreachable!(),
+        }
+        self.drain();
+    }
+}
+
+fn explore(p: Pair, terminals: &mut usize) {
+    let choices = p.choices();
+    if choices.is_empty() {
+        *terminals += 1;
+        assert!(p.failures.is_empty(), "failures: {:?}", p.failures);
+        let i = p.init_ready.as_ref().expect("initiator established");
+        let l = p.listen_ready.as_ref().expect("listener established");
+        assert_eq!(i.regions, mem(2), "initiator sees the listener's grant");
+        assert_eq!(l.regions, mem(1), "listener sees the initiator's grant");
+        assert_eq!(i.peer_id.as_str(), "decode-0");
+        assert_eq!(l.peer_id.as_str(), "prefill-0");
+        return;
+    }
+    for c in choices {
+        let mut q = p.clone();
+        q.apply(c);
+        // Neither side may declare the session live before its own data connection is bound.
+        if q.init_ready.is_some() {
+            assert!(q.init_bound, "initiator ready before its data connection was bound");
+        }
+        if q.listen_ready.is_some() {
+            assert!(q.listen_bound, "listener ready before its data connection was bound");
+        }
+        explore(q, terminals);
+    }
+}
+
+#[test]
+fn every_ordering_of_bind_and_messages_establishes() {
+    let mut terminals = 0;
+    explore(Pair::new(Instant::now()), &mut terminals);
+    // Enough distinct orderings to be sure the seed's (MemInfo before bind) is among them.
+    assert!(terminals >= 10, "only {terminals} orderings explored");
+}
+
+#[test]
+fn seed_order_memory_info_before_listener_bind_is_held_not_failed() {
+    let mut p = Pair::new(Instant::now());
+    p.apply(0); // Hello
+    p.apply(1); // Welcome -> initiator sends MemInfo at once
+    p.apply(2); // initiator binds its data connection
+    p.apply(0); // MemInfo reaches the listener before it bound the data connection
+    assert!(p.failures.is_empty());
+    assert!(p.to_initiator.is_empty(), "listener answered MemInfo before binding");
+    assert_eq!(p.listen.as_ref().unwrap().step(), Step::DataBind);
+    p.apply(3); // bind, after any delay
+    while !p.choices().is_empty() {
+        let c = p.choices()[0];
+        p.apply(c);
+    }
+    assert!(p.init_ready.is_some() && p.listen_ready.is_some());
+}
+
+#[test]
+fn incompatible_peers_fail_fast_naming_both_values() {
+    let now = Instant::now();
+    let mut init = Initiator::new(ident("p", 1, 7), STEP, now);
+    let Some(Output::Send(Message::Hello(h))) = init.poll_output() else {
+        panic!("no hello")
+    };
+    let mut l = ListenerSession::accept(
+        h,
+        &ident("d", 2, 8),
+        SessionToken([0; 16]),
+        mem(2),
+        STEP,
+        now,
+    );
+    let Some(Output::Send(Message::Reject(r))) = l.poll_output() else {
+        panic!("no reject")
+    };
+    assert_eq!(r.code, ErrorCode::Incompatible);
+    assert!(r.message.contains("0000000000000008") && r.message.contains("0000000000000007"));
+    assert!(matches!(
+        l.poll_output(),
+        Some(Output::Failed(HandshakeError::Incompatible { .. }))
+    ));
+    init.handle_message(Message::Reject(r), now);
+    match init.poll_output() {
+        Some(Output::Failed(HandshakeError::Rejected { step, code, message })) => {
+            assert_eq!(step, Step::Welcome);
+            assert_eq!(code, ErrorCode::Incompatible);
+            assert!(message.contains("layout-7") && message.contains("layout-8"));
+        }
+        o => panic!("unexpected {o:?}"),
+    }
+}
+
+#[test]
+fn version_mismatch_names_both_versions() {
+    let now = Instant::now();
+    let h = Hello {
+        version: 99,
+        peer_id: PeerId::new("p").unwrap(),
+        incarnation: Incarnation(1),
+        compat: Compat::default(),
+        auth: None,
+    };
+    let mut l = ListenerSession::accept(
+        h,
+        &ident("d", 2, 0),
+        SessionToken([0; 16]),
+        mem(2),
+        STEP,
+        now,
+    );
+    let Some(Output::Send(Message::Reject(r))) = l.poll_output() else {
+        panic!()
+    };
+    assert_eq!(r.code, ErrorCode::UnsupportedVersion);
+    assert!(r.message.contains("ours 1") && r.message.contains("theirs 99"));
+}
+
+#[test]
+fn each_step_has_a_deadline() {
+    let t0 = Instant::now();
+    let mut init = Initiator::new(ident("p", 1, 0), STEP, t0);
+    init.poll_output();
+    assert_eq!(init.poll_timeout(), Some(t0 + STEP));
+    init.handle_timeout(t0 + STEP - Duration::from_millis(1));
+    assert!(!init.is_failed());
+    init.handle_timeout(t0 + STEP);
+    // Tells the listener why, then fails naming the step.
+    assert!(matches!(init.poll_output(), Some(Output::Send(Message::Reject(_)))));
+    assert_eq!(
+        init.poll_output(),
+        Some(Output::Failed(HandshakeError::Timeout {
+            step: Step::Welcome,
+            after: STEP
+        }))
+    );
+    assert_eq!(init.poll_output(), None);
+    assert_eq!(init.poll_timeout(), None);
+}
+
+#[test]
+fn listener_unbound_deadline_names_data_bind() {
+    let t0 = Instant::now();
+    let mut p = Pair::new(t0);
+    p.apply(0);
+    let l = p.listen.as_mut().unwrap();
+    l.handle_timeout(t0 + STEP);
+    let mut failed = None;
+    while let Some(o) = l.poll_output() {
+        if let Output::Failed(e) = o {
+            failed = Some(e);
+        }
+    }
+    assert_eq!(
+        failed,
+        Some(HandshakeError::Timeout {
+            step: Step::DataBind,
+            after: STEP
+        })
+    );
+}
+
+fn any_message() -> impl Strategy<Value = Message> {
+    prop_oneof![
+        Just(Message::Hello(Hello {
+            version: 1,
+            peer_id: PeerId::new("x").unwrap(),
+            incarnation: Incarnation(3),
+            compat: Compat {
+                hash: 42,
+                description: String::new()
+            },
+            auth: None
+        })),
+        Just(Message::MemInfo(mem(5))),
+        Just(Message::Ready(Ready {})),
+        Just(Message::Ping(Ping { nonce: 1 })),
+        Just(Message::Pong(Ping { nonce: 1 })),
+        Just(Message::Reject(Reject {
+            code: ErrorCode::Internal,
+            message: "x".into()
+        })),
+        Just(Message::Bye(Reject {
+            code: ErrorCode::ShuttingDown,
+            message: "bye".into()
+        })),
+    ]
+}
+
+#[derive(Debug, Clone)]
+enum Ev {
+    Msg(Message),
+    Bind,
+    Time(u64),
+    Provide,
+}
+
+fn any_event() -> impl Strategy<Value = Ev> {
+    prop_oneof![
+        4 => any_message().prop_map(Ev::Msg),
+        1 => Just(Ev::Bind),
+        1 => (0u64..30_000).prop_map(Ev::Time),
+        1 => Just(Ev::Provide),
+    ]
+}
+
+fn check_outputs(outs: &[Output]) {
+    // Exactly zero or one Failed, and nothing after it.
+    if let Some(pos) = outs.iter().position(|o| matches!(o, Output::Failed(_))) {
+        assert_eq!(pos, outs.len() - 1, "output after Failed: {outs:?}");
+    }
+    let readies = outs.iter().filter(|o| matches!(o, Output::Ready(_))).count();
+    assert!(readies <= 1, "ready twice: {outs:?}");
+}
+
+proptest! {
+    #[test]
+    fn state_machines_stay_defined_under_arbitrary_events(evs in proptest::collection::vec(any_event(), 0..40)) {
+        let t0 = Instant::now();
+        let mut init = Initiator::new(ident("p", 1, 42), STEP, t0);
+        let mut l = ListenerSession::accept(
+            Hello { version: 1, peer_id: PeerId::new("p").unwrap(), incarnation: Incarnation(1),
+                    compat: Compat { hash: 42, description: String::new() }, auth: None },
+            &ident("d", 2, 42), SessionToken([1; 16]), mem(2), STEP, t0);
+        let (mut io, mut lo) = (vec![], vec![]);
+        let mut now = t0;
+        for ev in evs {
+            match ev {
+                Ev::Msg(m) => { init.handle_message(m.clone(), now); l.handle_message(m, now); }
+                Ev::Bind => { init.data_bound(now); l.data_bound(now); }
+                Ev::Time(ms) => { now += Duration::from_millis(ms); init.handle_timeout(now); l.handle_timeout(now); }
+                Ev::Provide => init.provide_mem_info(mem(1), now),
+            }
+            while let Some(o) = init.poll_output() { io.push(o); }
+            while let Some(o) = l.poll_output() { lo.push(o); }
+            // A machine that is not failed and not established always has a deadline.
+            if !init.is_failed() && !init.is_established() { prop_assert!(init.poll_timeout().is_some()); }
+            if !l.is_failed() && !l.is_established() { prop_assert!(l.poll_timeout().is_some()); }
+        }
+        check_outputs(&io);
+        check_outputs(&lo);
+    }
+}
