@@ -1,1 +1,55 @@
-//! kvbridge engine.
+//! kvbridge: moves KV cache between the prefill and decode workers of a disaggregated LLM
+//! deployment.
+//!
+//! This crate is the engine: it drives the sans-IO state machines of [`kvbridge_proto`] over
+//! real (or simulated) sockets, owns registered memory [`Region`]s, and offers the
+//! [`Channel`] API — lazy, idempotent `connect`, one-sided batched `write` and `read`,
+//! ordered `notify`, and `close` — with a deadline on every wait and a typed [`Error`] naming
+//! the peer and the step on every failure.
+//!
+//! ```no_run
+//! # async fn demo() -> kvbridge::Result<()> {
+//! use kvbridge::{Channel, ChannelConfig, Grant, Op, Region};
+//! let decoder = Channel::new(ChannelConfig::new("decode-0", Some("127.0.0.1:0"))).await?;
+//! let kv = Region::alloc(64 << 20, 16 << 10)?;
+//! decoder.register(&kv, Grant::AllPeers)?;
+//!
+//! let prefiller = Channel::new(ChannelConfig::new("prefill-0", None)).await?;
+//! let staging = Region::alloc(16 << 10, 16 << 10)?;
+//! prefiller.register(&staging, Grant::AllPeers)?;
+//! let peer = prefiller.connect(&decoder.local_addr().unwrap().to_string()).await?;
+//! prefiller.write(&peer, &[Op::page(&staging, 0, kv.id(), 7, 16 << 10)]).await?;
+//! prefiller.notify(&peer, b"request 42 ready").await?;
+//! # Ok(()) }
+//! ```
+
+#![warn(missing_docs)]
+
+mod channel;
+pub mod config;
+mod datapath;
+mod error;
+pub mod net;
+mod region;
+mod session;
+mod wire;
+
+pub use channel::{Channel, Notification, Op, Stats};
+pub use config::{ChannelConfig, Deadlines, Limits, TestHooks};
+pub use error::{Error, Result};
+pub use kvbridge_proto as proto;
+pub use kvbridge_proto::handshake::Step;
+pub use kvbridge_proto::{Incarnation, PeerId, RegionId};
+pub use region::{Grant, Region};
+
+/// Fills `buf` from the operating system's random source.
+pub(crate) fn rand_bytes(buf: &mut [u8]) {
+    getrandom::fill(buf).expect("the OS random source failed");
+}
+
+/// A random u64.
+pub(crate) fn rand_u64() -> u64 {
+    let mut b = [0u8; 8];
+    rand_bytes(&mut b);
+    u64::from_le_bytes(b)
+}

@@ -1,0 +1,742 @@
+//! The Channel API and its core task.
+//!
+//! The core task is the single owner of the channel's directory of sessions: which session
+//! serves which peer, which token belongs to which session, who is waiting for which dial.
+//! Callers, the acceptor and session tasks talk to it by message ([`CoreCmd`]). A token is
+//! entered before the `Welcome` that reveals it is sent, so a data connection can never
+//! arrive for a session the directory does not know yet.
+
+use crate::config::ChannelConfig;
+use crate::datapath::{DataPath, LocalSlice, Outgoing};
+use crate::error::{Error, Result};
+use crate::net::{Listener, Stream};
+use crate::region::{Grant, Region, RegionTable};
+use crate::session::{refuse, run_initiator, run_listener, SessionCmd, SessionEnv};
+use crate::wire::{read_frame, ReadError};
+use kvbridge_proto::handshake::{LocalIdentity, Step};
+use kvbridge_proto::msg::{ErrorCode, Message, OpDesc, RegionInfo};
+use kvbridge_proto::{Incarnation, PeerId, RegionId, SessionToken};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, RwLock};
+use tokio::sync::{mpsc, oneshot, Mutex};
+use tokio::task::JoinHandle;
+
+/// One op of a batch: `len` bytes between a local registered region and a peer's region.
+/// For a write the bytes go local → remote; for a read remote → local.
+#[derive(Debug, Clone)]
+pub struct Op {
+    /// Local registered region.
+    pub local: Region,
+    /// Byte offset in the local region.
+    pub local_offset: usize,
+    /// The peer's region.
+    pub remote: RegionId,
+    /// Byte offset in the peer's region.
+    pub remote_offset: u64,
+    /// Length in bytes.
+    pub len: usize,
+}
+
+impl Op {
+    /// An op by page index: local page `local_page` ↔ remote page `remote_page`, one page of
+    /// `page_size` bytes (the remote address is base + index × page size).
+    pub fn page(
+        local: &Region,
+        local_page: usize,
+        remote: RegionId,
+        remote_page: u64,
+        page_size: usize,
+    ) -> Op {
+        Op {
+            local: local.clone(),
+            local_offset: local_page * page_size,
+            remote,
+            remote_offset: remote_page * page_size as u64,
+            len: page_size,
+        }
+    }
+}
+
+/// A live session, as the core hands it to callers.
+#[derive(Clone)]
+pub(crate) struct PeerHandle {
+    pub(crate) peer_id: PeerId,
+    pub(crate) incarnation: Incarnation,
+    pub(crate) data: Arc<DataPath>,
+    pub(crate) remote: Arc<RwLock<HashMap<RegionId, RegionInfo>>>,
+}
+
+/// Messages to the core task.
+pub(crate) enum CoreCmd {
+    Connect {
+        addr: String,
+        reply: oneshot::Sender<Result<PeerHandle>>,
+    },
+    Lookup {
+        peer: PeerId,
+        reply: oneshot::Sender<Option<PeerHandle>>,
+    },
+    Incoming {
+        stream: Stream,
+        first: Message,
+    },
+    SessionUp {
+        id: u64,
+        handle: PeerHandle,
+    },
+    SessionDown {
+        id: u64,
+        error: Error,
+    },
+    MemChanged,
+    Stats {
+        reply: oneshot::Sender<Stats>,
+    },
+    Close {
+        reply: oneshot::Sender<()>,
+    },
+}
+
+/// What the channel holds right now; a failed handshake must leave all of it at zero.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Session tasks alive (handshaking or established).
+    pub sessions: usize,
+    /// Established sessions.
+    pub established: usize,
+    /// Dials waiting for a handshake.
+    pub dialing: usize,
+    /// Data-connection tokens outstanding.
+    pub tokens: usize,
+    /// Batches waiting for completion across all sessions.
+    pub batches_in_flight: usize,
+    /// Sessions that ended since the channel started.
+    pub sessions_ended: u64,
+}
+
+/// An application message from a peer, delivered after every write that peer issued before
+/// it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notification {
+    /// The sender.
+    pub peer: PeerId,
+    /// The bytes.
+    pub data: Vec<u8>,
+}
+
+struct Inner {
+    local: LocalIdentity,
+    config: Arc<ChannelConfig>,
+    table: Arc<RegionTable>,
+    core: mpsc::UnboundedSender<CoreCmd>,
+    notifications: Mutex<mpsc::Receiver<Notification>>,
+    local_addr: Option<SocketAddr>,
+    tasks: std::sync::Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        for t in self.tasks.lock().expect("tasks poisoned").drain(..) {
+            t.abort();
+        }
+    }
+}
+
+/// A kvbridge endpoint: accepts sessions (when it listens), dials peers lazily, and moves
+/// bytes between registered regions with one-sided batched writes and reads.
+///
+/// Cloning is cheap; clones share the endpoint.
+#[derive(Clone)]
+pub struct Channel {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Channel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Channel")
+            .field("peer_id", &self.inner.local.peer_id)
+            .field("incarnation", &self.inner.local.incarnation)
+            .field("local_addr", &self.inner.local_addr)
+            .finish()
+    }
+}
+
+impl Channel {
+    /// Creates a channel; binds its listener first when `listen_addr` is set, so that
+    /// [`Channel::local_addr`] is valid as soon as this returns.
+    pub async fn new(config: ChannelConfig) -> Result<Channel> {
+        let peer_id = PeerId::new(config.peer_id.clone())
+            .ok_or_else(|| Error::Local(format!("invalid peer id {:?}", config.peer_id)))?;
+        let local = LocalIdentity {
+            peer_id,
+            incarnation: Incarnation(crate::rand_u64()),
+            compat: config.compat.clone(),
+        };
+        let config = Arc::new(config);
+        let listener = match &config.listen_addr {
+            Some(a) => Some(
+                config
+                    .net
+                    .bind(a)
+                    .await
+                    .map_err(|e| Error::Local(format!("cannot listen on {a}: {e}")))?,
+            ),
+            None => None,
+        };
+        let local_addr = listener.as_ref().and_then(|l| l.local_addr().ok());
+        let (core_tx, core_rx) = mpsc::unbounded_channel();
+        let (notif_tx, notif_rx) = mpsc::channel(4096);
+        let table = Arc::new(RegionTable::default());
+        let env = SessionEnv {
+            local: local.clone(),
+            config: config.clone(),
+            table: table.clone(),
+            core: core_tx.clone(),
+            notifications: notif_tx,
+        };
+        let mut tasks = vec![tokio::spawn(Core::new(env).run(core_rx))];
+        if let Some(l) = listener {
+            tasks.push(tokio::spawn(accept_loop(l, config.clone(), core_tx.clone())));
+        }
+        Ok(Channel {
+            inner: Arc::new(Inner {
+                local,
+                config,
+                table,
+                core: core_tx,
+                notifications: Mutex::new(notif_rx),
+                local_addr,
+                tasks: std::sync::Mutex::new(tasks),
+            }),
+        })
+    }
+
+    /// The address the channel listens on.
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.inner.local_addr
+    }
+
+    /// This side's peer id.
+    pub fn peer_id(&self) -> &PeerId {
+        &self.inner.local.peer_id
+    }
+
+    /// This channel's incarnation (random per start).
+    pub fn incarnation(&self) -> Incarnation {
+        self.inner.local.incarnation
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ChannelConfig {
+        &self.inner.config
+    }
+
+    /// Registers a region and grants it to peers; established peers learn of it at once.
+    pub fn register(&self, region: &Region, grant: Grant) -> Result<()> {
+        self.inner.table.insert(region.clone(), grant)?;
+        let _ = self.inner.core.send(CoreCmd::MemChanged);
+        Ok(())
+    }
+
+    /// Removes a region. New transfers can no longer find it; this waits (within the close
+    /// deadline) until no transfer touches it, so its memory is never written afterwards.
+    pub async fn deregister(&self, id: RegionId) -> Result<()> {
+        let region = self
+            .inner
+            .table
+            .remove(&id)
+            .ok_or_else(|| Error::Local(format!("region {id} is not registered")))?;
+        let _ = self.inner.core.send(CoreCmd::MemChanged);
+        let limit = self.inner.config.deadlines.op;
+        tokio::time::timeout(limit, region.quiesce())
+            .await
+            .map_err(|_| {
+                Error::Local(format!(
+                    "region {id} still in use by {} transfers after {limit:?}",
+                    region.in_use()
+                ))
+            })
+    }
+
+    async fn ask<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> CoreCmd) -> Result<T> {
+        let (tx, rx) = oneshot::channel();
+        self.inner.core.send(make(tx)).map_err(|_| Error::Closed)?;
+        rx.await.map_err(|_| Error::Closed)
+    }
+
+    /// Connects to the listener at `addr` (`host:port`) and returns its peer id. Lazy and
+    /// idempotent: an established session is reused, and concurrent callers share one
+    /// handshake.
+    pub async fn connect(&self, addr: &str) -> Result<PeerId> {
+        let addr = addr.to_string();
+        let h = self.ask(|reply| CoreCmd::Connect { addr, reply }).await??;
+        Ok(h.peer_id)
+    }
+
+    async fn handle(&self, peer: &PeerId) -> Result<PeerHandle> {
+        let peer = peer.clone();
+        let p2 = peer.clone();
+        self.ask(|reply| CoreCmd::Lookup { peer, reply })
+            .await?
+            .ok_or(Error::UnknownPeer {
+                peer: p2.to_string(),
+            })
+    }
+
+    fn prepare(
+        &self,
+        h: &PeerHandle,
+        ops: &[Op],
+    ) -> Result<(Vec<OpDesc>, Vec<LocalSlice>)> {
+        let limits = &self.inner.config.limits;
+        let invalid = |detail: String| Error::InvalidOp {
+            peer: h.peer_id.to_string(),
+            detail,
+        };
+        if ops.len() > limits.max_ops_per_batch {
+            return Err(invalid(format!(
+                "{} ops in one batch, limit {}",
+                ops.len(),
+                limits.max_ops_per_batch
+            )));
+        }
+        let remote = h.remote.read().expect("remote regions poisoned");
+        let mut descs = Vec::with_capacity(ops.len());
+        let mut slices = Vec::with_capacity(ops.len());
+        let mut total = 0u64;
+        for (i, op) in ops.iter().enumerate() {
+            if !op.local.contains(op.local_offset as u64, op.len as u64) {
+                return Err(invalid(format!(
+                    "op {i}: {} bytes at local offset {} outside local region {} of {} bytes",
+                    op.len,
+                    op.local_offset,
+                    op.local.id(),
+                    op.local.len()
+                )));
+            }
+            let Some(r) = remote.get(&op.remote) else {
+                return Err(invalid(format!(
+                    "op {i}: region {} is not granted by the peer",
+                    op.remote
+                )));
+            };
+            let d = OpDesc {
+                region: op.remote,
+                offset: op.remote_offset,
+                len: op.len as u64,
+            };
+            if !d.in_bounds(r.len) {
+                return Err(invalid(format!(
+                    "op {i}: {} bytes at remote offset {} outside region {} of {} bytes",
+                    op.len, op.remote_offset, op.remote, r.len
+                )));
+            }
+            total += op.len as u64;
+            descs.push(d);
+            slices.push(LocalSlice {
+                region: op.local.begin_use(),
+                offset: op.local_offset,
+                len: op.len,
+            });
+        }
+        if total > limits.max_batch_bytes {
+            return Err(invalid(format!(
+                "batch of {total} bytes, limit {}",
+                limits.max_batch_bytes
+            )));
+        }
+        Ok((descs, slices))
+    }
+
+    /// Writes every op's local bytes into the peer's regions; returns when the whole batch
+    /// has landed (or failed, with a typed error naming the peer and the step).
+    pub async fn write(&self, peer: &PeerId, ops: &[Op]) -> Result<()> {
+        let h = self.handle(peer).await?;
+        let (descs, sources) = self.prepare(&h, ops)?;
+        h.data
+            .run(
+                Step::Write,
+                self.inner.config.deadlines.op,
+                DataPath::write_waiting,
+                |id| Outgoing::Write {
+                    id,
+                    descs,
+                    sources,
+                },
+            )
+            .await
+    }
+
+    /// Reads every op's remote bytes into the local regions; returns when all have landed.
+    pub async fn read(&self, peer: &PeerId, ops: &[Op]) -> Result<()> {
+        let h = self.handle(peer).await?;
+        let (descs, dests) = self.prepare(&h, ops)?;
+        h.data
+            .run(
+                Step::Read,
+                self.inner.config.deadlines.op,
+                DataPath::read_waiting(dests),
+                |id| Outgoing::Read { id, descs },
+            )
+            .await
+    }
+
+    /// Sends a small message to the peer's application. It is delivered after every write
+    /// this channel issued to that peer before it; returns once the peer received it.
+    pub async fn notify(&self, peer: &PeerId, data: &[u8]) -> Result<()> {
+        if data.len() > self.inner.config.limits.max_notify_len {
+            return Err(Error::InvalidOp {
+                peer: peer.to_string(),
+                detail: format!(
+                    "notification of {} bytes, limit {}",
+                    data.len(),
+                    self.inner.config.limits.max_notify_len
+                ),
+            });
+        }
+        let h = self.handle(peer).await?;
+        let data = data.to_vec();
+        h.data
+            .run(
+                Step::Notify,
+                self.inner.config.deadlines.op,
+                DataPath::notify_waiting,
+                |id| Outgoing::Notify { id, data },
+            )
+            .await
+    }
+
+    /// The next notification from any peer; `None` once the channel is closed.
+    pub async fn recv_notification(&self) -> Option<Notification> {
+        self.inner.notifications.lock().await.recv().await
+    }
+
+    /// The regions a connected peer grants us.
+    pub async fn peer_regions(&self, peer: &PeerId) -> Result<Vec<RegionInfo>> {
+        let h = self.handle(peer).await?;
+        let map = h.remote.read().expect("remote regions poisoned");
+        let mut v: Vec<RegionInfo> = map.values().cloned().collect();
+        v.sort_by_key(|r| r.id);
+        Ok(v)
+    }
+
+    /// The incarnation of a connected peer.
+    pub async fn peer_incarnation(&self, peer: &PeerId) -> Result<Incarnation> {
+        Ok(self.handle(peer).await?.incarnation)
+    }
+
+    /// What the channel holds right now.
+    pub async fn stats(&self) -> Result<Stats> {
+        self.ask(|reply| CoreCmd::Stats { reply }).await
+    }
+
+    /// Closes every session (work in flight fails with [`Error::Closed`]) and stops
+    /// accepting. Bounded by the close deadline.
+    pub async fn close(&self) {
+        let limit = self.inner.config.deadlines.close;
+        if let Ok(rx) = self.ask(|reply| CoreCmd::Close { reply }).await {
+            let _ = tokio::time::timeout(limit, async { rx }).await;
+        }
+        for t in self.inner.tasks.lock().expect("tasks poisoned").drain(..) {
+            t.abort();
+        }
+    }
+}
+
+// ---- acceptor ------------------------------------------------------------------------------
+
+async fn accept_loop(
+    l: Listener,
+    config: Arc<ChannelConfig>,
+    core: mpsc::UnboundedSender<CoreCmd>,
+) {
+    loop {
+        match l.accept().await {
+            Ok((stream, _)) => {
+                // Each connection's first frame is read in its own task: a silent or slow
+                // client delays only itself.
+                let core = core.clone();
+                let config = config.clone();
+                tokio::spawn(async move { classify(stream, config, core).await });
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                // Out of file descriptors and similar: back off instead of spinning.
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
+        }
+    }
+}
+
+async fn classify(stream: Stream, config: Arc<ChannelConfig>, core: mpsc::UnboundedSender<CoreCmd>) {
+    let limit = config.deadlines.first_frame;
+    let mut stream = stream;
+    let mut buf = Vec::new();
+    let first = {
+        let read = async {
+            match &mut stream {
+                Stream::Tokio(s) => read_frame(s, config.limits.max_frame_len, &mut buf).await,
+                #[cfg(feature = "sim")]
+                Stream::Sim(s) => read_frame(s, config.limits.max_frame_len, &mut buf).await,
+            }
+        };
+        tokio::time::timeout(limit, read).await
+    };
+    match first {
+        Ok(Ok(m @ (Message::Hello(_) | Message::DataHello(_)))) => {
+            let _ = core.send(CoreCmd::Incoming { stream, first: m });
+        }
+        Ok(Ok(m)) => {
+            let msg = format!("{} cannot open a connection", m.name());
+            refuse(stream, ErrorCode::UnexpectedMessage, &msg).await
+        }
+        Ok(Err(ReadError::Frame(e))) => {
+            let code = match e {
+                kvbridge_proto::FrameError::UnsupportedVersion { .. } => {
+                    ErrorCode::UnsupportedVersion
+                }
+                kvbridge_proto::FrameError::TooLarge { .. } => ErrorCode::LimitExceeded,
+                _ => ErrorCode::Malformed,
+            };
+            refuse(stream, code, &e.to_string()).await
+        }
+        Ok(Err(_)) => {}
+        Err(_) => {
+            let msg = format!("no first frame within {limit:?}");
+            refuse(stream, ErrorCode::Timeout, &msg).await
+        }
+    }
+}
+
+// ---- core ----------------------------------------------------------------------------------
+
+struct SessionEntry {
+    peer: Option<PeerId>,
+    addr: Option<String>,
+    token: Option<SessionToken>,
+    ctl: mpsc::UnboundedSender<SessionCmd>,
+    up: Option<PeerHandle>,
+}
+
+struct Core {
+    env: SessionEnv,
+    next_id: u64,
+    sessions: HashMap<u64, SessionEntry>,
+    by_peer: HashMap<PeerId, u64>,
+    tokens: HashMap<SessionToken, u64>,
+    dials: HashMap<String, (u64, Vec<oneshot::Sender<Result<PeerHandle>>>)>,
+    by_addr: HashMap<String, u64>,
+    ended: u64,
+    closing: Option<Vec<oneshot::Sender<()>>>,
+}
+
+impl Core {
+    fn new(env: SessionEnv) -> Self {
+        Core {
+            env,
+            next_id: 1,
+            sessions: HashMap::new(),
+            by_peer: HashMap::new(),
+            tokens: HashMap::new(),
+            dials: HashMap::new(),
+            by_addr: HashMap::new(),
+            ended: 0,
+            closing: None,
+        }
+    }
+
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<CoreCmd>) {
+        while let Some(cmd) = rx.recv().await {
+            self.handle(cmd);
+            if let Some(waiters) = &mut self.closing {
+                if self.sessions.is_empty() {
+                    for w in waiters.drain(..) {
+                        let _ = w.send(());
+                    }
+                }
+            }
+        }
+    }
+
+    fn spawn_session(
+        &mut self,
+        peer: Option<PeerId>,
+        addr: Option<String>,
+        token: Option<SessionToken>,
+    ) -> (u64, mpsc::UnboundedSender<SessionCmd>, mpsc::UnboundedReceiver<SessionCmd>) {
+        let id = self.next_id;
+        self.next_id += 1;
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.sessions.insert(
+            id,
+            SessionEntry {
+                peer,
+                addr,
+                token,
+                ctl: tx.clone(),
+                up: None,
+            },
+        );
+        (id, tx, rx)
+    }
+
+    /// A newer session of `peer` arrived: the old one fails with the right error.
+    fn replace_old(&mut self, peer: &PeerId, new_id: u64, new_inc: Incarnation) {
+        if let Some(old_id) = self.by_peer.get(peer).copied() {
+            if old_id == new_id {
+                return;
+            }
+            if let Some(old) = self.sessions.get(&old_id) {
+                let err = match &old.up {
+                    Some(h) if h.incarnation != new_inc => Error::PeerRestarted {
+                        peer: peer.to_string(),
+                        old: h.incarnation,
+                        new: new_inc,
+                    },
+                    _ => Error::SessionReplaced {
+                        peer: peer.to_string(),
+                    },
+                };
+                let _ = old.ctl.send(SessionCmd::Replace(err));
+            }
+        }
+    }
+
+    fn handle(&mut self, cmd: CoreCmd) {
+        match cmd {
+            CoreCmd::Connect { addr, reply } => {
+                if self.closing.is_some() {
+                    let _ = reply.send(Err(Error::Closed));
+                    return;
+                }
+                if let Some(h) = self
+                    .by_addr
+                    .get(&addr)
+                    .and_then(|id| self.sessions.get(id))
+                    .and_then(|s| s.up.clone())
+                {
+                    let _ = reply.send(Ok(h));
+                    return;
+                }
+                if let Some((_, waiters)) = self.dials.get_mut(&addr) {
+                    waiters.push(reply);
+                    return;
+                }
+                let (id, tx, rx) = self.spawn_session(None, Some(addr.clone()), None);
+                self.dials.insert(addr.clone(), (id, vec![reply]));
+                tokio::spawn(run_initiator(self.env.clone(), id, addr, rx, tx));
+            }
+            CoreCmd::Lookup { peer, reply } => {
+                let h = self
+                    .by_peer
+                    .get(&peer)
+                    .and_then(|id| self.sessions.get(id))
+                    .and_then(|s| s.up.clone());
+                let _ = reply.send(h);
+            }
+            CoreCmd::Incoming { stream, first } => {
+                if self.closing.is_some() {
+                    tokio::spawn(refuse(stream, ErrorCode::ShuttingDown, "channel closing"));
+                    return;
+                }
+                match first {
+                    Message::Hello(hello) => {
+                        let mut t = [0u8; 16];
+                        crate::rand_bytes(&mut t);
+                        let token = SessionToken(t);
+                        let peer = hello.peer_id.clone();
+                        let (id, tx, rx) = self.spawn_session(Some(peer.clone()), None, Some(token));
+                        self.replace_old(&peer, id, hello.incarnation);
+                        self.by_peer.insert(peer, id);
+                        // Entered before the Welcome that reveals it goes out.
+                        self.tokens.insert(token, id);
+                        tokio::spawn(run_listener(self.env.clone(), id, stream, hello, token, rx, tx));
+                    }
+                    Message::DataHello(dh) => {
+                        match self.tokens.get(&dh.token).and_then(|id| self.sessions.get(id)) {
+                            Some(s) => {
+                                let _ = s.ctl.send(SessionCmd::DataConn(stream, dh.peer_id));
+                            }
+                            None => {
+                                tokio::spawn(refuse(
+                                    stream,
+                                    ErrorCode::UnknownSession,
+                                    "no session for this token",
+                                ));
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            CoreCmd::SessionUp { id, handle } => {
+                let Some(s) = self.sessions.get_mut(&id) else {
+                    return;
+                };
+                s.up = Some(handle.clone());
+                s.peer = Some(handle.peer_id.clone());
+                let addr = s.addr.clone();
+                self.replace_old(&handle.peer_id, id, handle.incarnation);
+                self.by_peer.insert(handle.peer_id.clone(), id);
+                if let Some(addr) = addr {
+                    self.by_addr.insert(addr.clone(), id);
+                    if let Some((_, waiters)) = self.dials.remove(&addr) {
+                        for w in waiters {
+                            let _ = w.send(Ok(handle.clone()));
+                        }
+                    }
+                }
+            }
+            CoreCmd::SessionDown { id, error } => {
+                let Some(s) = self.sessions.remove(&id) else {
+                    return;
+                };
+                self.ended += 1;
+                if let Some(p) = &s.peer {
+                    if self.by_peer.get(p) == Some(&id) {
+                        self.by_peer.remove(p);
+                    }
+                }
+                if let Some(t) = &s.token {
+                    self.tokens.remove(t);
+                }
+                if let Some(addr) = &s.addr {
+                    if self.by_addr.get(addr) == Some(&id) {
+                        self.by_addr.remove(addr);
+                    }
+                    if self.dials.get(addr).is_some_and(|(d, _)| *d == id) {
+                        if let Some((_, waiters)) = self.dials.remove(addr) {
+                            for w in waiters {
+                                let _ = w.send(Err(error.clone()));
+                            }
+                        }
+                    }
+                }
+            }
+            CoreCmd::MemChanged => {
+                for s in self.sessions.values() {
+                    let _ = s.ctl.send(SessionCmd::MemChanged);
+                }
+            }
+            CoreCmd::Stats { reply } => {
+                let established: Vec<&PeerHandle> =
+                    self.sessions.values().filter_map(|s| s.up.as_ref()).collect();
+                let _ = reply.send(Stats {
+                    sessions: self.sessions.len(),
+                    established: established.len(),
+                    dialing: self.dials.len(),
+                    tokens: self.tokens.len(),
+                    batches_in_flight: established.iter().map(|h| h.data.in_flight()).sum(),
+                    sessions_ended: self.ended,
+                });
+            }
+            CoreCmd::Close { reply } => {
+                for s in self.sessions.values() {
+                    let _ = s.ctl.send(SessionCmd::Close);
+                }
+                self.closing.get_or_insert_with(Vec::new).push(reply);
+            }
+        }
+    }
+}

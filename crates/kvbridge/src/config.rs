@@ -1,0 +1,115 @@
+//! Channel configuration.
+
+use crate::net::Net;
+use kvbridge_proto::frame::DEFAULT_MAX_FRAME_LEN;
+use kvbridge_proto::msg::Compat;
+use std::time::Duration;
+
+/// Deadlines of every wait. Defaults suit a datacenter network; all are configurable.
+#[derive(Debug, Clone)]
+pub struct Deadlines {
+    /// Opening a TCP connection.
+    pub connect: Duration,
+    /// Each handshake step (Welcome, data bind, memory exchange, Ready).
+    pub handshake_step: Duration,
+    /// A whole batch of writes or reads, or a notification, from submit to completion.
+    pub op: Duration,
+    /// First frame on an accepted connection (slow or silent clients are dropped).
+    pub first_frame: Duration,
+    /// Writing one control frame.
+    pub control_write: Duration,
+    /// Interval of liveness probes on an established session.
+    pub keepalive: Duration,
+    /// Silence on the control connection after which a session is declared dead.
+    pub peer_silence: Duration,
+    /// Closing the channel (Bye to every peer, tasks torn down).
+    pub close: Duration,
+}
+
+impl Default for Deadlines {
+    fn default() -> Self {
+        Self {
+            connect: Duration::from_secs(5),
+            handshake_step: Duration::from_secs(10),
+            op: Duration::from_secs(30),
+            first_frame: Duration::from_secs(5),
+            control_write: Duration::from_secs(5),
+            keepalive: Duration::from_secs(5),
+            peer_silence: Duration::from_secs(20),
+            close: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Limits on what a peer may ask of us.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Largest frame body accepted.
+    pub max_frame_len: u32,
+    /// Most ops in one batch.
+    pub max_ops_per_batch: usize,
+    /// Most payload bytes in one batch.
+    pub max_batch_bytes: u64,
+    /// Largest notification.
+    pub max_notify_len: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_frame_len: DEFAULT_MAX_FRAME_LEN,
+            max_ops_per_batch: 65_536,
+            max_batch_bytes: 16 << 30,
+            max_notify_len: 1 << 20,
+        }
+    }
+}
+
+/// Injected delays for tests that reproduce orderings (the seed's race, stalled peers).
+/// Production code leaves them at their default (no delay).
+#[derive(Debug, Clone, Default)]
+pub struct TestHooks {
+    /// Listener: delay between receiving a data connection and binding it to its session.
+    pub listener_bind_delay: Option<Duration>,
+    /// Initiator: delay between opening its data connection and binding it to its session.
+    pub initiator_bind_delay: Option<Duration>,
+    /// Listener: delay before answering a `Hello` (a slow listener mid-handshake).
+    pub listener_welcome_delay: Option<Duration>,
+    /// Delay before applying each incoming write batch (writes held in flight).
+    pub write_apply_delay: Option<Duration>,
+}
+
+/// Everything a [`crate::Channel`] needs.
+#[derive(Debug, Clone)]
+pub struct ChannelConfig {
+    /// This side's peer id (stable across restarts).
+    pub peer_id: String,
+    /// Address to accept sessions on (`127.0.0.1:0` picks a port); `None` for an
+    /// initiator-only channel.
+    pub listen_addr: Option<String>,
+    /// What peers must match (KV layout, dtype, page size, layers, TP).
+    pub compat: Compat,
+    /// Deadlines.
+    pub deadlines: Deadlines,
+    /// Limits.
+    pub limits: Limits,
+    /// Real or simulated network.
+    pub net: Net,
+    /// Test hooks.
+    pub hooks: TestHooks,
+}
+
+impl ChannelConfig {
+    /// A configuration with defaults for everything but the peer id and listen address.
+    pub fn new(peer_id: impl Into<String>, listen_addr: Option<&str>) -> Self {
+        Self {
+            peer_id: peer_id.into(),
+            listen_addr: listen_addr.map(str::to_string),
+            compat: Compat::default(),
+            deadlines: Deadlines::default(),
+            limits: Limits::default(),
+            net: Net::default(),
+            hooks: TestHooks::default(),
+        }
+    }
+}

@@ -1,0 +1,524 @@
+//! The data connection of one session: one-sided writes and reads, notifications.
+//!
+//! Two tasks own the two halves of the connection. The *writer* sends frames in submission
+//! order: batch headers followed by payloads taken straight from registered memory with
+//! vectored writes (no staging copy). The *reader* serves the peer's batches, validating each
+//! op header (region exists, granted to this peer, in bounds) before it reads a payload byte
+//! straight into place, and completes our own batches when their acks arrive.
+//!
+//! A completion is signalled only by the reader (or by the session after both tasks have
+//! stopped): when a caller learns that its batch ended, no byte of it can still land. A
+//! batch that passes its deadline therefore ends the whole session — tearing down the
+//! connection is the only way to be sure the peer's late bytes never arrive.
+
+use crate::config::{Limits, TestHooks};
+use crate::error::{Error, Result};
+use crate::region::{RegionTable, RegionUse};
+use crate::wire::{read_frame, write_all_vectored, write_msg, ReadError};
+use crate::Notification;
+use kvbridge_proto::handshake::Step;
+use kvbridge_proto::ids::Blob;
+use kvbridge_proto::msg::{Ack, Batch, ErrorCode, Message, Notify, OpDesc, Reject};
+use kvbridge_proto::PeerId;
+use std::collections::HashMap;
+use std::io::IoSlice;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::io::AsyncReadExt;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::net::{ReadHalf, WriteHalf};
+
+/// A local range touched by a transfer; holds the region in use until dropped.
+pub(crate) struct LocalSlice {
+    pub(crate) region: RegionUse,
+    pub(crate) offset: usize,
+    pub(crate) len: usize,
+}
+
+impl LocalSlice {
+    fn as_io(&self) -> IoSlice<'_> {
+        // SAFETY: bounds were checked when the slice was made; the region stays alive and
+        // registered-or-in-use while the guard exists.
+        IoSlice::new(unsafe {
+            std::slice::from_raw_parts(self.region.region().as_ptr().add(self.offset), self.len)
+        })
+    }
+
+    /// The destination bytes of a read or an incoming write.
+    ///
+    /// # Safety
+    /// Concurrent access to the same range is excluded by the transfer contract (see
+    /// `region` module docs).
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn as_mut(&self) -> &mut [u8] {
+        std::slice::from_raw_parts_mut(self.region.region().as_ptr().add(self.offset), self.len)
+    }
+}
+
+pub(crate) enum Waiting {
+    Write(oneshot::Sender<Result<()>>),
+    Read(Vec<LocalSlice>, oneshot::Sender<Result<()>>),
+    Notify(oneshot::Sender<Result<()>>),
+}
+
+impl Waiting {
+    fn complete(self, r: Result<()>) {
+        let tx = match self {
+            Waiting::Write(tx) | Waiting::Notify(tx) | Waiting::Read(_, tx) => tx,
+        };
+        let _ = tx.send(r);
+    }
+}
+
+#[derive(Default)]
+struct Pending {
+    map: HashMap<u64, Waiting>,
+    /// Set when the session ended: no new batch may wait after that.
+    closed: Option<Error>,
+}
+
+/// What the writer task sends, in order.
+pub(crate) enum Outgoing {
+    Write {
+        id: u64,
+        descs: Vec<OpDesc>,
+        sources: Vec<LocalSlice>,
+    },
+    Read {
+        id: u64,
+        descs: Vec<OpDesc>,
+    },
+    Notify {
+        id: u64,
+        data: Vec<u8>,
+    },
+    /// A `WriteAck` or `NotifyAck` for the peer.
+    Ack(Message),
+    ReadResp {
+        id: u64,
+        result: std::result::Result<Vec<LocalSlice>, Reject>,
+    },
+    /// Flush what is queued, then stop.
+    Shutdown,
+}
+
+/// Shared by the session, its two data tasks and the callers of write/read/notify.
+pub(crate) struct DataPath {
+    pub(crate) peer: PeerId,
+    pending: Mutex<Pending>,
+    next_id: AtomicU64,
+    out: mpsc::Sender<Outgoing>,
+    /// Asks the owning session to tear down (an op passed its deadline).
+    abort: mpsc::UnboundedSender<crate::session::SessionCmd>,
+}
+
+impl DataPath {
+    pub(crate) fn new(
+        peer: PeerId,
+        abort: mpsc::UnboundedSender<crate::session::SessionCmd>,
+    ) -> (Arc<Self>, mpsc::Receiver<Outgoing>) {
+        let (out, rx) = mpsc::channel(1024);
+        (
+            Arc::new(Self {
+                peer,
+                pending: Mutex::new(Pending::default()),
+                next_id: AtomicU64::new(1),
+                out,
+                abort,
+            }),
+            rx,
+        )
+    }
+
+    fn take(&self, id: u64) -> Option<Waiting> {
+        self.pending.lock().expect("pending poisoned").map.remove(&id)
+    }
+
+    /// Fails every waiting batch and refuses new ones. Called by the session only after the
+    /// reader and writer tasks have stopped.
+    pub(crate) fn drain(&self, err: &Error) {
+        let waiting: Vec<Waiting> = {
+            let mut p = self.pending.lock().expect("pending poisoned");
+            p.closed.get_or_insert_with(|| err.clone());
+            p.map.drain().map(|(_, w)| w).collect()
+        };
+        for w in waiting {
+            w.complete(Err(err.clone()));
+        }
+    }
+
+    /// Batches waiting for completion.
+    pub(crate) fn in_flight(&self) -> usize {
+        self.pending.lock().expect("pending poisoned").map.len()
+    }
+
+    /// Runs one batch to completion under `deadline`.
+    pub(crate) async fn run(
+        &self,
+        step: Step,
+        deadline: Duration,
+        waiting: impl FnOnce(oneshot::Sender<Result<()>>) -> Waiting,
+        outgoing: impl FnOnce(u64) -> Outgoing,
+    ) -> Result<()> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, mut rx) = oneshot::channel();
+        {
+            let mut p = self.pending.lock().expect("pending poisoned");
+            if let Some(e) = &p.closed {
+                return Err(e.clone());
+            }
+            // Inserted before the frame is queued: no completion can precede its waiter.
+            p.map.insert(id, waiting(tx));
+        }
+        let submit_and_wait = async {
+            if self.out.send(outgoing(id)).await.is_err() {
+                // The writer is gone; the session is tearing down and will drain us.
+            }
+            (&mut rx).await
+        };
+        match tokio::time::timeout(deadline, submit_and_wait).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(Error::lost(self.peer.as_str(), step, "session ended")),
+            Err(_) => {
+                let err = Error::Timeout {
+                    peer: self.peer.to_string(),
+                    step,
+                    after: deadline,
+                };
+                let _ = self
+                    .abort
+                    .send(crate::session::SessionCmd::Abort(err.clone()));
+                // The session stops both data tasks, then drains us: after this returns,
+                // nothing of this batch can land any more.
+                match tokio::time::timeout(Duration::from_secs(30), rx).await {
+                    Ok(Ok(Err(e))) if e != err => Err(e),
+                    _ => Err(err),
+                }
+            }
+        }
+    }
+
+    pub(crate) fn write_waiting(tx: oneshot::Sender<Result<()>>) -> Waiting {
+        Waiting::Write(tx)
+    }
+
+    pub(crate) fn notify_waiting(tx: oneshot::Sender<Result<()>>) -> Waiting {
+        Waiting::Notify(tx)
+    }
+
+    pub(crate) fn read_waiting(
+        dests: Vec<LocalSlice>,
+    ) -> impl FnOnce(oneshot::Sender<Result<()>>) -> Waiting {
+        move |tx| Waiting::Read(dests, tx)
+    }
+
+    pub(crate) fn out_sender(&self) -> mpsc::Sender<Outgoing> {
+        self.out.clone()
+    }
+
+    pub(crate) async fn shutdown_writer(&self) {
+        let _ = self.out.try_send(Outgoing::Shutdown);
+    }
+}
+
+/// The writer task: sends queued frames and payloads until `Shutdown` or a socket error.
+pub(crate) async fn run_writer(
+    peer: PeerId,
+    mut w: WriteHalf,
+    mut rx: mpsc::Receiver<Outgoing>,
+) -> Result<()> {
+    let lost = |step, e: std::io::Error| Error::lost(peer.as_str(), step, e);
+    while let Some(o) = rx.recv().await {
+        match o {
+            Outgoing::Write { id, descs, sources } => {
+                let frame = Message::WriteBatch(Batch { id, ops: descs })
+                    .to_frame()
+                    .map_err(|e| Error::Local(e.to_string()))?;
+                let mut slices = Vec::with_capacity(sources.len() + 1);
+                slices.push(IoSlice::new(&frame));
+                slices.extend(sources.iter().map(LocalSlice::as_io));
+                write_all_vectored(&mut w, &mut slices)
+                    .await
+                    .map_err(|e| lost(Step::Write, e))?;
+            }
+            Outgoing::Read { id, descs } => {
+                write_msg(&mut w, &Message::ReadBatch(Batch { id, ops: descs }))
+                    .await
+                    .map_err(|e| lost(Step::Read, e))?;
+            }
+            Outgoing::Notify { id, data } => {
+                write_msg(
+                    &mut w,
+                    &Message::Notify(Notify {
+                        id,
+                        data: Blob(data),
+                    }),
+                )
+                .await
+                .map_err(|e| lost(Step::Notify, e))?;
+            }
+            Outgoing::Ack(m) => write_msg(&mut w, &m)
+                .await
+                .map_err(|e| lost(Step::Write, e))?,
+            Outgoing::ReadResp { id, result } => match result {
+                Ok(sources) => {
+                    let frame = Message::ReadResp(Ack { id, error: None })
+                        .to_frame()
+                        .map_err(|e| Error::Local(e.to_string()))?;
+                    let mut slices = Vec::with_capacity(sources.len() + 1);
+                    slices.push(IoSlice::new(&frame));
+                    slices.extend(sources.iter().map(LocalSlice::as_io));
+                    write_all_vectored(&mut w, &mut slices)
+                        .await
+                        .map_err(|e| lost(Step::Read, e))?;
+                }
+                Err(reject) => write_msg(
+                    &mut w,
+                    &Message::ReadResp(Ack {
+                        id,
+                        error: Some(reject),
+                    }),
+                )
+                .await
+                .map_err(|e| lost(Step::Read, e))?,
+            },
+            Outgoing::Shutdown => break,
+        }
+    }
+    Ok(())
+}
+
+/// Everything the reader task needs.
+pub(crate) struct ReaderCtx {
+    pub(crate) path: Arc<DataPath>,
+    pub(crate) table: Arc<RegionTable>,
+    pub(crate) limits: Limits,
+    pub(crate) hooks: TestHooks,
+    pub(crate) notifications: mpsc::Sender<Notification>,
+    pub(crate) out: mpsc::Sender<Outgoing>,
+}
+
+impl ReaderCtx {
+    fn misbehaved(&self, step: Step, detail: impl Into<String>) -> Error {
+        Error::PeerMisbehaved {
+            peer: self.path.peer.to_string(),
+            step,
+            detail: detail.into(),
+        }
+    }
+
+    /// Validates a peer's batch against our regions: every op in a region granted to the
+    /// peer and inside it, the batch within limits. Returns the destinations, marked in use.
+    fn resolve(&self, b: &Batch) -> std::result::Result<Vec<LocalSlice>, Reject> {
+        let reject = |code, message: String| Reject { code, message };
+        if b.ops.len() > self.limits.max_ops_per_batch {
+            return Err(reject(
+                ErrorCode::LimitExceeded,
+                format!(
+                    "{} ops in one batch, limit {}",
+                    b.ops.len(),
+                    self.limits.max_ops_per_batch
+                ),
+            ));
+        }
+        match b.payload_len() {
+            Some(n) if n <= self.limits.max_batch_bytes => {}
+            n => {
+                return Err(reject(
+                    ErrorCode::LimitExceeded,
+                    format!(
+                        "batch of {n:?} bytes, limit {}",
+                        self.limits.max_batch_bytes
+                    ),
+                ))
+            }
+        }
+        let mut out = Vec::with_capacity(b.ops.len());
+        for (i, op) in b.ops.iter().enumerate() {
+            let Some(region) = self.table.use_for(&self.path.peer, &op.region) else {
+                return Err(reject(
+                    ErrorCode::UnknownRegion,
+                    format!("op {i}: region {} is not granted to this peer", op.region),
+                ));
+            };
+            if !region.region().contains(op.offset, op.len) {
+                return Err(reject(
+                    ErrorCode::OutOfBounds,
+                    format!(
+                        "op {i}: {} bytes at offset {} outside region {} of {} bytes",
+                        op.len,
+                        op.offset,
+                        op.region,
+                        region.region().len()
+                    ),
+                ));
+            }
+            out.push(LocalSlice {
+                region,
+                offset: op.offset as usize,
+                len: op.len as usize,
+            });
+        }
+        Ok(out)
+    }
+}
+
+/// The reader task: serves the peer's batches and completes ours, until the connection ends.
+pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
+    let peer = ctx.path.peer.clone();
+    let mut buf = Vec::new();
+    loop {
+        let msg = match read_frame(&mut r, ctx.limits.max_frame_len, &mut buf).await {
+            Ok(m) => m,
+            Err(ReadError::Eof) => {
+                return Err(Error::lost(peer.as_str(), Step::Established, "data connection closed"))
+            }
+            Err(ReadError::Io(e)) => return Err(Error::lost(peer.as_str(), Step::Established, e)),
+            Err(ReadError::Frame(e)) => {
+                return Err(ctx.misbehaved(Step::Established, e.to_string()))
+            }
+        };
+        match msg {
+            Message::WriteBatch(b) => {
+                let dests = match ctx.resolve(&b) {
+                    Ok(d) => d,
+                    Err(reject) => {
+                        let err = ctx.misbehaved(Step::Write, reject.message.clone());
+                        let _ = ctx
+                            .out
+                            .send(Outgoing::Ack(Message::WriteAck(Ack {
+                                id: b.id,
+                                error: Some(reject),
+                            })))
+                            .await;
+                        return Err(err);
+                    }
+                };
+                if let Some(d) = ctx.hooks.write_apply_delay {
+                    tokio::time::sleep(d).await;
+                }
+                for d in &dests {
+                    // SAFETY: validated in bounds of a region granted to this peer and held
+                    // in use; the transfer contract excludes concurrent local access.
+                    let dst = unsafe { d.as_mut() };
+                    r.read_exact(dst)
+                        .await
+                        .map_err(|e| Error::lost(peer.as_str(), Step::Write, e))?;
+                }
+                drop(dests);
+                let ack = Message::WriteAck(Ack {
+                    id: b.id,
+                    error: None,
+                });
+                if ctx.out.send(Outgoing::Ack(ack)).await.is_err() {
+                    return Ok(());
+                }
+            }
+            Message::ReadBatch(b) => {
+                let result = ctx.resolve(&b);
+                let bad = result.as_ref().err().map(|r| r.message.clone());
+                if ctx
+                    .out
+                    .send(Outgoing::ReadResp { id: b.id, result })
+                    .await
+                    .is_err()
+                {
+                    return Ok(());
+                }
+                if let Some(detail) = bad {
+                    return Err(ctx.misbehaved(Step::Read, detail));
+                }
+            }
+            Message::Notify(n) => {
+                if n.data.0.len() > ctx.limits.max_notify_len {
+                    return Err(ctx.misbehaved(
+                        Step::Notify,
+                        format!(
+                            "notification of {} bytes, limit {}",
+                            n.data.0.len(),
+                            ctx.limits.max_notify_len
+                        ),
+                    ));
+                }
+                // Delivered only after every write before it was placed: this task handles
+                // the connection's frames strictly in order.
+                let _ = ctx
+                    .notifications
+                    .send(Notification {
+                        peer: peer.clone(),
+                        data: n.data.0,
+                    })
+                    .await;
+                let ack = Message::NotifyAck(Ack {
+                    id: n.id,
+                    error: None,
+                });
+                if ctx.out.send(Outgoing::Ack(ack)).await.is_err() {
+                    return Ok(());
+                }
+            }
+            Message::WriteAck(a) | Message::NotifyAck(a) => {
+                let Some(w) = ctx.path.take(a.id) else {
+                    return Err(ctx.misbehaved(
+                        Step::Write,
+                        format!("completion for unknown batch {}", a.id),
+                    ));
+                };
+                let step = if matches!(w, Waiting::Notify(_)) {
+                    Step::Notify
+                } else {
+                    Step::Write
+                };
+                w.complete(match a.error {
+                    None => Ok(()),
+                    Some(rj) => Err(Error::Rejected {
+                        peer: peer.to_string(),
+                        step,
+                        code: rj.code,
+                        message: rj.message,
+                    }),
+                });
+            }
+            Message::ReadResp(a) => {
+                let Some(Waiting::Read(dests, done)) = ctx.path.take(a.id) else {
+                    return Err(ctx.misbehaved(
+                        Step::Read,
+                        format!("read response for unknown batch {}", a.id),
+                    ));
+                };
+                if let Some(rj) = a.error {
+                    let _ = done.send(Err(Error::Rejected {
+                        peer: peer.to_string(),
+                        step: Step::Read,
+                        code: rj.code,
+                        message: rj.message,
+                    }));
+                    continue;
+                }
+                let mut result = Ok(());
+                for d in &dests {
+                    // SAFETY: local destination validated at submission and held in use.
+                    let dst = unsafe { d.as_mut() };
+                    if let Err(e) = r.read_exact(dst).await {
+                        result = Err(Error::lost(peer.as_str(), Step::Read, e));
+                        break;
+                    }
+                }
+                drop(dests);
+                let failed = result.clone().err();
+                let _ = done.send(result);
+                if let Some(e) = failed {
+                    return Err(e);
+                }
+            }
+            other => {
+                return Err(ctx.misbehaved(
+                    Step::Established,
+                    format!("{} on a data connection", other.name()),
+                ))
+            }
+        }
+    }
+}

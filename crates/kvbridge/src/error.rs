@@ -1,0 +1,202 @@
+//! Errors, grouped by cause: the peer misbehaved, the peer is incompatible or refused, the
+//! network or a deadline failed, or the caller misused the API. Every variant that concerns a
+//! peer names it and the step that failed.
+
+use kvbridge_proto::handshake::{HandshakeError, Step};
+use kvbridge_proto::msg::ErrorCode;
+use kvbridge_proto::Incarnation;
+use std::time::Duration;
+use thiserror::Error;
+
+/// Result alias.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in kvbridge's transfer layer.
+#[derive(Debug, Clone, Error, PartialEq, Eq)]
+pub enum Error {
+    // ---- the peer misbehaved ----
+    /// The peer broke the protocol (bad frame, unexpected message, op outside a region).
+    #[error("peer {peer} misbehaved at step {step}: {detail}")]
+    PeerMisbehaved {
+        /// The peer (id, or address before its id is known).
+        peer: String,
+        /// Where.
+        step: Step,
+        /// What.
+        detail: String,
+    },
+
+    // ---- the peer is incompatible or refused ----
+    /// The peers cannot work together; names both sides' values.
+    #[error("peer {peer} is incompatible at step {step}: ours {ours}, theirs {theirs}")]
+    Incompatible {
+        /// The peer.
+        peer: String,
+        /// Where.
+        step: Step,
+        /// Our value.
+        ours: String,
+        /// Their value.
+        theirs: String,
+    },
+    /// The peer answered with a typed refusal.
+    #[error("peer {peer} rejected step {step}: {code}: {message}")]
+    Rejected {
+        /// The peer.
+        peer: String,
+        /// Where.
+        step: Step,
+        /// The peer's code.
+        code: ErrorCode,
+        /// The peer's message.
+        message: String,
+    },
+    /// The peer closed the session.
+    #[error("peer {peer} closed the session: {code}: {message}")]
+    PeerClosed {
+        /// The peer.
+        peer: String,
+        /// The peer's code.
+        code: ErrorCode,
+        /// The peer's message.
+        message: String,
+    },
+
+    // ---- network and deadlines ----
+    /// A step passed its deadline.
+    #[error("peer {peer}: step {step} passed its deadline of {after:?}")]
+    Timeout {
+        /// The peer.
+        peer: String,
+        /// The step.
+        step: Step,
+        /// The deadline.
+        after: Duration,
+    },
+    /// The connection broke.
+    #[error("peer {peer}: connection lost at step {step}: {detail}")]
+    ConnectionLost {
+        /// The peer.
+        peer: String,
+        /// Where.
+        step: Step,
+        /// The I/O error.
+        detail: String,
+    },
+    /// The peer restarted (same id, new incarnation); work on the old session failed.
+    #[error("peer {peer} restarted (incarnation {old} -> {new}); work on the old session failed")]
+    PeerRestarted {
+        /// The peer.
+        peer: String,
+        /// The incarnation of the session that failed.
+        old: Incarnation,
+        /// The new incarnation.
+        new: Incarnation,
+    },
+    /// A newer session of the same peer and incarnation replaced this one.
+    #[error("peer {peer}: session replaced by a newer one")]
+    SessionReplaced {
+        /// The peer.
+        peer: String,
+    },
+
+    // ---- local misuse ----
+    /// No session with that peer.
+    #[error("no session with peer {peer}: call connect first")]
+    UnknownPeer {
+        /// The peer.
+        peer: String,
+    },
+    /// An op that can never succeed (unknown region, out of bounds, too large).
+    #[error("invalid op for peer {peer}: {detail}")]
+    InvalidOp {
+        /// The peer.
+        peer: String,
+        /// What is wrong.
+        detail: String,
+    },
+    /// The channel was closed locally.
+    #[error("channel closed")]
+    Closed,
+    /// Configuration or local resource problem (bind failed, allocation failed).
+    #[error("{0}")]
+    Local(String),
+}
+
+impl Error {
+    /// Turns a state machine failure into an error naming the peer.
+    pub(crate) fn from_handshake(peer: &str, step: Step, e: HandshakeError) -> Self {
+        let peer = peer.to_string();
+        match e {
+            HandshakeError::Rejected {
+                step,
+                code,
+                message,
+            } => match code {
+                ErrorCode::PeerRestarted | ErrorCode::SessionReplaced => Error::PeerClosed {
+                    peer,
+                    code,
+                    message,
+                },
+                _ => Error::Rejected {
+                    peer,
+                    step,
+                    code,
+                    message,
+                },
+            },
+            HandshakeError::VersionMismatch { ours, theirs } => Error::Incompatible {
+                peer,
+                step,
+                ours: format!("protocol version {ours}"),
+                theirs: format!("protocol version {theirs}"),
+            },
+            HandshakeError::Incompatible { ours, theirs } => Error::Incompatible {
+                peer,
+                step,
+                ours: ours.to_string(),
+                theirs: theirs.to_string(),
+            },
+            HandshakeError::Unexpected { step, got } => Error::PeerMisbehaved {
+                peer,
+                step,
+                detail: format!("unexpected {got}"),
+            },
+            HandshakeError::Malformed { step, detail } => Error::PeerMisbehaved {
+                peer,
+                step,
+                detail,
+            },
+            HandshakeError::Timeout { step, after } => Error::Timeout { peer, step, after },
+            HandshakeError::Closed { code, message } => Error::PeerClosed {
+                peer,
+                code,
+                message,
+            },
+        }
+    }
+
+    /// The wire code that tells a peer about this error.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            Error::PeerMisbehaved { .. } => ErrorCode::Malformed,
+            Error::Incompatible { .. } => ErrorCode::Incompatible,
+            Error::Rejected { code, .. } | Error::PeerClosed { code, .. } => *code,
+            Error::Timeout { .. } => ErrorCode::Timeout,
+            Error::ConnectionLost { .. } => ErrorCode::Internal,
+            Error::PeerRestarted { .. } => ErrorCode::PeerRestarted,
+            Error::SessionReplaced { .. } => ErrorCode::SessionReplaced,
+            Error::UnknownPeer { .. } | Error::InvalidOp { .. } => ErrorCode::UnknownRegion,
+            Error::Closed => ErrorCode::ShuttingDown,
+            Error::Local(_) => ErrorCode::Internal,
+        }
+    }
+
+    pub(crate) fn lost(peer: &str, step: Step, e: impl std::fmt::Display) -> Self {
+        Error::ConnectionLost {
+            peer: peer.to_string(),
+            step,
+            detail: e.to_string(),
+        }
+    }
+}

@@ -1,0 +1,206 @@
+//! The one place kvbridge touches the network.
+//!
+//! Everything above this module talks to [`Net`], [`Stream`], [`ReadHalf`] and [`WriteHalf`],
+//! so the same driver code runs over real tokio sockets or, with the `sim` feature, over
+//! turmoil's deterministic network simulator (random latency, held messages, partitions,
+//! simulated time). Enum dispatch keeps the data path free of dynamic calls.
+
+use std::io::{self, IoSlice};
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// Which network to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Net {
+    /// Real sockets.
+    #[default]
+    Tokio,
+    /// turmoil's simulated network (tests only).
+    #[cfg(feature = "sim")]
+    Sim,
+}
+
+/// A listening socket.
+pub enum Listener {
+    /// Real socket.
+    Tokio(tokio::net::TcpListener),
+    /// Simulated socket.
+    #[cfg(feature = "sim")]
+    Sim(turmoil::net::TcpListener),
+}
+
+/// A connected stream, before it is split into halves.
+#[derive(Debug)]
+pub enum Stream {
+    /// Real socket.
+    Tokio(tokio::net::TcpStream),
+    /// Simulated socket.
+    #[cfg(feature = "sim")]
+    Sim(turmoil::net::TcpStream),
+}
+
+/// The read half of a [`Stream`].
+#[derive(Debug)]
+pub enum ReadHalf {
+    /// Real socket.
+    Tokio(tokio::net::tcp::OwnedReadHalf),
+    /// Simulated socket.
+    #[cfg(feature = "sim")]
+    Sim(turmoil::net::tcp::OwnedReadHalf),
+}
+
+/// The write half of a [`Stream`].
+#[derive(Debug)]
+pub enum WriteHalf {
+    /// Real socket.
+    Tokio(tokio::net::tcp::OwnedWriteHalf),
+    /// Simulated socket.
+    #[cfg(feature = "sim")]
+    Sim(turmoil::net::tcp::OwnedWriteHalf),
+}
+
+impl Net {
+    /// Binds a listener. `addr` is `host:port`; use port 0 and [`Listener::local_addr`] to
+    /// learn the port.
+    pub async fn bind(self, addr: &str) -> io::Result<Listener> {
+        match self {
+            Net::Tokio => Ok(Listener::Tokio(tokio::net::TcpListener::bind(addr).await?)),
+            #[cfg(feature = "sim")]
+            Net::Sim => Ok(Listener::Sim(
+                turmoil::net::TcpListener::bind(addr.to_string()).await?,
+            )),
+        }
+    }
+
+    /// Connects to `addr` (`host:port`) with TCP_NODELAY set: every control message and
+    /// completion is latency-bound.
+    pub async fn connect(self, addr: &str) -> io::Result<Stream> {
+        match self {
+            Net::Tokio => {
+                let s = tokio::net::TcpStream::connect(addr).await?;
+                s.set_nodelay(true)?;
+                Ok(Stream::Tokio(s))
+            }
+            #[cfg(feature = "sim")]
+            Net::Sim => Ok(Stream::Sim(
+                turmoil::net::TcpStream::connect(addr.to_string()).await?,
+            )),
+        }
+    }
+}
+
+impl std::fmt::Debug for Listener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Listener({:?})", self.local_addr().ok())
+    }
+}
+
+impl Listener {
+    /// Accepts one connection, with TCP_NODELAY set.
+    pub async fn accept(&self) -> io::Result<(Stream, SocketAddr)> {
+        match self {
+            Listener::Tokio(l) => {
+                let (s, a) = l.accept().await?;
+                s.set_nodelay(true)?;
+                Ok((Stream::Tokio(s), a))
+            }
+            #[cfg(feature = "sim")]
+            Listener::Sim(l) => {
+                let (s, a) = l.accept().await?;
+                Ok((Stream::Sim(s), a))
+            }
+        }
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+        match self {
+            Listener::Tokio(l) => l.local_addr(),
+            #[cfg(feature = "sim")]
+            Listener::Sim(l) => l.local_addr(),
+        }
+    }
+}
+
+impl Stream {
+    /// Splits into independently owned halves (no lock between them).
+    pub fn into_split(self) -> (ReadHalf, WriteHalf) {
+        match self {
+            Stream::Tokio(s) => {
+                let (r, w) = s.into_split();
+                (ReadHalf::Tokio(r), WriteHalf::Tokio(w))
+            }
+            #[cfg(feature = "sim")]
+            Stream::Sim(s) => {
+                let (r, w) = s.into_split();
+                (ReadHalf::Sim(r), WriteHalf::Sim(w))
+            }
+        }
+    }
+}
+
+impl AsyncRead for ReadHalf {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            ReadHalf::Tokio(r) => Pin::new(r).poll_read(cx, buf),
+            #[cfg(feature = "sim")]
+            ReadHalf::Sim(r) => Pin::new(r).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for WriteHalf {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            WriteHalf::Tokio(w) => Pin::new(w).poll_write(cx, buf),
+            #[cfg(feature = "sim")]
+            WriteHalf::Sim(w) => Pin::new(w).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            WriteHalf::Tokio(w) => Pin::new(w).poll_write_vectored(cx, bufs),
+            #[cfg(feature = "sim")]
+            WriteHalf::Sim(w) => Pin::new(w).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            WriteHalf::Tokio(w) => w.is_write_vectored(),
+            #[cfg(feature = "sim")]
+            WriteHalf::Sim(w) => w.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            WriteHalf::Tokio(w) => Pin::new(w).poll_flush(cx),
+            #[cfg(feature = "sim")]
+            WriteHalf::Sim(w) => Pin::new(w).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            WriteHalf::Tokio(w) => Pin::new(w).poll_shutdown(cx),
+            #[cfg(feature = "sim")]
+            WriteHalf::Sim(w) => Pin::new(w).poll_shutdown(cx),
+        }
+    }
+}

@@ -1,0 +1,325 @@
+//! Registered memory regions.
+//!
+//! A [`Region`] is memory that peers may address by (region id, byte offset, length) or by
+//! page index. It either owns page-aligned memory ([`Region::alloc`]) or wraps memory the
+//! caller owns ([`Region::from_raw`], `unsafe`). Remote writes land in a region while local
+//! code may hold its own handle, exactly as with RDMA: the application must not touch a range
+//! while a transfer into it is in flight.
+//!
+//! Each region counts the transfers that are touching it. Deregistration
+//! ([`crate::Channel::deregister`]) removes the region from the table first, so no new
+//! transfer can find it, then waits for that count to drop to zero: memory is never written
+//! after `deregister` returns, and owned memory is freed only with the last handle.
+
+use crate::error::{Error, Result};
+use kvbridge_proto::msg::{MemInfo, MemKind, RegionInfo};
+use kvbridge_proto::{PeerId, RegionId};
+use std::alloc::Layout;
+use std::collections::HashMap;
+use std::fmt;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
+use tokio::sync::Notify;
+
+/// Alignment of owned regions (a page).
+pub const REGION_ALIGN: usize = 4096;
+
+/// A registered memory region. Cheap to clone (a reference-counted handle).
+#[derive(Clone)]
+pub struct Region {
+    inner: Arc<RegionInner>,
+}
+
+struct RegionInner {
+    id: RegionId,
+    ptr: NonNull<u8>,
+    len: usize,
+    page_size: usize,
+    /// `Some` when the region owns its memory.
+    owned: Option<Layout>,
+    in_use: AtomicUsize,
+    idle: Notify,
+}
+
+// SAFETY: the region is a raw byte buffer; concurrent access to disjoint ranges is the
+// contract (see the module docs), and all bookkeeping fields are atomics.
+unsafe impl Send for RegionInner {}
+// SAFETY: as above.
+unsafe impl Sync for RegionInner {}
+
+impl Drop for RegionInner {
+    fn drop(&mut self) {
+        if let Some(layout) = self.owned {
+            // SAFETY: allocated in `Region::alloc` with this layout; last handle is gone.
+            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) }
+        }
+    }
+}
+
+impl fmt::Debug for Region {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Region")
+            .field("id", &self.inner.id)
+            .field("len", &self.inner.len)
+            .field("page_size", &self.inner.page_size)
+            .field("owned", &self.inner.owned.is_some())
+            .finish()
+    }
+}
+
+fn new_region_id() -> RegionId {
+    let mut b = [0u8; 16];
+    crate::rand_bytes(&mut b);
+    RegionId(b)
+}
+
+impl Region {
+    /// Allocates `len` bytes of page-aligned, zeroed memory and touches every page, so that
+    /// the first transfer into it does not pay for page faults.
+    pub fn alloc(len: usize, page_size: usize) -> Result<Region> {
+        if len == 0 || page_size == 0 {
+            return Err(Error::Local("region length and page size must be > 0".into()));
+        }
+        let layout = Layout::from_size_align(len, REGION_ALIGN)
+            .map_err(|e| Error::Local(format!("bad region layout: {e}")))?;
+        // SAFETY: layout has non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(ptr)
+            .ok_or_else(|| Error::Local(format!("could not allocate a region of {len} bytes")))?;
+        // Pre-fault: zeroed memory from mmap is mapped lazily.
+        for off in (0..len).step_by(REGION_ALIGN) {
+            // SAFETY: off < len, inside the allocation.
+            unsafe { ptr.as_ptr().add(off).write_volatile(0) };
+        }
+        Ok(Region {
+            inner: Arc::new(RegionInner {
+                id: new_region_id(),
+                ptr,
+                len,
+                page_size,
+                owned: Some(layout),
+                in_use: AtomicUsize::new(0),
+                idle: Notify::new(),
+            }),
+        })
+    }
+
+    /// Wraps memory the caller owns.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be valid for reads and writes, and stay valid until the region is
+    /// deregistered from every channel it was registered with *and* every handle is dropped.
+    /// The caller must not access a range while a transfer into or out of it is in flight.
+    pub unsafe fn from_raw(ptr: *mut u8, len: usize, page_size: usize) -> Result<Region> {
+        let ptr = NonNull::new(ptr).ok_or_else(|| Error::Local("null region pointer".into()))?;
+        if len == 0 || page_size == 0 {
+            return Err(Error::Local("region length and page size must be > 0".into()));
+        }
+        Ok(Region {
+            inner: Arc::new(RegionInner {
+                id: new_region_id(),
+                ptr,
+                len,
+                page_size,
+                owned: None,
+                in_use: AtomicUsize::new(0),
+                idle: Notify::new(),
+            }),
+        })
+    }
+
+    /// The region's id, as peers address it.
+    pub fn id(&self) -> RegionId {
+        self.inner.id
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.inner.len
+    }
+
+    /// Whether the region is empty (never: regions have a positive size).
+    pub fn is_empty(&self) -> bool {
+        self.inner.len == 0
+    }
+
+    /// Page size in bytes.
+    pub fn page_size(&self) -> usize {
+        self.inner.page_size
+    }
+
+    /// Number of whole pages.
+    pub fn pages(&self) -> usize {
+        self.inner.len / self.inner.page_size
+    }
+
+    /// Base address.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.inner.ptr.as_ptr()
+    }
+
+    /// Whether `offset..offset+len` lies inside the region.
+    pub fn contains(&self, offset: u64, len: u64) -> bool {
+        offset
+            .checked_add(len)
+            .is_some_and(|end| end <= self.inner.len as u64)
+    }
+
+    /// Copies `data` into the region at `offset`.
+    pub fn write_at(&self, offset: usize, data: &[u8]) -> Result<()> {
+        if !self.contains(offset as u64, data.len() as u64) {
+            return Err(Error::Local(format!(
+                "write of {} bytes at {offset} is outside region {} of {} bytes",
+                data.len(),
+                self.id(),
+                self.len()
+            )));
+        }
+        // SAFETY: bounds checked; concurrent transfers into this range are the caller's
+        // responsibility (module docs).
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.as_ptr().add(offset), data.len())
+        };
+        Ok(())
+    }
+
+    /// Copies `out.len()` bytes from the region at `offset`.
+    pub fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        if !self.contains(offset as u64, out.len() as u64) {
+            return Err(Error::Local(format!(
+                "read of {} bytes at {offset} is outside region {} of {} bytes",
+                out.len(),
+                self.id(),
+                self.len()
+            )));
+        }
+        // SAFETY: bounds checked.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.as_ptr().add(offset), out.as_mut_ptr(), out.len())
+        };
+        Ok(())
+    }
+
+    /// The region's description for a peer.
+    pub fn info(&self) -> RegionInfo {
+        RegionInfo {
+            id: self.id(),
+            len: self.len() as u64,
+            page_size: self.page_size() as u64,
+            kind: MemKind::Cpu,
+        }
+    }
+
+    /// Marks the region as touched by a transfer until the guard drops.
+    pub(crate) fn begin_use(&self) -> RegionUse {
+        self.inner.in_use.fetch_add(1, Ordering::AcqRel);
+        RegionUse {
+            region: self.clone(),
+        }
+    }
+
+    /// Transfers touching the region right now.
+    pub fn in_use(&self) -> usize {
+        self.inner.in_use.load(Ordering::Acquire)
+    }
+
+    /// Waits until no transfer touches the region.
+    pub(crate) async fn quiesce(&self) {
+        loop {
+            let idle = self.inner.idle.notified();
+            tokio::pin!(idle);
+            idle.as_mut().enable();
+            if self.in_use() == 0 {
+                return;
+            }
+            idle.await;
+        }
+    }
+}
+
+/// Guard of one transfer touching a region.
+pub(crate) struct RegionUse {
+    region: Region,
+}
+
+impl RegionUse {
+    pub(crate) fn region(&self) -> &Region {
+        &self.region
+    }
+}
+
+impl Drop for RegionUse {
+    fn drop(&mut self) {
+        if self.region.inner.in_use.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.region.inner.idle.notify_waiters();
+        }
+    }
+}
+
+/// Which peers may address a region.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Grant {
+    /// Every peer of the channel.
+    #[default]
+    AllPeers,
+    /// Only these peers.
+    Peers(Vec<PeerId>),
+}
+
+impl Grant {
+    fn allows(&self, peer: &PeerId) -> bool {
+        match self {
+            Grant::AllPeers => true,
+            Grant::Peers(p) => p.contains(peer),
+        }
+    }
+}
+
+/// The channel's local regions and who may address them. Written by `register` and
+/// `deregister` only; a region is in the table before any peer can learn its id.
+#[derive(Default)]
+pub(crate) struct RegionTable {
+    map: RwLock<HashMap<RegionId, (Region, Grant)>>,
+}
+
+impl RegionTable {
+    pub(crate) fn insert(&self, r: Region, g: Grant) -> Result<()> {
+        let mut m = self.map.write().expect("region table poisoned");
+        if m.contains_key(&r.id()) {
+            return Err(Error::Local(format!("region {} already registered", r.id())));
+        }
+        m.insert(r.id(), (r, g));
+        Ok(())
+    }
+
+    pub(crate) fn remove(&self, id: &RegionId) -> Option<Region> {
+        self.map
+            .write()
+            .expect("region table poisoned")
+            .remove(id)
+            .map(|(r, _)| r)
+    }
+
+    /// Looks a region up for a transfer by `peer` and marks it in use, atomically with
+    /// respect to `remove`.
+    pub(crate) fn use_for(&self, peer: &PeerId, id: &RegionId) -> Option<RegionUse> {
+        let m = self.map.read().expect("region table poisoned");
+        match m.get(id) {
+            Some((r, g)) if g.allows(peer) => Some(r.begin_use()),
+            _ => None,
+        }
+    }
+
+    /// What this side grants to `peer`.
+    pub(crate) fn granted_to(&self, peer: &PeerId) -> MemInfo {
+        let m = self.map.read().expect("region table poisoned");
+        let mut regions: Vec<RegionInfo> = m
+            .values()
+            .filter(|(_, g)| g.allows(peer))
+            .map(|(r, _)| r.info())
+            .collect();
+        regions.sort_by_key(|r| r.id);
+        MemInfo { regions }
+    }
+}

@@ -1,0 +1,544 @@
+//! One task per peer session: the single owner of that peer's state.
+//!
+//! The task drives the sans-IO handshake machine of its role over the control connection,
+//! binds the data connection, runs the data path, and tears everything down on any failure:
+//! it tells the peer why, stops both data tasks, fails every batch still waiting, and only
+//! then reports the session gone to the channel core. Other tasks talk to it by message
+//! ([`SessionCmd`]); nothing about the session lives in a map that someone else fills.
+
+use crate::channel::{CoreCmd, PeerHandle};
+use crate::config::ChannelConfig;
+use crate::datapath::{run_reader, run_writer, DataPath, Outgoing, ReaderCtx};
+use crate::error::{Error, Result};
+use crate::net::{ReadHalf, Stream, WriteHalf};
+use crate::region::RegionTable;
+use crate::wire::{read_frame, write_msg, ReadError};
+use crate::Notification;
+use kvbridge_proto::handshake::{
+    ping, Established, Initiator, ListenerSession, LocalIdentity, Output, Step,
+};
+use kvbridge_proto::msg::{DataHello, ErrorCode, Hello, MemInfo, Message, RegionInfo};
+use kvbridge_proto::{PeerId, RegionId, SessionToken};
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+/// Messages to a session task.
+pub(crate) enum SessionCmd {
+    /// (Listener) A data connection that presented this session's token.
+    DataConn(Stream, PeerId),
+    /// A newer session of the same peer took over; fail with this error.
+    Replace(Error),
+    /// A batch passed its deadline; tear down with this error.
+    Abort(Error),
+    /// Local regions changed; tell the peer what it may address now.
+    MemChanged,
+    /// The channel is closing.
+    Close,
+}
+
+/// What every session task gets from its channel.
+#[derive(Clone)]
+pub(crate) struct SessionEnv {
+    pub(crate) local: LocalIdentity,
+    pub(crate) config: Arc<ChannelConfig>,
+    pub(crate) table: Arc<RegionTable>,
+    pub(crate) core: mpsc::UnboundedSender<CoreCmd>,
+    pub(crate) notifications: mpsc::Sender<Notification>,
+}
+
+enum Machine {
+    Init(Initiator),
+    Listen(ListenerSession),
+}
+
+impl Machine {
+    fn poll_output(&mut self) -> Option<Output> {
+        match self {
+            Machine::Init(m) => m.poll_output(),
+            Machine::Listen(m) => m.poll_output(),
+        }
+    }
+    fn poll_timeout(&self) -> Option<std::time::Instant> {
+        match self {
+            Machine::Init(m) => m.poll_timeout(),
+            Machine::Listen(m) => m.poll_timeout(),
+        }
+    }
+    fn handle_timeout(&mut self, now: std::time::Instant) {
+        match self {
+            Machine::Init(m) => m.handle_timeout(now),
+            Machine::Listen(m) => m.handle_timeout(now),
+        }
+    }
+    fn handle_message(&mut self, msg: Message, now: std::time::Instant) {
+        match self {
+            Machine::Init(m) => m.handle_message(msg, now),
+            Machine::Listen(m) => m.handle_message(msg, now),
+        }
+    }
+    fn data_bound(&mut self, now: std::time::Instant) {
+        match self {
+            Machine::Init(m) => m.data_bound(now),
+            Machine::Listen(m) => m.data_bound(now),
+        }
+    }
+    fn step(&self) -> Step {
+        match self {
+            Machine::Init(m) => m.step(),
+            Machine::Listen(m) => m.step(),
+        }
+    }
+    fn close(&mut self, code: ErrorCode, message: String) {
+        match self {
+            Machine::Init(m) => m.close(code, message),
+            Machine::Listen(m) => m.close(code, message),
+        }
+    }
+    fn update_mem(&mut self, mem: MemInfo, now: std::time::Instant) {
+        match self {
+            Machine::Init(m) => m.provide_mem_info(mem, now),
+            Machine::Listen(m) => m.update_mem_info(mem),
+        }
+    }
+}
+
+struct ActiveData {
+    path: Arc<DataPath>,
+    reader: JoinHandle<Result<()>>,
+    writer: JoinHandle<Result<()>>,
+}
+
+struct Session {
+    id: u64,
+    env: SessionEnv,
+    /// Address we dialled (initiator) — the core's key for waiters.
+    addr: Option<String>,
+    /// Name for errors: the peer id once known, else the address.
+    peer_name: String,
+    peer_id: Option<PeerId>,
+    machine: Machine,
+    ctl_w: WriteHalf,
+    ctl_rx: mpsc::Receiver<std::result::Result<Message, ReadError>>,
+    ctl_reader: JoinHandle<()>,
+    cmds: mpsc::UnboundedReceiver<SessionCmd>,
+    cmd_tx: mpsc::UnboundedSender<SessionCmd>,
+    data: Option<ActiveData>,
+    /// A data connection waiting to be bound (test hooks delay binding).
+    pending_bind: Option<(Instant, Stream)>,
+    data_connect: Option<JoinHandle<std::io::Result<Stream>>>,
+    remote: Arc<RwLock<HashMap<RegionId, RegionInfo>>>,
+    established: bool,
+    last_heard: Instant,
+}
+
+fn std_now() -> std::time::Instant {
+    // tokio's clock, so that paused or simulated time drives the deadlines too.
+    Instant::now().into_std()
+}
+
+async fn maybe<T, F: Future<Output = T> + Unpin>(f: Option<&mut F>) -> T {
+    match f {
+        Some(f) => f.await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn sleep_until_opt(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+fn spawn_control_reader(
+    mut r: ReadHalf,
+    max: u32,
+) -> (
+    mpsc::Receiver<std::result::Result<Message, ReadError>>,
+    JoinHandle<()>,
+) {
+    let (tx, rx) = mpsc::channel(64);
+    let h = tokio::spawn(async move {
+        let mut buf = Vec::new();
+        loop {
+            let r = read_frame(&mut r, max, &mut buf).await;
+            let stop = r.is_err();
+            if tx.send(r).await.is_err() || stop {
+                return;
+            }
+        }
+    });
+    (rx, h)
+}
+
+/// Runs the initiator side: dial, handshake, serve, tear down.
+pub(crate) async fn run_initiator(
+    env: SessionEnv,
+    id: u64,
+    addr: String,
+    cmds: mpsc::UnboundedReceiver<SessionCmd>,
+    cmd_tx: mpsc::UnboundedSender<SessionCmd>,
+) {
+    let d = &env.config.deadlines;
+    let stream = match tokio::time::timeout(d.connect, env.config.net.connect(&addr)).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            let err = Error::lost(&addr, Step::Connect, e);
+            let _ = env.core.send(CoreCmd::SessionDown { id, error: err });
+            return;
+        }
+        Err(_) => {
+            let err = Error::Timeout {
+                peer: addr.clone(),
+                step: Step::Connect,
+                after: d.connect,
+            };
+            let _ = env.core.send(CoreCmd::SessionDown { id, error: err });
+            return;
+        }
+    };
+    let machine = Machine::Init(Initiator::new(
+        env.local.clone(),
+        d.handshake_step,
+        std_now(),
+    ));
+    Session::start(env, id, Some(addr.clone()), addr, None, machine, stream, cmds, cmd_tx)
+        .run()
+        .await;
+}
+
+/// Runs the listener side of a session whose `Hello` was already read.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn run_listener(
+    env: SessionEnv,
+    id: u64,
+    stream: Stream,
+    hello: Hello,
+    token: SessionToken,
+    cmds: mpsc::UnboundedReceiver<SessionCmd>,
+    cmd_tx: mpsc::UnboundedSender<SessionCmd>,
+) {
+    if let Some(d) = env.config.hooks.listener_welcome_delay {
+        tokio::time::sleep(d).await;
+    }
+    let granted = env.table.granted_to(&hello.peer_id);
+    let peer = hello.peer_id.clone();
+    let machine = Machine::Listen(ListenerSession::accept(
+        hello,
+        &env.local,
+        token,
+        granted,
+        env.config.deadlines.handshake_step,
+        std_now(),
+    ));
+    Session::start(
+        env,
+        id,
+        None,
+        peer.to_string(),
+        Some(peer),
+        machine,
+        stream,
+        cmds,
+        cmd_tx,
+    )
+    .run()
+    .await;
+}
+
+impl Session {
+    #[allow(clippy::too_many_arguments)]
+    fn start(
+        env: SessionEnv,
+        id: u64,
+        addr: Option<String>,
+        peer_name: String,
+        peer_id: Option<PeerId>,
+        machine: Machine,
+        stream: Stream,
+        cmds: mpsc::UnboundedReceiver<SessionCmd>,
+        cmd_tx: mpsc::UnboundedSender<SessionCmd>,
+    ) -> Self {
+        let (r, w) = stream.into_split();
+        let (ctl_rx, ctl_reader) = spawn_control_reader(r, env.config.limits.max_frame_len);
+        Session {
+            id,
+            env,
+            addr,
+            peer_name,
+            peer_id,
+            machine,
+            ctl_w: w,
+            ctl_rx,
+            ctl_reader,
+            cmds,
+            cmd_tx,
+            data: None,
+            pending_bind: None,
+            data_connect: None,
+            remote: Arc::new(RwLock::new(HashMap::new())),
+            established: false,
+            last_heard: Instant::now(),
+        }
+    }
+
+    async fn run(mut self) {
+        let err = self.serve().await;
+        self.teardown(err).await;
+    }
+
+    /// Serves until the session ends; returns why.
+    async fn serve(&mut self) -> Error {
+        let keepalive = self.env.config.deadlines.keepalive;
+        let mut tick = tokio::time::interval_at(Instant::now() + keepalive, keepalive);
+        loop {
+            if let Some(e) = self.process_outputs().await {
+                return e;
+            }
+            let deadline = self.machine.poll_timeout().map(Instant::from_std);
+            let bind_at = self.pending_bind.as_ref().map(|(at, _)| *at);
+            let (reader, writer) = match self.data.as_mut() {
+                Some(d) => (Some(&mut d.reader), Some(&mut d.writer)),
+                None => (None, None),
+            };
+            tokio::select! {
+                m = self.ctl_rx.recv() => {
+                    self.last_heard = Instant::now();
+                    match m {
+                        Some(Ok(m)) => self.machine.handle_message(m, std_now()),
+                        Some(Err(ReadError::Frame(e))) => return Error::PeerMisbehaved {
+                            peer: self.peer_name.clone(), step: self.machine.step(), detail: e.to_string() },
+                        Some(Err(e)) => return Error::lost(&self.peer_name, self.machine.step(), e),
+                        None => return Error::lost(&self.peer_name, self.machine.step(), "control reader ended"),
+                    }
+                }
+                c = self.cmds.recv() => match c {
+                    Some(SessionCmd::DataConn(s, peer)) => {
+                        if self.data.is_some() || self.pending_bind.is_some() || Some(&peer) != self.peer_id.as_ref() {
+                            // A second data connection, or one naming another peer: refuse it
+                            // without disturbing this session.
+                            tokio::spawn(refuse(s, ErrorCode::UnknownSession, "data connection does not match this session"));
+                        } else {
+                            let delay = self.env.config.hooks.listener_bind_delay.unwrap_or_default();
+                            self.pending_bind = Some((Instant::now() + delay, s));
+                        }
+                    }
+                    Some(SessionCmd::Replace(e)) | Some(SessionCmd::Abort(e)) => return e,
+                    Some(SessionCmd::MemChanged) => {
+                        if let Some(p) = &self.peer_id {
+                            let mem = self.env.table.granted_to(p);
+                            self.machine.update_mem(mem, std_now());
+                        }
+                    }
+                    Some(SessionCmd::Close) | None => return Error::Closed,
+                },
+                _ = sleep_until_opt(deadline) => self.machine.handle_timeout(std_now()),
+                _ = sleep_until_opt(bind_at) => {
+                    let (_, s) = self.pending_bind.take().expect("bind_at implies pending_bind");
+                    self.bind(s);
+                }
+                r = maybe(self.data_connect.as_mut()) => {
+                    self.data_connect = None;
+                    match r {
+                        Ok(Ok(s)) => {
+                            let delay = self.env.config.hooks.initiator_bind_delay.unwrap_or_default();
+                            self.pending_bind = Some((Instant::now() + delay, s));
+                        }
+                        Ok(Err(e)) => return Error::lost(&self.peer_name, Step::DataBind, e),
+                        Err(e) => return Error::lost(&self.peer_name, Step::DataBind, e),
+                    }
+                }
+                r = maybe(reader) => return flatten(&self.peer_name, r),
+                r = maybe(writer) => return flatten(&self.peer_name, r),
+                _ = tick.tick(), if self.established => {
+                    if self.last_heard.elapsed() > self.env.config.deadlines.peer_silence {
+                        return Error::Timeout { peer: self.peer_name.clone(), step: Step::Established,
+                            after: self.env.config.deadlines.peer_silence };
+                    }
+                    if let Err(e) = self.send(&ping(self.id)).await { return e; }
+                }
+            }
+        }
+    }
+
+    async fn send(&mut self, m: &Message) -> Result<()> {
+        let limit = self.env.config.deadlines.control_write;
+        match tokio::time::timeout(limit, write_msg(&mut self.ctl_w, m)).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(Error::lost(&self.peer_name, self.machine.step(), e)),
+            Err(_) => Err(Error::Timeout {
+                peer: self.peer_name.clone(),
+                step: self.machine.step(),
+                after: limit,
+            }),
+        }
+    }
+
+    /// Carries out what the machine asked for; returns an error when the session must end.
+    async fn process_outputs(&mut self) -> Option<Error> {
+        while let Some(o) = self.machine.poll_output() {
+            match o {
+                Output::Send(m) => {
+                    if let Err(e) = self.send(&m).await {
+                        return Some(e);
+                    }
+                }
+                Output::Welcomed { peer_id, token, .. } => {
+                    self.peer_name = peer_id.to_string();
+                    self.peer_id = Some(peer_id.clone());
+                    let mem = self.env.table.granted_to(&peer_id);
+                    self.machine.update_mem(mem, std_now());
+                    let net = self.env.config.net;
+                    let addr = self.addr.clone().unwrap_or_default();
+                    let limit = self.env.config.deadlines.connect;
+                    let me = self.env.local.peer_id.clone();
+                    self.data_connect = Some(tokio::spawn(async move {
+                        let mut s = tokio::time::timeout(limit, net.connect(&addr))
+                            .await
+                            .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
+                        let hello = Message::DataHello(DataHello { token, peer_id: me });
+                        match &mut s {
+                            Stream::Tokio(t) => write_msg(t, &hello).await?,
+                            #[cfg(feature = "sim")]
+                            Stream::Sim(t) => write_msg(t, &hello).await?,
+                        }
+                        Ok(s)
+                    }));
+                }
+                Output::Ready(est) => self.on_established(est),
+                Output::PeerMemInfo(mem) => self.set_remote(mem),
+                Output::Failed(e) => {
+                    return Some(Error::from_handshake(&self.peer_name, self.machine.step(), e))
+                }
+            }
+        }
+        None
+    }
+
+    fn bind(&mut self, s: Stream) {
+        let peer = self.peer_id.clone().expect("bound only after the peer is known");
+        let (r, w) = s.into_split();
+        let (path, out_rx) = DataPath::new(peer.clone(), self.cmd_tx.clone());
+        let ctx = ReaderCtx {
+            path: path.clone(),
+            table: self.env.table.clone(),
+            limits: self.env.config.limits.clone(),
+            hooks: self.env.config.hooks.clone(),
+            notifications: self.env.notifications.clone(),
+            out: path_out(&path),
+        };
+        let writer = tokio::spawn(run_writer(peer, w, out_rx));
+        let reader = tokio::spawn(run_reader(r, ctx));
+        self.data = Some(ActiveData {
+            path,
+            reader,
+            writer,
+        });
+        self.machine.data_bound(std_now());
+    }
+
+    fn set_remote(&mut self, mem: MemInfo) {
+        let mut map = self.remote.write().expect("remote regions poisoned");
+        map.clear();
+        for r in mem.regions {
+            map.insert(r.id, r);
+        }
+    }
+
+    fn on_established(&mut self, est: Established) {
+        self.set_remote(est.regions);
+        self.established = true;
+        self.peer_name = est.peer_id.to_string();
+        let data = self
+            .data
+            .as_ref()
+            .expect("established implies bound")
+            .path
+            .clone();
+        let handle = PeerHandle {
+            peer_id: est.peer_id,
+            incarnation: est.incarnation,
+            data,
+            remote: self.remote.clone(),
+        };
+        let _ = self.env.core.send(CoreCmd::SessionUp {
+            id: self.id,
+            handle,
+        });
+    }
+
+    /// Rollback: tell the peer, stop the data tasks, fail waiting batches, report to the
+    /// core. After this nothing of the session is left anywhere.
+    async fn teardown(mut self, err: Error) {
+        tracing::debug!(peer = %self.peer_name, error = %err, "session ends");
+        // The machine already queued a Reject for its own failures; for the others say Bye.
+        let tell_peer = !matches!(
+            err,
+            Error::ConnectionLost { .. }
+                | Error::Rejected { .. }
+                | Error::PeerClosed { .. }
+                | Error::PeerMisbehaved { .. }
+        );
+        if tell_peer {
+            self.machine.close(err.code(), err.to_string());
+            while let Some(o) = self.machine.poll_output() {
+                if let Output::Send(m) = o {
+                    let _ = self.send(&m).await;
+                }
+            }
+        }
+        if let Some(h) = self.data_connect.take() {
+            h.abort();
+        }
+        if let Some(d) = self.data.take() {
+            // Let the writer flush what is queued (an error ack for the peer), briefly.
+            d.path.shutdown_writer().await;
+            let mut writer = d.writer;
+            if tokio::time::timeout(Duration::from_millis(200), &mut writer)
+                .await
+                .is_err()
+            {
+                writer.abort();
+                let _ = writer.await;
+            }
+            d.reader.abort();
+            let _ = d.reader.await;
+            d.path.drain(&err);
+        }
+        self.ctl_reader.abort();
+        let _ = self.env.core.send(CoreCmd::SessionDown {
+            id: self.id,
+            error: err,
+        });
+    }
+}
+
+fn path_out(path: &Arc<DataPath>) -> mpsc::Sender<Outgoing> {
+    path.out_sender()
+}
+
+fn flatten(
+    peer: &str,
+    r: std::result::Result<Result<()>, tokio::task::JoinError>,
+) -> Error {
+    match r {
+        Ok(Ok(())) => Error::lost(peer, Step::Established, "data connection ended"),
+        Ok(Err(e)) => e,
+        Err(e) => Error::lost(peer, Step::Established, e),
+    }
+}
+
+/// Answers a connection we will not serve with a typed refusal, then drops it.
+pub(crate) async fn refuse(s: Stream, code: ErrorCode, message: &str) {
+    let (_r, mut w) = s.into_split();
+    let m = Message::Reject(kvbridge_proto::msg::Reject {
+        code,
+        message: message.to_string(),
+    });
+    let _ = tokio::time::timeout(Duration::from_secs(1), write_msg(&mut w, &m)).await;
+}

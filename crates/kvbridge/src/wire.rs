@@ -1,0 +1,85 @@
+//! Reading and writing frames on async streams (check the header, then parse the body).
+
+use kvbridge_proto::frame::{FrameError, FrameHeader, FRAME_HEADER_LEN};
+use kvbridge_proto::msg::Message;
+use std::io::{self, IoSlice};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// Linux refuses `writev` with more than this many buffers.
+const IOV_MAX: usize = 1024;
+
+/// Why reading a frame failed.
+#[derive(Debug)]
+pub(crate) enum ReadError {
+    /// Clean end of stream between frames.
+    Eof,
+    /// The socket failed.
+    Io(io::Error),
+    /// The bytes are not a valid frame.
+    Frame(FrameError),
+}
+
+impl std::fmt::Display for ReadError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReadError::Eof => f.write_str("connection closed by peer"),
+            ReadError::Io(e) => write!(f, "{e}"),
+            ReadError::Frame(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+/// Reads one frame; `buf` is reused between calls to avoid an allocation per frame.
+pub(crate) async fn read_frame<R: AsyncRead + Unpin>(
+    r: &mut R,
+    max_body: u32,
+    buf: &mut Vec<u8>,
+) -> Result<Message, ReadError> {
+    let mut h = [0u8; FRAME_HEADER_LEN];
+    // Distinguish a clean close between frames from a truncated frame.
+    let n = r.read(&mut h).await.map_err(ReadError::Io)?;
+    if n == 0 {
+        return Err(ReadError::Eof);
+    }
+    if n < FRAME_HEADER_LEN {
+        r.read_exact(&mut h[n..]).await.map_err(eof_is_truncation)?;
+    }
+    let header = FrameHeader::decode(&h, max_body).map_err(ReadError::Frame)?;
+    buf.clear();
+    buf.resize(header.body_len as usize, 0);
+    r.read_exact(buf).await.map_err(eof_is_truncation)?;
+    Message::decode(buf).map_err(ReadError::Frame)
+}
+
+fn eof_is_truncation(e: io::Error) -> ReadError {
+    if e.kind() == io::ErrorKind::UnexpectedEof {
+        ReadError::Frame(FrameError::Truncated)
+    } else {
+        ReadError::Io(e)
+    }
+}
+
+/// Writes one message as a frame.
+pub(crate) async fn write_msg<W: AsyncWrite + Unpin>(w: &mut W, m: &Message) -> io::Result<()> {
+    let bytes = m
+        .to_frame()
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    w.write_all(&bytes).await
+}
+
+/// Writes every byte of `bufs` with as few `writev` calls as the kernel allows.
+pub(crate) async fn write_all_vectored<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    mut bufs: &mut [IoSlice<'_>],
+) -> io::Result<()> {
+    IoSlice::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        let end = bufs.len().min(IOV_MAX);
+        let n = w.write_vectored(&bufs[..end]).await?;
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        IoSlice::advance_slices(&mut bufs, n);
+    }
+    Ok(())
+}

@@ -1,0 +1,47 @@
+//! Helpers shared by the integration tests (included with `mod common;`).
+#![allow(dead_code)]
+
+use kvbridge::{Channel, ChannelConfig, Grant, Region};
+
+/// Fills a region with a pattern that depends on `seed` and the byte offset.
+pub fn fill(r: &Region, seed: u64) {
+    let mut buf = vec![0u8; r.len()];
+    pattern(&mut buf, seed, 0);
+    r.write_at(0, &buf).unwrap();
+}
+
+/// The pattern byte at `offset` for `seed` (an xorshift of both, cheap and position-unique).
+pub fn pattern(out: &mut [u8], seed: u64, base: u64) {
+    for (i, chunk) in out.chunks_mut(8).enumerate() {
+        let mut x = seed ^ (base / 8 + i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        x ^= x >> 33;
+        x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+        x ^= x >> 33;
+        let b = x.to_le_bytes();
+        chunk.copy_from_slice(&b[..chunk.len()]);
+    }
+}
+
+/// A listening channel on 127.0.0.1:0 with one owned region granted to every peer.
+pub async fn listener(name: &str, cfg: impl FnOnce(&mut ChannelConfig), region_len: usize, page: usize) -> (Channel, Region) {
+    let mut c = ChannelConfig::new(name, Some("127.0.0.1:0"));
+    cfg(&mut c);
+    let ch = Channel::new(c).await.unwrap();
+    let r = Region::alloc(region_len, page).unwrap();
+    ch.register(&r, Grant::AllPeers).unwrap();
+    (ch, r)
+}
+
+/// An initiator-only channel with one owned region.
+pub async fn initiator(name: &str, cfg: impl FnOnce(&mut ChannelConfig), region_len: usize, page: usize) -> (Channel, Region) {
+    let mut c = ChannelConfig::new(name, None);
+    cfg(&mut c);
+    let ch = Channel::new(c).await.unwrap();
+    let r = Region::alloc(region_len, page).unwrap();
+    ch.register(&r, Grant::AllPeers).unwrap();
+    (ch, r)
+}
+
+pub fn addr(ch: &Channel) -> String {
+    ch.local_addr().unwrap().to_string()
+}
