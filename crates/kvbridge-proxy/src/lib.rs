@@ -1,13 +1,15 @@
-//! OpenAI-compatible disaggregation proxy (placeholder until the proxy issue lands).
+//! OpenAI-compatible disaggregation proxy: routes each request to a prefiller and a decoder,
+//! moves it across (LMCache or vLLM NIXL flow), and answers errors instead of hanging.
+//!
+//! Start it with [`cli::run`] (`kvbridge proxy`) or, in-process, with [`server::start`].
 
-/// Command-line entry points of `kvbridge proxy`.
-pub mod cli {
-    /// Flags of `kvbridge proxy`.
-    #[derive(Debug, clap::Args)]
-    pub struct ProxyArgs {}
+#![warn(missing_docs)]
 
-    /// Runs the proxy until it is shut down.
-    pub async fn run(_args: ProxyArgs) -> anyhow::Result<()> {
-        anyhow::bail!("kvbridge proxy is not built yet")
-    }
-}
+mod body;
+pub mod cli;
+pub mod config;
+pub mod kvwait;
+pub mod metrics;
+pub mod notif;
+pub mod pool;
+pub mod server;

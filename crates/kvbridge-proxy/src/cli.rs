@@ -1,0 +1,127 @@
+//! Command-line entry points of `kvbridge proxy`.
+
+use std::path::PathBuf;
+
+use crate::config::{Config, Flow};
+
+/// Flags of `kvbridge proxy`. Lists take commas or several values (`--decoder-init-port
+/// 8300,8301` or `--decoder-init-port 8300 8301`). Flags win over `--config`, which wins over
+/// the defaults shown.
+#[derive(Debug, Default, clap::Args)]
+pub struct ProxyArgs {
+    /// TOML configuration file (same keys as the flags, with `_`; workers as `[[prefiller]]`
+    /// and `[[decoder]]` tables, see docs/proxy.md).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// HTTP listen host [default: 127.0.0.1].
+    #[arg(long)]
+    pub host: Option<String>,
+    /// HTTP listen port [default: 8000].
+    #[arg(long)]
+    pub port: Option<u16>,
+    /// Prefiller hosts (one for all ports, or one per port) [default: localhost].
+    #[arg(long, value_delimiter = ',', num_args = 1..)]
+    pub prefiller_host: Option<Vec<String>>,
+    /// Prefiller HTTP ports [default: 8100].
+    #[arg(long, value_delimiter = ',', num_args = 1..)]
+    pub prefiller_port: Option<Vec<u16>>,
+    /// Decoder hosts (one for all ports, or one per port) [default: localhost].
+    #[arg(long, value_delimiter = ',', num_args = 1..)]
+    pub decoder_host: Option<Vec<String>>,
+    /// Decoder HTTP ports [default: 8200].
+    #[arg(long, value_delimiter = ',', num_args = 1..)]
+    pub decoder_port: Option<Vec<u16>>,
+    /// KV receiver init port of each rank, same for every decoder [default: 8300].
+    #[arg(long, value_delimiter = ',', num_args = 1..)]
+    pub decoder_init_port: Option<Vec<u16>>,
+    /// KV receiver alloc port of each rank, same for every decoder [default: 8400].
+    #[arg(long, value_delimiter = ',', num_args = 1..)]
+    pub decoder_alloc_port: Option<Vec<u16>>,
+    /// Number of prefillers; expands a single --prefiller-port into consecutive ports.
+    #[arg(long)]
+    pub num_prefillers: Option<usize>,
+    /// Number of decoders; expands a single --decoder-port into consecutive ports.
+    #[arg(long)]
+    pub num_decoders: Option<usize>,
+    /// Host of the ZMQ PULL socket that receives KV outcomes [default: 127.0.0.1].
+    #[arg(long)]
+    pub proxy_host: Option<String>,
+    /// Port of the ZMQ PULL socket that receives KV outcomes [default: 8500].
+    #[arg(long)]
+    pub proxy_port: Option<u16>,
+    /// Request flow [default: lmcache].
+    #[arg(long, value_enum)]
+    pub flow: Option<Flow>,
+    /// Seconds to wait for every rank's KV-ready outcome after the prefill (504 after)
+    /// [default: 60].
+    #[arg(long)]
+    pub kv_ready_timeout: Option<f64>,
+    /// Seconds allowed for the prefill request [default: 300].
+    #[arg(long)]
+    pub prefill_timeout: Option<f64>,
+    /// Seconds allowed for the decoder's response head, a non-streamed answer, and each gap
+    /// between streamed chunks [default: 300].
+    #[arg(long)]
+    pub decode_timeout: Option<f64>,
+    /// Seconds allowed to open a connection to a worker [default: 3].
+    #[arg(long)]
+    pub connect_timeout: Option<f64>,
+    /// Seconds between health checks of each worker; 0 disables them [default: 2].
+    #[arg(long)]
+    pub health_interval: Option<f64>,
+    /// Seconds allowed for one health check [default: 1].
+    #[arg(long)]
+    pub health_timeout: Option<f64>,
+    /// Consecutive failed checks that eject a worker [default: 2].
+    #[arg(long)]
+    pub unhealthy_after: Option<u32>,
+    /// Consecutive passed checks that re-admit a worker [default: 1].
+    #[arg(long)]
+    pub healthy_after: Option<u32>,
+    /// Most requests admitted to one decoder at once; 0 = no limit [default: 0].
+    #[arg(long)]
+    pub decoder_max_requests: Option<u32>,
+    /// KV capacity of one decoder in prompt tokens (estimated as bytes/4); 0 = no limit
+    /// [default: 0].
+    #[arg(long)]
+    pub decoder_kv_capacity: Option<u64>,
+    /// Most requests waiting for admission; more get 429 at once [default: 1024].
+    #[arg(long)]
+    pub max_queue: Option<usize>,
+    /// Seconds a request may wait for admission before 429 [default: 10].
+    #[arg(long)]
+    pub queue_timeout: Option<f64>,
+    /// Largest request body in bytes [default: 33554432].
+    #[arg(long)]
+    pub max_body_bytes: Option<usize>,
+}
+
+/// Runs the proxy until SIGINT or SIGTERM.
+pub async fn run(args: ProxyArgs) -> anyhow::Result<()> {
+    let cfg = Config::from_args(&args)?;
+    let proxy = crate::server::start(cfg).await?;
+    tracing::info!(
+        http = %proxy.http_addr(),
+        notify = ?proxy.notify_addr(),
+        "kvbridge proxy listening"
+    );
+    shutdown_signal().await;
+    tracing::info!("shutting down");
+    proxy.shutdown().await;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}

@@ -1,0 +1,416 @@
+//! Proxy configuration: built from the command line, an optional TOML file, and defaults
+//! (in that order of precedence).
+
+use std::path::Path;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::cli::ProxyArgs;
+
+/// How a request crosses from prefill to decode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Flow {
+    /// LMCache PD: the prefill carries a `disagg_spec`; prefiller ranks push outcomes to the
+    /// proxy's ZMQ PULL socket; the decode starts when every rank reported ready.
+    Lmcache,
+    /// vLLM NIXL connector: the prefill response's `kv_transfer_params` go into the decode
+    /// request; no notification socket.
+    Vllm,
+}
+
+/// An HTTP worker (prefiller or decoder).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerAddr {
+    /// Host name or IP address.
+    pub host: String,
+    /// HTTP port.
+    pub port: u16,
+}
+
+/// A decoder: its HTTP address, its KV receiver ports (one per rank) and its admission limits.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DecoderConfig {
+    /// Host name or IP address (also the `receiver_host` of the `disagg_spec`).
+    pub host: String,
+    /// HTTP port.
+    pub port: u16,
+    /// KV receiver init (handshake) port of each rank.
+    #[serde(default)]
+    pub init_ports: Vec<u16>,
+    /// KV receiver alloc port of each rank.
+    #[serde(default)]
+    pub alloc_ports: Vec<u16>,
+    /// Most requests admitted to this decoder at once (0: no limit).
+    #[serde(default)]
+    pub max_requests: u32,
+    /// Most prompt tokens (estimated) admitted to this decoder at once: its KV buffer capacity
+    /// (0: no limit).
+    #[serde(default)]
+    pub kv_capacity_tokens: u64,
+}
+
+impl DecoderConfig {
+    /// Number of ranks whose outcome the proxy waits for.
+    pub fn ranks(&self) -> u32 {
+        self.init_ports.len().max(1) as u32
+    }
+}
+
+/// Everything the proxy needs to run.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// HTTP listen host.
+    pub host: String,
+    /// HTTP listen port (0 picks a free one).
+    pub port: u16,
+    /// Prefill workers.
+    pub prefillers: Vec<WorkerAddr>,
+    /// Decode workers.
+    pub decoders: Vec<DecoderConfig>,
+    /// Host of the notification PULL socket (lmcache flow).
+    pub proxy_host: String,
+    /// Port of the notification PULL socket (0 picks a free one).
+    pub proxy_port: u16,
+    /// Request flow.
+    pub flow: Flow,
+    /// Deadline for all ranks' KV-ready outcomes, counted from the end of the prefill.
+    pub kv_ready_timeout: Duration,
+    /// Deadline for the prefill request (whole response).
+    pub prefill_timeout: Duration,
+    /// Deadline for the decoder's response head, a non-streamed body, and each gap between
+    /// streamed chunks.
+    pub decode_timeout: Duration,
+    /// Deadline for opening a TCP connection to a worker.
+    pub connect_timeout: Duration,
+    /// Interval of active health checks (`GET /health`); zero disables them.
+    pub health_interval: Duration,
+    /// Deadline of one health check.
+    pub health_timeout: Duration,
+    /// Consecutive failed checks that eject a worker.
+    pub unhealthy_after: u32,
+    /// Consecutive passed checks that re-admit an ejected worker.
+    pub healthy_after: u32,
+    /// Most requests waiting for an admission slot; more are answered 429 at once.
+    pub max_queue: usize,
+    /// Longest wait for an admission slot before answering 429.
+    pub queue_timeout: Duration,
+    /// Largest request body accepted.
+    pub max_body_bytes: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            host: "127.0.0.1".into(),
+            port: 8000,
+            prefillers: Vec::new(),
+            decoders: Vec::new(),
+            proxy_host: "127.0.0.1".into(),
+            proxy_port: 8500,
+            flow: Flow::Lmcache,
+            kv_ready_timeout: Duration::from_secs(60),
+            prefill_timeout: Duration::from_secs(300),
+            decode_timeout: Duration::from_secs(300),
+            connect_timeout: Duration::from_secs(3),
+            health_interval: Duration::from_secs(2),
+            health_timeout: Duration::from_secs(1),
+            unhealthy_after: 2,
+            healthy_after: 1,
+            max_queue: 1024,
+            queue_timeout: Duration::from_secs(10),
+            max_body_bytes: 32 << 20,
+        }
+    }
+}
+
+/// The TOML file: every key optional, same names as the flags with `_` for `-`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    host: Option<String>,
+    port: Option<u16>,
+    proxy_host: Option<String>,
+    proxy_port: Option<u16>,
+    flow: Option<Flow>,
+    kv_ready_timeout: Option<f64>,
+    prefill_timeout: Option<f64>,
+    decode_timeout: Option<f64>,
+    connect_timeout: Option<f64>,
+    health_interval: Option<f64>,
+    health_timeout: Option<f64>,
+    unhealthy_after: Option<u32>,
+    healthy_after: Option<u32>,
+    max_queue: Option<usize>,
+    queue_timeout: Option<f64>,
+    max_body_bytes: Option<usize>,
+    #[serde(default, rename = "prefiller")]
+    prefillers: Vec<WorkerAddr>,
+    #[serde(default, rename = "decoder")]
+    decoders: Vec<DecoderConfig>,
+}
+
+fn secs(name: &str, v: f64) -> anyhow::Result<Duration> {
+    if !v.is_finite() || v < 0.0 || v > 1e9 {
+        anyhow::bail!("{name} must be a number of seconds between 0 and 1e9, not {v}");
+    }
+    Ok(Duration::from_secs_f64(v))
+}
+
+/// Expands LMCache-style host and port lists: one host for all ports, one port for all hosts,
+/// or equally long lists; `count` (from `--num-*`) expands a single port into consecutive ones.
+fn expand(what: &str, hosts: &[String], ports: &[u16], count: Option<usize>) -> anyhow::Result<Vec<WorkerAddr>> {
+    let mut ports = ports.to_vec();
+    if let Some(n) = count {
+        if n == 0 {
+            anyhow::bail!("--num-{what}s must be at least 1");
+        }
+        if ports.len() == 1 && hosts.len() <= 1 && n > 1 {
+            let p = ports[0];
+            ports = (0..n).map(|i| p.saturating_add(i as u16)).collect();
+        }
+    }
+    let n = hosts.len().max(ports.len());
+    if (hosts.len() != 1 && hosts.len() != n) || (ports.len() != 1 && ports.len() != n) || n == 0 {
+        anyhow::bail!(
+            "--{what}-host has {} entries and --{what}-port has {}: give one of each, one host for many ports, or lists of equal length",
+            hosts.len(),
+            ports.len()
+        );
+    }
+    if let Some(c) = count {
+        if c != n {
+            anyhow::bail!("--num-{what}s is {c} but {n} {what}s were given");
+        }
+    }
+    Ok((0..n)
+        .map(|i| WorkerAddr {
+            host: hosts[if hosts.len() == 1 { 0 } else { i }].trim().to_string(),
+            port: ports[if ports.len() == 1 { 0 } else { i }],
+        })
+        .collect())
+}
+
+impl Config {
+    /// Builds the configuration: flags win over the `--config` file, which wins over defaults.
+    pub fn from_args(a: &ProxyArgs) -> anyhow::Result<Config> {
+        let file = match &a.config {
+            Some(p) => load_file(p)?,
+            None => FileConfig::default(),
+        };
+        let d = Config::default();
+        let pick = |n: &str, cli: Option<f64>, f: Option<f64>, dflt: Duration| -> anyhow::Result<Duration> {
+            match cli.or(f) {
+                Some(v) => secs(n, v),
+                None => Ok(dflt),
+            }
+        };
+        let flow = a.flow.or(file.flow).unwrap_or(d.flow);
+        let prefillers = if a.prefiller_host.is_some() || a.prefiller_port.is_some() || file.prefillers.is_empty() {
+            let hosts = a.prefiller_host.clone().unwrap_or_else(|| vec!["localhost".into()]);
+            let ports = a.prefiller_port.clone().unwrap_or_else(|| vec![8100]);
+            expand("prefiller", &hosts, &ports, a.num_prefillers)?
+        } else {
+            file.prefillers
+        };
+        let decoders = if a.decoder_host.is_some() || a.decoder_port.is_some() || file.decoders.is_empty() {
+            let hosts = a.decoder_host.clone().unwrap_or_else(|| vec!["localhost".into()]);
+            let ports = a.decoder_port.clone().unwrap_or_else(|| vec![8200]);
+            let init = a.decoder_init_port.clone().unwrap_or_else(|| vec![8300]);
+            let alloc = a.decoder_alloc_port.clone().unwrap_or_else(|| vec![8400]);
+            expand("decoder", &hosts, &ports, a.num_decoders)?
+                .into_iter()
+                .map(|w| DecoderConfig {
+                    host: w.host,
+                    port: w.port,
+                    init_ports: init.clone(),
+                    alloc_ports: alloc.clone(),
+                    max_requests: 0,
+                    kv_capacity_tokens: 0,
+                })
+                .collect()
+        } else {
+            let mut ds = file.decoders;
+            for dc in &mut ds {
+                if let Some(i) = &a.decoder_init_port {
+                    dc.init_ports = i.clone();
+                }
+                if let Some(i) = &a.decoder_alloc_port {
+                    dc.alloc_ports = i.clone();
+                }
+            }
+            ds
+        };
+        let mut decoders = decoders;
+        for dc in &mut decoders {
+            if let Some(m) = a.decoder_max_requests {
+                dc.max_requests = m;
+            }
+            if let Some(c) = a.decoder_kv_capacity {
+                dc.kv_capacity_tokens = c;
+            }
+        }
+        let cfg = Config {
+            host: a.host.clone().or(file.host).unwrap_or(d.host),
+            port: a.port.or(file.port).unwrap_or(d.port),
+            prefillers,
+            decoders,
+            proxy_host: a.proxy_host.clone().or(file.proxy_host).unwrap_or(d.proxy_host),
+            proxy_port: a.proxy_port.or(file.proxy_port).unwrap_or(d.proxy_port),
+            flow,
+            kv_ready_timeout: pick("kv-ready-timeout", a.kv_ready_timeout, file.kv_ready_timeout, d.kv_ready_timeout)?,
+            prefill_timeout: pick("prefill-timeout", a.prefill_timeout, file.prefill_timeout, d.prefill_timeout)?,
+            decode_timeout: pick("decode-timeout", a.decode_timeout, file.decode_timeout, d.decode_timeout)?,
+            connect_timeout: pick("connect-timeout", a.connect_timeout, file.connect_timeout, d.connect_timeout)?,
+            health_interval: pick("health-interval", a.health_interval, file.health_interval, d.health_interval)?,
+            health_timeout: pick("health-timeout", a.health_timeout, file.health_timeout, d.health_timeout)?,
+            unhealthy_after: a.unhealthy_after.or(file.unhealthy_after).unwrap_or(d.unhealthy_after),
+            healthy_after: a.healthy_after.or(file.healthy_after).unwrap_or(d.healthy_after),
+            max_queue: a.max_queue.or(file.max_queue).unwrap_or(d.max_queue),
+            queue_timeout: pick("queue-timeout", a.queue_timeout, file.queue_timeout, d.queue_timeout)?,
+            max_body_bytes: a.max_body_bytes.or(file.max_body_bytes).unwrap_or(d.max_body_bytes),
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks that the configuration can run; the error names the offending setting.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if self.prefillers.is_empty() {
+            anyhow::bail!("no prefiller configured");
+        }
+        if self.decoders.is_empty() {
+            anyhow::bail!("no decoder configured");
+        }
+        for w in self.prefillers.iter().map(|p| (&p.host, p.port)).chain(self.decoders.iter().map(|d| (&d.host, d.port))) {
+            if w.0.is_empty() || w.0.contains(['/', ' ', '@', '?', '#']) {
+                anyhow::bail!("bad worker host {:?}", w.0);
+            }
+        }
+        if self.flow == Flow::Lmcache {
+            for dc in &self.decoders {
+                if dc.init_ports.is_empty() || dc.init_ports.len() != dc.alloc_ports.len() {
+                    anyhow::bail!(
+                        "decoder {}:{} has {} init ports and {} alloc ports; the lmcache flow needs one of each per rank",
+                        dc.host,
+                        dc.port,
+                        dc.init_ports.len(),
+                        dc.alloc_ports.len()
+                    );
+                }
+                if dc.init_ports.len() > crate::kvwait::MAX_RANKS as usize {
+                    anyhow::bail!("at most {} ranks per decoder", crate::kvwait::MAX_RANKS);
+                }
+            }
+        }
+        if self.unhealthy_after == 0 || self.healthy_after == 0 {
+            anyhow::bail!("--unhealthy-after and --healthy-after must be at least 1");
+        }
+        Ok(())
+    }
+}
+
+fn load_file(p: &Path) -> anyhow::Result<FileConfig> {
+    let text = std::fs::read_to_string(p).map_err(|e| anyhow::anyhow!("cannot read config file {}: {e}", p.display()))?;
+    toml::from_str(&text).map_err(|e| anyhow::anyhow!("bad config file {}: {e}", p.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct T {
+        #[command(flatten)]
+        a: ProxyArgs,
+    }
+
+    fn parse(args: &[&str]) -> anyhow::Result<Config> {
+        let t = T::try_parse_from(std::iter::once("proxy").chain(args.iter().copied()))?;
+        Config::from_args(&t.a)
+    }
+
+    #[test]
+    fn defaults_match_lmcache_example_deployment() {
+        let c = parse(&[]).unwrap();
+        assert_eq!(c.port, 8000);
+        assert_eq!(c.proxy_port, 8500);
+        assert_eq!(c.prefillers, vec![WorkerAddr { host: "localhost".into(), port: 8100 }]);
+        assert_eq!(c.decoders[0].port, 8200);
+        assert_eq!(c.decoders[0].init_ports, vec![8300]);
+        assert_eq!(c.decoders[0].alloc_ports, vec![8400]);
+        assert_eq!(c.flow, Flow::Lmcache);
+        assert_eq!(c.kv_ready_timeout, Duration::from_secs(60));
+    }
+
+    #[test]
+    fn comma_and_space_lists_and_num_workers() {
+        let c = parse(&[
+            "--prefiller-host", "a,b", "--prefiller-port", "1", "--decoder-host", "d",
+            "--decoder-port", "5", "6", "--decoder-init-port", "7300,7301",
+            "--decoder-alloc-port", "7400", "7401", "--kv-ready-timeout", "0.5", "--flow", "vllm",
+        ])
+        .unwrap();
+        assert_eq!(c.prefillers.len(), 2);
+        assert_eq!(c.prefillers[1], WorkerAddr { host: "b".into(), port: 1 });
+        assert_eq!(c.decoders.len(), 2);
+        assert_eq!(c.decoders[1].port, 6);
+        assert_eq!(c.decoders[1].ranks(), 2);
+        assert_eq!(c.kv_ready_timeout, Duration::from_millis(500));
+        assert_eq!(c.flow, Flow::Vllm);
+        let c = parse(&["--prefiller-port", "8100", "--num-prefillers", "3"]).unwrap();
+        assert_eq!(c.prefillers.iter().map(|p| p.port).collect::<Vec<_>>(), vec![8100, 8101, 8102]);
+    }
+
+    #[test]
+    fn bad_input_is_a_clear_error() {
+        let e = parse(&["--prefiller-host", "a,b,c", "--prefiller-port", "1,2"]).unwrap_err();
+        assert!(e.to_string().contains("--prefiller-host has 3 entries"), "{e}");
+        let e = parse(&["--decoder-init-port", "1,2", "--decoder-alloc-port", "3"]).unwrap_err();
+        assert!(e.to_string().contains("2 init ports and 1 alloc ports"), "{e}");
+        let e = parse(&["--kv-ready-timeout=-1"]).unwrap_err();
+        assert!(e.to_string().contains("kv-ready-timeout"), "{e}");
+        assert!(parse(&["--flow", "bogus"]).is_err());
+        assert!(parse(&["--config", "/nonexistent/kvbridge.toml"]).is_err());
+    }
+
+    #[test]
+    fn toml_file_with_per_decoder_ranks_and_flag_override() {
+        let dir = std::env::temp_dir().join(format!("kvbridge-proxy-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("proxy.toml");
+        std::fs::write(
+            &p,
+            r#"
+port = 9000
+flow = "lmcache"
+kv_ready_timeout = 5
+[[prefiller]]
+host = "p1"
+port = 8100
+[[decoder]]
+host = "d1"
+port = 8200
+init_ports = [7300, 7301]
+alloc_ports = [7400, 7401]
+kv_capacity_tokens = 100000
+"#,
+        )
+        .unwrap();
+        let ps = p.to_str().unwrap();
+        let c = parse(&["--config", ps, "--port", "9001"]).unwrap();
+        assert_eq!(c.port, 9001);
+        assert_eq!(c.kv_ready_timeout, Duration::from_secs(5));
+        assert_eq!(c.prefillers[0].host, "p1");
+        assert_eq!(c.decoders[0].ranks(), 2);
+        assert_eq!(c.decoders[0].kv_capacity_tokens, 100000);
+        std::fs::write(&p, "bogus_key = 1\n").unwrap();
+        let e = parse(&["--config", ps]).unwrap_err();
+        assert!(e.to_string().contains("bogus_key"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -1,0 +1,372 @@
+//! Worker pools: least-loaded choice, per-decoder admission, and health state.
+
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::Notify;
+
+/// Whether a pool serves prefill or decode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Prefill workers.
+    Prefill,
+    /// Decode workers.
+    Decode,
+}
+
+impl Role {
+    /// Label value used in metrics and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+/// One worker and its live state.
+#[derive(Debug)]
+pub struct Worker {
+    /// `host:port`.
+    pub label: String,
+    /// `http://host:port`.
+    pub base: String,
+    /// Most requests at once (0: no limit).
+    pub max_requests: u32,
+    /// Most estimated prompt tokens at once (0: no limit).
+    pub kv_capacity_tokens: u64,
+    healthy: AtomicBool,
+    fails: AtomicU32,
+    oks: AtomicU32,
+    inflight: AtomicU64,
+    tokens: AtomicU64,
+    served: AtomicU64,
+}
+
+impl Worker {
+    /// Whether the worker takes requests now.
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(Relaxed)
+    }
+    /// Requests on this worker now.
+    pub fn inflight(&self) -> u64 {
+        self.inflight.load(Relaxed)
+    }
+    /// Estimated prompt tokens on this worker now.
+    pub fn tokens(&self) -> u64 {
+        self.tokens.load(Relaxed)
+    }
+}
+
+/// Why no worker could be picked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PickError {
+    /// Every worker of the pool is ejected.
+    NoHealthy,
+    /// Every healthy worker is at its admission limit.
+    Full,
+    /// The request alone exceeds the KV capacity of every healthy worker.
+    TooLarge {
+        /// Estimated prompt tokens of the request.
+        tokens: u64,
+        /// Largest capacity among healthy workers.
+        capacity: u64,
+    },
+}
+
+/// A pool of workers of one role.
+#[derive(Debug)]
+pub struct Pool {
+    /// Prefill or decode.
+    pub role: Role,
+    /// The workers, in configuration order.
+    pub workers: Vec<Worker>,
+    lock: Mutex<()>,
+    freed: Notify,
+    rr: AtomicUsize,
+    /// Requests waiting for a slot in this pool now.
+    pub queued: AtomicI64,
+    /// Health checks thresholds: failures that eject, successes that re-admit.
+    thresholds: (u32, u32),
+}
+
+/// A request's slot on one worker; dropping it frees the slot exactly once.
+#[derive(Debug)]
+pub struct Slot {
+    pool: Arc<Pool>,
+    idx: usize,
+    tokens: u64,
+}
+
+impl Slot {
+    /// The worker holding this slot.
+    pub fn worker(&self) -> &Worker {
+        &self.pool.workers[self.idx]
+    }
+    /// Index of the worker in its pool.
+    pub fn index(&self) -> usize {
+        self.idx
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let w = &self.pool.workers[self.idx];
+        w.inflight.fetch_sub(1, Relaxed);
+        w.tokens.fetch_sub(self.tokens, Relaxed);
+        if self.pool.queued.load(Relaxed) > 0 {
+            self.pool.freed.notify_waiters();
+        }
+    }
+}
+
+impl Pool {
+    /// Builds a pool; `workers` are `(host, port, max_requests, kv_capacity_tokens)`.
+    pub fn new(role: Role, workers: impl IntoIterator<Item = (String, u16, u32, u64)>, unhealthy_after: u32, healthy_after: u32) -> Arc<Pool> {
+        Arc::new(Pool {
+            role,
+            workers: workers
+                .into_iter()
+                .map(|(h, p, m, c)| Worker {
+                    label: format!("{h}:{p}"),
+                    base: format!("http://{h}:{p}"),
+                    max_requests: m,
+                    kv_capacity_tokens: c,
+                    healthy: AtomicBool::new(true),
+                    fails: AtomicU32::new(0),
+                    oks: AtomicU32::new(0),
+                    inflight: AtomicU64::new(0),
+                    tokens: AtomicU64::new(0),
+                    served: AtomicU64::new(0),
+                })
+                .collect(),
+            lock: Mutex::new(()),
+            freed: Notify::new(),
+            rr: AtomicUsize::new(0),
+            queued: AtomicI64::new(0),
+            thresholds: (unhealthy_after.max(1), healthy_after.max(1)),
+        })
+    }
+
+    /// Takes a slot on the least loaded healthy worker that admits `tokens` more, skipping
+    /// the workers in `exclude` (indexes).
+    pub fn try_pick(self: &Arc<Self>, tokens: u64, exclude: &[usize]) -> Result<Slot, PickError> {
+        let _g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        let n = self.workers.len();
+        let start = self.rr.fetch_add(1, Relaxed);
+        let mut best: Option<(u64, usize)> = None;
+        let mut any_healthy = false;
+        let mut max_cap = 0u64;
+        let mut too_large = true;
+        for k in 0..n {
+            let i = (start + k) % n;
+            let w = &self.workers[i];
+            if !w.is_healthy() || exclude.contains(&i) {
+                continue;
+            }
+            any_healthy = true;
+            if w.kv_capacity_tokens == 0 || tokens <= w.kv_capacity_tokens {
+                too_large = false;
+            }
+            max_cap = max_cap.max(w.kv_capacity_tokens);
+            let inflight = w.inflight();
+            let used = w.tokens();
+            if w.max_requests > 0 && inflight >= w.max_requests as u64 {
+                continue;
+            }
+            // An idle worker always admits a request that fits its capacity at all.
+            if w.kv_capacity_tokens > 0 && used + tokens > w.kv_capacity_tokens && inflight > 0 {
+                continue;
+            }
+            if w.kv_capacity_tokens > 0 && tokens > w.kv_capacity_tokens {
+                continue;
+            }
+            // Score: prompt tokens in flight plus a fixed cost per request.
+            let score = used + inflight * 256;
+            if best.is_none_or(|(s, _)| score < s) {
+                best = Some((score, i));
+            }
+        }
+        match best {
+            Some((_, i)) => {
+                let w = &self.workers[i];
+                w.inflight.fetch_add(1, Relaxed);
+                w.tokens.fetch_add(tokens, Relaxed);
+                w.served.fetch_add(1, Relaxed);
+                Ok(Slot { pool: self.clone(), idx: i, tokens })
+            }
+            None if !any_healthy => Err(PickError::NoHealthy),
+            None if too_large => Err(PickError::TooLarge { tokens, capacity: max_cap }),
+            None => Err(PickError::Full),
+        }
+    }
+
+    /// Like [`Pool::try_pick`], but waits up to `timeout` for a slot while the pool is full,
+    /// unless `max_queue` requests are already waiting. Waiting requests are counted in
+    /// `queued` and in the `queue_gauge`.
+    pub async fn pick(
+        self: &Arc<Self>,
+        tokens: u64,
+        max_queue: usize,
+        timeout: std::time::Duration,
+        queue_gauge: &AtomicI64,
+    ) -> Result<Slot, PickError> {
+        match self.try_pick(tokens, &[]) {
+            Err(PickError::Full) => {}
+            other => return other,
+        }
+        if timeout.is_zero() || self.queued.load(Relaxed) >= max_queue as i64 {
+            return Err(PickError::Full);
+        }
+        struct Queued<'a>(&'a AtomicI64, &'a AtomicI64);
+        impl Drop for Queued<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Relaxed);
+                self.1.fetch_sub(1, Relaxed);
+            }
+        }
+        self.queued.fetch_add(1, Relaxed);
+        queue_gauge.fetch_add(1, Relaxed);
+        let _q = Queued(&self.queued, queue_gauge);
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let notified = self.freed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            match self.try_pick(tokens, &[]) {
+                Err(PickError::Full) => {}
+                other => return other,
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return self.try_pick(tokens, &[]);
+            }
+        }
+    }
+
+    /// Records a health-check result (or a passive failure: a refused connection counts as
+    /// enough failures to eject at once). Returns true when the health state changed.
+    pub fn report(&self, idx: usize, ok: bool, passive: bool) -> bool {
+        let Some(w) = self.workers.get(idx) else { return false };
+        let (down_after, up_after) = self.thresholds;
+        if ok {
+            w.fails.store(0, Relaxed);
+            let oks = w.oks.fetch_add(1, Relaxed) + 1;
+            if !w.is_healthy() && oks >= up_after {
+                w.healthy.store(true, Relaxed);
+                tracing::info!(role = self.role.as_str(), worker = %w.label, "worker re-admitted");
+                self.freed.notify_waiters();
+                return true;
+            }
+        } else {
+            w.oks.store(0, Relaxed);
+            let fails = if passive { down_after } else { w.fails.fetch_add(1, Relaxed) + 1 };
+            if w.is_healthy() && fails >= down_after {
+                w.healthy.store(false, Relaxed);
+                tracing::warn!(role = self.role.as_str(), worker = %w.label, passive, "worker ejected");
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Number of healthy workers.
+    pub fn healthy_count(&self) -> usize {
+        self.workers.iter().filter(|w| w.is_healthy()).count()
+    }
+
+    /// Appends this pool's per-worker lines to a `/metrics` text.
+    pub fn render(&self, out: &mut String) {
+        use std::fmt::Write as _;
+        let role = self.role.as_str();
+        for (name, help, kind) in [
+            ("worker_healthy", "1 when the worker takes requests.", "gauge"),
+            ("worker_inflight", "Requests on the worker now.", "gauge"),
+            ("worker_inflight_tokens", "Estimated prompt tokens on the worker now.", "gauge"),
+            ("worker_requests_total", "Requests routed to the worker.", "counter"),
+        ] {
+            if self.role == Role::Prefill {
+                let _ = writeln!(out, "# HELP kvbridge_proxy_{name} {help}\n# TYPE kvbridge_proxy_{name} {kind}");
+            }
+            for w in &self.workers {
+                let v = match name {
+                    "worker_healthy" => w.is_healthy() as u64,
+                    "worker_inflight" => w.inflight(),
+                    "worker_inflight_tokens" => w.tokens(),
+                    _ => w.served.load(Relaxed),
+                };
+                let _ = writeln!(out, "kvbridge_proxy_{name}{{role=\"{role}\",worker=\"{}\"}} {v}", w.label);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn pool(n: usize, max: u32, cap: u64) -> Arc<Pool> {
+        Pool::new(Role::Decode, (0..n).map(|i| ("h".to_string(), i as u16, max, cap)), 2, 1)
+    }
+
+    #[test]
+    fn least_loaded_by_tokens_and_requests() {
+        let p = pool(2, 0, 0);
+        let a = p.try_pick(1000, &[]).unwrap();
+        let b = p.try_pick(10, &[]).unwrap();
+        assert_ne!(a.index(), b.index());
+        let c = p.try_pick(10, &[]).unwrap();
+        assert_eq!(c.index(), b.index(), "the worker with fewer tokens");
+        drop((a, b, c));
+        assert!(p.workers.iter().all(|w| w.inflight() == 0 && w.tokens() == 0));
+    }
+
+    #[test]
+    fn admission_by_requests_and_capacity() {
+        let p = pool(1, 2, 100);
+        let a = p.try_pick(60, &[]).unwrap();
+        assert_eq!(p.try_pick(60, &[]).unwrap_err(), PickError::Full);
+        let b = p.try_pick(40, &[]).unwrap();
+        assert_eq!(p.try_pick(1, &[]).unwrap_err(), PickError::Full);
+        assert_eq!(p.try_pick(101, &[]).unwrap_err(), PickError::TooLarge { tokens: 101, capacity: 100 });
+        drop((a, b));
+        assert!(p.try_pick(100, &[]).is_ok());
+    }
+
+    #[test]
+    fn ejection_and_readmission() {
+        let p = pool(2, 0, 0);
+        assert!(!p.report(0, false, false), "one failure is not enough");
+        assert!(p.report(0, false, false));
+        assert!(p.report(1, false, true), "a refused connection ejects at once");
+        assert_eq!(p.try_pick(1, &[]).unwrap_err(), PickError::NoHealthy);
+        assert!(p.report(1, true, false));
+        assert_eq!(p.try_pick(1, &[]).unwrap().index(), 1);
+        assert_eq!(p.try_pick(1, &[1]).unwrap_err(), PickError::NoHealthy);
+    }
+
+    #[tokio::test]
+    async fn queued_pick_gets_the_freed_slot_or_times_out() {
+        let p = pool(1, 1, 0);
+        let g = AtomicI64::new(0);
+        let a = p.try_pick(1, &[]).unwrap();
+        let t = std::time::Instant::now();
+        assert_eq!(p.pick(1, 10, Duration::from_millis(50), &g).await.unwrap_err(), PickError::Full);
+        assert!(t.elapsed() >= Duration::from_millis(50));
+        assert_eq!(p.pick(1, 0, Duration::from_secs(5), &g).await.unwrap_err(), PickError::Full, "queue of 0");
+        let p2 = p.clone();
+        let waiter = tokio::spawn(async move {
+            let g = AtomicI64::new(0);
+            p2.pick(1, 10, Duration::from_secs(10), &g).await.map(|s| s.index())
+        });
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while p.queued.load(Relaxed) == 0 {
+            assert!(std::time::Instant::now() < deadline, "the waiter never queued");
+            tokio::task::yield_now().await;
+        }
+        drop(a);
+        assert_eq!(tokio::time::timeout(Duration::from_secs(5), waiter).await.unwrap().unwrap(), Ok(0));
+        assert_eq!(p.queued.load(Relaxed), 0);
+        assert_eq!(g.load(Relaxed), 0);
+    }
+}

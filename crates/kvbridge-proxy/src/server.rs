@@ -1,0 +1,851 @@
+//! The HTTP front: routes, the two request flows, and the calls to the workers.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::http::header::{AUTHORIZATION, CACHE_CONTROL, CONTENT_TYPE};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use serde_json::{json, Map, Value};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use crate::body::{Finish, ProxyBody};
+use crate::config::{Config, Flow};
+use crate::kvwait::{self, KvOutcome, KvWaiters};
+use crate::metrics::{Metrics, Outcome};
+use crate::pool::{PickError, Pool, Role, Slot};
+
+const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+/// Largest worker response read whole (prefill answers, non-streamed decodes, errors).
+const MAX_UPSTREAM_BODY: usize = 64 << 20;
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+/// A running proxy: its bound addresses and the handle to stop it. Dropping it stops every
+/// task of the proxy at once; [`RunningProxy::shutdown`] lets requests in flight finish first.
+pub struct RunningProxy {
+    http_addr: SocketAddr,
+    notify_addr: Option<SocketAddr>,
+    app: Arc<App>,
+    stop: Option<oneshot::Sender<()>>,
+    server: Option<JoinHandle<()>>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl RunningProxy {
+    /// Address of the HTTP server.
+    pub fn http_addr(&self) -> SocketAddr {
+        self.http_addr
+    }
+
+    /// Address of the notification PULL socket (lmcache flow only).
+    pub fn notify_addr(&self) -> Option<SocketAddr> {
+        self.notify_addr
+    }
+
+    /// The proxy's live metrics.
+    pub fn metrics(&self) -> &Metrics {
+        &self.app.metrics
+    }
+
+    /// Stops accepting, lets requests in flight finish (at most 30 s), then stops every task.
+    pub async fn shutdown(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(mut h) = self.server.take() {
+            if tokio::time::timeout(Duration::from_secs(30), &mut h).await.is_err() {
+                h.abort();
+            }
+        }
+    }
+}
+
+impl Drop for RunningProxy {
+    fn drop(&mut self) {
+        if let Some(h) = &self.server {
+            h.abort();
+        }
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// Shared state of all requests.
+pub(crate) struct App {
+    cfg: Config,
+    client: HttpClient,
+    prefill: Arc<Pool>,
+    decode: Arc<Pool>,
+    waiters: Option<KvWaiters>,
+    metrics: Arc<Metrics>,
+    id_prefix: String,
+    seq: AtomicU64,
+}
+
+/// Binds the HTTP listener (and, in the lmcache flow, the notification socket), starts the
+/// health checks, and serves in the background. Everything is bound when this returns.
+pub async fn start(cfg: Config) -> anyhow::Result<RunningProxy> {
+    cfg.validate()?;
+    let metrics = Arc::new(Metrics::default());
+    let mut tasks = Vec::new();
+    let (waiters, notify_addr) = if cfg.flow == Flow::Lmcache {
+        let w = KvWaiters::spawn(metrics.clone());
+        let (addr, t) = kvwait::bind_pull(&cfg.proxy_host, cfg.proxy_port, w.clone(), metrics.clone()).await?;
+        tasks.push(t);
+        (Some(w), Some(addr))
+    } else {
+        (None, None)
+    };
+    let listener = tokio::net::TcpListener::bind((cfg.host.as_str(), cfg.port))
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen on {}:{}: {e}", cfg.host, cfg.port))?;
+    let http_addr = listener.local_addr()?;
+
+    let mut conn = HttpConnector::new();
+    conn.set_nodelay(true);
+    conn.set_connect_timeout(Some(cfg.connect_timeout));
+    let client = Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(60))
+        .pool_timer(TokioTimer::new())
+        .build(conn);
+    let (ua, ha) = (cfg.unhealthy_after, cfg.healthy_after);
+    let prefill = Pool::new(Role::Prefill, cfg.prefillers.iter().map(|w| (w.host.clone(), w.port, 0, 0)), ua, ha);
+    let decode = Pool::new(
+        Role::Decode,
+        cfg.decoders.iter().map(|d| (d.host.clone(), d.port, d.max_requests, d.kv_capacity_tokens)),
+        ua,
+        ha,
+    );
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    let app = Arc::new(App {
+        cfg,
+        client,
+        prefill,
+        decode,
+        waiters,
+        metrics,
+        id_prefix: format!("kvb-{:x}{:x}", std::process::id(), nanos & 0xffff_ffff_ffff),
+        seq: AtomicU64::new(0),
+    });
+    if !app.cfg.health_interval.is_zero() {
+        for pool in [app.prefill.clone(), app.decode.clone()] {
+            for idx in 0..pool.workers.len() {
+                tasks.push(tokio::spawn(health_loop(app.clone(), pool.clone(), idx)));
+            }
+        }
+    }
+    let router = Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
+        .fallback(not_found)
+        .layer(axum::extract::DefaultBodyLimit::max(app.cfg.max_body_bytes))
+        .with_state(app.clone());
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    use axum::serve::ListenerExt;
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    let server = tokio::spawn(async move {
+        let r = axum::serve(listener, router)
+            .with_graceful_shutdown(async move {
+                let _ = stop_rx.await;
+            })
+            .await;
+        if let Err(e) = r {
+            tracing::error!(error = %e, "HTTP server stopped");
+        }
+    });
+    Ok(RunningProxy { http_addr, notify_addr, app, stop: Some(stop_tx), server: Some(server), tasks })
+}
+
+async fn health_loop(app: Arc<App>, pool: Arc<Pool>, idx: usize) {
+    let mut tick = tokio::time::interval(app.cfg.health_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let uri = format!("{}/health", pool.workers[idx].base);
+    loop {
+        tick.tick().await;
+        let req = Request::get(&uri).body(Full::new(Bytes::new()));
+        let Ok(req) = req else { return };
+        let ok = match tokio::time::timeout(app.cfg.health_timeout, async {
+            let resp = app.client.request(req).await?;
+            let ok = resp.status().is_success();
+            let _ = Limited::new(resp.into_body(), 1 << 16).collect().await;
+            Ok::<bool, hyper_util::client::legacy::Error>(ok)
+        })
+        .await
+        {
+            Ok(Ok(ok)) => ok,
+            _ => false,
+        };
+        pool.report(idx, ok, false);
+    }
+}
+
+/// Counts one request: in flight while alive, its outcome and duration when dropped.
+pub(crate) struct Track {
+    pub metrics: Arc<Metrics>,
+    pub outcome: Outcome,
+    pub t0: Instant,
+    pub rid: HeaderValue,
+}
+
+impl Track {
+    fn new(metrics: Arc<Metrics>, rid: HeaderValue) -> Track {
+        metrics.in_flight.fetch_add(1, Relaxed);
+        Track { metrics, outcome: Outcome::Cancelled, t0: Instant::now(), rid }
+    }
+
+    /// The request id as text, for logs.
+    pub fn rid(&self) -> &str {
+        self.rid.to_str().unwrap_or("?")
+    }
+}
+
+impl Drop for Track {
+    fn drop(&mut self) {
+        self.metrics.count_request(self.outcome);
+        self.metrics.request.observe(self.t0.elapsed());
+        self.metrics.in_flight.fetch_sub(1, Relaxed);
+    }
+}
+
+/// An answer in OpenAI's error shape.
+#[derive(Debug)]
+pub(crate) struct ApiError {
+    status: StatusCode,
+    kind: &'static str,
+    code: &'static str,
+    message: String,
+    outcome: Outcome,
+    /// A worker's 4xx body passed on as it was.
+    raw: Option<(Bytes, Option<HeaderValue>)>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, code: &'static str, outcome: Outcome, message: impl Into<String>) -> Self {
+        let kind = if status.is_client_error() { "invalid_request_error" } else { "server_error" };
+        ApiError { status, kind, code, message: message.into(), outcome, raw: None }
+    }
+
+    fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_request", Outcome::BadRequest, message)
+    }
+
+    fn into_response(self, rid: &HeaderValue) -> Response {
+        let mut resp = match self.raw {
+            Some((body, ct)) => {
+                let mut r = Response::new(Body::from(body));
+                if let Some(ct) = ct {
+                    r.headers_mut().insert(CONTENT_TYPE, ct);
+                }
+                r
+            }
+            None => {
+                let v = json!({"error": {"message": self.message, "type": self.kind, "param": null, "code": self.code}});
+                let mut r = Response::new(Body::from(v.to_string()));
+                r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+                r
+            }
+        };
+        *resp.status_mut() = self.status;
+        resp.headers_mut().insert(X_REQUEST_ID, rid.clone());
+        resp
+    }
+}
+
+fn pick_error(role: Role, e: PickError) -> ApiError {
+    match e {
+        PickError::NoHealthy => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no_healthy_worker",
+            Outcome::NoWorker,
+            format!("no healthy {} worker", role.as_str()),
+        ),
+        PickError::Full => ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "admission_full",
+            Outcome::AdmissionFull,
+            format!("every {} worker is at its admission limit; retry later", role.as_str()),
+        ),
+        PickError::TooLarge { tokens, capacity } => ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "prompt_exceeds_kv_capacity",
+            Outcome::BadRequest,
+            format!("the prompt (about {tokens} tokens) exceeds the KV capacity of every decoder ({capacity} tokens)"),
+        ),
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Api {
+    Completions,
+    Chat,
+}
+
+impl Api {
+    fn path(self) -> &'static str {
+        match self {
+            Api::Completions => "/v1/completions",
+            Api::Chat => "/v1/chat/completions",
+        }
+    }
+}
+
+async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
+    app.serve(Api::Completions, headers, body).await
+}
+
+async fn chat_completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
+    app.serve(Api::Chat, headers, body).await
+}
+
+async fn not_found(method: Method, uri: axum::http::Uri) -> Response {
+    let v = json!({"error": {"message": format!("no route for {method} {}", uri.path()), "type": "invalid_request_error", "param": null, "code": "not_found"}});
+    (StatusCode::NOT_FOUND, [(CONTENT_TYPE, "application/json")], v.to_string()).into_response()
+}
+
+async fn health(State(app): State<Arc<App>>) -> Response {
+    let (p, d) = (app.prefill.healthy_count(), app.decode.healthy_count());
+    let ok = p > 0 && d > 0;
+    let v = json!({"status": if ok {"ok"} else {"unavailable"}, "prefillers_healthy": p, "decoders_healthy": d});
+    let status = if ok { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (status, [(CONTENT_TYPE, "application/json")], v.to_string()).into_response()
+}
+
+async fn metrics_text(State(app): State<Arc<App>>) -> Response {
+    let mut s = String::with_capacity(8192);
+    app.metrics.render(&mut s);
+    app.prefill.render(&mut s);
+    app.decode.render(&mut s);
+    let slots: u64 = app.decode.workers.iter().map(|w| w.inflight()).sum();
+    let pslots: u64 = app.prefill.workers.iter().map(|w| w.inflight()).sum();
+    use std::fmt::Write as _;
+    let _ = writeln!(
+        s,
+        "# HELP kvbridge_proxy_admission_slots_taken Decoder admission slots held now.\n\
+         # TYPE kvbridge_proxy_admission_slots_taken gauge\nkvbridge_proxy_admission_slots_taken {slots}\n\
+         # HELP kvbridge_proxy_prefill_slots_taken Prefill requests in flight now.\n\
+         # TYPE kvbridge_proxy_prefill_slots_taken gauge\nkvbridge_proxy_prefill_slots_taken {pslots}"
+    );
+    ([(CONTENT_TYPE, "text/plain; version=0.0.4")], s).into_response()
+}
+
+async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    let rid = app.request_id(&headers);
+    let Some(w) = app.decode.workers.iter().chain(app.prefill.workers.iter()).find(|w| w.is_healthy()) else {
+        return pick_error(Role::Decode, PickError::NoHealthy).into_response(&rid);
+    };
+    let uri = format!("{}/v1/models", w.base);
+    let r = async {
+        let req = Request::get(uri).header(X_REQUEST_ID, rid.clone()).body(Full::new(Bytes::new())).map_err(|e| e.to_string())?;
+        let resp = app.client.request(req).await.map_err(|e| e.to_string())?;
+        let (parts, body) = resp.into_parts();
+        let b = Limited::new(body, MAX_UPSTREAM_BODY).collect().await.map_err(|e| e.to_string())?.to_bytes();
+        Ok::<_, String>((parts.status, parts.headers.get(CONTENT_TYPE).cloned(), b))
+    };
+    match tokio::time::timeout(app.cfg.decode_timeout, r).await {
+        Ok(Ok((status, ct, b))) => {
+            let mut resp = Response::new(Body::from(b));
+            *resp.status_mut() = status;
+            if let Some(ct) = ct {
+                resp.headers_mut().insert(CONTENT_TYPE, ct);
+            }
+            resp
+        }
+        Ok(Err(e)) => ApiError::new(StatusCode::BAD_GATEWAY, "upstream_failed", Outcome::DecodeError, format!("worker {}: {e}", w.label))
+            .into_response(&rid),
+        Err(_) => ApiError::new(StatusCode::GATEWAY_TIMEOUT, "upstream_timeout", Outcome::DecodeError, format!("worker {} timed out", w.label))
+            .into_response(&rid),
+    }
+}
+
+/// What a flow produced.
+enum Reply {
+    /// A whole body, ready to send.
+    Full { content_type: HeaderValue, body: Bytes },
+    /// The decoder's stream, with an optional first chunk in front.
+    Stream { content_type: HeaderValue, body: Incoming, prefix: Option<Bytes>, slot: Slot, decode_start: Instant },
+}
+
+/// Failure of one call to a worker.
+enum CallError {
+    Connect(String),
+    Other(String),
+}
+
+/// Sets `overrides` on `req`, serialises it, and puts the old values back.
+fn serialise_with(req: &mut Map<String, Value>, overrides: Vec<(&'static str, Option<Value>)>) -> Bytes {
+    let mut saved = Vec::with_capacity(overrides.len());
+    for (k, v) in overrides {
+        let old = match v {
+            Some(v) => req.insert(k.to_string(), v),
+            None => req.remove(k),
+        };
+        saved.push((k, old));
+    }
+    let out = serde_json::to_vec(req).unwrap_or_default();
+    for (k, old) in saved.into_iter().rev() {
+        match old {
+            Some(o) => req.insert(k.to_string(), o),
+            None => req.remove(k),
+        };
+    }
+    Bytes::from(out)
+}
+
+fn excerpt(b: &[u8]) -> String {
+    let s = String::from_utf8_lossy(&b[..b.len().min(512)]);
+    s.trim().to_string()
+}
+
+/// Reads an optional positive integer field.
+fn positive(req: &Map<String, Value>, key: &str) -> Result<Option<u64>, ApiError> {
+    match req.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => match v.as_u64() {
+            Some(0) => Err(ApiError::bad_request(format!("`{key}` must be at least 1"))),
+            Some(n) => Ok(Some(n)),
+            None => Err(ApiError::bad_request(format!("`{key}` must be a positive integer"))),
+        },
+    }
+}
+
+impl App {
+    fn next_id(&self) -> String {
+        format!("{}-{}", self.id_prefix, self.seq.fetch_add(1, Relaxed))
+    }
+
+    fn request_id(&self, headers: &HeaderMap) -> HeaderValue {
+        match headers.get(X_REQUEST_ID) {
+            Some(v) if !v.is_empty() && v.len() <= 256 && v.to_str().is_ok() => v.clone(),
+            _ => HeaderValue::from_str(&self.next_id()).unwrap_or(HeaderValue::from_static("kvb")),
+        }
+    }
+
+    async fn serve(self: Arc<Self>, api: Api, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
+        let rid = self.request_id(&headers);
+        let mut track = Track::new(self.metrics.clone(), rid.clone());
+        match self.flow(api, &headers, body, &rid, &track).await {
+            Ok(Reply::Full { content_type, body }) => {
+                self.metrics.ttft.observe(track.t0.elapsed());
+                track.outcome = Outcome::Ok;
+                tracing::debug!(request_id = track.rid(), "answered");
+                let mut r = Response::new(Body::from(body));
+                r.headers_mut().insert(CONTENT_TYPE, content_type);
+                r.headers_mut().insert(X_REQUEST_ID, rid);
+                r
+            }
+            Ok(Reply::Stream { content_type, body, prefix, slot, decode_start }) => {
+                let fin = Finish { track, slot, decode_start };
+                let body = ProxyBody::new(body, prefix, self.cfg.decode_timeout, fin);
+                let mut r = Response::new(Body::new(body));
+                r.headers_mut().insert(CONTENT_TYPE, content_type);
+                r.headers_mut().insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+                r.headers_mut().insert(X_REQUEST_ID, rid);
+                r
+            }
+            Err(e) => {
+                track.outcome = e.outcome;
+                if e.status.is_server_error() || e.status == StatusCode::TOO_MANY_REQUESTS {
+                    tracing::warn!(request_id = track.rid(), status = e.status.as_u16(), code = e.code, "{}", e.message);
+                } else {
+                    tracing::debug!(request_id = track.rid(), status = e.status.as_u16(), code = e.code, "{}", e.message);
+                }
+                e.into_response(&rid)
+            }
+        }
+    }
+
+    async fn flow(
+        &self,
+        api: Api,
+        headers: &HeaderMap,
+        body: Result<Bytes, BytesRejection>,
+        rid: &HeaderValue,
+        track: &Track,
+    ) -> Result<Reply, ApiError> {
+        let body = body.map_err(|r| ApiError::new(r.status(), "invalid_body", Outcome::BadRequest, r.body_text()))?;
+        let req: Map<String, Value> = serde_json::from_slice(&body)
+            .map_err(|e| ApiError::bad_request(format!("the request body is not a JSON object: {e}")))?;
+        let stream = match req.get("stream") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(_) => return Err(ApiError::bad_request("`stream` must be a boolean")),
+        };
+        let max_tokens = positive(&req, "max_tokens")?;
+        positive(&req, "max_completion_tokens")?;
+        match api {
+            Api::Completions if !req.contains_key("prompt") => return Err(ApiError::bad_request("`prompt` is required")),
+            Api::Chat if !matches!(req.get("messages"), Some(Value::Array(m)) if !m.is_empty()) => {
+                return Err(ApiError::bad_request("`messages` must be a non-empty array"))
+            }
+            _ => {}
+        }
+        let tokens = (body.len() as u64 / 4).max(1);
+        // The decoder is admitted first: its KV buffer is the scarce resource.
+        let dslot = self
+            .decode
+            .pick(tokens, self.cfg.max_queue, self.cfg.queue_timeout, &self.metrics.admission_queue)
+            .await
+            .map_err(|e| pick_error(Role::Decode, e))?;
+        let auth = headers.get(AUTHORIZATION);
+        let ctx = Ctx { api, rid, auth, tokens, stream, t0: track.t0 };
+        match self.cfg.flow {
+            Flow::Vllm => self.vllm(&ctx, req, dslot).await,
+            Flow::Lmcache => self.lmcache(&ctx, req, max_tokens, dslot).await,
+        }
+    }
+
+    /// vLLM NIXL flow: the prefill answer's `kv_transfer_params` go into the decode request.
+    async fn vllm(&self, ctx: &Ctx<'_>, mut req: Map<String, Value>, dslot: Slot) -> Result<Reply, ApiError> {
+        let kv = json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+            "remote_block_ids": null, "remote_host": null, "remote_port": null});
+        let o = prefill_overrides(&req, kv);
+        let pbody = serialise_with(&mut req, o);
+        let answer = self.prefill(ctx, pbody).await?;
+        #[derive(serde::Deserialize)]
+        struct KvOnly {
+            kv_transfer_params: Option<Value>,
+        }
+        let kv = serde_json::from_slice::<KvOnly>(&answer).map_err(|e| {
+            ApiError::new(StatusCode::BAD_GATEWAY, "prefill_failed", Outcome::PrefillError, format!("the prefiller answered invalid JSON: {e}"))
+        })?;
+        match kv.kv_transfer_params {
+            Some(kv) => req.insert("kv_transfer_params".into(), kv),
+            None => req.remove("kv_transfer_params"),
+        };
+        let dbody = Bytes::from(serde_json::to_vec(&req).unwrap_or_default());
+        self.decode(ctx, dbody, dslot, None).await
+    }
+
+    /// LMCache flow: prefill with a `disagg_spec`, wait for every rank's outcome, then decode.
+    async fn lmcache(&self, ctx: &Ctx<'_>, mut req: Map<String, Value>, max_tokens: Option<u64>, dslot: Slot) -> Result<Reply, ApiError> {
+        let Some(waiters) = &self.waiters else {
+            return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", Outcome::PrefillError, "no notification socket"));
+        };
+        let dc = &self.cfg.decoders[dslot.index()];
+        let id = self.next_id();
+        // Registered before the prefill is sent, so no outcome can arrive before its waiter.
+        let mut wait = waiters.register(&id, dc.ranks());
+        let spec = json!({"ret_first_tok": true, "disagg_spec": {"req_id": id, "receiver_host": dc.host,
+            "receiver_init_port": dc.init_ports, "receiver_alloc_port": dc.alloc_ports}});
+        let o = prefill_overrides(&req, spec);
+        let pbody = serialise_with(&mut req, o);
+        let prefill = self.prefill(ctx, pbody);
+        tokio::pin!(prefill);
+        let mut ready = false;
+        let kv_failed = |rank: u32, reason: String| {
+            ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "kv_transfer_failed",
+                Outcome::KvFailed,
+                format!("KV transfer of request {id} failed on rank {rank}: {reason}"),
+            )
+        };
+        let gone = || ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "shutting_down", Outcome::KvTimeout, "the proxy is shutting down");
+        let answer = loop {
+            tokio::select! {
+                r = &mut prefill => break r?,
+                o = wait.outcome(), if !ready => match o {
+                    Some(KvOutcome::Ready) => ready = true,
+                    Some(KvOutcome::Failed { rank, reason }) => return Err(kv_failed(rank, reason)),
+                    None => return Err(gone()),
+                },
+            }
+        };
+        let t = Instant::now();
+        if !ready {
+            match tokio::time::timeout(self.cfg.kv_ready_timeout, wait.outcome()).await {
+                Ok(Some(KvOutcome::Ready)) => {}
+                Ok(Some(KvOutcome::Failed { rank, reason })) => return Err(kv_failed(rank, reason)),
+                Ok(None) => return Err(gone()),
+                Err(_) => {
+                    return Err(ApiError::new(
+                        StatusCode::GATEWAY_TIMEOUT,
+                        "kv_ready_timeout",
+                        Outcome::KvTimeout,
+                        format!(
+                            "KV of request {id} was not ready on all {} ranks within {:?}",
+                            dc.ranks(),
+                            self.cfg.kv_ready_timeout
+                        ),
+                    ))
+                }
+            }
+        }
+        self.metrics.kv_wait.observe(t.elapsed());
+        drop(wait);
+        req.remove("kv_transfer_params");
+
+        // Completions with a text prompt continue from the prefill's first token; chat requests
+        // are answered by the decoder alone.
+        let mut prefix = None;
+        if ctx.api == Api::Completions && matches!(req.get("prompt"), Some(Value::String(_))) {
+            let pv: Value = serde_json::from_slice(&answer).map_err(|e| {
+                ApiError::new(StatusCode::BAD_GATEWAY, "prefill_failed", Outcome::PrefillError, format!("the prefiller answered invalid JSON: {e}"))
+            })?;
+            if let Some(first) = pv.pointer("/choices/0/text").and_then(Value::as_str) {
+                if max_tokens == Some(1) {
+                    return Ok(answer_from_prefill(pv.clone(), first, ctx.stream));
+                }
+                if let Some(Value::String(p)) = req.get_mut("prompt") {
+                    p.push_str(first);
+                }
+                if let Some(m) = max_tokens {
+                    req.insert("max_tokens".into(), json!(m - 1));
+                }
+                if let Some(m) = req.get("max_completion_tokens").and_then(Value::as_u64) {
+                    req.insert("max_completion_tokens".into(), json!(m.saturating_sub(1).max(1)));
+                }
+                prefix = Some(first.to_string()).zip(Some(pv));
+            }
+        }
+        let dbody = Bytes::from(serde_json::to_vec(&req).unwrap_or_default());
+        let reply = self.decode(ctx, dbody, dslot, prefix.as_ref().filter(|_| ctx.stream).map(|(f, pv)| first_chunk(pv, f, None))).await?;
+        match (reply, prefix) {
+            (Reply::Full { content_type, body }, Some((first, _))) => Ok(Reply::Full { content_type, body: prepend_first(body, &first) }),
+            (r, _) => Ok(r),
+        }
+    }
+
+    /// Sends the prefill to the least loaded healthy prefiller; a refused connection ejects
+    /// that prefiller and tries the next. Returns the prefiller's whole answer.
+    async fn prefill(&self, ctx: &Ctx<'_>, body: Bytes) -> Result<Bytes, ApiError> {
+        let mut tried = Vec::new();
+        loop {
+            let slot = self.prefill.try_pick(ctx.tokens, &tried).map_err(|e| pick_error(Role::Prefill, e))?;
+            let w = slot.worker();
+            let t = Instant::now();
+            let r = tokio::time::timeout(self.cfg.prefill_timeout, self.call(&w.base, ctx, body.clone())).await;
+            match r {
+                Err(_) => {
+                    return Err(ApiError::new(
+                        StatusCode::GATEWAY_TIMEOUT,
+                        "prefill_timeout",
+                        Outcome::PrefillError,
+                        format!("prefiller {} did not answer within {:?}", w.label, self.cfg.prefill_timeout),
+                    ))
+                }
+                Ok(Err(CallError::Connect(e))) => {
+                    self.prefill.report(slot.index(), false, true);
+                    tracing::warn!(request_id = ctx.rid(), worker = %w.label, "prefiller unreachable: {e}");
+                    tried.push(slot.index());
+                }
+                Ok(Err(CallError::Other(e))) => {
+                    return Err(ApiError::new(StatusCode::BAD_GATEWAY, "prefill_failed", Outcome::PrefillError, format!("prefiller {}: {e}", w.label)))
+                }
+                Ok(Ok((status, ct, b))) => {
+                    self.metrics.prefill.observe(t.elapsed());
+                    if status.is_success() {
+                        return Ok(b);
+                    }
+                    return Err(upstream_status(status, ct, b, &w.label, Role::Prefill));
+                }
+            }
+        }
+    }
+
+    /// Sends the decode request to the admitted decoder and returns its answer or stream.
+    async fn decode(&self, ctx: &Ctx<'_>, body: Bytes, slot: Slot, prefix: Option<Bytes>) -> Result<Reply, ApiError> {
+        let w = slot.worker();
+        let start = Instant::now();
+        let timeout = self.cfg.decode_timeout;
+        let timed_out = || ApiError::new(StatusCode::GATEWAY_TIMEOUT, "decode_timeout", Outcome::DecodeError, format!("decoder {} did not answer within {timeout:?}", w.label));
+        if !ctx.stream {
+            return match tokio::time::timeout(timeout, self.call(&w.base, ctx, body)).await {
+                Err(_) => Err(timed_out()),
+                Ok(Err(CallError::Connect(e))) => Err(self.decoder_down(&slot, e)),
+                Ok(Err(CallError::Other(e))) => Err(ApiError::new(StatusCode::BAD_GATEWAY, "decode_failed", Outcome::DecodeError, format!("decoder {}: {e}", w.label))),
+                Ok(Ok((status, ct, b))) => {
+                    self.metrics.decode.observe(start.elapsed());
+                    if status.is_success() {
+                        Ok(Reply::Full { content_type: ct.unwrap_or(HeaderValue::from_static("application/json")), body: b })
+                    } else {
+                        Err(upstream_status(status, ct, b, &w.label, Role::Decode))
+                    }
+                }
+            };
+        }
+        let req = self.request(&w.base, ctx, body)?;
+        let resp = match tokio::time::timeout(timeout, self.client.request(req)).await {
+            Err(_) => return Err(timed_out()),
+            Ok(Err(e)) if e.is_connect() => return Err(self.decoder_down(&slot, e.to_string())),
+            Ok(Err(e)) => return Err(ApiError::new(StatusCode::BAD_GATEWAY, "decode_failed", Outcome::DecodeError, format!("decoder {}: {e}", w.label))),
+            Ok(Ok(r)) => r,
+        };
+        let (parts, body) = resp.into_parts();
+        let ct = parts.headers.get(CONTENT_TYPE).cloned();
+        if !parts.status.is_success() {
+            let b = match tokio::time::timeout(timeout, Limited::new(body, MAX_UPSTREAM_BODY).collect()).await {
+                Ok(Ok(c)) => c.to_bytes(),
+                _ => Bytes::new(),
+            };
+            return Err(upstream_status(parts.status, ct, b, &w.label, Role::Decode));
+        }
+        Ok(Reply::Stream {
+            content_type: ct.unwrap_or(HeaderValue::from_static("text/event-stream")),
+            body,
+            prefix,
+            slot,
+            decode_start: start,
+        })
+    }
+
+    fn decoder_down(&self, slot: &Slot, e: String) -> ApiError {
+        self.decode.report(slot.index(), false, true);
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "decoder_unavailable",
+            Outcome::NoWorker,
+            format!("decoder {} is unreachable: {e}", slot.worker().label),
+        )
+    }
+
+    fn request(&self, base: &str, ctx: &Ctx<'_>, body: Bytes) -> Result<Request<Full<Bytes>>, ApiError> {
+        let mut b = Request::post(format!("{base}{}", ctx.api.path()))
+            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
+            .header(X_REQUEST_ID, ctx.rid.clone());
+        if let Some(a) = ctx.auth {
+            b = b.header(AUTHORIZATION, a.clone());
+        }
+        b.body(Full::new(body))
+            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", Outcome::PrefillError, e.to_string()))
+    }
+
+    /// POSTs `body` and reads the whole answer (the caller bounds it with a deadline).
+    async fn call(&self, base: &str, ctx: &Ctx<'_>, body: Bytes) -> Result<(StatusCode, Option<HeaderValue>, Bytes), CallError> {
+        let req = self.request(base, ctx, body).map_err(|e| CallError::Other(e.message))?;
+        let resp = self.client.request(req).await.map_err(|e| {
+            if e.is_connect() {
+                CallError::Connect(format!("{e}: {}", source_chain(&e)))
+            } else {
+                CallError::Other(format!("{e}: {}", source_chain(&e)))
+            }
+        })?;
+        let (parts, body) = resp.into_parts();
+        let b = Limited::new(body, MAX_UPSTREAM_BODY)
+            .collect()
+            .await
+            .map_err(|e| CallError::Other(format!("reading the answer: {e}")))?
+            .to_bytes();
+        Ok((parts.status, parts.headers.get(CONTENT_TYPE).cloned(), b))
+    }
+}
+
+fn source_chain(e: &dyn std::error::Error) -> String {
+    let mut s = String::new();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        if !s.is_empty() {
+            s.push_str(": ");
+        }
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+/// A worker answered with an error status: 4xx is passed on as it was (the request's
+/// fault), anything else becomes a 502 carrying the worker's error.
+fn upstream_status(status: StatusCode, ct: Option<HeaderValue>, b: Bytes, label: &str, role: Role) -> ApiError {
+    let outcome = if role == Role::Prefill { Outcome::PrefillError } else { Outcome::DecodeError };
+    if status.is_client_error() {
+        let mut e = ApiError::new(status, "rejected", Outcome::Rejected, excerpt(&b));
+        e.raw = Some((b, ct));
+        return e;
+    }
+    let code = if role == Role::Prefill { "prefill_failed" } else { "decode_failed" };
+    let detail = serde_json::from_slice::<Value>(&b)
+        .ok()
+        .and_then(|v| v.pointer("/error/message").or_else(|| v.get("message")).or_else(|| v.get("detail")).and_then(|m| m.as_str()).map(str::to_string))
+        .unwrap_or_else(|| excerpt(&b));
+    ApiError::new(StatusCode::BAD_GATEWAY, code, outcome, format!("{} {label} answered {status}: {detail}", role.as_str().replace("prefill", "prefiller").replace("decode", "decoder")))
+}
+
+/// Request facts every step needs.
+struct Ctx<'a> {
+    api: Api,
+    rid: &'a HeaderValue,
+    auth: Option<&'a HeaderValue>,
+    tokens: u64,
+    stream: bool,
+    #[allow(dead_code)]
+    t0: Instant,
+}
+
+impl Ctx<'_> {
+    fn rid(&self) -> &str {
+        self.rid.to_str().unwrap_or("?")
+    }
+}
+
+fn prefill_overrides(req: &Map<String, Value>, kv: Value) -> Vec<(&'static str, Option<Value>)> {
+    let mut o = vec![
+        ("max_tokens", Some(json!(1))),
+        ("stream", Some(Value::Bool(false))),
+        ("stream_options", None),
+        ("kv_transfer_params", Some(kv)),
+    ];
+    if req.contains_key("max_completion_tokens") {
+        o.push(("max_completion_tokens", Some(json!(1))));
+    }
+    o
+}
+
+/// The SSE chunk that carries the prefill's first token.
+fn first_chunk(pv: &Value, first: &str, finish: Option<&str>) -> Bytes {
+    let v = json!({"id": pv.get("id"), "object": "text_completion", "created": pv.get("created"),
+        "model": pv.get("model"), "choices": [{"index": 0, "text": first, "logprobs": null, "finish_reason": finish}]});
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+/// `max_tokens == 1`: the prefill's answer is the whole answer.
+fn answer_from_prefill(mut pv: Value, first: &str, stream: bool) -> Reply {
+    if stream {
+        let mut b = first_chunk(&pv, first, Some("length")).to_vec();
+        b.extend_from_slice(b"data: [DONE]\n\n");
+        return Reply::Full { content_type: HeaderValue::from_static("text/event-stream"), body: Bytes::from(b) };
+    }
+    if let Some(m) = pv.as_object_mut() {
+        m.remove("kv_transfer_params");
+    }
+    Reply::Full { content_type: HeaderValue::from_static("application/json"), body: Bytes::from(pv.to_string()) }
+}
+
+/// Puts the prefill's first token in front of a non-streamed completion.
+fn prepend_first(body: Bytes, first: &str) -> Bytes {
+    let Ok(mut v) = serde_json::from_slice::<Value>(&body) else { return body };
+    if let Some(t) = v.pointer_mut("/choices/0/text") {
+        if let Some(s) = t.as_str() {
+            *t = Value::String(format!("{first}{s}"));
+        }
+    }
+    if let Some(u) = v.get_mut("usage").and_then(Value::as_object_mut) {
+        if let Some(c) = u.get("completion_tokens").and_then(Value::as_u64) {
+            u.insert("completion_tokens".into(), json!(c + 1));
+        }
+        if let Some(p) = u.get("prompt_tokens").and_then(Value::as_u64) {
+            u.insert("prompt_tokens".into(), json!(p.saturating_sub(1)));
+        }
+    }
+    Bytes::from(v.to_string())
+}
