@@ -1,0 +1,753 @@
+//! End-to-end tests over real sockets: the proxy in front of prefiller and decoder doubles.
+//!
+//! The doubles choose their behaviour from markers in the request body (`@p500`, `@kvfail`,
+//! ...), so one pool of doubles serves requests that each fail in their own way.
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use bytes::Bytes;
+use http_body::Frame;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::TokioExecutor;
+use kvbridge_proxy::config::{Config, DecoderConfig, Flow, WorkerAddr};
+use kvbridge_proxy::notif::{self, Notif};
+use kvbridge_proxy::server::{self, RunningProxy};
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, Notify};
+use zeromq::{Socket, SocketSend, ZmqMessage};
+
+/// Upper bound for any single wait in these tests.
+const T: Duration = Duration::from_secs(10);
+
+// ---------------------------------------------------------------- doubles
+
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Prefill,
+    Decode,
+}
+
+struct DState {
+    kind: Kind,
+    healthy: AtomicBool,
+    hold: Notify,
+    push: tokio::sync::Mutex<Option<zeromq::PushSocket>>,
+    seen: Mutex<Vec<(HeaderMap, Value)>>,
+    calls: AtomicU64,
+}
+
+struct Double {
+    addr: SocketAddr,
+    st: Arc<DState>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Double {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Double {
+    async fn start(kind: Kind) -> Double {
+        let st = Arc::new(DState {
+            kind,
+            healthy: AtomicBool::new(true),
+            hold: Notify::new(),
+            push: tokio::sync::Mutex::new(None),
+            seen: Mutex::new(Vec::new()),
+            calls: AtomicU64::new(0),
+        });
+        let app = Router::new()
+            .route("/v1/completions", post(openai))
+            .route("/v1/chat/completions", post(openai))
+            .route("/health", get(dhealth))
+            .route("/v1/models", get(|| async { ([("content-type", "application/json")], json!({"object": "list", "data": [{"id": "double-model"}]}).to_string()) }))
+            .with_state(st.clone());
+        // Bound before anything is sent to it: no readiness wait needed.
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let task = tokio::spawn(async move {
+            let _ = axum::serve(l, app).await;
+        });
+        Double { addr, st, task }
+    }
+
+    async fn connect_notify(&self, addr: SocketAddr) {
+        let mut s = zeromq::PushSocket::new();
+        tokio::time::timeout(T, s.connect(&format!("tcp://{addr}"))).await.unwrap().unwrap();
+        *self.st.push.lock().await = Some(s);
+    }
+
+    fn last(&self) -> (HeaderMap, Value) {
+        self.st.seen.lock().unwrap().last().cloned().expect("the double saw no request")
+    }
+}
+
+async fn dhealth(State(st): State<Arc<DState>>) -> StatusCode {
+    if st.healthy.load(Relaxed) {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    }
+}
+
+async fn push(st: &DState, msg: Notif) {
+    if let Some(s) = st.push.lock().await.as_mut() {
+        s.send(ZmqMessage::from(notif::encode(&msg))).await.unwrap();
+    }
+}
+
+/// A body fed from a channel, so a double can pause, drip or die mid-stream.
+struct ChanBody(mpsc::Receiver<Result<Bytes, std::io::Error>>);
+
+impl http_body::Body for ChanBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
+        self.0.poll_recv(cx).map(|o| o.map(|r| r.map(Frame::data)))
+    }
+}
+
+fn err_json(status: StatusCode, msg: &str) -> Response {
+    (status, [("content-type", "application/json")], json!({"error": {"message": msg, "type": "x"}}).to_string()).into_response()
+}
+
+async fn openai(State(st): State<Arc<DState>>, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {
+    st.calls.fetch_add(1, Relaxed);
+    let text = String::from_utf8_lossy(&body).to_string();
+    let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    {
+        let mut seen = st.seen.lock().unwrap();
+        if seen.len() >= 64 {
+            seen.remove(0);
+        }
+        seen.push((headers, v.clone()));
+    }
+    let chat = uri.path().contains("chat");
+    let has = |m: &str| text.contains(m);
+    if st.kind == Kind::Prefill {
+        if has("@p500") {
+            return err_json(StatusCode::INTERNAL_SERVER_ERROR, "prefill exploded");
+        }
+        if has("@p400") {
+            return err_json(StatusCode::BAD_REQUEST, "prompt too long for this model");
+        }
+        let spec = v.pointer("/kv_transfer_params/disagg_spec");
+        if let Some(spec) = spec {
+            let id = spec["req_id"].as_str().unwrap_or_default().to_string();
+            let ranks = spec["receiver_init_port"].as_array().map(|a| a.len()).unwrap_or(1) as u32;
+            if has("@kvfail") || has("@kvslowfail") {
+                push(&st, Notif::KvReady { req_id: id.clone(), rank: 0, chunks: 1, bytes: 1 }).await;
+                push(&st, Notif::KvFailed { req_id: id, rank: ranks - 1, reason: "receiver buffer full".into() }).await;
+                if has("@kvslowfail") {
+                    tokio::time::sleep(Duration::from_secs(8)).await;
+                }
+            } else if has("@late") {
+                let st2 = st.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    for r in 0..ranks {
+                        push(&st2, Notif::KvReady { req_id: id.clone(), rank: r, chunks: 2, bytes: 64 }).await;
+                    }
+                });
+            } else if has("@plain") {
+                for _ in 0..ranks {
+                    push(&st, Notif::ProxyNotif { req_id: id.clone() }).await;
+                }
+            } else if !has("@nonotify") {
+                for r in 0..ranks {
+                    push(&st, Notif::KvReady { req_id: id.clone(), rank: r, chunks: 2, bytes: 64 }).await;
+                }
+            }
+        }
+        let msg = if chat {
+            json!({"index": 0, "message": {"role": "assistant", "content": " first"}, "finish_reason": "length"})
+        } else {
+            json!({"index": 0, "text": " first", "finish_reason": "length"})
+        };
+        let r = json!({"id": "cmpl-p", "object": "text_completion", "created": 1, "model": "double-model",
+            "choices": [msg], "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5},
+            "kv_transfer_params": {"do_remote_prefill": true, "remote_engine_id": "engine-p", "remote_block_ids": [1, 2, 3]}});
+        return ([("content-type", "application/json")], r.to_string()).into_response();
+    }
+    // Decoder.
+    if has("@d500") {
+        return err_json(StatusCode::INTERNAL_SERVER_ERROR, "decoder exploded");
+    }
+    if has("@slow") {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let stream = v.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let chunk = move |i: usize| {
+        let c = if chat {
+            json!({"index": 0, "delta": {"content": format!(" d{i}")}, "finish_reason": null})
+        } else {
+            json!({"index": 0, "text": format!(" d{i}"), "finish_reason": null})
+        };
+        Bytes::from(format!("data: {}\n\n", json!({"id": "cmpl-d", "choices": [c]})))
+    };
+    if !stream {
+        if has("@die") {
+            // Announce a longer body than is sent, then close: a truncated answer.
+            let (tx, rx) = mpsc::channel(4);
+            tokio::spawn(async move {
+                let _ = tx.send(Ok(Bytes::from_static(b"{\"choices\": ["))).await;
+                let _ = tx.send(Err(std::io::Error::other("decoder died"))).await;
+            });
+            return Response::builder().header("content-type", "application/json").body(Body::new(ChanBody(rx))).unwrap();
+        }
+        let c = if chat {
+            json!({"index": 0, "message": {"role": "assistant", "content": " d0 d1"}, "finish_reason": "length"})
+        } else {
+            json!({"index": 0, "text": " d0 d1", "finish_reason": "length"})
+        };
+        let r = json!({"id": "cmpl-d", "object": "text_completion", "created": 2, "model": "double-model",
+            "choices": [c], "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}});
+        return ([("content-type", "application/json")], r.to_string()).into_response();
+    }
+    let (tx, rx) = mpsc::channel(16);
+    let (die, hold, drip) = (has("@die"), has("@hold"), has("@drip"));
+    let st2 = st.clone();
+    tokio::spawn(async move {
+        let n = if drip { 10 } else { 3 };
+        for i in 0..n {
+            if tx.send(Ok(chunk(i))).await.is_err() {
+                return;
+            }
+            if i == 0 && hold {
+                let _ = tokio::time::timeout(T, st2.hold.notified()).await;
+            }
+            if drip {
+                tokio::time::sleep(Duration::from_millis(3)).await;
+            }
+            if i == 1 && die {
+                // Let the chunks already sent reach the wire, then break the connection.
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                let _ = tx.send(Err(std::io::Error::other("decoder died"))).await;
+                return;
+            }
+        }
+        let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await;
+    });
+    Response::builder().header("content-type", "text/event-stream").body(Body::new(ChanBody(rx))).unwrap()
+}
+
+// ---------------------------------------------------------------- harness
+
+struct Env {
+    proxy: RunningProxy,
+    p: Vec<Double>,
+    d: Vec<Double>,
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+fn base_config(flow: Flow) -> Config {
+    Config {
+        host: "127.0.0.1".into(),
+        port: 0,
+        proxy_host: "127.0.0.1".into(),
+        proxy_port: 0,
+        flow,
+        kv_ready_timeout: Duration::from_millis(300),
+        prefill_timeout: Duration::from_secs(5),
+        decode_timeout: Duration::from_secs(5),
+        health_interval: Duration::ZERO,
+        queue_timeout: Duration::ZERO,
+        ..Config::default()
+    }
+}
+
+async fn env(flow: Flow, np: usize, nd: usize, tweak: impl FnOnce(&mut Config)) -> Env {
+    let mut p = Vec::new();
+    let mut d = Vec::new();
+    for _ in 0..np {
+        p.push(Double::start(Kind::Prefill).await);
+    }
+    for _ in 0..nd {
+        d.push(Double::start(Kind::Decode).await);
+    }
+    let mut cfg = base_config(flow);
+    cfg.prefillers = p.iter().map(|x| WorkerAddr { host: "127.0.0.1".into(), port: x.addr.port() }).collect();
+    cfg.decoders = d
+        .iter()
+        .map(|x| DecoderConfig {
+            host: "127.0.0.1".into(),
+            port: x.addr.port(),
+            init_ports: vec![7300, 7301],
+            alloc_ports: vec![7400, 7401],
+            max_requests: 0,
+            kv_capacity_tokens: 0,
+        })
+        .collect();
+    tweak(&mut cfg);
+    let proxy = server::start(cfg).await.unwrap();
+    if let Some(n) = proxy.notify_addr() {
+        for x in &p {
+            x.connect_notify(n).await;
+        }
+    }
+    let client = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    Env { proxy, p, d, client }
+}
+
+struct Answer {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Answer {
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.text()))
+    }
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).to_string()
+    }
+    fn code(&self) -> String {
+        self.json()["error"]["code"].as_str().unwrap_or_default().to_string()
+    }
+}
+
+impl Env {
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.proxy.http_addr())
+    }
+
+    async fn send(&self, method: &str, path: &str, body: Bytes, rid: Option<&str>) -> Answer {
+        let mut b = hyper::Request::builder().method(method).uri(self.url(path)).header("content-type", "application/json");
+        if let Some(r) = rid {
+            b = b.header("x-request-id", r);
+        }
+        let resp = tokio::time::timeout(T, self.client.request(b.body(Full::new(body)).unwrap())).await.unwrap().unwrap();
+        let (parts, body) = resp.into_parts();
+        let body = tokio::time::timeout(T, body.collect()).await.unwrap().unwrap().to_bytes();
+        Answer { status: parts.status, headers: parts.headers, body }
+    }
+
+    async fn post(&self, path: &str, v: Value) -> Answer {
+        self.send("POST", path, Bytes::from(v.to_string()), None).await
+    }
+
+    async fn metrics(&self) -> String {
+        self.send("GET", "/metrics", Bytes::new(), None).await.text()
+    }
+
+    /// Polls `/metrics` until the sample `name` reads `want` (the guards of a finished stream
+    /// are released just after its last byte, so the gauges settle a moment later).
+    async fn settle(&self, name: &str, want: f64) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let m = self.metrics().await;
+            let got = sample(&m, name);
+            if got == Some(want) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{name} = {got:?}, want {want}\n{m}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    async fn settled(&self) {
+        for n in [
+            "kvbridge_proxy_in_flight",
+            "kvbridge_proxy_admission_slots_taken",
+            "kvbridge_proxy_prefill_slots_taken",
+            "kvbridge_proxy_kv_waits_pending",
+            "kvbridge_proxy_admission_queue",
+        ] {
+            self.settle(n, 0.0).await;
+        }
+    }
+}
+
+fn sample(metrics: &str, name: &str) -> Option<f64> {
+    metrics.lines().find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')).and_then(|v| v.trim().parse().ok()))
+}
+
+fn completion(prompt: &str, stream: bool) -> Value {
+    json!({"model": "double-model", "prompt": prompt, "max_tokens": 3, "stream": stream})
+}
+
+fn chat(content: &str, stream: bool) -> Value {
+    json!({"model": "double-model", "messages": [{"role": "user", "content": content}], "max_tokens": 3, "stream": stream})
+}
+
+/// A port with nothing listening on it.
+fn closed_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+// ---------------------------------------------------------------- tests
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lmcache_success_non_streamed_and_streamed() {
+    let e = env(Flow::Lmcache, 1, 1, |_| {}).await;
+    let a = e.send("POST", "/v1/completions", Bytes::from(completion("hello", false).to_string()), Some("client-42")).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    assert_eq!(a.headers["x-request-id"], "client-42");
+    let v = a.json();
+    assert_eq!(v["choices"][0]["text"], " first d0 d1", "first token, then the decoder's");
+    assert_eq!(v["usage"]["completion_tokens"], 3);
+
+    let (ph, pv) = e.p[0].last();
+    assert_eq!(ph["x-request-id"], "client-42");
+    assert_eq!(pv["max_tokens"], 1);
+    assert_eq!(pv["stream"], false);
+    let spec = &pv["kv_transfer_params"]["disagg_spec"];
+    assert!(spec["req_id"].as_str().is_some_and(|s| s.starts_with("kvb-")), "{pv}");
+    assert_eq!(spec["receiver_host"], "127.0.0.1");
+    assert_eq!(spec["receiver_init_port"], json!([7300, 7301]));
+    assert_eq!(spec["receiver_alloc_port"], json!([7400, 7401]));
+    let (dh, dv) = e.d[0].last();
+    assert_eq!(dh["x-request-id"], "client-42");
+    assert_eq!(dv["prompt"], "hello first");
+    assert_eq!(dv["max_tokens"], 2);
+    assert!(dv.get("kv_transfer_params").is_none());
+
+    // Streamed: the first token comes first, then the decoder's chunks and [DONE].
+    let a = e.post("/v1/completions", completion("hello @late", true)).await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert_eq!(a.headers["content-type"], "text/event-stream");
+    let t = a.text();
+    let (f, d0, done) = (t.find("\" first\"").unwrap(), t.find(" d0").unwrap(), t.find("[DONE]").unwrap());
+    assert!(f < d0 && d0 < done, "{t}");
+    assert!(!t.contains("event: error"));
+
+    // Chat, with LMCache's plain ProxyNotif outcomes: the decoder answers the original request.
+    let a = e.post("/v1/chat/completions", chat("hi @plain", true)).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    assert!(a.text().contains(" d2") && a.text().ends_with("data: [DONE]\n\n"));
+    let (_, dv) = e.d[0].last();
+    assert_eq!(dv["messages"][0]["content"], "hi @plain");
+    assert_eq!(dv["max_tokens"], 3);
+
+    // max_tokens == 1: the prefill's token is the whole answer.
+    let a = e.post("/v1/completions", json!({"prompt": "x", "max_tokens": 1})).await;
+    assert_eq!(a.json()["choices"][0]["text"], " first");
+    assert!(a.json().get("kv_transfer_params").is_none());
+
+    e.settled().await;
+    let m = e.metrics().await;
+    assert_eq!(sample(&m, "kvbridge_proxy_requests_total{outcome=\"ok\"}"), Some(4.0), "{m}");
+    assert_eq!(sample(&m, "kvbridge_proxy_kv_wait_seconds_count"), Some(4.0), "{m}");
+    assert_eq!(sample(&m, "kvbridge_proxy_kv_outcomes_total{type=\"ProxyNotif\"}"), Some(2.0), "{m}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_flow_passes_kv_transfer_params_from_prefill_to_decode() {
+    let e = env(Flow::Vllm, 2, 2, |_| {}).await;
+    assert!(e.proxy.notify_addr().is_none());
+    for stream in [false, true] {
+        let a = e.post("/v1/completions", completion("hello", stream)).await;
+        assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+        if stream {
+            assert!(a.text().contains(" d2") && a.text().ends_with("data: [DONE]\n\n"), "{}", a.text());
+        } else {
+            assert_eq!(a.json()["choices"][0]["text"], " d0 d1");
+        }
+    }
+    let a = e.post("/v1/chat/completions", chat("hi", false)).await;
+    assert_eq!(a.json()["choices"][0]["message"]["content"], " d0 d1");
+    // Least loaded with ties spread: both prefillers and both decoders were used.
+    assert!(e.p.iter().all(|p| p.st.calls.load(Relaxed) > 0));
+    assert!(e.d.iter().all(|d| d.st.calls.load(Relaxed) > 0));
+    let (_, pv) = e.p.iter().max_by_key(|p| p.st.calls.load(Relaxed)).unwrap().last();
+    assert_eq!(pv["kv_transfer_params"]["do_remote_decode"], true);
+    assert_eq!(pv["max_tokens"], 1);
+    let (_, dv) = e.d.iter().max_by_key(|d| d.st.calls.load(Relaxed)).unwrap().last();
+    assert_eq!(dv["kv_transfer_params"]["remote_engine_id"], "engine-p");
+    assert_eq!(dv["max_tokens"], 3, "the decoder gets the original max_tokens");
+    e.settled().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_outcome_never_arrives_gives_504_within_the_deadline() {
+    let e = env(Flow::Lmcache, 1, 1, |c| c.kv_ready_timeout = Duration::from_millis(300)).await;
+    for stream in [false, true] {
+        let t = Instant::now();
+        let a = e.post("/v1/completions", completion("@nonotify", stream)).await;
+        let el = t.elapsed();
+        assert_eq!(a.status, StatusCode::GATEWAY_TIMEOUT, "{}", a.text());
+        assert_eq!(a.code(), "kv_ready_timeout");
+        assert!(el >= Duration::from_millis(300) && el < Duration::from_secs(3), "{el:?}");
+    }
+    assert_eq!(e.d[0].st.calls.load(Relaxed), 0, "no decode without KV");
+    e.settled().await;
+    let m = e.metrics().await;
+    assert_eq!(sample(&m, "kvbridge_proxy_requests_total{outcome=\"kv_timeout\"}"), Some(2.0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefiller_error_gives_502_and_its_4xx_passes_through() {
+    let e = env(Flow::Lmcache, 1, 1, |_| {}).await;
+    let a = e.post("/v1/completions", completion("@p500", false)).await;
+    assert_eq!(a.status, StatusCode::BAD_GATEWAY);
+    assert_eq!(a.code(), "prefill_failed");
+    assert!(a.json()["error"]["message"].as_str().unwrap().contains("prefill exploded"), "{}", a.text());
+    let a = e.post("/v1/completions", completion("@p400", true)).await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST);
+    assert!(a.text().contains("prompt too long"));
+    assert_eq!(e.d[0].st.calls.load(Relaxed), 0);
+    e.settled().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_failed_gives_502_at_once() {
+    let e = env(Flow::Lmcache, 1, 1, |c| c.kv_ready_timeout = Duration::from_secs(20)).await;
+    // The failure arrives after the prefill answered, and while the prefill still runs.
+    for marker in ["@kvfail", "@kvslowfail"] {
+        let t = Instant::now();
+        let a = e.post("/v1/completions", completion(marker, true)).await;
+        assert_eq!(a.status, StatusCode::BAD_GATEWAY, "{}", a.text());
+        assert_eq!(a.code(), "kv_transfer_failed");
+        assert!(a.text().contains("rank 1") && a.text().contains("receiver buffer full"), "{}", a.text());
+        assert!(t.elapsed() < Duration::from_secs(2), "{marker}: {:?}", t.elapsed());
+    }
+    assert_eq!(e.d[0].st.calls.load(Relaxed), 0);
+    e.settled().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decoder_dies_mid_stream_gives_an_sse_error_event() {
+    let e = env(Flow::Vllm, 1, 1, |_| {}).await;
+    let a = e.post("/v1/completions", completion("@die", true)).await;
+    assert_eq!(a.status, StatusCode::OK);
+    let t = a.text();
+    assert!(t.contains(" d0") && t.contains(" d1"), "{t}");
+    let ev = t.find("event: error\ndata: ").unwrap_or_else(|| panic!("no error event: {t}"));
+    let data: Value = serde_json::from_str(t[ev + 18..].lines().next().unwrap()).unwrap();
+    assert_eq!(data["error"]["code"], "decoder_stream_failed");
+    assert!(!t.contains("[DONE]"));
+    // Not streamed: the truncated answer becomes a 502.
+    let a = e.post("/v1/completions", completion("@die", false)).await;
+    assert_eq!(a.status, StatusCode::BAD_GATEWAY, "{}", a.text());
+    let a = e.post("/v1/completions", completion("@d500", true)).await;
+    assert_eq!(a.status, StatusCode::BAD_GATEWAY);
+    assert!(a.text().contains("decoder exploded"));
+    e.settled().await;
+    let m = e.metrics().await;
+    assert_eq!(sample(&m, "kvbridge_proxy_requests_total{outcome=\"decode_error\"}"), Some(3.0), "{m}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_worker_down_gives_503() {
+    let e = env(Flow::Vllm, 0, 0, |c| {
+        c.prefillers = vec![WorkerAddr { host: "127.0.0.1".into(), port: closed_port() }; 2];
+        c.prefillers[1].port = closed_port();
+        c.decoders = vec![DecoderConfig {
+            host: "127.0.0.1".into(),
+            port: closed_port(),
+            init_ports: vec![],
+            alloc_ports: vec![],
+            max_requests: 0,
+            kv_capacity_tokens: 0,
+        }];
+    })
+    .await;
+    // Both prefillers refuse: each is ejected, then there is none left.
+    let a = e.post("/v1/completions", completion("x", false)).await;
+    assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "{}", a.text());
+    assert_eq!(a.code(), "no_healthy_worker");
+    let h = e.send("GET", "/health", Bytes::new(), None).await;
+    assert_eq!(h.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(h.json()["prefillers_healthy"], 0);
+    e.settled().await;
+
+    // Prefillers up, the only decoder down: 503 once it refuses, then at once.
+    let p = Double::start(Kind::Prefill).await;
+    let e2 = env(Flow::Vllm, 0, 0, |c| {
+        c.prefillers = vec![WorkerAddr { host: "127.0.0.1".into(), port: p.addr.port() }];
+        c.decoders = vec![DecoderConfig {
+            host: "127.0.0.1".into(),
+            port: closed_port(),
+            init_ports: vec![],
+            alloc_ports: vec![],
+            max_requests: 0,
+            kv_capacity_tokens: 0,
+        }];
+    })
+    .await;
+    let a = e2.post("/v1/completions", completion("x", true)).await;
+    assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(a.code(), "decoder_unavailable");
+    let a = e2.post("/v1/completions", completion("x", true)).await;
+    assert_eq!(a.code(), "no_healthy_worker");
+    assert_eq!(p.st.calls.load(Relaxed), 1, "no prefill once no decoder is healthy");
+    e2.settled().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_checks_eject_and_readmit_workers() {
+    let e = env(Flow::Vllm, 1, 1, |c| {
+        c.health_interval = Duration::from_millis(20);
+        c.unhealthy_after = 2;
+        c.healthy_after = 2;
+    })
+    .await;
+    let healthy = "kvbridge_proxy_worker_healthy{role=\"decode\",worker=\"127.0.0.1:";
+    let name = format!("{healthy}{}\"}}", e.d[0].addr.port());
+    e.d[0].st.healthy.store(false, Relaxed);
+    e.settle(&name, 0.0).await;
+    let a = e.post("/v1/completions", completion("x", false)).await;
+    assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
+    e.d[0].st.healthy.store(true, Relaxed);
+    e.settle(&name, 1.0).await;
+    let a = e.post("/v1/completions", completion("x", false)).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admission_full_gives_429_and_a_queued_request_gets_the_freed_slot() {
+    let e = env(Flow::Vllm, 1, 1, |c| {
+        c.decoders[0].max_requests = 1;
+        c.max_queue = 1;
+        c.queue_timeout = Duration::from_secs(5);
+    })
+    .await;
+    // Request 1 holds the only slot: its stream pauses after the first chunk.
+    let req = hyper::Request::post(e.url("/v1/completions"))
+        .body(Full::new(Bytes::from(completion("@hold", true).to_string())))
+        .unwrap();
+    let resp = tokio::time::timeout(T, e.client.request(req)).await.unwrap().unwrap();
+    let mut body = resp.into_body();
+    let first = tokio::time::timeout(T, body.frame()).await.unwrap().unwrap().unwrap();
+    assert!(String::from_utf8_lossy(first.data_ref().unwrap()).contains(" d0"));
+    // Request 2 queues; request 3 finds the queue full.
+    let e = Arc::new(e);
+    let e2 = e.clone();
+    let queued = tokio::spawn(async move { e2.post("/v1/completions", completion("q", false)).await.status });
+    e.settle("kvbridge_proxy_admission_queue", 1.0).await;
+    let a = e.post("/v1/completions", completion("x", false)).await;
+    assert_eq!(a.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(a.code(), "admission_full");
+    // Free the slot: the queued request goes through.
+    e.d[0].st.hold.notify_waiters();
+    let rest = tokio::time::timeout(T, body.collect()).await.unwrap().unwrap().to_bytes();
+    assert!(String::from_utf8_lossy(&rest).ends_with("data: [DONE]\n\n"));
+    assert_eq!(tokio::time::timeout(T, queued).await.unwrap().unwrap(), StatusCode::OK);
+    e.settled().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_openai_shaped_errors() {
+    let e = env(Flow::Lmcache, 1, 1, |c| {
+        c.decoders[0].kv_capacity_tokens = 1000;
+    })
+    .await;
+    for (body, code) in [
+        ("not json", 400),
+        ("[1,2]", 400),
+        (r#"{"model":"m"}"#, 400),
+        (r#"{"prompt":"x","stream":"yes"}"#, 400),
+        (r#"{"prompt":"x","max_tokens":0}"#, 400),
+        (r#"{"prompt":"x","max_tokens":-3}"#, 400),
+    ] {
+        let a = e.send("POST", "/v1/completions", Bytes::from(body), None).await;
+        assert_eq!(a.status.as_u16(), code, "{body}: {}", a.text());
+        assert_eq!(a.json()["error"]["type"], "invalid_request_error", "{body}");
+    }
+    let a = e.post("/v1/chat/completions", json!({"messages": []})).await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST);
+    let big = "x".repeat(8000);
+    let a = e.post("/v1/completions", completion(&big, false)).await;
+    assert_eq!(a.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(a.code(), "prompt_exceeds_kv_capacity");
+    let a = e.send("GET", "/nope", Bytes::new(), None).await;
+    assert_eq!(a.status, StatusCode::NOT_FOUND);
+    assert_eq!(a.code(), "not_found");
+    let a = e.send("GET", "/v1/models", Bytes::new(), None).await;
+    assert_eq!(a.json()["data"][0]["id"], "double-model");
+    assert_eq!(e.send("GET", "/health", Bytes::new(), None).await.status, StatusCode::OK);
+    assert_eq!(e.p[0].st.calls.load(Relaxed), 0);
+    e.settled().await;
+}
+
+/// 10 chunks 3 ms apart: with Nagle's algorithm on either hop, small writes wait for delayed
+/// ACKs (about 40 ms each on loopback) and the stream takes several times longer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_has_no_nagle_stall() {
+    let e = env(Flow::Vllm, 1, 1, |_| {}).await;
+    let _ = e.post("/v1/completions", completion("warm", true)).await;
+    let t = Instant::now();
+    let a = e.post("/v1/completions", completion("@drip", true)).await;
+    assert!(a.text().contains(" d9"));
+    assert!(t.elapsed() < Duration::from_millis(250), "{:?}", t.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thousand_requests_with_random_failures_leave_nothing_behind() {
+    let e = Arc::new(
+        env(Flow::Lmcache, 2, 2, |c| {
+            c.kv_ready_timeout = Duration::from_millis(100);
+            c.decoders.iter_mut().for_each(|d| d.max_requests = 12);
+            c.max_queue = 16;
+            c.queue_timeout = Duration::from_millis(500);
+        })
+        .await,
+    );
+    const MODES: [&str; 10] = ["ok", "@late", "@plain", "@p500", "@kvfail", "@nonotify", "@die", "@d500", "@slow", "cancel"];
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    let sem = Arc::new(tokio::sync::Semaphore::new(32));
+    let mut tasks = Vec::new();
+    let t0 = Instant::now();
+    for i in 0..1000 {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        let mode = MODES[(seed % MODES.len() as u64) as usize];
+        let stream = seed >> 32 & 1 == 1;
+        let permit = sem.clone().acquire_owned().await.unwrap();
+        let e = e.clone();
+        tasks.push(tokio::spawn(async move {
+            let _permit = permit;
+            let marker = if mode == "cancel" { "@slow" } else { mode };
+            let body = completion(&format!("req {i} {marker}"), stream);
+            if mode == "cancel" {
+                // The client gives up while the decoder is still working.
+                let r = tokio::time::timeout(Duration::from_millis(20), e.post("/v1/completions", body)).await;
+                return (mode, r.map(|a| a.status.as_u16()).unwrap_or(0), false);
+            }
+            let a = e.post("/v1/completions", body).await;
+            (mode, a.status.as_u16(), a.text().contains("event: error"))
+        }));
+    }
+    let mut by_status = std::collections::BTreeMap::new();
+    for t in tasks {
+        let (mode, status, sse_err) = tokio::time::timeout(T, t).await.unwrap().unwrap();
+        *by_status.entry(status).or_insert(0) += 1;
+        let want: &[u16] = match mode {
+            "ok" | "@late" | "@plain" | "@slow" => &[200, 429],
+            "@p500" | "@kvfail" | "@d500" => &[502, 429],
+            "@nonotify" => &[504, 429],
+            "@die" => &[200, 502, 429],
+            _ => &[0, 200, 429],
+        };
+        assert!(want.contains(&status), "{mode}: {status}");
+        assert_eq!(sse_err, mode == "@die" && status == 200, "{mode}");
+    }
+    assert!(by_status.get(&200).copied().unwrap_or(0) > 300, "{by_status:?}");
+    e.settled().await;
+    let m = e.metrics().await;
+    let total: f64 = m
+        .lines()
+        .filter(|l| l.starts_with("kvbridge_proxy_requests_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(total, 1000.0, "{m}");
+    assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
+    eprintln!("1000 requests in {:?}: {by_status:?}", t0.elapsed());
+}
