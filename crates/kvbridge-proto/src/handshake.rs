@@ -63,6 +63,14 @@ pub enum Step {
     Ready,
     /// The session is established.
     Established,
+    /// A batch of writes.
+    Write,
+    /// A batch of reads.
+    Read,
+    /// A notification.
+    Notify,
+    /// Closing the session.
+    Close,
 }
 
 impl fmt::Display for Step {
@@ -75,6 +83,10 @@ impl fmt::Display for Step {
             Step::MemInfo => "mem-info",
             Step::Ready => "ready",
             Step::Established => "established",
+            Step::Write => "write",
+            Step::Read => "read",
+            Step::Notify => "notify",
+            Step::Close => "close",
         };
         f.write_str(s)
     }
@@ -672,17 +684,19 @@ impl ListenerSession {
                 self.core.hold(m, step)
             }
             (ListenState::AwaitMem, Message::MemInfo(mem)) => {
+                // Ready goes to the driver before the peer hears it, so the driver publishes
+                // the session before the peer can use it.
+                self.core.out.push_back(Output::Ready(Established {
+                    peer_id: self.peer_id.clone(),
+                    incarnation: self.incarnation,
+                    regions: mem,
+                }));
                 self.core
                     .send(Message::MemInfo(std::mem::take(&mut self.granted)));
                 self.core.send(Message::Ready(Ready {}));
                 self.state = ListenState::Established;
                 self.core.deadline = None;
                 let _ = now;
-                self.core.out.push_back(Output::Ready(Established {
-                    peer_id: self.peer_id.clone(),
-                    incarnation: self.incarnation,
-                    regions: mem,
-                }));
             }
             (ListenState::Established, Message::MemInfo(mem)) => {
                 self.core.out.push_back(Output::PeerMemInfo(mem))

@@ -75,7 +75,10 @@ impl Body for ProxyBody {
     type Data = Bytes;
     type Error = Infallible;
 
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
         let this = &mut *self;
         if let Some(p) = this.prefix.take() {
             this.on_data();
@@ -93,7 +96,9 @@ impl Body for ProxyBody {
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
-            Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Ok(this.fail(format!("decoder stream broke: {e}"))))),
+            Poll::Ready(Some(Err(e))) => {
+                Poll::Ready(Some(Ok(this.fail(format!("decoder stream broke: {e}")))))
+            }
             Poll::Ready(None) => {
                 this.inner = None;
                 if let Some(mut f) = this.fin.take() {

@@ -162,7 +162,12 @@ fn secs(name: &str, v: f64) -> anyhow::Result<Duration> {
 
 /// Expands LMCache-style host and port lists: one host for all ports, one port for all hosts,
 /// or equally long lists; `count` (from `--num-*`) expands a single port into consecutive ones.
-fn expand(what: &str, hosts: &[String], ports: &[u16], count: Option<usize>) -> anyhow::Result<Vec<WorkerAddr>> {
+fn expand(
+    what: &str,
+    hosts: &[String],
+    ports: &[u16],
+    count: Option<usize>,
+) -> anyhow::Result<Vec<WorkerAddr>> {
     let mut ports = ports.to_vec();
     if let Some(n) = count {
         if n == 0 {
@@ -188,7 +193,9 @@ fn expand(what: &str, hosts: &[String], ports: &[u16], count: Option<usize>) -> 
     }
     Ok((0..n)
         .map(|i| WorkerAddr {
-            host: hosts[if hosts.len() == 1 { 0 } else { i }].trim().to_string(),
+            host: hosts[if hosts.len() == 1 { 0 } else { i }]
+                .trim()
+                .to_string(),
             port: ports[if ports.len() == 1 { 0 } else { i }],
         })
         .collect())
@@ -202,48 +209,62 @@ impl Config {
             None => FileConfig::default(),
         };
         let d = Config::default();
-        let pick = |n: &str, cli: Option<f64>, f: Option<f64>, dflt: Duration| -> anyhow::Result<Duration> {
+        let pick = |n: &str,
+                    cli: Option<f64>,
+                    f: Option<f64>,
+                    dflt: Duration|
+         -> anyhow::Result<Duration> {
             match cli.or(f) {
                 Some(v) => secs(n, v),
                 None => Ok(dflt),
             }
         };
         let flow = a.flow.or(file.flow).unwrap_or(d.flow);
-        let prefillers = if a.prefiller_host.is_some() || a.prefiller_port.is_some() || file.prefillers.is_empty() {
-            let hosts = a.prefiller_host.clone().unwrap_or_else(|| vec!["localhost".into()]);
+        let prefillers = if a.prefiller_host.is_some()
+            || a.prefiller_port.is_some()
+            || file.prefillers.is_empty()
+        {
+            let hosts = a
+                .prefiller_host
+                .clone()
+                .unwrap_or_else(|| vec!["localhost".into()]);
             let ports = a.prefiller_port.clone().unwrap_or_else(|| vec![8100]);
             expand("prefiller", &hosts, &ports, a.num_prefillers)?
         } else {
             file.prefillers
         };
-        let decoders = if a.decoder_host.is_some() || a.decoder_port.is_some() || file.decoders.is_empty() {
-            let hosts = a.decoder_host.clone().unwrap_or_else(|| vec!["localhost".into()]);
-            let ports = a.decoder_port.clone().unwrap_or_else(|| vec![8200]);
-            let init = a.decoder_init_port.clone().unwrap_or_else(|| vec![8300]);
-            let alloc = a.decoder_alloc_port.clone().unwrap_or_else(|| vec![8400]);
-            expand("decoder", &hosts, &ports, a.num_decoders)?
-                .into_iter()
-                .map(|w| DecoderConfig {
-                    host: w.host,
-                    port: w.port,
-                    init_ports: init.clone(),
-                    alloc_ports: alloc.clone(),
-                    max_requests: 0,
-                    kv_capacity_tokens: 0,
-                })
-                .collect()
-        } else {
-            let mut ds = file.decoders;
-            for dc in &mut ds {
-                if let Some(i) = &a.decoder_init_port {
-                    dc.init_ports = i.clone();
+        let decoders =
+            if a.decoder_host.is_some() || a.decoder_port.is_some() || file.decoders.is_empty() {
+                let hosts = a
+                    .decoder_host
+                    .clone()
+                    .unwrap_or_else(|| vec!["localhost".into()]);
+                let ports = a.decoder_port.clone().unwrap_or_else(|| vec![8200]);
+                let init = a.decoder_init_port.clone().unwrap_or_else(|| vec![8300]);
+                let alloc = a.decoder_alloc_port.clone().unwrap_or_else(|| vec![8400]);
+                expand("decoder", &hosts, &ports, a.num_decoders)?
+                    .into_iter()
+                    .map(|w| DecoderConfig {
+                        host: w.host,
+                        port: w.port,
+                        init_ports: init.clone(),
+                        alloc_ports: alloc.clone(),
+                        max_requests: 0,
+                        kv_capacity_tokens: 0,
+                    })
+                    .collect()
+            } else {
+                let mut ds = file.decoders;
+                for dc in &mut ds {
+                    if let Some(i) = &a.decoder_init_port {
+                        dc.init_ports = i.clone();
+                    }
+                    if let Some(i) = &a.decoder_alloc_port {
+                        dc.alloc_ports = i.clone();
+                    }
                 }
-                if let Some(i) = &a.decoder_alloc_port {
-                    dc.alloc_ports = i.clone();
-                }
-            }
-            ds
-        };
+                ds
+            };
         let mut decoders = decoders;
         for dc in &mut decoders {
             if let Some(m) = a.decoder_max_requests {
@@ -258,20 +279,68 @@ impl Config {
             port: a.port.or(file.port).unwrap_or(d.port),
             prefillers,
             decoders,
-            proxy_host: a.proxy_host.clone().or(file.proxy_host).unwrap_or(d.proxy_host),
+            proxy_host: a
+                .proxy_host
+                .clone()
+                .or(file.proxy_host)
+                .unwrap_or(d.proxy_host),
             proxy_port: a.proxy_port.or(file.proxy_port).unwrap_or(d.proxy_port),
             flow,
-            kv_ready_timeout: pick("kv-ready-timeout", a.kv_ready_timeout, file.kv_ready_timeout, d.kv_ready_timeout)?,
-            prefill_timeout: pick("prefill-timeout", a.prefill_timeout, file.prefill_timeout, d.prefill_timeout)?,
-            decode_timeout: pick("decode-timeout", a.decode_timeout, file.decode_timeout, d.decode_timeout)?,
-            connect_timeout: pick("connect-timeout", a.connect_timeout, file.connect_timeout, d.connect_timeout)?,
-            health_interval: pick("health-interval", a.health_interval, file.health_interval, d.health_interval)?,
-            health_timeout: pick("health-timeout", a.health_timeout, file.health_timeout, d.health_timeout)?,
-            unhealthy_after: a.unhealthy_after.or(file.unhealthy_after).unwrap_or(d.unhealthy_after),
-            healthy_after: a.healthy_after.or(file.healthy_after).unwrap_or(d.healthy_after),
+            kv_ready_timeout: pick(
+                "kv-ready-timeout",
+                a.kv_ready_timeout,
+                file.kv_ready_timeout,
+                d.kv_ready_timeout,
+            )?,
+            prefill_timeout: pick(
+                "prefill-timeout",
+                a.prefill_timeout,
+                file.prefill_timeout,
+                d.prefill_timeout,
+            )?,
+            decode_timeout: pick(
+                "decode-timeout",
+                a.decode_timeout,
+                file.decode_timeout,
+                d.decode_timeout,
+            )?,
+            connect_timeout: pick(
+                "connect-timeout",
+                a.connect_timeout,
+                file.connect_timeout,
+                d.connect_timeout,
+            )?,
+            health_interval: pick(
+                "health-interval",
+                a.health_interval,
+                file.health_interval,
+                d.health_interval,
+            )?,
+            health_timeout: pick(
+                "health-timeout",
+                a.health_timeout,
+                file.health_timeout,
+                d.health_timeout,
+            )?,
+            unhealthy_after: a
+                .unhealthy_after
+                .or(file.unhealthy_after)
+                .unwrap_or(d.unhealthy_after),
+            healthy_after: a
+                .healthy_after
+                .or(file.healthy_after)
+                .unwrap_or(d.healthy_after),
             max_queue: a.max_queue.or(file.max_queue).unwrap_or(d.max_queue),
-            queue_timeout: pick("queue-timeout", a.queue_timeout, file.queue_timeout, d.queue_timeout)?,
-            max_body_bytes: a.max_body_bytes.or(file.max_body_bytes).unwrap_or(d.max_body_bytes),
+            queue_timeout: pick(
+                "queue-timeout",
+                a.queue_timeout,
+                file.queue_timeout,
+                d.queue_timeout,
+            )?,
+            max_body_bytes: a
+                .max_body_bytes
+                .or(file.max_body_bytes)
+                .unwrap_or(d.max_body_bytes),
         };
         cfg.validate()?;
         Ok(cfg)
@@ -285,7 +354,12 @@ impl Config {
         if self.decoders.is_empty() {
             anyhow::bail!("no decoder configured");
         }
-        for w in self.prefillers.iter().map(|p| (&p.host, p.port)).chain(self.decoders.iter().map(|d| (&d.host, d.port))) {
+        for w in self
+            .prefillers
+            .iter()
+            .map(|p| (&p.host, p.port))
+            .chain(self.decoders.iter().map(|d| (&d.host, d.port)))
+        {
             if w.0.is_empty() || w.0.contains(['/', ' ', '@', '?', '#']) {
                 anyhow::bail!("bad worker host {:?}", w.0);
             }
@@ -314,7 +388,8 @@ impl Config {
 }
 
 fn load_file(p: &Path) -> anyhow::Result<FileConfig> {
-    let text = std::fs::read_to_string(p).map_err(|e| anyhow::anyhow!("cannot read config file {}: {e}", p.display()))?;
+    let text = std::fs::read_to_string(p)
+        .map_err(|e| anyhow::anyhow!("cannot read config file {}: {e}", p.display()))?;
     toml::from_str(&text).map_err(|e| anyhow::anyhow!("bad config file {}: {e}", p.display()))
 }
 
@@ -339,7 +414,13 @@ mod tests {
         let c = parse(&[]).unwrap();
         assert_eq!(c.port, 8000);
         assert_eq!(c.proxy_port, 8500);
-        assert_eq!(c.prefillers, vec![WorkerAddr { host: "localhost".into(), port: 8100 }]);
+        assert_eq!(
+            c.prefillers,
+            vec![WorkerAddr {
+                host: "localhost".into(),
+                port: 8100
+            }]
+        );
         assert_eq!(c.decoders[0].port, 8200);
         assert_eq!(c.decoders[0].init_ports, vec![8300]);
         assert_eq!(c.decoders[0].alloc_ports, vec![8400]);
@@ -350,28 +431,58 @@ mod tests {
     #[test]
     fn comma_and_space_lists_and_num_workers() {
         let c = parse(&[
-            "--prefiller-host", "a,b", "--prefiller-port", "1", "--decoder-host", "d",
-            "--decoder-port", "5", "6", "--decoder-init-port", "7300,7301",
-            "--decoder-alloc-port", "7400", "7401", "--kv-ready-timeout", "0.5", "--flow", "vllm",
+            "--prefiller-host",
+            "a,b",
+            "--prefiller-port",
+            "1",
+            "--decoder-host",
+            "d",
+            "--decoder-port",
+            "5",
+            "6",
+            "--decoder-init-port",
+            "7300,7301",
+            "--decoder-alloc-port",
+            "7400",
+            "7401",
+            "--kv-ready-timeout",
+            "0.5",
+            "--flow",
+            "vllm",
         ])
         .unwrap();
         assert_eq!(c.prefillers.len(), 2);
-        assert_eq!(c.prefillers[1], WorkerAddr { host: "b".into(), port: 1 });
+        assert_eq!(
+            c.prefillers[1],
+            WorkerAddr {
+                host: "b".into(),
+                port: 1
+            }
+        );
         assert_eq!(c.decoders.len(), 2);
         assert_eq!(c.decoders[1].port, 6);
         assert_eq!(c.decoders[1].ranks(), 2);
         assert_eq!(c.kv_ready_timeout, Duration::from_millis(500));
         assert_eq!(c.flow, Flow::Vllm);
         let c = parse(&["--prefiller-port", "8100", "--num-prefillers", "3"]).unwrap();
-        assert_eq!(c.prefillers.iter().map(|p| p.port).collect::<Vec<_>>(), vec![8100, 8101, 8102]);
+        assert_eq!(
+            c.prefillers.iter().map(|p| p.port).collect::<Vec<_>>(),
+            vec![8100, 8101, 8102]
+        );
     }
 
     #[test]
     fn bad_input_is_a_clear_error() {
         let e = parse(&["--prefiller-host", "a,b,c", "--prefiller-port", "1,2"]).unwrap_err();
-        assert!(e.to_string().contains("--prefiller-host has 3 entries"), "{e}");
+        assert!(
+            e.to_string().contains("--prefiller-host has 3 entries"),
+            "{e}"
+        );
         let e = parse(&["--decoder-init-port", "1,2", "--decoder-alloc-port", "3"]).unwrap_err();
-        assert!(e.to_string().contains("2 init ports and 1 alloc ports"), "{e}");
+        assert!(
+            e.to_string().contains("2 init ports and 1 alloc ports"),
+            "{e}"
+        );
         let e = parse(&["--kv-ready-timeout=-1"]).unwrap_err();
         assert!(e.to_string().contains("kv-ready-timeout"), "{e}");
         assert!(parse(&["--flow", "bogus"]).is_err());

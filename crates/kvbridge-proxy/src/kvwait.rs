@@ -34,7 +34,11 @@ pub enum KvOutcome {
 }
 
 enum Event {
-    Register { id: Arc<str>, ranks: u32, tx: oneshot::Sender<KvOutcome> },
+    Register {
+        id: Arc<str>,
+        ranks: u32,
+        tx: oneshot::Sender<KvOutcome>,
+    },
     Forget(Arc<str>),
     Outcome(Notif),
 }
@@ -90,8 +94,16 @@ impl KvWaiters {
     pub fn register(&self, id: &str, ranks: u32) -> KvWait {
         let (otx, orx) = oneshot::channel();
         let id: Arc<str> = Arc::from(id);
-        let _ = self.tx.send(Event::Register { id: id.clone(), ranks, tx: otx });
-        KvWait { rx: orx, id, tx: self.tx.clone() }
+        let _ = self.tx.send(Event::Register {
+            id: id.clone(),
+            ranks,
+            tx: otx,
+        });
+        KvWait {
+            rx: orx,
+            id,
+            tx: self.tx.clone(),
+        }
     }
 
     /// Hands one received outcome message to the owner task.
@@ -106,7 +118,15 @@ async fn own(mut rx: mpsc::UnboundedReceiver<Event>, metrics: Arc<Metrics>) {
         match ev {
             Event::Register { id, ranks, tx } => {
                 let ranks = ranks.clamp(1, MAX_RANKS);
-                map.insert(id, Entry { ranks, seen: 0, anonymous: 0, tx });
+                map.insert(
+                    id,
+                    Entry {
+                        ranks,
+                        seen: 0,
+                        anonymous: 0,
+                        tx,
+                    },
+                );
             }
             Event::Forget(id) => {
                 map.remove(&id);
@@ -121,7 +141,11 @@ async fn own(mut rx: mpsc::UnboundedReceiver<Event>, metrics: Arc<Metrics>) {
                 let key = msg.req_id().to_owned();
                 let Some(e) = map.get_mut(key.as_str()) else {
                     metrics.kv_outcomes_unknown.fetch_add(1, Relaxed);
-                    tracing::debug!(req_id = msg.req_id(), kind = msg.kind(), "outcome for unknown request id dropped");
+                    tracing::debug!(
+                        req_id = msg.req_id(),
+                        kind = msg.kind(),
+                        "outcome for unknown request id dropped"
+                    );
                     continue;
                 };
                 let done = match msg {
@@ -138,7 +162,9 @@ async fn own(mut rx: mpsc::UnboundedReceiver<Event>, metrics: Arc<Metrics>) {
                         metrics.kv_outcomes_unknown.fetch_add(1, Relaxed);
                         None
                     }
-                    Notif::KvFailed { rank, reason, .. } => Some(KvOutcome::Failed { rank, reason }),
+                    Notif::KvFailed { rank, reason, .. } => {
+                        Some(KvOutcome::Failed { rank, reason })
+                    }
                 };
                 let done = done.or_else(|| {
                     (e.seen.count_ones() + e.anonymous >= e.ranks).then_some(KvOutcome::Ready)
@@ -163,8 +189,9 @@ pub async fn bind_pull(
     waiters: KvWaiters,
     metrics: Arc<Metrics>,
 ) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
-    let listener = std::net::TcpListener::bind((host, port))
-        .map_err(|e| anyhow::anyhow!("cannot bind the notification socket on {host}:{port}: {e}"))?;
+    let listener = std::net::TcpListener::bind((host, port)).map_err(|e| {
+        anyhow::anyhow!("cannot bind the notification socket on {host}:{port}: {e}")
+    })?;
     let addr = listener.local_addr()?;
     let mut sock = zeromq::PullSocket::new();
     sock.bind_listener(listener)
@@ -208,7 +235,11 @@ mod tests {
         // The gauge is written by the owner task after each event; give it a bounded moment.
         let deadline = tokio::time::Instant::now() + T;
         while m.kv_waits_pending.load(Relaxed) != want {
-            assert!(tokio::time::Instant::now() < deadline, "kv_waits_pending stuck at {}", m.kv_waits_pending.load(Relaxed));
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "kv_waits_pending stuck at {}",
+                m.kv_waits_pending.load(Relaxed)
+            );
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
     }
@@ -218,13 +249,26 @@ mod tests {
         let m = Arc::new(Metrics::default());
         let w = KvWaiters::spawn(m.clone());
         let mut wait = w.register("r", 3);
-        let ready = |rank| Notif::KvReady { req_id: "r".into(), rank, chunks: 1, bytes: 1 };
+        let ready = |rank| Notif::KvReady {
+            req_id: "r".into(),
+            rank,
+            chunks: 1,
+            bytes: 1,
+        };
         w.deliver(ready(0));
         w.deliver(ready(0));
         w.deliver(ready(2));
-        assert!(tokio::time::timeout(Duration::from_millis(30), wait.outcome()).await.is_err(), "rank 1 is missing");
+        assert!(
+            tokio::time::timeout(Duration::from_millis(30), wait.outcome())
+                .await
+                .is_err(),
+            "rank 1 is missing"
+        );
         w.deliver(ready(1));
-        assert_eq!(tokio::time::timeout(T, wait.outcome()).await.unwrap(), Some(KvOutcome::Ready));
+        assert_eq!(
+            tokio::time::timeout(T, wait.outcome()).await.unwrap(),
+            Some(KvOutcome::Ready)
+        );
         pending(&m, 0).await;
     }
 
@@ -236,13 +280,18 @@ mod tests {
         let b = w.register("b", 1);
         pending(&m, 2).await;
         w.deliver(Notif::ProxyNotif { req_id: "a".into() });
-        assert_eq!(tokio::time::timeout(T, a.outcome()).await.unwrap(), Some(KvOutcome::Ready));
+        assert_eq!(
+            tokio::time::timeout(T, a.outcome()).await.unwrap(),
+            Some(KvOutcome::Ready)
+        );
         pending(&m, 1).await;
         drop(b);
         pending(&m, 0).await;
         drop(a);
         w.deliver(Notif::ProxyNotif { req_id: "a".into() });
-        w.deliver(Notif::ProxyNotif { req_id: "zzz".into() });
+        w.deliver(Notif::ProxyNotif {
+            req_id: "zzz".into(),
+        });
         let deadline = tokio::time::Instant::now() + T;
         while m.kv_outcomes_unknown.load(Relaxed) != 2 {
             assert!(tokio::time::Instant::now() < deadline);
@@ -256,11 +305,23 @@ mod tests {
         let m = Arc::new(Metrics::default());
         let w = KvWaiters::spawn(m.clone());
         let mut wait = w.register("r", 8);
-        w.deliver(Notif::KvReady { req_id: "r".into(), rank: 0, chunks: 1, bytes: 1 });
-        w.deliver(Notif::KvFailed { req_id: "r".into(), rank: 5, reason: "buffer full".into() });
+        w.deliver(Notif::KvReady {
+            req_id: "r".into(),
+            rank: 0,
+            chunks: 1,
+            bytes: 1,
+        });
+        w.deliver(Notif::KvFailed {
+            req_id: "r".into(),
+            rank: 5,
+            reason: "buffer full".into(),
+        });
         assert_eq!(
             tokio::time::timeout(T, wait.outcome()).await.unwrap(),
-            Some(KvOutcome::Failed { rank: 5, reason: "buffer full".into() })
+            Some(KvOutcome::Failed {
+                rank: 5,
+                reason: "buffer full".into()
+            })
         );
         pending(&m, 0).await;
     }
@@ -270,18 +331,34 @@ mod tests {
     async fn zmq_push_to_pull_round_trip() {
         let m = Arc::new(Metrics::default());
         let w = KvWaiters::spawn(m.clone());
-        let (addr, task) = bind_pull("127.0.0.1", 0, w.clone(), m.clone()).await.unwrap();
+        let (addr, task) = bind_pull("127.0.0.1", 0, w.clone(), m.clone())
+            .await
+            .unwrap();
         let mut wait = w.register("z", 2);
         let mut push = zeromq::PushSocket::new();
-        tokio::time::timeout(T, push.connect(&format!("tcp://{addr}"))).await.unwrap().unwrap();
+        tokio::time::timeout(T, push.connect(&format!("tcp://{addr}")))
+            .await
+            .unwrap()
+            .unwrap();
         for msg in [
             b"garbage".to_vec(),
             notif::encode(&Notif::ProxyNotif { req_id: "z".into() }),
-            notif::encode(&Notif::KvReady { req_id: "z".into(), rank: 1, chunks: 2, bytes: 3 }),
+            notif::encode(&Notif::KvReady {
+                req_id: "z".into(),
+                rank: 1,
+                chunks: 2,
+                bytes: 3,
+            }),
         ] {
-            tokio::time::timeout(T, push.send(ZmqMessage::from(msg))).await.unwrap().unwrap();
+            tokio::time::timeout(T, push.send(ZmqMessage::from(msg)))
+                .await
+                .unwrap()
+                .unwrap();
         }
-        assert_eq!(tokio::time::timeout(T, wait.outcome()).await.unwrap(), Some(KvOutcome::Ready));
+        assert_eq!(
+            tokio::time::timeout(T, wait.outcome()).await.unwrap(),
+            Some(KvOutcome::Ready)
+        );
         assert_eq!(m.kv_outcomes_malformed.load(Relaxed), 1);
         task.abort();
     }

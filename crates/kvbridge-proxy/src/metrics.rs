@@ -77,9 +77,13 @@ impl Histogram {
     /// Records one observation.
     pub fn observe(&self, d: Duration) {
         let s = d.as_secs_f64();
-        let i = BUCKETS.iter().position(|b| s <= *b).unwrap_or(BUCKETS.len());
+        let i = BUCKETS
+            .iter()
+            .position(|b| s <= *b)
+            .unwrap_or(BUCKETS.len());
         self.counts[i].fetch_add(1, Relaxed);
-        self.sum_ns.fetch_add(d.as_nanos().min(u64::MAX as u128) as u64, Relaxed);
+        self.sum_ns
+            .fetch_add(d.as_nanos().min(u64::MAX as u128) as u64, Relaxed);
     }
 
     /// Number of observations so far.
@@ -158,8 +162,16 @@ impl Metrics {
         }
         let gauges = [
             ("in_flight", "Requests being served.", &self.in_flight),
-            ("admission_queue", "Requests waiting for an admission slot.", &self.admission_queue),
-            ("kv_waits_pending", "Request ids waiting for KV-ready outcomes.", &self.kv_waits_pending),
+            (
+                "admission_queue",
+                "Requests waiting for an admission slot.",
+                &self.admission_queue,
+            ),
+            (
+                "kv_waits_pending",
+                "Request ids waiting for KV-ready outcomes.",
+                &self.kv_waits_pending,
+            ),
         ];
         for (n, h, v) in gauges {
             let _ = writeln!(
@@ -180,8 +192,16 @@ impl Metrics {
             );
         }
         let counters = [
-            ("kv_outcomes_unknown_total", "Outcomes for ids nobody waits for (dropped).", &self.kv_outcomes_unknown),
-            ("kv_outcomes_malformed_total", "Undecodable notification messages.", &self.kv_outcomes_malformed),
+            (
+                "kv_outcomes_unknown_total",
+                "Outcomes for ids nobody waits for (dropped).",
+                &self.kv_outcomes_unknown,
+            ),
+            (
+                "kv_outcomes_malformed_total",
+                "Undecodable notification messages.",
+                &self.kv_outcomes_malformed,
+            ),
         ];
         for (n, h, v) in counters {
             let _ = writeln!(
@@ -190,11 +210,31 @@ impl Metrics {
                 v.load(Relaxed)
             );
         }
-        self.ttft.render(out, "kvbridge_proxy_ttft_seconds", "Time to first byte of the answer.");
-        self.prefill.render(out, "kvbridge_proxy_prefill_seconds", "Prefill request duration.");
-        self.kv_wait.render(out, "kvbridge_proxy_kv_wait_seconds", "Wait for KV-ready after prefill.");
-        self.decode.render(out, "kvbridge_proxy_decode_seconds", "Decode request duration.");
-        self.request.render(out, "kvbridge_proxy_request_seconds", "Whole request duration.");
+        self.ttft.render(
+            out,
+            "kvbridge_proxy_ttft_seconds",
+            "Time to first byte of the answer.",
+        );
+        self.prefill.render(
+            out,
+            "kvbridge_proxy_prefill_seconds",
+            "Prefill request duration.",
+        );
+        self.kv_wait.render(
+            out,
+            "kvbridge_proxy_kv_wait_seconds",
+            "Wait for KV-ready after prefill.",
+        );
+        self.decode.render(
+            out,
+            "kvbridge_proxy_decode_seconds",
+            "Decode request duration.",
+        );
+        self.request.render(
+            out,
+            "kvbridge_proxy_request_seconds",
+            "Whole request duration.",
+        );
     }
 }
 

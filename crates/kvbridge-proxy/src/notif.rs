@@ -111,7 +111,12 @@ mod tests {
         s(&mut b, "ProxyNotif");
         s(&mut b, "req_id");
         s(&mut b, "abc");
-        assert_eq!(decode(&b).unwrap(), Notif::ProxyNotif { req_id: "abc".into() });
+        assert_eq!(
+            decode(&b).unwrap(),
+            Notif::ProxyNotif {
+                req_id: "abc".into()
+            }
+        );
         // The NIXL backend's name for the same message.
         let mut b = vec![0x82];
         s(&mut b, "type");
@@ -138,7 +143,12 @@ mod tests {
         b.push(4);
         assert_eq!(
             decode(&b).unwrap(),
-            Notif::KvReady { req_id: "r-1".into(), rank: 3, chunks: 4, bytes: 65536 }
+            Notif::KvReady {
+                req_id: "r-1".into(),
+                rank: 3,
+                chunks: 4,
+                bytes: 65536
+            }
         );
     }
 
@@ -146,8 +156,17 @@ mod tests {
     fn round_trips_every_variant() {
         for m in [
             Notif::ProxyNotif { req_id: "a".into() },
-            Notif::KvReady { req_id: "b".into(), rank: 7, chunks: 9, bytes: 1 << 40 },
-            Notif::KvFailed { req_id: "c".into(), rank: 1, reason: "alloc failed".into() },
+            Notif::KvReady {
+                req_id: "b".into(),
+                rank: 7,
+                chunks: 9,
+                bytes: 1 << 40,
+            },
+            Notif::KvFailed {
+                req_id: "c".into(),
+                rank: 1,
+                reason: "alloc failed".into(),
+            },
         ] {
             let bytes = encode(&m);
             assert_eq!(bytes[0] & 0xf0, 0x80, "a map, not an array");

@@ -1,6 +1,8 @@
 //! Worker pools: least-loaded choice, per-decoder admission, and health state.
 
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{
+    AtomicBool, AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Ordering::Relaxed,
+};
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
@@ -122,7 +124,12 @@ impl Drop for Slot {
 
 impl Pool {
     /// Builds a pool; `workers` are `(host, port, max_requests, kv_capacity_tokens)`.
-    pub fn new(role: Role, workers: impl IntoIterator<Item = (String, u16, u32, u64)>, unhealthy_after: u32, healthy_after: u32) -> Arc<Pool> {
+    pub fn new(
+        role: Role,
+        workers: impl IntoIterator<Item = (String, u16, u32, u64)>,
+        unhealthy_after: u32,
+        healthy_after: u32,
+    ) -> Arc<Pool> {
         Arc::new(Pool {
             role,
             workers: workers
@@ -193,10 +200,17 @@ impl Pool {
                 w.inflight.fetch_add(1, Relaxed);
                 w.tokens.fetch_add(tokens, Relaxed);
                 w.served.fetch_add(1, Relaxed);
-                Ok(Slot { pool: self.clone(), idx: i, tokens })
+                Ok(Slot {
+                    pool: self.clone(),
+                    idx: i,
+                    tokens,
+                })
             }
             None if !any_healthy => Err(PickError::NoHealthy),
-            None if too_large => Err(PickError::TooLarge { tokens, capacity: max_cap }),
+            None if too_large => Err(PickError::TooLarge {
+                tokens,
+                capacity: max_cap,
+            }),
             None => Err(PickError::Full),
         }
     }
@@ -246,7 +260,9 @@ impl Pool {
     /// Records a health-check result (or a passive failure: a refused connection counts as
     /// enough failures to eject at once). Returns true when the health state changed.
     pub fn report(&self, idx: usize, ok: bool, passive: bool) -> bool {
-        let Some(w) = self.workers.get(idx) else { return false };
+        let Some(w) = self.workers.get(idx) else {
+            return false;
+        };
         let (down_after, up_after) = self.thresholds;
         if ok {
             w.fails.store(0, Relaxed);
@@ -259,7 +275,11 @@ impl Pool {
             }
         } else {
             w.oks.store(0, Relaxed);
-            let fails = if passive { down_after } else { w.fails.fetch_add(1, Relaxed) + 1 };
+            let fails = if passive {
+                down_after
+            } else {
+                w.fails.fetch_add(1, Relaxed) + 1
+            };
             if w.is_healthy() && fails >= down_after {
                 w.healthy.store(false, Relaxed);
                 tracing::warn!(role = self.role.as_str(), worker = %w.label, passive, "worker ejected");
@@ -279,13 +299,28 @@ impl Pool {
         use std::fmt::Write as _;
         let role = self.role.as_str();
         for (name, help, kind) in [
-            ("worker_healthy", "1 when the worker takes requests.", "gauge"),
+            (
+                "worker_healthy",
+                "1 when the worker takes requests.",
+                "gauge",
+            ),
             ("worker_inflight", "Requests on the worker now.", "gauge"),
-            ("worker_inflight_tokens", "Estimated prompt tokens on the worker now.", "gauge"),
-            ("worker_requests_total", "Requests routed to the worker.", "counter"),
+            (
+                "worker_inflight_tokens",
+                "Estimated prompt tokens on the worker now.",
+                "gauge",
+            ),
+            (
+                "worker_requests_total",
+                "Requests routed to the worker.",
+                "counter",
+            ),
         ] {
             if self.role == Role::Prefill {
-                let _ = writeln!(out, "# HELP kvbridge_proxy_{name} {help}\n# TYPE kvbridge_proxy_{name} {kind}");
+                let _ = writeln!(
+                    out,
+                    "# HELP kvbridge_proxy_{name} {help}\n# TYPE kvbridge_proxy_{name} {kind}"
+                );
             }
             for w in &self.workers {
                 let v = match name {
@@ -294,7 +329,11 @@ impl Pool {
                     "worker_inflight_tokens" => w.tokens(),
                     _ => w.served.load(Relaxed),
                 };
-                let _ = writeln!(out, "kvbridge_proxy_{name}{{role=\"{role}\",worker=\"{}\"}} {v}", w.label);
+                let _ = writeln!(
+                    out,
+                    "kvbridge_proxy_{name}{{role=\"{role}\",worker=\"{}\"}} {v}",
+                    w.label
+                );
             }
         }
     }
@@ -306,7 +345,12 @@ mod tests {
     use std::time::Duration;
 
     fn pool(n: usize, max: u32, cap: u64) -> Arc<Pool> {
-        Pool::new(Role::Decode, (0..n).map(|i| ("h".to_string(), i as u16, max, cap)), 2, 1)
+        Pool::new(
+            Role::Decode,
+            (0..n).map(|i| ("h".to_string(), i as u16, max, cap)),
+            2,
+            1,
+        )
     }
 
     #[test]
@@ -318,7 +362,10 @@ mod tests {
         let c = p.try_pick(10, &[]).unwrap();
         assert_eq!(c.index(), b.index(), "the worker with fewer tokens");
         drop((a, b, c));
-        assert!(p.workers.iter().all(|w| w.inflight() == 0 && w.tokens() == 0));
+        assert!(p
+            .workers
+            .iter()
+            .all(|w| w.inflight() == 0 && w.tokens() == 0));
     }
 
     #[test]
@@ -328,7 +375,13 @@ mod tests {
         assert_eq!(p.try_pick(60, &[]).unwrap_err(), PickError::Full);
         let b = p.try_pick(40, &[]).unwrap();
         assert_eq!(p.try_pick(1, &[]).unwrap_err(), PickError::Full);
-        assert_eq!(p.try_pick(101, &[]).unwrap_err(), PickError::TooLarge { tokens: 101, capacity: 100 });
+        assert_eq!(
+            p.try_pick(101, &[]).unwrap_err(),
+            PickError::TooLarge {
+                tokens: 101,
+                capacity: 100
+            }
+        );
         drop((a, b));
         assert!(p.try_pick(100, &[]).is_ok());
     }
@@ -338,7 +391,10 @@ mod tests {
         let p = pool(2, 0, 0);
         assert!(!p.report(0, false, false), "one failure is not enough");
         assert!(p.report(0, false, false));
-        assert!(p.report(1, false, true), "a refused connection ejects at once");
+        assert!(
+            p.report(1, false, true),
+            "a refused connection ejects at once"
+        );
         assert_eq!(p.try_pick(1, &[]).unwrap_err(), PickError::NoHealthy);
         assert!(p.report(1, true, false));
         assert_eq!(p.try_pick(1, &[]).unwrap().index(), 1);
@@ -351,21 +407,41 @@ mod tests {
         let g = AtomicI64::new(0);
         let a = p.try_pick(1, &[]).unwrap();
         let t = std::time::Instant::now();
-        assert_eq!(p.pick(1, 10, Duration::from_millis(50), &g).await.unwrap_err(), PickError::Full);
+        assert_eq!(
+            p.pick(1, 10, Duration::from_millis(50), &g)
+                .await
+                .unwrap_err(),
+            PickError::Full
+        );
         assert!(t.elapsed() >= Duration::from_millis(50));
-        assert_eq!(p.pick(1, 0, Duration::from_secs(5), &g).await.unwrap_err(), PickError::Full, "queue of 0");
+        assert_eq!(
+            p.pick(1, 0, Duration::from_secs(5), &g).await.unwrap_err(),
+            PickError::Full,
+            "queue of 0"
+        );
         let p2 = p.clone();
         let waiter = tokio::spawn(async move {
             let g = AtomicI64::new(0);
-            p2.pick(1, 10, Duration::from_secs(10), &g).await.map(|s| s.index())
+            p2.pick(1, 10, Duration::from_secs(10), &g)
+                .await
+                .map(|s| s.index())
         });
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
         while p.queued.load(Relaxed) == 0 {
-            assert!(std::time::Instant::now() < deadline, "the waiter never queued");
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the waiter never queued"
+            );
             tokio::task::yield_now().await;
         }
         drop(a);
-        assert_eq!(tokio::time::timeout(Duration::from_secs(5), waiter).await.unwrap().unwrap(), Ok(0));
+        assert_eq!(
+            tokio::time::timeout(Duration::from_secs(5), waiter)
+                .await
+                .unwrap()
+                .unwrap(),
+            Ok(0)
+        );
         assert_eq!(p.queued.load(Relaxed), 0);
         assert_eq!(g.load(Relaxed), 0);
     }

@@ -68,7 +68,10 @@ impl RunningProxy {
             let _ = s.send(());
         }
         if let Some(mut h) = self.server.take() {
-            if tokio::time::timeout(Duration::from_secs(30), &mut h).await.is_err() {
+            if tokio::time::timeout(Duration::from_secs(30), &mut h)
+                .await
+                .is_err()
+            {
                 h.abort();
             }
         }
@@ -106,7 +109,8 @@ pub async fn start(cfg: Config) -> anyhow::Result<RunningProxy> {
     let mut tasks = Vec::new();
     let (waiters, notify_addr) = if cfg.flow == Flow::Lmcache {
         let w = KvWaiters::spawn(metrics.clone());
-        let (addr, t) = kvwait::bind_pull(&cfg.proxy_host, cfg.proxy_port, w.clone(), metrics.clone()).await?;
+        let (addr, t) =
+            kvwait::bind_pull(&cfg.proxy_host, cfg.proxy_port, w.clone(), metrics.clone()).await?;
         tasks.push(t);
         (Some(w), Some(addr))
     } else {
@@ -125,14 +129,26 @@ pub async fn start(cfg: Config) -> anyhow::Result<RunningProxy> {
         .pool_timer(TokioTimer::new())
         .build(conn);
     let (ua, ha) = (cfg.unhealthy_after, cfg.healthy_after);
-    let prefill = Pool::new(Role::Prefill, cfg.prefillers.iter().map(|w| (w.host.clone(), w.port, 0, 0)), ua, ha);
-    let decode = Pool::new(
-        Role::Decode,
-        cfg.decoders.iter().map(|d| (d.host.clone(), d.port, d.max_requests, d.kv_capacity_tokens)),
+    let prefill = Pool::new(
+        Role::Prefill,
+        cfg.prefillers
+            .iter()
+            .map(|w| (w.host.clone(), w.port, 0, 0)),
         ua,
         ha,
     );
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    let decode = Pool::new(
+        Role::Decode,
+        cfg.decoders
+            .iter()
+            .map(|d| (d.host.clone(), d.port, d.max_requests, d.kv_capacity_tokens)),
+        ua,
+        ha,
+    );
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
     let app = Arc::new(App {
         cfg,
         client,
@@ -174,7 +190,14 @@ pub async fn start(cfg: Config) -> anyhow::Result<RunningProxy> {
             tracing::error!(error = %e, "HTTP server stopped");
         }
     });
-    Ok(RunningProxy { http_addr, notify_addr, app, stop: Some(stop_tx), server: Some(server), tasks })
+    Ok(RunningProxy {
+        http_addr,
+        notify_addr,
+        app,
+        stop: Some(stop_tx),
+        server: Some(server),
+        tasks,
+    })
 }
 
 async fn health_loop(app: Arc<App>, pool: Arc<Pool>, idx: usize) {
@@ -211,7 +234,12 @@ pub(crate) struct Track {
 impl Track {
     fn new(metrics: Arc<Metrics>, rid: HeaderValue) -> Track {
         metrics.in_flight.fetch_add(1, Relaxed);
-        Track { metrics, outcome: Outcome::Cancelled, t0: Instant::now(), rid }
+        Track {
+            metrics,
+            outcome: Outcome::Cancelled,
+            t0: Instant::now(),
+            rid,
+        }
     }
 
     /// The request id as text, for logs.
@@ -241,13 +269,34 @@ pub(crate) struct ApiError {
 }
 
 impl ApiError {
-    fn new(status: StatusCode, code: &'static str, outcome: Outcome, message: impl Into<String>) -> Self {
-        let kind = if status.is_client_error() { "invalid_request_error" } else { "server_error" };
-        ApiError { status, kind, code, message: message.into(), outcome, raw: None }
+    fn new(
+        status: StatusCode,
+        code: &'static str,
+        outcome: Outcome,
+        message: impl Into<String>,
+    ) -> Self {
+        let kind = if status.is_client_error() {
+            "invalid_request_error"
+        } else {
+            "server_error"
+        };
+        ApiError {
+            status,
+            kind,
+            code,
+            message: message.into(),
+            outcome,
+            raw: None,
+        }
     }
 
     fn bad_request(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::BAD_REQUEST, "invalid_request", Outcome::BadRequest, message)
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+            Outcome::BadRequest,
+            message,
+        )
     }
 
     fn into_response(self, rid: &HeaderValue) -> Response {
@@ -262,7 +311,8 @@ impl ApiError {
             None => {
                 let v = json!({"error": {"message": self.message, "type": self.kind, "param": null, "code": self.code}});
                 let mut r = Response::new(Body::from(v.to_string()));
-                r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+                r.headers_mut()
+                    .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
                 r
             }
         };
@@ -310,24 +360,41 @@ impl Api {
     }
 }
 
-async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
+async fn completions(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     app.serve(Api::Completions, headers, body).await
 }
 
-async fn chat_completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
+async fn chat_completions(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     app.serve(Api::Chat, headers, body).await
 }
 
 async fn not_found(method: Method, uri: axum::http::Uri) -> Response {
     let v = json!({"error": {"message": format!("no route for {method} {}", uri.path()), "type": "invalid_request_error", "param": null, "code": "not_found"}});
-    (StatusCode::NOT_FOUND, [(CONTENT_TYPE, "application/json")], v.to_string()).into_response()
+    (
+        StatusCode::NOT_FOUND,
+        [(CONTENT_TYPE, "application/json")],
+        v.to_string(),
+    )
+        .into_response()
 }
 
 async fn health(State(app): State<Arc<App>>) -> Response {
     let (p, d) = (app.prefill.healthy_count(), app.decode.healthy_count());
     let ok = p > 0 && d > 0;
     let v = json!({"status": if ok {"ok"} else {"unavailable"}, "prefillers_healthy": p, "decoders_healthy": d});
-    let status = if ok { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let status = if ok {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
     (status, [(CONTENT_TYPE, "application/json")], v.to_string()).into_response()
 }
 
@@ -351,15 +418,28 @@ async fn metrics_text(State(app): State<Arc<App>>) -> Response {
 
 async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
     let rid = app.request_id(&headers);
-    let Some(w) = app.decode.workers.iter().chain(app.prefill.workers.iter()).find(|w| w.is_healthy()) else {
+    let Some(w) = app
+        .decode
+        .workers
+        .iter()
+        .chain(app.prefill.workers.iter())
+        .find(|w| w.is_healthy())
+    else {
         return pick_error(Role::Decode, PickError::NoHealthy).into_response(&rid);
     };
     let uri = format!("{}/v1/models", w.base);
     let r = async {
-        let req = Request::get(uri).header(X_REQUEST_ID, rid.clone()).body(Full::new(Bytes::new())).map_err(|e| e.to_string())?;
+        let req = Request::get(uri)
+            .header(X_REQUEST_ID, rid.clone())
+            .body(Full::new(Bytes::new()))
+            .map_err(|e| e.to_string())?;
         let resp = app.client.request(req).await.map_err(|e| e.to_string())?;
         let (parts, body) = resp.into_parts();
-        let b = Limited::new(body, MAX_UPSTREAM_BODY).collect().await.map_err(|e| e.to_string())?.to_bytes();
+        let b = Limited::new(body, MAX_UPSTREAM_BODY)
+            .collect()
+            .await
+            .map_err(|e| e.to_string())?
+            .to_bytes();
         Ok::<_, String>((parts.status, parts.headers.get(CONTENT_TYPE).cloned(), b))
     };
     match tokio::time::timeout(app.cfg.decode_timeout, r).await {
@@ -371,19 +451,38 @@ async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
             }
             resp
         }
-        Ok(Err(e)) => ApiError::new(StatusCode::BAD_GATEWAY, "upstream_failed", Outcome::DecodeError, format!("worker {}: {e}", w.label))
-            .into_response(&rid),
-        Err(_) => ApiError::new(StatusCode::GATEWAY_TIMEOUT, "upstream_timeout", Outcome::DecodeError, format!("worker {} timed out", w.label))
-            .into_response(&rid),
+        Ok(Err(e)) => ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            "upstream_failed",
+            Outcome::DecodeError,
+            format!("worker {}: {e}", w.label),
+        )
+        .into_response(&rid),
+        Err(_) => ApiError::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            "upstream_timeout",
+            Outcome::DecodeError,
+            format!("worker {} timed out", w.label),
+        )
+        .into_response(&rid),
     }
 }
 
 /// What a flow produced.
 enum Reply {
     /// A whole body, ready to send.
-    Full { content_type: HeaderValue, body: Bytes },
+    Full {
+        content_type: HeaderValue,
+        body: Bytes,
+    },
     /// The decoder's stream, with an optional first chunk in front.
-    Stream { content_type: HeaderValue, body: Incoming, prefix: Option<Bytes>, slot: Slot, decode_start: Instant },
+    Stream {
+        content_type: HeaderValue,
+        body: Incoming,
+        prefix: Option<Bytes>,
+        slot: Slot,
+        decode_start: Instant,
+    },
 }
 
 /// Failure of one call to a worker.
@@ -393,7 +492,10 @@ enum CallError {
 }
 
 /// Sets `overrides` on `req`, serialises it, and puts the old values back.
-fn serialise_with(req: &mut Map<String, Value>, overrides: Vec<(&'static str, Option<Value>)>) -> Bytes {
+fn serialise_with(
+    req: &mut Map<String, Value>,
+    overrides: Vec<(&'static str, Option<Value>)>,
+) -> Bytes {
     let mut saved = Vec::with_capacity(overrides.len());
     for (k, v) in overrides {
         let old = match v {
@@ -424,7 +526,9 @@ fn positive(req: &Map<String, Value>, key: &str) -> Result<Option<u64>, ApiError
         Some(v) => match v.as_u64() {
             Some(0) => Err(ApiError::bad_request(format!("`{key}` must be at least 1"))),
             Some(n) => Ok(Some(n)),
-            None => Err(ApiError::bad_request(format!("`{key}` must be a positive integer"))),
+            None => Err(ApiError::bad_request(format!(
+                "`{key}` must be a positive integer"
+            ))),
         },
     }
 }
@@ -441,7 +545,12 @@ impl App {
         }
     }
 
-    async fn serve(self: Arc<Self>, api: Api, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
+    async fn serve(
+        self: Arc<Self>,
+        api: Api,
+        headers: HeaderMap,
+        body: Result<Bytes, BytesRejection>,
+    ) -> Response {
         let rid = self.request_id(&headers);
         let mut track = Track::new(self.metrics.clone(), rid.clone());
         match self.flow(api, &headers, body, &rid, &track).await {
@@ -454,21 +563,44 @@ impl App {
                 r.headers_mut().insert(X_REQUEST_ID, rid);
                 r
             }
-            Ok(Reply::Stream { content_type, body, prefix, slot, decode_start }) => {
-                let fin = Finish { track, slot, decode_start };
+            Ok(Reply::Stream {
+                content_type,
+                body,
+                prefix,
+                slot,
+                decode_start,
+            }) => {
+                let fin = Finish {
+                    track,
+                    slot,
+                    decode_start,
+                };
                 let body = ProxyBody::new(body, prefix, self.cfg.decode_timeout, fin);
                 let mut r = Response::new(Body::new(body));
                 r.headers_mut().insert(CONTENT_TYPE, content_type);
-                r.headers_mut().insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+                r.headers_mut()
+                    .insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
                 r.headers_mut().insert(X_REQUEST_ID, rid);
                 r
             }
             Err(e) => {
                 track.outcome = e.outcome;
                 if e.status.is_server_error() || e.status == StatusCode::TOO_MANY_REQUESTS {
-                    tracing::warn!(request_id = track.rid(), status = e.status.as_u16(), code = e.code, "{}", e.message);
+                    tracing::warn!(
+                        request_id = track.rid(),
+                        status = e.status.as_u16(),
+                        code = e.code,
+                        "{}",
+                        e.message
+                    );
                 } else {
-                    tracing::debug!(request_id = track.rid(), status = e.status.as_u16(), code = e.code, "{}", e.message);
+                    tracing::debug!(
+                        request_id = track.rid(),
+                        status = e.status.as_u16(),
+                        code = e.code,
+                        "{}",
+                        e.message
+                    );
                 }
                 e.into_response(&rid)
             }
@@ -483,9 +615,17 @@ impl App {
         rid: &HeaderValue,
         track: &Track,
     ) -> Result<Reply, ApiError> {
-        let body = body.map_err(|r| ApiError::new(r.status(), "invalid_body", Outcome::BadRequest, r.body_text()))?;
-        let req: Map<String, Value> = serde_json::from_slice(&body)
-            .map_err(|e| ApiError::bad_request(format!("the request body is not a JSON object: {e}")))?;
+        let body = body.map_err(|r| {
+            ApiError::new(
+                r.status(),
+                "invalid_body",
+                Outcome::BadRequest,
+                r.body_text(),
+            )
+        })?;
+        let req: Map<String, Value> = serde_json::from_slice(&body).map_err(|e| {
+            ApiError::bad_request(format!("the request body is not a JSON object: {e}"))
+        })?;
         let stream = match req.get("stream") {
             None | Some(Value::Null) => false,
             Some(Value::Bool(b)) => *b,
@@ -494,9 +634,13 @@ impl App {
         let max_tokens = positive(&req, "max_tokens")?;
         positive(&req, "max_completion_tokens")?;
         match api {
-            Api::Completions if !req.contains_key("prompt") => return Err(ApiError::bad_request("`prompt` is required")),
+            Api::Completions if !req.contains_key("prompt") => {
+                return Err(ApiError::bad_request("`prompt` is required"))
+            }
             Api::Chat if !matches!(req.get("messages"), Some(Value::Array(m)) if !m.is_empty()) => {
-                return Err(ApiError::bad_request("`messages` must be a non-empty array"))
+                return Err(ApiError::bad_request(
+                    "`messages` must be a non-empty array",
+                ))
             }
             _ => {}
         }
@@ -504,11 +648,23 @@ impl App {
         // The decoder is admitted first: its KV buffer is the scarce resource.
         let dslot = self
             .decode
-            .pick(tokens, self.cfg.max_queue, self.cfg.queue_timeout, &self.metrics.admission_queue)
+            .pick(
+                tokens,
+                self.cfg.max_queue,
+                self.cfg.queue_timeout,
+                &self.metrics.admission_queue,
+            )
             .await
             .map_err(|e| pick_error(Role::Decode, e))?;
         let auth = headers.get(AUTHORIZATION);
-        let ctx = Ctx { api, rid, auth, tokens, stream, t0: track.t0 };
+        let ctx = Ctx {
+            api,
+            rid,
+            auth,
+            tokens,
+            stream,
+            t0: track.t0,
+        };
         match self.cfg.flow {
             Flow::Vllm => self.vllm(&ctx, req, dslot).await,
             Flow::Lmcache => self.lmcache(&ctx, req, max_tokens, dslot).await,
@@ -516,7 +672,12 @@ impl App {
     }
 
     /// vLLM NIXL flow: the prefill answer's `kv_transfer_params` go into the decode request.
-    async fn vllm(&self, ctx: &Ctx<'_>, mut req: Map<String, Value>, dslot: Slot) -> Result<Reply, ApiError> {
+    async fn vllm(
+        &self,
+        ctx: &Ctx<'_>,
+        mut req: Map<String, Value>,
+        dslot: Slot,
+    ) -> Result<Reply, ApiError> {
         let kv = json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
             "remote_block_ids": null, "remote_host": null, "remote_port": null});
         let o = prefill_overrides(&req, kv);
@@ -527,7 +688,12 @@ impl App {
             kv_transfer_params: Option<Value>,
         }
         let kv = serde_json::from_slice::<KvOnly>(&answer).map_err(|e| {
-            ApiError::new(StatusCode::BAD_GATEWAY, "prefill_failed", Outcome::PrefillError, format!("the prefiller answered invalid JSON: {e}"))
+            ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "prefill_failed",
+                Outcome::PrefillError,
+                format!("the prefiller answered invalid JSON: {e}"),
+            )
         })?;
         match kv.kv_transfer_params {
             Some(kv) => req.insert("kv_transfer_params".into(), kv),
@@ -538,9 +704,20 @@ impl App {
     }
 
     /// LMCache flow: prefill with a `disagg_spec`, wait for every rank's outcome, then decode.
-    async fn lmcache(&self, ctx: &Ctx<'_>, mut req: Map<String, Value>, max_tokens: Option<u64>, dslot: Slot) -> Result<Reply, ApiError> {
+    async fn lmcache(
+        &self,
+        ctx: &Ctx<'_>,
+        mut req: Map<String, Value>,
+        max_tokens: Option<u64>,
+        dslot: Slot,
+    ) -> Result<Reply, ApiError> {
         let Some(waiters) = &self.waiters else {
-            return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", Outcome::PrefillError, "no notification socket"));
+            return Err(ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                Outcome::PrefillError,
+                "no notification socket",
+            ));
         };
         let dc = &self.cfg.decoders[dslot.index()];
         let id = self.next_id();
@@ -561,7 +738,14 @@ impl App {
                 format!("KV transfer of request {id} failed on rank {rank}: {reason}"),
             )
         };
-        let gone = || ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "shutting_down", Outcome::KvTimeout, "the proxy is shutting down");
+        let gone = || {
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "shutting_down",
+                Outcome::KvTimeout,
+                "the proxy is shutting down",
+            )
+        };
         let answer = loop {
             tokio::select! {
                 r = &mut prefill => break r?,
@@ -576,7 +760,9 @@ impl App {
         if !ready {
             match tokio::time::timeout(self.cfg.kv_ready_timeout, wait.outcome()).await {
                 Ok(Some(KvOutcome::Ready)) => {}
-                Ok(Some(KvOutcome::Failed { rank, reason })) => return Err(kv_failed(rank, reason)),
+                Ok(Some(KvOutcome::Failed { rank, reason })) => {
+                    return Err(kv_failed(rank, reason))
+                }
                 Ok(None) => return Err(gone()),
                 Err(_) => {
                     return Err(ApiError::new(
@@ -601,7 +787,12 @@ impl App {
         let mut prefix = None;
         if ctx.api == Api::Completions && matches!(req.get("prompt"), Some(Value::String(_))) {
             let pv: Value = serde_json::from_slice(&answer).map_err(|e| {
-                ApiError::new(StatusCode::BAD_GATEWAY, "prefill_failed", Outcome::PrefillError, format!("the prefiller answered invalid JSON: {e}"))
+                ApiError::new(
+                    StatusCode::BAD_GATEWAY,
+                    "prefill_failed",
+                    Outcome::PrefillError,
+                    format!("the prefiller answered invalid JSON: {e}"),
+                )
             })?;
             if let Some(first) = pv.pointer("/choices/0/text").and_then(Value::as_str) {
                 if max_tokens == Some(1) {
@@ -614,15 +805,31 @@ impl App {
                     req.insert("max_tokens".into(), json!(m - 1));
                 }
                 if let Some(m) = req.get("max_completion_tokens").and_then(Value::as_u64) {
-                    req.insert("max_completion_tokens".into(), json!(m.saturating_sub(1).max(1)));
+                    req.insert(
+                        "max_completion_tokens".into(),
+                        json!(m.saturating_sub(1).max(1)),
+                    );
                 }
                 prefix = Some(first.to_string()).zip(Some(pv));
             }
         }
         let dbody = Bytes::from(serde_json::to_vec(&req).unwrap_or_default());
-        let reply = self.decode(ctx, dbody, dslot, prefix.as_ref().filter(|_| ctx.stream).map(|(f, pv)| first_chunk(pv, f, None))).await?;
+        let reply = self
+            .decode(
+                ctx,
+                dbody,
+                dslot,
+                prefix
+                    .as_ref()
+                    .filter(|_| ctx.stream)
+                    .map(|(f, pv)| first_chunk(pv, f, None)),
+            )
+            .await?;
         match (reply, prefix) {
-            (Reply::Full { content_type, body }, Some((first, _))) => Ok(Reply::Full { content_type, body: prepend_first(body, &first) }),
+            (Reply::Full { content_type, body }, Some((first, _))) => Ok(Reply::Full {
+                content_type,
+                body: prepend_first(body, &first),
+            }),
             (r, _) => Ok(r),
         }
     }
@@ -632,17 +839,27 @@ impl App {
     async fn prefill(&self, ctx: &Ctx<'_>, body: Bytes) -> Result<Bytes, ApiError> {
         let mut tried = Vec::new();
         loop {
-            let slot = self.prefill.try_pick(ctx.tokens, &tried).map_err(|e| pick_error(Role::Prefill, e))?;
+            let slot = self
+                .prefill
+                .try_pick(ctx.tokens, &tried)
+                .map_err(|e| pick_error(Role::Prefill, e))?;
             let w = slot.worker();
             let t = Instant::now();
-            let r = tokio::time::timeout(self.cfg.prefill_timeout, self.call(&w.base, ctx, body.clone())).await;
+            let r = tokio::time::timeout(
+                self.cfg.prefill_timeout,
+                self.call(&w.base, ctx, body.clone()),
+            )
+            .await;
             match r {
                 Err(_) => {
                     return Err(ApiError::new(
                         StatusCode::GATEWAY_TIMEOUT,
                         "prefill_timeout",
                         Outcome::PrefillError,
-                        format!("prefiller {} did not answer within {:?}", w.label, self.cfg.prefill_timeout),
+                        format!(
+                            "prefiller {} did not answer within {:?}",
+                            w.label, self.cfg.prefill_timeout
+                        ),
                     ))
                 }
                 Ok(Err(CallError::Connect(e))) => {
@@ -651,7 +868,12 @@ impl App {
                     tried.push(slot.index());
                 }
                 Ok(Err(CallError::Other(e))) => {
-                    return Err(ApiError::new(StatusCode::BAD_GATEWAY, "prefill_failed", Outcome::PrefillError, format!("prefiller {}: {e}", w.label)))
+                    return Err(ApiError::new(
+                        StatusCode::BAD_GATEWAY,
+                        "prefill_failed",
+                        Outcome::PrefillError,
+                        format!("prefiller {}: {e}", w.label),
+                    ))
                 }
                 Ok(Ok((status, ct, b))) => {
                     self.metrics.prefill.observe(t.elapsed());
@@ -665,20 +887,42 @@ impl App {
     }
 
     /// Sends the decode request to the admitted decoder and returns its answer or stream.
-    async fn decode(&self, ctx: &Ctx<'_>, body: Bytes, slot: Slot, prefix: Option<Bytes>) -> Result<Reply, ApiError> {
+    async fn decode(
+        &self,
+        ctx: &Ctx<'_>,
+        body: Bytes,
+        slot: Slot,
+        prefix: Option<Bytes>,
+    ) -> Result<Reply, ApiError> {
         let w = slot.worker();
         let start = Instant::now();
         let timeout = self.cfg.decode_timeout;
-        let timed_out = || ApiError::new(StatusCode::GATEWAY_TIMEOUT, "decode_timeout", Outcome::DecodeError, format!("decoder {} did not answer within {timeout:?}", w.label));
+        let timed_out = || {
+            ApiError::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                "decode_timeout",
+                Outcome::DecodeError,
+                format!("decoder {} did not answer within {timeout:?}", w.label),
+            )
+        };
         if !ctx.stream {
             return match tokio::time::timeout(timeout, self.call(&w.base, ctx, body)).await {
                 Err(_) => Err(timed_out()),
                 Ok(Err(CallError::Connect(e))) => Err(self.decoder_down(&slot, e)),
-                Ok(Err(CallError::Other(e))) => Err(ApiError::new(StatusCode::BAD_GATEWAY, "decode_failed", Outcome::DecodeError, format!("decoder {}: {e}", w.label))),
+                Ok(Err(CallError::Other(e))) => Err(ApiError::new(
+                    StatusCode::BAD_GATEWAY,
+                    "decode_failed",
+                    Outcome::DecodeError,
+                    format!("decoder {}: {e}", w.label),
+                )),
                 Ok(Ok((status, ct, b))) => {
                     self.metrics.decode.observe(start.elapsed());
                     if status.is_success() {
-                        Ok(Reply::Full { content_type: ct.unwrap_or(HeaderValue::from_static("application/json")), body: b })
+                        Ok(Reply::Full {
+                            content_type: ct
+                                .unwrap_or(HeaderValue::from_static("application/json")),
+                            body: b,
+                        })
                     } else {
                         Err(upstream_status(status, ct, b, &w.label, Role::Decode))
                     }
@@ -689,13 +933,25 @@ impl App {
         let resp = match tokio::time::timeout(timeout, self.client.request(req)).await {
             Err(_) => return Err(timed_out()),
             Ok(Err(e)) if e.is_connect() => return Err(self.decoder_down(&slot, e.to_string())),
-            Ok(Err(e)) => return Err(ApiError::new(StatusCode::BAD_GATEWAY, "decode_failed", Outcome::DecodeError, format!("decoder {}: {e}", w.label))),
+            Ok(Err(e)) => {
+                return Err(ApiError::new(
+                    StatusCode::BAD_GATEWAY,
+                    "decode_failed",
+                    Outcome::DecodeError,
+                    format!("decoder {}: {e}", w.label),
+                ))
+            }
             Ok(Ok(r)) => r,
         };
         let (parts, body) = resp.into_parts();
         let ct = parts.headers.get(CONTENT_TYPE).cloned();
         if !parts.status.is_success() {
-            let b = match tokio::time::timeout(timeout, Limited::new(body, MAX_UPSTREAM_BODY).collect()).await {
+            let b = match tokio::time::timeout(
+                timeout,
+                Limited::new(body, MAX_UPSTREAM_BODY).collect(),
+            )
+            .await
+            {
                 Ok(Ok(c)) => c.to_bytes(),
                 _ => Bytes::new(),
             };
@@ -720,20 +976,38 @@ impl App {
         )
     }
 
-    fn request(&self, base: &str, ctx: &Ctx<'_>, body: Bytes) -> Result<Request<Full<Bytes>>, ApiError> {
+    fn request(
+        &self,
+        base: &str,
+        ctx: &Ctx<'_>,
+        body: Bytes,
+    ) -> Result<Request<Full<Bytes>>, ApiError> {
         let mut b = Request::post(format!("{base}{}", ctx.api.path()))
             .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
             .header(X_REQUEST_ID, ctx.rid.clone());
         if let Some(a) = ctx.auth {
             b = b.header(AUTHORIZATION, a.clone());
         }
-        b.body(Full::new(body))
-            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", Outcome::PrefillError, e.to_string()))
+        b.body(Full::new(body)).map_err(|e| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                Outcome::PrefillError,
+                e.to_string(),
+            )
+        })
     }
 
     /// POSTs `body` and reads the whole answer (the caller bounds it with a deadline).
-    async fn call(&self, base: &str, ctx: &Ctx<'_>, body: Bytes) -> Result<(StatusCode, Option<HeaderValue>, Bytes), CallError> {
-        let req = self.request(base, ctx, body).map_err(|e| CallError::Other(e.message))?;
+    async fn call(
+        &self,
+        base: &str,
+        ctx: &Ctx<'_>,
+        body: Bytes,
+    ) -> Result<(StatusCode, Option<HeaderValue>, Bytes), CallError> {
+        let req = self
+            .request(base, ctx, body)
+            .map_err(|e| CallError::Other(e.message))?;
         let resp = self.client.request(req).await.map_err(|e| {
             if e.is_connect() {
                 CallError::Connect(format!("{e}: {}", source_chain(&e)))
@@ -766,19 +1040,49 @@ fn source_chain(e: &dyn std::error::Error) -> String {
 
 /// A worker answered with an error status: 4xx is passed on as it was (the request's
 /// fault), anything else becomes a 502 carrying the worker's error.
-fn upstream_status(status: StatusCode, ct: Option<HeaderValue>, b: Bytes, label: &str, role: Role) -> ApiError {
-    let outcome = if role == Role::Prefill { Outcome::PrefillError } else { Outcome::DecodeError };
+fn upstream_status(
+    status: StatusCode,
+    ct: Option<HeaderValue>,
+    b: Bytes,
+    label: &str,
+    role: Role,
+) -> ApiError {
+    let outcome = if role == Role::Prefill {
+        Outcome::PrefillError
+    } else {
+        Outcome::DecodeError
+    };
     if status.is_client_error() {
         let mut e = ApiError::new(status, "rejected", Outcome::Rejected, excerpt(&b));
         e.raw = Some((b, ct));
         return e;
     }
-    let code = if role == Role::Prefill { "prefill_failed" } else { "decode_failed" };
+    let code = if role == Role::Prefill {
+        "prefill_failed"
+    } else {
+        "decode_failed"
+    };
     let detail = serde_json::from_slice::<Value>(&b)
         .ok()
-        .and_then(|v| v.pointer("/error/message").or_else(|| v.get("message")).or_else(|| v.get("detail")).and_then(|m| m.as_str()).map(str::to_string))
+        .and_then(|v| {
+            v.pointer("/error/message")
+                .or_else(|| v.get("message"))
+                .or_else(|| v.get("detail"))
+                .and_then(|m| m.as_str())
+                .map(str::to_string)
+        })
         .unwrap_or_else(|| excerpt(&b));
-    ApiError::new(StatusCode::BAD_GATEWAY, code, outcome, format!("{} {label} answered {status}: {detail}", role.as_str().replace("prefill", "prefiller").replace("decode", "decoder")))
+    ApiError::new(
+        StatusCode::BAD_GATEWAY,
+        code,
+        outcome,
+        format!(
+            "{} {label} answered {status}: {detail}",
+            role.as_str()
+                .replace("prefill", "prefiller")
+                .replace("decode", "decoder")
+        ),
+    )
 }
 
 /// Request facts every step needs.
@@ -823,17 +1127,25 @@ fn answer_from_prefill(mut pv: Value, first: &str, stream: bool) -> Reply {
     if stream {
         let mut b = first_chunk(&pv, first, Some("length")).to_vec();
         b.extend_from_slice(b"data: [DONE]\n\n");
-        return Reply::Full { content_type: HeaderValue::from_static("text/event-stream"), body: Bytes::from(b) };
+        return Reply::Full {
+            content_type: HeaderValue::from_static("text/event-stream"),
+            body: Bytes::from(b),
+        };
     }
     if let Some(m) = pv.as_object_mut() {
         m.remove("kv_transfer_params");
     }
-    Reply::Full { content_type: HeaderValue::from_static("application/json"), body: Bytes::from(pv.to_string()) }
+    Reply::Full {
+        content_type: HeaderValue::from_static("application/json"),
+        body: Bytes::from(pv.to_string()),
+    }
 }
 
 /// Puts the prefill's first token in front of a non-streamed completion.
 fn prepend_first(body: Bytes, first: &str) -> Bytes {
-    let Ok(mut v) = serde_json::from_slice::<Value>(&body) else { return body };
+    let Ok(mut v) = serde_json::from_slice::<Value>(&body) else {
+        return body;
+    };
     if let Some(t) = v.pointer_mut("/choices/0/text") {
         if let Some(s) = t.as_str() {
             *t = Value::String(format!("{first}{s}"));

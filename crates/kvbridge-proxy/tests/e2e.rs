@@ -74,7 +74,15 @@ impl Double {
             .route("/v1/completions", post(openai))
             .route("/v1/chat/completions", post(openai))
             .route("/health", get(dhealth))
-            .route("/v1/models", get(|| async { ([("content-type", "application/json")], json!({"object": "list", "data": [{"id": "double-model"}]}).to_string()) }))
+            .route(
+                "/v1/models",
+                get(|| async {
+                    (
+                        [("content-type", "application/json")],
+                        json!({"object": "list", "data": [{"id": "double-model"}]}).to_string(),
+                    )
+                }),
+            )
             .with_state(st.clone());
         // Bound before anything is sent to it: no readiness wait needed.
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -87,12 +95,21 @@ impl Double {
 
     async fn connect_notify(&self, addr: SocketAddr) {
         let mut s = zeromq::PushSocket::new();
-        tokio::time::timeout(T, s.connect(&format!("tcp://{addr}"))).await.unwrap().unwrap();
+        tokio::time::timeout(T, s.connect(&format!("tcp://{addr}")))
+            .await
+            .unwrap()
+            .unwrap();
         *self.st.push.lock().await = Some(s);
     }
 
     fn last(&self) -> (HeaderMap, Value) {
-        self.st.seen.lock().unwrap().last().cloned().expect("the double saw no request")
+        self.st
+            .seen
+            .lock()
+            .unwrap()
+            .last()
+            .cloned()
+            .expect("the double saw no request")
     }
 }
 
@@ -116,16 +133,29 @@ struct ChanBody(mpsc::Receiver<Result<Bytes, std::io::Error>>);
 impl http_body::Body for ChanBody {
     type Data = Bytes;
     type Error = std::io::Error;
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
         self.0.poll_recv(cx).map(|o| o.map(|r| r.map(Frame::data)))
     }
 }
 
 fn err_json(status: StatusCode, msg: &str) -> Response {
-    (status, [("content-type", "application/json")], json!({"error": {"message": msg, "type": "x"}}).to_string()).into_response()
+    (
+        status,
+        [("content-type", "application/json")],
+        json!({"error": {"message": msg, "type": "x"}}).to_string(),
+    )
+        .into_response()
 }
 
-async fn openai(State(st): State<Arc<DState>>, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {
+async fn openai(
+    State(st): State<Arc<DState>>,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     st.calls.fetch_add(1, Relaxed);
     let text = String::from_utf8_lossy(&body).to_string();
     let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
@@ -148,10 +178,30 @@ async fn openai(State(st): State<Arc<DState>>, uri: Uri, headers: HeaderMap, bod
         let spec = v.pointer("/kv_transfer_params/disagg_spec");
         if let Some(spec) = spec {
             let id = spec["req_id"].as_str().unwrap_or_default().to_string();
-            let ranks = spec["receiver_init_port"].as_array().map(|a| a.len()).unwrap_or(1) as u32;
+            let ranks = spec["receiver_init_port"]
+                .as_array()
+                .map(|a| a.len())
+                .unwrap_or(1) as u32;
             if has("@kvfail") || has("@kvslowfail") {
-                push(&st, Notif::KvReady { req_id: id.clone(), rank: 0, chunks: 1, bytes: 1 }).await;
-                push(&st, Notif::KvFailed { req_id: id, rank: ranks - 1, reason: "receiver buffer full".into() }).await;
+                push(
+                    &st,
+                    Notif::KvReady {
+                        req_id: id.clone(),
+                        rank: 0,
+                        chunks: 1,
+                        bytes: 1,
+                    },
+                )
+                .await;
+                push(
+                    &st,
+                    Notif::KvFailed {
+                        req_id: id,
+                        rank: ranks - 1,
+                        reason: "receiver buffer full".into(),
+                    },
+                )
+                .await;
                 if has("@kvslowfail") {
                     tokio::time::sleep(Duration::from_secs(8)).await;
                 }
@@ -160,7 +210,16 @@ async fn openai(State(st): State<Arc<DState>>, uri: Uri, headers: HeaderMap, bod
                 tokio::spawn(async move {
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     for r in 0..ranks {
-                        push(&st2, Notif::KvReady { req_id: id.clone(), rank: r, chunks: 2, bytes: 64 }).await;
+                        push(
+                            &st2,
+                            Notif::KvReady {
+                                req_id: id.clone(),
+                                rank: r,
+                                chunks: 2,
+                                bytes: 64,
+                            },
+                        )
+                        .await;
                     }
                 });
             } else if has("@plain") {
@@ -169,7 +228,16 @@ async fn openai(State(st): State<Arc<DState>>, uri: Uri, headers: HeaderMap, bod
                 }
             } else if !has("@nonotify") {
                 for r in 0..ranks {
-                    push(&st, Notif::KvReady { req_id: id.clone(), rank: r, chunks: 2, bytes: 64 }).await;
+                    push(
+                        &st,
+                        Notif::KvReady {
+                            req_id: id.clone(),
+                            rank: r,
+                            chunks: 2,
+                            bytes: 64,
+                        },
+                    )
+                    .await;
                 }
             }
         }
@@ -197,7 +265,10 @@ async fn openai(State(st): State<Arc<DState>>, uri: Uri, headers: HeaderMap, bod
         } else {
             json!({"index": 0, "text": format!(" d{i}"), "finish_reason": null})
         };
-        Bytes::from(format!("data: {}\n\n", json!({"id": "cmpl-d", "choices": [c]})))
+        Bytes::from(format!(
+            "data: {}\n\n",
+            json!({"id": "cmpl-d", "choices": [c]})
+        ))
     };
     if !stream {
         if has("@die") {
@@ -207,7 +278,10 @@ async fn openai(State(st): State<Arc<DState>>, uri: Uri, headers: HeaderMap, bod
                 let _ = tx.send(Ok(Bytes::from_static(b"{\"choices\": ["))).await;
                 let _ = tx.send(Err(std::io::Error::other("decoder died"))).await;
             });
-            return Response::builder().header("content-type", "application/json").body(Body::new(ChanBody(rx))).unwrap();
+            return Response::builder()
+                .header("content-type", "application/json")
+                .body(Body::new(ChanBody(rx)))
+                .unwrap();
         }
         let c = if chat {
             json!({"index": 0, "message": {"role": "assistant", "content": " d0 d1"}, "finish_reason": "length"})
@@ -242,7 +316,10 @@ async fn openai(State(st): State<Arc<DState>>, uri: Uri, headers: HeaderMap, bod
         }
         let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await;
     });
-    Response::builder().header("content-type", "text/event-stream").body(Body::new(ChanBody(rx))).unwrap()
+    Response::builder()
+        .header("content-type", "text/event-stream")
+        .body(Body::new(ChanBody(rx)))
+        .unwrap()
 }
 
 // ---------------------------------------------------------------- harness
@@ -280,7 +357,13 @@ async fn env(flow: Flow, np: usize, nd: usize, tweak: impl FnOnce(&mut Config)) 
         d.push(Double::start(Kind::Decode).await);
     }
     let mut cfg = base_config(flow);
-    cfg.prefillers = p.iter().map(|x| WorkerAddr { host: "127.0.0.1".into(), port: x.addr.port() }).collect();
+    cfg.prefillers = p
+        .iter()
+        .map(|x| WorkerAddr {
+            host: "127.0.0.1".into(),
+            port: x.addr.port(),
+        })
+        .collect();
     cfg.decoders = d
         .iter()
         .map(|x| DecoderConfig {
@@ -300,7 +383,12 @@ async fn env(flow: Flow, np: usize, nd: usize, tweak: impl FnOnce(&mut Config)) 
         }
     }
     let client = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
-    Env { proxy, p, d, client }
+    Env {
+        proxy,
+        p,
+        d,
+        client,
+    }
 }
 
 struct Answer {
@@ -311,13 +399,17 @@ struct Answer {
 
 impl Answer {
     fn json(&self) -> Value {
-        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.text()))
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.text()))
     }
     fn text(&self) -> String {
         String::from_utf8_lossy(&self.body).to_string()
     }
     fn code(&self) -> String {
-        self.json()["error"]["code"].as_str().unwrap_or_default().to_string()
+        self.json()["error"]["code"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
     }
 }
 
@@ -327,22 +419,39 @@ impl Env {
     }
 
     async fn send(&self, method: &str, path: &str, body: Bytes, rid: Option<&str>) -> Answer {
-        let mut b = hyper::Request::builder().method(method).uri(self.url(path)).header("content-type", "application/json");
+        let mut b = hyper::Request::builder()
+            .method(method)
+            .uri(self.url(path))
+            .header("content-type", "application/json");
         if let Some(r) = rid {
             b = b.header("x-request-id", r);
         }
-        let resp = tokio::time::timeout(T, self.client.request(b.body(Full::new(body)).unwrap())).await.unwrap().unwrap();
+        let resp = tokio::time::timeout(T, self.client.request(b.body(Full::new(body)).unwrap()))
+            .await
+            .unwrap()
+            .unwrap();
         let (parts, body) = resp.into_parts();
-        let body = tokio::time::timeout(T, body.collect()).await.unwrap().unwrap().to_bytes();
-        Answer { status: parts.status, headers: parts.headers, body }
+        let body = tokio::time::timeout(T, body.collect())
+            .await
+            .unwrap()
+            .unwrap()
+            .to_bytes();
+        Answer {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        }
     }
 
     async fn post(&self, path: &str, v: Value) -> Answer {
-        self.send("POST", path, Bytes::from(v.to_string()), None).await
+        self.send("POST", path, Bytes::from(v.to_string()), None)
+            .await
     }
 
     async fn metrics(&self) -> String {
-        self.send("GET", "/metrics", Bytes::new(), None).await.text()
+        self.send("GET", "/metrics", Bytes::new(), None)
+            .await
+            .text()
     }
 
     /// Polls `/metrics` until the sample `name` reads `want` (the guards of a finished stream
@@ -355,7 +464,10 @@ impl Env {
             if got == Some(want) {
                 return;
             }
-            assert!(Instant::now() < deadline, "{name} = {got:?}, want {want}\n{m}");
+            assert!(
+                Instant::now() < deadline,
+                "{name} = {got:?}, want {want}\n{m}"
+            );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
@@ -374,7 +486,11 @@ impl Env {
 }
 
 fn sample(metrics: &str, name: &str) -> Option<f64> {
-    metrics.lines().find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')).and_then(|v| v.trim().parse().ok()))
+    metrics.lines().find_map(|l| {
+        l.strip_prefix(name)
+            .and_then(|r| r.strip_prefix(' '))
+            .and_then(|v| v.trim().parse().ok())
+    })
 }
 
 fn completion(prompt: &str, stream: bool) -> Value {
@@ -396,11 +512,21 @@ fn closed_port() -> u16 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lmcache_success_non_streamed_and_streamed() {
     let e = env(Flow::Lmcache, 1, 1, |_| {}).await;
-    let a = e.send("POST", "/v1/completions", Bytes::from(completion("hello", false).to_string()), Some("client-42")).await;
+    let a = e
+        .send(
+            "POST",
+            "/v1/completions",
+            Bytes::from(completion("hello", false).to_string()),
+            Some("client-42"),
+        )
+        .await;
     assert_eq!(a.status, StatusCode::OK, "{}", a.text());
     assert_eq!(a.headers["x-request-id"], "client-42");
     let v = a.json();
-    assert_eq!(v["choices"][0]["text"], " first d0 d1", "first token, then the decoder's");
+    assert_eq!(
+        v["choices"][0]["text"], " first d0 d1",
+        "first token, then the decoder's"
+    );
     assert_eq!(v["usage"]["completion_tokens"], 3);
 
     let (ph, pv) = e.p[0].last();
@@ -408,7 +534,12 @@ async fn lmcache_success_non_streamed_and_streamed() {
     assert_eq!(pv["max_tokens"], 1);
     assert_eq!(pv["stream"], false);
     let spec = &pv["kv_transfer_params"]["disagg_spec"];
-    assert!(spec["req_id"].as_str().is_some_and(|s| s.starts_with("kvb-")), "{pv}");
+    assert!(
+        spec["req_id"]
+            .as_str()
+            .is_some_and(|s| s.starts_with("kvb-")),
+        "{pv}"
+    );
     assert_eq!(spec["receiver_host"], "127.0.0.1");
     assert_eq!(spec["receiver_init_port"], json!([7300, 7301]));
     assert_eq!(spec["receiver_alloc_port"], json!([7400, 7401]));
@@ -419,16 +550,24 @@ async fn lmcache_success_non_streamed_and_streamed() {
     assert!(dv.get("kv_transfer_params").is_none());
 
     // Streamed: the first token comes first, then the decoder's chunks and [DONE].
-    let a = e.post("/v1/completions", completion("hello @late", true)).await;
+    let a = e
+        .post("/v1/completions", completion("hello @late", true))
+        .await;
     assert_eq!(a.status, StatusCode::OK);
     assert_eq!(a.headers["content-type"], "text/event-stream");
     let t = a.text();
-    let (f, d0, done) = (t.find("\" first\"").unwrap(), t.find(" d0").unwrap(), t.find("[DONE]").unwrap());
+    let (f, d0, done) = (
+        t.find("\" first\"").unwrap(),
+        t.find(" d0").unwrap(),
+        t.find("[DONE]").unwrap(),
+    );
     assert!(f < d0 && d0 < done, "{t}");
     assert!(!t.contains("event: error"));
 
     // Chat, with LMCache's plain ProxyNotif outcomes: the decoder answers the original request.
-    let a = e.post("/v1/chat/completions", chat("hi @plain", true)).await;
+    let a = e
+        .post("/v1/chat/completions", chat("hi @plain", true))
+        .await;
     assert_eq!(a.status, StatusCode::OK, "{}", a.text());
     assert!(a.text().contains(" d2") && a.text().ends_with("data: [DONE]\n\n"));
     let (_, dv) = e.d[0].last();
@@ -436,15 +575,29 @@ async fn lmcache_success_non_streamed_and_streamed() {
     assert_eq!(dv["max_tokens"], 3);
 
     // max_tokens == 1: the prefill's token is the whole answer.
-    let a = e.post("/v1/completions", json!({"prompt": "x", "max_tokens": 1})).await;
+    let a = e
+        .post("/v1/completions", json!({"prompt": "x", "max_tokens": 1}))
+        .await;
     assert_eq!(a.json()["choices"][0]["text"], " first");
     assert!(a.json().get("kv_transfer_params").is_none());
 
     e.settled().await;
     let m = e.metrics().await;
-    assert_eq!(sample(&m, "kvbridge_proxy_requests_total{outcome=\"ok\"}"), Some(4.0), "{m}");
-    assert_eq!(sample(&m, "kvbridge_proxy_kv_wait_seconds_count"), Some(4.0), "{m}");
-    assert_eq!(sample(&m, "kvbridge_proxy_kv_outcomes_total{type=\"ProxyNotif\"}"), Some(2.0), "{m}");
+    assert_eq!(
+        sample(&m, "kvbridge_proxy_requests_total{outcome=\"ok\"}"),
+        Some(4.0),
+        "{m}"
+    );
+    assert_eq!(
+        sample(&m, "kvbridge_proxy_kv_wait_seconds_count"),
+        Some(4.0),
+        "{m}"
+    );
+    assert_eq!(
+        sample(&m, "kvbridge_proxy_kv_outcomes_total{type=\"ProxyNotif\"}"),
+        Some(2.0),
+        "{m}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -455,7 +608,11 @@ async fn vllm_flow_passes_kv_transfer_params_from_prefill_to_decode() {
         let a = e.post("/v1/completions", completion("hello", stream)).await;
         assert_eq!(a.status, StatusCode::OK, "{}", a.text());
         if stream {
-            assert!(a.text().contains(" d2") && a.text().ends_with("data: [DONE]\n\n"), "{}", a.text());
+            assert!(
+                a.text().contains(" d2") && a.text().ends_with("data: [DONE]\n\n"),
+                "{}",
+                a.text()
+            );
         } else {
             assert_eq!(a.json()["choices"][0]["text"], " d0 d1");
         }
@@ -465,30 +622,52 @@ async fn vllm_flow_passes_kv_transfer_params_from_prefill_to_decode() {
     // Least loaded with ties spread: both prefillers and both decoders were used.
     assert!(e.p.iter().all(|p| p.st.calls.load(Relaxed) > 0));
     assert!(e.d.iter().all(|d| d.st.calls.load(Relaxed) > 0));
-    let (_, pv) = e.p.iter().max_by_key(|p| p.st.calls.load(Relaxed)).unwrap().last();
+    let (_, pv) =
+        e.p.iter()
+            .max_by_key(|p| p.st.calls.load(Relaxed))
+            .unwrap()
+            .last();
     assert_eq!(pv["kv_transfer_params"]["do_remote_decode"], true);
     assert_eq!(pv["max_tokens"], 1);
-    let (_, dv) = e.d.iter().max_by_key(|d| d.st.calls.load(Relaxed)).unwrap().last();
+    let (_, dv) =
+        e.d.iter()
+            .max_by_key(|d| d.st.calls.load(Relaxed))
+            .unwrap()
+            .last();
     assert_eq!(dv["kv_transfer_params"]["remote_engine_id"], "engine-p");
-    assert_eq!(dv["max_tokens"], 3, "the decoder gets the original max_tokens");
+    assert_eq!(
+        dv["max_tokens"], 3,
+        "the decoder gets the original max_tokens"
+    );
     e.settled().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_outcome_never_arrives_gives_504_within_the_deadline() {
-    let e = env(Flow::Lmcache, 1, 1, |c| c.kv_ready_timeout = Duration::from_millis(300)).await;
+    let e = env(Flow::Lmcache, 1, 1, |c| {
+        c.kv_ready_timeout = Duration::from_millis(300)
+    })
+    .await;
     for stream in [false, true] {
         let t = Instant::now();
-        let a = e.post("/v1/completions", completion("@nonotify", stream)).await;
+        let a = e
+            .post("/v1/completions", completion("@nonotify", stream))
+            .await;
         let el = t.elapsed();
         assert_eq!(a.status, StatusCode::GATEWAY_TIMEOUT, "{}", a.text());
         assert_eq!(a.code(), "kv_ready_timeout");
-        assert!(el >= Duration::from_millis(300) && el < Duration::from_secs(3), "{el:?}");
+        assert!(
+            el >= Duration::from_millis(300) && el < Duration::from_secs(3),
+            "{el:?}"
+        );
     }
     assert_eq!(e.d[0].st.calls.load(Relaxed), 0, "no decode without KV");
     e.settled().await;
     let m = e.metrics().await;
-    assert_eq!(sample(&m, "kvbridge_proxy_requests_total{outcome=\"kv_timeout\"}"), Some(2.0));
+    assert_eq!(
+        sample(&m, "kvbridge_proxy_requests_total{outcome=\"kv_timeout\"}"),
+        Some(2.0)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -497,7 +676,14 @@ async fn prefiller_error_gives_502_and_its_4xx_passes_through() {
     let a = e.post("/v1/completions", completion("@p500", false)).await;
     assert_eq!(a.status, StatusCode::BAD_GATEWAY);
     assert_eq!(a.code(), "prefill_failed");
-    assert!(a.json()["error"]["message"].as_str().unwrap().contains("prefill exploded"), "{}", a.text());
+    assert!(
+        a.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("prefill exploded"),
+        "{}",
+        a.text()
+    );
     let a = e.post("/v1/completions", completion("@p400", true)).await;
     assert_eq!(a.status, StatusCode::BAD_REQUEST);
     assert!(a.text().contains("prompt too long"));
@@ -507,15 +693,26 @@ async fn prefiller_error_gives_502_and_its_4xx_passes_through() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_failed_gives_502_at_once() {
-    let e = env(Flow::Lmcache, 1, 1, |c| c.kv_ready_timeout = Duration::from_secs(20)).await;
+    let e = env(Flow::Lmcache, 1, 1, |c| {
+        c.kv_ready_timeout = Duration::from_secs(20)
+    })
+    .await;
     // The failure arrives after the prefill answered, and while the prefill still runs.
     for marker in ["@kvfail", "@kvslowfail"] {
         let t = Instant::now();
         let a = e.post("/v1/completions", completion(marker, true)).await;
         assert_eq!(a.status, StatusCode::BAD_GATEWAY, "{}", a.text());
         assert_eq!(a.code(), "kv_transfer_failed");
-        assert!(a.text().contains("rank 1") && a.text().contains("receiver buffer full"), "{}", a.text());
-        assert!(t.elapsed() < Duration::from_secs(2), "{marker}: {:?}", t.elapsed());
+        assert!(
+            a.text().contains("rank 1") && a.text().contains("receiver buffer full"),
+            "{}",
+            a.text()
+        );
+        assert!(
+            t.elapsed() < Duration::from_secs(2),
+            "{marker}: {:?}",
+            t.elapsed()
+        );
     }
     assert_eq!(e.d[0].st.calls.load(Relaxed), 0);
     e.settled().await;
@@ -528,7 +725,9 @@ async fn decoder_dies_mid_stream_gives_an_sse_error_event() {
     assert_eq!(a.status, StatusCode::OK);
     let t = a.text();
     assert!(t.contains(" d0") && t.contains(" d1"), "{t}");
-    let ev = t.find("event: error\ndata: ").unwrap_or_else(|| panic!("no error event: {t}"));
+    let ev = t
+        .find("event: error\ndata: ")
+        .unwrap_or_else(|| panic!("no error event: {t}"));
     let data: Value = serde_json::from_str(t[ev + 18..].lines().next().unwrap()).unwrap();
     assert_eq!(data["error"]["code"], "decoder_stream_failed");
     assert!(!t.contains("[DONE]"));
@@ -540,13 +739,26 @@ async fn decoder_dies_mid_stream_gives_an_sse_error_event() {
     assert!(a.text().contains("decoder exploded"));
     e.settled().await;
     let m = e.metrics().await;
-    assert_eq!(sample(&m, "kvbridge_proxy_requests_total{outcome=\"decode_error\"}"), Some(3.0), "{m}");
+    assert_eq!(
+        sample(
+            &m,
+            "kvbridge_proxy_requests_total{outcome=\"decode_error\"}"
+        ),
+        Some(3.0),
+        "{m}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_worker_down_gives_503() {
     let e = env(Flow::Vllm, 0, 0, |c| {
-        c.prefillers = vec![WorkerAddr { host: "127.0.0.1".into(), port: closed_port() }; 2];
+        c.prefillers = vec![
+            WorkerAddr {
+                host: "127.0.0.1".into(),
+                port: closed_port()
+            };
+            2
+        ];
         c.prefillers[1].port = closed_port();
         c.decoders = vec![DecoderConfig {
             host: "127.0.0.1".into(),
@@ -570,7 +782,10 @@ async fn every_worker_down_gives_503() {
     // Prefillers up, the only decoder down: 503 once it refuses, then at once.
     let p = Double::start(Kind::Prefill).await;
     let e2 = env(Flow::Vllm, 0, 0, |c| {
-        c.prefillers = vec![WorkerAddr { host: "127.0.0.1".into(), port: p.addr.port() }];
+        c.prefillers = vec![WorkerAddr {
+            host: "127.0.0.1".into(),
+            port: p.addr.port(),
+        }];
         c.decoders = vec![DecoderConfig {
             host: "127.0.0.1".into(),
             port: closed_port(),
@@ -586,7 +801,11 @@ async fn every_worker_down_gives_503() {
     assert_eq!(a.code(), "decoder_unavailable");
     let a = e2.post("/v1/completions", completion("x", true)).await;
     assert_eq!(a.code(), "no_healthy_worker");
-    assert_eq!(p.st.calls.load(Relaxed), 1, "no prefill once no decoder is healthy");
+    assert_eq!(
+        p.st.calls.load(Relaxed),
+        1,
+        "no prefill once no decoder is healthy"
+    );
     e2.settled().await;
 }
 
@@ -620,25 +839,45 @@ async fn admission_full_gives_429_and_a_queued_request_gets_the_freed_slot() {
     .await;
     // Request 1 holds the only slot: its stream pauses after the first chunk.
     let req = hyper::Request::post(e.url("/v1/completions"))
-        .body(Full::new(Bytes::from(completion("@hold", true).to_string())))
+        .body(Full::new(Bytes::from(
+            completion("@hold", true).to_string(),
+        )))
         .unwrap();
-    let resp = tokio::time::timeout(T, e.client.request(req)).await.unwrap().unwrap();
+    let resp = tokio::time::timeout(T, e.client.request(req))
+        .await
+        .unwrap()
+        .unwrap();
     let mut body = resp.into_body();
-    let first = tokio::time::timeout(T, body.frame()).await.unwrap().unwrap().unwrap();
+    let first = tokio::time::timeout(T, body.frame())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
     assert!(String::from_utf8_lossy(first.data_ref().unwrap()).contains(" d0"));
     // Request 2 queues; request 3 finds the queue full.
     let e = Arc::new(e);
     let e2 = e.clone();
-    let queued = tokio::spawn(async move { e2.post("/v1/completions", completion("q", false)).await.status });
+    let queued = tokio::spawn(async move {
+        e2.post("/v1/completions", completion("q", false))
+            .await
+            .status
+    });
     e.settle("kvbridge_proxy_admission_queue", 1.0).await;
     let a = e.post("/v1/completions", completion("x", false)).await;
     assert_eq!(a.status, StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(a.code(), "admission_full");
     // Free the slot: the queued request goes through.
     e.d[0].st.hold.notify_waiters();
-    let rest = tokio::time::timeout(T, body.collect()).await.unwrap().unwrap().to_bytes();
+    let rest = tokio::time::timeout(T, body.collect())
+        .await
+        .unwrap()
+        .unwrap()
+        .to_bytes();
     assert!(String::from_utf8_lossy(&rest).ends_with("data: [DONE]\n\n"));
-    assert_eq!(tokio::time::timeout(T, queued).await.unwrap().unwrap(), StatusCode::OK);
+    assert_eq!(
+        tokio::time::timeout(T, queued).await.unwrap().unwrap(),
+        StatusCode::OK
+    );
     e.settled().await;
 }
 
@@ -656,11 +895,15 @@ async fn bad_input_gets_openai_shaped_errors() {
         (r#"{"prompt":"x","max_tokens":0}"#, 400),
         (r#"{"prompt":"x","max_tokens":-3}"#, 400),
     ] {
-        let a = e.send("POST", "/v1/completions", Bytes::from(body), None).await;
+        let a = e
+            .send("POST", "/v1/completions", Bytes::from(body), None)
+            .await;
         assert_eq!(a.status.as_u16(), code, "{body}: {}", a.text());
         assert_eq!(a.json()["error"]["type"], "invalid_request_error", "{body}");
     }
-    let a = e.post("/v1/chat/completions", json!({"messages": []})).await;
+    let a = e
+        .post("/v1/chat/completions", json!({"messages": []}))
+        .await;
     assert_eq!(a.status, StatusCode::BAD_REQUEST);
     let big = "x".repeat(8000);
     let a = e.post("/v1/completions", completion(&big, false)).await;
@@ -671,7 +914,10 @@ async fn bad_input_gets_openai_shaped_errors() {
     assert_eq!(a.code(), "not_found");
     let a = e.send("GET", "/v1/models", Bytes::new(), None).await;
     assert_eq!(a.json()["data"][0]["id"], "double-model");
-    assert_eq!(e.send("GET", "/health", Bytes::new(), None).await.status, StatusCode::OK);
+    assert_eq!(
+        e.send("GET", "/health", Bytes::new(), None).await.status,
+        StatusCode::OK
+    );
     assert_eq!(e.p[0].st.calls.load(Relaxed), 0);
     e.settled().await;
 }
@@ -685,7 +931,11 @@ async fn streaming_has_no_nagle_stall() {
     let t = Instant::now();
     let a = e.post("/v1/completions", completion("@drip", true)).await;
     assert!(a.text().contains(" d9"));
-    assert!(t.elapsed() < Duration::from_millis(250), "{:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_millis(250),
+        "{:?}",
+        t.elapsed()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -699,7 +949,18 @@ async fn thousand_requests_with_random_failures_leave_nothing_behind() {
         })
         .await,
     );
-    const MODES: [&str; 10] = ["ok", "@late", "@plain", "@p500", "@kvfail", "@nonotify", "@die", "@d500", "@slow", "cancel"];
+    const MODES: [&str; 10] = [
+        "ok",
+        "@late",
+        "@plain",
+        "@p500",
+        "@kvfail",
+        "@nonotify",
+        "@die",
+        "@d500",
+        "@slow",
+        "cancel",
+    ];
     let mut seed = 0x9e37_79b9_7f4a_7c15u64;
     let sem = Arc::new(tokio::sync::Semaphore::new(32));
     let mut tasks = Vec::new();
@@ -718,7 +979,11 @@ async fn thousand_requests_with_random_failures_leave_nothing_behind() {
             let body = completion(&format!("req {i} {marker}"), stream);
             if mode == "cancel" {
                 // The client gives up while the decoder is still working.
-                let r = tokio::time::timeout(Duration::from_millis(20), e.post("/v1/completions", body)).await;
+                let r = tokio::time::timeout(
+                    Duration::from_millis(20),
+                    e.post("/v1/completions", body),
+                )
+                .await;
                 return (mode, r.map(|a| a.status.as_u16()).unwrap_or(0), false);
             }
             let a = e.post("/v1/completions", body).await;
@@ -739,7 +1004,10 @@ async fn thousand_requests_with_random_failures_leave_nothing_behind() {
         assert!(want.contains(&status), "{mode}: {status}");
         assert_eq!(sse_err, mode == "@die" && status == 200, "{mode}");
     }
-    assert!(by_status.get(&200).copied().unwrap_or(0) > 300, "{by_status:?}");
+    assert!(
+        by_status.get(&200).copied().unwrap_or(0) > 300,
+        "{by_status:?}"
+    );
     e.settled().await;
     let m = e.metrics().await;
     let total: f64 = m

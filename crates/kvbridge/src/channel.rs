@@ -435,9 +435,8 @@ impl Channel {
     /// accepting. Bounded by the close deadline.
     pub async fn close(&self) {
         let limit = self.inner.config.deadlines.close;
-        if let Ok(rx) = self.ask(|reply| CoreCmd::Close { reply }).await {
-            let _ = tokio::time::timeout(limit, async { rx }).await;
-        }
+        // The core answers once every session has said Bye and torn down.
+        let _ = tokio::time::timeout(limit, self.ask(|reply| CoreCmd::Close { reply })).await;
         for t in self.inner.tasks.lock().expect("tasks poisoned").drain(..) {
             t.abort();
         }
@@ -517,6 +516,7 @@ struct SessionEntry {
     token: Option<SessionToken>,
     ctl: mpsc::UnboundedSender<SessionCmd>,
     up: Option<PeerHandle>,
+    task: Option<JoinHandle<()>>,
 }
 
 struct Core {
@@ -529,6 +529,18 @@ struct Core {
     by_addr: HashMap<String, u64>,
     ended: u64,
     closing: Option<Vec<oneshot::Sender<()>>>,
+}
+
+impl Drop for Core {
+    /// The core ends when the channel closes or is dropped: sessions that did not finish
+    /// within the close deadline are stopped, so no task or socket outlives the channel.
+    fn drop(&mut self) {
+        for s in self.sessions.values_mut() {
+            if let Some(t) = s.task.take() {
+                t.abort();
+            }
+        }
+    }
 }
 
 impl Core {
@@ -576,9 +588,16 @@ impl Core {
                 token,
                 ctl: tx.clone(),
                 up: None,
+                task: None,
             },
         );
         (id, tx, rx)
+    }
+
+    fn set_task(&mut self, id: u64, task: JoinHandle<()>) {
+        if let Some(s) = self.sessions.get_mut(&id) {
+            s.task = Some(task);
+        }
     }
 
     /// A newer session of `peer` arrived: the old one fails with the right error.
@@ -625,7 +644,8 @@ impl Core {
                 }
                 let (id, tx, rx) = self.spawn_session(None, Some(addr.clone()), None);
                 self.dials.insert(addr.clone(), (id, vec![reply]));
-                tokio::spawn(run_initiator(self.env.clone(), id, addr, rx, tx));
+                let task = tokio::spawn(run_initiator(self.env.clone(), id, addr, rx, tx));
+                self.set_task(id, task);
             }
             CoreCmd::Lookup { peer, reply } => {
                 let h = self
@@ -651,7 +671,16 @@ impl Core {
                         self.by_peer.insert(peer, id);
                         // Entered before the Welcome that reveals it goes out.
                         self.tokens.insert(token, id);
-                        tokio::spawn(run_listener(self.env.clone(), id, stream, hello, token, rx, tx));
+                        let task = tokio::spawn(run_listener(
+                            self.env.clone(),
+                            id,
+                            stream,
+                            hello,
+                            token,
+                            rx,
+                            tx,
+                        ));
+                        self.set_task(id, task);
                     }
                     Message::DataHello(dh) => {
                         match self.tokens.get(&dh.token).and_then(|id| self.sessions.get(id)) {

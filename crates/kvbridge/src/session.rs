@@ -498,16 +498,21 @@ impl Session {
         if let Some(d) = self.data.take() {
             // Let the writer flush what is queued (an error ack for the peer), briefly.
             d.path.shutdown_writer().await;
+            // A handle that already returned its result in `serve` must not be polled
+            // again; `is_finished` covers it.
             let mut writer = d.writer;
-            if tokio::time::timeout(Duration::from_millis(200), &mut writer)
-                .await
-                .is_err()
+            if !writer.is_finished()
+                && tokio::time::timeout(Duration::from_millis(200), &mut writer)
+                    .await
+                    .is_err()
             {
                 writer.abort();
                 let _ = writer.await;
             }
             d.reader.abort();
-            let _ = d.reader.await;
+            if !d.reader.is_finished() {
+                let _ = d.reader.await;
+            }
             d.path.drain(&err);
         }
         self.ctl_reader.abort();
