@@ -154,7 +154,7 @@ struct FileConfig {
 }
 
 fn secs(name: &str, v: f64) -> anyhow::Result<Duration> {
-    if !v.is_finite() || v < 0.0 || v > 1e9 {
+    if !v.is_finite() || !(0.0..=1e9).contains(&v) {
         anyhow::bail!("{name} must be a number of seconds between 0 and 1e9, not {v}");
     }
     Ok(Duration::from_secs_f64(v))

@@ -265,7 +265,7 @@ pub(crate) struct ApiError {
     message: String,
     outcome: Outcome,
     /// A worker's 4xx body passed on as it was.
-    raw: Option<(Bytes, Option<HeaderValue>)>,
+    raw: Option<Box<(Bytes, Option<HeaderValue>)>>,
 }
 
 impl ApiError {
@@ -301,7 +301,8 @@ impl ApiError {
 
     fn into_response(self, rid: &HeaderValue) -> Response {
         let mut resp = match self.raw {
-            Some((body, ct)) => {
+            Some(raw) => {
+                let (body, ct) = *raw;
                 let mut r = Response::new(Body::from(body));
                 if let Some(ct) = ct {
                     r.headers_mut().insert(CONTENT_TYPE, ct);
@@ -1054,7 +1055,7 @@ fn upstream_status(
     };
     if status.is_client_error() {
         let mut e = ApiError::new(status, "rejected", Outcome::Rejected, excerpt(&b));
-        e.raw = Some((b, ct));
+        e.raw = Some(Box::new((b, ct)));
         return e;
     }
     let code = if role == Role::Prefill {
