@@ -632,8 +632,14 @@ impl App {
             Some(Value::Bool(b)) => *b,
             Some(_) => return Err(ApiError::bad_request("`stream` must be a boolean")),
         };
-        let max_tokens = positive(&req, "max_tokens")?;
-        positive(&req, "max_completion_tokens")?;
+        // The tightest of the two limits, when the client gave any.
+        let max_tokens = match (
+            positive(&req, "max_tokens")?,
+            positive(&req, "max_completion_tokens")?,
+        ) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         match api {
             Api::Completions if !req.contains_key("prompt") => {
                 return Err(ApiError::bad_request("`prompt` is required"))
@@ -724,6 +730,7 @@ impl App {
         let id = self.next_id();
         // Registered before the prefill is sent, so no outcome can arrive before its waiter.
         let mut wait = waiters.register(&id, dc.ranks());
+        tracing::debug!(request_id = ctx.rid(), kv_req_id = %id, decoder = %dslot.worker().label, "lmcache prefill");
         let spec = json!({"ret_first_tok": true, "disagg_spec": {"req_id": id, "receiver_host": dc.host,
             "receiver_init_port": dc.init_ports, "receiver_alloc_port": dc.alloc_ports}});
         let o = prefill_overrides(&req, spec);
@@ -802,14 +809,11 @@ impl App {
                 if let Some(Value::String(p)) = req.get_mut("prompt") {
                     p.push_str(first);
                 }
-                if let Some(m) = max_tokens {
-                    req.insert("max_tokens".into(), json!(m - 1));
-                }
-                if let Some(m) = req.get("max_completion_tokens").and_then(Value::as_u64) {
-                    req.insert(
-                        "max_completion_tokens".into(),
-                        json!(m.saturating_sub(1).max(1)),
-                    );
+                // Both limits are at least 2 here: one token is already made.
+                for key in ["max_tokens", "max_completion_tokens"] {
+                    if let Some(m) = req.get(key).and_then(Value::as_u64) {
+                        req.insert(key.into(), json!(m.saturating_sub(1).max(1)));
+                    }
                 }
                 prefix = Some(first.to_string()).zip(Some(pv));
             }

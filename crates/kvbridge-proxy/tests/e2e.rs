@@ -580,17 +580,28 @@ async fn lmcache_success_non_streamed_and_streamed() {
         .await;
     assert_eq!(a.json()["choices"][0]["text"], " first");
     assert!(a.json().get("kv_transfer_params").is_none());
+    let a = e
+        .post(
+            "/v1/completions",
+            json!({"prompt": "x", "max_tokens": 5, "max_completion_tokens": 1, "stream": true}),
+        )
+        .await;
+    assert!(
+        a.text().contains("\"finish_reason\":\"length\"") && a.text().ends_with("data: [DONE]\n\n"),
+        "{}",
+        a.text()
+    );
 
     e.settled().await;
     let m = e.metrics().await;
     assert_eq!(
         sample(&m, "kvbridge_proxy_requests_total{outcome=\"ok\"}"),
-        Some(4.0),
+        Some(5.0),
         "{m}"
     );
     assert_eq!(
         sample(&m, "kvbridge_proxy_kv_wait_seconds_count"),
-        Some(4.0),
+        Some(5.0),
         "{m}"
     );
     assert_eq!(
