@@ -1,5 +1,8 @@
 //! The `kvbridge` command.
 
+mod bench;
+
+use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 /// kvbridge: KV-cache transfer for disaggregated prefill/decode serving.
@@ -14,19 +17,68 @@ struct Cli {
 enum Cmd {
     /// OpenAI-compatible disaggregation proxy in front of prefill and decode pools.
     Proxy(kvbridge_proxy::cli::ProxyArgs),
+    /// Benchmarks (two processes on loopback).
+    #[command(subcommand)]
+    Bench(BenchCmd),
 }
 
-fn main() -> anyhow::Result<()> {
+#[derive(Debug, Subcommand)]
+enum BenchCmd {
+    /// One-sided writes against a plain loopback socket stream (the ceiling), same run.
+    Transfer(bench::transfer::TransferArgs),
+    /// Connect plus first 4 KiB write, over fresh initiators.
+    Handshake(bench::handshake::HandshakeArgs),
+    /// The listener process the other benchmarks start (internal).
+    #[command(hide = true)]
+    Peer {
+        /// Size of the region to register.
+        #[arg(long)]
+        region_bytes: usize,
+        /// Page size of that region.
+        #[arg(long, default_value_t = 4096)]
+        page: usize,
+    },
+}
+
+fn main() -> Result<()> {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info".into()),
+                .unwrap_or_else(|_| "warn".into()),
         )
         .with_writer(std::io::stderr)
         .init();
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
     match cli.cmd {
         Cmd::Proxy(args) => rt.block_on(kvbridge_proxy::cli::run(args)),
+        Cmd::Bench(BenchCmd::Transfer(args)) => {
+            let (json, batch) = (args.json, args.batch);
+            let r = rt.block_on(bench::transfer::run(args))?;
+            if json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                bench::transfer::print_table(&r, batch);
+            }
+            Ok(())
+        }
+        Cmd::Bench(BenchCmd::Handshake(args)) => {
+            let json = args.json;
+            let r = rt.block_on(bench::handshake::run(args))?;
+            if json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                println!(
+                    "connect + first 4 KiB write over {} fresh initiators: p50 {:.3} ms, p99 {:.3} ms",
+                    r.samples, r.p50_ms, r.p99_ms
+                );
+            }
+            Ok(())
+        }
+        Cmd::Bench(BenchCmd::Peer { region_bytes, page }) => {
+            rt.block_on(bench::peer::run(region_bytes, page))
+        }
     }
 }

@@ -21,11 +21,10 @@ use kvbridge_proto::ids::Blob;
 use kvbridge_proto::msg::{Ack, Batch, ErrorCode, Message, Notify, OpDesc, Reject};
 use kvbridge_proto::PeerId;
 use std::collections::HashMap;
-use std::io::IoSlice;
+use std::io::{IoSlice, IoSliceMut};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::io::AsyncReadExt;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::net::{ReadHalf, WriteHalf};
@@ -399,14 +398,14 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
                 if let Some(d) = ctx.hooks.write_apply_delay {
                     tokio::time::sleep(d).await;
                 }
-                for d in &dests {
-                    // SAFETY: validated in bounds of a region granted to this peer and held
-                    // in use; the transfer contract excludes concurrent local access.
-                    let dst = unsafe { d.as_mut() };
-                    r.read_exact(dst)
-                        .await
-                        .map_err(|e| Error::lost(peer.as_str(), Step::Write, e))?;
-                }
+                // SAFETY: validated in bounds of regions granted to this peer and held in
+                // use; the transfer contract excludes concurrent local access.
+                let mut iov: Vec<IoSliceMut<'_>> =
+                    dests.iter().map(|d| IoSliceMut::new(unsafe { d.as_mut() })).collect();
+                r.read_exact_vectored(&mut iov)
+                    .await
+                    .map_err(|e| Error::lost(peer.as_str(), Step::Write, e))?;
+                drop(iov);
                 drop(dests);
                 let ack = Message::WriteAck(Ack {
                     id: b.id,
@@ -497,15 +496,14 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
                     }));
                     continue;
                 }
-                let mut result = Ok(());
-                for d in &dests {
-                    // SAFETY: local destination validated at submission and held in use.
-                    let dst = unsafe { d.as_mut() };
-                    if let Err(e) = r.read_exact(dst).await {
-                        result = Err(Error::lost(peer.as_str(), Step::Read, e));
-                        break;
-                    }
-                }
+                // SAFETY: local destinations validated at submission and held in use.
+                let mut iov: Vec<IoSliceMut<'_>> =
+                    dests.iter().map(|d| IoSliceMut::new(unsafe { d.as_mut() })).collect();
+                let result = r
+                    .read_exact_vectored(&mut iov)
+                    .await
+                    .map_err(|e| Error::lost(peer.as_str(), Step::Read, e));
+                drop(iov);
                 drop(dests);
                 let failed = result.clone().err();
                 let _ = done.send(result);

@@ -5,7 +5,7 @@
 //! turmoil's deterministic network simulator (random latency, held messages, partitions,
 //! simulated time). Enum dispatch keeps the data path free of dynamic calls.
 
-use std::io::{self, IoSlice};
+use std::io::{self, IoSlice, IoSliceMut};
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -136,6 +136,38 @@ impl Stream {
             Stream::Sim(s) => {
                 let (r, w) = s.into_split();
                 (ReadHalf::Sim(r), WriteHalf::Sim(w))
+            }
+        }
+    }
+}
+
+impl ReadHalf {
+    /// Fills every buffer completely, with as few `readv` calls as the kernel allows: a
+    /// batch of small pages lands with a handful of system calls instead of one per page.
+    pub async fn read_exact_vectored(&mut self, mut bufs: &mut [IoSliceMut<'_>]) -> io::Result<()> {
+        /// Linux refuses `readv` with more than this many buffers.
+        const IOV_MAX: usize = 1024;
+        IoSliceMut::advance_slices(&mut bufs, 0);
+        match self {
+            ReadHalf::Tokio(r) => {
+                while !bufs.is_empty() {
+                    let end = bufs.len().min(IOV_MAX);
+                    match r.try_read_vectored(&mut bufs[..end]) {
+                        Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                        Ok(n) => IoSliceMut::advance_slices(&mut bufs, n),
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => r.readable().await?,
+                        Err(e) => return Err(e),
+                    }
+                }
+                Ok(())
+            }
+            #[cfg(feature = "sim")]
+            ReadHalf::Sim(r) => {
+                use tokio::io::AsyncReadExt;
+                for b in bufs.iter_mut() {
+                    r.read_exact(b).await?;
+                }
+                Ok(())
             }
         }
     }

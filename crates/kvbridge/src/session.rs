@@ -324,8 +324,8 @@ impl Session {
                             // without disturbing this session.
                             tokio::spawn(refuse(s, ErrorCode::UnknownSession, "data connection does not match this session"));
                         } else {
-                            let delay = self.env.config.hooks.listener_bind_delay.unwrap_or_default();
-                            self.pending_bind = Some((Instant::now() + delay, s));
+                            let delay = self.env.config.hooks.listener_bind_delay;
+                            self.bind_after(delay, s);
                         }
                     }
                     Some(SessionCmd::Replace(e)) | Some(SessionCmd::Abort(e)) => return e,
@@ -346,8 +346,8 @@ impl Session {
                     self.data_connect = None;
                     match r {
                         Ok(Ok(s)) => {
-                            let delay = self.env.config.hooks.initiator_bind_delay.unwrap_or_default();
-                            self.pending_bind = Some((Instant::now() + delay, s));
+                            let delay = self.env.config.hooks.initiator_bind_delay;
+                            self.bind_after(delay, s);
                         }
                         Ok(Err(e)) => return Error::lost(&self.peer_name, Step::DataBind, e),
                         Err(e) => return Error::lost(&self.peer_name, Step::DataBind, e),
@@ -418,6 +418,16 @@ impl Session {
             }
         }
         None
+    }
+
+    /// Binds now, or after a test hook's delay (while control messages keep being served,
+    /// so the state machine — not a queue in front of it — holds early arrivals).
+    fn bind_after(&mut self, delay: Option<Duration>, s: Stream) {
+        match delay {
+            // A zero-length timer would still wait for the timer wheel's next tick (1 ms).
+            None => self.bind(s),
+            Some(d) => self.pending_bind = Some((Instant::now() + d, s)),
+        }
     }
 
     fn bind(&mut self, s: Stream) {

@@ -1,0 +1,131 @@
+//! The listener half of the benchmarks, run as a second process (`kvbridge bench peer`).
+//!
+//! It listens with a kvbridge channel and a plain TCP sink on loopback, prints one line
+//! `READY <channel addr> <region id> <sink addr>`, and serves until its stdin closes (so it
+//! never outlives the benchmark that started it).
+
+use anyhow::{Context, Result};
+use kvbridge::{Channel, ChannelConfig, Grant, Region};
+use std::io::{Read, Write};
+use std::process::{Child, Command, Stdio};
+
+/// Runs the peer (the child side).
+pub async fn run(region_bytes: usize, page: usize) -> Result<()> {
+    let ch = Channel::new(ChannelConfig::new("bench-listener", Some("127.0.0.1:0"))).await?;
+    let region = Region::alloc(region_bytes, page)?;
+    ch.register(&region, Grant::AllPeers)?;
+    let sink = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let sink_addr = sink.local_addr()?;
+    // The ceiling lands in memory of the same size and kind as the channel's region, so
+    // both pay the same cache and TLB misses.
+    let sink_region = Region::alloc(region_bytes, page)?;
+    std::thread::spawn(move || {
+        for s in sink.incoming().flatten() {
+            let r = sink_region.clone();
+            std::thread::spawn(move || serve_sink(s, r));
+        }
+    });
+    println!(
+        "READY {} {} {}",
+        ch.local_addr().context("no listen address")?,
+        region.id(),
+        sink_addr
+    );
+    std::io::stdout().flush()?;
+    // Serve until the parent closes our stdin (or dies).
+    tokio::task::spawn_blocking(|| {
+        let mut b = [0u8; 64];
+        while matches!(std::io::stdin().read(&mut b), Ok(n) if n > 0) {}
+    })
+    .await?;
+    ch.close().await;
+    Ok(())
+}
+
+/// The ceiling's receiver: a plain socket read loop, block by block, cycling through a
+/// buffer as large as the channel's region.
+/// Protocol: 16-byte header (block size, total; little endian), then `total` bytes; one byte
+/// back when all arrived.
+fn serve_sink(mut s: std::net::TcpStream, region: Region) {
+    let _ = s.set_nodelay(true);
+    // SAFETY: this thread is the only user of the sink region's bytes.
+    let buf = unsafe { std::slice::from_raw_parts_mut(region.as_ptr(), region.len()) };
+    let mut h = [0u8; 16];
+    while s.read_exact(&mut h).is_ok() {
+        let block = (u64::from_le_bytes(h[..8].try_into().unwrap()) as usize).clamp(1, buf.len());
+        let total = u64::from_le_bytes(h[8..].try_into().unwrap());
+        let (mut got, mut off) = (0u64, 0usize);
+        while got < total {
+            if off + block > buf.len() {
+                off = 0;
+            }
+            let want = block.min((total - got) as usize);
+            if s.read_exact(&mut buf[off..off + want]).is_err() {
+                return;
+            }
+            off += want;
+            got += want as u64;
+        }
+        if s.write_all(&[1]).is_err() {
+            return;
+        }
+    }
+}
+
+/// A started peer process.
+pub struct PeerProcess {
+    child: Child,
+    /// The channel's listen address.
+    pub addr: String,
+    /// The registered region's id (hex).
+    pub region: kvbridge::RegionId,
+    /// The plain TCP sink's address.
+    pub sink: String,
+}
+
+impl PeerProcess {
+    /// Starts `kvbridge bench peer` and waits for its READY line.
+    pub fn start(region_bytes: usize, page: usize) -> Result<Self> {
+        let exe = std::env::current_exe()?;
+        let mut child = Command::new(exe)
+            .args(["bench", "peer", "--region-bytes", &region_bytes.to_string()])
+            .args(["--page", &page.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("cannot start the benchmark peer process")?;
+        let mut out = child.stdout.take().context("no stdout")?;
+        let mut line = Vec::new();
+        let mut b = [0u8; 1];
+        while out.read(&mut b)? == 1 && b[0] != b'\n' {
+            line.push(b[0]);
+        }
+        let line = String::from_utf8(line)?;
+        let parts: Vec<&str> = line.split_whitespace().collect();
+        anyhow::ensure!(
+            parts.len() == 4 && parts[0] == "READY",
+            "benchmark peer said {line:?}"
+        );
+        let hex = parts[2];
+        anyhow::ensure!(hex.len() == 32, "bad region id {hex}");
+        let mut id = [0u8; 16];
+        for (i, b) in id.iter_mut().enumerate() {
+            *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16)?;
+        }
+        Ok(Self {
+            child,
+            addr: parts[1].to_string(),
+            region: kvbridge::RegionId(id),
+            sink: parts[3].to_string(),
+        })
+    }
+}
+
+impl Drop for PeerProcess {
+    fn drop(&mut self) {
+        drop(self.child.stdin.take());
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
