@@ -115,6 +115,28 @@ pub struct Stats {
     pub sessions_ended: u64,
 }
 
+/// A change in the set of live sessions, for layers that hold state per peer (the PD
+/// receiver releases a sender's reservations when its session goes down).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PeerEvent {
+    /// A session is established.
+    Up {
+        /// The peer.
+        peer: PeerId,
+        /// Its incarnation.
+        incarnation: Incarnation,
+    },
+    /// An established session ended.
+    Down {
+        /// The peer.
+        peer: PeerId,
+        /// The incarnation that session had.
+        incarnation: Incarnation,
+        /// Why it ended.
+        error: Error,
+    },
+}
+
 /// An application message from a peer, delivered after every write that peer issued before
 /// it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -133,6 +155,7 @@ struct Inner {
     notifications: Mutex<mpsc::Receiver<Notification>>,
     local_addr: Option<SocketAddr>,
     tasks: std::sync::Mutex<Vec<JoinHandle<()>>>,
+    events: tokio::sync::broadcast::Sender<PeerEvent>,
 }
 
 impl Drop for Inner {
@@ -188,6 +211,7 @@ impl Channel {
         let (core_tx, core_rx) = mpsc::unbounded_channel();
         let (notif_tx, notif_rx) = mpsc::channel(4096);
         let table = Arc::new(RegionTable::default());
+        let (events, _) = tokio::sync::broadcast::channel(1024);
         let env = SessionEnv {
             local: local.clone(),
             config: config.clone(),
@@ -195,7 +219,7 @@ impl Channel {
             core: core_tx.clone(),
             notifications: notif_tx,
         };
-        let mut tasks = vec![tokio::spawn(Core::new(env).run(core_rx))];
+        let mut tasks = vec![tokio::spawn(Core::new(env, events.clone()).run(core_rx))];
         if let Some(l) = listener {
             tasks.push(tokio::spawn(accept_loop(l, config.clone(), core_tx.clone())));
         }
@@ -208,6 +232,7 @@ impl Channel {
                 notifications: Mutex::new(notif_rx),
                 local_addr,
                 tasks: std::sync::Mutex::new(tasks),
+                events,
             }),
         })
     }
@@ -407,6 +432,12 @@ impl Channel {
             .await
     }
 
+    /// Subscribes to session ups and downs (from now on; a slow subscriber that falls more
+    /// than 1024 events behind sees `Lagged`).
+    pub fn peer_events(&self) -> tokio::sync::broadcast::Receiver<PeerEvent> {
+        self.inner.events.subscribe()
+    }
+
     /// The next notification from any peer; `None` once the channel is closed.
     pub async fn recv_notification(&self) -> Option<Notification> {
         self.inner.notifications.lock().await.recv().await
@@ -521,6 +552,7 @@ struct SessionEntry {
 
 struct Core {
     env: SessionEnv,
+    events: tokio::sync::broadcast::Sender<PeerEvent>,
     next_id: u64,
     sessions: HashMap<u64, SessionEntry>,
     by_peer: HashMap<PeerId, u64>,
@@ -544,9 +576,10 @@ impl Drop for Core {
 }
 
 impl Core {
-    fn new(env: SessionEnv) -> Self {
+    fn new(env: SessionEnv, events: tokio::sync::broadcast::Sender<PeerEvent>) -> Self {
         Core {
             env,
+            events,
             next_id: 1,
             sessions: HashMap::new(),
             by_peer: HashMap::new(),
@@ -705,6 +738,10 @@ impl Core {
                 };
                 s.up = Some(handle.clone());
                 s.peer = Some(handle.peer_id.clone());
+                let _ = self.events.send(PeerEvent::Up {
+                    peer: handle.peer_id.clone(),
+                    incarnation: handle.incarnation,
+                });
                 let addr = s.addr.clone();
                 self.replace_old(&handle.peer_id, id, handle.incarnation);
                 self.by_peer.insert(handle.peer_id.clone(), id);
@@ -722,6 +759,13 @@ impl Core {
                     return;
                 };
                 self.ended += 1;
+                if let Some(h) = &s.up {
+                    let _ = self.events.send(PeerEvent::Down {
+                        peer: h.peer_id.clone(),
+                        incarnation: h.incarnation,
+                        error: error.clone(),
+                    });
+                }
                 if let Some(p) = &s.peer {
                     if self.by_peer.get(p) == Some(&id) {
                         self.by_peer.remove(p);

@@ -34,7 +34,7 @@ mod region;
 mod session;
 mod wire;
 
-pub use channel::{Channel, Notification, Op, Stats};
+pub use channel::{Channel, Notification, Op, PeerEvent, Stats};
 pub use config::{ChannelConfig, Deadlines, Limits, TestHooks};
 pub use error::{Error, Result};
 pub use kvbridge_proto as proto;

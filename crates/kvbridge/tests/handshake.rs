@@ -164,8 +164,20 @@ async fn restarted_peer_replaces_its_session_and_old_work_fails_peer_restarted()
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     // prefill-0 restarts: same id, new incarnation.
+    let mut events = dec.peer_events();
     let (new, _) = initiator("prefill-0", |_| {}, PAGE, PAGE).await;
     new.connect(&addr(&dec)).await.unwrap();
+    // Layers above learn of it: the old incarnation went down with PeerRestarted.
+    let mut saw_down = false;
+    while let Ok(Ok(ev)) = tokio::time::timeout(Duration::from_secs(5), events.recv()).await {
+        if let kvbridge::PeerEvent::Down { incarnation, error, .. } = ev {
+            assert_eq!(incarnation, old_inc);
+            assert!(matches!(error, Error::PeerRestarted { .. }), "{error}");
+            saw_down = true;
+            break;
+        }
+    }
+    assert!(saw_down, "no Down event for the replaced session");
     let err = tokio::time::timeout(Duration::from_secs(5), pending).await.unwrap().unwrap().unwrap_err();
     match err {
         Error::PeerRestarted { peer, old: o, new: n } => {
