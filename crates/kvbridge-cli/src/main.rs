@@ -16,7 +16,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Cmd {
     /// OpenAI-compatible disaggregation proxy in front of prefill and decode pools.
-    Proxy(kvbridge_proxy::cli::ProxyArgs),
+    Proxy(Box<kvbridge_proxy::cli::ProxyArgs>),
     /// Benchmarks (two processes on loopback).
     #[command(subcommand)]
     Bench(BenchCmd),
@@ -44,8 +44,7 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "warn".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
         )
         .with_writer(std::io::stderr)
         .init();
@@ -53,7 +52,7 @@ fn main() -> Result<()> {
         .enable_all()
         .build()?;
     match cli.cmd {
-        Cmd::Proxy(args) => rt.block_on(kvbridge_proxy::cli::run(args)),
+        Cmd::Proxy(args) => rt.block_on(kvbridge_proxy::cli::run(*args)),
         Cmd::Bench(BenchCmd::Transfer(args)) => {
             let (json, batch) = (args.json, args.batch);
             let r = rt.block_on(bench::transfer::run(args))?;

@@ -233,15 +233,18 @@ mod props {
 
     fn message() -> impl Strategy<Value = Message> {
         prop_oneof![
-            ("[a-z0-9/-]{1,40}", any::<u64>(), any::<u64>(), ".{0,40}").prop_map(
-                |(p, i, h, d)| Message::Hello(Hello {
+            ("[a-z0-9/-]{1,40}", any::<u64>(), any::<u64>(), ".{0,40}").prop_map(|(p, i, h, d)| {
+                Message::Hello(Hello {
                     version: PROTOCOL_VERSION,
                     peer_id: PeerId::new(p).unwrap(),
                     incarnation: Incarnation(i),
-                    compat: Compat { hash: h, description: d },
+                    compat: Compat {
+                        hash: h,
+                        description: d,
+                    },
                     auth: None,
                 })
-            ),
+            }),
             (any::<u64>(), proptest::collection::vec(op(), 0..50))
                 .prop_map(|(id, ops)| Message::WriteBatch(Batch { id, ops })),
             (any::<u64>(), proptest::collection::vec(op(), 0..50))
@@ -250,7 +253,10 @@ mod props {
                 .prop_map(|(id, d)| Message::Notify(Notify { id, data: Blob(d) })),
             (any::<u64>(), ".{0,30}").prop_map(|(id, m)| Message::WriteAck(Ack {
                 id,
-                error: Some(Reject { code: ErrorCode::OutOfBounds, message: m })
+                error: Some(Reject {
+                    code: ErrorCode::OutOfBounds,
+                    message: m
+                })
             })),
             any::<u64>().prop_map(|id| Message::ReadResp(Ack { id, error: None })),
             Just(Message::Ready(Ready {})),

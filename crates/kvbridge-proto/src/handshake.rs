@@ -261,7 +261,9 @@ impl Core {
         if self.held.len() >= MAX_HELD {
             self.fail(HandshakeError::Malformed {
                 step,
-                detail: format!("more than {MAX_HELD} messages before the data connection was bound"),
+                detail: format!(
+                    "more than {MAX_HELD} messages before the data connection was bound"
+                ),
             });
         } else {
             self.held.push_back(m);

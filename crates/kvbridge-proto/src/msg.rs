@@ -80,12 +80,11 @@ impl Message {
         let mut out = vec![0u8; FRAME_HEADER_LEN];
         rmp_serde::encode::write_named(&mut out, self)
             .map_err(|e| FrameError::Malformed(e.to_string()))?;
-        let body_len = u32::try_from(out.len() - FRAME_HEADER_LEN).map_err(|_| {
-            FrameError::TooLarge {
+        let body_len =
+            u32::try_from(out.len() - FRAME_HEADER_LEN).map_err(|_| FrameError::TooLarge {
                 len: u32::MAX,
                 limit: u32::MAX,
-            }
-        })?;
+            })?;
         out[..FRAME_HEADER_LEN].copy_from_slice(&FrameHeader::encode(body_len));
         Ok(out)
     }
@@ -282,7 +281,9 @@ pub struct Batch {
 impl Batch {
     /// Total payload bytes, or `None` on overflow.
     pub fn payload_len(&self) -> Option<u64> {
-        self.ops.iter().try_fold(0u64, |acc, op| acc.checked_add(op.len))
+        self.ops
+            .iter()
+            .try_fold(0u64, |acc, op| acc.checked_add(op.len))
     }
 }
 

@@ -5,7 +5,7 @@
 use kvbridge_proto::handshake::{
     Established, HandshakeError, Initiator, ListenerSession, LocalIdentity, Output, Step,
 };
-use kvbridge_proto::msg::{Compat, Hello, MemInfo, MemKind, Message, Ready, Reject, RegionInfo};
+use kvbridge_proto::msg::{Compat, Hello, MemInfo, MemKind, Message, Ready, RegionInfo, Reject};
 use kvbridge_proto::msg::{ErrorCode, Ping};
 use kvbridge_proto::{Incarnation, PeerId, RegionId, SessionToken};
 use proptest::prelude::*;
@@ -173,10 +173,16 @@ fn explore(p: Pair, terminals: &mut usize) {
         q.apply(c);
         // Neither side may declare the session live before its own data connection is bound.
         if q.init_ready.is_some() {
-            assert!(q.init_bound, "initiator ready before its data connection was bound");
+            assert!(
+                q.init_bound,
+                "initiator ready before its data connection was bound"
+            );
         }
         if q.listen_ready.is_some() {
-            assert!(q.listen_bound, "listener ready before its data connection was bound");
+            assert!(
+                q.listen_bound,
+                "listener ready before its data connection was bound"
+            );
         }
         explore(q, terminals);
     }
@@ -198,7 +204,10 @@ fn seed_order_memory_info_before_listener_bind_is_held_not_failed() {
     p.apply(2); // initiator binds its data connection
     p.apply(0); // MemInfo reaches the listener before it bound the data connection
     assert!(p.failures.is_empty());
-    assert!(p.to_initiator.is_empty(), "listener answered MemInfo before binding");
+    assert!(
+        p.to_initiator.is_empty(),
+        "listener answered MemInfo before binding"
+    );
     assert_eq!(p.listen.as_ref().unwrap().step(), Step::DataBind);
     p.apply(3); // bind, after any delay
     while !p.choices().is_empty() {
@@ -234,7 +243,11 @@ fn incompatible_peers_fail_fast_naming_both_values() {
     ));
     init.handle_message(Message::Reject(r), now);
     match init.poll_output() {
-        Some(Output::Failed(HandshakeError::Rejected { step, code, message })) => {
+        Some(Output::Failed(HandshakeError::Rejected {
+            step,
+            code,
+            message,
+        })) => {
             assert_eq!(step, Step::Welcome);
             assert_eq!(code, ErrorCode::Incompatible);
             assert!(message.contains("layout-7") && message.contains("layout-8"));
@@ -278,7 +291,10 @@ fn each_step_has_a_deadline() {
     assert!(!init.is_failed());
     init.handle_timeout(t0 + STEP);
     // Tells the listener why, then fails naming the step.
-    assert!(matches!(init.poll_output(), Some(Output::Send(Message::Reject(_)))));
+    assert!(matches!(
+        init.poll_output(),
+        Some(Output::Send(Message::Reject(_)))
+    ));
     assert_eq!(
         init.poll_output(),
         Some(Output::Failed(HandshakeError::Timeout {
@@ -361,7 +377,10 @@ fn check_outputs(outs: &[Output]) {
     if let Some(pos) = outs.iter().position(|o| matches!(o, Output::Failed(_))) {
         assert_eq!(pos, outs.len() - 1, "output after Failed: {outs:?}");
     }
-    let readies = outs.iter().filter(|o| matches!(o, Output::Ready(_))).count();
+    let readies = outs
+        .iter()
+        .filter(|o| matches!(o, Output::Ready(_)))
+        .count();
     assert!(readies <= 1, "ready twice: {outs:?}");
 }
 

@@ -67,6 +67,8 @@ pub(crate) struct PeerHandle {
     pub(crate) remote: Arc<RwLock<HashMap<RegionId, RegionInfo>>>,
 }
 
+type ConnectReply = oneshot::Sender<Result<PeerHandle>>;
+
 /// Messages to the core task.
 pub(crate) enum CoreCmd {
     Connect {
@@ -221,7 +223,11 @@ impl Channel {
         };
         let mut tasks = vec![tokio::spawn(Core::new(env, events.clone()).run(core_rx))];
         if let Some(l) = listener {
-            tasks.push(tokio::spawn(accept_loop(l, config.clone(), core_tx.clone())));
+            tasks.push(tokio::spawn(accept_loop(
+                l,
+                config.clone(),
+                core_tx.clone(),
+            )));
         }
         Ok(Channel {
             inner: Arc::new(Inner {
@@ -309,11 +315,7 @@ impl Channel {
             })
     }
 
-    fn prepare(
-        &self,
-        h: &PeerHandle,
-        ops: &[Op],
-    ) -> Result<(Vec<OpDesc>, Vec<LocalSlice>)> {
+    fn prepare(&self, h: &PeerHandle, ops: &[Op]) -> Result<(Vec<OpDesc>, Vec<LocalSlice>)> {
         let limits = &self.inner.config.limits;
         let invalid = |detail: String| Error::InvalidOp {
             peer: h.peer_id.to_string(),
@@ -384,11 +386,7 @@ impl Channel {
                 Step::Write,
                 self.inner.config.deadlines.op,
                 DataPath::write_waiting,
-                |id| Outgoing::Write {
-                    id,
-                    descs,
-                    sources,
-                },
+                |id| Outgoing::Write { id, descs, sources },
             )
             .await
     }
@@ -499,7 +497,11 @@ async fn accept_loop(
     }
 }
 
-async fn classify(stream: Stream, config: Arc<ChannelConfig>, core: mpsc::UnboundedSender<CoreCmd>) {
+async fn classify(
+    stream: Stream,
+    config: Arc<ChannelConfig>,
+    core: mpsc::UnboundedSender<CoreCmd>,
+) {
     let limit = config.deadlines.first_frame;
     let mut stream = stream;
     let mut buf = Vec::new();
@@ -557,7 +559,8 @@ struct Core {
     sessions: HashMap<u64, SessionEntry>,
     by_peer: HashMap<PeerId, u64>,
     tokens: HashMap<SessionToken, u64>,
-    dials: HashMap<String, (u64, Vec<oneshot::Sender<Result<PeerHandle>>>)>,
+    /// Address → (dialling session, callers waiting for it).
+    dials: HashMap<String, (u64, Vec<ConnectReply>)>,
     by_addr: HashMap<String, u64>,
     ended: u64,
     closing: Option<Vec<oneshot::Sender<()>>>,
@@ -609,7 +612,11 @@ impl Core {
         peer: Option<PeerId>,
         addr: Option<String>,
         token: Option<SessionToken>,
-    ) -> (u64, mpsc::UnboundedSender<SessionCmd>, mpsc::UnboundedReceiver<SessionCmd>) {
+    ) -> (
+        u64,
+        mpsc::UnboundedSender<SessionCmd>,
+        mpsc::UnboundedReceiver<SessionCmd>,
+    ) {
         let id = self.next_id;
         self.next_id += 1;
         let (tx, rx) = mpsc::unbounded_channel();
@@ -699,7 +706,8 @@ impl Core {
                         crate::rand_bytes(&mut t);
                         let token = SessionToken(t);
                         let peer = hello.peer_id.clone();
-                        let (id, tx, rx) = self.spawn_session(Some(peer.clone()), None, Some(token));
+                        let (id, tx, rx) =
+                            self.spawn_session(Some(peer.clone()), None, Some(token));
                         self.replace_old(&peer, id, hello.incarnation);
                         self.by_peer.insert(peer, id);
                         // Entered before the Welcome that reveals it goes out.
@@ -716,7 +724,11 @@ impl Core {
                         self.set_task(id, task);
                     }
                     Message::DataHello(dh) => {
-                        match self.tokens.get(&dh.token).and_then(|id| self.sessions.get(id)) {
+                        match self
+                            .tokens
+                            .get(&dh.token)
+                            .and_then(|id| self.sessions.get(id))
+                        {
                             Some(s) => {
                                 let _ = s.ctl.send(SessionCmd::DataConn(stream, dh.peer_id));
                             }
@@ -793,8 +805,11 @@ impl Core {
                 }
             }
             CoreCmd::Stats { reply } => {
-                let established: Vec<&PeerHandle> =
-                    self.sessions.values().filter_map(|s| s.up.as_ref()).collect();
+                let established: Vec<&PeerHandle> = self
+                    .sessions
+                    .values()
+                    .filter_map(|s| s.up.as_ref())
+                    .collect();
                 let _ = reply.send(Stats {
                     sessions: self.sessions.len(),
                     established: established.len(),

@@ -132,7 +132,11 @@ impl DataPath {
     }
 
     fn take(&self, id: u64) -> Option<Waiting> {
-        self.pending.lock().expect("pending poisoned").map.remove(&id)
+        self.pending
+            .lock()
+            .expect("pending poisoned")
+            .map
+            .remove(&id)
     }
 
     /// Fails every waiting batch and refuses new ones. Called by the session only after the
@@ -372,7 +376,11 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
         let msg = match read_frame(&mut r, ctx.limits.max_frame_len, &mut buf).await {
             Ok(m) => m,
             Err(ReadError::Eof) => {
-                return Err(Error::lost(peer.as_str(), Step::Established, "data connection closed"))
+                return Err(Error::lost(
+                    peer.as_str(),
+                    Step::Established,
+                    "data connection closed",
+                ))
             }
             Err(ReadError::Io(e)) => return Err(Error::lost(peer.as_str(), Step::Established, e)),
             Err(ReadError::Frame(e)) => {
@@ -400,8 +408,10 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
                 }
                 // SAFETY: validated in bounds of regions granted to this peer and held in
                 // use; the transfer contract excludes concurrent local access.
-                let mut iov: Vec<IoSliceMut<'_>> =
-                    dests.iter().map(|d| IoSliceMut::new(unsafe { d.as_mut() })).collect();
+                let mut iov: Vec<IoSliceMut<'_>> = dests
+                    .iter()
+                    .map(|d| IoSliceMut::new(unsafe { d.as_mut() }))
+                    .collect();
                 r.read_exact_vectored(&mut iov)
                     .await
                     .map_err(|e| Error::lost(peer.as_str(), Step::Write, e))?;
@@ -497,8 +507,10 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
                     continue;
                 }
                 // SAFETY: local destinations validated at submission and held in use.
-                let mut iov: Vec<IoSliceMut<'_>> =
-                    dests.iter().map(|d| IoSliceMut::new(unsafe { d.as_mut() })).collect();
+                let mut iov: Vec<IoSliceMut<'_>> = dests
+                    .iter()
+                    .map(|d| IoSliceMut::new(unsafe { d.as_mut() }))
+                    .collect();
                 let result = r
                     .read_exact_vectored(&mut iov)
                     .await

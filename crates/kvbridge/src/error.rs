@@ -162,11 +162,9 @@ impl Error {
                 step,
                 detail: format!("unexpected {got}"),
             },
-            HandshakeError::Malformed { step, detail } => Error::PeerMisbehaved {
-                peer,
-                step,
-                detail,
-            },
+            HandshakeError::Malformed { step, detail } => {
+                Error::PeerMisbehaved { peer, step, detail }
+            }
             HandshakeError::Timeout { step, after } => Error::Timeout { peer, step, after },
             HandshakeError::Closed { code, message } => Error::PeerClosed {
                 peer,

@@ -82,12 +82,18 @@ impl Region {
     /// the first transfer into it does not pay for page faults.
     pub fn alloc(len: usize, page_size: usize) -> Result<Region> {
         if len == 0 || page_size == 0 {
-            return Err(Error::Local("region length and page size must be > 0".into()));
+            return Err(Error::Local(
+                "region length and page size must be > 0".into(),
+            ));
         }
         // Large regions are aligned to a huge page and asked to use them: a KV buffer is
         // gigabytes written at random pages, and with 4 KiB pages the copies into it spend
         // their time in TLB misses.
-        let align = if len >= HUGE_PAGE { HUGE_PAGE } else { REGION_ALIGN };
+        let align = if len >= HUGE_PAGE {
+            HUGE_PAGE
+        } else {
+            REGION_ALIGN
+        };
         let layout = Layout::from_size_align(len, align)
             .map_err(|e| Error::Local(format!("bad region layout: {e}")))?;
         // SAFETY: layout has non-zero size.
@@ -131,7 +137,9 @@ impl Region {
     pub unsafe fn from_raw(ptr: *mut u8, len: usize, page_size: usize) -> Result<Region> {
         let ptr = NonNull::new(ptr).ok_or_else(|| Error::Local("null region pointer".into()))?;
         if len == 0 || page_size == 0 {
-            return Err(Error::Local("region length and page size must be > 0".into()));
+            return Err(Error::Local(
+                "region length and page size must be > 0".into(),
+            ));
         }
         Ok(Region {
             inner: Arc::new(RegionInner {
@@ -304,7 +312,10 @@ impl RegionTable {
     pub(crate) fn insert(&self, r: Region, g: Grant) -> Result<()> {
         let mut m = self.map.write().expect("region table poisoned");
         if m.contains_key(&r.id()) {
-            return Err(Error::Local(format!("region {} already registered", r.id())));
+            return Err(Error::Local(format!(
+                "region {} already registered",
+                r.id()
+            )));
         }
         m.insert(r.id(), (r, g));
         Ok(())

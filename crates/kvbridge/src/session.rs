@@ -207,9 +207,19 @@ pub(crate) async fn run_initiator(
         d.handshake_step,
         std_now(),
     ));
-    Session::start(env, id, Some(addr.clone()), addr, None, machine, stream, cmds, cmd_tx)
-        .run()
-        .await;
+    Session::start(
+        env,
+        id,
+        Some(addr.clone()),
+        addr,
+        None,
+        machine,
+        stream,
+        cmds,
+        cmd_tx,
+    )
+    .run()
+    .await;
 }
 
 /// Runs the listener side of a session whose `Hello` was already read.
@@ -413,7 +423,11 @@ impl Session {
                 Output::Ready(est) => self.on_established(est),
                 Output::PeerMemInfo(mem) => self.set_remote(mem),
                 Output::Failed(e) => {
-                    return Some(Error::from_handshake(&self.peer_name, self.machine.step(), e))
+                    return Some(Error::from_handshake(
+                        &self.peer_name,
+                        self.machine.step(),
+                        e,
+                    ))
                 }
             }
         }
@@ -431,7 +445,10 @@ impl Session {
     }
 
     fn bind(&mut self, s: Stream) {
-        let peer = self.peer_id.clone().expect("bound only after the peer is known");
+        let peer = self
+            .peer_id
+            .clone()
+            .expect("bound only after the peer is known");
         let (r, w) = s.into_split();
         let (path, out_rx) = DataPath::new(peer.clone(), self.cmd_tx.clone());
         let ctx = ReaderCtx {
@@ -537,10 +554,7 @@ fn path_out(path: &Arc<DataPath>) -> mpsc::Sender<Outgoing> {
     path.out_sender()
 }
 
-fn flatten(
-    peer: &str,
-    r: std::result::Result<Result<()>, tokio::task::JoinError>,
-) -> Error {
+fn flatten(peer: &str, r: std::result::Result<Result<()>, tokio::task::JoinError>) -> Error {
     match r {
         Ok(Ok(())) => Error::lost(peer, Step::Established, "data connection ended"),
         Ok(Err(e)) => e,

@@ -35,21 +35,33 @@ async fn one_gib_scattered_pages_written_and_read_back_byte_exact() {
     let perm = permutation(PAGES, 0x1234_5678_9abc_def1);
 
     for chunk in (0..PAGES).collect::<Vec<_>>().chunks(BATCH) {
-        let ops: Vec<Op> = chunk.iter().map(|&i| Op::page(&src, i, kv.id(), perm[i] as u64, PAGE)).collect();
+        let ops: Vec<Op> = chunk
+            .iter()
+            .map(|&i| Op::page(&src, i, kv.id(), perm[i] as u64, PAGE))
+            .collect();
         pre.write(&peer, &ops).await.unwrap();
     }
-    for i in 0..PAGES {
-        assert!(page(&src, i) == page(&kv, perm[i]), "written page {i} (remote {}) differs", perm[i]);
+    for (i, &p) in perm.iter().enumerate() {
+        assert!(
+            page(&src, i) == page(&kv, p),
+            "written page {i} (remote {p}) differs"
+        );
     }
 
     let back = Region::alloc(TOTAL, PAGE).unwrap();
     pre.register(&back, Grant::AllPeers).unwrap();
     for chunk in (0..PAGES).collect::<Vec<_>>().chunks(BATCH) {
-        let ops: Vec<Op> = chunk.iter().map(|&i| Op::page(&back, i, kv.id(), perm[i] as u64, PAGE)).collect();
+        let ops: Vec<Op> = chunk
+            .iter()
+            .map(|&i| Op::page(&back, i, kv.id(), perm[i] as u64, PAGE))
+            .collect();
         pre.read(&peer, &ops).await.unwrap();
     }
     for i in 0..PAGES {
-        assert!(page(&src, i) == page(&back, i), "read-back page {i} differs");
+        assert!(
+            page(&src, i) == page(&back, i),
+            "read-back page {i} differs"
+        );
     }
     let s = pre.stats().await.unwrap();
     assert_eq!(s.batches_in_flight, 0);

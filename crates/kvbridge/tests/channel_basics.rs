@@ -14,10 +14,15 @@ async fn write_read_notify_round_trip() {
     fill(&src, 1);
     let peer = pre.connect(&addr(&dec)).await.unwrap();
     assert_eq!(peer.as_str(), "decode-0");
-    let ops: Vec<Op> = (0..8).map(|i| Op::page(&src, i, kv.id(), (63 - i * 7) as u64, PAGE)).collect();
+    let ops: Vec<Op> = (0..8)
+        .map(|i| Op::page(&src, i, kv.id(), (63 - i * 7) as u64, PAGE))
+        .collect();
     pre.write(&peer, &ops).await.unwrap();
     pre.notify(&peer, b"req-1 done").await.unwrap();
-    let n = tokio::time::timeout(Duration::from_secs(5), dec.recv_notification()).await.unwrap().unwrap();
+    let n = tokio::time::timeout(Duration::from_secs(5), dec.recv_notification())
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(n.data, b"req-1 done");
     assert_eq!(n.peer.as_str(), "prefill-0");
     for i in 0..8usize {
@@ -29,7 +34,9 @@ async fn write_read_notify_round_trip() {
     // Read back into a second local region.
     let back = Region::alloc(8 * PAGE, PAGE).unwrap();
     pre.register(&back, Grant::AllPeers).unwrap();
-    let rops: Vec<Op> = (0..8).map(|i| Op::page(&back, i, kv.id(), (63 - i * 7) as u64, PAGE)).collect();
+    let rops: Vec<Op> = (0..8)
+        .map(|i| Op::page(&back, i, kv.id(), (63 - i * 7) as u64, PAGE))
+        .collect();
     pre.read(&peer, &rops).await.unwrap();
     let (mut a, mut b) = (vec![0u8; 8 * PAGE], vec![0u8; 8 * PAGE]);
     src.read_at(0, &mut a).unwrap();
@@ -47,7 +54,9 @@ async fn listener_writes_into_initiator_regions() {
     fill(&kv, 9);
     pre.connect(&addr(&dec)).await.unwrap();
     let p = kvbridge::PeerId::new("prefill-0").unwrap();
-    dec.write(&p, &[Op::page(&kv, 2, src.id(), 1, PAGE)]).await.unwrap();
+    dec.write(&p, &[Op::page(&kv, 2, src.id(), 1, PAGE)])
+        .await
+        .unwrap();
     let (mut a, mut b) = (vec![0u8; PAGE], vec![0u8; PAGE]);
     kv.read_at(2 * PAGE, &mut a).unwrap();
     src.read_at(PAGE, &mut b).unwrap();
@@ -59,7 +68,13 @@ async fn concurrent_connects_share_one_handshake() {
     let (dec, _kv) = listener("decode-0", |_| {}, PAGE, PAGE).await;
     let (pre, _src) = initiator("prefill-0", |_| {}, PAGE, PAGE).await;
     let a = addr(&dec);
-    let joins: Vec<_> = (0..16).map(|_| { let pre = pre.clone(); let a = a.clone(); tokio::spawn(async move { pre.connect(&a).await }) }).collect();
+    let joins: Vec<_> = (0..16)
+        .map(|_| {
+            let pre = pre.clone();
+            let a = a.clone();
+            tokio::spawn(async move { pre.connect(&a).await })
+        })
+        .collect();
     for j in joins {
         assert_eq!(j.await.unwrap().unwrap().as_str(), "decode-0");
     }
@@ -73,42 +88,93 @@ async fn local_misuse_is_a_typed_error_and_keeps_the_session() {
     let (dec, kv) = listener("decode-0", |_| {}, 4 * PAGE, PAGE).await;
     let (pre, src) = initiator("prefill-0", |_| {}, 4 * PAGE, PAGE).await;
     let peer = pre.connect(&addr(&dec)).await.unwrap();
-    let e = pre.write(&peer, &[Op::page(&src, 0, kv.id(), 4, PAGE)]).await.unwrap_err();
+    let e = pre
+        .write(&peer, &[Op::page(&src, 0, kv.id(), 4, PAGE)])
+        .await
+        .unwrap_err();
     assert!(matches!(e, Error::InvalidOp { .. }), "{e}");
-    let e = pre.write(&peer, &[Op::page(&src, 0, kvbridge::RegionId([7; 16]), 0, PAGE)]).await.unwrap_err();
+    let e = pre
+        .write(
+            &peer,
+            &[Op::page(&src, 0, kvbridge::RegionId([7; 16]), 0, PAGE)],
+        )
+        .await
+        .unwrap_err();
     assert!(matches!(e, Error::InvalidOp { .. }), "{e}");
-    let e = pre.write(&kvbridge::PeerId::new("nobody").unwrap(), &[]).await.unwrap_err();
+    let e = pre
+        .write(&kvbridge::PeerId::new("nobody").unwrap(), &[])
+        .await
+        .unwrap_err();
     assert!(matches!(e, Error::UnknownPeer { .. }), "{e}");
-    pre.write(&peer, &[Op::page(&src, 0, kv.id(), 3, PAGE)]).await.unwrap();
+    pre.write(&peer, &[Op::page(&src, 0, kv.id(), 3, PAGE)])
+        .await
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn close_fails_in_flight_work_with_closed() {
-    let (dec, kv) = listener("decode-0", |c| c.hooks.write_apply_delay = Some(Duration::from_secs(30)), 4 * PAGE, PAGE).await;
+    let (dec, kv) = listener(
+        "decode-0",
+        |c| c.hooks.write_apply_delay = Some(Duration::from_secs(30)),
+        4 * PAGE,
+        PAGE,
+    )
+    .await;
     let (pre, src) = initiator("prefill-0", |_| {}, 4 * PAGE, PAGE).await;
     let peer = pre.connect(&addr(&dec)).await.unwrap();
     let p2 = pre.clone();
     let (src2, kvid) = (src.clone(), kv.id());
-    let w = tokio::spawn(async move { p2.write(&peer, &[Op::page(&src2, 0, kvid, 0, PAGE)]).await });
+    let w =
+        tokio::spawn(async move { p2.write(&peer, &[Op::page(&src2, 0, kvid, 0, PAGE)]).await });
     // Wait until the batch is in flight.
     for _ in 0..500 {
-        if pre.stats().await.unwrap().batches_in_flight == 1 { break; }
+        if pre.stats().await.unwrap().batches_in_flight == 1 {
+            break;
+        }
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     pre.close().await;
-    let e = tokio::time::timeout(Duration::from_secs(5), w).await.unwrap().unwrap().unwrap_err();
+    let e = tokio::time::timeout(Duration::from_secs(5), w)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap_err();
     assert_eq!(e, Error::Closed);
     let _ = Step::Write;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn op_deadline_fails_the_batch_and_the_session() {
-    let (dec, kv) = listener("decode-0", |c| c.hooks.write_apply_delay = Some(Duration::from_secs(30)), 4 * PAGE, PAGE).await;
-    let (pre, src) = initiator("prefill-0", |c| c.deadlines.op = Duration::from_millis(200), 4 * PAGE, PAGE).await;
+    let (dec, kv) = listener(
+        "decode-0",
+        |c| c.hooks.write_apply_delay = Some(Duration::from_secs(30)),
+        4 * PAGE,
+        PAGE,
+    )
+    .await;
+    let (pre, src) = initiator(
+        "prefill-0",
+        |c| c.deadlines.op = Duration::from_millis(200),
+        4 * PAGE,
+        PAGE,
+    )
+    .await;
     let peer = pre.connect(&addr(&dec)).await.unwrap();
     let t = std::time::Instant::now();
-    let e = pre.write(&peer, &[Op::page(&src, 0, kv.id(), 0, PAGE)]).await.unwrap_err();
-    assert!(matches!(e, Error::Timeout { step: Step::Write, .. }), "{e}");
+    let e = pre
+        .write(&peer, &[Op::page(&src, 0, kv.id(), 0, PAGE)])
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Timeout {
+                step: Step::Write,
+                ..
+            }
+        ),
+        "{e}"
+    );
     assert!(t.elapsed() < Duration::from_secs(5));
     let s = pre.stats().await.unwrap();
     assert_eq!((s.sessions, s.tokens, s.dialing), (0, 0, 0), "{s:?}");

@@ -23,7 +23,12 @@ pub fn pattern(out: &mut [u8], seed: u64, base: u64) {
 }
 
 /// A listening channel on 127.0.0.1:0 with one owned region granted to every peer.
-pub async fn listener(name: &str, cfg: impl FnOnce(&mut ChannelConfig), region_len: usize, page: usize) -> (Channel, Region) {
+pub async fn listener(
+    name: &str,
+    cfg: impl FnOnce(&mut ChannelConfig),
+    region_len: usize,
+    page: usize,
+) -> (Channel, Region) {
     let mut c = ChannelConfig::new(name, Some("127.0.0.1:0"));
     cfg(&mut c);
     let ch = Channel::new(c).await.unwrap();
@@ -33,7 +38,12 @@ pub async fn listener(name: &str, cfg: impl FnOnce(&mut ChannelConfig), region_l
 }
 
 /// An initiator-only channel with one owned region.
-pub async fn initiator(name: &str, cfg: impl FnOnce(&mut ChannelConfig), region_len: usize, page: usize) -> (Channel, Region) {
+pub async fn initiator(
+    name: &str,
+    cfg: impl FnOnce(&mut ChannelConfig),
+    region_len: usize,
+    page: usize,
+) -> (Channel, Region) {
     let mut c = ChannelConfig::new(name, None);
     cfg(&mut c);
     let ch = Channel::new(c).await.unwrap();

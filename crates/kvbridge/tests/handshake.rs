@@ -13,11 +13,28 @@ const PAGE: usize = 4096;
 
 /// Handshake with the given hooks, then check the first write lands byte-exact.
 async fn first_write_lands(listener_delay: Option<Duration>, initiator_delay: Option<Duration>) {
-    let (dec, kv) = listener("decode-0", |c| c.hooks.listener_bind_delay = listener_delay, 16 * PAGE, PAGE).await;
-    let (pre, src) = initiator("prefill-0", |c| c.hooks.initiator_bind_delay = initiator_delay, PAGE, PAGE).await;
+    let (dec, kv) = listener(
+        "decode-0",
+        |c| c.hooks.listener_bind_delay = listener_delay,
+        16 * PAGE,
+        PAGE,
+    )
+    .await;
+    let (pre, src) = initiator(
+        "prefill-0",
+        |c| c.hooks.initiator_bind_delay = initiator_delay,
+        PAGE,
+        PAGE,
+    )
+    .await;
     fill(&src, 77);
-    let peer = pre.connect(&addr(&dec)).await.expect("handshake succeeds despite the delayed bind");
-    pre.write(&peer, &[Op::page(&src, 0, kv.id(), 5, PAGE)]).await.unwrap();
+    let peer = pre
+        .connect(&addr(&dec))
+        .await
+        .expect("handshake succeeds despite the delayed bind");
+    pre.write(&peer, &[Op::page(&src, 0, kv.id(), 5, PAGE)])
+        .await
+        .unwrap();
     let (mut a, mut b) = (vec![0u8; PAGE], vec![0u8; PAGE]);
     src.read_at(0, &mut a).unwrap();
     kv.read_at(5 * PAGE, &mut b).unwrap();
@@ -51,7 +68,9 @@ async fn handshake_many(target: &str, n: usize) -> Duration {
         .map(|i| {
             let target = target.to_string();
             tokio::spawn(async move {
-                let ch = Channel::new(ChannelConfig::new(format!("prefill-{i}"), None)).await.unwrap();
+                let ch = Channel::new(ChannelConfig::new(format!("prefill-{i}"), None))
+                    .await
+                    .unwrap();
                 ch.connect(&target).await.unwrap();
                 ch
             })
@@ -125,8 +144,15 @@ async fn killed_listener_mid_handshake_then_restart_succeeds() {
     }
     dec.close().await;
     drop(dec);
-    let err = tokio::time::timeout(Duration::from_secs(10), connecting).await.unwrap().unwrap().unwrap_err();
-    assert!(matches!(err, Error::ConnectionLost { .. } | Error::PeerClosed { .. }), "{err}");
+    let err = tokio::time::timeout(Duration::from_secs(10), connecting)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::ConnectionLost { .. } | Error::PeerClosed { .. }),
+        "{err}"
+    );
     // Rollback: nothing of the failed attempt is left on the initiator.
     let s = pre.stats().await.unwrap();
     assert_eq!((s.sessions, s.dialing, s.established), (0, 0, 0), "{s:?}");
@@ -139,7 +165,9 @@ async fn killed_listener_mid_handshake_then_restart_succeeds() {
     dec2.register(&kv2, kvbridge::Grant::AllPeers).unwrap();
     fill(&src, 3);
     let peer = pre.connect(&port_addr).await.unwrap();
-    pre.write(&peer, &[Op::page(&src, 0, kv2.id(), 0, PAGE)]).await.unwrap();
+    pre.write(&peer, &[Op::page(&src, 0, kv2.id(), 0, PAGE)])
+        .await
+        .unwrap();
     let (mut a, mut b) = (vec![0u8; PAGE], vec![0u8; PAGE]);
     src.read_at(0, &mut a).unwrap();
     kv2.read_at(0, &mut b).unwrap();
@@ -150,13 +178,25 @@ async fn killed_listener_mid_handshake_then_restart_succeeds() {
 async fn restarted_peer_replaces_its_session_and_old_work_fails_peer_restarted() {
     let (dec, kv) = listener("decode-0", |_| {}, PAGE, PAGE).await;
     // The first incarnation of prefill-0 holds incoming writes in flight.
-    let (old, old_region) = initiator("prefill-0", |c| c.hooks.write_apply_delay = Some(Duration::from_secs(30)), PAGE, PAGE).await;
+    let (old, old_region) = initiator(
+        "prefill-0",
+        |c| c.hooks.write_apply_delay = Some(Duration::from_secs(30)),
+        PAGE,
+        PAGE,
+    )
+    .await;
     old.connect(&addr(&dec)).await.unwrap();
     let p = PeerId::new("prefill-0").unwrap();
     let old_inc = dec.peer_incarnation(&p).await.unwrap();
     let d2 = dec.clone();
     let (kv2, rid) = (kv.clone(), old_region.id());
-    let pending = tokio::spawn(async move { d2.write(&PeerId::new("prefill-0").unwrap(), &[Op::page(&kv2, 0, rid, 0, PAGE)]).await });
+    let pending = tokio::spawn(async move {
+        d2.write(
+            &PeerId::new("prefill-0").unwrap(),
+            &[Op::page(&kv2, 0, rid, 0, PAGE)],
+        )
+        .await
+    });
     for _ in 0..1000 {
         if dec.stats().await.unwrap().batches_in_flight == 1 {
             break;
@@ -170,7 +210,10 @@ async fn restarted_peer_replaces_its_session_and_old_work_fails_peer_restarted()
     // Layers above learn of it: the old incarnation went down with PeerRestarted.
     let mut saw_down = false;
     while let Ok(Ok(ev)) = tokio::time::timeout(Duration::from_secs(5), events.recv()).await {
-        if let kvbridge::PeerEvent::Down { incarnation, error, .. } = ev {
+        if let kvbridge::PeerEvent::Down {
+            incarnation, error, ..
+        } = ev
+        {
             assert_eq!(incarnation, old_inc);
             assert!(matches!(error, Error::PeerRestarted { .. }), "{error}");
             saw_down = true;
@@ -178,9 +221,17 @@ async fn restarted_peer_replaces_its_session_and_old_work_fails_peer_restarted()
         }
     }
     assert!(saw_down, "no Down event for the replaced session");
-    let err = tokio::time::timeout(Duration::from_secs(5), pending).await.unwrap().unwrap().unwrap_err();
+    let err = tokio::time::timeout(Duration::from_secs(5), pending)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap_err();
     match err {
-        Error::PeerRestarted { peer, old: o, new: n } => {
+        Error::PeerRestarted {
+            peer,
+            old: o,
+            new: n,
+        } => {
             assert_eq!(peer, "prefill-0");
             assert_eq!(o, old_inc);
             assert_eq!(n, new.incarnation());
@@ -194,16 +245,39 @@ async fn restarted_peer_replaces_its_session_and_old_work_fails_peer_restarted()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn incompatible_peers_get_a_typed_error_naming_both_values() {
-    let compat = |h: u64, d: &str| Compat { hash: h, description: d.to_string() };
-    let (dec, _) = listener("decode-0", |c| c.compat = compat(1, "bf16/32L/page16"), PAGE, PAGE).await;
-    let (pre, _) = initiator("prefill-0", |c| c.compat = compat(2, "fp8/32L/page16"), PAGE, PAGE).await;
+    let compat = |h: u64, d: &str| Compat {
+        hash: h,
+        description: d.to_string(),
+    };
+    let (dec, _) = listener(
+        "decode-0",
+        |c| c.compat = compat(1, "bf16/32L/page16"),
+        PAGE,
+        PAGE,
+    )
+    .await;
+    let (pre, _) = initiator(
+        "prefill-0",
+        |c| c.compat = compat(2, "fp8/32L/page16"),
+        PAGE,
+        PAGE,
+    )
+    .await;
     let e = pre.connect(&addr(&dec)).await.unwrap_err();
     match &e {
-        Error::Rejected { peer, step, code, message } => {
+        Error::Rejected {
+            peer,
+            step,
+            code,
+            message,
+        } => {
             assert_eq!(peer, &addr(&dec));
             assert_eq!(*step, Step::Welcome);
             assert_eq!(*code, ErrorCode::Incompatible);
-            assert!(message.contains("bf16/32L/page16") && message.contains("fp8/32L/page16"), "{message}");
+            assert!(
+                message.contains("bf16/32L/page16") && message.contains("fp8/32L/page16"),
+                "{message}"
+            );
         }
         e => panic!("expected a typed rejection, got {e}"),
     }
@@ -215,7 +289,9 @@ async fn incompatible_peers_get_a_typed_error_naming_both_values() {
 async fn wrong_frame_version_gets_a_reject_naming_both_versions() {
     let (dec, _) = listener("decode-0", |_| {}, PAGE, PAGE).await;
     let mut s = tokio::net::TcpStream::connect(addr(&dec)).await.unwrap();
-    let mut frame = Message::Ping(kvbridge::proto::msg::Ping { nonce: 1 }).to_frame().unwrap();
+    let mut frame = Message::Ping(kvbridge::proto::msg::Ping { nonce: 1 })
+        .to_frame()
+        .unwrap();
     frame[2] = 9;
     s.write_all(&frame).await.unwrap();
     let mut h = [0u8; 8];
@@ -226,7 +302,11 @@ async fn wrong_frame_version_gets_a_reject_naming_both_versions() {
     match Message::decode(&body).unwrap() {
         Message::Reject(r) => {
             assert_eq!(r.code, ErrorCode::UnsupportedVersion);
-            assert!(r.message.contains('9') && r.message.contains('1'), "{}", r.message);
+            assert!(
+                r.message.contains('9') && r.message.contains('1'),
+                "{}",
+                r.message
+            );
         }
         m => panic!("expected Reject, got {m:?}"),
     }
@@ -235,10 +315,23 @@ async fn wrong_frame_version_gets_a_reject_naming_both_versions() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_listener_fails_within_the_connect_deadline() {
     // Bind then drop to get a port nobody listens on.
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let (pre, _) = initiator("prefill-0", |_| {}, PAGE, PAGE).await;
     let e = pre.connect(&format!("127.0.0.1:{port}")).await.unwrap_err();
-    assert!(matches!(e, Error::ConnectionLost { step: Step::Connect, .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::ConnectionLost {
+                step: Step::Connect,
+                ..
+            }
+        ),
+        "{e}"
+    );
     let s = pre.stats().await.unwrap();
     assert_eq!((s.sessions, s.dialing), (0, 0));
 }

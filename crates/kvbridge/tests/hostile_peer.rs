@@ -14,7 +14,10 @@ const PAGE: usize = 4096;
 
 async fn recv(s: &mut TcpStream) -> Option<Message> {
     let mut h = [0u8; 8];
-    tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut h)).await.ok()?.ok()?;
+    tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut h))
+        .await
+        .ok()?
+        .ok()?;
     let hdr = FrameHeader::decode(&h, 1 << 24).ok()?;
     let mut body = vec![0u8; hdr.body_len as usize];
     s.read_exact(&mut body).await.ok()?;
@@ -28,18 +31,30 @@ async fn send(s: &mut TcpStream, m: &Message) {
 /// Handshakes by hand; returns (control, data) connections.
 async fn handshake(target: &str) -> (TcpStream, TcpStream) {
     let mut ctl = TcpStream::connect(target).await.unwrap();
-    send(&mut ctl, &Message::Hello(Hello {
-        version: 1,
-        peer_id: PeerId::new("hostile").unwrap(),
-        incarnation: Incarnation(1),
-        compat: Compat::default(),
-        auth: None,
-    }))
+    send(
+        &mut ctl,
+        &Message::Hello(Hello {
+            version: 1,
+            peer_id: PeerId::new("hostile").unwrap(),
+            incarnation: Incarnation(1),
+            compat: Compat::default(),
+            auth: None,
+        }),
+    )
     .await;
-    let Some(Message::Welcome(w)) = recv(&mut ctl).await else { panic!("no welcome") };
+    let Some(Message::Welcome(w)) = recv(&mut ctl).await else {
+        panic!("no welcome")
+    };
     send(&mut ctl, &Message::MemInfo(MemInfo::default())).await;
     let mut data = TcpStream::connect(target).await.unwrap();
-    send(&mut data, &Message::DataHello(DataHello { token: w.token, peer_id: PeerId::new("hostile").unwrap() })).await;
+    send(
+        &mut data,
+        &Message::DataHello(DataHello {
+            token: w.token,
+            peer_id: PeerId::new("hostile").unwrap(),
+        }),
+    )
+    .await;
     assert!(matches!(recv(&mut ctl).await, Some(Message::MemInfo(_))));
     assert!(matches!(recv(&mut ctl).await, Some(Message::Ready(_))));
     (ctl, data)
@@ -49,8 +64,20 @@ async fn expect_rejected_write(bad: OpDesc, expected: ErrorCode) {
     let (dec, kv) = listener("decode-0", |_| {}, 4 * PAGE, PAGE).await;
     // Guard bytes around the region must stay zero; the region itself too.
     let (mut ctl, mut data) = handshake(&addr(&dec)).await;
-    let op = OpDesc { region: if bad.region == RegionId([0; 16]) { kv.id() } else { bad.region }, ..bad };
-    let frame = Message::WriteBatch(Batch { id: 1, ops: vec![op] }).to_frame().unwrap();
+    let op = OpDesc {
+        region: if bad.region == RegionId([0; 16]) {
+            kv.id()
+        } else {
+            bad.region
+        },
+        ..bad
+    };
+    let frame = Message::WriteBatch(Batch {
+        id: 1,
+        ops: vec![op],
+    })
+    .to_frame()
+    .unwrap();
     data.write_all(&frame).await.unwrap();
     let _ = data.write_all(&vec![0xAB; 2 * PAGE]).await;
     match recv(&mut data).await {
@@ -62,11 +89,17 @@ async fn expect_rejected_write(bad: OpDesc, expected: ErrorCode) {
     }
     // The session is over: both connections end, and the listener holds nothing for it.
     let mut b = [0u8; 1];
-    assert!(matches!(tokio::time::timeout(Duration::from_secs(5), data.read(&mut b)).await, Ok(Ok(0)) | Ok(Err(_))));
+    assert!(matches!(
+        tokio::time::timeout(Duration::from_secs(5), data.read(&mut b)).await,
+        Ok(Ok(0)) | Ok(Err(_))
+    ));
     let mut seen_end = false;
     for _ in 0..10 {
         match tokio::time::timeout(Duration::from_secs(5), ctl.read(&mut [0u8; 256])).await {
-            Ok(Ok(0)) | Ok(Err(_)) => { seen_end = true; break; }
+            Ok(Ok(0)) | Ok(Err(_)) => {
+                seen_end = true;
+                break;
+            }
             Ok(Ok(_)) => continue, // a Bye/Reject frame before the close
             Err(_) => break,
         }
@@ -76,34 +109,81 @@ async fn expect_rejected_write(bad: OpDesc, expected: ErrorCode) {
     kv.read_at(0, &mut all).unwrap();
     assert!(all.iter().all(|&b| b == 0), "bytes landed in the region");
     for _ in 0..100 {
-        if dec.stats().await.unwrap().sessions == 0 { return; }
+        if dec.stats().await.unwrap().sessions == 0 {
+            return;
+        }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    panic!("listener kept the hostile session: {:?}", dec.stats().await.unwrap());
+    panic!(
+        "listener kept the hostile session: {:?}",
+        dec.stats().await.unwrap()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_past_the_end_of_a_region_is_refused() {
-    expect_rejected_write(OpDesc { region: RegionId([0; 16]), offset: 3 * PAGE as u64 + 1, len: PAGE as u64 }, ErrorCode::OutOfBounds).await;
+    expect_rejected_write(
+        OpDesc {
+            region: RegionId([0; 16]),
+            offset: 3 * PAGE as u64 + 1,
+            len: PAGE as u64,
+        },
+        ErrorCode::OutOfBounds,
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_with_overflowing_offset_is_refused() {
-    expect_rejected_write(OpDesc { region: RegionId([0; 16]), offset: u64::MAX - 10, len: 100 }, ErrorCode::OutOfBounds).await;
+    expect_rejected_write(
+        OpDesc {
+            region: RegionId([0; 16]),
+            offset: u64::MAX - 10,
+            len: 100,
+        },
+        ErrorCode::OutOfBounds,
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_to_an_unknown_region_is_refused() {
-    expect_rejected_write(OpDesc { region: RegionId([5; 16]), offset: 0, len: 16 }, ErrorCode::UnknownRegion).await;
+    expect_rejected_write(
+        OpDesc {
+            region: RegionId([5; 16]),
+            offset: 0,
+            len: 16,
+        },
+        ErrorCode::UnknownRegion,
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn region_not_granted_to_the_peer_is_invisible() {
-    let dec = kvbridge::Channel::new(kvbridge::ChannelConfig::new("decode-0", Some("127.0.0.1:0"))).await.unwrap();
+    let dec = kvbridge::Channel::new(kvbridge::ChannelConfig::new(
+        "decode-0",
+        Some("127.0.0.1:0"),
+    ))
+    .await
+    .unwrap();
     let secret = kvbridge::Region::alloc(PAGE, PAGE).unwrap();
-    dec.register(&secret, kvbridge::Grant::Peers(vec![PeerId::new("someone-else").unwrap()])).unwrap();
+    dec.register(
+        &secret,
+        kvbridge::Grant::Peers(vec![PeerId::new("someone-else").unwrap()]),
+    )
+    .unwrap();
     let (_ctl, mut data) = handshake(&addr(&dec)).await;
-    let frame = Message::WriteBatch(Batch { id: 9, ops: vec![OpDesc { region: secret.id(), offset: 0, len: 8 }] }).to_frame().unwrap();
+    let frame = Message::WriteBatch(Batch {
+        id: 9,
+        ops: vec![OpDesc {
+            region: secret.id(),
+            offset: 0,
+            len: 8,
+        }],
+    })
+    .to_frame()
+    .unwrap();
     data.write_all(&frame).await.unwrap();
     let _ = data.write_all(&[1u8; 8]).await;
     match recv(&mut data).await {
@@ -134,7 +214,14 @@ async fn oversized_frame_and_garbage_are_refused_without_a_panic() {
     }
     // A data connection with a made-up token.
     let mut s = TcpStream::connect(addr(&dec)).await.unwrap();
-    send(&mut s, &Message::DataHello(DataHello { token: kvbridge::proto::SessionToken([3; 16]), peer_id: PeerId::new("x").unwrap() })).await;
+    send(
+        &mut s,
+        &Message::DataHello(DataHello {
+            token: kvbridge::proto::SessionToken([3; 16]),
+            peer_id: PeerId::new("x").unwrap(),
+        }),
+    )
+    .await;
     match recv(&mut s).await {
         Some(Message::Reject(r)) => assert_eq!(r.code, ErrorCode::UnknownSession),
         m => panic!("{m:?}"),

@@ -88,7 +88,11 @@ fn run_seed(seed: u64) -> Outcome {
     let hold_at = rng.below(3000);
     let hold_for = rng.below(4000);
     let part_at = rng.below(6000);
-    let part_for = if rng.below(3) == 0 { rng.below(8000) } else { 0 };
+    let part_for = if rng.below(3) == 0 {
+        rng.below(8000)
+    } else {
+        0
+    };
     let outcome: Arc<Mutex<Outcome>> = Arc::default();
     let out2 = outcome.clone();
     let target2 = target.clone();
@@ -118,33 +122,61 @@ fn run_seed(seed: u64) -> Outcome {
         let t0 = tokio::time::Instant::now();
         let result = async {
             let peer: PeerId = ch.connect("listener:7000").await?;
-            ch.write(&peer, &[Op::page(&src, 0, target2.id(), 3, PAGE)]).await
+            ch.write(&peer, &[Op::page(&src, 0, target2.id(), 3, PAGE)])
+                .await
         }
         .await;
         let took = t0.elapsed();
-        assert!(took <= bound(), "seed {seed}: took {took:?}, bound {:?}", bound());
+        assert!(
+            took <= bound(),
+            "seed {seed}: took {took:?}, bound {:?}",
+            bound()
+        );
         match &result {
             Ok(()) => {
                 let mut got = vec![0u8; PAGE];
                 target2.read_at(3 * PAGE, &mut got).unwrap();
-                assert!(got.iter().all(|&b| b == seed as u8 | 1), "seed {seed}: write not byte-exact");
+                assert!(
+                    got.iter().all(|&b| b == seed as u8 | 1),
+                    "seed {seed}: write not byte-exact"
+                );
                 ch.close().await;
             }
             Err(_) => {
                 // Rollback on our side: nothing left.
                 let s = ch.stats().await.unwrap();
-                assert_eq!((s.sessions, s.dialing, s.tokens), (0, 0, 0), "seed {seed}: {s:?}");
+                assert_eq!(
+                    (s.sessions, s.dialing, s.tokens),
+                    (0, 0, 0),
+                    "seed {seed}: {s:?}"
+                );
                 ch.close().await;
             }
         }
         // Let the faults end and the listener notice, then it must hold nothing either.
-        tokio::time::sleep(Duration::from_millis(hold_at + hold_for + part_at + part_for) + deadlines().peer_silence * 3).await;
-        *out2.lock().unwrap() = Outcome { ok: result.is_ok(), error: result.err().map(|e| e.to_string()) };
+        tokio::time::sleep(
+            Duration::from_millis(hold_at + hold_for + part_at + part_for)
+                + deadlines().peer_silence * 3,
+        )
+        .await;
+        *out2.lock().unwrap() = Outcome {
+            ok: result.is_ok(),
+            error: result.err().map(|e| e.to_string()),
+        };
         Ok(())
     });
-    sim.run().unwrap_or_else(|e| panic!("seed {seed}: simulation failed: {e}"));
-    let s = listener_stats.lock().unwrap().clone().expect("listener ran");
-    assert_eq!((s.sessions, s.tokens, s.dialing), (0, 0, 0), "seed {seed}: listener kept state: {s:?}");
+    sim.run()
+        .unwrap_or_else(|e| panic!("seed {seed}: simulation failed: {e}"));
+    let s = listener_stats
+        .lock()
+        .unwrap()
+        .clone()
+        .expect("listener ran");
+    assert_eq!(
+        (s.sessions, s.tokens, s.dialing),
+        (0, 0, 0),
+        "seed {seed}: listener kept state: {s:?}"
+    );
     let o = outcome.lock().unwrap().clone();
     o
 }

@@ -129,8 +129,7 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
             let sink = peer.sink.clone();
             let l = local.clone();
             ceil.push(
-                tokio::task::spawn_blocking(move || ceiling(&sink, block_us, total, &l))
-                    .await??,
+                tokio::task::spawn_blocking(move || ceiling(&sink, block_us, total, &l)).await??,
             );
             let batches = total.div_ceil(block * args.batch as u64) as usize;
             let t = Instant::now();
@@ -181,7 +180,10 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
 
 /// Prints the report as a table.
 pub fn print_table(r: &Report, batch: usize) {
-    println!("kvbridge bench transfer ({}), batch {batch}, medians", r.transport);
+    println!(
+        "kvbridge bench transfer ({}), batch {batch}, medians",
+        r.transport
+    );
     println!(
         "{:>10} {:>12} {:>14} {:>7}",
         "block", "GiB/s", "ceiling GiB/s", "ratio"
