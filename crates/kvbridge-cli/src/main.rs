@@ -37,6 +37,13 @@ enum BenchCmd {
         /// Page size of that region.
         #[arg(long, default_value_t = 4096)]
         page: usize,
+        /// Address to listen on.
+        #[arg(long, default_value = "127.0.0.1:0")]
+        listen: String,
+        /// Test hook: stall this long before answering a Hello (a listener killed
+        /// mid-handshake).
+        #[arg(long)]
+        welcome_delay_ms: Option<u64>,
     },
 }
 
@@ -76,8 +83,16 @@ fn main() -> Result<()> {
             }
             Ok(())
         }
-        Cmd::Bench(BenchCmd::Peer { region_bytes, page }) => {
-            rt.block_on(bench::peer::run(region_bytes, page))
-        }
+        Cmd::Bench(BenchCmd::Peer {
+            region_bytes,
+            page,
+            listen,
+            welcome_delay_ms,
+        }) => rt.block_on(bench::peer::run(bench::peer::PeerOptions {
+            region_bytes,
+            page,
+            listen,
+            welcome_delay: welcome_delay_ms.map(std::time::Duration::from_millis),
+        })),
     }
 }

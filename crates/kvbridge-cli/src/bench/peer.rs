@@ -9,9 +9,30 @@ use kvbridge::{Channel, ChannelConfig, Grant, Region};
 use std::io::{Read, Write};
 use std::process::{Child, Command, Stdio};
 
+/// How to run the peer.
+#[derive(Debug, Clone)]
+pub struct PeerOptions {
+    /// Size of the registered region.
+    pub region_bytes: usize,
+    /// Its page size.
+    pub page: usize,
+    /// Listen address.
+    pub listen: String,
+    /// Test hook: delay before answering a Hello.
+    pub welcome_delay: Option<std::time::Duration>,
+}
+
 /// Runs the peer (the child side).
-pub async fn run(region_bytes: usize, page: usize) -> Result<()> {
-    let ch = Channel::new(ChannelConfig::new("bench-listener", Some("127.0.0.1:0"))).await?;
+pub async fn run(opts: PeerOptions) -> Result<()> {
+    let PeerOptions {
+        region_bytes,
+        page,
+        listen,
+        welcome_delay,
+    } = opts;
+    let mut cfg = ChannelConfig::new("bench-listener", Some(&listen));
+    cfg.hooks.listener_welcome_delay = welcome_delay;
+    let ch = Channel::new(cfg).await?;
     let region = Region::alloc(region_bytes, page)?;
     ch.register(&region, Grant::AllPeers)?;
     let sink = std::net::TcpListener::bind("127.0.0.1:0")?;
