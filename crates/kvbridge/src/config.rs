@@ -95,6 +95,9 @@ pub struct ChannelConfig {
     pub limits: Limits,
     /// Real or simulated network.
     pub net: Net,
+    /// Drive each data connection with two dedicated threads doing blocking I/O (faster for
+    /// bulk transfers; two threads per peer). When false, data connections are tokio tasks.
+    pub data_threads: bool,
     /// Test hooks.
     pub hooks: TestHooks,
 }
@@ -109,6 +112,7 @@ impl ChannelConfig {
             deadlines: Deadlines::default(),
             limits: Limits::default(),
             net: Net::default(),
+            data_threads: true,
             hooks: TestHooks::default(),
         }
     }

@@ -46,6 +46,9 @@ pub enum Stream {
 pub enum ReadHalf {
     /// Real socket.
     Tokio(tokio::net::tcp::OwnedReadHalf),
+    /// Real socket in blocking mode, driven by a dedicated thread (see
+    /// [`Stream::into_blocking_split`]).
+    Blocking(std::net::TcpStream),
     /// Simulated socket.
     #[cfg(feature = "sim")]
     Sim(turmoil::net::tcp::OwnedReadHalf),
@@ -56,6 +59,8 @@ pub enum ReadHalf {
 pub enum WriteHalf {
     /// Real socket.
     Tokio(tokio::net::tcp::OwnedWriteHalf),
+    /// Real socket in blocking mode, driven by a dedicated thread.
+    Blocking(std::net::TcpStream),
     /// Simulated socket.
     #[cfg(feature = "sim")]
     Sim(turmoil::net::tcp::OwnedWriteHalf),
@@ -125,6 +130,26 @@ impl Listener {
 }
 
 impl Stream {
+    /// For a bulk data connection on a real socket: switches it to blocking mode and returns
+    /// its halves plus a handle that can shut it down from outside. A thread blocked in the
+    /// kernel moves bulk bytes with fewer system calls and wake-ups than readiness polling
+    /// (measured: `kvbridge bench transfer`). `None` for simulated sockets.
+    pub fn into_blocking_split(
+        self,
+    ) -> io::Result<Option<(ReadHalf, WriteHalf, std::net::TcpStream)>> {
+        match self {
+            Stream::Tokio(s) => {
+                let s = s.into_std()?;
+                s.set_nonblocking(false)?;
+                let r = s.try_clone()?;
+                let stop = s.try_clone()?;
+                Ok(Some((ReadHalf::Blocking(r), WriteHalf::Blocking(s), stop)))
+            }
+            #[cfg(feature = "sim")]
+            Stream::Sim(_) => Ok(None),
+        }
+    }
+
     /// Splits into independently owned halves (no lock between them).
     pub fn into_split(self) -> (ReadHalf, WriteHalf) {
         match self {
@@ -149,6 +174,19 @@ impl ReadHalf {
         const IOV_MAX: usize = 1024;
         IoSliceMut::advance_slices(&mut bufs, 0);
         match self {
+            ReadHalf::Blocking(r) => {
+                use std::io::Read;
+                while !bufs.is_empty() {
+                    let end = bufs.len().min(IOV_MAX);
+                    match r.read_vectored(&mut bufs[..end]) {
+                        Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                        Ok(n) => IoSliceMut::advance_slices(&mut bufs, n),
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+                Ok(())
+            }
             ReadHalf::Tokio(r) => {
                 while !bufs.is_empty() {
                     let end = bufs.len().min(IOV_MAX);
@@ -181,6 +219,13 @@ impl AsyncRead for ReadHalf {
     ) -> Poll<io::Result<()>> {
         match self.get_mut() {
             ReadHalf::Tokio(r) => Pin::new(r).poll_read(cx, buf),
+            ReadHalf::Blocking(r) => {
+                use std::io::Read;
+                // Blocks this (dedicated) thread, by design.
+                let n = r.read(buf.initialize_unfilled())?;
+                buf.advance(n);
+                Poll::Ready(Ok(()))
+            }
             #[cfg(feature = "sim")]
             ReadHalf::Sim(r) => Pin::new(r).poll_read(cx, buf),
         }
@@ -195,6 +240,7 @@ impl AsyncWrite for WriteHalf {
     ) -> Poll<io::Result<usize>> {
         match self.get_mut() {
             WriteHalf::Tokio(w) => Pin::new(w).poll_write(cx, buf),
+            WriteHalf::Blocking(w) => Poll::Ready(std::io::Write::write(w, buf)),
             #[cfg(feature = "sim")]
             WriteHalf::Sim(w) => Pin::new(w).poll_write(cx, buf),
         }
@@ -207,6 +253,7 @@ impl AsyncWrite for WriteHalf {
     ) -> Poll<io::Result<usize>> {
         match self.get_mut() {
             WriteHalf::Tokio(w) => Pin::new(w).poll_write_vectored(cx, bufs),
+            WriteHalf::Blocking(w) => Poll::Ready(std::io::Write::write_vectored(w, bufs)),
             #[cfg(feature = "sim")]
             WriteHalf::Sim(w) => Pin::new(w).poll_write_vectored(cx, bufs),
         }
@@ -215,6 +262,7 @@ impl AsyncWrite for WriteHalf {
     fn is_write_vectored(&self) -> bool {
         match self {
             WriteHalf::Tokio(w) => w.is_write_vectored(),
+            WriteHalf::Blocking(_) => true,
             #[cfg(feature = "sim")]
             WriteHalf::Sim(w) => w.is_write_vectored(),
         }
@@ -223,6 +271,7 @@ impl AsyncWrite for WriteHalf {
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
             WriteHalf::Tokio(w) => Pin::new(w).poll_flush(cx),
+            WriteHalf::Blocking(_) => Poll::Ready(Ok(())),
             #[cfg(feature = "sim")]
             WriteHalf::Sim(w) => Pin::new(w).poll_flush(cx),
         }
@@ -231,6 +280,7 @@ impl AsyncWrite for WriteHalf {
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
             WriteHalf::Tokio(w) => Pin::new(w).poll_shutdown(cx),
+            WriteHalf::Blocking(w) => Poll::Ready(w.shutdown(std::net::Shutdown::Write)),
             #[cfg(feature = "sim")]
             WriteHalf::Sim(w) => Pin::new(w).poll_shutdown(cx),
         }

@@ -111,6 +111,38 @@ struct ActiveData {
     path: Arc<DataPath>,
     reader: JoinHandle<Result<()>>,
     writer: JoinHandle<Result<()>>,
+    /// For data threads: the signal that stops them at their next await, and the socket
+    /// whose shutdown unblocks them inside a system call.
+    threads: Option<(tokio::sync::watch::Sender<bool>, std::net::TcpStream)>,
+}
+
+/// Runs `fut` on a dedicated thread (blocking I/O inside is fine there) until it ends or
+/// `stop` fires; the returned task resolves when the thread is done with it.
+fn spawn_data_thread(
+    name: &str,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+    fut: impl Future<Output = Result<()>> + Send + 'static,
+) -> JoinHandle<Result<()>> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let handle = tokio::runtime::Handle::current();
+    let spawned = std::thread::Builder::new()
+        .name(name.to_string())
+        .spawn(move || {
+            let r = handle.block_on(async move {
+                tokio::select! {
+                    r = fut => r,
+                    _ = stop.wait_for(|s| *s) => Err(Error::Closed),
+                }
+            });
+            let _ = tx.send(r);
+        });
+    tokio::spawn(async move {
+        if let Err(e) = spawned {
+            return Err(Error::Local(format!("cannot start a data thread: {e}")));
+        }
+        rx.await
+            .unwrap_or_else(|_| Err(Error::Local("data thread ended without a result".into())))
+    })
 }
 
 struct Session {
@@ -449,7 +481,6 @@ impl Session {
             .peer_id
             .clone()
             .expect("bound only after the peer is known");
-        let (r, w) = s.into_split();
         let (path, out_rx) = DataPath::new(peer.clone(), self.cmd_tx.clone());
         let ctx = ReaderCtx {
             path: path.clone(),
@@ -459,14 +490,53 @@ impl Session {
             notifications: self.env.notifications.clone(),
             out: path_out(&path),
         };
-        let writer = tokio::spawn(run_writer(peer, w, out_rx));
-        let reader = tokio::spawn(run_reader(r, ctx));
-        self.data = Some(ActiveData {
-            path,
-            reader,
-            writer,
-        });
+        let (s, blocking) = if self.env.config.data_threads {
+            match s {
+                Stream::Tokio(t) => match Stream::Tokio(t).into_blocking_split() {
+                    Ok(b) => (None, b),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "blocking data path unavailable, using tasks");
+                        return self.fail_bind(e);
+                    }
+                },
+                #[allow(unreachable_patterns)]
+                other => (Some(other), None),
+            }
+        } else {
+            (Some(s), None)
+        };
+        let data = match (s, blocking) {
+            (_, Some((r, w, sock))) => {
+                let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+                let writer =
+                    spawn_data_thread("kvb-data-tx", stop_rx.clone(), run_writer(peer, w, out_rx));
+                let reader = spawn_data_thread("kvb-data-rx", stop_rx, run_reader(r, ctx));
+                ActiveData {
+                    path,
+                    reader,
+                    writer,
+                    threads: Some((stop_tx, sock)),
+                }
+            }
+            (Some(s), None) => {
+                let (r, w) = s.into_split();
+                ActiveData {
+                    path,
+                    writer: tokio::spawn(run_writer(peer, w, out_rx)),
+                    reader: tokio::spawn(run_reader(r, ctx)),
+                    threads: None,
+                }
+            }
+            (None, None) => unreachable!("a stream is either split for threads or kept"),
+        };
+        self.data = Some(data);
         self.machine.data_bound(std_now());
+    }
+
+    /// Binding failed locally: fail the session through the machine's deadline path.
+    fn fail_bind(&mut self, e: std::io::Error) {
+        let err = Error::lost(&self.peer_name, Step::DataBind, e);
+        let _ = self.cmd_tx.send(SessionCmd::Abort(err));
     }
 
     fn set_remote(&mut self, mem: MemInfo) {
@@ -528,17 +598,34 @@ impl Session {
             // A handle that already returned its result in `serve` must not be polled
             // again; `is_finished` covers it.
             let mut writer = d.writer;
-            if !writer.is_finished()
-                && tokio::time::timeout(Duration::from_millis(200), &mut writer)
+            let mut reader = d.reader;
+            let flushed = writer.is_finished()
+                || tokio::time::timeout(Duration::from_millis(200), &mut writer)
                     .await
-                    .is_err()
-            {
-                writer.abort();
-                let _ = writer.await;
-            }
-            d.reader.abort();
-            if !d.reader.is_finished() {
-                let _ = d.reader.await;
+                    .is_ok();
+            match d.threads {
+                Some((stop, sock)) => {
+                    // Threads cannot be aborted: stop them at their next await, and unblock
+                    // any system call by shutting the socket down; then wait for both.
+                    let _ = stop.send(true);
+                    let _ = sock.shutdown(std::net::Shutdown::Both);
+                    if !flushed {
+                        let _ = writer.await;
+                    }
+                    if !reader.is_finished() {
+                        let _ = (&mut reader).await;
+                    }
+                }
+                None => {
+                    if !flushed {
+                        writer.abort();
+                        let _ = writer.await;
+                    }
+                    reader.abort();
+                    if !reader.is_finished() {
+                        let _ = reader.await;
+                    }
+                }
             }
             d.path.drain(&err);
         }

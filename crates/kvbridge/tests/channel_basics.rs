@@ -7,10 +7,20 @@ use std::time::Duration;
 
 const PAGE: usize = 16 << 10;
 
+/// Both data-path drivers (dedicated blocking threads, tokio tasks) must behave the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn write_read_notify_round_trip() {
-    let (dec, kv) = listener("decode-0", |_| {}, 64 * PAGE, PAGE).await;
-    let (pre, src) = initiator("prefill-0", |_| {}, 8 * PAGE, PAGE).await;
+async fn write_read_notify_round_trip_on_data_threads() {
+    write_read_notify_round_trip(true).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_read_notify_round_trip_on_data_tasks() {
+    write_read_notify_round_trip(false).await
+}
+
+async fn write_read_notify_round_trip(threads: bool) {
+    let (dec, kv) = listener("decode-0", |c| c.data_threads = threads, 64 * PAGE, PAGE).await;
+    let (pre, src) = initiator("prefill-0", |c| c.data_threads = threads, 8 * PAGE, PAGE).await;
     fill(&src, 1);
     let peer = pre.connect(&addr(&dec)).await.unwrap();
     assert_eq!(peer.as_str(), "decode-0");
