@@ -1,0 +1,141 @@
+//! PD control messages between a sender and a receiver rank, carried by
+//! [`kvbridge::Channel::notify`] (ordered after the writes before them) as msgpack.
+
+use crate::layout::KvSpec;
+use serde::{Deserialize, Serialize};
+
+/// Largest control message we accept (an alloc of a 1M-token prompt at 16 tokens per chunk
+/// is about 600 KiB of keys).
+pub const MAX_MSG_BYTES: usize = 1 << 20;
+
+/// One control message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "t")]
+pub enum PdMsg {
+    /// Sender → receiver: reserve pages for every chunk of a request.
+    Alloc {
+        /// Correlation id of this call.
+        call: u64,
+        /// The request.
+        req_id: String,
+        /// The sender channel's incarnation (who owns the pages).
+        incarnation: u64,
+        /// Layout, dtype and chunk size; must equal the receiver's.
+        spec: KvSpec,
+        /// One key hash per chunk.
+        keys: Vec<u64>,
+        /// Prompt tokens.
+        tokens: u64,
+    },
+    /// Receiver → sender: the pages.
+    AllocOk {
+        /// The call answered.
+        call: u64,
+        /// The request.
+        req_id: String,
+        /// The receiver's buffer region.
+        region: [u8; 16],
+        /// Page size in bytes.
+        page_bytes: u64,
+        /// One page per chunk.
+        pages: Vec<u32>,
+        /// Per chunk: already held by the receiver, do not send.
+        held: Vec<bool>,
+    },
+    /// Receiver → sender: refused.
+    AllocErr {
+        /// The call answered.
+        call: u64,
+        /// The request.
+        req_id: String,
+        /// Why, for people.
+        reason: String,
+        /// Set when the request can never fit: (needed pages, total pages).
+        never_fits: Option<(u64, u64)>,
+        /// Page size in bytes.
+        page_bytes: u64,
+    },
+    /// Sender → receiver: every chunk landed (ordered after the writes).
+    Finish {
+        /// Correlation id of this call.
+        call: u64,
+        /// The request.
+        req_id: String,
+        /// The sender channel's incarnation.
+        incarnation: u64,
+    },
+    /// Receiver → sender: finish accepted; the KV is ready.
+    FinishOk {
+        /// The call answered.
+        call: u64,
+        /// The request.
+        req_id: String,
+    },
+    /// Receiver → sender: finish refused (the request was cancelled or expired meanwhile).
+    FinishErr {
+        /// The call answered.
+        call: u64,
+        /// The request.
+        req_id: String,
+        /// Why.
+        reason: String,
+    },
+    /// Sender → receiver: the sender gave the request up; no further write of it follows,
+    /// and every earlier one has landed (ordering of notify).
+    Cancel {
+        /// The request.
+        req_id: String,
+        /// The sender channel's incarnation.
+        incarnation: u64,
+    },
+    /// Receiver → sender: stop writing the request and confirm with `FenceAck`.
+    Fence {
+        /// The request.
+        req_id: String,
+    },
+    /// Sender → receiver: no write of the request will be issued any more, and every earlier
+    /// one has landed.
+    FenceAck {
+        /// The request.
+        req_id: String,
+        /// The sender channel's incarnation.
+        incarnation: u64,
+    },
+}
+
+impl PdMsg {
+    /// msgpack bytes.
+    pub fn encode(&self) -> Vec<u8> {
+        rmp_serde::to_vec_named(self).unwrap_or_default()
+    }
+
+    /// Decodes a peer's bytes; never panics.
+    pub fn decode(b: &[u8]) -> Result<PdMsg, String> {
+        if b.len() > MAX_MSG_BYTES {
+            return Err(format!("control message of {} bytes is too large", b.len()));
+        }
+        rmp_serde::from_slice(b).map_err(|e| format!("malformed control message: {e}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::KvSpec;
+
+    #[test]
+    fn round_trip_and_garbage() {
+        let m = PdMsg::Alloc {
+            call: 1,
+            req_id: "r".into(),
+            incarnation: 9,
+            spec: KvSpec::llama_8b(),
+            keys: vec![1, 2, u64::MAX],
+            tokens: 600,
+        };
+        assert_eq!(PdMsg::decode(&m.encode()).unwrap(), m);
+        assert!(PdMsg::decode(b"").is_err());
+        assert!(PdMsg::decode(b"\x81\xa1t\xa3Bad").is_err());
+        assert!(PdMsg::decode(&vec![0x90; MAX_MSG_BYTES + 1]).is_err());
+    }
+}

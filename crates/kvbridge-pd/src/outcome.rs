@@ -1,0 +1,187 @@
+//! Outcomes for the proxy: one per request and rank, pushed over ZMQ as msgpack.
+//!
+//! The wire shape is msgspec's tagged struct: a map whose `"type"` key names the message,
+//! e.g. `{"type": "KvReady", "req_id": "r1", "rank": 0, "chunks": 4, "bytes": 1048576}`.
+//! `ProxyNotif{req_id}` is LMCache's success message; `KvReady` and `KvFailed` are ours.
+//! The structs duplicate the proxy's (`kvbridge-proxy::notif`) on purpose: the two crates
+//! agree on bytes (pinned by golden tests on both sides), not on Rust types.
+
+use serde::{Deserialize, Serialize};
+use std::time::Duration;
+use tokio::sync::mpsc;
+use zeromq::{Socket, SocketSend, ZmqMessage};
+
+/// One rank's outcome for one request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type")]
+pub enum Outcome {
+    /// LMCache's success message (names no rank).
+    ProxyNotif {
+        /// The request id from the `disagg_spec`.
+        req_id: String,
+    },
+    /// A rank wrote all KV chunks of the request.
+    KvReady {
+        /// The request id from the `disagg_spec`.
+        req_id: String,
+        /// The tensor-parallel rank.
+        rank: u32,
+        /// KV chunks of the request on this rank (including chunks the receiver already held).
+        chunks: u64,
+        /// Bytes written by this rank.
+        bytes: u64,
+    },
+    /// A rank could not transfer the request's KV.
+    KvFailed {
+        /// The request id from the `disagg_spec`.
+        req_id: String,
+        /// The tensor-parallel rank.
+        rank: u32,
+        /// Why, for people.
+        reason: String,
+    },
+}
+
+impl Outcome {
+    /// The request id.
+    pub fn req_id(&self) -> &str {
+        match self {
+            Outcome::ProxyNotif { req_id }
+            | Outcome::KvReady { req_id, .. }
+            | Outcome::KvFailed { req_id, .. } => req_id,
+        }
+    }
+
+    /// msgpack bytes in the tagged-map shape.
+    pub fn encode(&self) -> Vec<u8> {
+        // A plain enum of strings and integers always serialises.
+        rmp_serde::to_vec_named(self).unwrap_or_default()
+    }
+
+    /// Decodes msgpack bytes (rejects anything over 64 KiB).
+    pub fn decode(bytes: &[u8]) -> Result<Outcome, String> {
+        if bytes.len() > 64 << 10 {
+            return Err(format!("outcome of {} bytes is too large", bytes.len()));
+        }
+        rmp_serde::from_slice(bytes).map_err(|e| e.to_string())
+    }
+}
+
+/// Where outcomes go.
+#[derive(Debug, Clone)]
+pub enum OutcomeSink {
+    /// Dropped (tests, or a deployment without a proxy).
+    None,
+    /// An in-process queue (tests, embedding).
+    Queue(mpsc::UnboundedSender<Outcome>),
+    /// A ZMQ PUSH socket connected to the proxy's PULL address.
+    Zmq(ZmqPusher),
+}
+
+impl OutcomeSink {
+    /// Hands an outcome over; never blocks (the ZMQ sink sends from its own task).
+    pub fn emit(&self, o: Outcome) {
+        match self {
+            OutcomeSink::None => {}
+            OutcomeSink::Queue(q) => {
+                let _ = q.send(o);
+            }
+            OutcomeSink::Zmq(z) => z.emit(o),
+        }
+    }
+}
+
+/// A ZMQ PUSH socket to the proxy, driven by its own task: it connects lazily, sends in
+/// order, and gives each connect and send a deadline (an outcome that cannot be delivered is
+/// logged and dropped; the proxy's own deadline then answers the client).
+#[derive(Debug, Clone)]
+pub struct ZmqPusher {
+    tx: mpsc::UnboundedSender<Outcome>,
+}
+
+impl ZmqPusher {
+    /// Starts the pusher for `endpoint` (`tcp://host:port`); must run inside a tokio runtime.
+    pub fn spawn(endpoint: String, deadline: Duration) -> ZmqPusher {
+        let (tx, mut rx) = mpsc::unbounded_channel::<Outcome>();
+        tokio::spawn(async move {
+            let mut sock: Option<zeromq::PushSocket> = None;
+            while let Some(o) = rx.recv().await {
+                if sock.is_none() {
+                    let mut s = zeromq::PushSocket::new();
+                    match tokio::time::timeout(deadline, s.connect(&endpoint)).await {
+                        Ok(Ok(())) => sock = Some(s),
+                        Ok(Err(e)) => {
+                            tracing::warn!(%endpoint, error = %e, req_id = o.req_id(), "cannot connect to the proxy; outcome dropped");
+                            continue;
+                        }
+                        Err(_) => {
+                            tracing::warn!(%endpoint, ?deadline, req_id = o.req_id(), "connecting to the proxy passed its deadline; outcome dropped");
+                            continue;
+                        }
+                    }
+                }
+                let Some(s) = sock.as_mut() else { continue };
+                let msg = ZmqMessage::from(o.encode());
+                match tokio::time::timeout(deadline, s.send(msg)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => {
+                        tracing::warn!(%endpoint, error = %e, req_id = o.req_id(), "outcome not delivered");
+                        sock = None;
+                    }
+                    Err(_) => {
+                        tracing::warn!(%endpoint, req_id = o.req_id(), "sending an outcome passed its deadline");
+                        sock = None;
+                    }
+                }
+            }
+        });
+        ZmqPusher { tx }
+    }
+
+    /// Queues an outcome.
+    pub fn emit(&self, o: Outcome) {
+        let _ = self.tx.send(o);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The bytes msgspec writes for `KvReady(req_id="r1", rank=0, chunks=4, bytes=1048576)`
+    /// as a tagged struct (tag first, then fields in order). The proxy's decoder is pinned to
+    /// the same bytes (see `golden_bytes_decode` in its tests, or the Python interop test).
+    pub(crate) const GOLDEN_KV_READY: &[u8] = b"\x85\xa4type\xa7KvReady\xa6req_id\xa2r1\xa4rank\x00\xa6chunks\x04\xa5bytes\xce\x00\x10\x00\x00";
+    pub(crate) const GOLDEN_KV_FAILED: &[u8] =
+        b"\x84\xa4type\xa8KvFailed\xa6req_id\xa2r2\xa4rank\x01\xa6reason\xa3oom";
+    pub(crate) const GOLDEN_PROXY_NOTIF: &[u8] = b"\x82\xa4type\xaaProxyNotif\xa6req_id\xa2r3";
+
+    #[test]
+    fn golden_bytes() {
+        let ready = Outcome::KvReady {
+            req_id: "r1".into(),
+            rank: 0,
+            chunks: 4,
+            bytes: 1 << 20,
+        };
+        assert_eq!(ready.encode(), GOLDEN_KV_READY);
+        let failed = Outcome::KvFailed {
+            req_id: "r2".into(),
+            rank: 1,
+            reason: "oom".into(),
+        };
+        assert_eq!(failed.encode(), GOLDEN_KV_FAILED);
+        let notif = Outcome::ProxyNotif {
+            req_id: "r3".into(),
+        };
+        assert_eq!(notif.encode(), GOLDEN_PROXY_NOTIF);
+        for (b, o) in [
+            (GOLDEN_KV_READY, ready),
+            (GOLDEN_KV_FAILED, failed),
+            (GOLDEN_PROXY_NOTIF, notif),
+        ] {
+            assert_eq!(Outcome::decode(b).unwrap(), o);
+        }
+        assert!(Outcome::decode(b"\xc1").is_err());
+    }
+}

@@ -1,0 +1,789 @@
+//! The sender (prefiller side) of one rank.
+//!
+//! For each request with a [`DisaggSpec`] the sender connects lazily to the receiver rank,
+//! reserves pages for the whole request, writes chunks as the engine hands them over one at
+//! a time, and reports exactly one [`Outcome`] per request: `KvReady` after the receiver
+//! confirmed that every chunk landed, `KvFailed` on any failure, cancel, or when a
+//! [`Transfer`] is dropped unfinished.
+
+use crate::error::{PdError, PdStep, Result};
+use crate::key::chunk_keys;
+use crate::layout::KvSpec;
+use crate::msg::PdMsg;
+use crate::outcome::{Outcome, OutcomeSink};
+use kvbridge::{Channel, ChannelConfig, Grant, Op, PeerId, Region, RegionId};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{oneshot, Semaphore};
+use tokio::task::JoinHandle;
+
+/// Where a request's KV goes: what the proxy puts into `kv_transfer_params.disagg_spec`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DisaggSpec {
+    /// The request id outcomes are reported under.
+    pub req_id: String,
+    /// The decoder's host.
+    pub receiver_host: String,
+    /// The decoder's channel port, one per rank (`pd_peer_init_port`).
+    pub receiver_init_port: Vec<u16>,
+    /// LMCache's allocation port per rank. Accepted for compatibility; kvbridge allocates
+    /// over the channel, so it is not used.
+    #[serde(default)]
+    pub receiver_alloc_port: Vec<u16>,
+}
+
+/// Configuration of one sender rank.
+#[derive(Debug, Clone)]
+pub struct SenderConfig {
+    /// The channel (peer id, deadlines).
+    pub channel: ChannelConfig,
+    /// This rank.
+    pub rank: u32,
+    /// Tensor-parallel world size.
+    pub world_size: u32,
+    /// Model name (part of every chunk key).
+    pub model: String,
+    /// Layout, dtype, chunk size.
+    pub spec: KvSpec,
+    /// Chunks of staging memory for [`Transfer::send_chunk`] (copies in flight at once).
+    pub staging_chunks: usize,
+    /// How long to wait for pages (should exceed the receiver's allocation wait).
+    pub alloc_deadline: Duration,
+    /// Deadline of every other step (connect, write, finish, staging slot).
+    pub step_deadline: Duration,
+    /// Where outcomes go.
+    pub outcomes: OutcomeSink,
+}
+
+impl SenderConfig {
+    /// Defaults: 2 staging chunks, 15 s allocation deadline, 30 s per step, no outcomes.
+    pub fn new(
+        channel: ChannelConfig,
+        rank: u32,
+        world_size: u32,
+        model: &str,
+        spec: KvSpec,
+    ) -> Self {
+        Self {
+            channel,
+            rank,
+            world_size,
+            model: model.to_string(),
+            spec,
+            staging_chunks: 2,
+            alloc_deadline: Duration::from_secs(15),
+            step_deadline: Duration::from_secs(30),
+            outcomes: OutcomeSink::None,
+        }
+    }
+}
+
+/// Per transfer, shared with the dispatcher (which fences it).
+#[derive(Default)]
+struct Shared {
+    /// Held across every write: a fence takes it, so no write is in flight once it holds.
+    state: tokio::sync::Mutex<Option<String>>,
+}
+
+struct Inner {
+    channel: Channel,
+    cfg: SenderConfig,
+    staging: Region,
+    free_slots: Mutex<Vec<usize>>,
+    slots: Semaphore,
+    calls: Mutex<HashMap<u64, oneshot::Sender<PdMsg>>>,
+    transfers: Mutex<HashMap<(PeerId, String), Arc<Shared>>>,
+    next_call: AtomicU64,
+}
+
+/// One sender rank.
+pub struct PdSender {
+    inner: Arc<Inner>,
+    task: JoinHandle<()>,
+}
+
+impl std::fmt::Debug for PdSender {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PdSender")
+            .field("rank", &self.inner.cfg.rank)
+            .finish()
+    }
+}
+
+impl Drop for PdSender {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl PdSender {
+    /// Creates the channel and staging memory and starts the dispatcher.
+    pub async fn start(cfg: SenderConfig) -> Result<PdSender> {
+        cfg.spec.validate().map_err(PdError::Config)?;
+        let page = cfg.spec.page_bytes() as usize;
+        let n = cfg.staging_chunks.max(1);
+        let channel = Channel::new(cfg.channel.clone())
+            .await
+            .map_err(|e| PdError::Config(e.to_string()))?;
+        let staging = Region::alloc(page * n, page).map_err(|e| PdError::Config(e.to_string()))?;
+        channel
+            .register(&staging, Grant::AllPeers)
+            .map_err(|e| PdError::Config(e.to_string()))?;
+        let inner = Arc::new(Inner {
+            channel,
+            cfg,
+            staging,
+            free_slots: Mutex::new((0..n).collect()),
+            slots: Semaphore::new(n),
+            calls: Mutex::new(HashMap::new()),
+            transfers: Mutex::new(HashMap::new()),
+            next_call: AtomicU64::new(1),
+        });
+        let task = tokio::spawn(dispatch(inner.clone()));
+        Ok(PdSender { inner, task })
+    }
+
+    /// The channel (to register engine memory for [`Transfer::send_chunk_from`]).
+    pub fn channel(&self) -> &Channel {
+        &self.inner.channel
+    }
+
+    /// Registers engine memory so chunks can be written from it without a copy.
+    pub fn register(&self, region: &Region) -> Result<()> {
+        self.inner
+            .channel
+            .register(region, Grant::AllPeers)
+            .map_err(|e| PdError::Config(e.to_string()))
+    }
+
+    /// Starts a request: connects (lazily), reserves pages for all its chunks on the
+    /// receiver, and returns the transfer to hand chunks to. On failure the `KvFailed`
+    /// outcome has been sent and the error says why.
+    pub async fn begin(&self, spec: &DisaggSpec, tokens: &[u32]) -> Result<Transfer> {
+        let r = self.begin_inner(spec, tokens).await;
+        if let Err(e) = &r {
+            self.inner.cfg.outcomes.emit(Outcome::KvFailed {
+                req_id: spec.req_id.clone(),
+                rank: self.inner.cfg.rank,
+                reason: e.to_string(),
+            });
+        }
+        r
+    }
+
+    async fn begin_inner(&self, ds: &DisaggSpec, tokens: &[u32]) -> Result<Transfer> {
+        let inner = &self.inner;
+        let cfg = &inner.cfg;
+        let req_id = ds.req_id.clone();
+        let spec = cfg.spec;
+        let n_tokens = tokens.len() as u64;
+        let chunks = spec.chunks_for(n_tokens);
+        let port = ds
+            .receiver_init_port
+            .get(cfg.rank as usize)
+            .ok_or_else(|| PdError::Invalid {
+                req_id: req_id.clone(),
+                step: PdStep::Connect,
+                detail: format!(
+                    "disagg_spec has {} init ports, none for rank {}",
+                    ds.receiver_init_port.len(),
+                    cfg.rank
+                ),
+            })?;
+        let addr = format!("{}:{port}", ds.receiver_host);
+        let mut t = Transfer {
+            inner: inner.clone(),
+            shared: Arc::new(Shared::default()),
+            req_id: req_id.clone(),
+            peer: None,
+            region: RegionId([0; 16]),
+            page_bytes: spec.page_bytes(),
+            pages: Vec::new(),
+            sent: Vec::new(),
+            tokens: n_tokens,
+            bytes: 0,
+            skipped: 0,
+            done: false,
+        };
+        if chunks == 0 {
+            // Nothing to move; finish() reports KvReady with 0 chunks.
+            return Ok(t);
+        }
+        let peer = match tokio::time::timeout(cfg.step_deadline, inner.channel.connect(&addr)).await
+        {
+            Ok(Ok(p)) => p,
+            Ok(Err(e)) => {
+                t.done = true;
+                return Err(PdError::Transfer {
+                    req_id,
+                    peer: addr,
+                    step: PdStep::Connect,
+                    source: e,
+                });
+            }
+            Err(_) => {
+                t.done = true;
+                return Err(PdError::Timeout {
+                    req_id,
+                    peer: addr,
+                    step: PdStep::Connect,
+                    after: cfg.step_deadline,
+                });
+            }
+        };
+        // Known to the dispatcher before the receiver can answer, so a fence always finds it.
+        lock(&inner.transfers).insert((peer.clone(), req_id.clone()), t.shared.clone());
+        t.peer = Some(peer.clone());
+        let keys: Vec<u64> = chunk_keys(&cfg.model, cfg.world_size, cfg.rank, &spec, tokens)
+            .into_iter()
+            .map(|k| k.hash)
+            .collect();
+        let msg = PdMsg::Alloc {
+            call: 0,
+            req_id: req_id.clone(),
+            incarnation: inner.channel.incarnation().0,
+            spec,
+            keys,
+            tokens: n_tokens,
+        };
+        let reply = match t.call(PdStep::Alloc, msg, cfg.alloc_deadline).await {
+            Ok(r) => r,
+            Err(e) => {
+                // The receiver may still grant later: tell it to let go (it also drops a
+                // waiting allocation). Ordered after nothing, since nothing was written.
+                t.cancel_on_receiver().await;
+                t.done = true;
+                return Err(e);
+            }
+        };
+        match reply {
+            PdMsg::AllocOk {
+                region,
+                page_bytes,
+                pages,
+                held,
+                ..
+            } => {
+                if page_bytes != spec.page_bytes()
+                    || pages.len() as u64 != chunks
+                    || held.len() as u64 != chunks
+                {
+                    t.cancel_on_receiver().await;
+                    t.done = true;
+                    return Err(PdError::Protocol {
+                        peer: peer.to_string(),
+                        detail: format!(
+                            "grant of {} pages of {page_bytes} bytes for {chunks} chunks of {}",
+                            pages.len(),
+                            spec.page_bytes()
+                        ),
+                    });
+                }
+                t.region = RegionId(region);
+                t.pages = pages;
+                t.skipped = held.iter().filter(|h| **h).count() as u64;
+                t.sent = held;
+                Ok(t)
+            }
+            PdMsg::AllocErr {
+                reason,
+                never_fits,
+                page_bytes,
+                ..
+            } => {
+                t.done = true;
+                lock(&inner.transfers).remove(&(peer.clone(), req_id.clone()));
+                Err(match never_fits {
+                    Some((needed, total)) => PdError::NeverFits {
+                        req_id,
+                        peer: peer.to_string(),
+                        needed_pages: needed,
+                        total_pages: total,
+                        needed_bytes: needed.saturating_mul(page_bytes),
+                        total_bytes: total.saturating_mul(page_bytes),
+                    },
+                    None => PdError::Refused {
+                        req_id,
+                        peer: peer.to_string(),
+                        step: PdStep::Alloc,
+                        reason,
+                    },
+                })
+            }
+            other => {
+                t.cancel_on_receiver().await;
+                t.done = true;
+                Err(PdError::Protocol {
+                    peer: peer.to_string(),
+                    detail: format!("unexpected answer to an allocation: {other:?}"),
+                })
+            }
+        }
+    }
+
+    /// Closes the channel: sessions end (receivers release unfinished requests) and the
+    /// dispatcher stops.
+    pub async fn close(&self) {
+        self.inner.channel.close().await;
+        self.task.abort();
+    }
+}
+
+/// One request on one rank, between [`PdSender::begin`] and [`Transfer::finish`].
+/// Dropping it unfinished reports `KvFailed` and releases the receiver's pages.
+pub struct Transfer {
+    inner: Arc<Inner>,
+    shared: Arc<Shared>,
+    req_id: String,
+    peer: Option<PeerId>,
+    region: RegionId,
+    page_bytes: u64,
+    pages: Vec<u32>,
+    /// Per chunk: written, or held by the receiver already.
+    sent: Vec<bool>,
+    tokens: u64,
+    bytes: u64,
+    skipped: u64,
+    done: bool,
+}
+
+impl std::fmt::Debug for Transfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transfer")
+            .field("req_id", &self.req_id)
+            .field("chunks", &self.pages.len())
+            .field("done", &self.done)
+            .finish()
+    }
+}
+
+/// What a finished transfer moved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Summary {
+    /// Chunks of the request.
+    pub chunks: u64,
+    /// Chunks skipped because the receiver held them.
+    pub skipped: u64,
+    /// Bytes written.
+    pub bytes: u64,
+}
+
+impl Transfer {
+    /// The request id.
+    pub fn req_id(&self) -> &str {
+        &self.req_id
+    }
+
+    /// Chunks of the request.
+    pub fn chunks(&self) -> u64 {
+        self.inner.cfg.spec.chunks_for(self.tokens)
+    }
+
+    /// Whether chunk `index` must still be sent (false when the receiver already holds it).
+    pub fn needs(&self, index: u64) -> bool {
+        self.sent.get(index as usize).is_some_and(|s| !s)
+    }
+
+    /// Bytes of chunk `index` (the last one is usually partial).
+    pub fn chunk_bytes(&self, index: u64) -> u64 {
+        self.inner.cfg.spec.chunk_bytes_at(index, self.tokens)
+    }
+
+    /// One request/response over notify, correlated by call id, under `deadline`.
+    async fn call(&self, step: PdStep, mut msg: PdMsg, deadline: Duration) -> Result<PdMsg> {
+        let inner = &self.inner;
+        let peer = self
+            .peer
+            .clone()
+            .ok_or_else(|| self.invalid(step, "no session"))?;
+        let call = inner.next_call.fetch_add(1, Ordering::Relaxed);
+        match &mut msg {
+            PdMsg::Alloc { call: c, .. } | PdMsg::Finish { call: c, .. } => *c = call,
+            _ => {}
+        }
+        let (tx, rx) = oneshot::channel();
+        lock(&inner.calls).insert(call, tx);
+        let run = async {
+            inner
+                .channel
+                .notify(&peer, &msg.encode())
+                .await
+                .map_err(|e| PdError::Transfer {
+                    req_id: self.req_id.clone(),
+                    peer: peer.to_string(),
+                    step,
+                    source: e,
+                })?;
+            rx.await.map_err(|_| PdError::Cancelled {
+                req_id: self.req_id.clone(),
+                step,
+                reason: "the sender is closing".into(),
+            })
+        };
+        let r = tokio::time::timeout(deadline, run).await;
+        lock(&inner.calls).remove(&call);
+        match r {
+            Ok(r) => r,
+            Err(_) => Err(PdError::Timeout {
+                req_id: self.req_id.clone(),
+                peer: peer.to_string(),
+                step,
+                after: deadline,
+            }),
+        }
+    }
+
+    fn invalid(&self, step: PdStep, detail: impl Into<String>) -> PdError {
+        PdError::Invalid {
+            req_id: self.req_id.clone(),
+            step,
+            detail: detail.into(),
+        }
+    }
+
+    fn check_chunk(&self, index: u64, len: usize) -> Result<()> {
+        if self.done {
+            return Err(self.invalid(PdStep::Write, "the transfer has already ended"));
+        }
+        if index >= self.chunks() {
+            return Err(self.invalid(
+                PdStep::Write,
+                format!("chunk {index} of a request with {} chunks", self.chunks()),
+            ));
+        }
+        let want = self.chunk_bytes(index);
+        if len as u64 != want {
+            return Err(self.invalid(
+                PdStep::Write,
+                format!("chunk {index} has {len} bytes, its layout needs {want}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Copies chunk `index` into staging memory and writes it to its page on the receiver
+    /// (skipped when the receiver holds it already). Returns when it has landed. Any failure
+    /// ends the transfer with `KvFailed`.
+    pub async fn send_chunk(&mut self, index: u64, data: &[u8]) -> Result<()> {
+        let r = self.send_chunk_inner(index, data).await;
+        self.fail_on_err(r).await
+    }
+
+    async fn send_chunk_inner(&mut self, index: u64, data: &[u8]) -> Result<()> {
+        self.check_chunk(index, data.len())?;
+        if !self.needs(index) {
+            return Ok(());
+        }
+        let inner = self.inner.clone();
+        let deadline = inner.cfg.step_deadline;
+        let permit = tokio::time::timeout(deadline, inner.slots.acquire())
+            .await
+            .map_err(|_| PdError::Timeout {
+                req_id: self.req_id.clone(),
+                peer: "local staging".into(),
+                step: PdStep::Write,
+                after: deadline,
+            })?
+            .map_err(|_| self.invalid(PdStep::Write, "the sender is closing"))?;
+        let slot = lock(&inner.free_slots)
+            .pop()
+            .ok_or_else(|| self.invalid(PdStep::Write, "no staging slot despite a permit"))?;
+        let page = inner.cfg.spec.page_bytes() as usize;
+        let r = match inner.staging.write_at(slot * page, data) {
+            Ok(()) => {
+                self.write_op(index, &inner.staging, slot * page, data.len())
+                    .await
+            }
+            Err(e) => Err(self.invalid(PdStep::Write, e.to_string())),
+        };
+        lock(&inner.free_slots).push(slot);
+        drop(permit);
+        r
+    }
+
+    /// Writes chunk `index` straight from `region` (registered with
+    /// [`PdSender::register`]) at `offset`: no copy.
+    pub async fn send_chunk_from(
+        &mut self,
+        index: u64,
+        region: &Region,
+        offset: usize,
+    ) -> Result<()> {
+        let r = async {
+            let len = self.chunk_bytes(index) as usize;
+            self.check_chunk(index, len)?;
+            if !self.needs(index) {
+                return Ok(());
+            }
+            self.write_op(index, region, offset, len).await
+        }
+        .await;
+        self.fail_on_err(r).await
+    }
+
+    async fn write_op(
+        &mut self,
+        index: u64,
+        local: &Region,
+        offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        let peer = self
+            .peer
+            .clone()
+            .ok_or_else(|| self.invalid(PdStep::Write, "no session"))?;
+        let page = *self
+            .pages
+            .get(index as usize)
+            .ok_or_else(|| self.invalid(PdStep::Write, "no page for the chunk"))?;
+        let op = Op {
+            local: local.clone(),
+            local_offset: offset,
+            remote: self.region,
+            remote_offset: page as u64 * self.page_bytes,
+            len,
+        };
+        // Held across the write: a fence waits for it, then no further write starts.
+        let state = self.shared.state.lock().await;
+        if let Some(why) = state.as_ref() {
+            return Err(PdError::Cancelled {
+                req_id: self.req_id.clone(),
+                step: PdStep::Write,
+                reason: why.clone(),
+            });
+        }
+        self.inner
+            .channel
+            .write(&peer, &[op])
+            .await
+            .map_err(|e| PdError::Transfer {
+                req_id: self.req_id.clone(),
+                peer: peer.to_string(),
+                step: PdStep::Write,
+                source: e,
+            })?;
+        drop(state);
+        self.sent[index as usize] = true;
+        self.bytes += len as u64;
+        Ok(())
+    }
+
+    /// Tells the receiver every chunk landed, waits for its confirmation, and reports
+    /// `KvReady`. Fails (with `KvFailed`) when a chunk was not handed over.
+    pub async fn finish(mut self) -> Result<Summary> {
+        let r = self.finish_inner().await;
+        let r = self.fail_on_err(r).await;
+        if let Ok(s) = &r {
+            self.done = true;
+            self.forget();
+            self.inner.cfg.outcomes.emit(Outcome::KvReady {
+                req_id: self.req_id.clone(),
+                rank: self.inner.cfg.rank,
+                chunks: s.chunks,
+                bytes: s.bytes,
+            });
+        }
+        r
+    }
+
+    async fn finish_inner(&mut self) -> Result<Summary> {
+        if self.done {
+            return Err(self.invalid(PdStep::Finish, "the transfer has already ended"));
+        }
+        if let Some(i) = self.sent.iter().position(|s| !s) {
+            return Err(self.invalid(
+                PdStep::Finish,
+                format!("chunk {i} of {} was never handed over", self.sent.len()),
+            ));
+        }
+        let summary = Summary {
+            chunks: self.chunks(),
+            skipped: self.skipped,
+            bytes: self.bytes,
+        };
+        if self.peer.is_none() {
+            return Ok(summary); // an empty prompt: nothing was allocated
+        }
+        let msg = PdMsg::Finish {
+            call: 0,
+            req_id: self.req_id.clone(),
+            incarnation: self.inner.channel.incarnation().0,
+        };
+        match self
+            .call(PdStep::Finish, msg, self.inner.cfg.step_deadline)
+            .await?
+        {
+            PdMsg::FinishOk { .. } => Ok(summary),
+            PdMsg::FinishErr { reason, .. } => Err(PdError::Refused {
+                req_id: self.req_id.clone(),
+                peer: self.peer_name(),
+                step: PdStep::Finish,
+                reason,
+            }),
+            other => Err(PdError::Protocol {
+                peer: self.peer_name(),
+                detail: format!("unexpected answer to finish: {other:?}"),
+            }),
+        }
+    }
+
+    fn peer_name(&self) -> String {
+        self.peer
+            .as_ref()
+            .map(|p| p.to_string())
+            .unwrap_or_default()
+    }
+
+    /// Gives the request up: reports `KvFailed` with `reason` and releases the receiver's
+    /// pages.
+    pub async fn cancel(mut self, reason: &str) {
+        if !self.done {
+            let e = PdError::Cancelled {
+                req_id: self.req_id.clone(),
+                step: PdStep::Cancel,
+                reason: reason.to_string(),
+            };
+            let _ = self.fail_on_err::<()>(Err(e)).await;
+        }
+    }
+
+    /// On error: ends the transfer, releases the receiver's pages and reports `KvFailed`
+    /// (once).
+    async fn fail_on_err<T>(&mut self, r: Result<T>) -> Result<T> {
+        if let Err(e) = &r {
+            if !self.done {
+                self.done = true;
+                self.cancel_on_receiver().await;
+                self.forget();
+                self.inner.cfg.outcomes.emit(Outcome::KvFailed {
+                    req_id: self.req_id.clone(),
+                    rank: self.inner.cfg.rank,
+                    reason: e.to_string(),
+                });
+            }
+        }
+        r
+    }
+
+    fn forget(&self) {
+        if let Some(p) = &self.peer {
+            lock(&self.inner.transfers).remove(&(p.clone(), self.req_id.clone()));
+        }
+    }
+
+    /// Best effort, bounded: the receiver also releases on its TTL or when our session ends.
+    async fn cancel_on_receiver(&self) {
+        let Some(peer) = &self.peer else { return };
+        let msg = PdMsg::Cancel {
+            req_id: self.req_id.clone(),
+            incarnation: self.inner.channel.incarnation().0,
+        };
+        let d = self.inner.cfg.step_deadline;
+        let _ = tokio::time::timeout(d, self.inner.channel.notify(peer, &msg.encode())).await;
+    }
+}
+
+impl Drop for Transfer {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        self.done = true;
+        self.forget();
+        let reason = format!(
+            "request {}: transfer dropped before finish (engine aborted the request)",
+            self.req_id
+        );
+        self.inner.cfg.outcomes.emit(Outcome::KvFailed {
+            req_id: self.req_id.clone(),
+            rank: self.inner.cfg.rank,
+            reason,
+        });
+        if let (Some(peer), Ok(rt)) = (self.peer.clone(), tokio::runtime::Handle::try_current()) {
+            let ch = self.inner.channel.clone();
+            let msg = PdMsg::Cancel {
+                req_id: self.req_id.clone(),
+                incarnation: ch.incarnation().0,
+            };
+            let d = self.inner.cfg.step_deadline;
+            rt.spawn(async move {
+                let _ = tokio::time::timeout(d, ch.notify(&peer, &msg.encode())).await;
+            });
+        }
+    }
+}
+
+/// Routes the receivers' answers to their calls and serves fences.
+async fn dispatch(inner: Arc<Inner>) {
+    while let Some(n) = inner.channel.recv_notification().await {
+        let msg = match PdMsg::decode(&n.data) {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(peer = %n.peer, error = %e, "dropping a malformed PD message");
+                continue;
+            }
+        };
+        match msg {
+            PdMsg::AllocOk {
+                call, ref req_id, ..
+            } => {
+                let waiter = lock(&inner.calls).remove(&call);
+                let orphan = match waiter {
+                    Some(w) => w.send(msg.clone()).is_err(),
+                    None => true,
+                };
+                if orphan {
+                    // Nobody waits any more (the call passed its deadline): let go of the
+                    // pages. Nothing was written for this grant.
+                    let cancel = PdMsg::Cancel {
+                        req_id: req_id.clone(),
+                        incarnation: inner.channel.incarnation().0,
+                    };
+                    let ch = inner.channel.clone();
+                    let d = inner.cfg.step_deadline;
+                    tokio::spawn(async move {
+                        let _ = tokio::time::timeout(d, ch.notify(&n.peer, &cancel.encode())).await;
+                    });
+                }
+            }
+            PdMsg::AllocErr { call, .. }
+            | PdMsg::FinishOk { call, .. }
+            | PdMsg::FinishErr { call, .. } => {
+                if let Some(w) = lock(&inner.calls).remove(&call) {
+                    let _ = w.send(msg);
+                }
+            }
+            PdMsg::Fence { req_id } => {
+                let shared = lock(&inner.transfers)
+                    .get(&(n.peer.clone(), req_id.clone()))
+                    .cloned();
+                let inner = inner.clone();
+                tokio::spawn(async move {
+                    if let Some(s) = shared {
+                        // Waits for a write in flight (bounded by its own deadline), then no
+                        // write of this request starts again.
+                        let mut st = s.state.lock().await;
+                        st.get_or_insert_with(|| "cancelled by the receiver".to_string());
+                    }
+                    let ack = PdMsg::FenceAck {
+                        req_id,
+                        incarnation: inner.channel.incarnation().0,
+                    };
+                    let d = inner.cfg.step_deadline;
+                    let _ =
+                        tokio::time::timeout(d, inner.channel.notify(&n.peer, &ack.encode())).await;
+                });
+            }
+            other => {
+                tracing::warn!(peer = %n.peer, msg = ?other, "unexpected PD message on a sender");
+            }
+        }
+    }
+}
