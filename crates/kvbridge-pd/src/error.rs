@@ -82,7 +82,7 @@ pub enum PdError {
         /// The step.
         step: PdStep,
         /// The transfer layer's error.
-        source: kvbridge::Error,
+        source: Box<kvbridge::Error>,
     },
     /// A step passed its deadline.
     #[error("request {req_id}: step {step} with peer {peer} passed its deadline of {after:?}")]

@@ -225,7 +225,7 @@ impl PdSender {
                     req_id,
                     peer: addr,
                     step: PdStep::Connect,
-                    source: e,
+                    source: Box::new(e),
                 });
             }
             Err(_) => {
@@ -419,7 +419,7 @@ impl Transfer {
                     req_id: self.req_id.clone(),
                     peer: peer.to_string(),
                     step,
-                    source: e,
+                    source: Box::new(e),
                 })?;
             rx.await.map_err(|_| PdError::Cancelled {
                 req_id: self.req_id.clone(),
@@ -567,7 +567,7 @@ impl Transfer {
                 req_id: self.req_id.clone(),
                 peer: peer.to_string(),
                 step: PdStep::Write,
-                source: e,
+                source: Box::new(e),
             })?;
         drop(state);
         self.sent[index as usize] = true;
