@@ -8,6 +8,7 @@
 //!   write may still land in, TTL, counters).
 //! - [`receiver`] / [`sender`]: the two ends, push mode.
 //! - [`outcome`]: `KvReady` / `KvFailed` / `ProxyNotif` as msgpack over ZMQ PUSH.
+//! - [`config`]: TOML + environment + CLI settings, LMCache names accepted.
 //!
 //! ```no_run
 //! # async fn demo() -> kvbridge_pd::Result<()> {
@@ -38,6 +39,7 @@
 #![warn(missing_docs)]
 
 pub mod alloc;
+pub mod config;
 mod error;
 pub mod key;
 pub mod layout;
@@ -47,6 +49,7 @@ pub mod receiver;
 pub mod sender;
 
 pub use alloc::Counters;
+pub use config::{PdConfig, PdConfigArgs, Role};
 pub use error::{PdError, PdStep, Result};
 pub use key::{chunk_keys, ChunkKey};
 pub use layout::{Dtype, KvLayout, KvSpec, DEFAULT_CHUNK_TOKENS};
