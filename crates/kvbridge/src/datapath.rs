@@ -523,6 +523,15 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
                     return Err(e);
                 }
             }
+            // The listener refused the data connection (its session ended meanwhile).
+            Message::Reject(rj) | Message::Bye(rj) => {
+                return Err(Error::Rejected {
+                    peer: peer.to_string(),
+                    step: Step::DataBind,
+                    code: rj.code,
+                    message: rj.message,
+                })
+            }
             other => {
                 return Err(ctx.misbehaved(
                     Step::Established,

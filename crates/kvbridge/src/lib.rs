@@ -27,6 +27,7 @@
 
 mod channel;
 pub mod config;
+mod data_threads;
 mod datapath;
 mod error;
 pub mod net;

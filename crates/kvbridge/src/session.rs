@@ -111,9 +111,24 @@ struct ActiveData {
     path: Arc<DataPath>,
     reader: JoinHandle<Result<()>>,
     writer: JoinHandle<Result<()>>,
-    /// For data threads: the signal that stops them at their next await, and the socket
-    /// whose shutdown unblocks them inside a system call.
-    threads: Option<(tokio::sync::watch::Sender<bool>, std::net::TcpStream)>,
+    /// For data threads: stops them when dropped.
+    threads: Option<ThreadStop>,
+}
+
+/// Stops a connection's data threads when dropped — in teardown, or when an aborted session
+/// task is dropped without reaching its teardown — so they never outlive their session.
+struct ThreadStop {
+    /// Stops them at their next await.
+    stop: tokio::sync::watch::Sender<bool>,
+    /// Its shutdown unblocks them inside a system call.
+    sock: std::net::TcpStream,
+}
+
+impl Drop for ThreadStop {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+        let _ = self.sock.shutdown(std::net::Shutdown::Both);
+    }
 }
 
 /// Runs `fut` on a dedicated thread (blocking I/O inside is fine there) until it ends or
@@ -125,9 +140,9 @@ fn spawn_data_thread(
 ) -> JoinHandle<Result<()>> {
     let (tx, rx) = tokio::sync::oneshot::channel();
     let handle = tokio::runtime::Handle::current();
-    let spawned = std::thread::Builder::new()
-        .name(name.to_string())
-        .spawn(move || {
+    let spawned = crate::data_threads::run(
+        name,
+        Box::new(move || {
             let r = handle.block_on(async move {
                 tokio::select! {
                     r = fut => r,
@@ -135,7 +150,8 @@ fn spawn_data_thread(
                 }
             });
             let _ = tx.send(r);
-        });
+        }),
+    );
     tokio::spawn(async move {
         if let Err(e) = spawned {
             return Err(Error::Local(format!("cannot start a data thread: {e}")));
@@ -515,7 +531,10 @@ impl Session {
                     path,
                     reader,
                     writer,
-                    threads: Some((stop_tx, sock)),
+                    threads: Some(ThreadStop {
+                        stop: stop_tx,
+                        sock,
+                    }),
                 }
             }
             (Some(s), None) => {
@@ -604,11 +623,10 @@ impl Session {
                     .await
                     .is_ok();
             match d.threads {
-                Some((stop, sock)) => {
+                Some(stop) => {
                     // Threads cannot be aborted: stop them at their next await, and unblock
                     // any system call by shutting the socket down; then wait for both.
-                    let _ = stop.send(true);
-                    let _ = sock.shutdown(std::net::Shutdown::Both);
+                    drop(stop);
                     if !flushed {
                         let _ = writer.await;
                     }
