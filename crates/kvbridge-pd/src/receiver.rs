@@ -379,7 +379,9 @@ fn owner(peer: &PeerId, incarnation: u64) -> Owner {
     }
 }
 
-async fn handle(inner: &Arc<Inner>, peer: PeerId, data: &[u8]) {
+/// `session_incarnation` is the sender's incarnation as its session established it; a
+/// message that claims another one comes from a stale or confused sender.
+async fn handle(inner: &Arc<Inner>, peer: PeerId, session_incarnation: u64, data: &[u8]) {
     let msg = match PdMsg::decode(data) {
         Ok(m) => m,
         Err(e) => {
@@ -407,6 +409,10 @@ async fn handle(inner: &Arc<Inner>, peer: PeerId, data: &[u8]) {
                     "{} keys for {tokens} tokens of {} per chunk",
                     keys.len(),
                     inner.spec.chunk_tokens
+                ))
+            } else if incarnation != session_incarnation {
+                Some(format!(
+                    "sender claims incarnation {incarnation:016x}, its session has {session_incarnation:016x}"
                 ))
             } else if !owner_live(inner, &peer, incarnation).await {
                 Some(format!(
@@ -517,7 +523,7 @@ async fn drive(inner: Arc<Inner>, mut events: broadcast::Receiver<PeerEvent>) {
         };
         tokio::select! {
             n = inner.channel.recv_notification() => match n {
-                Some(n) => handle(&inner, n.peer, &n.data).await,
+                Some(n) => handle(&inner, n.peer, n.incarnation.0, &n.data).await,
                 None => return,
             },
             e = events.recv() => match e {

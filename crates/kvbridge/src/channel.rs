@@ -92,6 +92,11 @@ pub(crate) enum CoreCmd {
         error: Error,
     },
     MemChanged,
+    Disconnect {
+        peer: PeerId,
+        reason: String,
+        reply: oneshot::Sender<Result<()>>,
+    },
     Stats {
         reply: oneshot::Sender<Stats>,
     },
@@ -145,6 +150,8 @@ pub enum PeerEvent {
 pub struct Notification {
     /// The sender.
     pub peer: PeerId,
+    /// The sender's incarnation, as its session established it (not as the message claims).
+    pub incarnation: Incarnation,
     /// The bytes.
     pub data: Vec<u8>,
 }
@@ -430,6 +437,32 @@ impl Channel {
             .await
     }
 
+    /// Ends the session with `peer` from our side (the peer hears a `Bye` with `reason`).
+    /// Returns once the session is torn down: no byte of it lands after that. Batches in
+    /// flight on it fail with [`Error::Disconnected`].
+    pub async fn disconnect(&self, peer: &PeerId, reason: &str) -> Result<()> {
+        let limit = self.inner.config.deadlines.close;
+        let (peer, reason) = (peer.clone(), reason.to_string());
+        let p = peer.to_string();
+        match tokio::time::timeout(
+            limit,
+            self.ask(|reply| CoreCmd::Disconnect {
+                peer,
+                reason,
+                reply,
+            }),
+        )
+        .await
+        {
+            Ok(r) => r?,
+            Err(_) => Err(Error::Timeout {
+                peer: p,
+                step: Step::Close,
+                after: limit,
+            }),
+        }
+    }
+
     /// Subscribes to session ups and downs (from now on; a slow subscriber that falls more
     /// than 1024 events behind sees `Lagged`).
     pub fn peer_events(&self) -> tokio::sync::broadcast::Receiver<PeerEvent> {
@@ -564,6 +597,8 @@ struct Core {
     by_addr: HashMap<String, u64>,
     ended: u64,
     closing: Option<Vec<oneshot::Sender<()>>>,
+    /// Callers of `disconnect` waiting for a session to be torn down.
+    disconnecting: HashMap<u64, Vec<oneshot::Sender<Result<()>>>>,
 }
 
 impl Drop for Core {
@@ -591,6 +626,7 @@ impl Core {
             by_addr: HashMap::new(),
             ended: 0,
             closing: None,
+            disconnecting: HashMap::new(),
         }
     }
 
@@ -771,6 +807,9 @@ impl Core {
                     return;
                 };
                 self.ended += 1;
+                for w in self.disconnecting.remove(&id).unwrap_or_default() {
+                    let _ = w.send(Ok(()));
+                }
                 if let Some(h) = &s.up {
                     let _ = self.events.send(PeerEvent::Down {
                         peer: h.peer_id.clone(),
@@ -804,6 +843,25 @@ impl Core {
                     let _ = s.ctl.send(SessionCmd::MemChanged);
                 }
             }
+            CoreCmd::Disconnect {
+                peer,
+                reason,
+                reply,
+            } => match self.by_peer.get(&peer).copied() {
+                Some(id) if self.sessions.contains_key(&id) => {
+                    let err = Error::Disconnected {
+                        peer: peer.to_string(),
+                        reason,
+                    };
+                    let _ = self.sessions[&id].ctl.send(SessionCmd::Abort(err));
+                    self.disconnecting.entry(id).or_default().push(reply);
+                }
+                _ => {
+                    let _ = reply.send(Err(Error::UnknownPeer {
+                        peer: peer.to_string(),
+                    }));
+                }
+            },
             CoreCmd::Stats { reply } => {
                 let established: Vec<&PeerHandle> = self
                     .sessions

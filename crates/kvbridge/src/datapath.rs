@@ -296,6 +296,8 @@ pub(crate) async fn run_writer(
 /// Everything the reader task needs.
 pub(crate) struct ReaderCtx {
     pub(crate) path: Arc<DataPath>,
+    /// The peer's incarnation, as the handshake established it.
+    pub(crate) incarnation: kvbridge_proto::Incarnation,
     pub(crate) table: Arc<RegionTable>,
     pub(crate) limits: Limits,
     pub(crate) hooks: TestHooks,
@@ -457,6 +459,7 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
                     .notifications
                     .send(Notification {
                         peer: peer.clone(),
+                        incarnation: ctx.incarnation,
                         data: n.data.0,
                     })
                     .await;

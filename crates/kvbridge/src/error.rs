@@ -118,6 +118,14 @@ pub enum Error {
     /// The channel was closed locally.
     #[error("channel closed")]
     Closed,
+    /// The session was ended locally by `Channel::disconnect`.
+    #[error("session with peer {peer} ended locally: {reason}")]
+    Disconnected {
+        /// The peer.
+        peer: String,
+        /// The reason given.
+        reason: String,
+    },
     /// Configuration or local resource problem (bind failed, allocation failed).
     #[error("{0}")]
     Local(String),
@@ -185,7 +193,7 @@ impl Error {
             Error::PeerRestarted { .. } => ErrorCode::PeerRestarted,
             Error::SessionReplaced { .. } => ErrorCode::SessionReplaced,
             Error::UnknownPeer { .. } | Error::InvalidOp { .. } => ErrorCode::UnknownRegion,
-            Error::Closed => ErrorCode::ShuttingDown,
+            Error::Closed | Error::Disconnected { .. } => ErrorCode::ShuttingDown,
             Error::Local(_) => ErrorCode::Internal,
         }
     }

@@ -18,7 +18,7 @@ use kvbridge_proto::handshake::{
     ping, Established, Initiator, ListenerSession, LocalIdentity, Output, Step,
 };
 use kvbridge_proto::msg::{DataHello, ErrorCode, Hello, MemInfo, Message, RegionInfo};
-use kvbridge_proto::{PeerId, RegionId, SessionToken};
+use kvbridge_proto::{Incarnation, PeerId, RegionId, SessionToken};
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, RwLock};
@@ -169,6 +169,8 @@ struct Session {
     /// Name for errors: the peer id once known, else the address.
     peer_name: String,
     peer_id: Option<PeerId>,
+    /// The peer's incarnation, once the handshake named it.
+    peer_incarnation: Option<Incarnation>,
     machine: Machine,
     ctl_w: WriteHalf,
     ctl_rx: mpsc::Receiver<std::result::Result<Message, ReadError>>,
@@ -261,6 +263,7 @@ pub(crate) async fn run_initiator(
         Some(addr.clone()),
         addr,
         None,
+        None,
         machine,
         stream,
         cmds,
@@ -286,6 +289,7 @@ pub(crate) async fn run_listener(
     }
     let granted = env.table.granted_to(&hello.peer_id);
     let peer = hello.peer_id.clone();
+    let incarnation = hello.incarnation;
     let machine = Machine::Listen(ListenerSession::accept(
         hello,
         &env.local,
@@ -300,6 +304,7 @@ pub(crate) async fn run_listener(
         None,
         peer.to_string(),
         Some(peer),
+        Some(incarnation),
         machine,
         stream,
         cmds,
@@ -317,6 +322,7 @@ impl Session {
         addr: Option<String>,
         peer_name: String,
         peer_id: Option<PeerId>,
+        peer_incarnation: Option<Incarnation>,
         machine: Machine,
         stream: Stream,
         cmds: mpsc::UnboundedReceiver<SessionCmd>,
@@ -330,6 +336,7 @@ impl Session {
             addr,
             peer_name,
             peer_id,
+            peer_incarnation,
             machine,
             ctl_w: w,
             ctl_rx,
@@ -446,7 +453,12 @@ impl Session {
                         return Some(e);
                     }
                 }
-                Output::Welcomed { peer_id, token, .. } => {
+                Output::Welcomed {
+                    peer_id,
+                    token,
+                    incarnation,
+                } => {
+                    self.peer_incarnation = Some(incarnation);
                     self.peer_name = peer_id.to_string();
                     self.peer_id = Some(peer_id.clone());
                     let mem = self.env.table.granted_to(&peer_id);
@@ -500,6 +512,9 @@ impl Session {
         let (path, out_rx) = DataPath::new(peer.clone(), self.cmd_tx.clone());
         let ctx = ReaderCtx {
             path: path.clone(),
+            incarnation: self
+                .peer_incarnation
+                .expect("bound only after the peer is known"),
             table: self.env.table.clone(),
             limits: self.env.config.limits.clone(),
             hooks: self.env.config.hooks.clone(),
@@ -645,13 +660,21 @@ impl Session {
                     }
                 }
             }
+            // The directory forgets the session before its waiting batches learn the
+            // outcome: a caller that sees its batch fail and then looks at the channel finds
+            // nothing of the session left (the core handles messages in order).
+            let _ = self.env.core.send(CoreCmd::SessionDown {
+                id: self.id,
+                error: err.clone(),
+            });
             d.path.drain(&err);
+        } else {
+            let _ = self.env.core.send(CoreCmd::SessionDown {
+                id: self.id,
+                error: err,
+            });
         }
         self.ctl_reader.abort();
-        let _ = self.env.core.send(CoreCmd::SessionDown {
-            id: self.id,
-            error: err,
-        });
     }
 }
 

@@ -189,3 +189,55 @@ async fn op_deadline_fails_the_batch_and_the_session() {
     let s = pre.stats().await.unwrap();
     assert_eq!((s.sessions, s.tokens, s.dialing), (0, 0, 0), "{s:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disconnect_ends_one_session_and_fails_its_work() {
+    let (dec, kv) = listener(
+        "decode-0",
+        |c| c.hooks.write_apply_delay = Some(Duration::from_secs(30)),
+        4 * PAGE,
+        PAGE,
+    )
+    .await;
+    let (pre, src) = initiator("prefill-0", |_| {}, 4 * PAGE, PAGE).await;
+    let peer = pre.connect(&addr(&dec)).await.unwrap();
+    let mut events = dec.peer_events();
+    let p2 = pre.clone();
+    let (src2, kvid, peer2) = (src.clone(), kv.id(), peer.clone());
+    let w =
+        tokio::spawn(async move { p2.write(&peer2, &[Op::page(&src2, 0, kvid, 0, PAGE)]).await });
+    for _ in 0..500 {
+        if pre.stats().await.unwrap().batches_in_flight == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    pre.disconnect(&peer, "sender gave up").await.unwrap();
+    let e = w.await.unwrap().unwrap_err();
+    assert!(matches!(e, Error::Disconnected { .. }), "{e}");
+    // The peer saw the session go down, with our reason.
+    let ev = tokio::time::timeout(Duration::from_secs(5), events.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    match ev {
+        kvbridge::PeerEvent::Down { error, .. } => {
+            assert!(error.to_string().contains("sender gave up"), "{error}")
+        }
+        e => panic!("{e:?}"),
+    }
+    let e = pre.disconnect(&peer, "again").await.unwrap_err();
+    assert!(matches!(e, Error::UnknownPeer { .. }), "{e}");
+    // A new connect starts a fresh session.
+    pre.connect(&addr(&dec)).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notifications_carry_the_session_incarnation() {
+    let (dec, _kv) = listener("decode-0", |_| {}, PAGE, PAGE).await;
+    let (pre, _src) = initiator("prefill-0", |_| {}, PAGE, PAGE).await;
+    let peer = pre.connect(&addr(&dec)).await.unwrap();
+    pre.notify(&peer, b"x").await.unwrap();
+    let n = dec.recv_notification().await.unwrap();
+    assert_eq!(n.incarnation, pre.incarnation());
+}
