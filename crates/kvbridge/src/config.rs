@@ -112,7 +112,8 @@ impl ChannelConfig {
             deadlines: Deadlines::default(),
             limits: Limits::default(),
             net: Net::default(),
-            data_threads: true,
+            // KVBRIDGE_DATA_THREADS=0 switches data connections to tokio tasks.
+            data_threads: std::env::var("KVBRIDGE_DATA_THREADS").map_or(true, |v| v != "0"),
             hooks: TestHooks::default(),
         }
     }

@@ -67,15 +67,40 @@ pub(crate) async fn write_msg<W: AsyncWrite + Unpin>(w: &mut W, m: &Message) -> 
     w.write_all(&bytes).await
 }
 
-/// Writes every byte of `bufs` with as few `writev` calls as the kernel allows.
+/// Bytes handed to the kernel per `writev`. One call with a whole 128 MiB batch measured
+/// 25% slower on loopback than a stream of 1 MiB writes: the kernel pushes segments out as
+/// each call ends, so moderate calls keep the receiver busy.
+fn write_chunk() -> usize {
+    static CHUNK: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CHUNK.get_or_init(|| {
+        std::env::var("KVBRIDGE_WRITE_CHUNK")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1 << 20)
+    })
+}
+
+/// Writes every byte of `bufs`, in `writev` calls of about [`write_chunk`] bytes.
 pub(crate) async fn write_all_vectored<W: AsyncWrite + Unpin>(
     w: &mut W,
     mut bufs: &mut [IoSlice<'_>],
 ) -> io::Result<()> {
+    let chunk = write_chunk();
     IoSlice::advance_slices(&mut bufs, 0);
     while !bufs.is_empty() {
-        let end = bufs.len().min(IOV_MAX);
-        let n = w.write_vectored(&bufs[..end]).await?;
+        // Gather up to `chunk` bytes, cutting the last buffer if needed.
+        let mut call: Vec<IoSlice<'_>> = Vec::with_capacity(64);
+        let mut bytes = 0;
+        for b in bufs.iter() {
+            if bytes >= chunk || call.len() == IOV_MAX {
+                break;
+            }
+            let take = b.len().min(chunk - bytes);
+            call.push(IoSlice::new(&b[..take]));
+            bytes += take;
+        }
+        let n = w.write_vectored(&call).await?;
+        drop(call);
         if n == 0 {
             return Err(io::ErrorKind::WriteZero.into());
         }
