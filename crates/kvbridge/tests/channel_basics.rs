@@ -241,3 +241,47 @@ async fn notifications_carry_the_session_incarnation() {
     let n = dec.recv_notification().await.unwrap();
     assert_eq!(n.incarnation, pre.incarnation());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deregister_waits_for_writes_in_flight_then_refuses_new_ones() {
+    let (dec, kv) = listener(
+        "decode-0",
+        |c| c.hooks.write_apply_delay = Some(Duration::from_millis(300)),
+        4 * PAGE,
+        PAGE,
+    )
+    .await;
+    let (pre, src) = initiator("prefill-0", |_| {}, 4 * PAGE, PAGE).await;
+    fill(&src, 5);
+    let peer = pre.connect(&addr(&dec)).await.unwrap();
+    let p2 = pre.clone();
+    let (src2, kvid, peer2) = (src.clone(), kv.id(), peer.clone());
+    let w =
+        tokio::spawn(async move { p2.write(&peer2, &[Op::page(&src2, 0, kvid, 1, PAGE)]).await });
+    // Wait until the listener has accepted the batch (the region is in use by it).
+    let t = std::time::Instant::now();
+    while kv.in_use() == 0 && t.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(kv.in_use(), 1, "write never reached the listener");
+    dec.deregister(kv.id()).await.unwrap();
+    // deregister returned only after the held write landed: nothing can write there now.
+    assert_eq!(kv.in_use(), 0);
+    w.await.unwrap().unwrap();
+    let (mut a, mut b) = (vec![0u8; PAGE], vec![0u8; PAGE]);
+    src.read_at(0, &mut a).unwrap();
+    kv.read_at(PAGE, &mut b).unwrap();
+    assert!(a == b);
+    drop(kv); // the memory is freed here; a later write must not reach it
+    let e = pre
+        .write(&peer, &[Op::page(&src, 0, kvid, 1, PAGE)])
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::InvalidOp { .. } | Error::Rejected { .. } | Error::PeerMisbehaved { .. }
+        ),
+        "{e}"
+    );
+}
