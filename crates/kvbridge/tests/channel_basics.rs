@@ -285,3 +285,30 @@ async fn deregister_waits_for_writes_in_flight_then_refuses_new_ones() {
         "{e}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn caller_owned_memory_receives_writes() {
+    let dec = kvbridge::Channel::new(kvbridge::ChannelConfig::new(
+        "decode-0",
+        Some("127.0.0.1:0"),
+    ))
+    .await
+    .unwrap();
+    let mut buf = vec![0u8; 4 * PAGE];
+    // SAFETY: `buf` outlives the region: it is deregistered (and its handle dropped) before
+    // `buf` goes out of scope, and nothing else touches it meanwhile.
+    let r = unsafe { Region::from_raw(buf.as_mut_ptr(), buf.len(), PAGE) }.unwrap();
+    dec.register(&r, Grant::AllPeers).unwrap();
+    let (pre, src) = initiator("prefill-0", |_| {}, PAGE, PAGE).await;
+    fill(&src, 11);
+    let peer = pre.connect(&addr(&dec)).await.unwrap();
+    pre.write(&peer, &[Op::page(&src, 0, r.id(), 2, PAGE)])
+        .await
+        .unwrap();
+    dec.deregister(r.id()).await.unwrap();
+    drop(r);
+    let mut a = vec![0u8; PAGE];
+    src.read_at(0, &mut a).unwrap();
+    assert!(buf[2 * PAGE..3 * PAGE] == a[..]);
+    assert!(buf[..2 * PAGE].iter().all(|&b| b == 0) && buf[3 * PAGE..].iter().all(|&b| b == 0));
+}
