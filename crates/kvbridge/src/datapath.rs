@@ -300,12 +300,26 @@ pub(crate) struct ReaderCtx {
     pub(crate) incarnation: kvbridge_proto::Incarnation,
     pub(crate) table: Arc<RegionTable>,
     pub(crate) limits: Limits,
+    /// How long a batch's payload may take to arrive once its header did.
+    pub(crate) payload_deadline: Duration,
     pub(crate) hooks: TestHooks,
     pub(crate) notifications: mpsc::Sender<Notification>,
     pub(crate) out: mpsc::Sender<Outgoing>,
 }
 
 impl ReaderCtx {
+    fn payload_error(&self, step: Step, e: std::io::Error) -> Error {
+        if e.kind() == std::io::ErrorKind::TimedOut {
+            Error::Timeout {
+                peer: self.path.peer.to_string(),
+                step,
+                after: self.payload_deadline,
+            }
+        } else {
+            Error::lost(self.path.peer.as_str(), step, e)
+        }
+    }
+
     fn misbehaved(&self, step: Step, detail: impl Into<String>) -> Error {
         Error::PeerMisbehaved {
             peer: self.path.peer.to_string(),
@@ -414,9 +428,9 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
                     .iter()
                     .map(|d| IoSliceMut::new(unsafe { d.as_mut() }))
                     .collect();
-                r.read_exact_vectored(&mut iov)
+                r.read_exact_vectored_within(&mut iov, ctx.payload_deadline)
                     .await
-                    .map_err(|e| Error::lost(peer.as_str(), Step::Write, e))?;
+                    .map_err(|e| ctx.payload_error(Step::Write, e))?;
                 drop(iov);
                 drop(dests);
                 let ack = Message::WriteAck(Ack {
@@ -515,9 +529,9 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
                     .map(|d| IoSliceMut::new(unsafe { d.as_mut() }))
                     .collect();
                 let result = r
-                    .read_exact_vectored(&mut iov)
+                    .read_exact_vectored_within(&mut iov, ctx.payload_deadline)
                     .await
-                    .map_err(|e| Error::lost(peer.as_str(), Step::Read, e));
+                    .map_err(|e| ctx.payload_error(Step::Read, e));
                 drop(iov);
                 drop(dests);
                 let failed = result.clone().err();

@@ -167,6 +167,60 @@ impl Stream {
 }
 
 impl ReadHalf {
+    /// [`ReadHalf::read_exact_vectored`] that fails with `TimedOut` once `limit` has passed:
+    /// a peer that announces a payload and then stalls must not hold the destination memory
+    /// (and this task) forever.
+    pub async fn read_exact_vectored_within(
+        &mut self,
+        bufs: &mut [IoSliceMut<'_>],
+        limit: std::time::Duration,
+    ) -> io::Result<()> {
+        match self {
+            ReadHalf::Blocking(r) => {
+                // A blocking socket cannot be raced against a timer: bound each system call
+                // with SO_RCVTIMEO and the whole read by checking the clock between calls.
+                let start = std::time::Instant::now();
+                r.set_read_timeout(Some(limit))?;
+                let res = Self::blocking_read_exact(r, bufs, Some((start, limit)));
+                r.set_read_timeout(None)?;
+                res
+            }
+            _ => match tokio::time::timeout(limit, self.read_exact_vectored(bufs)).await {
+                Ok(r) => r,
+                Err(_) => Err(io::ErrorKind::TimedOut.into()),
+            },
+        }
+    }
+
+    fn blocking_read_exact(
+        r: &mut std::net::TcpStream,
+        mut bufs: &mut [IoSliceMut<'_>],
+        deadline: Option<(std::time::Instant, std::time::Duration)>,
+    ) -> io::Result<()> {
+        use std::io::Read;
+        /// Linux refuses `readv` with more than this many buffers.
+        const IOV_MAX: usize = 1024;
+        IoSliceMut::advance_slices(&mut bufs, 0);
+        while !bufs.is_empty() {
+            if let Some((start, limit)) = deadline {
+                if start.elapsed() > limit {
+                    return Err(io::ErrorKind::TimedOut.into());
+                }
+            }
+            let end = bufs.len().min(IOV_MAX);
+            match r.read_vectored(&mut bufs[..end]) {
+                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => IoSliceMut::advance_slices(&mut bufs, n),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    return Err(io::ErrorKind::TimedOut.into())
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
     /// Fills every buffer completely, with as few `readv` calls as the kernel allows: a
     /// batch of small pages lands with a handful of system calls instead of one per page.
     pub async fn read_exact_vectored(&mut self, mut bufs: &mut [IoSliceMut<'_>]) -> io::Result<()> {
@@ -174,19 +228,7 @@ impl ReadHalf {
         const IOV_MAX: usize = 1024;
         IoSliceMut::advance_slices(&mut bufs, 0);
         match self {
-            ReadHalf::Blocking(r) => {
-                use std::io::Read;
-                while !bufs.is_empty() {
-                    let end = bufs.len().min(IOV_MAX);
-                    match r.read_vectored(&mut bufs[..end]) {
-                        Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-                        Ok(n) => IoSliceMut::advance_slices(&mut bufs, n),
-                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                        Err(e) => return Err(e),
-                    }
-                }
-                Ok(())
-            }
+            ReadHalf::Blocking(r) => Self::blocking_read_exact(r, bufs, None),
             ReadHalf::Tokio(r) => {
                 while !bufs.is_empty() {
                     let end = bufs.len().min(IOV_MAX);

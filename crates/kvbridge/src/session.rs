@@ -517,6 +517,7 @@ impl Session {
                 .expect("bound only after the peer is known"),
             table: self.env.table.clone(),
             limits: self.env.config.limits.clone(),
+            payload_deadline: self.env.config.deadlines.op,
             hooks: self.env.config.hooks.clone(),
             notifications: self.env.notifications.clone(),
             out: path_out(&path),

@@ -230,3 +230,62 @@ async fn oversized_frame_and_garbage_are_refused_without_a_panic() {
     let (pre, _) = initiator("prefill-0", |_| {}, PAGE, PAGE).await;
     pre.connect(&addr(&dec)).await.unwrap();
 }
+
+/// Test both data-path drivers: a thread blocked in the kernel and a tokio task.
+async fn stalled_payload_releases_the_region(threads: bool) {
+    let (dec, kv) = listener(
+        "decode-0",
+        |c| {
+            c.deadlines.op = Duration::from_millis(300);
+            c.data_threads = threads;
+        },
+        4 * PAGE,
+        PAGE,
+    )
+    .await;
+    let (_ctl, mut data) = handshake(&addr(&dec)).await;
+    let frame = Message::WriteBatch(Batch {
+        id: 1,
+        ops: vec![OpDesc {
+            region: kv.id(),
+            offset: 0,
+            len: PAGE as u64,
+        }],
+    })
+    .to_frame()
+    .unwrap();
+    data.write_all(&frame).await.unwrap();
+    data.write_all(&[7u8; 100]).await.unwrap(); // then nothing more
+    let t = std::time::Instant::now();
+    while (kv.in_use() > 0 || dec.stats().await.unwrap().sessions > 0)
+        && t.elapsed() < Duration::from_secs(5)
+    {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(kv.in_use(), 0, "a stalled payload still holds the region");
+    assert_eq!(
+        dec.stats().await.unwrap().sessions,
+        0,
+        "stalled session kept"
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        t.elapsed()
+    );
+    // Deregistration is not held hostage either.
+    tokio::time::timeout(Duration::from_secs(1), dec.deregister(kv.id()))
+        .await
+        .unwrap()
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_payload_hits_its_deadline_on_data_threads() {
+    stalled_payload_releases_the_region(true).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_payload_hits_its_deadline_on_data_tasks() {
+    stalled_payload_releases_the_region(false).await
+}
