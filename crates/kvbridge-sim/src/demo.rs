@@ -1,0 +1,569 @@
+//! `kvbridge demo`: the whole PD path on one machine, checked byte for byte.
+//!
+//! Starts D decoders, the proxy (lmcache flow), P prefillers and one colocated reference
+//! engine, all as in-process tasks on loopback (each component listens on its own sockets and
+//! talks to the others only through them: HTTP, the PD channel, ZMQ). Then it runs a
+//! workload through the proxy and a sample of it, one request at a time, through both the
+//! proxy and the colocated engine, and prints a summary.
+
+use crate::cli::{CostArgs, ModelArgs};
+use crate::client::{Answer, Client};
+use crate::engine::{self, EngineConfig, EngineStats, Role, RunningEngine};
+use crate::model::{self, SplitMix};
+use futures_util::StreamExt;
+use kvbridge_proxy::config::{Config as ProxyConfig, DecoderConfig, WorkerAddr};
+use serde::Serialize;
+use serde_json::{json, Value};
+use std::io::Write;
+use std::time::{Duration, Instant};
+use tokio::net::TcpListener;
+
+/// `kvbridge demo` flags. Defaults finish in well under a minute on 2 cores.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DemoArgs {
+    /// Prefill engines.
+    #[arg(long, default_value_t = 1)]
+    pub prefillers: u32,
+    /// Decode engines.
+    #[arg(long, default_value_t = 1)]
+    pub decoders: u32,
+    /// Requests of the workload.
+    #[arg(long, default_value_t = 48)]
+    pub requests: u32,
+    /// Requests in flight at once.
+    #[arg(long, default_value_t = 8)]
+    pub concurrency: u32,
+    /// Prompt length range in tokens, `MIN..MAX` (uniform).
+    #[arg(long, default_value = "200..1500")]
+    pub prompt_tokens: String,
+    /// Output length range in tokens, `MIN..MAX` (uniform; at least 2).
+    #[arg(long, default_value = "8..48")]
+    pub output_tokens: String,
+    /// Tokens of a prefix shared by every prompt (0: none).
+    #[arg(long, default_value_t = 0)]
+    pub shared_prefix_tokens: u32,
+    /// Requests of the workload replayed one at a time through the proxy and the colocated
+    /// engine, whose outputs must be equal.
+    #[arg(long, default_value_t = 8)]
+    pub compare: u32,
+    /// Workload seed.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Receive buffer per decoder rank, MiB.
+    #[arg(long, default_value_t = 512)]
+    pub buffer_mib: u64,
+    /// Deadline of one request, seconds.
+    #[arg(long, default_value_t = 60.0)]
+    pub request_timeout: f64,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// The model.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The cost model.
+    #[command(flatten)]
+    pub cost: CostArgs,
+}
+
+/// The demo's result.
+#[derive(Debug, Clone, Serialize)]
+pub struct DemoSummary {
+    /// Workload requests sent.
+    pub requests: u64,
+    /// Answered in full.
+    pub ok: u64,
+    /// Failed (error status, SSE error, timeout).
+    pub failed: u64,
+    /// First errors seen (at most 5).
+    pub errors: Vec<String>,
+    /// Received KV chunks that differ from the expected KV (must be 0).
+    pub kv_mismatches: u64,
+    /// Decode requests that found no transferred KV and prefilled locally (must be 0).
+    pub kv_missing: u64,
+    /// Whether every compared disaggregated output equals the colocated one.
+    pub outputs_match_colocated: bool,
+    /// Requests compared with the colocated engine.
+    pub compared: u64,
+    /// TTFT of the workload, p50, ms.
+    pub ttft_p50_ms: f64,
+    /// TTFT of the workload, p99, ms.
+    pub ttft_p99_ms: f64,
+    /// Time per output token after the first, p50, ms.
+    pub tpot_p50_ms: f64,
+    /// Output tokens per second over the workload's wall time.
+    pub output_tokens_per_s: f64,
+    /// Requests per second over the workload's wall time.
+    pub requests_per_s: f64,
+    /// Workload wall time, s.
+    pub wall_s: f64,
+    /// KV bytes written by prefillers.
+    pub kv_bytes: u64,
+    /// KV bytes over the time spent inside the PD layer's write and finish calls.
+    pub kv_gib_per_s: f64,
+    /// One request at a time: disaggregated TTFT p50, ms.
+    pub ttft_unloaded_disagg_p50_ms: f64,
+    /// One request at a time: colocated TTFT p50, ms.
+    pub ttft_unloaded_colocated_p50_ms: f64,
+    /// Leaked receive-buffer pages after the run (must be 0).
+    pub pages_leaked: u64,
+    /// Components: prefillers, decoders, TP ranks, KV layout.
+    pub setup: String,
+}
+
+impl DemoSummary {
+    /// Whether the run proves the system: no failure, no mismatch, no missing KV, equal
+    /// outputs, no leaked page.
+    pub fn passed(&self) -> bool {
+        self.failed == 0
+            && self.kv_mismatches == 0
+            && self.kv_missing == 0
+            && self.outputs_match_colocated
+            && self.pages_leaked == 0
+            && self.ok == self.requests
+    }
+
+    /// The human-readable summary.
+    pub fn table(&self) -> String {
+        let yes = |b: bool| if b { "yes" } else { "NO" };
+        format!(
+            "kvbridge demo: {setup}\n\
+             requests            {req} ok {ok} failed {failed}\n\
+             TTFT                p50 {p50:.1} ms  p99 {p99:.1} ms\n\
+             time per token      p50 {tpot:.2} ms\n\
+             throughput          {rps:.1} req/s  {tps:.0} output tokens/s  ({wall:.1} s)\n\
+             KV moved            {kvb:.1} MiB at {gib:.2} GiB/s\n\
+             unloaded TTFT       disaggregated {ud:.1} ms  colocated {uc:.1} ms\n\
+             KV mismatches       {mm}\n\
+             KV missing          {miss}\n\
+             leaked pages        {leak}\n\
+             outputs = colocated {m} ({c} compared)\n\
+             {verdict}",
+            setup = self.setup,
+            req = self.requests,
+            ok = self.ok,
+            failed = self.failed,
+            p50 = self.ttft_p50_ms,
+            p99 = self.ttft_p99_ms,
+            tpot = self.tpot_p50_ms,
+            rps = self.requests_per_s,
+            tps = self.output_tokens_per_s,
+            wall = self.wall_s,
+            kvb = self.kv_bytes as f64 / (1u64 << 20) as f64,
+            gib = self.kv_gib_per_s,
+            ud = self.ttft_unloaded_disagg_p50_ms,
+            uc = self.ttft_unloaded_colocated_p50_ms,
+            mm = self.kv_mismatches,
+            miss = self.kv_missing,
+            leak = self.pages_leaked,
+            m = yes(self.outputs_match_colocated),
+            c = self.compared,
+            verdict = if self.passed() {
+                "PASS".to_string()
+            } else {
+                format!("FAIL {}", self.errors.join("; "))
+            },
+        )
+    }
+}
+
+fn range(s: &str, what: &str) -> anyhow::Result<(u32, u32)> {
+    let (a, b) = s
+        .split_once("..")
+        .ok_or_else(|| anyhow::anyhow!("{what} must be MIN..MAX, not {s:?}"))?;
+    let (a, b): (u32, u32) = (
+        a.trim()
+            .parse()
+            .map_err(|e| anyhow::anyhow!("{what} {s:?}: {e}"))?,
+        b.trim()
+            .parse()
+            .map_err(|e| anyhow::anyhow!("{what} {s:?}: {e}"))?,
+    );
+    if a > b {
+        anyhow::bail!("{what} {s:?}: MIN is larger than MAX");
+    }
+    Ok((a, b))
+}
+
+fn pct(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let i = ((v.len() as f64 - 1.0) * p).round() as usize;
+    v[i.min(v.len() - 1)]
+}
+
+/// Everything the demo started.
+pub struct Cluster {
+    /// The proxy.
+    pub proxy: kvbridge_proxy::server::RunningProxy,
+    /// Prefill engines.
+    pub prefillers: Vec<RunningEngine>,
+    /// Decode engines.
+    pub decoders: Vec<RunningEngine>,
+    /// The colocated reference engine.
+    pub colocated: RunningEngine,
+}
+
+impl std::fmt::Debug for Cluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cluster")
+            .field("proxy", &self.proxy.http_addr())
+            .finish()
+    }
+}
+
+impl Cluster {
+    /// Starts D decoders, the proxy, P prefillers and a colocated engine on loopback, in
+    /// that order (each binds its ports first and the next is given them).
+    pub async fn start(
+        prefillers: u32,
+        decoders: u32,
+        model: &model::Model,
+        cost: crate::cost::CostModel,
+        buffer_bytes: u64,
+    ) -> anyhow::Result<Cluster> {
+        Self::start_models(prefillers, decoders, model, model, cost, buffer_bytes).await
+    }
+
+    /// Like [`Cluster::start`], with a different model on the prefillers (tests: KV that
+    /// differs from what the decoders expect must be detected).
+    pub async fn start_models(
+        prefillers: u32,
+        decoders: u32,
+        prefill_model: &model::Model,
+        model: &model::Model,
+        cost: crate::cost::CostModel,
+        buffer_bytes: u64,
+    ) -> anyhow::Result<Cluster> {
+        if prefillers == 0 || decoders == 0 {
+            anyhow::bail!("at least one prefiller and one decoder are needed");
+        }
+        let mk = |role| {
+            let mut c = EngineConfig::new(role, model.clone());
+            c.cost = cost;
+            c.buffer_bytes = buffer_bytes;
+            c
+        };
+        let mut ds = Vec::new();
+        for _ in 0..decoders {
+            let l = TcpListener::bind("127.0.0.1:0").await?;
+            ds.push(engine::start(mk(Role::Decode), l).await?);
+        }
+        let mut pls = Vec::new();
+        for _ in 0..prefillers {
+            pls.push(TcpListener::bind("127.0.0.1:0").await?);
+        }
+        let cfg = ProxyConfig {
+            host: "127.0.0.1".into(),
+            port: 0,
+            proxy_host: "127.0.0.1".into(),
+            proxy_port: 0,
+            kv_ready_timeout: Duration::from_secs(30),
+            prefill_timeout: Duration::from_secs(60),
+            decode_timeout: Duration::from_secs(60),
+            prefillers: pls
+                .iter()
+                .map(|l| {
+                    Ok(WorkerAddr {
+                        host: "127.0.0.1".into(),
+                        port: l.local_addr()?.port(),
+                    })
+                })
+                .collect::<std::io::Result<_>>()?,
+            decoders: ds
+                .iter()
+                .map(|d| DecoderConfig {
+                    host: "127.0.0.1".into(),
+                    port: d.http_addr().port(),
+                    init_ports: d.init_ports().to_vec(),
+                    alloc_ports: d.alloc_ports().to_vec(),
+                    max_requests: 0,
+                    kv_capacity_tokens: 0,
+                })
+                .collect(),
+            ..ProxyConfig::default()
+        };
+        let proxy = kvbridge_proxy::server::start(cfg).await?;
+        let notify = proxy
+            .notify_addr()
+            .ok_or_else(|| anyhow::anyhow!("the proxy has no notification socket"))?;
+        let mut ps = Vec::new();
+        for l in pls {
+            let mut c = mk(Role::Prefill);
+            c.model = prefill_model.clone();
+            c.proxy_endpoint = Some(format!("tcp://{notify}"));
+            ps.push(engine::start(c, l).await?);
+        }
+        let l = TcpListener::bind("127.0.0.1:0").await?;
+        let colocated = engine::start(mk(Role::Both), l).await?;
+        Ok(Cluster {
+            proxy,
+            prefillers: ps,
+            decoders: ds,
+            colocated,
+        })
+    }
+
+    /// The proxy's base URL.
+    pub fn proxy_url(&self) -> String {
+        format!("http://{}", self.proxy.http_addr())
+    }
+
+    /// The colocated engine's base URL.
+    pub fn colocated_url(&self) -> String {
+        format!("http://{}", self.colocated.http_addr())
+    }
+
+    /// Sums of every engine's counters (prefillers and decoders, not the colocated one).
+    pub fn stats(&self) -> EngineStats {
+        let mut s = EngineStats::default();
+        for e in self.prefillers.iter().chain(&self.decoders) {
+            let x = e.stats();
+            s.requests += x.requests;
+            s.errors += x.errors;
+            s.kv_transfers_ok += x.kv_transfers_ok;
+            s.kv_transfers_failed += x.kv_transfers_failed;
+            s.kv_bytes_sent += x.kv_bytes_sent;
+            s.kv_send_busy_s += x.kv_send_busy_s;
+            s.kv_requests_received += x.kv_requests_received;
+            s.kv_chunks_received += x.kv_chunks_received;
+            s.kv_bytes_received += x.kv_bytes_received;
+            s.kv_mismatches += x.kv_mismatches;
+            s.kv_retrieve_failed += x.kv_retrieve_failed;
+            s.local_prefills += x.local_prefills;
+            s.pages_total += x.pages_total;
+            s.pages_free += x.pages_free;
+            s.pages_leaked += x.pages_leaked;
+            s.announced_pending += x.announced_pending;
+        }
+        s
+    }
+
+    /// Stops everything.
+    pub async fn shutdown(self) {
+        for e in self.prefillers {
+            e.shutdown().await;
+        }
+        for e in self.decoders {
+            e.shutdown().await;
+        }
+        self.colocated.shutdown().await;
+        drop(self.proxy);
+    }
+}
+
+/// One workload request: the path and the body.
+#[derive(Debug, Clone)]
+pub struct WorkItem {
+    /// `/v1/completions` or `/v1/chat/completions`.
+    pub path: &'static str,
+    /// The OpenAI request body.
+    pub body: Value,
+}
+
+/// The workload: seeded prompt and output lengths; every 4th request is a chat, every 3rd
+/// is not streamed.
+pub fn workload(
+    n: u32,
+    seed: u64,
+    prompt: (u32, u32),
+    output: (u32, u32),
+    shared_prefix: u32,
+    model_name: &str,
+) -> Vec<WorkItem> {
+    let mut r = SplitMix(seed);
+    let prefix = model::random_prompt(seed ^ 0x5eed, shared_prefix as usize);
+    (0..n)
+        .map(|i| {
+            let p = prompt.0 + (r.next_u64() % (prompt.1 - prompt.0 + 1) as u64) as u32;
+            let o = (output.0 + (r.next_u64() % (output.1 - output.0 + 1) as u64) as u32).max(2);
+            let mut text = model::random_prompt(r.next_u64(), p.saturating_sub(shared_prefix) as usize);
+            if shared_prefix > 0 {
+                text = format!("{prefix} {text}");
+            }
+            let stream = i % 3 != 2;
+            if i % 4 == 3 {
+                WorkItem {
+                    path: "/v1/chat/completions",
+                    body: json!({"model": model_name, "messages": [{"role": "user", "content": text}],
+                        "max_tokens": o, "stream": stream}),
+                }
+            } else {
+                WorkItem {
+                    path: "/v1/completions",
+                    body: json!({"model": model_name, "prompt": text, "max_tokens": o, "stream": stream}),
+                }
+            }
+        })
+        .collect()
+}
+
+/// Runs the demo and returns its summary (the caller prints it and sets the exit status).
+pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
+    let model = args.model.build()?;
+    let cost = args.cost.build()?;
+    let prompt = range(&args.prompt_tokens, "--prompt-tokens")?;
+    let output = range(&args.output_tokens, "--output-tokens")?;
+    if !(args.request_timeout > 0.0 && args.request_timeout.is_finite()) {
+        anyhow::bail!("--request-timeout must be a positive number of seconds");
+    }
+    let deadline = Duration::from_secs_f64(args.request_timeout);
+    let cluster = Cluster::start(
+        args.prefillers,
+        args.decoders,
+        &model,
+        cost,
+        args.buffer_mib.saturating_mul(1 << 20),
+    )
+    .await?;
+    let client = Client::new();
+    let base = cluster.proxy_url();
+    let work = workload(
+        args.requests,
+        args.seed,
+        prompt,
+        output,
+        args.shared_prefix_tokens,
+        &model.name,
+    );
+    let n = work.len();
+    let t0 = Instant::now();
+    let mut done = 0usize;
+    let show = !args.json;
+    let mut results: Vec<(usize, Result<Answer, crate::client::ClientError>)> =
+        Vec::with_capacity(n);
+    {
+        let mut s = futures_util::stream::iter(work.iter().enumerate().map(|(i, w)| {
+            let (client, url) = (client.clone(), format!("{base}{}", w.path));
+            async move { (i, client.generate(&url, &w.body, deadline).await) }
+        }))
+        .buffer_unordered(args.concurrency.max(1) as usize);
+        while let Some(r) = s.next().await {
+            done += 1;
+            if show {
+                let w = 30 * done / n.max(1);
+                eprint!("\r[{}{}] {done}/{n}", "#".repeat(w), " ".repeat(30 - w));
+                let _ = std::io::stderr().flush();
+            }
+            results.push(r);
+        }
+    }
+    if show {
+        eprintln!();
+    }
+    let wall = t0.elapsed().as_secs_f64();
+    let (mut ttft, mut tpot, mut errors) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut ok, mut tokens) = (0u64, 0u64);
+    for (i, r) in &results {
+        match r {
+            Ok(a) => {
+                ok += 1;
+                let t = model::tokenize(&a.text).len() as u64;
+                tokens += t;
+                let streamed = work[*i].body.get("stream").and_then(Value::as_bool) == Some(true);
+                if streamed {
+                    ttft.push(a.ttft.as_secs_f64() * 1e3);
+                    if t > 1 {
+                        tpot.push((a.total - a.ttft).as_secs_f64() * 1e3 / (t - 1) as f64);
+                    }
+                }
+            }
+            Err(e) => {
+                if errors.len() < 5 {
+                    errors.push(format!("request {i}: {e}"));
+                }
+            }
+        }
+    }
+    // Replay a sample one at a time: outputs must equal the colocated engine's, and the
+    // unloaded TTFTs compare the two paths.
+    let mut matched = true;
+    let (mut ud, mut uc) = (Vec::new(), Vec::new());
+    let k = (args.compare as usize).min(n);
+    for (i, w) in work.iter().take(k).enumerate() {
+        let d = client
+            .generate(&format!("{base}{}", w.path), &w.body, deadline)
+            .await;
+        let c = client
+            .generate(
+                &format!("{}{}", cluster.colocated_url(), w.path),
+                &w.body,
+                deadline,
+            )
+            .await;
+        match (d, c) {
+            (Ok(d), Ok(c)) => {
+                if w.body.get("stream").and_then(Value::as_bool) == Some(true) {
+                    ud.push(d.ttft.as_secs_f64() * 1e3);
+                    uc.push(c.ttft.as_secs_f64() * 1e3);
+                }
+                let first = results
+                    .iter()
+                    .find(|(j, _)| *j == i)
+                    .and_then(|(_, r)| r.as_ref().ok());
+                let same_as_loaded = first.is_none_or(|f| f.text == d.text);
+                if d.text != c.text || !same_as_loaded {
+                    matched = false;
+                    if errors.len() < 5 {
+                        errors.push(format!(
+                            "request {i}: disaggregated output {:?} differs from colocated {:?}",
+                            excerpt(&d.text),
+                            excerpt(&c.text)
+                        ));
+                    }
+                }
+            }
+            (d, c) => {
+                matched = false;
+                for e in [d.err(), c.err()].into_iter().flatten() {
+                    if errors.len() < 5 {
+                        errors.push(format!("compare request {i}: {e}"));
+                    }
+                }
+            }
+        }
+    }
+    let st = cluster.stats();
+    let summary = DemoSummary {
+        requests: n as u64,
+        ok,
+        failed: n as u64 - ok,
+        errors,
+        kv_mismatches: st.kv_mismatches,
+        kv_missing: st.local_prefills,
+        outputs_match_colocated: matched && k > 0,
+        compared: k as u64,
+        ttft_p50_ms: pct(&mut ttft, 0.5),
+        ttft_p99_ms: pct(&mut ttft, 0.99),
+        tpot_p50_ms: pct(&mut tpot, 0.5),
+        output_tokens_per_s: tokens as f64 / wall,
+        requests_per_s: ok as f64 / wall,
+        wall_s: wall,
+        kv_bytes: st.kv_bytes_sent,
+        kv_gib_per_s: if st.kv_send_busy_s > 0.0 {
+            st.kv_bytes_sent as f64 / st.kv_send_busy_s / (1u64 << 30) as f64
+        } else {
+            0.0
+        },
+        ttft_unloaded_disagg_p50_ms: pct(&mut ud, 0.5),
+        ttft_unloaded_colocated_p50_ms: pct(&mut uc, 0.5),
+        pages_leaked: st.pages_leaked,
+        setup: format!(
+            "{}P{}D, TP={}, {}, {} bytes/token, {} tokens/chunk, in-process on loopback",
+            args.prefillers,
+            args.decoders,
+            model.world_size,
+            model.spec.layout,
+            model.spec.bytes_per_token(),
+            model.spec.chunk_tokens
+        ),
+    };
+    cluster.shutdown().await;
+    Ok(summary)
+}
+
+fn excerpt(s: &str) -> String {
+    s.chars().take(60).collect()
+}

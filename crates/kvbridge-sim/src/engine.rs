@@ -1,0 +1,989 @@
+//! The reference engine: an OpenAI-compatible server around [`crate::model::Model`] that
+//! moves real KV through the PD layer.
+//!
+//! - `prefill`: a request with `kv_transfer_params.disagg_spec` is prefilled chunk by chunk;
+//!   each chunk goes to every rank's [`PdSender`] as soon as it exists (transfer overlaps
+//!   prefill), and the senders report `KvReady`/`KvFailed` to the proxy over ZMQ.
+//! - `decode`: runs one [`PdReceiver`] per rank. A decode request's KV is found by its prompt
+//!   tokens (see [`crate::announce`]), retrieved, verified chunk by chunk against the KV the
+//!   model says it must be (mismatches are counted), and generation continues from the KV
+//!   *as received*.
+//! - `both`: colocated, no transfer: the reference output.
+
+use crate::announce::{self, Announced, Announcement};
+use crate::cost::CostModel;
+use crate::model::{self, Model, SeqState};
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use kvbridge::ChannelConfig;
+use kvbridge_pd::{
+    Counters, DisaggSpec, Outcome, OutcomeSink, PdError, PdReceiver, PdSender, ReceiverConfig,
+    SenderConfig, Transfer, ZmqPusher,
+};
+use serde::Serialize;
+use serde_json::{json, Value};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+/// Hands chunk `index`'s bytes to one rank's sender task.
+type ChunkTx = mpsc::Sender<(u64, Arc<Vec<u8>>)>;
+
+/// Which part of disaggregated serving this engine plays.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Prefills and sends KV through the PD layer.
+    Prefill,
+    /// Receives KV through the PD layer and decodes.
+    Decode,
+    /// Colocated: prefills and decodes itself, no transfer (the reference output).
+    Both,
+}
+
+/// Everything an engine needs to start.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Role.
+    pub role: Role,
+    /// The model (name, KV spec per rank, world size).
+    pub model: Model,
+    /// Simulated speed.
+    pub cost: CostModel,
+    /// Host the PD receivers and announce listeners bind to (decode).
+    pub bind_host: String,
+    /// PD receiver (channel) port per rank (decode); missing or 0 picks a free port.
+    pub init_ports: Vec<u16>,
+    /// Announce port per rank (decode; the proxy's `--decoder-alloc-port`); missing or 0
+    /// picks a free port.
+    pub alloc_ports: Vec<u16>,
+    /// Receive buffer per rank, bytes (decode).
+    pub buffer_bytes: u64,
+    /// The proxy's ZMQ PULL endpoint, `tcp://host:port` (prefill); `None`: outcomes dropped.
+    pub proxy_endpoint: Option<String>,
+    /// Deadline to retrieve a request's KV once announced (decode).
+    pub retrieve_timeout: Duration,
+    /// Deadline of one announcement (prefill).
+    pub announce_timeout: Duration,
+    /// Largest `max_tokens` accepted.
+    pub max_tokens_limit: u32,
+}
+
+impl EngineConfig {
+    /// Defaults for `role` and `model`: free ports, 1 GiB buffer per rank, default cost.
+    pub fn new(role: Role, model: Model) -> Self {
+        Self {
+            role,
+            model,
+            cost: CostModel::default(),
+            bind_host: "127.0.0.1".into(),
+            init_ports: Vec::new(),
+            alloc_ports: Vec::new(),
+            buffer_bytes: 1 << 30,
+            proxy_endpoint: None,
+            retrieve_timeout: Duration::from_secs(10),
+            announce_timeout: Duration::from_secs(5),
+            max_tokens_limit: 4096,
+        }
+    }
+}
+
+/// Counters of one engine (also served as JSON at `/health` and as Prometheus text at
+/// `/metrics`).
+#[derive(Debug, Default)]
+struct Counts {
+    requests: AtomicU64,
+    errors: AtomicU64,
+    prompt_tokens: AtomicU64,
+    generated_tokens: AtomicU64,
+    kv_transfers_ok: AtomicU64,
+    kv_transfers_failed: AtomicU64,
+    kv_bytes_sent: AtomicU64,
+    kv_send_busy_ns: AtomicU64,
+    kv_requests_received: AtomicU64,
+    kv_chunks_received: AtomicU64,
+    kv_bytes_received: AtomicU64,
+    kv_mismatches: AtomicU64,
+    kv_retrieve_failed: AtomicU64,
+    local_prefills: AtomicU64,
+}
+
+/// A snapshot of an engine's counters.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct EngineStats {
+    /// The engine's role.
+    pub role: Option<Role>,
+    /// Generation requests answered or failed.
+    pub requests: u64,
+    /// Requests answered with an error.
+    pub errors: u64,
+    /// Prompt tokens seen.
+    pub prompt_tokens: u64,
+    /// Tokens generated.
+    pub generated_tokens: u64,
+    /// Prefill: rank transfers that ended in `KvReady`.
+    pub kv_transfers_ok: u64,
+    /// Prefill: rank transfers that ended in `KvFailed`.
+    pub kv_transfers_failed: u64,
+    /// Prefill: KV bytes written to decoders.
+    pub kv_bytes_sent: u64,
+    /// Prefill: time spent inside the PD layer's write and finish calls, summed over ranks
+    /// (KV bytes over this is the transfer throughput).
+    pub kv_send_busy_s: f64,
+    /// Decode: requests whose KV came through the PD layer.
+    pub kv_requests_received: u64,
+    /// Decode: KV chunks received and verified.
+    pub kv_chunks_received: u64,
+    /// Decode: KV bytes received.
+    pub kv_bytes_received: u64,
+    /// Decode: received chunks that differ from the KV the model says they must hold.
+    pub kv_mismatches: u64,
+    /// Decode: announced KV that could not be retrieved.
+    pub kv_retrieve_failed: u64,
+    /// Decode: requests prefilled locally because no KV was announced for them.
+    pub local_prefills: u64,
+    /// Decode: pages of the receive buffers (all ranks).
+    pub pages_total: u64,
+    /// Decode: free pages.
+    pub pages_free: u64,
+    /// Decode: leaked pages (must be 0).
+    pub pages_leaked: u64,
+    /// Decode: announcements not yet claimed.
+    pub announced_pending: u64,
+}
+
+struct Inner {
+    cfg: EngineConfig,
+    model: Arc<Model>,
+    senders: Vec<Arc<PdSender>>,
+    receivers: Vec<PdReceiver>,
+    outcomes: OutcomeSink,
+    announced: Announced,
+    /// The simulated accelerator: one prefill at a time.
+    accel: tokio::sync::Mutex<()>,
+    counts: Counts,
+    seq: AtomicU64,
+}
+
+impl Inner {
+    fn stats(&self) -> EngineStats {
+        let c = &self.counts;
+        let mut pages = Counters::default();
+        for r in &self.receivers {
+            let x = r.counters();
+            pages.total += x.total;
+            pages.free += x.free;
+            pages.leaked += x.leaked;
+        }
+        EngineStats {
+            role: Some(self.cfg.role),
+            requests: c.requests.load(Relaxed),
+            errors: c.errors.load(Relaxed),
+            prompt_tokens: c.prompt_tokens.load(Relaxed),
+            generated_tokens: c.generated_tokens.load(Relaxed),
+            kv_transfers_ok: c.kv_transfers_ok.load(Relaxed),
+            kv_transfers_failed: c.kv_transfers_failed.load(Relaxed),
+            kv_bytes_sent: c.kv_bytes_sent.load(Relaxed),
+            kv_send_busy_s: c.kv_send_busy_ns.load(Relaxed) as f64 / 1e9,
+            kv_requests_received: c.kv_requests_received.load(Relaxed),
+            kv_chunks_received: c.kv_chunks_received.load(Relaxed),
+            kv_bytes_received: c.kv_bytes_received.load(Relaxed),
+            kv_mismatches: c.kv_mismatches.load(Relaxed),
+            kv_retrieve_failed: c.kv_retrieve_failed.load(Relaxed),
+            local_prefills: c.local_prefills.load(Relaxed),
+            pages_total: pages.total,
+            pages_free: pages.free,
+            pages_leaked: pages.leaked,
+            announced_pending: self.announced.len() as u64,
+        }
+    }
+}
+
+/// Errors of the engine; each becomes an OpenAI-shaped error answer.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    /// The request is malformed (400).
+    #[error("{0}")]
+    BadRequest(String),
+    /// The decoder could not be told about the transfer (500).
+    #[error(transparent)]
+    Announce(#[from] announce::AnnounceError),
+    /// The PD layer failed (500).
+    #[error(transparent)]
+    Kv(#[from] PdError),
+    /// Starting the engine failed.
+    #[error("engine start: {0}")]
+    Start(String),
+    /// A worker task ended abnormally (500).
+    #[error("internal: {0}")]
+    Internal(String),
+}
+
+impl SimError {
+    fn status_and_code(&self) -> (StatusCode, &'static str) {
+        match self {
+            SimError::BadRequest(_) => (StatusCode::BAD_REQUEST, "invalid_request"),
+            SimError::Announce(_) => (StatusCode::INTERNAL_SERVER_ERROR, "kv_announce_failed"),
+            SimError::Kv(_) => (StatusCode::INTERNAL_SERVER_ERROR, "kv_transfer_failed"),
+            SimError::Start(_) | SimError::Internal(_) => {
+                (StatusCode::INTERNAL_SERVER_ERROR, "internal")
+            }
+        }
+    }
+}
+
+impl IntoResponse for SimError {
+    fn into_response(self) -> Response {
+        let (status, code) = self.status_and_code();
+        let kind = if status.is_client_error() {
+            "invalid_request_error"
+        } else {
+            "server_error"
+        };
+        let body = json!({"error": {"message": self.to_string(), "type": kind, "code": code}});
+        (status, axum::Json(body)).into_response()
+    }
+}
+
+/// A running engine. Dropping it stops the server and the PD layer's tasks.
+pub struct RunningEngine {
+    inner: Arc<Inner>,
+    http_addr: SocketAddr,
+    init_ports: Vec<u16>,
+    alloc_ports: Vec<u16>,
+    stop: Option<oneshot::Sender<()>>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for RunningEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunningEngine")
+            .field("role", &self.inner.cfg.role)
+            .field("http_addr", &self.http_addr)
+            .finish()
+    }
+}
+
+impl Drop for RunningEngine {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+impl RunningEngine {
+    /// The HTTP address.
+    pub fn http_addr(&self) -> SocketAddr {
+        self.http_addr
+    }
+    /// The PD receiver port of each rank (decode; empty otherwise).
+    pub fn init_ports(&self) -> &[u16] {
+        &self.init_ports
+    }
+    /// The announce port of each rank (decode; the proxy's `--decoder-alloc-port`).
+    pub fn alloc_ports(&self) -> &[u16] {
+        &self.alloc_ports
+    }
+    /// The counters now.
+    pub fn stats(&self) -> EngineStats {
+        self.inner.stats()
+    }
+    /// Stops serving and closes the PD layer's channels.
+    pub async fn shutdown(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        for s in &self.inner.senders {
+            s.close().await;
+        }
+        for r in &self.inner.receivers {
+            r.close().await;
+        }
+    }
+}
+
+/// Starts an engine serving on `listener` (bind `127.0.0.1:0` and pass it in; the PD
+/// receivers and announce listeners bind their own ports from the config). Everything is
+/// bound when this returns.
+pub async fn start(cfg: EngineConfig, listener: TcpListener) -> Result<RunningEngine, SimError> {
+    cfg.model
+        .spec
+        .validate()
+        .map_err(|e| SimError::Start(format!("KV spec: {e}")))?;
+    if cfg.model.world_size == 0 {
+        return Err(SimError::Start("world size must be at least 1".into()));
+    }
+    let http_addr = listener
+        .local_addr()
+        .map_err(|e| SimError::Start(e.to_string()))?;
+    let ws = cfg.model.world_size;
+    let outcomes = match &cfg.proxy_endpoint {
+        Some(ep) => OutcomeSink::Zmq(ZmqPusher::spawn(ep.clone(), Duration::from_secs(5))),
+        None => OutcomeSink::None,
+    };
+    let mut tasks = Vec::new();
+    let (mut senders, mut receivers) = (Vec::new(), Vec::new());
+    let (mut init_ports, mut alloc_ports) = (Vec::new(), Vec::new());
+    let announced = Announced::default();
+    let id = format!("{:?}-{}", cfg.role, http_addr.port()).to_lowercase();
+    match cfg.role {
+        Role::Prefill => {
+            for rank in 0..ws {
+                let mut sc = SenderConfig::new(
+                    ChannelConfig::new(format!("sim-{id}-r{rank}"), None),
+                    rank,
+                    ws,
+                    &cfg.model.name,
+                    cfg.model.spec,
+                );
+                sc.outcomes = outcomes.clone();
+                senders.push(Arc::new(PdSender::start(sc).await?));
+            }
+        }
+        Role::Decode => {
+            for rank in 0..ws {
+                let port = cfg.init_ports.get(rank as usize).copied().unwrap_or(0);
+                let listen = format!("{}:{port}", cfg.bind_host);
+                let rc = ReceiverConfig::new(
+                    ChannelConfig::new(format!("sim-{id}-r{rank}"), Some(&listen)),
+                    rank,
+                    cfg.model.spec,
+                    cfg.buffer_bytes,
+                );
+                let rx = PdReceiver::start(rc).await?;
+                init_ports.push(rx.local_addr().map(|a| a.port()).unwrap_or(0));
+                receivers.push(rx);
+                let aport = cfg.alloc_ports.get(rank as usize).copied().unwrap_or(0);
+                let l = TcpListener::bind((cfg.bind_host.as_str(), aport))
+                    .await
+                    .map_err(|e| {
+                        SimError::Start(format!(
+                            "cannot listen on {}:{aport} (announce port of rank {rank}): {e}",
+                            cfg.bind_host
+                        ))
+                    })?;
+                alloc_ports.push(l.local_addr().map(|a| a.port()).unwrap_or(0));
+                tasks.push(tokio::spawn(announce::serve(l, announced.clone())));
+            }
+        }
+        Role::Both => {}
+    }
+    let inner = Arc::new(Inner {
+        model: Arc::new(cfg.model.clone()),
+        cfg,
+        senders,
+        receivers,
+        outcomes,
+        announced,
+        accel: tokio::sync::Mutex::new(()),
+        counts: Counts::default(),
+        seq: AtomicU64::new(0),
+    });
+    let router = Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/tokenize", post(tokenize))
+        .with_state(inner.clone());
+    let (stop, stopped) = oneshot::channel::<()>();
+    use axum::serve::ListenerExt;
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    tasks.push(tokio::spawn(async move {
+        let r = axum::serve(listener, router)
+            .with_graceful_shutdown(async move {
+                let _ = stopped.await;
+            })
+            .await;
+        if let Err(e) = r {
+            tracing::warn!("engine server ended: {e}");
+        }
+    }));
+    Ok(RunningEngine {
+        inner,
+        http_addr,
+        init_ports,
+        alloc_ports,
+        stop: Some(stop),
+        tasks,
+    })
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Api {
+    Completions,
+    Chat,
+}
+
+/// A parsed generation request.
+struct GenRequest {
+    api: Api,
+    tokens: Vec<u32>,
+    max_tokens: u32,
+    stream: bool,
+    disagg: Option<DisaggSpec>,
+}
+
+fn parse_json(body: &Bytes) -> Result<serde_json::Map<String, Value>, SimError> {
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(_) => Err(SimError::BadRequest(
+            "the body must be a JSON object".into(),
+        )),
+        Err(e) => Err(SimError::BadRequest(format!("the body is not JSON: {e}"))),
+    }
+}
+
+fn prompt_tokens(v: Option<&Value>) -> Result<Vec<u32>, SimError> {
+    match v {
+        Some(Value::String(s)) => Ok(model::tokenize(s)),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
+            Ok(model::tokenize(a[0].as_str().unwrap_or("")))
+        }
+        Some(Value::Array(a)) if a.iter().all(Value::is_u64) => a
+            .iter()
+            .map(|x| {
+                x.as_u64()
+                    .and_then(|x| u32::try_from(x).ok())
+                    .ok_or_else(|| SimError::BadRequest("token ids must fit in u32".into()))
+            })
+            .collect(),
+        _ => Err(SimError::BadRequest(
+            "`prompt` must be a string, a list of one string, or a list of token ids".into(),
+        )),
+    }
+}
+
+fn chat_tokens(v: Option<&Value>) -> Result<Vec<u32>, SimError> {
+    let Some(Value::Array(msgs)) = v else {
+        return Err(SimError::BadRequest("`messages` must be an array".into()));
+    };
+    let mut parts = Vec::with_capacity(msgs.len());
+    for m in msgs {
+        let role = m
+            .get("role")
+            .and_then(Value::as_str)
+            .ok_or_else(|| SimError::BadRequest("every message needs a string `role`".into()))?;
+        let content = match m.get("content") {
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Array(ps)) => ps
+                .iter()
+                .filter_map(|p| p.get("text").and_then(Value::as_str))
+                .collect::<Vec<_>>()
+                .join(" "),
+            Some(Value::Null) | None => String::new(),
+            Some(_) => {
+                return Err(SimError::BadRequest(
+                    "message `content` must be a string or a list of text parts".into(),
+                ))
+            }
+        };
+        parts.push((role.to_string(), content));
+    }
+    Ok(model::tokenize(&model::chat_prompt(&parts)))
+}
+
+fn parse(api: Api, m: &serde_json::Map<String, Value>, limit: u32) -> Result<GenRequest, SimError> {
+    let tokens = match api {
+        Api::Completions => prompt_tokens(m.get("prompt"))?,
+        Api::Chat => chat_tokens(m.get("messages"))?,
+    };
+    if tokens.is_empty() {
+        return Err(SimError::BadRequest("the prompt is empty".into()));
+    }
+    let mut max_tokens = 16u64;
+    let mut seen = false;
+    for key in ["max_tokens", "max_completion_tokens"] {
+        match m.get(key) {
+            None | Some(Value::Null) => {}
+            Some(v) => {
+                let n = v.as_u64().filter(|n| *n >= 1).ok_or_else(|| {
+                    SimError::BadRequest(format!("`{key}` must be a positive integer"))
+                })?;
+                max_tokens = if seen { max_tokens.min(n) } else { n };
+                seen = true;
+            }
+        }
+    }
+    if max_tokens > limit as u64 {
+        return Err(SimError::BadRequest(format!(
+            "`max_tokens` is {max_tokens}, more than this engine's limit of {limit}"
+        )));
+    }
+    let stream = match m.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(SimError::BadRequest("`stream` must be a boolean".into())),
+    };
+    let disagg = match m
+        .get("kv_transfer_params")
+        .and_then(|k| k.get("disagg_spec"))
+    {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(
+            serde_json::from_value::<DisaggSpec>(v.clone())
+                .map_err(|e| SimError::BadRequest(format!("invalid `disagg_spec`: {e}")))?,
+        ),
+    };
+    Ok(GenRequest {
+        api,
+        tokens,
+        max_tokens: max_tokens as u32,
+        stream,
+        disagg,
+    })
+}
+
+async fn completions(State(s): State<Arc<Inner>>, body: Bytes) -> Response {
+    serve_gen(s, Api::Completions, body).await
+}
+
+async fn chat(State(s): State<Arc<Inner>>, body: Bytes) -> Response {
+    serve_gen(s, Api::Chat, body).await
+}
+
+async fn serve_gen(s: Arc<Inner>, api: Api, body: Bytes) -> Response {
+    s.counts.requests.fetch_add(1, Relaxed);
+    let r = async {
+        let m = parse_json(&body)?;
+        let req = parse(api, &m, s.cfg.max_tokens_limit)?;
+        s.counts
+            .prompt_tokens
+            .fetch_add(req.tokens.len() as u64, Relaxed);
+        let state = prompt_state(&s, &req).await?;
+        Ok::<_, SimError>(respond(s.clone(), req, state).await)
+    }
+    .await;
+    match r {
+        Ok(resp) => resp,
+        Err(e) => {
+            s.counts.errors.fetch_add(1, Relaxed);
+            tracing::warn!(role = ?s.cfg.role, "request failed: {e}");
+            e.into_response()
+        }
+    }
+}
+
+/// The state after the prompt: prefilled here (and sent), or received.
+async fn prompt_state(s: &Arc<Inner>, req: &GenRequest) -> Result<SeqState, SimError> {
+    match (s.cfg.role, &req.disagg) {
+        (Role::Prefill, Some(ds)) => prefill_and_send(s, &req.tokens, ds).await,
+        (Role::Decode, _) => match find_announced(s, req) {
+            Some((id, m)) => receive(s, &req.tokens, &id, m).await,
+            None => {
+                s.counts.local_prefills.fetch_add(1, Relaxed);
+                prefill(s, &req.tokens, None).await
+            }
+        },
+        _ => prefill(s, &req.tokens, None).await,
+    }
+}
+
+/// Prefills `tokens` on the simulated accelerator, chunk by chunk; each chunk of every rank
+/// goes to `send[rank]` as soon as it exists.
+async fn prefill(
+    s: &Arc<Inner>,
+    tokens: &[u32],
+    send: Option<&[ChunkTx]>,
+) -> Result<SeqState, SimError> {
+    let _accel = s.accel.lock().await;
+    let start = tokio::time::Instant::now();
+    let model = s.model.clone();
+    let mut state = model.start();
+    let c = model.spec.chunk_tokens.max(1) as usize;
+    let mut done = 0u64;
+    for (i, part) in tokens.chunks(c).enumerate() {
+        let (m, part_v) = (model.clone(), part.to_vec());
+        let (st, chunks) = tokio::task::spawn_blocking(move || {
+            let mut st = state;
+            let p = m.prefixes(st.prefix, &part_v);
+            let chunks: Vec<Arc<Vec<u8>>> = (0..m.world_size)
+                .map(|r| Arc::new(m.chunk(r, &p)))
+                .collect();
+            let refs: Vec<&[u8]> = chunks.iter().map(|c| c.as_slice()).collect();
+            m.absorb(&mut st, &refs, &p);
+            (st, chunks)
+        })
+        .await
+        .map_err(|e| SimError::Internal(format!("prefill task: {e}")))?;
+        state = st;
+        done += part.len() as u64;
+        // The cost model: this chunk exists no earlier than the accelerator would have it.
+        tokio::time::sleep_until(start + s.cfg.cost.prefill_time(done)).await;
+        if let Some(send) = send {
+            for (tx, chunk) in send.iter().zip(chunks) {
+                // A rank whose transfer failed has reported KvFailed and stopped listening.
+                let _ = tx.send((i as u64, chunk)).await;
+            }
+        }
+    }
+    Ok(state)
+}
+
+/// Prefill role: announces the transfer to the decoder, begins it on every rank, prefills
+/// while the rank tasks write chunks, and lets them finish in the background.
+async fn prefill_and_send(
+    s: &Arc<Inner>,
+    tokens: &[u32],
+    ds: &DisaggSpec,
+) -> Result<SeqState, SimError> {
+    let fail_all = |reason: &str| {
+        for r in 0..s.model.world_size {
+            s.outcomes.emit(Outcome::KvFailed {
+                req_id: ds.req_id.clone(),
+                rank: r,
+                reason: reason.to_string(),
+            });
+        }
+        s.counts
+            .kv_transfers_failed
+            .fetch_add(s.model.world_size as u64, Relaxed);
+    };
+    let Some(port) = ds.receiver_alloc_port.first() else {
+        let e = SimError::BadRequest(
+            "`disagg_spec.receiver_alloc_port` is empty: the reference decoder learns the request id on it".into(),
+        );
+        fail_all(&e.to_string());
+        return Err(e);
+    };
+    let a = Announcement {
+        req_id: ds.req_id.clone(),
+        key: model::tokens_key(tokens),
+        tokens: tokens.len() as u64,
+    };
+    let addr = format!("{}:{port}", ds.receiver_host);
+    if let Err(e) = announce::announce(&addr, &a, s.cfg.announce_timeout).await {
+        fail_all(&e.to_string());
+        return Err(e.into());
+    }
+    let begun =
+        futures_util::future::join_all(s.senders.iter().map(|tx| tx.begin(ds, tokens))).await;
+    let mut transfers: Vec<Transfer> = Vec::with_capacity(begun.len());
+    let mut first_err = None;
+    for b in begun {
+        match b {
+            Ok(t) => transfers.push(t),
+            Err(e) => {
+                s.counts.kv_transfers_failed.fetch_add(1, Relaxed);
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+    if let Some(e) = first_err {
+        // Dropping the others reports KvFailed for them too.
+        s.counts
+            .kv_transfers_failed
+            .fetch_add(transfers.len() as u64, Relaxed);
+        drop(transfers);
+        return Err(e.into());
+    }
+    let mut txs = Vec::with_capacity(transfers.len());
+    for t in transfers {
+        let (tx, rx) = mpsc::channel::<(u64, Arc<Vec<u8>>)>(2);
+        txs.push(tx);
+        tokio::spawn(rank_sender(s.clone(), t, rx));
+    }
+    let state = prefill(s, tokens, Some(&txs)).await;
+    drop(txs); // the rank tasks finish once their last chunk is written
+    state
+}
+
+/// Writes one rank's chunks as they come, then finishes (`KvReady`), or fails (`KvFailed`).
+async fn rank_sender(s: Arc<Inner>, mut t: Transfer, mut rx: mpsc::Receiver<(u64, Arc<Vec<u8>>)>) {
+    let mut busy = Duration::ZERO;
+    while let Some((i, data)) = rx.recv().await {
+        let t0 = Instant::now();
+        if let Err(e) = t.send_chunk(i, &data).await {
+            tracing::warn!(req_id = t.req_id(), chunk = i, "KV write failed: {e}");
+            s.counts.kv_transfers_failed.fetch_add(1, Relaxed);
+            return;
+        }
+        busy += t0.elapsed();
+    }
+    let t0 = Instant::now();
+    let id = t.req_id().to_string();
+    match t.finish().await {
+        Ok(sum) => {
+            busy += t0.elapsed();
+            s.counts.kv_transfers_ok.fetch_add(1, Relaxed);
+            s.counts.kv_bytes_sent.fetch_add(sum.bytes, Relaxed);
+            s.counts
+                .kv_send_busy_ns
+                .fetch_add(busy.as_nanos() as u64, Relaxed);
+        }
+        Err(e) => {
+            tracing::warn!(req_id = %id, "KV transfer failed at finish: {e}");
+            s.counts.kv_transfers_failed.fetch_add(1, Relaxed);
+        }
+    }
+}
+
+/// Decode role: the announced PD request holding this prompt's KV, and how many of the
+/// request's tokens it covers. A completion's decode prompt is the prefill prompt plus the
+/// first token; a chat's is the prefill prompt itself.
+fn find_announced(s: &Inner, req: &GenRequest) -> Option<(String, usize)> {
+    let n = req.tokens.len();
+    let order = match req.api {
+        Api::Completions => [n.saturating_sub(1), n],
+        Api::Chat => [n, n.saturating_sub(1)],
+    };
+    for m in order {
+        if m == 0 {
+            continue;
+        }
+        let key = model::tokens_key(&req.tokens[..m]);
+        for id in s.announced.candidates(key, m as u64) {
+            // Only a complete transfer can be claimed (one whose decode is coming); a
+            // complete request answers at once.
+            let complete = s.receivers.iter().all(|rx| {
+                futures_util::FutureExt::now_or_never(rx.wait_complete(&id, Duration::ZERO))
+                    .is_some_and(|r| r.is_ok())
+            });
+            if complete {
+                s.announced.remove(key, &id);
+                return Some((id, m));
+            }
+        }
+    }
+    None
+}
+
+/// Decode role: retrieves request `id`'s KV from every rank, verifies every chunk, and
+/// continues from the KV as received over `tokens[m..]`.
+async fn receive(s: &Arc<Inner>, tokens: &[u32], id: &str, m: usize) -> Result<SeqState, SimError> {
+    s.counts.kv_requests_received.fetch_add(1, Relaxed);
+    let mut per_rank = Vec::with_capacity(s.receivers.len());
+    let mut err = None;
+    for rx in &s.receivers {
+        match rx.retrieve(id, s.cfg.retrieve_timeout).await {
+            Ok(c) => per_rank.push(c),
+            Err(e) => {
+                let _ = rx.cancel(id);
+                err.get_or_insert(e);
+            }
+        }
+    }
+    if let Some(e) = err {
+        s.counts.kv_retrieve_failed.fetch_add(1, Relaxed);
+        return Err(e.into());
+    }
+    let (model, prompt, rest) = (s.model.clone(), tokens[..m].to_vec(), tokens[m..].to_vec());
+    let (state, chunks, bytes, mismatches) = tokio::task::spawn_blocking(move || {
+        let mut st = model.start();
+        let c = model.spec.chunk_tokens.max(1) as usize;
+        let (mut chunks, mut bytes, mut mismatches) = (0u64, 0u64, 0u64);
+        let empty: Vec<u8> = Vec::new();
+        for (i, part) in prompt.chunks(c).enumerate() {
+            let p = model.prefixes(st.prefix, part);
+            let mut refs: Vec<&[u8]> = Vec::with_capacity(per_rank.len());
+            for (r, got) in per_rank.iter().enumerate() {
+                let got = got.get(i).unwrap_or(&empty);
+                let expect = model.chunk(r as u32, &p);
+                chunks += 1;
+                bytes += got.len() as u64;
+                if *got != expect {
+                    mismatches += 1;
+                }
+                refs.push(got.as_slice());
+            }
+            model.absorb(&mut st, &refs, &p);
+        }
+        for t in rest {
+            model.extend(&mut st, t);
+        }
+        (st, chunks, bytes, mismatches)
+    })
+    .await
+    .map_err(|e| SimError::Internal(format!("verify task: {e}")))?;
+    s.counts.kv_chunks_received.fetch_add(chunks, Relaxed);
+    s.counts.kv_bytes_received.fetch_add(bytes, Relaxed);
+    if mismatches > 0 {
+        tracing::error!(
+            req_id = id,
+            mismatches,
+            "received KV differs from the expected KV"
+        );
+        s.counts.kv_mismatches.fetch_add(mismatches, Relaxed);
+    }
+    Ok(state)
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Generates the answer: the first token comes with the prefill, each later one costs the
+/// decode time per token.
+async fn respond(s: Arc<Inner>, req: GenRequest, state: SeqState) -> Response {
+    let id = match req.api {
+        Api::Completions => format!("cmpl-sim-{}", s.seq.fetch_add(1, Relaxed)),
+        Api::Chat => format!("chatcmpl-sim-{}", s.seq.fetch_add(1, Relaxed)),
+    };
+    let created = unix_now();
+    let name = s.model.name.clone();
+    let prompt_len = req.tokens.len();
+    let (tx, mut rx) = mpsc::channel::<String>(64);
+    let n = req.max_tokens;
+    let gen = tokio::spawn({
+        let s = s.clone();
+        async move {
+            let mut st = state;
+            let start = tokio::time::Instant::now();
+            for i in 0..n {
+                if i > 0 {
+                    tokio::time::sleep_until(start + s.cfg.cost.decode_per_token * i).await;
+                }
+                let tok = s.model.next_token(&st);
+                s.counts.generated_tokens.fetch_add(1, Relaxed);
+                if tx.send(model::token_text(tok)).await.is_err() {
+                    return; // the client went away
+                }
+                if i + 1 < n {
+                    let m = s.model.clone();
+                    st = match tokio::task::spawn_blocking(move || {
+                        m.extend(&mut st, tok);
+                        st
+                    })
+                    .await
+                    {
+                        Ok(st) => st,
+                        Err(_) => return,
+                    };
+                }
+            }
+        }
+    });
+    if !req.stream {
+        let mut text = String::new();
+        let mut count = 0u32;
+        while let Some(t) = rx.recv().await {
+            text.push_str(&t);
+            count += 1;
+        }
+        let _ = gen.await;
+        let usage = json!({"prompt_tokens": prompt_len, "completion_tokens": count,
+            "total_tokens": prompt_len + count as usize});
+        let body = match req.api {
+            Api::Completions => json!({"id": id, "object": "text_completion", "created": created,
+                "model": name, "choices": [{"index": 0, "text": text, "logprobs": null,
+                "finish_reason": "length"}], "usage": usage}),
+            Api::Chat => json!({"id": id, "object": "chat.completion", "created": created,
+                "model": name, "choices": [{"index": 0, "message": {"role": "assistant",
+                "content": text}, "logprobs": null, "finish_reason": "length"}], "usage": usage}),
+        };
+        return axum::Json(body).into_response();
+    }
+    let api = req.api;
+    let (btx, brx) = mpsc::channel::<Result<Bytes, std::io::Error>>(64);
+    tokio::spawn(async move {
+        let event = |v: Value| Ok(Bytes::from(format!("data: {v}\n\n")));
+        if api == Api::Chat {
+            let v = json!({"id": id, "object": "chat.completion.chunk", "created": created,
+                "model": name, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                "logprobs": null, "finish_reason": null}]});
+            if btx.send(event(v)).await.is_err() {
+                return;
+            }
+        }
+        let mut sent = 0u32;
+        while let Some(t) = rx.recv().await {
+            sent += 1;
+            let finish = if sent == n {
+                json!("length")
+            } else {
+                Value::Null
+            };
+            let v = match api {
+                Api::Completions => {
+                    json!({"id": id, "object": "text_completion", "created": created,
+                    "model": name, "choices": [{"index": 0, "text": t, "logprobs": null,
+                    "finish_reason": finish}]})
+                }
+                Api::Chat => {
+                    json!({"id": id, "object": "chat.completion.chunk", "created": created,
+                    "model": name, "choices": [{"index": 0, "delta": {"content": t},
+                    "logprobs": null, "finish_reason": finish}]})
+                }
+            };
+            if btx.send(event(v)).await.is_err() {
+                return;
+            }
+        }
+        let _ = btx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await;
+    });
+    let stream = futures_util::stream::unfold(brx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    });
+    let mut r = Response::new(Body::from_stream(stream));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    r.headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    r
+}
+
+async fn models(State(s): State<Arc<Inner>>) -> Response {
+    axum::Json(
+        json!({"object": "list", "data": [{"id": s.model.name, "object": "model",
+        "created": 0, "owned_by": "kvbridge-sim"}]}),
+    )
+    .into_response()
+}
+
+async fn health(State(s): State<Arc<Inner>>) -> Response {
+    let stats = s.stats();
+    axum::Json(json!({"status": "ok", "stats": stats})).into_response()
+}
+
+async fn metrics(State(s): State<Arc<Inner>>) -> Response {
+    let v = serde_json::to_value(s.stats()).unwrap_or(Value::Null);
+    let mut out = String::new();
+    if let Value::Object(m) = v {
+        for (k, v) in m {
+            if let Some(x) = v.as_f64() {
+                out.push_str(&format!("kvbridge_sim_{k} {x}\n"));
+            }
+        }
+    }
+    let mut h = HeaderMap::new();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; version=0.0.4"),
+    );
+    (h, out).into_response()
+}
+
+async fn tokenize(State(s): State<Arc<Inner>>, body: Bytes) -> Response {
+    let r = (|| {
+        let m = parse_json(&body)?;
+        let tokens = if m.contains_key("messages") {
+            chat_tokens(m.get("messages"))?
+        } else {
+            prompt_tokens(m.get("prompt"))?
+        };
+        Ok::<_, SimError>(tokens)
+    })();
+    match r {
+        Ok(tokens) => axum::Json(json!({"count": tokens.len(), "tokens": tokens,
+            "max_model_len": s.cfg.buffer_bytes / s.model.spec.bytes_per_token().max(1)}))
+        .into_response(),
+        Err(e) => e.into_response(),
+    }
+}

@@ -1,0 +1,24 @@
+//! The reference engine of kvbridge and `kvbridge demo`.
+//!
+//! A deterministic stand-in for an LLM (a mock: no real model runs here) that serves the
+//! OpenAI API and moves *real* KV through the PD layer, so that the whole disaggregated path
+//! (proxy, prefiller, PD sender, channel, PD receiver, decoder) can run on one machine and be
+//! checked byte for byte. See `docs/engine.md`.
+//!
+//! - [`model`]: tokenizer, KV of every position, next token from the KV held.
+//! - [`cost`]: prefill and decode speed.
+//! - [`engine`]: the server (`--role prefill|decode|both`).
+//! - [`announce`]: how a decoder learns which PD request holds a prompt's KV.
+//! - [`client`]: a small OpenAI client (demo, tests).
+//! - [`demo`]: `kvbridge demo`.
+//! - [`cli`]: `kvbridge engine` flags.
+
+#![warn(missing_docs)]
+
+pub mod announce;
+pub mod cli;
+pub mod client;
+pub mod cost;
+pub mod demo;
+pub mod engine;
+pub mod model;

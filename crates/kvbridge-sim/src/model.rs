@@ -1,0 +1,427 @@
+//! The reference model: a deterministic stand-in for an LLM whose KV cache and outputs can be
+//! checked byte for byte.
+//!
+//! - **Tokenizer**: whitespace-separated words. The 4900 words of a fixed two-syllable
+//!   vocabulary (`baba`, `babe`, ... `zuzu`) get ids `0..4900`; any other word gets an id
+//!   above that from a hash of its bytes. Generated tokens are always vocabulary words and
+//!   render as `" word"`, so a prompt followed by a generated token's text tokenizes to the
+//!   prompt's tokens plus that token (what the proxy relies on when it hands the decoder
+//!   "prompt + first token").
+//! - **KV**: the KV of position `t` is a deterministic function of a prefix hash over
+//!   `tokens[0..=t]`, the layer, K or V, and (for the standard layout) the rank: bytes from a
+//!   seeded splitmix64 generator, laid out exactly as the PD layer's layout says
+//!   (`(layers, 2, tokens, kv_heads, head_dim)` or MLA `(layers, 1, tokens, latent_dim)`).
+//!   MLA KV is the same on every rank.
+//! - **Next token**: a hash over *every byte of KV held*, position by position (a digest of
+//!   each position's bytes on every rank, chained). A single misplaced or corrupted byte
+//!   anywhere in the prompt's KV changes every later token.
+
+use kvbridge_pd::{KvLayout, KvSpec};
+use std::collections::HashMap;
+use std::sync::OnceLock;
+
+const CONSONANTS: &[u8] = b"bdfgklmnprstvz";
+const VOWELS: &[u8] = b"aeiou";
+
+/// Number of words in the fixed vocabulary (ids `0..VOCAB_SIZE`).
+pub const VOCAB_SIZE: u32 = 4900;
+
+fn vocab() -> &'static (Vec<String>, HashMap<String, u32>) {
+    static V: OnceLock<(Vec<String>, HashMap<String, u32>)> = OnceLock::new();
+    V.get_or_init(|| {
+        let syll: Vec<[u8; 2]> = CONSONANTS
+            .iter()
+            .flat_map(|&c| VOWELS.iter().map(move |&v| [c, v]))
+            .collect();
+        let mut words = Vec::with_capacity(VOCAB_SIZE as usize);
+        for a in &syll {
+            for b in &syll {
+                let w = [a[0], a[1], b[0], b[1]];
+                words.push(String::from_utf8_lossy(&w).into_owned());
+            }
+        }
+        let index = words
+            .iter()
+            .enumerate()
+            .map(|(i, w)| (w.clone(), i as u32))
+            .collect();
+        (words, index)
+    })
+}
+
+/// The word of a vocabulary id (`None` for ids outside the vocabulary).
+pub fn word(id: u32) -> Option<&'static str> {
+    vocab().0.get(id as usize).map(String::as_str)
+}
+
+/// Text of a generated token: a space, then its word.
+pub fn token_text(id: u32) -> String {
+    format!(" {}", word(id).unwrap_or("?"))
+}
+
+/// Splits on ASCII whitespace; vocabulary words map to their ids, other words to a hash.
+pub fn tokenize(text: &str) -> Vec<u32> {
+    let index = &vocab().1;
+    text.split_ascii_whitespace()
+        .map(|w| match index.get(w) {
+            Some(&id) => id,
+            None => {
+                VOCAB_SIZE + (fnv(FNV_OFFSET, w.as_bytes()) % (u32::MAX - VOCAB_SIZE) as u64) as u32
+            }
+        })
+        .collect()
+}
+
+/// The chat template: `<|role|> content` per message, then `<|assistant|>`.
+pub fn chat_prompt(messages: &[(String, String)]) -> String {
+    let mut s = String::new();
+    for (role, content) in messages {
+        s.push_str("<|");
+        s.push_str(role);
+        s.push_str("|> ");
+        s.push_str(content);
+        s.push(' ');
+    }
+    s.push_str("<|assistant|>");
+    s
+}
+
+/// A prompt of `n` vocabulary words drawn from a seeded generator (for workloads and tests).
+pub fn random_prompt(seed: u64, n: usize) -> String {
+    let mut r = SplitMix(seed);
+    let mut s = String::with_capacity(n * 5);
+    for i in 0..n {
+        if i > 0 {
+            s.push(' ');
+        }
+        let id = (r.next_u64() % VOCAB_SIZE as u64) as u32;
+        s.push_str(word(id).unwrap_or("baba"));
+    }
+    s
+}
+
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
+
+fn fnv(mut h: u64, bytes: &[u8]) -> u64 {
+    for &b in bytes {
+        h ^= b as u64;
+        h = h.wrapping_mul(FNV_PRIME);
+    }
+    h
+}
+
+/// murmur3's 64-bit finaliser.
+pub fn mix(mut x: u64) -> u64 {
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    x ^ (x >> 33)
+}
+
+fn mix2(a: u64, b: u64) -> u64 {
+    mix(a ^ mix(b.wrapping_add(0x9e37_79b9_7f4a_7c15)))
+}
+
+/// A splitmix64 generator.
+#[derive(Debug, Clone)]
+pub struct SplitMix(pub u64);
+
+impl SplitMix {
+    /// The next 64 random bits.
+    #[inline]
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+}
+
+/// A key over a token sequence (the decoder's lookup key for announced transfers).
+pub fn tokens_key(tokens: &[u32]) -> u64 {
+    let mut h = fnv(FNV_OFFSET, &(tokens.len() as u64).to_le_bytes());
+    for t in tokens {
+        h = fnv(h, &t.to_le_bytes());
+    }
+    mix(h)
+}
+
+/// The model: a name, a KV spec per rank, and the tensor-parallel world size.
+#[derive(Debug, Clone)]
+pub struct Model {
+    /// Model name (served in `/v1/models`, part of PD chunk keys and of the KV seed).
+    pub name: String,
+    /// Layout, dtype and chunk size of one rank.
+    pub spec: KvSpec,
+    /// Tensor-parallel world size (ranks).
+    pub world_size: u32,
+}
+
+/// Where a sequence stands: the prefix hash of its last position and the chained digest of
+/// every position's KV on every rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeqState {
+    /// Prefix hash over every token so far.
+    pub prefix: u64,
+    /// Chained digest of the KV bytes of every position so far.
+    pub digest: u64,
+    /// Positions so far.
+    pub len: u64,
+}
+
+impl Model {
+    /// Planes per token (layers × 2 for standard, layers for MLA) and bytes per row (one
+    /// plane of one token).
+    pub fn planes_and_row(&self) -> (usize, usize) {
+        let d = self.spec.dtype.size() as usize;
+        match self.spec.layout {
+            KvLayout::Standard {
+                layers,
+                kv_heads,
+                head_dim,
+            } => (
+                layers as usize * 2,
+                kv_heads as usize * head_dim as usize * d,
+            ),
+            KvLayout::Mla { layers, latent_dim } => (layers as usize, latent_dim as usize * d),
+        }
+    }
+
+    /// The state before any token.
+    pub fn start(&self) -> SeqState {
+        let mut h = fnv(FNV_OFFSET, b"kvbridge-sim/v1");
+        h = fnv(h, self.name.as_bytes());
+        h = fnv(h, &self.world_size.to_le_bytes());
+        for d in self.spec.layout.shape(0) {
+            h = fnv(h, &d.to_le_bytes());
+        }
+        h = fnv(h, self.spec.dtype.name().as_bytes());
+        SeqState {
+            prefix: mix(h),
+            digest: 0,
+            len: 0,
+        }
+    }
+
+    /// Prefix hashes of positions `0..tokens.len()`, continuing from `from`.
+    pub fn prefixes(&self, from: u64, tokens: &[u32]) -> Vec<u64> {
+        let mut p = from;
+        tokens
+            .iter()
+            .map(|&t| {
+                p = mix2(p, t as u64);
+                p
+            })
+            .collect()
+    }
+
+    fn row_seed(&self, prefix: u64, rank: u32, plane: usize) -> u64 {
+        let r = if self.spec.layout.is_mla() { 0 } else { rank };
+        mix2(mix2(prefix, plane as u64), r as u64)
+    }
+
+    /// Fills `out` (exactly one chunk of `prefixes.len()` tokens on `rank`, in the PD layout)
+    /// with the KV of those positions.
+    pub fn fill_chunk(&self, rank: u32, prefixes: &[u64], out: &mut [u8]) {
+        let (planes, row) = self.planes_and_row();
+        let t = prefixes.len();
+        debug_assert_eq!(out.len(), planes * t * row);
+        for plane in 0..planes {
+            for (j, &p) in prefixes.iter().enumerate() {
+                let off = (plane * t + j) * row;
+                fill_row(self.row_seed(p, rank, plane), &mut out[off..off + row]);
+            }
+        }
+    }
+
+    /// The KV of one chunk, newly allocated.
+    pub fn chunk(&self, rank: u32, prefixes: &[u64]) -> Vec<u8> {
+        let (planes, row) = self.planes_and_row();
+        let mut v = vec![0u8; planes * prefixes.len() * row];
+        self.fill_chunk(rank, prefixes, &mut v);
+        v
+    }
+
+    /// Digest of position `j` of a chunk of `t` tokens held in `chunk`.
+    fn position_digest(&self, chunk: &[u8], t: usize, j: usize) -> u64 {
+        let (planes, row) = self.planes_and_row();
+        let mut h = 0x243f_6a88_85a3_08d3u64;
+        for plane in 0..planes {
+            let off = (plane * t + j) * row;
+            h = digest_bytes(h, chunk.get(off..off + row).unwrap_or(&[]));
+        }
+        h
+    }
+
+    /// Advances `state` over the positions held in one chunk per rank (`chunks[rank]`, each
+    /// of `t` tokens), whose prefix hashes are `prefixes`. Uses the bytes as they are: a
+    /// corrupted byte changes the digest.
+    pub fn absorb(&self, state: &mut SeqState, chunks: &[&[u8]], prefixes: &[u64]) {
+        let t = prefixes.len();
+        for (j, &p) in prefixes.iter().enumerate() {
+            let mut d = state.digest;
+            for c in chunks {
+                d = mix2(d, self.position_digest(c, t, j));
+            }
+            state.digest = d;
+            state.prefix = p;
+            state.len += 1;
+        }
+    }
+
+    /// Appends one token: computes its KV on every rank and absorbs it.
+    pub fn extend(&self, state: &mut SeqState, token: u32) {
+        let p = self.prefixes(state.prefix, &[token]);
+        let chunks: Vec<Vec<u8>> = (0..self.world_size).map(|r| self.chunk(r, &p)).collect();
+        let refs: Vec<&[u8]> = chunks.iter().map(Vec::as_slice).collect();
+        self.absorb(state, &refs, &p);
+    }
+
+    /// The next token, from the digest of the KV held.
+    pub fn next_token(&self, state: &SeqState) -> u32 {
+        (mix2(state.digest, state.len) % VOCAB_SIZE as u64) as u32
+    }
+
+    /// Colocated prefill without transfer or cost model: the state after `tokens`.
+    pub fn prefill_local(&self, tokens: &[u32]) -> SeqState {
+        let mut s = self.start();
+        let c = self.spec.chunk_tokens.max(1) as usize;
+        for part in tokens.chunks(c) {
+            let p = self.prefixes(s.prefix, part);
+            let chunks: Vec<Vec<u8>> = (0..self.world_size).map(|r| self.chunk(r, &p)).collect();
+            let refs: Vec<&[u8]> = chunks.iter().map(Vec::as_slice).collect();
+            self.absorb(&mut s, &refs, &p);
+        }
+        s
+    }
+}
+
+#[inline]
+fn fill_row(seed: u64, out: &mut [u8]) {
+    let mut r = SplitMix(seed);
+    let mut it = out.chunks_exact_mut(8);
+    for w in &mut it {
+        w.copy_from_slice(&r.next_u64().to_le_bytes());
+    }
+    let rest = it.into_remainder();
+    if !rest.is_empty() {
+        let v = r.next_u64().to_le_bytes();
+        rest.copy_from_slice(&v[..rest.len()]);
+    }
+}
+
+#[inline]
+fn digest_bytes(mut h: u64, bytes: &[u8]) -> u64 {
+    // Four independent lanes keep the multiply latency off the critical path.
+    let mut l = [h, h ^ 1, h ^ 2, h ^ 3];
+    let mut it = bytes.chunks_exact(32);
+    for c in &mut it {
+        for (k, lane) in l.iter_mut().enumerate() {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&c[k * 8..k * 8 + 8]);
+            *lane = (*lane ^ u64::from_le_bytes(w)).wrapping_mul(0x9fb2_1c65_1e98_df25);
+        }
+    }
+    for &b in it.remainder() {
+        l[0] = (l[0] ^ b as u64).wrapping_mul(FNV_PRIME);
+    }
+    for lane in l {
+        h = mix2(h, lane);
+    }
+    mix2(h, bytes.len() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvbridge_pd::Dtype;
+
+    fn model(layout: KvLayout, ws: u32) -> Model {
+        Model {
+            name: "m".into(),
+            spec: KvSpec {
+                chunk_tokens: 4,
+                ..KvSpec::new(layout, Dtype::Bf16)
+            },
+            world_size: ws,
+        }
+    }
+    const STD: KvLayout = KvLayout::Standard {
+        layers: 2,
+        kv_heads: 2,
+        head_dim: 8,
+    };
+
+    #[test]
+    fn tokenizer_round_trips_generated_tokens() {
+        let p = random_prompt(1, 10);
+        let t = tokenize(&p);
+        assert_eq!(t.len(), 10);
+        assert!(t.iter().all(|&x| x < VOCAB_SIZE));
+        let more = format!("{p}{}", token_text(17));
+        let mut expect = t.clone();
+        expect.push(17);
+        assert_eq!(tokenize(&more), expect);
+        assert!(tokenize("hello world")[0] >= VOCAB_SIZE);
+    }
+
+    #[test]
+    fn chunk_has_the_pd_layout_size() {
+        let m = model(STD, 1);
+        let p = m.prefixes(m.start().prefix, &[1, 2, 3]);
+        assert_eq!(m.chunk(0, &p).len() as u64, m.spec.chunk_bytes(3));
+        let mla = model(
+            KvLayout::Mla {
+                layers: 3,
+                latent_dim: 8,
+            },
+            2,
+        );
+        assert_eq!(mla.chunk(0, &p).len() as u64, mla.spec.chunk_bytes(3));
+        assert_eq!(
+            mla.chunk(0, &p),
+            mla.chunk(1, &p),
+            "MLA KV equal on all ranks"
+        );
+        assert_ne!(m.chunk(0, &p), model(STD, 2).chunk(1, &p));
+    }
+
+    #[test]
+    fn kv_of_a_position_depends_on_its_whole_prefix() {
+        let m = model(STD, 1);
+        let a = m.prefixes(m.start().prefix, &[1, 2, 3]);
+        let b = m.prefixes(m.start().prefix, &[9, 2, 3]);
+        assert_ne!(m.chunk(0, &a[2..]), m.chunk(0, &b[2..]));
+    }
+
+    #[test]
+    fn chunked_absorb_equals_token_by_token() {
+        let m = model(STD, 2);
+        let toks: Vec<u32> = (0..11).collect();
+        let a = m.prefill_local(&toks);
+        let mut b = m.start();
+        for &t in &toks {
+            m.extend(&mut b, t);
+        }
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn one_corrupted_byte_changes_the_next_token_digest() {
+        let m = model(STD, 1);
+        let toks: Vec<u32> = (0..4).collect();
+        let p = m.prefixes(m.start().prefix, &toks);
+        let good = m.chunk(0, &p);
+        for pos in [0, good.len() / 2, good.len() - 1] {
+            let mut bad = good.clone();
+            bad[pos] ^= 1;
+            let (mut s1, mut s2) = (m.start(), m.start());
+            m.absorb(&mut s1, &[&good], &p);
+            m.absorb(&mut s2, &[&bad], &p);
+            assert_ne!(s1.digest, s2.digest, "byte {pos}");
+        }
+    }
+}
