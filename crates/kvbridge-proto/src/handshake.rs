@@ -23,8 +23,9 @@
 //! `handle_timeout(now)` when it passes. A failed machine emits exactly one `Failed` output
 //! and nothing after it; the driver then drops all state of that session (rollback).
 
-use crate::ids::{Incarnation, PeerId, SessionToken};
-use crate::msg::{Compat, ErrorCode, Hello, MemInfo, Message, Ping, Ready, Reject, Welcome};
+use crate::auth::{self, Role, Secret, CHALLENGE_LEN};
+use crate::ids::{Blob, Incarnation, PeerId, SessionToken};
+use crate::msg::{Auth, Compat, ErrorCode, Hello, MemInfo, Message, Ping, Ready, Reject, Welcome};
 use crate::PROTOCOL_VERSION;
 use std::collections::VecDeque;
 use std::fmt;
@@ -44,6 +45,8 @@ pub struct LocalIdentity {
     pub incarnation: Incarnation,
     /// What the other side must match.
     pub compat: Compat,
+    /// Shared secret; when set, the peer must prove it knows it (and so must we).
+    pub secret: Option<Secret>,
 }
 
 /// The steps of the handshake, named in errors.
@@ -137,6 +140,15 @@ pub enum HandshakeError {
         /// What was wrong.
         detail: String,
     },
+    /// The peer did not prove it knows the shared secret (or we require it and it did not
+    /// try, or it requires it and we have none).
+    #[error("authentication failed at step {step}: {detail}")]
+    Unauthenticated {
+        /// Where.
+        step: Step,
+        /// What.
+        detail: String,
+    },
     /// A step passed its deadline.
     #[error("step {step} passed its deadline of {after:?}")]
     Timeout {
@@ -164,6 +176,7 @@ impl HandshakeError {
             HandshakeError::Incompatible { .. } => ErrorCode::Incompatible,
             HandshakeError::Unexpected { .. } => ErrorCode::UnexpectedMessage,
             HandshakeError::Malformed { .. } => ErrorCode::Malformed,
+            HandshakeError::Unauthenticated { .. } => ErrorCode::Unauthenticated,
             HandshakeError::Timeout { .. } => ErrorCode::Timeout,
         }
     }
@@ -358,6 +371,7 @@ enum InitState {
 #[derive(Debug, Clone)]
 pub struct Initiator {
     local: LocalIdentity,
+    challenge: [u8; CHALLENGE_LEN],
     core: Core,
     state: InitState,
     bound: bool,
@@ -366,18 +380,28 @@ pub struct Initiator {
 }
 
 impl Initiator {
-    /// Starts a handshake: the first output is the `Hello` to send.
-    pub fn new(local: LocalIdentity, step_timeout: Duration, now: Instant) -> Self {
+    /// Starts a handshake: the first output is the `Hello` to send. `challenge` must be
+    /// fresh random bytes (used when the identity has a secret).
+    pub fn new(
+        local: LocalIdentity,
+        step_timeout: Duration,
+        now: Instant,
+        challenge: [u8; CHALLENGE_LEN],
+    ) -> Self {
         let mut core = Core::new(step_timeout, now);
         core.send(Message::Hello(Hello {
             version: PROTOCOL_VERSION,
             peer_id: local.peer_id.clone(),
             incarnation: local.incarnation,
             compat: local.compat.clone(),
-            auth: None,
+            auth: local.secret.as_ref().map(|_| Auth {
+                challenge: Some(Blob(challenge.to_vec())),
+                response: None,
+            }),
         }));
         Self {
             local,
+            challenge,
             core,
             state: InitState::AwaitWelcome,
             bound: false,
@@ -512,6 +536,56 @@ impl Initiator {
             self.core.fail(e);
             return;
         }
+        if let Some(secret) = &self.local.secret {
+            // The listener proves itself first; only then do we prove ourselves, and only
+            // then does anything of ours (memory, data connection) go to it.
+            let unauth = |detail: &str| HandshakeError::Unauthenticated {
+                step: Step::Welcome,
+                detail: detail.to_string(),
+            };
+            let Some(Auth {
+                challenge: Some(cl),
+                response: Some(proof),
+            }) = &w.auth
+            else {
+                self.core.fail(unauth(
+                    "the listener does not authenticate, and we require it",
+                ));
+                return;
+            };
+            if cl.0.len() != CHALLENGE_LEN {
+                self.core
+                    .fail(unauth("the listener's challenge has the wrong length"));
+                return;
+            }
+            let me = &self.local.peer_id;
+            if !auth::verify(
+                secret,
+                Role::Listener,
+                &self.challenge,
+                &cl.0,
+                me,
+                &w.peer_id,
+                &proof.0,
+            ) {
+                self.core.fail(unauth(
+                    "the listener could not prove it knows the shared secret",
+                ));
+                return;
+            }
+            let mine = auth::prove(
+                secret,
+                Role::Initiator,
+                &self.challenge,
+                &cl.0,
+                me,
+                &w.peer_id,
+            );
+            self.core.send(Message::Proof(Auth {
+                challenge: None,
+                response: Some(Blob(mine)),
+            }));
+        }
         self.peer = Some((w.peer_id.clone(), w.incarnation));
         self.state = InitState::AwaitLocalMem;
         self.core.arm(now);
@@ -552,6 +626,11 @@ pub struct ListenerSession {
     core: Core,
     state: ListenState,
     bound: bool,
+    /// Set when no secret is configured, or once the initiator's proof checked out. Until
+    /// then the peer is granted nothing and its data connection is not bound.
+    authenticated: bool,
+    /// (initiator challenge, our challenge, our id), kept to check the initiator's proof.
+    auth: Option<(Secret, Vec<u8>, [u8; CHALLENGE_LEN], PeerId)>,
     peer_id: PeerId,
     incarnation: Incarnation,
     granted: MemInfo,
@@ -561,6 +640,7 @@ impl ListenerSession {
     /// Answers a `Hello`: the first output is a `Welcome` carrying `token`, or a `Reject`
     /// followed by `Failed` when the peer is incompatible. `granted` is what this listener
     /// grants to the hello's peer id.
+    /// `challenge` must be fresh random bytes (used when the identity has a secret).
     pub fn accept(
         hello: Hello,
         local: &LocalIdentity,
@@ -568,23 +648,58 @@ impl ListenerSession {
         granted: MemInfo,
         step_timeout: Duration,
         now: Instant,
+        challenge: [u8; CHALLENGE_LEN],
     ) -> Self {
         let mut core = Core::new(step_timeout, now);
+        let mut auth_state = None;
         let checked = check_peer(
             local,
             hello.version,
             &hello.compat,
             &hello.peer_id,
             Step::Hello,
-        );
+        )
+        .and_then(|()| match &local.secret {
+            None => Ok(None),
+            Some(secret) => match &hello.auth {
+                Some(Auth {
+                    challenge: Some(ci),
+                    ..
+                }) if ci.0.len() == CHALLENGE_LEN => {
+                    let proof = auth::prove(
+                        secret,
+                        Role::Listener,
+                        &ci.0,
+                        &challenge,
+                        &hello.peer_id,
+                        &local.peer_id,
+                    );
+                    auth_state = Some((
+                        secret.clone(),
+                        ci.0.clone(),
+                        challenge,
+                        local.peer_id.clone(),
+                    ));
+                    Ok(Some(Auth {
+                        challenge: Some(Blob(challenge.to_vec())),
+                        response: Some(Blob(proof)),
+                    }))
+                }
+                _ => Err(HandshakeError::Unauthenticated {
+                    step: Step::Hello,
+                    detail: "this listener requires authentication; the peer sent no challenge"
+                        .into(),
+                }),
+            },
+        });
         match checked {
-            Ok(()) => core.send(Message::Welcome(Welcome {
+            Ok(auth) => core.send(Message::Welcome(Welcome {
                 version: PROTOCOL_VERSION,
                 peer_id: local.peer_id.clone(),
                 incarnation: local.incarnation,
                 token,
                 compat: local.compat.clone(),
-                auth: None,
+                auth,
             })),
             Err(e) => core.fail(e),
         }
@@ -592,6 +707,8 @@ impl ListenerSession {
             core,
             state: ListenState::AwaitMem,
             bound: false,
+            authenticated: auth_state.is_none(),
+            auth: auth_state,
             peer_id: hello.peer_id,
             incarnation: hello.incarnation,
             granted,
@@ -608,9 +725,16 @@ impl ListenerSession {
         self.incarnation
     }
 
+    /// Whether the driver may bind a data connection now: never before the peer proved
+    /// itself, so an unauthenticated peer gets no operation.
+    pub fn may_bind(&self) -> bool {
+        self.authenticated && !self.core.failed
+    }
+
     /// The step the session is waiting on.
     pub fn step(&self) -> Step {
         match self.state {
+            ListenState::AwaitMem if !self.authenticated => Step::Hello,
             ListenState::AwaitMem if !self.bound => Step::DataBind,
             ListenState::AwaitMem => Step::MemInfo,
             ListenState::Established | ListenState::Done => Step::Established,
@@ -643,9 +767,17 @@ impl ListenerSession {
         self.core.check_timeout(now, step);
     }
 
-    /// The driver bound the session's data connection. Held messages are served now.
+    /// The driver bound the session's data connection (only once [`Self::may_bind`]).
+    /// Held messages are served now.
     pub fn data_bound(&mut self, now: Instant) {
         if self.core.failed || self.bound {
+            return;
+        }
+        if !self.authenticated {
+            self.core.fail(HandshakeError::Unauthenticated {
+                step: Step::DataBind,
+                detail: "data connection bound before the peer authenticated".into(),
+            });
             return;
         }
         self.bound = true;
@@ -680,6 +812,29 @@ impl ListenerSession {
             return;
         };
         match (self.state, m) {
+            (ListenState::AwaitMem, Message::Proof(a)) if !self.authenticated => {
+                let ok = match (&self.auth, a.response) {
+                    (Some((secret, ci, cl, me)), Some(proof)) => {
+                        auth::verify(secret, Role::Initiator, ci, cl, &self.peer_id, me, &proof.0)
+                    }
+                    _ => false,
+                };
+                if ok {
+                    self.authenticated = true;
+                    self.core.arm(now);
+                } else {
+                    self.core.fail(HandshakeError::Unauthenticated {
+                        step,
+                        detail: "the peer could not prove it knows the shared secret".into(),
+                    });
+                }
+            }
+            (ListenState::AwaitMem, Message::MemInfo(_)) if !self.authenticated => {
+                self.core.fail(HandshakeError::Unauthenticated {
+                    step,
+                    detail: "MemInfo before the peer's proof".into(),
+                });
+            }
             (ListenState::AwaitMem, m @ Message::MemInfo(_)) if !self.bound => {
                 // The seed's race: the peer's memory info beat the binding of its data
                 // connection. Hold it; data_bound() serves it.

@@ -12,9 +12,11 @@
 //! * [`msg`]: the messages (msgpack bodies with named fields, see `docs/protocol.md`).
 //! * [`handshake`]: the initiator and listener state machines.
 //! * [`ids`]: peer, region, session and incarnation identifiers.
+//! * [`auth`]: the shared secret and HMAC challenge/response proofs.
 
 #![warn(missing_docs)]
 
+pub mod auth;
 pub mod frame;
 pub mod handshake;
 pub mod ids;

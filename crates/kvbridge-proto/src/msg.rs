@@ -26,6 +26,8 @@ pub enum Message {
     Ready(Ready),
     /// Either side: orderly close with a reason.
     Bye(Reject),
+    /// Initiator → listener, right after `Welcome` when authentication is on: its proof.
+    Proof(Auth),
     /// Either side: liveness probe.
     Ping(Ping),
     /// Answer to [`Message::Ping`].
@@ -58,6 +60,7 @@ impl Message {
             Message::MemInfo(_) => "MemInfo",
             Message::Ready(_) => "Ready",
             Message::Bye(_) => "Bye",
+            Message::Proof(_) => "Proof",
             Message::Ping(_) => "Ping",
             Message::Pong(_) => "Pong",
             Message::DataHello(_) => "DataHello",
@@ -112,8 +115,8 @@ impl fmt::Display for Compat {
     }
 }
 
-/// Placeholder for peer authentication (HMAC challenge/response), reserved in `Hello` and
-/// `Welcome` so that adding it does not change the message shapes.
+/// Peer authentication (HMAC challenge/response, see [`crate::auth`]): a challenge for the
+/// other side and/or this side's proof.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub struct Auth {
     /// A fresh random challenge for the other side.

@@ -2,6 +2,7 @@
 //! message deliveries and data-connection bindings (exhaustively), and under arbitrary event
 //! sequences (property test).
 
+use kvbridge_proto::auth::Secret;
 use kvbridge_proto::handshake::{
     Established, HandshakeError, Initiator, ListenerSession, LocalIdentity, Output, Step,
 };
@@ -22,7 +23,13 @@ fn ident(name: &str, inc: u64, hash: u64) -> LocalIdentity {
             hash,
             description: format!("layout-{hash}"),
         },
+        secret: None,
     }
+}
+
+fn with_secret(mut id: LocalIdentity, secret: Option<&str>) -> LocalIdentity {
+    id.secret = secret.map(|s| Secret::new(s.as_bytes().to_vec()).unwrap());
+    id
 }
 
 fn mem(tag: u8) -> MemInfo {
@@ -50,12 +57,26 @@ struct Pair {
     listen_ready: Option<Established>,
     failures: Vec<HandshakeError>,
     now: Instant,
+    listener_secret: Option<&'static str>,
 }
 
 impl Pair {
     fn new(now: Instant) -> Self {
+        Self::with_secrets(now, None, None)
+    }
+
+    fn with_secrets(
+        now: Instant,
+        initiator_secret: Option<&'static str>,
+        listener_secret: Option<&'static str>,
+    ) -> Self {
         let mut p = Pair {
-            init: Initiator::new(ident("prefill-0", 1, 42), STEP, now),
+            init: Initiator::new(
+                with_secret(ident("prefill-0", 1, 42), initiator_secret),
+                STEP,
+                now,
+                [1; 32],
+            ),
             listen: None,
             to_listener: VecDeque::new(),
             to_initiator: VecDeque::new(),
@@ -66,6 +87,7 @@ impl Pair {
             listen_ready: None,
             failures: vec![],
             now,
+            listener_secret,
         };
         p.drain();
         p
@@ -111,7 +133,9 @@ impl Pair {
         if self.welcomed && !self.init_bound {
             c.push(2);
         }
-        if self.welcomed && !self.listen_bound && self.listen.is_some() {
+        // The driver binds only once the listener may (the peer authenticated).
+        if self.welcomed && !self.listen_bound && self.listen.as_ref().is_some_and(|l| l.may_bind())
+        {
             c.push(3);
         }
         c
@@ -126,11 +150,12 @@ impl Pair {
                     (None, Message::Hello(h)) => {
                         self.listen = Some(ListenerSession::accept(
                             h,
-                            &ident("decode-0", 2, 42),
+                            &with_secret(ident("decode-0", 2, 42), self.listener_secret),
                             SessionToken([9; 16]),
                             mem(2),
                             STEP,
                             now,
+                            [2; 32],
                         ))
                     }
                     (Some(l), m) => l.handle_message(m, now),
@@ -156,7 +181,32 @@ impl Pair {
 }
 
 fn explore(p: Pair, terminals: &mut usize) {
+    explore_expecting(p, terminals, true)
+}
+
+/// Explores every ordering; `succeed` says whether every ordering must establish (else every
+/// ordering must fail on both sides with `Unauthenticated` and nothing established).
+fn explore_expecting(p: Pair, terminals: &mut usize, succeed: bool) {
     let choices = p.choices();
+    if choices.is_empty() && !succeed {
+        *terminals += 1;
+        assert!(
+            p.init_ready.is_none() && p.listen_ready.is_none(),
+            "established without auth"
+        );
+        assert!(
+            p.failures
+                .iter()
+                .any(|f| matches!(f, HandshakeError::Unauthenticated { .. })),
+            "failures: {:?}",
+            p.failures
+        );
+        assert!(
+            !p.listen_bound,
+            "data connection bound for an unauthenticated peer"
+        );
+        return;
+    }
     if choices.is_empty() {
         *terminals += 1;
         assert!(p.failures.is_empty(), "failures: {:?}", p.failures);
@@ -184,7 +234,34 @@ fn explore(p: Pair, terminals: &mut usize) {
                 "listener ready before its data connection was bound"
             );
         }
-        explore(q, terminals);
+        explore_expecting(q, terminals, succeed);
+    }
+}
+
+#[test]
+fn every_ordering_establishes_with_matching_secrets() {
+    let mut terminals = 0;
+    explore(
+        Pair::with_secrets(Instant::now(), Some("s3cret"), Some("s3cret")),
+        &mut terminals,
+    );
+    assert!(terminals >= 10);
+}
+
+#[test]
+fn wrong_or_missing_secret_never_establishes_nor_binds() {
+    for (i, l) in [
+        (Some("wrong"), Some("s3cret")),
+        (None, Some("s3cret")),
+        (Some("s3cret"), None),
+    ] {
+        let mut terminals = 0;
+        explore_expecting(
+            Pair::with_secrets(Instant::now(), i, l),
+            &mut terminals,
+            false,
+        );
+        assert!(terminals >= 1, "{i:?}/{l:?}");
     }
 }
 
@@ -220,7 +297,7 @@ fn seed_order_memory_info_before_listener_bind_is_held_not_failed() {
 #[test]
 fn incompatible_peers_fail_fast_naming_both_values() {
     let now = Instant::now();
-    let mut init = Initiator::new(ident("p", 1, 7), STEP, now);
+    let mut init = Initiator::new(ident("p", 1, 7), STEP, now, [0; 32]);
     let Some(Output::Send(Message::Hello(h))) = init.poll_output() else {
         panic!("no hello")
     };
@@ -231,6 +308,7 @@ fn incompatible_peers_fail_fast_naming_both_values() {
         mem(2),
         STEP,
         now,
+        [0; 32],
     );
     let Some(Output::Send(Message::Reject(r))) = l.poll_output() else {
         panic!("no reject")
@@ -273,6 +351,7 @@ fn version_mismatch_names_both_versions() {
         mem(2),
         STEP,
         now,
+        [0; 32],
     );
     let Some(Output::Send(Message::Reject(r))) = l.poll_output() else {
         panic!()
@@ -284,7 +363,7 @@ fn version_mismatch_names_both_versions() {
 #[test]
 fn each_step_has_a_deadline() {
     let t0 = Instant::now();
-    let mut init = Initiator::new(ident("p", 1, 0), STEP, t0);
+    let mut init = Initiator::new(ident("p", 1, 0), STEP, t0, [0; 32]);
     init.poll_output();
     assert_eq!(init.poll_timeout(), Some(t0 + STEP));
     init.handle_timeout(t0 + STEP - Duration::from_millis(1));
@@ -388,11 +467,11 @@ proptest! {
     #[test]
     fn state_machines_stay_defined_under_arbitrary_events(evs in proptest::collection::vec(any_event(), 0..40)) {
         let t0 = Instant::now();
-        let mut init = Initiator::new(ident("p", 1, 42), STEP, t0);
+        let mut init = Initiator::new(ident("p", 1, 42), STEP, t0, [0; 32]);
         let mut l = ListenerSession::accept(
             Hello { version: 1, peer_id: PeerId::new("p").unwrap(), incarnation: Incarnation(1),
                     compat: Compat { hash: 42, description: String::new() }, auth: None },
-            &ident("d", 2, 42), SessionToken([1; 16]), mem(2), STEP, t0);
+            &ident("d", 2, 42), SessionToken([1; 16]), mem(2), STEP, t0, [0; 32]);
         let (mut io, mut lo) = (vec![], vec![]);
         let mut now = t0;
         for ev in evs {

@@ -204,6 +204,7 @@ impl Channel {
             peer_id,
             incarnation: Incarnation(crate::rand_u64()),
             compat: config.compat.clone(),
+            secret: config.secret.clone(),
         };
         let config = Arc::new(config);
         let listener = match &config.listen_addr {

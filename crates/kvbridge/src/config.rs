@@ -1,6 +1,7 @@
 //! Channel configuration.
 
 use crate::net::Net;
+use kvbridge_proto::auth::Secret;
 use kvbridge_proto::frame::DEFAULT_MAX_FRAME_LEN;
 use kvbridge_proto::msg::Compat;
 use std::time::Duration;
@@ -89,6 +90,10 @@ pub struct ChannelConfig {
     pub listen_addr: Option<String>,
     /// What peers must match (KV layout, dtype, page size, layers, TP).
     pub compat: Compat,
+    /// Shared secret for mutual authentication (HMAC challenge/response). When set, a peer
+    /// that cannot prove it knows the secret is granted no region and no operation. Read
+    /// from `KVBRIDGE_SECRET` by [`ChannelConfig::new`]; never logged.
+    pub secret: Option<Secret>,
     /// Deadlines.
     pub deadlines: Deadlines,
     /// Limits.
@@ -109,6 +114,9 @@ impl ChannelConfig {
             peer_id: peer_id.into(),
             listen_addr: listen_addr.map(str::to_string),
             compat: Compat::default(),
+            secret: std::env::var("KVBRIDGE_SECRET")
+                .ok()
+                .and_then(|s| Secret::new(s.into_bytes())),
             deadlines: Deadlines::default(),
             limits: Limits::default(),
             net: Net::default(),

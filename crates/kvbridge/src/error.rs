@@ -39,6 +39,17 @@ pub enum Error {
         /// Their value.
         theirs: String,
     },
+    /// Authentication failed: the peer could not prove it knows the shared secret, or one
+    /// side requires authentication and the other does not do it.
+    #[error("peer {peer}: authentication failed at step {step}: {detail}")]
+    Unauthenticated {
+        /// The peer.
+        peer: String,
+        /// Where.
+        step: Step,
+        /// What.
+        detail: String,
+    },
     /// The peer answered with a typed refusal.
     #[error("peer {peer} rejected step {step}: {code}: {message}")]
     Rejected {
@@ -141,6 +152,11 @@ impl Error {
                 code,
                 message,
             } => match code {
+                ErrorCode::Unauthenticated => Error::Unauthenticated {
+                    peer,
+                    step,
+                    detail: message,
+                },
                 ErrorCode::PeerRestarted | ErrorCode::SessionReplaced => Error::PeerClosed {
                     peer,
                     code,
@@ -174,6 +190,9 @@ impl Error {
                 Error::PeerMisbehaved { peer, step, detail }
             }
             HandshakeError::Timeout { step, after } => Error::Timeout { peer, step, after },
+            HandshakeError::Unauthenticated { step, detail } => {
+                Error::Unauthenticated { peer, step, detail }
+            }
             HandshakeError::Closed { code, message } => Error::PeerClosed {
                 peer,
                 code,
@@ -187,6 +206,7 @@ impl Error {
         match self {
             Error::PeerMisbehaved { .. } => ErrorCode::Malformed,
             Error::Incompatible { .. } => ErrorCode::Incompatible,
+            Error::Unauthenticated { .. } => ErrorCode::Unauthenticated,
             Error::Rejected { code, .. } | Error::PeerClosed { code, .. } => *code,
             Error::Timeout { .. } => ErrorCode::Timeout,
             Error::ConnectionLost { .. } => ErrorCode::Internal,

@@ -87,6 +87,13 @@ impl Machine {
             Machine::Listen(m) => m.data_bound(now),
         }
     }
+    /// Whether a data connection may be bound now (never before the peer authenticated).
+    fn may_bind(&self) -> bool {
+        match self {
+            Machine::Init(_) => true,
+            Machine::Listen(m) => m.may_bind(),
+        }
+    }
     fn step(&self) -> Step {
         match self {
             Machine::Init(m) => m.step(),
@@ -180,10 +187,19 @@ struct Session {
     data: Option<ActiveData>,
     /// A data connection waiting to be bound (test hooks delay binding).
     pending_bind: Option<(Instant, Stream)>,
+    /// A data connection that arrived before the peer authenticated: parked, not bound.
+    parked_data: Option<Stream>,
     data_connect: Option<JoinHandle<std::io::Result<Stream>>>,
     remote: Arc<RwLock<HashMap<RegionId, RegionInfo>>>,
     established: bool,
     last_heard: Instant,
+}
+
+/// A fresh authentication challenge.
+fn challenge() -> [u8; kvbridge_proto::auth::CHALLENGE_LEN] {
+    let mut c = [0u8; kvbridge_proto::auth::CHALLENGE_LEN];
+    crate::rand_bytes(&mut c);
+    c
 }
 
 fn std_now() -> std::time::Instant {
@@ -256,6 +272,7 @@ pub(crate) async fn run_initiator(
         env.local.clone(),
         d.handshake_step,
         std_now(),
+        challenge(),
     ));
     Session::start(
         env,
@@ -297,6 +314,7 @@ pub(crate) async fn run_listener(
         granted,
         env.config.deadlines.handshake_step,
         std_now(),
+        challenge(),
     ));
     Session::start(
         env,
@@ -345,6 +363,7 @@ impl Session {
             cmd_tx,
             data: None,
             pending_bind: None,
+            parked_data: None,
             data_connect: None,
             remote: Arc::new(RwLock::new(HashMap::new())),
             established: false,
@@ -365,6 +384,12 @@ impl Session {
             if let Some(e) = self.process_outputs().await {
                 return e;
             }
+            if self.parked_data.is_some() && self.machine.may_bind() {
+                let s = self.parked_data.take().expect("checked");
+                let delay = self.env.config.hooks.listener_bind_delay;
+                self.bind_after(delay, s);
+                continue;
+            }
             let deadline = self.machine.poll_timeout().map(Instant::from_std);
             let bind_at = self.pending_bind.as_ref().map(|(at, _)| *at);
             let (reader, writer) = match self.data.as_mut() {
@@ -384,13 +409,12 @@ impl Session {
                 }
                 c = self.cmds.recv() => match c {
                     Some(SessionCmd::DataConn(s, peer)) => {
-                        if self.data.is_some() || self.pending_bind.is_some() || Some(&peer) != self.peer_id.as_ref() {
+                        if self.data.is_some() || self.pending_bind.is_some() || self.parked_data.is_some() || Some(&peer) != self.peer_id.as_ref() {
                             // A second data connection, or one naming another peer: refuse it
                             // without disturbing this session.
                             tokio::spawn(refuse(s, ErrorCode::UnknownSession, "data connection does not match this session"));
                         } else {
-                            let delay = self.env.config.hooks.listener_bind_delay;
-                            self.bind_after(delay, s);
+                            self.parked_data = Some(s);
                         }
                     }
                     Some(SessionCmd::Replace(e)) | Some(SessionCmd::Abort(e)) => return e,

@@ -1,0 +1,167 @@
+//! Mutual authentication with a shared secret: an unauthenticated peer gets no region and no
+//! operation, and every mismatch is a typed `Unauthenticated` error.
+
+mod common;
+use common::*;
+use kvbridge::proto::auth::Secret;
+use kvbridge::proto::frame::FrameHeader;
+use kvbridge::proto::ids::Blob;
+use kvbridge::proto::msg::*;
+use kvbridge::proto::{Incarnation, PeerId};
+use kvbridge::{Error, Op};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const PAGE: usize = 4096;
+
+fn secret(s: &str) -> Option<Secret> {
+    Secret::new(s.as_bytes().to_vec())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn matching_secrets_connect_and_write() {
+    let (dec, kv) = listener("decode-0", |c| c.secret = secret("s3cret"), PAGE, PAGE).await;
+    let (pre, src) = initiator("prefill-0", |c| c.secret = secret("s3cret"), PAGE, PAGE).await;
+    fill(&src, 8);
+    let peer = pre.connect(&addr(&dec)).await.unwrap();
+    pre.write(&peer, &[Op::page(&src, 0, kv.id(), 0, PAGE)])
+        .await
+        .unwrap();
+}
+
+async fn refused(init_secret: Option<&str>, listen_secret: Option<&str>) -> Error {
+    let (dec, kv) = listener(
+        "decode-0",
+        |c| c.secret = listen_secret.and_then(secret),
+        PAGE,
+        PAGE,
+    )
+    .await;
+    let (pre, _src) = initiator(
+        "prefill-0",
+        |c| c.secret = init_secret.and_then(secret),
+        PAGE,
+        PAGE,
+    )
+    .await;
+    let e = pre.connect(&addr(&dec)).await.unwrap_err();
+    // Nothing is left on either side, and the region was never touched.
+    let t = std::time::Instant::now();
+    while dec.stats().await.unwrap().sessions > 0 && t.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(dec.stats().await.unwrap().sessions, 0);
+    assert_eq!(pre.stats().await.unwrap().sessions, 0);
+    assert_eq!(kv.in_use(), 0);
+    e
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_secret_is_refused() {
+    let e = refused(Some("wrong"), Some("s3cret")).await;
+    assert!(matches!(e, Error::Unauthenticated { .. }), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_secret_is_refused_by_a_listener_that_requires_one() {
+    let e = refused(None, Some("s3cret")).await;
+    assert!(matches!(e, Error::Unauthenticated { .. }), "{e}");
+    assert!(e.to_string().contains("requires authentication"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn initiator_with_a_secret_refuses_a_listener_without_one() {
+    let e = refused(Some("s3cret"), None).await;
+    assert!(matches!(e, Error::Unauthenticated { .. }), "{e}");
+}
+
+async fn recv(s: &mut TcpStream) -> Option<Message> {
+    let mut h = [0u8; 8];
+    tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut h))
+        .await
+        .ok()?
+        .ok()?;
+    let hdr = FrameHeader::decode(&h, 1 << 24).ok()?;
+    let mut body = vec![0u8; hdr.body_len as usize];
+    s.read_exact(&mut body).await.ok()?;
+    Message::decode(&body).ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peer_without_a_valid_proof_can_write_nothing() {
+    let (dec, kv) = listener("decode-0", |c| c.secret = secret("s3cret"), PAGE, PAGE).await;
+    let mut ctl = TcpStream::connect(addr(&dec)).await.unwrap();
+    let me = PeerId::new("intruder").unwrap();
+    ctl.write_all(
+        &Message::Hello(Hello {
+            version: 1,
+            peer_id: me.clone(),
+            incarnation: Incarnation(1),
+            compat: Compat::default(),
+            auth: Some(Auth {
+                challenge: Some(Blob(vec![0; 32])),
+                response: None,
+            }),
+        })
+        .to_frame()
+        .unwrap(),
+    )
+    .await
+    .unwrap();
+    let Some(Message::Welcome(w)) = recv(&mut ctl).await else {
+        panic!("no welcome")
+    };
+    // Skip the proof; open the data connection and try to write anyway (knowing the id).
+    let mut data = TcpStream::connect(addr(&dec)).await.unwrap();
+    data.write_all(
+        &Message::DataHello(DataHello {
+            token: w.token,
+            peer_id: me,
+        })
+        .to_frame()
+        .unwrap(),
+    )
+    .await
+    .unwrap();
+    let batch = Message::WriteBatch(Batch {
+        id: 1,
+        ops: vec![OpDesc {
+            region: kv.id(),
+            offset: 0,
+            len: 8,
+        }],
+    });
+    let _ = data.write_all(&batch.to_frame().unwrap()).await;
+    let _ = data.write_all(&[0xEE; 8]).await;
+    // Now a bogus proof: the session is refused.
+    ctl.write_all(
+        &Message::Proof(Auth {
+            challenge: None,
+            response: Some(Blob(vec![1; 32])),
+        })
+        .to_frame()
+        .unwrap(),
+    )
+    .await
+    .unwrap();
+    match recv(&mut ctl).await {
+        Some(Message::Reject(r)) => assert_eq!(r.code, ErrorCode::Unauthenticated),
+        m => panic!("expected Reject, got {m:?}"),
+    }
+    let mut b = [0u8; 8];
+    kv.read_at(0, &mut b).unwrap();
+    assert_eq!(b, [0u8; 8], "an unauthenticated peer wrote into a region");
+    let t = std::time::Instant::now();
+    while dec.stats().await.unwrap().sessions > 0 && t.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(dec.stats().await.unwrap().sessions, 0);
+}
+
+#[test]
+fn the_secret_never_shows_in_debug_output() {
+    let mut c = kvbridge::ChannelConfig::new("x", None);
+    c.secret = secret("hunter2");
+    assert!(!format!("{c:?}").contains("hunter2"));
+}
