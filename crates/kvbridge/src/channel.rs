@@ -120,6 +120,8 @@ pub struct Stats {
     pub batches_in_flight: usize,
     /// Sessions that ended since the channel started.
     pub sessions_ended: u64,
+    /// Handshakes refused because `max_concurrent_handshakes` were already under way.
+    pub handshakes_refused: u64,
 }
 
 /// A change in the set of live sessions, for layers that hold state per peer (the PD
@@ -597,6 +599,7 @@ struct Core {
     dials: HashMap<String, (u64, Vec<ConnectReply>)>,
     by_addr: HashMap<String, u64>,
     ended: u64,
+    refused: u64,
     closing: Option<Vec<oneshot::Sender<()>>>,
     /// Callers of `disconnect` waiting for a session to be torn down.
     disconnecting: HashMap<u64, Vec<oneshot::Sender<Result<()>>>>,
@@ -626,6 +629,7 @@ impl Core {
             dials: HashMap::new(),
             by_addr: HashMap::new(),
             ended: 0,
+            refused: 0,
             closing: None,
             disconnecting: HashMap::new(),
         }
@@ -669,6 +673,15 @@ impl Core {
             },
         );
         (id, tx, rx)
+    }
+
+    /// Sessions that are not established yet.
+    fn handshaking(&self) -> usize {
+        self.sessions.values().filter(|s| s.up.is_none()).count()
+    }
+
+    fn limit_handshakes(&self) -> usize {
+        self.env.config.limits.max_concurrent_handshakes
     }
 
     fn set_task(&mut self, id: u64, task: JoinHandle<()>) {
@@ -738,6 +751,16 @@ impl Core {
                     return;
                 }
                 match first {
+                    Message::Hello(_) if self.handshaking() >= self.limit_handshakes() => {
+                        self.refused += 1;
+                        let msg = format!(
+                            "{} handshakes already under way (limit)",
+                            self.handshaking()
+                        );
+                        tokio::spawn(async move {
+                            refuse(stream, ErrorCode::LimitExceeded, &msg).await
+                        });
+                    }
                     Message::Hello(hello) => {
                         let mut t = [0u8; 16];
                         crate::rand_bytes(&mut t);
@@ -876,6 +899,7 @@ impl Core {
                     tokens: self.tokens.len(),
                     batches_in_flight: established.iter().map(|h| h.data.in_flight()).sum(),
                     sessions_ended: self.ended,
+                    handshakes_refused: self.refused,
                 });
             }
             CoreCmd::Close { reply } => {

@@ -53,6 +53,9 @@ pub struct Limits {
     pub max_batch_bytes: u64,
     /// Largest notification.
     pub max_notify_len: usize,
+    /// Most sessions handshaking with this listener at once; more are refused with
+    /// `LimitExceeded` (a flood of half-open peers cannot exhaust the listener).
+    pub max_concurrent_handshakes: usize,
 }
 
 impl Default for Limits {
@@ -62,6 +65,7 @@ impl Default for Limits {
             max_ops_per_batch: 65_536,
             max_batch_bytes: 16 << 30,
             max_notify_len: 1 << 20,
+            max_concurrent_handshakes: 256,
         }
     }
 }

@@ -14,7 +14,7 @@
 use crate::config::{Limits, TestHooks};
 use crate::error::{Error, Result};
 use crate::region::{RegionTable, RegionUse};
-use crate::wire::{read_frame, write_all_vectored, write_msg, ReadError};
+use crate::wire::{read_data_frame, write_all_vectored, write_msg, ReadError};
 use crate::Notification;
 use kvbridge_proto::handshake::Step;
 use kvbridge_proto::ids::Blob;
@@ -389,7 +389,14 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
     let peer = ctx.path.peer.clone();
     let mut buf = Vec::new();
     loop {
-        let msg = match read_frame(&mut r, ctx.limits.max_frame_len, &mut buf).await {
+        let msg = match read_data_frame(
+            &mut r,
+            ctx.limits.max_frame_len,
+            &mut buf,
+            ctx.payload_deadline,
+        )
+        .await
+        {
             Ok(m) => m,
             Err(ReadError::Eof) => {
                 return Err(Error::lost(
@@ -397,6 +404,13 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
                     Step::Established,
                     "data connection closed",
                 ))
+            }
+            Err(ReadError::Io(e)) if e.kind() == std::io::ErrorKind::TimedOut => {
+                return Err(Error::Timeout {
+                    peer: peer.to_string(),
+                    step: Step::Established,
+                    after: ctx.payload_deadline,
+                })
             }
             Err(ReadError::Io(e)) => return Err(Error::lost(peer.as_str(), Step::Established, e)),
             Err(ReadError::Frame(e)) => {

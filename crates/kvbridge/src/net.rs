@@ -167,6 +167,15 @@ impl Stream {
 }
 
 impl ReadHalf {
+    /// Bounds each blocking system call on this half (`SO_RCVTIMEO`); `None` removes the
+    /// bound. A no-op for non-blocking halves, which callers bound with timers.
+    pub fn set_stall_timeout(&self, limit: Option<std::time::Duration>) -> io::Result<()> {
+        match self {
+            ReadHalf::Blocking(r) => r.set_read_timeout(limit),
+            _ => Ok(()),
+        }
+    }
+
     /// [`ReadHalf::read_exact_vectored`] that fails with `TimedOut` once `limit` has passed:
     /// a peer that announces a payload and then stalls must not hold the destination memory
     /// (and this task) forever.

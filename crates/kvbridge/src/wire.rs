@@ -51,6 +51,40 @@ pub(crate) async fn read_frame<R: AsyncRead + Unpin>(
     Message::decode(buf).map_err(ReadError::Frame)
 }
 
+/// Reads one frame from a data connection. Waiting for a frame to start has no deadline (a
+/// data connection may idle); once its first byte is in, the rest of the frame must follow
+/// within `limit`, or the read fails with `TimedOut`.
+pub(crate) async fn read_data_frame(
+    r: &mut crate::net::ReadHalf,
+    max_body: u32,
+    buf: &mut Vec<u8>,
+    limit: std::time::Duration,
+) -> Result<Message, ReadError> {
+    let mut h = [0u8; FRAME_HEADER_LEN];
+    let n = r.read(&mut h[..1]).await.map_err(ReadError::Io)?;
+    if n == 0 {
+        return Err(ReadError::Eof);
+    }
+    r.set_stall_timeout(Some(limit)).map_err(ReadError::Io)?;
+    let rest = async {
+        r.read_exact(&mut h[1..]).await.map_err(eof_is_truncation)?;
+        let header = FrameHeader::decode(&h, max_body).map_err(ReadError::Frame)?;
+        buf.clear();
+        buf.resize(header.body_len as usize, 0);
+        r.read_exact(buf).await.map_err(eof_is_truncation)?;
+        Message::decode(buf).map_err(ReadError::Frame)
+    };
+    let res = match tokio::time::timeout(limit, rest).await {
+        Ok(Err(ReadError::Io(e))) if e.kind() == io::ErrorKind::WouldBlock => {
+            Err(ReadError::Io(io::ErrorKind::TimedOut.into()))
+        }
+        Ok(r) => r,
+        Err(_) => Err(ReadError::Io(io::ErrorKind::TimedOut.into())),
+    };
+    r.set_stall_timeout(None).map_err(ReadError::Io)?;
+    res
+}
+
 fn eof_is_truncation(e: io::Error) -> ReadError {
     if e.kind() == io::ErrorKind::UnexpectedEof {
         ReadError::Frame(FrameError::Truncated)

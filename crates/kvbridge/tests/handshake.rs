@@ -335,3 +335,48 @@ async fn unreachable_listener_fails_within_the_connect_deadline() {
     let s = pre.stats().await.unwrap();
     assert_eq!((s.sessions, s.dialing), (0, 0));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handshakes_beyond_the_limit_are_refused_with_limit_exceeded() {
+    let (dec, _kv) = listener(
+        "decode-0",
+        |c| {
+            c.limits.max_concurrent_handshakes = 2;
+            c.hooks.listener_welcome_delay = Some(Duration::from_secs(30));
+            c.deadlines.close = Duration::from_millis(100);
+        },
+        PAGE,
+        PAGE,
+    )
+    .await;
+    let target = addr(&dec);
+    // Two slow handshakes occupy the listener...
+    let mut pending = vec![];
+    for i in 0..2 {
+        let (pre, _) = initiator(&format!("slow-{i}"), |_| {}, PAGE, PAGE).await;
+        let t = target.clone();
+        pending.push(tokio::spawn(async move { pre.connect(&t).await }));
+    }
+    let t0 = Instant::now();
+    while dec.stats().await.unwrap().sessions < 2 && t0.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    // ...so the third is refused at once, with a typed error.
+    let (third, _) = initiator("third", |_| {}, PAGE, PAGE).await;
+    let e = third.connect(&target).await.unwrap_err();
+    assert!(
+        matches!(
+            &e,
+            Error::Rejected {
+                code: ErrorCode::LimitExceeded,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert_eq!(dec.stats().await.unwrap().handshakes_refused, 1);
+    dec.close().await;
+    for p in pending {
+        let _ = p.await;
+    }
+}

@@ -232,7 +232,8 @@ async fn oversized_frame_and_garbage_are_refused_without_a_panic() {
 }
 
 /// Test both data-path drivers: a thread blocked in the kernel and a tokio task.
-async fn stalled_payload_releases_the_region(threads: bool) {
+/// `partial_frame`: stall inside a frame header instead of inside a payload.
+async fn stalled_peer_is_dropped(threads: bool, partial_frame: bool) {
     let (dec, kv) = listener(
         "decode-0",
         |c| {
@@ -254,8 +255,12 @@ async fn stalled_payload_releases_the_region(threads: bool) {
     })
     .to_frame()
     .unwrap();
-    data.write_all(&frame).await.unwrap();
-    data.write_all(&[7u8; 100]).await.unwrap(); // then nothing more
+    if partial_frame {
+        data.write_all(&frame[..5]).await.unwrap(); // then nothing more
+    } else {
+        data.write_all(&frame).await.unwrap();
+        data.write_all(&[7u8; 100]).await.unwrap(); // then nothing more
+    }
     let t = std::time::Instant::now();
     while (kv.in_use() > 0 || dec.stats().await.unwrap().sessions > 0)
         && t.elapsed() < Duration::from_secs(5)
@@ -282,10 +287,20 @@ async fn stalled_payload_releases_the_region(threads: bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stalled_payload_hits_its_deadline_on_data_threads() {
-    stalled_payload_releases_the_region(true).await
+    stalled_peer_is_dropped(true, false).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stall_inside_a_frame_hits_its_deadline_on_data_threads() {
+    stalled_peer_is_dropped(true, true).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stall_inside_a_frame_hits_its_deadline_on_data_tasks() {
+    stalled_peer_is_dropped(false, true).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stalled_payload_hits_its_deadline_on_data_tasks() {
-    stalled_payload_releases_the_region(false).await
+    stalled_peer_is_dropped(false, false).await
 }
