@@ -22,6 +22,10 @@ struct Cli {
 enum Cmd {
     /// OpenAI-compatible disaggregation proxy in front of prefill and decode pools.
     Proxy(Box<kvbridge_proxy::cli::ProxyArgs>),
+    /// Reference engine: a deterministic mock LLM serving the OpenAI API over the PD layer.
+    Engine(Box<kvbridge_sim::cli::EngineArgs>),
+    /// The whole PD path on loopback: proxy, prefillers, decoders, a workload, a summary.
+    Demo(Box<kvbridge_sim::demo::DemoArgs>),
     /// Benchmarks (two processes on loopback).
     #[command(subcommand)]
     Bench(BenchCmd),
@@ -65,6 +69,20 @@ fn main() -> Result<()> {
         .build()?;
     match cli.cmd {
         Cmd::Proxy(args) => rt.block_on(kvbridge_proxy::cli::run(*args)),
+        Cmd::Engine(args) => rt.block_on(kvbridge_sim::cli::run_engine(*args)),
+        Cmd::Demo(args) => {
+            let json = args.json;
+            let s = rt.block_on(kvbridge_sim::demo::run(*args))?;
+            if json {
+                println!("{}", serde_json::to_string(&s)?);
+            } else {
+                println!("{}", s.table());
+            }
+            if !s.passed() {
+                std::process::exit(1);
+            }
+            Ok(())
+        }
         Cmd::Bench(BenchCmd::Transfer(args)) => {
             let (json, batch) = (args.json, args.batch);
             let r = rt.block_on(bench::transfer::run(args))?;
