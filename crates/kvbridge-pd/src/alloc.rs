@@ -601,6 +601,12 @@ impl PageAllocator {
         self.serve_waiters(now)
     }
 
+    /// Whether pages of `req_id` still wait for `owner` to acknowledge a fence.
+    pub fn fence_pending(&self, req_id: &str, owner: &Owner) -> bool {
+        self.quarantine
+            .contains_key(&(owner.clone(), req_id.to_string()))
+    }
+
     fn free_quarantined(&mut self, pages: Vec<u32>) {
         for p in pages {
             if self.pages[p as usize] == Page::Quarantined {

@@ -85,6 +85,10 @@ pub struct PdConfig {
     pub latent_dim: u32,
     /// `fp32`, `fp16`, `bf16` or `fp8`.
     pub dtype: String,
+    /// MLA only: rank 0 sends the KV once for all ranks ([`crate::SenderConfig::mla_send_once`]).
+    pub mla_send_once: bool,
+    /// Receiver: seconds a sender may take to acknowledge a fence before it is disconnected.
+    pub fence_timeout_sec: f64,
 }
 
 impl Default for PdConfig {
@@ -108,6 +112,8 @@ impl Default for PdConfig {
             head_dim: 128,
             latent_dim: 0,
             dtype: "bf16".into(),
+            mla_send_once: false,
+            fence_timeout_sec: 10.0,
         }
     }
 }
@@ -218,6 +224,11 @@ impl PdConfig {
     /// The TTL.
     pub fn ttl(&self) -> Duration {
         Duration::from_secs_f64(self.ttl_sec.clamp(0.0, 1e6))
+    }
+
+    /// The fence acknowledgement deadline.
+    pub fn fence_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.fence_timeout_sec.clamp(0.0, 1e6))
     }
 
     /// The proxy's `tcp://host:port`, when both are set.

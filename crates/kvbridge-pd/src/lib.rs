@@ -9,6 +9,7 @@
 //! - [`receiver`] / [`sender`]: the two ends, push mode.
 //! - [`outcome`]: `KvReady` / `KvFailed` / `ProxyNotif` as msgpack over ZMQ PUSH.
 //! - [`config`]: TOML + environment + CLI settings, LMCache names accepted.
+//! - [`bench`]: `kvbridge bench pd` (PD layer against a raw channel, same run).
 //!
 //! ```no_run
 //! # async fn demo() -> kvbridge_pd::Result<()> {
@@ -39,6 +40,7 @@
 #![warn(missing_docs)]
 
 pub mod alloc;
+pub mod bench;
 pub mod config;
 mod error;
 pub mod key;

@@ -30,6 +30,10 @@ pub enum Outcome {
         chunks: u64,
         /// Bytes written by this rank.
         bytes: u64,
+        /// MLA send-once: the rank that sent this rank's (identical) KV; this rank wrote
+        /// nothing. Absent on the wire otherwise (the shape stays LMCache-compatible).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        sent_by: Option<u32>,
     },
     /// A rank could not transfer the request's KV.
     KvFailed {
@@ -163,6 +167,7 @@ mod tests {
             rank: 0,
             chunks: 4,
             bytes: 1 << 20,
+            sent_by: None,
         };
         assert_eq!(ready.encode(), GOLDEN_KV_READY);
         let failed = Outcome::KvFailed {

@@ -36,6 +36,12 @@ pub struct ReceiverConfig {
     /// sender's behalf). Off ([`OutcomeSink::None`]) by default: a live sender reports its
     /// own failures, and the proxy takes the first outcome per rank.
     pub failure_outcomes: OutcomeSink,
+    /// How long a sender may take to acknowledge a fence. A sender whose session is up but
+    /// that does not answer (stuck, or broken) is then disconnected: once
+    /// [`Channel::disconnect`] returns none of its writes can land, so its quarantined pages
+    /// return (and its other unfinished requests end). Without this bound a silent but
+    /// connected sender would hold its pages until its session died.
+    pub fence_timeout: Duration,
 }
 
 impl ReceiverConfig {
@@ -49,6 +55,7 @@ impl ReceiverConfig {
             alloc_timeout: Duration::from_secs(10),
             ttl: Duration::from_secs(60),
             failure_outcomes: OutcomeSink::None,
+            fence_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -66,6 +73,7 @@ struct Inner {
     outbox: Mutex<HashMap<PeerId, mpsc::UnboundedSender<Vec<u8>>>>,
     live: Mutex<HashMap<PeerId, u64>>,
     failures: OutcomeSink,
+    fence_timeout: Duration,
 }
 
 /// One receiver rank. Dropping it stops the driver; call [`PdReceiver::close`] to end
@@ -133,6 +141,7 @@ impl PdReceiver {
             outbox: Mutex::new(HashMap::new()),
             live: Mutex::new(HashMap::new()),
             failures: cfg.failure_outcomes,
+            fence_timeout: cfg.fence_timeout,
         });
         let task = tokio::spawn(drive(inner.clone(), events));
         Ok(PdReceiver { inner, task })
@@ -232,6 +241,23 @@ impl PdReceiver {
         result.map(|()| out)
     }
 
+    /// Returns the pages of a complete request without copying its KV out (the decoder
+    /// consumed it in place). Fails naming the request when it is not complete.
+    pub fn release(&self, req_id: &str) -> Result<()> {
+        let invalid = |e: ReqError| PdError::Invalid {
+            req_id: req_id.into(),
+            step: PdStep::Retrieve,
+            detail: e.to_string(),
+        };
+        let ev = {
+            let mut a = self.lock();
+            a.begin_retrieve(req_id).map_err(invalid)?;
+            a.end_retrieve(Instant::now(), req_id).map_err(invalid)?
+        };
+        apply(&self.inner, ev);
+        Ok(())
+    }
+
     /// Cancels a request on the decoder side (abort): a waiting allocation is refused, a
     /// request being written is fenced (its pages return once no write can land), a
     /// complete one is released.
@@ -324,7 +350,14 @@ fn apply(inner: &Arc<Inner>, events: Vec<Event>) {
             }
             Event::Fence { req_id, owner } => {
                 if let Some(peer) = PeerId::new(owner.peer.clone()) {
-                    send(inner, &peer, &PdMsg::Fence { req_id });
+                    send(
+                        inner,
+                        &peer,
+                        &PdMsg::Fence {
+                            req_id: req_id.clone(),
+                        },
+                    );
+                    tokio::spawn(fence_deadline(inner.clone(), peer, owner, req_id));
                 }
             }
             Event::Ended {
@@ -355,6 +388,35 @@ fn apply(inner: &Arc<Inner>, events: Vec<Event>) {
     }
     inner.changed.notify_waiters();
     inner.wake.notify_one();
+}
+
+/// Disconnects a sender that has not acknowledged a fence within `fence_timeout` (and is
+/// still the session that owns the quarantined pages); the pages return once the session is
+/// torn down.
+async fn fence_deadline(inner: Arc<Inner>, peer: PeerId, owner: Owner, req_id: String) {
+    tokio::time::sleep(inner.fence_timeout).await;
+    if !lock(&inner.alloc).fence_pending(&req_id, &owner) {
+        return;
+    }
+    // Only the session that owns the pages: a restarted sender's pages were freed by Down.
+    match inner.channel.peer_incarnation(&peer).await {
+        Ok(i) if i.0 == owner.incarnation => {}
+        _ => return,
+    }
+    let reason = format!(
+        "request {req_id}: no fence acknowledgement within {:?}",
+        inner.fence_timeout
+    );
+    tracing::warn!(%peer, %req_id, "sender did not acknowledge a fence; disconnecting it");
+    match inner.channel.disconnect(&peer, &reason).await {
+        // Torn down: nothing of that session can land any more (the Down event will say the
+        // same; owner_down is idempotent).
+        Ok(()) => peer_down(&inner, &peer, owner.incarnation).await,
+        Err(e) => {
+            // The session is going down anyway (or was gone): its Down event frees the pages.
+            tracing::warn!(%peer, %req_id, error = %e, "disconnecting a silent sender failed");
+        }
+    }
 }
 
 /// Is the owner's session the live one? Asks the channel when the event has not been seen

@@ -56,6 +56,11 @@ pub struct SenderConfig {
     pub step_deadline: Duration,
     /// Where outcomes go.
     pub outcomes: OutcomeSink,
+    /// MLA only (the KV is identical on every rank): rank 0 sends the KV once, to decoder
+    /// rank 0, for all ranks; every other rank writes nothing and reports
+    /// `KvReady{bytes: 0, sent_by: Some(0)}` (its KV is ready when rank 0's is: the proxy
+    /// still needs rank 0's own outcome). The decoder shares rank 0's copy across its ranks.
+    pub mla_send_once: bool,
 }
 
 impl SenderConfig {
@@ -77,6 +82,7 @@ impl SenderConfig {
             alloc_deadline: Duration::from_secs(15),
             step_deadline: Duration::from_secs(30),
             outcomes: OutcomeSink::None,
+            mla_send_once: false,
         }
     }
 }
@@ -127,6 +133,18 @@ impl PdSender {
     /// Creates the channel and staging memory and starts the dispatcher.
     pub async fn start(cfg: SenderConfig) -> Result<PdSender> {
         cfg.spec.validate().map_err(PdError::Config)?;
+        if cfg.mla_send_once && !cfg.spec.layout.is_mla() {
+            return Err(PdError::Config(format!(
+                "mla_send_once needs the MLA layout (identical KV on every rank), not {}",
+                cfg.spec.layout
+            )));
+        }
+        if cfg.rank >= cfg.world_size.max(1) {
+            return Err(PdError::Config(format!(
+                "rank {} outside a world of {} ranks",
+                cfg.rank, cfg.world_size
+            )));
+        }
         let page = cfg.spec.page_bytes() as usize;
         let n = cfg.staging_chunks.max(1);
         let channel = Channel::new(cfg.channel.clone())
@@ -153,6 +171,18 @@ impl PdSender {
     /// The channel (to register engine memory for [`Transfer::send_chunk_from`]).
     pub fn channel(&self) -> &Channel {
         &self.inner.channel
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> u32 {
+        self.inner.cfg.rank
+    }
+
+    /// Whether this rank only reports and leaves sending to rank 0 (`mla_send_once` with
+    /// more than one rank).
+    pub fn follows(&self) -> bool {
+        let c = &self.inner.cfg;
+        c.mla_send_once && c.world_size > 1 && c.rank != 0
     }
 
     /// Registers engine memory so chunks can be written from it without a copy.
@@ -210,8 +240,16 @@ impl PdSender {
             tokens: n_tokens,
             bytes: 0,
             skipped: 0,
+            sent_by: None,
             done: false,
         };
+        if self.follows() {
+            // Rank 0 sends the (identical) KV for every rank: nothing to write here.
+            t.sent = vec![true; chunks as usize];
+            t.skipped = chunks;
+            t.sent_by = Some(0);
+            return Ok(t);
+        }
         if chunks == 0 {
             // Nothing to move; finish() reports KvReady with 0 chunks.
             return Ok(t);
@@ -351,6 +389,8 @@ pub struct Transfer {
     tokens: u64,
     bytes: u64,
     skipped: u64,
+    /// Set when another rank sends this rank's KV (MLA send-once).
+    sent_by: Option<u32>,
     done: bool,
 }
 
@@ -373,6 +413,8 @@ pub struct Summary {
     pub skipped: u64,
     /// Bytes written.
     pub bytes: u64,
+    /// Set when another rank sent this rank's KV (MLA send-once): that rank.
+    pub sent_by: Option<u32>,
 }
 
 impl Transfer {
@@ -386,7 +428,8 @@ impl Transfer {
         self.inner.cfg.spec.chunks_for(self.tokens)
     }
 
-    /// Whether chunk `index` must still be sent (false when the receiver already holds it).
+    /// Whether chunk `index` must still be sent (false when the receiver already holds it,
+    /// or when another rank sends it: MLA send-once).
     pub fn needs(&self, index: u64) -> bool {
         self.sent.get(index as usize).is_some_and(|s| !s)
     }
@@ -588,6 +631,7 @@ impl Transfer {
                 rank: self.inner.cfg.rank,
                 chunks: s.chunks,
                 bytes: s.bytes,
+                sent_by: s.sent_by,
             });
         }
         r
@@ -607,6 +651,7 @@ impl Transfer {
             chunks: self.chunks(),
             skipped: self.skipped,
             bytes: self.bytes,
+            sent_by: self.sent_by,
         };
         if self.peer.is_none() {
             return Ok(summary); // an empty prompt: nothing was allocated

@@ -28,7 +28,8 @@ async fn short_prompt_outcome_arrives_and_kv_is_exact() {
             req_id: "short".into(),
             rank: 0,
             chunks: 1,
-            bytes: len as u64
+            bytes: len as u64,
+            sent_by: None,
         })
     );
     let got = rx.retrieve("short", S).await.unwrap();

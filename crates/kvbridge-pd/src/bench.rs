@@ -1,0 +1,663 @@
+//! `kvbridge bench pd`: prefiller ranks to decoder ranks over real loopback sockets.
+//!
+//! Each request's KV is written chunk by chunk through the PD sender's zero-copy path
+//! ([`crate::Transfer::send_chunk_from`]), then finished; the proxy side (an in-process
+//! outcome queue) timestamps every outcome. The same run measures a raw
+//! [`kvbridge::Channel`] writing the same bytes with the same page size and batch shape
+//! (one chunk per batch, the same requests in flight), so the PD layer's overhead is
+//! `1 - kv / channel`. Repetitions alternate raw and PD; medians are reported.
+//!
+//! With `--tp N` there are N prefiller and N decoder ranks, one channel per rank pair;
+//! `--mla-send-once` (MLA only) lets rank 0 send for every rank.
+
+use crate::error::{PdError, PdStep, Result};
+use crate::layout::{Dtype, KvLayout, KvSpec};
+use crate::outcome::{Outcome, OutcomeSink};
+use crate::receiver::{PdReceiver, ReceiverConfig};
+use crate::sender::{DisaggSpec, PdSender, SenderConfig};
+use kvbridge::{Channel, ChannelConfig, Grant, Op, PeerId, Region};
+use serde::Serialize;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// Which KV layout the benchmark moves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BenchLayout {
+    /// `(layers, 2, tokens, kv_heads, head_dim)`.
+    Standard,
+    /// `(layers, 1, tokens, latent_dim)`.
+    Mla,
+}
+
+/// Flags of `kvbridge bench pd`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct PdBenchArgs {
+    /// Requests per repetition.
+    #[arg(long, default_value_t = 8)]
+    pub requests: usize,
+    /// Prompt tokens per request.
+    #[arg(long, default_value_t = 4096)]
+    pub tokens: u64,
+    /// Tokens per chunk (one receive-buffer page, one write batch).
+    #[arg(long, default_value_t = 256)]
+    pub chunk_tokens: u32,
+    /// KV layout.
+    #[arg(long, value_enum, default_value_t = BenchLayout::Standard)]
+    pub layout: BenchLayout,
+    /// Layers (default 32 for standard, 61 for MLA).
+    #[arg(long)]
+    pub layers: Option<u32>,
+    /// KV heads per rank (standard).
+    #[arg(long, default_value_t = 8)]
+    pub kv_heads: u32,
+    /// Head dimension (standard).
+    #[arg(long, default_value_t = 128)]
+    pub head_dim: u32,
+    /// Latent dimension including the rope part (MLA).
+    #[arg(long, default_value_t = 576)]
+    pub latent_dim: u32,
+    /// Element type (fp32, fp16, bf16, fp8).
+    #[arg(long, default_value = "bf16")]
+    pub dtype: Dtype,
+    /// Requests in flight at once.
+    #[arg(long, default_value_t = 2)]
+    pub concurrency: usize,
+    /// Tensor-parallel ranks (one prefiller and one decoder rank each).
+    #[arg(long, default_value_t = 1)]
+    pub tp: u32,
+    /// MLA only: rank 0 sends the KV once for all ranks; the others only report.
+    #[arg(long)]
+    pub mla_send_once: bool,
+    /// Repetitions (raw channel and PD alternate); medians are reported.
+    #[arg(long, default_value_t = 3)]
+    pub reps: usize,
+    /// Deadline of each request (and of each raw batch).
+    #[arg(long, default_value_t = 60)]
+    pub deadline_s: u64,
+    /// Print exactly `{"kv_gib_per_s", "channel_gib_per_s", "overhead",
+    /// "tail_latency_p50_ms"}` instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl PdBenchArgs {
+    /// The KV spec the flags describe.
+    pub fn spec(&self) -> KvSpec {
+        let layout = match self.layout {
+            BenchLayout::Standard => KvLayout::Standard {
+                layers: self.layers.unwrap_or(32),
+                kv_heads: self.kv_heads,
+                head_dim: self.head_dim,
+            },
+            BenchLayout::Mla => KvLayout::Mla {
+                layers: self.layers.unwrap_or(61),
+                latent_dim: self.latent_dim,
+            },
+        };
+        KvSpec {
+            chunk_tokens: self.chunk_tokens,
+            ..KvSpec::new(layout, self.dtype)
+        }
+    }
+}
+
+/// What `--json` prints.
+#[derive(Debug, Clone, Serialize)]
+pub struct PdBenchJson {
+    /// KV moved through the PD layer per second (median over repetitions).
+    pub kv_gib_per_s: f64,
+    /// A raw channel writing the same bytes, same page size and batch shape (median).
+    pub channel_gib_per_s: f64,
+    /// `1 - kv_gib_per_s / channel_gib_per_s`.
+    pub overhead: f64,
+    /// Median over requests and writing ranks of the time from the last chunk handed over
+    /// to the rank's outcome, in milliseconds (median over repetitions).
+    pub tail_latency_p50_ms: f64,
+}
+
+/// The whole result.
+#[derive(Debug, Clone, Serialize)]
+pub struct PdBenchReport {
+    /// The `--json` figures.
+    pub summary: PdBenchJson,
+    /// 99th percentile of the same latency (median over repetitions).
+    pub tail_latency_p99_ms: f64,
+    /// Median over repetitions of the PD wall time of one repetition, in milliseconds.
+    pub pd_wall_ms: f64,
+    /// Bytes written by all ranks in one repetition (PD).
+    pub bytes_per_rep: u64,
+    /// KV bytes the decoder ranks need in one repetition (tp × requests × prompt bytes).
+    pub kv_bytes_per_rep: u64,
+    /// The spec moved.
+    pub spec: String,
+    /// Ranks.
+    pub tp: u32,
+    /// Whether MLA send-once was on.
+    pub mla_send_once: bool,
+}
+
+impl std::fmt::Display for PdBenchReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = &self.summary;
+        writeln!(
+            f,
+            "PD bench: {} tp={} send-once={}",
+            self.spec, self.tp, self.mla_send_once
+        )?;
+        writeln!(
+            f,
+            "  KV through PD     {:8.3} GiB/s   (wall {:.1} ms per repetition)",
+            s.kv_gib_per_s, self.pd_wall_ms
+        )?;
+        writeln!(f, "  raw channel       {:8.3} GiB/s", s.channel_gib_per_s)?;
+        writeln!(f, "  overhead          {:8.2} %", s.overhead * 100.0)?;
+        writeln!(
+            f,
+            "  last chunk -> outcome  p50 {:.3} ms  p99 {:.3} ms",
+            s.tail_latency_p50_ms, self.tail_latency_p99_ms
+        )?;
+        writeln!(
+            f,
+            "  bytes written per repetition {} (KV the decoder ranks need: {})",
+            self.bytes_per_rep, self.kv_bytes_per_rep
+        )
+    }
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+fn cfg_err(what: &str, e: impl std::fmt::Display) -> PdError {
+    PdError::Config(format!("bench pd: {what}: {e}"))
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let i = ((v.len() as f64 - 1.0) * p).round() as usize;
+    v[i.min(v.len() - 1)]
+}
+
+/// Distinct tokens per request and rank-independent (equal prompts on every rank), so no
+/// chunk is deduplicated across requests.
+fn tokens_of(req: usize, n: u64) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (req as u32).wrapping_mul(1_000_003).wrapping_add(i))
+        .collect()
+}
+
+/// Outcomes by (request, rank), with their arrival time at the proxy side.
+type Outcomes = Arc<Mutex<HashMap<(String, u32), (Instant, Outcome)>>>;
+
+/// The PD side: senders, receivers, the outcome collector.
+struct PdSide {
+    senders: Vec<Arc<PdSender>>,
+    receivers: Vec<Arc<PdReceiver>>,
+    ports: Vec<u16>,
+    outcomes: Outcomes,
+}
+
+/// The raw side: one channel pair per rank that writes: (source, its peer, destination
+/// buffer, destination channel).
+struct RawSide {
+    pairs: Vec<(Channel, PeerId, Region, Channel)>,
+    engine: Region,
+}
+
+/// Runs the benchmark and prints its result (a table, or the `--json` object).
+pub async fn run(args: PdBenchArgs) -> Result<PdBenchReport> {
+    let r = measure(&args).await?;
+    if args.json {
+        let s = serde_json::to_string(&r.summary).map_err(|e| cfg_err("json", e))?;
+        println!("{s}");
+    } else {
+        print!("{r}");
+    }
+    Ok(r)
+}
+
+/// Runs the benchmark and returns its result without printing.
+pub async fn measure(args: &PdBenchArgs) -> Result<PdBenchReport> {
+    let spec = args.spec();
+    spec.validate().map_err(|e| cfg_err("spec", e))?;
+    if args.requests == 0 || args.tokens == 0 || args.concurrency == 0 || args.tp == 0 {
+        return Err(cfg_err(
+            "flags",
+            "requests, tokens, concurrency and tp must be > 0",
+        ));
+    }
+    if args.mla_send_once && !spec.layout.is_mla() {
+        return Err(cfg_err("flags", "--mla-send-once needs --layout mla"));
+    }
+    let page = spec.page_bytes() as usize;
+    let chunks = spec.chunks_for(args.tokens);
+    let conc = args.concurrency.min(args.requests);
+    let req_bytes = spec.prompt_bytes(args.tokens);
+    let engine_len = chunks as usize * page;
+    let deadline = Duration::from_secs(args.deadline_s.max(1));
+
+    // The engine's KV of one request (every request and rank sends the same bytes; keys
+    // differ by token ids, so nothing is deduplicated).
+    let engine = Region::alloc(engine_len, page).map_err(|e| cfg_err("engine memory", e))?;
+    let pattern: Vec<u8> = (0..page).map(|i| (i * 131 % 251) as u8).collect();
+    for c in 0..chunks as usize {
+        let mut p = pattern.clone();
+        p[..8].copy_from_slice(&(c as u64).to_le_bytes());
+        engine
+            .write_at(c * page, &p)
+            .map_err(|e| cfg_err("engine memory", e))?;
+    }
+
+    let pd = pd_side(args, spec, &engine, conc, chunks, deadline).await?;
+    let writers = if args.mla_send_once { 1 } else { args.tp };
+    let raw = raw_side(writers, &engine, conc, chunks, page).await?;
+
+    // Warm-up: one request through PD, retrieved and checked byte for byte on every rank
+    // that received; one raw batch per pair.
+    pd_rep(
+        &pd,
+        args,
+        spec,
+        &engine,
+        1,
+        1,
+        usize::MAX / 2,
+        true,
+        deadline,
+    )
+    .await?;
+    raw_rep(&raw, spec, args.tokens, 1, 1, deadline).await?;
+
+    let (mut kv, mut ch, mut p50, mut p99, mut wall) = (vec![], vec![], vec![], vec![], vec![]);
+    let mut bytes = 0;
+    for rep in 0..args.reps.max(1) {
+        let raw_s = raw_rep(&raw, spec, args.tokens, args.requests, conc, deadline).await?;
+        let raw_bytes = writers as u64 * args.requests as u64 * req_bytes;
+        ch.push(raw_bytes as f64 / GIB / raw_s);
+        let base = rep * args.requests;
+        let (secs, written, mut lat) = pd_rep(
+            &pd,
+            args,
+            spec,
+            &engine,
+            args.requests,
+            conc,
+            base,
+            false,
+            deadline,
+        )
+        .await?;
+        bytes = written;
+        kv.push(written as f64 / GIB / secs);
+        wall.push(secs * 1e3);
+        p50.push(percentile(&mut lat, 0.5));
+        p99.push(percentile(&mut lat, 0.99));
+    }
+    let (kv, ch) = (median(&mut kv), median(&mut ch));
+    for s in &pd.senders {
+        s.close().await;
+    }
+    for r in &pd.receivers {
+        r.close().await;
+    }
+    for (a, _, _, b) in &raw.pairs {
+        a.close().await;
+        b.close().await;
+    }
+    Ok(PdBenchReport {
+        summary: PdBenchJson {
+            kv_gib_per_s: kv,
+            channel_gib_per_s: ch,
+            overhead: if ch > 0.0 { 1.0 - kv / ch } else { 0.0 },
+            tail_latency_p50_ms: median(&mut p50),
+        },
+        tail_latency_p99_ms: median(&mut p99),
+        pd_wall_ms: median(&mut wall),
+        bytes_per_rep: bytes,
+        kv_bytes_per_rep: args.tp as u64 * args.requests as u64 * req_bytes,
+        spec: spec.to_string(),
+        tp: args.tp,
+        mla_send_once: args.mla_send_once,
+    })
+}
+
+async fn pd_side(
+    args: &PdBenchArgs,
+    spec: KvSpec,
+    engine: &Region,
+    conc: usize,
+    chunks: u64,
+    deadline: Duration,
+) -> Result<PdSide> {
+    let (otx, mut orx) = mpsc::unbounded_channel::<Outcome>();
+    let outcomes: Outcomes = Arc::default();
+    let sink = outcomes.clone();
+    tokio::spawn(async move {
+        while let Some(o) = orx.recv().await {
+            let now = Instant::now();
+            let rank = match &o {
+                Outcome::KvReady { rank, .. } | Outcome::KvFailed { rank, .. } => *rank,
+                Outcome::ProxyNotif { .. } => 0,
+            };
+            let mut m = sink.lock().unwrap_or_else(|p| p.into_inner());
+            m.insert((o.req_id().to_string(), rank), (now, o));
+        }
+    });
+    let mut senders = Vec::new();
+    let mut receivers = Vec::new();
+    let mut ports = Vec::new();
+    for rank in 0..args.tp {
+        let mut ch = ChannelConfig::new(format!("bench-decode-{rank}"), Some("127.0.0.1:0"));
+        ch.deadlines.op = deadline;
+        let mut rc = ReceiverConfig::new(ch, rank, spec, conc as u64 * chunks * spec.page_bytes());
+        rc.alloc_timeout = deadline;
+        rc.ttl = deadline * 2;
+        let rx = PdReceiver::start(rc).await?;
+        ports.push(
+            rx.local_addr()
+                .ok_or_else(|| cfg_err("receiver", "no listen address"))?
+                .port(),
+        );
+        receivers.push(Arc::new(rx));
+        let mut ch = ChannelConfig::new(format!("bench-prefill-{rank}"), None);
+        ch.deadlines.op = deadline;
+        let mut sc = SenderConfig::new(ch, rank, args.tp, "bench-model", spec);
+        sc.outcomes = OutcomeSink::Queue(otx.clone());
+        sc.alloc_deadline = deadline;
+        sc.step_deadline = deadline;
+        sc.mla_send_once = args.mla_send_once;
+        let tx = PdSender::start(sc).await?;
+        tx.register(engine)?;
+        senders.push(Arc::new(tx));
+    }
+    Ok(PdSide {
+        senders,
+        receivers,
+        ports,
+        outcomes,
+    })
+}
+
+async fn raw_side(
+    writers: u32,
+    engine: &Region,
+    conc: usize,
+    chunks: u64,
+    page: usize,
+) -> Result<RawSide> {
+    let mut pairs = Vec::new();
+    for w in 0..writers {
+        let dst = Channel::new(ChannelConfig::new(
+            format!("bench-raw-dst-{w}"),
+            Some("127.0.0.1:0"),
+        ))
+        .await
+        .map_err(|e| cfg_err("raw channel", e))?;
+        let buf = Region::alloc(conc * chunks as usize * page, page)
+            .map_err(|e| cfg_err("raw buffer", e))?;
+        dst.register(&buf, Grant::AllPeers)
+            .map_err(|e| cfg_err("raw buffer", e))?;
+        let src = Channel::new(ChannelConfig::new(format!("bench-raw-src-{w}"), None))
+            .await
+            .map_err(|e| cfg_err("raw channel", e))?;
+        src.register(engine, Grant::AllPeers)
+            .map_err(|e| cfg_err("raw engine memory", e))?;
+        let addr = dst
+            .local_addr()
+            .ok_or_else(|| cfg_err("raw channel", "no listen address"))?;
+        let peer = src
+            .connect(&addr.to_string())
+            .await
+            .map_err(|e| cfg_err("raw connect", e))?;
+        pairs.push((src, peer, buf, dst));
+    }
+    Ok(RawSide {
+        pairs,
+        engine: engine.clone(),
+    })
+}
+
+/// `requests` raw requests, `conc` at a time: each writes its chunks one batch of one chunk
+/// at a time into its slot of the destination buffer. Returns the wall time in seconds.
+async fn raw_rep(
+    raw: &RawSide,
+    spec: KvSpec,
+    tokens: u64,
+    requests: usize,
+    conc: usize,
+    deadline: Duration,
+) -> Result<f64> {
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for (src, peer, buf, _) in &raw.pairs {
+        // Every pair moves `requests` requests, as every PD rank does.
+        let next = Arc::new(AtomicUsize::new(0));
+        for slot in 0..conc {
+            let (src, peer, remote) = (src.clone(), peer.clone(), buf.id());
+            let next = next.clone();
+            let engine = raw.engine.clone();
+            tasks.spawn(async move {
+                let page = spec.page_bytes();
+                let chunks = spec.chunks_for(tokens);
+                loop {
+                    let r = next.fetch_add(1, Ordering::Relaxed);
+                    if r >= requests {
+                        return Ok(());
+                    }
+                    for i in 0..chunks {
+                        let op = Op {
+                            local: engine.clone(),
+                            local_offset: (i * page) as usize,
+                            remote,
+                            remote_offset: (slot as u64 * chunks + i) * page,
+                            len: spec.chunk_bytes_at(i, tokens) as usize,
+                        };
+                        match tokio::time::timeout(deadline, src.write(&peer, &[op])).await {
+                            Ok(Ok(())) => {}
+                            Ok(Err(e)) => {
+                                return Err(PdError::Transfer {
+                                    req_id: format!("raw-{r}"),
+                                    peer: peer.to_string(),
+                                    step: PdStep::Write,
+                                    source: Box::new(e),
+                                })
+                            }
+                            Err(_) => {
+                                return Err(PdError::Timeout {
+                                    req_id: format!("raw-{r}"),
+                                    peer: peer.to_string(),
+                                    step: PdStep::Write,
+                                    after: deadline,
+                                })
+                            }
+                        }
+                    }
+                }
+            });
+        }
+    }
+    join_all(tasks).await?;
+    Ok(started.elapsed().as_secs_f64())
+}
+
+async fn join_all(mut tasks: tokio::task::JoinSet<Result<()>>) -> Result<()> {
+    let mut first = Ok(());
+    while let Some(r) = tasks.join_next().await {
+        let r = r.unwrap_or_else(|e| Err(cfg_err("task", e)));
+        if first.is_ok() {
+            first = r;
+        }
+    }
+    first
+}
+
+/// `requests` PD requests numbered from `base`, `conc` at a time, every rank concurrently.
+/// With `check`, each decoder rank that received a request copies it out and compares it
+/// with the engine's bytes (warm-up only); otherwise pages are released in place. Returns (wall seconds, bytes written, per request and rank latency in ms).
+#[allow(clippy::too_many_arguments)]
+async fn pd_rep(
+    pd: &PdSide,
+    args: &PdBenchArgs,
+    spec: KvSpec,
+    engine: &Region,
+    requests: usize,
+    conc: usize,
+    base: usize,
+    check: bool,
+    deadline: Duration,
+) -> Result<(f64, u64, Vec<f64>)> {
+    // Send-once: only decoder rank 0 receives.
+    let holders = if args.mla_send_once {
+        1
+    } else {
+        pd.receivers.len()
+    };
+    let next = Arc::new(AtomicUsize::new(0));
+    let handed: Arc<Mutex<HashMap<(String, u32), Instant>>> = Arc::default();
+    let written = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..conc {
+        let next = next.clone();
+        let senders = pd.senders.clone();
+        let receivers: Vec<_> = pd.receivers[..holders].to_vec();
+        let ports = pd.ports.clone();
+        let handed = handed.clone();
+        let written = written.clone();
+        let engine = engine.clone();
+        let tokens = args.tokens;
+        tasks.spawn(async move {
+            loop {
+                let n = next.fetch_add(1, Ordering::Relaxed);
+                if n >= requests {
+                    return Ok(());
+                }
+                let req = base + n;
+                let ds = DisaggSpec {
+                    req_id: format!("bench-{req}"),
+                    receiver_host: "127.0.0.1".into(),
+                    receiver_init_port: ports.clone(),
+                    receiver_alloc_port: vec![],
+                };
+                let toks = Arc::new(tokens_of(req, tokens));
+                let mut ranks = tokio::task::JoinSet::new();
+                for tx in &senders {
+                    let (tx, ds, toks, engine) =
+                        (tx.clone(), ds.clone(), toks.clone(), engine.clone());
+                    let (handed, written) = (handed.clone(), written.clone());
+                    ranks.spawn(async move {
+                        let fut = async {
+                            let mut t = tx.begin(&ds, &toks).await?;
+                            let page = spec.page_bytes() as usize;
+                            let n = t.chunks();
+                            for i in 0..n {
+                                if i + 1 == n {
+                                    let mut h = handed.lock().unwrap_or_else(|p| p.into_inner());
+                                    h.insert((ds.req_id.clone(), tx.rank()), Instant::now());
+                                }
+                                t.send_chunk_from(i, &engine, i as usize * page).await?;
+                            }
+                            let s = t.finish().await?;
+                            written.fetch_add(s.bytes as usize, Ordering::Relaxed);
+                            Ok::<(), PdError>(())
+                        };
+                        match tokio::time::timeout(deadline, fut).await {
+                            Ok(r) => r,
+                            Err(_) => Err(PdError::Timeout {
+                                req_id: ds.req_id.clone(),
+                                peer: "receiver".into(),
+                                step: PdStep::Finish,
+                                after: deadline,
+                            }),
+                        }
+                    });
+                }
+                join_all(ranks).await?;
+                for rx in &receivers {
+                    if check {
+                        let got = rx.retrieve(&ds.req_id, deadline).await?;
+                        check_kv(&ds.req_id, &got, &engine, spec)?;
+                    } else {
+                        // The decoder consumes the KV in place: pages return.
+                        rx.release(&ds.req_id)?;
+                    }
+                }
+            }
+        });
+    }
+    join_all(tasks).await?;
+    let secs = started.elapsed().as_secs_f64();
+    // Every outcome must be KvReady; latency from the last chunk handed over.
+    let mut lat = Vec::new();
+    let handed = handed.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let until = tokio::time::Instant::now() + deadline;
+    for ((req_id, rank), t0) in handed {
+        let got = loop {
+            let o = pd
+                .outcomes
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&(req_id.clone(), rank));
+            if let Some(o) = o {
+                break o;
+            }
+            if tokio::time::Instant::now() >= until {
+                return Err(PdError::Timeout {
+                    req_id,
+                    peer: "outcome queue".into(),
+                    step: PdStep::Finish,
+                    after: deadline,
+                });
+            }
+            tokio::task::yield_now().await;
+        };
+        match got.1 {
+            // Send-once followers report at once; only ranks that wrote count.
+            Outcome::KvReady {
+                sent_by: Some(_), ..
+            } => {}
+            Outcome::KvReady { .. } => {
+                lat.push(got.0.saturating_duration_since(t0).as_secs_f64() * 1e3)
+            }
+            other => {
+                return Err(PdError::Invalid {
+                    req_id,
+                    step: PdStep::Finish,
+                    detail: format!("rank {rank} reported {other:?}"),
+                })
+            }
+        }
+    }
+    Ok((secs, written.load(Ordering::Relaxed) as u64, lat))
+}
+
+/// Compares retrieved chunks with the engine's bytes.
+fn check_kv(req_id: &str, got: &[Vec<u8>], engine: &Region, spec: KvSpec) -> Result<()> {
+    let page = spec.page_bytes() as usize;
+    for (i, c) in got.iter().enumerate() {
+        let mut want = vec![0u8; c.len()];
+        engine
+            .read_at(i * page, &mut want)
+            .map_err(|e| cfg_err("engine memory", e))?;
+        if *c != want {
+            return Err(PdError::Invalid {
+                req_id: req_id.into(),
+                step: PdStep::Retrieve,
+                detail: format!("chunk {i} differs from what the prefiller sent"),
+            });
+        }
+    }
+    Ok(())
+}
