@@ -37,6 +37,8 @@ enum BenchCmd {
     Transfer(bench::transfer::TransferArgs),
     /// Connect plus first 4 KiB write, over fresh initiators.
     Handshake(bench::handshake::HandshakeArgs),
+    /// PD layer: prefiller to decoder ranks through the PD sender, against a raw channel.
+    Pd(kvbridge_pd::bench::PdBenchArgs),
     /// The listener process the other benchmarks start (internal).
     #[command(hide = true)]
     Peer {
@@ -91,6 +93,10 @@ fn main() -> Result<()> {
             } else {
                 bench::transfer::print_table(&r, batch);
             }
+            Ok(())
+        }
+        Cmd::Bench(BenchCmd::Pd(args)) => {
+            rt.block_on(kvbridge_pd::bench::run(args))?;
             Ok(())
         }
         Cmd::Bench(BenchCmd::Handshake(args)) => {
