@@ -135,7 +135,9 @@ pub enum PeerEvent {
         /// Its incarnation.
         incarnation: Incarnation,
     },
-    /// An established session ended.
+    /// An established session ended. It is sent only after the session's data tasks have
+    /// stopped: no batch of that session, in either direction, can land or be served after
+    /// a subscriber sees this event.
     Down {
         /// The peer.
         peer: PeerId,

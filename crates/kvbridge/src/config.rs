@@ -82,6 +82,8 @@ pub struct TestHooks {
     pub listener_welcome_delay: Option<Duration>,
     /// Delay before applying each incoming write batch (writes held in flight).
     pub write_apply_delay: Option<Duration>,
+    /// Delay before serving each incoming read batch (reads held in flight).
+    pub read_serve_delay: Option<Duration>,
 }
 
 /// Everything a [`crate::Channel`] needs.

@@ -457,6 +457,9 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
             }
             Message::ReadBatch(b) => {
                 let result = ctx.resolve(&b);
+                if let Some(d) = ctx.hooks.read_serve_delay {
+                    tokio::time::sleep(d).await;
+                }
                 let bad = result.as_ref().err().map(|r| r.message.clone());
                 if ctx
                     .out

@@ -312,3 +312,30 @@ async fn caller_owned_memory_receives_writes() {
     assert!(buf[2 * PAGE..3 * PAGE] == a[..]);
     assert!(buf[..2 * PAGE].iter().all(|&b| b == 0) && buf[3 * PAGE..].iter().all(|&b| b == 0));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_held_in_flight_fails_cleanly_when_the_session_ends() {
+    let (dec, kv) = listener(
+        "decode-0",
+        |c| c.hooks.read_serve_delay = Some(Duration::from_secs(30)),
+        4 * PAGE,
+        PAGE,
+    )
+    .await;
+    let (pre, dst) = initiator("prefill-0", |_| {}, 4 * PAGE, PAGE).await;
+    let peer = pre.connect(&addr(&dec)).await.unwrap();
+    let p2 = pre.clone();
+    let (dst2, kvid, peer2) = (dst.clone(), kv.id(), peer.clone());
+    let r =
+        tokio::spawn(async move { p2.read(&peer2, &[Op::page(&dst2, 0, kvid, 0, PAGE)]).await });
+    let t = std::time::Instant::now();
+    while pre.stats().await.unwrap().batches_in_flight == 0 && t.elapsed() < Duration::from_secs(5)
+    {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    pre.disconnect(&peer, "test").await.unwrap();
+    let e = r.await.unwrap().unwrap_err();
+    assert!(matches!(e, Error::Disconnected { .. }), "{e}");
+    // The destination is no longer in use: nothing of the read can land now.
+    assert_eq!(dst.in_use(), 0);
+}
