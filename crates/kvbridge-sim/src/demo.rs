@@ -107,6 +107,8 @@ pub struct DemoSummary {
     pub ttft_unloaded_colocated_p50_ms: f64,
     /// Leaked receive-buffer pages after the run (must be 0).
     pub pages_leaked: u64,
+    /// Whether every transfer and verification ended before the summary was read.
+    pub quiesced: bool,
     /// Components: prefillers, decoders, TP ranks, KV layout.
     pub setup: String,
 }
@@ -116,6 +118,7 @@ impl DemoSummary {
     /// outputs, no leaked page.
     pub fn passed(&self) -> bool {
         self.failed == 0
+            && self.quiesced
             && self.kv_mismatches == 0
             && self.kv_missing == 0
             && self.outputs_match_colocated
@@ -337,8 +340,18 @@ impl Cluster {
             s.pages_free += x.pages_free;
             s.pages_leaked += x.pages_leaked;
             s.announced_pending += x.announced_pending;
+            s.in_flight += x.in_flight;
         }
         s
+    }
+
+    /// Waits until every engine has finished its transfers and verifications, up to
+    /// `deadline` for each.
+    pub async fn quiesce(&self, deadline: Duration) -> Result<(), engine::SimError> {
+        for e in self.prefillers.iter().chain(&self.decoders) {
+            e.quiesce(deadline).await?;
+        }
+        Ok(())
     }
 
     /// Stops everything.
@@ -525,6 +538,13 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
             }
         }
     }
+    let quiesced = match cluster.quiesce(deadline).await {
+        Ok(()) => true,
+        Err(e) => {
+            errors.push(e.to_string());
+            false
+        }
+    };
     let st = cluster.stats();
     let summary = DemoSummary {
         requests: n as u64,
@@ -532,7 +552,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
         failed: n as u64 - ok,
         errors,
         kv_mismatches: st.kv_mismatches,
-        kv_missing: st.local_prefills,
+        kv_missing: st.local_prefills + st.kv_retrieve_failed,
         outputs_match_colocated: matched && k > 0,
         compared: k as u64,
         ttft_p50_ms: pct(&mut ttft, 0.5),
@@ -550,6 +570,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
         ttft_unloaded_disagg_p50_ms: pct(&mut ud, 0.5),
         ttft_unloaded_colocated_p50_ms: pct(&mut uc, 0.5),
         pages_leaked: st.pages_leaked,
+        quiesced,
         setup: format!(
             "{}P{}D, TP={}, {}, {} bytes/token, {} tokens/chunk, in-process on loopback",
             args.prefillers,

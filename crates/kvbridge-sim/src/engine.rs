@@ -35,7 +35,10 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 /// Hands chunk `index`'s bytes to one rank's sender task.
-type ChunkTx = mpsc::Sender<(u64, Arc<Vec<u8>>)>;
+type ChunkTx = mpsc::Sender<ChunkMsg>;
+
+/// A chunk's index and bytes.
+type ChunkMsg = (u64, Arc<Vec<u8>>);
 
 /// Which part of disaggregated serving this engine plays.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -107,13 +110,43 @@ struct Counts {
     kv_transfers_ok: AtomicU64,
     kv_transfers_failed: AtomicU64,
     kv_bytes_sent: AtomicU64,
-    kv_send_busy_ns: AtomicU64,
     kv_requests_received: AtomicU64,
     kv_chunks_received: AtomicU64,
     kv_bytes_received: AtomicU64,
     kv_mismatches: AtomicU64,
     kv_retrieve_failed: AtomicU64,
     local_prefills: AtomicU64,
+    /// Rank transfers not yet finished, plus received KV not yet verified.
+    in_flight: AtomicU64,
+}
+
+/// Wall time during which at least one KV write or finish call was in progress (the union
+/// of busy intervals, so concurrent transfers over one link are not counted twice).
+#[derive(Debug, Default)]
+struct BusyClock {
+    state: std::sync::Mutex<(u32, Option<Instant>, Duration)>,
+}
+
+impl BusyClock {
+    fn enter(&self) {
+        let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if g.0 == 0 {
+            g.1 = Some(Instant::now());
+        }
+        g.0 += 1;
+    }
+    fn leave(&self) {
+        let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        g.0 = g.0.saturating_sub(1);
+        if g.0 == 0 {
+            if let Some(t) = g.1.take() {
+                g.2 += t.elapsed();
+            }
+        }
+    }
+    fn total(&self) -> Duration {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).2
+    }
 }
 
 /// A snapshot of an engine's counters.
@@ -135,7 +168,7 @@ pub struct EngineStats {
     pub kv_transfers_failed: u64,
     /// Prefill: KV bytes written to decoders.
     pub kv_bytes_sent: u64,
-    /// Prefill: time spent inside the PD layer's write and finish calls, summed over ranks
+    /// Prefill: wall time during which at least one PD write or finish call was in progress
     /// (KV bytes over this is the transfer throughput).
     pub kv_send_busy_s: f64,
     /// Decode: requests whose KV came through the PD layer.
@@ -158,6 +191,8 @@ pub struct EngineStats {
     pub pages_leaked: u64,
     /// Decode: announcements not yet claimed.
     pub announced_pending: u64,
+    /// Rank transfers not finished plus received KV not yet verified.
+    pub in_flight: u64,
 }
 
 struct Inner {
@@ -170,7 +205,20 @@ struct Inner {
     /// The simulated accelerator: one prefill at a time.
     accel: tokio::sync::Mutex<()>,
     counts: Counts,
+    busy: BusyClock,
+    /// Woken whenever `counts.in_flight` drops.
+    settled: tokio::sync::Notify,
     seq: AtomicU64,
+}
+
+impl Inner {
+    fn work_started(&self) {
+        self.counts.in_flight.fetch_add(1, Relaxed);
+    }
+    fn work_done(&self) {
+        self.counts.in_flight.fetch_sub(1, Relaxed);
+        self.settled.notify_waiters();
+    }
 }
 
 impl Inner {
@@ -192,7 +240,7 @@ impl Inner {
             kv_transfers_ok: c.kv_transfers_ok.load(Relaxed),
             kv_transfers_failed: c.kv_transfers_failed.load(Relaxed),
             kv_bytes_sent: c.kv_bytes_sent.load(Relaxed),
-            kv_send_busy_s: c.kv_send_busy_ns.load(Relaxed) as f64 / 1e9,
+            kv_send_busy_s: self.busy.total().as_secs_f64(),
             kv_requests_received: c.kv_requests_received.load(Relaxed),
             kv_chunks_received: c.kv_chunks_received.load(Relaxed),
             kv_bytes_received: c.kv_bytes_received.load(Relaxed),
@@ -203,6 +251,7 @@ impl Inner {
             pages_free: pages.free,
             pages_leaked: pages.leaked,
             announced_pending: self.announced.len() as u64,
+            in_flight: c.in_flight.load(Relaxed),
         }
     }
 }
@@ -297,6 +346,26 @@ impl RunningEngine {
     pub fn stats(&self) -> EngineStats {
         self.inner.stats()
     }
+    /// Waits until no KV transfer is in flight and all received KV is verified, up to
+    /// `deadline` (read the counters after this).
+    pub async fn quiesce(&self, deadline: Duration) -> Result<(), SimError> {
+        let until = tokio::time::Instant::now() + deadline;
+        loop {
+            let woken = self.inner.settled.notified();
+            tokio::pin!(woken);
+            woken.as_mut().enable();
+            let n = self.inner.counts.in_flight.load(Relaxed);
+            if n == 0 {
+                return Ok(());
+            }
+            if tokio::time::timeout_at(until, woken).await.is_err() {
+                return Err(SimError::Internal(format!(
+                    "{n} KV transfers or verifications still in flight after {deadline:?}"
+                )));
+            }
+        }
+    }
+
     /// Stops serving and closes the PD layer's channels.
     pub async fn shutdown(mut self) {
         if let Some(s) = self.stop.take() {
@@ -386,6 +455,8 @@ pub async fn start(cfg: EngineConfig, listener: TcpListener) -> Result<RunningEn
         announced,
         accel: tokio::sync::Mutex::new(()),
         counts: Counts::default(),
+        busy: BusyClock::default(),
+        settled: tokio::sync::Notify::new(),
         seq: AtomicU64::new(0),
     });
     let router = Router::new()
@@ -693,6 +764,7 @@ async fn prefill_and_send(
     for t in transfers {
         let (tx, rx) = mpsc::channel::<(u64, Arc<Vec<u8>>)>(2);
         txs.push(tx);
+        s.work_started();
         tokio::spawn(rank_sender(s.clone(), t, rx));
     }
     let state = prefill(s, tokens, Some(&txs)).await;
@@ -701,27 +773,30 @@ async fn prefill_and_send(
 }
 
 /// Writes one rank's chunks as they come, then finishes (`KvReady`), or fails (`KvFailed`).
-async fn rank_sender(s: Arc<Inner>, mut t: Transfer, mut rx: mpsc::Receiver<(u64, Arc<Vec<u8>>)>) {
-    let mut busy = Duration::ZERO;
+async fn rank_sender(s: Arc<Inner>, t: Transfer, rx: mpsc::Receiver<(u64, Arc<Vec<u8>>)>) {
+    rank_sender_inner(&s, t, rx).await;
+    s.work_done();
+}
+
+async fn rank_sender_inner(s: &Inner, mut t: Transfer, mut rx: mpsc::Receiver<ChunkMsg>) {
     while let Some((i, data)) = rx.recv().await {
-        let t0 = Instant::now();
-        if let Err(e) = t.send_chunk(i, &data).await {
+        s.busy.enter();
+        let r = t.send_chunk(i, &data).await;
+        s.busy.leave();
+        if let Err(e) = r {
             tracing::warn!(req_id = t.req_id(), chunk = i, "KV write failed: {e}");
             s.counts.kv_transfers_failed.fetch_add(1, Relaxed);
             return;
         }
-        busy += t0.elapsed();
     }
-    let t0 = Instant::now();
     let id = t.req_id().to_string();
-    match t.finish().await {
+    s.busy.enter();
+    let r = t.finish().await;
+    s.busy.leave();
+    match r {
         Ok(sum) => {
-            busy += t0.elapsed();
             s.counts.kv_transfers_ok.fetch_add(1, Relaxed);
             s.counts.kv_bytes_sent.fetch_add(sum.bytes, Relaxed);
-            s.counts
-                .kv_send_busy_ns
-                .fetch_add(busy.as_nanos() as u64, Relaxed);
         }
         Err(e) => {
             tracing::warn!(req_id = %id, "KV transfer failed at finish: {e}");
@@ -779,44 +854,79 @@ async fn receive(s: &Arc<Inner>, tokens: &[u32], id: &str, m: usize) -> Result<S
         s.counts.kv_retrieve_failed.fetch_add(1, Relaxed);
         return Err(e.into());
     }
+    let per_rank = Arc::new(per_rank);
     let (model, prompt, rest) = (s.model.clone(), tokens[..m].to_vec(), tokens[m..].to_vec());
-    let (state, chunks, bytes, mismatches) = tokio::task::spawn_blocking(move || {
-        let mut st = model.start();
-        let c = model.spec.chunk_tokens.max(1) as usize;
-        let (mut chunks, mut bytes, mut mismatches) = (0u64, 0u64, 0u64);
-        let empty: Vec<u8> = Vec::new();
-        for (i, part) in prompt.chunks(c).enumerate() {
-            let p = model.prefixes(st.prefix, part);
-            let mut refs: Vec<&[u8]> = Vec::with_capacity(per_rank.len());
-            for (r, got) in per_rank.iter().enumerate() {
-                let got = got.get(i).unwrap_or(&empty);
-                let expect = model.chunk(r as u32, &p);
-                chunks += 1;
-                bytes += got.len() as u64;
-                if *got != expect {
-                    mismatches += 1;
-                }
-                refs.push(got.as_slice());
+    // On the path to the first token: the state from the KV as received (what a decoder
+    // attends over).
+    let (state, prefixes) = {
+        let per_rank = per_rank.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut st = model.start();
+            let prefixes = model.prefixes(st.prefix, &prompt);
+            let c = model.spec.chunk_tokens.max(1) as usize;
+            let empty: Vec<u8> = Vec::new();
+            for (i, p) in prefixes.chunks(c).enumerate() {
+                let refs: Vec<&[u8]> = per_rank
+                    .iter()
+                    .map(|r| r.get(i).unwrap_or(&empty).as_slice())
+                    .collect();
+                model.absorb(&mut st, &refs, p);
             }
-            model.absorb(&mut st, &refs, &p);
+            for t in rest {
+                model.extend(&mut st, t);
+            }
+            (st, prefixes)
+        })
+        .await
+        .map_err(|e| SimError::Internal(format!("decode task: {e}")))?
+    };
+    // Off the path: every chunk compared with the KV the model says it must be (a real
+    // decoder would not do this; here it proves the transfer).
+    s.work_started();
+    let (s2, id2) = (s.clone(), id.to_string());
+    tokio::spawn(async move {
+        let model = s2.model.clone();
+        let r = tokio::task::spawn_blocking(move || {
+            let c = model.spec.chunk_tokens.max(1) as usize;
+            let (mut chunks, mut bytes, mut mismatches) = (0u64, 0u64, 0u64);
+            for (i, p) in prefixes.chunks(c).enumerate() {
+                for (r, got) in per_rank.iter().enumerate() {
+                    chunks += 1;
+                    let expect = model.chunk(r as u32, p);
+                    match got.get(i) {
+                        Some(g) => {
+                            bytes += g.len() as u64;
+                            if *g != expect {
+                                mismatches += 1;
+                            }
+                        }
+                        None => mismatches += 1,
+                    }
+                }
+            }
+            (chunks, bytes, mismatches)
+        })
+        .await;
+        match r {
+            Ok((chunks, bytes, mismatches)) => {
+                s2.counts.kv_chunks_received.fetch_add(chunks, Relaxed);
+                s2.counts.kv_bytes_received.fetch_add(bytes, Relaxed);
+                if mismatches > 0 {
+                    tracing::error!(
+                        req_id = %id2,
+                        mismatches,
+                        "received KV differs from the expected KV"
+                    );
+                    s2.counts.kv_mismatches.fetch_add(mismatches, Relaxed);
+                }
+            }
+            Err(e) => {
+                tracing::error!(req_id = %id2, "verification task failed: {e}");
+                s2.counts.kv_mismatches.fetch_add(1, Relaxed);
+            }
         }
-        for t in rest {
-            model.extend(&mut st, t);
-        }
-        (st, chunks, bytes, mismatches)
-    })
-    .await
-    .map_err(|e| SimError::Internal(format!("verify task: {e}")))?;
-    s.counts.kv_chunks_received.fetch_add(chunks, Relaxed);
-    s.counts.kv_bytes_received.fetch_add(bytes, Relaxed);
-    if mismatches > 0 {
-        tracing::error!(
-            req_id = id,
-            mismatches,
-            "received KV differs from the expected KV"
-        );
-        s.counts.kv_mismatches.fetch_add(mismatches, Relaxed);
-    }
+        s2.work_done();
+    });
     Ok(state)
 }
 

@@ -74,26 +74,21 @@ async fn check(p: u32, d: u32, m: Model, n: usize) {
         assert_eq!(model::tokenize(&dis.text).len(), want, "request {i}");
         expected_kv += 1;
     }
-    // The rank tasks count a transfer right after its KvReady left; the decode that
-    // followed may have been answered first.
+    // Transfers are counted right after their KvReady left and chunks are verified after
+    // the decode started: wait for both to settle.
     let want_ok = expected_kv * m.world_size as u64;
-    let until = std::time::Instant::now() + Duration::from_secs(5);
-    let mut st = c.stats();
-    while st.kv_transfers_ok < want_ok && std::time::Instant::now() < until {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-        st = c.stats();
-    }
+    c.quiesce(DEADLINE)
+        .await
+        .expect("transfers and verifications settle");
+    let st = c.stats();
+    assert_eq!(st.in_flight, 0, "{st:?}");
     assert_eq!(st.kv_mismatches, 0, "{st:?}");
     assert_eq!(
         st.local_prefills, 0,
         "every decode used transferred KV: {st:?}"
     );
     assert_eq!(st.kv_requests_received, expected_kv, "{st:?}");
-    assert_eq!(
-        st.kv_transfers_ok,
-        expected_kv * m.world_size as u64,
-        "{st:?}"
-    );
+    assert_eq!(st.kv_transfers_ok, want_ok, "{st:?}");
     assert_eq!(st.pages_leaked, 0, "{st:?}");
     assert_eq!(st.pages_free, st.pages_total, "every page returned: {st:?}");
     assert!(
@@ -161,6 +156,7 @@ async fn wrong_kv_is_detected() {
         .await
         .expect("answered");
     assert_ne!(dis.text, col.text);
+    c.quiesce(DEADLINE).await.expect("settles");
     let st = c.stats();
     assert_eq!(
         st.kv_mismatches, 3,
