@@ -126,6 +126,10 @@ pub struct EngineArgs {
     /// Prefill: the proxy's ZMQ PULL port.
     #[arg(long)]
     pub proxy_port: Option<u16>,
+    /// Prefill: read the proxy's ZMQ endpoint (`tcp://host:port`) as one line from stdin
+    /// after the addresses are printed (a parent that starts the proxy after its workers).
+    #[arg(long)]
+    pub proxy_endpoint_from_stdin: bool,
     /// The model.
     #[command(flatten)]
     pub model: ModelArgs,
@@ -158,16 +162,41 @@ impl EngineArgs {
 /// Runs `kvbridge engine` until Ctrl-C: binds, prints `{"http", "init_ports",
 /// "alloc_ports"}` as one line on stdout, serves.
 pub async fn run_engine(args: EngineArgs) -> anyhow::Result<()> {
-    let cfg = args.config()?;
+    let mut cfg = args.config()?;
     let l = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}:{}: {e}", args.host, args.port))?;
-    let e = engine::start(cfg, l).await?;
-    println!(
-        "{}",
-        serde_json::json!({"http": e.http_addr().to_string(), "role": args.role,
-            "init_ports": e.init_ports(), "alloc_ports": e.alloc_ports()})
-    );
+    let http = l.local_addr()?;
+    let e = if args.proxy_endpoint_from_stdin {
+        // The HTTP port is bound (requests queue) before the endpoint is known.
+        println!(
+            "{}",
+            serde_json::json!({"http": http.to_string(), "role": args.role,
+                "init_ports": [], "alloc_ports": []})
+        );
+        let mut line = String::new();
+        let mut stdin = tokio::io::BufReader::new(tokio::io::stdin());
+        tokio::time::timeout(
+            Duration::from_secs(60),
+            tokio::io::AsyncBufReadExt::read_line(&mut stdin, &mut line),
+        )
+        .await
+        .map_err(|_| anyhow::anyhow!("no proxy endpoint on stdin within 60 s"))??;
+        let ep = line.trim();
+        if !ep.starts_with("tcp://") {
+            anyhow::bail!("expected tcp://host:port on stdin, got {ep:?}");
+        }
+        cfg.proxy_endpoint = Some(ep.to_string());
+        engine::start(cfg, l).await?
+    } else {
+        let e = engine::start(cfg, l).await?;
+        println!(
+            "{}",
+            serde_json::json!({"http": e.http_addr().to_string(), "role": args.role,
+                "init_ports": e.init_ports(), "alloc_ports": e.alloc_ports()})
+        );
+        e
+    };
     tokio::signal::ctrl_c().await?;
     e.shutdown().await;
     Ok(())

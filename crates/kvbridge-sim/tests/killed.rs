@@ -1,0 +1,226 @@
+//! A prefiller process killed during a run: its in-flight requests get clear errors within
+//! their deadlines, later requests succeed on the other prefiller, and the decoder's pages
+//! all come back (none leaked).
+
+use kvbridge_pd::{Dtype, KvLayout, KvSpec};
+use kvbridge_proxy::config::{Config as ProxyConfig, DecoderConfig, WorkerAddr};
+use kvbridge_sim::client::{Client, ClientError};
+use kvbridge_sim::cost::CostModel;
+use kvbridge_sim::engine::{self, EngineConfig, Role};
+use kvbridge_sim::model::{self, Model};
+use serde_json::{json, Value};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::process::{Child, Command};
+
+const DEADLINE: Duration = Duration::from_secs(15);
+
+fn model() -> Model {
+    Model {
+        name: "sim-kill".into(),
+        spec: KvSpec {
+            chunk_tokens: 32,
+            ..KvSpec::new(
+                KvLayout::Standard {
+                    layers: 4,
+                    kv_heads: 2,
+                    head_dim: 64,
+                },
+                Dtype::Bf16,
+            )
+        },
+        world_size: 1,
+    }
+}
+
+const PREFILL_TOKENS_PER_S: f64 = 4000.0;
+
+/// Starts a prefiller process; returns it and its HTTP port (it waits for the proxy's
+/// endpoint on stdin).
+async fn prefiller() -> (Child, u16) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvbridge-sim-engine"))
+        .args([
+            "--role",
+            "prefill",
+            "--proxy-endpoint-from-stdin",
+            "--model",
+            "sim-kill",
+            "--layers",
+            "4",
+            "--kv-heads",
+            "2",
+            "--head-dim",
+            "64",
+            "--chunk-tokens",
+            "32",
+            "--decode-ms-per-token",
+            "1",
+            "--prefill-tokens-per-s",
+            &PREFILL_TOKENS_PER_S.to_string(),
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("engine binary starts");
+    let out = child.stdout.take().expect("stdout piped");
+    let mut line = String::new();
+    tokio::time::timeout(DEADLINE, BufReader::new(out).read_line(&mut line))
+        .await
+        .expect("engine prints its addresses in time")
+        .expect("reads stdout");
+    let v: Value = serde_json::from_str(&line).expect("one JSON line");
+    let http: std::net::SocketAddr = v["http"].as_str().expect("http").parse().expect("addr");
+    (child, http.port())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_prefiller_fails_its_requests_cleanly_and_leaks_no_page() {
+    let m = model();
+    let mut cost = CostModel::FREE;
+    cost.prefill_tokens_per_s = PREFILL_TOKENS_PER_S;
+    cost.decode_per_token = Duration::from_millis(1);
+    let mk = |role| {
+        let mut c = EngineConfig::new(role, m.clone());
+        c.cost = cost;
+        c.buffer_bytes = 64 << 20;
+        c
+    };
+    let dec = engine::start(
+        mk(Role::Decode),
+        tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind"),
+    )
+    .await
+    .expect("decoder");
+    let colocated = engine::start(
+        mk(Role::Both),
+        tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind"),
+    )
+    .await
+    .expect("colocated");
+    let (mut a, pa) = prefiller().await;
+    let (mut b, pb) = prefiller().await;
+    let proxy = kvbridge_proxy::server::start(ProxyConfig {
+        port: 0,
+        proxy_port: 0,
+        prefillers: [pa, pb]
+            .iter()
+            .map(|&port| WorkerAddr {
+                host: "127.0.0.1".into(),
+                port,
+            })
+            .collect(),
+        decoders: vec![DecoderConfig {
+            host: "127.0.0.1".into(),
+            port: dec.http_addr().port(),
+            init_ports: dec.init_ports().to_vec(),
+            alloc_ports: dec.alloc_ports().to_vec(),
+            max_requests: 0,
+            kv_capacity_tokens: 0,
+        }],
+        kv_ready_timeout: Duration::from_secs(3),
+        prefill_timeout: Duration::from_secs(10),
+        decode_timeout: Duration::from_secs(10),
+        ..ProxyConfig::default()
+    })
+    .await
+    .expect("proxy");
+    let ep = format!("tcp://{}\n", proxy.notify_addr().expect("lmcache flow"));
+    for c in [&mut a, &mut b] {
+        let mut stdin = c.stdin.take().expect("stdin piped");
+        stdin.write_all(ep.as_bytes()).await.expect("endpoint sent");
+    }
+    let client = Client::new();
+    let url = format!("http://{}/v1/completions", proxy.http_addr());
+    let body = |i: u64| json!({"prompt": model::random_prompt(500 + i, 400), "max_tokens": 4, "stream": i.is_multiple_of(2)});
+    // 8 requests of 400 tokens (100 ms of prefill each) spread over both prefillers.
+    let batch: Vec<_> = (0..8u64)
+        .map(|i| {
+            let (client, url, body) = (client.clone(), url.clone(), body(i));
+            tokio::spawn(async move {
+                let t = Instant::now();
+                (i, client.generate(&url, &body, DEADLINE).await, t.elapsed())
+            })
+        })
+        .collect();
+    // Kill prefiller A once it is working on a request (a condition with a deadline).
+    let health = format!("http://127.0.0.1:{pa}/health");
+    let until = Instant::now() + DEADLINE;
+    loop {
+        let v = client
+            .get_json(&health, DEADLINE)
+            .await
+            .expect("A is healthy");
+        if v["stats"]["requests"].as_u64().unwrap_or(0) >= 1 {
+            break;
+        }
+        assert!(Instant::now() < until, "prefiller A got no request");
+        tokio::task::yield_now().await;
+    }
+    a.start_kill().expect("kill A");
+    let _ = a.wait().await;
+    let col_url = format!("http://{}/v1/completions", colocated.http_addr());
+    let (mut ok, mut failed) = (0, 0);
+    for h in batch {
+        let (i, r, took) = h.await.expect("request task");
+        assert!(took < DEADLINE, "request {i} took {took:?}");
+        match r {
+            Ok(ans) => {
+                let want = client
+                    .generate(&col_url, &body(i), DEADLINE)
+                    .await
+                    .expect("colocated");
+                assert_eq!(ans.text, want.text, "request {i}");
+                ok += 1;
+            }
+            Err(ClientError::Status { status, body, .. }) => {
+                assert!(matches!(status, 502..=504), "request {i}: {status} {body}");
+                assert!(
+                    [
+                        "prefill_failed",
+                        "kv_transfer_failed",
+                        "kv_ready_timeout",
+                        "no_healthy_worker"
+                    ]
+                    .iter()
+                    .any(|c| body.contains(c)),
+                    "request {i}: unclear error {body}"
+                );
+                failed += 1;
+            }
+            Err(e) => panic!("request {i}: {e}"),
+        }
+    }
+    assert!(failed >= 1, "A was killed with work in flight ({ok} ok)");
+    // Later requests succeed on B (A's refused connection ejects it).
+    for i in 100..104u64 {
+        let ans = client
+            .generate(&url, &body(i), DEADLINE)
+            .await
+            .unwrap_or_else(|e| panic!("after the kill, request {i}: {e}"));
+        let want = client
+            .generate(&col_url, &body(i), DEADLINE)
+            .await
+            .expect("colocated");
+        assert_eq!(ans.text, want.text, "request {i}");
+    }
+    // Every page comes back: the killed sender's session ended, so its requests were released.
+    dec.quiesce(DEADLINE).await.expect("verifications settle");
+    let until = Instant::now() + DEADLINE;
+    loop {
+        let st = dec.stats();
+        assert_eq!(st.pages_leaked, 0, "{st:?}");
+        assert_eq!(st.kv_mismatches, 0, "{st:?}");
+        if st.pages_free == st.pages_total {
+            break;
+        }
+        assert!(Instant::now() < until, "pages not returned: {st:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let _ = b.start_kill();
+}
