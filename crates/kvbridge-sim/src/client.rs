@@ -92,6 +92,12 @@ impl Client {
 
     /// GETs `url` and parses the JSON answer, within `deadline`.
     pub async fn get_json(&self, url: &str, deadline: Duration) -> Result<Value, ClientError> {
+        let b = self.get_text(url, deadline).await?;
+        serde_json::from_str(&b).map_err(|e| answer(url, e))
+    }
+
+    /// GETs `url` and returns the answer's text, within `deadline`.
+    pub async fn get_text(&self, url: &str, deadline: Duration) -> Result<String, ClientError> {
         let work = async {
             let req = hyper::Request::get(url)
                 .body(Full::new(Bytes::new()))
@@ -115,7 +121,7 @@ impl Client {
                     body: String::from_utf8_lossy(&b).into_owned(),
                 });
             }
-            serde_json::from_slice(&b).map_err(|e| answer(url, e))
+            Ok(String::from_utf8_lossy(&b).into_owned())
         };
         tokio::time::timeout(deadline, work)
             .await

@@ -100,7 +100,7 @@ async fn check(p: u32, d: u32, m: Model, n: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_prefiller_one_decoder_outputs_equal_colocated() {
-    check(1, 1, small(STD, 1), 24).await;
+    check(1, 1, small(STD, 1), 50).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

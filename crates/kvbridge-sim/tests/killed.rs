@@ -1,6 +1,6 @@
-//! A prefiller process killed during a run: its in-flight requests get clear errors within
-//! their deadlines, later requests succeed on the other prefiller, and the decoder's pages
-//! all come back (none leaked).
+//! A prefiller or decoder process killed during a run: its in-flight requests get clear
+//! errors within their deadlines, later requests succeed on the other worker, and the
+//! surviving decoders' pages all come back (none leaked).
 
 use kvbridge_pd::{Dtype, KvLayout, KvSpec};
 use kvbridge_proxy::config::{Config as ProxyConfig, DecoderConfig, WorkerAddr};
@@ -39,11 +39,33 @@ const PREFILL_TOKENS_PER_S: f64 = 4000.0;
 /// Starts a prefiller process; returns it and its HTTP port (it waits for the proxy's
 /// endpoint on stdin).
 async fn prefiller() -> (Child, u16) {
+    let (c, v) = worker(&["--role", "prefill", "--proxy-endpoint-from-stdin"], 1).await;
+    (c, port(&v))
+}
+
+fn port(v: &Value) -> u16 {
+    let http: std::net::SocketAddr = v["http"].as_str().expect("http").parse().expect("addr");
+    http.port()
+}
+
+fn ports(v: &Value, key: &str) -> Vec<u16> {
+    v[key]
+        .as_array()
+        .expect("ports")
+        .iter()
+        .map(|p| p.as_u64().expect("port") as u16)
+        .collect()
+}
+
+/// Starts an engine process with the test model and `extra` flags; returns it and its
+/// address line.
+async fn worker(extra: &[&str], decode_ms: u64) -> (Child, Value) {
+    let decode_ms = decode_ms.to_string();
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvbridge-sim-engine"))
+        .args(extra)
         .args([
-            "--role",
-            "prefill",
-            "--proxy-endpoint-from-stdin",
+            "--buffer-mib",
+            "64",
             "--model",
             "sim-kill",
             "--layers",
@@ -55,7 +77,7 @@ async fn prefiller() -> (Child, u16) {
             "--chunk-tokens",
             "32",
             "--decode-ms-per-token",
-            "1",
+            &decode_ms,
             "--prefill-tokens-per-s",
             &PREFILL_TOKENS_PER_S.to_string(),
         ])
@@ -71,8 +93,7 @@ async fn prefiller() -> (Child, u16) {
         .expect("engine prints its addresses in time")
         .expect("reads stdout");
     let v: Value = serde_json::from_str(&line).expect("one JSON line");
-    let http: std::net::SocketAddr = v["http"].as_str().expect("http").parse().expect("addr");
-    (child, http.port())
+    (child, v)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -223,4 +244,165 @@ async fn killed_prefiller_fails_its_requests_cleanly_and_leaks_no_page() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let _ = b.start_kill();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_decoder_fails_its_streams_cleanly_and_the_rest_succeed() {
+    let m = model();
+    let mut cost = CostModel::FREE;
+    cost.decode_per_token = Duration::from_millis(20);
+    let mk = |role| {
+        let mut c = EngineConfig::new(role, m.clone());
+        c.cost = cost;
+        c.buffer_bytes = 64 << 20;
+        c
+    };
+    let (mut a, va) = worker(&["--role", "decode"], 20).await;
+    let (_b, vb) = worker(&["--role", "decode"], 20).await;
+    let colocated = engine::start(
+        mk(Role::Both),
+        tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind"),
+    )
+    .await
+    .expect("colocated");
+    let pl = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let decoder = |v: &Value| DecoderConfig {
+        host: "127.0.0.1".into(),
+        port: port(v),
+        init_ports: ports(v, "init_ports"),
+        alloc_ports: ports(v, "alloc_ports"),
+        max_requests: 0,
+        kv_capacity_tokens: 0,
+    };
+    let proxy = kvbridge_proxy::server::start(ProxyConfig {
+        port: 0,
+        proxy_port: 0,
+        prefillers: vec![WorkerAddr {
+            host: "127.0.0.1".into(),
+            port: pl.local_addr().expect("addr").port(),
+        }],
+        decoders: vec![decoder(&va), decoder(&vb)],
+        kv_ready_timeout: Duration::from_secs(3),
+        prefill_timeout: Duration::from_secs(10),
+        decode_timeout: Duration::from_secs(5),
+        health_interval: Duration::from_millis(100),
+        unhealthy_after: 1,
+        ..ProxyConfig::default()
+    })
+    .await
+    .expect("proxy");
+    let mut pc = mk(Role::Prefill);
+    pc.proxy_endpoint = Some(format!(
+        "tcp://{}",
+        proxy.notify_addr().expect("lmcache flow")
+    ));
+    let _prefiller = engine::start(pc, pl).await.expect("prefiller");
+    let client = Client::new();
+    let url = format!("http://{}/v1/completions", proxy.http_addr());
+    let col_url = format!("http://{}/v1/completions", colocated.http_addr());
+    let body = |i: u64| json!({"prompt": model::random_prompt(900 + i, 100), "max_tokens": 30, "stream": true});
+    // 30 tokens at 20 ms: each stream lasts ~600 ms, so A is killed mid-stream.
+    let batch: Vec<_> = (0..6u64)
+        .map(|i| {
+            let (client, url, body) = (client.clone(), url.clone(), body(i));
+            tokio::spawn(async move {
+                let t = Instant::now();
+                (i, client.generate(&url, &body, DEADLINE).await, t.elapsed())
+            })
+        })
+        .collect();
+    let health = format!("http://127.0.0.1:{}/health", port(&va));
+    let until = Instant::now() + DEADLINE;
+    loop {
+        let v = client
+            .get_json(&health, DEADLINE)
+            .await
+            .expect("A is healthy");
+        if v["stats"]["generated_tokens"].as_u64().unwrap_or(0) >= 2 {
+            break;
+        }
+        assert!(Instant::now() < until, "decoder A got no stream");
+        tokio::task::yield_now().await;
+    }
+    a.start_kill().expect("kill A");
+    let _ = a.wait().await;
+    let (mut ok, mut failed) = (0, 0);
+    for h in batch {
+        let (i, r, took) = h.await.expect("request task");
+        assert!(took < DEADLINE, "request {i} took {took:?}");
+        match r {
+            Ok(ans) => {
+                let want = client
+                    .generate(&col_url, &body(i), DEADLINE)
+                    .await
+                    .expect("colocated");
+                assert_eq!(ans.text, want.text, "request {i}");
+                ok += 1;
+            }
+            Err(ClientError::Answer { detail, .. }) => {
+                assert!(
+                    detail.contains("decoder_stream_failed"),
+                    "request {i}: {detail}"
+                );
+                failed += 1;
+            }
+            Err(ClientError::Status { status, body, .. }) => {
+                assert!(matches!(status, 502..=504), "request {i}: {status} {body}");
+                failed += 1;
+            }
+            Err(e) => panic!("request {i}: {e}"),
+        }
+    }
+    assert!(failed >= 1, "A was killed mid-stream ({ok} ok)");
+    // Once the proxy has ejected A (a condition with a deadline), requests succeed on B.
+    let metrics = format!("http://{}/metrics", proxy.http_addr());
+    let until = Instant::now() + DEADLINE;
+    loop {
+        let text = metrics_text(&client, &metrics).await;
+        let a_label = format!("127.0.0.1:{}", port(&va));
+        let down = text.lines().any(|l| {
+            l.starts_with("kvbridge_proxy_worker_healthy")
+                && l.contains(&a_label)
+                && l.ends_with(" 0")
+        });
+        if down {
+            break;
+        }
+        assert!(Instant::now() < until, "the proxy never ejected A:\n{text}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for i in 100..104u64 {
+        let ans = client
+            .generate(&url, &body(i), DEADLINE)
+            .await
+            .unwrap_or_else(|e| panic!("after the kill, request {i}: {e}"));
+        let want = client
+            .generate(&col_url, &body(i), DEADLINE)
+            .await
+            .expect("colocated");
+        assert_eq!(ans.text, want.text, "request {i}");
+    }
+    // B returned every page and saw no mismatch.
+    let hb = format!("http://127.0.0.1:{}/health", port(&vb));
+    let until = Instant::now() + DEADLINE;
+    loop {
+        let v = client.get_json(&hb, DEADLINE).await.expect("B is healthy");
+        let st = &v["stats"];
+        assert_eq!(st["pages_leaked"], 0, "{st}");
+        assert_eq!(st["kv_mismatches"], 0, "{st}");
+        if st["pages_free"] == st["pages_total"] && st["in_flight"] == 0 {
+            break;
+        }
+        assert!(Instant::now() < until, "B's pages not returned: {st}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The proxy's Prometheus text.
+async fn metrics_text(client: &Client, url: &str) -> String {
+    client.get_text(url, DEADLINE).await.expect("metrics")
 }
