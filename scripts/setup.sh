@@ -3,8 +3,8 @@
 # Debian machine. Idempotent; CI (.ci/run) calls it first.
 #   - Debian packages: none are needed to build or test today (every Rust dependency is
 #     pure Rust or vendored). Benchmarks against peers install their own (see bench/).
-#   - Python packages for the interop tests (pyzmq and msgspec speak to our ZMQ outcomes the
-#     way LMCache's proxy does).
+#   - Python packages for the interop tests: pyzmq and msgspec speak to our ZMQ outcomes the
+#     way LMCache's proxy does; openai is the official client streaming through the proxy.
 set -euo pipefail
 APT_PACKAGES=()
 if [ ${#APT_PACKAGES[@]} -gt 0 ]; then
@@ -14,8 +14,8 @@ if [ ${#APT_PACKAGES[@]} -gt 0 ]; then
     apt-get update -qq && apt-get install -y -qq "${missing[@]}" >/dev/null
   fi
 fi
-if ! python3 -c "import zmq, msgspec" 2>/dev/null; then
-  python3 -m pip install --quiet pyzmq msgspec
+if ! python3 -c "import zmq, msgspec, openai" 2>/dev/null; then
+  python3 -m pip install --quiet pyzmq msgspec openai
 fi
 command -v cargo-clippy >/dev/null && command -v rustfmt >/dev/null || rustup component add clippy rustfmt
 echo "setup: ok"
