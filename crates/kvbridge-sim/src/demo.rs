@@ -105,6 +105,9 @@ pub struct DemoSummary {
     pub ttft_unloaded_disagg_p50_ms: f64,
     /// One request at a time: colocated TTFT p50, ms.
     pub ttft_unloaded_colocated_p50_ms: f64,
+    /// Mean time a decoder spent loading a request's KV before its first token (copy out of
+    /// the receive buffer and digest), ms: part of the TTFT gap.
+    pub decode_kv_load_mean_ms: f64,
     /// Leaked receive-buffer pages after the run (must be 0).
     pub pages_leaked: u64,
     /// Whether every transfer and verification ended before the summary was read.
@@ -136,7 +139,7 @@ impl DemoSummary {
              time per token      p50 {tpot:.2} ms\n\
              throughput          {rps:.1} req/s  {tps:.0} output tokens/s  ({wall:.1} s)\n\
              KV moved            {kvb:.1} MiB at {gib:.2} GiB/s\n\
-             unloaded TTFT       disaggregated {ud:.1} ms  colocated {uc:.1} ms\n\
+             unloaded TTFT       disaggregated {ud:.1} ms  colocated {uc:.1} ms  (decoder KV load {kl:.1} ms)\n\
              KV mismatches       {mm}\n\
              KV missing          {miss}\n\
              leaked pages        {leak}\n\
@@ -156,6 +159,7 @@ impl DemoSummary {
             gib = self.kv_gib_per_s,
             ud = self.ttft_unloaded_disagg_p50_ms,
             uc = self.ttft_unloaded_colocated_p50_ms,
+            kl = self.decode_kv_load_mean_ms,
             mm = self.kv_mismatches,
             miss = self.kv_missing,
             leak = self.pages_leaked,
@@ -341,6 +345,7 @@ impl Cluster {
             s.pages_leaked += x.pages_leaked;
             s.announced_pending += x.announced_pending;
             s.in_flight += x.in_flight;
+            s.kv_load_s += x.kv_load_s;
         }
         s
     }
@@ -569,6 +574,11 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
         },
         ttft_unloaded_disagg_p50_ms: pct(&mut ud, 0.5),
         ttft_unloaded_colocated_p50_ms: pct(&mut uc, 0.5),
+        decode_kv_load_mean_ms: if st.kv_requests_received > 0 {
+            st.kv_load_s * 1e3 / st.kv_requests_received as f64
+        } else {
+            0.0
+        },
         pages_leaked: st.pages_leaked,
         quiesced,
         setup: format!(

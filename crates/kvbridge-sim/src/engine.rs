@@ -118,6 +118,7 @@ struct Counts {
     local_prefills: AtomicU64,
     /// Rank transfers not yet finished, plus received KV not yet verified.
     in_flight: AtomicU64,
+    kv_load_ns: AtomicU64,
 }
 
 /// Wall time during which at least one KV write or finish call was in progress (the union
@@ -193,6 +194,9 @@ pub struct EngineStats {
     pub announced_pending: u64,
     /// Rank transfers not finished plus received KV not yet verified.
     pub in_flight: u64,
+    /// Decode: time from claiming a request's KV to its state being ready (copy out of the
+    /// receive buffer and digest), summed over requests, seconds.
+    pub kv_load_s: f64,
 }
 
 struct Inner {
@@ -252,6 +256,7 @@ impl Inner {
             pages_leaked: pages.leaked,
             announced_pending: self.announced.len() as u64,
             in_flight: c.in_flight.load(Relaxed),
+            kv_load_s: c.kv_load_ns.load(Relaxed) as f64 / 1e9,
         }
     }
 }
@@ -839,6 +844,7 @@ fn find_announced(s: &Inner, req: &GenRequest) -> Option<(String, usize)> {
 /// continues from the KV as received over `tokens[m..]`.
 async fn receive(s: &Arc<Inner>, tokens: &[u32], id: &str, m: usize) -> Result<SeqState, SimError> {
     s.counts.kv_requests_received.fetch_add(1, Relaxed);
+    let t0 = Instant::now();
     let mut per_rank = Vec::with_capacity(s.receivers.len());
     let mut err = None;
     for rx in &s.receivers {
@@ -880,6 +886,9 @@ async fn receive(s: &Arc<Inner>, tokens: &[u32], id: &str, m: usize) -> Result<S
         .await
         .map_err(|e| SimError::Internal(format!("decode task: {e}")))?
     };
+    s.counts
+        .kv_load_ns
+        .fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
     // Off the path: every chunk compared with the KV the model says it must be (a real
     // decoder would not do this; here it proves the transfer).
     s.work_started();
