@@ -9,7 +9,7 @@
 //! - [`receiver`] / [`sender`]: the two ends, push mode.
 //! - [`outcome`]: `KvReady` / `KvFailed` / `ProxyNotif` as msgpack over ZMQ PUSH.
 //! - [`config`]: TOML + environment + CLI settings, LMCache names accepted.
-//! - [`bench`]: `kvbridge bench pd` (PD layer against a raw channel, same run).
+//! - [`mod@bench`]: `kvbridge bench pd` (PD layer against a raw channel, same run).
 //!
 //! ```no_run
 //! # async fn demo() -> kvbridge_pd::Result<()> {
