@@ -137,12 +137,7 @@ async fn close_fails_in_flight_work_with_closed() {
     let w =
         tokio::spawn(async move { p2.write(&peer, &[Op::page(&src2, 0, kvid, 0, PAGE)]).await });
     // Wait until the batch is in flight.
-    for _ in 0..500 {
-        if pre.stats().await.unwrap().batches_in_flight == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    wait_in_flight(&pre).await;
     pre.close().await;
     let e = tokio::time::timeout(Duration::from_secs(5), w)
         .await
@@ -206,12 +201,7 @@ async fn disconnect_ends_one_session_and_fails_its_work() {
     let (src2, kvid, peer2) = (src.clone(), kv.id(), peer.clone());
     let w =
         tokio::spawn(async move { p2.write(&peer2, &[Op::page(&src2, 0, kvid, 0, PAGE)]).await });
-    for _ in 0..500 {
-        if pre.stats().await.unwrap().batches_in_flight == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    wait_in_flight(&pre).await;
     pre.disconnect(&peer, "sender gave up").await.unwrap();
     let e = w.await.unwrap().unwrap_err();
     assert!(matches!(e, Error::Disconnected { .. }), "{e}");
@@ -328,11 +318,7 @@ async fn read_held_in_flight_fails_cleanly_when_the_session_ends() {
     let (dst2, kvid, peer2) = (dst.clone(), kv.id(), peer.clone());
     let r =
         tokio::spawn(async move { p2.read(&peer2, &[Op::page(&dst2, 0, kvid, 0, PAGE)]).await });
-    let t = std::time::Instant::now();
-    while pre.stats().await.unwrap().batches_in_flight == 0 && t.elapsed() < Duration::from_secs(5)
-    {
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    wait_in_flight(&pre).await;
     pre.disconnect(&peer, "test").await.unwrap();
     let e = r.await.unwrap().unwrap_err();
     assert!(matches!(e, Error::Disconnected { .. }), "{e}");

@@ -55,3 +55,17 @@ pub async fn initiator(
 pub fn addr(ch: &Channel) -> String {
     ch.local_addr().unwrap().to_string()
 }
+
+/// Waits (at most 5 s) until `ch` has a batch in flight.
+pub async fn wait_in_flight(ch: &Channel) {
+    let t = std::time::Instant::now();
+    while ch.stats().await.unwrap().batches_in_flight == 0
+        && t.elapsed() < std::time::Duration::from_secs(5)
+    {
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+    }
+    assert!(
+        ch.stats().await.unwrap().batches_in_flight > 0,
+        "no batch in flight"
+    );
+}

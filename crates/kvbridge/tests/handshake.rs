@@ -197,12 +197,7 @@ async fn restarted_peer_replaces_its_session_and_old_work_fails_peer_restarted()
         )
         .await
     });
-    for _ in 0..1000 {
-        if dec.stats().await.unwrap().batches_in_flight == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    wait_in_flight(&dec).await;
     // prefill-0 restarts: same id, new incarnation.
     let mut events = dec.peer_events();
     let (new, _) = initiator("prefill-0", |_| {}, PAGE, PAGE).await;
