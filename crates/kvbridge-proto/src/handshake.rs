@@ -270,6 +270,17 @@ impl Core {
         self.out.push_back(Output::Failed(err));
     }
 
+    /// Ends the machine from our side with a `Bye`; false when it had already ended.
+    fn close(&mut self, code: ErrorCode, message: String) -> bool {
+        if self.failed {
+            return false;
+        }
+        self.send(Message::Bye(Reject { code, message }));
+        self.failed = true;
+        self.deadline = None;
+        true
+    }
+
     fn hold(&mut self, m: Message, step: Step) {
         if self.held.len() >= MAX_HELD {
             self.fail(HandshakeError::Malformed {
@@ -422,30 +433,9 @@ impl Initiator {
         }
     }
 
-    /// Whether the machine has failed or closed.
-    pub fn is_failed(&self) -> bool {
-        self.core.failed
-    }
-
     /// Whether the session is established.
     pub fn is_established(&self) -> bool {
         self.state == InitState::Established && !self.core.failed
-    }
-
-    /// Next thing for the driver to do.
-    pub fn poll_output(&mut self) -> Option<Output> {
-        self.core.out.pop_front()
-    }
-
-    /// When [`Initiator::handle_timeout`] must be called next.
-    pub fn poll_timeout(&self) -> Option<Instant> {
-        self.core.deadline
-    }
-
-    /// Time has passed.
-    pub fn handle_timeout(&mut self, now: Instant) {
-        let step = self.step();
-        self.core.check_timeout(now, step);
     }
 
     /// The driver's answer to [`Output::Welcomed`]: the regions we grant the listener. Our
@@ -598,16 +588,9 @@ impl Initiator {
 
     /// Ends the session from our side with a reason for the peer.
     pub fn close(&mut self, code: ErrorCode, message: String) {
-        if self.core.failed {
-            return;
+        if self.core.close(code, message) {
+            self.state = InitState::Done;
         }
-        self.core.send(Message::Bye(Reject {
-            code,
-            message: message.clone(),
-        }));
-        self.state = InitState::Done;
-        self.core.failed = true;
-        self.core.deadline = None;
     }
 }
 
@@ -741,30 +724,9 @@ impl ListenerSession {
         }
     }
 
-    /// Whether the machine has failed or closed.
-    pub fn is_failed(&self) -> bool {
-        self.core.failed
-    }
-
     /// Whether the session is established.
     pub fn is_established(&self) -> bool {
         self.state == ListenState::Established && !self.core.failed
-    }
-
-    /// Next thing for the driver to do.
-    pub fn poll_output(&mut self) -> Option<Output> {
-        self.core.out.pop_front()
-    }
-
-    /// When [`ListenerSession::handle_timeout`] must be called next.
-    pub fn poll_timeout(&self) -> Option<Instant> {
-        self.core.deadline
-    }
-
-    /// Time has passed.
-    pub fn handle_timeout(&mut self, now: Instant) {
-        let step = self.step();
-        self.core.check_timeout(now, step);
     }
 
     /// The driver bound the session's data connection (only once [`Self::may_bind`]).
@@ -864,15 +826,42 @@ impl ListenerSession {
 
     /// Ends the session from our side with a reason for the peer.
     pub fn close(&mut self, code: ErrorCode, message: String) {
-        if self.core.failed {
-            return;
+        if self.core.close(code, message) {
+            self.state = ListenState::Done;
         }
-        self.core.send(Message::Bye(Reject { code, message }));
-        self.state = ListenState::Done;
-        self.core.failed = true;
-        self.core.deadline = None;
     }
 }
+
+/// The driver-facing calls both machines share, over their `core` and `step()`.
+macro_rules! machine_io {
+    ($ty:ident) => {
+        impl $ty {
+            /// Whether the machine has failed or closed.
+            pub fn is_failed(&self) -> bool {
+                self.core.failed
+            }
+
+            /// Next thing for the driver to do.
+            pub fn poll_output(&mut self) -> Option<Output> {
+                self.core.out.pop_front()
+            }
+
+            #[doc = concat!("When [`", stringify!($ty), "::handle_timeout`] must be called next.")]
+            pub fn poll_timeout(&self) -> Option<Instant> {
+                self.core.deadline
+            }
+
+            /// Time has passed.
+            pub fn handle_timeout(&mut self, now: Instant) {
+                let step = self.step();
+                self.core.check_timeout(now, step);
+            }
+        }
+    };
+}
+
+machine_io!(Initiator);
+machine_io!(ListenerSession);
 
 /// A liveness probe message.
 pub fn ping(nonce: u64) -> Message {
