@@ -195,18 +195,8 @@ impl PdConfig {
     /// The KV spec these settings describe.
     pub fn spec(&self) -> Result<KvSpec, PdError> {
         let dtype: Dtype = self.dtype.parse().map_err(PdError::Config)?;
-        let layout = if self.latent_dim > 0 {
-            KvLayout::Mla {
-                layers: self.layers,
-                latent_dim: self.latent_dim,
-            }
-        } else {
-            KvLayout::Standard {
-                layers: self.layers,
-                kv_heads: self.kv_heads,
-                head_dim: self.head_dim,
-            }
-        };
+        let layout =
+            KvLayout::from_dims(self.layers, self.kv_heads, self.head_dim, self.latent_dim);
         let spec = KvSpec {
             layout,
             dtype,

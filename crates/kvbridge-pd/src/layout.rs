@@ -89,6 +89,20 @@ pub enum KvLayout {
 }
 
 impl KvLayout {
+    /// The layout that configuration-style dimensions describe: MLA when `latent_dim` is
+    /// set (> 0), standard attention otherwise.
+    pub fn from_dims(layers: u32, kv_heads: u32, head_dim: u32, latent_dim: u32) -> KvLayout {
+        if latent_dim > 0 {
+            KvLayout::Mla { layers, latent_dim }
+        } else {
+            KvLayout::Standard {
+                layers,
+                kv_heads,
+                head_dim,
+            }
+        }
+    }
+
     /// An 8B-class model: 32 layers, 8 KV heads, head dim 128.
     pub const LLAMA_8B: KvLayout = KvLayout::Standard {
         layers: 32,

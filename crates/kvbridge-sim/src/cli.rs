@@ -42,18 +42,8 @@ impl ModelArgs {
     /// The model these flags describe.
     pub fn build(&self) -> anyhow::Result<Model> {
         let dtype: Dtype = self.dtype.parse().map_err(anyhow::Error::msg)?;
-        let layout = if self.latent_dim > 0 {
-            KvLayout::Mla {
-                layers: self.layers,
-                latent_dim: self.latent_dim,
-            }
-        } else {
-            KvLayout::Standard {
-                layers: self.layers,
-                kv_heads: self.kv_heads,
-                head_dim: self.head_dim,
-            }
-        };
+        let layout =
+            KvLayout::from_dims(self.layers, self.kv_heads, self.head_dim, self.latent_dim);
         let spec = KvSpec {
             chunk_tokens: self.chunk_tokens,
             ..KvSpec::new(layout, dtype)

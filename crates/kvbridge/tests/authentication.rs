@@ -4,13 +4,12 @@
 mod common;
 use common::*;
 use kvbridge::proto::auth::Secret;
-use kvbridge::proto::frame::FrameHeader;
 use kvbridge::proto::ids::Blob;
 use kvbridge::proto::msg::*;
 use kvbridge::proto::{Incarnation, PeerId};
 use kvbridge::{Error, Op};
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 const PAGE: usize = 4096;
@@ -76,18 +75,6 @@ async fn initiator_with_a_secret_refuses_a_listener_without_one() {
     assert!(matches!(e, Error::Unauthenticated { .. }), "{e}");
 }
 
-async fn recv(s: &mut TcpStream) -> Option<Message> {
-    let mut h = [0u8; 8];
-    tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut h))
-        .await
-        .ok()?
-        .ok()?;
-    let hdr = FrameHeader::decode(&h, 1 << 24).ok()?;
-    let mut body = vec![0u8; hdr.body_len as usize];
-    s.read_exact(&mut body).await.ok()?;
-    Message::decode(&body).ok()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peer_without_a_valid_proof_can_write_nothing() {
     let (dec, kv) = listener("decode-0", |c| c.secret = secret("s3cret"), PAGE, PAGE).await;
@@ -109,7 +96,7 @@ async fn peer_without_a_valid_proof_can_write_nothing() {
     )
     .await
     .unwrap();
-    let Some(Message::Welcome(w)) = recv(&mut ctl).await else {
+    let Some(Message::Welcome(w)) = recv_frame(&mut ctl).await else {
         panic!("no welcome")
     };
     // Skip the proof; open the data connection and try to write anyway (knowing the id).
@@ -145,7 +132,7 @@ async fn peer_without_a_valid_proof_can_write_nothing() {
     )
     .await
     .unwrap();
-    match recv(&mut ctl).await {
+    match recv_frame(&mut ctl).await {
         Some(Message::Reject(r)) => assert_eq!(r.code, ErrorCode::Unauthenticated),
         m => panic!("expected Reject, got {m:?}"),
     }

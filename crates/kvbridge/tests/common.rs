@@ -69,3 +69,24 @@ pub async fn wait_in_flight(ch: &Channel) {
         "no batch in flight"
     );
 }
+
+/// Reads one frame off a raw socket (a hand-written peer), within 5 s; `None` on close,
+/// timeout or garbage.
+pub async fn recv_frame(s: &mut tokio::net::TcpStream) -> Option<kvbridge::proto::msg::Message> {
+    use tokio::io::AsyncReadExt;
+    let mut h = [0u8; 8];
+    tokio::time::timeout(std::time::Duration::from_secs(5), s.read_exact(&mut h))
+        .await
+        .ok()?
+        .ok()?;
+    let hdr = kvbridge::proto::frame::FrameHeader::decode(&h, 1 << 24).ok()?;
+    let mut body = vec![0u8; hdr.body_len as usize];
+    s.read_exact(&mut body).await.ok()?;
+    kvbridge::proto::msg::Message::decode(&body).ok()
+}
+
+/// Writes one message as a frame on a raw socket.
+pub async fn send_frame(s: &mut tokio::net::TcpStream, m: &kvbridge::proto::msg::Message) {
+    use tokio::io::AsyncWriteExt;
+    s.write_all(&m.to_frame().unwrap()).await.unwrap();
+}

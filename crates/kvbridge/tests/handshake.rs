@@ -3,7 +3,6 @@
 
 mod common;
 use common::*;
-use kvbridge::proto::frame::FrameHeader;
 use kvbridge::proto::msg::{Compat, ErrorCode, Message};
 use kvbridge::{Channel, ChannelConfig, Error, Op, PeerId, Step};
 use std::time::{Duration, Instant};
@@ -289,12 +288,7 @@ async fn wrong_frame_version_gets_a_reject_naming_both_versions() {
         .unwrap();
     frame[2] = 9;
     s.write_all(&frame).await.unwrap();
-    let mut h = [0u8; 8];
-    s.read_exact(&mut h).await.unwrap();
-    let hdr = FrameHeader::decode(&h, 1 << 20).unwrap();
-    let mut body = vec![0u8; hdr.body_len as usize];
-    s.read_exact(&mut body).await.unwrap();
-    match Message::decode(&body).unwrap() {
+    match recv_frame(&mut s).await.expect("a frame back") {
         Message::Reject(r) => {
             assert_eq!(r.code, ErrorCode::UnsupportedVersion);
             assert!(

@@ -12,26 +12,10 @@ use tokio::net::TcpStream;
 
 const PAGE: usize = 4096;
 
-async fn recv(s: &mut TcpStream) -> Option<Message> {
-    let mut h = [0u8; 8];
-    tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut h))
-        .await
-        .ok()?
-        .ok()?;
-    let hdr = FrameHeader::decode(&h, 1 << 24).ok()?;
-    let mut body = vec![0u8; hdr.body_len as usize];
-    s.read_exact(&mut body).await.ok()?;
-    Message::decode(&body).ok()
-}
-
-async fn send(s: &mut TcpStream, m: &Message) {
-    s.write_all(&m.to_frame().unwrap()).await.unwrap();
-}
-
 /// Handshakes by hand; returns (control, data) connections.
 async fn handshake(target: &str) -> (TcpStream, TcpStream) {
     let mut ctl = TcpStream::connect(target).await.unwrap();
-    send(
+    send_frame(
         &mut ctl,
         &Message::Hello(Hello {
             version: 1,
@@ -42,12 +26,12 @@ async fn handshake(target: &str) -> (TcpStream, TcpStream) {
         }),
     )
     .await;
-    let Some(Message::Welcome(w)) = recv(&mut ctl).await else {
+    let Some(Message::Welcome(w)) = recv_frame(&mut ctl).await else {
         panic!("no welcome")
     };
-    send(&mut ctl, &Message::MemInfo(MemInfo::default())).await;
+    send_frame(&mut ctl, &Message::MemInfo(MemInfo::default())).await;
     let mut data = TcpStream::connect(target).await.unwrap();
-    send(
+    send_frame(
         &mut data,
         &Message::DataHello(DataHello {
             token: w.token,
@@ -55,8 +39,14 @@ async fn handshake(target: &str) -> (TcpStream, TcpStream) {
         }),
     )
     .await;
-    assert!(matches!(recv(&mut ctl).await, Some(Message::MemInfo(_))));
-    assert!(matches!(recv(&mut ctl).await, Some(Message::Ready(_))));
+    assert!(matches!(
+        recv_frame(&mut ctl).await,
+        Some(Message::MemInfo(_))
+    ));
+    assert!(matches!(
+        recv_frame(&mut ctl).await,
+        Some(Message::Ready(_))
+    ));
     (ctl, data)
 }
 
@@ -80,7 +70,7 @@ async fn expect_rejected_write(bad: OpDesc, expected: ErrorCode) {
     .unwrap();
     data.write_all(&frame).await.unwrap();
     let _ = data.write_all(&vec![0xAB; 2 * PAGE]).await;
-    match recv(&mut data).await {
+    match recv_frame(&mut data).await {
         Some(Message::WriteAck(a)) => {
             assert_eq!(a.id, 1);
             assert_eq!(a.error.expect("error ack").code, expected);
@@ -186,7 +176,7 @@ async fn region_not_granted_to_the_peer_is_invisible() {
     .unwrap();
     data.write_all(&frame).await.unwrap();
     let _ = data.write_all(&[1u8; 8]).await;
-    match recv(&mut data).await {
+    match recv_frame(&mut data).await {
         Some(Message::WriteAck(a)) => assert_eq!(a.error.unwrap().code, ErrorCode::UnknownRegion),
         m => panic!("{m:?}"),
     }
@@ -201,20 +191,20 @@ async fn oversized_frame_and_garbage_are_refused_without_a_panic() {
     // Oversized frame header.
     let mut s = TcpStream::connect(addr(&dec)).await.unwrap();
     s.write_all(&FrameHeader::encode(1 << 30)).await.unwrap();
-    match recv(&mut s).await {
+    match recv_frame(&mut s).await {
         Some(Message::Reject(r)) => assert_eq!(r.code, ErrorCode::LimitExceeded),
         m => panic!("{m:?}"),
     }
     // Not kvbridge at all.
     let mut s = TcpStream::connect(addr(&dec)).await.unwrap();
     s.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
-    match recv(&mut s).await {
+    match recv_frame(&mut s).await {
         Some(Message::Reject(r)) => assert_eq!(r.code, ErrorCode::Malformed),
         m => panic!("{m:?}"),
     }
     // A data connection with a made-up token.
     let mut s = TcpStream::connect(addr(&dec)).await.unwrap();
-    send(
+    send_frame(
         &mut s,
         &Message::DataHello(DataHello {
             token: kvbridge::proto::SessionToken([3; 16]),
@@ -222,7 +212,7 @@ async fn oversized_frame_and_garbage_are_refused_without_a_panic() {
         }),
     )
     .await;
-    match recv(&mut s).await {
+    match recv_frame(&mut s).await {
         Some(Message::Reject(r)) => assert_eq!(r.code, ErrorCode::UnknownSession),
         m => panic!("{m:?}"),
     }
