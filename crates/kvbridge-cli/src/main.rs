@@ -72,6 +72,24 @@ fn main() -> Result<()> {
     match cli.cmd {
         Cmd::Proxy(args) => rt.block_on(kvbridge_proxy::cli::run(*args)),
         Cmd::Engine(args) => rt.block_on(kvbridge_sim::cli::run_engine(*args)),
+        Cmd::Demo(args) if args.duration.is_some() => {
+            let exe = std::env::current_exe()?.into_os_string();
+            let opts = kvbridge_sim::soak::SoakOptions::from_demo_args(
+                &args,
+                vec![exe.clone(), "engine".into()],
+                vec![exe, "proxy".into()],
+            )?;
+            let s = rt.block_on(kvbridge_sim::soak::run(opts))?;
+            if args.json {
+                println!("{}", serde_json::to_string(&s)?);
+            } else {
+                println!("{}", s.table());
+            }
+            if !s.passed() {
+                std::process::exit(1);
+            }
+            Ok(())
+        }
         Cmd::Demo(args) => {
             let json = args.json;
             let s = rt.block_on(kvbridge_sim::demo::run(*args))?;

@@ -119,16 +119,18 @@ impl PdReceiver {
         }
         let len = usize::try_from(pages * page_bytes)
             .map_err(|_| PdError::Config("buffer larger than the address space".into()))?;
+        // The buffer first: when it cannot be had, nothing is bound yet (no port to release).
+        let region =
+            Region::alloc(len, page_bytes as usize).map_err(|e| PdError::Config(e.to_string()))?;
         let channel = Channel::new(cfg.channel.clone())
             .await
             .map_err(|e| PdError::Config(e.to_string()))?;
         // Subscribe before anyone can connect: no session change is missed.
         let events = channel.peer_events();
-        let region =
-            Region::alloc(len, page_bytes as usize).map_err(|e| PdError::Config(e.to_string()))?;
-        channel
-            .register(&region, Grant::AllPeers)
-            .map_err(|e| PdError::Config(e.to_string()))?;
+        if let Err(e) = channel.register(&region, Grant::AllPeers) {
+            channel.close().await;
+            return Err(PdError::Config(e.to_string()));
+        }
         let inner = Arc::new(Inner {
             channel,
             region,

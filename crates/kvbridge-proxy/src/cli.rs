@@ -96,10 +96,17 @@ pub struct ProxyArgs {
     pub max_body_bytes: Option<usize>,
 }
 
-/// Runs the proxy until SIGINT or SIGTERM.
+/// Runs the proxy until SIGINT or SIGTERM. Once bound, it prints its addresses as one JSON
+/// line on stdout, `{"http": "host:port", "notify": "host:port" | null}`, so a parent that
+/// asked for port 0 learns the ports without guessing.
 pub async fn run(args: ProxyArgs) -> anyhow::Result<()> {
     let cfg = Config::from_args(&args)?;
     let proxy = crate::server::start(cfg).await?;
+    println!(
+        "{}",
+        serde_json::json!({"http": proxy.http_addr().to_string(),
+            "notify": proxy.notify_addr().map(|a| a.to_string())})
+    );
     tracing::info!(
         http = %proxy.http_addr(),
         notify = ?proxy.notify_addr(),

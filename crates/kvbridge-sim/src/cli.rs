@@ -110,6 +110,9 @@ pub struct EngineArgs {
     /// Decode: receive buffer per rank, MiB.
     #[arg(long, default_value_t = 1024)]
     pub buffer_mib: u64,
+    /// Decode: seconds before received KV that no decode request claims returns to the buffer.
+    #[arg(long, default_value_t = 60.0)]
+    pub kv_ttl_sec: f64,
     /// Prefill: the proxy's ZMQ PULL host (outcomes go there).
     #[arg(long)]
     pub proxy_host: Option<String>,
@@ -137,6 +140,10 @@ impl EngineArgs {
         c.init_ports = self.init_port.clone();
         c.alloc_ports = self.alloc_port.clone();
         c.buffer_bytes = self.buffer_mib.saturating_mul(1 << 20);
+        if !(self.kv_ttl_sec > 0.0 && self.kv_ttl_sec.is_finite()) {
+            anyhow::bail!("--kv-ttl-sec must be a positive number of seconds");
+        }
+        c.kv_ttl = Duration::from_secs_f64(self.kv_ttl_sec);
         c.proxy_endpoint = match (&self.proxy_host, self.proxy_port) {
             (Some(h), Some(p)) => Some(format!("tcp://{h}:{p}")),
             (None, None) => None,

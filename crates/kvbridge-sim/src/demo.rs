@@ -21,12 +21,12 @@ use tokio::net::TcpListener;
 /// `kvbridge demo` flags. Defaults finish in well under a minute on 2 cores.
 #[derive(Debug, Clone, clap::Args)]
 pub struct DemoArgs {
-    /// Prefill engines.
-    #[arg(long, default_value_t = 1)]
-    pub prefillers: u32,
-    /// Decode engines.
-    #[arg(long, default_value_t = 1)]
-    pub decoders: u32,
+    /// Prefill engines (default 1; 2 with `--duration`).
+    #[arg(long)]
+    pub prefillers: Option<u32>,
+    /// Decode engines (default 1; 2 with `--duration`).
+    #[arg(long)]
+    pub decoders: Option<u32>,
     /// Requests of the workload.
     #[arg(long, default_value_t = 48)]
     pub requests: u32,
@@ -58,6 +58,24 @@ pub struct DemoArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// Soak instead of a fixed workload: run the proxy and every worker as child processes
+    /// and send requests for this long (`90s`, `30m`, `1h`); see `--chaos`.
+    #[arg(long)]
+    pub duration: Option<String>,
+    /// With `--duration`: kill -9 a random worker or the proxy every `--chaos-interval`
+    /// (on average), and restart it on the same ports after a moment.
+    #[arg(long)]
+    pub chaos: bool,
+    /// With `--chaos`: mean seconds between two kills.
+    #[arg(long, default_value_t = 5.0)]
+    pub chaos_interval: f64,
+    /// With `--chaos`: never kill the proxy (workers only).
+    #[arg(long)]
+    pub chaos_spare_proxy: bool,
+    /// With `--duration`: seconds before KV that no decode request claims (its proxy was
+    /// killed) returns to a decoder's buffer.
+    #[arg(long, default_value_t = 20.0)]
+    pub kv_ttl_sec: f64,
     /// The model.
     #[command(flatten)]
     pub model: ModelArgs,
@@ -174,7 +192,8 @@ impl DemoSummary {
     }
 }
 
-fn range(s: &str, what: &str) -> anyhow::Result<(u32, u32)> {
+/// Parses a `MIN..MAX` range flag.
+pub fn range(s: &str, what: &str) -> anyhow::Result<(u32, u32)> {
     let (a, b) = s
         .split_once("..")
         .ok_or_else(|| anyhow::anyhow!("{what} must be MIN..MAX, not {s:?}"))?;
@@ -394,28 +413,41 @@ pub fn workload(
     let mut r = SplitMix(seed);
     let prefix = model::random_prompt(seed ^ 0x5eed, shared_prefix as usize);
     (0..n)
-        .map(|i| {
-            let p = prompt.0 + (r.next_u64() % (prompt.1 - prompt.0 + 1) as u64) as u32;
-            let o = (output.0 + (r.next_u64() % (output.1 - output.0 + 1) as u64) as u32).max(2);
-            let mut text = model::random_prompt(r.next_u64(), p.saturating_sub(shared_prefix) as usize);
-            if shared_prefix > 0 {
-                text = format!("{prefix} {text}");
-            }
-            let stream = i % 3 != 2;
-            if i % 4 == 3 {
-                WorkItem {
-                    path: "/v1/chat/completions",
-                    body: json!({"model": model_name, "messages": [{"role": "user", "content": text}],
-                        "max_tokens": o, "stream": stream}),
-                }
-            } else {
-                WorkItem {
-                    path: "/v1/completions",
-                    body: json!({"model": model_name, "prompt": text, "max_tokens": o, "stream": stream}),
-                }
-            }
-        })
+        .map(|i| work_item(i as u64, &mut r, prompt, output, &prefix, model_name))
         .collect()
+}
+
+/// Request `i` of a workload, its lengths and text drawn from `r`; `prefix` (possibly empty)
+/// starts every prompt. Every 4th request is a chat, every 3rd is not streamed.
+pub fn work_item(
+    i: u64,
+    r: &mut SplitMix,
+    prompt: (u32, u32),
+    output: (u32, u32),
+    prefix: &str,
+    model_name: &str,
+) -> WorkItem {
+    // One word is one token (see `model::tokenize`).
+    let shared = prefix.split_ascii_whitespace().count() as u32;
+    let p = prompt.0 + (r.next_u64() % (prompt.1 - prompt.0 + 1) as u64) as u32;
+    let o = (output.0 + (r.next_u64() % (output.1 - output.0 + 1) as u64) as u32).max(2);
+    let mut text = model::random_prompt(r.next_u64(), p.saturating_sub(shared) as usize);
+    if !prefix.is_empty() {
+        text = format!("{prefix} {text}");
+    }
+    let stream = i % 3 != 2;
+    if i % 4 == 3 {
+        WorkItem {
+            path: "/v1/chat/completions",
+            body: json!({"model": model_name, "messages": [{"role": "user", "content": text}],
+                "max_tokens": o, "stream": stream}),
+        }
+    } else {
+        WorkItem {
+            path: "/v1/completions",
+            body: json!({"model": model_name, "prompt": text, "max_tokens": o, "stream": stream}),
+        }
+    }
 }
 
 /// Runs the demo and returns its summary (the caller prints it and sets the exit status).
@@ -428,9 +460,10 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
         anyhow::bail!("--request-timeout must be a positive number of seconds");
     }
     let deadline = Duration::from_secs_f64(args.request_timeout);
+    let (prefillers, decoders) = (args.prefillers.unwrap_or(1), args.decoders.unwrap_or(1));
     let cluster = Cluster::start(
-        args.prefillers,
-        args.decoders,
+        prefillers,
+        decoders,
         &model,
         cost,
         args.buffer_mib.saturating_mul(1 << 20),
@@ -583,8 +616,8 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
         quiesced,
         setup: format!(
             "{}P{}D, TP={}, {}, {} bytes/token, {} tokens/chunk, in-process on loopback",
-            args.prefillers,
-            args.decoders,
+            prefillers,
+            decoders,
             model.world_size,
             model.spec.layout,
             model.spec.bytes_per_token(),

@@ -78,6 +78,9 @@ pub struct EngineConfig {
     pub announce_timeout: Duration,
     /// Largest `max_tokens` accepted.
     pub max_tokens_limit: u32,
+    /// TTL of a received request's pages (decode): KV that no decode request claims returns
+    /// to the buffer after this long.
+    pub kv_ttl: Duration,
 }
 
 impl EngineConfig {
@@ -95,6 +98,7 @@ impl EngineConfig {
             retrieve_timeout: Duration::from_secs(10),
             announce_timeout: Duration::from_secs(5),
             max_tokens_limit: 4096,
+            kv_ttl: Duration::from_secs(60),
         }
     }
 }
@@ -427,12 +431,13 @@ pub async fn start(cfg: EngineConfig, listener: TcpListener) -> Result<RunningEn
             for rank in 0..ws {
                 let port = cfg.init_ports.get(rank as usize).copied().unwrap_or(0);
                 let listen = format!("{}:{port}", cfg.bind_host);
-                let rc = ReceiverConfig::new(
+                let mut rc = ReceiverConfig::new(
                     ChannelConfig::new(format!("sim-{id}-r{rank}"), Some(&listen)),
                     rank,
                     cfg.model.spec,
                     cfg.buffer_bytes,
                 );
+                rc.ttl = cfg.kv_ttl;
                 let rx = PdReceiver::start(rc).await?;
                 init_ports.push(rx.local_addr().map(|a| a.port()).unwrap_or(0));
                 receivers.push(rx);

@@ -11,6 +11,7 @@
 //! - [`announce`]: how a decoder learns which PD request holds a prompt's KV.
 //! - [`client`]: a small OpenAI client (demo, tests).
 //! - [`demo`]: `kvbridge demo`.
+//! - [`soak`]: `kvbridge demo --duration D --chaos` (real processes, real `kill -9`).
 //! - [`cli`]: `kvbridge engine` flags.
 
 #![warn(missing_docs)]
@@ -22,3 +23,4 @@ pub mod cost;
 pub mod demo;
 pub mod engine;
 pub mod model;
+pub mod soak;

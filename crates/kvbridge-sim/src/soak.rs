@@ -1,0 +1,1144 @@
+//! The soak: `kvbridge demo --duration 30m --chaos`.
+//!
+//! Unlike the plain demo, the proxy and every worker run as real child processes, so chaos is
+//! a real `kill -9`: at random intervals one of them (every prefiller, decoder and the proxy in
+//! turn, in a shuffled order) is killed, left down for a moment, and started again on the same ports (a decoder restarting
+//! under the same id). A workload runs through the proxy the whole time, every request with
+//! a deadline. The summary shows what a user must be able to rely on:
+//!
+//! - **no hang**: every request ended (answer or clear error) within its deadline;
+//! - **no corruption**: the decoders' KV mismatch counters stay 0, and a sample of answers
+//!   equals the colocated reference engine's answer for the same request;
+//! - **no leak**: once the load stops, every live decoder's pages come back (within the KV
+//!   TTL) and its `pages_leaked` counter is 0;
+//! - **flat memory**: the resident size of every process that lived through the run, from
+//!   after warm-up to the end;
+//! - **recovery**: after the chaos stops, requests succeed again.
+//!
+//! One task (the supervisor, [`run`]'s own) owns every child process: it kills, restarts
+//! and polls them; the workload tasks only know the proxy's fixed address.
+
+use crate::cli::{CostArgs, ModelArgs};
+use crate::client::{Client, ClientError};
+use crate::cost::CostModel;
+use crate::demo::{range, work_item, DemoArgs, WorkItem};
+use crate::engine::{self, EngineConfig, Role};
+use crate::model::{Model, SplitMix};
+use serde::Serialize;
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::process::{Child, Command};
+
+/// How long a child process may take to print its addresses.
+const START_DEADLINE: Duration = Duration::from_secs(30);
+/// How often the supervisor polls every process's counters and memory.
+const POLL_EVERY: Duration = Duration::from_secs(1);
+/// Requests sent after the chaos stops; all must succeed.
+const RECOVERY_REQUESTS: u64 = 8;
+/// A workload never sends more than this many requests, whatever the duration.
+const MAX_REQUESTS: u64 = 10_000_000;
+
+/// What the soak runs.
+#[derive(Debug, Clone)]
+pub struct SoakOptions {
+    /// The program (and leading arguments) that starts one engine, e.g. `kvbridge engine`.
+    pub engine_cmd: Vec<OsString>,
+    /// The program (and leading arguments) that starts the proxy, e.g. `kvbridge proxy`.
+    pub proxy_cmd: Vec<OsString>,
+    /// Prefill engines.
+    pub prefillers: u32,
+    /// Decode engines.
+    pub decoders: u32,
+    /// How long the workload runs.
+    pub duration: Duration,
+    /// Whether to kill and restart processes during the run.
+    pub chaos: bool,
+    /// Mean time between two kills (each is drawn from 0.5x to 1.5x of it).
+    pub chaos_interval: Duration,
+    /// Whether the proxy is among the processes chaos kills.
+    pub chaos_proxy: bool,
+    /// Requests in flight at once.
+    pub concurrency: u32,
+    /// Prompt length range, tokens.
+    pub prompt_tokens: (u32, u32),
+    /// Output length range, tokens.
+    pub output_tokens: (u32, u32),
+    /// A request's deadline at the client: a request still open after it is a hang.
+    pub request_timeout: Duration,
+    /// The proxy's KV-ready deadline (must be well under `request_timeout`).
+    pub kv_ready_timeout: Duration,
+    /// Every n-th successful request is replayed on the colocated engine and compared.
+    pub compare_every: u64,
+    /// Receive buffer per decoder rank, MiB.
+    pub buffer_mib: u64,
+    /// The decoders' KV TTL (unclaimed KV returns after it).
+    pub kv_ttl: Duration,
+    /// Workload and chaos seed.
+    pub seed: u64,
+    /// The model.
+    pub model: ModelArgs,
+    /// The cost model.
+    pub cost: CostArgs,
+    /// Whether to print progress on stderr.
+    pub progress: bool,
+}
+
+/// Memory of one process over the run.
+#[derive(Debug, Clone, Serialize)]
+pub struct MemoryTrack {
+    /// The process (`demo` is the soak's own process: client and colocated engine).
+    pub name: String,
+    /// Resident size after warm-up, MiB.
+    pub start_mib: f64,
+    /// Resident size at the end, MiB.
+    pub end_mib: f64,
+    /// Largest resident size seen, MiB.
+    pub max_mib: f64,
+    /// Whether it was restarted after warm-up (then its growth says nothing).
+    pub restarted: bool,
+}
+
+impl MemoryTrack {
+    /// Flat: the end is within 30% (plus 32 MiB of slack for allocator and page-cache noise)
+    /// of the size after warm-up.
+    pub fn flat(&self) -> bool {
+        self.restarted || self.end_mib <= self.start_mib * 1.3 + 32.0
+    }
+}
+
+/// The soak's result.
+#[derive(Debug, Clone, Serialize)]
+pub struct SoakSummary {
+    /// Wall time of the workload, s.
+    pub duration_s: f64,
+    /// Requests sent.
+    pub requests: u64,
+    /// Answered in full.
+    pub ok: u64,
+    /// Ended with a clear error (expected while processes are down).
+    pub failed: u64,
+    /// Still open at their deadline (must be 0).
+    pub hangs: u64,
+    /// Failures by kind (HTTP status and error code, `sse_error`, `connect`, ...).
+    pub failures_by_kind: BTreeMap<String, u64>,
+    /// The first failure of each kind, as the client saw it.
+    pub failure_examples: BTreeMap<String, String>,
+    /// Processes killed with SIGKILL.
+    pub kills: u64,
+    /// Processes started again.
+    pub restarts: u64,
+    /// Restarts that failed (the port was taken, the process did not come up).
+    pub restart_failures: u64,
+    /// KV chunks that differed from the expected KV, over every decoder incarnation (must be 0).
+    pub kv_mismatches: u64,
+    /// Answers replayed on the colocated engine.
+    pub outputs_compared: u64,
+    /// Of those, answers that differed (must be 0).
+    pub outputs_mismatched: u64,
+    /// Pages not back on the live decoders once the load stopped and the KV TTL passed, plus
+    /// their `pages_leaked` counters (must be 0).
+    pub pages_leaked: u64,
+    /// Whether every decoder was idle with all pages free before the deadline.
+    pub quiesced: bool,
+    /// Requests after the chaos stopped, and how many succeeded (must be all).
+    pub recovery_ok: u64,
+    /// Memory of every process.
+    pub memory: Vec<MemoryTrack>,
+    /// Whether every process that lived through the run kept a flat memory.
+    pub memory_flat: bool,
+    /// First errors seen (at most 8).
+    pub errors: Vec<String>,
+    /// What ran.
+    pub setup: String,
+}
+
+impl SoakSummary {
+    /// No hang, no corruption, no leak, flat memory, recovered, and something succeeded.
+    pub fn passed(&self) -> bool {
+        self.hangs == 0
+            && self.kv_mismatches == 0
+            && self.outputs_mismatched == 0
+            && self.pages_leaked == 0
+            && self.quiesced
+            && self.memory_flat
+            && self.recovery_ok == RECOVERY_REQUESTS
+            && self.restart_failures == 0
+            && self.ok > 0
+    }
+
+    /// The human-readable summary.
+    pub fn table(&self) -> String {
+        let yes = |b: bool| if b { "yes" } else { "NO" };
+        let mut s = format!(
+            "kvbridge soak: {}\n\
+             requests            {} ok {} failed {} (clean errors)  hangs {}\n\
+             failures by kind    {:?}\n\
+             first of each kind  {:?}\n\
+             chaos               {} kills, {} restarts, {} failed restarts\n\
+             KV mismatches       {}\n\
+             outputs = colocated {} of {} compared\n\
+             leaked pages        {} (all returned: {})\n\
+             recovery            {}/{} ok after the chaos\n\
+             memory flat         {}\n",
+            self.setup,
+            self.requests,
+            self.ok,
+            self.failed,
+            self.hangs,
+            self.failures_by_kind,
+            self.failure_examples,
+            self.kills,
+            self.restarts,
+            self.restart_failures,
+            self.kv_mismatches,
+            self.outputs_compared - self.outputs_mismatched,
+            self.outputs_compared,
+            self.pages_leaked,
+            yes(self.quiesced),
+            self.recovery_ok,
+            RECOVERY_REQUESTS,
+            yes(self.memory_flat),
+        );
+        for m in &self.memory {
+            s.push_str(&format!(
+                "  {:<12} RSS {:>7.1} MiB after warm-up -> {:>7.1} MiB at the end (max {:.1}){}\n",
+                m.name,
+                m.start_mib,
+                m.end_mib,
+                m.max_mib,
+                if m.restarted { ", restarted" } else { "" }
+            ));
+        }
+        s.push_str(&if self.passed() {
+            "PASS".to_string()
+        } else {
+            format!("FAIL {}", self.errors.join("; "))
+        });
+        s
+    }
+}
+
+/// What a child process is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Prefill,
+    Decode,
+    Proxy,
+}
+
+/// One child process slot: the process now running in it (if any), how to start it again,
+/// and what was read from it.
+struct Proc {
+    name: String,
+    kind: Kind,
+    program: Vec<OsString>,
+    /// Arguments that start it again on the same ports.
+    restart_args: Vec<String>,
+    child: Option<Child>,
+    /// The HTTP address (engines: `/health` serves the counters).
+    http: String,
+    /// Mismatches of earlier incarnations.
+    mismatches_banked: u64,
+    /// Mismatches of the running incarnation, as last polled.
+    mismatches_now: u64,
+    /// The last counters polled (engines).
+    last: Option<Value>,
+    mem: Option<MemoryTrack>,
+}
+
+impl Proc {
+    fn pid(&self) -> Option<u32> {
+        self.child.as_ref().and_then(|c| c.id())
+    }
+}
+
+/// Starts `program args`, reads its one JSON line of addresses within [`START_DEADLINE`],
+/// and keeps draining its stdout so it can never block on a full pipe.
+async fn spawn(program: &[OsString], args: &[String]) -> anyhow::Result<(Child, Value)> {
+    let (exe, lead) = program
+        .split_first()
+        .ok_or_else(|| anyhow::anyhow!("empty command"))?;
+    let mut child = Command::new(exe)
+        .args(lead)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| anyhow::anyhow!("cannot start {exe:?}: {e}"))?;
+    let out = child
+        .stdout
+        .take()
+        .ok_or_else(|| anyhow::anyhow!("no stdout"))?;
+    let mut out = BufReader::new(out);
+    let mut line = String::new();
+    match tokio::time::timeout(START_DEADLINE, out.read_line(&mut line)).await {
+        Ok(Ok(n)) if n > 0 => {}
+        Ok(Ok(_)) => anyhow::bail!("{exe:?} {args:?} exited before printing its addresses"),
+        Ok(Err(e)) => anyhow::bail!("reading {exe:?}'s addresses: {e}"),
+        Err(_) => anyhow::bail!("{exe:?} printed no addresses within {START_DEADLINE:?}"),
+    }
+    tokio::spawn(async move {
+        let _ = tokio::io::copy(&mut out, &mut tokio::io::sink()).await;
+    });
+    let v: Value = serde_json::from_str(line.trim())
+        .map_err(|e| anyhow::anyhow!("{exe:?} printed {line:?}, not its addresses: {e}"))?;
+    Ok((child, v))
+}
+
+fn port_of(addr: &Value) -> anyhow::Result<u16> {
+    let s = addr
+        .as_str()
+        .ok_or_else(|| anyhow::anyhow!("no address in {addr}"))?;
+    Ok(s.parse::<std::net::SocketAddr>()?.port())
+}
+
+fn ports_of(v: &Value) -> Vec<u16> {
+    v.as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|p| p.as_u64())
+                .map(|p| p as u16)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn join(ports: &[u16]) -> String {
+    ports
+        .iter()
+        .map(u16::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The engine flags that describe `m` and `c`, so every child runs the same model.
+pub fn model_flags(m: &ModelArgs, c: &CostArgs) -> Vec<String> {
+    [
+        ("--model", m.model.clone()),
+        ("--layers", m.layers.to_string()),
+        ("--kv-heads", m.kv_heads.to_string()),
+        ("--head-dim", m.head_dim.to_string()),
+        ("--latent-dim", m.latent_dim.to_string()),
+        ("--dtype", m.dtype.clone()),
+        ("--chunk-tokens", m.chunk_tokens.to_string()),
+        ("--tp", m.tp.to_string()),
+        ("--prefill-tokens-per-s", c.prefill_tokens_per_s.to_string()),
+        ("--decode-ms-per-token", c.decode_ms_per_token.to_string()),
+    ]
+    .into_iter()
+    .flat_map(|(k, v)| [k.to_string(), v])
+    .collect()
+}
+
+/// Resident set size of `pid` in MiB (Linux), or `None`.
+fn rss_mib(pid: u32) -> Option<f64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kb: f64 = s
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()?;
+    Some(kb / 1024.0)
+}
+
+/// Tallies of the workload tasks.
+#[derive(Debug, Default)]
+struct Tally {
+    requests: u64,
+    ok: u64,
+    hangs: u64,
+    failures: BTreeMap<String, u64>,
+    examples: BTreeMap<String, String>,
+    compared: u64,
+    mismatched: u64,
+    errors: Vec<String>,
+}
+
+impl Tally {
+    fn merge(&mut self, o: Tally) {
+        self.requests += o.requests;
+        self.ok += o.ok;
+        self.hangs += o.hangs;
+        for (k, v) in o.failures {
+            *self.failures.entry(k).or_default() += v;
+        }
+        for (k, v) in o.examples {
+            self.examples.entry(k).or_insert(v);
+        }
+        self.compared += o.compared;
+        self.mismatched += o.mismatched;
+        for e in o.errors {
+            if self.errors.len() < 8 {
+                self.errors.push(e);
+            }
+        }
+    }
+
+    fn error(&mut self, e: String) {
+        if self.errors.len() < 8 {
+            self.errors.push(e);
+        }
+    }
+}
+
+/// What the workload tasks share (read only, plus the request counter).
+struct Load {
+    client: Client,
+    proxy_url: String,
+    colocated_url: String,
+    next: AtomicU64,
+    end: Instant,
+    opts: SoakOptions,
+    model_name: String,
+}
+
+fn failure_kind(e: &ClientError) -> String {
+    match e {
+        ClientError::Timeout { .. } => "hang".into(),
+        ClientError::Transport { .. } => "connect".into(),
+        ClientError::Status { status, body, .. } => {
+            let code = serde_json::from_str::<Value>(body)
+                .ok()
+                .and_then(|v| v["error"]["code"].as_str().map(str::to_string));
+            match code {
+                Some(c) => format!("{status} {c}"),
+                None => status.to_string(),
+            }
+        }
+        ClientError::Answer { .. } => "sse_error".into(),
+    }
+}
+
+/// Sends request `i` through the proxy and, for every `compare_every`-th success, through
+/// the colocated engine too.
+async fn one_request(load: &Load, i: u64, t: &mut Tally) -> Result<(), ClientError> {
+    let mut r = SplitMix(load.opts.seed ^ i.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    let w: WorkItem = work_item(
+        i,
+        &mut r,
+        load.opts.prompt_tokens,
+        load.opts.output_tokens,
+        "",
+        &load.model_name,
+    );
+    t.requests += 1;
+    let deadline = load.opts.request_timeout;
+    let a = load
+        .client
+        .generate(&format!("{}{}", load.proxy_url, w.path), &w.body, deadline)
+        .await?;
+    t.ok += 1;
+    if load.opts.compare_every > 0 && t.ok % load.opts.compare_every == 0 {
+        let c = load
+            .client
+            .generate(
+                &format!("{}{}", load.colocated_url, w.path),
+                &w.body,
+                deadline,
+            )
+            .await;
+        t.compared += 1;
+        match c {
+            Ok(c) if c.text == a.text => {}
+            Ok(c) => {
+                t.mismatched += 1;
+                t.error(format!(
+                    "request {i}: output {:?} differs from colocated {:?}",
+                    a.text.chars().take(40).collect::<String>(),
+                    c.text.chars().take(40).collect::<String>()
+                ));
+            }
+            Err(e) => {
+                t.mismatched += 1;
+                t.error(format!("request {i}: the colocated engine failed: {e}"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One workload task: requests one after another until the end time.
+async fn load_task(load: Arc<Load>) -> Tally {
+    let mut t = Tally::default();
+    loop {
+        let i = load.next.fetch_add(1, Relaxed);
+        if Instant::now() >= load.end || i >= MAX_REQUESTS {
+            break;
+        }
+        if let Err(e) = one_request(&load, i, &mut t).await {
+            let kind = failure_kind(&e);
+            if kind == "hang" {
+                t.hangs += 1;
+                t.error(format!("request {i} hung: {e}"));
+            } else {
+                *t.failures.entry(kind.clone()).or_default() += 1;
+                t.examples.entry(kind.clone()).or_insert_with(|| {
+                    let e = e.to_string();
+                    e.chars().take(300).collect()
+                });
+                if !load.opts.chaos {
+                    t.error(format!("request {i}: {e}"));
+                }
+            }
+            if kind == "connect" {
+                // The proxy is down: do not spin on refused connections.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    t
+}
+
+/// Every child process and what the supervisor learned from them.
+struct Supervisor {
+    procs: Vec<Proc>,
+    client: Client,
+    kills: u64,
+    restarts: u64,
+    restart_failures: u64,
+    errors: Vec<String>,
+    own: Option<MemoryTrack>,
+    warm: bool,
+}
+
+impl Supervisor {
+    fn error(&mut self, e: String) {
+        if self.errors.len() < 8 {
+            self.errors.push(e);
+        }
+    }
+
+    /// Polls every live engine's counters and every process's memory.
+    async fn poll(&mut self) {
+        let deadline = POLL_EVERY;
+        let client = &self.client;
+        let reads = futures_util::future::join_all(self.procs.iter().map(|p| async move {
+            if p.kind == Kind::Proxy || p.child.is_none() {
+                return None;
+            }
+            client
+                .get_json(&format!("http://{}/health", p.http), deadline)
+                .await
+                .ok()
+        }))
+        .await;
+        for (p, v) in self.procs.iter_mut().zip(reads) {
+            if let Some(v) = v.and_then(|v| v.get("stats").cloned()) {
+                p.mismatches_now = v["kv_mismatches"].as_u64().unwrap_or(0);
+                p.last = Some(v);
+            }
+        }
+        let warm = self.warm;
+        for p in &mut self.procs {
+            if let Some(mib) = p.pid().and_then(rss_mib) {
+                track(&mut p.mem, &p.name, mib, warm);
+            }
+        }
+        if let Some(mib) = rss_mib(std::process::id()) {
+            track(&mut self.own, "demo", mib, warm);
+        }
+    }
+
+    /// Kills process `i` with SIGKILL and reaps it.
+    async fn kill(&mut self, i: usize) {
+        let p = &mut self.procs[i];
+        if let Some(mut c) = p.child.take() {
+            let _ = c.start_kill();
+            let _ = tokio::time::timeout(Duration::from_secs(10), c.wait()).await;
+            p.mismatches_banked += p.mismatches_now;
+            p.mismatches_now = 0;
+            p.last = None;
+            if let Some(m) = &mut p.mem {
+                m.restarted = true;
+            }
+            self.kills += 1;
+        }
+    }
+
+    /// Starts process `i` again on its ports; retries a few times (a port can be briefly
+    /// held by a connection of the killed process).
+    async fn restart(&mut self, i: usize) {
+        if self.procs[i].child.is_some() {
+            return;
+        }
+        let mut last = String::new();
+        for attempt in 0..10u32 {
+            let p = &self.procs[i];
+            match spawn(&p.program, &p.restart_args).await {
+                Ok((c, _)) => {
+                    self.procs[i].child = Some(c);
+                    self.restarts += 1;
+                    return;
+                }
+                Err(e) => last = e.to_string(),
+            }
+            tokio::time::sleep(Duration::from_millis(100 * (attempt as u64 + 1))).await;
+        }
+        self.restart_failures += 1;
+        let name = self.procs[i].name.clone();
+        self.error(format!("{name} did not restart: {last}"));
+    }
+
+    fn decoders(&self) -> impl Iterator<Item = &Proc> {
+        self.procs.iter().filter(|p| p.kind == Kind::Decode)
+    }
+
+    /// Pages not free on the live decoders, plus their leak counters, as last polled; and
+    /// whether every decoder is idle with every page free.
+    fn pages(&self) -> (u64, bool) {
+        let (mut held, mut idle) = (0, true);
+        for p in self.decoders() {
+            match &p.last {
+                Some(v) => {
+                    let total = v["pages_total"].as_u64().unwrap_or(0);
+                    let free = v["pages_free"].as_u64().unwrap_or(0);
+                    let leaked = v["pages_leaked"].as_u64().unwrap_or(0);
+                    let busy = v["in_flight"].as_u64().unwrap_or(0);
+                    held += total.saturating_sub(free) + leaked;
+                    idle &= busy == 0 && free == total && leaked == 0;
+                }
+                None => idle = false,
+            }
+        }
+        (held, idle)
+    }
+}
+
+fn track(m: &mut Option<MemoryTrack>, name: &str, mib: f64, warm: bool) {
+    match m {
+        None if warm => {
+            *m = Some(MemoryTrack {
+                name: name.to_string(),
+                start_mib: mib,
+                end_mib: mib,
+                max_mib: mib,
+                restarted: false,
+            })
+        }
+        None => {}
+        Some(t) => {
+            if t.restarted {
+                // A new incarnation: its growth says nothing about the old one.
+                return;
+            }
+            t.end_mib = mib;
+            t.max_mib = t.max_mib.max(mib);
+        }
+    }
+}
+
+/// Starts the decoders, the prefillers and the proxy as child processes (in that order: each
+/// prints the ports the next needs).
+async fn start_processes(o: &SoakOptions, flags: &[String]) -> anyhow::Result<Vec<Proc>> {
+    let mut procs = Vec::new();
+    let base = |role: &str| {
+        let mut a = vec!["--role".to_string(), role.to_string()];
+        a.extend(flags.iter().cloned());
+        a
+    };
+    for d in 0..o.decoders {
+        let mut args = base("decode");
+        args.extend([
+            "--buffer-mib".into(),
+            o.buffer_mib.to_string(),
+            "--kv-ttl-sec".into(),
+            o.kv_ttl.as_secs_f64().to_string(),
+        ]);
+        let (child, v) = spawn(&o.engine_cmd, &args).await?;
+        let http = v["http"].as_str().unwrap_or_default().to_string();
+        let (init, alloc) = (ports_of(&v["init_ports"]), ports_of(&v["alloc_ports"]));
+        args.extend([
+            "--port".into(),
+            port_of(&v["http"])?.to_string(),
+            "--init-port".into(),
+            join(&init),
+            "--alloc-port".into(),
+            join(&alloc),
+        ]);
+        procs.push(Proc {
+            name: format!("decoder-{d}"),
+            kind: Kind::Decode,
+            program: o.engine_cmd.clone(),
+            restart_args: args,
+            child: Some(child),
+            http,
+            mismatches_banked: 0,
+            mismatches_now: 0,
+            last: Some(v),
+            mem: None,
+        });
+    }
+    for p in 0..o.prefillers {
+        let mut args = base("prefill");
+        args.push("--proxy-endpoint-from-stdin".into());
+        let (child, v) = spawn(&o.engine_cmd, &args).await?;
+        args.pop();
+        args.extend(["--port".into(), port_of(&v["http"])?.to_string()]);
+        procs.push(Proc {
+            name: format!("prefiller-{p}"),
+            kind: Kind::Prefill,
+            program: o.engine_cmd.clone(),
+            restart_args: args,
+            child: Some(child),
+            http: v["http"].as_str().unwrap_or_default().to_string(),
+            mismatches_banked: 0,
+            mismatches_now: 0,
+            last: None,
+            mem: None,
+        });
+    }
+    let toml = proxy_toml(o, &procs)?;
+    let path = config_path();
+    std::fs::write(&path, toml)
+        .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+    let mut args = vec!["--config".to_string(), path.display().to_string()];
+    let (child, v) = spawn(&o.proxy_cmd, &args).await?;
+    let notify = port_of(&v["notify"])?;
+    args.extend([
+        "--port".into(),
+        port_of(&v["http"])?.to_string(),
+        "--proxy-port".into(),
+        notify.to_string(),
+    ]);
+    let endpoint = format!("tcp://127.0.0.1:{notify}\n");
+    for p in procs.iter_mut().filter(|p| p.kind == Kind::Prefill) {
+        if let Some(mut stdin) = p.child.as_mut().and_then(|c| c.stdin.take()) {
+            stdin.write_all(endpoint.as_bytes()).await?;
+            stdin.flush().await?;
+        }
+        p.restart_args.extend([
+            "--proxy-host".into(),
+            "127.0.0.1".into(),
+            "--proxy-port".into(),
+            notify.to_string(),
+        ]);
+    }
+    procs.push(Proc {
+        name: "proxy".into(),
+        kind: Kind::Proxy,
+        program: o.proxy_cmd.clone(),
+        restart_args: args,
+        child: Some(child),
+        http: v["http"].as_str().unwrap_or_default().to_string(),
+        mismatches_banked: 0,
+        mismatches_now: 0,
+        last: None,
+        mem: None,
+    });
+    Ok(procs)
+}
+
+fn config_path() -> PathBuf {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    std::env::temp_dir().join(format!(
+        "kvbridge-soak-proxy-{}-{nanos}.toml",
+        std::process::id()
+    ))
+}
+
+/// The proxy's configuration: every worker with its own ports, and deadlines that end every
+/// request well before the client's deadline.
+fn proxy_toml(o: &SoakOptions, procs: &[Proc]) -> anyhow::Result<String> {
+    let step = o.request_timeout.as_secs_f64() / 4.0;
+    let mut s = format!(
+        "host = \"127.0.0.1\"\nport = 0\nproxy_host = \"127.0.0.1\"\nproxy_port = 0\n\
+         flow = \"lmcache\"\nkv_ready_timeout = {}\nprefill_timeout = {step}\n\
+         decode_timeout = {step}\nconnect_timeout = 1\nhealth_interval = 0.5\n\
+         health_timeout = 0.5\nqueue_timeout = {step}\n",
+        o.kv_ready_timeout.as_secs_f64().min(step)
+    );
+    for p in procs {
+        let port = port_of(&Value::String(p.http.clone()))?;
+        match p.kind {
+            Kind::Prefill => s.push_str(&format!(
+                "[[prefiller]]\nhost = \"127.0.0.1\"\nport = {port}\n"
+            )),
+            Kind::Decode => {
+                let v = p.last.as_ref().cloned().unwrap_or_default();
+                s.push_str(&format!(
+                    "[[decoder]]\nhost = \"127.0.0.1\"\nport = {port}\ninit_ports = [{}]\nalloc_ports = [{}]\n",
+                    join(&ports_of(&v["init_ports"])),
+                    join(&ports_of(&v["alloc_ports"]))
+                ))
+            }
+            Kind::Proxy => {}
+        }
+    }
+    Ok(s)
+}
+
+impl SoakOptions {
+    /// The soak that `kvbridge demo --duration D [--chaos]` runs: `engine_cmd` and
+    /// `proxy_cmd` start one engine and the proxy (for the `kvbridge` binary: itself with
+    /// `engine` and `proxy`).
+    pub fn from_demo_args(
+        a: &DemoArgs,
+        engine_cmd: Vec<OsString>,
+        proxy_cmd: Vec<OsString>,
+    ) -> anyhow::Result<SoakOptions> {
+        let duration = parse_duration(a.duration.as_deref().unwrap_or("60s"))?;
+        let secs = |v: f64, what: &str| {
+            if v > 0.0 && v.is_finite() {
+                Ok(Duration::from_secs_f64(v))
+            } else {
+                Err(anyhow::anyhow!(
+                    "{what} must be a positive number of seconds"
+                ))
+            }
+        };
+        Ok(SoakOptions {
+            engine_cmd,
+            proxy_cmd,
+            prefillers: a.prefillers.unwrap_or(2),
+            decoders: a.decoders.unwrap_or(2),
+            duration,
+            chaos: a.chaos,
+            chaos_interval: secs(a.chaos_interval, "--chaos-interval")?,
+            chaos_proxy: !a.chaos_spare_proxy,
+            concurrency: a.concurrency,
+            prompt_tokens: range(&a.prompt_tokens, "--prompt-tokens")?,
+            output_tokens: range(&a.output_tokens, "--output-tokens")?,
+            request_timeout: secs(a.request_timeout, "--request-timeout")?,
+            kv_ready_timeout: Duration::from_secs(10),
+            compare_every: 10,
+            buffer_mib: a.buffer_mib,
+            kv_ttl: secs(a.kv_ttl_sec, "--kv-ttl-sec")?,
+            seed: a.seed,
+            model: a.model.clone(),
+            cost: a.cost.clone(),
+            progress: !a.json,
+        })
+    }
+}
+
+/// Runs the soak. The caller prints the summary and sets the exit status.
+pub async fn run(o: SoakOptions) -> anyhow::Result<SoakSummary> {
+    if o.prefillers == 0 || o.decoders == 0 {
+        anyhow::bail!("at least one prefiller and one decoder are needed");
+    }
+    if o.request_timeout < Duration::from_secs(4) {
+        anyhow::bail!("--request-timeout must be at least 4 s for a soak");
+    }
+    let model: Model = o.model.build()?;
+    o.cost.build()?;
+    let flags = model_flags(&o.model, &o.cost);
+    let colocated = {
+        let mut c = EngineConfig::new(Role::Both, model.clone());
+        c.cost = CostModel::FREE;
+        engine::start(c, tokio::net::TcpListener::bind("127.0.0.1:0").await?).await?
+    };
+    let procs = start_processes(&o, &flags).await?;
+    let proxy_url = format!(
+        "http://{}",
+        procs.last().map(|p| p.http.clone()).unwrap_or_default()
+    );
+    let client = Client::new();
+    let mut sup = Supervisor {
+        procs,
+        client: client.clone(),
+        kills: 0,
+        restarts: 0,
+        restart_failures: 0,
+        errors: Vec::new(),
+        own: None,
+        warm: false,
+    };
+    let t0 = Instant::now();
+    let end = t0 + o.duration;
+    let load = Arc::new(Load {
+        client: client.clone(),
+        proxy_url: proxy_url.clone(),
+        colocated_url: format!("http://{}", colocated.http_addr()),
+        next: AtomicU64::new(0),
+        end,
+        opts: o.clone(),
+        model_name: model.name.clone(),
+    });
+    let tasks: Vec<_> = (0..o.concurrency.max(1))
+        .map(|_| tokio::spawn(load_task(load.clone())))
+        .collect();
+
+    // The supervisor: polls, kills, restarts, until the end time.
+    let warm_at = t0
+        + (o.duration / 5)
+            .max(Duration::from_secs(2))
+            .min(o.duration / 2);
+    let mut rng = SplitMix(o.seed ^ 0xc4a05);
+    let jitter =
+        |r: &mut SplitMix, d: Duration| d.mul_f64(0.5 + (r.next_u64() % 1000) as f64 / 1000.0);
+    let mut next_kill = t0 + jitter(&mut rng, o.chaos_interval);
+    let mut down: Option<(usize, Instant)> = None;
+    let mut order: Vec<usize> = Vec::new();
+    let mut next_poll = t0;
+    loop {
+        let now = Instant::now();
+        if now >= end {
+            break;
+        }
+        if now >= next_poll {
+            sup.warm = now >= warm_at;
+            sup.poll().await;
+            next_poll = now + POLL_EVERY;
+            if o.progress {
+                let done = now.duration_since(t0).as_secs_f64() / o.duration.as_secs_f64();
+                let w = (30.0 * done.min(1.0)) as usize;
+                eprint!(
+                    "\r[{}{}] {:.0}s  requests {}  kills {}",
+                    "#".repeat(w),
+                    " ".repeat(30 - w),
+                    now.duration_since(t0).as_secs_f64(),
+                    load.next.load(Relaxed).min(MAX_REQUESTS),
+                    sup.kills
+                );
+                let _ = std::io::stderr().flush();
+            }
+        }
+        if let Some((i, at)) = down {
+            if now >= at {
+                sup.restart(i).await;
+                down = None;
+                next_kill = Instant::now() + jitter(&mut rng, o.chaos_interval);
+            }
+        } else if o.chaos && now >= next_kill {
+            // Every process in turn, in a shuffled order: a short run still kills each
+            // kind once (prefiller, decoder, proxy).
+            if order.is_empty() {
+                order = (0..sup.procs.len())
+                    .filter(|&i| o.chaos_proxy || sup.procs[i].kind != Kind::Proxy)
+                    .collect();
+                for k in (1..order.len()).rev() {
+                    order.swap(k, (rng.next_u64() % (k as u64 + 1)) as usize);
+                }
+            }
+            let i = order.pop().unwrap_or(0);
+            sup.kill(i).await;
+            let downtime = Duration::from_millis(200 + rng.next_u64() % 1300);
+            down = Some((i, Instant::now() + downtime));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    if let Some((i, _)) = down {
+        sup.restart(i).await;
+    }
+    let mut tally = Tally::default();
+    for t in tasks {
+        match t.await {
+            Ok(t) => tally.merge(t),
+            Err(e) => tally.error(format!("a workload task failed: {e}")),
+        }
+    }
+    let wall = t0.elapsed().as_secs_f64();
+    if o.progress {
+        eprintln!();
+    }
+
+    // Recovery: with every process up again, requests succeed (the proxy re-admits a
+    // restarted worker after its health checks pass, so allow a few attempts).
+    let recovery_deadline = Instant::now() + o.request_timeout;
+    let mut recovery_ok = 0;
+    let mut i = MAX_REQUESTS;
+    while recovery_ok < RECOVERY_REQUESTS && Instant::now() < recovery_deadline {
+        let mut t = Tally::default();
+        match one_request(&load, i, &mut t).await {
+            Ok(()) => recovery_ok += 1,
+            Err(ClientError::Timeout { .. }) => {
+                tally.hangs += 1;
+                tally.error(format!("recovery request {i} hung"));
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+        tally.compared += t.compared;
+        tally.mismatched += t.mismatched;
+        i += 1;
+    }
+
+    // Quiescence: every page back within the KV TTL (KV a killed proxy never asked for is
+    // unclaimed until then).
+    let quiesce_deadline = Instant::now() + o.kv_ttl + Duration::from_secs(15);
+    let quiesced = loop {
+        sup.poll().await;
+        let (_, idle) = sup.pages();
+        if idle {
+            break true;
+        }
+        if Instant::now() >= quiesce_deadline {
+            break false;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    let (pages_leaked, _) = sup.pages();
+    if !quiesced {
+        let states: Vec<String> = sup
+            .decoders()
+            .map(|p| match &p.last {
+                Some(v) => format!(
+                    "{}: {}/{} pages free, {} in flight, {} announced, {} leaked",
+                    p.name,
+                    v["pages_free"],
+                    v["pages_total"],
+                    v["in_flight"],
+                    v["announced_pending"],
+                    v["pages_leaked"]
+                ),
+                None => format!("{}: no counters", p.name),
+            })
+            .collect();
+        sup.error(format!(
+            "decoders not idle with every page free {:?} after the load stopped: {}",
+            o.kv_ttl + Duration::from_secs(15),
+            states.join("; ")
+        ));
+    }
+    let kv_mismatches = sup
+        .procs
+        .iter()
+        .map(|p| p.mismatches_banked + p.mismatches_now)
+        .sum();
+    let mut memory: Vec<MemoryTrack> = sup.own.iter().cloned().collect();
+    memory.extend(sup.procs.iter().filter_map(|p| p.mem.clone()));
+    let memory_flat = memory.iter().all(MemoryTrack::flat);
+    let mut errors = tally.errors.clone();
+    errors.extend(sup.errors.iter().cloned());
+    errors.truncate(8);
+    let summary = SoakSummary {
+        duration_s: wall,
+        requests: tally.requests,
+        ok: tally.ok,
+        failed: tally.requests - tally.ok - tally.hangs,
+        hangs: tally.hangs,
+        failures_by_kind: tally.failures,
+        failure_examples: tally.examples,
+        kills: sup.kills,
+        restarts: sup.restarts,
+        restart_failures: sup.restart_failures,
+        kv_mismatches,
+        outputs_compared: tally.compared,
+        outputs_mismatched: tally.mismatched,
+        pages_leaked,
+        quiesced,
+        recovery_ok,
+        memory,
+        memory_flat,
+        errors,
+        setup: format!(
+            "{}P{}D as processes, {} for {:.0} s, chaos {} (every ~{:.1} s{}), {} in flight, model {}",
+            o.prefillers,
+            o.decoders,
+            model.spec.layout,
+            o.duration.as_secs_f64(),
+            if o.chaos { "on" } else { "off" },
+            o.chaos_interval.as_secs_f64(),
+            if o.chaos_proxy { ", proxy included" } else { "" },
+            o.concurrency,
+            model.name
+        ),
+    };
+    for p in &mut sup.procs {
+        if let Some(mut c) = p.child.take() {
+            let _ = c.start_kill();
+            let _ = tokio::time::timeout(Duration::from_secs(5), c.wait()).await;
+        }
+    }
+    colocated.shutdown().await;
+    Ok(summary)
+}
+
+/// Parses a duration such as `90`, `90s`, `30m` or `1h`.
+pub fn parse_duration(s: &str) -> anyhow::Result<Duration> {
+    let s = s.trim();
+    let (num, unit) = match s.find(|c: char| !(c.is_ascii_digit() || c == '.')) {
+        Some(i) => s.split_at(i),
+        None => (s, "s"),
+    };
+    let n: f64 = num
+        .parse()
+        .map_err(|_| anyhow::anyhow!("bad duration {s:?}: use e.g. 90s, 30m or 1h"))?;
+    let secs = match unit {
+        "s" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        _ => anyhow::bail!("bad duration unit in {s:?}: use s, m or h"),
+    };
+    if !(secs > 0.0 && secs.is_finite() && secs <= 7.0 * 86400.0) {
+        anyhow::bail!("duration {s:?} must be positive and at most a week");
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse_with_units_and_refuse_nonsense() {
+        assert_eq!(parse_duration("90").unwrap(), Duration::from_secs(90));
+        assert_eq!(parse_duration("20s").unwrap(), Duration::from_secs(20));
+        assert_eq!(parse_duration("30m").unwrap(), Duration::from_secs(1800));
+        assert_eq!(parse_duration("1.5h").unwrap(), Duration::from_secs(5400));
+        for bad in ["", "m", "-3s", "0", "10d", "1e9h"] {
+            assert!(parse_duration(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn memory_is_flat_within_slack_and_restarts_are_not_judged() {
+        let mut m = MemoryTrack {
+            name: "x".into(),
+            start_mib: 100.0,
+            end_mib: 150.0,
+            max_mib: 150.0,
+            restarted: false,
+        };
+        assert!(m.flat());
+        m.end_mib = 200.0;
+        assert!(!m.flat());
+        m.restarted = true;
+        assert!(m.flat());
+    }
+
+    #[test]
+    fn model_flags_round_trip_through_the_engine_parser() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct A {
+            #[command(flatten)]
+            e: crate::cli::EngineArgs,
+        }
+        let m = ModelArgs {
+            model: "m".into(),
+            layers: 3,
+            kv_heads: 2,
+            head_dim: 16,
+            latent_dim: 0,
+            dtype: "fp16".into(),
+            chunk_tokens: 64,
+            tp: 2,
+        };
+        let c = CostArgs {
+            prefill_tokens_per_s: 1234.5,
+            decode_ms_per_token: 0.25,
+        };
+        let mut argv = vec!["engine".to_string()];
+        argv.extend(model_flags(&m, &c));
+        let a = A::try_parse_from(argv).unwrap();
+        assert_eq!(a.e.model.layers, 3);
+        assert_eq!(a.e.model.tp, 2);
+        assert_eq!(a.e.model.dtype, "fp16");
+        assert_eq!(a.e.cost.decode_ms_per_token, 0.25);
+    }
+}
