@@ -91,7 +91,8 @@ pub struct ProxyArgs {
     /// Seconds a request may wait for admission before 429 [default: 10].
     #[arg(long)]
     pub queue_timeout: Option<f64>,
-    /// Largest request body in bytes [default: 33554432].
+    /// Largest request body in bytes; larger ones get 413 `request_too_large` [default:
+    /// 8388608].
     #[arg(long)]
     pub max_body_bytes: Option<usize>,
 }
