@@ -66,15 +66,18 @@ fn main() -> Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
+    // Built on demand: the proxy builds its own (one thread by default).
+    let rt = || {
+        tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+    };
     match cli.cmd {
-        Cmd::Proxy(args) => rt.block_on(kvbridge_proxy::cli::run(*args)),
-        Cmd::Engine(args) => rt.block_on(kvbridge_sim::cli::run_engine(*args)),
+        Cmd::Proxy(args) => kvbridge_proxy::cli::main(*args),
+        Cmd::Engine(args) => rt()?.block_on(kvbridge_sim::cli::run_engine(*args)),
         Cmd::Demo(args) => {
             let json = args.json;
-            let s = rt.block_on(kvbridge_sim::demo::run(*args))?;
+            let s = rt()?.block_on(kvbridge_sim::demo::run(*args))?;
             if json {
                 println!("{}", serde_json::to_string(&s)?);
             } else {
@@ -87,7 +90,7 @@ fn main() -> Result<()> {
         }
         Cmd::Bench(BenchCmd::Transfer(args)) => {
             let (json, batch) = (args.json, args.batch);
-            let r = rt.block_on(bench::transfer::run(args))?;
+            let r = rt()?.block_on(bench::transfer::run(args))?;
             if json {
                 println!("{}", serde_json::to_string(&r)?);
             } else {
@@ -96,12 +99,12 @@ fn main() -> Result<()> {
             Ok(())
         }
         Cmd::Bench(BenchCmd::Pd(args)) => {
-            rt.block_on(kvbridge_pd::bench::run(args))?;
+            rt()?.block_on(kvbridge_pd::bench::run(args))?;
             Ok(())
         }
         Cmd::Bench(BenchCmd::Handshake(args)) => {
             let json = args.json;
-            let r = rt.block_on(bench::handshake::run(args))?;
+            let r = rt()?.block_on(bench::handshake::run(args))?;
             if json {
                 println!("{}", serde_json::to_string(&r)?);
             } else {
@@ -117,7 +120,7 @@ fn main() -> Result<()> {
             page,
             listen,
             welcome_delay_ms,
-        }) => rt.block_on(bench::peer::run(bench::peer::PeerOptions {
+        }) => rt()?.block_on(bench::peer::run(bench::peer::PeerOptions {
             region_bytes,
             page,
             listen,
