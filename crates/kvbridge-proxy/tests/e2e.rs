@@ -1013,9 +1013,11 @@ async fn thousand_requests_with_random_failures_leave_nothing_behind() {
         }));
     }
     let mut by_status = std::collections::BTreeMap::new();
+    let mut gave_up = 0;
     for t in tasks {
         let (mode, status, sse_err) = tokio::time::timeout(T, t).await.unwrap().unwrap();
         *by_status.entry(status).or_insert(0) += 1;
+        gave_up += (status == 0) as u32;
         let want: &[u16] = match mode {
             "ok" | "@late" | "@plain" | "@slow" => &[200, 429],
             "@p500" | "@kvfail" | "@d500" => &[502, 429],
@@ -1037,7 +1039,12 @@ async fn thousand_requests_with_random_failures_leave_nothing_behind() {
         .filter(|l| l.starts_with("kvbridge_proxy_requests_total{"))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum();
-    assert_eq!(total, 1000.0, "{m}");
+    // A client that gave up before the proxy read its request was never a request to it (on
+    // a loaded machine that happens within the 20 ms); every other one is counted once.
+    assert!(
+        total <= 1000.0 && total >= 1000.0 - f64::from(gave_up),
+        "{total} counted, {gave_up} gave up\n{m}"
+    );
     assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
     eprintln!("1000 requests in {:?}: {by_status:?}", t0.elapsed());
 }
