@@ -39,6 +39,8 @@ enum BenchCmd {
     Handshake(bench::handshake::HandshakeArgs),
     /// PD layer: prefiller to decoder ranks through the PD sender, against a raw channel.
     Pd(kvbridge_pd::bench::PdBenchArgs),
+    /// The proxy against the installed peer routers (bench/proxy.sh, medians of runs).
+    Proxy(bench::proxy::ProxyBenchArgs),
     /// The listener process the other benchmarks start (internal).
     #[command(hide = true)]
     Peer {
@@ -95,6 +97,15 @@ fn main() -> Result<()> {
                 println!("{}", serde_json::to_string(&r)?);
             } else {
                 bench::transfer::print_table(&r, batch);
+            }
+            Ok(())
+        }
+        Cmd::Bench(BenchCmd::Proxy(args)) => {
+            let b = bench::proxy::run(&args)?;
+            if args.json {
+                println!("{}", serde_json::to_string(&b)?);
+            } else {
+                print!("{}", bench::proxy::table(&b));
             }
             Ok(())
         }
