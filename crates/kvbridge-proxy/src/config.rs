@@ -98,7 +98,7 @@ pub struct Config {
     pub max_queue: usize,
     /// Longest wait for an admission slot before answering 429.
     pub queue_timeout: Duration,
-    /// Largest request body accepted.
+    /// Largest request body accepted; a larger one is answered 413 `request_too_large`.
     pub max_body_bytes: usize,
 }
 
@@ -122,7 +122,7 @@ impl Default for Config {
             healthy_after: 1,
             max_queue: 1024,
             queue_timeout: Duration::from_secs(10),
-            max_body_bytes: 32 << 20,
+            max_body_bytes: 8 << 20,
         }
     }
 }

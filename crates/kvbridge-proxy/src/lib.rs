@@ -8,8 +8,11 @@
 mod body;
 pub mod cli;
 pub mod config;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod kvwait;
 pub mod metrics;
 pub mod notif;
 pub mod pool;
+mod request;
 pub mod server;

@@ -121,6 +121,8 @@ pub struct Metrics {
     pub kv_outcomes_unknown: AtomicU64,
     /// Messages on the notification socket that could not be decoded.
     pub kv_outcomes_malformed: AtomicU64,
+    /// Requests refused with 413 because their body exceeded `--max-body-bytes`.
+    pub body_too_large: AtomicU64,
     /// Time from arrival to the first byte of the answer.
     pub ttft: Histogram,
     /// Duration of the prefill request.
@@ -201,6 +203,11 @@ impl Metrics {
                 "kv_outcomes_malformed_total",
                 "Undecodable notification messages.",
                 &self.kv_outcomes_malformed,
+            ),
+            (
+                "body_too_large_total",
+                "Requests refused because their body exceeded --max-body-bytes.",
+                &self.body_too_large,
             ),
         ];
         for (n, h, v) in counters {

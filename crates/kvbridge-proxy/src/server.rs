@@ -9,6 +9,7 @@ use axum::body::Body;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::http::header::{AUTHORIZATION, CACHE_CONTROL, CONTENT_TYPE};
+use axum::http::Uri;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -19,7 +20,7 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -28,6 +29,7 @@ use crate::config::{Config, Flow};
 use crate::kvwait::{self, KvOutcome, KvWaiters};
 use crate::metrics::{Metrics, Outcome};
 use crate::pool::{PickError, Pool, Role, Slot};
+use crate::request::{Api, PrefillAnswer, ReqDoc};
 
 const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 /// Largest worker response read whole (prefill answers, non-streamed decodes, errors).
@@ -99,6 +101,23 @@ pub(crate) struct App {
     metrics: Arc<Metrics>,
     id_prefix: String,
     seq: AtomicU64,
+    /// Per worker, the URIs of both APIs (completions, chat), parsed once.
+    prefill_uris: Vec<[Uri; 2]>,
+    decode_uris: Vec<[Uri; 2]>,
+}
+
+fn api_uris(pool: &Pool) -> anyhow::Result<Vec<[Uri; 2]>> {
+    pool.workers
+        .iter()
+        .map(|w| {
+            let u = |api: Api| {
+                format!("{}{}", w.base, api.path())
+                    .parse::<Uri>()
+                    .map_err(|e| anyhow::anyhow!("bad worker address {}: {e}", w.label))
+            };
+            Ok([u(Api::Completions)?, u(Api::Chat)?])
+        })
+        .collect()
 }
 
 /// Binds the HTTP listener (and, in the lmcache flow, the notification socket), starts the
@@ -149,6 +168,7 @@ pub async fn start(cfg: Config) -> anyhow::Result<RunningProxy> {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos())
         .unwrap_or(0);
+    let (prefill_uris, decode_uris) = (api_uris(&prefill)?, api_uris(&decode)?);
     let app = Arc::new(App {
         cfg,
         client,
@@ -158,6 +178,8 @@ pub async fn start(cfg: Config) -> anyhow::Result<RunningProxy> {
         metrics,
         id_prefix: format!("kvb-{:x}{:x}", std::process::id(), nanos & 0xffff_ffff_ffff),
         seq: AtomicU64::new(0),
+        prefill_uris,
+        decode_uris,
     });
     if !app.cfg.health_interval.is_zero() {
         for pool in [app.prefill.clone(), app.decode.clone()] {
@@ -346,21 +368,6 @@ fn pick_error(role: Role, e: PickError) -> ApiError {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Api {
-    Completions,
-    Chat,
-}
-
-impl Api {
-    fn path(self) -> &'static str {
-        match self {
-            Api::Completions => "/v1/completions",
-            Api::Chat => "/v1/chat/completions",
-        }
-    }
-}
-
 async fn completions(
     State(app): State<Arc<App>>,
     headers: HeaderMap,
@@ -492,46 +499,71 @@ enum CallError {
     Other(String),
 }
 
-/// Sets `overrides` on `req`, serialises it, and puts the old values back.
-fn serialise_with(
-    req: &mut Map<String, Value>,
-    overrides: Vec<(&'static str, Option<Value>)>,
-) -> Bytes {
-    let mut saved = Vec::with_capacity(overrides.len());
-    for (k, v) in overrides {
-        let old = match v {
-            Some(v) => req.insert(k.to_string(), v),
-            None => req.remove(k),
-        };
-        saved.push((k, old));
-    }
-    let out = serde_json::to_vec(req).unwrap_or_default();
-    for (k, old) in saved.into_iter().rev() {
-        match old {
-            Some(o) => req.insert(k.to_string(), o),
-            None => req.remove(k),
-        };
-    }
-    Bytes::from(out)
-}
-
 fn excerpt(b: &[u8]) -> String {
     let s = String::from_utf8_lossy(&b[..b.len().min(512)]);
     s.trim().to_string()
 }
 
-/// Reads an optional positive integer field.
-fn positive(req: &Map<String, Value>, key: &str) -> Result<Option<u64>, ApiError> {
-    match req.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => match v.as_u64() {
-            Some(0) => Err(ApiError::bad_request(format!("`{key}` must be at least 1"))),
-            Some(n) => Ok(Some(n)),
-            None => Err(ApiError::bad_request(format!(
-                "`{key}` must be a positive integer"
-            ))),
-        },
+/// The prefill request: the client's body with `max_tokens` (and `max_completion_tokens`)
+/// 1, `stream` false, no `stream_options`, and the flow's `kv_transfer_params`.
+pub(crate) fn prefill_body(doc: &ReqDoc<'_>, kv: &[u8]) -> Vec<u8> {
+    let mct: Option<&[u8]> = doc.has("max_completion_tokens").then_some(b"1");
+    doc.with(&[
+        ("max_tokens", Some(b"1")),
+        ("max_completion_tokens", mct),
+        ("stream", Some(b"false")),
+        ("stream_options", None),
+        ("kv_transfer_params", Some(kv)),
+    ])
+}
+
+/// `kv_transfer_params` of the vLLM flow's prefill request.
+pub(crate) const VLLM_PREFILL_KV: &[u8] = br#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#;
+
+/// The vLLM flow's decode request: the client's body with the prefill answer's
+/// `kv_transfer_params` (removed when the answer had none).
+pub(crate) fn vllm_decode_body(doc: &ReqDoc<'_>, kv: Option<&[u8]>) -> Vec<u8> {
+    doc.with(&[("kv_transfer_params", kv)])
+}
+
+/// The LMCache flow's decode request. `first`: the prefill's first token, for a completion
+/// with a text prompt, which then continues from it with one token less to make. The PD
+/// request id goes along as `kv_transfer_params: {"lmcache.pd_handoff_id": id}` (the key
+/// LMCache's own proxy uses), so a decoder can find the KV by id.
+pub(crate) fn lmcache_decode_body(doc: &ReqDoc<'_>, first: Option<&str>, pd_id: &str) -> Vec<u8> {
+    let kv = serde_json::to_vec(&json!({ "lmcache.pd_handoff_id": pd_id })).unwrap_or_default();
+    let Some(first) = first else {
+        return doc.with(&[("kv_transfer_params", Some(&kv))]);
+    };
+    let prompt = doc.prompt_text().map(|mut p| {
+        p.push_str(first);
+        serde_json::to_vec(&p).unwrap_or_default()
+    });
+    // Both limits are at least 2 here: one token is already made.
+    let less = |key: &str| {
+        doc.int(key)
+            .map(|m| m.saturating_sub(1).max(1).to_string().into_bytes())
+    };
+    let (mt, mct) = (less("max_tokens"), less("max_completion_tokens"));
+    let mut set: Vec<(&str, Option<&[u8]>)> = vec![("kv_transfer_params", Some(&kv))];
+    if let Some(p) = &prompt {
+        set.push(("prompt", Some(p)));
     }
+    if let Some(m) = &mt {
+        set.push(("max_tokens", Some(m)));
+    }
+    if let Some(m) = &mct {
+        set.push(("max_completion_tokens", Some(m)));
+    }
+    doc.with(&set)
+}
+
+/// Where an attempt on a decoder ended.
+enum DecodeFail {
+    /// The decoder refused the connection; its slot comes back for a retry elsewhere.
+    Refused(Slot, String),
+    /// Any other failure: the answer to give.
+    Api(ApiError),
 }
 
 impl App {
@@ -544,6 +576,14 @@ impl App {
             Some(v) if !v.is_empty() && v.len() <= 256 && v.to_str().is_ok() => v.clone(),
             _ => HeaderValue::from_str(&self.next_id()).unwrap_or(HeaderValue::from_static("kvb")),
         }
+    }
+
+    fn uri(&self, role: Role, idx: usize, api: Api) -> Uri {
+        let uris = match role {
+            Role::Prefill => &self.prefill_uris,
+            Role::Decode => &self.decode_uris,
+        };
+        uris[idx][(api == Api::Chat) as usize].clone()
     }
 
     async fn serve(
@@ -617,6 +657,18 @@ impl App {
         track: &Track,
     ) -> Result<Reply, ApiError> {
         let body = body.map_err(|r| {
+            if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                self.metrics.body_too_large.fetch_add(1, Relaxed);
+                return ApiError::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "request_too_large",
+                    Outcome::BadRequest,
+                    format!(
+                        "the request body is larger than this proxy's limit of {} bytes (--max-body-bytes)",
+                        self.cfg.max_body_bytes
+                    ),
+                );
+            }
             ApiError::new(
                 r.status(),
                 "invalid_body",
@@ -624,33 +676,7 @@ impl App {
                 r.body_text(),
             )
         })?;
-        let req: Map<String, Value> = serde_json::from_slice(&body).map_err(|e| {
-            ApiError::bad_request(format!("the request body is not a JSON object: {e}"))
-        })?;
-        let stream = match req.get("stream") {
-            None | Some(Value::Null) => false,
-            Some(Value::Bool(b)) => *b,
-            Some(_) => return Err(ApiError::bad_request("`stream` must be a boolean")),
-        };
-        // The tightest of the two limits, when the client gave any.
-        let max_tokens = match (
-            positive(&req, "max_tokens")?,
-            positive(&req, "max_completion_tokens")?,
-        ) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
-        match api {
-            Api::Completions if !req.contains_key("prompt") => {
-                return Err(ApiError::bad_request("`prompt` is required"))
-            }
-            Api::Chat if !matches!(req.get("messages"), Some(Value::Array(m)) if !m.is_empty()) => {
-                return Err(ApiError::bad_request(
-                    "`messages` must be a non-empty array",
-                ))
-            }
-            _ => {}
-        }
+        let doc = ReqDoc::parse(api, &body).map_err(ApiError::bad_request)?;
         let tokens = (body.len() as u64 / 4).max(1);
         // The decoder is admitted first: its KV buffer is the scarce resource.
         let dslot = self
@@ -669,32 +695,20 @@ impl App {
             rid,
             auth,
             tokens,
-            stream,
+            stream: doc.stream,
             t0: track.t0,
         };
         match self.cfg.flow {
-            Flow::Vllm => self.vllm(&ctx, req, dslot).await,
-            Flow::Lmcache => self.lmcache(&ctx, req, max_tokens, dslot).await,
+            Flow::Vllm => self.vllm(&ctx, &doc, dslot).await,
+            Flow::Lmcache => self.lmcache(&ctx, &doc, dslot).await,
         }
     }
 
     /// vLLM NIXL flow: the prefill answer's `kv_transfer_params` go into the decode request.
-    async fn vllm(
-        &self,
-        ctx: &Ctx<'_>,
-        mut req: Map<String, Value>,
-        dslot: Slot,
-    ) -> Result<Reply, ApiError> {
-        let kv = json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
-            "remote_block_ids": null, "remote_host": null, "remote_port": null});
-        let o = prefill_overrides(&req, kv);
-        let pbody = serialise_with(&mut req, o);
+    async fn vllm(&self, ctx: &Ctx<'_>, doc: &ReqDoc<'_>, dslot: Slot) -> Result<Reply, ApiError> {
+        let pbody = Bytes::from(prefill_body(doc, VLLM_PREFILL_KV));
         let answer = self.prefill(ctx, pbody).await?;
-        #[derive(serde::Deserialize)]
-        struct KvOnly {
-            kv_transfer_params: Option<Value>,
-        }
-        let kv = serde_json::from_slice::<KvOnly>(&answer).map_err(|e| {
+        let kv = serde_json::from_slice::<PrefillAnswer>(&answer).map_err(|e| {
             ApiError::new(
                 StatusCode::BAD_GATEWAY,
                 "prefill_failed",
@@ -702,20 +716,18 @@ impl App {
                 format!("the prefiller answered invalid JSON: {e}"),
             )
         })?;
-        match kv.kv_transfer_params {
-            Some(kv) => req.insert("kv_transfer_params".into(), kv),
-            None => req.remove("kv_transfer_params"),
-        };
-        let dbody = Bytes::from(serde_json::to_vec(&req).unwrap_or_default());
-        self.decode(ctx, dbody, dslot, None).await
+        let kv = kv.kv_transfer_params.map(|r| r.get().as_bytes());
+        let dbody = Bytes::from(vllm_decode_body(doc, kv));
+        // The KV waits on the prefiller until a decoder reads it: any decoder will do, so a
+        // refused connection is retried on another one.
+        self.decode(ctx, dbody, dslot, None, true).await
     }
 
     /// LMCache flow: prefill with a `disagg_spec`, wait for every rank's outcome, then decode.
     async fn lmcache(
         &self,
         ctx: &Ctx<'_>,
-        mut req: Map<String, Value>,
-        max_tokens: Option<u64>,
+        doc: &ReqDoc<'_>,
         dslot: Slot,
     ) -> Result<Reply, ApiError> {
         let Some(waiters) = &self.waiters else {
@@ -733,8 +745,8 @@ impl App {
         tracing::debug!(request_id = ctx.rid(), kv_req_id = %id, decoder = %dslot.worker().label, "lmcache prefill");
         let spec = json!({"ret_first_tok": true, "disagg_spec": {"req_id": id, "receiver_host": dc.host,
             "receiver_init_port": dc.init_ports, "receiver_alloc_port": dc.alloc_ports}});
-        let o = prefill_overrides(&req, spec);
-        let pbody = serialise_with(&mut req, o);
+        let spec = serde_json::to_vec(&spec).unwrap_or_default();
+        let pbody = Bytes::from(prefill_body(doc, &spec));
         let prefill = self.prefill(ctx, pbody);
         tokio::pin!(prefill);
         let mut ready = false;
@@ -788,12 +800,11 @@ impl App {
         }
         self.metrics.kv_wait.observe(t.elapsed());
         drop(wait);
-        req.remove("kv_transfer_params");
 
         // Completions with a text prompt continue from the prefill's first token; chat requests
         // are answered by the decoder alone.
         let mut prefix = None;
-        if ctx.api == Api::Completions && matches!(req.get("prompt"), Some(Value::String(_))) {
+        if ctx.api == Api::Completions && doc.prompt_text().is_some() {
             let pv: Value = serde_json::from_slice(&answer).map_err(|e| {
                 ApiError::new(
                     StatusCode::BAD_GATEWAY,
@@ -803,22 +814,15 @@ impl App {
                 )
             })?;
             if let Some(first) = pv.pointer("/choices/0/text").and_then(Value::as_str) {
-                if max_tokens == Some(1) {
+                if doc.max_tokens == Some(1) {
                     return Ok(answer_from_prefill(pv.clone(), first, ctx.stream));
-                }
-                if let Some(Value::String(p)) = req.get_mut("prompt") {
-                    p.push_str(first);
-                }
-                // Both limits are at least 2 here: one token is already made.
-                for key in ["max_tokens", "max_completion_tokens"] {
-                    if let Some(m) = req.get(key).and_then(Value::as_u64) {
-                        req.insert(key.into(), json!(m.saturating_sub(1).max(1)));
-                    }
                 }
                 prefix = Some(first.to_string()).zip(Some(pv));
             }
         }
-        let dbody = Bytes::from(serde_json::to_vec(&req).unwrap_or_default());
+        let first = prefix.as_ref().map(|(f, _)| f.as_str());
+        let dbody = Bytes::from(lmcache_decode_body(doc, first, &id));
+        // The KV sits on this decoder: no other one can take the request over.
         let reply = self
             .decode(
                 ctx,
@@ -828,6 +832,7 @@ impl App {
                     .as_ref()
                     .filter(|_| ctx.stream)
                     .map(|(f, pv)| first_chunk(pv, f, None)),
+                false,
             )
             .await?;
         match (reply, prefix) {
@@ -850,11 +855,10 @@ impl App {
                 .map_err(|e| pick_error(Role::Prefill, e))?;
             let w = slot.worker();
             let t = Instant::now();
-            let r = tokio::time::timeout(
-                self.cfg.prefill_timeout,
-                self.call(&w.base, ctx, body.clone()),
-            )
-            .await;
+            let uri = self.uri(Role::Prefill, slot.index(), ctx.api);
+            let r =
+                tokio::time::timeout(self.cfg.prefill_timeout, self.call(uri, ctx, body.clone()))
+                    .await;
             match r {
                 Err(_) => {
                     return Err(ApiError::new(
@@ -892,34 +896,79 @@ impl App {
     }
 
     /// Sends the decode request to the admitted decoder and returns its answer or stream.
+    /// With `retry`, a decoder that refuses the connection is ejected and the request goes to
+    /// the least loaded other healthy decoder that admits it, each at most once, all within
+    /// one `--decode-timeout` from the first attempt.
     async fn decode(
+        &self,
+        ctx: &Ctx<'_>,
+        body: Bytes,
+        mut slot: Slot,
+        prefix: Option<Bytes>,
+        retry: bool,
+    ) -> Result<Reply, ApiError> {
+        let start = Instant::now();
+        let deadline = tokio::time::Instant::now() + self.cfg.decode_timeout;
+        let mut tried = Vec::new();
+        loop {
+            let failed = match self
+                .decode_once(ctx, body.clone(), slot, prefix.clone(), start, deadline)
+                .await
+            {
+                Ok(r) => return Ok(r),
+                Err(DecodeFail::Api(e)) => return Err(e),
+                Err(DecodeFail::Refused(s, e)) => {
+                    tracing::warn!(request_id = ctx.rid(), worker = %s.worker().label, "decoder unreachable: {e}");
+                    let err = self.decoder_down(&s, e);
+                    tried.push(s.index());
+                    drop(s);
+                    err
+                }
+            };
+            if !retry || tokio::time::Instant::now() >= deadline {
+                return Err(failed);
+            }
+            slot = match self.decode.try_pick(ctx.tokens, &tried) {
+                Ok(s) => s,
+                Err(_) => return Err(failed),
+            };
+        }
+    }
+
+    /// One attempt of [`App::decode`] on `slot`'s decoder.
+    async fn decode_once(
         &self,
         ctx: &Ctx<'_>,
         body: Bytes,
         slot: Slot,
         prefix: Option<Bytes>,
-    ) -> Result<Reply, ApiError> {
-        let w = slot.worker();
-        let start = Instant::now();
+        start: Instant,
+        deadline: tokio::time::Instant,
+    ) -> Result<Reply, DecodeFail> {
         let timeout = self.cfg.decode_timeout;
+        let label = &slot.worker().label;
         let timed_out = || {
-            ApiError::new(
+            DecodeFail::Api(ApiError::new(
                 StatusCode::GATEWAY_TIMEOUT,
                 "decode_timeout",
                 Outcome::DecodeError,
-                format!("decoder {} did not answer within {timeout:?}", w.label),
-            )
+                format!("decoder {label} did not answer within {timeout:?}"),
+            ))
         };
+        let failed = |e: String| {
+            DecodeFail::Api(ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "decode_failed",
+                Outcome::DecodeError,
+                format!("decoder {label}: {e}"),
+            ))
+        };
+        let uri = self.uri(Role::Decode, slot.index(), ctx.api);
         if !ctx.stream {
-            return match tokio::time::timeout(timeout, self.call(&w.base, ctx, body)).await {
+            return match tokio::time::timeout_at(deadline, self.call(uri, ctx, body)).await {
                 Err(_) => Err(timed_out()),
-                Ok(Err(CallError::Connect(e))) => Err(self.decoder_down(&slot, e)),
-                Ok(Err(CallError::Other(e))) => Err(ApiError::new(
-                    StatusCode::BAD_GATEWAY,
-                    "decode_failed",
-                    Outcome::DecodeError,
-                    format!("decoder {}: {e}", w.label),
-                )),
+                Ok(Err(CallError::Connect(e))) => Err(DecodeFail::Refused(slot, e)),
+                Ok(Err(CallError::Other(e))) => Err(failed(e)),
                 Ok(Ok((status, ct, b))) => {
                     self.metrics.decode.observe(start.elapsed());
                     if status.is_success() {
@@ -929,30 +978,32 @@ impl App {
                             body: b,
                         })
                     } else {
-                        Err(upstream_status(status, ct, b, &w.label, Role::Decode))
+                        Err(DecodeFail::Api(upstream_status(
+                            status,
+                            ct,
+                            b,
+                            label,
+                            Role::Decode,
+                        )))
                     }
                 }
             };
         }
-        let req = self.request(&w.base, ctx, body)?;
-        let resp = match tokio::time::timeout(timeout, self.client.request(req)).await {
+        let req = self.request(uri, ctx, body);
+        let resp = match tokio::time::timeout_at(deadline, self.client.request(req)).await {
             Err(_) => return Err(timed_out()),
-            Ok(Err(e)) if e.is_connect() => return Err(self.decoder_down(&slot, e.to_string())),
-            Ok(Err(e)) => {
-                return Err(ApiError::new(
-                    StatusCode::BAD_GATEWAY,
-                    "decode_failed",
-                    Outcome::DecodeError,
-                    format!("decoder {}: {e}", w.label),
-                ))
+            Ok(Err(e)) if e.is_connect() => {
+                let e = format!("{e}: {}", source_chain(&e));
+                return Err(DecodeFail::Refused(slot, e));
             }
+            Ok(Err(e)) => return Err(failed(e.to_string())),
             Ok(Ok(r)) => r,
         };
         let (parts, body) = resp.into_parts();
         let ct = parts.headers.get(CONTENT_TYPE).cloned();
         if !parts.status.is_success() {
-            let b = match tokio::time::timeout(
-                timeout,
+            let b = match tokio::time::timeout_at(
+                deadline,
                 Limited::new(body, MAX_UPSTREAM_BODY).collect(),
             )
             .await
@@ -960,7 +1011,13 @@ impl App {
                 Ok(Ok(c)) => c.to_bytes(),
                 _ => Bytes::new(),
             };
-            return Err(upstream_status(parts.status, ct, b, &w.label, Role::Decode));
+            return Err(DecodeFail::Api(upstream_status(
+                parts.status,
+                ct,
+                b,
+                label,
+                Role::Decode,
+            )));
         }
         Ok(Reply::Stream {
             content_type: ct.unwrap_or(HeaderValue::from_static("text/event-stream")),
@@ -981,38 +1038,27 @@ impl App {
         )
     }
 
-    fn request(
-        &self,
-        base: &str,
-        ctx: &Ctx<'_>,
-        body: Bytes,
-    ) -> Result<Request<Full<Bytes>>, ApiError> {
-        let mut b = Request::post(format!("{base}{}", ctx.api.path()))
-            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
-            .header(X_REQUEST_ID, ctx.rid.clone());
+    fn request(&self, uri: Uri, ctx: &Ctx<'_>, body: Bytes) -> Request<Full<Bytes>> {
+        let mut r = Request::new(Full::new(body));
+        *r.method_mut() = Method::POST;
+        *r.uri_mut() = uri;
+        let h = r.headers_mut();
+        h.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        h.insert(X_REQUEST_ID, ctx.rid.clone());
         if let Some(a) = ctx.auth {
-            b = b.header(AUTHORIZATION, a.clone());
+            h.insert(AUTHORIZATION, a.clone());
         }
-        b.body(Full::new(body)).map_err(|e| {
-            ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal",
-                Outcome::PrefillError,
-                e.to_string(),
-            )
-        })
+        r
     }
 
     /// POSTs `body` and reads the whole answer (the caller bounds it with a deadline).
     async fn call(
         &self,
-        base: &str,
+        uri: Uri,
         ctx: &Ctx<'_>,
         body: Bytes,
     ) -> Result<(StatusCode, Option<HeaderValue>, Bytes), CallError> {
-        let req = self
-            .request(base, ctx, body)
-            .map_err(|e| CallError::Other(e.message))?;
+        let req = self.request(uri, ctx, body);
         let resp = self.client.request(req).await.map_err(|e| {
             if e.is_connect() {
                 CallError::Connect(format!("{e}: {}", source_chain(&e)))
@@ -1105,19 +1151,6 @@ impl Ctx<'_> {
     fn rid(&self) -> &str {
         self.rid.to_str().unwrap_or("?")
     }
-}
-
-fn prefill_overrides(req: &Map<String, Value>, kv: Value) -> Vec<(&'static str, Option<Value>)> {
-    let mut o = vec![
-        ("max_tokens", Some(json!(1))),
-        ("stream", Some(Value::Bool(false))),
-        ("stream_options", None),
-        ("kv_transfer_params", Some(kv)),
-    ];
-    if req.contains_key("max_completion_tokens") {
-        o.push(("max_completion_tokens", Some(json!(1))));
-    }
-    o
 }
 
 /// The SSE chunk that carries the prefill's first token.

@@ -547,7 +547,13 @@ async fn lmcache_success_non_streamed_and_streamed() {
     assert_eq!(dh["x-request-id"], "client-42");
     assert_eq!(dv["prompt"], "hello first");
     assert_eq!(dv["max_tokens"], 2);
-    assert!(dv.get("kv_transfer_params").is_none());
+    // The PD request id goes to the decoder too, under LMCache's own key (LMCache reads a
+    // `disagg_spec` as a prefill order, so the decode request carries none).
+    assert_eq!(
+        dv["kv_transfer_params"],
+        json!({"lmcache.pd_handoff_id": spec["req_id"]}),
+        "{dv}"
+    );
 
     // Streamed: the first token comes first, then the decoder's chunks and [DONE].
     let a = e
@@ -573,6 +579,11 @@ async fn lmcache_success_non_streamed_and_streamed() {
     let (_, dv) = e.d[0].last();
     assert_eq!(dv["messages"][0]["content"], "hi @plain");
     assert_eq!(dv["max_tokens"], 3);
+    let (_, pv) = e.p[0].last();
+    assert_eq!(
+        dv["kv_transfer_params"]["lmcache.pd_handoff_id"],
+        pv["kv_transfer_params"]["disagg_spec"]["req_id"]
+    );
 
     // max_tokens == 1: the prefill's token is the whole answer.
     let a = e
@@ -1002,9 +1013,11 @@ async fn thousand_requests_with_random_failures_leave_nothing_behind() {
         }));
     }
     let mut by_status = std::collections::BTreeMap::new();
+    let mut gave_up = 0;
     for t in tasks {
         let (mode, status, sse_err) = tokio::time::timeout(T, t).await.unwrap().unwrap();
         *by_status.entry(status).or_insert(0) += 1;
+        gave_up += (status == 0) as u32;
         let want: &[u16] = match mode {
             "ok" | "@late" | "@plain" | "@slow" => &[200, 429],
             "@p500" | "@kvfail" | "@d500" => &[502, 429],
@@ -1026,7 +1039,107 @@ async fn thousand_requests_with_random_failures_leave_nothing_behind() {
         .filter(|l| l.starts_with("kvbridge_proxy_requests_total{"))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum();
-    assert_eq!(total, 1000.0, "{m}");
+    // A client that gave up before the proxy read its request was never a request to it (on
+    // a loaded machine that happens within the 20 ms); every other one is counted once.
+    assert!(
+        total <= 1000.0 && total >= 1000.0 - f64::from(gave_up),
+        "{total} counted, {gave_up} gave up\n{m}"
+    );
     assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
     eprintln!("1000 requests in {:?}: {by_status:?}", t0.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_flow_retries_a_refused_decoder_on_another() {
+    let d = Double::start(Kind::Decode).await;
+    let e = env(Flow::Vllm, 1, 0, |c| {
+        let dc = |port| DecoderConfig {
+            host: "127.0.0.1".into(),
+            port,
+            init_ports: vec![],
+            alloc_ports: vec![],
+            max_requests: 0,
+            kv_capacity_tokens: 0,
+        };
+        c.decoders = vec![dc(closed_port()), dc(d.addr.port())];
+    })
+    .await;
+    // Ties spread round-robin, so the refusing decoder is picked within two requests; each
+    // request still succeeds on the other one.
+    for stream in [false, true, false, true] {
+        let a = e.post("/v1/completions", completion("hello", stream)).await;
+        assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    }
+    assert_eq!(d.st.calls.load(Relaxed), 4);
+    assert_eq!(e.p[0].st.calls.load(Relaxed), 4, "one prefill per request");
+    e.settled().await;
+    let m = e.metrics().await;
+    assert_eq!(
+        sample(&m, "kvbridge_proxy_requests_total{outcome=\"ok\"}"),
+        Some(4.0),
+        "{m}"
+    );
+    let h = e.send("GET", "/health", Bytes::new(), None).await;
+    assert_eq!(
+        h.json()["decoders_healthy"],
+        1,
+        "the refusing decoder is ejected"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_body_gets_413_and_is_counted() {
+    let e = env(Flow::Vllm, 1, 1, |c| c.max_body_bytes = 4096).await;
+    let ok = completion(&"x".repeat(3000), false);
+    let a = e.post("/v1/completions", ok).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    let big = completion(&"x".repeat(5000), false);
+    let a = e.post("/v1/completions", big.clone()).await;
+    assert_eq!(a.status, StatusCode::PAYLOAD_TOO_LARGE, "{}", a.text());
+    assert_eq!(a.code(), "request_too_large");
+    assert_eq!(a.json()["error"]["type"], "invalid_request_error");
+    assert!(
+        a.json()["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("4096 bytes")),
+        "{}",
+        a.text()
+    );
+    // Without a content-length (chunked): refused once the limit is crossed.
+    let (tx, rx) = mpsc::channel(4);
+    let body = big.to_string().into_bytes();
+    tokio::spawn(async move {
+        for c in body.chunks(1000) {
+            if tx.send(Ok(Bytes::copy_from_slice(c))).await.is_err() {
+                return;
+            }
+        }
+    });
+    let client = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    let req = hyper::Request::post(e.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(ChanBody(rx))
+        .unwrap();
+    let resp = tokio::time::timeout(T, client.request(req))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    let m = e.metrics().await;
+    assert_eq!(
+        sample(&m, "kvbridge_proxy_body_too_large_total"),
+        Some(2.0),
+        "{m}"
+    );
+    assert_eq!(
+        sample(&m, "kvbridge_proxy_requests_total{outcome=\"bad_request\"}"),
+        Some(2.0),
+        "{m}"
+    );
+    assert_eq!(
+        e.p[0].st.calls.load(Relaxed),
+        1,
+        "nothing refused reached a worker"
+    );
+    e.settled().await;
 }

@@ -2,6 +2,7 @@
 
 pub mod handshake;
 pub mod peer;
+pub mod proxy;
 pub mod transfer;
 
 /// Median of a non-empty sample.
