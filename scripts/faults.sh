@@ -42,6 +42,21 @@ for row in "${SUITE[@]}"; do
   rm -f "$log"
 done
 
+# A real partition between network namespaces: needs root and iproute2.
+if ip netns add kvb-faults-probe 2>/dev/null; then
+  ip netns del kvb-faults-probe
+  log=$(mktemp)
+  if cargo test -p kvbridge-cli --test netns_partition -- --ignored --exact partition_mid_write_fails_within_the_deadline_and_heals >"$log" 2>&1 \
+     && grep -q "test partition_mid_write_fails_within_the_deadline_and_heals ... ok" "$log"; then
+    echo "ok   kvbridge-cli/netns_partition::partition_mid_write_fails_within_the_deadline_and_heals"
+  else
+    echo "FAIL kvbridge-cli/netns_partition"; tail -40 "$log"; fail=1
+  fi
+  rm -f "$log"
+else
+  echo "skip kvbridge-cli/netns_partition (network namespaces need root)"
+fi
+
 if [ "$LONG" = "--long" ]; then
   cargo test -p kvbridge --test simulation -- --ignored handshake_and_first_write_under_20000_seeds || fail=1
   cargo run --release -q -p kvbridge-cli -- demo --duration 2m --chaos || fail=1
