@@ -57,5 +57,5 @@ pub use error::{PdError, PdStep, Result};
 pub use key::{chunk_keys, ChunkKey};
 pub use layout::{Dtype, KvLayout, KvSpec, DEFAULT_CHUNK_TOKENS};
 pub use outcome::{Outcome, OutcomeSink, ZmqPusher};
-pub use receiver::{ChunkRef, PdReceiver, ReceiverConfig};
+pub use receiver::{ChunkRef, GrantedRequest, PdReceiver, ReceiverConfig};
 pub use sender::{DisaggSpec, PdSender, SenderConfig, Summary, Transfer};

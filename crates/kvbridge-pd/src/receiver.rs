@@ -77,6 +77,20 @@ struct Inner {
     /// Events from places that must not send (a [`ChunkRef`] dropped anywhere): the driver
     /// applies them.
     deferred: Mutex<Vec<Event>>,
+    /// Granted requests, for consumers that start as chunks land.
+    granted: broadcast::Sender<GrantedRequest>,
+}
+
+/// A request whose pages were just reserved ([`PdReceiver::granted_requests`]): its chunks
+/// land from now on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GrantedRequest {
+    /// The request.
+    pub req_id: String,
+    /// Its prompt tokens.
+    pub tokens: u64,
+    /// Its chunks.
+    pub chunks: u64,
 }
 
 /// One receiver rank. Dropping it stops the driver; call [`PdReceiver::close`] to end
@@ -146,6 +160,7 @@ impl PdReceiver {
             failures: cfg.failure_outcomes,
             fence_timeout: cfg.fence_timeout,
             deferred: Mutex::new(Vec::new()),
+            granted: broadcast::channel(1024).0,
         });
         let task = tokio::spawn(drive(inner.clone(), events));
         Ok(PdReceiver { inner, task })
@@ -260,6 +275,14 @@ impl PdReceiver {
         };
         apply(&self.inner, ev);
         Ok(())
+    }
+
+    /// Requests granted from now on, as they are granted: a decoder can start consuming a
+    /// request's chunks as they land ([`PdReceiver::chunk`]), before its decode request
+    /// arrives. A subscriber that falls more than 1024 grants behind misses some (it sees
+    /// `Lagged`) and must handle those requests when it meets them.
+    pub fn granted_requests(&self) -> broadcast::Receiver<GrantedRequest> {
+        self.inner.granted.subscribe()
     }
 
     /// Whether every chunk of `req_id` has landed (it is complete or being retrieved).
@@ -476,6 +499,14 @@ fn apply(inner: &Arc<Inner>, events: Vec<Event>) {
                 let Some(peer) = PeerId::new(g.owner.peer.clone()) else {
                     continue;
                 };
+                if inner.granted.receiver_count() > 0 {
+                    let tokens = lock(&inner.alloc).tokens(&g.req_id).unwrap_or(0);
+                    let _ = inner.granted.send(GrantedRequest {
+                        req_id: g.req_id.clone(),
+                        tokens,
+                        chunks: g.slots.len() as u64,
+                    });
+                }
                 let msg = PdMsg::AllocOk {
                     call: g.call,
                     req_id: g.req_id,
