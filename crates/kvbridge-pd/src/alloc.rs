@@ -14,6 +14,16 @@
 //!   ([`PageAllocator::owner_down`]: the session's reader has stopped).
 //! - Pages return on retrieval, on cancel, when the sender fails or restarts, and after the
 //!   TTL.
+//! - A page can be *pinned*: by a reader borrowing a landed chunk in place
+//!   ([`PageAllocator::pin_chunk`]) or by the receiver's own read in flight into it (pull
+//!   mode, [`PageAllocator::begin_read`]). A pinned page that would become free is
+//!   *draining* instead, and returns only when its last pin is dropped: nothing is reused
+//!   under a reader or while a read can still land.
+//! - Pull requests (the receiver reads from the sender) need no fence: only the receiver's
+//!   own reads can land in their pages, so those pages return as soon as no read is in
+//!   flight. A sender's cancel is acknowledged ([`Event::CancelAcked`]) once no read of the
+//!   request is in flight; a `finish` is answered ([`Event::Completed`]) once every chunk
+//!   was pulled.
 //!
 //! Every method returns the [`Event`]s the driver must act on (replies, fences, outcomes).
 
@@ -50,6 +60,8 @@ pub struct AllocReq {
     pub keys: Vec<u64>,
     /// Prompt tokens (kept for the driver; the allocator only counts pages).
     pub tokens: u64,
+    /// Pull mode: the receiver reads the chunks from the sender.
+    pub pull: bool,
 }
 
 /// One chunk's page in a grant.
@@ -176,6 +188,42 @@ pub enum Event {
         /// The request.
         req_id: String,
     },
+    /// Answer the owner's `finish` call: every chunk landed, the request is complete.
+    Completed {
+        /// The request.
+        req_id: String,
+        /// Its owner.
+        owner: Owner,
+        /// The `finish` call answered.
+        call: u64,
+    },
+    /// Refuse the owner's deferred `finish` call: the request ended first.
+    FinishRefused {
+        /// The request.
+        req_id: String,
+        /// Its owner.
+        owner: Owner,
+        /// The `finish` call answered.
+        call: u64,
+        /// Why, for people.
+        reason: String,
+    },
+    /// Tell the owner of a pull request that the receiver gave it up (it should stop
+    /// offering chunks). Nothing to wait for: only the receiver's own reads could land.
+    Stop {
+        /// The request.
+        req_id: String,
+        /// Its owner.
+        owner: Owner,
+    },
+    /// Tell the owner of a pull request that no read of it is in flight or will start (the
+    /// answer to its cancel): it may reuse the memory it offered.
+    CancelAcked {
+        /// The request.
+        req_id: String,
+        /// Its owner.
+        owner: Owner,
+    },
 }
 
 /// Errors of calls about a specific request.
@@ -218,14 +266,22 @@ pub struct Counters {
     pub requests: u64,
     /// Allocations waiting for pages.
     pub waiting: u64,
+    /// Pages pinned by a reader or a read in flight (they are also counted in their state;
+    /// a pinned page of an ended request is counted as quarantined until unpinned).
+    pub pinned: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Page {
     Free,
     Reserved(u64),
-    Filled { refs: u32, key: Option<u64> },
+    Filled {
+        refs: u32,
+        key: Option<u64>,
+    },
     Quarantined,
+    /// No longer anyone's, but pinned: free once the last pin is dropped.
+    Draining,
 }
 
 /// State of a request holding pages.
@@ -248,6 +304,29 @@ struct Req {
     slots: Vec<Slot>,
     state: ReqState,
     expires: Instant,
+    /// Per chunk: its bytes are in the page (held, written and announced, or pulled).
+    landed: Vec<bool>,
+    pull: bool,
+    /// Pull: per chunk, a read into its page is in flight.
+    reading: Vec<bool>,
+    /// Pull: the owner's `finish` call, answered once every chunk landed.
+    finish_call: Option<u64>,
+}
+
+/// A read of a pull request in flight, from [`PageAllocator::begin_read`] to
+/// [`PageAllocator::end_read`]. Its page stays pinned in between.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReadTicket {
+    /// The request.
+    pub req_id: String,
+    /// Its owner.
+    pub owner: Owner,
+    /// The chunk.
+    pub index: u64,
+    /// The page read into.
+    pub page: u32,
+    /// The grant the read belongs to (a later request with the same id is another grant).
+    no: u64,
 }
 
 #[derive(Debug)]
@@ -269,6 +348,12 @@ pub struct PageAllocator {
     alloc_timeout: Duration,
     ttl: Duration,
     next_no: u64,
+    /// Per page: readers borrowing it plus reads in flight into it.
+    pins: Vec<u32>,
+    /// Pull: reads in flight per (owner, request), also after the request ended.
+    reads: HashMap<(Owner, String), u32>,
+    /// Pull: sender cancels to acknowledge once their reads resolved.
+    ack_pending: HashMap<(Owner, String), ()>,
 }
 
 impl PageAllocator {
@@ -285,6 +370,9 @@ impl PageAllocator {
             alloc_timeout,
             ttl,
             next_no: 1,
+            pins: vec![0; total_pages as usize],
+            reads: HashMap::new(),
+            ack_pending: HashMap::new(),
         }
     }
 
@@ -334,7 +422,8 @@ impl PageAllocator {
     fn grant(&mut self, now: Instant, req: AllocReq) -> Grant {
         let no = self.next_no;
         self.next_no += 1;
-        let mut slots = Vec::with_capacity(req.keys.len());
+        let n = req.keys.len();
+        let mut slots = Vec::with_capacity(n);
         for k in &req.keys {
             if let Some(&p) = self.index.get(k) {
                 if let Page::Filled { refs, .. } = &mut self.pages[p as usize] {
@@ -361,9 +450,13 @@ impl PageAllocator {
                 owner: req.owner.clone(),
                 keys: req.keys,
                 tokens: req.tokens,
+                landed: slots.iter().map(|s| s.held).collect(),
                 slots: slots.clone(),
                 state: ReqState::Writing,
                 expires: now + self.ttl,
+                pull: req.pull,
+                reading: vec![false; n],
+                finish_call: None,
             },
         );
         Grant {
@@ -401,7 +494,13 @@ impl PageAllocator {
         if r.state != ReqState::Writing {
             return Err(ReqError::WrongState("already complete"));
         }
+        if r.pull && r.landed.iter().any(|l| !l) {
+            return Err(ReqError::WrongState(
+                "a pull request with chunks not pulled yet",
+            ));
+        }
         r.state = ReqState::Complete;
+        r.landed.iter_mut().for_each(|l| *l = true);
         r.expires = now + self.ttl;
         for (slot, key) in r.slots.iter().zip(&r.keys) {
             if slot.held {
@@ -455,8 +554,9 @@ impl PageAllocator {
         match self.reqs.get(req_id).map(|r| r.state) {
             None => Err(ReqError::Unknown),
             Some(ReqState::Retrieving) => {
-                self.release_landed(req_id);
-                Ok(self.serve_waiters(now))
+                let mut out = self.release_landed(req_id, "retrieved");
+                out.extend(self.serve_waiters(now));
+                Ok(out)
             }
             Some(_) => Err(ReqError::WrongState("not being retrieved")),
         }
@@ -472,32 +572,73 @@ impl PageAllocator {
                         self.index.remove(&k);
                     }
                 }
-                self.pages[page as usize] = Page::Free;
-                self.free.push(page);
+                self.free_page(page);
             }
         }
     }
 
-    /// Releases a request none of whose writes can still land.
-    fn release_landed(&mut self, req_id: &str) {
+    /// A page nobody owns any more: free, or draining while it is pinned.
+    fn free_page(&mut self, page: u32) {
+        if self.pins[page as usize] > 0 {
+            self.pages[page as usize] = Page::Draining;
+        } else {
+            self.pages[page as usize] = Page::Free;
+            self.free.push(page);
+        }
+    }
+
+    /// The refusal of a deferred `finish` of a request that ends now.
+    fn refuse_finish(r: &Req, req_id: &str, why: &str) -> Option<Event> {
+        r.finish_call.map(|call| Event::FinishRefused {
+            req_id: req_id.to_string(),
+            owner: r.owner.clone(),
+            call,
+            reason: format!(
+                "the receiver gave the request up before every chunk was pulled ({why})"
+            ),
+        })
+    }
+
+    /// Releases a request none of whose writes can still land (a pull request's pages that
+    /// a read is in flight into drain until it resolves).
+    fn release_landed(&mut self, req_id: &str, why: &str) -> Vec<Event> {
         let Some(r) = self.reqs.remove(req_id) else {
-            return;
+            return Vec::new();
         };
+        let out = Self::refuse_finish(&r, req_id, why).into_iter().collect();
         for s in r.slots {
             match self.pages[s.page as usize] {
-                Page::Reserved(no) if no == r.no => {
-                    self.pages[s.page as usize] = Page::Free;
-                    self.free.push(s.page);
-                }
+                Page::Reserved(no) if no == r.no => self.free_page(s.page),
                 Page::Filled { .. } => self.unref(s.page),
                 _ => {}
             }
         }
+        out
     }
 
     /// Ends a request that may still have writes in flight: its reserved pages go to
-    /// quarantine until the owner confirms or its session ends.
+    /// quarantine until the owner confirms or its session ends. A pull request needs no
+    /// fence (only our own reads can land, and their pages drain until they resolve): its
+    /// owner is told to stop.
     fn end_writing(&mut self, req_id: &str, reason: EndReason) -> Vec<Event> {
+        let pull = match self.reqs.get(req_id) {
+            Some(r) => r.pull,
+            None => return Vec::new(),
+        };
+        if pull {
+            let owner = self.reqs[req_id].owner.clone();
+            let mut out = self.release_landed(req_id, &format!("{reason:?}"));
+            out.push(Event::Ended {
+                req_id: req_id.to_string(),
+                owner: owner.clone(),
+                reason,
+            });
+            out.push(Event::Stop {
+                req_id: req_id.to_string(),
+                owner,
+            });
+            return out;
+        }
         let Some(r) = self.reqs.remove(req_id) else {
             return Vec::new();
         };
@@ -545,10 +686,7 @@ impl PageAllocator {
         let mut out = match self.reqs.get(req_id).map(|r| r.state) {
             None => return Err(ReqError::Unknown),
             Some(ReqState::Writing) => self.end_writing(req_id, EndReason::Cancelled),
-            Some(ReqState::Complete) => {
-                self.release_landed(req_id);
-                Vec::new()
-            }
+            Some(ReqState::Complete) => self.release_landed(req_id, "cancelled"),
             Some(ReqState::Retrieving) => return Err(ReqError::WrongState("being retrieved")),
         };
         out.extend(self.serve_waiters(now));
@@ -579,8 +717,7 @@ impl PageAllocator {
         if r.state == ReqState::Retrieving {
             return Err(ReqError::WrongState("being retrieved"));
         }
-        self.release_landed(req_id);
-        let mut out = Vec::new();
+        let mut out = self.release_landed(req_id, "cancelled by its sender");
         if writing {
             out.push(Event::Ended {
                 req_id: req_id.to_string(),
@@ -590,6 +727,249 @@ impl PageAllocator {
         }
         out.extend(self.serve_waiters(now));
         Ok(out)
+    }
+
+    /// The sender of a pull request gave it up: the request (or its waiting allocation)
+    /// ends, and [`Event::CancelAcked`] follows once no read of it is in flight — at once
+    /// when none is, also for a request the receiver no longer knows. No read of the request
+    /// starts after this call.
+    pub fn pull_cancel(&mut self, now: Instant, req_id: &str, owner: &Owner) -> Vec<Event> {
+        let mut out = Vec::new();
+        if let Some(i) = self
+            .waiters
+            .iter()
+            .position(|w| w.req.req_id == req_id && &w.req.owner == owner)
+        {
+            self.waiters.remove(i);
+        }
+        if let Some(r) = self.reqs.get(req_id) {
+            if &r.owner == owner && r.state != ReqState::Retrieving {
+                let writing = r.state == ReqState::Writing;
+                out.extend(self.release_landed(req_id, "cancelled by its sender"));
+                if writing {
+                    out.push(Event::Ended {
+                        req_id: req_id.to_string(),
+                        owner: owner.clone(),
+                        reason: EndReason::SenderCancelled,
+                    });
+                }
+            }
+        }
+        let key = (owner.clone(), req_id.to_string());
+        if self.reads.get(&key).copied().unwrap_or(0) == 0 {
+            out.push(Event::CancelAcked {
+                req_id: req_id.to_string(),
+                owner: owner.clone(),
+            });
+        } else {
+            self.ack_pending.insert(key, ());
+        }
+        out.extend(self.serve_waiters(now));
+        out
+    }
+
+    /// The owner asks to complete the request (its `finish` call `call`). A push request
+    /// completes now ([`Event::Completed`]); a pull request completes once every chunk was
+    /// pulled and no read is in flight, now or from the [`PageAllocator::end_read`] that
+    /// gets it there (a deferred answer; if the request ends first,
+    /// [`Event::FinishRefused`]).
+    pub fn finish(
+        &mut self,
+        now: Instant,
+        req_id: &str,
+        owner: &Owner,
+        call: u64,
+    ) -> Result<Vec<Event>, ReqError> {
+        let r = self.reqs.get_mut(req_id).ok_or(ReqError::Unknown)?;
+        if &r.owner != owner {
+            return Err(ReqError::NotOwner);
+        }
+        if r.state != ReqState::Writing {
+            return Err(ReqError::WrongState("already complete"));
+        }
+        if r.pull && (r.landed.iter().any(|l| !l) || r.reading.iter().any(|x| *x)) {
+            if r.finish_call.is_some() {
+                return Err(ReqError::WrongState("already finishing"));
+            }
+            r.finish_call = Some(call);
+            return Ok(Vec::new());
+        }
+        self.complete(now, req_id, owner)?;
+        Ok(vec![Event::Completed {
+            req_id: req_id.to_string(),
+            owner: owner.clone(),
+            call,
+        }])
+    }
+
+    /// Push mode: the owner says chunk `index` landed (its message is ordered after the
+    /// write), so a reader may borrow it before the whole request is complete.
+    pub fn chunk_written(
+        &mut self,
+        req_id: &str,
+        owner: &Owner,
+        index: u64,
+    ) -> Result<(), ReqError> {
+        let r = self.reqs.get_mut(req_id).ok_or(ReqError::Unknown)?;
+        if &r.owner != owner {
+            return Err(ReqError::NotOwner);
+        }
+        if r.pull {
+            return Err(ReqError::WrongState(
+                "a pull request (the receiver reads it)",
+            ));
+        }
+        if r.state != ReqState::Writing {
+            return Err(ReqError::WrongState("already complete"));
+        }
+        let l = r
+            .landed
+            .get_mut(index as usize)
+            .ok_or(ReqError::WrongState("without that chunk"))?;
+        *l = true;
+        Ok(())
+    }
+
+    /// Per chunk of a live request: whether its bytes are in its page.
+    pub fn landed(&self, req_id: &str) -> Option<&[bool]> {
+        self.reqs.get(req_id).map(|r| r.landed.as_slice())
+    }
+
+    /// Pins the page of a landed chunk for a reader: it is not reused until
+    /// [`PageAllocator::unpin`], whatever happens to the request meanwhile.
+    pub fn pin_chunk(&mut self, req_id: &str, index: u64) -> Result<u32, ReqError> {
+        let r = self.reqs.get(req_id).ok_or(ReqError::Unknown)?;
+        match r.landed.get(index as usize) {
+            None => return Err(ReqError::WrongState("without that chunk")),
+            Some(false) => return Err(ReqError::WrongState("still waiting for that chunk")),
+            Some(true) => {}
+        }
+        let page = r.slots[index as usize].page;
+        match self.pages[page as usize] {
+            Page::Reserved(no) if no == r.no => {}
+            Page::Filled { .. } => {}
+            _ => return Err(ReqError::WrongState("inconsistent (page not held)")),
+        }
+        self.pins[page as usize] += 1;
+        Ok(page)
+    }
+
+    /// Pins the filled page holding the chunk with key hash `key`, if the buffer holds it.
+    pub fn pin_key(&mut self, key: u64) -> Option<u32> {
+        let &page = self.index.get(&key)?;
+        match self.pages[page as usize] {
+            Page::Filled { .. } => {
+                self.pins[page as usize] += 1;
+                Some(page)
+            }
+            _ => None,
+        }
+    }
+
+    /// Drops one pin of `page`; a draining page with no pin left returns.
+    pub fn unpin(&mut self, now: Instant, page: u32) -> Vec<Event> {
+        let Some(n) = self.pins.get_mut(page as usize) else {
+            return Vec::new();
+        };
+        *n = n.saturating_sub(1);
+        if *n == 0 && self.pages[page as usize] == Page::Draining {
+            self.pages[page as usize] = Page::Free;
+            self.free.push(page);
+            return self.serve_waiters(now);
+        }
+        Vec::new()
+    }
+
+    /// Pull mode: starts the receiver's read of chunk `index` (offered by `owner`). Only
+    /// for a pull request still being written, a chunk not landed and not being read. The
+    /// page stays pinned, and the request's in-flight read counted, until
+    /// [`PageAllocator::end_read`]; no read can start once the request ended.
+    pub fn begin_read(
+        &mut self,
+        req_id: &str,
+        owner: &Owner,
+        index: u64,
+    ) -> Result<ReadTicket, ReqError> {
+        let r = self.reqs.get_mut(req_id).ok_or(ReqError::Unknown)?;
+        if &r.owner != owner {
+            return Err(ReqError::NotOwner);
+        }
+        if !r.pull {
+            return Err(ReqError::WrongState(
+                "a push request (its sender writes it)",
+            ));
+        }
+        if r.state != ReqState::Writing {
+            return Err(ReqError::WrongState("already complete"));
+        }
+        let i = index as usize;
+        match (r.landed.get(i), r.reading.get(i)) {
+            (None, _) | (_, None) => return Err(ReqError::WrongState("without that chunk")),
+            (Some(true), _) => return Err(ReqError::WrongState("holding that chunk already")),
+            (_, Some(true)) => return Err(ReqError::WrongState("already reading that chunk")),
+            _ => {}
+        }
+        r.reading[i] = true;
+        let page = r.slots[i].page;
+        let no = r.no;
+        self.pins[page as usize] += 1;
+        *self
+            .reads
+            .entry((owner.clone(), req_id.to_string()))
+            .or_insert(0) += 1;
+        Ok(ReadTicket {
+            req_id: req_id.to_string(),
+            owner: owner.clone(),
+            index,
+            page,
+            no,
+        })
+    }
+
+    /// Pull mode: the read of `t` resolved (`ok`: every byte landed; otherwise nothing more
+    /// of it can land). Returns whether the chunk now counts as pulled (its request is still
+    /// live) and the events: a deferred `finish` answered, a cancel acknowledged, a page
+    /// that drained returned.
+    pub fn end_read(&mut self, now: Instant, t: &ReadTicket, ok: bool) -> (bool, Vec<Event>) {
+        let mut out = Vec::new();
+        let key = (t.owner.clone(), t.req_id.clone());
+        if let Some(n) = self.reads.get_mut(&key) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.reads.remove(&key);
+                if self.ack_pending.remove(&key).is_some() {
+                    out.push(Event::CancelAcked {
+                        req_id: t.req_id.clone(),
+                        owner: t.owner.clone(),
+                    });
+                }
+            }
+        }
+        let mut pulled = false;
+        if let Some(r) = self.reqs.get_mut(&t.req_id) {
+            if r.no == t.no {
+                let i = t.index as usize;
+                r.reading[i] = false;
+                if ok {
+                    r.landed[i] = true;
+                    pulled = true;
+                }
+                let done = r.landed.iter().all(|l| *l) && !r.reading.iter().any(|x| *x);
+                if let (true, Some(call)) = (done, r.finish_call) {
+                    r.finish_call = None;
+                    let owner = r.owner.clone();
+                    if self.complete(now, &t.req_id, &owner).is_ok() {
+                        out.push(Event::Completed {
+                            req_id: t.req_id.clone(),
+                            owner,
+                            call,
+                        });
+                    }
+                }
+            }
+        }
+        out.extend(self.unpin(now, t.page));
+        (pulled, out)
     }
 
     /// The owner confirmed that no write of `req_id` can land any more: its quarantined pages
@@ -610,8 +990,7 @@ impl PageAllocator {
     fn free_quarantined(&mut self, pages: Vec<u32>) {
         for p in pages {
             if self.pages[p as usize] == Page::Quarantined {
-                self.pages[p as usize] = Page::Free;
-                self.free.push(p);
+                self.free_page(p);
             }
         }
     }
@@ -622,6 +1001,8 @@ impl PageAllocator {
     pub fn owner_down(&mut self, now: Instant, owner: &Owner) -> Vec<Event> {
         let mut out = Vec::new();
         self.waiters.retain(|w| &w.req.owner != owner);
+        // Nobody to acknowledge a cancel to any more.
+        self.ack_pending.retain(|(o, _), _| o != owner);
         let mut ids: Vec<String> = self
             .reqs
             .iter()
@@ -630,7 +1011,7 @@ impl PageAllocator {
             .collect();
         ids.sort();
         for id in ids {
-            self.release_landed(&id);
+            out.extend(self.release_landed(&id, "its sender's session ended"));
             out.push(Event::Ended {
                 req_id: id,
                 owner: owner.clone(),
@@ -703,7 +1084,7 @@ impl PageAllocator {
             if state == ReqState::Writing {
                 out.extend(self.end_writing(&id, EndReason::Expired));
             } else {
-                self.release_landed(&id);
+                out.extend(self.release_landed(&id, "expired"));
                 out.push(Event::ExpiredUnretrieved { req_id: id });
             }
         }
@@ -777,8 +1158,16 @@ impl PageAllocator {
                     c.quarantined += 1;
                     quarantined[i] == 1
                 }
+                Page::Draining => {
+                    c.quarantined += 1;
+                    self.pins[i] > 0
+                }
             };
-            let stray = (free[i] > 0 && *p != Page::Free)
+            if self.pins[i] > 0 {
+                c.pinned += 1;
+            }
+            let stray = (self.pins[i] > 0 && *p == Page::Free)
+                || (free[i] > 0 && *p != Page::Free)
                 || (quarantined[i] > 0 && *p != Page::Quarantined);
             if !ok || stray {
                 c.leaked += 1;
@@ -806,6 +1195,14 @@ mod tests {
             call: 1,
             keys: keys.to_vec(),
             tokens: keys.len() as u64,
+            pull: false,
+        }
+    }
+
+    fn pull_req(id: &str, o: u64, keys: &[u64]) -> AllocReq {
+        AllocReq {
+            pull: true,
+            ..req(id, o, keys)
         }
     }
 
@@ -969,5 +1366,119 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    #[test]
+    fn borrowed_page_is_not_reused_under_its_reader() {
+        let t = Instant::now();
+        let mut a = PageAllocator::new(2, S, 10 * S);
+        a.alloc(t, req("a", 1, &[1, 2]));
+        // Not landed yet: no borrow.
+        assert!(a.pin_chunk("a", 0).is_err());
+        a.chunk_written("a", &owner(1), 0).unwrap();
+        assert_eq!(a.landed("a"), Some(&[true, false][..]));
+        let p = a.pin_chunk("a", 0).unwrap();
+        a.complete(t, "a", &owner(1)).unwrap();
+        a.begin_retrieve("a").unwrap();
+        a.end_retrieve(t, "a").unwrap();
+        // The reader still holds page p: it drains, it is not free.
+        let c = a.counters();
+        assert_eq!((c.free, c.quarantined, c.pinned, c.leaked), (1, 1, 1, 0));
+        assert!(
+            a.alloc(t, req("b", 2, &[7, 8])).is_empty(),
+            "b must wait for p"
+        );
+        let ev = a.unpin(t, p);
+        assert_eq!(granted(&ev)[0].req_id, "b");
+        assert_eq!(a.counters().leaked, 0);
+    }
+
+    #[test]
+    fn pinned_quarantined_page_drains_after_fence() {
+        let t = Instant::now();
+        let mut a = PageAllocator::new(1, S, 10 * S);
+        a.alloc(t, req("a", 1, &[1]));
+        a.chunk_written("a", &owner(1), 0).unwrap();
+        let p = a.pin_chunk("a", 0).unwrap();
+        a.cancel(t, "a").unwrap();
+        a.fence_acked(t, "a", &owner(1));
+        assert_eq!(a.counters().free, 0);
+        a.unpin(t, p);
+        let c = a.counters();
+        assert_eq!((c.free, c.pinned, c.leaked), (1, 0, 0));
+    }
+
+    #[test]
+    fn pull_reads_pin_pages_and_defer_finish_and_cancel_ack() {
+        let t = Instant::now();
+        let mut a = PageAllocator::new(3, S, 10 * S);
+        a.alloc(t, pull_req("a", 1, &[1, 2]));
+        // Only the owner, only a pull request, one read per chunk.
+        assert_eq!(a.begin_read("a", &owner(2), 0), Err(ReqError::NotOwner));
+        let r0 = a.begin_read("a", &owner(1), 0).unwrap();
+        assert!(a.begin_read("a", &owner(1), 0).is_err());
+        assert!(a.chunk_written("a", &owner(1), 1).is_err());
+        // Finish before the reads resolved: deferred.
+        assert!(a.finish(t, "a", &owner(1), 9).unwrap().is_empty());
+        let (pulled, ev) = a.end_read(t, &r0, true);
+        assert!(pulled && ev.is_empty());
+        let r1 = a.begin_read("a", &owner(1), 1).unwrap();
+        let (_, ev) = a.end_read(t, &r1, true);
+        assert_eq!(
+            ev,
+            vec![Event::Completed {
+                req_id: "a".into(),
+                owner: owner(1),
+                call: 9
+            }]
+        );
+        assert_eq!(a.state("a"), Some(ReqState::Complete));
+
+        // A sender cancel while a read is in flight: the page drains, the ack waits.
+        a.alloc(t, pull_req("b", 1, &[5]));
+        let rb = a.begin_read("b", &owner(1), 0).unwrap();
+        let ev = a.pull_cancel(t, "b", &owner(1));
+        assert!(!ev.iter().any(|e| matches!(e, Event::CancelAcked { .. })));
+        assert!(
+            a.begin_read("b", &owner(1), 0).is_err(),
+            "no read after the end"
+        );
+        assert_eq!(a.counters().free, 0, "the page read into is not free");
+        assert!(a.alloc(t, req("c", 2, &[6])).is_empty());
+        let (pulled, ev) = a.end_read(t, &rb, true);
+        assert!(!pulled);
+        assert!(ev.contains(&Event::CancelAcked {
+            req_id: "b".into(),
+            owner: owner(1)
+        }));
+        assert_eq!(granted(&ev)[0].req_id, "c");
+        // Cancel of an unknown request: acknowledged at once.
+        assert!(a
+            .pull_cancel(t, "zz", &owner(1))
+            .contains(&Event::CancelAcked {
+                req_id: "zz".into(),
+                owner: owner(1)
+            }));
+        assert_eq!(a.counters().leaked, 0);
+    }
+
+    #[test]
+    fn pull_request_ended_by_receiver_refuses_deferred_finish_and_stops_sender() {
+        let t = Instant::now();
+        let mut a = PageAllocator::new(2, S, 2 * S);
+        a.alloc(t, pull_req("a", 1, &[1, 2]));
+        let r = a.begin_read("a", &owner(1), 0).unwrap();
+        a.finish(t, "a", &owner(1), 4).unwrap();
+        let ev = a.tick(t + 2 * S);
+        assert!(ev
+            .iter()
+            .any(|e| matches!(e, Event::FinishRefused { call: 4, .. })));
+        assert!(ev.iter().any(|e| matches!(e, Event::Stop { .. })));
+        assert!(!ev.iter().any(|e| matches!(e, Event::Fence { .. })));
+        // Page of chunk 1 is free at once; chunk 0's drains until its read resolves.
+        assert_eq!(a.counters().free, 1);
+        a.end_read(t, &r, false);
+        let c = a.counters();
+        assert_eq!((c.free, c.leaked, c.requests), (2, 0, 0));
     }
 }

@@ -14,7 +14,7 @@ use crate::error::{PdError, PdStep, Result};
 use crate::layout::{Dtype, KvLayout, KvSpec};
 use crate::outcome::{Outcome, OutcomeSink};
 use crate::receiver::{PdReceiver, ReceiverConfig};
-use crate::sender::{DisaggSpec, PdSender, SenderConfig};
+use crate::sender::{DisaggSpec, PdSender, SenderConfig, TransferMode};
 use kvbridge::{Channel, ChannelConfig, Grant, Op, PeerId, Region};
 use serde::Serialize;
 use std::collections::HashMap;
@@ -71,6 +71,10 @@ pub struct PdBenchArgs {
     /// MLA only: rank 0 sends the KV once for all ranks; the others only report.
     #[arg(long)]
     pub mla_send_once: bool,
+    /// push: the prefiller writes each chunk; pull: it offers each chunk and the decoder
+    /// reads it (the raw reference stays a channel write of the same bytes).
+    #[arg(long, value_enum, default_value_t = TransferMode::Push)]
+    pub mode: TransferMode,
     /// Repetitions (raw channel and PD alternate); medians are reported.
     #[arg(long, default_value_t = 3)]
     pub reps: usize,
@@ -137,6 +141,8 @@ pub struct PdBenchReport {
     pub tp: u32,
     /// Whether MLA send-once was on.
     pub mla_send_once: bool,
+    /// Push or pull.
+    pub mode: TransferMode,
 }
 
 impl std::fmt::Display for PdBenchReport {
@@ -144,8 +150,8 @@ impl std::fmt::Display for PdBenchReport {
         let s = &self.summary;
         writeln!(
             f,
-            "PD bench: {} tp={} send-once={}",
-            self.spec, self.tp, self.mla_send_once
+            "PD bench: {} tp={} send-once={} mode={}",
+            self.spec, self.tp, self.mla_send_once, self.mode
         )?;
         writeln!(
             f,
@@ -330,6 +336,7 @@ pub async fn measure(args: &PdBenchArgs) -> Result<PdBenchReport> {
         spec: spec.to_string(),
         tp: args.tp,
         mla_send_once: args.mla_send_once,
+        mode: args.mode,
     })
 }
 
@@ -378,6 +385,7 @@ async fn pd_side(
         sc.alloc_deadline = deadline;
         sc.step_deadline = deadline;
         sc.mla_send_once = args.mla_send_once;
+        sc.mode = args.mode;
         let tx = PdSender::start(sc).await?;
         tx.register(engine)?;
         senders.push(Arc::new(tx));
@@ -567,7 +575,10 @@ async fn pd_rep(
                                     let mut h = handed.lock().unwrap_or_else(|p| p.into_inner());
                                     h.insert((ds.req_id.clone(), tx.rank()), Instant::now());
                                 }
-                                t.send_chunk_from(i, &engine, i as usize * page).await?;
+                                // Push: written (returns once landed). Pull: offered; the
+                                // decoder reads it while later chunks are offered, and
+                                // finish waits until every chunk was read.
+                                t.offer_chunk(i, &engine, i as usize * page).await?;
                             }
                             let s = t.finish().await?;
                             written.fetch_add(s.bytes as usize, Ordering::Relaxed);

@@ -13,6 +13,40 @@ use crate::layout::{Dtype, KvLayout, KvSpec, DEFAULT_CHUNK_TOKENS};
 use serde::{Deserialize, Deserializer};
 use std::time::Duration;
 
+/// How chunks move from the sender to the receiver.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, serde::Serialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum TransferMode {
+    /// The sender writes each chunk into the page the receiver reserved (one-sided write).
+    #[default]
+    Push,
+    /// The sender offers each chunk in its registered memory; the receiver reads it into
+    /// its page (one-sided read) and says when the sender may reuse that memory.
+    Pull,
+}
+
+impl std::fmt::Display for TransferMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TransferMode::Push => "push",
+            TransferMode::Pull => "pull",
+        })
+    }
+}
+
+impl std::str::FromStr for TransferMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "push" => Ok(TransferMode::Push),
+            "pull" => Ok(TransferMode::Pull),
+            o => Err(format!("transfer mode {o:?}: expected push or pull")),
+        }
+    }
+}
+
 /// Which side of the PD pair this process is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -89,6 +123,9 @@ pub struct PdConfig {
     pub mla_send_once: bool,
     /// Receiver: seconds a sender may take to acknowledge a fence before it is disconnected.
     pub fence_timeout_sec: f64,
+    /// Sender: `push` (write into the receiver's pages) or `pull` (the receiver reads).
+    #[serde(alias = "transfer_mode")]
+    pub pd_transfer_mode: TransferMode,
 }
 
 impl Default for PdConfig {
@@ -114,6 +151,7 @@ impl Default for PdConfig {
             dtype: "bf16".into(),
             mla_send_once: false,
             fence_timeout_sec: 10.0,
+            pd_transfer_mode: TransferMode::Push,
         }
     }
 }
@@ -286,5 +324,17 @@ mod tests {
         assert!(PdConfig::from_sources(Some("pd_buffer_size = "), vec![], &[]).is_err());
         let c = PdConfig::from_sources(None, vec![], &["dtype=int4".into()]).unwrap();
         assert!(c.spec().is_err());
+        let c = PdConfig::from_sources(Some("pd_transfer_mode = \"pull\""), vec![], &[]).unwrap();
+        assert_eq!(c.pd_transfer_mode, TransferMode::Pull);
+        let c = PdConfig::from_sources(
+            None,
+            vec![("KVBRIDGE_PD_TRANSFER_MODE".into(), "pull".into())],
+            &[],
+        )
+        .unwrap();
+        assert_eq!(c.pd_transfer_mode, TransferMode::Pull);
+        assert!(
+            PdConfig::from_sources(None, vec![], &["pd_transfer_mode=sideways".into()]).is_err()
+        );
     }
 }

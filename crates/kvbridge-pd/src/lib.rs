@@ -6,7 +6,8 @@
 //! - [`alloc`]: the receiver's paged buffer as a sans-IO allocator (whole-request
 //!   reservation, immediate refusal of what can never fit, deadlines, quarantine of pages a
 //!   write may still land in, TTL, counters).
-//! - [`receiver`] / [`sender`]: the two ends, push mode.
+//! - [`receiver`] / [`sender`]: the two ends, push or pull mode ([`TransferMode`]); the
+//!   receiver lends landed chunks in place ([`PdReceiver::borrow_chunk`]).
 //! - [`outcome`]: `KvReady` / `KvFailed` / `ProxyNotif` as msgpack over ZMQ PUSH.
 //! - [`config`]: TOML + environment + CLI settings, LMCache names accepted.
 //! - [`mod@bench`]: `kvbridge bench pd` (PD layer against a raw channel, same run).
@@ -51,10 +52,10 @@ pub mod receiver;
 pub mod sender;
 
 pub use alloc::Counters;
-pub use config::{PdConfig, PdConfigArgs, Role};
+pub use config::{PdConfig, PdConfigArgs, Role, TransferMode};
 pub use error::{PdError, PdStep, Result};
 pub use key::{chunk_keys, ChunkKey};
 pub use layout::{Dtype, KvLayout, KvSpec, DEFAULT_CHUNK_TOKENS};
 pub use outcome::{Outcome, OutcomeSink, ZmqPusher};
-pub use receiver::{PdReceiver, ReceiverConfig};
+pub use receiver::{ChunkRef, GrantedRequest, PdReceiver, ReceiverConfig};
 pub use sender::{DisaggSpec, PdSender, SenderConfig, Summary, Transfer};

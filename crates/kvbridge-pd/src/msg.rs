@@ -26,6 +26,10 @@ pub enum PdMsg {
         keys: Vec<u64>,
         /// Prompt tokens.
         tokens: u64,
+        /// Pull mode: the receiver reads each chunk from the sender's memory when offered
+        /// (absent from older senders: push).
+        #[serde(default)]
+        pull: bool,
     },
     /// Receiver → sender: the pages.
     AllocOk {
@@ -81,12 +85,66 @@ pub enum PdMsg {
         reason: String,
     },
     /// Sender → receiver: the sender gave the request up; no further write of it follows,
-    /// and every earlier one has landed (ordering of notify).
+    /// and every earlier one has landed (ordering of notify). For a pull request the
+    /// receiver answers `CancelAck` once none of its reads is in flight.
     Cancel {
         /// The request.
         req_id: String,
         /// The sender channel's incarnation.
         incarnation: u64,
+        /// The request is a pull request (absent from older senders: push).
+        #[serde(default)]
+        pull: bool,
+    },
+    /// Sender → receiver, push mode: chunk `index` landed (ordered after its write), so the
+    /// decoder may consume it before the whole request is complete.
+    Written {
+        /// The request.
+        req_id: String,
+        /// The sender channel's incarnation.
+        incarnation: u64,
+        /// The chunk.
+        index: u64,
+    },
+    /// Sender → receiver, pull mode: chunk `index` is ready in the sender's registered
+    /// memory; the memory stays the receiver's until it answers `Pulled` or `PullErr`.
+    Offer {
+        /// The request.
+        req_id: String,
+        /// The sender channel's incarnation.
+        incarnation: u64,
+        /// The chunk.
+        index: u64,
+        /// The sender's region holding it.
+        region: [u8; 16],
+        /// Offset of the chunk in that region.
+        offset: u64,
+        /// Bytes of the chunk.
+        len: u64,
+    },
+    /// Receiver → sender, pull mode: the read of chunk `index` landed; the sender may reuse
+    /// that memory.
+    Pulled {
+        /// The request.
+        req_id: String,
+        /// The chunk.
+        index: u64,
+    },
+    /// Receiver → sender, pull mode: chunk `index` was not (or not wholly) read, and no read
+    /// of it is in flight any more; the sender may reuse that memory.
+    PullErr {
+        /// The request.
+        req_id: String,
+        /// The chunk.
+        index: u64,
+        /// Why, for people.
+        reason: String,
+    },
+    /// Receiver → sender, pull mode: answer to `Cancel`: no read of the request is in flight
+    /// or will start.
+    CancelAck {
+        /// The request.
+        req_id: String,
     },
     /// Receiver → sender: stop writing the request and confirm with `FenceAck`.
     Fence {
@@ -132,8 +190,39 @@ mod tests {
             spec: KvSpec::llama_8b(),
             keys: vec![1, 2, u64::MAX],
             tokens: 600,
+            pull: true,
         };
         assert_eq!(PdMsg::decode(&m.encode()).unwrap(), m);
+        let o = PdMsg::Offer {
+            req_id: "r".into(),
+            incarnation: 3,
+            index: 2,
+            region: [7; 16],
+            offset: 1 << 40,
+            len: 4096,
+        };
+        assert_eq!(PdMsg::decode(&o.encode()).unwrap(), o);
+        // An older sender's messages (no `pull` field) still decode, as push.
+        #[derive(serde::Serialize)]
+        struct OldCancel<'a> {
+            t: &'a str,
+            req_id: &'a str,
+            incarnation: u64,
+        }
+        let old = rmp_serde::to_vec_named(&OldCancel {
+            t: "Cancel",
+            req_id: "r",
+            incarnation: 1,
+        })
+        .unwrap();
+        assert_eq!(
+            PdMsg::decode(&old).unwrap(),
+            PdMsg::Cancel {
+                req_id: "r".into(),
+                incarnation: 1,
+                pull: false
+            }
+        );
         assert!(PdMsg::decode(b"").is_err());
         assert!(PdMsg::decode(b"\x81\xa1t\xa3Bad").is_err());
         assert!(PdMsg::decode(&vec![0x90; MAX_MSG_BYTES + 1]).is_err());

@@ -3,13 +3,13 @@
 //! senders, applies deadlines, and reacts to sessions going down.
 
 use crate::alloc::{
-    AllocReq, Counters, EndReason, Event, Owner, PageAllocator, ReqError, ReqState,
+    AllocReq, Counters, EndReason, Event, Owner, PageAllocator, ReadTicket, ReqError, ReqState,
 };
 use crate::error::{PdError, PdStep, Result};
 use crate::layout::KvSpec;
 use crate::msg::PdMsg;
 use crate::outcome::{Outcome, OutcomeSink};
-use kvbridge::{Channel, ChannelConfig, Grant, PeerEvent, PeerId, Region};
+use kvbridge::{Channel, ChannelConfig, Grant, Op, PeerEvent, PeerId, Region, RegionId};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -74,6 +74,23 @@ struct Inner {
     live: Mutex<HashMap<PeerId, u64>>,
     failures: OutcomeSink,
     fence_timeout: Duration,
+    /// Events from places that must not send (a [`ChunkRef`] dropped anywhere): the driver
+    /// applies them.
+    deferred: Mutex<Vec<Event>>,
+    /// Granted requests, for consumers that start as chunks land.
+    granted: broadcast::Sender<GrantedRequest>,
+}
+
+/// A request whose pages were just reserved ([`PdReceiver::granted_requests`]): its chunks
+/// land from now on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GrantedRequest {
+    /// The request.
+    pub req_id: String,
+    /// Its prompt tokens.
+    pub tokens: u64,
+    /// Its chunks.
+    pub chunks: u64,
 }
 
 /// One receiver rank. Dropping it stops the driver; call [`PdReceiver::close`] to end
@@ -144,6 +161,8 @@ impl PdReceiver {
             live: Mutex::new(HashMap::new()),
             failures: cfg.failure_outcomes,
             fence_timeout: cfg.fence_timeout,
+            deferred: Mutex::new(Vec::new()),
+            granted: broadcast::channel(1024).0,
         });
         let task = tokio::spawn(drive(inner.clone(), events));
         Ok(PdReceiver { inner, task })
@@ -260,6 +279,105 @@ impl PdReceiver {
         Ok(())
     }
 
+    /// Requests granted from now on, as they are granted: a decoder can start consuming a
+    /// request's chunks as they land ([`PdReceiver::chunk`]), before its decode request
+    /// arrives. A subscriber that falls more than 1024 grants behind misses some (it sees
+    /// `Lagged`) and must handle those requests when it meets them.
+    pub fn granted_requests(&self) -> broadcast::Receiver<GrantedRequest> {
+        self.inner.granted.subscribe()
+    }
+
+    /// Whether every chunk of `req_id` has landed (it is complete or being retrieved).
+    pub fn is_complete(&self, req_id: &str) -> bool {
+        matches!(
+            self.lock().state(req_id),
+            Some(ReqState::Complete | ReqState::Retrieving)
+        )
+    }
+
+    /// Per chunk of a live request: whether it has landed and can be borrowed
+    /// ([`PdReceiver::borrow_chunk`]). `None` when the receiver holds no such request.
+    pub fn chunks_landed(&self, req_id: &str) -> Option<Vec<bool>> {
+        self.lock().landed(req_id).map(<[bool]>::to_vec)
+    }
+
+    /// Waits until chunk `index` of `req_id` has landed, up to `deadline`. A request the
+    /// receiver does not hold (yet) is waited for: its allocation may still come.
+    pub async fn wait_chunk(&self, req_id: &str, index: u64, deadline: Duration) -> Result<()> {
+        let until = tokio::time::Instant::now() + deadline;
+        loop {
+            let changed = self.inner.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if let Some(l) = self.lock().landed(req_id) {
+                match l.get(index as usize) {
+                    Some(true) => return Ok(()),
+                    Some(false) => {}
+                    None => {
+                        return Err(PdError::Invalid {
+                            req_id: req_id.into(),
+                            step: PdStep::Retrieve,
+                            detail: format!("chunk {index} of a request with {} chunks", l.len()),
+                        })
+                    }
+                }
+            }
+            if tokio::time::timeout_at(until, changed).await.is_err() {
+                return Err(PdError::Timeout {
+                    req_id: req_id.into(),
+                    peer: "any sender".into(),
+                    step: PdStep::Retrieve,
+                    after: deadline,
+                });
+            }
+        }
+    }
+
+    /// Borrows chunk `index` of `req_id` in place, without copying: the returned
+    /// [`ChunkRef`] derefs to exactly the chunk's bytes. The chunk must have landed (see
+    /// [`PdReceiver::wait_chunk`]); the request need not be complete. Its page is pinned
+    /// until the `ChunkRef` is dropped: whatever happens to the request meanwhile (release,
+    /// cancel, TTL, sender failure), the page is not handed out again under the reader.
+    pub fn borrow_chunk(&self, req_id: &str, index: u64) -> Result<ChunkRef> {
+        let invalid = |e: ReqError| PdError::Invalid {
+            req_id: req_id.into(),
+            step: PdStep::Retrieve,
+            detail: format!("chunk {index}: {e}"),
+        };
+        let mut a = self.lock();
+        let tokens = a.tokens(req_id).ok_or_else(|| invalid(ReqError::Unknown))?;
+        let page = a.pin_chunk(req_id, index).map_err(invalid)?;
+        drop(a);
+        let len = self.inner.spec.chunk_bytes_at(index, tokens) as usize;
+        Ok(ChunkRef::new(self.inner.clone(), page, len))
+    }
+
+    /// Waits (up to `deadline`) for chunk `index` of `req_id` to land, then borrows it
+    /// ([`PdReceiver::borrow_chunk`]).
+    pub async fn chunk(&self, req_id: &str, index: u64, deadline: Duration) -> Result<ChunkRef> {
+        self.wait_chunk(req_id, index, deadline).await?;
+        self.borrow_chunk(req_id, index)
+    }
+
+    /// Runs `f` over chunk `index` of `req_id` in place (no copy); see
+    /// [`PdReceiver::borrow_chunk`].
+    pub fn with_chunk<R>(&self, req_id: &str, index: u64, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
+        let c = self.borrow_chunk(req_id, index)?;
+        Ok(f(&c))
+    }
+
+    /// Borrows the chunk whose key hash is `key` (see [`crate::chunk_keys`]) if the buffer
+    /// holds it filled (by any complete request), as `len` bytes (the chunk's length, which
+    /// the caller knows from the layout: [`KvSpec::chunk_bytes_at`]). `None` when it is not
+    /// held or `len` exceeds a page.
+    pub fn borrow_key(&self, key: u64, len: usize) -> Option<ChunkRef> {
+        if len as u64 > self.inner.page_bytes {
+            return None;
+        }
+        let page = self.lock().pin_key(key)?;
+        Some(ChunkRef::new(self.inner.clone(), page, len))
+    }
+
     /// Cancels a request on the decoder side (abort): a waiting allocation is refused, a
     /// request being written is fenced (its pages return once no write can land), a
     /// complete one is released.
@@ -280,6 +398,71 @@ impl PdReceiver {
     pub async fn close(&self) {
         self.inner.channel.close().await;
         self.task.abort();
+    }
+}
+
+/// A chunk borrowed in place from the receive buffer ([`PdReceiver::borrow_chunk`]): derefs
+/// to the chunk's bytes. Its page is pinned while the `ChunkRef` lives, so it is never
+/// handed to another request (nor read into) under the reader; dropping it unpins the page
+/// (a page whose request ended meanwhile returns then). It may be sent to another thread and
+/// outlive the [`PdReceiver`].
+///
+/// The guarantee covers the PD protocol: senders only write pages granted to them, and a
+/// chunk is borrowable only once its write (or read) landed. A peer that writes into the
+/// buffer outside its grant is misbehaving and not prevented by the PD layer.
+pub struct ChunkRef {
+    inner: Arc<Inner>,
+    page: u32,
+    len: usize,
+}
+
+impl ChunkRef {
+    fn new(inner: Arc<Inner>, page: u32, len: usize) -> ChunkRef {
+        ChunkRef { inner, page, len }
+    }
+
+    /// The page holding the chunk.
+    pub fn page(&self) -> u32 {
+        self.page
+    }
+}
+
+impl std::ops::Deref for ChunkRef {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        let off = self.page as usize * self.inner.page_bytes as usize;
+        debug_assert!(self.inner.region.contains(off as u64, self.len as u64));
+        // SAFETY: `off + len` lies inside the region (pages are whole, `len` is at most one
+        // page, checked when borrowed), which lives as long as `inner`. The page is pinned
+        // for as long as `self` lives: the allocator hands it to no other request and starts
+        // no read into it, and the chunk had landed (no write of the protocol is pending).
+        unsafe { std::slice::from_raw_parts(self.inner.region.as_ptr().add(off), self.len) }
+    }
+}
+
+impl AsRef<[u8]> for ChunkRef {
+    fn as_ref(&self) -> &[u8] {
+        self
+    }
+}
+
+impl std::fmt::Debug for ChunkRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChunkRef")
+            .field("page", &self.page)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl Drop for ChunkRef {
+    fn drop(&mut self) {
+        let ev = lock(&self.inner.alloc).unpin(Instant::now(), self.page);
+        if !ev.is_empty() {
+            // May run on any thread, inside a runtime or not: the driver sends.
+            lock(&self.inner.deferred).extend(ev);
+            self.inner.wake.notify_one();
+        }
     }
 }
 
@@ -318,6 +501,14 @@ fn apply(inner: &Arc<Inner>, events: Vec<Event>) {
                 let Some(peer) = PeerId::new(g.owner.peer.clone()) else {
                     continue;
                 };
+                if inner.granted.receiver_count() > 0 {
+                    let tokens = lock(&inner.alloc).tokens(&g.req_id).unwrap_or(0);
+                    let _ = inner.granted.send(GrantedRequest {
+                        req_id: g.req_id.clone(),
+                        tokens,
+                        chunks: g.slots.len() as u64,
+                    });
+                }
                 let msg = PdMsg::AllocOk {
                     call: g.call,
                     req_id: g.req_id,
@@ -385,6 +576,45 @@ fn apply(inner: &Arc<Inner>, events: Vec<Event>) {
             }
             Event::ExpiredUnretrieved { req_id } => {
                 tracing::warn!(%req_id, "complete KV was not retrieved within the TTL; pages returned");
+            }
+            Event::Completed {
+                req_id,
+                owner,
+                call,
+            } => {
+                if let Some(peer) = PeerId::new(owner.peer.clone()) {
+                    send(inner, &peer, &PdMsg::FinishOk { call, req_id });
+                }
+            }
+            Event::FinishRefused {
+                req_id,
+                owner,
+                call,
+                reason,
+            } => {
+                if let Some(peer) = PeerId::new(owner.peer.clone()) {
+                    send(
+                        inner,
+                        &peer,
+                        &PdMsg::FinishErr {
+                            call,
+                            req_id,
+                            reason,
+                        },
+                    );
+                }
+            }
+            Event::Stop { req_id, owner } => {
+                // Pull: nothing of the sender can land; the fence only tells it to stop
+                // offering (its FenceAck finds no quarantine).
+                if let Some(peer) = PeerId::new(owner.peer.clone()) {
+                    send(inner, &peer, &PdMsg::Fence { req_id });
+                }
+            }
+            Event::CancelAcked { req_id, owner } => {
+                if let Some(peer) = PeerId::new(owner.peer.clone()) {
+                    send(inner, &peer, &PdMsg::CancelAck { req_id });
+                }
             }
         }
     }
@@ -462,6 +692,7 @@ async fn handle(inner: &Arc<Inner>, peer: PeerId, session_incarnation: u64, data
             spec,
             keys,
             tokens,
+            pull,
         } => {
             let bad = if spec != inner.spec {
                 Some(format!(
@@ -505,6 +736,7 @@ async fn handle(inner: &Arc<Inner>, peer: PeerId, session_incarnation: u64, data
                     call,
                     keys,
                     tokens,
+                    pull,
                 },
             )
         }
@@ -513,30 +745,79 @@ async fn handle(inner: &Arc<Inner>, peer: PeerId, session_incarnation: u64, data
             req_id,
             incarnation,
         } => {
-            let r = lock(&inner.alloc).complete(now, &req_id, &owner(&peer, incarnation));
-            let reply = match r {
-                Ok(()) => PdMsg::FinishOk { call, req_id },
-                Err(e) => PdMsg::FinishErr {
-                    call,
-                    req_id,
-                    reason: match e {
+            let r = lock(&inner.alloc).finish(now, &req_id, &owner(&peer, incarnation), call);
+            match r {
+                Ok(ev) => ev,
+                Err(e) => {
+                    let reason = match e {
                         ReqError::Unknown => {
                             "the receiver no longer holds the request (cancelled or expired)"
                                 .to_string()
                         }
                         e => e.to_string(),
-                    },
-                },
-            };
-            send(inner, &peer, &reply);
-            Vec::new()
+                    };
+                    send(
+                        inner,
+                        &peer,
+                        &PdMsg::FinishErr {
+                            call,
+                            req_id,
+                            reason,
+                        },
+                    );
+                    Vec::new()
+                }
+            }
         }
         PdMsg::Cancel {
             req_id,
             incarnation,
+            pull: false,
         } => lock(&inner.alloc)
             .sender_cancel(now, &req_id, &owner(&peer, incarnation))
             .unwrap_or_default(),
+        PdMsg::Cancel {
+            req_id,
+            incarnation,
+            pull: true,
+        } => lock(&inner.alloc).pull_cancel(now, &req_id, &owner(&peer, incarnation)),
+        PdMsg::Written {
+            req_id,
+            incarnation,
+            index,
+        } => {
+            if let Err(e) =
+                lock(&inner.alloc).chunk_written(&req_id, &owner(&peer, incarnation), index)
+            {
+                // Late (the request ended) or confused: nothing becomes readable.
+                tracing::debug!(%peer, %req_id, index, error = %e, "chunk-written note ignored");
+            }
+            Vec::new()
+        }
+        PdMsg::Offer {
+            req_id,
+            incarnation,
+            index,
+            region,
+            offset,
+            len,
+        } => {
+            offer(
+                inner,
+                &peer,
+                session_incarnation,
+                Offered {
+                    req_id,
+                    incarnation,
+                    index,
+                    region,
+                    offset,
+                    len,
+                },
+            )
+            .await;
+            Vec::new()
+        }
         PdMsg::FenceAck {
             req_id,
             incarnation,
@@ -547,6 +828,145 @@ async fn handle(inner: &Arc<Inner>, peer: PeerId, session_incarnation: u64, data
         }
     };
     apply(inner, ev);
+}
+
+/// A chunk a pull sender offered.
+struct Offered {
+    req_id: String,
+    incarnation: u64,
+    index: u64,
+    region: [u8; 16],
+    offset: u64,
+    len: u64,
+}
+
+/// Pull mode: starts reading an offered chunk into its page, or answers `PullErr` at once.
+async fn offer(inner: &Arc<Inner>, peer: &PeerId, session_incarnation: u64, o: Offered) {
+    let refuse = |reason: String| {
+        send(
+            inner,
+            peer,
+            &PdMsg::PullErr {
+                req_id: o.req_id.clone(),
+                index: o.index,
+                reason,
+            },
+        )
+    };
+    if o.incarnation != session_incarnation {
+        return refuse(format!(
+            "sender claims incarnation {:016x}, its session has {session_incarnation:016x}",
+            o.incarnation
+        ));
+    }
+    if !owner_live(inner, peer, o.incarnation).await {
+        return refuse(format!(
+            "sender incarnation {:016x} has no live session",
+            o.incarnation
+        ));
+    }
+    let who = owner(peer, o.incarnation);
+    let ticket = {
+        let mut a = lock(&inner.alloc);
+        let want = a
+            .tokens(&o.req_id)
+            .map(|t| inner.spec.chunk_bytes_at(o.index, t));
+        match want {
+            Some(w) if w != o.len => Err(format!(
+                "chunk {} offered with {} bytes, its layout needs {w}",
+                o.index, o.len
+            )),
+            _ => a.begin_read(&o.req_id, &who, o.index).map_err(|e| match e {
+                ReqError::Unknown => {
+                    "the receiver no longer holds the request (cancelled or expired)".to_string()
+                }
+                e => format!("chunk {}: request is not readable: {e}", o.index),
+            }),
+        }
+    };
+    match ticket {
+        Ok(t) => {
+            tokio::spawn(read_chunk(
+                inner.clone(),
+                peer.clone(),
+                t,
+                RegionId(o.region),
+                o.offset,
+                o.len as usize,
+            ));
+        }
+        Err(reason) => refuse(reason),
+    }
+}
+
+/// Reads one offered chunk into its (pinned) page; answers `Pulled` or `PullErr` once the
+/// read resolved (nothing of it can land any more), then applies what that unblocks.
+async fn read_chunk(
+    inner: Arc<Inner>,
+    peer: PeerId,
+    t: ReadTicket,
+    remote: RegionId,
+    offset: u64,
+    len: usize,
+) {
+    let op = Op {
+        local: inner.region.clone(),
+        local_offset: t.page as usize * inner.page_bytes as usize,
+        remote,
+        remote_offset: offset,
+        len,
+    };
+    let r = read_granted(&inner, &peer, op).await;
+    let (pulled, ev) = lock(&inner.alloc).end_read(Instant::now(), &t, r.is_ok());
+    let reply = match (&r, pulled) {
+        (Ok(()), true) => PdMsg::Pulled {
+            req_id: t.req_id.clone(),
+            index: t.index,
+        },
+        (Ok(()), false) => PdMsg::PullErr {
+            req_id: t.req_id.clone(),
+            index: t.index,
+            reason: "the request ended while its chunk was read".into(),
+        },
+        (Err(e), _) => PdMsg::PullErr {
+            req_id: t.req_id.clone(),
+            index: t.index,
+            reason: format!("reading chunk {} from {peer} failed: {e}", t.index),
+        },
+    };
+    // Before what the read unblocks (a deferred FinishOk comes after every Pulled).
+    send(&inner, &peer, &reply);
+    apply(&inner, ev);
+}
+
+/// Reads `op` from `peer`. The sender's region grants reach us over its control connection,
+/// not ordered with its notifications, so an offer can overtake the grant of a region the
+/// sender registered just before: a read refused locally for an unknown region (nothing was
+/// sent, nothing can land) is retried, with backoff, until the grant arrives or the
+/// channel's op deadline passes. The read itself is bounded by that deadline too (on it the
+/// session is aborted and drained first).
+async fn read_granted(inner: &Arc<Inner>, peer: &PeerId, op: Op) -> kvbridge::Result<()> {
+    let deadline = inner.channel.config().deadlines.op;
+    let until = tokio::time::Instant::now() + deadline;
+    let mut backoff = Duration::from_micros(500);
+    loop {
+        match inner.channel.read(peer, std::slice::from_ref(&op)).await {
+            Err(e @ kvbridge::Error::InvalidOp { .. }) => {
+                let known = inner
+                    .channel
+                    .peer_regions(peer)
+                    .await
+                    .map(|rs| rs.iter().any(|r| r.id == op.remote))
+                    .unwrap_or(true);
+                if known || tokio::time::Instant::now() + backoff > until {
+                    return Err(e);
+                }
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_millis(20));
+            }
+            r => return r,
+        }
+    }
 }
 
 async fn peer_down(inner: &Arc<Inner>, peer: &PeerId, incarnation: u64) {
@@ -605,7 +1025,12 @@ async fn drive(inner: Arc<Inner>, mut events: broadcast::Receiver<PeerEvent>) {
                 let ev = lock(&inner.alloc).tick(Instant::now());
                 apply(&inner, ev);
             }
-            _ = inner.wake.notified() => {}
+            _ = inner.wake.notified() => {
+                let ev = std::mem::take(&mut *lock(&inner.deferred));
+                if !ev.is_empty() {
+                    apply(&inner, ev);
+                }
+            }
         }
     }
 }

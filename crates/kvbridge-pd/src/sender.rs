@@ -1,11 +1,21 @@
 //! The sender (prefiller side) of one rank.
 //!
 //! For each request with a [`DisaggSpec`] the sender connects lazily to the receiver rank,
-//! reserves pages for the whole request, writes chunks as the engine hands them over one at
+//! reserves pages for the whole request, moves chunks as the engine hands them over one at
 //! a time, and reports exactly one [`Outcome`] per request: `KvReady` after the receiver
 //! confirmed that every chunk landed, `KvFailed` on any failure, cancel, or when a
 //! [`Transfer`] is dropped unfinished.
+//!
+//! Push mode ([`TransferMode::Push`]) writes each chunk into its page and then tells the
+//! receiver it landed (`Written`, so the decoder can consume it before the request is
+//! complete). Pull mode ([`TransferMode::Pull`]) offers each chunk in registered memory
+//! ([`Transfer::offer_chunk`]); the receiver reads it and answers `Pulled`. Offered memory
+//! belongs to the receiver until that answer ([`Transfer::wait_pulled`]), until
+//! [`Transfer::finish`] returned, or until [`Transfer::cancel`] returned (which waits for
+//! the receiver's `CancelAck`, or disconnects a receiver that does not answer): the engine
+//! must not reuse it earlier.
 
+pub use crate::config::TransferMode;
 use crate::error::{PdError, PdStep, Result};
 use crate::key::chunk_keys;
 use crate::layout::KvSpec;
@@ -17,7 +27,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::sync::{oneshot, Semaphore};
+use tokio::sync::{oneshot, Notify, Semaphore};
 use tokio::task::JoinHandle;
 
 /// Where a request's KV goes: what the proxy puts into `kv_transfer_params.disagg_spec`.
@@ -61,6 +71,8 @@ pub struct SenderConfig {
     /// `KvReady{bytes: 0, sent_by: Some(0)}` (its KV is ready when rank 0's is: the proxy
     /// still needs rank 0's own outcome). The decoder shares rank 0's copy across its ranks.
     pub mla_send_once: bool,
+    /// Push (write) or pull (the receiver reads); see the module docs.
+    pub mode: TransferMode,
 }
 
 impl SenderConfig {
@@ -83,15 +95,29 @@ impl SenderConfig {
             step_deadline: Duration::from_secs(30),
             outcomes: OutcomeSink::None,
             mla_send_once: false,
+            mode: TransferMode::Push,
         }
     }
 }
 
-/// Per transfer, shared with the dispatcher (which fences it).
+/// Per transfer, shared with the dispatcher (which fences it and routes pull answers).
 #[derive(Default)]
 struct Shared {
     /// Held across every write: a fence takes it, so no write is in flight once it holds.
     state: tokio::sync::Mutex<Option<String>>,
+    /// Pull: the receiver's answers.
+    pull: Mutex<PullState>,
+    /// Woken on every pull answer.
+    answered: Notify,
+}
+
+/// Pull mode: what the receiver answered.
+#[derive(Default)]
+struct PullState {
+    /// Per offered chunk: `Pulled` (Ok) or `PullErr` (the reason).
+    answers: HashMap<u64, std::result::Result<(), String>>,
+    /// The receiver acknowledged our cancel: no read of the request is in flight.
+    cancel_acked: bool,
 }
 
 struct Inner {
@@ -185,7 +211,11 @@ impl PdSender {
         c.mla_send_once && c.world_size > 1 && c.rank != 0
     }
 
-    /// Registers engine memory so chunks can be written from it without a copy.
+    /// Registers engine memory so chunks can be written (push) or offered (pull) from it
+    /// without a copy. Register it before the first request to a receiver: the grant of a
+    /// region registered while a session is up reaches the receiver over the channel's
+    /// control connection, not ordered with the offers (a pull receiver waits for it, up to
+    /// the channel's op deadline, before it fails the read).
     pub fn register(&self, region: &Region) -> Result<()> {
         self.inner
             .channel
@@ -242,6 +272,9 @@ impl PdSender {
             skipped: 0,
             sent_by: None,
             done: false,
+            pull: cfg.mode == TransferMode::Pull,
+            offered: Vec::new(),
+            regions: Vec::new(),
         };
         if self.follows() {
             // Rank 0 sends the (identical) KV for every rank: nothing to write here.
@@ -290,6 +323,7 @@ impl PdSender {
             spec,
             keys,
             tokens: n_tokens,
+            pull: t.pull,
         };
         let reply = match t.call(PdStep::Alloc, msg, cfg.alloc_deadline).await {
             Ok(r) => r,
@@ -325,6 +359,7 @@ impl PdSender {
                     });
                 }
                 t.region = RegionId(region);
+                t.offered = vec![false; pages.len()];
                 t.pages = pages;
                 t.skipped = held.iter().filter(|h| **h).count() as u64;
                 t.sent = held;
@@ -392,6 +427,12 @@ pub struct Transfer {
     /// Set when another rank sends this rank's KV (MLA send-once).
     sent_by: Option<u32>,
     done: bool,
+    /// Pull mode.
+    pull: bool,
+    /// Pull: per chunk, offered to the receiver.
+    offered: Vec<bool>,
+    /// Pull: the regions offered from (kept alive until every read of them resolved).
+    regions: Vec<Region>,
 }
 
 impl std::fmt::Debug for Transfer {
@@ -511,9 +552,10 @@ impl Transfer {
         Ok(())
     }
 
-    /// Copies chunk `index` into staging memory and writes it to its page on the receiver
-    /// (skipped when the receiver holds it already). Returns when it has landed. Any failure
-    /// ends the transfer with `KvFailed`.
+    /// Copies chunk `index` into staging memory and moves it to its page on the receiver
+    /// (skipped when the receiver holds it already): writes it (push) or offers it and waits
+    /// until the receiver read it (pull). Returns when it has landed. Any failure ends the
+    /// transfer with `KvFailed`.
     pub async fn send_chunk(&mut self, index: u64, data: &[u8]) -> Result<()> {
         let r = self.send_chunk_inner(index, data).await;
         self.fail_on_err(r).await
@@ -540,6 +582,16 @@ impl Transfer {
             .ok_or_else(|| self.invalid(PdStep::Write, "no staging slot despite a permit"))?;
         let page = inner.cfg.spec.page_bytes() as usize;
         let r = match inner.staging.write_at(slot * page, data) {
+            Ok(()) if self.pull => {
+                let r = async {
+                    self.offer_inner(index, &inner.staging, slot * page).await?;
+                    self.wait_pulled_inner(index).await
+                }
+                .await;
+                // On failure the cancel (CancelAck, or the receiver disconnected) completes
+                // before the slot can be reused: no read of it can still be served.
+                self.fail_on_err(r).await
+            }
             Ok(()) => {
                 self.write_op(index, &inner.staging, slot * page, data.len())
                     .await
@@ -551,8 +603,9 @@ impl Transfer {
         r
     }
 
-    /// Writes chunk `index` straight from `region` (registered with
-    /// [`PdSender::register`]) at `offset`: no copy.
+    /// Moves chunk `index` straight from `region` (registered with
+    /// [`PdSender::register`]) at `offset`: no copy. Push: writes it; pull: offers it and
+    /// waits until the receiver read it. Returns when it has landed.
     pub async fn send_chunk_from(
         &mut self,
         index: u64,
@@ -565,10 +618,145 @@ impl Transfer {
             if !self.needs(index) {
                 return Ok(());
             }
+            if self.pull {
+                self.offer_inner(index, region, offset).await?;
+                return self.wait_pulled_inner(index).await;
+            }
             self.write_op(index, region, offset, len).await
         }
         .await;
         self.fail_on_err(r).await
+    }
+
+    /// Pull mode: offers chunk `index`, held in `region` (registered with
+    /// [`PdSender::register`]) at `offset`, and returns once the receiver has the offer; the
+    /// receiver reads it when it can. The memory is the receiver's until
+    /// [`Transfer::wait_pulled`] for that chunk, [`Transfer::finish`] or
+    /// [`Transfer::cancel`] returned (also after a failure: the failed call returns only
+    /// once no read of it can be served). In push mode this is
+    /// [`Transfer::send_chunk_from`] (it returns once the chunk landed).
+    pub async fn offer_chunk(&mut self, index: u64, region: &Region, offset: usize) -> Result<()> {
+        if !self.pull {
+            return self.send_chunk_from(index, region, offset).await;
+        }
+        let r = async {
+            let len = self.chunk_bytes(index) as usize;
+            self.check_chunk(index, len)?;
+            if !self.needs(index) {
+                return Ok(());
+            }
+            self.offer_inner(index, region, offset).await
+        }
+        .await;
+        self.fail_on_err(r).await
+    }
+
+    async fn offer_inner(&mut self, index: u64, region: &Region, offset: usize) -> Result<()> {
+        let len = self.chunk_bytes(index);
+        if self.offered.get(index as usize) != Some(&false) {
+            return Err(self.invalid(PdStep::Pull, format!("chunk {index} was offered already")));
+        }
+        if !region.contains(offset as u64, len) {
+            return Err(self.invalid(
+                PdStep::Pull,
+                format!(
+                    "chunk {index} of {len} bytes at {offset} lies outside the region of {} bytes",
+                    region.len()
+                ),
+            ));
+        }
+        if let Some(why) = self.shared.state.lock().await.as_ref() {
+            return Err(PdError::Cancelled {
+                req_id: self.req_id.clone(),
+                step: PdStep::Pull,
+                reason: why.clone(),
+            });
+        }
+        let peer = self
+            .peer
+            .clone()
+            .ok_or_else(|| self.invalid(PdStep::Pull, "no session"))?;
+        let msg = PdMsg::Offer {
+            req_id: self.req_id.clone(),
+            incarnation: self.inner.channel.incarnation().0,
+            index,
+            region: region.id().0,
+            offset: offset as u64,
+            len,
+        };
+        // From here on the receiver may read it (even if the notify reports a failure).
+        self.offered[index as usize] = true;
+        if !self.regions.iter().any(|r| r.id() == region.id()) {
+            self.regions.push(region.clone());
+        }
+        self.inner
+            .channel
+            .notify(&peer, &msg.encode())
+            .await
+            .map_err(|e| PdError::Transfer {
+                req_id: self.req_id.clone(),
+                peer: peer.to_string(),
+                step: PdStep::Pull,
+                source: Box::new(e),
+            })
+    }
+
+    /// Pull mode: waits (up to the step deadline) until the receiver has read chunk
+    /// `index`; its memory may then be reused. A failed read fails the transfer
+    /// (`KvFailed`). Returns at once for a chunk the receiver held already, and in push mode.
+    pub async fn wait_pulled(&mut self, index: u64) -> Result<()> {
+        if !self.pull || !self.needs(index) {
+            return Ok(());
+        }
+        let r = self.wait_pulled_inner(index).await;
+        self.fail_on_err(r).await
+    }
+
+    async fn wait_pulled_inner(&mut self, index: u64) -> Result<()> {
+        if self.offered.get(index as usize) != Some(&true) {
+            return Err(self.invalid(PdStep::Pull, format!("chunk {index} was not offered")));
+        }
+        let d = self.inner.cfg.step_deadline;
+        let until = tokio::time::Instant::now() + d;
+        loop {
+            let answered = self.shared.answered.notified();
+            tokio::pin!(answered);
+            answered.as_mut().enable();
+            let a = lock(&self.shared.pull).answers.get(&index).cloned();
+            match a {
+                Some(Ok(())) => {
+                    self.sent[index as usize] = true;
+                    self.bytes += self.chunk_bytes(index);
+                    return Ok(());
+                }
+                Some(Err(reason)) => {
+                    return Err(PdError::Refused {
+                        req_id: self.req_id.clone(),
+                        peer: self.peer_name(),
+                        step: PdStep::Pull,
+                        reason,
+                    })
+                }
+                None => {}
+            }
+            if tokio::time::timeout_at(until, answered).await.is_err() {
+                return Err(PdError::Timeout {
+                    req_id: self.req_id.clone(),
+                    peer: self.peer_name(),
+                    step: PdStep::Pull,
+                    after: d,
+                });
+            }
+        }
+    }
+
+    /// Pull: offered chunks the receiver has not answered yet (a read may be in flight).
+    fn unanswered(&self) -> bool {
+        let st = lock(&self.shared.pull);
+        self.offered
+            .iter()
+            .enumerate()
+            .any(|(i, o)| *o && !st.answers.contains_key(&(i as u64)))
     }
 
     async fn write_op(
@@ -615,7 +803,22 @@ impl Transfer {
         drop(state);
         self.sent[index as usize] = true;
         self.bytes += len as u64;
-        Ok(())
+        // Ordered after the write: the decoder may consume the chunk from now on.
+        let note = PdMsg::Written {
+            req_id: self.req_id.clone(),
+            incarnation: self.inner.channel.incarnation().0,
+            index,
+        };
+        self.inner
+            .channel
+            .notify(&peer, &note.encode())
+            .await
+            .map_err(|e| PdError::Transfer {
+                req_id: self.req_id.clone(),
+                peer: peer.to_string(),
+                step: PdStep::Write,
+                source: Box::new(e),
+            })
     }
 
     /// Tells the receiver every chunk landed, waits for its confirmation, and reports
@@ -641,16 +844,22 @@ impl Transfer {
         if self.done {
             return Err(self.invalid(PdStep::Finish, "the transfer has already ended"));
         }
-        if let Some(i) = self.sent.iter().position(|s| !s) {
+        let handed = |i: usize| self.sent[i] || self.offered.get(i) == Some(&true);
+        if let Some(i) = (0..self.sent.len()).find(|&i| !handed(i)) {
             return Err(self.invalid(
                 PdStep::Finish,
                 format!("chunk {i} of {} was never handed over", self.sent.len()),
             ));
         }
+        // Pull: the receiver answers finish only once it read every offered chunk.
+        let pulled_late: u64 = (0..self.sent.len())
+            .filter(|&i| !self.sent[i])
+            .map(|i| self.chunk_bytes(i as u64))
+            .sum();
         let summary = Summary {
             chunks: self.chunks(),
             skipped: self.skipped,
-            bytes: self.bytes,
+            bytes: self.bytes + pulled_late,
             sent_by: self.sent_by,
         };
         if self.peer.is_none() {
@@ -723,15 +932,57 @@ impl Transfer {
         }
     }
 
-    /// Best effort, bounded: the receiver also releases on its TTL or when our session ends.
+    /// Push: best effort, bounded (the receiver also releases on its TTL or when our
+    /// session ends). Pull with a chunk offered and not answered: returns only once no read
+    /// of the request can be served any more (the receiver's `CancelAck`, or, when it does
+    /// not answer within the step deadline, our session with it torn down).
     async fn cancel_on_receiver(&self) {
         let Some(peer) = &self.peer else { return };
+        if self.pull && self.unanswered() {
+            pull_cancel(&self.inner, &self.shared, peer, &self.req_id).await;
+            return;
+        }
         let msg = PdMsg::Cancel {
             req_id: self.req_id.clone(),
             incarnation: self.inner.channel.incarnation().0,
+            pull: self.pull,
         };
         let d = self.inner.cfg.step_deadline;
         let _ = tokio::time::timeout(d, self.inner.channel.notify(peer, &msg.encode())).await;
+    }
+}
+
+/// Pull: cancels `req_id` on `peer` and returns once none of the receiver's reads of it can
+/// be served: on its `CancelAck` (or once every offered chunk was answered), or after
+/// disconnecting a receiver that does not answer within the step deadline
+/// ([`Channel::disconnect`] returns once the session is torn down).
+async fn pull_cancel(inner: &Arc<Inner>, shared: &Arc<Shared>, peer: &PeerId, req_id: &str) {
+    let d = inner.cfg.step_deadline;
+    let until = tokio::time::Instant::now() + d;
+    let msg = PdMsg::Cancel {
+        req_id: req_id.to_string(),
+        incarnation: inner.channel.incarnation().0,
+        pull: true,
+    };
+    let sent = tokio::time::timeout_at(until, inner.channel.notify(peer, &msg.encode())).await;
+    if matches!(sent, Ok(Ok(()))) {
+        loop {
+            let answered = shared.answered.notified();
+            tokio::pin!(answered);
+            answered.as_mut().enable();
+            if lock(&shared.pull).cancel_acked {
+                return;
+            }
+            if tokio::time::timeout_at(until, answered).await.is_err() {
+                break;
+            }
+        }
+    }
+    let reason = format!("request {req_id}: no cancel acknowledgement within {d:?}");
+    tracing::warn!(%peer, req_id, "receiver did not acknowledge a pull cancel; disconnecting it");
+    if let Err(e) = inner.channel.disconnect(peer, &reason).await {
+        // Gone already, or going: either way its reads of us are over once the session ends.
+        tracing::warn!(%peer, req_id, error = %e, "disconnecting a silent receiver failed");
     }
 }
 
@@ -741,7 +992,13 @@ impl Drop for Transfer {
             return;
         }
         self.done = true;
-        self.forget();
+        let rt = tokio::runtime::Handle::try_current().ok();
+        // Pull with reads possibly in flight: the cancel task below forgets the transfer
+        // once none can be served (without a runtime nothing can wait: forget now).
+        let pull_pending = self.pull && self.unanswered() && rt.is_some();
+        if !pull_pending {
+            self.forget();
+        }
         let reason = format!(
             "request {}: transfer dropped before finish (engine aborted the request)",
             self.req_id
@@ -751,11 +1008,25 @@ impl Drop for Transfer {
             rank: self.inner.cfg.rank,
             reason,
         });
-        if let (Some(peer), Ok(rt)) = (self.peer.clone(), tokio::runtime::Handle::try_current()) {
+        if let (Some(peer), Some(rt)) = (self.peer.clone(), rt) {
+            if pull_pending {
+                // Reads of the offered memory may be in flight: the task owns the regions
+                // (they stay valid) until none can be served any more.
+                let (inner, shared) = (self.inner.clone(), self.shared.clone());
+                let regions = std::mem::take(&mut self.regions);
+                let req_id = self.req_id.clone();
+                rt.spawn(async move {
+                    pull_cancel(&inner, &shared, &peer, &req_id).await;
+                    lock(&inner.transfers).remove(&(peer, req_id));
+                    drop(regions);
+                });
+                return;
+            }
             let ch = self.inner.channel.clone();
             let msg = PdMsg::Cancel {
                 req_id: self.req_id.clone(),
                 incarnation: ch.incarnation().0,
+                pull: self.pull,
             };
             let d = self.inner.cfg.step_deadline;
             rt.spawn(async move {
@@ -790,6 +1061,7 @@ async fn dispatch(inner: Arc<Inner>) {
                     let cancel = PdMsg::Cancel {
                         req_id: req_id.clone(),
                         incarnation: inner.channel.incarnation().0,
+                        pull: inner.cfg.mode == TransferMode::Pull,
                     };
                     let ch = inner.channel.clone();
                     let d = inner.cfg.step_deadline;
@@ -804,6 +1076,23 @@ async fn dispatch(inner: Arc<Inner>) {
                 if let Some(w) = lock(&inner.calls).remove(&call) {
                     let _ = w.send(msg);
                 }
+            }
+            PdMsg::Pulled { req_id, index } => {
+                pull_answer(&inner, &n.peer, &req_id, |st| {
+                    st.answers.insert(index, Ok(()));
+                });
+            }
+            PdMsg::PullErr {
+                req_id,
+                index,
+                reason,
+            } => {
+                pull_answer(&inner, &n.peer, &req_id, |st| {
+                    st.answers.insert(index, Err(reason));
+                });
+            }
+            PdMsg::CancelAck { req_id } => {
+                pull_answer(&inner, &n.peer, &req_id, |st| st.cancel_acked = true);
             }
             PdMsg::Fence { req_id } => {
                 let shared = lock(&inner.transfers)
@@ -830,5 +1119,16 @@ async fn dispatch(inner: Arc<Inner>) {
                 tracing::warn!(peer = %n.peer, msg = ?other, "unexpected PD message on a sender");
             }
         }
+    }
+}
+
+/// Records a pull answer for the transfer it belongs to (none: it ended, nothing waits).
+fn pull_answer(inner: &Arc<Inner>, peer: &PeerId, req_id: &str, f: impl FnOnce(&mut PullState)) {
+    let shared = lock(&inner.transfers)
+        .get(&(peer.clone(), req_id.to_string()))
+        .cloned();
+    if let Some(s) = shared {
+        f(&mut lock(&s.pull));
+        s.answered.notify_waiters();
     }
 }

@@ -5,15 +5,31 @@
 //! still land in: from its grant until the sender finishes or cancels (both ordered after its
 //! writes), confirms a fence, or its session ends. A grant of such a page to anyone is the
 //! bug the property catches.
+//!
+//! Pull requests and readers extend it: a page with a receiver read in flight (a
+//! [`ReadTicket`] not yet ended) or borrowed by a reader (pinned) must not be granted either,
+//! and a pull cancel is acknowledged only when none of the request's reads is in flight.
 
-use kvbridge_pd::alloc::{AllocReq, Event, Owner, PageAllocator, ReqState};
+use kvbridge_pd::alloc::{AllocReq, Event, Owner, PageAllocator, ReadTicket, ReqState};
 use proptest::prelude::*;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone)]
 enum Op {
-    Alloc { req: u8, keys: u8, prefix: u8 },
+    Alloc {
+        req: u8,
+        keys: u8,
+        prefix: u8,
+        pull: bool,
+    },
+    Written(u8, u8),
+    BeginRead(u8, u8),
+    EndRead(u8, bool),
+    Pin(u8, u8),
+    Unpin(u8),
+    PullCancel(u8),
+    Finish(u8),
     Complete(u8),
     Cancel(u8),
     SenderCancel(u8),
@@ -25,7 +41,15 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        4 => (0u8..24, 0u8..7, 0u8..3).prop_map(|(req, keys, prefix)| Op::Alloc { req, keys, prefix }),
+        4 => (0u8..24, 0u8..7, 0u8..3, any::<bool>())
+            .prop_map(|(req, keys, prefix, pull)| Op::Alloc { req, keys, prefix, pull }),
+        2 => (0u8..24, 0u8..7).prop_map(|(r, i)| Op::Written(r, i)),
+        3 => (0u8..24, 0u8..7).prop_map(|(r, i)| Op::BeginRead(r, i)),
+        3 => (any::<u8>(), any::<bool>()).prop_map(|(k, ok)| Op::EndRead(k, ok)),
+        2 => (0u8..24, 0u8..7).prop_map(|(r, i)| Op::Pin(r, i)),
+        2 => any::<u8>().prop_map(Op::Unpin),
+        1 => (0u8..24).prop_map(Op::PullCancel),
+        2 => (0u8..24).prop_map(Op::Finish),
         3 => (0u8..24).prop_map(Op::Complete),
         1 => (0u8..24).prop_map(Op::Cancel),
         1 => (0u8..24).prop_map(Op::SenderCancel),
@@ -42,6 +66,10 @@ struct World {
     incarnation: [u64; 3],
     /// page -> (owner, req) whose write may still land there.
     landable: HashMap<u32, (Owner, String)>,
+    /// Receiver reads in flight (pull).
+    reads: Vec<ReadTicket>,
+    /// Pages borrowed by readers.
+    pins: Vec<u32>,
 }
 
 impl World {
@@ -53,22 +81,49 @@ impl World {
         }
     }
 
-    fn events(&mut self, ev: Vec<Event>) {
+    fn events(&mut self, ev: Vec<Event>, pull: &HashMap<String, bool>) {
         for e in ev {
-            if let Event::Granted(g) = e {
-                for s in &g.slots {
-                    assert!(
-                        !self.landable.contains_key(&s.page),
-                        "page {} granted to {} while a write of {:?} can still land in it",
-                        s.page,
-                        g.req_id,
-                        self.landable.get(&s.page)
-                    );
-                    if !s.held {
-                        self.landable
-                            .insert(s.page, (g.owner.clone(), g.req_id.clone()));
+            match e {
+                Event::Granted(g) => {
+                    for s in &g.slots {
+                        assert!(
+                            !self.landable.contains_key(&s.page),
+                            "page {} granted to {} while a write of {:?} can still land in it",
+                            s.page,
+                            g.req_id,
+                            self.landable.get(&s.page)
+                        );
+                        if !s.held {
+                            assert!(
+                                !self.reads.iter().any(|t| t.page == s.page),
+                                "page {} granted to {} while a read into it is in flight",
+                                s.page,
+                                g.req_id
+                            );
+                            assert!(
+                                !self.pins.contains(&s.page),
+                                "page {} granted to {} while a reader borrows it",
+                                s.page,
+                                g.req_id
+                            );
+                        }
+                        // Only a push sender writes; a pull request's pages see our reads.
+                        if !s.held && !pull.get(&g.req_id).copied().unwrap_or(false) {
+                            self.landable
+                                .insert(s.page, (g.owner.clone(), g.req_id.clone()));
+                        }
                     }
                 }
+                Event::CancelAcked { req_id, owner } => {
+                    assert!(
+                        !self
+                            .reads
+                            .iter()
+                            .any(|t| t.req_id == req_id && t.owner == owner),
+                        "cancel of {req_id} acknowledged while a read of it is in flight"
+                    );
+                }
+                _ => {}
             }
         }
     }
@@ -95,12 +150,23 @@ fn run(ops: Vec<Op>, pages: u32) {
         now: Instant::now(),
         incarnation: [1, 1, 1],
         landable: HashMap::new(),
+        reads: Vec::new(),
+        pins: Vec::new(),
     };
+    let mut pull: HashMap<String, bool> = HashMap::new();
     for op in ops {
         let now = w.now;
         match op {
-            Op::Alloc { req, keys, prefix } => {
+            Op::Alloc {
+                req,
+                keys,
+                prefix,
+                pull: is_pull,
+            } => {
                 let owner = w.owner_of(req);
+                if w.a.state(&format!("r{req}")).is_none() {
+                    pull.insert(format!("r{req}"), is_pull);
+                }
                 // Keys share prefixes across requests (prefix picks one of three prompts).
                 let ks = (0..keys as u64).map(|i| prefix as u64 * 100 + i).collect();
                 let ev = w.a.alloc(
@@ -111,9 +177,57 @@ fn run(ops: Vec<Op>, pages: u32) {
                         call: req as u64,
                         keys: ks,
                         tokens: keys as u64,
+                        pull: is_pull,
                     },
                 );
-                w.events(ev);
+                w.events(ev, &pull);
+            }
+            Op::Written(req, i) => {
+                let owner = w.owner_of(req);
+                let _ = w.a.chunk_written(&format!("r{req}"), &owner, i as u64);
+            }
+            Op::BeginRead(req, i) => {
+                let owner = w.owner_of(req);
+                if let Ok(t) = w.a.begin_read(&format!("r{req}"), &owner, i as u64) {
+                    w.reads.push(t);
+                }
+            }
+            Op::EndRead(k, ok) => {
+                if !w.reads.is_empty() {
+                    let t = w.reads.remove(k as usize % w.reads.len());
+                    let (_, ev) = w.a.end_read(now, &t, ok);
+                    w.events(ev, &pull);
+                }
+            }
+            Op::Pin(req, i) => {
+                if let Ok(p) = w.a.pin_chunk(&format!("r{req}"), i as u64) {
+                    w.pins.push(p);
+                }
+            }
+            Op::Unpin(k) => {
+                if !w.pins.is_empty() {
+                    let p = w.pins.remove(k as usize % w.pins.len());
+                    let ev = w.a.unpin(now, p);
+                    w.events(ev, &pull);
+                }
+            }
+            Op::PullCancel(req) => {
+                let owner = w.owner_of(req);
+                let id = format!("r{req}");
+                if pull.get(&id).copied().unwrap_or(false) {
+                    let ev = w.a.pull_cancel(now, &id, &owner);
+                    w.events(ev, &pull);
+                }
+            }
+            Op::Finish(req) => {
+                let owner = w.owner_of(req);
+                let id = format!("r{req}");
+                if let Ok(ev) = w.a.finish(now, &id, &owner, 0) {
+                    if w.a.state(&id) == Some(ReqState::Complete) {
+                        w.settle(&owner, &id);
+                    }
+                    w.events(ev, &pull);
+                }
             }
             Op::Complete(req) => {
                 let owner = w.owner_of(req);
@@ -124,7 +238,7 @@ fn run(ops: Vec<Op>, pages: u32) {
             }
             Op::Cancel(req) => {
                 if let Ok(ev) = w.a.cancel(now, &format!("r{req}")) {
-                    w.events(ev);
+                    w.events(ev, &pull);
                 }
             }
             Op::SenderCancel(req) => {
@@ -132,7 +246,7 @@ fn run(ops: Vec<Op>, pages: u32) {
                 let id = format!("r{req}");
                 if let Ok(ev) = w.a.sender_cancel(now, &id, &owner) {
                     w.settle(&owner, &id);
-                    w.events(ev);
+                    w.events(ev, &pull);
                 }
             }
             Op::Retrieve(req) => {
@@ -140,7 +254,7 @@ fn run(ops: Vec<Op>, pages: u32) {
                 if w.a.state(&id) == Some(ReqState::Complete) {
                     w.a.begin_retrieve(&id).unwrap();
                     let ev = w.a.end_retrieve(now, &id).unwrap();
-                    w.events(ev);
+                    w.events(ev, &pull);
                 }
             }
             Op::FenceAck(req) => {
@@ -149,7 +263,7 @@ fn run(ops: Vec<Op>, pages: u32) {
                 // A sender confirms a fence only after its last write of the request landed.
                 let ev = w.a.fence_acked(now, &id, &owner);
                 w.settle(&owner, &id);
-                w.events(ev);
+                w.events(ev, &pull);
             }
             Op::OwnerDown(o) => {
                 let owner = Owner {
@@ -158,19 +272,28 @@ fn run(ops: Vec<Op>, pages: u32) {
                 };
                 let ev = w.a.owner_down(now, &owner);
                 w.landable.retain(|_, (ow, _)| ow != &owner);
-                w.events(ev);
+                w.events(ev, &pull);
                 // The sender restarts with a new incarnation.
                 w.incarnation[o as usize] += 1;
             }
             Op::Advance(ms) => {
                 w.now += Duration::from_millis(ms as u64);
                 let ev = w.a.tick(w.now);
-                w.events(ev);
+                w.events(ev, &pull);
             }
         }
         w.check();
     }
-    // Drain: every sender goes away, every deadline passes: all pages come back.
+    // Drain: every read resolves, every reader lets go, every sender goes away, every
+    // deadline passes: all pages come back.
+    for t in std::mem::take(&mut w.reads) {
+        let (_, ev) = w.a.end_read(w.now, &t, false);
+        w.events(ev, &pull);
+    }
+    for p in std::mem::take(&mut w.pins) {
+        let ev = w.a.unpin(w.now, p);
+        w.events(ev, &pull);
+    }
     for o in 0..3 {
         let owner = Owner {
             peer: format!("prefill-{o}"),
@@ -178,11 +301,11 @@ fn run(ops: Vec<Op>, pages: u32) {
         };
         let ev = w.a.owner_down(w.now, &owner);
         w.landable.retain(|_, (ow, _)| ow != &owner);
-        w.events(ev);
+        w.events(ev, &pull);
     }
     w.now += ttl * 2;
     let ev = w.a.tick(w.now);
-    w.events(ev);
+    w.events(ev, &pull);
     w.check();
     let c = w.a.counters();
     assert_eq!(c.free, c.total, "pages left after draining: {c:?}");
@@ -208,12 +331,14 @@ fn fixed_sequence_with_fence_and_restart() {
                 req: 0,
                 keys: 3,
                 prefix: 0,
+                pull: false,
             },
             Op::Cancel(0),
             Op::Alloc {
                 req: 3,
                 keys: 2,
                 prefix: 1,
+                pull: false,
             },
             Op::FenceAck(0),
             Op::Complete(3),
@@ -221,7 +346,19 @@ fn fixed_sequence_with_fence_and_restart() {
                 req: 6,
                 keys: 3,
                 prefix: 1,
+                pull: true,
             },
+            Op::BeginRead(6, 2),
+            Op::Pin(3, 0),
+            Op::PullCancel(6),
+            Op::Alloc {
+                req: 9,
+                keys: 3,
+                prefix: 2,
+                pull: true,
+            },
+            Op::EndRead(0, true),
+            Op::Unpin(0),
             Op::OwnerDown(0),
             Op::Advance(1000),
             Op::Retrieve(3),

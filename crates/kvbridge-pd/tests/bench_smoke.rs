@@ -60,3 +60,13 @@ async fn mla_send_once_writes_once_for_two_ranks() {
         .await
         .is_err());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pull_mode_accounts_every_byte_and_checks_the_kv() {
+    let a = args(&["--mode", "pull", "--tp", "2"]);
+    let per_req = a.spec().prompt_bytes(100);
+    let r = measure(&a).await.unwrap();
+    assert_eq!(r.mode, kvbridge_pd::TransferMode::Pull);
+    assert_eq!(r.bytes_per_rep, 2 * 4 * per_req);
+    assert!(r.summary.kv_gib_per_s > 0.0, "{r:?}");
+}

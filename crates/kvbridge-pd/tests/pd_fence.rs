@@ -34,6 +34,7 @@ async fn silent_sender_is_disconnected_and_its_pages_return() {
         spec: s,
         keys: vec![11, 12],
         tokens: 32,
+        pull: false,
     };
     ch.notify(&peer, &alloc.encode()).await.unwrap();
     let PdMsg::AllocOk { region, pages, .. } = next_msg(&ch).await else {

@@ -129,12 +129,16 @@ pub struct EngineArgs {
     /// The cost model.
     #[command(flatten)]
     pub cost: CostArgs,
+    /// PD settings passed to the PD layer (`--pd-set pd_transfer_mode=pull`, ...).
+    #[command(flatten)]
+    pub pd: kvbridge_pd::PdConfigArgs,
 }
 
 impl EngineArgs {
     /// The engine configuration these flags describe.
     pub fn config(&self) -> anyhow::Result<EngineConfig> {
         let mut c = EngineConfig::new(self.role, self.model.build()?);
+        c.apply_pd(&kvbridge_pd::PdConfig::load(&self.pd)?);
         c.cost = self.cost.build()?;
         c.bind_host = self.host.clone();
         c.init_ports = self.init_port.clone();

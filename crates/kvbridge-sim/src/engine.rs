@@ -4,10 +4,12 @@
 //! - `prefill`: a request with `kv_transfer_params.disagg_spec` is prefilled chunk by chunk;
 //!   each chunk goes to every rank's [`PdSender`] as soon as it exists (transfer overlaps
 //!   prefill), and the senders report `KvReady`/`KvFailed` to the proxy over ZMQ.
-//! - `decode`: runs one [`PdReceiver`] per rank. A decode request's KV is found by its prompt
-//!   tokens (see [`crate::announce`]), retrieved, verified chunk by chunk against the KV the
-//!   model says it must be (mismatches are counted), and generation continues from the KV
-//!   *as received*.
+//! - `decode`: runs one [`PdReceiver`] per rank. As soon as a request's pages are granted, a
+//!   consumer digests each chunk in place as it lands (overlapping the transfer), so after
+//!   the outcome only the last chunk's work remains. A decode request's KV is found by its
+//!   prompt tokens (see [`crate::announce`]); generation continues from the KV *as
+//!   received*, and every chunk is verified in place against the KV the model says it must
+//!   be (mismatches are counted) before the pages are released.
 //! - `both`: colocated, no transfer: the reference output.
 
 use crate::announce::{self, Announced, Announcement};
@@ -21,11 +23,12 @@ use axum::routing::{get, post};
 use axum::Router;
 use kvbridge::ChannelConfig;
 use kvbridge_pd::{
-    Counters, DisaggSpec, Outcome, OutcomeSink, PdError, PdReceiver, PdSender, ReceiverConfig,
-    SenderConfig, Transfer, ZmqPusher,
+    ChunkRef, Counters, DisaggSpec, Outcome, OutcomeSink, PdConfig, PdError, PdReceiver, PdSender,
+    ReceiverConfig, SenderConfig, Transfer, TransferMode, ZmqPusher,
 };
 use serde::Serialize;
 use serde_json::{json, Value};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -81,6 +84,15 @@ pub struct EngineConfig {
     /// TTL of a received request's pages (decode): KV that no decode request claims returns
     /// to the buffer after this long.
     pub kv_ttl: Duration,
+    /// MLA only: prefiller rank 0 sends the (identical) KV once, to decoder rank 0; the
+    /// decoder reads rank 0's copy for every rank (`mla_send_once`). Both roles must agree.
+    pub mla_send_once: bool,
+    /// Decode: how long a sender may take to acknowledge a fence before it is disconnected
+    /// (`fence_timeout_sec`).
+    pub fence_timeout: Duration,
+    /// Prefill: push (write into the decoder's pages) or pull (the decoder reads)
+    /// (`pd_transfer_mode`).
+    pub transfer_mode: TransferMode,
 }
 
 impl EngineConfig {
@@ -99,6 +111,43 @@ impl EngineConfig {
             announce_timeout: Duration::from_secs(5),
             max_tokens_limit: 4096,
             kv_ttl: Duration::from_secs(60),
+            mla_send_once: false,
+            fence_timeout: Duration::from_secs(10),
+            transfer_mode: TransferMode::Push,
+        }
+        .with_pd_env()
+    }
+
+    /// Takes the PD settings the engine passes to the PD layer (`mla_send_once`,
+    /// `fence_timeout_sec`, `pd_transfer_mode`) from `pd`.
+    pub fn apply_pd(&mut self, pd: &PdConfig) {
+        self.mla_send_once = pd.mla_send_once;
+        self.fence_timeout = pd.fence_timeout();
+        self.transfer_mode = pd.pd_transfer_mode;
+    }
+
+    /// The PD settings of the environment (`KVBRIDGE_PD_*`, `LMCACHE_*`), when set; a bad
+    /// value is logged and ignored here (`kvbridge engine` loads and checks them strictly).
+    fn with_pd_env(mut self) -> Self {
+        let env: Vec<(String, String)> = std::env::vars()
+            .filter(|(k, _)| k.starts_with("KVBRIDGE_PD_") || k.starts_with("LMCACHE_"))
+            .collect();
+        if env.is_empty() {
+            return self;
+        }
+        match PdConfig::from_sources(None, env, &[]) {
+            Ok(pd) => self.apply_pd(&pd),
+            Err(e) => tracing::warn!("ignoring the PD environment: {e}"),
+        }
+        self
+    }
+
+    /// Decoder ranks that hold KV: all of them, or only rank 0 with MLA send-once.
+    fn receiving_ranks(&self) -> usize {
+        if self.mla_send_once && self.model.spec.layout.is_mla() {
+            1
+        } else {
+            self.model.world_size as usize
         }
     }
 }
@@ -217,6 +266,8 @@ struct Inner {
     /// Woken whenever `counts.in_flight` drops.
     settled: tokio::sync::Notify,
     seq: AtomicU64,
+    /// Decode: per granted request, the task digesting its KV as it lands.
+    consumers: std::sync::Mutex<HashMap<String, JoinHandle<Result<SeqState, SimError>>>>,
 }
 
 impl Inner {
@@ -424,6 +475,8 @@ pub async fn start(cfg: EngineConfig, listener: TcpListener) -> Result<RunningEn
                     cfg.model.spec,
                 );
                 sc.outcomes = outcomes.clone();
+                sc.mla_send_once = cfg.mla_send_once;
+                sc.mode = cfg.transfer_mode;
                 senders.push(Arc::new(PdSender::start(sc).await?));
             }
         }
@@ -438,6 +491,7 @@ pub async fn start(cfg: EngineConfig, listener: TcpListener) -> Result<RunningEn
                     cfg.buffer_bytes,
                 );
                 rc.ttl = cfg.kv_ttl;
+                rc.fence_timeout = cfg.fence_timeout;
                 let rx = PdReceiver::start(rc).await?;
                 init_ports.push(rx.local_addr().map(|a| a.port()).unwrap_or(0));
                 receivers.push(rx);
@@ -468,7 +522,23 @@ pub async fn start(cfg: EngineConfig, listener: TcpListener) -> Result<RunningEn
         busy: BusyClock::default(),
         settled: tokio::sync::Notify::new(),
         seq: AtomicU64::new(0),
+        consumers: std::sync::Mutex::new(HashMap::new()),
     });
+    if let Some(rx0) = inner.receivers.first() {
+        // Every granted request gets a consumer at once: its KV is digested as it lands.
+        let mut granted = rx0.granted_requests();
+        let s = inner.clone();
+        tasks.push(tokio::spawn(async move {
+            loop {
+                match granted.recv().await {
+                    Ok(g) => start_consumer(&s, g.req_id, g.tokens),
+                    // Missed grants are consumed when their decode request comes.
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+                }
+            }
+        }));
+    }
     let router = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
@@ -832,10 +902,8 @@ fn find_announced(s: &Inner, req: &GenRequest) -> Option<(String, usize)> {
         for id in s.announced.candidates(key, m as u64) {
             // Only a complete transfer can be claimed (one whose decode is coming); a
             // complete request answers at once.
-            let complete = s.receivers.iter().all(|rx| {
-                futures_util::FutureExt::now_or_never(rx.wait_complete(&id, Duration::ZERO))
-                    .is_some_and(|r| r.is_ok())
-            });
+            let n = s.cfg.receiving_ranks();
+            let complete = s.receivers[..n].iter().all(|rx| rx.is_complete(&id));
             if complete {
                 s.announced.remove(key, &id);
                 return Some((id, m));
@@ -845,82 +913,137 @@ fn find_announced(s: &Inner, req: &GenRequest) -> Option<(String, usize)> {
     None
 }
 
-/// Decode role: retrieves request `id`'s KV from every rank, verifies every chunk, and
-/// continues from the KV as received over `tokens[m..]`.
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Decode role: starts digesting request `id`'s KV as its chunks land (once per request).
+fn start_consumer(s: &Arc<Inner>, id: String, tokens: u64) {
+    let mut c = lock(&s.consumers);
+    // Forget consumers of requests the buffer no longer holds (their decode never came).
+    c.retain(|k, h| !h.is_finished() || s.receivers[0].chunks_landed(k).is_some());
+    if c.contains_key(&id) {
+        return;
+    }
+    let h = tokio::spawn(consume(s.clone(), id.clone(), tokens));
+    c.insert(id, h);
+}
+
+/// Decode role: the digest of request `id`'s KV (every rank), computed chunk by chunk, in
+/// place, as each chunk lands on every receiving rank. Each chunk waits at most the
+/// retrieve deadline. The pages stay held (for verification and release).
+async fn consume(s: Arc<Inner>, id: String, tokens: u64) -> Result<SeqState, SimError> {
+    let model = s.model.clone();
+    let n = model.spec.chunks_for(tokens);
+    let ranks = s.cfg.receiving_ranks();
+    let mut state = model.start();
+    for i in 0..n {
+        let mut held: Vec<ChunkRef> = Vec::with_capacity(ranks);
+        for rx in &s.receivers[..ranks] {
+            held.push(rx.chunk(&id, i, s.cfg.retrieve_timeout).await?);
+        }
+        let t = model.spec.tokens_in_chunk(i, tokens) as usize;
+        let (m, ws) = (model.clone(), model.world_size as usize);
+        state = tokio::task::spawn_blocking(move || {
+            let mut st = state;
+            // MLA send-once: rank 0's copy stands for every rank (the KV is identical).
+            let refs: Vec<&[u8]> = (0..ws).map(|r| &*held[r.min(held.len() - 1)]).collect();
+            m.absorb_kv(&mut st, &refs, t);
+            st
+        })
+        .await
+        .map_err(|e| SimError::Internal(format!("decode task: {e}")))?;
+    }
+    Ok(state)
+}
+
+/// Decode role: request `id`'s KV, digested as it landed (or now, if its grant was missed),
+/// continued over `tokens[m..]`; every chunk is then verified in place, off the path to the
+/// first token, and the pages are released.
 async fn receive(s: &Arc<Inner>, tokens: &[u32], id: &str, m: usize) -> Result<SeqState, SimError> {
     s.counts.kv_requests_received.fetch_add(1, Relaxed);
     let t0 = Instant::now();
-    let mut per_rank = Vec::with_capacity(s.receivers.len());
-    let mut err = None;
-    for rx in &s.receivers {
-        match rx.retrieve(id, s.cfg.retrieve_timeout).await {
-            Ok(c) => per_rank.push(c),
-            Err(e) => {
-                let _ = rx.cancel(id);
-                err.get_or_insert(e);
-            }
-        }
-    }
-    if let Some(e) = err {
-        s.counts.kv_retrieve_failed.fetch_add(1, Relaxed);
-        return Err(e.into());
-    }
-    let per_rank = Arc::new(per_rank);
-    let (model, prompt, rest) = (s.model.clone(), tokens[..m].to_vec(), tokens[m..].to_vec());
-    // On the path to the first token: the state from the KV as received (what a decoder
-    // attends over).
-    let (state, prefixes) = {
-        let per_rank = per_rank.clone();
-        tokio::task::spawn_blocking(move || {
-            let mut st = model.start();
-            let prefixes = model.prefixes(st.prefix, &prompt);
-            let c = model.spec.chunk_tokens.max(1) as usize;
-            let empty: Vec<u8> = Vec::new();
-            for (i, p) in prefixes.chunks(c).enumerate() {
-                let refs: Vec<&[u8]> = per_rank
-                    .iter()
-                    .map(|r| r.get(i).unwrap_or(&empty).as_slice())
-                    .collect();
-                model.absorb(&mut st, &refs, p);
-            }
-            for t in rest {
-                model.extend(&mut st, t);
-            }
-            (st, prefixes)
-        })
-        .await
-        .map_err(|e| SimError::Internal(format!("decode task: {e}")))?
+    let ranks = s.cfg.receiving_ranks();
+    let consumer = lock(&s.consumers).remove(id);
+    let consumed = match consumer {
+        Some(h) => h
+            .await
+            .map_err(|e| SimError::Internal(format!("decode task: {e}")))
+            .and_then(|r| r),
+        None => consume(s.clone(), id.to_string(), m as u64).await,
     };
+    let kv = match consumed {
+        Ok(st) if st.len == m as u64 => Ok(st),
+        Ok(st) => Err(SimError::Internal(format!(
+            "request {id} holds KV of {} tokens, the decode prompt has {m}",
+            st.len
+        ))),
+        Err(e) => Err(e),
+    };
+    let kv = match kv {
+        Ok(kv) => kv,
+        Err(e) => {
+            for rx in &s.receivers[..ranks] {
+                let _ = rx.cancel(id);
+            }
+            s.counts.kv_retrieve_failed.fetch_add(1, Relaxed);
+            return Err(e);
+        }
+    };
+    let (model, prompt, rest) = (s.model.clone(), tokens[..m].to_vec(), tokens[m..].to_vec());
+    // On the path to the first token: only the prompt's prefix hashes (cheap) and the
+    // tokens after it; the KV's digest is done.
+    let (state, prefixes) = tokio::task::spawn_blocking(move || {
+        let prefixes = model.prefixes(model.start().prefix, &prompt);
+        let mut st = kv;
+        if let Some(&p) = prefixes.last() {
+            st.prefix = p;
+        }
+        for t in rest {
+            model.extend(&mut st, t);
+        }
+        (st, prefixes)
+    })
+    .await
+    .map_err(|e| SimError::Internal(format!("decode task: {e}")))?;
     s.counts
         .kv_load_ns
         .fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
-    // Off the path: every chunk compared with the KV the model says it must be (a real
-    // decoder would not do this; here it proves the transfer).
+    // Off the path: every chunk compared, in place, with the KV the model says it must be (a
+    // real decoder would not do this; here it proves the transfer); then the pages return.
     s.work_started();
     let (s2, id2) = (s.clone(), id.to_string());
     tokio::spawn(async move {
-        let model = s2.model.clone();
+        let s3 = s2.clone();
+        let id3 = id2.clone();
         let r = tokio::task::spawn_blocking(move || {
+            let model = s3.model.clone();
             let c = model.spec.chunk_tokens.max(1) as usize;
             let (mut chunks, mut bytes, mut mismatches) = (0u64, 0u64, 0u64);
             for (i, p) in prefixes.chunks(c).enumerate() {
-                for (r, got) in per_rank.iter().enumerate() {
+                for r in 0..model.world_size {
                     chunks += 1;
-                    let expect = model.chunk(r as u32, p);
-                    match got.get(i) {
-                        Some(g) => {
-                            bytes += g.len() as u64;
-                            if *g != expect {
+                    let rank = (r as usize).min(ranks - 1);
+                    let expect = model.chunk(r, p);
+                    match s3.receivers[rank].borrow_chunk(&id3, i as u64) {
+                        Ok(got) => {
+                            bytes += got.len() as u64;
+                            if *got != *expect {
                                 mismatches += 1;
                             }
                         }
-                        None => mismatches += 1,
+                        Err(_) => mismatches += 1,
                     }
                 }
             }
             (chunks, bytes, mismatches)
         })
         .await;
+        for rx in &s2.receivers[..ranks] {
+            if let Err(e) = rx.release(&id2) {
+                tracing::warn!(req_id = %id2, "releasing received KV: {e}");
+            }
+        }
         match r {
             Ok((chunks, bytes, mismatches)) => {
                 s2.counts.kv_chunks_received.fetch_add(chunks, Relaxed);

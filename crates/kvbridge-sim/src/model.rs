@@ -260,14 +260,23 @@ impl Model {
     /// of `t` tokens), whose prefix hashes are `prefixes`. Uses the bytes as they are: a
     /// corrupted byte changes the digest.
     pub fn absorb(&self, state: &mut SeqState, chunks: &[&[u8]], prefixes: &[u64]) {
-        let t = prefixes.len();
-        for (j, &p) in prefixes.iter().enumerate() {
+        self.absorb_kv(state, chunks, prefixes.len());
+        if let Some(&p) = prefixes.last() {
+            state.prefix = p;
+        }
+    }
+
+    /// What [`Model::absorb`] does to the digest and the length, over one chunk per rank of
+    /// `t` positions, without the prefix hashes: the digest depends on the KV bytes only, so
+    /// a decoder can digest KV as it lands, before it knows the prompt's tokens (it sets
+    /// `prefix` once it does).
+    pub fn absorb_kv(&self, state: &mut SeqState, chunks: &[&[u8]], t: usize) {
+        for j in 0..t {
             let mut d = state.digest;
             for c in chunks {
                 d = mix2(d, self.position_digest(c, t, j));
             }
             state.digest = d;
-            state.prefix = p;
             state.len += 1;
         }
     }
@@ -423,5 +432,22 @@ mod tests {
             m.absorb(&mut s2, &[&bad], &p);
             assert_ne!(s1.digest, s2.digest, "byte {pos}");
         }
+    }
+
+    #[test]
+    fn kv_digest_before_the_tokens_equals_absorb() {
+        let m = model(STD, 2);
+        let toks: Vec<u32> = (0..11).collect();
+        let want = m.prefill_local(&toks);
+        // Digest chunk by chunk from the KV alone, then set the prefix from the tokens.
+        let mut got = m.start();
+        let all = m.prefixes(got.prefix, &toks);
+        for p in all.chunks(m.spec.chunk_tokens as usize) {
+            let kv: Vec<Vec<u8>> = (0..2).map(|r| m.chunk(r, p)).collect();
+            let refs: Vec<&[u8]> = kv.iter().map(Vec::as_slice).collect();
+            m.absorb_kv(&mut got, &refs, p.len());
+        }
+        got.prefix = *all.last().unwrap();
+        assert_eq!(got, want);
     }
 }

@@ -43,11 +43,45 @@ pub async fn receiver(pages: u64, tweak: impl FnOnce(&mut ReceiverConfig)) -> Pd
 }
 
 pub async fn sender(name: &str, outcomes: OutcomeSink) -> PdSender {
+    sender_with(name, outcomes, |_| {}).await
+}
+
+pub async fn sender_with(
+    name: &str,
+    outcomes: OutcomeSink,
+    tweak: impl FnOnce(&mut SenderConfig),
+) -> PdSender {
     let mut cfg = SenderConfig::new(channel(name, false), 0, 1, "test-model", spec());
     cfg.outcomes = outcomes;
     cfg.alloc_deadline = 5 * S;
     cfg.step_deadline = 5 * S;
+    tweak(&mut cfg);
     PdSender::start(cfg).await.unwrap()
+}
+
+/// A pull-mode sender; `read_delay` holds every read the receiver makes of it in flight.
+pub async fn pull_sender(
+    name: &str,
+    outcomes: OutcomeSink,
+    read_delay: Option<Duration>,
+) -> PdSender {
+    sender_with(name, outcomes, |c| {
+        c.mode = kvbridge_pd::TransferMode::Pull;
+        c.channel.hooks.read_serve_delay = read_delay;
+    })
+    .await
+}
+
+/// Waits (up to 5 s) until `ch` has a batch in flight.
+pub async fn batch_in_flight(ch: &kvbridge::Channel) -> bool {
+    let until = tokio::time::Instant::now() + 5 * S;
+    while tokio::time::Instant::now() < until {
+        if ch.stats().await.unwrap().batches_in_flight > 0 {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    false
 }
 
 pub fn queue() -> (OutcomeSink, mpsc::UnboundedReceiver<Outcome>) {
