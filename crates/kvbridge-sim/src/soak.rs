@@ -440,7 +440,7 @@ async fn one_request(load: &Load, i: u64, t: &mut Tally) -> Result<(), ClientErr
         .generate(&format!("{}{}", load.proxy_url, w.path), &w.body, deadline)
         .await?;
     t.ok += 1;
-    if load.opts.compare_every > 0 && t.ok % load.opts.compare_every == 0 {
+    if load.opts.compare_every > 0 && t.ok.is_multiple_of(load.opts.compare_every) {
         let c = load
             .client
             .generate(
