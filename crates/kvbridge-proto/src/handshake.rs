@@ -388,6 +388,9 @@ pub struct Initiator {
     bound: bool,
     peer: Option<(PeerId, Incarnation)>,
     peer_mem: Option<MemInfo>,
+    /// Our regions changed after our `MemInfo` went out and before the session was
+    /// established: the newest list, sent as soon as it is.
+    mem_update: Option<MemInfo>,
 }
 
 impl Initiator {
@@ -418,6 +421,7 @@ impl Initiator {
             bound: false,
             peer: None,
             peer_mem: None,
+            mem_update: None,
         }
     }
 
@@ -452,7 +456,12 @@ impl Initiator {
                 self.replay(now);
             }
             InitState::Established => self.core.send(Message::MemInfo(mem)),
-            _ => {}
+            // Our list already went out: a change now must not be lost (a region registered
+            // during the handshake would stay unknown to the peer until the next change).
+            InitState::AwaitReady => self.mem_update = Some(mem),
+            // Before: the driver is asked for the list (AwaitLocalMem) and reads it then.
+            // After: the session is over.
+            InitState::AwaitWelcome | InitState::Done => {}
         }
     }
 
@@ -511,6 +520,9 @@ impl Initiator {
                         incarnation,
                         regions,
                     }));
+                    if let Some(mem) = self.mem_update.take() {
+                        self.core.send(Message::MemInfo(mem));
+                    }
                 }
                 None => unexpected(&mut self.core, step, &Message::Ready(Ready {})),
             },

@@ -294,6 +294,36 @@ fn seed_order_memory_info_before_listener_bind_is_held_not_failed() {
     assert!(p.init_ready.is_some() && p.listen_ready.is_some());
 }
 
+/// A region registered after the initiator's `MemInfo` went out but before `Ready` reaches
+/// the listener once the session is established (it used to be dropped).
+#[test]
+fn memory_registered_mid_handshake_reaches_the_peer() {
+    let mut p = Pair::new(Instant::now());
+    p.apply(0); // Hello
+    p.apply(1); // Welcome -> initiator sends MemInfo(1), awaits Ready
+    p.init.provide_mem_info(mem(7), p.now); // a region registered now
+    p.drain();
+    p.apply(2);
+    while !p.choices().is_empty() {
+        let c = p.choices()[0];
+        if c == 0 && p.init_ready.is_some() {
+            break;
+        }
+        p.apply(c);
+    }
+    assert!(p.init_ready.is_some() && p.failures.is_empty());
+    let late: Vec<_> = p
+        .to_listener
+        .iter()
+        .filter(|m| matches!(m, Message::MemInfo(mi) if *mi == mem(7)))
+        .collect();
+    assert_eq!(
+        late.len(),
+        1,
+        "the update is sent once the session is established"
+    );
+}
+
 #[test]
 fn incompatible_peers_fail_fast_naming_both_values() {
     let now = Instant::now();
