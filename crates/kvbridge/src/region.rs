@@ -17,7 +17,7 @@ use kvbridge_proto::{PeerId, RegionId};
 use std::alloc::Layout;
 use std::collections::HashMap;
 use std::fmt;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -229,10 +229,11 @@ impl Region {
             .is_some()
     }
 
-    /// Runs `f` with the region's memfd, while it still has one.
-    pub(crate) fn with_memfd<T>(&self, f: impl FnOnce(RawFd) -> T) -> Option<T> {
+    /// A duplicate of the region's memfd, while it still has one (a duplicate, so that a
+    /// concurrent [`Region::detach`] cannot close it under the caller).
+    pub(crate) fn memfd(&self) -> Option<OwnedFd> {
         let g = self.inner.memfd.lock().expect("region memfd poisoned");
-        g.as_ref().map(|fd| f(fd.as_raw_fd()))
+        g.as_ref().and_then(|fd| fd.try_clone().ok())
     }
 
     /// Marks the region as mapped by a peer until the guard is released.

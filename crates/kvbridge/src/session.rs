@@ -26,6 +26,7 @@ use kvbridge_proto::msg::{
 use kvbridge_proto::{Incarnation, PeerId, RegionId, SessionToken};
 use std::collections::HashMap;
 use std::future::Future;
+use std::os::fd::AsRawFd;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -907,13 +908,12 @@ impl Session {
             let m = crate::shm::map_msg(r.id(), r.len() as u64);
             // The export is counted before the descriptor leaves.
             let ex = r.begin_export();
-            let Some(fd) = r.with_memfd(|fd| fd) else {
+            let Some(fd) = r.memfd() else {
                 ex.confirmed();
                 continue;
             };
-            // The region's memfd stays open while `ex` exists (detach needs the lock and
-            // the export is counted), so `fd` is valid for the send.
-            let sent = crate::shm::send_frame(&conn, &m, Some(fd)).await;
+            let sent = crate::shm::send_frame(&conn, &m, Some(fd.as_raw_fd())).await;
+            drop(fd);
             self.shm.exports.insert(r.id(), ex);
             sent.map_err(lost)?;
         }
