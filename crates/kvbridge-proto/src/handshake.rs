@@ -25,7 +25,9 @@
 
 use crate::auth::{self, Role, Secret, CHALLENGE_LEN};
 use crate::ids::{Blob, Incarnation, PeerId, SessionToken};
-use crate::msg::{Auth, Compat, ErrorCode, Hello, MemInfo, Message, Ping, Ready, Reject, Welcome};
+use crate::msg::{
+    Auth, Compat, ErrorCode, Hello, MemInfo, Message, Ping, Ready, Reject, ShmOffer, Welcome,
+};
 use crate::PROTOCOL_VERSION;
 use std::collections::VecDeque;
 use std::fmt;
@@ -214,6 +216,8 @@ pub enum Output {
         incarnation: Incarnation,
         /// Token to present on the data connection.
         token: SessionToken,
+        /// The listener's shared-memory offer, if it made one.
+        shm: Option<ShmOffer>,
     },
     /// The session is established.
     Ready(Established),
@@ -595,6 +599,7 @@ impl Initiator {
             peer_id: w.peer_id,
             incarnation: w.incarnation,
             token: w.token,
+            shm: w.shm,
         });
     }
 
@@ -644,6 +649,30 @@ impl ListenerSession {
         step_timeout: Duration,
         now: Instant,
         challenge: [u8; CHALLENGE_LEN],
+    ) -> Self {
+        Self::accept_with_shm(
+            hello,
+            local,
+            token,
+            granted,
+            step_timeout,
+            now,
+            challenge,
+            None,
+        )
+    }
+
+    /// [`ListenerSession::accept`], with a shared-memory offer carried in the `Welcome`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn accept_with_shm(
+        hello: Hello,
+        local: &LocalIdentity,
+        token: SessionToken,
+        granted: MemInfo,
+        step_timeout: Duration,
+        now: Instant,
+        challenge: [u8; CHALLENGE_LEN],
+        shm: Option<ShmOffer>,
     ) -> Self {
         let mut core = Core::new(step_timeout, now);
         let mut auth_state = None;
@@ -695,6 +724,7 @@ impl ListenerSession {
                 token,
                 compat: local.compat.clone(),
                 auth,
+                shm,
             })),
             Err(e) => core.fail(e),
         }

@@ -48,6 +48,16 @@ pub enum Message {
     Notify(Notify),
     /// Delivery of a [`Message::Notify`].
     NotifyAck(Ack),
+
+    // ---- shared-memory connection (unix socket, same host) ----
+    /// Listener → initiator: map this region; its memfd travels with the frame (SCM_RIGHTS).
+    ShmMap(ShmRegion),
+    /// Listener → initiator: stop every copy into or out of this region and unmap it.
+    ShmUnmap(ShmRevoke),
+    /// Initiator → listener: the region is unmapped; no copy into it runs or will start.
+    ShmUnmapped(ShmRevoke),
+    /// Listener → initiator: every region granted so far has been offered (`ShmMap`).
+    ShmSync(Ready),
 }
 
 impl Message {
@@ -70,6 +80,10 @@ impl Message {
             Message::ReadResp(_) => "ReadResp",
             Message::Notify(_) => "Notify",
             Message::NotifyAck(_) => "NotifyAck",
+            Message::ShmMap(_) => "ShmMap",
+            Message::ShmUnmap(_) => "ShmUnmap",
+            Message::ShmUnmapped(_) => "ShmUnmapped",
+            Message::ShmSync(_) => "ShmSync",
         }
     }
 
@@ -155,6 +169,38 @@ pub struct Welcome {
     pub compat: Compat,
     /// Reserved for authentication.
     pub auth: Option<Auth>,
+    /// Shared memory on offer to an initiator on the same host (absent from older
+    /// listeners and when shared memory is off).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shm: Option<ShmOffer>,
+}
+
+/// A listener's offer of shared memory (in [`Welcome`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShmOffer {
+    /// The listener's host identity (boot id and namespace ids); an initiator uses the
+    /// offer only when its own is equal.
+    pub host: String,
+    /// The listener's process id (checked against the unix socket's peer credentials).
+    pub pid: u32,
+    /// Name of the listener's unix socket in the abstract namespace (random, unguessable).
+    pub socket: String,
+}
+
+/// A region offered for mapping ([`Message::ShmMap`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShmRegion {
+    /// Region id.
+    pub id: RegionId,
+    /// Length in bytes (the memfd is at least this long and sealed against shrinking).
+    pub len: u64,
+}
+
+/// Names a region to unmap, or one that was unmapped.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShmRevoke {
+    /// Region id.
+    pub id: RegionId,
 }
 
 /// Error codes carried by [`Reject`], [`Message::Bye`] and failed [`Ack`]s.

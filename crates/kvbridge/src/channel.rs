@@ -65,6 +65,8 @@ pub(crate) struct PeerHandle {
     pub(crate) incarnation: Incarnation,
     pub(crate) data: Arc<DataPath>,
     pub(crate) remote: Arc<RwLock<HashMap<RegionId, RegionInfo>>>,
+    /// The peer's regions mapped into this process (shared memory), if any.
+    pub(crate) shm: Option<Arc<crate::shm::ShmPeer>>,
 }
 
 type ConnectReply = oneshot::Sender<Result<PeerHandle>>;
@@ -82,6 +84,11 @@ pub(crate) enum CoreCmd {
     Incoming {
         stream: Stream,
         first: Message,
+    },
+    /// A shared-memory connection presenting a session token.
+    ShmIncoming {
+        stream: tokio::net::UnixStream,
+        hello: kvbridge_proto::msg::DataHello,
     },
     SessionUp {
         id: u64,
@@ -226,14 +233,48 @@ impl Channel {
         let (notif_tx, notif_rx) = mpsc::channel(4096);
         let table = Arc::new(RegionTable::default());
         let (events, _) = tokio::sync::broadcast::channel(1024);
+        // Shared memory is offered by a listener on real sockets unless TCP is forced, or
+        // test hooks hold the batches this listener applies (they exist on TCP only).
+        let tcp_hooks =
+            config.hooks.write_apply_delay.is_some() || config.hooks.read_serve_delay.is_some();
+        let shm = match (&listener, config.transport, crate::shm::host_id()) {
+            (Some(Listener::Tokio(_)), t, Some(host))
+                if t != crate::config::Transport::Tcp && !tcp_hooks =>
+            {
+                let name = crate::shm::socket_name();
+                match crate::shm::bind(&name) {
+                    Ok(l) => Some((
+                        l,
+                        kvbridge_proto::msg::ShmOffer {
+                            host,
+                            pid: std::process::id(),
+                            socket: name,
+                        },
+                    )),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "no unix socket for shared memory; TCP only");
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
         let env = SessionEnv {
             local: local.clone(),
             config: config.clone(),
             table: table.clone(),
             core: core_tx.clone(),
             notifications: notif_tx,
+            shm_offer: shm.as_ref().map(|(_, o)| o.clone()),
         };
         let mut tasks = vec![tokio::spawn(Core::new(env, events.clone()).run(core_rx))];
+        if let Some((l, _)) = shm {
+            tasks.push(tokio::spawn(shm_accept_loop(
+                l,
+                config.clone(),
+                core_tx.clone(),
+            )));
+        }
         if let Some(l) = listener {
             tasks.push(tokio::spawn(accept_loop(
                 l,
@@ -282,8 +323,11 @@ impl Channel {
         Ok(())
     }
 
-    /// Removes a region. New transfers can no longer find it; this waits (within the close
-    /// deadline) until no transfer touches it, so its memory is never written afterwards.
+    /// Removes a region. New transfers can no longer find it; this waits (within the op
+    /// deadline) until no transfer touches it and every peer that mapped it (shared memory)
+    /// confirmed unmapping it, so its memory is never written afterwards. A peer that does
+    /// not confirm in time gets the region detached: its bytes move to fresh memory at the
+    /// same address, out of that peer's reach.
     pub async fn deregister(&self, id: RegionId) -> Result<()> {
         let region = self
             .inner
@@ -292,14 +336,18 @@ impl Channel {
             .ok_or_else(|| Error::Local(format!("region {id} is not registered")))?;
         let _ = self.inner.core.send(CoreCmd::MemChanged);
         let limit = self.inner.config.deadlines.op;
-        tokio::time::timeout(limit, region.quiesce())
-            .await
-            .map_err(|_| {
-                Error::Local(format!(
-                    "region {id} still in use by {} transfers after {limit:?}",
-                    region.in_use()
-                ))
-            })
+        if tokio::time::timeout(limit, region.quiesce()).await.is_ok() {
+            return Ok(());
+        }
+        if region.in_use() > 0 {
+            return Err(Error::Local(format!(
+                "region {id} still in use by {} transfers after {limit:?}",
+                region.in_use()
+            )));
+        }
+        // A peer that mapped the region did not confirm unmapping it in time: cut the
+        // region loose from the memory that peer can still reach.
+        region.detach()
     }
 
     async fn ask<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> CoreCmd) -> Result<T> {
@@ -488,6 +536,17 @@ impl Channel {
         Ok(v)
     }
 
+    /// Which transport carries our batches to a connected peer: [`crate::Transport::Shm`]
+    /// when it mapped at least one of the peer's regions for us (batches naming only mapped
+    /// regions are copied; others go over TCP), else [`crate::Transport::Tcp`].
+    pub async fn peer_transport(&self, peer: &PeerId) -> Result<crate::Transport> {
+        let h = self.handle(peer).await?;
+        Ok(match &h.shm {
+            Some(s) if s.len() > 0 => crate::Transport::Shm,
+            _ => crate::Transport::Tcp,
+        })
+    }
+
     /// The incarnation of a connected peer.
     pub async fn peer_incarnation(&self, peer: &PeerId) -> Result<Incarnation> {
         Ok(self.handle(peer).await?.incarnation)
@@ -529,6 +588,35 @@ async fn accept_loop(
             Err(e) => {
                 tracing::warn!(error = %e, "accept failed");
                 // Out of file descriptors and similar: back off instead of spinning.
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
+        }
+    }
+}
+
+async fn shm_accept_loop(
+    l: tokio::net::UnixListener,
+    config: Arc<ChannelConfig>,
+    core: mpsc::UnboundedSender<CoreCmd>,
+) {
+    loop {
+        match l.accept().await {
+            Ok((stream, _)) => {
+                let core = core.clone();
+                let limit = config.deadlines.first_frame;
+                let max = config.limits.max_frame_len;
+                tokio::spawn(async move {
+                    let mut fr = crate::shm::FdReader::new(max);
+                    // Anything but a DataHello in time gets nothing: the connection drops.
+                    if let Ok(Ok(Some(Message::DataHello(hello)))) =
+                        tokio::time::timeout(limit, fr.next(&stream)).await
+                    {
+                        let _ = core.send(CoreCmd::ShmIncoming { stream, hello });
+                    }
+                });
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "unix accept failed");
                 tokio::time::sleep(std::time::Duration::from_millis(10)).await;
             }
         }
@@ -804,6 +892,17 @@ impl Core {
                         }
                     }
                     _ => {}
+                }
+            }
+            CoreCmd::ShmIncoming { stream, hello } => {
+                // Only a live session's token opens anything; the session itself waits for
+                // the peer to authenticate before it passes a descriptor.
+                if let Some(s) = self
+                    .tokens
+                    .get(&hello.token)
+                    .and_then(|id| self.sessions.get(id))
+                {
+                    let _ = s.ctl.send(SessionCmd::ShmConn(stream, hello.peer_id));
                 }
             }
             CoreCmd::SessionUp { id, handle } => {

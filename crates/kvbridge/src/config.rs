@@ -80,10 +80,47 @@ pub struct TestHooks {
     pub initiator_bind_delay: Option<Duration>,
     /// Listener: delay before answering a `Hello` (a slow listener mid-handshake).
     pub listener_welcome_delay: Option<Duration>,
-    /// Delay before applying each incoming write batch (writes held in flight).
+    /// Delay before applying each incoming write batch (writes held in flight). This and
+    /// `read_serve_delay` act on batches the listener applies, i.e. over TCP: a listener
+    /// with either set offers no shared memory.
     pub write_apply_delay: Option<Duration>,
     /// Delay before serving each incoming read batch (reads held in flight).
     pub read_serve_delay: Option<Duration>,
+}
+
+/// Which transport carries the bytes of a session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Transport {
+    /// Shared memory when both peers prove they share a host and a mapping works; TCP
+    /// otherwise (and for regions that cannot be mapped).
+    #[default]
+    Auto,
+    /// TCP only: the listener offers no shared memory, the initiator uses none.
+    Tcp,
+    /// Shared memory required: a session whose peer offers none on this host fails with
+    /// [`crate::Error::Incompatible`]. Regions that cannot be mapped still go over TCP.
+    Shm,
+}
+
+impl Transport {
+    /// Parses `auto`, `tcp` or `shm`.
+    pub fn parse(s: &str) -> Option<Transport> {
+        match s {
+            "auto" => Some(Transport::Auto),
+            "tcp" => Some(Transport::Tcp),
+            "shm" => Some(Transport::Shm),
+            _ => None,
+        }
+    }
+
+    /// The setting's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::Auto => "auto",
+            Transport::Tcp => "tcp",
+            Transport::Shm => "shm",
+        }
+    }
 }
 
 /// Everything a [`crate::Channel`] needs.
@@ -109,6 +146,8 @@ pub struct ChannelConfig {
     /// Drive each data connection with two dedicated threads doing blocking I/O (faster for
     /// bulk transfers; two threads per peer). When false, data connections are tokio tasks.
     pub data_threads: bool,
+    /// Transport selection (`KVBRIDGE_TRANSPORT=auto|tcp|shm`, default auto).
+    pub transport: Transport,
     /// Test hooks.
     pub hooks: TestHooks,
 }
@@ -128,6 +167,10 @@ impl ChannelConfig {
             net: Net::default(),
             // KVBRIDGE_DATA_THREADS=0 switches data connections to tokio tasks.
             data_threads: std::env::var("KVBRIDGE_DATA_THREADS").map_or(true, |v| v != "0"),
+            transport: std::env::var("KVBRIDGE_TRANSPORT")
+                .ok()
+                .and_then(|v| Transport::parse(&v))
+                .unwrap_or_default(),
             hooks: TestHooks::default(),
         }
     }

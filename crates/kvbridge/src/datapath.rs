@@ -14,6 +14,7 @@
 use crate::config::{Limits, TestHooks};
 use crate::error::{Error, Result};
 use crate::region::{RegionTable, RegionUse};
+use crate::shm::{copy_batch, Dir, ShmFail, ShmPeer};
 use crate::wire::{read_data_frame, write_all_vectored, write_msg, ReadError};
 use crate::Notification;
 use kvbridge_proto::handshake::Step;
@@ -37,6 +38,12 @@ pub(crate) struct LocalSlice {
 }
 
 impl LocalSlice {
+    /// Start of the range.
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        // SAFETY: offset was checked against the region when the slice was made.
+        unsafe { self.region.region().as_ptr().add(self.offset) }
+    }
+
     fn as_io(&self) -> IoSlice<'_> {
         // SAFETY: bounds were checked when the slice was made; the region stays alive and
         // registered-or-in-use while the guard exists.
@@ -226,16 +233,73 @@ impl DataPath {
     }
 }
 
+/// Runs a batch over shared memory when every region it names is mapped; gives the batch
+/// back otherwise (it then goes over TCP).
+fn try_shm(
+    path: &DataPath,
+    shm: Option<&ShmPeer>,
+    dir: Dir,
+    id: u64,
+    descs: Vec<OpDesc>,
+    sources: Vec<LocalSlice>,
+) -> Option<(Vec<OpDesc>, Vec<LocalSlice>)> {
+    let Some(maps) = shm.and_then(|s| s.resolve(&descs)) else {
+        return Some((descs, sources));
+    };
+    let step = match dir {
+        Dir::Write => Step::Write,
+        Dir::Read => Step::Read,
+    };
+    let fail = |f: ShmFail| {
+        let (code, region, what) = match f {
+            ShmFail::Revoked(r) => (ErrorCode::UnknownRegion, r, "was revoked by the peer"),
+            ShmFail::OutOfBounds(r) => {
+                (ErrorCode::OutOfBounds, r, "does not fit the peer's mapping")
+            }
+        };
+        Error::Rejected {
+            peer: path.peer.to_string(),
+            step,
+            code,
+            message: format!("region {region} {what} (shared memory)"),
+        }
+    };
+    match (dir, path.take(id)) {
+        (Dir::Write, Some(w)) => {
+            let r = copy_batch(dir, &descs, &maps, &sources).map_err(fail);
+            drop(sources);
+            w.complete(r);
+        }
+        (Dir::Read, Some(Waiting::Read(dests, tx))) => {
+            let r = copy_batch(dir, &descs, &maps, &dests).map_err(fail);
+            drop(dests);
+            let _ = tx.send(r);
+        }
+        // The batch already ended (the session is tearing down): nothing to copy.
+        _ => {}
+    }
+    None
+}
+
 /// The writer task: sends queued frames and payloads until `Shutdown` or a socket error.
+/// Batches whose regions the peer mapped for us (`shm`) are copied here instead, in order
+/// with the frames.
 pub(crate) async fn run_writer(
-    peer: PeerId,
+    path: Arc<DataPath>,
+    shm: Option<Arc<ShmPeer>>,
     mut w: WriteHalf,
     mut rx: mpsc::Receiver<Outgoing>,
 ) -> Result<()> {
+    let peer = path.peer.clone();
     let lost = |step, e: std::io::Error| Error::lost(peer.as_str(), step, e);
     while let Some(o) = rx.recv().await {
         match o {
             Outgoing::Write { id, descs, sources } => {
+                let Some((descs, sources)) =
+                    try_shm(&path, shm.as_deref(), Dir::Write, id, descs, sources)
+                else {
+                    continue;
+                };
                 let frame = Message::WriteBatch(Batch { id, ops: descs })
                     .to_frame()
                     .map_err(|e| Error::Local(e.to_string()))?;
@@ -247,6 +311,11 @@ pub(crate) async fn run_writer(
                     .map_err(|e| lost(Step::Write, e))?;
             }
             Outgoing::Read { id, descs } => {
+                let Some((descs, _)) =
+                    try_shm(&path, shm.as_deref(), Dir::Read, id, descs, Vec::new())
+                else {
+                    continue;
+                };
                 write_msg(&mut w, &Message::ReadBatch(Batch { id, ops: descs }))
                     .await
                     .map_err(|e| lost(Step::Read, e))?;

@@ -33,15 +33,17 @@ mod error;
 pub mod net;
 mod region;
 mod session;
+mod shm;
 mod wire;
 
 pub use channel::{Channel, Notification, Op, PeerEvent, Stats};
-pub use config::{ChannelConfig, Deadlines, Limits, TestHooks};
+pub use config::{ChannelConfig, Deadlines, Limits, TestHooks, Transport};
 pub use error::{Error, Result};
 pub use kvbridge_proto as proto;
 pub use kvbridge_proto::handshake::Step;
 pub use kvbridge_proto::{Incarnation, PeerId, RegionId};
 pub use region::{Grant, Region};
+pub use shm::host_id;
 
 /// Fills `buf` from the operating system's random source.
 pub(crate) fn rand_bytes(buf: &mut [u8]) {

@@ -17,9 +17,10 @@ use kvbridge_proto::{PeerId, RegionId};
 use std::alloc::Layout;
 use std::collections::HashMap;
 use std::fmt;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use tokio::sync::Notify;
 
 /// Alignment of owned regions (a page).
@@ -39,10 +40,25 @@ struct RegionInner {
     ptr: NonNull<u8>,
     len: usize,
     page_size: usize,
-    /// `Some` when the region owns its memory.
-    owned: Option<Layout>,
+    /// Who frees the memory.
+    backing: Backing,
+    /// The memfd behind a shared mapping, while peers may map it (`None` for heap and
+    /// caller memory, and after [`Region::detach`]).
+    memfd: Mutex<Option<OwnedFd>>,
     in_use: AtomicUsize,
+    /// Peers that mapped the region and have not confirmed unmapping it.
+    exports: AtomicUsize,
     idle: Notify,
+}
+
+/// Who frees a region's memory.
+enum Backing {
+    /// `std::alloc` with this layout.
+    Heap(Layout),
+    /// A mapping of `len` bytes (memfd-backed, or detached anonymous memory).
+    Mapped,
+    /// The caller.
+    Caller,
 }
 
 // SAFETY: the region is a raw byte buffer; concurrent access to disjoint ranges is the
@@ -53,9 +69,15 @@ unsafe impl Sync for RegionInner {}
 
 impl Drop for RegionInner {
     fn drop(&mut self) {
-        if let Some(layout) = self.owned {
+        match self.backing {
             // SAFETY: allocated in `Region::alloc` with this layout; last handle is gone.
-            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) }
+            Backing::Heap(layout) => unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) },
+            // SAFETY: mapped in `Region::alloc` (or remapped by `detach`) with this length;
+            // the last handle is gone.
+            Backing::Mapped => unsafe {
+                libc::munmap(self.ptr.as_ptr().cast(), self.len);
+            },
+            Backing::Caller => {}
         }
     }
 }
@@ -66,7 +88,8 @@ impl fmt::Debug for Region {
             .field("id", &self.inner.id)
             .field("len", &self.inner.len)
             .field("page_size", &self.inner.page_size)
-            .field("owned", &self.inner.owned.is_some())
+            .field("owned", &!matches!(self.inner.backing, Backing::Caller))
+            .field("shared", &self.is_shared())
             .finish()
     }
 }
@@ -80,12 +103,67 @@ fn new_region_id() -> RegionId {
 impl Region {
     /// Allocates `len` bytes of page-aligned, zeroed memory and touches every page, so that
     /// the first transfer into it does not pay for page faults.
+    ///
+    /// The memory is a shared mapping of a sealed memfd, so that a peer on the same host can
+    /// map it (the shared-memory transport); where memfds are unavailable it falls back to
+    /// private memory. Large regions are asked to use huge pages (`MADV_HUGEPAGE`), which
+    /// shared memory gets only where the kernel's `shmem_enabled` allows it.
     pub fn alloc(len: usize, page_size: usize) -> Result<Region> {
         if len == 0 || page_size == 0 {
             return Err(Error::Local(
                 "region length and page size must be > 0".into(),
             ));
         }
+        // Every page is touched below: asking for more than the machine can give would end
+        // in the OOM killer (a memfd or an overcommitted mapping succeeds at first), so it
+        // is refused here with the sizes named.
+        if let Some(avail) = available_memory() {
+            if len as u64 > avail {
+                return Err(Error::Local(format!(
+                    "could not allocate a region of {len} bytes: only {avail} bytes of memory are available"
+                )));
+            }
+        }
+        if std::env::var("KVBRIDGE_REGION_MEMFD").is_ok_and(|v| v == "0") {
+            return Self::alloc_private(len, page_size);
+        }
+        match crate::shm::memfd(len) {
+            Ok(fd) => Self::alloc_memfd(fd, len, page_size),
+            Err(e) => {
+                tracing::debug!(error = %e, "memfd unavailable; region in private memory");
+                Self::alloc_private(len, page_size)
+            }
+        }
+    }
+
+    fn alloc_memfd(fd: OwnedFd, len: usize, page_size: usize) -> Result<Region> {
+        // SAFETY: a fresh shared mapping of our own sealed memfd of `len` bytes.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::Local(format!(
+                "could not map a region of {len} bytes: {}",
+                std::io::Error::last_os_error()
+            )));
+        }
+        let ptr = NonNull::new(p.cast::<u8>()).expect("mmap never returns null on success");
+        if len >= HUGE_PAGE {
+            // SAFETY: the range is our mapping; the advice is a hint and may fail.
+            unsafe { libc::madvise(p, len, libc::MADV_HUGEPAGE) };
+        }
+        prefault(ptr, len);
+        Ok(Self::wrap(ptr, len, page_size, Backing::Mapped, Some(fd)))
+    }
+
+    fn alloc_private(len: usize, page_size: usize) -> Result<Region> {
         // Large regions are aligned to a huge page and asked to use them: a KV buffer is
         // gigabytes written at random pages, and with 4 KiB pages the copies into it spend
         // their time in TLB misses.
@@ -110,22 +188,30 @@ impl Region {
                 )
             };
         }
-        // Pre-fault: zeroed memory from mmap is mapped lazily.
-        for off in (0..len).step_by(REGION_ALIGN) {
-            // SAFETY: off < len, inside the allocation.
-            unsafe { ptr.as_ptr().add(off).write_volatile(0) };
-        }
-        Ok(Region {
+        prefault(ptr, len);
+        Ok(Self::wrap(ptr, len, page_size, Backing::Heap(layout), None))
+    }
+
+    fn wrap(
+        ptr: NonNull<u8>,
+        len: usize,
+        page_size: usize,
+        backing: Backing,
+        memfd: Option<OwnedFd>,
+    ) -> Region {
+        Region {
             inner: Arc::new(RegionInner {
                 id: new_region_id(),
                 ptr,
                 len,
                 page_size,
-                owned: Some(layout),
+                backing,
+                memfd: Mutex::new(memfd),
                 in_use: AtomicUsize::new(0),
+                exports: AtomicUsize::new(0),
                 idle: Notify::new(),
             }),
-        })
+        }
     }
 
     /// Wraps memory the caller owns.
@@ -141,17 +227,93 @@ impl Region {
                 "region length and page size must be > 0".into(),
             ));
         }
-        Ok(Region {
-            inner: Arc::new(RegionInner {
-                id: new_region_id(),
-                ptr,
+        Ok(Self::wrap(ptr, len, page_size, Backing::Caller, None))
+    }
+
+    /// Whether peers on this host may map the region (it is memfd-backed and not detached).
+    pub fn is_shared(&self) -> bool {
+        self.inner
+            .memfd
+            .lock()
+            .expect("region memfd poisoned")
+            .is_some()
+    }
+
+    /// A duplicate of the region's memfd, while it still has one (a duplicate, so that a
+    /// concurrent [`Region::detach`] cannot close it under the caller).
+    pub(crate) fn memfd(&self) -> Option<OwnedFd> {
+        let g = self.inner.memfd.lock().expect("region memfd poisoned");
+        g.as_ref().and_then(|fd| fd.try_clone().ok())
+    }
+
+    /// Marks the region as mapped by a peer until the guard is released.
+    pub(crate) fn begin_export(&self) -> RegionExport {
+        self.inner.exports.fetch_add(1, Ordering::AcqRel);
+        RegionExport {
+            region: Some(self.clone()),
+        }
+    }
+
+    /// Peers that mapped the region and have not confirmed unmapping it.
+    pub fn exports(&self) -> usize {
+        self.inner.exports.load(Ordering::Acquire)
+    }
+
+    /// Cuts the region loose from its memfd: its bytes are copied to fresh anonymous memory
+    /// that replaces the shared mapping at the same address, so copies a peer may still make
+    /// into the memfd land in pages this process no longer uses. The region keeps working
+    /// (over TCP from then on). A no-op for regions that are not shared.
+    ///
+    /// The caller must not access the region meanwhile (as during any transfer).
+    pub(crate) fn detach(&self) -> Result<()> {
+        let mut g = self.inner.memfd.lock().expect("region memfd poisoned");
+        if g.is_none() {
+            return Ok(());
+        }
+        let len = self.inner.len;
+        // SAFETY: a fresh private anonymous mapping; the kernel picks the address.
+        let tmp = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
                 len,
-                page_size,
-                owned: None,
-                in_use: AtomicUsize::new(0),
-                idle: Notify::new(),
-            }),
-        })
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if tmp == libc::MAP_FAILED {
+            return Err(Error::Local(format!(
+                "cannot detach region {}: {}",
+                self.id(),
+                std::io::Error::last_os_error()
+            )));
+        }
+        // SAFETY: both ranges are `len` bytes of live mappings that do not overlap; then
+        // the anonymous pages move over the region's address atomically (MREMAP_FIXED
+        // unmaps the shared mapping there), and `tmp` is gone.
+        let moved = unsafe {
+            std::ptr::copy_nonoverlapping(self.as_ptr(), tmp.cast::<u8>(), len);
+            libc::mremap(
+                tmp,
+                len,
+                len,
+                libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+                self.as_ptr().cast::<libc::c_void>(),
+            )
+        };
+        if moved == libc::MAP_FAILED {
+            let e = std::io::Error::last_os_error();
+            // SAFETY: tmp is still our mapping when mremap failed.
+            unsafe { libc::munmap(tmp, len) };
+            return Err(Error::Local(format!(
+                "cannot detach region {}: {e}",
+                self.id()
+            )));
+        }
+        *g = None;
+        tracing::warn!(region = %self.id(), "region detached from its memfd: a peer did not confirm unmapping it");
+        Ok(())
     }
 
     /// The region's id, as peers address it.
@@ -249,17 +411,59 @@ impl Region {
         self.inner.in_use.load(Ordering::Acquire)
     }
 
-    /// Waits until no transfer touches the region.
+    /// Waits until no transfer touches the region and no peer maps it.
     pub(crate) async fn quiesce(&self) {
         loop {
             let idle = self.inner.idle.notified();
             tokio::pin!(idle);
             idle.as_mut().enable();
-            if self.in_use() == 0 {
+            if self.in_use() == 0 && (self.exports() == 0 || !self.is_shared()) {
                 return;
             }
             idle.await;
         }
+    }
+}
+
+/// Prefaults a fresh mapping: zeroed memory is mapped lazily.
+fn prefault(ptr: NonNull<u8>, len: usize) {
+    for off in (0..len).step_by(REGION_ALIGN) {
+        // SAFETY: off < len, inside the mapping.
+        unsafe { ptr.as_ptr().add(off).write_volatile(0) };
+    }
+}
+
+/// A peer's mapping of a region, counted until released.
+pub(crate) struct RegionExport {
+    region: Option<Region>,
+}
+
+impl RegionExport {
+    /// The peer confirmed it unmapped the region.
+    pub(crate) fn confirmed(mut self) {
+        if let Some(r) = self.region.take() {
+            r.end_export();
+        }
+    }
+}
+
+impl Drop for RegionExport {
+    /// Released without confirmation: the peer may still hold a mapping, so the region is
+    /// detached before anyone can reuse its memory.
+    fn drop(&mut self) {
+        if let Some(r) = self.region.take() {
+            if let Err(e) = r.detach() {
+                tracing::error!(error = %e, "region could not be detached");
+            }
+            r.end_export();
+        }
+    }
+}
+
+impl Region {
+    fn end_export(&self) {
+        self.inner.exports.fetch_sub(1, Ordering::AcqRel);
+        self.inner.idle.notify_waiters();
     }
 }
 
@@ -339,6 +543,15 @@ impl RegionTable {
         }
     }
 
+    /// The shared regions granted to `peer`.
+    pub(crate) fn shared_for(&self, peer: &PeerId) -> Vec<Region> {
+        let m = self.map.read().expect("region table poisoned");
+        m.values()
+            .filter(|(r, g)| g.allows(peer) && r.is_shared())
+            .map(|(r, _)| r.clone())
+            .collect()
+    }
+
     /// What this side grants to `peer`.
     pub(crate) fn granted_to(&self, peer: &PeerId) -> MemInfo {
         let m = self.map.read().expect("region table poisoned");
@@ -350,4 +563,17 @@ impl RegionTable {
         regions.sort_by_key(|r| r.id);
         MemInfo { regions }
     }
+}
+
+/// `MemAvailable` of `/proc/meminfo` in bytes (Linux); `None` where it cannot be read.
+fn available_memory() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb: u64 = s
+        .lines()
+        .find(|l| l.starts_with("MemAvailable:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()?;
+    Some(kb.saturating_mul(1024))
 }

@@ -8,19 +8,25 @@
 
 use crate::channel::{CoreCmd, PeerHandle};
 use crate::config::ChannelConfig;
+use crate::config::Transport;
 use crate::datapath::{run_reader, run_writer, DataPath, Outgoing, ReaderCtx};
 use crate::error::{Error, Result};
 use crate::net::{ReadHalf, Stream, WriteHalf};
+use crate::region::RegionExport;
 use crate::region::RegionTable;
+use crate::shm::{FdReader, Mapping, ShmPeer};
 use crate::wire::{read_frame, write_msg, ReadError};
 use crate::Notification;
 use kvbridge_proto::handshake::{
     ping, Established, Initiator, ListenerSession, LocalIdentity, Output, Step,
 };
-use kvbridge_proto::msg::{DataHello, ErrorCode, Hello, MemInfo, Message, RegionInfo};
+use kvbridge_proto::msg::{
+    DataHello, ErrorCode, Hello, MemInfo, Message, Ready, RegionInfo, ShmOffer, ShmRevoke,
+};
 use kvbridge_proto::{Incarnation, PeerId, RegionId, SessionToken};
 use std::collections::HashMap;
 use std::future::Future;
+use std::os::fd::AsRawFd;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -37,6 +43,8 @@ pub(crate) enum SessionCmd {
     Abort(Error),
     /// Local regions changed; tell the peer what it may address now.
     MemChanged,
+    /// (Listener) A shared-memory connection that presented this session's token.
+    ShmConn(tokio::net::UnixStream, PeerId),
     /// The channel is closing.
     Close,
 }
@@ -49,6 +57,8 @@ pub(crate) struct SessionEnv {
     pub(crate) table: Arc<RegionTable>,
     pub(crate) core: mpsc::UnboundedSender<CoreCmd>,
     pub(crate) notifications: mpsc::Sender<Notification>,
+    /// (Listener) The shared-memory offer for same-host initiators.
+    pub(crate) shm_offer: Option<ShmOffer>,
 }
 
 enum Machine {
@@ -193,6 +203,32 @@ struct Session {
     remote: Arc<RwLock<HashMap<RegionId, RegionInfo>>>,
     established: bool,
     last_heard: Instant,
+    /// Shared memory, either role.
+    shm: ShmState,
+}
+
+/// A session's shared-memory state.
+#[derive(Default)]
+struct ShmState {
+    /// (Listener) A shared-memory connection waiting for the peer to authenticate.
+    parked: Option<tokio::net::UnixStream>,
+    /// (Listener) The bound shared-memory connection.
+    conn: Option<Arc<tokio::net::UnixStream>>,
+    /// (Listener) Frames from the peer on it, read by `reader`.
+    rx: Option<mpsc::Receiver<std::io::Result<Option<Message>>>>,
+    /// (Either) The task reading the shared-memory connection.
+    reader: Option<JoinHandle<()>>,
+    /// (Listener) Regions the peer mapped.
+    exports: HashMap<RegionId, RegionExport>,
+    /// (Listener) Regions the peer was asked to unmap and has not confirmed yet.
+    revoking: HashMap<RegionId, RegionExport>,
+    /// (Initiator) The listener's regions we mapped.
+    peer: Option<Arc<ShmPeer>>,
+    /// (Initiator) Set once the listener offered every region it grants us.
+    synced: Option<tokio::sync::watch::Receiver<bool>>,
+    /// (Initiator) The established session, held until shared memory is synced (or its
+    /// deadline passed).
+    pending_ready: Option<(Established, Instant)>,
 }
 
 /// A fresh authentication challenge.
@@ -307,7 +343,7 @@ pub(crate) async fn run_listener(
     let granted = env.table.granted_to(&hello.peer_id);
     let peer = hello.peer_id.clone();
     let incarnation = hello.incarnation;
-    let machine = Machine::Listen(ListenerSession::accept(
+    let machine = Machine::Listen(ListenerSession::accept_with_shm(
         hello,
         &env.local,
         token,
@@ -315,6 +351,7 @@ pub(crate) async fn run_listener(
         env.config.deadlines.handshake_step,
         std_now(),
         challenge(),
+        env.shm_offer.clone(),
     ));
     Session::start(
         env,
@@ -368,6 +405,7 @@ impl Session {
             remote: Arc::new(RwLock::new(HashMap::new())),
             established: false,
             last_heard: Instant::now(),
+            shm: ShmState::default(),
         }
     }
 
@@ -390,6 +428,15 @@ impl Session {
                 self.bind_after(delay, s);
                 continue;
             }
+            if self.shm.parked.is_some() && self.machine.may_bind() {
+                let s = self.shm.parked.take().expect("checked");
+                self.bind_shm(s);
+                if let Err(e) = self.sync_exports().await {
+                    return e;
+                }
+                continue;
+            }
+            let ready_at = self.shm.pending_ready.as_ref().map(|(_, at)| *at);
             let deadline = self.machine.poll_timeout().map(Instant::from_std);
             let bind_at = self.pending_bind.as_ref().map(|(at, _)| *at);
             let (reader, writer) = match self.data.as_mut() {
@@ -423,6 +470,16 @@ impl Session {
                             let mem = self.env.table.granted_to(p);
                             self.machine.update_mem(mem, std_now());
                         }
+                        if let Err(e) = self.sync_exports().await {
+                            return e;
+                        }
+                    }
+                    Some(SessionCmd::ShmConn(s, peer)) => {
+                        if self.shm.conn.is_some() || self.shm.parked.is_some() || Some(&peer) != self.peer_id.as_ref() {
+                            drop(s);
+                        } else {
+                            self.shm.parked = Some(s);
+                        }
                     }
                     Some(SessionCmd::Close) | None => return Error::Closed,
                 },
@@ -441,6 +498,27 @@ impl Session {
                         Ok(Err(e)) => return Error::lost(&self.peer_name, Step::DataBind, e),
                         Err(e) => return Error::lost(&self.peer_name, Step::DataBind, e),
                     }
+                }
+                m = recv_opt(self.shm.rx.as_mut()) => {
+                    if let Err(e) = self.on_shm_frame(m) {
+                        return e;
+                    }
+                }
+                _ = synced(self.shm.synced.as_mut()) => {
+                    self.shm.synced = None;
+                    if let Some((est, _)) = self.shm.pending_ready.take() {
+                        self.on_established(est);
+                    }
+                }
+                _ = sleep_until_opt(ready_at) => {
+                    self.shm.synced = None;
+                    let (est, _) = self.shm.pending_ready.take().expect("ready_at implies pending");
+                    if self.env.config.transport == Transport::Shm {
+                        return Error::Timeout { peer: self.peer_name.clone(), step: Step::DataBind,
+                            after: self.env.config.deadlines.handshake_step };
+                    }
+                    tracing::warn!(peer = %self.peer_name, "shared memory not ready in time; using TCP");
+                    self.on_established(est);
                 }
                 r = maybe(reader) => return flatten(&self.peer_name, r),
                 r = maybe(writer) => return flatten(&self.peer_name, r),
@@ -481,10 +559,14 @@ impl Session {
                     peer_id,
                     token,
                     incarnation,
+                    shm,
                 } => {
                     self.peer_incarnation = Some(incarnation);
                     self.peer_name = peer_id.to_string();
                     self.peer_id = Some(peer_id.clone());
+                    if let Err(e) = self.start_shm(shm, token) {
+                        return Some(e);
+                    }
                     let mem = self.env.table.granted_to(&peer_id);
                     self.machine.update_mem(mem, std_now());
                     let net = self.env.config.net;
@@ -504,7 +586,16 @@ impl Session {
                         Ok(s)
                     }));
                 }
-                Output::Ready(est) => self.on_established(est),
+                Output::Ready(est) => {
+                    let waiting = self.shm.synced.as_ref().is_some_and(|w| !*w.borrow());
+                    if waiting {
+                        let at = Instant::now() + self.env.config.deadlines.handshake_step;
+                        self.shm.pending_ready = Some((est, at));
+                    } else {
+                        self.shm.synced = None;
+                        self.on_established(est);
+                    }
+                }
                 Output::PeerMemInfo(mem) => self.set_remote(mem),
                 Output::Failed(e) => {
                     return Some(Error::from_handshake(
@@ -564,8 +655,11 @@ impl Session {
         let data = match (s, blocking) {
             (_, Some((r, w, sock))) => {
                 let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-                let writer =
-                    spawn_data_thread("kvb-data-tx", stop_rx.clone(), run_writer(peer, w, out_rx));
+                let writer = spawn_data_thread(
+                    "kvb-data-tx",
+                    stop_rx.clone(),
+                    run_writer(path.clone(), self.shm.peer.clone(), w, out_rx),
+                );
                 let reader = spawn_data_thread("kvb-data-rx", stop_rx, run_reader(r, ctx));
                 ActiveData {
                     path,
@@ -580,8 +674,13 @@ impl Session {
             (Some(s), None) => {
                 let (r, w) = s.into_split();
                 ActiveData {
+                    writer: tokio::spawn(run_writer(
+                        path.clone(),
+                        self.shm.peer.clone(),
+                        w,
+                        out_rx,
+                    )),
                     path,
-                    writer: tokio::spawn(run_writer(peer, w, out_rx)),
                     reader: tokio::spawn(run_reader(r, ctx)),
                     threads: None,
                 }
@@ -621,6 +720,7 @@ impl Session {
             incarnation: est.incarnation,
             data,
             remote: self.remote.clone(),
+            shm: self.shm.peer.clone(),
         };
         let _ = self.env.core.send(CoreCmd::SessionUp {
             id: self.id,
@@ -685,6 +785,7 @@ impl Session {
                     }
                 }
             }
+            self.end_shm().await;
             // The directory forgets the session before its waiting batches learn the
             // outcome: a caller that sees its batch fail and then looks at the channel finds
             // nothing of the session left (the core handles messages in order).
@@ -694,12 +795,281 @@ impl Session {
             });
             d.path.drain(&err);
         } else {
+            self.end_shm().await;
             let _ = self.env.core.send(CoreCmd::SessionDown {
                 id: self.id,
                 error: err,
             });
         }
         self.ctl_reader.abort();
+    }
+}
+
+impl Session {
+    /// (Initiator) Uses the listener's shared-memory offer when the configuration allows it
+    /// and the listener is on this host; fails the session when shm is required and cannot
+    /// be had.
+    fn start_shm(&mut self, offer: Option<ShmOffer>, token: SessionToken) -> Result<()> {
+        let want = self.env.config.transport;
+        if want == Transport::Tcp || !matches!(self.env.config.net, crate::net::Net::Tokio) {
+            return Ok(());
+        }
+        let ours = crate::shm::host_id();
+        let usable = match (&offer, &ours) {
+            (Some(o), Some(h)) if &o.host == h => Ok(o.clone()),
+            (None, _) => Err("the listener offers no shared memory".to_string()),
+            (Some(o), _) => Err(format!("the listener is on host {}", o.host)),
+        };
+        let offer = match usable {
+            Ok(o) => o,
+            Err(why) if want == Transport::Shm => {
+                return Err(Error::Incompatible {
+                    peer: self.peer_name.clone(),
+                    step: Step::Welcome,
+                    ours: format!("transport shm on host {}", ours.unwrap_or_default()),
+                    theirs: why,
+                })
+            }
+            Err(why) => {
+                tracing::debug!(peer = %self.peer_name, "shared memory not used: {why}");
+                return Ok(());
+            }
+        };
+        let peer = Arc::new(ShmPeer::default());
+        let (synced_tx, synced_rx) = tokio::sync::watch::channel(false);
+        self.shm.peer = Some(peer.clone());
+        self.shm.synced = Some(synced_rx);
+        let me = self.env.local.peer_id.clone();
+        let limit = self.env.config.deadlines.connect;
+        let max = self.env.config.limits.max_frame_len;
+        let name = self.peer_name.clone();
+        self.shm.reader = Some(tokio::spawn(async move {
+            let r = initiator_shm(offer, token, me, limit, max, &peer, synced_tx).await;
+            if let Err(e) = r {
+                tracing::warn!(peer = %name, error = %e, "shared memory connection ended; TCP carries the data");
+            }
+            // The listener takes the end of this connection as our word that no copy into
+            // its regions runs or will start: stop them all before it ends.
+            let p = peer.clone();
+            let _ = tokio::task::spawn_blocking(move || p.revoke_all()).await;
+        }));
+        Ok(())
+    }
+
+    /// (Listener) Binds an authenticated shared-memory connection.
+    fn bind_shm(&mut self, s: tokio::net::UnixStream) {
+        let s = Arc::new(s);
+        let (tx, rx) = mpsc::channel(64);
+        let r = s.clone();
+        let max = self.env.config.limits.max_frame_len;
+        self.shm.reader = Some(tokio::spawn(async move {
+            let mut fr = FdReader::new(max);
+            loop {
+                let m = fr.next(&r).await;
+                let stop = !matches!(m, Ok(Some(_)));
+                if tx.send(m).await.is_err() || stop {
+                    return;
+                }
+            }
+        }));
+        self.shm.conn = Some(s);
+        self.shm.rx = Some(rx);
+    }
+
+    /// (Listener) Offers the peer every shared region granted to it that it has not mapped,
+    /// and asks it to unmap those no longer granted.
+    async fn sync_exports(&mut self) -> Result<()> {
+        let (Some(conn), Some(peer)) = (self.shm.conn.clone(), self.peer_id.clone()) else {
+            return Ok(());
+        };
+        if !self.machine.may_bind() {
+            return Ok(());
+        }
+        let granted = self.env.table.shared_for(&peer);
+        let lost = |e| Error::lost(&self.peer_name, Step::Established, e);
+        let gone: Vec<RegionId> = self
+            .shm
+            .exports
+            .keys()
+            .filter(|id| !granted.iter().any(|r| r.id() == **id))
+            .copied()
+            .collect();
+        for id in gone {
+            let ex = self.shm.exports.remove(&id).expect("listed");
+            self.shm.revoking.insert(id, ex);
+            crate::shm::send_frame(&conn, &Message::ShmUnmap(ShmRevoke { id }), None)
+                .await
+                .map_err(lost)?;
+        }
+        for r in granted {
+            if self.shm.exports.contains_key(&r.id()) || self.shm.revoking.contains_key(&r.id()) {
+                continue;
+            }
+            let m = crate::shm::map_msg(r.id(), r.len() as u64);
+            // The export is counted before the descriptor leaves.
+            let ex = r.begin_export();
+            let Some(fd) = r.memfd() else {
+                ex.confirmed();
+                continue;
+            };
+            let sent = crate::shm::send_frame(&conn, &m, Some(fd.as_raw_fd())).await;
+            drop(fd);
+            self.shm.exports.insert(r.id(), ex);
+            sent.map_err(lost)?;
+        }
+        crate::shm::send_frame(&conn, &Message::ShmSync(Ready {}), None)
+            .await
+            .map_err(lost)
+    }
+
+    /// (Listener) A frame on the shared-memory connection.
+    fn on_shm_frame(&mut self, m: Option<std::io::Result<Option<Message>>>) -> Result<()> {
+        match m {
+            Some(Ok(Some(Message::ShmUnmapped(ShmRevoke { id })))) => {
+                if let Some(ex) = self.shm.revoking.remove(&id) {
+                    ex.confirmed();
+                }
+                Ok(())
+            }
+            Some(Ok(Some(other))) => Err(Error::PeerMisbehaved {
+                peer: self.peer_name.clone(),
+                step: Step::Established,
+                detail: format!("{} on the shared-memory connection", other.name()),
+            }),
+            // The peer closed it: it does so only once nothing of ours is mapped any more.
+            Some(Ok(None)) => {
+                self.confirm_all();
+                self.shm.rx = None;
+                self.shm.conn = None;
+                Ok(())
+            }
+            Some(Err(e)) => Err(Error::lost(&self.peer_name, Step::Established, e)),
+            None => {
+                self.shm.rx = None;
+                Ok(())
+            }
+        }
+    }
+
+    fn confirm_all(&mut self) {
+        for (_, ex) in self.shm.exports.drain().chain(self.shm.revoking.drain()) {
+            ex.confirmed();
+        }
+    }
+
+    /// Teardown of shared memory, after the data tasks stopped. (Listener) waits, within the
+    /// close deadline, for the peer to close the connection — its word that nothing of ours
+    /// is mapped any more; exports it did not confirm are dropped, which detaches their
+    /// regions. (Initiator) ends the connection task; our mappings go with the last handle.
+    async fn end_shm(&mut self) {
+        if let Some(mut rx) = self.shm.rx.take() {
+            let limit = self.env.config.deadlines.close;
+            let wait = async {
+                loop {
+                    match rx.recv().await {
+                        Some(Ok(Some(Message::ShmUnmapped(ShmRevoke { id })))) => {
+                            if let Some(ex) = self.shm.revoking.remove(&id) {
+                                ex.confirmed();
+                            }
+                        }
+                        Some(Ok(Some(_))) => {}
+                        Some(Ok(None)) => return true,
+                        Some(Err(_)) | None => return false,
+                    }
+                }
+            };
+            if let Ok(true) = tokio::time::timeout(limit, wait).await {
+                self.confirm_all();
+            }
+        }
+        if self.shm.exports.is_empty() && self.shm.revoking.is_empty() {
+            self.confirm_all();
+        }
+        // Whatever is left was not confirmed: dropping detaches those regions.
+        self.shm.exports.clear();
+        self.shm.revoking.clear();
+        self.shm.conn = None;
+        if let Some(h) = self.shm.reader.take() {
+            h.abort();
+            let _ = h.await;
+        }
+    }
+}
+
+/// (Initiator) The shared-memory connection: connect, prove the session token, map what the
+/// listener offers, unmap what it revokes.
+async fn initiator_shm(
+    offer: ShmOffer,
+    token: SessionToken,
+    me: PeerId,
+    limit: Duration,
+    max: u32,
+    peer: &Arc<ShmPeer>,
+    synced: tokio::sync::watch::Sender<bool>,
+) -> std::io::Result<()> {
+    let s = tokio::time::timeout(limit, crate::shm::connect(&offer.socket, offer.pid))
+        .await
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
+    let hello = Message::DataHello(DataHello { token, peer_id: me });
+    crate::shm::send_frame(&s, &hello, None).await?;
+    let mut fr = FdReader::new(max);
+    while let Some(m) = fr.next(&s).await? {
+        match m {
+            Message::ShmMap(r) => {
+                let fd = fr.take_fd().ok_or_else(|| {
+                    std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        "ShmMap without a descriptor",
+                    )
+                })?;
+                match Mapping::map(&fd, r.len) {
+                    Ok(m) => peer.insert(r.id, m),
+                    // Not fatal: this region goes over TCP.
+                    Err(e) => {
+                        tracing::warn!(region = %r.id, error = %e, "cannot map region; TCP carries it")
+                    }
+                }
+            }
+            Message::ShmUnmap(ShmRevoke { id }) => {
+                let p = peer.clone();
+                // Waits for a copy in progress (bounded by one op's memcpy).
+                let _ = tokio::task::spawn_blocking(move || p.revoke(&id)).await;
+                crate::shm::send_frame(&s, &crate::shm::unmapped(id), None).await?;
+            }
+            Message::ShmSync(_) => {
+                let _ = synced.send(true);
+            }
+            Message::Reject(rj) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    format!("{}: {}", rj.code, rj.message),
+                ))
+            }
+            other => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("{} on the shared-memory connection", other.name()),
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn recv_opt<T>(rx: Option<&mut mpsc::Receiver<T>>) -> Option<T> {
+    match rx {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Resolves once the watched flag is set, or its sender is gone.
+async fn synced(w: Option<&mut tokio::sync::watch::Receiver<bool>>) {
+    match w {
+        Some(w) => {
+            let _ = w.wait_for(|s| *s).await;
+        }
+        None => std::future::pending().await,
     }
 }
 

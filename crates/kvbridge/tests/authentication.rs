@@ -152,3 +152,74 @@ fn the_secret_never_shows_in_debug_output() {
     c.secret = secret("hunter2");
     assert!(!format!("{c:?}").contains("hunter2"));
 }
+
+/// Connects to the listener's shared-memory socket (abstract name from its `Welcome`) and
+/// presents `token`; returns how many bytes arrive before the listener closes it.
+fn shm_bytes_received(offer: &ShmOffer, token: kvbridge::proto::SessionToken) -> usize {
+    use std::io::{Read, Write};
+    use std::os::linux::net::SocketAddrExt;
+    let a = std::os::unix::net::SocketAddr::from_abstract_name(offer.socket.as_bytes()).unwrap();
+    let mut s = std::os::unix::net::UnixStream::connect_addr(&a).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let hello = Message::DataHello(DataHello {
+        token,
+        peer_id: PeerId::new("intruder").unwrap(),
+    });
+    s.write_all(&hello.to_frame().unwrap()).unwrap();
+    let mut got = Vec::new();
+    // Returns at EOF (the listener drops the connection); a timeout fails the test.
+    s.read_to_end(&mut got)
+        .expect("the listener neither served nor closed");
+    got.len()
+}
+
+/// Shared memory is for authenticated peers only: a peer that skips its proof, or presents a
+/// token no session has, gets no frame and no file descriptor on the unix socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unauthenticated_peer_gets_no_memory_descriptor() {
+    let (dec, _kv) = listener(
+        "decode-0",
+        |c| {
+            c.secret = secret("s3cret");
+            c.transport = kvbridge::Transport::Shm;
+            c.deadlines.handshake_step = Duration::from_millis(500);
+        },
+        PAGE,
+        PAGE,
+    )
+    .await;
+    let mut ctl = TcpStream::connect(addr(&dec)).await.unwrap();
+    ctl.write_all(
+        &Message::Hello(Hello {
+            version: 1,
+            peer_id: PeerId::new("intruder").unwrap(),
+            incarnation: Incarnation(1),
+            compat: Compat::default(),
+            auth: Some(Auth {
+                challenge: Some(Blob(vec![0; 32])),
+                response: None,
+            }),
+        })
+        .to_frame()
+        .unwrap(),
+    )
+    .await
+    .unwrap();
+    let Some(Message::Welcome(w)) = recv_frame(&mut ctl).await else {
+        panic!("no welcome")
+    };
+    let offer = w.shm.expect("a same-host listener offers shared memory");
+    // A token no session has: closed at once.
+    let o = offer.clone();
+    let n = tokio::task::spawn_blocking(move || {
+        shm_bytes_received(&o, kvbridge::proto::SessionToken([7; 16]))
+    })
+    .await
+    .unwrap();
+    assert_eq!(n, 0, "a wrong token was served");
+    // The right token but no proof: parked until the handshake deadline ends the session.
+    let n = tokio::task::spawn_blocking(move || shm_bytes_received(&offer, w.token))
+        .await
+        .unwrap();
+    assert_eq!(n, 0, "an unauthenticated peer was served");
+}

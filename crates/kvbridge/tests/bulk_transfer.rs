@@ -26,12 +26,12 @@ fn page(r: &Region, i: usize) -> &[u8] {
     unsafe { std::slice::from_raw_parts(r.as_ptr().add(i * PAGE), PAGE) }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_gib_scattered_pages_written_and_read_back_byte_exact() {
-    let (dec, kv) = listener("decode-0", |_| {}, TOTAL, PAGE).await;
-    let (pre, src) = initiator("prefill-0", |_| {}, TOTAL, PAGE).await;
+async fn one_gib_scattered_pages_written_and_read_back_byte_exact(t: kvbridge::Transport) {
+    let (dec, kv) = listener("decode-0", |c| c.transport = t, TOTAL, PAGE).await;
+    let (pre, src) = initiator("prefill-0", |c| c.transport = t, TOTAL, PAGE).await;
     fill(&src, 0xC0FFEE);
     let peer = pre.connect(&addr(&dec)).await.unwrap();
+    assert_transport(&pre, &peer, t).await;
     let perm = permutation(PAGES, 0x1234_5678_9abc_def1);
 
     for chunk in (0..PAGES).collect::<Vec<_>>().chunks(BATCH) {
@@ -66,3 +66,8 @@ async fn one_gib_scattered_pages_written_and_read_back_byte_exact() {
     let s = pre.stats().await.unwrap();
     assert_eq!(s.batches_in_flight, 0);
 }
+
+per_transport!(
+    one_gib_scattered_pages,
+    super::one_gib_scattered_pages_written_and_read_back_byte_exact
+);

@@ -2,7 +2,7 @@
 
 mod common;
 use common::*;
-use kvbridge::{Error, Grant, Op, Region, Step};
+use kvbridge::{Error, Grant, Op, Region, Step, Transport};
 use std::time::Duration;
 
 const PAGE: usize = 16 << 10;
@@ -10,20 +10,33 @@ const PAGE: usize = 16 << 10;
 /// Both data-path drivers (dedicated blocking threads, tokio tasks) must behave the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_read_notify_round_trip_on_data_threads() {
-    write_read_notify_round_trip(true).await
+    write_read_notify_round_trip(true, Transport::Tcp).await
 }
+
+async fn round_trip_on(t: Transport) {
+    write_read_notify_round_trip(true, t).await
+}
+per_transport!(
+    write_read_notify_round_trip_per_transport,
+    super::round_trip_on
+);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_read_notify_round_trip_on_data_tasks() {
-    write_read_notify_round_trip(false).await
+    write_read_notify_round_trip(false, Transport::Tcp).await
 }
 
-async fn write_read_notify_round_trip(threads: bool) {
-    let (dec, kv) = listener("decode-0", |c| c.data_threads = threads, 64 * PAGE, PAGE).await;
-    let (pre, src) = initiator("prefill-0", |c| c.data_threads = threads, 8 * PAGE, PAGE).await;
+async fn write_read_notify_round_trip(threads: bool, t: Transport) {
+    let cfg = |c: &mut kvbridge::ChannelConfig| {
+        c.data_threads = threads;
+        c.transport = t;
+    };
+    let (dec, kv) = listener("decode-0", cfg, 64 * PAGE, PAGE).await;
+    let (pre, src) = initiator("prefill-0", cfg, 8 * PAGE, PAGE).await;
     fill(&src, 1);
     let peer = pre.connect(&addr(&dec)).await.unwrap();
     assert_eq!(peer.as_str(), "decode-0");
+    assert_transport(&pre, &peer, t).await;
     let ops: Vec<Op> = (0..8)
         .map(|i| Op::page(&src, i, kv.id(), (63 - i * 7) as u64, PAGE))
         .collect();
@@ -236,12 +249,22 @@ async fn notifications_carry_the_session_incarnation() {
 async fn deregister_waits_for_writes_in_flight_then_refuses_new_ones() {
     let (dec, kv) = listener(
         "decode-0",
-        |c| c.hooks.write_apply_delay = Some(Duration::from_millis(300)),
+        |c| {
+            c.hooks.write_apply_delay = Some(Duration::from_millis(300));
+            // The hook holds writes the listener applies: TCP's.
+            c.transport = Transport::Tcp;
+        },
         4 * PAGE,
         PAGE,
     )
     .await;
-    let (pre, src) = initiator("prefill-0", |_| {}, 4 * PAGE, PAGE).await;
+    let (pre, src) = initiator(
+        "prefill-0",
+        |c| c.transport = Transport::Tcp,
+        4 * PAGE,
+        PAGE,
+    )
+    .await;
     fill(&src, 5);
     let peer = pre.connect(&addr(&dec)).await.unwrap();
     let p2 = pre.clone();
@@ -325,3 +348,112 @@ async fn read_held_in_flight_fails_cleanly_when_the_session_ends() {
     // The destination is no longer in use: nothing of the read can land now.
     assert_eq!(dst.in_use(), 0);
 }
+
+/// The listener deregisters a region while the initiator writes into it in a loop: the
+/// writes fail with a typed error, nothing crashes, and once `deregister` returned no byte
+/// lands in the region's memory (the owner reuses it at once).
+async fn deregister_while_the_initiator_writes(t: Transport) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let (dec, kv) = listener("decode-0", |c| c.transport = t, 64 * PAGE, PAGE).await;
+    let (pre, src) = initiator("prefill-0", |c| c.transport = t, 16 * PAGE, PAGE).await;
+    fill(&src, 9);
+    let peer = pre.connect(&addr(&dec)).await.unwrap();
+    assert_transport(&pre, &peer, t).await;
+    let done = Arc::new(AtomicUsize::new(0));
+    let (p2, peer2, kvid, d2) = (pre.clone(), peer.clone(), kv.id(), done.clone());
+    let ops: Vec<Op> = (0..16)
+        .map(|i| Op::page(&src, i, kvid, 4 * i as u64, PAGE))
+        .collect();
+    let w = tokio::spawn(async move {
+        let t0 = std::time::Instant::now();
+        // Bounded in count and in time.
+        for _ in 0..200_000 {
+            if let Err(e) = p2.write(&peer2, &ops).await {
+                return Some(e);
+            }
+            d2.fetch_add(1, Ordering::Relaxed);
+            if t0.elapsed() > Duration::from_secs(20) {
+                break;
+            }
+        }
+        None
+    });
+    let t0 = std::time::Instant::now();
+    while done.load(Ordering::Relaxed) < 10 && t0.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert!(done.load(Ordering::Relaxed) >= 10, "writes never got going");
+    dec.deregister(kv.id()).await.unwrap();
+    assert_eq!(kv.exports(), 0, "a peer still maps the region");
+    // The owner reuses the memory at once.
+    kv.write_at(0, &vec![0xEE; kv.len()]).unwrap();
+    let e = w
+        .await
+        .unwrap()
+        .expect("writes into a deregistered region kept succeeding");
+    assert!(
+        matches!(
+            e,
+            Error::InvalidOp { .. } | Error::Rejected { .. } | Error::PeerMisbehaved { .. }
+        ),
+        "{e}"
+    );
+    let mut all = vec![0u8; kv.len()];
+    kv.read_at(0, &mut all).unwrap();
+    assert!(
+        all.iter().all(|&b| b == 0xEE),
+        "a write landed after deregister returned"
+    );
+}
+per_transport!(
+    deregister_while_writing,
+    super::deregister_while_the_initiator_writes
+);
+
+/// A peer restart (same id, new incarnation) over each transport: the old session goes
+/// `Down` with `PeerRestarted`, the new one works, and its writes land.
+async fn peer_restart(t: Transport) {
+    let (dec, kv) = listener("decode-0", |c| c.transport = t, 16 * PAGE, PAGE).await;
+    let mut events = dec.peer_events();
+    let (pre, src) = initiator("prefill-0", |c| c.transport = t, 4 * PAGE, PAGE).await;
+    fill(&src, 3);
+    let peer = pre.connect(&addr(&dec)).await.unwrap();
+    assert_transport(&pre, &peer, t).await;
+    pre.write(&peer, &[Op::page(&src, 0, kv.id(), 1, PAGE)])
+        .await
+        .unwrap();
+    let old = pre.incarnation();
+    drop(pre); // killed without a goodbye: its tasks stop with the channel
+    let (pre2, src2) = initiator("prefill-0", |c| c.transport = t, 4 * PAGE, PAGE).await;
+    fill(&src2, 4);
+    let peer = pre2.connect(&addr(&dec)).await.unwrap();
+    assert_transport(&pre2, &peer, t).await;
+    pre2.write(&peer, &[Op::page(&src2, 1, kv.id(), 2, PAGE)])
+        .await
+        .unwrap();
+    let (mut a, mut b) = (vec![0u8; PAGE], vec![0u8; PAGE]);
+    src2.read_at(PAGE, &mut a).unwrap();
+    kv.read_at(2 * PAGE, &mut b).unwrap();
+    assert!(a == b);
+    let t0 = std::time::Instant::now();
+    let mut down = None;
+    while down.is_none() && t0.elapsed() < Duration::from_secs(10) {
+        match tokio::time::timeout(Duration::from_secs(10), events.recv()).await {
+            Ok(Ok(kvbridge::PeerEvent::Down {
+                incarnation, error, ..
+            })) if incarnation == old => down = Some(error),
+            Ok(Ok(_)) => {}
+            _ => break,
+        }
+    }
+    let e = down.expect("the old session never went down");
+    assert!(
+        matches!(
+            e,
+            Error::PeerRestarted { .. } | Error::ConnectionLost { .. } | Error::PeerClosed { .. }
+        ),
+        "{e}"
+    );
+}
+per_transport!(peer_restart_per_transport, super::peer_restart);

@@ -90,3 +90,35 @@ pub async fn send_frame(s: &mut tokio::net::TcpStream, m: &kvbridge::proto::msg:
     use tokio::io::AsyncWriteExt;
     s.write_all(&m.to_frame().unwrap()).await.unwrap();
 }
+
+/// The transports every transfer test runs against.
+pub const TRANSPORTS: [kvbridge::Transport; 2] =
+    [kvbridge::Transport::Tcp, kvbridge::Transport::Shm];
+
+/// Declares one `#[tokio::test]` per transport, named `<name>::tcp` and `<name>::shm`, that
+/// runs `body(transport)`: the suite is parametrized, not copied.
+#[macro_export]
+macro_rules! per_transport {
+    ($name:ident, $body:path) => {
+        mod $name {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn tcp() {
+                $body(kvbridge::Transport::Tcp).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn shm() {
+                $body(kvbridge::Transport::Shm).await
+            }
+        }
+    };
+}
+
+/// Asserts that `ch` moves its batches to `peer` over `t` (shm only when it mapped the
+/// peer's regions).
+pub async fn assert_transport(ch: &Channel, peer: &kvbridge::PeerId, t: kvbridge::Transport) {
+    assert_eq!(
+        ch.peer_transport(peer).await.unwrap(),
+        t,
+        "transport to {peer}"
+    );
+}

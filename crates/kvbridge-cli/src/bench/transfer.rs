@@ -1,4 +1,5 @@
-//! `kvbridge bench transfer`: kvbridge writes against the same-run plain socket ceiling.
+//! `kvbridge bench transfer`: kvbridge writes against the same-run ceiling of their
+//! transport: a plain loopback socket stream for tcp, an in-process memcpy for shm.
 
 use super::peer::PeerProcess;
 use super::{median, parse_size};
@@ -11,9 +12,14 @@ use std::time::Instant;
 /// Flags of `kvbridge bench transfer`.
 #[derive(Debug, clap::Args)]
 pub struct TransferArgs {
-    /// Transport to measure (tcp; shm arrives with the shared-memory transport).
+    /// Transport to measure: tcp, or shm (the peer's region mapped into this process).
     #[arg(long, default_value = "tcp")]
     pub transport: String,
+    /// Write every batch to the same `batch` offsets (Mooncake's `transfer_engine_bench`
+    /// pattern: a working set of batch × block, cache-hot for small blocks) instead of
+    /// cycling through the whole region.
+    #[arg(long)]
+    pub same_offsets: bool,
     /// Block sizes in bytes (K/M/G suffixes allowed), comma separated.
     #[arg(long, value_delimiter = ',', default_value = "16384,262144,4194304")]
     pub block_sizes: Vec<String>,
@@ -41,7 +47,8 @@ pub struct Row {
     pub block_size: u64,
     /// kvbridge write throughput, median.
     pub gib_per_s: f64,
-    /// Plain loopback socket stream of the same block size, median.
+    /// The transport's ceiling at the same block size, median: a plain loopback socket
+    /// stream (tcp) or a memcpy between two regions in this process (shm).
     pub ceiling_gib_per_s: f64,
     /// `gib_per_s / ceiling_gib_per_s`.
     pub ratio: f64,
@@ -52,6 +59,10 @@ pub struct Row {
 pub struct Report {
     /// Transport measured.
     pub transport: String,
+    /// What the ceiling is: `socket` or `memcpy`.
+    pub ceiling: String,
+    /// `scatter` (cycling through the region) or `same-offsets`.
+    pub pattern: String,
     /// One row per block size.
     pub results: Vec<Row>,
 }
@@ -86,13 +97,32 @@ fn ceiling(sink: &str, block: usize, total: u64, region: &Region) -> Result<f64>
     Ok(total as f64 / GIB / t.elapsed().as_secs_f64())
 }
 
+/// Copies `total` bytes in `block`-sized memcpys from `src` to `dst` with the benchmark's
+/// access pattern (cycling through `window` bytes, or the first `batch` blocks); GiB/s.
+fn memcpy_ceiling(src: &Region, dst: &Region, block: usize, total: u64, window: usize) -> f64 {
+    let t = Instant::now();
+    let mut sent = 0u64;
+    let mut off = 0usize;
+    while sent < total {
+        let n = block.min((total - sent) as usize);
+        if off + n > window.min(src.len()).min(dst.len()) {
+            off = 0;
+        }
+        // SAFETY: both ranges are in bounds (checked above) of two distinct regions that no
+        // transfer touches while the ceiling runs.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr().add(off), dst.as_ptr().add(off), n) };
+        off += n;
+        sent += n as u64;
+    }
+    total as f64 / GIB / t.elapsed().as_secs_f64()
+}
+
 /// Runs the benchmark.
 pub async fn run(args: TransferArgs) -> Result<Report> {
-    anyhow::ensure!(
-        args.transport == "tcp",
-        "transport {:?} is not built yet (tcp is)",
-        args.transport
-    );
+    let transport = kvbridge::Transport::parse(&args.transport)
+        .filter(|t| *t != kvbridge::Transport::Auto)
+        .ok_or_else(|| anyhow::anyhow!("transport {:?}: tcp or shm", args.transport))?;
+    let shm = transport == kvbridge::Transport::Shm;
     let blocks: Vec<u64> = args
         .block_sizes
         .iter()
@@ -110,27 +140,55 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
         .clamp(1 << 20, 1 << 30);
     let page = 4096;
     let peer = PeerProcess::start(window, page)?;
-    let ch = Channel::new(ChannelConfig::new("bench-initiator", None)).await?;
+    let mut cfg = ChannelConfig::new("bench-initiator", None);
+    cfg.transport = transport;
+    let ch = Channel::new(cfg).await?;
     let local = Region::alloc(window, page)?;
+    // The memcpy ceiling's destination: memory of the same kind as the peer's region.
+    let memcpy_dst = if shm {
+        Some(Region::alloc(window, page)?)
+    } else {
+        None
+    };
     // Non-zero payload, so no layer can take a shortcut on zero pages.
     let pattern: Vec<u8> = (0..window).map(|i| (i * 31 + 7) as u8).collect();
     local.write_at(0, &pattern)?;
     ch.register(&local, Grant::AllPeers)?;
     let target = ch.connect(&peer.addr).await?;
+    anyhow::ensure!(
+        ch.peer_transport(&target).await? == transport,
+        "the session does not use {}",
+        args.transport
+    );
 
     let mut rows = Vec::new();
     for &block in &blocks {
         let block_us = block as usize;
-        let per_window = (window / block_us).max(1);
+        let per_window = if args.same_offsets {
+            args.batch.min(window / block_us).max(1)
+        } else {
+            (window / block_us).max(1)
+        };
         let mut ours = Vec::new();
         let mut ceil = Vec::new();
         for _ in 0..args.reps.max(1) {
             // Ceiling first and ours second, alternating per repetition, side by side.
-            let sink = peer.sink.clone();
             let l = local.clone();
-            ceil.push(
-                tokio::task::spawn_blocking(move || ceiling(&sink, block_us, total, &l)).await??,
-            );
+            if let Some(dst) = &memcpy_dst {
+                let (dst, span) = (dst.clone(), per_window * block_us);
+                ceil.push(
+                    tokio::task::spawn_blocking(move || {
+                        memcpy_ceiling(&l, &dst, block_us, total, span)
+                    })
+                    .await?,
+                );
+            } else {
+                let sink = peer.sink.clone();
+                ceil.push(
+                    tokio::task::spawn_blocking(move || ceiling(&sink, block_us, total, &l))
+                        .await??,
+                );
+            }
             let batches = total.div_ceil(block * args.batch as u64) as usize;
             let t = Instant::now();
             let mut next = 0usize;
@@ -174,6 +232,13 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
     ch.close().await;
     Ok(Report {
         transport: args.transport,
+        ceiling: if shm { "memcpy" } else { "socket" }.into(),
+        pattern: if args.same_offsets {
+            "same-offsets"
+        } else {
+            "scatter"
+        }
+        .into(),
         results: rows,
     })
 }
@@ -181,8 +246,8 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
 /// Prints the report as a table.
 pub fn print_table(r: &Report, batch: usize) {
     println!(
-        "kvbridge bench transfer ({}), batch {batch}, medians",
-        r.transport
+        "kvbridge bench transfer ({}, {} pattern, ceiling {}), batch {batch}, medians",
+        r.transport, r.pattern, r.ceiling
     );
     println!(
         "{:>10} {:>12} {:>14} {:>7}",

@@ -1,0 +1,497 @@
+//! The shared-memory transport (same host).
+//!
+//! A listener with shared memory on binds a unix socket under a random name in the abstract
+//! namespace and offers it in its `Welcome`, with its host identity and pid. An initiator on
+//! the same host (equal [`host_id`]) connects to it, checks the socket's peer credentials
+//! against the offered pid, and presents the session token (`DataHello`), exactly as on the
+//! TCP data connection: the listener's core routes it to the session the token names, and
+//! that session serves it only once the peer has authenticated. An fd-passing connection
+//! that does not prove the token gets nothing.
+//!
+//! The listener then passes the memfd of every region it grants the peer (`ShmMap`, the fd
+//! in SCM_RIGHTS, one region per frame) and a `ShmSync` after each round. The initiator maps
+//! each (checking its size and seals first) and from then on writes into it with one memcpy
+//! and reads from it with one memcpy, on its data writer thread, in submission order with
+//! the frames of the TCP data connection: a `Notify` sent after a write leaves only after
+//! the write's bytes are in place. Batches that name a region not (or no longer) mapped go
+//! over TCP as before.
+//!
+//! Revocation: the listener cannot see copies land, so a region leaves a peer's reach only
+//! when that peer says so. When a region stops being granted (deregistered, or a grant
+//! changed) the listener sends `ShmUnmap`; the initiator marks the mapping revoked under its
+//! write lock (which waits for a copy in progress), unmaps it and answers `ShmUnmapped`.
+//! Until then the region counts an export, and `deregister` waits for it within the op
+//! deadline. When the session ends the listener waits (close deadline) for the initiator to
+//! close the unix socket, which it does only after its data threads stopped and its
+//! mappings are gone. A peer that does not answer in time gets the region *detached*: its
+//! contents are copied to fresh anonymous memory remapped over the same address, so late
+//! copies land only in pages the owner no longer uses.
+//!
+//! Threat model: shared memory is offered only to peers on the same host and used only
+//! after they authenticated (when a secret is configured). A peer that maps a region can
+//! write anywhere in it at any time; what is protected is memory the owner no longer grants
+//! (it is detached) and the owner's process (sizes and seals are checked before a mapping
+//! is trusted, so a listener cannot make the initiator fault).
+
+use crate::datapath::LocalSlice;
+use kvbridge_proto::frame::{FrameHeader, FRAME_HEADER_LEN};
+use kvbridge_proto::msg::{Message, OpDesc, ShmRegion, ShmRevoke};
+use kvbridge_proto::RegionId;
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::{Arc, RwLock};
+use tokio::io::Interest;
+use tokio::net::UnixStream;
+
+/// This host's identity for the shared-memory check: the boot id plus the network and pid
+/// namespaces (the abstract unix socket lives in the network namespace, the pid check needs
+/// the pid namespace). `None` when it cannot be read (then shared memory is not used).
+pub fn host_id() -> Option<String> {
+    static ID: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    ID.get_or_init(|| {
+        let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+        let ns = |n: &str| std::fs::read_link(format!("/proc/self/ns/{n}")).ok();
+        let net = ns("net")?;
+        let pid = ns("pid")?;
+        Some(format!(
+            "{}/{}/{}",
+            boot.trim(),
+            net.display(),
+            pid.display()
+        ))
+    })
+    .clone()
+}
+
+/// Creates a sealed memfd of `len` bytes (it can neither shrink nor grow, so a peer that
+/// maps it cannot be made to fault).
+pub(crate) fn memfd(len: usize) -> io::Result<OwnedFd> {
+    let name = c"kvbridge-region";
+    // SAFETY: a valid C string; flags are constants.
+    let fd =
+        unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: fd is open; len fits off_t on 64-bit Linux.
+    if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // SAFETY: fd is an open memfd created with MFD_ALLOW_SEALING.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(fd)
+}
+
+/// The process id of the other end of a unix socket.
+fn peer_pid(s: &UnixStream) -> io::Result<u32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: cred and len are valid out-parameters of the sizes given.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(cred.pid as u32)
+}
+
+/// A fresh random socket name in the abstract namespace.
+pub(crate) fn socket_name() -> String {
+    let mut b = [0u8; 16];
+    crate::rand_bytes(&mut b);
+    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    format!("kvbridge-{hex}")
+}
+
+fn abstract_addr(name: &str) -> io::Result<std::os::unix::net::SocketAddr> {
+    use std::os::linux::net::SocketAddrExt;
+    std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
+}
+
+/// Binds the listener's unix socket.
+pub(crate) fn bind(name: &str) -> io::Result<tokio::net::UnixListener> {
+    let l = std::os::unix::net::UnixListener::bind_addr(&abstract_addr(name)?)?;
+    l.set_nonblocking(true)?;
+    tokio::net::UnixListener::from_std(l)
+}
+
+/// Connects to a listener's unix socket and checks that the listener's process owns it.
+pub(crate) async fn connect(name: &str, pid: u32) -> io::Result<UnixStream> {
+    let s = std::os::unix::net::UnixStream::connect_addr(&abstract_addr(name)?)?;
+    s.set_nonblocking(true)?;
+    let s = UnixStream::from_std(s)?;
+    let theirs = peer_pid(&s)?;
+    if theirs != pid {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("unix socket owned by pid {theirs}, the listener offered pid {pid}"),
+        ));
+    }
+    Ok(s)
+}
+
+/// Sends one frame, with `fd` attached (SCM_RIGHTS) when given.
+pub(crate) async fn send_frame(s: &UnixStream, m: &Message, fd: Option<RawFd>) -> io::Result<()> {
+    let frame = m
+        .to_frame()
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    let mut off = 0;
+    let mut fd = fd;
+    while off < frame.len() {
+        s.writable().await?;
+        let r = s.try_io(Interest::WRITABLE, || {
+            sendmsg(s.as_raw_fd(), &frame[off..], fd)
+        });
+        match r {
+            Ok(n) => {
+                off += n;
+                // The descriptor went with the first byte.
+                fd = None;
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+fn sendmsg(sock: RawFd, data: &[u8], fd: Option<RawFd>) -> io::Result<usize> {
+    let mut iov = libc::iovec {
+        iov_base: data.as_ptr() as *mut libc::c_void,
+        iov_len: data.len(),
+    };
+    // Room for one descriptor, aligned for cmsghdr.
+    let mut cbuf = [0u64; 4];
+    // SAFETY: an all-zero msghdr is valid.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    if let Some(fd) = fd {
+        // SAFETY: CMSG_SPACE of a constant.
+        let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+        msg.msg_control = cbuf.as_mut_ptr().cast();
+        msg.msg_controllen = space;
+        // SAFETY: msg_control points at `space` <= 32 bytes of our buffer; the first cmsghdr
+        // fits, and CMSG_DATA points inside it.
+        unsafe {
+            let c = libc::CMSG_FIRSTHDR(&msg);
+            (*c).cmsg_level = libc::SOL_SOCKET;
+            (*c).cmsg_type = libc::SCM_RIGHTS;
+            (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as usize;
+            std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<RawFd>(), fd);
+        }
+    }
+    // SAFETY: msg points at valid buffers for the duration of the call.
+    let n = unsafe { libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
+/// Reads frames and the descriptors that travel with them off a unix socket.
+pub(crate) struct FdReader {
+    buf: Vec<u8>,
+    fds: VecDeque<OwnedFd>,
+    max_body: u32,
+}
+
+impl FdReader {
+    pub(crate) fn new(max_body: u32) -> Self {
+        Self {
+            buf: Vec::new(),
+            fds: VecDeque::new(),
+            max_body,
+        }
+    }
+
+    /// The next frame; `Ok(None)` on a clean end of stream.
+    pub(crate) async fn next(&mut self, s: &UnixStream) -> io::Result<Option<Message>> {
+        loop {
+            if self.buf.len() >= FRAME_HEADER_LEN {
+                let h: [u8; FRAME_HEADER_LEN] = self.buf[..FRAME_HEADER_LEN]
+                    .try_into()
+                    .expect("length checked");
+                let header = FrameHeader::decode(&h, self.max_body)
+                    .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+                let end = FRAME_HEADER_LEN + header.body_len as usize;
+                if self.buf.len() >= end {
+                    let m = Message::decode(&self.buf[FRAME_HEADER_LEN..end])
+                        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+                    self.buf.drain(..end);
+                    return Ok(Some(m));
+                }
+            }
+            s.readable().await?;
+            let mut chunk = [0u8; 4096];
+            let r = s.try_io(Interest::READABLE, || {
+                recvmsg(s.as_raw_fd(), &mut chunk, &mut self.fds)
+            });
+            match r {
+                Ok(0) if self.buf.is_empty() => return Ok(None),
+                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// The descriptor that came with the last `ShmMap`.
+    pub(crate) fn take_fd(&mut self) -> Option<OwnedFd> {
+        self.fds.pop_front()
+    }
+}
+
+fn recvmsg(sock: RawFd, data: &mut [u8], fds: &mut VecDeque<OwnedFd>) -> io::Result<usize> {
+    let mut iov = libc::iovec {
+        iov_base: data.as_mut_ptr().cast(),
+        iov_len: data.len(),
+    };
+    let mut cbuf = [0u64; 32];
+    // SAFETY: an all-zero msghdr is valid.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr().cast();
+    msg.msg_controllen = std::mem::size_of_val(&cbuf);
+    // SAFETY: msg points at valid buffers for the duration of the call.
+    let n = unsafe { libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the kernel filled msg_control with well-formed cmsghdrs up to msg_controllen;
+    // the CMSG_* macros walk them inside that bound.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(c);
+                let bytes = (*c).cmsg_len as usize - (data as usize - c as usize);
+                for i in 0..bytes / std::mem::size_of::<RawFd>() {
+                    let fd = std::ptr::read_unaligned(data.cast::<RawFd>().add(i));
+                    // The descriptor is ours now.
+                    fds.push_back(OwnedFd::from_raw_fd(fd));
+                }
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+    }
+    if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "descriptors truncated",
+        ));
+    }
+    Ok(n as usize)
+}
+
+/// A peer's region mapped into this process.
+pub(crate) struct Mapping {
+    ptr: *mut u8,
+    len: usize,
+    /// Set (under the write lock) when the peer revoked the region: a copy holds the read
+    /// lock for its whole length, so once the write lock is taken none runs or will start.
+    revoked: RwLock<bool>,
+}
+
+// SAFETY: the mapping is plain shared memory; access is serialised by `revoked` for its
+// lifetime and by the transfer contract for the bytes.
+unsafe impl Send for Mapping {}
+// SAFETY: as above.
+unsafe impl Sync for Mapping {}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: mapped in `Mapping::map` with this length; no copy can hold it (we are the
+        // last reference).
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+impl Mapping {
+    /// Maps `len` bytes of a peer's memfd, after checking that it is at least that long and
+    /// sealed against shrinking (a shrunk file would make our copies fault).
+    pub(crate) fn map(fd: &OwnedFd, len: u64) -> io::Result<Mapping> {
+        let len = usize::try_from(len)
+            .ok()
+            .filter(|&l| l > 0)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "bad region length"))?;
+        // SAFETY: an all-zero stat is valid; fd is open.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: st is a valid out-parameter.
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if (st.st_size as u64) < len as u64 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("memfd of {} bytes for a region of {len}", st.st_size),
+            ));
+        }
+        // SAFETY: fd is open; F_GET_SEALS has no other argument.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "the peer's memfd is not sealed against shrinking",
+            ));
+        }
+        // Populate now: the first copy into the region must not pay for page faults.
+        // SAFETY: a fresh shared mapping of an fd we checked; the kernel picks the address.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_POPULATE,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Mapping {
+            ptr: p.cast(),
+            len,
+            revoked: RwLock::new(false),
+        })
+    }
+
+    /// Marks the mapping revoked; returns once no copy into or out of it is running.
+    pub(crate) fn revoke(&self) {
+        *self.revoked.write().unwrap_or_else(|e| e.into_inner()) = true;
+    }
+}
+
+/// Why a shared-memory batch failed.
+#[derive(Debug)]
+pub(crate) enum ShmFail {
+    /// The peer revoked this region (deregistered it or withdrew its grant).
+    Revoked(RegionId),
+    /// The op does not fit the mapping (the peer's MemInfo and its mapping disagree).
+    OutOfBounds(RegionId),
+}
+
+/// Direction of a copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Dir {
+    /// Local → peer.
+    Write,
+    /// Peer → local.
+    Read,
+}
+
+/// The peer's regions this side has mapped, for one session. Filled by the session's
+/// shared-memory task, used by its data writer.
+#[derive(Default)]
+pub(crate) struct ShmPeer {
+    maps: RwLock<HashMap<RegionId, Arc<Mapping>>>,
+}
+
+impl ShmPeer {
+    pub(crate) fn insert(&self, id: RegionId, m: Mapping) {
+        self.maps
+            .write()
+            .expect("shm maps poisoned")
+            .insert(id, Arc::new(m));
+    }
+
+    /// Removes and revokes a mapping; returns once no copy into it runs. Blocking.
+    pub(crate) fn revoke(&self, id: &RegionId) {
+        let m = self.maps.write().expect("shm maps poisoned").remove(id);
+        if let Some(m) = m {
+            m.revoke();
+        }
+    }
+
+    /// Revokes every mapping (the connection that could revoke them is ending). Blocking.
+    pub(crate) fn revoke_all(&self) {
+        let all: Vec<Arc<Mapping>> = self
+            .maps
+            .write()
+            .expect("shm maps poisoned")
+            .drain()
+            .map(|(_, m)| m)
+            .collect();
+        for m in all {
+            m.revoke();
+        }
+    }
+
+    /// The mappings for every op, or `None` when one region is not mapped (the batch goes
+    /// over TCP).
+    pub(crate) fn resolve(&self, descs: &[OpDesc]) -> Option<Vec<Arc<Mapping>>> {
+        let maps = self.maps.read().expect("shm maps poisoned");
+        if maps.is_empty() {
+            return None;
+        }
+        descs.iter().map(|d| maps.get(&d.region).cloned()).collect()
+    }
+
+    /// Mapped regions.
+    pub(crate) fn len(&self) -> usize {
+        self.maps.read().expect("shm maps poisoned").len()
+    }
+}
+
+/// Executes a batch with one memcpy per op. Runs on the data writer thread, in order with
+/// the frames of the data connection.
+pub(crate) fn copy_batch(
+    dir: Dir,
+    descs: &[OpDesc],
+    maps: &[Arc<Mapping>],
+    local: &[LocalSlice],
+) -> Result<(), ShmFail> {
+    for ((d, m), l) in descs.iter().zip(maps).zip(local) {
+        let g = m.revoked.read().unwrap_or_else(|e| e.into_inner());
+        if *g {
+            return Err(ShmFail::Revoked(d.region));
+        }
+        if !d.in_bounds(m.len as u64) || d.len as usize != l.len {
+            return Err(ShmFail::OutOfBounds(d.region));
+        }
+        // SAFETY: the remote range is inside the live mapping (checked above, and the read
+        // lock keeps it from being revoked and unmapped meanwhile); the local range was
+        // checked against its region, which the slice holds in use. The transfer contract
+        // excludes concurrent access to both ranges.
+        unsafe {
+            let remote = m.ptr.add(d.offset as usize);
+            let local = l.ptr();
+            match dir {
+                Dir::Write => std::ptr::copy_nonoverlapping(local, remote, l.len),
+                Dir::Read => std::ptr::copy_nonoverlapping(remote, local, l.len),
+            }
+        }
+        drop(g);
+    }
+    Ok(())
+}
+
+/// Messages of the shared-memory connection, for the session.
+pub(crate) fn unmapped(id: RegionId) -> Message {
+    Message::ShmUnmapped(ShmRevoke { id })
+}
+
+/// A `ShmMap` for a region.
+pub(crate) fn map_msg(id: RegionId, len: u64) -> Message {
+    Message::ShmMap(ShmRegion { id, len })
+}
