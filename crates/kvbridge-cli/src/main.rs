@@ -85,28 +85,12 @@ fn main() -> Result<()> {
                 vec![exe, "proxy".into()],
             )?;
             let s = rt()?.block_on(kvbridge_sim::soak::run(opts))?;
-            if args.json {
-                println!("{}", serde_json::to_string(&s)?);
-            } else {
-                println!("{}", s.table());
-            }
-            if !s.passed() {
-                std::process::exit(1);
-            }
-            Ok(())
+            verdict(args.json, &s, s.table(), s.passed())
         }
         Cmd::Demo(args) => {
             let json = args.json;
             let s = rt()?.block_on(kvbridge_sim::demo::run(*args))?;
-            if json {
-                println!("{}", serde_json::to_string(&s)?);
-            } else {
-                println!("{}", s.table());
-            }
-            if !s.passed() {
-                std::process::exit(1);
-            }
-            Ok(())
+            verdict(json, &s, s.table(), s.passed())
         }
         Cmd::Bench(BenchCmd::Transfer(args)) => {
             let (json, batch) = (args.json, args.batch);
@@ -156,4 +140,17 @@ fn main() -> Result<()> {
             welcome_delay: welcome_delay_ms.map(std::time::Duration::from_millis),
         })),
     }
+}
+
+/// Prints a run's summary (one JSON object, or its table) and exits non-zero when it failed.
+fn verdict(json: bool, summary: &impl serde::Serialize, table: String, passed: bool) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(summary)?);
+    } else {
+        println!("{table}");
+    }
+    if !passed {
+        std::process::exit(1);
+    }
+    Ok(())
 }

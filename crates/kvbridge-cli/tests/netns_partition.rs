@@ -8,8 +8,9 @@
 //! `cargo test -p kvbridge-cli --test netns_partition -- --ignored`.
 
 use kvbridge::{Channel, ChannelConfig, Grant, Op, Region};
-use std::io::Read;
-use std::process::{Child, Command, Stdio};
+mod common;
+use common::{spawn_peer, Peer};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 const OP_DEADLINE: Duration = Duration::from_secs(2);
@@ -97,47 +98,13 @@ impl Drop for Net {
     }
 }
 
-struct Peer {
-    child: Child,
-    addr: String,
-    region: kvbridge::RegionId,
-}
-
-impl Drop for Peer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// `kvbridge bench peer` inside the namespace; reads its `READY addr region sink` line.
+/// `kvbridge bench peer` inside the namespace.
 fn start_peer(net: &Net) -> Peer {
-    let mut child = Command::new("ip")
-        .args(["netns", "exec", &net.ns, env!("CARGO_BIN_EXE_kvbridge")])
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", &net.ns, env!("CARGO_BIN_EXE_kvbridge")])
         .args(["bench", "peer", "--region-bytes", "67108864", "--listen"])
-        .arg(format!("{}:0", net.ns_addr))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("start kvbridge bench peer in the namespace");
-    let mut out = child.stdout.take().expect("stdout");
-    let mut line = Vec::new();
-    let mut b = [0u8; 1];
-    while out.read(&mut b).expect("read") == 1 && b[0] != b'\n' {
-        line.push(b[0]);
-    }
-    let line = String::from_utf8(line).expect("utf8");
-    let parts: Vec<&str> = line.split_whitespace().collect();
-    assert_eq!(parts.first(), Some(&"READY"), "{line}");
-    let mut id = [0u8; 16];
-    for (i, b) in id.iter_mut().enumerate() {
-        *b = u8::from_str_radix(&parts[2][2 * i..2 * i + 2], 16).expect("hex");
-    }
-    Peer {
-        child,
-        addr: parts[1].to_string(),
-        region: kvbridge::RegionId(id),
-    }
+        .arg(format!("{}:0", net.ns_addr));
+    spawn_peer(cmd)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

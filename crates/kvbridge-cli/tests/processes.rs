@@ -2,56 +2,23 @@
 //! restarted on the same address.
 
 use kvbridge::{Channel, ChannelConfig, Error, Grant, Op, Region};
-use std::io::Read;
-use std::process::{Child, Command, Stdio};
+mod common;
+use common::{spawn_peer, Peer};
+use std::process::Command;
 use std::time::Duration;
 
-struct Peer {
-    child: Child,
-    addr: String,
-    region: kvbridge::RegionId,
-}
-
-impl Drop for Peer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 fn start_peer(listen: &str, extra: &[&str]) -> Peer {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvbridge"))
-        .args([
-            "bench",
-            "peer",
-            "--region-bytes",
-            "1048576",
-            "--listen",
-            listen,
-        ])
-        .args(extra)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("start kvbridge bench peer");
-    let mut out = child.stdout.take().unwrap();
-    let mut line = Vec::new();
-    let mut b = [0u8; 1];
-    while out.read(&mut b).unwrap() == 1 && b[0] != b'\n' {
-        line.push(b[0]);
-    }
-    let line = String::from_utf8(line).unwrap();
-    let parts: Vec<&str> = line.split_whitespace().collect();
-    assert_eq!(parts[0], "READY", "{line}");
-    let mut id = [0u8; 16];
-    for (i, b) in id.iter_mut().enumerate() {
-        *b = u8::from_str_radix(&parts[2][2 * i..2 * i + 2], 16).unwrap();
-    }
-    Peer {
-        child,
-        addr: parts[1].to_string(),
-        region: kvbridge::RegionId(id),
-    }
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvbridge"));
+    cmd.args([
+        "bench",
+        "peer",
+        "--region-bytes",
+        "1048576",
+        "--listen",
+        listen,
+    ])
+    .args(extra);
+    spawn_peer(cmd)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

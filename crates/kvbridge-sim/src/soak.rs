@@ -255,6 +255,29 @@ struct Proc {
 }
 
 impl Proc {
+    /// A slot whose process has just started and printed `addrs`.
+    fn started(
+        name: String,
+        kind: Kind,
+        program: &[OsString],
+        restart_args: Vec<String>,
+        child: Child,
+        addrs: &Value,
+    ) -> Proc {
+        Proc {
+            name,
+            kind,
+            program: program.to_vec(),
+            restart_args,
+            child: Some(child),
+            http: addrs["http"].as_str().unwrap_or_default().to_string(),
+            mismatches_banked: 0,
+            mismatches_now: 0,
+            last: (kind == Kind::Decode).then(|| addrs.clone()),
+            mem: None,
+        }
+    }
+
     fn pid(&self) -> Option<u32> {
         self.child.as_ref().and_then(|c| c.id())
     }
@@ -657,7 +680,6 @@ async fn start_processes(o: &SoakOptions, flags: &[String]) -> anyhow::Result<Ve
             o.kv_ttl.as_secs_f64().to_string(),
         ]);
         let (child, v) = spawn(&o.engine_cmd, &args).await?;
-        let http = v["http"].as_str().unwrap_or_default().to_string();
         let (init, alloc) = (ports_of(&v["init_ports"]), ports_of(&v["alloc_ports"]));
         args.extend([
             "--port".into(),
@@ -667,18 +689,14 @@ async fn start_processes(o: &SoakOptions, flags: &[String]) -> anyhow::Result<Ve
             "--alloc-port".into(),
             join(&alloc),
         ]);
-        procs.push(Proc {
-            name: format!("decoder-{d}"),
-            kind: Kind::Decode,
-            program: o.engine_cmd.clone(),
-            restart_args: args,
-            child: Some(child),
-            http,
-            mismatches_banked: 0,
-            mismatches_now: 0,
-            last: Some(v),
-            mem: None,
-        });
+        procs.push(Proc::started(
+            format!("decoder-{d}"),
+            Kind::Decode,
+            &o.engine_cmd,
+            args,
+            child,
+            &v,
+        ));
     }
     for p in 0..o.prefillers {
         let mut args = base("prefill");
@@ -686,18 +704,14 @@ async fn start_processes(o: &SoakOptions, flags: &[String]) -> anyhow::Result<Ve
         let (child, v) = spawn(&o.engine_cmd, &args).await?;
         args.pop();
         args.extend(["--port".into(), port_of(&v["http"])?.to_string()]);
-        procs.push(Proc {
-            name: format!("prefiller-{p}"),
-            kind: Kind::Prefill,
-            program: o.engine_cmd.clone(),
-            restart_args: args,
-            child: Some(child),
-            http: v["http"].as_str().unwrap_or_default().to_string(),
-            mismatches_banked: 0,
-            mismatches_now: 0,
-            last: None,
-            mem: None,
-        });
+        procs.push(Proc::started(
+            format!("prefiller-{p}"),
+            Kind::Prefill,
+            &o.engine_cmd,
+            args,
+            child,
+            &v,
+        ));
     }
     let toml = proxy_toml(o, &procs)?;
     let path = config_path();
@@ -725,18 +739,14 @@ async fn start_processes(o: &SoakOptions, flags: &[String]) -> anyhow::Result<Ve
             notify.to_string(),
         ]);
     }
-    procs.push(Proc {
-        name: "proxy".into(),
-        kind: Kind::Proxy,
-        program: o.proxy_cmd.clone(),
-        restart_args: args,
-        child: Some(child),
-        http: v["http"].as_str().unwrap_or_default().to_string(),
-        mismatches_banked: 0,
-        mismatches_now: 0,
-        last: None,
-        mem: None,
-    });
+    procs.push(Proc::started(
+        "proxy".into(),
+        Kind::Proxy,
+        &o.proxy_cmd,
+        args,
+        child,
+        &v,
+    ));
     Ok(procs)
 }
 

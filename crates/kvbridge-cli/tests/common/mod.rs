@@ -1,0 +1,48 @@
+//! Helpers for the tests that run `kvbridge bench peer` as a separate process.
+#![allow(dead_code)]
+
+use std::io::Read;
+use std::process::{Child, Command, Stdio};
+
+/// A `kvbridge bench peer` process: its channel address and registered region. Killed on
+/// drop.
+pub struct Peer {
+    pub child: Child,
+    pub addr: String,
+    pub region: kvbridge::RegionId,
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Spawns `cmd` (a `kvbridge bench peer` command line, possibly behind `ip netns exec`) and
+/// reads its `READY <addr> <region id> <sink addr>` line.
+pub fn spawn_peer(mut cmd: Command) -> Peer {
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start kvbridge bench peer");
+    let mut out = child.stdout.take().expect("stdout piped");
+    let mut line = Vec::new();
+    let mut b = [0u8; 1];
+    while out.read(&mut b).expect("read the READY line") == 1 && b[0] != b'\n' {
+        line.push(b[0]);
+    }
+    let line = String::from_utf8(line).expect("utf8");
+    let parts: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(parts.first(), Some(&"READY"), "{line}");
+    let mut id = [0u8; 16];
+    for (i, b) in id.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&parts[2][2 * i..2 * i + 2], 16).expect("hex region id");
+    }
+    Peer {
+        child,
+        addr: parts[1].to_string(),
+        region: kvbridge::RegionId(id),
+    }
+}
