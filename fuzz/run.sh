@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every fuzz target in turn, SECONDS each (default 600), one fuzzer process at a time
-# (niced), then merges what it found into the committed seeds (fuzz/seeds/<target>, kept
-# minimal: only inputs that add coverage).
+# (niced), starting from the committed seeds, then minimizes the working corpus
+# (fuzz/corpus/<target>, not committed) with -merge=1.
 #   fuzz/run.sh [SECONDS]            all targets
 #   TARGETS="handshake" fuzz/run.sh 60
 # Needs cargo-fuzz (`cargo install cargo-fuzz`); works on stable (no sanitizer). A crash
@@ -24,10 +24,11 @@ for t in "${targets[@]}"; do
         echo "$t: crash (exit $rc), see fuzz/logs/$t.log and fuzz/artifacts/$t/" >&2
         exit 1
     fi
-    # Keep the committed seeds minimal: the inputs that add coverage, nothing else.
-    rm -rf "fuzz/seeds/$t.new" && mkdir "fuzz/seeds/$t.new"
-    cargo fuzz run "${flags[@]}" "$t" "fuzz/seeds/$t.new" "fuzz/seeds/$t" "fuzz/corpus/$t" \
+    # Keep the working corpus minimal: only the inputs that add coverage. The committed
+    # seeds (fuzz/seeds) are a small hand-picked subset; see fuzz/README.md.
+    rm -rf "fuzz/corpus/$t.min" && mkdir "fuzz/corpus/$t.min"
+    cargo fuzz run "${flags[@]}" "$t" "fuzz/corpus/$t.min" "fuzz/corpus/$t" "fuzz/seeds/$t" \
         -- -merge=1 >"fuzz/logs/$t.merge.log" 2>&1
-    rm -rf "fuzz/seeds/$t" && mv "fuzz/seeds/$t.new" "fuzz/seeds/$t"
-    echo "$t: $(ls "fuzz/seeds/$t" | wc -l) seeds, $(du -sh "fuzz/seeds/$t" | cut -f1)" >&2
+    rm -rf "fuzz/corpus/$t" && mv "fuzz/corpus/$t.min" "fuzz/corpus/$t"
+    echo "$t: corpus of $(ls "fuzz/corpus/$t" | wc -l) inputs" >&2
 done
