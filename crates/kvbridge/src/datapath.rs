@@ -399,7 +399,7 @@ impl ReaderCtx {
 
     /// Validates a peer's batch against our regions: every op in a region granted to the
     /// peer and inside it, the batch within limits. Returns the destinations, marked in use.
-    fn resolve(&self, b: &Batch) -> std::result::Result<Vec<LocalSlice>, Reject> {
+    pub(crate) fn resolve(&self, b: &Batch) -> std::result::Result<Vec<LocalSlice>, Reject> {
         let reject = |code, message: String| Reject { code, message };
         if b.ops.len() > self.limits.max_ops_per_batch {
             return Err(reject(

@@ -30,6 +30,8 @@ pub mod config;
 mod data_threads;
 mod datapath;
 mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod net;
 mod region;
 mod session;
