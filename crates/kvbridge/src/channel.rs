@@ -40,7 +40,9 @@ pub struct Op {
 
 impl Op {
     /// An op by page index: local page `local_page` ↔ remote page `remote_page`, one page of
-    /// `page_size` bytes (the remote address is base + index × page size).
+    /// `page_size` bytes (the remote address is base + index × page size). An index so large
+    /// that its offset overflows saturates, so the op fails the bounds check with a typed
+    /// error instead of wrapping around to another page.
     pub fn page(
         local: &Region,
         local_page: usize,
@@ -50,9 +52,9 @@ impl Op {
     ) -> Op {
         Op {
             local: local.clone(),
-            local_offset: local_page * page_size,
+            local_offset: local_page.saturating_mul(page_size),
             remote,
-            remote_offset: remote_page * page_size as u64,
+            remote_offset: remote_page.saturating_mul(page_size as u64),
             len: page_size,
         }
     }

@@ -453,6 +453,36 @@ impl ReaderCtx {
     }
 }
 
+/// A write batch's destinations must not overlap: each becomes a `&mut [u8]` that the
+/// payload is read into, and two of those over the same bytes are not allowed (nor is a
+/// batch whose result depends on op order meaningful).
+fn disjoint(
+    dests: Vec<LocalSlice>,
+    b: &Batch,
+) -> std::result::Result<Vec<LocalSlice>, Reject> {
+    let mut by_addr: Vec<(usize, usize, usize)> = dests
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| d.len > 0)
+        .map(|(i, d)| (d.ptr() as usize, d.len, i))
+        .collect();
+    by_addr.sort_unstable();
+    for w in by_addr.windows(2) {
+        let ((a, alen, i), (c, _, j)) = (w[0], w[1]);
+        if a + alen > c {
+            let (i, j) = (i.min(j), i.max(j));
+            return Err(Reject {
+                code: ErrorCode::OutOfBounds,
+                message: format!(
+                    "ops {i} and {j} of write batch {} overlap in region {}",
+                    b.id, b.ops[i].region
+                ),
+            });
+        }
+    }
+    Ok(dests)
+}
+
 /// The reader task: serves the peer's batches and completes ours, until the connection ends.
 pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
     let peer = ctx.path.peer.clone();
@@ -488,7 +518,7 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
         };
         match msg {
             Message::WriteBatch(b) => {
-                let dests = match ctx.resolve(&b) {
+                let dests = match ctx.resolve(&b).and_then(|d| disjoint(d, &b)) {
                     Ok(d) => d,
                     Err(reject) => {
                         let err = ctx.misbehaved(Step::Write, reject.message.clone());

@@ -45,10 +45,29 @@ pub(crate) async fn read_frame<R: AsyncRead + Unpin>(
         r.read_exact(&mut h[n..]).await.map_err(eof_is_truncation)?;
     }
     let header = FrameHeader::decode(&h, max_body).map_err(ReadError::Frame)?;
-    buf.clear();
-    buf.resize(header.body_len as usize, 0);
-    r.read_exact(buf).await.map_err(eof_is_truncation)?;
+    read_body(r, header.body_len as usize, buf).await?;
     Message::decode(buf).map_err(ReadError::Frame)
+}
+
+/// Reads exactly `len` body bytes into `buf`, growing it as they arrive (doubling, from
+/// 64 KiB): a peer that only announces a large frame, before it has even authenticated,
+/// costs memory for what it sent, not for what it claimed.
+async fn read_body<R: AsyncRead + Unpin>(
+    r: &mut R,
+    len: usize,
+    buf: &mut Vec<u8>,
+) -> Result<(), ReadError> {
+    const FIRST: usize = 64 << 10;
+    buf.clear();
+    while buf.len() < len {
+        let start = buf.len();
+        let end = start.saturating_add(start.max(FIRST)).min(len);
+        buf.resize(end, 0);
+        r.read_exact(&mut buf[start..end])
+            .await
+            .map_err(eof_is_truncation)?;
+    }
+    Ok(())
 }
 
 /// Reads one frame from a data connection. Waiting for a frame to start has no deadline (a
@@ -69,9 +88,7 @@ pub(crate) async fn read_data_frame(
     let rest = async {
         r.read_exact(&mut h[1..]).await.map_err(eof_is_truncation)?;
         let header = FrameHeader::decode(&h, max_body).map_err(ReadError::Frame)?;
-        buf.clear();
-        buf.resize(header.body_len as usize, 0);
-        r.read_exact(buf).await.map_err(eof_is_truncation)?;
+        read_body(r, header.body_len as usize, buf).await?;
         Message::decode(buf).map_err(ReadError::Frame)
     };
     let res = match tokio::time::timeout(limit, rest).await {

@@ -51,21 +51,27 @@ async fn handshake(target: &str) -> (TcpStream, TcpStream) {
 }
 
 async fn expect_rejected_write(bad: OpDesc, expected: ErrorCode) {
+    expect_rejected_batch(vec![bad], expected).await
+}
+
+/// A write batch of `ops` (region `[0; 16]` means the listener's region) is refused with
+/// `expected`, nothing lands, and the session ends.
+async fn expect_rejected_batch(ops: Vec<OpDesc>, expected: ErrorCode) {
     let (dec, kv) = listener("decode-0", |_| {}, 4 * PAGE, PAGE).await;
     // Guard bytes around the region must stay zero; the region itself too.
     let (mut ctl, mut data) = handshake(&addr(&dec)).await;
-    let op = OpDesc {
-        region: if bad.region == RegionId([0; 16]) {
-            kv.id()
-        } else {
-            bad.region
-        },
-        ..bad
-    };
-    let frame = Message::WriteBatch(Batch {
-        id: 1,
-        ops: vec![op],
-    })
+    let ops = ops
+        .into_iter()
+        .map(|bad| OpDesc {
+            region: if bad.region == RegionId([0; 16]) {
+                kv.id()
+            } else {
+                bad.region
+            },
+            ..bad
+        })
+        .collect();
+    let frame = Message::WriteBatch(Batch { id: 1, ops })
     .to_frame()
     .unwrap();
     data.write_all(&frame).await.unwrap();
@@ -134,6 +140,18 @@ async fn write_with_overflowing_offset_is_refused() {
         ErrorCode::OutOfBounds,
     )
     .await;
+}
+
+/// Two ops of one write batch over the same bytes (found by the `op_validation` fuzz
+/// target): refused, since the payload would be read into two overlapping mutable slices.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlapping_ops_in_one_write_batch_are_refused() {
+    let op = |offset: u64| OpDesc {
+        region: RegionId([0; 16]),
+        offset,
+        len: PAGE as u64,
+    };
+    expect_rejected_batch(vec![op(0), op(PAGE as u64 / 2)], ErrorCode::OutOfBounds).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
