@@ -456,10 +456,7 @@ impl ReaderCtx {
 /// A write batch's destinations must not overlap: each becomes a `&mut [u8]` that the
 /// payload is read into, and two of those over the same bytes are not allowed (nor is a
 /// batch whose result depends on op order meaningful).
-fn disjoint(
-    dests: Vec<LocalSlice>,
-    b: &Batch,
-) -> std::result::Result<Vec<LocalSlice>, Reject> {
+fn disjoint(dests: Vec<LocalSlice>, b: &Batch) -> std::result::Result<Vec<LocalSlice>, Reject> {
     let mut by_addr: Vec<(usize, usize, usize)> = dests
         .iter()
         .enumerate()

@@ -72,8 +72,8 @@ async fn expect_rejected_batch(ops: Vec<OpDesc>, expected: ErrorCode) {
         })
         .collect();
     let frame = Message::WriteBatch(Batch { id: 1, ops })
-    .to_frame()
-    .unwrap();
+        .to_frame()
+        .unwrap();
     data.write_all(&frame).await.unwrap();
     let _ = data.write_all(&vec![0xAB; 2 * PAGE]).await;
     match recv_frame(&mut data).await {
