@@ -212,6 +212,8 @@ fn message(spec: MsgSpec, hash: u64) -> Option<Message> {
             token: SessionToken(token),
             compat: compat(hash),
             auth: a.map(auth),
+            // The shared-memory offer only names a socket; the state machines pass it on.
+            shm: None,
         }),
         MsgSpec::Reject(c) => Message::Reject(reject(c)),
         MsgSpec::Bye(c) => Message::Bye(reject(c)),
