@@ -578,14 +578,30 @@ async fn accept_loop(
     config: Arc<ChannelConfig>,
     core: mpsc::UnboundedSender<CoreCmd>,
 ) {
+    let unidentified = Arc::new(tokio::sync::Semaphore::new(
+        config.limits.max_unidentified_connections.max(1),
+    ));
     loop {
         match l.accept().await {
-            Ok((stream, _)) => {
+            Ok((stream, from)) => {
                 // Each connection's first frame is read in its own task: a silent or slow
-                // client delays only itself.
+                // client delays only itself. Their number is bounded: past the limit a new
+                // connection is closed at once.
+                let Ok(permit) = unidentified.clone().try_acquire_owned() else {
+                    tracing::warn!(
+                        %from,
+                        limit = config.limits.max_unidentified_connections,
+                        "too many connections without a first frame; closing this one"
+                    );
+                    drop(stream);
+                    continue;
+                };
                 let core = core.clone();
                 let config = config.clone();
-                tokio::spawn(async move { classify(stream, config, core).await });
+                tokio::spawn(async move {
+                    classify(stream, config, core).await;
+                    drop(permit);
+                });
             }
             Err(e) => {
                 tracing::warn!(error = %e, "accept failed");

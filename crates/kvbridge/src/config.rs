@@ -56,6 +56,10 @@ pub struct Limits {
     /// Most sessions handshaking with this listener at once; more are refused with
     /// `LimitExceeded` (a flood of half-open peers cannot exhaust the listener).
     pub max_concurrent_handshakes: usize,
+    /// Most accepted connections that have not sent their first frame yet; more are closed
+    /// at once (each waits up to `first_frame` and may announce a body of `max_frame_len`,
+    /// before any authentication).
+    pub max_unidentified_connections: usize,
 }
 
 impl Default for Limits {
@@ -66,6 +70,7 @@ impl Default for Limits {
             max_batch_bytes: 16 << 30,
             max_notify_len: 1 << 20,
             max_concurrent_handshakes: 256,
+            max_unidentified_connections: 512,
         }
     }
 }

@@ -312,3 +312,41 @@ async fn stall_inside_a_frame_hits_its_deadline_on_data_tasks() {
 async fn stalled_payload_hits_its_deadline_on_data_tasks() {
     stalled_peer_is_dropped(false, false).await
 }
+
+/// Connections that never send a first frame are bounded: past
+/// `max_unidentified_connections`, a new one is closed at once (long before the first-frame
+/// deadline); once the silent ones go, a real peer connects again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_connections_beyond_the_limit_are_closed_at_once() {
+    let (dec, _kv) = listener(
+        "decode-0",
+        |c| {
+            c.limits.max_unidentified_connections = 2;
+            c.deadlines.first_frame = Duration::from_secs(60);
+        },
+        4 * PAGE,
+        PAGE,
+    )
+    .await;
+    let a = addr(&dec);
+    let silent: Vec<TcpStream> = vec![
+        TcpStream::connect(&a).await.unwrap(),
+        TcpStream::connect(&a).await.unwrap(),
+    ];
+    let mut third = TcpStream::connect(&a).await.unwrap();
+    let r = tokio::time::timeout(Duration::from_secs(10), third.read(&mut [0u8; 16])).await;
+    assert!(
+        matches!(r, Ok(Ok(0)) | Ok(Err(_))),
+        "the connection past the limit must be closed, got {r:?}"
+    );
+    drop(silent);
+    let (ini, _src) = initiator("prefill-0", |_| {}, PAGE, PAGE).await;
+    let t = std::time::Instant::now();
+    loop {
+        match ini.connect(&a).await {
+            Ok(_) => break,
+            Err(_) if t.elapsed() < Duration::from_secs(10) => tokio::task::yield_now().await,
+            Err(e) => panic!("no connection once the silent peers left: {e}"),
+        }
+    }
+}
