@@ -78,27 +78,8 @@ async fn initiator_with_a_secret_refuses_a_listener_without_one() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peer_without_a_valid_proof_can_write_nothing() {
     let (dec, kv) = listener("decode-0", |c| c.secret = secret("s3cret"), PAGE, PAGE).await;
-    let mut ctl = TcpStream::connect(addr(&dec)).await.unwrap();
     let me = PeerId::new("intruder").unwrap();
-    ctl.write_all(
-        &Message::Hello(Hello {
-            version: 1,
-            peer_id: me.clone(),
-            incarnation: Incarnation(1),
-            compat: Compat::default(),
-            auth: Some(Auth {
-                challenge: Some(Blob(vec![0; 32])),
-                response: None,
-            }),
-        })
-        .to_frame()
-        .unwrap(),
-    )
-    .await
-    .unwrap();
-    let Some(Message::Welcome(w)) = recv_frame(&mut ctl).await else {
-        panic!("no welcome")
-    };
+    let (mut ctl, w) = hello_without_proof(&dec).await;
     // Skip the proof; open the data connection and try to write anyway (knowing the id).
     let mut data = TcpStream::connect(addr(&dec)).await.unwrap();
     data.write_all(
@@ -188,7 +169,27 @@ async fn unauthenticated_peer_gets_no_memory_descriptor() {
         PAGE,
     )
     .await;
-    let mut ctl = TcpStream::connect(addr(&dec)).await.unwrap();
+    let (mut ctl, w) = hello_without_proof(&dec).await;
+    let offer = w.shm.expect("a same-host listener offers shared memory");
+    // A token no session has: closed at once.
+    let o = offer.clone();
+    let n = tokio::task::spawn_blocking(move || {
+        shm_bytes_received(&o, kvbridge::proto::SessionToken([7; 16]))
+    })
+    .await
+    .unwrap();
+    assert_eq!(n, 0, "a wrong token was served");
+    // The right token but no proof: parked until the handshake deadline ends the session.
+    let n = tokio::task::spawn_blocking(move || shm_bytes_received(&offer, w.token))
+        .await
+        .unwrap();
+    assert_eq!(n, 0, "an unauthenticated peer was served");
+}
+
+/// Opens a control connection to `dec` as "intruder" with a challenge but no proof, and
+/// returns it with the listener's `Welcome`.
+async fn hello_without_proof(dec: &kvbridge::Channel) -> (TcpStream, Welcome) {
+    let mut ctl = TcpStream::connect(addr(dec)).await.unwrap();
     ctl.write_all(
         &Message::Hello(Hello {
             version: 1,
@@ -208,18 +209,5 @@ async fn unauthenticated_peer_gets_no_memory_descriptor() {
     let Some(Message::Welcome(w)) = recv_frame(&mut ctl).await else {
         panic!("no welcome")
     };
-    let offer = w.shm.expect("a same-host listener offers shared memory");
-    // A token no session has: closed at once.
-    let o = offer.clone();
-    let n = tokio::task::spawn_blocking(move || {
-        shm_bytes_received(&o, kvbridge::proto::SessionToken([7; 16]))
-    })
-    .await
-    .unwrap();
-    assert_eq!(n, 0, "a wrong token was served");
-    // The right token but no proof: parked until the handshake deadline ends the session.
-    let n = tokio::task::spawn_blocking(move || shm_bytes_received(&offer, w.token))
-        .await
-        .unwrap();
-    assert_eq!(n, 0, "an unauthenticated peer was served");
+    (ctl, w)
 }
