@@ -169,7 +169,7 @@ async fn unauthenticated_peer_gets_no_memory_descriptor() {
         PAGE,
     )
     .await;
-    let (mut ctl, w) = hello_without_proof(&dec).await;
+    let (_ctl, w) = hello_without_proof(&dec).await;
     let offer = w.shm.expect("a same-host listener offers shared memory");
     // A token no session has: closed at once.
     let o = offer.clone();
