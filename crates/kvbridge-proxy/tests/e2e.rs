@@ -964,7 +964,11 @@ async fn streaming_has_no_nagle_stall() {
 async fn thousand_requests_with_random_failures_leave_nothing_behind() {
     let e = Arc::new(
         env(Flow::Lmcache, 2, 2, |c| {
-            c.kv_ready_timeout = Duration::from_millis(100);
+            // Long enough that an `@late` outcome (sent 50 ms after the prefill answer) makes
+            // it on a machine loaded well past its cores (a 100 ms deadline did not, under a
+            // load average of 15); short enough that the `@nonotify` tenth of the requests
+            // ends in a few seconds at 32 at a time.
+            c.kv_ready_timeout = Duration::from_millis(1000);
             c.decoders.iter_mut().for_each(|d| d.max_requests = 12);
             c.max_queue = 16;
             c.queue_timeout = Duration::from_millis(500);
