@@ -100,6 +100,12 @@ pub struct ProxyArgs {
     /// core serves well over 10,000 requests per second); more use a work-stealing pool.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
     pub threads: u16,
+    /// Microseconds the proxy polls its sockets instead of sleeping while the only request
+    /// in flight awaits a backend (a sleeping thread costs tens of microseconds to wake on an
+    /// idle machine, twice per request); 0 turns it off. One-thread runtime only [default:
+    /// 100].
+    #[arg(long)]
+    pub busy_poll_us: Option<u64>,
 }
 
 /// Builds the proxy's runtime (see [`ProxyArgs::threads`]) and runs the proxy on it until

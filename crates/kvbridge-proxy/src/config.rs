@@ -100,6 +100,9 @@ pub struct Config {
     pub queue_timeout: Duration,
     /// Largest request body accepted; a larger one is answered 413 `request_too_large`.
     pub max_body_bytes: usize,
+    /// Longest a backend call is awaited by polling instead of sleeping, while it belongs to
+    /// the only request in flight (see `--busy-poll-us`); zero turns polling off.
+    pub busy_poll: Duration,
 }
 
 impl Default for Config {
@@ -123,6 +126,7 @@ impl Default for Config {
             max_queue: 1024,
             queue_timeout: Duration::from_secs(10),
             max_body_bytes: 8 << 20,
+            busy_poll: Duration::from_micros(100),
         }
     }
 }
@@ -147,6 +151,7 @@ struct FileConfig {
     max_queue: Option<usize>,
     queue_timeout: Option<f64>,
     max_body_bytes: Option<usize>,
+    busy_poll_us: Option<u64>,
     #[serde(default, rename = "prefiller")]
     prefillers: Vec<WorkerAddr>,
     #[serde(default, rename = "decoder")]
@@ -341,6 +346,11 @@ impl Config {
                 .max_body_bytes
                 .or(file.max_body_bytes)
                 .unwrap_or(d.max_body_bytes),
+            busy_poll: a
+                .busy_poll_us
+                .or(file.busy_poll_us)
+                .map(Duration::from_micros)
+                .unwrap_or(d.busy_poll),
         };
         cfg.validate()?;
         Ok(cfg)

@@ -6,6 +6,7 @@
 #![warn(missing_docs)]
 
 mod body;
+mod busy_poll;
 pub mod cli;
 pub mod config;
 #[doc(hidden)]

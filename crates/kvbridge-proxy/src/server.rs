@@ -25,6 +25,7 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 use crate::body::{Finish, ProxyBody};
+use crate::busy_poll::{Awaiting, BusyPoll};
 use crate::config::{Config, Flow};
 use crate::kvwait::{self, KvOutcome, KvWaiters};
 use crate::metrics::{Metrics, Outcome};
@@ -104,6 +105,8 @@ pub(crate) struct App {
     /// Per worker, the URIs of both APIs (completions, chat), parsed once.
     prefill_uris: Vec<[Uri; 2]>,
     decode_uris: Vec<[Uri; 2]>,
+    /// Polls for backend answers at low load (one-thread runtime only).
+    busy_poll: Option<Arc<BusyPoll>>,
 }
 
 fn api_uris(pool: &Pool) -> anyhow::Result<Vec<[Uri; 2]>> {
@@ -169,6 +172,12 @@ pub async fn start(cfg: Config) -> anyhow::Result<RunningProxy> {
         .map(|d| d.as_nanos())
         .unwrap_or(0);
     let (prefill_uris, decode_uris) = (api_uris(&prefill)?, api_uris(&decode)?);
+    let one_thread = tokio::runtime::Handle::current().runtime_flavor()
+        == tokio::runtime::RuntimeFlavor::CurrentThread;
+    let busy_poll = (one_thread && !cfg.busy_poll.is_zero()).then(|| BusyPoll::new(cfg.busy_poll));
+    if let Some(bp) = &busy_poll {
+        tasks.push(tokio::spawn(bp.clone().run()));
+    }
     let app = Arc::new(App {
         cfg,
         client,
@@ -180,6 +189,7 @@ pub async fn start(cfg: Config) -> anyhow::Result<RunningProxy> {
         seq: AtomicU64::new(0),
         prefill_uris,
         decode_uris,
+        busy_poll,
     });
     if !app.cfg.health_interval.is_zero() {
         for pool in [app.prefill.clone(), app.decode.clone()] {
@@ -414,6 +424,14 @@ async fn metrics_text(State(app): State<Arc<App>>) -> Response {
     let slots: u64 = app.decode.workers.iter().map(|w| w.inflight()).sum();
     let pslots: u64 = app.prefill.workers.iter().map(|w| w.inflight()).sum();
     use std::fmt::Write as _;
+    let spun = app.busy_poll.as_ref().map_or(0.0, |b| b.spun_secs());
+    let _ = writeln!(
+        s,
+        "# HELP kvbridge_proxy_busy_poll_seconds_total Time spent polling for backend answers \
+         instead of sleeping (--busy-poll-us).\n\
+         # TYPE kvbridge_proxy_busy_poll_seconds_total counter\n\
+         kvbridge_proxy_busy_poll_seconds_total {spun}"
+    );
     let _ = writeln!(
         s,
         "# HELP kvbridge_proxy_admission_slots_taken Decoder admission slots held now.\n\
@@ -990,6 +1008,7 @@ impl App {
             };
         }
         let req = self.request(uri, ctx, body);
+        let awaiting = self.awaiting_backend();
         let resp = match tokio::time::timeout_at(deadline, self.client.request(req)).await {
             Err(_) => return Err(timed_out()),
             Ok(Err(e)) if e.is_connect() => {
@@ -999,6 +1018,7 @@ impl App {
             Ok(Err(e)) => return Err(failed(e.to_string())),
             Ok(Ok(r)) => r,
         };
+        drop(awaiting);
         let (parts, body) = resp.into_parts();
         let ct = parts.headers.get(CONTENT_TYPE).cloned();
         if !parts.status.is_success() {
@@ -1038,6 +1058,13 @@ impl App {
         )
     }
 
+    /// Marks a backend call in flight, so that the runtime polls for its answer if it belongs
+    /// to the only request being served (see [`crate::busy_poll`]).
+    fn awaiting_backend(&self) -> Option<Awaiting> {
+        let bp = self.busy_poll.as_ref()?;
+        Some(bp.awaiting(self.metrics.in_flight.load(Relaxed)))
+    }
+
     fn request(&self, uri: Uri, ctx: &Ctx<'_>, body: Bytes) -> Request<Full<Bytes>> {
         let mut r = Request::new(Full::new(body));
         *r.method_mut() = Method::POST;
@@ -1059,6 +1086,7 @@ impl App {
         body: Bytes,
     ) -> Result<(StatusCode, Option<HeaderValue>, Bytes), CallError> {
         let req = self.request(uri, ctx, body);
+        let _awaiting = self.awaiting_backend();
         let resp = self.client.request(req).await.map_err(|e| {
             if e.is_connect() {
                 CallError::Connect(format!("{e}: {}", source_chain(&e)))
