@@ -57,8 +57,11 @@ pub struct SoakOptions {
     pub prefillers: u32,
     /// Decode engines.
     pub decoders: u32,
-    /// How long the workload runs.
+    /// How long the workload runs (at most).
     pub duration: Duration,
+    /// Requests the workload sends at most (it ends at whichever of this and `duration`
+    /// comes first): a fixed workload for tests.
+    pub max_requests: u64,
     /// Whether to kill and restart processes during the run.
     pub chaos: bool,
     /// Mean time between two kills (each is drawn from 0.5x to 1.5x of it).
@@ -497,7 +500,7 @@ async fn load_task(load: Arc<Load>) -> Tally {
     let mut t = Tally::default();
     loop {
         let i = load.next.fetch_add(1, Relaxed);
-        if Instant::now() >= load.end || i >= MAX_REQUESTS {
+        if Instant::now() >= load.end || i >= load.opts.max_requests.min(MAX_REQUESTS) {
             break;
         }
         if let Err(e) = one_request(&load, i, &mut t).await {
@@ -812,6 +815,7 @@ impl SoakOptions {
             }
         };
         Ok(SoakOptions {
+            max_requests: MAX_REQUESTS,
             engine_cmd,
             proxy_cmd,
             prefillers: a.prefillers.unwrap_or(2),
@@ -897,7 +901,7 @@ pub async fn run(o: SoakOptions) -> anyhow::Result<SoakSummary> {
     let mut next_poll = t0;
     loop {
         let now = Instant::now();
-        if now >= end {
+        if now >= end || tasks.iter().all(|t| t.is_finished()) {
             break;
         }
         if now >= next_poll {
@@ -1025,39 +1029,44 @@ pub async fn run(o: SoakOptions) -> anyhow::Result<SoakSummary> {
     let mut errors = tally.errors.clone();
     errors.extend(sup.errors.iter().cloned());
     errors.truncate(8);
-    let summary = SoakSummary {
-        duration_s: wall,
-        requests: tally.requests,
-        ok: tally.ok,
-        failed: tally.requests - tally.ok - tally.hangs,
-        hangs: tally.hangs,
-        failures_by_kind: tally.failures,
-        failure_examples: tally.examples,
-        kills: sup.kills,
-        restarts: sup.restarts,
-        restart_failures: sup.restart_failures,
-        kv_mismatches,
-        outputs_compared: tally.compared,
-        outputs_mismatched: tally.mismatched,
-        pages_leaked,
-        quiesced,
-        recovery_ok,
-        memory,
-        memory_flat,
-        errors,
-        setup: format!(
-            "{}P{}D as processes, {} for {:.0} s, chaos {} (every ~{:.1} s{}), {} in flight, model {}",
+    let summary =
+        SoakSummary {
+            duration_s: wall,
+            requests: tally.requests,
+            ok: tally.ok,
+            failed: tally.requests - tally.ok - tally.hangs,
+            hangs: tally.hangs,
+            failures_by_kind: tally.failures,
+            failure_examples: tally.examples,
+            kills: sup.kills,
+            restarts: sup.restarts,
+            restart_failures: sup.restart_failures,
+            kv_mismatches,
+            outputs_compared: tally.compared,
+            outputs_mismatched: tally.mismatched,
+            pages_leaked,
+            quiesced,
+            recovery_ok,
+            memory,
+            memory_flat,
+            errors,
+            setup: format!(
+            "{}P{}D as processes, {} for {}, chaos {} (every ~{:.1} s{}), {} in flight, model {}",
             o.prefillers,
             o.decoders,
             model.spec.layout,
-            o.duration.as_secs_f64(),
+            if o.max_requests < MAX_REQUESTS {
+                format!("{} requests", o.max_requests)
+            } else {
+                format!("{:.0} s", o.duration.as_secs_f64())
+            },
             if o.chaos { "on" } else { "off" },
             o.chaos_interval.as_secs_f64(),
             if o.chaos_proxy { ", proxy included" } else { "" },
             o.concurrency,
             model.name
         ),
-    };
+        };
     for p in &mut sup.procs {
         if let Some(mut c) = p.child.take() {
             let _ = c.start_kill();

@@ -15,6 +15,7 @@ fn options(chaos: bool, duration: Duration) -> SoakOptions {
         prefillers: 2,
         decoders: 2,
         duration,
+        max_requests: u64::MAX,
         chaos,
         chaos_interval: Duration::from_millis(1500),
         chaos_proxy: true,
