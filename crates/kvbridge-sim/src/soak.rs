@@ -107,9 +107,54 @@ pub struct MemoryTrack {
     pub max_mib: f64,
     /// Whether it was restarted after warm-up (then its growth says nothing).
     pub restarted: bool,
+    /// Resident size over the run, MiB, evenly spaced from warm-up to the last poll (at most
+    /// [`MEMORY_SAMPLES`] points): tells a plateau from a steady leak.
+    pub samples_mib: Vec<f64>,
+    /// Polls between two kept samples (doubles whenever the samples fill up).
+    #[serde(skip)]
+    stride: u32,
+    /// Polls since the last kept sample.
+    #[serde(skip)]
+    since: u32,
 }
 
+/// Most points of [`MemoryTrack::samples_mib`].
+pub const MEMORY_SAMPLES: usize = 32;
+
 impl MemoryTrack {
+    /// A track that starts (after warm-up) at `mib`.
+    pub fn new(name: &str, mib: f64) -> MemoryTrack {
+        MemoryTrack {
+            name: name.to_string(),
+            start_mib: mib,
+            end_mib: mib,
+            max_mib: mib,
+            restarted: false,
+            samples_mib: vec![mib],
+            stride: 1,
+            since: 0,
+        }
+    }
+
+    /// Records one poll: the end and the maximum, and every `stride`-th poll as a sample;
+    /// when the samples fill up, every other one is dropped and the stride doubles, so they
+    /// stay evenly spaced over any length of run in bounded memory.
+    pub fn record(&mut self, mib: f64) {
+        self.end_mib = mib;
+        self.max_mib = self.max_mib.max(mib);
+        self.since += 1;
+        if self.since < self.stride {
+            return;
+        }
+        self.since = 0;
+        if self.samples_mib.len() == MEMORY_SAMPLES {
+            let kept: Vec<f64> = self.samples_mib.iter().copied().step_by(2).collect();
+            self.samples_mib = kept;
+            self.stride *= 2;
+        }
+        self.samples_mib.push(mib);
+    }
+
     /// Flat: the end is within 30% (plus 32 MiB of slack for allocator and page-cache noise)
     /// of the size after warm-up.
     pub fn flat(&self) -> bool {
@@ -219,6 +264,10 @@ impl SoakSummary {
                 m.max_mib,
                 if m.restarted { ", restarted" } else { "" }
             ));
+            if !m.restarted && m.samples_mib.len() > 2 {
+                let pts: Vec<String> = m.samples_mib.iter().map(|v| format!("{v:.0}")).collect();
+                s.push_str(&format!("  {:<12} over the run: {}\n", "", pts.join(" ")));
+            }
         }
         s.push_str(&if self.passed() {
             "PASS".to_string()
@@ -644,23 +693,14 @@ impl Supervisor {
 
 fn track(m: &mut Option<MemoryTrack>, name: &str, mib: f64, warm: bool) {
     match m {
-        None if warm => {
-            *m = Some(MemoryTrack {
-                name: name.to_string(),
-                start_mib: mib,
-                end_mib: mib,
-                max_mib: mib,
-                restarted: false,
-            })
-        }
+        None if warm => *m = Some(MemoryTrack::new(name, mib)),
         None => {}
         Some(t) => {
             if t.restarted {
                 // A new incarnation: its growth says nothing about the old one.
                 return;
             }
-            t.end_mib = mib;
-            t.max_mib = t.max_mib.max(mib);
+            t.record(mib);
         }
     }
 }
@@ -1115,14 +1155,28 @@ mod tests {
     }
 
     #[test]
+    fn memory_samples_stay_bounded_and_evenly_spaced() {
+        let mut m = MemoryTrack::new("x", 0.0);
+        for i in 1..=1000 {
+            m.record(f64::from(i));
+        }
+        assert!(m.samples_mib.len() <= MEMORY_SAMPLES, "{:?}", m.samples_mib);
+        assert!(
+            m.samples_mib.len() >= MEMORY_SAMPLES / 2,
+            "{:?}",
+            m.samples_mib
+        );
+        assert_eq!(m.samples_mib[0], 0.0);
+        let steps: Vec<f64> = m.samples_mib.windows(2).map(|w| w[1] - w[0]).collect();
+        assert!(steps.iter().all(|&d| d == steps[0]), "{:?}", m.samples_mib);
+        assert!(*m.samples_mib.last().unwrap() > 1000.0 - steps[0] - 1.0);
+        assert_eq!((m.end_mib, m.max_mib), (1000.0, 1000.0));
+    }
+
+    #[test]
     fn memory_is_flat_within_slack_and_restarts_are_not_judged() {
-        let mut m = MemoryTrack {
-            name: "x".into(),
-            start_mib: 100.0,
-            end_mib: 150.0,
-            max_mib: 150.0,
-            restarted: false,
-        };
+        let mut m = MemoryTrack::new("x", 100.0);
+        m.record(150.0);
         assert!(m.flat());
         m.end_mib = 200.0;
         assert!(!m.flat());
