@@ -4,6 +4,8 @@
 //! 1P2D, 2P1D, tensor parallel 2, and the MLA layout. No chaos: every request must succeed,
 //! no KV byte may differ and every page must come back.
 
+mod common;
+
 use kvbridge_sim::cli::{CostArgs, ModelArgs};
 use kvbridge_sim::soak::{self, SoakOptions};
 use std::time::Duration;
@@ -11,41 +13,30 @@ use std::time::Duration;
 const REQUESTS: u64 = 50;
 
 fn options(prefillers: u32, decoders: u32, tp: u32, latent_dim: u32) -> SoakOptions {
+    let base = common::soak_options();
     SoakOptions {
-        engine_cmd: vec![env!("CARGO_BIN_EXE_kvbridge-sim-engine").into()],
-        proxy_cmd: vec![env!("CARGO_BIN_EXE_kvbridge-sim-proxy").into()],
         prefillers,
         decoders,
         // An upper bound: the run ends after its 50 requests.
         duration: Duration::from_secs(120),
         max_requests: REQUESTS,
-        chaos: false,
-        chaos_interval: Duration::from_secs(5),
-        chaos_proxy: false,
-        concurrency: 4,
         prompt_tokens: (1, 150),
         output_tokens: (2, 10),
-        request_timeout: Duration::from_secs(20),
         kv_ready_timeout: Duration::from_secs(10),
         compare_every: 1,
         buffer_mib: 32,
         kv_ttl: Duration::from_secs(10),
         seed: 11 + u64::from(prefillers * 7 + decoders * 3 + tp + latent_dim),
         model: ModelArgs {
-            model: "sim-processes".into(),
-            layers: 4,
-            kv_heads: 2,
-            head_dim: 64,
             latent_dim,
-            dtype: "bf16".into(),
-            chunk_tokens: 32,
             tp,
+            ..base.model.clone()
         },
         cost: CostArgs {
             prefill_tokens_per_s: 50_000.0,
             decode_ms_per_token: 0.5,
         },
-        progress: false,
+        ..base
     }
 }
 

@@ -4,45 +4,16 @@
 //! differ, no page may stay taken, and requests must succeed again once the chaos stops.
 //! The long run is `kvbridge demo --duration 30m --chaos` (see docs/reliability.md).
 
-use kvbridge_sim::cli::{CostArgs, ModelArgs};
+mod common;
+
 use kvbridge_sim::soak::{self, SoakOptions};
 use std::time::Duration;
 
 fn options(chaos: bool, duration: Duration) -> SoakOptions {
     SoakOptions {
-        engine_cmd: vec![env!("CARGO_BIN_EXE_kvbridge-sim-engine").into()],
-        proxy_cmd: vec![env!("CARGO_BIN_EXE_kvbridge-sim-proxy").into()],
-        prefillers: 2,
-        decoders: 2,
-        duration,
-        max_requests: u64::MAX,
         chaos,
-        chaos_interval: Duration::from_millis(1500),
-        chaos_proxy: true,
-        concurrency: 4,
-        prompt_tokens: (40, 300),
-        output_tokens: (4, 12),
-        request_timeout: Duration::from_secs(20),
-        kv_ready_timeout: Duration::from_secs(4),
-        compare_every: 5,
-        buffer_mib: 64,
-        kv_ttl: Duration::from_secs(4),
-        seed: 7,
-        model: ModelArgs {
-            model: "sim-soak".into(),
-            layers: 4,
-            kv_heads: 2,
-            head_dim: 64,
-            latent_dim: 0,
-            dtype: "bf16".into(),
-            chunk_tokens: 32,
-            tp: 1,
-        },
-        cost: CostArgs {
-            prefill_tokens_per_s: 20_000.0,
-            decode_ms_per_token: 1.0,
-        },
-        progress: false,
+        duration,
+        ..common::soak_options()
     }
 }
 
