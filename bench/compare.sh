@@ -9,7 +9,9 @@
 # Patterns: Mooncake writes a batch of 128 blocks to the same 128 offsets every iteration
 # (working set 128 x block, cache-hot at small blocks). kvbridge is measured with that
 # pattern (--same-offsets) and with its own (cycling through a 1 GiB region); the Mooncake
-# ratio uses the same pattern.
+# ratio uses the same pattern. "tcp xN" is the same pattern with each batch split over
+# SESSIONS (default 4) sessions, one TCP data connection each (Mooncake opens one connection
+# per block); its ceiling ("ceil xN") is that many parallel socket streams.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPS=${1:-3}; shift $(( $# > 0 ? 1 : 0 )) || true
@@ -20,7 +22,9 @@ BIN=${KVBRIDGE_BIN:-target/release/kvbridge}
 OUT=$(mktemp -d)
 trap 'rm -rf "$OUT"' EXIT
 run() { "$BIN" bench transfer --block-sizes "$CSV" --reps "$REPS" --json "$@"; }
+SESSIONS=${SESSIONS:-4}
 run --transport tcp --same-offsets >"$OUT/tcp_same.json"
+run --transport tcp --same-offsets --sessions "$SESSIONS" >"$OUT/tcp_multi.json"
 run --transport tcp >"$OUT/tcp_scatter.json"
 run --transport shm --same-offsets >"$OUT/shm_same.json"
 run --transport shm >"$OUT/shm_scatter.json"
@@ -36,19 +40,21 @@ d = sys.argv[1]
 def load(n):
     j = json.load(open(os.path.join(d, n)))
     return {r["block_size"]: r for r in j["results"]}
-ts, tc, ss, sc = (load(n) for n in ("tcp_same.json", "tcp_scatter.json", "shm_same.json", "shm_scatter.json"))
+ts, tc, ss, sc, tm = (load(n) for n in ("tcp_same.json", "tcp_scatter.json", "shm_same.json", "shm_scatter.json", "tcp_multi.json"))
 mc = {}
 for line in open(os.path.join(d, "mooncake.txt")):
     m = re.search(r"block=(\d+) GiB/s: .* median=([0-9.]+)", line)
     if m:
         mc[int(m.group(1))] = float(m.group(2))
 print("GiB/s, medians; same = Mooncake's pattern (128 blocks at the same offsets), scatter = cycling through 1 GiB")
-h = ("block", "tcp same", "tcp scat", "sock ceil", "mooncake", "tcp/mc", "shm same", "shm scat", "memcpy", "shm/memcpy")
+n = json.load(open(os.path.join(d, "tcp_multi.json")))["sessions"]
+h = ("block", "tcp same", "tcp scat", "sock ceil", "mooncake", "tcp/mc", "tcp x%d" % n, "ceil x%d" % n, "x%d/mc" % n, "shm same", "shm scat", "memcpy", "shm/memcpy")
 print("%8s " * len(h) % h)
 for b in sorted(ts):
     m = mc.get(b)
     row = (b >> 10, ts[b]["gib_per_s"], tc[b]["gib_per_s"], tc[b]["ceiling_gib_per_s"],
            m if m else float("nan"), ts[b]["gib_per_s"] / m if m else float("nan"),
+           tm[b]["gib_per_s"], tm[b]["ceiling_gib_per_s"], tm[b]["gib_per_s"] / m if m else float("nan"),
            ss[b]["gib_per_s"], sc[b]["gib_per_s"], sc[b]["ceiling_gib_per_s"], sc[b]["ratio"])
     print("%7dK " % row[0] + "%8.2f " * (len(row) - 1) % row[1:])
 PY

@@ -32,6 +32,12 @@ pub struct TransferArgs {
     /// Batches in flight at once.
     #[arg(long, default_value_t = 2)]
     pub inflight: usize,
+    /// Sessions (TCP data connections) to the peer, from as many channels: each batch's ops
+    /// are split into this many contiguous parts written concurrently, one per session, and
+    /// the batch ends when every part has landed. The socket ceiling then streams over as
+    /// many connections in parallel. Mooncake's benchmark opens one connection per block.
+    #[arg(long, default_value_t = 1)]
+    pub sessions: usize,
     /// Repetitions; the median is reported.
     #[arg(long, default_value_t = 3)]
     pub reps: usize,
@@ -59,6 +65,8 @@ pub struct Row {
 pub struct Report {
     /// Transport measured.
     pub transport: String,
+    /// Sessions each batch was split over (and parallel streams of the socket ceiling).
+    pub sessions: usize,
     /// What the ceiling is: `socket` or `memcpy`.
     pub ceiling: String,
     /// `scatter` (cycling through the region) or `same-offsets`.
@@ -69,10 +77,28 @@ pub struct Report {
 
 const GIB: f64 = (1u64 << 30) as f64;
 
-/// Streams `total` bytes in `block`-sized writes to the peer's sink, from the same memory
-/// kvbridge sends from; GiB/s.
-fn ceiling(sink: &str, block: usize, total: u64, region: &Region) -> Result<f64> {
-    // SAFETY: no transfer touches the region while the ceiling runs.
+/// Streams `total` bytes in `block`-sized writes to the peer's sink over `streams`
+/// connections in parallel (one thread each, `total / streams` bytes each), from the same
+/// memory kvbridge sends from; GiB/s.
+fn ceiling(sink: &str, block: usize, total: u64, region: &Region, streams: usize) -> Result<f64> {
+    let streams = streams.max(1);
+    let per = total / streams as u64;
+    let t = Instant::now();
+    std::thread::scope(|sc| {
+        let runs: Vec<_> = (0..streams)
+            .map(|_| sc.spawn(|| stream_to_sink(sink, block, per, region)))
+            .collect();
+        runs.into_iter().try_for_each(|h| {
+            h.join()
+                .unwrap_or_else(|_| Err(anyhow::anyhow!("ceiling thread panicked")))
+        })
+    })?;
+    Ok((per * streams as u64) as f64 / GIB / t.elapsed().as_secs_f64())
+}
+
+/// One ceiling stream: `total` bytes in `block`-sized writes, then the sink's one-byte ack.
+fn stream_to_sink(sink: &str, block: usize, total: u64, region: &Region) -> Result<()> {
+    // SAFETY: no transfer touches the region while the ceiling runs; streams only read it.
     let buf = unsafe { std::slice::from_raw_parts(region.as_ptr(), region.len()) };
     let mut s = std::net::TcpStream::connect(sink)?;
     s.set_nodelay(true)?;
@@ -80,7 +106,6 @@ fn ceiling(sink: &str, block: usize, total: u64, region: &Region) -> Result<f64>
     h[..8].copy_from_slice(&(block as u64).to_le_bytes());
     h[8..].copy_from_slice(&total.to_le_bytes());
     s.write_all(&h)?;
-    let t = Instant::now();
     let mut sent = 0u64;
     let mut off = 0usize;
     while sent < total {
@@ -94,7 +119,7 @@ fn ceiling(sink: &str, block: usize, total: u64, region: &Region) -> Result<f64>
     }
     let mut ack = [0u8; 1];
     s.read_exact(&mut ack)?;
-    Ok(total as f64 / GIB / t.elapsed().as_secs_f64())
+    Ok(())
 }
 
 /// Copies `total` bytes in `block`-sized memcpys from `src` to `dst` with the benchmark's
@@ -131,6 +156,12 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
         .map_err(anyhow::Error::msg)?;
     let total = parse_size(&args.total).map_err(anyhow::Error::msg)?;
     let inflight = args.inflight.max(1);
+    let sessions = args.sessions.max(1);
+    anyhow::ensure!(
+        sessions <= args.batch.max(1),
+        "--sessions {sessions} exceeds --batch {}: every session needs an op of each batch",
+        args.batch
+    );
     // One window of in-flight batches per block size must fit the regions.
     let window = blocks
         .iter()
@@ -140,9 +171,6 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
         .clamp(1 << 20, 1 << 30);
     let page = 4096;
     let peer = PeerProcess::start(window, page)?;
-    let mut cfg = ChannelConfig::new("bench-initiator", None);
-    cfg.transport = transport;
-    let ch = Channel::new(cfg).await?;
     let local = Region::alloc(window, page)?;
     // The memcpy ceiling's destination: memory of the same kind as the peer's region.
     let memcpy_dst = if shm {
@@ -153,13 +181,27 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
     // Non-zero payload, so no layer can take a shortcut on zero pages.
     let pattern: Vec<u8> = (0..window).map(|i| (i * 31 + 7) as u8).collect();
     local.write_at(0, &pattern)?;
-    ch.register(&local, Grant::AllPeers)?;
-    let target = ch.connect(&peer.addr).await?;
-    anyhow::ensure!(
-        ch.peer_transport(&target).await? == transport,
-        "the session does not use {}",
-        args.transport
-    );
+    // One channel per session: a channel holds one session per peer.
+    let mut links = Vec::with_capacity(sessions);
+    for i in 0..sessions {
+        let name = if sessions == 1 {
+            "bench-initiator".to_string()
+        } else {
+            format!("bench-initiator-{i}")
+        };
+        let mut cfg = ChannelConfig::new(&name, None);
+        cfg.transport = transport;
+        let ch = Channel::new(cfg).await?;
+        ch.register(&local, Grant::AllPeers)?;
+        let target = ch.connect(&peer.addr).await?;
+        anyhow::ensure!(
+            ch.peer_transport(&target).await? == transport,
+            "the session does not use {}",
+            args.transport
+        );
+        links.push((ch, target));
+    }
+    let links = std::sync::Arc::new(links);
 
     let mut rows = Vec::new();
     for &block in &blocks {
@@ -185,8 +227,10 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
             } else {
                 let sink = peer.sink.clone();
                 ceil.push(
-                    tokio::task::spawn_blocking(move || ceiling(&sink, block_us, total, &l))
-                        .await??,
+                    tokio::task::spawn_blocking(move || {
+                        ceiling(&sink, block_us, total, &l, sessions)
+                    })
+                    .await??,
                 );
             }
             let batches = total.div_ceil(block * args.batch as u64) as usize;
@@ -209,9 +253,26 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
                             }
                         })
                         .collect();
-                    let ch = ch.clone();
-                    let target = target.clone();
-                    joins.spawn(async move { ch.write(&target, &ops).await });
+                    let links = links.clone();
+                    joins.spawn(async move {
+                        if let [(ch, target)] = &links[..] {
+                            return Ok(ch.write(target, &ops).await?);
+                        }
+                        // Contiguous parts, one per session, written concurrently.
+                        let part = ops.len().div_ceil(links.len());
+                        let mut parts = tokio::task::JoinSet::new();
+                        for (i, ops) in ops.chunks(part).enumerate() {
+                            let (links, ops) = (links.clone(), ops.to_vec());
+                            parts.spawn(async move {
+                                let (ch, target) = &links[i];
+                                ch.write(target, &ops).await
+                            });
+                        }
+                        while let Some(r) = parts.join_next().await {
+                            r.map_err(|e| anyhow::anyhow!("write task: {e}"))??;
+                        }
+                        anyhow::Ok(())
+                    });
                     next += 1;
                 }
                 if let Some(r) = joins.join_next().await {
@@ -229,9 +290,12 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
             ratio: g / c,
         });
     }
-    ch.close().await;
+    for (ch, _) in links.iter() {
+        ch.close().await;
+    }
     Ok(Report {
         transport: args.transport,
+        sessions,
         ceiling: if shm { "memcpy" } else { "socket" }.into(),
         pattern: if args.same_offsets {
             "same-offsets"
@@ -246,8 +310,8 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
 /// Prints the report as a table.
 pub fn print_table(r: &Report, batch: usize) {
     println!(
-        "kvbridge bench transfer ({}, {} pattern, ceiling {}), batch {batch}, medians",
-        r.transport, r.pattern, r.ceiling
+        "kvbridge bench transfer ({}, {} pattern, {} session(s), ceiling {}), batch {batch}, medians",
+        r.transport, r.pattern, r.sessions, r.ceiling
     );
     println!(
         "{:>10} {:>12} {:>14} {:>7}",

@@ -1,0 +1,55 @@
+//! `kvbridge bench transfer` as a user runs it (two processes, real sockets): the report's
+//! shape with one and with several sessions, and a clear error for impossible flags. No
+//! figure is checked here; performance lives in the benchmark itself.
+
+use std::process::Command;
+
+fn bench(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_kvbridge"))
+        .args([
+            "bench", "transfer", "--total", "4M", "--reps", "1", "--json",
+        ])
+        .args(args)
+        .output()
+        .expect("run kvbridge bench transfer")
+}
+
+fn report(args: &[&str]) -> serde_json::Value {
+    let out = bench(args);
+    assert!(
+        out.status.success(),
+        "bench failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("one JSON report")
+}
+
+#[test]
+fn one_session_and_several_sessions_report_every_block_size() {
+    for sessions in ["1", "3"] {
+        let r = report(&[
+            "--sessions",
+            sessions,
+            "--same-offsets",
+            "--batch",
+            "8",
+            "--block-sizes",
+            "4096,65536",
+        ]);
+        assert_eq!(r["sessions"].to_string(), sessions, "{r}");
+        let rows = r["results"].as_array().expect("results");
+        assert_eq!(rows.len(), 2, "{r}");
+        for row in rows {
+            assert!(row["gib_per_s"].as_f64().unwrap() > 0.0, "{r}");
+            assert!(row["ceiling_gib_per_s"].as_f64().unwrap() > 0.0, "{r}");
+        }
+    }
+}
+
+#[test]
+fn more_sessions_than_ops_per_batch_is_a_clear_error() {
+    let out = bench(&["--sessions", "9", "--batch", "8"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--sessions 9 exceeds --batch 8"), "{err}");
+}
