@@ -21,6 +21,7 @@ use kvbridge_proto::msg::{ErrorCode, Message, OpDesc, RegionInfo};
 use kvbridge_proto::{Incarnation, PeerId, RegionId, SessionToken};
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use tokio::sync::{mpsc, oneshot, Mutex};
 use tokio::task::JoinHandle;
@@ -132,6 +133,15 @@ pub struct Stats {
     pub tokens: usize,
     /// Batches waiting for completion across all sessions.
     pub batches_in_flight: usize,
+    /// Payload bytes of those batches (each peer's share is bounded by
+    /// `Limits::max_bytes_in_flight_per_peer`).
+    pub bytes_in_flight: u64,
+    /// Our batches waiting for room under `Limits::max_bytes_in_flight_per_peer` (not sent
+    /// yet: backpressure).
+    pub batches_waiting_for_room: usize,
+    /// Peer batches refused because they would pass `Limits::max_bytes_in_flight_per_peer`
+    /// (each ended its session).
+    pub in_flight_refused: u64,
     /// Sessions that ended since the channel started.
     pub sessions_ended: u64,
     /// Handshakes refused because `max_concurrent_handshakes` were already under way.
@@ -286,6 +296,7 @@ impl Channel {
             notifications: notif_tx,
             shm_offer: shm.as_ref().map(|(_, o)| o.clone()),
             tls: tls.clone(),
+            in_flight_refused: Arc::new(AtomicU64::new(0)),
         };
         let mut tasks = vec![tokio::spawn(Core::new(env, events.clone()).run(core_rx))];
         if let Some((l, _)) = shm {
@@ -407,7 +418,9 @@ impl Channel {
             })
     }
 
-    fn prepare(&self, h: &PeerHandle, ops: &[Op]) -> Result<(Vec<OpDesc>, Vec<LocalSlice>)> {
+    /// Checks a batch against the peer's regions and our limits; returns its op headers,
+    /// its local ranges (held in use) and its payload bytes.
+    fn prepare(&self, h: &PeerHandle, ops: &[Op]) -> Result<(Vec<OpDesc>, Vec<LocalSlice>, u64)> {
         let limits = &self.inner.config.limits;
         let invalid = |detail: String| Error::InvalidOp {
             peer: h.peer_id.to_string(),
@@ -465,18 +478,25 @@ impl Channel {
                 limits.max_batch_bytes
             )));
         }
-        Ok((descs, slices))
+        if total > limits.max_bytes_in_flight_per_peer {
+            return Err(invalid(format!(
+                "batch of {total} bytes can never fit the limit of {} bytes in flight per peer",
+                limits.max_bytes_in_flight_per_peer
+            )));
+        }
+        Ok((descs, slices, total))
     }
 
     /// Writes every op's local bytes into the peer's regions; returns when the whole batch
     /// has landed (or failed, with a typed error naming the peer and the step).
     pub async fn write(&self, peer: &PeerId, ops: &[Op]) -> Result<()> {
         let h = self.handle(peer).await?;
-        let (descs, sources) = self.prepare(&h, ops)?;
+        let (descs, sources, bytes) = self.prepare(&h, ops)?;
         h.data
             .run(
                 Step::Write,
                 self.inner.config.deadlines.op,
+                bytes,
                 DataPath::write_waiting,
                 |id| Outgoing::Write { id, descs, sources },
             )
@@ -486,11 +506,12 @@ impl Channel {
     /// Reads every op's remote bytes into the local regions; returns when all have landed.
     pub async fn read(&self, peer: &PeerId, ops: &[Op]) -> Result<()> {
         let h = self.handle(peer).await?;
-        let (descs, dests) = self.prepare(&h, ops)?;
+        let (descs, dests, bytes) = self.prepare(&h, ops)?;
         h.data
             .run(
                 Step::Read,
                 self.inner.config.deadlines.op,
+                bytes,
                 DataPath::read_waiting(dests),
                 |id| Outgoing::Read { id, descs },
             )
@@ -516,6 +537,7 @@ impl Channel {
             .run(
                 Step::Notify,
                 self.inner.config.deadlines.op,
+                0,
                 DataPath::notify_waiting,
                 |id| Outgoing::Notify { id, data },
             )
@@ -1096,6 +1118,12 @@ impl Core {
                     dialing: self.dials.len(),
                     tokens: self.tokens.len(),
                     batches_in_flight: established.iter().map(|h| h.data.in_flight()).sum(),
+                    bytes_in_flight: established.iter().map(|h| h.data.bytes_in_flight()).sum(),
+                    in_flight_refused: self.env.in_flight_refused.load(Ordering::Relaxed),
+                    batches_waiting_for_room: established
+                        .iter()
+                        .map(|h| h.data.waiting_for_room())
+                        .sum(),
                     sessions_ended: self.ended,
                     handshakes_refused: self.refused,
                     tls_refused: self.tls_refused,

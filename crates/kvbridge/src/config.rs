@@ -61,6 +61,12 @@ pub struct Limits {
     /// at once (each waits up to `first_frame` and may announce a body of `max_frame_len`,
     /// before any authentication).
     pub max_unidentified_connections: usize,
+    /// Most payload bytes of write and read batches in flight with one peer, each way
+    /// (docs/protocol.md, *Bytes in flight*). Our own batches wait for room (in order,
+    /// within the op deadline; one larger than this fails at once with `InvalidOp`); a
+    /// peer's batch that would pass it is refused with `LimitExceeded` and ends its session
+    /// (`Stats::in_flight_refused`). Keep the initiator's value at most the listener's.
+    pub max_bytes_in_flight_per_peer: u64,
 }
 
 impl Default for Limits {
@@ -72,6 +78,7 @@ impl Default for Limits {
             max_notify_len: 1 << 20,
             max_concurrent_handshakes: 256,
             max_unidentified_connections: 512,
+            max_bytes_in_flight_per_peer: 64 << 30,
         }
     }
 }

@@ -61,6 +61,8 @@ pub(crate) struct SessionEnv {
     pub(crate) shm_offer: Option<ShmOffer>,
     /// TLS on the control connection, when on.
     pub(crate) tls: Option<Arc<crate::tls::Tls>>,
+    /// The channel's count of peer batches refused for bytes in flight.
+    pub(crate) in_flight_refused: Arc<std::sync::atomic::AtomicU64>,
 }
 
 enum Machine {
@@ -634,7 +636,11 @@ impl Session {
             .peer_id
             .clone()
             .expect("bound only after the peer is known");
-        let (path, out_rx) = DataPath::new(peer.clone(), self.cmd_tx.clone());
+        let (path, out_rx) = DataPath::new(
+            peer.clone(),
+            self.cmd_tx.clone(),
+            self.env.config.limits.max_bytes_in_flight_per_peer,
+        );
         let ctx = ReaderCtx {
             path: path.clone(),
             incarnation: self
@@ -646,6 +652,7 @@ impl Session {
             hooks: self.env.config.hooks.clone(),
             notifications: self.env.notifications.clone(),
             out: path_out(&path),
+            in_flight_refused: self.env.in_flight_refused.clone(),
         };
         let (s, blocking) = if self.env.config.data_threads {
             match s {
