@@ -11,6 +11,7 @@
 pub mod frame_decoder;
 pub mod handshake;
 pub mod op_validation;
+pub mod proxy_http;
 pub mod proxy_request;
 
 #[cfg(test)]
@@ -20,10 +21,15 @@ mod replay {
     /// Feeds every file of `seeds/<target>` and `regressions/<target>` to `run`; returns how
     /// many it fed.
     fn replay(target: &str, run: fn(&[u8])) -> usize {
+        replay_corpus(target, target, run)
+    }
+
+    /// [`replay`] of `corpus`'s files through `target`'s body (targets that share seeds).
+    fn replay_corpus(target: &str, corpus: &str, run: fn(&[u8])) -> usize {
         let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
         let mut n = 0;
         for dir in ["seeds", "regressions"] {
-            let Ok(entries) = std::fs::read_dir(root.join(dir).join(target)) else {
+            let Ok(entries) = std::fs::read_dir(root.join(dir).join(corpus)) else {
                 continue;
             };
             let mut files: Vec<PathBuf> = entries.filter_map(|e| Some(e.ok()?.path())).collect();
@@ -56,5 +62,12 @@ mod replay {
     #[test]
     fn proxy_request_seeds() {
         assert!(replay("proxy_request", crate::proxy_request::run) > 0);
+    }
+
+    /// `proxy_http` takes the same inputs as `proxy_request` and shares its seeds and
+    /// regressions (the request-id regressions are about HTTP).
+    #[test]
+    fn proxy_http_seeds() {
+        assert!(replay_corpus("proxy_http", "proxy_request", crate::proxy_http::run) > 0);
     }
 }

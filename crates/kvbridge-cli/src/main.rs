@@ -121,10 +121,7 @@ fn main() -> Result<()> {
             if json {
                 println!("{}", serde_json::to_string(&r)?);
             } else {
-                println!(
-                    "connect + first 4 KiB write over {} fresh initiators: p50 {:.3} ms, p99 {:.3} ms",
-                    r.samples, r.p50_ms, r.p99_ms
-                );
+                println!("{}", r.table());
             }
             Ok(())
         }

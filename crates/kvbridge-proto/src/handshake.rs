@@ -56,6 +56,9 @@ pub struct LocalIdentity {
 pub enum Step {
     /// Opening the control connection.
     Connect,
+    /// The TLS handshake on the control connection (only when TLS is on; it runs below the
+    /// protocol, before `Hello`).
+    Tls,
     /// Waiting for the initiator's `Hello`.
     Hello,
     /// Waiting for the listener's `Welcome`.
@@ -82,6 +85,7 @@ impl fmt::Display for Step {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let s = match self {
             Step::Connect => "connect",
+            Step::Tls => "tls-handshake",
             Step::Hello => "hello",
             Step::Welcome => "welcome",
             Step::DataBind => "data-bind",

@@ -11,13 +11,17 @@ use crate::datapath::{DataPath, LocalSlice, Outgoing};
 use crate::error::{Error, Result};
 use crate::net::{Listener, Stream};
 use crate::region::{Grant, Region, RegionTable};
-use crate::session::{refuse, run_initiator, run_listener, SessionCmd, SessionEnv};
+use crate::session::{
+    refuse, refuse_lingering, run_initiator, run_listener, SessionCmd, SessionEnv,
+};
+use crate::tls::Tls;
 use crate::wire::{read_frame, ReadError};
 use kvbridge_proto::handshake::{LocalIdentity, Step};
 use kvbridge_proto::msg::{ErrorCode, Message, OpDesc, RegionInfo};
 use kvbridge_proto::{Incarnation, PeerId, RegionId, SessionToken};
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use tokio::sync::{mpsc, oneshot, Mutex};
 use tokio::task::JoinHandle;
@@ -101,6 +105,8 @@ pub(crate) enum CoreCmd {
         error: Error,
     },
     MemChanged,
+    /// A control connection refused on TLS grounds (counted in [`Stats::tls_refused`]).
+    TlsRefused,
     Disconnect {
         peer: PeerId,
         reason: String,
@@ -127,10 +133,22 @@ pub struct Stats {
     pub tokens: usize,
     /// Batches waiting for completion across all sessions.
     pub batches_in_flight: usize,
+    /// Payload bytes of those batches (each peer's share is bounded by
+    /// `Limits::max_bytes_in_flight_per_peer`).
+    pub bytes_in_flight: u64,
+    /// Our batches waiting for room under `Limits::max_bytes_in_flight_per_peer` (not sent
+    /// yet: backpressure).
+    pub batches_waiting_for_room: usize,
+    /// Peer batches refused because they would pass `Limits::max_bytes_in_flight_per_peer`
+    /// (each ended its session).
+    pub in_flight_refused: u64,
     /// Sessions that ended since the channel started.
     pub sessions_ended: u64,
     /// Handshakes refused because `max_concurrent_handshakes` were already under way.
     pub handshakes_refused: u64,
+    /// Control connections refused on TLS grounds: a failed TLS handshake, a plaintext
+    /// `Hello` on a listener that requires TLS, a TLS ClientHello on one that does not.
+    pub tls_refused: u64,
 }
 
 /// A change in the set of live sessions, for layers that hold state per peer (the PD
@@ -219,6 +237,15 @@ impl Channel {
             compat: config.compat.clone(),
             secret: config.secret.clone(),
         };
+        let tls = match &config.tls {
+            Some(t) => {
+                if config.net != crate::net::Net::Tokio {
+                    return Err(Error::Local("TLS needs real sockets".into()));
+                }
+                Some(Arc::new(Tls::new(t, config.listen_addr.is_some())?))
+            }
+            None => None,
+        };
         let config = Arc::new(config);
         let listener = match &config.listen_addr {
             Some(a) => Some(
@@ -268,6 +295,8 @@ impl Channel {
             core: core_tx.clone(),
             notifications: notif_tx,
             shm_offer: shm.as_ref().map(|(_, o)| o.clone()),
+            tls: tls.clone(),
+            in_flight_refused: Arc::new(AtomicU64::new(0)),
         };
         let mut tasks = vec![tokio::spawn(Core::new(env, events.clone()).run(core_rx))];
         if let Some((l, _)) = shm {
@@ -282,6 +311,7 @@ impl Channel {
                 l,
                 config.clone(),
                 core_tx.clone(),
+                tls,
             )));
         }
         Ok(Channel {
@@ -362,6 +392,17 @@ impl Channel {
     /// idempotent: an established session is reused, and concurrent callers share one
     /// handshake.
     pub async fn connect(&self, addr: &str) -> Result<PeerId> {
+        if self
+            .inner
+            .config
+            .tls
+            .as_ref()
+            .is_some_and(|t| t.trusted.is_none())
+        {
+            return Err(Error::Local(format!(
+                "TLS is on but no certificate to trust is set (KVBRIDGE_TLS_CA): cannot dial {addr}"
+            )));
+        }
         let addr = addr.to_string();
         let h = self.ask(|reply| CoreCmd::Connect { addr, reply }).await??;
         Ok(h.peer_id)
@@ -377,7 +418,9 @@ impl Channel {
             })
     }
 
-    fn prepare(&self, h: &PeerHandle, ops: &[Op]) -> Result<(Vec<OpDesc>, Vec<LocalSlice>)> {
+    /// Checks a batch against the peer's regions and our limits; returns its op headers,
+    /// its local ranges (held in use) and its payload bytes.
+    fn prepare(&self, h: &PeerHandle, ops: &[Op]) -> Result<(Vec<OpDesc>, Vec<LocalSlice>, u64)> {
         let limits = &self.inner.config.limits;
         let invalid = |detail: String| Error::InvalidOp {
             peer: h.peer_id.to_string(),
@@ -435,18 +478,25 @@ impl Channel {
                 limits.max_batch_bytes
             )));
         }
-        Ok((descs, slices))
+        if total > limits.max_bytes_in_flight_per_peer {
+            return Err(invalid(format!(
+                "batch of {total} bytes can never fit the limit of {} bytes in flight per peer",
+                limits.max_bytes_in_flight_per_peer
+            )));
+        }
+        Ok((descs, slices, total))
     }
 
     /// Writes every op's local bytes into the peer's regions; returns when the whole batch
     /// has landed (or failed, with a typed error naming the peer and the step).
     pub async fn write(&self, peer: &PeerId, ops: &[Op]) -> Result<()> {
         let h = self.handle(peer).await?;
-        let (descs, sources) = self.prepare(&h, ops)?;
+        let (descs, sources, bytes) = self.prepare(&h, ops)?;
         h.data
             .run(
                 Step::Write,
                 self.inner.config.deadlines.op,
+                bytes,
                 DataPath::write_waiting,
                 |id| Outgoing::Write { id, descs, sources },
             )
@@ -456,11 +506,12 @@ impl Channel {
     /// Reads every op's remote bytes into the local regions; returns when all have landed.
     pub async fn read(&self, peer: &PeerId, ops: &[Op]) -> Result<()> {
         let h = self.handle(peer).await?;
-        let (descs, dests) = self.prepare(&h, ops)?;
+        let (descs, dests, bytes) = self.prepare(&h, ops)?;
         h.data
             .run(
                 Step::Read,
                 self.inner.config.deadlines.op,
+                bytes,
                 DataPath::read_waiting(dests),
                 |id| Outgoing::Read { id, descs },
             )
@@ -486,6 +537,7 @@ impl Channel {
             .run(
                 Step::Notify,
                 self.inner.config.deadlines.op,
+                0,
                 DataPath::notify_waiting,
                 |id| Outgoing::Notify { id, data },
             )
@@ -577,6 +629,7 @@ async fn accept_loop(
     l: Listener,
     config: Arc<ChannelConfig>,
     core: mpsc::UnboundedSender<CoreCmd>,
+    tls: Option<Arc<Tls>>,
 ) {
     let unidentified = Arc::new(tokio::sync::Semaphore::new(
         config.limits.max_unidentified_connections.max(1),
@@ -598,8 +651,9 @@ async fn accept_loop(
                 };
                 let core = core.clone();
                 let config = config.clone();
+                let tls = tls.clone();
                 tokio::spawn(async move {
-                    classify(stream, config, core).await;
+                    classify(stream, from, config, core, tls).await;
                     drop(permit);
                 });
             }
@@ -643,23 +697,55 @@ async fn shm_accept_loop(
 
 async fn classify(
     stream: Stream,
+    from: SocketAddr,
     config: Arc<ChannelConfig>,
     core: mpsc::UnboundedSender<CoreCmd>,
+    tls: Option<Arc<Tls>>,
 ) {
+    // One deadline for everything before the first frame: the TLS handshake included.
     let limit = config.deadlines.first_frame;
+    let deadline = tokio::time::Instant::now() + limit;
     let mut stream = stream;
-    let mut buf = Vec::new();
-    let first = {
-        let read = async {
-            match &mut stream {
-                Stream::Tokio(s) => read_frame(s, config.limits.max_frame_len, &mut buf).await,
-                #[cfg(feature = "sim")]
-                Stream::Sim(s) => read_frame(s, config.limits.max_frame_len, &mut buf).await,
+    let tls = tls.filter(|t| t.accepts());
+    let mut over_tls = false;
+    if let (Some(tls), Stream::Tokio(s)) = (&tls, &stream) {
+        let mut first = [0u8; 1];
+        match tokio::time::timeout_at(deadline, s.peek(&mut first)).await {
+            Ok(Ok(1)) if first[0] == crate::tls::TLS_HANDSHAKE_RECORD => {
+                match tls.accept(stream, &from.to_string(), deadline).await {
+                    Ok(s) => {
+                        stream = s;
+                        over_tls = true;
+                    }
+                    Err(e) => {
+                        // The peer learns of it from its own TLS stack (an alert, or the
+                        // close); we count and log it.
+                        tracing::warn!(%from, error = %e, "TLS handshake failed");
+                        let _ = core.send(CoreCmd::TlsRefused);
+                        return;
+                    }
+                }
             }
-        };
-        tokio::time::timeout(limit, read).await
-    };
+            Ok(Ok(_)) => {}
+            Ok(Err(_)) => return,
+            Err(_) => {
+                let msg = format!("no first frame within {limit:?}");
+                return refuse(stream, ErrorCode::Timeout, &msg).await;
+            }
+        }
+    }
+    let mut buf = Vec::new();
+    let read = read_frame(&mut stream, config.limits.max_frame_len, &mut buf);
+    let first = tokio::time::timeout_at(deadline, read).await;
     match first {
+        Ok(Ok(Message::Hello(_))) if tls.is_some() && !over_tls => {
+            // Counted before the refusal goes out: a peer that saw it finds it counted.
+            let _ = core.send(CoreCmd::TlsRefused);
+            tracing::warn!(%from, "plaintext Hello on a listener that requires TLS; refused");
+            let msg = "this listener requires TLS on the control connection \
+                       (KVBRIDGE_TLS_CA on the initiator); the Hello came in plaintext";
+            refuse(stream, ErrorCode::Incompatible, msg).await
+        }
         Ok(Ok(m @ (Message::Hello(_) | Message::DataHello(_)))) => {
             let _ = core.send(CoreCmd::Incoming { stream, first: m });
         }
@@ -675,6 +761,18 @@ async fn classify(
                 kvbridge_proto::FrameError::TooLarge { .. } => ErrorCode::LimitExceeded,
                 _ => ErrorCode::Malformed,
             };
+            let tls_record = kvbridge_proto::FrameError::BadMagic {
+                got: [crate::tls::TLS_HANDSHAKE_RECORD, 0x03],
+            };
+            if tls.is_none() && e == tls_record {
+                // A TLS ClientHello on a plaintext listener. The refusal is not TLS, so the
+                // peer's TLS stack reports a non-TLS answer; read the rest of its
+                // ClientHello first, or closing with unread bytes would reset the
+                // connection before the refusal reaches it.
+                tracing::warn!(%from, "a TLS ClientHello on a plaintext listener; refused");
+                let _ = core.send(CoreCmd::TlsRefused);
+                return refuse_lingering(stream, code, "this listener does not speak TLS").await;
+            }
             refuse(stream, code, &e.to_string()).await
         }
         Ok(Err(_)) => {}
@@ -708,6 +806,7 @@ struct Core {
     by_addr: HashMap<String, u64>,
     ended: u64,
     refused: u64,
+    tls_refused: u64,
     closing: Option<Vec<oneshot::Sender<()>>>,
     /// Callers of `disconnect` waiting for a session to be torn down.
     disconnecting: HashMap<u64, Vec<oneshot::Sender<Result<()>>>>,
@@ -738,6 +837,7 @@ impl Core {
             by_addr: HashMap::new(),
             ended: 0,
             refused: 0,
+            tls_refused: 0,
             closing: None,
             disconnecting: HashMap::new(),
         }
@@ -981,6 +1081,7 @@ impl Core {
                     }
                 }
             }
+            CoreCmd::TlsRefused => self.tls_refused += 1,
             CoreCmd::MemChanged => {
                 for s in self.sessions.values() {
                     let _ = s.ctl.send(SessionCmd::MemChanged);
@@ -1017,8 +1118,15 @@ impl Core {
                     dialing: self.dials.len(),
                     tokens: self.tokens.len(),
                     batches_in_flight: established.iter().map(|h| h.data.in_flight()).sum(),
+                    bytes_in_flight: established.iter().map(|h| h.data.bytes_in_flight()).sum(),
+                    in_flight_refused: self.env.in_flight_refused.load(Ordering::Relaxed),
+                    batches_waiting_for_room: established
+                        .iter()
+                        .map(|h| h.data.waiting_for_room())
+                        .sum(),
                     sessions_ended: self.ended,
                     handshakes_refused: self.refused,
+                    tls_refused: self.tls_refused,
                 });
             }
             CoreCmd::Close { reply } => {

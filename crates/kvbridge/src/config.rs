@@ -4,6 +4,7 @@ use crate::net::Net;
 use kvbridge_proto::auth::Secret;
 use kvbridge_proto::frame::DEFAULT_MAX_FRAME_LEN;
 use kvbridge_proto::msg::Compat;
+use std::path::PathBuf;
 use std::time::Duration;
 
 /// Deadlines of every wait. Defaults suit a datacenter network; all are configurable.
@@ -60,6 +61,12 @@ pub struct Limits {
     /// at once (each waits up to `first_frame` and may announce a body of `max_frame_len`,
     /// before any authentication).
     pub max_unidentified_connections: usize,
+    /// Most payload bytes of write and read batches in flight with one peer, each way
+    /// (docs/protocol.md, *Bytes in flight*). Our own batches wait for room (in order,
+    /// within the op deadline; one larger than this fails at once with `InvalidOp`); a
+    /// peer's batch that would pass it is refused with `LimitExceeded` and ends its session
+    /// (`Stats::in_flight_refused`). Keep the initiator's value at most the listener's.
+    pub max_bytes_in_flight_per_peer: u64,
 }
 
 impl Default for Limits {
@@ -71,6 +78,7 @@ impl Default for Limits {
             max_notify_len: 1 << 20,
             max_concurrent_handshakes: 256,
             max_unidentified_connections: 512,
+            max_bytes_in_flight_per_peer: 64 << 30,
         }
     }
 }
@@ -128,6 +136,78 @@ impl Transport {
     }
 }
 
+/// Where PEM text comes from: a file, or the text itself.
+#[derive(Clone, PartialEq, Eq)]
+pub enum Pem {
+    /// A file holding PEM blocks.
+    File(PathBuf),
+    /// PEM text (tests, generated certificates).
+    Text(String),
+}
+
+impl std::fmt::Debug for Pem {
+    /// Names the file; never prints inline PEM (it may be a private key).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Pem::File(p) => write!(f, "Pem::File({})", p.display()),
+            Pem::Text(t) => write!(f, "Pem::Text(<{} bytes>)", t.len()),
+        }
+    }
+}
+
+impl std::fmt::Display for Pem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Pem::File(p) => write!(f, "{}", p.display()),
+            Pem::Text(_) => f.write_str("<inline PEM>"),
+        }
+    }
+}
+
+/// TLS (1.3, rustls with the ring provider) on the control connection. With it set, a
+/// listener accepts control connections only over TLS and an initiator dials only over TLS.
+/// The data connection and shared memory are not covered (docs/protocol.md, *TLS*):
+/// TLS protects the handshake, the session token, region lists and notifications.
+///
+/// TLS authenticates the listener to the initiator; the initiator is authenticated to the
+/// listener by the shared secret ([`ChannelConfig::secret`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TlsConfig {
+    /// Listener: our certificate chain, leaf first (`KVBRIDGE_TLS_CERT`). Required for a
+    /// channel that listens.
+    pub cert_chain: Option<Pem>,
+    /// Listener: the leaf certificate's private key, PKCS#8, PKCS#1 or SEC1
+    /// (`KVBRIDGE_TLS_KEY`). Never logged.
+    pub private_key: Option<Pem>,
+    /// Initiator: the certificates to trust — a CA, or a listener's own self-signed
+    /// certificate to pin it (`KVBRIDGE_TLS_CA`). Required to dial.
+    pub trusted: Option<Pem>,
+    /// Initiator: the name the listener's certificate must carry
+    /// (`KVBRIDGE_TLS_SERVER_NAME`); by default the host part of the address dialled, a DNS
+    /// name or an IP address.
+    pub server_name: Option<String>,
+}
+
+impl TlsConfig {
+    /// The settings of `KVBRIDGE_TLS_CERT`, `KVBRIDGE_TLS_KEY`, `KVBRIDGE_TLS_CA` (paths to
+    /// PEM files) and `KVBRIDGE_TLS_SERVER_NAME`; `None` (TLS off) when none of the first
+    /// three is set.
+    pub fn from_env() -> Option<TlsConfig> {
+        Self::from_vars(|k| std::env::var(k).ok().filter(|v| !v.is_empty()))
+    }
+
+    fn from_vars(var: impl Fn(&str) -> Option<String>) -> Option<TlsConfig> {
+        let file = |k: &str| var(k).map(|p| Pem::File(PathBuf::from(p)));
+        let c = TlsConfig {
+            cert_chain: file("KVBRIDGE_TLS_CERT"),
+            private_key: file("KVBRIDGE_TLS_KEY"),
+            trusted: file("KVBRIDGE_TLS_CA"),
+            server_name: var("KVBRIDGE_TLS_SERVER_NAME"),
+        };
+        (c.cert_chain.is_some() || c.private_key.is_some() || c.trusted.is_some()).then_some(c)
+    }
+}
+
 /// Everything a [`crate::Channel`] needs.
 #[derive(Debug, Clone)]
 pub struct ChannelConfig {
@@ -142,6 +222,9 @@ pub struct ChannelConfig {
     /// that cannot prove it knows the secret is granted no region and no operation. Read
     /// from `KVBRIDGE_SECRET` by [`ChannelConfig::new`]; never logged.
     pub secret: Option<Secret>,
+    /// TLS on the control connection; `None` (the default, unless `KVBRIDGE_TLS_*` is set)
+    /// for plaintext. See [`TlsConfig`].
+    pub tls: Option<TlsConfig>,
     /// Deadlines.
     pub deadlines: Deadlines,
     /// Limits.
@@ -167,6 +250,7 @@ impl ChannelConfig {
             secret: std::env::var("KVBRIDGE_SECRET")
                 .ok()
                 .and_then(|s| Secret::new(s.into_bytes())),
+            tls: TlsConfig::from_env(),
             deadlines: Deadlines::default(),
             limits: Limits::default(),
             net: Net::default(),
@@ -178,5 +262,27 @@ impl ChannelConfig {
                 .unwrap_or_default(),
             hooks: TestHooks::default(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tls_is_off_unless_a_certificate_key_or_ca_is_named() {
+        assert_eq!(TlsConfig::from_vars(|_| None), None);
+        let only_name = |k: &str| (k == "KVBRIDGE_TLS_SERVER_NAME").then(|| "x".to_string());
+        assert_eq!(TlsConfig::from_vars(only_name), None);
+        let ca = |k: &str| (k == "KVBRIDGE_TLS_CA").then(|| "/etc/ca.pem".to_string());
+        let c = TlsConfig::from_vars(ca).expect("a CA turns TLS on");
+        assert_eq!(c.trusted, Some(Pem::File("/etc/ca.pem".into())));
+        assert_eq!(c.cert_chain, None);
+    }
+
+    #[test]
+    fn inline_pem_is_never_printed() {
+        let p = Pem::Text("-----BEGIN PRIVATE KEY-----secret".into());
+        assert!(!format!("{p:?} {p}").contains("secret"));
     }
 }

@@ -78,11 +78,28 @@ impl Waiting {
     }
 }
 
+/// A batch waiting for completion, with the room it holds under the per-peer limit.
+struct Entry {
+    waiting: Waiting,
+    bytes: u64,
+    _room: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
 #[derive(Default)]
 struct Pending {
-    map: HashMap<u64, Waiting>,
+    map: HashMap<u64, Entry>,
+    /// Payload bytes of the batches in `map`.
+    bytes: u64,
     /// Set when the session ended: no new batch may wait after that.
     closed: Option<Error>,
+}
+
+/// The per-peer limit on bytes in flight counts in units of this many bytes (a semaphore
+/// permit each), rounded up per batch: 64 GiB is 2^26 permits.
+const ROOM_UNIT: u64 = 1024;
+
+fn room_units(bytes: u64) -> u32 {
+    u32::try_from(bytes.div_ceil(ROOM_UNIT)).unwrap_or(u32::MAX)
 }
 
 /// What the writer task sends, in order.
@@ -118,14 +135,27 @@ pub(crate) struct DataPath {
     out: mpsc::Sender<Outgoing>,
     /// Asks the owning session to tear down (an op passed its deadline).
     abort: mpsc::UnboundedSender<crate::session::SessionCmd>,
+    /// Room for our own batches under `Limits::max_bytes_in_flight_per_peer` (FIFO: a
+    /// large batch is not starved by small ones). Closed when the session ends.
+    room: Arc<tokio::sync::Semaphore>,
+    /// The limit, in bytes.
+    max_in_flight: u64,
+    /// Our batches waiting for room under the limit (backpressure, visible in stats).
+    waiting_for_room: std::sync::atomic::AtomicUsize,
+    /// Payload bytes of the peer's batches this side accepted and has not completed yet:
+    /// the write being read in, read responses not yet sent. Added by the reader, released
+    /// by the reader (writes) and the writer (read responses).
+    incoming: AtomicU64,
 }
 
 impl DataPath {
     pub(crate) fn new(
         peer: PeerId,
         abort: mpsc::UnboundedSender<crate::session::SessionCmd>,
+        max_in_flight: u64,
     ) -> (Arc<Self>, mpsc::Receiver<Outgoing>) {
         let (out, rx) = mpsc::channel(1024);
+        let units = (room_units(max_in_flight) as usize).min(tokio::sync::Semaphore::MAX_PERMITS);
         (
             Arc::new(Self {
                 peer,
@@ -133,17 +163,53 @@ impl DataPath {
                 next_id: AtomicU64::new(1),
                 out,
                 abort,
+                room: Arc::new(tokio::sync::Semaphore::new(units)),
+                max_in_flight,
+                waiting_for_room: Default::default(),
+                incoming: AtomicU64::new(0),
             }),
             rx,
         )
     }
 
+    /// Removes a waiting batch; its room under the per-peer limit is released.
     fn take(&self, id: u64) -> Option<Waiting> {
-        self.pending
-            .lock()
-            .expect("pending poisoned")
-            .map
-            .remove(&id)
+        let mut p = self.pending.lock().expect("pending poisoned");
+        let e = p.map.remove(&id)?;
+        p.bytes -= e.bytes;
+        Some(e.waiting)
+    }
+
+    /// Our batches waiting for room under the per-peer limit (not sent yet).
+    pub(crate) fn waiting_for_room(&self) -> usize {
+        self.waiting_for_room.load(Ordering::Relaxed)
+    }
+
+    /// Payload bytes of our batches waiting for completion.
+    pub(crate) fn bytes_in_flight(&self) -> u64 {
+        self.pending.lock().expect("pending poisoned").bytes
+    }
+
+    /// Counts `n` more bytes of the peer's batches as held here, or refuses the batch when
+    /// that would pass the per-peer limit.
+    fn admit_incoming(&self, n: u64) -> std::result::Result<(), Reject> {
+        let held = self.incoming.load(Ordering::Acquire);
+        if held.saturating_add(n) > self.max_in_flight {
+            return Err(Reject {
+                code: ErrorCode::LimitExceeded,
+                message: format!(
+                    "a batch of {n} bytes with {held} bytes of this peer's already in flight \
+                     passes the limit of {} bytes in flight per peer",
+                    self.max_in_flight
+                ),
+            });
+        }
+        self.incoming.fetch_add(n, Ordering::AcqRel);
+        Ok(())
+    }
+
+    fn release_incoming(&self, n: u64) {
+        self.incoming.fetch_sub(n, Ordering::AcqRel);
     }
 
     /// Fails every waiting batch and refuses new ones. Called by the session only after the
@@ -152,8 +218,11 @@ impl DataPath {
         let waiting: Vec<Waiting> = {
             let mut p = self.pending.lock().expect("pending poisoned");
             p.closed.get_or_insert_with(|| err.clone());
-            p.map.drain().map(|(_, w)| w).collect()
+            p.bytes = 0;
+            p.map.drain().map(|(_, e)| e.waiting).collect()
         };
+        // Callers waiting for room wake up and find the session closed.
+        self.room.close();
         for w in waiting {
             w.complete(Err(err.clone()));
         }
@@ -164,14 +233,47 @@ impl DataPath {
         self.pending.lock().expect("pending poisoned").map.len()
     }
 
-    /// Runs one batch to completion under `deadline`.
+    /// Runs one batch of `bytes` payload bytes to completion under `deadline`. The batch
+    /// first waits for room under the per-peer limit on bytes in flight (in submission
+    /// order); one that gets none before its deadline fails with `Timeout` without having
+    /// been sent, and the session goes on.
     pub(crate) async fn run(
         &self,
         step: Step,
         deadline: Duration,
+        bytes: u64,
         waiting: impl FnOnce(oneshot::Sender<Result<()>>) -> Waiting,
         outgoing: impl FnOnce(u64) -> Outgoing,
     ) -> Result<()> {
+        let until = tokio::time::Instant::now() + deadline;
+        let timeout = || Error::Timeout {
+            peer: self.peer.to_string(),
+            step,
+            after: deadline,
+        };
+        let room = if bytes == 0 {
+            None
+        } else {
+            let units = room_units(bytes);
+            let acquire = self.room.clone().acquire_many_owned(units);
+            // Counted while waiting, also when the caller drops this future.
+            struct Counted<'a>(&'a std::sync::atomic::AtomicUsize);
+            impl Drop for Counted<'_> {
+                fn drop(&mut self) {
+                    self.0.fetch_sub(1, Ordering::Relaxed);
+                }
+            }
+            self.waiting_for_room.fetch_add(1, Ordering::Relaxed);
+            let counted = Counted(&self.waiting_for_room);
+            let got = tokio::time::timeout_at(until, acquire).await;
+            drop(counted);
+            match got {
+                Ok(Ok(p)) => Some(p),
+                // Closed: the session ended; `closed` below says why.
+                Ok(Err(_)) => None,
+                Err(_) => return Err(timeout()),
+            }
+        };
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, mut rx) = oneshot::channel();
         {
@@ -180,7 +282,15 @@ impl DataPath {
                 return Err(e.clone());
             }
             // Inserted before the frame is queued: no completion can precede its waiter.
-            p.map.insert(id, waiting(tx));
+            p.bytes += bytes;
+            p.map.insert(
+                id,
+                Entry {
+                    waiting: waiting(tx),
+                    bytes,
+                    _room: room,
+                },
+            );
         }
         let submit_and_wait = async {
             if self.out.send(outgoing(id)).await.is_err() {
@@ -188,15 +298,11 @@ impl DataPath {
             }
             (&mut rx).await
         };
-        match tokio::time::timeout(deadline, submit_and_wait).await {
+        match tokio::time::timeout_at(until, submit_and_wait).await {
             Ok(Ok(r)) => r,
             Ok(Err(_)) => Err(Error::lost(self.peer.as_str(), step, "session ended")),
             Err(_) => {
-                let err = Error::Timeout {
-                    peer: self.peer.to_string(),
-                    step,
-                    after: deadline,
-                };
+                let err = timeout();
                 let _ = self
                     .abort
                     .send(crate::session::SessionCmd::Abort(err.clone()));
@@ -345,6 +451,8 @@ pub(crate) async fn run_writer(
                     write_all_vectored(&mut w, &mut slices)
                         .await
                         .map_err(|e| lost(Step::Read, e))?;
+                    drop(slices);
+                    path.release_incoming(sources.iter().map(|s| s.len as u64).sum());
                 }
                 Err(reject) => write_msg(
                     &mut w,
@@ -374,6 +482,9 @@ pub(crate) struct ReaderCtx {
     pub(crate) hooks: TestHooks,
     pub(crate) notifications: mpsc::Sender<Notification>,
     pub(crate) out: mpsc::Sender<Outgoing>,
+    /// The channel's count of batches refused for passing the per-peer limit on bytes in
+    /// flight.
+    pub(crate) in_flight_refused: Arc<AtomicU64>,
 }
 
 impl ReaderCtx {
@@ -394,6 +505,23 @@ impl ReaderCtx {
             peer: self.path.peer.to_string(),
             step,
             detail: detail.into(),
+        }
+    }
+
+    /// Admits a validated batch under the per-peer limit on bytes in flight (counting a
+    /// refusal).
+    fn admit(
+        &self,
+        b: &Batch,
+        dests: Vec<LocalSlice>,
+    ) -> std::result::Result<Vec<LocalSlice>, Reject> {
+        let n = b.payload_len().unwrap_or(u64::MAX);
+        match self.path.admit_incoming(n) {
+            Ok(()) => Ok(dests),
+            Err(r) => {
+                self.in_flight_refused.fetch_add(1, Ordering::Relaxed);
+                Err(r)
+            }
         }
     }
 
@@ -515,7 +643,11 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
         };
         match msg {
             Message::WriteBatch(b) => {
-                let dests = match ctx.resolve(&b).and_then(|d| disjoint(d, &b)) {
+                let dests = match ctx
+                    .resolve(&b)
+                    .and_then(|d| disjoint(d, &b))
+                    .and_then(|d| ctx.admit(&b, d))
+                {
                     Ok(d) => d,
                     Err(reject) => {
                         let err = ctx.misbehaved(Step::Write, reject.message.clone());
@@ -543,6 +675,7 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
                     .map_err(|e| ctx.payload_error(Step::Write, e))?;
                 drop(iov);
                 drop(dests);
+                ctx.path.release_incoming(b.payload_len().unwrap_or(0));
                 let ack = Message::WriteAck(Ack {
                     id: b.id,
                     error: None,
@@ -552,7 +685,7 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
                 }
             }
             Message::ReadBatch(b) => {
-                let result = ctx.resolve(&b);
+                let result = ctx.resolve(&b).and_then(|d| ctx.admit(&b, d));
                 if let Some(d) = ctx.hooks.read_serve_delay {
                     tokio::time::sleep(d).await;
                 }

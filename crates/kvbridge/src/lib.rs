@@ -36,10 +36,11 @@ pub mod net;
 mod region;
 mod session;
 mod shm;
+mod tls;
 mod wire;
 
 pub use channel::{Channel, Notification, Op, PeerEvent, Stats};
-pub use config::{ChannelConfig, Deadlines, Limits, TestHooks, Transport};
+pub use config::{ChannelConfig, Deadlines, Limits, Pem, TestHooks, TlsConfig, Transport};
 pub use error::{Error, Result};
 pub use kvbridge_proto as proto;
 pub use kvbridge_proto::handshake::Step;

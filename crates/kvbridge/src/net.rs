@@ -11,6 +11,9 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
+/// A TLS stream over a real socket (either role).
+pub type TlsStream = tokio_rustls::TlsStream<tokio::net::TcpStream>;
+
 /// Which network to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Net {
@@ -36,6 +39,8 @@ pub enum Listener {
 pub enum Stream {
     /// Real socket.
     Tokio(tokio::net::TcpStream),
+    /// Real socket with TLS on it (control connections when TLS is on).
+    Tls(Box<TlsStream>),
     /// Simulated socket.
     #[cfg(feature = "sim")]
     Sim(turmoil::net::TcpStream),
@@ -49,6 +54,8 @@ pub enum ReadHalf {
     /// Real socket in blocking mode, driven by a dedicated thread (see
     /// [`Stream::into_blocking_split`]).
     Blocking(std::net::TcpStream),
+    /// TLS stream (the halves share the TLS session behind a lock).
+    Tls(tokio::io::ReadHalf<TlsStream>),
     /// Simulated socket.
     #[cfg(feature = "sim")]
     Sim(turmoil::net::tcp::OwnedReadHalf),
@@ -61,6 +68,8 @@ pub enum WriteHalf {
     Tokio(tokio::net::tcp::OwnedWriteHalf),
     /// Real socket in blocking mode, driven by a dedicated thread.
     Blocking(std::net::TcpStream),
+    /// TLS stream.
+    Tls(tokio::io::WriteHalf<TlsStream>),
     /// Simulated socket.
     #[cfg(feature = "sim")]
     Sim(turmoil::net::tcp::OwnedWriteHalf),
@@ -133,7 +142,7 @@ impl Stream {
     /// For a bulk data connection on a real socket: switches it to blocking mode and returns
     /// its halves plus a handle that can shut it down from outside. A thread blocked in the
     /// kernel moves bulk bytes with fewer system calls and wake-ups than readiness polling
-    /// (measured: `kvbridge bench transfer`). `None` for simulated sockets.
+    /// (measured: `kvbridge bench transfer`). `None` for simulated sockets and TLS streams.
     pub fn into_blocking_split(
         self,
     ) -> io::Result<Option<(ReadHalf, WriteHalf, std::net::TcpStream)>> {
@@ -145,6 +154,7 @@ impl Stream {
                 let stop = s.try_clone()?;
                 Ok(Some((ReadHalf::Blocking(r), WriteHalf::Blocking(s), stop)))
             }
+            Stream::Tls(_) => Ok(None),
             #[cfg(feature = "sim")]
             Stream::Sim(_) => Ok(None),
         }
@@ -156,6 +166,10 @@ impl Stream {
             Stream::Tokio(s) => {
                 let (r, w) = s.into_split();
                 (ReadHalf::Tokio(r), WriteHalf::Tokio(w))
+            }
+            Stream::Tls(s) => {
+                let (r, w) = tokio::io::split(*s);
+                (ReadHalf::Tls(r), WriteHalf::Tls(w))
             }
             #[cfg(feature = "sim")]
             Stream::Sim(s) => {
@@ -250,6 +264,13 @@ impl ReadHalf {
                 }
                 Ok(())
             }
+            ReadHalf::Tls(r) => {
+                use tokio::io::AsyncReadExt;
+                for b in bufs.iter_mut() {
+                    r.read_exact(b).await?;
+                }
+                Ok(())
+            }
             #[cfg(feature = "sim")]
             ReadHalf::Sim(r) => {
                 use tokio::io::AsyncReadExt;
@@ -277,6 +298,7 @@ impl AsyncRead for ReadHalf {
                 buf.advance(n);
                 Poll::Ready(Ok(()))
             }
+            ReadHalf::Tls(r) => Pin::new(r).poll_read(cx, buf),
             #[cfg(feature = "sim")]
             ReadHalf::Sim(r) => Pin::new(r).poll_read(cx, buf),
         }
@@ -292,6 +314,7 @@ impl AsyncWrite for WriteHalf {
         match self.get_mut() {
             WriteHalf::Tokio(w) => Pin::new(w).poll_write(cx, buf),
             WriteHalf::Blocking(w) => Poll::Ready(std::io::Write::write(w, buf)),
+            WriteHalf::Tls(w) => Pin::new(w).poll_write(cx, buf),
             #[cfg(feature = "sim")]
             WriteHalf::Sim(w) => Pin::new(w).poll_write(cx, buf),
         }
@@ -305,6 +328,7 @@ impl AsyncWrite for WriteHalf {
         match self.get_mut() {
             WriteHalf::Tokio(w) => Pin::new(w).poll_write_vectored(cx, bufs),
             WriteHalf::Blocking(w) => Poll::Ready(std::io::Write::write_vectored(w, bufs)),
+            WriteHalf::Tls(w) => Pin::new(w).poll_write_vectored(cx, bufs),
             #[cfg(feature = "sim")]
             WriteHalf::Sim(w) => Pin::new(w).poll_write_vectored(cx, bufs),
         }
@@ -314,6 +338,7 @@ impl AsyncWrite for WriteHalf {
         match self {
             WriteHalf::Tokio(w) => w.is_write_vectored(),
             WriteHalf::Blocking(_) => true,
+            WriteHalf::Tls(w) => w.is_write_vectored(),
             #[cfg(feature = "sim")]
             WriteHalf::Sim(w) => w.is_write_vectored(),
         }
@@ -323,6 +348,7 @@ impl AsyncWrite for WriteHalf {
         match self.get_mut() {
             WriteHalf::Tokio(w) => Pin::new(w).poll_flush(cx),
             WriteHalf::Blocking(_) => Poll::Ready(Ok(())),
+            WriteHalf::Tls(w) => Pin::new(w).poll_flush(cx),
             #[cfg(feature = "sim")]
             WriteHalf::Sim(w) => Pin::new(w).poll_flush(cx),
         }
@@ -332,8 +358,59 @@ impl AsyncWrite for WriteHalf {
         match self.get_mut() {
             WriteHalf::Tokio(w) => Pin::new(w).poll_shutdown(cx),
             WriteHalf::Blocking(w) => Poll::Ready(w.shutdown(std::net::Shutdown::Write)),
+            WriteHalf::Tls(w) => Pin::new(w).poll_shutdown(cx),
             #[cfg(feature = "sim")]
             WriteHalf::Sim(w) => Pin::new(w).poll_shutdown(cx),
+        }
+    }
+}
+
+/// A whole stream reads and writes too (the first frame of an accepted connection, a
+/// refusal, a `DataHello`), before it is split.
+impl AsyncRead for Stream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Tokio(s) => Pin::new(s).poll_read(cx, buf),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+            #[cfg(feature = "sim")]
+            Stream::Sim(s) => Pin::new(s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Stream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Tokio(s) => Pin::new(s).poll_write(cx, buf),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+            #[cfg(feature = "sim")]
+            Stream::Sim(s) => Pin::new(s).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Tokio(s) => Pin::new(s).poll_flush(cx),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+            #[cfg(feature = "sim")]
+            Stream::Sim(s) => Pin::new(s).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Tokio(s) => Pin::new(s).poll_shutdown(cx),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+            #[cfg(feature = "sim")]
+            Stream::Sim(s) => Pin::new(s).poll_shutdown(cx),
         }
     }
 }

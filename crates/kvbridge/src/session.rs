@@ -59,6 +59,10 @@ pub(crate) struct SessionEnv {
     pub(crate) notifications: mpsc::Sender<Notification>,
     /// (Listener) The shared-memory offer for same-host initiators.
     pub(crate) shm_offer: Option<ShmOffer>,
+    /// TLS on the control connection, when on.
+    pub(crate) tls: Option<Arc<crate::tls::Tls>>,
+    /// The channel's count of peer batches refused for bytes in flight.
+    pub(crate) in_flight_refused: Arc<std::sync::atomic::AtomicU64>,
 }
 
 enum Machine {
@@ -303,6 +307,18 @@ pub(crate) async fn run_initiator(
             let _ = env.core.send(CoreCmd::SessionDown { id, error: err });
             return;
         }
+    };
+    // TLS wraps the control connection below the protocol; its handshake gets one step's
+    // deadline, and its failures are typed at `Step::Tls`.
+    let stream = match &env.tls {
+        Some(tls) => match tls.connect(stream, &addr, d.handshake_step).await {
+            Ok(s) => s,
+            Err(error) => {
+                let _ = env.core.send(CoreCmd::SessionDown { id, error });
+                return;
+            }
+        },
+        None => stream,
     };
     let machine = Machine::Init(Initiator::new(
         env.local.clone(),
@@ -578,11 +594,7 @@ impl Session {
                             .await
                             .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
                         let hello = Message::DataHello(DataHello { token, peer_id: me });
-                        match &mut s {
-                            Stream::Tokio(t) => write_msg(t, &hello).await?,
-                            #[cfg(feature = "sim")]
-                            Stream::Sim(t) => write_msg(t, &hello).await?,
-                        }
+                        write_msg(&mut s, &hello).await?;
                         Ok(s)
                     }));
                 }
@@ -624,7 +636,11 @@ impl Session {
             .peer_id
             .clone()
             .expect("bound only after the peer is known");
-        let (path, out_rx) = DataPath::new(peer.clone(), self.cmd_tx.clone());
+        let (path, out_rx) = DataPath::new(
+            peer.clone(),
+            self.cmd_tx.clone(),
+            self.env.config.limits.max_bytes_in_flight_per_peer,
+        );
         let ctx = ReaderCtx {
             path: path.clone(),
             incarnation: self
@@ -636,6 +652,7 @@ impl Session {
             hooks: self.env.config.hooks.clone(),
             notifications: self.env.notifications.clone(),
             out: path_out(&path),
+            in_flight_refused: self.env.in_flight_refused.clone(),
         };
         let (s, blocking) = if self.env.config.data_threads {
             match s {
@@ -1093,4 +1110,31 @@ pub(crate) async fn refuse(s: Stream, code: ErrorCode, message: &str) {
         message: message.to_string(),
     });
     let _ = tokio::time::timeout(Duration::from_secs(1), write_msg(&mut w, &m)).await;
+}
+
+/// [`refuse`] for a connection whose first bytes were not read whole (a TLS ClientHello on a
+/// plaintext listener): after the refusal, reads and drops what the peer sent until it
+/// closes (1 s at most, 64 KiB at most), so that the close is not a reset that overtakes the
+/// refusal.
+pub(crate) async fn refuse_lingering(s: Stream, code: ErrorCode, message: &str) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (mut r, mut w) = s.into_split();
+    let m = Message::Reject(kvbridge_proto::msg::Reject {
+        code,
+        message: message.to_string(),
+    });
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        write_msg(&mut w, &m).await?;
+        w.shutdown().await?;
+        let mut sink = [0u8; 4096];
+        let mut left = 64usize << 10;
+        while left > 0 {
+            match r.read(&mut sink).await? {
+                0 => break,
+                n => left = left.saturating_sub(n),
+            }
+        }
+        std::io::Result::Ok(())
+    })
+    .await;
 }

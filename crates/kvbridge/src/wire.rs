@@ -110,12 +110,14 @@ fn eof_is_truncation(e: io::Error) -> ReadError {
     }
 }
 
-/// Writes one message as a frame.
+/// Writes one message as a frame, and flushes it (a no-op on a socket; TLS may hold
+/// records back until flushed).
 pub(crate) async fn write_msg<W: AsyncWrite + Unpin>(w: &mut W, m: &Message) -> io::Result<()> {
     let bytes = m
         .to_frame()
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-    w.write_all(&bytes).await
+    w.write_all(&bytes).await?;
+    w.flush().await
 }
 
 /// Bytes handed to the kernel per `writev`. One call with a whole 128 MiB batch measured

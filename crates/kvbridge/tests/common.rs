@@ -122,3 +122,44 @@ pub async fn assert_transport(ch: &Channel, peer: &kvbridge::PeerId, t: kvbridge
         "transport to {peer}"
     );
 }
+
+/// Handshakes by hand as peer "hostile" (no secret, no memory of its own); returns its
+/// (control, data) connections once the listener said `Ready`.
+pub async fn handshake(target: &str) -> (tokio::net::TcpStream, tokio::net::TcpStream) {
+    use kvbridge::proto::msg::*;
+    use kvbridge::proto::{Incarnation, PeerId};
+    let mut ctl = tokio::net::TcpStream::connect(target).await.unwrap();
+    send_frame(
+        &mut ctl,
+        &Message::Hello(Hello {
+            version: 1,
+            peer_id: PeerId::new("hostile").unwrap(),
+            incarnation: Incarnation(1),
+            compat: Compat::default(),
+            auth: None,
+        }),
+    )
+    .await;
+    let Some(Message::Welcome(w)) = recv_frame(&mut ctl).await else {
+        panic!("no welcome")
+    };
+    send_frame(&mut ctl, &Message::MemInfo(MemInfo::default())).await;
+    let mut data = tokio::net::TcpStream::connect(target).await.unwrap();
+    send_frame(
+        &mut data,
+        &Message::DataHello(DataHello {
+            token: w.token,
+            peer_id: PeerId::new("hostile").unwrap(),
+        }),
+    )
+    .await;
+    assert!(matches!(
+        recv_frame(&mut ctl).await,
+        Some(Message::MemInfo(_))
+    ));
+    assert!(matches!(
+        recv_frame(&mut ctl).await,
+        Some(Message::Ready(_))
+    ));
+    (ctl, data)
+}

@@ -5,50 +5,12 @@ mod common;
 use common::*;
 use kvbridge::proto::frame::FrameHeader;
 use kvbridge::proto::msg::*;
-use kvbridge::proto::{Incarnation, PeerId, RegionId};
+use kvbridge::proto::{PeerId, RegionId};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 const PAGE: usize = 4096;
-
-/// Handshakes by hand; returns (control, data) connections.
-async fn handshake(target: &str) -> (TcpStream, TcpStream) {
-    let mut ctl = TcpStream::connect(target).await.unwrap();
-    send_frame(
-        &mut ctl,
-        &Message::Hello(Hello {
-            version: 1,
-            peer_id: PeerId::new("hostile").unwrap(),
-            incarnation: Incarnation(1),
-            compat: Compat::default(),
-            auth: None,
-        }),
-    )
-    .await;
-    let Some(Message::Welcome(w)) = recv_frame(&mut ctl).await else {
-        panic!("no welcome")
-    };
-    send_frame(&mut ctl, &Message::MemInfo(MemInfo::default())).await;
-    let mut data = TcpStream::connect(target).await.unwrap();
-    send_frame(
-        &mut data,
-        &Message::DataHello(DataHello {
-            token: w.token,
-            peer_id: PeerId::new("hostile").unwrap(),
-        }),
-    )
-    .await;
-    assert!(matches!(
-        recv_frame(&mut ctl).await,
-        Some(Message::MemInfo(_))
-    ));
-    assert!(matches!(
-        recv_frame(&mut ctl).await,
-        Some(Message::Ready(_))
-    ));
-    (ctl, data)
-}
 
 async fn expect_rejected_write(bad: OpDesc, expected: ErrorCode) {
     expect_rejected_batch(vec![bad], expected).await

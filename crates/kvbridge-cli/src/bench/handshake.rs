@@ -1,26 +1,33 @@
-//! `kvbridge bench handshake`: connect plus the first 4 KiB write, over fresh initiators.
+//! `kvbridge bench handshake`: connect plus the first 4 KiB write, over fresh initiators;
+//! with `--tls`, the same against a second listener process that requires TLS on the control
+//! connection (a self-signed certificate generated for the run), samples interleaved so both
+//! see the same machine.
 
 use super::peer::PeerProcess;
 use super::{median, quantile};
-use anyhow::Result;
-use kvbridge::{Channel, ChannelConfig, Grant, Op, Region};
+use anyhow::{Context, Result};
+use kvbridge::{Channel, ChannelConfig, Grant, Op, Pem, Region, TlsConfig};
 use serde::Serialize;
+use std::path::PathBuf;
 use std::time::Instant;
 
 /// Flags of `kvbridge bench handshake`.
 #[derive(Debug, clap::Args)]
 pub struct HandshakeArgs {
-    /// Fresh initiators (samples).
+    /// Fresh initiators (samples), per side.
     #[arg(long, default_value_t = 200)]
     pub peers: usize,
+    /// Also measure with TLS on the control connection, side by side in the same run.
+    #[arg(long)]
+    pub tls: bool,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
 }
 
-/// The result.
+/// One side's figures.
 #[derive(Debug, Serialize)]
-pub struct Report {
+pub struct Side {
     /// Number of samples.
     pub samples: usize,
     /// Median of connect + first 4 KiB write, ms.
@@ -29,25 +36,143 @@ pub struct Report {
     pub p99_ms: f64,
 }
 
+impl Side {
+    fn of(samples: Vec<f64>) -> Side {
+        Side {
+            samples: samples.len(),
+            p50_ms: median(samples.clone()),
+            p99_ms: quantile(samples, 0.99),
+        }
+    }
+}
+
+/// The result: plaintext figures at the top level (as before `--tls`), TLS beside them.
+#[derive(Debug, Serialize)]
+pub struct Report {
+    /// Plaintext control connection.
+    #[serde(flatten)]
+    pub plain: Side,
+    /// TLS on the control connection (`--tls`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls: Option<Side>,
+}
+
+impl Report {
+    /// The human summary.
+    pub fn table(&self) -> String {
+        let p = &self.plain;
+        let mut s = format!(
+            "connect + first 4 KiB write over {} fresh initiators: p50 {:.3} ms, p99 {:.3} ms",
+            p.samples, p.p50_ms, p.p99_ms
+        );
+        if let Some(t) = &self.tls {
+            s += &format!(
+                "\n  with TLS on the control connection:              p50 {:.3} ms, p99 {:.3} ms \
+                 (p50 +{:.3} ms, {:.2}x)",
+                t.p50_ms,
+                t.p99_ms,
+                t.p50_ms - p.p50_ms,
+                t.p50_ms / p.p50_ms
+            );
+        }
+        s
+    }
+}
+
+/// A self-signed certificate for 127.0.0.1 in a private temporary folder, removed on drop.
+struct TempCert {
+    dir: PathBuf,
+    cert_pem: String,
+}
+
+impl TempCert {
+    fn new() -> Result<TempCert> {
+        use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+        let c = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_string()])?;
+        let dir = std::env::temp_dir().join(format!(
+            "kvbridge-bench-tls-{}-{}",
+            std::process::id(),
+            // Only to make the name unique: a stale folder of an earlier process that had
+            // the same pid must not be reused.
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos())
+        ));
+        std::fs::DirBuilder::new().mode(0o700).create(&dir)?;
+        let t = TempCert {
+            dir,
+            cert_pem: c.cert.pem(),
+        };
+        std::fs::write(t.dir.join("cert.pem"), &t.cert_pem)?;
+        let mut key = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(t.dir.join("key.pem"))?;
+        std::io::Write::write_all(&mut key, c.key_pair.serialize_pem().as_bytes())?;
+        Ok(t)
+    }
+}
+
+impl Drop for TempCert {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// One sample: a fresh initiator connects and writes its first page.
+async fn sample(i: usize, peer: &PeerProcess, tls: Option<TlsConfig>) -> Result<f64> {
+    let mut cfg = ChannelConfig::new(format!("bench-initiator-{i}"), None);
+    cfg.tls = tls;
+    let ch = Channel::new(cfg).await?;
+    let r = Region::alloc(4096, 4096)?;
+    r.write_at(0, &[i as u8; 4096])?;
+    ch.register(&r, Grant::AllPeers)?;
+    let t = Instant::now();
+    let p = ch.connect(&peer.addr).await?;
+    ch.write(&p, &[Op::page(&r, 0, peer.region, (i % 256) as u64, 4096)])
+        .await?;
+    let ms = t.elapsed().as_secs_f64() * 1e3;
+    ch.close().await;
+    Ok(ms)
+}
+
 /// Runs the benchmark.
 pub async fn run(args: HandshakeArgs) -> Result<Report> {
-    let peer = PeerProcess::start(1 << 20, 4096)?;
-    let mut samples = Vec::with_capacity(args.peers);
-    for i in 0..args.peers.max(1) {
-        let ch = Channel::new(ChannelConfig::new(format!("bench-initiator-{i}"), None)).await?;
-        let r = Region::alloc(4096, 4096)?;
-        r.write_at(0, &[i as u8; 4096])?;
-        ch.register(&r, Grant::AllPeers)?;
-        let t = Instant::now();
-        let p = ch.connect(&peer.addr).await?;
-        ch.write(&p, &[Op::page(&r, 0, peer.region, (i % 256) as u64, 4096)])
-            .await?;
-        samples.push(t.elapsed().as_secs_f64() * 1e3);
-        ch.close().await;
+    const NO_TLS: [&str; 4] = [
+        "KVBRIDGE_TLS_CERT",
+        "KVBRIDGE_TLS_KEY",
+        "KVBRIDGE_TLS_CA",
+        "KVBRIDGE_TLS_SERVER_NAME",
+    ];
+    let plain_peer = PeerProcess::start_with(1 << 20, 4096, &[], &NO_TLS)?;
+    let tls = match args.tls {
+        true => {
+            let cert = TempCert::new().context("cannot write the bench certificate")?;
+            let (c, k) = (cert.dir.join("cert.pem"), cert.dir.join("key.pem"));
+            let env = [
+                ("KVBRIDGE_TLS_CERT", c.as_os_str()),
+                ("KVBRIDGE_TLS_KEY", k.as_os_str()),
+            ];
+            let peer = PeerProcess::start_with(1 << 20, 4096, &env, &NO_TLS[2..])?;
+            let config = TlsConfig {
+                trusted: Some(Pem::Text(cert.cert_pem.clone())),
+                ..TlsConfig::default()
+            };
+            Some((peer, config, cert))
+        }
+        false => None,
+    };
+    let n = args.peers.max(1);
+    let (mut plain, mut with_tls) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    for i in 0..n {
+        plain.push(sample(i, &plain_peer, None).await?);
+        if let Some((peer, config, _)) = &tls {
+            with_tls.push(sample(i, peer, Some(config.clone())).await?);
+        }
     }
     Ok(Report {
-        samples: samples.len(),
-        p50_ms: median(samples.clone()),
-        p99_ms: quantile(samples, 0.99),
+        plain: Side::of(plain),
+        tls: tls.map(|_| Side::of(with_tls)),
     })
 }

@@ -107,8 +107,26 @@ pub struct PeerProcess {
 impl PeerProcess {
     /// Starts `kvbridge bench peer` and waits for its READY line.
     pub fn start(region_bytes: usize, page: usize) -> Result<Self> {
+        Self::start_with(region_bytes, page, &[], &[])
+    }
+
+    /// [`PeerProcess::start`] with environment variables set (`env`) and removed (`unset`)
+    /// for the child (e.g. `KVBRIDGE_TLS_*`).
+    pub fn start_with(
+        region_bytes: usize,
+        page: usize,
+        env: &[(&str, &std::ffi::OsStr)],
+        unset: &[&str],
+    ) -> Result<Self> {
         let exe = std::env::current_exe()?;
-        let mut child = Command::new(exe)
+        let mut cmd = Command::new(exe);
+        for k in unset {
+            cmd.env_remove(k);
+        }
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd
             .args(["bench", "peer", "--region-bytes", &region_bytes.to_string()])
             .args(["--page", &page.to_string()])
             .stdin(Stdio::piped())
