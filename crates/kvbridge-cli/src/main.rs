@@ -4,6 +4,7 @@ mod bench;
 
 /// mimalloc: the proxy allocates per request (headers, JSON bodies), and glibc malloc was the
 /// largest user-space cost in its profile.
+#[cfg(feature = "mimalloc")]
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

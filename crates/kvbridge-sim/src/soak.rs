@@ -12,7 +12,8 @@
 //! - **no leak**: once the load stops, every live decoder's pages come back (within the KV
 //!   TTL) and its `pages_leaked` counter is 0;
 //! - **flat memory**: the resident size of every process that lived through the run, from
-//!   after warm-up to the end;
+//!   after warm-up to the end of the workload (not after it: teardown frees memory and
+//!   would hide growth);
 //! - **recovery**: after the chaos stops, requests succeed again.
 //!
 //! One task (the supervisor, [`run`]'s own) owns every child process: it kills, restarts
@@ -586,6 +587,9 @@ struct Supervisor {
     errors: Vec<String>,
     own: Option<MemoryTrack>,
     warm: bool,
+    /// Set when the workload ends: memory is judged over the workload only (teardown and
+    /// quiescence free memory and would hide growth).
+    memory_frozen: bool,
 }
 
 impl Supervisor {
@@ -614,6 +618,9 @@ impl Supervisor {
                 p.mismatches_now = v["kv_mismatches"].as_u64().unwrap_or(0);
                 p.last = Some(v);
             }
+        }
+        if self.memory_frozen {
+            return;
         }
         let warm = self.warm;
         for p in &mut self.procs {
@@ -911,6 +918,7 @@ pub async fn run(o: SoakOptions) -> anyhow::Result<SoakSummary> {
         errors: Vec::new(),
         own: None,
         warm: false,
+        memory_frozen: false,
     };
     let t0 = Instant::now();
     let end = t0 + o.duration;
@@ -1000,6 +1008,9 @@ pub async fn run(o: SoakOptions) -> anyhow::Result<SoakSummary> {
     if o.progress {
         eprintln!();
     }
+    // One last reading with the workload just ended, then memory is frozen.
+    sup.poll().await;
+    sup.memory_frozen = true;
 
     // Recovery: with every process up again, requests succeed (the proxy re-admits a
     // restarted worker after its health checks pass, so allow a few attempts).
