@@ -11,6 +11,8 @@ use crate::client::{Answer, Client};
 use crate::engine::{self, EngineConfig, EngineStats, Role, RunningEngine};
 use crate::model::{self, SplitMix};
 use futures_util::StreamExt;
+use crate::timeline::{self, Mark, Step};
+use kvbridge_pd::TransferMode;
 use kvbridge_proxy::config::{Config as ProxyConfig, DecoderConfig, WorkerAddr};
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -58,6 +60,16 @@ pub struct DemoArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// How the prefillers move KV (the engines' `pd_transfer_mode`): `push` (the sender
+    /// writes into the decoder's pages) or `pull` (the decoder reads the sender's chunks).
+    /// Default: the environment's `KVBRIDGE_PD_TRANSFER_MODE`, else push.
+    #[arg(long, value_enum)]
+    pub transfer_mode: Option<TransferMode>,
+    /// Record every step of the one-at-a-time replay (proxy, prefiller, PD sender, decoder,
+    /// client) on one monotonic clock and print where the time to first token goes, for the
+    /// disaggregated and the colocated path (medians over the streamed replays).
+    #[arg(long)]
+    pub timeline: bool,
     /// Soak instead of a fixed workload: run the proxy and every worker as child processes
     /// and send requests for this long (`90s`, `30m`, `1h`); see `--chaos`.
     #[arg(long)]
@@ -82,6 +94,22 @@ pub struct DemoArgs {
     /// The cost model.
     #[command(flatten)]
     pub cost: CostArgs,
+}
+
+/// Where the unloaded time to first token goes (`--timeline`): medians over the streamed
+/// one-at-a-time replays, all on one monotonic clock, ms after the client sent the request.
+#[derive(Debug, Clone, Serialize)]
+pub struct TimelineReport {
+    /// Streamed replays measured.
+    pub replays: u64,
+    /// The disaggregated path's steps in order ([`timeline::DISAGG_PATH`]).
+    pub disaggregated: Vec<Step>,
+    /// The colocated path's steps in order ([`timeline::COLOCATED_PATH`]).
+    pub colocated: Vec<Step>,
+    /// Every step recorded on the disaggregated path, by time.
+    pub all_disaggregated: Vec<Step>,
+    /// The TTFT gap, split.
+    pub gap: timeline::Gap,
 }
 
 /// The demo's result.
@@ -130,6 +158,11 @@ pub struct DemoSummary {
     pub pages_leaked: u64,
     /// Whether every transfer and verification ended before the summary was read.
     pub quiesced: bool,
+    /// How KV moved: `push` or `pull` (`--transfer-mode`).
+    pub transfer_mode: String,
+    /// With `--timeline`: where the unloaded time to first token goes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timeline: Option<TimelineReport>,
     /// Components: prefillers, decoders, TP ranks, KV layout.
     pub setup: String,
 }
@@ -150,7 +183,28 @@ impl DemoSummary {
     /// The human-readable summary.
     pub fn table(&self) -> String {
         let yes = |b: bool| if b { "yes" } else { "NO" };
-        format!(
+        let mut t = String::new();
+        if let Some(tl) = &self.timeline {
+            t.push_str(&timeline::render(
+                &format!(
+                    "timeline, disaggregated (medians of {} streamed replays, ms after send)",
+                    tl.replays
+                ),
+                &tl.disaggregated,
+            ));
+            t.push_str(&timeline::render("timeline, colocated", &tl.colocated));
+            let g = &tl.gap;
+            t.push_str(&format!(
+                "TTFT gap            {:.2} ms = before first chunk {:.2} + prefill slower {:.2} + last chunk transfer {:.2} + after it {:.2}  (medians of {} pairs)\n",
+                g.gap_ms,
+                g.before_first_chunk_ms,
+                g.prefill_slower_ms,
+                g.last_chunk_transfer_ms,
+                g.after_last_chunk_ms,
+                g.pairs
+            ));
+        }
+        t + &format!(
             "kvbridge demo: {setup}\n\
              requests            {req} ok {ok} failed {failed}\n\
              TTFT                p50 {p50:.1} ms  p99 {p99:.1} ms\n\
@@ -250,7 +304,29 @@ impl Cluster {
         cost: crate::cost::CostModel,
         buffer_bytes: u64,
     ) -> anyhow::Result<Cluster> {
-        Self::start_models(prefillers, decoders, model, model, cost, buffer_bytes).await
+        Self::start_full(prefillers, decoders, model, model, cost, buffer_bytes, None).await
+    }
+
+    /// Like [`Cluster::start`], with the prefillers' `pd_transfer_mode` set to `mode`
+    /// (instead of the environment's, or push).
+    pub async fn start_with_mode(
+        prefillers: u32,
+        decoders: u32,
+        model: &model::Model,
+        cost: crate::cost::CostModel,
+        buffer_bytes: u64,
+        mode: TransferMode,
+    ) -> anyhow::Result<Cluster> {
+        Self::start_full(
+            prefillers,
+            decoders,
+            model,
+            model,
+            cost,
+            buffer_bytes,
+            Some(mode),
+        )
+        .await
     }
 
     /// Like [`Cluster::start`], with a different model on the prefillers (tests: KV that
@@ -263,6 +339,27 @@ impl Cluster {
         cost: crate::cost::CostModel,
         buffer_bytes: u64,
     ) -> anyhow::Result<Cluster> {
+        Self::start_full(
+            prefillers,
+            decoders,
+            prefill_model,
+            model,
+            cost,
+            buffer_bytes,
+            None,
+        )
+        .await
+    }
+
+    async fn start_full(
+        prefillers: u32,
+        decoders: u32,
+        prefill_model: &model::Model,
+        model: &model::Model,
+        cost: crate::cost::CostModel,
+        buffer_bytes: u64,
+        mode: Option<TransferMode>,
+    ) -> anyhow::Result<Cluster> {
         if prefillers == 0 || decoders == 0 {
             anyhow::bail!("at least one prefiller and one decoder are needed");
         }
@@ -270,6 +367,9 @@ impl Cluster {
             let mut c = EngineConfig::new(role, model.clone());
             c.cost = cost;
             c.buffer_bytes = buffer_bytes;
+            if let Some(m) = mode {
+                c.transfer_mode = m;
+            }
             c
         };
         let mut ds = Vec::new();
@@ -461,12 +561,16 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
     }
     let deadline = Duration::from_secs_f64(args.request_timeout);
     let (prefillers, decoders) = (args.prefillers.unwrap_or(1), args.decoders.unwrap_or(1));
-    let cluster = Cluster::start(
+    let mode = args
+        .transfer_mode
+        .unwrap_or(EngineConfig::new(Role::Prefill, model.clone()).transfer_mode);
+    let cluster = Cluster::start_with_mode(
         prefillers,
         decoders,
         &model,
         cost,
         args.buffer_mib.saturating_mul(1 << 20),
+        mode,
     )
     .await?;
     let client = Client::new();
@@ -532,23 +636,29 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
     // unloaded TTFTs compare the two paths.
     let mut matched = true;
     let (mut ud, mut uc) = (Vec::new(), Vec::new());
+    let record = args.timeline && timeline::installed();
+    let (mut td, mut tc) = (Vec::new(), Vec::new());
     let k = (args.compare as usize).min(n);
     for (i, w) in work.iter().take(k).enumerate() {
-        let d = client
-            .generate(&format!("{base}{}", w.path), &w.body, deadline)
-            .await;
-        let c = client
-            .generate(
+        let (d, dm) = traced(record, client.generate(&format!("{base}{}", w.path), &w.body, deadline)).await;
+        let (c, cm) = traced(
+            record,
+            client.generate(
                 &format!("{}{}", cluster.colocated_url(), w.path),
                 &w.body,
                 deadline,
-            )
-            .await;
+            ),
+        )
+        .await;
         match (d, c) {
             (Ok(d), Ok(c)) => {
                 if w.body.get("stream").and_then(Value::as_bool) == Some(true) {
                     ud.push(d.ttft.as_secs_f64() * 1e3);
                     uc.push(c.ttft.as_secs_f64() * 1e3);
+                    if let (Some((s0, dm)), Some((s1, cm))) = (dm, cm) {
+                        td.push(timeline::Trace { sent: s0, ttft: d.ttft, marks: dm });
+                        tc.push(timeline::Trace { sent: s1, ttft: c.ttft, marks: cm });
+                    }
                 }
                 let first = results
                     .iter()
@@ -614,8 +724,9 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
         },
         pages_leaked: st.pages_leaked,
         quiesced,
+        transfer_mode: mode.to_string(),
         setup: format!(
-            "{}P{}D, TP={}, {}, {} bytes/token, {} tokens/chunk, in-process on loopback",
+            "{}P{}D, TP={}, {}, {} bytes/token, {} tokens/chunk, {mode}, in-process on loopback",
             prefillers,
             decoders,
             model.world_size,
@@ -623,9 +734,31 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
             model.spec.bytes_per_token(),
             model.spec.chunk_tokens
         ),
+        timeline: (!td.is_empty()).then(|| TimelineReport {
+            replays: td.len() as u64,
+            disaggregated: timeline::path(&td, timeline::DISAGG_PATH),
+            colocated: timeline::path(&tc, timeline::COLOCATED_PATH),
+            all_disaggregated: timeline::all_steps(&td),
+            gap: timeline::gap(&td, &tc),
+        }),
     };
     cluster.shutdown().await;
     Ok(summary)
+}
+
+/// Runs `f`; with `record`, returns the timeline marks recorded while it ran and when it
+/// started.
+async fn traced<T>(
+    record: bool,
+    f: impl std::future::Future<Output = T>,
+) -> (T, Option<(Instant, Vec<Mark>)>) {
+    if !record {
+        return (f.await, None);
+    }
+    timeline::start();
+    let t0 = Instant::now();
+    let r = f.await;
+    (r, Some((t0, timeline::take())))
 }
 
 fn excerpt(s: &str) -> String {
