@@ -427,6 +427,44 @@ impl RunningEngine {
         }
     }
 
+    /// Prefill: connects every rank's PD channel to the decoder rank of the same index at
+    /// `host` (`init_ports[rank]`; the kvbridge handshake) now, instead of lazily on the
+    /// first request, each within `deadline`, and returns how long each handshake took.
+    /// Connecting is idempotent: a rank already connected answers at once.
+    pub async fn connect_decoder(
+        &self,
+        host: &str,
+        init_ports: &[u16],
+        deadline: Duration,
+    ) -> Result<Vec<Duration>, SimError> {
+        let mut took = Vec::with_capacity(self.inner.senders.len());
+        for sender in &self.inner.senders {
+            if sender.follows() {
+                continue; // MLA send-once: only rank 0 talks to the decoder
+            }
+            let rank = sender.rank();
+            let port = init_ports.get(rank as usize).ok_or_else(|| {
+                SimError::Start(format!("the decoder has no init port for rank {rank}"))
+            })?;
+            let addr = format!("{host}:{port}");
+            let t = Instant::now();
+            match tokio::time::timeout(deadline, sender.channel().connect(&addr)).await {
+                Ok(Ok(_)) => took.push(t.elapsed()),
+                Ok(Err(e)) => {
+                    return Err(SimError::Start(format!(
+                        "connecting rank {rank} to {addr}: {e}"
+                    )))
+                }
+                Err(_) => {
+                    return Err(SimError::Start(format!(
+                        "connecting rank {rank} to {addr}: no handshake within {deadline:?}"
+                    )))
+                }
+            }
+        }
+        Ok(took)
+    }
+
     /// Stops serving and closes the PD layer's channels.
     pub async fn shutdown(mut self) {
         if let Some(s) = self.stop.take() {
@@ -778,11 +816,19 @@ async fn prefill(
         .map_err(|e| SimError::Internal(format!("prefill task: {e}")))?;
         state = st;
         done += part.len() as u64;
-        let stage = if send.is_some() { "prefill.chunk_computed" } else { "local.chunk_computed" };
+        let stage = if send.is_some() {
+            "prefill.chunk_computed"
+        } else {
+            "local.chunk_computed"
+        };
         tracing::debug!(target: TL, stage, chunk = i);
         // The cost model: this chunk exists no earlier than the accelerator would have it.
         tokio::time::sleep_until(start + s.cfg.cost.prefill_time(done)).await;
-        let stage = if send.is_some() { "prefill.chunk_ready" } else { "local.chunk_ready" };
+        let stage = if send.is_some() {
+            "prefill.chunk_ready"
+        } else {
+            "local.chunk_ready"
+        };
         tracing::debug!(target: TL, stage, chunk = i);
         if let Some(send) = send {
             for (tx, chunk) in send.iter().zip(chunks) {
@@ -944,14 +990,11 @@ async fn rank_sender_inner(s: &Inner, job: RankJob) {
     }
     // KvReady only after the decoder acknowledged the announcement (long done by now: it
     // started with the prefill). A sender gone without an answer counts as a failure.
-    let ok = tokio::time::timeout(
-        s.cfg.announce_timeout,
-        announced.wait_for(Option::is_some),
-    )
-    .await
-    .ok()
-    .and_then(|r| r.ok().and_then(|v| *v))
-    .unwrap_or(false);
+    let ok = tokio::time::timeout(s.cfg.announce_timeout, announced.wait_for(Option::is_some))
+        .await
+        .ok()
+        .and_then(|r| r.ok().and_then(|v| *v))
+        .unwrap_or(false);
     if !ok {
         s.counts.kv_transfers_failed.fetch_add(1, Relaxed);
         t.cancel("the decoder was not told about the transfer (announcement failed)")

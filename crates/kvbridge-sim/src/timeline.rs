@@ -333,7 +333,16 @@ mod tests {
         assert_eq!(o.get("c[last]"), Some(&4.0));
         assert!(!o.keys().any(|k| k == "c[1]"));
         let traces = [tr(0), tr(2), tr(4)];
-        let p = path(&traces, &["client.sent", "a", "missing", "c[last]", "client.first_text"]);
+        let p = path(
+            &traces,
+            &[
+                "client.sent",
+                "a",
+                "missing",
+                "c[last]",
+                "client.first_text",
+            ],
+        );
         let got: Vec<(&str, f64, f64)> = p
             .iter()
             .map(|s| (s.step.as_str(), s.at_ms, s.delta_ms))
@@ -349,7 +358,10 @@ mod tests {
         );
         let all = all_steps(&traces);
         assert_eq!(all.first().map(|s| s.step.as_str()), Some("client.sent"));
-        assert_eq!(all.last().map(|s| s.step.as_str()), Some("client.first_text"));
+        assert_eq!(
+            all.last().map(|s| s.step.as_str()),
+            Some("client.first_text")
+        );
     }
 }
 
