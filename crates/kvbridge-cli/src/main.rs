@@ -63,12 +63,18 @@ enum BenchCmd {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    {
+        use tracing_subscriber::prelude::*;
+        let filter =
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
+        let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+        let reg = tracing_subscriber::registry().with(fmt.with_filter(filter));
+        // `kvbridge demo --timeline` records the per-request timeline marks (only then).
+        match &cli.cmd {
+            Cmd::Demo(a) if a.timeline => reg.with(kvbridge_sim::timeline::layer()).init(),
+            _ => reg.init(),
+        }
+    }
     // Built on demand: the proxy builds its own (one thread by default).
     let rt = || {
         tokio::runtime::Builder::new_multi_thread()

@@ -211,7 +211,10 @@ pub async fn bind_pull(
             };
             for frame in msg.iter() {
                 match notif::decode(frame) {
-                    Ok(n) => waiters.deliver(n),
+                    Ok(n) => {
+                        tracing::debug!(target: "kvbridge::timeline", stage = "proxy.outcome_received", id = n.req_id());
+                        waiters.deliver(n)
+                    }
                     Err(e) => {
                         metrics.kv_outcomes_malformed.fetch_add(1, Relaxed);
                         tracing::warn!(error = %e, len = frame.len(), "malformed notification dropped");

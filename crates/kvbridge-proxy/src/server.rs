@@ -33,6 +33,9 @@ use crate::pool::{PickError, Pool, Role, Slot};
 use crate::request::{Api, PrefillAnswer, ReqDoc};
 
 const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+/// `tracing` target of the per-request timeline marks (`kvbridge demo --timeline`).
+const TL: &str = "kvbridge::timeline";
+
 /// Largest worker response read whole (prefill answers, non-streamed decodes, errors).
 const MAX_UPSTREAM_BODY: usize = 64 << 20;
 
@@ -612,6 +615,7 @@ impl App {
     ) -> Response {
         let rid = self.request_id(&headers);
         let mut track = Track::new(self.metrics.clone(), rid.clone());
+        tracing::debug!(target: TL, stage = "proxy.received", id = track.rid());
         match self.flow(api, &headers, body, &rid, &track).await {
             Ok(Reply::Full { content_type, body }) => {
                 self.metrics.ttft.observe(track.t0.elapsed());
@@ -765,6 +769,7 @@ impl App {
             "receiver_init_port": dc.init_ports, "receiver_alloc_port": dc.alloc_ports}});
         let spec = serde_json::to_vec(&spec).unwrap_or_default();
         let pbody = Bytes::from(prefill_body(doc, &spec));
+        tracing::debug!(target: TL, stage = "proxy.prefill_sent", id = %id);
         let prefill = self.prefill(ctx, pbody);
         tokio::pin!(prefill);
         let mut ready = false;
@@ -788,16 +793,22 @@ impl App {
             tokio::select! {
                 r = &mut prefill => break r?,
                 o = wait.outcome(), if !ready => match o {
-                    Some(KvOutcome::Ready) => ready = true,
+                    Some(KvOutcome::Ready) => {
+                        tracing::debug!(target: TL, stage = "proxy.kv_ready", id = %id);
+                        ready = true
+                    }
                     Some(KvOutcome::Failed { rank, reason }) => return Err(kv_failed(rank, reason)),
                     None => return Err(gone()),
                 },
             }
         };
+        tracing::debug!(target: TL, stage = "proxy.prefill_answered", id = %id);
         let t = Instant::now();
         if !ready {
             match tokio::time::timeout(self.cfg.kv_ready_timeout, wait.outcome()).await {
-                Ok(Some(KvOutcome::Ready)) => {}
+                Ok(Some(KvOutcome::Ready)) => {
+                    tracing::debug!(target: TL, stage = "proxy.kv_ready", id = %id);
+                }
                 Ok(Some(KvOutcome::Failed { rank, reason })) => {
                     return Err(kv_failed(rank, reason))
                 }
@@ -840,6 +851,7 @@ impl App {
         }
         let first = prefix.as_ref().map(|(f, _)| f.as_str());
         let dbody = Bytes::from(lmcache_decode_body(doc, first, &id));
+        tracing::debug!(target: TL, stage = "proxy.decode_sent", id = %id);
         // The KV sits on this decoder: no other one can take the request over.
         let reply = self
             .decode(
@@ -853,6 +865,7 @@ impl App {
                 false,
             )
             .await?;
+        tracing::debug!(target: TL, stage = "proxy.decode_answered", id = %id);
         match (reply, prefix) {
             (Reply::Full { content_type, body }, Some((first, _))) => Ok(Reply::Full {
                 content_type,

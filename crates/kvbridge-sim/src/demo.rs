@@ -10,7 +10,9 @@ use crate::cli::{CostArgs, ModelArgs};
 use crate::client::{Answer, Client};
 use crate::engine::{self, EngineConfig, EngineStats, Role, RunningEngine};
 use crate::model::{self, SplitMix};
+use crate::timeline::{self, Mark, Step};
 use futures_util::StreamExt;
+use kvbridge_pd::TransferMode;
 use kvbridge_proxy::config::{Config as ProxyConfig, DecoderConfig, WorkerAddr};
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -58,6 +60,21 @@ pub struct DemoArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// How the prefillers move KV (the engines' `pd_transfer_mode`): `push` (the sender
+    /// writes into the decoder's pages) or `pull` (the decoder reads the sender's chunks).
+    /// Default: the environment's `KVBRIDGE_PD_TRANSFER_MODE`, else push.
+    #[arg(long, value_enum)]
+    pub transfer_mode: Option<TransferMode>,
+    /// Repetitions of the same-run transfer ceiling measured before the workload (a raw
+    /// kvbridge channel writing pages of the demo's chunk size, and the PD layer's zero-copy
+    /// path, as `kvbridge bench pd`); 0 skips it.
+    #[arg(long, default_value_t = 3)]
+    pub ceiling_reps: usize,
+    /// Record every step of the one-at-a-time replay (proxy, prefiller, PD sender, decoder,
+    /// client) on one monotonic clock and print where the time to first token goes, for the
+    /// disaggregated and the colocated path (medians over the streamed replays).
+    #[arg(long)]
+    pub timeline: bool,
     /// Soak instead of a fixed workload: run the proxy and every worker as child processes
     /// and send requests for this long (`90s`, `30m`, `1h`); see `--chaos`.
     #[arg(long)]
@@ -82,6 +99,22 @@ pub struct DemoArgs {
     /// The cost model.
     #[command(flatten)]
     pub cost: CostArgs,
+}
+
+/// Where the unloaded time to first token goes (`--timeline`): medians over the streamed
+/// one-at-a-time replays, all on one monotonic clock, ms after the client sent the request.
+#[derive(Debug, Clone, Serialize)]
+pub struct TimelineReport {
+    /// Streamed replays measured.
+    pub replays: u64,
+    /// The disaggregated path's steps in order ([`timeline::DISAGG_PATH`]).
+    pub disaggregated: Vec<Step>,
+    /// The colocated path's steps in order ([`timeline::COLOCATED_PATH`]).
+    pub colocated: Vec<Step>,
+    /// Every step recorded on the disaggregated path, by time.
+    pub all_disaggregated: Vec<Step>,
+    /// The TTFT gap, split.
+    pub gap: timeline::Gap,
 }
 
 /// The demo's result.
@@ -130,6 +163,27 @@ pub struct DemoSummary {
     pub pages_leaked: u64,
     /// Whether every transfer and verification ended before the summary was read.
     pub quiesced: bool,
+    /// How KV moved: `push` or `pull` (`--transfer-mode`).
+    pub transfer_mode: String,
+    /// Mean duration of the kvbridge handshakes (every prefiller rank to every decoder,
+    /// made at start), ms.
+    pub handshake_ms: f64,
+    /// Handshakes made.
+    pub handshakes: u64,
+    /// Same run, before the workload: a raw kvbridge channel writing pages of the demo's
+    /// chunk size (`kvbridge bench transfer`'s figure at this page size), GiB/s; 0 when
+    /// skipped.
+    pub ceiling_channel_gib_per_s: f64,
+    /// Same run: the PD layer alone (zero-copy chunks, `kvbridge bench pd`), GiB/s.
+    pub ceiling_pd_gib_per_s: f64,
+    /// `kv_gib_per_s / ceiling_channel_gib_per_s` (the issue asks for at least 0.9).
+    pub kv_vs_ceiling: f64,
+    /// Time to move one full chunk at the channel ceiling, ms: the transfer the TTFT gap
+    /// may not hide behind the prefill.
+    pub chunk_transfer_ms: f64,
+    /// With `--timeline`: where the unloaded time to first token goes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timeline: Option<TimelineReport>,
     /// Components: prefillers, decoders, TP ranks, KV layout.
     pub setup: String,
 }
@@ -150,14 +204,36 @@ impl DemoSummary {
     /// The human-readable summary.
     pub fn table(&self) -> String {
         let yes = |b: bool| if b { "yes" } else { "NO" };
-        format!(
+        let mut t = String::new();
+        if let Some(tl) = &self.timeline {
+            t.push_str(&timeline::render(
+                &format!(
+                    "timeline, disaggregated (medians of {} streamed replays, ms after send)",
+                    tl.replays
+                ),
+                &tl.disaggregated,
+            ));
+            t.push_str(&timeline::render("timeline, colocated", &tl.colocated));
+            let g = &tl.gap;
+            t.push_str(&format!(
+                "TTFT gap            {:.2} ms = before first chunk {:.2} + prefill slower {:.2} + last chunk transfer {:.2} + after it {:.2}  (medians of {} pairs)\n",
+                g.gap_ms,
+                g.before_first_chunk_ms,
+                g.prefill_slower_ms,
+                g.last_chunk_transfer_ms,
+                g.after_last_chunk_ms,
+                g.pairs
+            ));
+        }
+        t + &format!(
             "kvbridge demo: {setup}\n\
              requests            {req} ok {ok} failed {failed}\n\
              TTFT                p50 {p50:.1} ms  p99 {p99:.1} ms\n\
              time per token      p50 {tpot:.2} ms\n\
              throughput          {rps:.1} req/s  {tps:.0} output tokens/s  ({wall:.1} s)\n\
-             KV moved            {kvb:.1} MiB at {gib:.2} GiB/s\n\
-             unloaded TTFT       disaggregated {ud:.1} ms  colocated {uc:.1} ms  (decoder KV load {kl:.1} ms)\n\
+             KV moved            {kvb:.1} MiB at {gib:.2} GiB/s while transferring ({ratio:.0}% of the channel ceiling {ceil:.2} GiB/s at this page size; PD layer alone {pdc:.2} GiB/s)\n\
+             handshakes          {hs} of {hsm:.2} ms on average (at start)\n\
+             unloaded TTFT       disaggregated {ud:.1} ms  colocated {uc:.1} ms  gap {gap:.1} ms  (target: one chunk at the ceiling {ct:.1} ms + 1 ms; decoder KV load {kl:.1} ms)\n\
              KV mismatches       {mm}\n\
              KV missing          {miss}\n\
              leaked pages        {leak}\n\
@@ -175,9 +251,16 @@ impl DemoSummary {
             wall = self.wall_s,
             kvb = self.kv_bytes as f64 / (1u64 << 20) as f64,
             gib = self.kv_gib_per_s,
+            ratio = self.kv_vs_ceiling * 100.0,
+            ceil = self.ceiling_channel_gib_per_s,
+            pdc = self.ceiling_pd_gib_per_s,
+            hs = self.handshakes,
+            hsm = self.handshake_ms,
             ud = self.ttft_unloaded_disagg_p50_ms,
             uc = self.ttft_unloaded_colocated_p50_ms,
             kl = self.decode_kv_load_mean_ms,
+            gap = self.ttft_unloaded_disagg_p50_ms - self.ttft_unloaded_colocated_p50_ms,
+            ct = self.chunk_transfer_ms,
             mm = self.kv_mismatches,
             miss = self.kv_missing,
             leak = self.pages_leaked,
@@ -230,6 +313,9 @@ pub struct Cluster {
     pub decoders: Vec<RunningEngine>,
     /// The colocated reference engine.
     pub colocated: RunningEngine,
+    /// The kvbridge handshakes made at start: every prefiller rank to every decoder (the
+    /// matching rank), each one's duration.
+    pub handshakes: Vec<Duration>,
 }
 
 impl std::fmt::Debug for Cluster {
@@ -250,7 +336,29 @@ impl Cluster {
         cost: crate::cost::CostModel,
         buffer_bytes: u64,
     ) -> anyhow::Result<Cluster> {
-        Self::start_models(prefillers, decoders, model, model, cost, buffer_bytes).await
+        Self::start_full(prefillers, decoders, model, model, cost, buffer_bytes, None).await
+    }
+
+    /// Like [`Cluster::start`], with the prefillers' `pd_transfer_mode` set to `mode`
+    /// (instead of the environment's, or push).
+    pub async fn start_with_mode(
+        prefillers: u32,
+        decoders: u32,
+        model: &model::Model,
+        cost: crate::cost::CostModel,
+        buffer_bytes: u64,
+        mode: TransferMode,
+    ) -> anyhow::Result<Cluster> {
+        Self::start_full(
+            prefillers,
+            decoders,
+            model,
+            model,
+            cost,
+            buffer_bytes,
+            Some(mode),
+        )
+        .await
     }
 
     /// Like [`Cluster::start`], with a different model on the prefillers (tests: KV that
@@ -263,6 +371,27 @@ impl Cluster {
         cost: crate::cost::CostModel,
         buffer_bytes: u64,
     ) -> anyhow::Result<Cluster> {
+        Self::start_full(
+            prefillers,
+            decoders,
+            prefill_model,
+            model,
+            cost,
+            buffer_bytes,
+            None,
+        )
+        .await
+    }
+
+    async fn start_full(
+        prefillers: u32,
+        decoders: u32,
+        prefill_model: &model::Model,
+        model: &model::Model,
+        cost: crate::cost::CostModel,
+        buffer_bytes: u64,
+        mode: Option<TransferMode>,
+    ) -> anyhow::Result<Cluster> {
         if prefillers == 0 || decoders == 0 {
             anyhow::bail!("at least one prefiller and one decoder are needed");
         }
@@ -270,6 +399,9 @@ impl Cluster {
             let mut c = EngineConfig::new(role, model.clone());
             c.cost = cost;
             c.buffer_bytes = buffer_bytes;
+            if let Some(m) = mode {
+                c.transfer_mode = m;
+            }
             c
         };
         let mut ds = Vec::new();
@@ -324,11 +456,22 @@ impl Cluster {
         }
         let l = TcpListener::bind("127.0.0.1:0").await?;
         let colocated = engine::start(mk(Role::Both), l).await?;
+        // The handshakes now, measured, rather than inside the first requests.
+        let mut handshakes = Vec::new();
+        for p in &ps {
+            for d in &ds {
+                handshakes.extend(
+                    p.connect_decoder("127.0.0.1", d.init_ports(), Duration::from_secs(10))
+                        .await?,
+                );
+            }
+        }
         Ok(Cluster {
             proxy,
             prefillers: ps,
             decoders: ds,
             colocated,
+            handshakes,
         })
     }
 
@@ -461,14 +604,23 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
     }
     let deadline = Duration::from_secs_f64(args.request_timeout);
     let (prefillers, decoders) = (args.prefillers.unwrap_or(1), args.decoders.unwrap_or(1));
-    let cluster = Cluster::start(
+    let mode = args
+        .transfer_mode
+        .unwrap_or(EngineConfig::new(Role::Prefill, model.clone()).transfer_mode);
+    let cluster = Cluster::start_with_mode(
         prefillers,
         decoders,
         &model,
         cost,
         args.buffer_mib.saturating_mul(1 << 20),
+        mode,
     )
     .await?;
+    let ceiling = if args.ceiling_reps > 0 {
+        Some(transfer_ceiling(&model, mode, args.ceiling_reps).await?)
+    } else {
+        None
+    };
     let client = Client::new();
     let base = cluster.proxy_url();
     let work = workload(
@@ -532,23 +684,41 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
     // unloaded TTFTs compare the two paths.
     let mut matched = true;
     let (mut ud, mut uc) = (Vec::new(), Vec::new());
+    let record = args.timeline && timeline::installed();
+    let (mut td, mut tc) = (Vec::new(), Vec::new());
     let k = (args.compare as usize).min(n);
     for (i, w) in work.iter().take(k).enumerate() {
-        let d = client
-            .generate(&format!("{base}{}", w.path), &w.body, deadline)
-            .await;
-        let c = client
-            .generate(
+        let (d, dm) = traced(
+            record,
+            client.generate(&format!("{base}{}", w.path), &w.body, deadline),
+        )
+        .await;
+        let (c, cm) = traced(
+            record,
+            client.generate(
                 &format!("{}{}", cluster.colocated_url(), w.path),
                 &w.body,
                 deadline,
-            )
-            .await;
+            ),
+        )
+        .await;
         match (d, c) {
             (Ok(d), Ok(c)) => {
                 if w.body.get("stream").and_then(Value::as_bool) == Some(true) {
                     ud.push(d.ttft.as_secs_f64() * 1e3);
                     uc.push(c.ttft.as_secs_f64() * 1e3);
+                    if let (Some((s0, dm)), Some((s1, cm))) = (dm, cm) {
+                        td.push(timeline::Trace {
+                            sent: s0,
+                            ttft: d.ttft,
+                            marks: dm,
+                        });
+                        tc.push(timeline::Trace {
+                            sent: s1,
+                            ttft: c.ttft,
+                            marks: cm,
+                        });
+                    }
                 }
                 let first = results
                     .iter()
@@ -584,6 +754,16 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
         }
     };
     let st = cluster.stats();
+    let kv_gib_per_s = if st.kv_send_busy_s > 0.0 {
+        st.kv_bytes_sent as f64 / st.kv_send_busy_s / (1u64 << 30) as f64
+    } else {
+        0.0
+    };
+    let (ceil_ch, ceil_pd) = ceiling
+        .as_ref()
+        .map(|c| (c.summary.channel_gib_per_s, c.summary.kv_gib_per_s))
+        .unwrap_or((0.0, 0.0));
+    let hs = &cluster.handshakes;
     let summary = DemoSummary {
         requests: n as u64,
         ok,
@@ -600,11 +780,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
         requests_per_s: ok as f64 / wall,
         wall_s: wall,
         kv_bytes: st.kv_bytes_sent,
-        kv_gib_per_s: if st.kv_send_busy_s > 0.0 {
-            st.kv_bytes_sent as f64 / st.kv_send_busy_s / (1u64 << 30) as f64
-        } else {
-            0.0
-        },
+        kv_gib_per_s,
         ttft_unloaded_disagg_p50_ms: pct(&mut ud, 0.5),
         ttft_unloaded_colocated_p50_ms: pct(&mut uc, 0.5),
         decode_kv_load_mean_ms: if st.kv_requests_received > 0 {
@@ -614,8 +790,27 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
         },
         pages_leaked: st.pages_leaked,
         quiesced,
+        transfer_mode: mode.to_string(),
+        handshake_ms: if hs.is_empty() {
+            0.0
+        } else {
+            hs.iter().map(Duration::as_secs_f64).sum::<f64>() * 1e3 / hs.len() as f64
+        },
+        handshakes: hs.len() as u64,
+        ceiling_channel_gib_per_s: ceil_ch,
+        ceiling_pd_gib_per_s: ceil_pd,
+        kv_vs_ceiling: if ceil_ch > 0.0 {
+            kv_gib_per_s / ceil_ch
+        } else {
+            0.0
+        },
+        chunk_transfer_ms: if ceil_ch > 0.0 {
+            model.spec.page_bytes() as f64 / (ceil_ch * (1u64 << 30) as f64) * 1e3
+        } else {
+            0.0
+        },
         setup: format!(
-            "{}P{}D, TP={}, {}, {} bytes/token, {} tokens/chunk, in-process on loopback",
+            "{}P{}D, TP={}, {}, {} bytes/token, {} tokens/chunk, {mode}, in-process on loopback",
             prefillers,
             decoders,
             model.world_size,
@@ -623,9 +818,73 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
             model.spec.bytes_per_token(),
             model.spec.chunk_tokens
         ),
+        timeline: (!td.is_empty()).then(|| TimelineReport {
+            replays: td.len() as u64,
+            disaggregated: timeline::path(&td, timeline::DISAGG_PATH),
+            colocated: timeline::path(&tc, timeline::COLOCATED_PATH),
+            all_disaggregated: timeline::all_steps(&td),
+            gap: timeline::gap(&td, &tc),
+        }),
     };
     cluster.shutdown().await;
     Ok(summary)
+}
+
+/// The same-run transfer ceiling at the demo's page size: `kvbridge bench pd`'s
+/// measurement (a raw channel writing one chunk-sized page per batch, and the PD layer's
+/// zero-copy path), 4 requests of 4 chunks, 2 in flight, `reps` repetitions (medians), in
+/// `mode`.
+async fn transfer_ceiling(
+    model: &model::Model,
+    mode: TransferMode,
+    reps: usize,
+) -> anyhow::Result<kvbridge_pd::bench::PdBenchReport> {
+    use kvbridge_pd::bench::{BenchLayout, PdBenchArgs};
+    let spec = model.spec;
+    let (layout, layers, kv_heads, head_dim, latent_dim) = match spec.layout {
+        kvbridge_pd::KvLayout::Standard {
+            layers,
+            kv_heads,
+            head_dim,
+        } => (BenchLayout::Standard, layers, kv_heads, head_dim, 0),
+        kvbridge_pd::KvLayout::Mla { layers, latent_dim } => {
+            (BenchLayout::Mla, layers, 1, 1, latent_dim)
+        }
+    };
+    let args = PdBenchArgs {
+        requests: 4,
+        tokens: spec.chunk_tokens as u64 * 4,
+        chunk_tokens: spec.chunk_tokens,
+        layout,
+        layers: Some(layers),
+        kv_heads,
+        head_dim,
+        latent_dim,
+        dtype: spec.dtype,
+        concurrency: 2,
+        tp: 1,
+        mla_send_once: false,
+        mode,
+        reps,
+        deadline_s: 30,
+        json: false,
+    };
+    Ok(kvbridge_pd::bench::measure(&args).await?)
+}
+
+/// Runs `f`; with `record`, returns the timeline marks recorded while it ran and when it
+/// started.
+async fn traced<T>(
+    record: bool,
+    f: impl std::future::Future<Output = T>,
+) -> (T, Option<(Instant, Vec<Mark>)>) {
+    if !record {
+        return (f.await, None);
+    }
+    timeline::start();
+    let t0 = Instant::now();
+    let r = f.await;
+    (r, Some((t0, timeline::take())))
 }
 
 fn excerpt(s: &str) -> String {

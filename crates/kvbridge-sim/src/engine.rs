@@ -15,6 +15,7 @@
 use crate::announce::{self, Announced, Announcement};
 use crate::cost::CostModel;
 use crate::model::{self, Model, SeqState};
+use crate::timeline::TARGET as TL;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
@@ -24,7 +25,7 @@ use axum::Router;
 use kvbridge::ChannelConfig;
 use kvbridge_pd::{
     ChunkRef, Counters, DisaggSpec, Outcome, OutcomeSink, PdConfig, PdError, PdReceiver, PdSender,
-    ReceiverConfig, SenderConfig, Transfer, TransferMode, ZmqPusher,
+    ReceiverConfig, SenderConfig, TransferMode, ZmqPusher,
 };
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -426,6 +427,44 @@ impl RunningEngine {
         }
     }
 
+    /// Prefill: connects every rank's PD channel to the decoder rank of the same index at
+    /// `host` (`init_ports[rank]`; the kvbridge handshake) now, instead of lazily on the
+    /// first request, each within `deadline`, and returns how long each handshake took.
+    /// Connecting is idempotent: a rank already connected answers at once.
+    pub async fn connect_decoder(
+        &self,
+        host: &str,
+        init_ports: &[u16],
+        deadline: Duration,
+    ) -> Result<Vec<Duration>, SimError> {
+        let mut took = Vec::with_capacity(self.inner.senders.len());
+        for sender in &self.inner.senders {
+            if sender.follows() {
+                continue; // MLA send-once: only rank 0 talks to the decoder
+            }
+            let rank = sender.rank();
+            let port = init_ports.get(rank as usize).ok_or_else(|| {
+                SimError::Start(format!("the decoder has no init port for rank {rank}"))
+            })?;
+            let addr = format!("{host}:{port}");
+            let t = Instant::now();
+            match tokio::time::timeout(deadline, sender.channel().connect(&addr)).await {
+                Ok(Ok(_)) => took.push(t.elapsed()),
+                Ok(Err(e)) => {
+                    return Err(SimError::Start(format!(
+                        "connecting rank {rank} to {addr}: {e}"
+                    )))
+                }
+                Err(_) => {
+                    return Err(SimError::Start(format!(
+                        "connecting rank {rank} to {addr}: no handshake within {deadline:?}"
+                    )))
+                }
+            }
+        }
+        Ok(took)
+    }
+
     /// Stops serving and closes the PD layer's channels.
     pub async fn shutdown(mut self) {
         if let Some(s) = self.stop.take() {
@@ -707,6 +746,12 @@ async fn chat(State(s): State<Arc<Inner>>, body: Bytes) -> Response {
 
 async fn serve_gen(s: Arc<Inner>, api: Api, body: Bytes) -> Response {
     s.counts.requests.fetch_add(1, Relaxed);
+    let stage = match s.cfg.role {
+        Role::Prefill => "prefill.received",
+        Role::Decode => "decode.received",
+        Role::Both => "local.received",
+    };
+    tracing::debug!(target: TL, stage);
     let r = async {
         let m = parse_json(&body)?;
         let req = parse(api, &m, s.cfg.max_tokens_limit)?;
@@ -771,8 +816,20 @@ async fn prefill(
         .map_err(|e| SimError::Internal(format!("prefill task: {e}")))?;
         state = st;
         done += part.len() as u64;
+        let stage = if send.is_some() {
+            "prefill.chunk_computed"
+        } else {
+            "local.chunk_computed"
+        };
+        tracing::debug!(target: TL, stage, chunk = i);
         // The cost model: this chunk exists no earlier than the accelerator would have it.
         tokio::time::sleep_until(start + s.cfg.cost.prefill_time(done)).await;
+        let stage = if send.is_some() {
+            "prefill.chunk_ready"
+        } else {
+            "local.chunk_ready"
+        };
+        tracing::debug!(target: TL, stage, chunk = i);
         if let Some(send) = send {
             for (tx, chunk) in send.iter().zip(chunks) {
                 // A rank whose transfer failed has reported KvFailed and stopped listening.
@@ -783,30 +840,34 @@ async fn prefill(
     Ok(state)
 }
 
-/// Prefill role: announces the transfer to the decoder, begins it on every rank, prefills
-/// while the rank tasks write chunks, and lets them finish in the background.
+/// Prefill role: starts the prefill at once and, while the accelerator computes, announces
+/// the transfer to the decoder and begins it on every rank (the allocation round trip); each
+/// rank task writes chunks as they come (after its `begin`) and finishes once the
+/// announcement was acknowledged, so `KvReady` still always follows it. Setup costs the
+/// first token nothing unless it outlasts the first chunk's compute.
+///
+/// A failed announcement or `begin` fails the request (500) as soon as it is known; every
+/// rank reports `KvFailed` (its `begin`, `finish` or cancel does).
 async fn prefill_and_send(
     s: &Arc<Inner>,
     tokens: &[u32],
     ds: &DisaggSpec,
 ) -> Result<SeqState, SimError> {
-    let fail_all = |reason: &str| {
+    tracing::debug!(target: TL, stage = "prefill.setup", id = %ds.req_id);
+    let Some(port) = ds.receiver_alloc_port.first() else {
+        let e = SimError::BadRequest(
+            "`disagg_spec.receiver_alloc_port` is empty: the reference decoder learns the request id on it".into(),
+        );
         for r in 0..s.model.world_size {
             s.outcomes.emit(Outcome::KvFailed {
                 req_id: ds.req_id.clone(),
                 rank: r,
-                reason: reason.to_string(),
+                reason: e.to_string(),
             });
         }
         s.counts
             .kv_transfers_failed
             .fetch_add(s.model.world_size as u64, Relaxed);
-    };
-    let Some(port) = ds.receiver_alloc_port.first() else {
-        let e = SimError::BadRequest(
-            "`disagg_spec.receiver_alloc_port` is empty: the reference decoder learns the request id on it".into(),
-        );
-        fail_all(&e.to_string());
         return Err(e);
     };
     let a = Announcement {
@@ -815,64 +876,136 @@ async fn prefill_and_send(
         tokens: tokens.len() as u64,
     };
     let addr = format!("{}:{port}", ds.receiver_host);
-    if let Err(e) = announce::announce(&addr, &a, s.cfg.announce_timeout).await {
-        fail_all(&e.to_string());
-        return Err(e.into());
+    // The announcement's result, for the rank tasks (they finish only after an `ok`).
+    let (ann_tx, ann_rx) = tokio::sync::watch::channel(None::<bool>);
+    let tokens_arc: Arc<[u32]> = Arc::from(tokens);
+    let mut txs = Vec::with_capacity(s.senders.len());
+    let mut begun = Vec::with_capacity(s.senders.len());
+    for sender in &s.senders {
+        let (tx, rx) = mpsc::channel::<ChunkMsg>(2);
+        let (btx, brx) = oneshot::channel::<Result<(), PdError>>();
+        txs.push(tx);
+        begun.push(brx);
+        s.work_started();
+        tokio::spawn(rank_sender(
+            s.clone(),
+            RankJob {
+                sender: sender.clone(),
+                spec: ds.clone(),
+                tokens: tokens_arc.clone(),
+                chunks: rx,
+                begun: btx,
+                announced: ann_rx.clone(),
+            },
+        ));
     }
-    let begun =
-        futures_util::future::join_all(s.senders.iter().map(|tx| tx.begin(ds, tokens))).await;
-    let mut transfers: Vec<Transfer> = Vec::with_capacity(begun.len());
-    let mut first_err = None;
-    for b in begun {
-        match b {
-            Ok(t) => transfers.push(t),
-            Err(e) => {
-                s.counts.kv_transfers_failed.fetch_add(1, Relaxed);
-                first_err.get_or_insert(e);
+    let setup = async {
+        tracing::debug!(target: TL, stage = "prefill.announce", id = %ds.req_id);
+        let r = announce::announce(&addr, &a, s.cfg.announce_timeout).await;
+        let _ = ann_tx.send(Some(r.is_ok()));
+        r?;
+        tracing::debug!(target: TL, stage = "prefill.announced", id = %ds.req_id);
+        for b in begun {
+            match b.await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(SimError::Kv(e)),
+                Err(_) => return Err(SimError::Internal("a rank task ended early".into())),
             }
         }
+        tracing::debug!(target: TL, stage = "prefill.allocated", id = %ds.req_id);
+        Ok::<(), SimError>(())
+    };
+    // Owns the chunk queues: they close (the rank tasks finish) when the prefill ends.
+    let work = async move { prefill(s, tokens, Some(&txs)).await };
+    tokio::pin!(setup, work);
+    let mut set_up = false;
+    let state = loop {
+        tokio::select! {
+            r = &mut setup, if !set_up => {
+                // On failure the prefill stops here; the rank tasks see their chunk queue
+                // close and report KvFailed.
+                r?;
+                set_up = true;
+            }
+            st = &mut work => break st,
+        }
+    };
+    if !set_up {
+        setup.await?;
     }
-    if let Some(e) = first_err {
-        // Dropping the others reports KvFailed for them too.
-        s.counts
-            .kv_transfers_failed
-            .fetch_add(transfers.len() as u64, Relaxed);
-        drop(transfers);
-        return Err(e.into());
-    }
-    let mut txs = Vec::with_capacity(transfers.len());
-    for t in transfers {
-        let (tx, rx) = mpsc::channel::<(u64, Arc<Vec<u8>>)>(2);
-        txs.push(tx);
-        s.work_started();
-        tokio::spawn(rank_sender(s.clone(), t, rx));
-    }
-    let state = prefill(s, tokens, Some(&txs)).await;
-    drop(txs); // the rank tasks finish once their last chunk is written
     state
 }
 
-/// Writes one rank's chunks as they come, then finishes (`KvReady`), or fails (`KvFailed`).
-async fn rank_sender(s: Arc<Inner>, t: Transfer, rx: mpsc::Receiver<(u64, Arc<Vec<u8>>)>) {
-    rank_sender_inner(&s, t, rx).await;
+/// What one rank task needs.
+struct RankJob {
+    sender: Arc<PdSender>,
+    spec: DisaggSpec,
+    tokens: Arc<[u32]>,
+    /// The prefill's chunks, in order; closed after the last (or when the request failed).
+    chunks: mpsc::Receiver<ChunkMsg>,
+    /// The result of `begin`.
+    begun: oneshot::Sender<Result<(), PdError>>,
+    /// The announcement's result (`None` until known).
+    announced: tokio::sync::watch::Receiver<Option<bool>>,
+}
+
+/// Begins the transfer, writes one rank's chunks as they come, then finishes (`KvReady`),
+/// or fails (`KvFailed`).
+async fn rank_sender(s: Arc<Inner>, job: RankJob) {
+    rank_sender_inner(&s, job).await;
     s.work_done();
 }
 
-async fn rank_sender_inner(s: &Inner, mut t: Transfer, mut rx: mpsc::Receiver<ChunkMsg>) {
+async fn rank_sender_inner(s: &Inner, job: RankJob) {
+    let RankJob {
+        sender,
+        spec,
+        tokens,
+        chunks: mut rx,
+        begun,
+        mut announced,
+    } = job;
+    let mut t = match sender.begin(&spec, &tokens).await {
+        Ok(t) => {
+            let _ = begun.send(Ok(()));
+            t
+        }
+        Err(e) => {
+            // `begin` reported KvFailed.
+            s.counts.kv_transfers_failed.fetch_add(1, Relaxed);
+            let _ = begun.send(Err(e));
+            return;
+        }
+    };
     while let Some((i, data)) = rx.recv().await {
         s.busy.enter();
         let r = t.send_chunk(i, &data).await;
         s.busy.leave();
+        tracing::debug!(target: TL, stage = "sender.chunk_landed", id = t.req_id(), chunk = i);
         if let Err(e) = r {
             tracing::warn!(req_id = t.req_id(), chunk = i, "KV write failed: {e}");
             s.counts.kv_transfers_failed.fetch_add(1, Relaxed);
             return;
         }
     }
+    // KvReady only after the decoder acknowledged the announcement (long done by now: it
+    // started with the prefill). A sender gone without an answer counts as a failure.
+    let ok = tokio::time::timeout(s.cfg.announce_timeout, announced.wait_for(Option::is_some))
+        .await
+        .ok()
+        .and_then(|r| r.ok().and_then(|v| *v))
+        .unwrap_or(false);
+    if !ok {
+        s.counts.kv_transfers_failed.fetch_add(1, Relaxed);
+        t.cancel("the decoder was not told about the transfer (announcement failed)")
+            .await;
+        return;
+    }
     let id = t.req_id().to_string();
     s.busy.enter();
     let r = t.finish().await;
     s.busy.leave();
+    tracing::debug!(target: TL, stage = "sender.finished", id = %id);
     match r {
         Ok(sum) => {
             s.counts.kv_transfers_ok.fetch_add(1, Relaxed);
@@ -942,17 +1075,22 @@ async fn consume(s: Arc<Inner>, id: String, tokens: u64) -> Result<SeqState, Sim
         for rx in &s.receivers[..ranks] {
             held.push(rx.chunk(&id, i, s.cfg.retrieve_timeout).await?);
         }
+        tracing::debug!(target: TL, stage = "decode.chunk_landed", id = %id, chunk = i);
         let t = model.spec.tokens_in_chunk(i, tokens) as usize;
         let (m, ws) = (model.clone(), model.world_size as usize);
+        // The last chunk's digest is on the path to the first token and the prefill is over:
+        // use two cores for it. Earlier chunks leave the other core to the prefiller.
+        let threads = if i + 1 == n { 2 } else { 1 };
         state = tokio::task::spawn_blocking(move || {
             let mut st = state;
             // MLA send-once: rank 0's copy stands for every rank (the KV is identical).
             let refs: Vec<&[u8]> = (0..ws).map(|r| &*held[r.min(held.len() - 1)]).collect();
-            m.absorb_kv(&mut st, &refs, t);
+            m.absorb_kv_par(&mut st, &refs, t, threads);
             st
         })
         .await
         .map_err(|e| SimError::Internal(format!("decode task: {e}")))?;
+        tracing::debug!(target: TL, stage = "decode.chunk_digested", id = %id, chunk = i);
     }
     Ok(state)
 }
@@ -962,6 +1100,7 @@ async fn consume(s: Arc<Inner>, id: String, tokens: u64) -> Result<SeqState, Sim
 /// first token, and the pages are released.
 async fn receive(s: &Arc<Inner>, tokens: &[u32], id: &str, m: usize) -> Result<SeqState, SimError> {
     s.counts.kv_requests_received.fetch_add(1, Relaxed);
+    tracing::debug!(target: TL, stage = "decode.kv_found", id);
     let t0 = Instant::now();
     let ranks = s.cfg.receiving_ranks();
     let consumer = lock(&s.consumers).remove(id);
@@ -990,25 +1129,23 @@ async fn receive(s: &Arc<Inner>, tokens: &[u32], id: &str, m: usize) -> Result<S
             return Err(e);
         }
     };
-    let (model, prompt, rest) = (s.model.clone(), tokens[..m].to_vec(), tokens[m..].to_vec());
-    // On the path to the first token: only the prompt's prefix hashes (cheap) and the
-    // tokens after it; the KV's digest is done.
-    let (state, prefixes) = tokio::task::spawn_blocking(move || {
-        let prefixes = model.prefixes(model.start().prefix, &prompt);
-        let mut st = kv;
-        if let Some(&p) = prefixes.last() {
-            st.prefix = p;
-        }
-        for t in rest {
-            model.extend(&mut st, t);
-        }
-        (st, prefixes)
-    })
-    .await
-    .map_err(|e| SimError::Internal(format!("decode task: {e}")))?;
+    // On the path to the first token: only the prompt's prefix hashes and the token after
+    // it, if any (a completion's decode prompt ends with the prefill's first token: one
+    // token's KV, tens of microseconds); the KV's digest is done. Cheap enough to do here
+    // rather than pay a hop to a blocking thread.
+    let model = &s.model;
+    let prefixes = model.prefixes(model.start().prefix, &tokens[..m]);
+    let mut state = kv;
+    if let Some(&p) = prefixes.last() {
+        state.prefix = p;
+    }
+    for &t in &tokens[m..] {
+        model.extend(&mut state, t);
+    }
     s.counts
         .kv_load_ns
         .fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
+    tracing::debug!(target: TL, stage = "decode.kv_loaded", id);
     // Off the path: every chunk compared, in place, with the KV the model says it must be (a
     // real decoder would not do this; here it proves the transfer); then the pages return.
     s.work_started();
@@ -1097,6 +1234,14 @@ async fn respond(s: Arc<Inner>, req: GenRequest, state: SeqState) -> Response {
                 }
                 let tok = s.model.next_token(&st);
                 s.counts.generated_tokens.fetch_add(1, Relaxed);
+                if i == 0 {
+                    let stage = match s.cfg.role {
+                        Role::Prefill => "prefill.first_token",
+                        Role::Decode => "decode.first_token",
+                        Role::Both => "local.first_token",
+                    };
+                    tracing::debug!(target: TL, stage);
+                }
                 if tx.send(model::token_text(tok)).await.is_err() {
                     return; // the client went away
                 }

@@ -13,6 +13,7 @@
 //! - [`demo`]: `kvbridge demo`.
 //! - [`soak`]: `kvbridge demo --duration D --chaos` (real processes, real `kill -9`).
 //! - [`cli`]: `kvbridge engine` flags.
+//! - [`timeline`]: per-request step marks (`kvbridge demo --timeline`).
 
 #![warn(missing_docs)]
 
@@ -24,3 +25,4 @@ pub mod demo;
 pub mod engine;
 pub mod model;
 pub mod soak;
+pub mod timeline;

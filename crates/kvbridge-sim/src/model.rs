@@ -281,6 +281,40 @@ impl Model {
         }
     }
 
+    /// [`Model::absorb_kv`] with the per-position digests (the bulk of the work) computed on
+    /// `threads` threads; the result is identical. For the one chunk left on the path to the
+    /// first token, when nothing else needs the cores.
+    pub fn absorb_kv_par(&self, state: &mut SeqState, chunks: &[&[u8]], t: usize, threads: usize) {
+        let threads = threads.clamp(1, t.max(1));
+        if threads == 1 {
+            return self.absorb_kv(state, chunks, t);
+        }
+        let per = t.div_ceil(threads);
+        let digests: Vec<Vec<u64>> = std::thread::scope(|sc| {
+            let hs: Vec<_> = (0..threads)
+                .map(|k| {
+                    let r = (k * per).min(t)..((k + 1) * per).min(t);
+                    sc.spawn(move || {
+                        r.flat_map(|j| chunks.iter().map(move |c| self.position_digest(c, t, j)))
+                            .collect::<Vec<u64>>()
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap_or_default())
+                .collect()
+        });
+        let mut it = digests.iter().flatten();
+        for _ in 0..t {
+            let mut d = state.digest;
+            for _ in chunks {
+                d = mix2(d, it.next().copied().unwrap_or(0));
+            }
+            state.digest = d;
+            state.len += 1;
+        }
+    }
+
     /// Appends one token: computes its KV on every rank and absorbs it.
     pub fn extend(&self, state: &mut SeqState, token: u32) {
         let p = self.prefixes(state.prefix, &[token]);
@@ -431,6 +465,30 @@ mod tests {
             m.absorb(&mut s1, &[&good], &p);
             m.absorb(&mut s2, &[&bad], &p);
             assert_ne!(s1.digest, s2.digest, "byte {pos}");
+        }
+    }
+
+    #[test]
+    fn parallel_kv_digest_equals_the_serial_one() {
+        for ws in [1, 2] {
+            let m = model(
+                KvLayout::Standard {
+                    layers: 2,
+                    kv_heads: 2,
+                    head_dim: 8,
+                },
+                ws,
+            );
+            let p = m.prefixes(m.start().prefix, &[5, 6, 7, 8, 9, 10, 11]);
+            let chunks: Vec<Vec<u8>> = (0..ws).map(|r| m.chunk(r, &p)).collect();
+            let refs: Vec<&[u8]> = chunks.iter().map(Vec::as_slice).collect();
+            let mut a = m.start();
+            m.absorb_kv(&mut a, &refs, p.len());
+            for threads in [1, 2, 3, 16] {
+                let mut b = m.start();
+                m.absorb_kv_par(&mut b, &refs, p.len(), threads);
+                assert_eq!(a, b, "{threads} threads, world size {ws}");
+            }
         }
     }
 

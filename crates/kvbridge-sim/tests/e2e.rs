@@ -1,7 +1,7 @@
 //! End to end through the proxy (lmcache flow) with real PD transfers between in-process
 //! engines: disaggregated outputs must equal the colocated engine's, token for token.
 
-use kvbridge_pd::{Dtype, KvLayout, KvSpec};
+use kvbridge_pd::{Dtype, KvLayout, KvSpec, TransferMode};
 use kvbridge_sim::client::Client;
 use kvbridge_sim::cost::CostModel;
 use kvbridge_sim::demo::Cluster;
@@ -55,9 +55,15 @@ fn requests(n: usize) -> Vec<(&'static str, Value)> {
 }
 
 async fn check(p: u32, d: u32, m: Model, n: usize) {
-    let c = Cluster::start(p, d, &m, CostModel::FREE, 16 << 20)
-        .await
-        .expect("cluster starts");
+    check_mode(p, d, m, n, None).await
+}
+
+async fn check_mode(p: u32, d: u32, m: Model, n: usize, mode: Option<TransferMode>) {
+    let c = match mode {
+        None => Cluster::start(p, d, &m, CostModel::FREE, 16 << 20).await,
+        Some(mode) => Cluster::start_with_mode(p, d, &m, CostModel::FREE, 16 << 20, mode).await,
+    }
+    .expect("cluster starts");
     let client = Client::new();
     let mut expected_kv = 0;
     for (i, (path, body)) in requests(n).into_iter().enumerate() {
@@ -116,6 +122,14 @@ async fn two_prefillers_one_decoder() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tensor_parallel_two_ranks() {
     check(1, 1, small(STD, 2), 8).await;
+}
+
+/// Pull mode (`pd_transfer_mode = "pull"`, what `kvbridge demo --transfer-mode pull` sets):
+/// the decoders read every chunk from the prefillers; same outputs, same checks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pull_mode_outputs_equal_colocated() {
+    check_mode(1, 1, small(STD, 1), 16, Some(TransferMode::Pull)).await;
+    check_mode(1, 1, small(STD, 2), 8, Some(TransferMode::Pull)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
