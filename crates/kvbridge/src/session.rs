@@ -861,14 +861,21 @@ impl Session {
         let max = self.env.config.limits.max_frame_len;
         let name = self.peer_name.clone();
         self.shm.reader = Some(tokio::spawn(async move {
-            let r = initiator_shm(offer, token, me, limit, max, &peer, synced_tx).await;
+            let mut conn = None;
+            let r = async {
+                let s = conn.insert(connect_shm(offer, token, me, limit).await?);
+                initiator_shm(s, max, &peer, synced_tx).await
+            }
+            .await;
             if let Err(e) = r {
                 tracing::warn!(peer = %name, error = %e, "shared memory connection ended; TCP carries the data");
             }
             // The listener takes the end of this connection as our word that no copy into
-            // its regions runs or will start: stop them all before it ends.
+            // its regions runs or will start: stop them all before it ends (the connection
+            // is closed only after, when `conn` drops).
             let p = peer.clone();
             let _ = tokio::task::spawn_blocking(move || p.revoke_all()).await;
+            drop(conn);
         }));
         Ok(())
     }
@@ -953,7 +960,15 @@ impl Session {
                 step: Step::Established,
                 detail: format!("{} on the shared-memory connection", other.name()),
             }),
-            // The peer closed it: it does so only once nothing of ours is mapped any more.
+            // The peer closed it: it does so only once nothing of ours is mapped any more. A
+            // reset is a close too: the peer's end closed with frames of ours unread (a
+            // process killed between our ShmSync and its read gives that).
+            Some(Err(e)) if closed_by_peer(&e) => {
+                self.confirm_all();
+                self.shm.rx = None;
+                self.shm.conn = None;
+                Ok(())
+            }
             Some(Ok(None)) => {
                 self.confirm_all();
                 self.shm.rx = None;
@@ -991,6 +1006,7 @@ impl Session {
                         }
                         Some(Ok(Some(_))) => {}
                         Some(Ok(None)) => return true,
+                        Some(Err(e)) if closed_by_peer(&e) => return true,
                         Some(Err(_)) | None => return false,
                     }
                 }
@@ -1013,24 +1029,33 @@ impl Session {
     }
 }
 
-/// (Initiator) The shared-memory connection: connect, prove the session token, map what the
-/// listener offers, unmap what it revokes.
-async fn initiator_shm(
+/// (Initiator) Connects the shared-memory connection and proves the session token. The
+/// caller owns it, and closes it only after every mapping is revoked (the listener takes the
+/// close as our word that nothing of its is mapped any more).
+async fn connect_shm(
     offer: ShmOffer,
     token: SessionToken,
     me: PeerId,
     limit: Duration,
-    max: u32,
-    peer: &Arc<ShmPeer>,
-    synced: tokio::sync::watch::Sender<bool>,
-) -> std::io::Result<()> {
+) -> std::io::Result<tokio::net::UnixStream> {
     let s = tokio::time::timeout(limit, crate::shm::connect(&offer.socket, offer.pid))
         .await
         .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
     let hello = Message::DataHello(DataHello { token, peer_id: me });
     crate::shm::send_frame(&s, &hello, None).await?;
+    Ok(s)
+}
+
+/// (Initiator) Serves the shared-memory connection: maps what the listener offers, unmaps
+/// what it revokes.
+async fn initiator_shm(
+    s: &tokio::net::UnixStream,
+    max: u32,
+    peer: &Arc<ShmPeer>,
+    synced: tokio::sync::watch::Sender<bool>,
+) -> std::io::Result<()> {
     let mut fr = FdReader::new(max);
-    while let Some(m) = fr.next(&s).await? {
+    while let Some(m) = fr.next(s).await? {
         match m {
             Message::ShmMap(r) => {
                 let fd = fr.take_fd().ok_or_else(|| {
@@ -1051,7 +1076,7 @@ async fn initiator_shm(
                 let p = peer.clone();
                 // Waits for a copy in progress (bounded by one op's memcpy).
                 let _ = tokio::task::spawn_blocking(move || p.revoke(&id)).await;
-                crate::shm::send_frame(&s, &crate::shm::unmapped(id), None).await?;
+                crate::shm::send_frame(s, &crate::shm::unmapped(id), None).await?;
             }
             Message::ShmSync(_) => {
                 let _ = synced.send(true);
@@ -1071,6 +1096,15 @@ async fn initiator_shm(
         }
     }
     Ok(())
+}
+
+/// Whether an error on the shared-memory connection means the peer closed its end (which it
+/// does only after unmapping everything of ours, or by dying, which unmaps too).
+fn closed_by_peer(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+    )
 }
 
 async fn recv_opt<T>(rx: Option<&mut mpsc::Receiver<T>>) -> Option<T> {
