@@ -13,6 +13,7 @@
 //! - `both`: colocated, no transfer: the reference output.
 
 use crate::announce::{self, Announced, Announcement};
+use crate::bufpool::{BufPool, PooledBuf};
 use crate::cost::CostModel;
 use crate::model::{self, Model, SeqState};
 use crate::timeline::TARGET as TL;
@@ -42,7 +43,7 @@ use tokio::task::JoinHandle;
 type ChunkTx = mpsc::Sender<ChunkMsg>;
 
 /// A chunk's index and bytes.
-type ChunkMsg = (u64, Arc<Vec<u8>>);
+type ChunkMsg = (u64, Arc<PooledBuf>);
 
 /// Which part of disaggregated serving this engine plays.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -268,6 +269,8 @@ struct Inner {
     settled: tokio::sync::Notify,
     seq: AtomicU64,
     /// Decode: per granted request, the task digesting its KV as it lands.
+    /// Prefill chunk buffers, reused (see [`crate::bufpool`]).
+    chunk_pool: Arc<BufPool>,
     consumers: std::sync::Mutex<HashMap<String, JoinHandle<Result<SeqState, SimError>>>>,
 }
 
@@ -549,6 +552,7 @@ pub async fn start(cfg: EngineConfig, listener: TcpListener) -> Result<RunningEn
         }
         Role::Both => {}
     }
+    let pool_keep = 4 * cfg.model.world_size.max(1) as usize;
     let inner = Arc::new(Inner {
         model: Arc::new(cfg.model.clone()),
         cfg,
@@ -561,6 +565,8 @@ pub async fn start(cfg: EngineConfig, listener: TcpListener) -> Result<RunningEn
         busy: BusyClock::default(),
         settled: tokio::sync::Notify::new(),
         seq: AtomicU64::new(0),
+        // Per rank: one being computed, one being sent, two queued for the sender.
+        chunk_pool: BufPool::new(pool_keep),
         consumers: std::sync::Mutex::new(HashMap::new()),
     });
     if let Some(rx0) = inner.receivers.first() {
@@ -801,14 +807,19 @@ async fn prefill(
     let c = model.spec.chunk_tokens.max(1) as usize;
     let mut done = 0u64;
     for (i, part) in tokens.chunks(c).enumerate() {
-        let (m, part_v) = (model.clone(), part.to_vec());
+        let (m, part_v, pool) = (model.clone(), part.to_vec(), s.chunk_pool.clone());
         let (st, chunks) = tokio::task::spawn_blocking(move || {
             let mut st = state;
             let p = m.prefixes(st.prefix, &part_v);
-            let chunks: Vec<Arc<Vec<u8>>> = (0..m.world_size)
-                .map(|r| Arc::new(m.chunk(r, &p)))
+            let len = m.spec.chunk_bytes(p.len() as u32) as usize;
+            let chunks: Vec<Arc<PooledBuf>> = (0..m.world_size)
+                .map(|r| {
+                    let mut b = pool.take(len);
+                    m.fill_chunk(r, &p, b.as_mut_slice());
+                    Arc::new(b)
+                })
                 .collect();
-            let refs: Vec<&[u8]> = chunks.iter().map(|c| c.as_slice()).collect();
+            let refs: Vec<&[u8]> = chunks.iter().map(|c| &***c).collect();
             m.absorb(&mut st, &refs, &p);
             (st, chunks)
         })
@@ -1158,20 +1169,21 @@ async fn receive(s: &Arc<Inner>, tokens: &[u32], id: &str, m: usize) -> Result<S
             let c = model.spec.chunk_tokens.max(1) as usize;
             let (mut chunks, mut bytes, mut mismatches) = (0u64, 0u64, 0u64);
             for (i, p) in prefixes.chunks(c).enumerate() {
-                for r in 0..model.world_size {
-                    chunks += 1;
-                    let rank = (r as usize).min(ranks - 1);
-                    let expect = model.chunk(r, p);
-                    match s3.receivers[rank].borrow_chunk(&id3, i as u64) {
-                        Ok(got) => {
-                            bytes += got.len() as u64;
-                            if *got != *expect {
-                                mismatches += 1;
+                model.with_chunks(p, |expect| {
+                    for (r, expect) in expect.iter().enumerate() {
+                        chunks += 1;
+                        let rank = r.min(ranks - 1);
+                        match s3.receivers[rank].borrow_chunk(&id3, i as u64) {
+                            Ok(got) => {
+                                bytes += got.len() as u64;
+                                if *got != **expect {
+                                    mismatches += 1;
+                                }
                             }
+                            Err(_) => mismatches += 1,
                         }
-                        Err(_) => mismatches += 1,
                     }
-                }
+                });
             }
             (chunks, bytes, mismatches)
         })

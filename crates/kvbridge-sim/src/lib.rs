@@ -18,6 +18,7 @@
 #![warn(missing_docs)]
 
 pub mod announce;
+pub mod bufpool;
 pub mod cli;
 pub mod client;
 pub mod cost;

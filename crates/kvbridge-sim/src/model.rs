@@ -237,6 +237,33 @@ impl Model {
         }
     }
 
+    /// Calls `f` with the KV of one chunk on every rank (`chunks[rank]`), computed into this
+    /// thread's scratch buffers, which are kept for the next call: looking at a chunk
+    /// allocates nothing (see [`crate::bufpool`] for why that matters).
+    pub fn with_chunks<R>(&self, prefixes: &[u64], f: impl FnOnce(&[&[u8]]) -> R) -> R {
+        thread_local! {
+            static SCRATCH: std::cell::RefCell<Vec<Vec<u8>>> =
+                const { std::cell::RefCell::new(Vec::new()) };
+        }
+        let (planes, row) = self.planes_and_row();
+        let len = planes * prefixes.len() * row;
+        let ranks = self.world_size as usize;
+        // Taken out of the thread-local while `f` runs, so a nested call gets its own.
+        let mut bufs = SCRATCH.with(|s| std::mem::take(&mut *s.borrow_mut()));
+        if bufs.len() < ranks {
+            bufs.resize_with(ranks, Vec::new);
+        }
+        for (r, b) in bufs.iter_mut().take(ranks).enumerate() {
+            b.resize(len, 0);
+            self.fill_chunk(r as u32, prefixes, &mut b[..len]);
+        }
+        let refs: Vec<&[u8]> = bufs.iter().take(ranks).map(|b| &b[..len]).collect();
+        let out = f(&refs);
+        drop(refs);
+        SCRATCH.with(|s| *s.borrow_mut() = bufs);
+        out
+    }
+
     /// The KV of one chunk, newly allocated.
     pub fn chunk(&self, rank: u32, prefixes: &[u64]) -> Vec<u8> {
         let (planes, row) = self.planes_and_row();
@@ -318,9 +345,7 @@ impl Model {
     /// Appends one token: computes its KV on every rank and absorbs it.
     pub fn extend(&self, state: &mut SeqState, token: u32) {
         let p = self.prefixes(state.prefix, &[token]);
-        let chunks: Vec<Vec<u8>> = (0..self.world_size).map(|r| self.chunk(r, &p)).collect();
-        let refs: Vec<&[u8]> = chunks.iter().map(Vec::as_slice).collect();
-        self.absorb(state, &refs, &p);
+        self.with_chunks(&p, |refs| self.absorb(state, refs, &p));
     }
 
     /// The next token, from the digest of the KV held.
@@ -334,9 +359,7 @@ impl Model {
         let c = self.spec.chunk_tokens.max(1) as usize;
         for part in tokens.chunks(c) {
             let p = self.prefixes(s.prefix, part);
-            let chunks: Vec<Vec<u8>> = (0..self.world_size).map(|r| self.chunk(r, &p)).collect();
-            let refs: Vec<&[u8]> = chunks.iter().map(Vec::as_slice).collect();
-            self.absorb(&mut s, &refs, &p);
+            self.with_chunks(&p, |refs| self.absorb(&mut s, refs, &p));
         }
         s
     }
