@@ -444,11 +444,11 @@ impl Channel {
         let h = self.handle(peer).await?;
         let (descs, sources) = self.prepare(&h, ops)?;
         h.data
-            .run(
-                Step::Write,
+            .transfer(
+                crate::shm::Dir::Write,
                 self.inner.config.deadlines.op,
-                DataPath::write_waiting,
-                |id| Outgoing::Write { id, descs, sources },
+                descs,
+                sources,
             )
             .await
     }
@@ -458,11 +458,11 @@ impl Channel {
         let h = self.handle(peer).await?;
         let (descs, dests) = self.prepare(&h, ops)?;
         h.data
-            .run(
-                Step::Read,
+            .transfer(
+                crate::shm::Dir::Read,
                 self.inner.config.deadlines.op,
-                DataPath::read_waiting(dests),
-                |id| Outgoing::Read { id, descs },
+                descs,
+                dests,
             )
             .await
     }
@@ -482,6 +482,9 @@ impl Channel {
         }
         let h = self.handle(peer).await?;
         let data = data.to_vec();
+        // With several data connections, earlier writes may still be in flight on the
+        // others: the notification leaves only once they all completed.
+        h.data.wait_earlier(self.inner.config.deadlines.op).await?;
         h.data
             .run(
                 Step::Notify,
@@ -898,7 +901,9 @@ impl Core {
                             .and_then(|id| self.sessions.get(id))
                         {
                             Some(s) => {
-                                let _ = s.ctl.send(SessionCmd::DataConn(stream, dh.peer_id));
+                                let _ = s
+                                    .ctl
+                                    .send(SessionCmd::DataConn(stream, dh.peer_id, dh.stream));
                             }
                             None => {
                                 tokio::spawn(refuse(

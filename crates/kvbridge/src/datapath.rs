@@ -110,32 +110,242 @@ pub(crate) enum Outgoing {
     Shutdown,
 }
 
-/// Shared by the session, its two data tasks and the callers of write/read/notify.
+/// Least bytes per part of a striped batch: smaller batches stay on one connection.
+pub(crate) const MIN_PART: u64 = 256 << 10;
+
+/// Shared by the session, its data tasks and the callers of write/read/notify.
 pub(crate) struct DataPath {
     pub(crate) peer: PeerId,
     pending: Mutex<Pending>,
     next_id: AtomicU64,
+    /// Connection 0's writer queue: notifications, acks, unstriped batches.
     out: mpsc::Sender<Outgoing>,
+    /// (Striped initiator) The writer queues of connections 1..N.
+    stripes: Vec<mpsc::Sender<Outgoing>>,
+    /// (Striped) Transfers entered and not yet ended, by ticket: a notification waits until
+    /// none older than it is left, so it still follows every write issued before it.
+    order: Mutex<std::collections::BTreeSet<u64>>,
+    /// Signalled whenever a transfer leaves `order`.
+    order_changed: tokio::sync::Notify,
     /// Asks the owning session to tear down (an op passed its deadline).
     abort: mpsc::UnboundedSender<crate::session::SessionCmd>,
 }
 
+/// Removes a transfer's ticket from `order` when it ends, however it ends.
+struct Ticket<'a> {
+    path: &'a DataPath,
+    id: u64,
+}
+
+impl Drop for Ticket<'_> {
+    fn drop(&mut self) {
+        self.path
+            .order
+            .lock()
+            .expect("order poisoned")
+            .remove(&self.id);
+        self.path.order_changed.notify_waiters();
+    }
+}
+
 impl DataPath {
+    /// A data path over `connections` (at least 1) connections; returns the writer queue of
+    /// each, connection 0 first.
     pub(crate) fn new(
         peer: PeerId,
         abort: mpsc::UnboundedSender<crate::session::SessionCmd>,
-    ) -> (Arc<Self>, mpsc::Receiver<Outgoing>) {
+        connections: usize,
+    ) -> (Arc<Self>, Vec<mpsc::Receiver<Outgoing>>) {
         let (out, rx) = mpsc::channel(1024);
+        let mut rxs = vec![rx];
+        let mut stripes = Vec::new();
+        for _ in 1..connections.max(1) {
+            let (tx, rx) = mpsc::channel(1024);
+            stripes.push(tx);
+            rxs.push(rx);
+        }
         (
             Arc::new(Self {
                 peer,
                 pending: Mutex::new(Pending::default()),
                 next_id: AtomicU64::new(1),
                 out,
+                stripes,
+                order: Mutex::new(Default::default()),
+                order_changed: tokio::sync::Notify::new(),
                 abort,
             }),
-            rx,
+            rxs,
         )
+    }
+
+    /// Data connections this side stripes its batches over.
+    pub(crate) fn connections(&self) -> usize {
+        1 + self.stripes.len()
+    }
+
+    /// A sender to the writer queue of connection `i` (of those this path was made with).
+    pub(crate) fn queue_of(&self, i: usize) -> mpsc::Sender<Outgoing> {
+        self.queue(i).clone()
+    }
+
+    /// The writer queue of connection `i`.
+    fn queue(&self, i: usize) -> &mpsc::Sender<Outgoing> {
+        if i == 0 {
+            &self.out
+        } else {
+            &self.stripes[i - 1]
+        }
+    }
+
+    /// Runs a write (`Dir::Write`, `locals` are the sources) or a read (`locals` are the
+    /// destinations) under `deadline`, split by bytes over the data connections when it is
+    /// large enough. It completes when every part is acknowledged; when any part fails the
+    /// session ends (so no byte of the batch lands later) and the batch fails with the first
+    /// part's error.
+    pub(crate) async fn transfer(
+        &self,
+        dir: Dir,
+        deadline: Duration,
+        descs: Vec<OpDesc>,
+        locals: Vec<LocalSlice>,
+    ) -> Result<()> {
+        let step = match dir {
+            Dir::Write => Step::Write,
+            Dir::Read => Step::Read,
+        };
+        if self.stripes.is_empty() {
+            return match dir {
+                Dir::Write => {
+                    self.run(step, deadline, DataPath::write_waiting, |id| {
+                        Outgoing::Write {
+                            id,
+                            descs,
+                            sources: locals,
+                        }
+                    })
+                    .await
+                }
+                Dir::Read => {
+                    self.run(step, deadline, DataPath::read_waiting(locals), |id| {
+                        Outgoing::Read { id, descs }
+                    })
+                    .await
+                }
+            };
+        }
+        let parts = split(descs, locals, self.connections());
+        let first = self
+            .next_id
+            .fetch_add(parts.len() as u64, Ordering::Relaxed);
+        self.order.lock().expect("order poisoned").insert(first);
+        let _ticket = Ticket {
+            path: self,
+            id: first,
+        };
+        let mut rxs = Vec::with_capacity(parts.len());
+        let mut sends = Vec::with_capacity(parts.len());
+        {
+            let mut p = self.pending.lock().expect("pending poisoned");
+            if let Some(e) = &p.closed {
+                return Err(e.clone());
+            }
+            // Every part is entered before any frame is queued.
+            for (i, (descs, locals)) in parts.into_iter().enumerate() {
+                let id = first + i as u64;
+                let (tx, rx) = oneshot::channel();
+                let (w, o) = match dir {
+                    Dir::Write => (
+                        Waiting::Write(tx),
+                        Outgoing::Write {
+                            id,
+                            descs,
+                            sources: locals,
+                        },
+                    ),
+                    Dir::Read => (Waiting::Read(locals, tx), Outgoing::Read { id, descs }),
+                };
+                p.map.insert(id, w);
+                rxs.push(rx);
+                sends.push((i, o));
+            }
+        }
+        let mut rxs = rxs;
+        // Receivers that returned: a oneshot must not be polled again after that.
+        let mut resolved = 0usize;
+        let submit_and_wait = async {
+            for (i, o) in sends {
+                // A writer that is gone means the session is tearing down and drains us.
+                let _ = self.queue(i).send(o).await;
+            }
+            let mut first_err = None;
+            for rx in rxs.iter_mut() {
+                let r = rx.await.unwrap_or_else(|_| {
+                    Err(Error::lost(self.peer.as_str(), step, "session ended"))
+                });
+                resolved += 1;
+                if let Err(e) = r {
+                    first_err = Some(e);
+                    break;
+                }
+            }
+            first_err
+        };
+        let err = match tokio::time::timeout(deadline, submit_and_wait).await {
+            Ok(None) => return Ok(()),
+            Ok(Some(e)) => e,
+            Err(_) => Error::Timeout {
+                peer: self.peer.to_string(),
+                step,
+                after: deadline,
+            },
+        };
+        // One part failed or ran late: end the session, then wait until every part has
+        // ended (the session stops all data tasks before it drains), so nothing of this
+        // batch can land after we return.
+        let _ = self
+            .abort
+            .send(crate::session::SessionCmd::Abort(err.clone()));
+        let all = async {
+            for rx in rxs.iter_mut().skip(resolved) {
+                let _ = rx.await;
+            }
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(30), all).await;
+        Err(err)
+    }
+
+    /// (Striped) Waits, within `deadline`, until every transfer entered before now ended.
+    pub(crate) async fn wait_earlier(&self, deadline: Duration) -> Result<()> {
+        if self.stripes.is_empty() {
+            // One connection carries everything in order already.
+            return Ok(());
+        }
+        let me = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let wait = async {
+            loop {
+                let changed = self.order_changed.notified();
+                tokio::pin!(changed);
+                changed.as_mut().enable();
+                let older = self
+                    .order
+                    .lock()
+                    .expect("order poisoned")
+                    .first()
+                    .is_some_and(|t| *t < me);
+                if !older {
+                    return;
+                }
+                changed.await;
+            }
+        };
+        tokio::time::timeout(deadline, wait)
+            .await
+            .map_err(|_| Error::Timeout {
+                peer: self.peer.to_string(),
+                step: Step::Notify,
+                after: deadline,
+            })
     }
 
     fn take(&self, id: u64) -> Option<Waiting> {
@@ -227,10 +437,66 @@ impl DataPath {
     pub(crate) fn out_sender(&self) -> mpsc::Sender<Outgoing> {
         self.out.clone()
     }
+}
 
-    pub(crate) async fn shutdown_writer(&self) {
-        let _ = self.out.try_send(Outgoing::Shutdown);
+/// Splits a batch by bytes into up to `ways` contiguous parts of at least [`MIN_PART`]
+/// bytes (an op may be cut between two parts); a batch too small to split stays whole.
+pub(crate) fn split(
+    descs: Vec<OpDesc>,
+    locals: Vec<LocalSlice>,
+    ways: usize,
+) -> Vec<(Vec<OpDesc>, Vec<LocalSlice>)> {
+    let total: u64 = descs.iter().map(|d| d.len).sum();
+    let k = (ways as u64).min(total / MIN_PART).max(1) as usize;
+    if k == 1 {
+        return vec![(descs, locals)];
     }
+    // Part p ends at byte total * (p + 1) / k of the batch.
+    let end_of = |p: usize| total * (p as u64 + 1) / k as u64;
+    let mut parts = Vec::with_capacity(k);
+    let mut cur: (Vec<OpDesc>, Vec<LocalSlice>) = (Vec::new(), Vec::new());
+    let mut done = 0u64;
+    let mut part = 0usize;
+    for (mut d, mut l) in descs.into_iter().zip(locals) {
+        loop {
+            let room = end_of(part) - done;
+            if d.len <= room || part == k - 1 {
+                done += d.len;
+                cur.0.push(d);
+                cur.1.push(l);
+                if done == end_of(part) && part < k - 1 {
+                    parts.push(std::mem::take(&mut cur));
+                    part += 1;
+                }
+                break;
+            }
+            if room > 0 {
+                cur.0.push(OpDesc {
+                    region: d.region,
+                    offset: d.offset,
+                    len: room,
+                });
+                cur.1.push(LocalSlice {
+                    region: l.region.region().begin_use(),
+                    offset: l.offset,
+                    len: room as usize,
+                });
+                d.offset += room;
+                d.len -= room;
+                l.offset += room as usize;
+                l.len -= room as usize;
+                done += room;
+            }
+            if !cur.0.is_empty() {
+                parts.push(std::mem::take(&mut cur));
+            }
+            part += 1;
+        }
+    }
+    if !cur.0.is_empty() {
+        parts.push(cur);
+    }
+    parts
 }
 
 /// Runs a batch over shared memory when every region it names is mapped; gives the batch

@@ -36,6 +36,7 @@ async fn handshake(target: &str) -> (TcpStream, TcpStream) {
         &Message::DataHello(DataHello {
             token: w.token,
             peer_id: PeerId::new("hostile").unwrap(),
+            stream: 0,
         }),
     )
     .await;
@@ -227,6 +228,7 @@ async fn oversized_frame_and_garbage_are_refused_without_a_panic() {
         &Message::DataHello(DataHello {
             token: kvbridge::proto::SessionToken([3; 16]),
             peer_id: PeerId::new("x").unwrap(),
+            stream: 0,
         }),
     )
     .await;
