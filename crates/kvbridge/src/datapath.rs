@@ -235,10 +235,16 @@ impl DataPath {
             };
         }
         let parts = split(descs, locals, self.connections());
-        let first = self
-            .next_id
-            .fetch_add(parts.len() as u64, Ordering::Relaxed);
-        self.order.lock().expect("order poisoned").insert(first);
+        // Ticket taken and entered under one lock: a notification that draws a later ticket
+        // finds this transfer in `order`.
+        let first = {
+            let mut order = self.order.lock().expect("order poisoned");
+            let first = self
+                .next_id
+                .fetch_add(parts.len() as u64, Ordering::Relaxed);
+            order.insert(first);
+            first
+        };
         let _ticket = Ticket {
             path: self,
             id: first,
@@ -315,13 +321,18 @@ impl DataPath {
         Err(err)
     }
 
-    /// (Striped) Waits, within `deadline`, until every transfer entered before now ended.
+    /// (Striped) Waits, within `deadline`, until every transfer entered before now ended. A
+    /// transfer whose caller stopped waiting (its future dropped) leaves `order` then, so a
+    /// notification is ordered only after the transfers still being awaited.
     pub(crate) async fn wait_earlier(&self, deadline: Duration) -> Result<()> {
         if self.stripes.is_empty() {
             // One connection carries everything in order already.
             return Ok(());
         }
-        let me = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let me = {
+            let _order = self.order.lock().expect("order poisoned");
+            self.next_id.fetch_add(1, Ordering::Relaxed)
+        };
         let wait = async {
             loop {
                 let changed = self.order_changed.notified();
@@ -935,5 +946,69 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
                 ))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::region::Region;
+
+    fn batch(r: &Region, lens: &[u64]) -> (Vec<OpDesc>, Vec<LocalSlice>) {
+        let mut off = 0u64;
+        lens.iter()
+            .map(|&len| {
+                let d = OpDesc {
+                    region: r.id(),
+                    offset: off,
+                    len,
+                };
+                let l = LocalSlice {
+                    region: r.begin_use(),
+                    offset: off as usize,
+                    len: len as usize,
+                };
+                off += len;
+                (d, l)
+            })
+            .unzip()
+    }
+
+    /// Parts are contiguous pieces of the batch in order, every byte once, sized by bytes.
+    #[test]
+    fn split_cuts_by_bytes_and_keeps_every_byte() {
+        let r = Region::alloc(8 << 20, 4096).unwrap();
+        let lens = [3 << 20, 1, 0, (2 << 20) + 5, 100];
+        let total: u64 = lens.iter().sum();
+        let (d, l) = batch(&r, &lens);
+        let parts = split(d, l, 3);
+        assert_eq!(parts.len(), 3);
+        let mut next = 0u64;
+        for (i, (descs, locals)) in parts.iter().enumerate() {
+            assert_eq!(descs.len(), locals.len());
+            let bytes: u64 = descs.iter().map(|d| d.len).sum();
+            let want = total * (i as u64 + 1) / 3 - total * i as u64 / 3;
+            assert_eq!(bytes, want, "part {i}");
+            for (d, l) in descs.iter().zip(locals) {
+                assert_eq!(d.offset, next);
+                assert_eq!((l.offset as u64, l.len as u64), (d.offset, d.len));
+                next += d.len;
+            }
+        }
+        assert_eq!(next, total);
+        // Every piece holds its own region-in-use guard.
+        assert_eq!(r.in_use(), parts.iter().map(|p| p.1.len()).sum::<usize>());
+    }
+
+    /// Below two minimum parts a batch stays whole; the part count never exceeds the ways.
+    #[test]
+    fn small_batches_stay_whole() {
+        let r = Region::alloc(8 << 20, 4096).unwrap();
+        let (d, l) = batch(&r, &[MIN_PART, MIN_PART - 1]);
+        assert_eq!(split(d, l, 4).len(), 1);
+        let (d, l) = batch(&r, &[4 * MIN_PART]);
+        assert_eq!(split(d, l, 2).len(), 2);
+        let (d, l) = batch(&r, &[4 * MIN_PART]);
+        assert_eq!(split(d, l, 1).len(), 1);
     }
 }
