@@ -225,6 +225,7 @@ fn message(spec: MsgSpec, hash: u64) -> Option<Message> {
         MsgSpec::DataHello(p) => Message::DataHello(DataHello {
             token: SessionToken([p; 16]),
             peer_id: peer(p),
+            stream: 0,
         }),
         MsgSpec::WriteBatch(id, ops) => Message::WriteBatch(Batch {
             id,

@@ -296,6 +296,11 @@ pub struct DataHello {
     pub token: SessionToken,
     /// The initiator's peer id (checked against the session's).
     pub peer_id: PeerId,
+    /// Which of the session's data connections this is: 0 for the first (the only one
+    /// before striping existed), 1.. for the extra ones of a striped session. Absent on the
+    /// wire means 0, so peers that predate it interoperate unchanged.
+    #[serde(default)]
+    pub stream: u32,
 }
 
 /// One remote range of a batch.
@@ -362,6 +367,43 @@ pub const fn current_version() -> u8 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A `DataHello` from a peer that predates `stream` decodes as stream 0, and a peer
+    /// that predates it ignores the new field (serde skips unknown map keys).
+    #[test]
+    fn data_hello_stream_is_compatible() {
+        #[derive(Serialize, Deserialize, PartialEq, Debug)]
+        struct OldDataHello {
+            token: SessionToken,
+            peer_id: PeerId,
+        }
+        #[derive(Serialize, Deserialize, PartialEq, Debug)]
+        enum Old {
+            DataHello(OldDataHello),
+        }
+        let token = SessionToken([7; 16]);
+        let peer_id = PeerId::new("p").unwrap();
+        let old = rmp_serde::to_vec_named(&Old::DataHello(OldDataHello {
+            token,
+            peer_id: peer_id.clone(),
+        }))
+        .unwrap();
+        let new = Message::DataHello(DataHello {
+            token,
+            peer_id: peer_id.clone(),
+            stream: 0,
+        });
+        assert_eq!(Message::decode(&old).unwrap(), new);
+        let third = Message::DataHello(DataHello {
+            token,
+            peer_id: peer_id.clone(),
+            stream: 3,
+        });
+        let body = third.encode_body().unwrap();
+        let Old::DataHello(seen) = rmp_serde::from_slice::<Old>(&body).unwrap();
+        assert_eq!(seen, OldDataHello { token, peer_id });
+        assert_eq!(Message::decode(&body).unwrap(), third);
+    }
 
     #[test]
     fn messages_are_maps_with_named_fields() {

@@ -491,14 +491,13 @@ impl Channel {
     /// has landed (or failed, with a typed error naming the peer and the step).
     pub async fn write(&self, peer: &PeerId, ops: &[Op]) -> Result<()> {
         let h = self.handle(peer).await?;
-        let (descs, sources, bytes) = self.prepare(&h, ops)?;
+        let (descs, sources, _) = self.prepare(&h, ops)?;
         h.data
-            .run(
-                Step::Write,
+            .transfer(
+                crate::shm::Dir::Write,
                 self.inner.config.deadlines.op,
-                bytes,
-                DataPath::write_waiting,
-                |id| Outgoing::Write { id, descs, sources },
+                descs,
+                sources,
             )
             .await
     }
@@ -506,14 +505,13 @@ impl Channel {
     /// Reads every op's remote bytes into the local regions; returns when all have landed.
     pub async fn read(&self, peer: &PeerId, ops: &[Op]) -> Result<()> {
         let h = self.handle(peer).await?;
-        let (descs, dests, bytes) = self.prepare(&h, ops)?;
+        let (descs, dests, _) = self.prepare(&h, ops)?;
         h.data
-            .run(
-                Step::Read,
+            .transfer(
+                crate::shm::Dir::Read,
                 self.inner.config.deadlines.op,
-                bytes,
-                DataPath::read_waiting(dests),
-                |id| Outgoing::Read { id, descs },
+                descs,
+                dests,
             )
             .await
     }
@@ -533,6 +531,9 @@ impl Channel {
         }
         let h = self.handle(peer).await?;
         let data = data.to_vec();
+        // With several data connections, earlier writes may still be in flight on the
+        // others: the notification leaves only once they all completed.
+        h.data.wait_earlier(self.inner.config.deadlines.op).await?;
         h.data
             .run(
                 Step::Notify,
@@ -998,7 +999,9 @@ impl Core {
                             .and_then(|id| self.sessions.get(id))
                         {
                             Some(s) => {
-                                let _ = s.ctl.send(SessionCmd::DataConn(stream, dh.peer_id));
+                                let _ = s
+                                    .ctl
+                                    .send(SessionCmd::DataConn(stream, dh.peer_id, dh.stream));
                             }
                             None => {
                                 tokio::spawn(refuse(

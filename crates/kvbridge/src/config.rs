@@ -236,6 +236,11 @@ pub struct ChannelConfig {
     pub data_threads: bool,
     /// Transport selection (`KVBRIDGE_TRANSPORT=auto|tcp|shm`, default auto).
     pub transport: Transport,
+    /// TCP data connections an initiator opens per session (`KVBRIDGE_DATA_CONNECTIONS`,
+    /// default 1, at most [`MAX_DATA_CONNECTIONS`]). With more than one, a large write or
+    /// read batch is split by bytes over them (docs/architecture.md). Values outside
+    /// 1..=[`MAX_DATA_CONNECTIONS`] are clamped.
+    pub data_connections: usize,
     /// Test hooks.
     pub hooks: TestHooks,
 }
@@ -260,10 +265,17 @@ impl ChannelConfig {
                 .ok()
                 .and_then(|v| Transport::parse(&v))
                 .unwrap_or_default(),
+            data_connections: std::env::var("KVBRIDGE_DATA_CONNECTIONS")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .map_or(1, |n| n.clamp(1, MAX_DATA_CONNECTIONS)),
             hooks: TestHooks::default(),
         }
     }
 }
+
+/// Most data connections one session may have (either role: a listener refuses more).
+pub const MAX_DATA_CONNECTIONS: usize = 16;
 
 #[cfg(test)]
 mod tests {

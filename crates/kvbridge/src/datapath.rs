@@ -127,12 +127,23 @@ pub(crate) enum Outgoing {
     Shutdown,
 }
 
-/// Shared by the session, its two data tasks and the callers of write/read/notify.
+/// Least bytes per part of a striped batch: smaller batches stay on one connection.
+pub(crate) const MIN_PART: u64 = 256 << 10;
+
+/// Shared by the session, its data tasks and the callers of write/read/notify.
 pub(crate) struct DataPath {
     pub(crate) peer: PeerId,
     pending: Mutex<Pending>,
     next_id: AtomicU64,
+    /// Connection 0's writer queue: notifications, acks, unstriped batches.
     out: mpsc::Sender<Outgoing>,
+    /// (Striped initiator) The writer queues of connections 1..N.
+    stripes: Vec<mpsc::Sender<Outgoing>>,
+    /// (Striped) Transfers entered and not yet ended, by ticket: a notification waits until
+    /// none older than it is left, so it still follows every write issued before it.
+    order: Mutex<std::collections::BTreeSet<u64>>,
+    /// Signalled whenever a transfer leaves `order`.
+    order_changed: tokio::sync::Notify,
     /// Asks the owning session to tear down (an op passed its deadline).
     abort: mpsc::UnboundedSender<crate::session::SessionCmd>,
     /// Room for our own batches under `Limits::max_bytes_in_flight_per_peer` (FIFO: a
@@ -148,28 +159,260 @@ pub(crate) struct DataPath {
     incoming: AtomicU64,
 }
 
+/// Removes a transfer's ticket from `order` when it ends, however it ends.
+struct Ticket<'a> {
+    path: &'a DataPath,
+    id: u64,
+}
+
+impl Drop for Ticket<'_> {
+    fn drop(&mut self) {
+        self.path
+            .order
+            .lock()
+            .expect("order poisoned")
+            .remove(&self.id);
+        self.path.order_changed.notify_waiters();
+    }
+}
+
 impl DataPath {
+    /// A data path over `connections` (at least 1) connections; returns the writer queue of
+    /// each, connection 0 first.
     pub(crate) fn new(
         peer: PeerId,
         abort: mpsc::UnboundedSender<crate::session::SessionCmd>,
         max_in_flight: u64,
-    ) -> (Arc<Self>, mpsc::Receiver<Outgoing>) {
+        connections: usize,
+    ) -> (Arc<Self>, Vec<mpsc::Receiver<Outgoing>>) {
         let (out, rx) = mpsc::channel(1024);
         let units = (room_units(max_in_flight) as usize).min(tokio::sync::Semaphore::MAX_PERMITS);
+        let mut rxs = vec![rx];
+        let mut stripes = Vec::new();
+        for _ in 1..connections.max(1) {
+            let (tx, rx) = mpsc::channel(1024);
+            stripes.push(tx);
+            rxs.push(rx);
+        }
         (
             Arc::new(Self {
                 peer,
                 pending: Mutex::new(Pending::default()),
                 next_id: AtomicU64::new(1),
                 out,
+                stripes,
+                order: Mutex::new(Default::default()),
+                order_changed: tokio::sync::Notify::new(),
                 abort,
                 room: Arc::new(tokio::sync::Semaphore::new(units)),
                 max_in_flight,
                 waiting_for_room: Default::default(),
                 incoming: AtomicU64::new(0),
             }),
-            rx,
+            rxs,
         )
+    }
+
+    /// Data connections this side stripes its batches over.
+    pub(crate) fn connections(&self) -> usize {
+        1 + self.stripes.len()
+    }
+
+    /// A sender to the writer queue of connection `i` (of those this path was made with).
+    pub(crate) fn queue_of(&self, i: usize) -> mpsc::Sender<Outgoing> {
+        self.queue(i).clone()
+    }
+
+    /// The writer queue of connection `i`.
+    fn queue(&self, i: usize) -> &mpsc::Sender<Outgoing> {
+        if i == 0 {
+            &self.out
+        } else {
+            &self.stripes[i - 1]
+        }
+    }
+
+    /// Runs a write (`Dir::Write`, `locals` are the sources) or a read (`locals` are the
+    /// destinations) under `deadline`, split by bytes over the data connections when it is
+    /// large enough. It completes when every part is acknowledged; when any part fails the
+    /// session ends (so no byte of the batch lands later) and the batch fails with the first
+    /// part's error.
+    pub(crate) async fn transfer(
+        &self,
+        dir: Dir,
+        deadline: Duration,
+        descs: Vec<OpDesc>,
+        locals: Vec<LocalSlice>,
+    ) -> Result<()> {
+        let step = match dir {
+            Dir::Write => Step::Write,
+            Dir::Read => Step::Read,
+        };
+        let bytes: u64 = descs.iter().map(|d| d.len).sum();
+        if self.stripes.is_empty() {
+            return match dir {
+                Dir::Write => {
+                    self.run(step, deadline, bytes, DataPath::write_waiting, |id| {
+                        Outgoing::Write {
+                            id,
+                            descs,
+                            sources: locals,
+                        }
+                    })
+                    .await
+                }
+                Dir::Read => {
+                    self.run(step, deadline, bytes, DataPath::read_waiting(locals), |id| {
+                        Outgoing::Read { id, descs }
+                    })
+                    .await
+                }
+            };
+        }
+        let until = tokio::time::Instant::now() + deadline;
+        // Room for the whole batch under the per-peer limit first, as for one connection;
+        // each part then holds its share, released when it completes.
+        let mut room = self.acquire_room(step, deadline, until, bytes).await?;
+        let parts = split(descs, locals, self.connections());
+        // Ticket taken and entered under one lock: a notification that draws a later ticket
+        // finds this transfer in `order`.
+        let first = {
+            let mut order = self.order.lock().expect("order poisoned");
+            let first = self
+                .next_id
+                .fetch_add(parts.len() as u64, Ordering::Relaxed);
+            order.insert(first);
+            first
+        };
+        let _ticket = Ticket {
+            path: self,
+            id: first,
+        };
+        let mut rxs = Vec::with_capacity(parts.len());
+        let mut sends = Vec::with_capacity(parts.len());
+        {
+            let mut p = self.pending.lock().expect("pending poisoned");
+            if let Some(e) = &p.closed {
+                return Err(e.clone());
+            }
+            // Every part is entered before any frame is queued.
+            let last = parts.len() - 1;
+            for (i, (descs, locals)) in parts.into_iter().enumerate() {
+                let id = first + i as u64;
+                let part_bytes: u64 = descs.iter().map(|d| d.len).sum();
+                let part_room = if i == last {
+                    room.take()
+                } else {
+                    let units = (room_units(part_bytes) as usize)
+                        .min(room.as_ref().map_or(0, |r| r.num_permits()));
+                    room.as_mut().and_then(|r| r.split(units))
+                };
+                let (tx, rx) = oneshot::channel();
+                let (w, o) = match dir {
+                    Dir::Write => (
+                        Waiting::Write(tx),
+                        Outgoing::Write {
+                            id,
+                            descs,
+                            sources: locals,
+                        },
+                    ),
+                    Dir::Read => (Waiting::Read(locals, tx), Outgoing::Read { id, descs }),
+                };
+                p.bytes += part_bytes;
+                p.map.insert(
+                    id,
+                    Entry {
+                        waiting: w,
+                        bytes: part_bytes,
+                        _room: part_room,
+                    },
+                );
+                rxs.push(rx);
+                sends.push((i, o));
+            }
+        }
+        let mut rxs = rxs;
+        // Receivers that returned: a oneshot must not be polled again after that.
+        let mut resolved = 0usize;
+        let submit_and_wait = async {
+            for (i, o) in sends {
+                // A writer that is gone means the session is tearing down and drains us.
+                let _ = self.queue(i).send(o).await;
+            }
+            let mut first_err = None;
+            for rx in rxs.iter_mut() {
+                let r = rx.await.unwrap_or_else(|_| {
+                    Err(Error::lost(self.peer.as_str(), step, "session ended"))
+                });
+                resolved += 1;
+                if let Err(e) = r {
+                    first_err = Some(e);
+                    break;
+                }
+            }
+            first_err
+        };
+        let err = match tokio::time::timeout_at(until, submit_and_wait).await {
+            Ok(None) => return Ok(()),
+            Ok(Some(e)) => e,
+            Err(_) => Error::Timeout {
+                peer: self.peer.to_string(),
+                step,
+                after: deadline,
+            },
+        };
+        // One part failed or ran late: end the session, then wait until every part has
+        // ended (the session stops all data tasks before it drains), so nothing of this
+        // batch can land after we return.
+        let _ = self
+            .abort
+            .send(crate::session::SessionCmd::Abort(err.clone()));
+        let all = async {
+            for rx in rxs.iter_mut().skip(resolved) {
+                let _ = rx.await;
+            }
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(30), all).await;
+        Err(err)
+    }
+
+    /// (Striped) Waits, within `deadline`, until every transfer entered before now ended. A
+    /// transfer whose caller stopped waiting (its future dropped) leaves `order` then, so a
+    /// notification is ordered only after the transfers still being awaited.
+    pub(crate) async fn wait_earlier(&self, deadline: Duration) -> Result<()> {
+        if self.stripes.is_empty() {
+            // One connection carries everything in order already.
+            return Ok(());
+        }
+        let me = {
+            let _order = self.order.lock().expect("order poisoned");
+            self.next_id.fetch_add(1, Ordering::Relaxed)
+        };
+        let wait = async {
+            loop {
+                let changed = self.order_changed.notified();
+                tokio::pin!(changed);
+                changed.as_mut().enable();
+                let older = self
+                    .order
+                    .lock()
+                    .expect("order poisoned")
+                    .first()
+                    .is_some_and(|t| *t < me);
+                if !older {
+                    return;
+                }
+                changed.await;
+            }
+        };
+        tokio::time::timeout(deadline, wait)
+            .await
+            .map_err(|_| Error::Timeout {
+                peer: self.peer.to_string(),
+                step: Step::Notify,
+                after: deadline,
+            })
     }
 
     /// Removes a waiting batch; its room under the per-peer limit is released.
@@ -233,6 +476,44 @@ impl DataPath {
         self.pending.lock().expect("pending poisoned").map.len()
     }
 
+    /// Waits (until `until`, in submission order) for room for `bytes` payload bytes under
+    /// the per-peer limit on bytes in flight. `None` when `bytes` is 0, or when the session
+    /// ended (the caller finds out why when it enters its batch).
+    async fn acquire_room(
+        &self,
+        step: Step,
+        deadline: Duration,
+        until: tokio::time::Instant,
+        bytes: u64,
+    ) -> Result<Option<tokio::sync::OwnedSemaphorePermit>> {
+        if bytes == 0 {
+            return Ok(None);
+        }
+        let units = room_units(bytes);
+        let acquire = self.room.clone().acquire_many_owned(units);
+        // Counted while waiting, also when the caller drops this future.
+        struct Counted<'a>(&'a std::sync::atomic::AtomicUsize);
+        impl Drop for Counted<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        self.waiting_for_room.fetch_add(1, Ordering::Relaxed);
+        let counted = Counted(&self.waiting_for_room);
+        let got = tokio::time::timeout_at(until, acquire).await;
+        drop(counted);
+        match got {
+            Ok(Ok(p)) => Ok(Some(p)),
+            // Closed: the session ended; `closed` says why when the batch is entered.
+            Ok(Err(_)) => Ok(None),
+            Err(_) => Err(Error::Timeout {
+                peer: self.peer.to_string(),
+                step,
+                after: deadline,
+            }),
+        }
+    }
+
     /// Runs one batch of `bytes` payload bytes to completion under `deadline`. The batch
     /// first waits for room under the per-peer limit on bytes in flight (in submission
     /// order); one that gets none before its deadline fails with `Timeout` without having
@@ -251,29 +532,7 @@ impl DataPath {
             step,
             after: deadline,
         };
-        let room = if bytes == 0 {
-            None
-        } else {
-            let units = room_units(bytes);
-            let acquire = self.room.clone().acquire_many_owned(units);
-            // Counted while waiting, also when the caller drops this future.
-            struct Counted<'a>(&'a std::sync::atomic::AtomicUsize);
-            impl Drop for Counted<'_> {
-                fn drop(&mut self) {
-                    self.0.fetch_sub(1, Ordering::Relaxed);
-                }
-            }
-            self.waiting_for_room.fetch_add(1, Ordering::Relaxed);
-            let counted = Counted(&self.waiting_for_room);
-            let got = tokio::time::timeout_at(until, acquire).await;
-            drop(counted);
-            match got {
-                Ok(Ok(p)) => Some(p),
-                // Closed: the session ended; `closed` below says why.
-                Ok(Err(_)) => None,
-                Err(_) => return Err(timeout()),
-            }
-        };
+        let room = self.acquire_room(step, deadline, until, bytes).await?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, mut rx) = oneshot::channel();
         {
@@ -333,10 +592,66 @@ impl DataPath {
     pub(crate) fn out_sender(&self) -> mpsc::Sender<Outgoing> {
         self.out.clone()
     }
+}
 
-    pub(crate) async fn shutdown_writer(&self) {
-        let _ = self.out.try_send(Outgoing::Shutdown);
+/// Splits a batch by bytes into up to `ways` contiguous parts of at least [`MIN_PART`]
+/// bytes (an op may be cut between two parts); a batch too small to split stays whole.
+pub(crate) fn split(
+    descs: Vec<OpDesc>,
+    locals: Vec<LocalSlice>,
+    ways: usize,
+) -> Vec<(Vec<OpDesc>, Vec<LocalSlice>)> {
+    let total: u64 = descs.iter().map(|d| d.len).sum();
+    let k = (ways as u64).min(total / MIN_PART).max(1) as usize;
+    if k == 1 {
+        return vec![(descs, locals)];
     }
+    // Part p ends at byte total * (p + 1) / k of the batch.
+    let end_of = |p: usize| total * (p as u64 + 1) / k as u64;
+    let mut parts = Vec::with_capacity(k);
+    let mut cur: (Vec<OpDesc>, Vec<LocalSlice>) = (Vec::new(), Vec::new());
+    let mut done = 0u64;
+    let mut part = 0usize;
+    for (mut d, mut l) in descs.into_iter().zip(locals) {
+        loop {
+            let room = end_of(part) - done;
+            if d.len <= room || part == k - 1 {
+                done += d.len;
+                cur.0.push(d);
+                cur.1.push(l);
+                if done == end_of(part) && part < k - 1 {
+                    parts.push(std::mem::take(&mut cur));
+                    part += 1;
+                }
+                break;
+            }
+            if room > 0 {
+                cur.0.push(OpDesc {
+                    region: d.region,
+                    offset: d.offset,
+                    len: room,
+                });
+                cur.1.push(LocalSlice {
+                    region: l.region.region().begin_use(),
+                    offset: l.offset,
+                    len: room as usize,
+                });
+                d.offset += room;
+                d.len -= room;
+                l.offset += room as usize;
+                l.len -= room as usize;
+                done += room;
+            }
+            if !cur.0.is_empty() {
+                parts.push(std::mem::take(&mut cur));
+            }
+            part += 1;
+        }
+    }
+    if !cur.0.is_empty() {
+        parts.push(cur);
+    }
+    parts
 }
 
 /// Runs a batch over shared memory when every region it names is mapped; gives the batch
@@ -802,5 +1117,69 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
                 ))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::region::Region;
+
+    fn batch(r: &Region, lens: &[u64]) -> (Vec<OpDesc>, Vec<LocalSlice>) {
+        let mut off = 0u64;
+        lens.iter()
+            .map(|&len| {
+                let d = OpDesc {
+                    region: r.id(),
+                    offset: off,
+                    len,
+                };
+                let l = LocalSlice {
+                    region: r.begin_use(),
+                    offset: off as usize,
+                    len: len as usize,
+                };
+                off += len;
+                (d, l)
+            })
+            .unzip()
+    }
+
+    /// Parts are contiguous pieces of the batch in order, every byte once, sized by bytes.
+    #[test]
+    fn split_cuts_by_bytes_and_keeps_every_byte() {
+        let r = Region::alloc(8 << 20, 4096).unwrap();
+        let lens = [3 << 20, 1, 0, (2 << 20) + 5, 100];
+        let total: u64 = lens.iter().sum();
+        let (d, l) = batch(&r, &lens);
+        let parts = split(d, l, 3);
+        assert_eq!(parts.len(), 3);
+        let mut next = 0u64;
+        for (i, (descs, locals)) in parts.iter().enumerate() {
+            assert_eq!(descs.len(), locals.len());
+            let bytes: u64 = descs.iter().map(|d| d.len).sum();
+            let want = total * (i as u64 + 1) / 3 - total * i as u64 / 3;
+            assert_eq!(bytes, want, "part {i}");
+            for (d, l) in descs.iter().zip(locals) {
+                assert_eq!(d.offset, next);
+                assert_eq!((l.offset as u64, l.len as u64), (d.offset, d.len));
+                next += d.len;
+            }
+        }
+        assert_eq!(next, total);
+        // Every piece holds its own region-in-use guard.
+        assert_eq!(r.in_use(), parts.iter().map(|p| p.1.len()).sum::<usize>());
+    }
+
+    /// Below two minimum parts a batch stays whole; the part count never exceeds the ways.
+    #[test]
+    fn small_batches_stay_whole() {
+        let r = Region::alloc(8 << 20, 4096).unwrap();
+        let (d, l) = batch(&r, &[MIN_PART, MIN_PART - 1]);
+        assert_eq!(split(d, l, 4).len(), 1);
+        let (d, l) = batch(&r, &[4 * MIN_PART]);
+        assert_eq!(split(d, l, 2).len(), 2);
+        let (d, l) = batch(&r, &[4 * MIN_PART]);
+        assert_eq!(split(d, l, 1).len(), 1);
     }
 }

@@ -35,8 +35,9 @@ use tokio::time::Instant;
 
 /// Messages to a session task.
 pub(crate) enum SessionCmd {
-    /// (Listener) A data connection that presented this session's token.
-    DataConn(Stream, PeerId),
+    /// (Listener) A data connection that presented this session's token, with its stream
+    /// index (`DataHello::stream`).
+    DataConn(Stream, PeerId, u32),
     /// A newer session of the same peer took over; fail with this error.
     Replace(Error),
     /// A batch passed its deadline; tear down with this error.
@@ -130,10 +131,41 @@ impl Machine {
 
 struct ActiveData {
     path: Arc<DataPath>,
+    /// Connection 0 first; a striped session's extra connections after it.
+    conns: Vec<DataConn>,
+}
+
+/// One data connection's reader and writer.
+struct DataConn {
+    /// `DataHello::stream` of this connection.
+    stream: u32,
     reader: JoinHandle<Result<()>>,
     writer: JoinHandle<Result<()>>,
+    /// Its writer's queue (teardown asks the writer to flush and stop through it).
+    out: mpsc::Sender<Outgoing>,
     /// For data threads: stops them when dropped.
     threads: Option<ThreadStop>,
+}
+
+/// Resolves when any data task of the session ends (never when there is none). A handle is
+/// not polled again after it returned: the caller ends the session on the first result.
+async fn any_data_task(
+    data: Option<&mut ActiveData>,
+) -> std::result::Result<Result<()>, tokio::task::JoinError> {
+    let Some(d) = data else {
+        return std::future::pending().await;
+    };
+    std::future::poll_fn(|cx| {
+        for c in d.conns.iter_mut() {
+            for h in [&mut c.reader, &mut c.writer] {
+                if let std::task::Poll::Ready(r) = std::pin::Pin::new(h).poll(cx) {
+                    return std::task::Poll::Ready(r);
+                }
+            }
+        }
+        std::task::Poll::Pending
+    })
+    .await
 }
 
 /// Stops a connection's data threads when dropped — in teardown, or when an aborted session
@@ -199,11 +231,14 @@ struct Session {
     cmds: mpsc::UnboundedReceiver<SessionCmd>,
     cmd_tx: mpsc::UnboundedSender<SessionCmd>,
     data: Option<ActiveData>,
-    /// A data connection waiting to be bound (test hooks delay binding).
-    pending_bind: Option<(Instant, Stream)>,
+    /// Data connections waiting to be bound (test hooks delay binding).
+    pending_bind: Option<(Instant, Vec<Stream>)>,
     /// A data connection that arrived before the peer authenticated: parked, not bound.
     parked_data: Option<Stream>,
-    data_connect: Option<JoinHandle<std::io::Result<Stream>>>,
+    /// (Listener) Extra data connections of a striped session (stream index ≥ 1), parked
+    /// until connection 0 is bound.
+    parked_extra: Vec<(u32, Stream)>,
+    data_connect: Option<JoinHandle<std::io::Result<Vec<Stream>>>>,
     remote: Arc<RwLock<HashMap<RegionId, RegionInfo>>>,
     established: bool,
     last_heard: Instant,
@@ -417,6 +452,7 @@ impl Session {
             data: None,
             pending_bind: None,
             parked_data: None,
+            parked_extra: Vec::new(),
             data_connect: None,
             remote: Arc::new(RwLock::new(HashMap::new())),
             established: false,
@@ -441,7 +477,13 @@ impl Session {
             if self.parked_data.is_some() && self.machine.may_bind() {
                 let s = self.parked_data.take().expect("checked");
                 let delay = self.env.config.hooks.listener_bind_delay;
-                self.bind_after(delay, s);
+                self.bind_after(delay, vec![s]);
+                continue;
+            }
+            if !self.parked_extra.is_empty() && self.data.is_some() {
+                for (stream, s) in std::mem::take(&mut self.parked_extra) {
+                    self.bind_extra(stream, s);
+                }
                 continue;
             }
             if self.shm.parked.is_some() && self.machine.may_bind() {
@@ -455,10 +497,6 @@ impl Session {
             let ready_at = self.shm.pending_ready.as_ref().map(|(_, at)| *at);
             let deadline = self.machine.poll_timeout().map(Instant::from_std);
             let bind_at = self.pending_bind.as_ref().map(|(at, _)| *at);
-            let (reader, writer) = match self.data.as_mut() {
-                Some(d) => (Some(&mut d.reader), Some(&mut d.writer)),
-                None => (None, None),
-            };
             tokio::select! {
                 m = self.ctl_rx.recv() => {
                     self.last_heard = Instant::now();
@@ -471,7 +509,16 @@ impl Session {
                     }
                 }
                 c = self.cmds.recv() => match c {
-                    Some(SessionCmd::DataConn(s, peer)) => {
+                    Some(SessionCmd::DataConn(s, peer, stream)) if stream > 0 => {
+                        let known = self.parked_extra.iter().any(|(i, _)| *i == stream)
+                            || self.data.as_ref().is_some_and(|d| d.conns.iter().any(|c| c.stream == stream));
+                        if known || stream as usize >= crate::config::MAX_DATA_CONNECTIONS || Some(&peer) != self.peer_id.as_ref() {
+                            tokio::spawn(refuse(s, ErrorCode::UnknownSession, "data connection does not match this session"));
+                        } else {
+                            self.parked_extra.push((stream, s));
+                        }
+                    }
+                    Some(SessionCmd::DataConn(s, peer, _)) => {
                         if self.data.is_some() || self.pending_bind.is_some() || self.parked_data.is_some() || Some(&peer) != self.peer_id.as_ref() {
                             // A second data connection, or one naming another peer: refuse it
                             // without disturbing this session.
@@ -536,8 +583,7 @@ impl Session {
                     tracing::warn!(peer = %self.peer_name, "shared memory not ready in time; using TCP");
                     self.on_established(est);
                 }
-                r = maybe(reader) => return flatten(&self.peer_name, r),
-                r = maybe(writer) => return flatten(&self.peer_name, r),
+                r = any_data_task(self.data.as_mut()) => return flatten(&self.peer_name, r),
                 _ = tick.tick(), if self.established => {
                     if self.last_heard.elapsed() > self.env.config.deadlines.peer_silence {
                         return Error::Timeout { peer: self.peer_name.clone(), step: Step::Established,
@@ -589,13 +635,32 @@ impl Session {
                     let addr = self.addr.clone().unwrap_or_default();
                     let limit = self.env.config.deadlines.connect;
                     let me = self.env.local.peer_id.clone();
+                    // Shared memory carries the data itself: no striping beside it.
+                    let n = if self.shm.peer.is_some() {
+                        1
+                    } else {
+                        self.env
+                            .config
+                            .data_connections
+                            .clamp(1, crate::config::MAX_DATA_CONNECTIONS)
+                    };
                     self.data_connect = Some(tokio::spawn(async move {
-                        let mut s = tokio::time::timeout(limit, net.connect(&addr))
-                            .await
-                            .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
-                        let hello = Message::DataHello(DataHello { token, peer_id: me });
-                        write_msg(&mut s, &hello).await?;
-                        Ok(s)
+                        let mut all = Vec::with_capacity(n);
+                        for stream in 0..n as u32 {
+                            let mut s = tokio::time::timeout(limit, net.connect(&addr))
+                                .await
+                                .map_err(|_| {
+                                    std::io::Error::from(std::io::ErrorKind::TimedOut)
+                                })??;
+                            let hello = Message::DataHello(DataHello {
+                                token,
+                                peer_id: me.clone(),
+                                stream,
+                            });
+                            write_msg(&mut s, &hello).await?;
+                            all.push(s);
+                        }
+                        Ok(all)
                     }));
                 }
                 Output::Ready(est) => {
@@ -623,7 +688,7 @@ impl Session {
 
     /// Binds now, or after a test hook's delay (while control messages keep being served,
     /// so the state machine — not a queue in front of it — holds early arrivals).
-    fn bind_after(&mut self, delay: Option<Duration>, s: Stream) {
+    fn bind_after(&mut self, delay: Option<Duration>, s: Vec<Stream>) {
         match delay {
             // A zero-length timer would still wait for the timer wheel's next tick (1 ms).
             None => self.bind(s),
@@ -631,16 +696,54 @@ impl Session {
         }
     }
 
-    fn bind(&mut self, s: Stream) {
+    /// Binds the session's data connections (connection 0 first) and starts their tasks.
+    fn bind(&mut self, streams: Vec<Stream>) {
         let peer = self
             .peer_id
             .clone()
             .expect("bound only after the peer is known");
-        let (path, out_rx) = DataPath::new(
-            peer.clone(),
+        let (path, rxs) = DataPath::new(
+            peer,
             self.cmd_tx.clone(),
             self.env.config.limits.max_bytes_in_flight_per_peer,
+            streams.len(),
         );
+        let mut conns = Vec::with_capacity(streams.len());
+        for (i, (s, rx)) in streams.into_iter().zip(rxs).enumerate() {
+            let shm = if i == 0 { self.shm.peer.clone() } else { None };
+            let out = path.queue_of(i);
+            match self.start_conn(&path, s, i as u32, out, rx, shm) {
+                Ok(c) => conns.push(c),
+                Err(e) => return self.fail_bind(e),
+            }
+        }
+        self.data = Some(ActiveData { path, conns });
+        self.machine.data_bound(std_now());
+    }
+
+    /// (Listener) Binds an extra data connection of a striped session: it serves the
+    /// peer's batch parts that arrive on it and acknowledges them on it.
+    fn bind_extra(&mut self, stream: u32, s: Stream) {
+        let Some(path) = self.data.as_ref().map(|d| d.path.clone()) else {
+            return;
+        };
+        let (out, rx) = mpsc::channel(1024);
+        match self.start_conn(&path, s, stream, out, rx, None) {
+            Ok(c) => self.data.as_mut().expect("checked").conns.push(c),
+            Err(e) => self.fail_bind(e),
+        }
+    }
+
+    /// Starts one data connection's reader and writer (threads or tasks).
+    fn start_conn(
+        &self,
+        path: &Arc<DataPath>,
+        s: Stream,
+        stream: u32,
+        out: mpsc::Sender<Outgoing>,
+        out_rx: mpsc::Receiver<Outgoing>,
+        shm: Option<Arc<ShmPeer>>,
+    ) -> std::io::Result<DataConn> {
         let ctx = ReaderCtx {
             path: path.clone(),
             incarnation: self
@@ -651,7 +754,7 @@ impl Session {
             payload_deadline: self.env.config.deadlines.op,
             hooks: self.env.config.hooks.clone(),
             notifications: self.env.notifications.clone(),
-            out: path_out(&path),
+            out: out.clone(),
             in_flight_refused: self.env.in_flight_refused.clone(),
         };
         let (s, blocking) = if self.env.config.data_threads {
@@ -659,8 +762,8 @@ impl Session {
                 Stream::Tokio(t) => match Stream::Tokio(t).into_blocking_split() {
                     Ok(b) => (None, b),
                     Err(e) => {
-                        tracing::warn!(error = %e, "blocking data path unavailable, using tasks");
-                        return self.fail_bind(e);
+                        tracing::warn!(error = %e, "blocking data path unavailable");
+                        return Err(e);
                     }
                 },
                 #[allow(unreachable_patterns)]
@@ -669,19 +772,20 @@ impl Session {
         } else {
             (Some(s), None)
         };
-        let data = match (s, blocking) {
+        Ok(match (s, blocking) {
             (_, Some((r, w, sock))) => {
                 let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
                 let writer = spawn_data_thread(
                     "kvb-data-tx",
                     stop_rx.clone(),
-                    run_writer(path.clone(), self.shm.peer.clone(), w, out_rx),
+                    run_writer(path.clone(), shm, w, out_rx),
                 );
                 let reader = spawn_data_thread("kvb-data-rx", stop_rx, run_reader(r, ctx));
-                ActiveData {
-                    path,
+                DataConn {
+                    stream,
                     reader,
                     writer,
+                    out,
                     threads: Some(ThreadStop {
                         stop: stop_tx,
                         sock,
@@ -690,22 +794,16 @@ impl Session {
             }
             (Some(s), None) => {
                 let (r, w) = s.into_split();
-                ActiveData {
-                    writer: tokio::spawn(run_writer(
-                        path.clone(),
-                        self.shm.peer.clone(),
-                        w,
-                        out_rx,
-                    )),
-                    path,
+                DataConn {
+                    stream,
+                    writer: tokio::spawn(run_writer(path.clone(), shm, w, out_rx)),
                     reader: tokio::spawn(run_reader(r, ctx)),
+                    out,
                     threads: None,
                 }
             }
             (None, None) => unreachable!("a stream is either split for threads or kept"),
-        };
-        self.data = Some(data);
-        self.machine.data_bound(std_now());
+        })
     }
 
     /// Binding failed locally: fail the session through the machine's deadline path.
@@ -768,30 +866,39 @@ impl Session {
         if let Some(h) = self.data_connect.take() {
             h.abort();
         }
-        if let Some(d) = self.data.take() {
-            // Let the writer flush what is queued (an error ack for the peer), briefly.
-            d.path.shutdown_writer().await;
-            // A handle that already returned its result in `serve` must not be polled
-            // again; `is_finished` covers it.
-            let mut writer = d.writer;
-            let mut reader = d.reader;
-            let flushed = writer.is_finished()
-                || tokio::time::timeout(Duration::from_millis(200), &mut writer)
-                    .await
-                    .is_ok();
-            match d.threads {
-                Some(stop) => {
-                    // Threads cannot be aborted: stop them at their next await, and unblock
-                    // any system call by shutting the socket down; then wait for both.
-                    drop(stop);
+        if let Some(mut d) = self.data.take() {
+            // Let the writers flush what is queued (an error ack for the peer), briefly.
+            for c in &d.conns {
+                let _ = c.out.try_send(Outgoing::Shutdown);
+            }
+            let flush_until = Instant::now() + Duration::from_millis(200);
+            let mut flushed = Vec::with_capacity(d.conns.len());
+            for c in d.conns.iter_mut() {
+                // A handle that already returned its result in `serve` must not be polled
+                // again; `is_finished` covers it.
+                flushed.push(
+                    c.writer.is_finished()
+                        || tokio::time::timeout_at(flush_until, &mut c.writer)
+                            .await
+                            .is_ok(),
+                );
+            }
+            // Stop every connection before waiting for any: threads cannot be aborted, so
+            // they stop at their next await, and a socket shutdown unblocks a system call.
+            let stops: Vec<Option<ThreadStop>> =
+                d.conns.iter_mut().map(|c| c.threads.take()).collect();
+            let on_threads: Vec<bool> = stops.iter().map(Option::is_some).collect();
+            drop(stops);
+            for ((c, flushed), on_threads) in d.conns.into_iter().zip(flushed).zip(on_threads) {
+                let (writer, mut reader) = (c.writer, c.reader);
+                if on_threads {
                     if !flushed {
                         let _ = writer.await;
                     }
                     if !reader.is_finished() {
                         let _ = (&mut reader).await;
                     }
-                }
-                None => {
+                } else {
                     if !flushed {
                         writer.abort();
                         let _ = writer.await;
@@ -1041,7 +1148,11 @@ async fn connect_shm(
     let s = tokio::time::timeout(limit, crate::shm::connect(&offer.socket, offer.pid))
         .await
         .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
-    let hello = Message::DataHello(DataHello { token, peer_id: me });
+    let hello = Message::DataHello(DataHello {
+        token,
+        peer_id: me,
+        stream: 0,
+    });
     crate::shm::send_frame(&s, &hello, None).await?;
     Ok(s)
 }
@@ -1122,10 +1233,6 @@ async fn synced(w: Option<&mut tokio::sync::watch::Receiver<bool>>) {
         }
         None => std::future::pending().await,
     }
-}
-
-fn path_out(path: &Arc<DataPath>) -> mpsc::Sender<Outgoing> {
-    path.out_sender()
 }
 
 fn flatten(peer: &str, r: std::result::Result<Result<()>, tokio::task::JoinError>) -> Error {

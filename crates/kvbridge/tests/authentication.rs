@@ -86,6 +86,7 @@ async fn peer_without_a_valid_proof_can_write_nothing() {
         &Message::DataHello(DataHello {
             token: w.token,
             peer_id: me,
+            stream: 0,
         })
         .to_frame()
         .unwrap(),
@@ -145,6 +146,7 @@ fn shm_bytes_received(offer: &ShmOffer, token: kvbridge::proto::SessionToken) ->
     let hello = Message::DataHello(DataHello {
         token,
         peer_id: PeerId::new("intruder").unwrap(),
+        stream: 0,
     });
     s.write_all(&hello.to_frame().unwrap()).unwrap();
     let mut got = Vec::new();

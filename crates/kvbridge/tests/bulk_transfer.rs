@@ -26,9 +26,9 @@ fn page(r: &Region, i: usize) -> &[u8] {
     unsafe { std::slice::from_raw_parts(r.as_ptr().add(i * PAGE), PAGE) }
 }
 
-async fn one_gib_scattered_pages_written_and_read_back_byte_exact(t: kvbridge::Transport) {
-    let (dec, kv) = listener("decode-0", |c| c.transport = t, TOTAL, PAGE).await;
-    let (pre, src) = initiator("prefill-0", |c| c.transport = t, TOTAL, PAGE).await;
+async fn one_gib_scattered_pages_written_and_read_back_byte_exact(t: Carrier) {
+    let (dec, kv) = listener("decode-0", |c| t.apply(c), TOTAL, PAGE).await;
+    let (pre, src) = initiator("prefill-0", |c| t.apply(c), TOTAL, PAGE).await;
     fill(&src, 0xC0FFEE);
     let peer = pre.connect(&addr(&dec)).await.unwrap();
     assert_transport(&pre, &peer, t).await;

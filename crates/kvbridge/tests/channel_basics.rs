@@ -10,10 +10,10 @@ const PAGE: usize = 16 << 10;
 /// Both data-path drivers (dedicated blocking threads, tokio tasks) must behave the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_read_notify_round_trip_on_data_threads() {
-    write_read_notify_round_trip(true, Transport::Tcp).await
+    write_read_notify_round_trip(true, Transport::Tcp.into()).await
 }
 
-async fn round_trip_on(t: Transport) {
+async fn round_trip_on(t: Carrier) {
     write_read_notify_round_trip(true, t).await
 }
 per_transport!(
@@ -23,13 +23,13 @@ per_transport!(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_read_notify_round_trip_on_data_tasks() {
-    write_read_notify_round_trip(false, Transport::Tcp).await
+    write_read_notify_round_trip(false, Transport::Tcp.into()).await
 }
 
-async fn write_read_notify_round_trip(threads: bool, t: Transport) {
+async fn write_read_notify_round_trip(threads: bool, t: Carrier) {
     let cfg = |c: &mut kvbridge::ChannelConfig| {
         c.data_threads = threads;
-        c.transport = t;
+        t.apply(c);
     };
     let (dec, kv) = listener("decode-0", cfg, 64 * PAGE, PAGE).await;
     let (pre, src) = initiator("prefill-0", cfg, 8 * PAGE, PAGE).await;
@@ -352,11 +352,11 @@ async fn read_held_in_flight_fails_cleanly_when_the_session_ends() {
 /// The listener deregisters a region while the initiator writes into it in a loop: the
 /// writes fail with a typed error, nothing crashes, and once `deregister` returned no byte
 /// lands in the region's memory (the owner reuses it at once).
-async fn deregister_while_the_initiator_writes(t: Transport) {
+async fn deregister_while_the_initiator_writes(t: Carrier) {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
-    let (dec, kv) = listener("decode-0", |c| c.transport = t, 64 * PAGE, PAGE).await;
-    let (pre, src) = initiator("prefill-0", |c| c.transport = t, 16 * PAGE, PAGE).await;
+    let (dec, kv) = listener("decode-0", |c| t.apply(c), 64 * PAGE, PAGE).await;
+    let (pre, src) = initiator("prefill-0", |c| t.apply(c), 16 * PAGE, PAGE).await;
     fill(&src, 9);
     let peer = pre.connect(&addr(&dec)).await.unwrap();
     assert_transport(&pre, &peer, t).await;
@@ -413,10 +413,10 @@ per_transport!(
 
 /// A peer restart (same id, new incarnation) over each transport: the old session goes
 /// `Down` with `PeerRestarted`, the new one works, and its writes land.
-async fn peer_restart(t: Transport) {
-    let (dec, kv) = listener("decode-0", |c| c.transport = t, 16 * PAGE, PAGE).await;
+async fn peer_restart(t: Carrier) {
+    let (dec, kv) = listener("decode-0", |c| t.apply(c), 16 * PAGE, PAGE).await;
     let mut events = dec.peer_events();
-    let (pre, src) = initiator("prefill-0", |c| c.transport = t, 4 * PAGE, PAGE).await;
+    let (pre, src) = initiator("prefill-0", |c| t.apply(c), 4 * PAGE, PAGE).await;
     fill(&src, 3);
     let peer = pre.connect(&addr(&dec)).await.unwrap();
     assert_transport(&pre, &peer, t).await;
@@ -425,7 +425,7 @@ async fn peer_restart(t: Transport) {
         .unwrap();
     let old = pre.incarnation();
     drop(pre); // killed without a goodbye: its tasks stop with the channel
-    let (pre2, src2) = initiator("prefill-0", |c| c.transport = t, 4 * PAGE, PAGE).await;
+    let (pre2, src2) = initiator("prefill-0", |c| t.apply(c), 4 * PAGE, PAGE).await;
     fill(&src2, 4);
     let peer = pre2.connect(&addr(&dec)).await.unwrap();
     assert_transport(&pre2, &peer, t).await;

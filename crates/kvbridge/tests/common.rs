@@ -91,31 +91,62 @@ pub async fn send_frame(s: &mut tokio::net::TcpStream, m: &kvbridge::proto::msg:
     s.write_all(&m.to_frame().unwrap()).await.unwrap();
 }
 
-/// The transports every transfer test runs against.
-pub const TRANSPORTS: [kvbridge::Transport; 2] =
-    [kvbridge::Transport::Tcp, kvbridge::Transport::Shm];
+/// What a transfer test runs over: a transport and, for TCP, how many data connections
+/// the initiator stripes its batches over.
+#[derive(Debug, Clone, Copy)]
+pub struct Carrier {
+    pub transport: kvbridge::Transport,
+    pub data_connections: usize,
+}
 
-/// Declares one `#[tokio::test]` per transport, named `<name>::tcp` and `<name>::shm`, that
-/// runs `body(transport)`: the suite is parametrized, not copied.
+impl Carrier {
+    /// Sets both on a channel's configuration.
+    pub fn apply(self, c: &mut ChannelConfig) {
+        c.transport = self.transport;
+        c.data_connections = self.data_connections;
+    }
+}
+
+impl From<kvbridge::Transport> for Carrier {
+    fn from(transport: kvbridge::Transport) -> Self {
+        Carrier {
+            transport,
+            data_connections: 1,
+        }
+    }
+}
+
+/// Declares one `#[tokio::test]` per carrier, named `<name>::tcp`, `<name>::tcp_striped`
+/// (TCP, 3 data connections) and `<name>::shm`, that runs `body(carrier)`: the suite is
+/// parametrized, not copied.
 #[macro_export]
 macro_rules! per_transport {
     ($name:ident, $body:path) => {
         mod $name {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn tcp() {
-                $body(kvbridge::Transport::Tcp).await
+                $body(kvbridge::Transport::Tcp.into()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn tcp_striped() {
+                $body($crate::common::Carrier {
+                    transport: kvbridge::Transport::Tcp,
+                    data_connections: 3,
+                })
+                .await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn shm() {
-                $body(kvbridge::Transport::Shm).await
+                $body(kvbridge::Transport::Shm.into()).await
             }
         }
     };
 }
 
-/// Asserts that `ch` moves its batches to `peer` over `t` (shm only when it mapped the
-/// peer's regions).
-pub async fn assert_transport(ch: &Channel, peer: &kvbridge::PeerId, t: kvbridge::Transport) {
+/// Asserts that `ch` moves its batches to `peer` over `t`'s transport (shm only when it
+/// mapped the peer's regions).
+pub async fn assert_transport(ch: &Channel, peer: &kvbridge::PeerId, t: impl Into<Carrier>) {
+    let t = t.into().transport;
     assert_eq!(
         ch.peer_transport(peer).await.unwrap(),
         t,
@@ -150,6 +181,7 @@ pub async fn handshake(target: &str) -> (tokio::net::TcpStream, tokio::net::TcpS
         &Message::DataHello(DataHello {
             token: w.token,
             peer_id: PeerId::new("hostile").unwrap(),
+            stream: 0,
         }),
     )
     .await;

@@ -189,6 +189,7 @@ async fn oversized_frame_and_garbage_are_refused_without_a_panic() {
         &Message::DataHello(DataHello {
             token: kvbridge::proto::SessionToken([3; 16]),
             peer_id: PeerId::new("x").unwrap(),
+            stream: 0,
         }),
     )
     .await;

@@ -49,6 +49,7 @@ async fn hostile_peer_with_unread_shm_frames(
     let hello = Message::DataHello(DataHello {
         token: w.token,
         peer_id: me,
+        stream: 0,
     });
     send_frame(&mut data, &hello).await;
     let addr = {

@@ -68,13 +68,14 @@ fn trusting(pem: &str) -> impl Fn(&mut ChannelConfig) + '_ {
 async fn write_and_notify(
     listen: impl FnOnce(&mut ChannelConfig),
     init: impl FnOnce(&mut ChannelConfig),
-    t: Transport,
+    t: impl Into<Carrier>,
 ) {
+    let t: Carrier = t.into();
     let (dec, kv) = listener(
         "decode-0",
         |c| {
             listen(c);
-            c.transport = t;
+            t.apply(c);
         },
         64 * PAGE,
         PAGE,
@@ -84,7 +85,7 @@ async fn write_and_notify(
         "prefill-0",
         |c| {
             init(c);
-            c.transport = t;
+            t.apply(c);
         },
         8 * PAGE,
         PAGE,
@@ -112,7 +113,7 @@ async fn write_and_notify(
     assert_eq!(dec.stats().await.unwrap().tls_refused, 0);
 }
 
-async fn ca_signed_write_and_notify(t: Transport) {
+async fn ca_signed_write_and_notify(t: Carrier) {
     let (ca, leaf) = ca_and_leaf();
     write_and_notify(serve_with(&leaf), trusting(&ca), t).await;
 }
