@@ -262,9 +262,13 @@ impl DataPath {
                     .await
                 }
                 Dir::Read => {
-                    self.run(step, deadline, bytes, DataPath::read_waiting(locals), |id| {
-                        Outgoing::Read { id, descs }
-                    })
+                    self.run(
+                        step,
+                        deadline,
+                        bytes,
+                        DataPath::read_waiting(locals),
+                        |id| Outgoing::Read { id, descs },
+                    )
                     .await
                 }
             };
