@@ -13,7 +13,7 @@
 //! - `both`: colocated, no transfer: the reference output.
 
 use crate::announce::{self, Announced, Announcement};
-use crate::bufpool::{BufPool, PooledBuf};
+use crate::chunk_memory::{ChunkMemory, ChunkSlot};
 use crate::cost::CostModel;
 use crate::model::{self, Model, SeqState};
 use crate::timeline::TARGET as TL;
@@ -43,7 +43,11 @@ use tokio::task::JoinHandle;
 type ChunkTx = mpsc::Sender<ChunkMsg>;
 
 /// A chunk's index and bytes.
-type ChunkMsg = (u64, Arc<PooledBuf>);
+type ChunkMsg = (u64, ChunkSlot);
+
+/// Longest wait for a free chunk slot: slots come back as transfers return, each bounded by
+/// the PD sender's step deadline.
+const CHUNK_MEMORY_WAIT: Duration = Duration::from_secs(60);
 
 /// Which part of disaggregated serving this engine plays.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -269,8 +273,8 @@ struct Inner {
     settled: tokio::sync::Notify,
     seq: AtomicU64,
     /// Decode: per granted request, the task digesting its KV as it lands.
-    /// Prefill chunk buffers, reused (see [`crate::bufpool`]).
-    chunk_pool: Arc<BufPool>,
+    /// Prefill: each sender rank's chunk memory (see [`crate::chunk_memory`]).
+    chunk_memory: Vec<Arc<ChunkMemory>>,
     consumers: std::sync::Mutex<HashMap<String, JoinHandle<Result<SeqState, SimError>>>>,
 }
 
@@ -502,7 +506,7 @@ pub async fn start(cfg: EngineConfig, listener: TcpListener) -> Result<RunningEn
         None => OutcomeSink::None,
     };
     let mut tasks = Vec::new();
-    let (mut senders, mut receivers) = (Vec::new(), Vec::new());
+    let (mut senders, mut receivers, mut chunk_memory) = (Vec::new(), Vec::new(), Vec::new());
     let (mut init_ports, mut alloc_ports) = (Vec::new(), Vec::new());
     let announced = Announced::default();
     let id = format!("{:?}-{}", cfg.role, http_addr.port()).to_lowercase();
@@ -519,7 +523,15 @@ pub async fn start(cfg: EngineConfig, listener: TcpListener) -> Result<RunningEn
                 sc.outcomes = outcomes.clone();
                 sc.mla_send_once = cfg.mla_send_once;
                 sc.mode = cfg.transfer_mode;
-                senders.push(Arc::new(PdSender::start(sc).await?));
+                let sender = PdSender::start(sc).await?;
+                // Per rank: one chunk being computed, one moving, two queued for the sender.
+                let mem = ChunkMemory::new(cfg.model.spec.page_bytes() as usize, 4)
+                    .map_err(|e| SimError::Start(e.to_string()))?;
+                sender
+                    .register(mem.region())
+                    .map_err(|e| SimError::Start(format!("registering chunk memory: {e}")))?;
+                chunk_memory.push(mem);
+                senders.push(Arc::new(sender));
             }
         }
         Role::Decode => {
@@ -552,7 +564,6 @@ pub async fn start(cfg: EngineConfig, listener: TcpListener) -> Result<RunningEn
         }
         Role::Both => {}
     }
-    let pool_keep = 4 * cfg.model.world_size.max(1) as usize;
     let inner = Arc::new(Inner {
         model: Arc::new(cfg.model.clone()),
         cfg,
@@ -565,8 +576,7 @@ pub async fn start(cfg: EngineConfig, listener: TcpListener) -> Result<RunningEn
         busy: BusyClock::default(),
         settled: tokio::sync::Notify::new(),
         seq: AtomicU64::new(0),
-        // Per rank: one being computed, one being sent, two queued for the sender.
-        chunk_pool: BufPool::new(pool_keep),
+        chunk_memory,
         consumers: std::sync::Mutex::new(HashMap::new()),
     });
     if let Some(rx0) = inner.receivers.first() {
@@ -807,21 +817,33 @@ async fn prefill(
     let c = model.spec.chunk_tokens.max(1) as usize;
     let mut done = 0u64;
     for (i, part) in tokens.chunks(c).enumerate() {
-        let (m, part_v, pool) = (model.clone(), part.to_vec(), s.chunk_pool.clone());
+        let (m, part_v) = (model.clone(), part.to_vec());
+        // Sending: every rank's KV is computed straight into its registered chunk memory,
+        // and moved from there. Colocated: into this thread's scratch buffers.
+        let mut slots = Vec::new();
+        if send.is_some() {
+            let len = model.spec.chunk_bytes(part.len() as u32) as usize;
+            for mem in &s.chunk_memory {
+                let slot = mem
+                    .take(len, CHUNK_MEMORY_WAIT)
+                    .await
+                    .map_err(|e| SimError::Internal(e.to_string()))?;
+                slots.push(slot);
+            }
+        }
         let (st, chunks) = tokio::task::spawn_blocking(move || {
             let mut st = state;
             let p = m.prefixes(st.prefix, &part_v);
-            let len = m.spec.chunk_bytes(p.len() as u32) as usize;
-            let chunks: Vec<Arc<PooledBuf>> = (0..m.world_size)
-                .map(|r| {
-                    let mut b = pool.take(len);
-                    m.fill_chunk(r, &p, b.as_mut_slice());
-                    Arc::new(b)
-                })
-                .collect();
-            let refs: Vec<&[u8]> = chunks.iter().map(|c| &***c).collect();
-            m.absorb(&mut st, &refs, &p);
-            (st, chunks)
+            if slots.is_empty() {
+                m.with_chunks(&p, |refs| m.absorb(&mut st, refs, &p));
+            } else {
+                for (r, slot) in slots.iter_mut().enumerate() {
+                    m.fill_chunk(r as u32, &p, slot.bytes_mut());
+                }
+                let refs: Vec<&[u8]> = slots.iter().map(ChunkSlot::bytes).collect();
+                m.absorb(&mut st, &refs, &p);
+            }
+            (st, slots)
         })
         .await
         .map_err(|e| SimError::Internal(format!("prefill task: {e}")))?;
@@ -990,7 +1012,9 @@ async fn rank_sender_inner(s: &Inner, job: RankJob) {
     };
     while let Some((i, data)) = rx.recv().await {
         s.busy.enter();
-        let r = t.send_chunk(i, &data).await;
+        let r = t.send_chunk_from(i, data.region(), data.offset()).await;
+        // The transfer returned: nothing reads the slot any more, it may be reused.
+        drop(data);
         s.busy.leave();
         tracing::debug!(target: TL, stage = "sender.chunk_landed", id = t.req_id(), chunk = i);
         if let Err(e) = r {

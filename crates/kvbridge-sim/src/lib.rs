@@ -18,7 +18,7 @@
 #![warn(missing_docs)]
 
 pub mod announce;
-pub mod bufpool;
+pub mod chunk_memory;
 pub mod cli;
 pub mod client;
 pub mod cost;

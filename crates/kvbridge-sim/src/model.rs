@@ -239,7 +239,7 @@ impl Model {
 
     /// Calls `f` with the KV of one chunk on every rank (`chunks[rank]`), computed into this
     /// thread's scratch buffers, which are kept for the next call: looking at a chunk
-    /// allocates nothing (see [`crate::bufpool`] for why that matters).
+    /// allocates nothing (see [`crate::chunk_memory`] for why that matters).
     pub fn with_chunks<R>(&self, prefixes: &[u64], f: impl FnOnce(&[&[u8]]) -> R) -> R {
         thread_local! {
             static SCRATCH: std::cell::RefCell<Vec<Vec<u8>>> =
