@@ -10,7 +10,7 @@
 //! [`ReadTicket`] not yet ended) or borrowed by a reader (pinned) must not be granted either,
 //! and a pull cancel is acknowledged only when none of the request's reads is in flight.
 
-use kvbridge_pd::alloc::{AllocReq, Event, Owner, PageAllocator, ReadTicket, ReqState};
+use kvbridge_pd::alloc::{AllocReq, Event, Owner, PageAllocator, ReadTicket, Refusal, ReqState};
 use proptest::prelude::*;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -164,8 +164,12 @@ fn run(ops: Vec<Op>, pages: u32) {
                 pull: is_pull,
             } => {
                 let owner = w.owner_of(req);
-                if w.a.state(&format!("r{req}")).is_none() {
-                    pull.insert(format!("r{req}"), is_pull);
+                let id = format!("r{req}");
+                // A new request sets its mode; a duplicate of a live or *waiting* one (not in
+                // `state`) is refused and must not change the mode of the one that waits.
+                let before = pull.get(&id).copied();
+                if w.a.state(&id).is_none() {
+                    pull.insert(id.clone(), is_pull);
                 }
                 // Keys share prefixes across requests (prefix picks one of three prompts).
                 let ks = (0..keys as u64).map(|i| prefix as u64 * 100 + i).collect();
@@ -180,6 +184,15 @@ fn run(ops: Vec<Op>, pages: u32) {
                         pull: is_pull,
                     },
                 );
+                let duplicate = ev.iter().any(|e| {
+                    matches!(e, Event::Refused { req_id, refusal: Refusal::Duplicate, .. } if *req_id == id)
+                });
+                if duplicate {
+                    match before {
+                        Some(b) => pull.insert(id, b),
+                        None => pull.remove(&id),
+                    };
+                }
                 w.events(ev, &pull);
             }
             Op::Written(req, i) => {
@@ -318,6 +331,35 @@ proptest! {
     fn never_leaks_never_double_grants(ops in proptest::collection::vec(op(), 1..120), pages in 1u32..12) {
         run(ops, pages);
     }
+}
+
+/// Found by the property (2026-11-30): a pull request waiting for pages, then a duplicate
+/// push allocation of the same id while it waits. The duplicate is refused, but the shadow
+/// model took it as the request's mode and then expected the pull request's pages to see the
+/// sender's writes. (The allocator was right; the model was not.)
+#[test]
+fn a_refused_duplicate_does_not_change_a_waiting_requests_mode() {
+    let alloc = |req, keys, prefix, pull| Op::Alloc {
+        req,
+        keys,
+        prefix,
+        pull,
+    };
+    run(
+        vec![
+            alloc(2, 2, 0, false),
+            alloc(0, 2, 1, false),
+            alloc(3, 1, 0, false),
+            alloc(1, 2, 2, true),
+            alloc(0, 0, 0, false),
+            alloc(1, 0, 0, false),
+            Op::OwnerDown(0),
+            Op::Cancel(1),
+            Op::OwnerDown(2),
+            alloc(0, 3, 0, false),
+        ],
+        4,
+    );
 }
 
 /// The property must be able to fail: an allocator that handed out a quarantined page would
