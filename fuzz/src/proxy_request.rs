@@ -66,6 +66,14 @@ fn object(what: &str, b: &[u8]) -> Map<String, Value> {
     }
 }
 
+/// Whether `body` is valid JSON that the model's `Value` cannot hold (a number beyond f64,
+/// such as `1e999999`; found by this target). The proxy forwards such fields verbatim, as
+/// JSON allows; for these bodies the targets check only that nothing panics.
+pub fn beyond_the_model(body: &[u8]) -> bool {
+    serde_json::from_slice::<Value>(body).is_err()
+        && serde_json::from_slice::<Box<serde_json::value::RawValue>>(body).is_ok()
+}
+
 /// The target's body.
 pub fn run(data: &[u8]) {
     let Some((path, route, body)) = split(data) else {
@@ -76,6 +84,9 @@ pub fn run(data: &[u8]) {
         assert!(got.is_err(), "{path} has no route but a body was accepted");
         return;
     };
+    if beyond_the_model(body) {
+        return;
+    }
     let shown = || String::from_utf8_lossy(body).into_owned();
     match (model(chat, body), got) {
         (Err(rule), Ok(_)) => panic!(
