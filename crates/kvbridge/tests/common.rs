@@ -154,9 +154,13 @@ pub async fn assert_transport(ch: &Channel, peer: &kvbridge::PeerId, t: impl Int
     );
 }
 
-/// Handshakes by hand as peer "hostile" (no secret, no memory of its own); returns its
-/// (control, data) connections once the listener said `Ready`.
-pub async fn handshake(target: &str) -> (tokio::net::TcpStream, tokio::net::TcpStream) {
+/// Opens a control connection by hand as peer `name` (no secret, no memory of its own):
+/// `Hello`, the listener's `Welcome`, an empty `MemInfo`. Returns the connection and the
+/// `Welcome`.
+pub async fn hello(
+    target: &str,
+    name: &str,
+) -> (tokio::net::TcpStream, kvbridge::proto::msg::Welcome) {
     use kvbridge::proto::msg::*;
     use kvbridge::proto::{Incarnation, PeerId};
     let mut ctl = tokio::net::TcpStream::connect(target).await.unwrap();
@@ -164,7 +168,7 @@ pub async fn handshake(target: &str) -> (tokio::net::TcpStream, tokio::net::TcpS
         &mut ctl,
         &Message::Hello(Hello {
             version: 1,
-            peer_id: PeerId::new("hostile").unwrap(),
+            peer_id: PeerId::new(name).unwrap(),
             incarnation: Incarnation(1),
             compat: Compat::default(),
             auth: None,
@@ -175,6 +179,15 @@ pub async fn handshake(target: &str) -> (tokio::net::TcpStream, tokio::net::TcpS
         panic!("no welcome")
     };
     send_frame(&mut ctl, &Message::MemInfo(MemInfo::default())).await;
+    (ctl, w)
+}
+
+/// Handshakes by hand as peer "hostile" (no secret, no memory of its own); returns its
+/// (control, data) connections once the listener said `Ready`.
+pub async fn handshake(target: &str) -> (tokio::net::TcpStream, tokio::net::TcpStream) {
+    use kvbridge::proto::msg::*;
+    use kvbridge::proto::PeerId;
+    let (mut ctl, w) = hello(target, "hostile").await;
     let mut data = tokio::net::TcpStream::connect(target).await.unwrap();
     send_frame(
         &mut data,

@@ -8,7 +8,7 @@
 mod common;
 use common::*;
 use kvbridge::proto::msg::*;
-use kvbridge::proto::{Incarnation, PeerId};
+use kvbridge::proto::PeerId;
 use kvbridge::{Op, Transport};
 use std::time::{Duration, Instant};
 
@@ -24,27 +24,12 @@ async fn hostile_peer_with_unread_shm_frames(
     tokio::net::TcpStream,
     tokio::net::UnixStream,
 ) {
-    let mut ctl = tokio::net::TcpStream::connect(target).await.unwrap();
+    let (ctl, w) = hello(target, "dies-unread").await;
     let me = PeerId::new("dies-unread").unwrap();
-    send_frame(
-        &mut ctl,
-        &Message::Hello(Hello {
-            version: 1,
-            peer_id: me.clone(),
-            incarnation: Incarnation(1),
-            compat: Compat::default(),
-            auth: None,
-        }),
-    )
-    .await;
-    let Some(Message::Welcome(w)) = recv_frame(&mut ctl).await else {
-        panic!("no welcome")
-    };
     let offer = w
         .shm
         .clone()
         .expect("a listener on this host offers shared memory");
-    send_frame(&mut ctl, &Message::MemInfo(MemInfo::default())).await;
     let mut data = tokio::net::TcpStream::connect(target).await.unwrap();
     let hello = Message::DataHello(DataHello {
         token: w.token,
