@@ -26,6 +26,7 @@
 #![warn(missing_docs)]
 
 mod channel;
+mod cma;
 pub mod config;
 mod data_threads;
 mod datapath;
@@ -39,6 +40,7 @@ mod shm;
 mod tls;
 mod wire;
 
+pub use cma::{cma_available, CmaStatus};
 pub use channel::{Channel, Notification, Op, PeerEvent, Stats};
 pub use config::{ChannelConfig, Deadlines, Limits, Pem, TestHooks, TlsConfig, Transport};
 pub use error::{Error, Result};
