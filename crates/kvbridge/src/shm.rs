@@ -642,3 +642,67 @@ pub(crate) fn cma_map_msg(id: RegionId, len: u64, addr: u64) -> Message {
         addr: Some(addr),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::region::Region;
+
+    fn op(id: RegionId, offset: u64, len: u64, local: &Region) -> (OpDesc, LocalSlice) {
+        (
+            OpDesc {
+                region: id,
+                offset,
+                len,
+            },
+            LocalSlice {
+                region: local.begin_use(),
+                offset: 0,
+                len: len as usize,
+            },
+        )
+    }
+
+    /// A region reached by cross-memory attach is checked like a mapping: an op past its
+    /// announced end is refused before any byte moves, and once revoked nothing is copied.
+    #[test]
+    fn cma_ops_are_bounded_and_revocable() {
+        if crate::cma::cma_available().is_err() {
+            return;
+        }
+        let mut target = vec![0u8; 8192];
+        let local = Region::alloc(4096, 4096).unwrap();
+        local.write_at(0, &[7u8; 4096]).unwrap();
+        let peer = ShmPeer::new(Default::default(), CmaStatus::Off(String::new()));
+        let id = RegionId([1; 16]);
+        // Nothing is recorded before the probe passed.
+        assert!(!peer.insert_cma(id, target.as_mut_ptr() as u64, 4096));
+        peer.enable_cma(std::process::id());
+        // Only the first 4096 bytes are announced.
+        assert!(peer.insert_cma(id, target.as_mut_ptr() as u64, 4096));
+        assert_eq!(peer.len(), 0, "not a mapping");
+
+        let (d, l) = op(id, 1, 4096, &local);
+        let maps = peer.resolve(std::slice::from_ref(&d)).unwrap();
+        let r = peer.copy_batch(Dir::Write, &[d], &maps, &[l]);
+        assert!(matches!(r, Err(ShmFail::OutOfBounds(_))), "{r:?}");
+        assert!(target.iter().all(|&b| b == 0));
+
+        let (d, l) = op(id, 0, 4096, &local);
+        let maps = peer.resolve(std::slice::from_ref(&d)).unwrap();
+        peer.copy_batch(Dir::Write, std::slice::from_ref(&d), &maps, &[l])
+            .unwrap();
+        assert!(target[..4096].iter().all(|&b| b == 7));
+        assert!(target[4096..].iter().all(|&b| b == 0));
+        assert_eq!(peer.counters.cma.load(Ordering::Relaxed), 1);
+
+        // Resolved before the revocation, copied after: refused.
+        peer.revoke(&id);
+        local.write_at(0, &[9u8; 4096]).unwrap();
+        let (d, l) = op(id, 0, 4096, &local);
+        let r = peer.copy_batch(Dir::Write, &[d.clone()], &maps, &[l]);
+        assert!(matches!(r, Err(ShmFail::Revoked(_))), "{r:?}");
+        assert!(target[..4096].iter().all(|&b| b == 7));
+        assert!(peer.resolve(&[d]).is_none(), "gone from the map");
+    }
+}
