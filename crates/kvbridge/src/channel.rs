@@ -625,8 +625,7 @@ impl Channel {
         Ok(match &h.shm {
             Some(s) => s.cma_status(),
             None => crate::CmaStatus::Off(
-                "no shared-memory connection to the peer (not on this host, or TCP forced)"
-                    .into(),
+                "no shared-memory connection to the peer (not on this host, or TCP forced)".into(),
             ),
         })
     }

@@ -363,7 +363,12 @@ pub(crate) fn log_refused(peer: &str, why: &str) {
 /// permission is still checked per session by the probe. `Err` says why not.
 pub fn cma_available() -> Result<(), String> {
     let canary = [0x5au8; 16];
-    let got = probe(std::process::id(), canary.as_ptr() as u64, canary.len(), None)?;
+    let got = probe(
+        std::process::id(),
+        canary.as_ptr() as u64,
+        canary.len(),
+        None,
+    )?;
     if got[..] == canary[..] {
         Ok(())
     } else {

@@ -11,10 +11,10 @@
 //! batch that passes its deadline therefore ends the whole session — tearing down the
 //! connection is the only way to be sure the peer's late bytes never arrive.
 
+use crate::cma::CopyError;
 use crate::config::{Limits, TestHooks};
 use crate::error::{Error, Result};
 use crate::region::{RegionTable, RegionUse};
-use crate::cma::CopyError;
 use crate::shm::{Dir, ShmFail, ShmPeer};
 use crate::wire::{read_data_frame, write_all_vectored, write_msg, ReadError};
 use crate::Notification;

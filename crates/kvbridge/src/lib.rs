@@ -40,8 +40,8 @@ mod shm;
 mod tls;
 mod wire;
 
-pub use cma::{cma_available, CmaStatus};
 pub use channel::{Channel, Notification, Op, PeerEvent, Stats};
+pub use cma::{cma_available, CmaStatus};
 pub use config::{ChannelConfig, Deadlines, Limits, Pem, TestHooks, TlsConfig, Transport};
 pub use error::{Error, Result};
 pub use kvbridge_proto as proto;

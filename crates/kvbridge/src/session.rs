@@ -22,8 +22,8 @@ use kvbridge_proto::handshake::{
 };
 use kvbridge_proto::ids::Blob;
 use kvbridge_proto::msg::{
-    CmaCanary, CmaEcho, DataHello, ErrorCode, Hello, MemInfo, Message, Ready, RegionInfo,
-    ShmOffer, ShmRegion, ShmRevoke,
+    CmaCanary, CmaEcho, DataHello, ErrorCode, Hello, MemInfo, Message, Ready, RegionInfo, ShmOffer,
+    ShmRegion, ShmRevoke,
 };
 use kvbridge_proto::{Incarnation, PeerId, RegionId, SessionToken};
 use std::collections::HashMap;
@@ -1150,7 +1150,10 @@ impl Session {
         self.shm.cma = match (echo.error, want) {
             (None, Some(want)) if echo.data.0 == want => CmaListen::On,
             (Some(why), _) => {
-                crate::cma::log_refused(&self.peer_name, &format!("the peer could not read our memory: {why}"));
+                crate::cma::log_refused(
+                    &self.peer_name,
+                    &format!("the peer could not read our memory: {why}"),
+                );
                 CmaListen::Refused
             }
             _ => {

@@ -27,6 +27,10 @@
 //! contents are copied to fresh anonymous memory remapped over the same address, so late
 //! copies land only in pages the owner no longer uses.
 //!
+//! Regions that cannot be mapped (caller memory) travel on the same connection by address
+//! instead of by descriptor, after a probe, and are copied with cross-memory attach: see
+//! `cma.rs`. Both kinds are revoked the same way.
+//!
 //! Threat model: shared memory is offered only to peers on the same host and used only
 //! after they authenticated (when a secret is configured). A peer that maps a region can
 //! write anywhere in it at any time; what is protected is memory the owner no longer grants

@@ -142,8 +142,11 @@ async fn out_of_bounds_and_ungranted_ops_are_refused() {
     let here = cma_here();
     let (dec, kv) = raw_listener(|_| {}).await;
     let other = raw_region(4 * PAGE, PAGE);
-    dec.register(&other, Grant::Peers(vec![PeerId::new("someone-else").unwrap()]))
-        .unwrap();
+    dec.register(
+        &other,
+        Grant::Peers(vec![PeerId::new("someone-else").unwrap()]),
+    )
+    .unwrap();
     let (pre, src) = initiator("prefill-0", |_| {}, 256 * PAGE, PAGE).await;
     fill(&src, 9);
     let peer = pre.connect(&addr(&dec)).await.unwrap();
@@ -201,7 +204,15 @@ async fn no_write_lands_after_deregister_returned() {
                 // Every round writes different bytes: a late write shows.
                 src.write_at(0, &vec![round as u8 | 1; 16 * PAGE]).unwrap();
                 let ops: Vec<Op> = (0..16)
-                    .map(|i| Op::page(&src, i, kv_id, ((round as usize * 16 + i) % 256) as u64, PAGE))
+                    .map(|i| {
+                        Op::page(
+                            &src,
+                            i,
+                            kv_id,
+                            ((round as usize * 16 + i) % 256) as u64,
+                            PAGE,
+                        )
+                    })
                     .collect();
                 match tokio::time::timeout(Duration::from_secs(10), pre.write(&peer, &ops)).await {
                     Ok(Ok(())) => {
@@ -239,15 +250,20 @@ async fn no_write_lands_after_deregister_returned() {
     assert!(
         matches!(
             &err,
-            Error::Rejected { code: kvbridge::proto::msg::ErrorCode::UnknownRegion, .. }
-                | Error::InvalidOp { .. }
+            Error::Rejected {
+                code: kvbridge::proto::msg::ErrorCode::UnknownRegion,
+                ..
+            } | Error::InvalidOp { .. }
                 | Error::PeerMisbehaved { .. }
         ),
         "{err}"
     );
     // Give a late copy every chance to land, then compare.
     tokio::time::sleep(Duration::from_millis(50)).await;
-    assert!(bytes(&kv) == snapshot, "a write landed after deregister returned");
+    assert!(
+        bytes(&kv) == snapshot,
+        "a write landed after deregister returned"
+    );
     assert_eq!(kv.cma_exports(), 0);
     assert!(!kv.is_tainted());
     if here {

@@ -194,7 +194,10 @@ pub async fn assert_transport(ch: &Channel, peer: &kvbridge::PeerId, t: impl Int
     if c.raw {
         // Caller memory is never mapped; cross-memory attach carries it where this host
         // permits process_vm_readv/writev, and the reason it does not is reported otherwise.
-        assert_eq!(ch.peer_transport(peer).await.unwrap(), kvbridge::Transport::Tcp);
+        assert_eq!(
+            ch.peer_transport(peer).await.unwrap(),
+            kvbridge::Transport::Tcp
+        );
         let st = ch.peer_cma(peer).await.unwrap();
         match kvbridge::cma_available() {
             Ok(()) => assert_eq!(st, kvbridge::CmaStatus::Active, "cma to {peer}"),
