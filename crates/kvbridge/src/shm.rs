@@ -704,7 +704,7 @@ mod tests {
         peer.revoke(&id);
         local.write_at(0, &[9u8; 4096]).unwrap();
         let (d, l) = op(id, 0, 4096, &local);
-        let r = peer.copy_batch(Dir::Write, &[d.clone()], &maps, &[l]);
+        let r = peer.copy_batch(Dir::Write, std::slice::from_ref(&d), &maps, &[l]);
         assert!(matches!(r, Err(ShmFail::Revoked(_))), "{r:?}");
         assert!(target[..4096].iter().all(|&b| b == 7));
         assert!(peer.resolve(&[d]).is_none(), "gone from the map");
