@@ -380,8 +380,9 @@ pub fn cma_available() -> Result<(), String> {
 /// ([`crate::Channel::peer_cma`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CmaStatus {
-    /// The probe passed: the peer's regions that cannot be mapped are copied with
-    /// `process_vm_writev`/`readv`.
+    /// The probe read the listener's canary: the regions it offers by address (those that
+    /// cannot be mapped) are copied with `process_vm_writev`/`readv`. (Should the listener
+    /// find other bytes than its canary, it offers none and logs why.)
     Active,
     /// Not used, and why (disabled, not offered, not on this host, not permitted, ...):
     /// those regions go over TCP.
