@@ -270,3 +270,110 @@ async fn no_write_lands_after_deregister_returned() {
         assert!(pre.stats().await.unwrap().cma_batches >= 20);
     }
 }
+
+/// A frame off a unix socket that carries no descriptors (bounded wait).
+async fn next_frame(s: &mut tokio::net::UnixStream) -> kvbridge::proto::msg::Message {
+    use kvbridge::proto::frame::{FrameHeader, DEFAULT_MAX_FRAME_LEN, FRAME_HEADER_LEN};
+    use tokio::io::AsyncReadExt;
+    let read = async {
+        let mut h = [0u8; FRAME_HEADER_LEN];
+        s.read_exact(&mut h).await.unwrap();
+        let h = FrameHeader::decode(&h, DEFAULT_MAX_FRAME_LEN).unwrap();
+        let mut body = vec![0u8; h.body_len as usize];
+        s.read_exact(&mut body).await.unwrap();
+        kvbridge::proto::msg::Message::decode(&body).unwrap()
+    };
+    tokio::time::timeout(Duration::from_secs(5), read)
+        .await
+        .expect("a frame in time")
+}
+
+/// A peer that handshakes by hand and asks for cross-memory attach: it gets the listener's
+/// region addresses only after echoing the canary, and only for regions granted to it.
+/// With a wrong echo it gets none, and `ShmSync` still comes (it then uses TCP).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn addresses_go_only_to_a_peer_that_read_the_canary_and_only_for_its_grants() {
+    use kvbridge::proto::ids::Blob;
+    use kvbridge::proto::msg::*;
+    use tokio::io::AsyncWriteExt;
+    let (dec, kv) = raw_listener(|_| {}).await;
+    let other = raw_region(PAGE, PAGE);
+    dec.register(
+        &other,
+        Grant::Peers(vec![PeerId::new("someone-else").unwrap()]),
+    )
+    .unwrap();
+    let target = addr(&dec);
+    for (name, honest) in [("liar", false), ("honest", true)] {
+        let (_ctl, w) = hello(&target, name).await;
+        let offer = w.shm.clone().expect("a shared-memory offer on this host");
+        assert!(offer.cma, "the listener offers cross-memory attach");
+        let hello = Message::DataHello(DataHello {
+            token: w.token,
+            peer_id: PeerId::new(name).unwrap(),
+            stream: 0,
+        });
+        let mut data = tokio::net::TcpStream::connect(&target).await.unwrap();
+        send_frame(&mut data, &hello).await;
+        let a = {
+            use std::os::linux::net::SocketAddrExt;
+            std::os::unix::net::SocketAddr::from_abstract_name(offer.socket.as_bytes()).unwrap()
+        };
+        let s = std::os::unix::net::UnixStream::connect_addr(&a).unwrap();
+        s.set_nonblocking(true).unwrap();
+        let mut s = tokio::net::UnixStream::from_std(s).unwrap();
+        s.write_all(&hello.to_frame().unwrap()).await.unwrap();
+        // No memfd region here: the first round is just the sync.
+        assert!(matches!(next_frame(&mut s).await, Message::ShmSync(_)));
+        s.write_all(&Message::CmaAsk(Ready {}).to_frame().unwrap())
+            .await
+            .unwrap();
+        let Message::CmaProbe(c) = next_frame(&mut s).await else {
+            panic!("no probe")
+        };
+        assert_eq!(c.len, 32);
+        let data = if honest {
+            // Same process: reading the canary needs no system call.
+            // SAFETY: the listener keeps its canary alive for the session.
+            unsafe { std::slice::from_raw_parts(c.addr as *const u8, c.len as usize) }.to_vec()
+        } else {
+            vec![0u8; c.len as usize]
+        };
+        let echo = Message::CmaProbed(CmaEcho {
+            data: Blob(data),
+            error: None,
+        });
+        s.write_all(&echo.to_frame().unwrap()).await.unwrap();
+        let mut offered = Vec::new();
+        loop {
+            match next_frame(&mut s).await {
+                Message::ShmMap(r) => offered.push(r),
+                Message::ShmSync(_) => break,
+                other => panic!("{}", other.name()),
+            }
+        }
+        if honest {
+            assert_eq!(
+                offered,
+                vec![ShmRegion {
+                    id: kv.id(),
+                    len: kv.len() as u64,
+                    addr: Some(kv.as_ptr() as u64),
+                }]
+            );
+            // Counted from before the address left, while the peer is connected.
+            assert_eq!(kv.cma_exports(), 1);
+        } else {
+            assert!(offered.is_empty(), "{offered:?}");
+            assert_eq!(kv.cma_exports(), 0);
+        }
+        assert_eq!(other.cma_exports(), 0);
+    }
+    // The honest peer closed its connections: that is its word that it stopped copying.
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while kv.cma_exports() != 0 {
+        assert!(std::time::Instant::now() < until, "export never released");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(!kv.is_tainted());
+}
