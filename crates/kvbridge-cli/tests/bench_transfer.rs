@@ -53,3 +53,29 @@ fn more_sessions_than_ops_per_batch_is_a_clear_error() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--sessions 9 exceeds --batch 8"), "{err}");
 }
+
+/// `--transport cma` measures the peer's unmappable memory against a memcpy; where this
+/// host does not permit process_vm_writev between the two processes it says why instead.
+#[test]
+fn cma_reports_against_memcpy_or_says_why_not() {
+    let out = bench(&[
+        "--transport",
+        "cma",
+        "--batch",
+        "8",
+        "--block-sizes",
+        "65536",
+    ]);
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("the session does not use cma: "), "{err}");
+        eprintln!("cma not permitted here: {err}");
+        return;
+    }
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON report");
+    assert_eq!(r["transport"], "cma", "{r}");
+    assert_eq!(r["ceiling"], "memcpy", "{r}");
+    let rows = r["results"].as_array().expect("results");
+    assert_eq!(rows.len(), 1, "{r}");
+    assert!(rows[0]["gib_per_s"].as_f64().unwrap() > 0.0, "{r}");
+}

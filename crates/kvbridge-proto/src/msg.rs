@@ -58,6 +58,14 @@ pub enum Message {
     ShmUnmapped(ShmRevoke),
     /// Listener → initiator: every region granted so far has been offered (`ShmMap`).
     ShmSync(Ready),
+    /// Initiator → listener: asks to copy with cross-memory attach (`process_vm_writev`);
+    /// sent only to a listener whose [`ShmOffer::cma`] is set.
+    CmaAsk(Ready),
+    /// Listener → initiator: the canary to read with `process_vm_readv` (answer to
+    /// [`Message::CmaAsk`]).
+    CmaProbe(CmaCanary),
+    /// Initiator → listener: the canary's bytes as read, or why they could not be.
+    CmaProbed(CmaEcho),
 }
 
 impl Message {
@@ -84,6 +92,9 @@ impl Message {
             Message::ShmUnmap(_) => "ShmUnmap",
             Message::ShmUnmapped(_) => "ShmUnmapped",
             Message::ShmSync(_) => "ShmSync",
+            Message::CmaAsk(_) => "CmaAsk",
+            Message::CmaProbe(_) => "CmaProbe",
+            Message::CmaProbed(_) => "CmaProbed",
         }
     }
 
@@ -185,6 +196,15 @@ pub struct ShmOffer {
     pub pid: u32,
     /// Name of the listener's unix socket in the abstract namespace (random, unguessable).
     pub socket: String,
+    /// The listener may offer regions that cannot be mapped (caller memory) for
+    /// cross-memory attach, after the initiator proved it can read its memory
+    /// ([`Message::CmaAsk`]). Absent (false) from older listeners and when it is off.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub cma: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// A region offered for mapping ([`Message::ShmMap`]).
@@ -194,6 +214,30 @@ pub struct ShmRegion {
     pub id: RegionId,
     /// Length in bytes (the memfd is at least this long and sealed against shrinking).
     pub len: u64,
+    /// Set for a region offered for cross-memory attach: its base address in the listener's
+    /// address space. No descriptor travels with such a frame. Sent only after the
+    /// initiator passed the canary probe; absent (memfd offer) otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub addr: Option<u64>,
+}
+
+/// The listener's canary for the cross-memory-attach probe ([`Message::CmaProbe`]): random
+/// bytes of this session at an address of the listener's.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CmaCanary {
+    /// Address of the canary in the listener's address space.
+    pub addr: u64,
+    /// Its length in bytes.
+    pub len: u32,
+}
+
+/// The initiator's answer to a [`CmaCanary`] ([`Message::CmaProbed`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CmaEcho {
+    /// The bytes read from the canary (empty when the read failed).
+    pub data: Blob,
+    /// Why the read failed (`None` when it worked).
+    pub error: Option<String>,
 }
 
 /// Names a region to unmap, or one that was unmapped.
@@ -403,6 +447,64 @@ mod tests {
         let Old::DataHello(seen) = rmp_serde::from_slice::<Old>(&body).unwrap();
         assert_eq!(seen, OldDataHello { token, peer_id });
         assert_eq!(Message::decode(&body).unwrap(), third);
+    }
+
+    /// An offer and a region from a peer that predates cross-memory attach decode with it
+    /// off, and a peer that predates it ignores the new fields.
+    #[test]
+    fn cma_fields_are_compatible() {
+        #[derive(Serialize, Deserialize, PartialEq, Debug)]
+        struct OldRegion {
+            id: RegionId,
+            len: u64,
+        }
+        #[derive(Serialize, Deserialize, PartialEq, Debug)]
+        enum Old {
+            ShmMap(OldRegion),
+        }
+        let id = RegionId([3; 16]);
+        let old = rmp_serde::to_vec_named(&Old::ShmMap(OldRegion { id, len: 9 })).unwrap();
+        let plain = Message::ShmMap(ShmRegion {
+            id,
+            len: 9,
+            addr: None,
+        });
+        assert_eq!(Message::decode(&old).unwrap(), plain);
+        // A memfd offer is byte for byte what it was.
+        assert_eq!(plain.encode_body().unwrap(), old);
+        let cma = Message::ShmMap(ShmRegion {
+            id,
+            len: 9,
+            addr: Some(0x7f00_0000_1000),
+        });
+        let body = cma.encode_body().unwrap();
+        let Old::ShmMap(seen) = rmp_serde::from_slice::<Old>(&body).unwrap();
+        assert_eq!(seen, OldRegion { id, len: 9 });
+        assert_eq!(Message::decode(&body).unwrap(), cma);
+
+        #[derive(Serialize, Deserialize, PartialEq, Debug)]
+        struct OldOffer {
+            host: String,
+            pid: u32,
+            socket: String,
+        }
+        let off = ShmOffer {
+            host: "h".into(),
+            pid: 7,
+            socket: "s".into(),
+            cma: false,
+        };
+        let o = OldOffer {
+            host: "h".into(),
+            pid: 7,
+            socket: "s".into(),
+        };
+        let old = rmp_serde::to_vec_named(&o).unwrap();
+        assert_eq!(rmp_serde::from_slice::<ShmOffer>(&old).unwrap(), off);
+        assert_eq!(rmp_serde::to_vec_named(&off).unwrap(), old);
+        let on = ShmOffer { cma: true, ..off };
+        let seen: OldOffer = rmp_serde::from_slice(&rmp_serde::to_vec_named(&on).unwrap()).unwrap();
+        assert_eq!(seen, o);
     }
 
     #[test]

@@ -149,6 +149,11 @@ pub struct Stats {
     /// Control connections refused on TLS grounds: a failed TLS handshake, a plaintext
     /// `Hello` on a listener that requires TLS, a TLS ClientHello on one that does not.
     pub tls_refused: u64,
+    /// Our batches copied into (or out of) mapped shared memory instead of going over TCP.
+    pub shm_batches: u64,
+    /// Our batches copied with cross-memory attach (at least one op; the others into mapped
+    /// shared memory) instead of going over TCP.
+    pub cma_batches: u64,
 }
 
 /// A change in the set of live sessions, for layers that hold state per peer (the PD
@@ -278,6 +283,7 @@ impl Channel {
                             host,
                             pid: std::process::id(),
                             socket: name,
+                            cma: config.cma,
                         },
                     )),
                     Err(e) => {
@@ -297,6 +303,7 @@ impl Channel {
             shm_offer: shm.as_ref().map(|(_, o)| o.clone()),
             tls: tls.clone(),
             in_flight_refused: Arc::new(AtomicU64::new(0)),
+            direct: Default::default(),
         };
         let mut tasks = vec![tokio::spawn(Core::new(env, events.clone()).run(core_rx))];
         if let Some((l, _)) = shm {
@@ -357,9 +364,11 @@ impl Channel {
 
     /// Removes a region. New transfers can no longer find it; this waits (within the op
     /// deadline) until no transfer touches it and every peer that mapped it (shared memory)
-    /// confirmed unmapping it, so its memory is never written afterwards. A peer that does
-    /// not confirm in time gets the region detached: its bytes move to fresh memory at the
-    /// same address, out of that peer's reach.
+    /// or copies into it by address (cross-memory attach) confirmed it stopped, so its
+    /// memory is never written afterwards. A peer that does not confirm in time gets a
+    /// mapped region detached: its bytes move to fresh memory at the same address, out of
+    /// that peer's reach. Caller memory cannot be moved: then this fails, and the caller
+    /// must keep the memory alive while that peer lives ([`Region::is_tainted`]).
     pub async fn deregister(&self, id: RegionId) -> Result<()> {
         let region = self
             .inner
@@ -375,6 +384,13 @@ impl Channel {
             return Err(Error::Local(format!(
                 "region {id} still in use by {} transfers after {limit:?}",
                 region.in_use()
+            )));
+        }
+        if region.cma_exports() > 0 {
+            return Err(Error::Local(format!(
+                "region {id}: {} peers did not confirm within {limit:?} that they stopped \
+                 copying into it (cross-memory attach); keep its memory alive",
+                region.cma_exports()
             )));
         }
         // A peer that mapped the region did not confirm unmapping it in time: cut the
@@ -599,6 +615,18 @@ impl Channel {
         Ok(match &h.shm {
             Some(s) if s.len() > 0 => crate::Transport::Shm,
             _ => crate::Transport::Tcp,
+        })
+    }
+
+    /// Whether cross-memory attach carries our batches to a connected peer's regions that
+    /// cannot be mapped (its caller memory), or why not (then TCP carries them).
+    pub async fn peer_cma(&self, peer: &PeerId) -> Result<crate::CmaStatus> {
+        let h = self.handle(peer).await?;
+        Ok(match &h.shm {
+            Some(s) => s.cma_status(),
+            None => crate::CmaStatus::Off(
+                "no shared-memory connection to the peer (not on this host, or TCP forced)".into(),
+            ),
         })
     }
 
@@ -1123,6 +1151,8 @@ impl Core {
                     batches_in_flight: established.iter().map(|h| h.data.in_flight()).sum(),
                     bytes_in_flight: established.iter().map(|h| h.data.bytes_in_flight()).sum(),
                     in_flight_refused: self.env.in_flight_refused.load(Ordering::Relaxed),
+                    shm_batches: self.env.direct.shm.load(Ordering::Relaxed),
+                    cma_batches: self.env.direct.cma.load(Ordering::Relaxed),
                     batches_waiting_for_room: established
                         .iter()
                         .map(|h| h.data.waiting_for_room())

@@ -99,6 +99,9 @@ pub struct TestHooks {
     pub write_apply_delay: Option<Duration>,
     /// Delay before serving each incoming read batch (reads held in flight).
     pub read_serve_delay: Option<Duration>,
+    /// Initiator: the cross-memory-attach probe fails with `EPERM`, as where the kernel
+    /// does not permit it (tests the fallback to TCP on hosts where it would work).
+    pub cma_deny: bool,
 }
 
 /// Which transport carries the bytes of a session.
@@ -236,6 +239,12 @@ pub struct ChannelConfig {
     pub data_threads: bool,
     /// Transport selection (`KVBRIDGE_TRANSPORT=auto|tcp|shm`, default auto).
     pub transport: Transport,
+    /// Cross-memory attach (`process_vm_writev`/`readv`) for the regions of a same-host
+    /// peer that cannot be mapped (caller memory, `Region::from_raw`), where the kernel
+    /// permits it (probed per session; otherwise TCP, with the reason logged). Part of
+    /// the shared-memory transport: off when `transport` is `tcp`. Default on;
+    /// `KVBRIDGE_CMA=0` turns it off. Either side may turn it off for its sessions.
+    pub cma: bool,
     /// TCP data connections an initiator opens per session (`KVBRIDGE_DATA_CONNECTIONS`,
     /// default 1, at most [`MAX_DATA_CONNECTIONS`]). With more than one, a large write or
     /// read batch is split by bytes over them (docs/architecture.md). Values outside
@@ -265,6 +274,7 @@ impl ChannelConfig {
                 .ok()
                 .and_then(|v| Transport::parse(&v))
                 .unwrap_or_default(),
+            cma: std::env::var("KVBRIDGE_CMA").map_or(true, |v| v != "0"),
             data_connections: std::env::var("KVBRIDGE_DATA_CONNECTIONS")
                 .ok()
                 .and_then(|v| v.parse::<usize>().ok())

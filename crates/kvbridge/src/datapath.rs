@@ -11,10 +11,11 @@
 //! batch that passes its deadline therefore ends the whole session — tearing down the
 //! connection is the only way to be sure the peer's late bytes never arrive.
 
+use crate::cma::CopyError;
 use crate::config::{Limits, TestHooks};
 use crate::error::{Error, Result};
 use crate::region::{RegionTable, RegionUse};
-use crate::shm::{copy_batch, Dir, ShmFail, ShmPeer};
+use crate::shm::{Dir, ShmFail, ShmPeer};
 use crate::wire::{read_data_frame, write_all_vectored, write_msg, ReadError};
 use crate::Notification;
 use kvbridge_proto::handshake::Step;
@@ -658,8 +659,9 @@ pub(crate) fn split(
     parts
 }
 
-/// Runs a batch over shared memory when every region it names is mapped; gives the batch
-/// back otherwise (it then goes over TCP).
+/// Runs a batch by direct copies when every region it names is reachable directly (a
+/// mapped memfd, or the peer's memory by cross-memory attach once the probe passed for
+/// this peer, `cma.rs`); gives the batch back otherwise (it then goes over TCP).
 fn try_shm(
     path: &DataPath,
     shm: Option<&ShmPeer>,
@@ -668,7 +670,7 @@ fn try_shm(
     descs: Vec<OpDesc>,
     sources: Vec<LocalSlice>,
 ) -> Option<(Vec<OpDesc>, Vec<LocalSlice>)> {
-    let Some(maps) = shm.and_then(|s| s.resolve(&descs)) else {
+    let Some((shm, maps)) = shm.and_then(|s| Some((s, s.resolve(&descs)?))) else {
         return Some((descs, sources));
     };
     let step = match dir {
@@ -677,26 +679,44 @@ fn try_shm(
     };
     let fail = |f: ShmFail| {
         let (code, region, what) = match f {
-            ShmFail::Revoked(r) => (ErrorCode::UnknownRegion, r, "was revoked by the peer"),
-            ShmFail::OutOfBounds(r) => {
-                (ErrorCode::OutOfBounds, r, "does not fit the peer's mapping")
+            ShmFail::Revoked(r) => (
+                ErrorCode::UnknownRegion,
+                r,
+                "was revoked by the peer (direct copy)".to_string(),
+            ),
+            ShmFail::OutOfBounds(r) => (
+                ErrorCode::OutOfBounds,
+                r,
+                "does not fit what the peer announced (direct copy)".to_string(),
+            ),
+            ShmFail::Cma(r, CopyError::PeerGone) => {
+                return Error::lost(
+                    path.peer.as_str(),
+                    step,
+                    format!("region {r}: the peer process exited (cross-memory attach)"),
+                )
             }
+            ShmFail::Cma(r, e) => (
+                ErrorCode::Internal,
+                r,
+                format!("could not be copied with cross-memory attach: {e}"),
+            ),
         };
         Error::Rejected {
             peer: path.peer.to_string(),
             step,
             code,
-            message: format!("region {region} {what} (shared memory)"),
+            message: format!("region {region} {what}"),
         }
     };
     match (dir, path.take(id)) {
         (Dir::Write, Some(w)) => {
-            let r = copy_batch(dir, &descs, &maps, &sources).map_err(fail);
+            let r = shm.copy_batch(dir, &descs, &maps, &sources).map_err(fail);
             drop(sources);
             w.complete(r);
         }
         (Dir::Read, Some(Waiting::Read(dests, tx))) => {
-            let r = copy_batch(dir, &descs, &maps, &dests).map_err(fail);
+            let r = shm.copy_batch(dir, &descs, &maps, &dests).map_err(fail);
             drop(dests);
             let _ = tx.send(r);
         }

@@ -26,6 +26,7 @@
 #![warn(missing_docs)]
 
 mod channel;
+mod cma;
 pub mod config;
 mod data_threads;
 mod datapath;
@@ -40,6 +41,7 @@ mod tls;
 mod wire;
 
 pub use channel::{Channel, Notification, Op, PeerEvent, Stats};
+pub use cma::{cma_available, CmaStatus};
 pub use config::{ChannelConfig, Deadlines, Limits, Pem, TestHooks, TlsConfig, Transport};
 pub use error::{Error, Result};
 pub use kvbridge_proto as proto;

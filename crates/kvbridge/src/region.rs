@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use tokio::sync::Notify;
 
@@ -48,6 +48,11 @@ struct RegionInner {
     in_use: AtomicUsize,
     /// Peers that mapped the region and have not confirmed unmapping it.
     exports: AtomicUsize,
+    /// Peers that were told the region's address for cross-memory attach and have not
+    /// confirmed they stopped copying (`cma.rs`, *Safety of unmapping*).
+    cma_exports: AtomicUsize,
+    /// A peer was told the address and never confirmed: its memory may still be written.
+    tainted: AtomicBool,
     idle: Notify,
 }
 
@@ -209,6 +214,8 @@ impl Region {
                 memfd: Mutex::new(memfd),
                 in_use: AtomicUsize::new(0),
                 exports: AtomicUsize::new(0),
+                cma_exports: AtomicUsize::new(0),
+                tainted: AtomicBool::new(false),
                 idle: Notify::new(),
             }),
         }
@@ -251,7 +258,37 @@ impl Region {
         self.inner.exports.fetch_add(1, Ordering::AcqRel);
         RegionExport {
             region: Some(self.clone()),
+            cma: false,
         }
+    }
+
+    /// Marks the region's address as known to a peer for cross-memory attach until the
+    /// guard is confirmed. Counted before the address leaves.
+    pub(crate) fn begin_cma_export(&self) -> RegionExport {
+        self.inner.cma_exports.fetch_add(1, Ordering::AcqRel);
+        RegionExport {
+            region: Some(self.clone()),
+            cma: true,
+        }
+    }
+
+    /// Peers that may copy into the region with cross-memory attach (they know its address
+    /// and have not confirmed they stopped).
+    pub fn cma_exports(&self) -> usize {
+        self.inner.cma_exports.load(Ordering::Acquire)
+    }
+
+    /// Whether a peer that knew the region's address for cross-memory attach never
+    /// confirmed that it stopped copying: the memory may still be written by it and must
+    /// not be freed or reused while that peer lives.
+    pub fn is_tainted(&self) -> bool {
+        self.inner.tainted.load(Ordering::Acquire)
+    }
+
+    /// Whether the region is one that cross-memory attach may carry: its memory is not a
+    /// memfd peers can map (caller memory, or private memory).
+    pub(crate) fn wants_cma(&self) -> bool {
+        !self.is_shared()
     }
 
     /// Peers that mapped the region and have not confirmed unmapping it.
@@ -411,13 +448,17 @@ impl Region {
         self.inner.in_use.load(Ordering::Acquire)
     }
 
-    /// Waits until no transfer touches the region and no peer maps it.
+    /// Waits until no transfer touches the region, no peer maps it, and no peer may copy
+    /// into it with cross-memory attach.
     pub(crate) async fn quiesce(&self) {
         loop {
             let idle = self.inner.idle.notified();
             tokio::pin!(idle);
             idle.as_mut().enable();
-            if self.in_use() == 0 && (self.exports() == 0 || !self.is_shared()) {
+            if self.in_use() == 0
+                && (self.exports() == 0 || !self.is_shared())
+                && self.cma_exports() == 0
+            {
                 return;
             }
             idle.await;
@@ -433,36 +474,51 @@ fn prefault(ptr: NonNull<u8>, len: usize) {
     }
 }
 
-/// A peer's mapping of a region, counted until released.
+/// A peer's mapping of a region (or its knowledge of the region's address, for
+/// cross-memory attach), counted until released.
 pub(crate) struct RegionExport {
     region: Option<Region>,
+    /// Cross-memory attach rather than a mapping.
+    cma: bool,
 }
 
 impl RegionExport {
-    /// The peer confirmed it unmapped the region.
+    /// The peer confirmed it unmapped the region (or stopped copying into it).
     pub(crate) fn confirmed(mut self) {
         if let Some(r) = self.region.take() {
-            r.end_export();
+            r.end_export(self.cma);
         }
     }
 }
 
 impl Drop for RegionExport {
     /// Released without confirmation: the peer may still hold a mapping, so the region is
-    /// detached before anyone can reuse its memory.
+    /// detached before anyone can reuse its memory. Memory a peer reaches by address
+    /// cannot be detached: the export stays counted (so `deregister` cannot report the
+    /// region quiet) and the region is marked tainted.
     fn drop(&mut self) {
         if let Some(r) = self.region.take() {
+            if self.cma {
+                r.inner.tainted.store(true, Ordering::Release);
+                tracing::error!(region = %r.id(), "a peer did not confirm it stopped copying into this region (cross-memory attach); its memory may still be written while that peer lives");
+                return;
+            }
             if let Err(e) = r.detach() {
                 tracing::error!(error = %e, "region could not be detached");
             }
-            r.end_export();
+            r.end_export(false);
         }
     }
 }
 
 impl Region {
-    fn end_export(&self) {
-        self.inner.exports.fetch_sub(1, Ordering::AcqRel);
+    fn end_export(&self, cma: bool) {
+        let c = if cma {
+            &self.inner.cma_exports
+        } else {
+            &self.inner.exports
+        };
+        c.fetch_sub(1, Ordering::AcqRel);
         self.inner.idle.notify_waiters();
     }
 }
@@ -543,11 +599,12 @@ impl RegionTable {
         }
     }
 
-    /// The shared regions granted to `peer`.
-    pub(crate) fn shared_for(&self, peer: &PeerId) -> Vec<Region> {
+    /// The regions granted to `peer` that it may reach directly: the shared ones, and with
+    /// `cma` those that cross-memory attach carries too.
+    pub(crate) fn direct_for(&self, peer: &PeerId, cma: bool) -> Vec<Region> {
         let m = self.map.read().expect("region table poisoned");
         m.values()
-            .filter(|(r, g)| g.allows(peer) && r.is_shared())
+            .filter(|(r, g)| g.allows(peer) && (r.is_shared() || (cma && r.wants_cma())))
             .map(|(r, _)| r.clone())
             .collect()
     }

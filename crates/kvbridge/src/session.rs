@@ -20,8 +20,10 @@ use crate::Notification;
 use kvbridge_proto::handshake::{
     ping, Established, Initiator, ListenerSession, LocalIdentity, Output, Step,
 };
+use kvbridge_proto::ids::Blob;
 use kvbridge_proto::msg::{
-    DataHello, ErrorCode, Hello, MemInfo, Message, Ready, RegionInfo, ShmOffer, ShmRevoke,
+    CmaCanary, CmaEcho, DataHello, ErrorCode, Hello, MemInfo, Message, Ready, RegionInfo, ShmOffer,
+    ShmRegion, ShmRevoke,
 };
 use kvbridge_proto::{Incarnation, PeerId, RegionId, SessionToken};
 use std::collections::HashMap;
@@ -64,6 +66,8 @@ pub(crate) struct SessionEnv {
     pub(crate) tls: Option<Arc<crate::tls::Tls>>,
     /// The channel's count of peer batches refused for bytes in flight.
     pub(crate) in_flight_refused: Arc<std::sync::atomic::AtomicU64>,
+    /// The channel's counts of batches copied directly (shared memory, cross-memory attach).
+    pub(crate) direct: Arc<crate::shm::DirectCounters>,
 }
 
 enum Machine {
@@ -268,6 +272,29 @@ struct ShmState {
     /// (Initiator) The established session, held until shared memory is synced (or its
     /// deadline passed).
     pending_ready: Option<(Established, Instant)>,
+    /// (Listener) Where cross-memory attach stands with the peer.
+    cma: CmaListen,
+    /// (Listener) The canary the peer is asked to read; kept for the whole session, so
+    /// its address never names freed memory while the peer may still read it.
+    canary: Option<Box<[u8; CANARY_LEN]>>,
+}
+
+/// Bytes of the cross-memory-attach canary.
+const CANARY_LEN: usize = 32;
+
+/// (Listener) Cross-memory attach with one peer.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum CmaListen {
+    /// Not asked for.
+    #[default]
+    Idle,
+    /// Canary sent, answer awaited: no `ShmSync` until then, so the initiator's first
+    /// sync after its answer already covers the regions offered by address.
+    Probing,
+    /// The peer read the canary: regions that cannot be mapped are offered by address.
+    On,
+    /// The probe failed: those regions go over TCP.
+    Refused,
 }
 
 /// A fresh authentication challenge.
@@ -563,7 +590,7 @@ impl Session {
                     }
                 }
                 m = recv_opt(self.shm.rx.as_mut()) => {
-                    if let Err(e) = self.on_shm_frame(m) {
+                    if let Err(e) = self.on_shm_frame(m).await {
                         return e;
                     }
                 }
@@ -959,7 +986,19 @@ impl Session {
                 return Ok(());
             }
         };
-        let peer = Arc::new(ShmPeer::default());
+        let cma_status = if !self.env.config.cma {
+            crate::CmaStatus::Off("disabled by configuration (KVBRIDGE_CMA=0)".into())
+        } else if !offer.cma {
+            crate::CmaStatus::Off(
+                "the listener offers no cross-memory attach (off there, or an older version)"
+                    .into(),
+            )
+        } else {
+            crate::CmaStatus::Off("the probe has not completed".into())
+        };
+        let ask = self.env.config.cma && offer.cma;
+        let deny = self.env.config.hooks.cma_deny;
+        let peer = Arc::new(ShmPeer::new(self.env.direct.clone(), cma_status));
         let (synced_tx, synced_rx) = tokio::sync::watch::channel(false);
         self.shm.peer = Some(peer.clone());
         self.shm.synced = Some(synced_rx);
@@ -970,8 +1009,15 @@ impl Session {
         self.shm.reader = Some(tokio::spawn(async move {
             let mut conn = None;
             let r = async {
+                let pid = offer.pid;
                 let s = conn.insert(connect_shm(offer, token, me, limit).await?);
-                initiator_shm(s, max, &peer, synced_tx).await
+                let cma = ask.then(|| CmaAsk {
+                    pid,
+                    uid: crate::shm::peer_uid(s),
+                    deny,
+                    peer: name.clone(),
+                });
+                initiator_shm(s, max, &peer, synced_tx, cma).await
             }
             .await;
             if let Err(e) = r {
@@ -1016,7 +1062,8 @@ impl Session {
         if !self.machine.may_bind() {
             return Ok(());
         }
-        let granted = self.env.table.shared_for(&peer);
+        let cma = self.shm.cma == CmaListen::On;
+        let granted = self.env.table.direct_for(&peer, cma);
         let lost = |e| Error::lost(&self.peer_name, Step::Established, e);
         let gone: Vec<RegionId> = self
             .shm
@@ -1041,6 +1088,14 @@ impl Session {
             let ex = r.begin_export();
             let Some(fd) = r.memfd() else {
                 ex.confirmed();
+                if cma && r.wants_cma() {
+                    // Counted before the address leaves (cma.rs, *Safety of unmapping*).
+                    let ex = r.begin_cma_export();
+                    let m = crate::shm::cma_map_msg(r.id(), r.len() as u64, r.as_ptr() as u64);
+                    let sent = crate::shm::send_frame(&conn, &m, None).await;
+                    self.shm.exports.insert(r.id(), ex);
+                    sent.map_err(lost)?;
+                }
                 continue;
             };
             let sent = crate::shm::send_frame(&conn, &m, Some(fd.as_raw_fd())).await;
@@ -1048,14 +1103,72 @@ impl Session {
             self.shm.exports.insert(r.id(), ex);
             sent.map_err(lost)?;
         }
+        if self.shm.cma == CmaListen::Probing {
+            return Ok(());
+        }
         crate::shm::send_frame(&conn, &Message::ShmSync(Ready {}), None)
             .await
             .map_err(lost)
     }
 
+    /// (Listener) The peer asks for cross-memory attach: send it the canary's address.
+    async fn on_cma_ask(&mut self) -> Result<()> {
+        let Some(conn) = self.shm.conn.clone() else {
+            return Ok(());
+        };
+        if !self.env.config.cma || self.shm.cma != CmaListen::Idle {
+            return Err(Error::PeerMisbehaved {
+                peer: self.peer_name.clone(),
+                step: Step::Established,
+                detail: "CmaAsk not offered, or asked twice".into(),
+            });
+        }
+        let mut c = Box::new([0u8; CANARY_LEN]);
+        crate::rand_bytes(&mut c[..]);
+        let m = Message::CmaProbe(CmaCanary {
+            addr: c.as_ptr() as u64,
+            len: CANARY_LEN as u32,
+        });
+        self.shm.canary = Some(c);
+        self.shm.cma = CmaListen::Probing;
+        crate::shm::send_frame(&conn, &m, None)
+            .await
+            .map_err(|e| Error::lost(&self.peer_name, Step::Established, e))
+    }
+
+    /// (Listener) The peer's answer to the canary: offer regions by address only when it
+    /// read exactly the canary's bytes.
+    async fn on_cma_probed(&mut self, echo: CmaEcho) -> Result<()> {
+        if self.shm.cma != CmaListen::Probing {
+            return Err(Error::PeerMisbehaved {
+                peer: self.peer_name.clone(),
+                step: Step::Established,
+                detail: "CmaProbed without a CmaProbe".into(),
+            });
+        }
+        let want = self.shm.canary.as_deref().map(|c| &c[..]);
+        self.shm.cma = match (echo.error, want) {
+            (None, Some(want)) if echo.data.0 == want => CmaListen::On,
+            (Some(why), _) => {
+                crate::cma::log_refused(
+                    &self.peer_name,
+                    &format!("the peer could not read our memory: {why}"),
+                );
+                CmaListen::Refused
+            }
+            _ => {
+                tracing::warn!(peer = %self.peer_name, "cross-memory attach not used: the peer read other bytes than our canary (a different process with our pid?)");
+                CmaListen::Refused
+            }
+        };
+        self.sync_exports().await
+    }
+
     /// (Listener) A frame on the shared-memory connection.
-    fn on_shm_frame(&mut self, m: Option<std::io::Result<Option<Message>>>) -> Result<()> {
+    async fn on_shm_frame(&mut self, m: Option<std::io::Result<Option<Message>>>) -> Result<()> {
         match m {
+            Some(Ok(Some(Message::CmaAsk(_)))) => self.on_cma_ask().await,
+            Some(Ok(Some(Message::CmaProbed(echo)))) => self.on_cma_probed(echo).await,
             Some(Ok(Some(Message::ShmUnmapped(ShmRevoke { id })))) => {
                 if let Some(ex) = self.shm.revoking.remove(&id) {
                     ex.confirmed();
@@ -1157,17 +1270,82 @@ async fn connect_shm(
     Ok(s)
 }
 
+/// (Initiator) What it needs to ask for cross-memory attach.
+struct CmaAsk {
+    /// The listener's pid (checked against the unix socket's credentials).
+    pid: u32,
+    /// The listener's user, for the reason when the kernel refuses.
+    uid: Option<u32>,
+    /// Test hook: fail the probe as the kernel would without permission.
+    deny: bool,
+    /// For the log.
+    peer: String,
+}
+
 /// (Initiator) Serves the shared-memory connection: maps what the listener offers, unmaps
-/// what it revokes.
+/// what it revokes, and (with `cma`) probes cross-memory attach first.
 async fn initiator_shm(
     s: &tokio::net::UnixStream,
     max: u32,
     peer: &Arc<ShmPeer>,
     synced: tokio::sync::watch::Sender<bool>,
+    cma: Option<CmaAsk>,
 ) -> std::io::Result<()> {
     let mut fr = FdReader::new(max);
+    // With `cma`, the first `ShmSync` (the listener bound this connection to the session:
+    // a frame sent before that could be read by its acceptor and lost) is answered with
+    // `CmaAsk`, and the probe must be answered before a `ShmSync` is the last word: the
+    // listener sends none between its canary and our answer, and the one after covers the
+    // regions it offers by address.
+    let mut probing = cma.is_some();
+    let mut asked = false;
     while let Some(m) = fr.next(s).await? {
         match m {
+            Message::CmaProbe(c) => {
+                let Some(ask) = cma.as_ref().filter(|_| probing && asked) else {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        "CmaProbe not asked for",
+                    ));
+                };
+                probing = false;
+                let len = (c.len as usize).min(4096);
+                let read = if ask.deny {
+                    Err(crate::cma::describe(
+                        &std::io::Error::from_raw_os_error(libc::EPERM),
+                        ask.uid,
+                    ))
+                } else {
+                    crate::cma::probe(ask.pid, c.addr, len, ask.uid)
+                };
+                let echo = match read {
+                    Ok(data) => {
+                        peer.enable_cma(ask.pid);
+                        CmaEcho {
+                            data: Blob(data),
+                            error: None,
+                        }
+                    }
+                    Err(why) => {
+                        crate::cma::log_refused(&ask.peer, &why);
+                        peer.set_cma_status(crate::CmaStatus::Off(why.clone()));
+                        CmaEcho {
+                            data: Blob(Vec::new()),
+                            error: Some(why),
+                        }
+                    }
+                };
+                crate::shm::send_frame(s, &Message::CmaProbed(echo), None).await?;
+            }
+            Message::ShmMap(ShmRegion {
+                id,
+                len,
+                addr: Some(addr),
+            }) => {
+                if !peer.insert_cma(id, addr, len) {
+                    tracing::debug!(region = %id, "region offered by address, cross-memory attach not usable; TCP carries it");
+                }
+            }
             Message::ShmMap(r) => {
                 let fd = fr.take_fd().ok_or_else(|| {
                     std::io::Error::new(
@@ -1190,7 +1368,12 @@ async fn initiator_shm(
                 crate::shm::send_frame(s, &crate::shm::unmapped(id), None).await?;
             }
             Message::ShmSync(_) => {
-                let _ = synced.send(true);
+                if !probing {
+                    let _ = synced.send(true);
+                } else if !asked {
+                    asked = true;
+                    crate::shm::send_frame(s, &Message::CmaAsk(Ready {}), None).await?;
+                }
             }
             Message::Reject(rj) => {
                 return Err(std::io::Error::new(

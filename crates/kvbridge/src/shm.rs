@@ -27,12 +27,17 @@
 //! contents are copied to fresh anonymous memory remapped over the same address, so late
 //! copies land only in pages the owner no longer uses.
 //!
+//! Regions that cannot be mapped (caller memory) travel on the same connection by address
+//! instead of by descriptor, after a probe, and are copied with cross-memory attach: see
+//! `cma.rs`. Both kinds are revoked the same way.
+//!
 //! Threat model: shared memory is offered only to peers on the same host and used only
 //! after they authenticated (when a secret is configured). A peer that maps a region can
 //! write anywhere in it at any time; what is protected is memory the owner no longer grants
 //! (it is detached) and the owner's process (sizes and seals are checked before a mapping
 //! is trusted, so a listener cannot make the initiator fault).
 
+use crate::cma::{CmaCopy, CmaStatus, CopyError, DirectCopy, MemCopy, Piece};
 use crate::datapath::LocalSlice;
 use kvbridge_proto::frame::{FrameHeader, FRAME_HEADER_LEN};
 use kvbridge_proto::msg::{Message, OpDesc, ShmRegion, ShmRevoke};
@@ -40,7 +45,8 @@ use kvbridge_proto::RegionId;
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::{Arc, RwLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use tokio::io::Interest;
 use tokio::net::UnixStream;
 
@@ -90,6 +96,15 @@ pub(crate) fn memfd(len: usize) -> io::Result<OwnedFd> {
 
 /// The process id of the other end of a unix socket.
 fn peer_pid(s: &UnixStream) -> io::Result<u32> {
+    Ok(peer_cred(s)?.pid as u32)
+}
+
+/// The user id of the other end of a unix socket.
+pub(crate) fn peer_uid(s: &UnixStream) -> Option<u32> {
+    peer_cred(s).ok().map(|c| c.uid)
+}
+
+fn peer_cred(s: &UnixStream) -> io::Result<libc::ucred> {
     let mut cred = libc::ucred {
         pid: 0,
         uid: 0,
@@ -109,7 +124,7 @@ fn peer_pid(s: &UnixStream) -> io::Result<u32> {
     if r != 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok(cred.pid as u32)
+    Ok(cred)
 }
 
 /// A fresh random socket name in the abstract namespace.
@@ -307,13 +322,10 @@ fn recvmsg(sock: RawFd, data: &mut [u8], fds: &mut VecDeque<OwnedFd>) -> io::Res
 pub(crate) struct Mapping {
     ptr: *mut u8,
     len: usize,
-    /// Set (under the write lock) when the peer revoked the region: a copy holds the read
-    /// lock for its whole length, so once the write lock is taken none runs or will start.
-    revoked: RwLock<bool>,
 }
 
-// SAFETY: the mapping is plain shared memory; access is serialised by `revoked` for its
-// lifetime and by the transfer contract for the bytes.
+// SAFETY: the mapping is plain shared memory; access is serialised by its `Remote`'s
+// `revoked` lock for its lifetime and by the transfer contract for the bytes.
 unsafe impl Send for Mapping {}
 // SAFETY: as above.
 unsafe impl Sync for Mapping {}
@@ -369,26 +381,52 @@ impl Mapping {
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        Ok(Mapping {
-            ptr: p.cast(),
-            len,
-            revoked: RwLock::new(false),
-        })
-    }
-
-    /// Marks the mapping revoked; returns once no copy into or out of it is running.
-    pub(crate) fn revoke(&self) {
-        *self.revoked.write().unwrap_or_else(|e| e.into_inner()) = true;
+        Ok(Mapping { ptr: p.cast(), len })
     }
 }
 
-/// Why a shared-memory batch failed.
+/// How a peer's region is reached without the data connection.
+enum Via {
+    /// Mapped into this process (memfd).
+    Mapped(Mapping),
+    /// In the peer's address space at this base address (cross-memory attach).
+    Cma(usize),
+}
+
+/// A peer's region this side copies into and out of directly.
+pub(crate) struct Remote {
+    /// Bytes the listener announced (every op is checked against them).
+    len: usize,
+    via: Via,
+    /// Set (under the write lock) when the peer revoked the region: a copy holds the read
+    /// lock for its whole length, so once the write lock is taken none runs or will start.
+    revoked: RwLock<bool>,
+}
+
+impl Remote {
+    /// Marks the region revoked; returns once no copy into or out of it is running.
+    fn revoke(&self) {
+        *self.revoked.write().unwrap_or_else(|e| e.into_inner()) = true;
+    }
+
+    /// Where byte 0 of the region is, for the copier that reaches it.
+    fn base(&self) -> usize {
+        match &self.via {
+            Via::Mapped(m) => m.ptr as usize,
+            Via::Cma(base) => *base,
+        }
+    }
+}
+
+/// Why a direct batch failed.
 #[derive(Debug)]
 pub(crate) enum ShmFail {
     /// The peer revoked this region (deregistered it or withdrew its grant).
     Revoked(RegionId),
-    /// The op does not fit the mapping (the peer's MemInfo and its mapping disagree).
+    /// The op does not fit the region (the peer's MemInfo and its offer disagree).
     OutOfBounds(RegionId),
+    /// The kernel refused or failed a cross-memory-attach copy for this region.
+    Cma(RegionId, CopyError),
 }
 
 /// Direction of a copy.
@@ -400,22 +438,85 @@ pub(crate) enum Dir {
     Read,
 }
 
-/// The peer's regions this side has mapped, for one session. Filled by the session's
+/// Batches this channel copied directly instead of sending them over TCP, by way.
+#[derive(Debug, Default)]
+pub(crate) struct DirectCounters {
+    /// Batches whose ops all went to mapped memfds.
+    pub(crate) shm: AtomicU64,
+    /// Batches with at least one op copied with cross-memory attach.
+    pub(crate) cma: AtomicU64,
+}
+
+/// The peer's regions this side reaches directly, for one session. Filled by the session's
 /// shared-memory task, used by its data writer.
-#[derive(Default)]
 pub(crate) struct ShmPeer {
-    maps: RwLock<HashMap<RegionId, Arc<Mapping>>>,
+    maps: RwLock<HashMap<RegionId, Arc<Remote>>>,
+    /// The copier into the listener's process, once the probe read its canary.
+    cma: OnceLock<CmaCopy>,
+    /// Whether cross-memory attach is in use with this peer, or why not.
+    cma_status: Mutex<CmaStatus>,
+    counters: Arc<DirectCounters>,
 }
 
 impl ShmPeer {
+    pub(crate) fn new(counters: Arc<DirectCounters>, cma_status: CmaStatus) -> ShmPeer {
+        ShmPeer {
+            maps: Default::default(),
+            cma: OnceLock::new(),
+            cma_status: Mutex::new(cma_status),
+            counters,
+        }
+    }
+
     pub(crate) fn insert(&self, id: RegionId, m: Mapping) {
+        let r = Remote {
+            len: m.len,
+            via: Via::Mapped(m),
+            revoked: RwLock::new(false),
+        };
         self.maps
             .write()
             .expect("shm maps poisoned")
-            .insert(id, Arc::new(m));
+            .insert(id, Arc::new(r));
     }
 
-    /// Removes and revokes a mapping; returns once no copy into it runs. Blocking.
+    /// Records a region offered for cross-memory attach; ignored (the region goes over TCP)
+    /// unless the probe passed.
+    pub(crate) fn insert_cma(&self, id: RegionId, base: u64, len: u64) -> bool {
+        let (Ok(base), Ok(len)) = (usize::try_from(base), usize::try_from(len)) else {
+            return false;
+        };
+        if self.cma.get().is_none() || base.checked_add(len).is_none() || len == 0 {
+            return false;
+        }
+        let r = Remote {
+            len,
+            via: Via::Cma(base),
+            revoked: RwLock::new(false),
+        };
+        self.maps
+            .write()
+            .expect("shm maps poisoned")
+            .insert(id, Arc::new(r));
+        true
+    }
+
+    /// The probe read the listener's canary: regions it offers for cross-memory attach may
+    /// be used from now on.
+    pub(crate) fn enable_cma(&self, pid: u32) {
+        let _ = self.cma.set(CmaCopy::new(pid));
+        self.set_cma_status(CmaStatus::Active);
+    }
+
+    pub(crate) fn set_cma_status(&self, s: CmaStatus) {
+        *self.cma_status.lock().expect("cma status poisoned") = s;
+    }
+
+    pub(crate) fn cma_status(&self) -> CmaStatus {
+        self.cma_status.lock().expect("cma status poisoned").clone()
+    }
+
+    /// Removes and revokes a region; returns once no copy into it runs. Blocking.
     pub(crate) fn revoke(&self, id: &RegionId) {
         let m = self.maps.write().expect("shm maps poisoned").remove(id);
         if let Some(m) = m {
@@ -423,9 +524,9 @@ impl ShmPeer {
         }
     }
 
-    /// Revokes every mapping (the connection that could revoke them is ending). Blocking.
+    /// Revokes every region (the connection that could revoke them is ending). Blocking.
     pub(crate) fn revoke_all(&self) {
-        let all: Vec<Arc<Mapping>> = self
+        let all: Vec<Arc<Remote>> = self
             .maps
             .write()
             .expect("shm maps poisoned")
@@ -437,9 +538,9 @@ impl ShmPeer {
         }
     }
 
-    /// The mappings for every op, or `None` when one region is not mapped (the batch goes
-    /// over TCP).
-    pub(crate) fn resolve(&self, descs: &[OpDesc]) -> Option<Vec<Arc<Mapping>>> {
+    /// The direct way to every op's region, or `None` when one region is not reachable
+    /// directly (the batch goes over TCP).
+    pub(crate) fn resolve(&self, descs: &[OpDesc]) -> Option<Vec<Arc<Remote>>> {
         let maps = self.maps.read().expect("shm maps poisoned");
         if maps.is_empty() {
             return None;
@@ -447,43 +548,80 @@ impl ShmPeer {
         descs.iter().map(|d| maps.get(&d.region).cloned()).collect()
     }
 
-    /// Mapped regions.
+    /// Regions mapped into this process (shared memory proper).
     pub(crate) fn len(&self) -> usize {
-        self.maps.read().expect("shm maps poisoned").len()
+        self.maps
+            .read()
+            .expect("shm maps poisoned")
+            .values()
+            .filter(|r| matches!(r.via, Via::Mapped(_)))
+            .count()
     }
-}
 
-/// Executes a batch with one memcpy per op. Runs on the data writer thread, in order with
-/// the frames of the data connection.
-pub(crate) fn copy_batch(
-    dir: Dir,
-    descs: &[OpDesc],
-    maps: &[Arc<Mapping>],
-    local: &[LocalSlice],
-) -> Result<(), ShmFail> {
-    for ((d, m), l) in descs.iter().zip(maps).zip(local) {
-        let g = m.revoked.read().unwrap_or_else(|e| e.into_inner());
-        if *g {
-            return Err(ShmFail::Revoked(d.region));
-        }
-        if !d.in_bounds(m.len as u64) || d.len as usize != l.len {
-            return Err(ShmFail::OutOfBounds(d.region));
-        }
-        // SAFETY: the remote range is inside the live mapping (checked above, and the read
-        // lock keeps it from being revoked and unmapped meanwhile); the local range was
-        // checked against its region, which the slice holds in use. The transfer contract
-        // excludes concurrent access to both ranges.
-        unsafe {
-            let remote = m.ptr.add(d.offset as usize);
-            let local = l.ptr();
-            match dir {
-                Dir::Write => std::ptr::copy_nonoverlapping(local, remote, l.len),
-                Dir::Read => std::ptr::copy_nonoverlapping(remote, local, l.len),
+    /// Executes a batch by direct copies: each run of consecutive ops into one region is
+    /// one call of that region's [`DirectCopy`] (one `memcpy` per op for a mapping; up to
+    /// [`crate::cma::IOV_MAX`] ops per system call for cross-memory attach). Runs on the
+    /// data writer thread, in order with the frames of the data connection.
+    pub(crate) fn copy_batch(
+        &self,
+        dir: Dir,
+        descs: &[OpDesc],
+        maps: &[Arc<Remote>],
+        local: &[LocalSlice],
+    ) -> Result<(), ShmFail> {
+        let mut used_cma = false;
+        let mut i = 0;
+        while i < descs.len() {
+            let m = &maps[i];
+            let mut end = i + 1;
+            while end < descs.len() && Arc::ptr_eq(&maps[end], m) {
+                end += 1;
             }
+            let region = descs[i].region;
+            // One read lock per run: a revocation waits for the run to finish.
+            let g = m.revoked.read().unwrap_or_else(|e| e.into_inner());
+            if *g {
+                return Err(ShmFail::Revoked(region));
+            }
+            let mut pieces = Vec::with_capacity(end - i);
+            for (d, l) in descs[i..end].iter().zip(&local[i..end]) {
+                if !d.in_bounds(m.len as u64) || d.len as usize != l.len {
+                    return Err(ShmFail::OutOfBounds(region));
+                }
+                pieces.push(Piece {
+                    remote: m.base() + d.offset as usize,
+                    local: l.ptr(),
+                    len: l.len,
+                });
+            }
+            // SAFETY: every remote range is inside the region as the peer announced it on
+            // this session (checked above), and the read lock keeps it from being revoked
+            // meanwhile; the local ranges were checked against their regions, which the
+            // slices hold in use. The transfer contract excludes concurrent access.
+            let r = unsafe {
+                match &m.via {
+                    Via::Mapped(_) => MemCopy.copy(dir, &pieces),
+                    Via::Cma(_) => {
+                        used_cma = true;
+                        match self.cma.get() {
+                            Some(c) => c.copy(dir, &pieces),
+                            None => return Err(ShmFail::Revoked(region)),
+                        }
+                    }
+                }
+            };
+            drop(g);
+            r.map_err(|e| ShmFail::Cma(region, e))?;
+            i = end;
         }
-        drop(g);
+        let c = if used_cma {
+            &self.counters.cma
+        } else {
+            &self.counters.shm
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+        Ok(())
     }
-    Ok(())
 }
 
 /// Messages of the shared-memory connection, for the session.
@@ -493,5 +631,82 @@ pub(crate) fn unmapped(id: RegionId) -> Message {
 
 /// A `ShmMap` for a region.
 pub(crate) fn map_msg(id: RegionId, len: u64) -> Message {
-    Message::ShmMap(ShmRegion { id, len })
+    Message::ShmMap(ShmRegion {
+        id,
+        len,
+        addr: None,
+    })
+}
+
+/// A `ShmMap` offering a region for cross-memory attach at `addr`.
+pub(crate) fn cma_map_msg(id: RegionId, len: u64, addr: u64) -> Message {
+    Message::ShmMap(ShmRegion {
+        id,
+        len,
+        addr: Some(addr),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::region::Region;
+
+    fn op(id: RegionId, offset: u64, len: u64, local: &Region) -> (OpDesc, LocalSlice) {
+        (
+            OpDesc {
+                region: id,
+                offset,
+                len,
+            },
+            LocalSlice {
+                region: local.begin_use(),
+                offset: 0,
+                len: len as usize,
+            },
+        )
+    }
+
+    /// A region reached by cross-memory attach is checked like a mapping: an op past its
+    /// announced end is refused before any byte moves, and once revoked nothing is copied.
+    #[test]
+    fn cma_ops_are_bounded_and_revocable() {
+        if crate::cma::cma_available().is_err() {
+            return;
+        }
+        let mut target = vec![0u8; 8192];
+        let local = Region::alloc(4096, 4096).unwrap();
+        local.write_at(0, &[7u8; 4096]).unwrap();
+        let peer = ShmPeer::new(Default::default(), CmaStatus::Off(String::new()));
+        let id = RegionId([1; 16]);
+        // Nothing is recorded before the probe passed.
+        assert!(!peer.insert_cma(id, target.as_mut_ptr() as u64, 4096));
+        peer.enable_cma(std::process::id());
+        // Only the first 4096 bytes are announced.
+        assert!(peer.insert_cma(id, target.as_mut_ptr() as u64, 4096));
+        assert_eq!(peer.len(), 0, "not a mapping");
+
+        let (d, l) = op(id, 1, 4096, &local);
+        let maps = peer.resolve(std::slice::from_ref(&d)).unwrap();
+        let r = peer.copy_batch(Dir::Write, &[d], &maps, &[l]);
+        assert!(matches!(r, Err(ShmFail::OutOfBounds(_))), "{r:?}");
+        assert!(target.iter().all(|&b| b == 0));
+
+        let (d, l) = op(id, 0, 4096, &local);
+        let maps = peer.resolve(std::slice::from_ref(&d)).unwrap();
+        peer.copy_batch(Dir::Write, std::slice::from_ref(&d), &maps, &[l])
+            .unwrap();
+        assert!(target[..4096].iter().all(|&b| b == 7));
+        assert!(target[4096..].iter().all(|&b| b == 0));
+        assert_eq!(peer.counters.cma.load(Ordering::Relaxed), 1);
+
+        // Resolved before the revocation, copied after: refused.
+        peer.revoke(&id);
+        local.write_at(0, &[9u8; 4096]).unwrap();
+        let (d, l) = op(id, 0, 4096, &local);
+        let r = peer.copy_batch(Dir::Write, std::slice::from_ref(&d), &maps, &[l]);
+        assert!(matches!(r, Err(ShmFail::Revoked(_))), "{r:?}");
+        assert!(target[..4096].iter().all(|&b| b == 7));
+        assert!(peer.resolve(&[d]).is_none(), "gone from the map");
+    }
 }

@@ -30,11 +30,34 @@ pub async fn listener(
     page: usize,
 ) -> (Channel, Region) {
     let mut c = ChannelConfig::new(name, Some("127.0.0.1:0"));
+    RAW_MEMORY.set(false);
     cfg(&mut c);
     let ch = Channel::new(c).await.unwrap();
-    let r = Region::alloc(region_len, page).unwrap();
+    let r = if RAW_MEMORY.get() {
+        raw_region(region_len, page)
+    } else {
+        Region::alloc(region_len, page).unwrap()
+    };
     ch.register(&r, Grant::AllPeers).unwrap();
     (ch, r)
+}
+
+std::thread_local! {
+    /// Set by [`Carrier::apply`] for a carrier that wants the listener's region in caller
+    /// memory; read by [`listener`] right after it applied the configuration (same call,
+    /// same thread).
+    static RAW_MEMORY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// A zeroed region in caller memory (`Region::from_raw`) that no peer can map. The memory
+/// is leaked: it must outlive every handle and every transfer, and the test ends soon.
+pub fn raw_region(len: usize, page: usize) -> Region {
+    let layout = std::alloc::Layout::from_size_align(len, 4096).unwrap();
+    // SAFETY: non-zero size.
+    let p = unsafe { std::alloc::alloc_zeroed(layout) };
+    assert!(!p.is_null());
+    // SAFETY: p..p+len is ours, zeroed, and never freed.
+    unsafe { Region::from_raw(p, len, page) }.unwrap()
 }
 
 /// An initiator-only channel with one owned region.
@@ -97,13 +120,27 @@ pub async fn send_frame(s: &mut tokio::net::TcpStream, m: &kvbridge::proto::msg:
 pub struct Carrier {
     pub transport: kvbridge::Transport,
     pub data_connections: usize,
+    /// The listener's region is caller memory (`Region::from_raw`), which cross-memory
+    /// attach carries where the kernel permits it (TCP otherwise).
+    pub raw: bool,
 }
 
 impl Carrier {
-    /// Sets both on a channel's configuration.
+    /// Sets both on a channel's configuration (and, for `raw`, asks [`listener`] for a
+    /// region in caller memory).
     pub fn apply(self, c: &mut ChannelConfig) {
         c.transport = self.transport;
         c.data_connections = self.data_connections;
+        RAW_MEMORY.set(self.raw);
+    }
+
+    /// Cross-memory attach: caller memory on a same-host listener.
+    pub fn cma() -> Carrier {
+        Carrier {
+            transport: kvbridge::Transport::Auto,
+            data_connections: 1,
+            raw: true,
+        }
     }
 }
 
@@ -112,13 +149,15 @@ impl From<kvbridge::Transport> for Carrier {
         Carrier {
             transport,
             data_connections: 1,
+            raw: false,
         }
     }
 }
 
 /// Declares one `#[tokio::test]` per carrier, named `<name>::tcp`, `<name>::tcp_striped`
-/// (TCP, 3 data connections) and `<name>::shm`, that runs `body(carrier)`: the suite is
-/// parametrized, not copied.
+/// (TCP, 3 data connections), `<name>::shm` and `<name>::cma` (the listener's region in
+/// caller memory, carried by cross-memory attach where permitted), that runs
+/// `body(carrier)`: the suite is parametrized, not copied.
 #[macro_export]
 macro_rules! per_transport {
     ($name:ident, $body:path) => {
@@ -132,12 +171,17 @@ macro_rules! per_transport {
                 $body($crate::common::Carrier {
                     transport: kvbridge::Transport::Tcp,
                     data_connections: 3,
+                    raw: false,
                 })
                 .await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn shm() {
                 $body(kvbridge::Transport::Shm.into()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn cma() {
+                $body($crate::common::Carrier::cma()).await
             }
         }
     };
@@ -146,7 +190,28 @@ macro_rules! per_transport {
 /// Asserts that `ch` moves its batches to `peer` over `t`'s transport (shm only when it
 /// mapped the peer's regions).
 pub async fn assert_transport(ch: &Channel, peer: &kvbridge::PeerId, t: impl Into<Carrier>) {
-    let t = t.into().transport;
+    let c = t.into();
+    if c.raw {
+        // Caller memory is never mapped; cross-memory attach carries it where this host
+        // permits process_vm_readv/writev, and the reason it does not is reported otherwise.
+        assert_eq!(
+            ch.peer_transport(peer).await.unwrap(),
+            kvbridge::Transport::Tcp
+        );
+        let st = ch.peer_cma(peer).await.unwrap();
+        match kvbridge::cma_available() {
+            Ok(()) => assert_eq!(st, kvbridge::CmaStatus::Active, "cma to {peer}"),
+            Err(why) => {
+                eprintln!("cross-memory attach unavailable here ({why}): TCP fallback asserted");
+                assert!(
+                    matches!(&st, kvbridge::CmaStatus::Off(r) if !r.is_empty()),
+                    "{st:?}"
+                );
+            }
+        }
+        return;
+    }
+    let t = c.transport;
     assert_eq!(
         ch.peer_transport(peer).await.unwrap(),
         t,

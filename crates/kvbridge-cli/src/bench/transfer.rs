@@ -1,5 +1,5 @@
 //! `kvbridge bench transfer`: kvbridge writes against the same-run ceiling of their
-//! transport: a plain loopback socket stream for tcp, an in-process memcpy for shm.
+//! transport: a plain loopback socket stream for tcp, an in-process memcpy for shm and cma.
 
 use super::peer::PeerProcess;
 use super::{median, parse_size};
@@ -12,7 +12,9 @@ use std::time::Instant;
 /// Flags of `kvbridge bench transfer`.
 #[derive(Debug, clap::Args)]
 pub struct TransferArgs {
-    /// Transport to measure: tcp, or shm (the peer's region mapped into this process).
+    /// Transport to measure: tcp; shm (the peer's region mapped into this process); or cma
+    /// (the peer's region in memory that cannot be mapped — private memory, as
+    /// `Region::from_raw` memory is — copied with process_vm_writev).
     #[arg(long, default_value = "tcp")]
     pub transport: String,
     /// Write every batch to the same `batch` offsets (Mooncake's `transfer_engine_bench`
@@ -144,9 +146,14 @@ fn memcpy_ceiling(src: &Region, dst: &Region, block: usize, total: u64, window: 
 
 /// Runs the benchmark.
 pub async fn run(args: TransferArgs) -> Result<Report> {
-    let transport = kvbridge::Transport::parse(&args.transport)
-        .filter(|t| *t != kvbridge::Transport::Auto)
-        .ok_or_else(|| anyhow::anyhow!("transport {:?}: tcp or shm", args.transport))?;
+    let cma = args.transport == "cma";
+    let transport = if cma {
+        kvbridge::Transport::Auto
+    } else {
+        kvbridge::Transport::parse(&args.transport)
+            .filter(|t| *t != kvbridge::Transport::Auto)
+            .ok_or_else(|| anyhow::anyhow!("transport {:?}: tcp, shm or cma", args.transport))?
+    };
     let shm = transport == kvbridge::Transport::Shm;
     let blocks: Vec<u64> = args
         .block_sizes
@@ -170,11 +177,24 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
         .unwrap_or(0)
         .clamp(1 << 20, 1 << 30);
     let page = 4096;
-    let peer = PeerProcess::start(window, page)?;
+    // For cma the peer's region is private memory: like caller memory, no peer can map it.
+    let memfd_off = [("KVBRIDGE_REGION_MEMFD", std::ffi::OsStr::new("0"))];
+    let peer = if cma {
+        PeerProcess::start_with(window, page, &memfd_off, &[])?
+    } else {
+        PeerProcess::start(window, page)?
+    };
     let local = Region::alloc(window, page)?;
-    // The memcpy ceiling's destination: memory of the same kind as the peer's region.
+    // The memcpy ceiling's destination: memory of the same kind as the peer's region
+    // (for cma plain heap memory, kept alive by `_raw_dst` for the whole run).
+    let mut _raw_dst: Vec<u8> = Vec::new();
     let memcpy_dst = if shm {
         Some(Region::alloc(window, page)?)
+    } else if cma {
+        _raw_dst = vec![1u8; window];
+        // SAFETY: the buffer lives until the end of `run`, after every use of the region;
+        // only the ceiling's memcpy touches it.
+        Some(unsafe { Region::from_raw(_raw_dst.as_mut_ptr(), window, page)? })
     } else {
         None
     };
@@ -194,11 +214,20 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
         let ch = Channel::new(cfg).await?;
         ch.register(&local, Grant::AllPeers)?;
         let target = ch.connect(&peer.addr).await?;
-        anyhow::ensure!(
-            ch.peer_transport(&target).await? == transport,
-            "the session does not use {}",
-            args.transport
-        );
+        if cma {
+            match ch.peer_cma(&target).await? {
+                kvbridge::CmaStatus::Active => {}
+                kvbridge::CmaStatus::Off(why) => {
+                    anyhow::bail!("the session does not use cma: {why}")
+                }
+            }
+        } else {
+            anyhow::ensure!(
+                ch.peer_transport(&target).await? == transport,
+                "the session does not use {}",
+                args.transport
+            );
+        }
         links.push((ch, target));
     }
     let links = std::sync::Arc::new(links);
@@ -296,7 +325,7 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
     Ok(Report {
         transport: args.transport,
         sessions,
-        ceiling: if shm { "memcpy" } else { "socket" }.into(),
+        ceiling: if shm || cma { "memcpy" } else { "socket" }.into(),
         pattern: if args.same_offsets {
             "same-offsets"
         } else {

@@ -1,0 +1,478 @@
+//! Same-host one-sided copies, and cross-memory attach (`process_vm_writev` /
+//! `process_vm_readv`) for memory that cannot be mapped.
+//!
+//! # Two ways to copy, one trait
+//! A batch to a peer on this host does not need a socket when this process can reach the
+//! peer's memory directly. [`DirectCopy`] is that capability: copy a list of
+//! (remote address, local address, length) pieces, in order, synchronously. It has two
+//! implementations:
+//! - [`MemCopy`]: the peer's region is mapped into this process (its memfd came over the
+//!   unix socket, see `shm.rs`); a piece is one `memcpy`.
+//! - [`CmaCopy`]: the region is the peer's own memory (`Region::from_raw`, or private memory
+//!   where memfds are unavailable) that cannot be mapped; pieces are handed to the kernel
+//!   as iovecs, up to [`IOV_MAX`] per `process_vm_writev`/`process_vm_readv` call, and a
+//!   partial transfer is continued where it stopped.
+//!
+//! The trait is deliberately *not* the issue's `Transport` and does not cover TCP: a TCP
+//! batch is two-sided (the listener validates every op header and reads the payload into
+//! place), while both direct copies are one-sided (this side checks bounds against what the
+//! listener announced and the kernel does the rest). Forcing TCP behind the same trait would
+//! hide that difference in who validates. And `Transport` is already the name of the
+//! setting users choose ([`crate::Transport`]). `datapath.rs` picks per batch: every region
+//! reachable directly (mapped, else cross-memory attach when the probe passed for this
+//! peer) → direct copy; else TCP.
+//!
+//! # When cross-memory attach is used
+//! The kernel allows `process_vm_writev` into another process only with ptrace-attach
+//! rights over it: same user, and Yama's `kernel.yama.ptrace_scope` 0 (or `CAP_SYS_PTRACE`);
+//! seccomp filters (containers) or old kernels refuse the call outright (`ENOSYS`/`EPERM`).
+//! So it is checked, per session, by doing it: a listener advertises it in its shared-memory
+//! offer (`ShmOffer::cma`); an initiator that wants it (`ChannelConfig::cma`, env
+//! `KVBRIDGE_CMA`) asks over the authenticated unix socket (`CmaAsk`); the listener answers
+//! with the address of a fresh random canary (`CmaProbe`); the initiator reads it with
+//! `process_vm_readv` and sends back what it read (`CmaProbed`). Only when the bytes are
+//! the canary's does the listener announce the base addresses of its unmappable regions
+//! (`ShmMap` with `addr`, no descriptor). On any failure the reason is logged (the first
+//! time at info, then at debug), reported by [`crate::Channel::peer_cma`], and those regions
+//! go over TCP.
+//!
+//! # Safety of unmapping
+//! The listener cannot see a peer's `process_vm_writev` land, so it cannot count those
+//! writes in the region's in-use count as it counts TCP writes. Instead a region offered
+//! for cross-memory attach is *exported*, exactly like a mapped shared-memory region, and
+//! the export is revoked the same way:
+//! 1. The listener counts the export (`Region::cma_exports`) before the frame with the
+//!    address leaves, so there is no moment when the peer knows the address and the count
+//!    is zero.
+//! 2. `deregister` removes the region from the table (no new grant, no new offer), which
+//!    makes the session send `ShmUnmap`, and then waits (`quiesce`, within the op deadline)
+//!    until the in-use count *and* the cross-memory exports are zero.
+//! 3. The initiator copies only on its data writer thread, holding the region's read lock
+//!    for the whole call and checking the `revoked` flag under it. On `ShmUnmap` it takes the
+//!    write lock — which waits for a copy in progress — sets `revoked`, and only then
+//!    answers `ShmUnmapped`. Any later batch naming the region finds it revoked (or gone
+//!    from the map) and fails with `Rejected { UnknownRegion }`.
+//! 4. The listener drops the export only on that `ShmUnmapped`, or when the unix socket
+//!    closes: the initiator closes it only after its data threads stopped and it revoked
+//!    everything, and a dead process's socket closes only once it can no longer run.
+//!
+//! So when `deregister` returns `Ok`, every copy the initiator started into the region has
+//! returned and none will start. Unlike a memfd, caller memory cannot be *detached* when a
+//! peer does not confirm in time: the export then stays counted, the region is marked
+//! tainted and `deregister` fails with an error that says so — the caller must keep the
+//! memory alive (or stop the peer); returning `Ok` there would be a lie.
+//!
+//! # A peer that restarts with the same pid
+//! An initiator writes to a pid. The listener's pid is bound to its session: the offer
+//! carries it, the initiator checks it against the unix socket's peer credentials, and the
+//! canary proves that this pid is the process holding this session's secret bytes. If the
+//! listener dies, the kernel closes its sockets while it exits, before its pid can be
+//! reused; the initiator's shared-memory task sees the close, revokes every region of that
+//! session, and the session ends (a restarted listener is a new session with a new
+//! incarnation, its own probe and its own addresses). The window left is between the
+//! listener's death and the initiator noticing it; there every call first polls a pidfd
+//! of the probed process (Linux 5.3+) and fails with `PeerGone` once it exited. What
+//! remains is the moment between that poll and the system call, in which the whole pid
+//! space would have to wrap and a process of the same user map the same address — not
+//! excluded by construction, but not reachable in practice.
+//!
+//! # Threat model
+//! As for shared memory: only peers on this host, after they authenticated, and only the
+//! regions granted to them, within the bounds announced; the listener's address is never
+//! used for a region it did not announce on this session's unix socket. A peer that may
+//! `process_vm_writev` into us could as well `ptrace` us, so nothing here protects against
+//! a hostile peer with that right; what is protected is memory the owner deregistered.
+
+use crate::shm::Dir;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Most iovecs the kernel takes per call (`UIO_MAXIOV`).
+pub(crate) const IOV_MAX: usize = 1024;
+
+/// One range of a direct copy.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Piece {
+    /// Address on the peer's side: in this process for a mapping, in the peer's address
+    /// space for cross-memory attach.
+    pub(crate) remote: usize,
+    /// Address of the local range (checked against its region, held in use).
+    pub(crate) local: *mut u8,
+    /// Bytes.
+    pub(crate) len: usize,
+}
+
+/// Why a direct copy failed.
+#[derive(Debug)]
+pub(crate) enum CopyError {
+    /// The peer process exited (its pid may be reused: no call was made).
+    PeerGone,
+    /// The kernel refused or failed the copy (errno), after `done` bytes of the call.
+    Os {
+        /// The error.
+        error: io::Error,
+        /// Bytes copied before it.
+        done: usize,
+    },
+}
+
+impl std::fmt::Display for CopyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CopyError::PeerGone => f.write_str("the peer process exited"),
+            CopyError::Os { error, done } => {
+                write!(f, "{} after {done} bytes", describe(error, None))
+            }
+        }
+    }
+}
+
+/// A same-host one-sided copy (module docs: why this is not the `Transport` setting and
+/// does not cover TCP).
+pub(crate) trait DirectCopy {
+    /// Copies every piece (`Write`: local → remote; `Read`: remote → local), in order, and
+    /// returns once all bytes are in place or on the first failure.
+    ///
+    /// # Safety
+    /// Every remote range must be inside memory the peer announced for this session and
+    /// that is not revoked (the caller holds the region's read lock); every local range must
+    /// be inside a region held in use; nothing else may access either range meanwhile.
+    unsafe fn copy(&self, dir: Dir, pieces: &[Piece]) -> Result<(), CopyError>;
+}
+
+/// Copies into or out of a peer's region mapped into this process.
+pub(crate) struct MemCopy;
+
+impl DirectCopy for MemCopy {
+    unsafe fn copy(&self, dir: Dir, pieces: &[Piece]) -> Result<(), CopyError> {
+        for p in pieces {
+            let remote = p.remote as *mut u8;
+            match dir {
+                Dir::Write => std::ptr::copy_nonoverlapping(p.local, remote, p.len),
+                Dir::Read => std::ptr::copy_nonoverlapping(remote, p.local, p.len),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Copies into or out of another process's memory with `process_vm_writev`/`readv`.
+pub(crate) struct CmaCopy {
+    pid: libc::pid_t,
+    /// A descriptor of the very process that passed the probe, polled before each call;
+    /// `None` where `pidfd_open` is unavailable (before Linux 5.3).
+    pidfd: Option<OwnedFd>,
+}
+
+impl CmaCopy {
+    /// For the process `pid` (which just passed the probe).
+    pub(crate) fn new(pid: u32) -> CmaCopy {
+        let pid = pid as libc::pid_t;
+        // SAFETY: pidfd_open takes a pid and flags; it returns a new descriptor or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        let pidfd = (fd >= 0).then(|| {
+            // SAFETY: a fresh descriptor that nothing else owns.
+            unsafe { OwnedFd::from_raw_fd(fd as i32) }
+        });
+        CmaCopy { pid, pidfd }
+    }
+
+    /// Whether the process exited (its pidfd became readable).
+    fn exited(&self) -> bool {
+        let Some(fd) = &self.pidfd else {
+            return false;
+        };
+        let mut p = libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd; zero timeout.
+        let n = unsafe { libc::poll(&mut p, 1, 0) };
+        n > 0 && p.revents & libc::POLLIN != 0
+    }
+}
+
+impl DirectCopy for CmaCopy {
+    unsafe fn copy(&self, dir: Dir, pieces: &[Piece]) -> Result<(), CopyError> {
+        if self.exited() {
+            return Err(CopyError::PeerGone);
+        }
+        for chunk in pieces.chunks(IOV_MAX) {
+            vm_copy(self.pid, dir, chunk)?;
+        }
+        Ok(())
+    }
+}
+
+/// One batch of at most [`IOV_MAX`] pieces, continued after partial transfers.
+///
+/// # Safety
+/// As [`DirectCopy::copy`].
+unsafe fn vm_copy(pid: libc::pid_t, dir: Dir, pieces: &[Piece]) -> Result<(), CopyError> {
+    let mut local: Vec<libc::iovec> = pieces
+        .iter()
+        .map(|p| libc::iovec {
+            iov_base: p.local.cast(),
+            iov_len: p.len,
+        })
+        .collect();
+    let mut remote: Vec<libc::iovec> = pieces
+        .iter()
+        .map(|p| libc::iovec {
+            iov_base: p.remote as *mut libc::c_void,
+            iov_len: p.len,
+        })
+        .collect();
+    let total: usize = pieces.iter().map(|p| p.len).sum();
+    let mut done = 0usize;
+    // Index of the first piece not fully copied.
+    let mut first = 0usize;
+    while done < total {
+        let (l, r) = (&local[first..], &remote[first..]);
+        let n = match dir {
+            Dir::Write => libc::process_vm_writev(
+                pid,
+                l.as_ptr(),
+                l.len() as libc::c_ulong,
+                r.as_ptr(),
+                r.len() as libc::c_ulong,
+                0,
+            ),
+            Dir::Read => libc::process_vm_readv(
+                pid,
+                l.as_ptr(),
+                l.len() as libc::c_ulong,
+                r.as_ptr(),
+                r.len() as libc::c_ulong,
+                0,
+            ),
+        };
+        if n < 0 {
+            let error = io::Error::last_os_error();
+            if error.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(CopyError::Os { error, done });
+        }
+        if n == 0 {
+            // No progress and no error: the kernel stopped at an unreachable remote range.
+            return Err(CopyError::Os {
+                error: io::Error::from_raw_os_error(libc::EFAULT),
+                done,
+            });
+        }
+        // A partial transfer stops at an iovec boundary of the remote side or inside one;
+        // continue with what is left of that piece.
+        let mut n = n as usize;
+        done += n;
+        while n > 0 && first < local.len() {
+            let left = local[first].iov_len;
+            if n >= left {
+                n -= left;
+                first += 1;
+            } else {
+                local[first].iov_base = local[first].iov_base.cast::<u8>().add(n).cast();
+                local[first].iov_len -= n;
+                remote[first].iov_base = remote[first].iov_base.cast::<u8>().add(n).cast();
+                remote[first].iov_len -= n;
+                n = 0;
+            }
+        }
+        // Zero-length pieces left at the front would make the next call return 0.
+        while first < local.len() && local[first].iov_len == 0 {
+            first += 1;
+        }
+    }
+    Ok(())
+}
+
+/// Reads `len` bytes at `addr` of process `pid` (the probe). The error says why in words
+/// (`peer_uid`: the peer's user, from the unix socket's credentials, when known).
+pub(crate) fn probe(
+    pid: u32,
+    addr: u64,
+    len: usize,
+    peer_uid: Option<u32>,
+) -> Result<Vec<u8>, String> {
+    let mut out = vec![0u8; len];
+    let piece = Piece {
+        remote: addr as usize,
+        local: out.as_mut_ptr(),
+        len,
+    };
+    // SAFETY: the local range is our own buffer; the remote range is only read, and the
+    // kernel checks it in the peer's address space (a bad address is EFAULT, not UB here).
+    match unsafe { vm_copy(pid as libc::pid_t, Dir::Read, &[piece]) } {
+        Ok(()) => Ok(out),
+        Err(CopyError::Os { error, .. }) => Err(describe(&error, peer_uid)),
+        Err(CopyError::PeerGone) => Err("the peer process exited".into()),
+    }
+}
+
+/// Why a cross-memory-attach call failed, in words an operator can act on.
+pub(crate) fn describe(e: &io::Error, peer_uid: Option<u32>) -> String {
+    match e.raw_os_error() {
+        Some(libc::EPERM) | Some(libc::EACCES) => {
+            // SAFETY: getuid cannot fail.
+            let ours = unsafe { libc::getuid() };
+            match peer_uid {
+                Some(theirs) if theirs != ours => format!(
+                    "not permitted ({e}): different user (the listener runs as uid {theirs}, we as uid {ours})"
+                ),
+                _ => match ptrace_scope() {
+                    Some(s) if s > 0 => format!(
+                        "not permitted ({e}): kernel.yama.ptrace_scope={s} (0 allows it between processes of one user)"
+                    ),
+                    _ => format!("not permitted ({e}): no ptrace access to the listener"),
+                },
+            }
+        }
+        Some(libc::ENOSYS) => format!(
+            "process_vm_readv/writev unavailable ({e}): an old kernel or a seccomp filter (containers)"
+        ),
+        Some(libc::ESRCH) => format!("no such process ({e})"),
+        Some(libc::EFAULT) => format!("bad address in the peer ({e})"),
+        _ => format!("cross-memory attach failed: {e}"),
+    }
+}
+
+/// Yama's `kernel.yama.ptrace_scope`, where Yama is on.
+fn ptrace_scope() -> Option<u32> {
+    std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope")
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// Logs why cross-memory attach is not used with a peer: the first time at info, then at
+/// debug (every session to every peer would repeat the same reason).
+pub(crate) fn log_refused(peer: &str, why: &str) {
+    static LOGGED: AtomicBool = AtomicBool::new(false);
+    if !LOGGED.swap(true, Ordering::Relaxed) {
+        tracing::info!(%peer, "cross-memory attach not used; TCP carries caller memory: {why}");
+    } else {
+        tracing::debug!(%peer, "cross-memory attach not used: {why}");
+    }
+}
+
+/// Whether this process can use cross-memory attach at all: it reads a buffer of its own
+/// with `process_vm_readv` (a seccomp filter or an old kernel refuses even that). A peer's
+/// permission is still checked per session by the probe. `Err` says why not.
+pub fn cma_available() -> Result<(), String> {
+    let canary = [0x5au8; 16];
+    let got = probe(
+        std::process::id(),
+        canary.as_ptr() as u64,
+        canary.len(),
+        None,
+    )?;
+    if got[..] == canary[..] {
+        Ok(())
+    } else {
+        Err("process_vm_readv returned other bytes than our own".into())
+    }
+}
+
+/// Whether cross-memory attach carries this side's batches to a peer
+/// ([`crate::Channel::peer_cma`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CmaStatus {
+    /// The probe read the listener's canary: the regions it offers by address (those that
+    /// cannot be mapped) are copied with `process_vm_writev`/`readv`. (Should the listener
+    /// find other bytes than its canary, it offers none and logs why.)
+    Active,
+    /// Not used, and why (disabled, not offered, not on this host, not permitted, ...):
+    /// those regions go over TCP.
+    Off(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Many pieces, more than one call's worth of iovecs, land in order and in place; a
+    /// read brings them back.
+    #[test]
+    fn batches_split_at_iov_max_and_round_trip() {
+        if cma_available().is_err() {
+            return;
+        }
+        let n = IOV_MAX * 2 + 7;
+        let src: Vec<u8> = (0..n * 3).map(|i| (i * 7 + 1) as u8).collect();
+        let mut dst = vec![0u8; n * 4];
+        // Piece i: 3 bytes of src at 3i → 4i of dst (gaps stay zero).
+        let pieces: Vec<Piece> = (0..n)
+            .map(|i| Piece {
+                remote: dst.as_mut_ptr() as usize + 4 * i,
+                local: src.as_ptr().wrapping_add(3 * i) as *mut u8,
+                len: 3,
+            })
+            .collect();
+        let c = CmaCopy::new(std::process::id());
+        // SAFETY: both ranges are our own live buffers, disjoint.
+        unsafe { c.copy(Dir::Write, &pieces) }.unwrap();
+        for i in 0..n {
+            assert_eq!(&dst[4 * i..4 * i + 3], &src[3 * i..3 * i + 3], "piece {i}");
+            assert_eq!(dst[4 * i + 3], 0);
+        }
+        let mut back = vec![0u8; n * 3];
+        let pieces: Vec<Piece> = (0..n)
+            .map(|i| Piece {
+                remote: dst.as_ptr() as usize + 4 * i,
+                local: back.as_mut_ptr().wrapping_add(3 * i),
+                len: 3,
+            })
+            .collect();
+        // SAFETY: as above.
+        unsafe { c.copy(Dir::Read, &pieces) }.unwrap();
+        assert_eq!(back, src);
+    }
+
+    /// A remote range that is not mapped fails with a typed error after the bytes before
+    /// it (a partial transfer is reported, not retried forever).
+    #[test]
+    fn unmapped_remote_range_is_an_error() {
+        if cma_available().is_err() {
+            return;
+        }
+        let src = [1u8; 8];
+        let mut dst = [0u8; 8];
+        let pieces = [
+            Piece {
+                remote: dst.as_mut_ptr() as usize,
+                local: src.as_ptr() as *mut u8,
+                len: 8,
+            },
+            Piece {
+                remote: 8,
+                local: src.as_ptr() as *mut u8,
+                len: 8,
+            },
+        ];
+        let c = CmaCopy::new(std::process::id());
+        // SAFETY: the first remote range is our buffer; the second is unmapped (the kernel
+        // refuses it with EFAULT).
+        let e = unsafe { c.copy(Dir::Write, &pieces) }.unwrap_err();
+        match e {
+            CopyError::Os { error, done } => {
+                assert_eq!(error.raw_os_error(), Some(libc::EFAULT));
+                assert_eq!(done, 8);
+            }
+            other => panic!("{other}"),
+        }
+        assert_eq!(dst, [1u8; 8]);
+    }
+
+    #[test]
+    fn reasons_name_the_cause() {
+        let e = io::Error::from_raw_os_error(libc::ENOSYS);
+        assert!(describe(&e, None).contains("seccomp"));
+        // SAFETY: getuid cannot fail.
+        let me = unsafe { libc::getuid() };
+        let e = io::Error::from_raw_os_error(libc::EPERM);
+        assert!(describe(&e, Some(me.wrapping_add(1))).contains("different user"));
+    }
+}
