@@ -61,6 +61,9 @@ struct RegionInner {
     detaching: AtomicBool,
     /// One detach at a time (two peers may give up on the same region at once).
     detach_lock: tokio::sync::Mutex<()>,
+    /// Held by the copy of a detach (the bare one included), so that two never overlap;
+    /// `memfd` is not held meanwhile, so that readers of it do not wait for the copy.
+    copy_lock: Mutex<()>,
     /// Peers that mapped the region and have not confirmed unmapping it (abandoned ones
     /// included, until the region is detached).
     exports: AtomicUsize,
@@ -242,6 +245,7 @@ impl Region {
                 writing: AtomicUsize::new(0),
                 detaching: AtomicBool::new(false),
                 detach_lock: tokio::sync::Mutex::new(()),
+                copy_lock: Mutex::new(()),
                 exports: AtomicUsize::new(0),
                 abandoned: AtomicUsize::new(0),
                 idle: Notify::new(),
@@ -332,10 +336,17 @@ impl Region {
     /// copy, for a caller that excluded writers ([`Region::detach_quiesced`] does), or that
     /// has no choice (a session task dropped without its teardown).
     pub(crate) fn detach(&self) -> Result<()> {
-        let mut g = self.backing();
-        if !g.mapped {
+        let _copy = self
+            .inner
+            .copy_lock
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        {
+            let mut g = self.backing();
             g.fd = None;
-            return Ok(());
+            if !g.mapped {
+                return Ok(());
+            }
         }
         let len = self.inner.len;
         // SAFETY: a fresh private anonymous mapping; the kernel picks the address.
@@ -378,8 +389,7 @@ impl Region {
                 self.id()
             )));
         }
-        g.fd = None;
-        g.mapped = false;
+        self.backing().mapped = false;
         tracing::warn!(region = %self.id(), "region detached from its memfd: a peer did not confirm unmapping it");
         Ok(())
     }
@@ -402,7 +412,11 @@ impl Region {
             tracing::error!(region = %self.id(), writing = self.inner.writing.load(Ordering::SeqCst),
                 "transfers still write into the region after {writers_limit:?}; detaching it anyway");
         }
-        let r = self.detach();
+        // The copy of a large region takes a while: off the async workers.
+        let me = self.clone();
+        let r = tokio::task::spawn_blocking(move || me.detach())
+            .await
+            .unwrap_or_else(|e| Err(Error::Local(format!("the detach copy failed: {e}"))));
         self.inner.detaching.store(false, Ordering::SeqCst);
         self.inner.idle.notify_waiters();
         r

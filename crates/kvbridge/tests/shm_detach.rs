@@ -12,6 +12,8 @@ use kvbridge::proto::msg::*;
 use kvbridge::proto::PeerId;
 use kvbridge::{Channel, Error, Op, PeerEvent, Region, Transport};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const PAGE: usize = 4096;
@@ -78,6 +80,19 @@ async fn write_pages(
     peer: &PeerId,
     src: &Region,
     kv: &Region,
+    stop: impl FnMut(usize) -> bool,
+) -> HashMap<usize, (u64, bool)> {
+    write_spread(ch, peer, src, kv, PAGES, stop).await
+}
+
+/// [`write_pages`] over the first `pages` pages of `kv`, spread across them (write `i` goes
+/// to page `i * 7919 % pages`).
+async fn write_spread(
+    ch: &Channel,
+    peer: &PeerId,
+    src: &Region,
+    kv: &Region,
+    pages: usize,
     mut stop: impl FnMut(usize) -> bool,
 ) -> HashMap<usize, (u64, bool)> {
     let mut last = HashMap::new();
@@ -86,12 +101,13 @@ async fn write_pages(
     let until = Instant::now() + Duration::from_secs(20);
     while !stop(i) {
         assert!(Instant::now() < until, "writes did not finish in time");
-        let page = i % PAGES;
+        let page = i * 7919 % pages;
         let seed = 0xde7ac4 ^ ((i as u64) << 8);
         pattern(&mut buf, seed, 0);
-        src.write_at(page * PAGE, &buf).unwrap();
+        let local = i % PAGES;
+        src.write_at(local * PAGE, &buf).unwrap();
         let r = ch
-            .write(peer, &[Op::page(src, page, kv.id(), page as u64, PAGE)])
+            .write(peer, &[Op::page(src, local, kv.id(), page as u64, PAGE)])
             .await;
         if let Err(e) = &r {
             // Typed: it names the peer (and says why); never a silent success.
@@ -105,6 +121,21 @@ async fn write_pages(
         tokio::task::yield_now().await;
     }
     last
+}
+
+/// A flag set (by a thread of its own, polling every millisecond for at most 20 s) once
+/// `r` is detached.
+fn watch_detached(r: &Region) -> Arc<AtomicBool> {
+    let flag = Arc::new(AtomicBool::new(false));
+    let (f, r) = (flag.clone(), r.clone());
+    std::thread::spawn(move || {
+        let until = Instant::now() + Duration::from_secs(20);
+        while !r.is_detached() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        f.store(r.is_detached(), Ordering::Release);
+    });
+    flag
 }
 
 /// Every acknowledged write is where the listener reads.
@@ -212,14 +243,6 @@ async fn deregister_with_a_silent_peer_ends_its_session_and_spares_the_others() 
     dec.deregister(gone.id()).await.unwrap();
     let took = t.elapsed();
     assert!(took < Duration::from_secs(10), "deregister took {took:?}");
-    assert!(
-        gone.is_detached(),
-        "A may still copy into the deregistered region"
-    );
-    wait_until("A's export of the deregistered region is finished", || {
-        gone.exports() == 0
-    })
-    .await;
     let down = tokio::time::timeout(Duration::from_secs(5), async {
         loop {
             if let PeerEvent::Down { peer, error, .. } = events.recv().await.unwrap() {
@@ -238,6 +261,14 @@ async fn deregister_with_a_silent_peer_ends_its_session_and_spares_the_others() 
         }
         other => panic!("the silent peer's session ended with {other}"),
     }
+    assert!(
+        gone.is_detached(),
+        "A may still copy into the deregistered region"
+    );
+    wait_until("A's export of the deregistered region is finished", || {
+        gone.exports() == 0
+    })
+    .await;
     // A hears why.
     let bye = loop {
         match recv_frame(&mut ctl).await {
@@ -258,6 +289,50 @@ async fn deregister_with_a_silent_peer_ends_its_session_and_spares_the_others() 
     wait_until("A's exports are finished", || kv.exports() == 0).await;
     let last = write_pages(&pre, &peer, &src, &kv, |i| i >= 2 * PAGES).await;
     assert!(last.values().all(|&(_, ok)| ok), "B's writes failed");
+    assert_landed(&kv, &last);
+    drop(shm);
+}
+
+/// A detach copies the region while peers on other hosts keep writing into it over TCP: a
+/// write that lands on a page the copy already passed would be acknowledged and lost, so
+/// writers are held back during the copy. The region is large, so that the copy takes a
+/// while, and the writes go to its first pages, which the copy passes first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_writes_during_a_detach_land_where_the_listener_reads() {
+    const BIG: usize = 256 << 20;
+    let (dec, kv) = listener(
+        "decode-0",
+        |c| {
+            c.deadlines.close = Duration::from_millis(300);
+            c.deadlines.op = Duration::from_secs(5);
+        },
+        BIG,
+        PAGE,
+    )
+    .await;
+    let (tcp, src) = initiator(
+        "prefill-tcp",
+        |c| c.transport = Transport::Tcp,
+        PAGES * PAGE,
+        PAGE,
+    )
+    .await;
+    let peer = tcp.connect(&addr(&dec)).await.unwrap();
+    assert_transport(&tcp, &peer, Transport::Tcp).await;
+    let (ctl, data, shm) = silent_peer(&addr(&dec), "silent").await;
+    wait_until("the silent peer mapped the region", || kv.exports() == 1).await;
+
+    drop((ctl, data));
+    // Watched from a thread of its own: asking the region blocks while a detach copies it,
+    // and the writes must go on meanwhile.
+    // Writing stops as soon as the region is detached, so that most pages keep the write
+    // that was last before or during the copy (later ones would overwrite a lost write).
+    let detached = watch_detached(&kv);
+    let last = write_pages(&tcp, &peer, &src, &kv, |_| detached.load(Ordering::Acquire)).await;
+    assert!(
+        last.values().all(|&(_, ok)| ok),
+        "TCP writes failed during the detach"
+    );
     assert_landed(&kv, &last);
     drop(shm);
 }
