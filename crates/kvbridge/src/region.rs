@@ -276,8 +276,10 @@ impl Region {
         self.backing().fd.is_some()
     }
 
-    /// Whether the region was detached from its memfd (see [`Region::detach`]): peers'
-    /// old mappings no longer reach its memory.
+    /// Whether the region was detached from its memfd (a peer that mapped it did not
+    /// confirm unmapping it in time: its bytes were moved to fresh memory at the same
+    /// address): peers' old mappings no longer reach its memory, and it is not shared any
+    /// more.
     pub fn is_detached(&self) -> bool {
         !self.backing().mapped && matches!(self.inner.backing, Backing::Mapped)
     }
