@@ -1049,9 +1049,21 @@ impl Core {
                             .and_then(|id| self.sessions.get(id))
                         {
                             Some(s) => {
-                                let _ = s
+                                // A session tearing down closed its queue: its token still
+                                // names it until it is down, but it binds nothing more.
+                                if let Err(mpsc::error::SendError(SessionCmd::DataConn(
+                                    stream,
+                                    ..,
+                                ))) = s
                                     .ctl
-                                    .send(SessionCmd::DataConn(stream, dh.peer_id, dh.stream));
+                                    .send(SessionCmd::DataConn(stream, dh.peer_id, dh.stream))
+                                {
+                                    tokio::spawn(refuse(
+                                        stream,
+                                        ErrorCode::UnknownSession,
+                                        "the session for this token has ended",
+                                    ));
+                                }
                             }
                             None => {
                                 tokio::spawn(refuse(

@@ -863,6 +863,7 @@ impl Session {
     /// core. After this nothing of the session is left anywhere.
     async fn teardown(mut self, err: Error) {
         tracing::debug!(peer = %self.peer_name, error = %err, "session ends");
+        self.refuse_late_connections();
         // The machine already queued a Reject for its own failures; for the others say Bye.
         let tell_peer = !matches!(
             err,
@@ -946,6 +947,36 @@ impl Session {
 }
 
 impl Session {
+    /// From here on the session serves no new connection: its command queue is closed (the
+    /// core then refuses what it would route here), and every data connection queued or
+    /// parked but not bound gets a typed refusal instead of a silent close at the end of a
+    /// teardown that may take the close deadline.
+    fn refuse_late_connections(&mut self) {
+        const WHY: &str = "the session for this token has ended";
+        self.cmds.close();
+        let mut late: Vec<Stream> = Vec::new();
+        while let Ok(c) = self.cmds.try_recv() {
+            match c {
+                SessionCmd::DataConn(s, _, _) => late.push(s),
+                // Never bound: nothing of ours was mapped through it.
+                SessionCmd::ShmConn(s, _) => drop(s),
+                _ => {}
+            }
+        }
+        late.extend(self.parked_data.take());
+        late.extend(
+            std::mem::take(&mut self.parked_extra)
+                .into_iter()
+                .map(|(_, s)| s),
+        );
+        if let Some((_, streams)) = self.pending_bind.take() {
+            late.extend(streams);
+        }
+        for s in late {
+            tokio::spawn(refuse(s, ErrorCode::UnknownSession, WHY));
+        }
+    }
+
     /// (Initiator) Uses the listener's shared-memory offer when the configuration allows it
     /// and the listener is on this host; fails the session when shm is required and cannot
     /// be had.
