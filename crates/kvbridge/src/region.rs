@@ -409,6 +409,9 @@ impl Region {
         // SeqCst pairs with `begin_write`: either a writer sees the flag and backs off, or
         // the count below sees the writer.
         self.inner.detaching.store(true, Ordering::SeqCst);
+        // Cleared however this ends (a task aborted mid-way included), and only once the
+        // copy is over: the guard moves into the copy's thread below.
+        let held = HoldingWriters(self.clone());
         let writers = self.wait_for(|r| r.inner.writing.load(Ordering::SeqCst) == 0);
         if tokio::time::timeout(writers_limit, writers).await.is_err() {
             tracing::error!(region = %self.id(), writing = self.inner.writing.load(Ordering::SeqCst),
@@ -416,11 +419,13 @@ impl Region {
         }
         // The copy of a large region takes a while: off the async workers.
         let me = self.clone();
-        let r = tokio::task::spawn_blocking(move || me.detach())
-            .await
-            .unwrap_or_else(|e| Err(Error::Local(format!("the detach copy failed: {e}"))));
-        self.inner.detaching.store(false, Ordering::SeqCst);
-        self.inner.idle.notify_waiters();
+        let r = tokio::task::spawn_blocking(move || {
+            let r = me.detach();
+            drop(held);
+            r
+        })
+        .await
+        .unwrap_or_else(|e| Err(Error::Local(format!("the detach copy failed: {e}"))));
         r
     }
 
@@ -560,6 +565,16 @@ impl Region {
     pub(crate) async fn quiesce(&self) {
         self.wait_for(|r| r.in_use() == 0 && (r.exports() == 0 || !r.backing().mapped))
             .await
+    }
+}
+
+/// Clears [`Region::detaching`] when dropped, and wakes the writers it held back.
+struct HoldingWriters(Region);
+
+impl Drop for HoldingWriters {
+    fn drop(&mut self) {
+        self.0.inner.detaching.store(false, Ordering::SeqCst);
+        self.0.inner.idle.notify_waiters();
     }
 }
 
