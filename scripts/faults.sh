@@ -19,6 +19,8 @@ SUITE=(
   "kvbridge simulation handshake_and_first_write_under_1000_seeds"
   "kvbridge hostile_peer"
   "kvbridge bytes_in_flight"
+  "kvbridge shm_peer_death"
+  "kvbridge shm_detach"
   "kvbridge tls plaintext_initiator_is_refused_by_a_tls_listener_with_a_typed_error tls_initiator_against_a_plaintext_listener_fails_typed untrusted_certificate_fails_typed expired_certificate_fails_typed a_listener_that_never_answers_the_tls_handshake_times_out_typed"
   "kvbridge-cli processes listener_process_killed_mid_handshake_then_restarted"
   "kvbridge-proxy e2e kv_outcome_never_arrives_gives_504_within_the_deadline kv_failed_gives_502_at_once decoder_dies_mid_stream_gives_an_sse_error_event"

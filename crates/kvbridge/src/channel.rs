@@ -105,6 +105,13 @@ pub(crate) enum CoreCmd {
         error: Error,
     },
     MemChanged,
+    /// A region is being detached from shared memory: every session but `except` whose
+    /// peer still maps it ends ([`SessionCmd::EndIfMapping`]).
+    EndMappers {
+        region: RegionId,
+        except: Option<u64>,
+        after: std::time::Duration,
+    },
     /// A control connection refused on TLS grounds (counted in [`Stats::tls_refused`]).
     TlsRefused,
     Disconnect {
@@ -364,11 +371,19 @@ impl Channel {
 
     /// Removes a region. New transfers can no longer find it; this waits (within the op
     /// deadline) until no transfer touches it and every peer that mapped it (shared memory)
-    /// or copies into it by address (cross-memory attach) confirmed it stopped, so its
-    /// memory is never written afterwards. A peer that does not confirm in time gets a
-    /// mapped region detached: its bytes move to fresh memory at the same address, out of
-    /// that peer's reach. Caller memory cannot be moved: then this fails, and the caller
-    /// must keep the memory alive while that peer lives ([`Region::is_tainted`]).
+    /// confirmed unmapping it, or that copies into it by address (cross-memory attach)
+    /// confirmed it stopped, so its memory is never written afterwards.
+    ///
+    /// A peer that does not confirm an unmap in time is not trusted with the region any
+    /// longer: its session ends with [`Error::UnmapTimeout`] (its batches in flight fail; it
+    /// may reconnect), that session's teardown waits (close deadline) for the peer to close
+    /// its shared-memory connection, and when it does not, the region is *detached*: its
+    /// bytes move to fresh memory at the same address, out of that peer's reach (do not
+    /// write the region locally meanwhile). So with a silent peer this returns after the op
+    /// deadline plus that teardown, about `op + control_write + close` at most. Caller
+    /// memory cannot be moved: when a peer that knew its address does not confirm, this
+    /// fails, and the caller must keep the memory alive while that peer lives
+    /// ([`Region::is_tainted`]).
     pub async fn deregister(&self, id: RegionId) -> Result<()> {
         let region = self
             .inner
@@ -379,6 +394,18 @@ impl Channel {
         let limit = self.inner.config.deadlines.op;
         if tokio::time::timeout(limit, region.quiesce()).await.is_ok() {
             return Ok(());
+        }
+        if region.exports() > 0 && !region.is_detached() {
+            // Peers that mapped the region did not confirm unmapping it in time: end their
+            // sessions, then cut the region loose from the memory they can still reach.
+            crate::session::detach_region(
+                &region,
+                &self.inner.core,
+                &self.inner.config,
+                None,
+                false,
+            )
+            .await?;
         }
         if region.in_use() > 0 {
             return Err(Error::Local(format!(
@@ -393,9 +420,7 @@ impl Channel {
                 region.cma_exports()
             )));
         }
-        // A peer that mapped the region did not confirm unmapping it in time: cut the
-        // region loose from the memory that peer can still reach.
-        region.detach()
+        Ok(())
     }
 
     async fn ask<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> CoreCmd) -> Result<T> {
@@ -435,8 +460,14 @@ impl Channel {
     }
 
     /// Checks a batch against the peer's regions and our limits; returns its op headers,
-    /// its local ranges (held in use) and its payload bytes.
-    fn prepare(&self, h: &PeerHandle, ops: &[Op]) -> Result<(Vec<OpDesc>, Vec<LocalSlice>, u64)> {
+    /// its local ranges (held in use; `writes`: the batch writes into them) and its payload
+    /// bytes.
+    fn prepare(
+        &self,
+        h: &PeerHandle,
+        ops: &[Op],
+        writes: bool,
+    ) -> Result<(Vec<OpDesc>, Vec<LocalSlice>, u64)> {
         let limits = &self.inner.config.limits;
         let invalid = |detail: String| Error::InvalidOp {
             peer: h.peer_id.to_string(),
@@ -483,7 +514,11 @@ impl Channel {
             total += op.len as u64;
             descs.push(d);
             slices.push(LocalSlice {
-                region: op.local.begin_use(),
+                region: if writes {
+                    op.local.begin_write()
+                } else {
+                    op.local.begin_use()
+                },
                 offset: op.local_offset,
                 len: op.len,
             });
@@ -507,7 +542,7 @@ impl Channel {
     /// has landed (or failed, with a typed error naming the peer and the step).
     pub async fn write(&self, peer: &PeerId, ops: &[Op]) -> Result<()> {
         let h = self.handle(peer).await?;
-        let (descs, sources, _) = self.prepare(&h, ops)?;
+        let (descs, sources, _) = self.prepare(&h, ops, false)?;
         h.data
             .transfer(
                 crate::shm::Dir::Write,
@@ -521,7 +556,24 @@ impl Channel {
     /// Reads every op's remote bytes into the local regions; returns when all have landed.
     pub async fn read(&self, peer: &PeerId, ops: &[Op]) -> Result<()> {
         let h = self.handle(peer).await?;
-        let (descs, dests, _) = self.prepare(&h, ops)?;
+        let limit = self.inner.config.deadlines.op;
+        // A local region being detached from shared memory is being copied: bytes read into
+        // it now would be lost, so the batch waits for the copy to end.
+        let (descs, dests) = loop {
+            let (descs, dests, _) = self.prepare(&h, ops, true)?;
+            match dests
+                .iter()
+                .map(|d| d.region.region())
+                .find(|r| r.detaching())
+            {
+                Some(r) => {
+                    let r = r.clone();
+                    drop(dests);
+                    r.wait_not_detaching(limit).await;
+                }
+                None => break (descs, dests),
+            }
+        };
         h.data
             .transfer(
                 crate::shm::Dir::Read,
@@ -1027,9 +1079,21 @@ impl Core {
                             .and_then(|id| self.sessions.get(id))
                         {
                             Some(s) => {
-                                let _ = s
+                                // A session tearing down closed its queue: its token still
+                                // names it until it is down, but it binds nothing more.
+                                if let Err(mpsc::error::SendError(SessionCmd::DataConn(
+                                    stream,
+                                    ..,
+                                ))) = s
                                     .ctl
-                                    .send(SessionCmd::DataConn(stream, dh.peer_id, dh.stream));
+                                    .send(SessionCmd::DataConn(stream, dh.peer_id, dh.stream))
+                                {
+                                    tokio::spawn(refuse(
+                                        stream,
+                                        ErrorCode::UnknownSession,
+                                        "the session for this token has ended",
+                                    ));
+                                }
                             }
                             None => {
                                 tokio::spawn(refuse(
@@ -1113,6 +1177,18 @@ impl Core {
                 }
             }
             CoreCmd::TlsRefused => self.tls_refused += 1,
+            CoreCmd::EndMappers {
+                region,
+                except,
+                after,
+            } => {
+                // Only the session owns what its peer mapped: each decides for itself.
+                for (id, s) in &self.sessions {
+                    if Some(*id) != except {
+                        let _ = s.ctl.send(SessionCmd::EndIfMapping { region, after });
+                    }
+                }
+            }
             CoreCmd::MemChanged => {
                 for s in self.sessions.values() {
                     let _ = s.ctl.send(SessionCmd::MemChanged);

@@ -637,7 +637,7 @@ pub(crate) fn split(
                     len: room,
                 });
                 cur.1.push(LocalSlice {
-                    region: l.region.region().begin_use(),
+                    region: l.region.again(),
                     offset: l.offset,
                     len: room as usize,
                 });
@@ -865,8 +865,13 @@ impl ReaderCtx {
     }
 
     /// Validates a peer's batch against our regions: every op in a region granted to the
-    /// peer and inside it, the batch within limits. Returns the destinations, marked in use.
-    pub(crate) fn resolve(&self, b: &Batch) -> std::result::Result<Vec<LocalSlice>, Reject> {
+    /// peer and inside it, the batch within limits. Returns the ranges, marked in use
+    /// (`writes`: the batch writes into them).
+    pub(crate) fn resolve(
+        &self,
+        b: &Batch,
+        writes: bool,
+    ) -> std::result::Result<Vec<LocalSlice>, Reject> {
         let reject = |code, message: String| Reject { code, message };
         if b.ops.len() > self.limits.max_ops_per_batch {
             return Err(reject(
@@ -892,7 +897,7 @@ impl ReaderCtx {
         }
         let mut out = Vec::with_capacity(b.ops.len());
         for (i, op) in b.ops.iter().enumerate() {
-            let Some(region) = self.table.use_for(&self.path.peer, &op.region) else {
+            let Some(region) = self.table.use_for(&self.path.peer, &op.region, writes) else {
                 return Err(reject(
                     ErrorCode::UnknownRegion,
                     format!("op {i}: region {} is not granted to this peer", op.region),
@@ -917,6 +922,26 @@ impl ReaderCtx {
             });
         }
         Ok(out)
+    }
+
+    /// [`ReaderCtx::resolve`] for a write batch. While one of its regions is being detached
+    /// from shared memory (its bytes copied to fresh memory), the batch waits for the copy
+    /// to end (bounded by the payload deadline) before it takes its ranges: a write during
+    /// the copy would be lost.
+    async fn resolve_write(&self, b: &Batch) -> std::result::Result<Vec<LocalSlice>, Reject> {
+        loop {
+            let dests = self.resolve(b, true)?;
+            let Some(r) = dests
+                .iter()
+                .map(|d| d.region.region())
+                .find(|r| r.detaching())
+                .cloned()
+            else {
+                return Ok(dests);
+            };
+            drop(dests);
+            r.wait_not_detaching(self.payload_deadline).await;
+        }
     }
 }
 
@@ -983,7 +1008,8 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
         match msg {
             Message::WriteBatch(b) => {
                 let dests = match ctx
-                    .resolve(&b)
+                    .resolve_write(&b)
+                    .await
                     .and_then(|d| disjoint(d, &b))
                     .and_then(|d| ctx.admit(&b, d))
                 {
@@ -1024,7 +1050,7 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
                 }
             }
             Message::ReadBatch(b) => {
-                let result = ctx.resolve(&b).and_then(|d| ctx.admit(&b, d));
+                let result = ctx.resolve(&b, false).and_then(|d| ctx.admit(&b, d));
                 if let Some(d) = ctx.hooks.read_serve_delay {
                     tokio::time::sleep(d).await;
                 }

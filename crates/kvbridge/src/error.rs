@@ -104,6 +104,22 @@ pub enum Error {
         /// The new incarnation.
         new: Incarnation,
     },
+    /// The peer mapped one of our regions over shared memory and did not confirm unmapping
+    /// it in time, while the region had to leave shared memory (it was deregistered, or
+    /// another peer's mapping of it could not be revoked). The session was ended so that
+    /// the region could be detached without a write of this peer landing in memory that is
+    /// cut loose; the peer may reconnect (it then reaches the region over TCP).
+    #[error("peer {peer}: step {step}: did not confirm unmapping region {region} within {after:?}; the session was ended so that the region could be detached from shared memory")]
+    UnmapTimeout {
+        /// The peer.
+        peer: String,
+        /// Where.
+        step: Step,
+        /// The region.
+        region: kvbridge_proto::RegionId,
+        /// How long the peer had to confirm.
+        after: Duration,
+    },
     /// A newer session of the same peer and incarnation replaced this one.
     #[error("peer {peer}: session replaced by a newer one")]
     SessionReplaced {
@@ -208,7 +224,7 @@ impl Error {
             Error::Incompatible { .. } => ErrorCode::Incompatible,
             Error::Unauthenticated { .. } => ErrorCode::Unauthenticated,
             Error::Rejected { code, .. } | Error::PeerClosed { code, .. } => *code,
-            Error::Timeout { .. } => ErrorCode::Timeout,
+            Error::Timeout { .. } | Error::UnmapTimeout { .. } => ErrorCode::Timeout,
             Error::ConnectionLost { .. } => ErrorCode::Internal,
             Error::PeerRestarted { .. } => ErrorCode::PeerRestarted,
             Error::SessionReplaced { .. } => ErrorCode::SessionReplaced,

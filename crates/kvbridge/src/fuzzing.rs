@@ -54,7 +54,7 @@ pub fn validate_batch(
         out,
         in_flight_refused: Default::default(),
     };
-    ctx.resolve(batch).map(|slices| {
+    ctx.resolve(batch, true).map(|slices| {
         slices
             .iter()
             .map(|s| Accepted {

@@ -10,6 +10,14 @@
 //! ([`crate::Channel::deregister`]) removes the region from the table first, so no new
 //! transfer can find it, then waits for that count to drop to zero: memory is never written
 //! after `deregister` returns, and owned memory is freed only with the last handle.
+//!
+//! A shared region (memfd-backed) can be *detached* when a peer that mapped it does not
+//! confirm unmapping it: its bytes move to fresh memory at the same address. The copy must
+//! not race a write into the region, or that write would be lost, so the transfers that
+//! write into a region are counted apart ([`Region::begin_write`]): a detach holds new ones
+//! back, waits for those running, and only then copies. Local application writes are not
+//! counted; as with transfers, the application must not write a range while the region may
+//! be detached under it (see `Channel::deregister`).
 
 use crate::error::{Error, Result};
 use kvbridge_proto::msg::{MemInfo, MemKind, RegionInfo};
@@ -21,6 +29,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
 use tokio::sync::Notify;
 
 /// Alignment of owned regions (a page).
@@ -42,18 +51,42 @@ struct RegionInner {
     page_size: usize,
     /// Who frees the memory.
     backing: Backing,
-    /// The memfd behind a shared mapping, while peers may map it (`None` for heap and
-    /// caller memory, and after [`Region::detach`]).
-    memfd: Mutex<Option<OwnedFd>>,
+    /// The memfd behind a shared mapping: whether peers may still map it, and whether the
+    /// region's memory still is that memfd's pages.
+    memfd: Mutex<ShmBacking>,
     in_use: AtomicUsize,
-    /// Peers that mapped the region and have not confirmed unmapping it.
+    /// Of `in_use`: transfers that write into the region. A detach waits for them.
+    writing: AtomicUsize,
+    /// Set while a detach waits for writers and copies: new writers wait until it is over.
+    detaching: AtomicBool,
+    /// One detach at a time (two peers may give up on the same region at once).
+    detach_lock: tokio::sync::Mutex<()>,
+    /// Held by the copy of a detach (the bare one included), so that two never overlap;
+    /// `memfd` is not held meanwhile, so that readers of it do not wait for the copy.
+    copy_lock: Mutex<()>,
+    /// Peers that mapped the region and have not confirmed unmapping it (abandoned ones
+    /// included, until the region is detached).
     exports: AtomicUsize,
     /// Peers that were told the region's address for cross-memory attach and have not
     /// confirmed they stopped copying (`cma.rs`, *Safety of unmapping*).
     cma_exports: AtomicUsize,
     /// A peer was told the address and never confirmed: its memory may still be written.
     tainted: AtomicBool,
+    /// Of `exports`: peers given up on (they did not confirm in time); the region must be
+    /// detached before they stop counting.
+    abandoned: AtomicUsize,
     idle: Notify,
+}
+
+/// A region's memfd, for the shared-memory transport.
+struct ShmBacking {
+    /// The descriptor peers may map: `Some` while the region is offered to peers on this
+    /// host; `None` for heap and caller memory, and once the region was withdrawn from
+    /// shared memory (it is never offered again, so no new mapping can appear).
+    fd: Option<OwnedFd>,
+    /// Whether the region's memory still is the memfd's pages (peers' mappings reach it);
+    /// false for heap and caller memory, and after [`Region::detach`].
+    mapped: bool,
 }
 
 /// Who frees a region's memory.
@@ -204,6 +237,7 @@ impl Region {
         backing: Backing,
         memfd: Option<OwnedFd>,
     ) -> Region {
+        let mapped = memfd.is_some();
         Region {
             inner: Arc::new(RegionInner {
                 id: new_region_id(),
@@ -211,11 +245,16 @@ impl Region {
                 len,
                 page_size,
                 backing,
-                memfd: Mutex::new(memfd),
+                memfd: Mutex::new(ShmBacking { fd: memfd, mapped }),
                 in_use: AtomicUsize::new(0),
+                writing: AtomicUsize::new(0),
+                detaching: AtomicBool::new(false),
+                detach_lock: tokio::sync::Mutex::new(()),
+                copy_lock: Mutex::new(()),
                 exports: AtomicUsize::new(0),
                 cma_exports: AtomicUsize::new(0),
                 tainted: AtomicBool::new(false),
+                abandoned: AtomicUsize::new(0),
                 idle: Notify::new(),
             }),
         }
@@ -237,25 +276,44 @@ impl Region {
         Ok(Self::wrap(ptr, len, page_size, Backing::Caller, None))
     }
 
-    /// Whether peers on this host may map the region (it is memfd-backed and not detached).
+    /// Whether peers on this host may map the region (it is memfd-backed, and was neither
+    /// withdrawn from shared memory nor detached). Peers reach a region that is not shared
+    /// over TCP.
     pub fn is_shared(&self) -> bool {
-        self.inner
-            .memfd
-            .lock()
-            .expect("region memfd poisoned")
-            .is_some()
+        self.backing().fd.is_some()
     }
 
-    /// A duplicate of the region's memfd, while it still has one (a duplicate, so that a
-    /// concurrent [`Region::detach`] cannot close it under the caller).
+    /// Whether the region was detached from its memfd (a peer that mapped it did not
+    /// confirm unmapping it in time: its bytes were moved to fresh memory at the same
+    /// address): peers' old mappings no longer reach its memory, and it is not shared any
+    /// more.
+    pub fn is_detached(&self) -> bool {
+        !self.backing().mapped && matches!(self.inner.backing, Backing::Mapped)
+    }
+
+    fn backing(&self) -> std::sync::MutexGuard<'_, ShmBacking> {
+        self.inner.memfd.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A duplicate of the region's memfd, while it is offered (a duplicate, so that a
+    /// concurrent [`Region::withdraw`] or [`Region::detach`] cannot close it under the
+    /// caller).
     pub(crate) fn memfd(&self) -> Option<OwnedFd> {
-        let g = self.inner.memfd.lock().expect("region memfd poisoned");
-        g.as_ref().and_then(|fd| fd.try_clone().ok())
+        let g = self.backing();
+        g.fd.as_ref().and_then(|fd| fd.try_clone().ok())
+    }
+
+    /// Stops offering the region over shared memory, for good: no peer maps it from now on
+    /// (sessions that export it ask their peer to unmap it at their next sync), and it is
+    /// reached over TCP. Mappings peers already hold still reach its memory until they are
+    /// confirmed gone or the region is detached.
+    pub(crate) fn withdraw(&self) {
+        self.backing().fd = None;
     }
 
     /// Marks the region as mapped by a peer until the guard is released.
     pub(crate) fn begin_export(&self) -> RegionExport {
-        self.inner.exports.fetch_add(1, Ordering::AcqRel);
+        self.inner.exports.fetch_add(1, Ordering::SeqCst);
         RegionExport {
             region: Some(self.clone()),
             cma: false,
@@ -287,8 +345,11 @@ impl Region {
 
     /// Whether the region is one that cross-memory attach may carry: its memory is not a
     /// memfd peers can map (caller memory, or private memory).
+    ///
+    /// Not while its memory still is a memfd's pages, even withdrawn: a detach may be about
+    /// to copy them away, and a copy by address is not held back by the detach's gate.
     pub(crate) fn wants_cma(&self) -> bool {
-        !self.is_shared()
+        !self.backing().mapped
     }
 
     /// Peers that mapped the region and have not confirmed unmapping it.
@@ -296,16 +357,38 @@ impl Region {
         self.inner.exports.load(Ordering::Acquire)
     }
 
+    /// Exports whose peer may still confirm (not abandoned): peers that may still be
+    /// copying into the region on behalf of a live session.
+    pub(crate) fn live_exports(&self) -> usize {
+        // Finishing an abandoned export lowers `abandoned` before `exports`, and `exports`
+        // is read first here: a race can only over-count live exports (a waiter then waits
+        // for the next wake-up), never hide one.
+        let ex = self.inner.exports.load(Ordering::SeqCst);
+        let ab = self.inner.abandoned.load(Ordering::SeqCst);
+        ex.saturating_sub(ab)
+    }
+
     /// Cuts the region loose from its memfd: its bytes are copied to fresh anonymous memory
     /// that replaces the shared mapping at the same address, so copies a peer may still make
     /// into the memfd land in pages this process no longer uses. The region keeps working
-    /// (over TCP from then on). A no-op for regions that are not shared.
+    /// (over TCP from then on; it is withdrawn from shared memory too). A no-op for regions
+    /// that are not memfd-backed or already detached.
     ///
-    /// The caller must not access the region meanwhile (as during any transfer).
+    /// Nothing may write into the region meanwhile, or the write is lost: this is the bare
+    /// copy, for a caller that excluded writers ([`Region::detach_quiesced`] does), or that
+    /// has no choice (a session task dropped without its teardown).
     pub(crate) fn detach(&self) -> Result<()> {
-        let mut g = self.inner.memfd.lock().expect("region memfd poisoned");
-        if g.is_none() {
-            return Ok(());
+        let _copy = self
+            .inner
+            .copy_lock
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        {
+            let mut g = self.backing();
+            g.fd = None;
+            if !g.mapped {
+                return Ok(());
+            }
         }
         let len = self.inner.len;
         // SAFETY: a fresh private anonymous mapping; the kernel picks the address.
@@ -348,9 +431,65 @@ impl Region {
                 self.id()
             )));
         }
-        *g = None;
+        self.backing().mapped = false;
         tracing::warn!(region = %self.id(), "region detached from its memfd: a peer did not confirm unmapping it");
         Ok(())
+    }
+
+    /// [`Region::detach`] with writers excluded: new transfers that write into the region
+    /// wait ([`Region::wait_not_detaching`]) while the running ones finish (within
+    /// `writers_limit`: a transfer's payload has the op deadline to arrive, so none runs
+    /// longer), then the bytes are copied. Bytes a transfer wrote before the copy are
+    /// carried by it; none is written during it.
+    pub(crate) async fn detach_quiesced(&self, writers_limit: Duration) -> Result<()> {
+        let _one = self.inner.detach_lock.lock().await;
+        if !self.backing().mapped {
+            return self.detach();
+        }
+        // SeqCst pairs with `begin_write`: either a writer sees the flag and backs off, or
+        // the count below sees the writer.
+        self.inner.detaching.store(true, Ordering::SeqCst);
+        // Cleared however this ends (a task aborted mid-way included), and only once the
+        // copy is over: the guard moves into the copy's thread below.
+        let held = HoldingWriters(self.clone());
+        let writers = self.wait_for(|r| r.inner.writing.load(Ordering::SeqCst) == 0);
+        if tokio::time::timeout(writers_limit, writers).await.is_err() {
+            tracing::error!(region = %self.id(), writing = self.inner.writing.load(Ordering::SeqCst),
+                "transfers still write into the region after {writers_limit:?}; detaching it anyway");
+        }
+        // The copy of a large region takes a while: off the async workers.
+        let me = self.clone();
+        let r = tokio::task::spawn_blocking(move || {
+            let r = me.detach();
+            drop(held);
+            r
+        })
+        .await
+        .unwrap_or_else(|e| Err(Error::Local(format!("the detach copy failed: {e}"))));
+        r
+    }
+
+    /// Whether a detach is holding writers back right now.
+    pub(crate) fn detaching(&self) -> bool {
+        self.inner.detaching.load(Ordering::SeqCst)
+    }
+
+    /// Waits (at most `limit`) until no detach holds writers back.
+    pub(crate) async fn wait_not_detaching(&self, limit: Duration) {
+        let _ = tokio::time::timeout(limit, self.wait_for(|r| !r.detaching())).await;
+    }
+
+    /// Resolves once `cond` holds; re-checked whenever a use, an export or a detach ends.
+    pub(crate) async fn wait_for(&self, cond: impl Fn(&Region) -> bool) {
+        loop {
+            let idle = self.inner.idle.notified();
+            tokio::pin!(idle);
+            idle.as_mut().enable();
+            if cond(self) {
+                return;
+            }
+            idle.await;
+        }
     }
 
     /// The region's id, as peers address it.
@@ -435,11 +574,24 @@ impl Region {
         }
     }
 
-    /// Marks the region as touched by a transfer until the guard drops.
+    /// Marks the region as touched by a transfer that only reads it, until the guard drops.
     pub(crate) fn begin_use(&self) -> RegionUse {
         self.inner.in_use.fetch_add(1, Ordering::AcqRel);
         RegionUse {
             region: self.clone(),
+            writes: false,
+        }
+    }
+
+    /// Marks the region as touched by a transfer that writes into it, until the guard
+    /// drops. The caller checks [`Region::detaching`] after this and, when set, drops the
+    /// guard and waits: a detach is copying the region, and a write now would be lost.
+    pub(crate) fn begin_write(&self) -> RegionUse {
+        self.inner.in_use.fetch_add(1, Ordering::AcqRel);
+        self.inner.writing.fetch_add(1, Ordering::SeqCst);
+        RegionUse {
+            region: self.clone(),
+            writes: true,
         }
     }
 
@@ -448,21 +600,24 @@ impl Region {
         self.inner.in_use.load(Ordering::Acquire)
     }
 
-    /// Waits until no transfer touches the region, no peer maps it, and no peer may copy
-    /// into it with cross-memory attach.
+    /// Waits until no transfer touches the region, no peer's mapping reaches its memory
+    /// (every peer confirmed unmapping it, or it was detached), and no peer may copy into it
+    /// with cross-memory attach.
     pub(crate) async fn quiesce(&self) {
-        loop {
-            let idle = self.inner.idle.notified();
-            tokio::pin!(idle);
-            idle.as_mut().enable();
-            if self.in_use() == 0
-                && (self.exports() == 0 || !self.is_shared())
-                && self.cma_exports() == 0
-            {
-                return;
-            }
-            idle.await;
-        }
+        self.wait_for(|r| {
+            r.in_use() == 0 && (r.exports() == 0 || !r.backing().mapped) && r.cma_exports() == 0
+        })
+        .await
+    }
+}
+
+/// Clears [`Region::detaching`] when dropped, and wakes the writers it held back.
+struct HoldingWriters(Region);
+
+impl Drop for HoldingWriters {
+    fn drop(&mut self) {
+        self.0.inner.detaching.store(false, Ordering::SeqCst);
+        self.0.inner.idle.notify_waiters();
     }
 }
 
@@ -489,13 +644,33 @@ impl RegionExport {
             r.end_export(self.cma);
         }
     }
+
+    /// The peer did not confirm in time: it no longer counts as live (detachers do not
+    /// wait for it), but it keeps counting as an export until [`AbandonedExport::finish`],
+    /// after the region was detached.
+    ///
+    /// An address given for cross-memory attach has nothing to detach: dropping the export
+    /// keeps it counted and taints the region (see `Drop`), and this returns `None`.
+    pub(crate) fn abandon(mut self) -> Option<AbandonedExport> {
+        if self.cma {
+            drop(self);
+            return None;
+        }
+        let r = self
+            .region
+            .take()
+            .expect("an export holds its region until released");
+        r.inner.abandoned.fetch_add(1, Ordering::SeqCst);
+        r.inner.idle.notify_waiters();
+        Some(AbandonedExport { region: Some(r) })
+    }
 }
 
 impl Drop for RegionExport {
-    /// Released without confirmation: the peer may still hold a mapping, so the region is
-    /// detached before anyone can reuse its memory. Memory a peer reaches by address
-    /// cannot be detached: the export stays counted (so `deregister` cannot report the
-    /// region quiet) and the region is marked tainted.
+    /// Released without confirmation or teardown (a session task dropped mid-way): the peer
+    /// may still hold a mapping, so the region is detached at once, writers or not. Memory a
+    /// peer reaches by address cannot be detached: the export stays counted (so
+    /// `deregister` cannot report the region quiet) and the region is marked tainted.
     fn drop(&mut self) {
         if let Some(r) = self.region.take() {
             if self.cma {
@@ -511,6 +686,39 @@ impl Drop for RegionExport {
     }
 }
 
+/// An export whose peer did not confirm unmapping the region: it stops counting once the
+/// region is detached.
+pub(crate) struct AbandonedExport {
+    region: Option<Region>,
+}
+
+impl AbandonedExport {
+    /// The abandoned region.
+    pub(crate) fn region(&self) -> &Region {
+        self.region.as_ref().expect("held until finished")
+    }
+
+    /// The region was detached (by whoever came first): the peer's mapping reaches nothing
+    /// of ours any more.
+    pub(crate) fn finish(mut self) {
+        if let Some(r) = self.region.take() {
+            r.end_abandoned();
+        }
+    }
+}
+
+impl Drop for AbandonedExport {
+    /// Dropped before [`AbandonedExport::finish`] (a task aborted mid-detach): detach now.
+    fn drop(&mut self) {
+        if let Some(r) = self.region.take() {
+            if let Err(e) = r.detach() {
+                tracing::error!(error = %e, "region could not be detached");
+            }
+            r.end_abandoned();
+        }
+    }
+}
+
 impl Region {
     fn end_export(&self, cma: bool) {
         let c = if cma {
@@ -518,7 +726,14 @@ impl Region {
         } else {
             &self.inner.exports
         };
-        c.fetch_sub(1, Ordering::AcqRel);
+        c.fetch_sub(1, Ordering::SeqCst);
+        self.inner.idle.notify_waiters();
+    }
+
+    fn end_abandoned(&self) {
+        // `abandoned` first, `exports` after (see `live_exports`).
+        self.inner.abandoned.fetch_sub(1, Ordering::SeqCst);
+        self.inner.exports.fetch_sub(1, Ordering::SeqCst);
         self.inner.idle.notify_waiters();
     }
 }
@@ -526,17 +741,33 @@ impl Region {
 /// Guard of one transfer touching a region.
 pub(crate) struct RegionUse {
     region: Region,
+    /// Whether the transfer writes into the region (counted in `writing`).
+    writes: bool,
 }
 
 impl RegionUse {
     pub(crate) fn region(&self) -> &Region {
         &self.region
     }
+
+    /// Another guard of the same kind on the same region (a batch split in parts).
+    pub(crate) fn again(&self) -> RegionUse {
+        if self.writes {
+            self.region.begin_write()
+        } else {
+            self.region.begin_use()
+        }
+    }
 }
 
 impl Drop for RegionUse {
     fn drop(&mut self) {
-        if self.region.inner.in_use.fetch_sub(1, Ordering::AcqRel) == 1 {
+        let mut idle = false;
+        if self.writes {
+            idle |= self.region.inner.writing.fetch_sub(1, Ordering::SeqCst) == 1;
+        }
+        idle |= self.region.inner.in_use.fetch_sub(1, Ordering::AcqRel) == 1;
+        if idle {
             self.region.inner.idle.notify_waiters();
         }
     }
@@ -589,11 +820,12 @@ impl RegionTable {
             .map(|(r, _)| r)
     }
 
-    /// Looks a region up for a transfer by `peer` and marks it in use, atomically with
-    /// respect to `remove`.
-    pub(crate) fn use_for(&self, peer: &PeerId, id: &RegionId) -> Option<RegionUse> {
+    /// Looks a region up for a transfer by `peer` and marks it in use (`writes`: the
+    /// transfer writes into it), atomically with respect to `remove`.
+    pub(crate) fn use_for(&self, peer: &PeerId, id: &RegionId, writes: bool) -> Option<RegionUse> {
         let m = self.map.read().expect("region table poisoned");
         match m.get(id) {
+            Some((r, g)) if g.allows(peer) && writes => Some(r.begin_write()),
             Some((r, g)) if g.allows(peer) => Some(r.begin_use()),
             _ => None,
         }

@@ -12,8 +12,8 @@ use crate::config::Transport;
 use crate::datapath::{run_reader, run_writer, DataPath, Outgoing, ReaderCtx};
 use crate::error::{Error, Result};
 use crate::net::{ReadHalf, Stream, WriteHalf};
-use crate::region::RegionExport;
 use crate::region::RegionTable;
+use crate::region::{AbandonedExport, Region, RegionExport};
 use crate::shm::{FdReader, Mapping, ShmPeer};
 use crate::wire::{read_frame, write_msg, ReadError};
 use crate::Notification;
@@ -48,6 +48,17 @@ pub(crate) enum SessionCmd {
     MemChanged,
     /// (Listener) A shared-memory connection that presented this session's token.
     ShmConn(tokio::net::UnixStream, PeerId),
+    /// (Listener) A region is being detached from shared memory and peers that map it
+    /// did not confirm unmapping it within `after`: when this session's peer is one of
+    /// them, the session ends (its teardown waits for the peer to close the shared-memory
+    /// connection, its word that no copy into the region runs), so that the region can be
+    /// detached without a write of this peer landing in memory that is cut loose.
+    EndIfMapping {
+        /// The region.
+        region: RegionId,
+        /// How long the peer had to confirm.
+        after: Duration,
+    },
     /// The channel is closing.
     Close,
 }
@@ -571,6 +582,11 @@ impl Session {
                             self.shm.parked = Some(s);
                         }
                     }
+                    Some(SessionCmd::EndIfMapping { region, after }) => {
+                        if self.shm.exports.contains_key(&region) || self.shm.revoking.contains_key(&region) {
+                            return Error::UnmapTimeout { peer: self.peer_name.clone(), step: Step::Established, region, after };
+                        }
+                    }
                     Some(SessionCmd::Close) | None => return Error::Closed,
                 },
                 _ = sleep_until_opt(deadline) => self.machine.handle_timeout(std_now()),
@@ -874,6 +890,7 @@ impl Session {
     /// core. After this nothing of the session is left anywhere.
     async fn teardown(mut self, err: Error) {
         tracing::debug!(peer = %self.peer_name, error = %err, "session ends");
+        self.refuse_late_connections();
         // The machine already queued a Reject for its own failures; for the others say Bye.
         let tell_peer = !matches!(
             err,
@@ -957,6 +974,36 @@ impl Session {
 }
 
 impl Session {
+    /// From here on the session serves no new connection: its command queue is closed (the
+    /// core then refuses what it would route here), and every data connection queued or
+    /// parked but not bound gets a typed refusal instead of a silent close at the end of a
+    /// teardown that may take the close deadline.
+    fn refuse_late_connections(&mut self) {
+        const WHY: &str = "the session for this token has ended";
+        self.cmds.close();
+        let mut late: Vec<Stream> = Vec::new();
+        while let Ok(c) = self.cmds.try_recv() {
+            match c {
+                SessionCmd::DataConn(s, _, _) => late.push(s),
+                // Never bound: nothing of ours was mapped through it.
+                SessionCmd::ShmConn(s, _) => drop(s),
+                _ => {}
+            }
+        }
+        late.extend(self.parked_data.take());
+        late.extend(
+            std::mem::take(&mut self.parked_extra)
+                .into_iter()
+                .map(|(_, s)| s),
+        );
+        if let Some((_, streams)) = self.pending_bind.take() {
+            late.extend(streams);
+        }
+        for s in late {
+            tokio::spawn(refuse(s, ErrorCode::UnknownSession, WHY));
+        }
+    }
+
     /// (Initiator) Uses the listener's shared-memory offer when the configuration allows it
     /// and the listener is on this host; fails the session when shm is required and cannot
     /// be had.
@@ -1211,8 +1258,9 @@ impl Session {
 
     /// Teardown of shared memory, after the data tasks stopped. (Listener) waits, within the
     /// close deadline, for the peer to close the connection — its word that nothing of ours
-    /// is mapped any more; exports it did not confirm are dropped, which detaches their
-    /// regions. (Initiator) ends the connection task; our mappings go with the last handle.
+    /// is mapped any more; the regions of exports it did not confirm are detached, safely
+    /// for the other peers that map them ([`detach_region`]). (Initiator) ends the
+    /// connection task; our mappings go with the last handle.
     async fn end_shm(&mut self) {
         if let Some(mut rx) = self.shm.rx.take() {
             let limit = self.env.config.deadlines.close;
@@ -1238,15 +1286,92 @@ impl Session {
         if self.shm.exports.is_empty() && self.shm.revoking.is_empty() {
             self.confirm_all();
         }
-        // Whatever is left was not confirmed: dropping detaches those regions.
-        self.shm.exports.clear();
-        self.shm.revoking.clear();
+        // Whatever is left was not confirmed: the peer may still copy into those regions.
+        // Every one is abandoned first, so that no detach below waits for another of ours.
+        let left: Vec<AbandonedExport> = self
+            .shm
+            .exports
+            .drain()
+            .chain(self.shm.revoking.drain())
+            .filter_map(|(_, ex)| ex.abandon())
+            .collect();
+        for ab in left {
+            tracing::warn!(peer = %self.peer_name, region = %ab.region().id(),
+                "the peer did not confirm unmapping a region before its session ended; detaching the region");
+            match detach_region(
+                ab.region(),
+                &self.env.core,
+                &self.env.config,
+                Some(self.id),
+                true,
+            )
+            .await
+            {
+                Ok(()) => ab.finish(),
+                // Dropping it tries the bare detach once more.
+                Err(e) => {
+                    tracing::error!(peer = %self.peer_name, error = %e, "region not detached")
+                }
+            }
+        }
         self.shm.conn = None;
         if let Some(h) = self.shm.reader.take() {
             h.abort();
             let _ = h.await;
         }
     }
+}
+
+/// Detaches a shared region that a peer may still copy into (it did not confirm unmapping
+/// it), without losing a write of any *other* peer.
+///
+/// A detach copies the region's bytes to fresh memory at the same address; every mapping
+/// of the memfd, the other peers' included, reaches only the old pages from then on. So
+/// first no peer may be copying into the region on behalf of a live session:
+///
+/// 1. The region is withdrawn from shared memory, for good: nobody maps it any more, and
+///    peers reach it over TCP (also after they reconnect).
+/// 2. (`ask_first`) Every session re-syncs its exports, which asks each peer that maps the
+///    region to unmap it (`ShmUnmap`); a peer confirms only once no copy of its runs or can
+///    start (its later batches on that region go over TCP). This waits for the op deadline.
+/// 3. Sessions whose peer still did not confirm are ended ([`SessionCmd::EndIfMapping`],
+///    [`Error::UnmapTimeout`]); each session's teardown waits for its peer to close the
+///    shared-memory connection, and abandons the export when it does not. This waits for
+///    as long as such a teardown takes.
+/// 4. The region is detached with writers over TCP held back ([`Region::detach_quiesced`]).
+///
+/// Exports that were abandoned (here or by other sessions) are not waited for: their peers
+/// are the silent ones, and their copies are what the detach cuts loose. `except` is the
+/// calling session, which is tearing down and answers no command.
+pub(crate) async fn detach_region(
+    region: &Region,
+    core: &mpsc::UnboundedSender<CoreCmd>,
+    config: &ChannelConfig,
+    except: Option<u64>,
+    ask_first: bool,
+) -> Result<()> {
+    let d = &config.deadlines;
+    region.withdraw();
+    if ask_first && region.live_exports() > 0 {
+        let _ = core.send(CoreCmd::MemChanged);
+        let _ = tokio::time::timeout(d.op, region.wait_for(|r| r.live_exports() == 0)).await;
+    }
+    if region.live_exports() > 0 {
+        let _ = core.send(CoreCmd::EndMappers {
+            region: region.id(),
+            except,
+            after: d.op,
+        });
+        // An ended session's teardown: its Bye, a brief flush, then up to the close
+        // deadline for the peer's close (or it abandons the export, which ends this wait).
+        let limit = d.control_write + d.close + Duration::from_secs(1);
+        let ended = region.wait_for(|r| r.live_exports() == 0);
+        if tokio::time::timeout(limit, ended).await.is_err() {
+            tracing::error!(region = %region.id(), live = region.live_exports(),
+                "peers still map the region after their sessions were ended; detaching it anyway");
+        }
+    }
+    region.detach_quiesced(d.op).await
 }
 
 /// (Initiator) Connects the shared-memory connection and proves the session token. The

@@ -23,9 +23,29 @@
 //! Until then the region counts an export, and `deregister` waits for it within the op
 //! deadline. When the session ends the listener waits (close deadline) for the initiator to
 //! close the unix socket, which it does only after its data threads stopped and its
-//! mappings are gone. A peer that does not answer in time gets the region *detached*: its
-//! contents are copied to fresh anonymous memory remapped over the same address, so late
-//! copies land only in pages the owner no longer uses.
+//! mappings are gone (a reset counts as that close: a dead process unmapped everything).
+//!
+//! Detaching: a peer that is alive but does not confirm in time may still copy into the
+//! region, so the region is *detached*: its contents are copied to fresh anonymous memory
+//! remapped over the same address, and late copies land only in the memfd the owner no
+//! longer uses. Every other peer's mapping of that memfd is cut loose by the same remap, so
+//! the detach waits until none of them can copy any more (`session::detach_region`):
+//!
+//! 1. the region is withdrawn from shared memory for good ([`crate::Region::is_shared`] is
+//!    false from then on): no session maps it again, reconnecting peers included, and peers
+//!    reach it over TCP;
+//! 2. every other peer that maps it is asked to unmap it (`ShmUnmap`): once it confirms, no
+//!    copy of its runs, a batch that had already picked the mapping fails with
+//!    `Rejected{UnknownRegion}` ("revoked"), and later batches go over TCP;
+//! 3. a peer that does not confirm within the op deadline has its session ended with
+//!    [`crate::Error::UnmapTimeout`] (its batches in flight fail; it may reconnect), and that
+//!    session's teardown waits for its close like any other;
+//! 4. the copy runs with writers over TCP held back (they wait for it to end), so no write
+//!    lands in the old pages during it.
+//!
+//! Exports whose peer was given up on (silent ones) are not waited for: theirs are the
+//! copies the detach cuts loose. `Channel::deregister` takes steps 3 and 4 for peers that do
+//! not confirm its unmap.
 //!
 //! Regions that cannot be mapped (caller memory) travel on the same connection by address
 //! instead of by descriptor, after a probe, and are copied with cross-memory attach: see

@@ -1,6 +1,7 @@
 //! Several TCP data connections per session (`ChannelConfig::data_connections`): a batch is
 //! split by bytes over them; losing one fails the batch and ends the session; notifications
-//! still follow the writes before them; a stranger cannot add a connection.
+//! still follow the writes before them; a stranger cannot add a connection, nor can the
+//! session's own peer add one that is not allowed.
 
 mod common;
 use common::*;
@@ -279,4 +280,168 @@ async fn wrong_token_extra_data_connection_is_refused() {
     }];
     pre.write(&peer, &ops).await.unwrap();
     assert!(bytes(&src, 0, 4 * MIB) == bytes(&kv, 0, 4 * MIB));
+}
+
+/// Handshakes by hand as `name` (control and data connection 0); returns both and the
+/// session token, once the listener said `Ready`.
+async fn by_hand(target: &str, name: &str) -> (TcpStream, TcpStream, SessionToken) {
+    let (mut ctl, w) = hello(target, name).await;
+    let mut data = TcpStream::connect(target).await.unwrap();
+    send_frame(&mut data, &data_hello(w.token, name, 0)).await;
+    assert!(matches!(
+        recv_frame(&mut ctl).await,
+        Some(Message::MemInfo(_))
+    ));
+    assert!(matches!(
+        recv_frame(&mut ctl).await,
+        Some(Message::Ready(_))
+    ));
+    (ctl, data, w.token)
+}
+
+fn data_hello(token: SessionToken, name: &str, stream: u32) -> Message {
+    Message::DataHello(DataHello {
+        token,
+        peer_id: PeerId::new(name).unwrap(),
+        stream,
+    })
+}
+
+/// Opens a data connection with `hello`; returns the listener's answer: `Some(Reject)`, or
+/// `None` when it kept the connection (nothing within 300 ms) — then the connection too.
+async fn extra(target: &str, hello: &Message) -> (Option<Message>, TcpStream) {
+    let mut s = TcpStream::connect(target).await.unwrap();
+    send_frame(&mut s, hello).await;
+    let mut h = [0u8; 8];
+    match tokio::time::timeout(Duration::from_millis(300), s.peek(&mut h)).await {
+        Err(_) => (None, s),
+        Ok(_) => (recv_frame(&mut s).await, s),
+    }
+}
+
+/// Extra data connections that prove the right token but are not allowed: an index of 16
+/// or more, an index already bound (0 or an extra one), another peer's id. Each is refused
+/// with `Reject{UnknownSession}` and serves nothing; the session goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn correct_token_extra_connections_that_are_not_allowed_are_refused() {
+    let (dec, kv) = listener("decode-0", striped(3), 4 * MIB, 4096).await;
+    let target = addr(&dec);
+    let (mut ctl, _data, token) = by_hand(&target, "by-hand").await;
+    // Stream 1 is allowed: kept, not refused.
+    let (answer, _one) = extra(&target, &data_hello(token, "by-hand", 1)).await;
+    assert!(answer.is_none(), "stream 1 refused: {answer:?}");
+    let refused = [
+        data_hello(token, "by-hand", 16),
+        data_hello(token, "by-hand", u32::MAX),
+        data_hello(token, "by-hand", 0),
+        data_hello(token, "by-hand", 1),
+        data_hello(token, "someone-else", 2),
+    ];
+    for h in &refused {
+        let (answer, mut s) = extra(&target, h).await;
+        match answer {
+            Some(Message::Reject(r)) => assert_eq!(r.code, ErrorCode::UnknownSession, "{h:?}"),
+            other => panic!("{h:?}: expected a refusal, got {other:?}"),
+        }
+        // Whatever comes after the refusal lands nowhere.
+        let batch = Message::WriteBatch(kvbridge::proto::msg::Batch {
+            id: 7,
+            ops: vec![kvbridge::proto::msg::OpDesc {
+                region: kv.id(),
+                offset: 0,
+                len: 4096,
+            }],
+        });
+        let _ = s.write_all(&batch.to_frame().unwrap()).await;
+        let _ = s.write_all(&[0xEE; 4096]).await;
+    }
+    // The session is unaffected: it still answers on its control connection (a MemInfo
+    // when a region is registered), and nothing was written.
+    let r = Region::alloc(4096, 4096).unwrap();
+    dec.register(&r, kvbridge::Grant::AllPeers).unwrap();
+    assert!(matches!(
+        recv_frame(&mut ctl).await,
+        Some(Message::MemInfo(_))
+    ));
+    assert_eq!(dec.stats().await.unwrap().established, 1);
+    assert!(
+        bytes(&kv, 0, 4096).iter().all(|&b| b == 0),
+        "a refused connection wrote"
+    );
+}
+
+/// An extra data connection that arrives while its session is tearing down (it proves a
+/// token that the listener still knows) gets a typed refusal, not a silent close. The
+/// session is held in its teardown by a peer that does not close its shared-memory
+/// connection (the listener waits the close deadline for it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn extra_connection_to_a_session_tearing_down_is_refused() {
+    let (dec, _kv) = listener(
+        "decode-0",
+        |c| c.deadlines.close = Duration::from_secs(3),
+        MIB,
+        4096,
+    )
+    .await;
+    let target = addr(&dec);
+    let (mut ctl, w) = hello(&target, "by-hand").await;
+    let mut data = TcpStream::connect(&target).await.unwrap();
+    send_frame(&mut data, &data_hello(w.token, "by-hand", 0)).await;
+    let offer = w
+        .shm
+        .clone()
+        .expect("a listener on this host offers shared memory");
+    let shm = {
+        use std::os::linux::net::SocketAddrExt;
+        let a =
+            std::os::unix::net::SocketAddr::from_abstract_name(offer.socket.as_bytes()).unwrap();
+        let s = std::os::unix::net::UnixStream::connect_addr(&a).unwrap();
+        s.set_nonblocking(true).unwrap();
+        let mut s = tokio::net::UnixStream::from_std(s).unwrap();
+        s.write_all(&data_hello(w.token, "by-hand", 0).to_frame().unwrap())
+            .await
+            .unwrap();
+        s
+    };
+    assert!(matches!(
+        recv_frame(&mut ctl).await,
+        Some(Message::MemInfo(_))
+    ));
+    assert!(matches!(
+        recv_frame(&mut ctl).await,
+        Some(Message::Ready(_))
+    ));
+    tokio::time::timeout(Duration::from_secs(5), shm.readable())
+        .await
+        .expect("the listener maps its region for us")
+        .unwrap();
+
+    // The listener ends the session; its Bye says the teardown has begun.
+    let peer = PeerId::new("by-hand").unwrap();
+    let d = {
+        let dec = dec.clone();
+        tokio::spawn(async move { dec.disconnect(&peer, "test").await })
+    };
+    loop {
+        match recv_frame(&mut ctl).await {
+            Some(Message::Bye(_)) => break,
+            Some(_) => continue,
+            None => panic!("no Bye"),
+        }
+    }
+    for stream in [1u32, 0] {
+        let t = std::time::Instant::now();
+        let (answer, _s) = extra(&target, &data_hello(w.token, "by-hand", stream)).await;
+        match answer {
+            Some(Message::Reject(r)) => assert_eq!(r.code, ErrorCode::UnknownSession),
+            other => panic!(
+                "stream {stream}: expected a refusal, got {other:?} after {:?}",
+                t.elapsed()
+            ),
+        }
+    }
+    // (`disconnect` itself may report a timeout: the teardown waits the whole close
+    // deadline for this peer's shared-memory close.)
+    let _ = d.await.unwrap();
+    drop(shm);
 }
