@@ -525,6 +525,12 @@ impl PageAllocator {
         self.reqs.get(req_id).map(|r| r.tokens)
     }
 
+    /// The chunk key hashes of a live request, in order (as its sender computed them over
+    /// its tokens: [`crate::chunk_keys`]).
+    pub fn keys(&self, req_id: &str) -> Option<&[u64]> {
+        self.reqs.get(req_id).map(|r| r.keys.as_slice())
+    }
+
     /// The owner of a live request.
     pub fn owner(&self, req_id: &str) -> Option<&Owner> {
         self.reqs.get(req_id).map(|r| &r.owner)

@@ -79,6 +79,41 @@ struct Inner {
     deferred: Mutex<Vec<Event>>,
     /// Granted requests, for consumers that start as chunks land.
     granted: broadcast::Sender<GrantedRequest>,
+    /// Requests that ended before they completed, most recent last (at most
+    /// [`ENDED_KEPT`]), with why: a reader waiting for one of their chunks fails at once
+    /// instead of at its deadline. Written only by [`apply`], under no other lock.
+    ended: Mutex<EndedLog>,
+}
+
+/// How many ended requests [`PdReceiver::wait_chunk`] remembers. A reader starts waiting
+/// within moments of the grant; a thousand later failures are far beyond that.
+pub const ENDED_KEPT: usize = 1024;
+
+/// The bounded record of requests that ended before they completed.
+#[derive(Default)]
+struct EndedLog {
+    order: std::collections::VecDeque<String>,
+    why: HashMap<String, String>,
+}
+
+impl EndedLog {
+    fn insert(&mut self, req_id: String, why: String) {
+        if self.why.insert(req_id.clone(), why).is_none() {
+            self.order.push_back(req_id);
+        }
+        while self.order.len() > ENDED_KEPT {
+            if let Some(old) = self.order.pop_front() {
+                self.why.remove(&old);
+            }
+        }
+    }
+
+    /// A new grant under the same id starts afresh.
+    fn forget(&mut self, req_id: &str) {
+        if self.why.remove(req_id).is_some() {
+            self.order.retain(|r| r != req_id);
+        }
+    }
 }
 
 /// A request whose pages were just reserved ([`PdReceiver::granted_requests`]): its chunks
@@ -163,6 +198,7 @@ impl PdReceiver {
             fence_timeout: cfg.fence_timeout,
             deferred: Mutex::new(Vec::new()),
             granted: broadcast::channel(1024).0,
+            ended: Mutex::new(EndedLog::default()),
         });
         let task = tokio::spawn(drive(inner.clone(), events));
         Ok(PdReceiver { inner, task })
@@ -192,14 +228,16 @@ impl PdReceiver {
         lock(&self.inner.alloc)
     }
 
-    /// Waits until every chunk of `req_id` has landed, up to `deadline`.
+    /// Waits until every chunk of `req_id` has landed, up to `deadline`. A request that
+    /// ended before it completed fails the wait at once, naming why.
     pub async fn wait_complete(&self, req_id: &str, deadline: Duration) -> Result<()> {
         let until = tokio::time::Instant::now() + deadline;
         loop {
             let changed = self.inner.changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
-            match self.lock().state(req_id) {
+            let state = self.lock().state(req_id);
+            match state {
                 Some(ReqState::Complete) => return Ok(()),
                 Some(ReqState::Retrieving) => {
                     return Err(PdError::Invalid {
@@ -208,7 +246,12 @@ impl PdReceiver {
                         detail: "already being retrieved".into(),
                     })
                 }
-                _ => {}
+                Some(_) => {}
+                None => {
+                    if let Some(why) = self.ended(req_id) {
+                        return Err(self.ended_error(req_id, why));
+                    }
+                }
             }
             if tokio::time::timeout_at(until, changed).await.is_err() {
                 return Err(PdError::Timeout {
@@ -295,6 +338,30 @@ impl PdReceiver {
         )
     }
 
+    /// The chunk key hashes of a live request, in order, as its sender computed them over
+    /// the request's tokens ([`crate::chunk_keys`]): a decoder that is told a request id by
+    /// an untrusted party can check, by computing the keys over its own prompt, that the KV
+    /// is its prompt's before it waits for or uses any of it. `None` when the receiver holds
+    /// no such request.
+    pub fn keys(&self, req_id: &str) -> Option<Vec<u64>> {
+        self.lock().keys(req_id).map(<[u64]>::to_vec)
+    }
+
+    /// Why `req_id` ended before it completed, if it did recently (see [`ENDED_KEPT`]) and
+    /// no new request took its id since.
+    pub fn ended(&self, req_id: &str) -> Option<String> {
+        lock(&self.inner.ended).why.get(req_id).cloned()
+    }
+
+    fn ended_error(&self, req_id: &str, why: String) -> PdError {
+        PdError::Refused {
+            req_id: req_id.into(),
+            peer: format!("receiver rank {}", self.inner.rank),
+            step: PdStep::Retrieve,
+            reason: format!("the request ended {why}"),
+        }
+    }
+
     /// Per chunk of a live request: whether it has landed and can be borrowed
     /// ([`PdReceiver::borrow_chunk`]). `None` when the receiver holds no such request.
     pub fn chunks_landed(&self, req_id: &str) -> Option<Vec<bool>> {
@@ -302,14 +369,25 @@ impl PdReceiver {
     }
 
     /// Waits until chunk `index` of `req_id` has landed, up to `deadline`. A request the
-    /// receiver does not hold (yet) is waited for: its allocation may still come.
+    /// receiver does not hold (yet) is waited for: its allocation may still come. A request
+    /// that ended before it completed (its sender cancelled or failed, a fence, the TTL)
+    /// fails the wait at once, naming why, rather than at the deadline.
     pub async fn wait_chunk(&self, req_id: &str, index: u64, deadline: Duration) -> Result<()> {
         let until = tokio::time::Instant::now() + deadline;
         loop {
             let changed = self.inner.changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
-            if let Some(l) = self.lock().landed(req_id) {
+            let landed = self.lock().landed(req_id).map(<[bool]>::to_vec);
+            if landed.is_none() {
+                // Checked after the allocator: `apply` records the end before it wakes us.
+                if let Some(why) = self.ended(req_id) {
+                    return Err(
+                        self.ended_error(req_id, format!("before chunk {index} landed: {why}"))
+                    );
+                }
+            }
+            if let Some(l) = landed {
                 match l.get(index as usize) {
                     Some(true) => return Ok(()),
                     Some(false) => {}
@@ -498,6 +576,7 @@ fn apply(inner: &Arc<Inner>, events: Vec<Event>) {
     for ev in events {
         match ev {
             Event::Granted(g) => {
+                lock(&inner.ended).forget(&g.req_id);
                 let Some(peer) = PeerId::new(g.owner.peer.clone()) else {
                     continue;
                 };
@@ -559,6 +638,13 @@ fn apply(inner: &Arc<Inner>, events: Vec<Event>) {
                 reason,
             } => {
                 tracing::info!(%req_id, sender = %owner, ?reason, "request ended before it completed");
+                let what = match &reason {
+                    EndReason::Cancelled => "cancelled on the receiver".to_string(),
+                    EndReason::SenderCancelled => format!("sender {owner} cancelled it"),
+                    EndReason::Expired => format!("sender {owner} did not finish within the TTL"),
+                    EndReason::OwnerDown => format!("sender {owner} failed mid-transfer"),
+                };
+                lock(&inner.ended).insert(req_id.clone(), what);
                 let why = match reason {
                     EndReason::OwnerDown => Some(format!("sender {owner} failed mid-transfer")),
                     EndReason::Expired => Some(format!(

@@ -106,6 +106,12 @@ pub struct ProxyArgs {
     /// 100].
     #[arg(long)]
     pub busy_poll_us: Option<u64>,
+    /// lmcache flow: send the decode request only after every rank's `KvReady` (true), or
+    /// as soon as the prefill answered, overlapping the KV's tail, with the decoder's answer
+    /// passed on only after every `KvReady` (false: faster, for decoders that wait for
+    /// their KV with a deadline) [default: true].
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub decode_after_kv_ready: Option<bool>,
 }
 
 /// Builds the proxy's runtime (see [`ProxyArgs::threads`]) and runs the proxy on it until

@@ -103,6 +103,13 @@ pub struct Config {
     /// Longest a backend call is awaited by polling instead of sleeping, while it belongs to
     /// the only request in flight (see `--busy-poll-us`); zero turns polling off.
     pub busy_poll: Duration,
+    /// lmcache flow: send the decode request only once every rank reported `KvReady` (true,
+    /// the default), or as soon as the prefill answered (false: the decode request overlaps
+    /// the KV's tail, and the decoder's answer is passed on only after every rank's
+    /// `KvReady`; see `--decode-after-kv-ready` in docs/proxy.md). The default stays the
+    /// old order because with the other one a decoder is contacted for KV that may never
+    /// come (it must wait for its KV with a deadline, as the reference engine does).
+    pub decode_after_kv_ready: bool,
 }
 
 impl Default for Config {
@@ -127,6 +134,7 @@ impl Default for Config {
             queue_timeout: Duration::from_secs(10),
             max_body_bytes: 8 << 20,
             busy_poll: Duration::from_micros(100),
+            decode_after_kv_ready: true,
         }
     }
 }
@@ -152,6 +160,7 @@ struct FileConfig {
     queue_timeout: Option<f64>,
     max_body_bytes: Option<usize>,
     busy_poll_us: Option<u64>,
+    decode_after_kv_ready: Option<bool>,
     #[serde(default, rename = "prefiller")]
     prefillers: Vec<WorkerAddr>,
     #[serde(default, rename = "decoder")]
@@ -351,6 +360,10 @@ impl Config {
                 .or(file.busy_poll_us)
                 .map(Duration::from_micros)
                 .unwrap_or(d.busy_poll),
+            decode_after_kv_ready: a
+                .decode_after_kv_ready
+                .or(file.decode_after_kv_ready)
+                .unwrap_or(d.decode_after_kv_ready),
         };
         cfg.validate()?;
         Ok(cfg)

@@ -27,12 +27,18 @@ use tokio::task::JoinHandle;
 use crate::body::{Finish, ProxyBody};
 use crate::busy_poll::{Awaiting, BusyPoll};
 use crate::config::{Config, Flow};
-use crate::kvwait::{self, KvOutcome, KvWaiters};
+use crate::kvwait::{self, KvOutcome, KvWait, KvWaiters};
 use crate::metrics::{Metrics, Outcome};
 use crate::pool::{PickError, Pool, Role, Slot};
 use crate::request::{Api, PrefillAnswer, ReqDoc};
 
 const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+/// lmcache flow, decode before `KvReady`: how long a decoder's error waits for the KV's
+/// outcome, so that a decoder failing because its transfer did is reported as the transfer's
+/// failure (`kv_transfer_failed`). Both learn of it within a millisecond or so of each other.
+const KV_OUTCOME_GRACE: Duration = Duration::from_millis(100);
+
 /// `tracing` target of the per-request timeline marks (`kvbridge demo --timeline`).
 const TL: &str = "kvbridge::timeline";
 
@@ -804,34 +810,40 @@ impl App {
         };
         tracing::debug!(target: TL, stage = "proxy.prefill_answered", id = %id);
         let t = Instant::now();
-        if !ready {
-            match tokio::time::timeout(self.cfg.kv_ready_timeout, wait.outcome()).await {
+        // Counted from the end of the prefill, in both orders.
+        let kv_deadline = tokio::time::Instant::now() + self.cfg.kv_ready_timeout;
+        let kv_timeout = || {
+            ApiError::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                "kv_ready_timeout",
+                Outcome::KvTimeout,
+                format!(
+                    "KV of request {id} was not ready on all {} ranks within {:?}",
+                    dc.ranks(),
+                    self.cfg.kv_ready_timeout
+                ),
+            )
+        };
+        // Waits for the rest of the ranks' outcomes, up to the deadline.
+        let kv_outcome = async |wait: &mut KvWait| -> Result<(), ApiError> {
+            match tokio::time::timeout_at(kv_deadline, wait.outcome()).await {
                 Ok(Some(KvOutcome::Ready)) => {
                     tracing::debug!(target: TL, stage = "proxy.kv_ready", id = %id);
+                    self.metrics.kv_wait.observe(t.elapsed());
+                    Ok(())
                 }
-                Ok(Some(KvOutcome::Failed { rank, reason })) => {
-                    return Err(kv_failed(rank, reason))
-                }
-                Ok(None) => return Err(gone()),
-                Err(_) => {
-                    return Err(ApiError::new(
-                        StatusCode::GATEWAY_TIMEOUT,
-                        "kv_ready_timeout",
-                        Outcome::KvTimeout,
-                        format!(
-                            "KV of request {id} was not ready on all {} ranks within {:?}",
-                            dc.ranks(),
-                            self.cfg.kv_ready_timeout
-                        ),
-                    ))
-                }
+                Ok(Some(KvOutcome::Failed { rank, reason })) => Err(kv_failed(rank, reason)),
+                Ok(None) => Err(gone()),
+                Err(_) => Err(kv_timeout()),
             }
+        };
+        if ready {
+            // Every rank reported before the prefill answered.
+            self.metrics.kv_wait.observe(t.elapsed());
         }
-        self.metrics.kv_wait.observe(t.elapsed());
-        drop(wait);
-
-        // Completions with a text prompt continue from the prefill's first token; chat requests
-        // are answered by the decoder alone.
+        // Completions with a text prompt continue from the prefill's first token, so their
+        // decode needs the prefill's answer; with `max_tokens: 1` that answer is the whole
+        // answer (still given only once the KV is confirmed, as before).
         let mut prefix = None;
         if ctx.api == Api::Completions && doc.prompt_text().is_some() {
             let pv: Value = serde_json::from_slice(&answer).map_err(|e| {
@@ -844,27 +856,64 @@ impl App {
             })?;
             if let Some(first) = pv.pointer("/choices/0/text").and_then(Value::as_str) {
                 if doc.max_tokens == Some(1) {
+                    if !ready {
+                        kv_outcome(&mut wait).await?;
+                    }
                     return Ok(answer_from_prefill(pv.clone(), first, ctx.stream));
                 }
                 prefix = Some(first.to_string()).zip(Some(pv));
             }
         }
+        if self.cfg.decode_after_kv_ready && !ready {
+            kv_outcome(&mut wait).await?;
+            ready = true;
+        }
         let first = prefix.as_ref().map(|(f, _)| f.as_str());
         let dbody = Bytes::from(lmcache_decode_body(doc, first, &id));
         tracing::debug!(target: TL, stage = "proxy.decode_sent", id = %id);
         // The KV sits on this decoder: no other one can take the request over.
-        let reply = self
-            .decode(
-                ctx,
-                dbody,
-                dslot,
-                prefix
-                    .as_ref()
-                    .filter(|_| ctx.stream)
-                    .map(|(f, pv)| first_chunk(pv, f, None)),
-                false,
-            )
-            .await?;
+        let decode = self.decode(
+            ctx,
+            dbody,
+            dslot,
+            prefix
+                .as_ref()
+                .filter(|_| ctx.stream)
+                .map(|(f, pv)| first_chunk(pv, f, None)),
+            false,
+        );
+        tokio::pin!(decode);
+        // Decode before `KvReady`: the request goes out now, while the KV's tail is still
+        // landing (the decoder waits for its KV with its own deadline, and fails at once
+        // when the transfer ends early). Its answer is passed on only once every rank
+        // reported `KvReady`, so the client sees exactly what it saw before: a `KvFailed`
+        // still becomes `kv_transfer_failed` (the decode is dropped, which closes its
+        // connection), a missing outcome `kv_ready_timeout`.
+        let mut reply = None;
+        while reply.is_none() || !ready {
+            tokio::select! {
+                r = &mut decode, if reply.is_none() => match r {
+                    Ok(r) => reply = Some(r),
+                    Err(e) if ready => return Err(e),
+                    Err(e) => {
+                        // The decoder failing because its KV did (it learns of it from the
+                        // PD layer at about the time the proxy does) is the KV's failure:
+                        // give the outcome a moment to say so.
+                        let grace = (tokio::time::Instant::now() + KV_OUTCOME_GRACE).min(kv_deadline);
+                        return match tokio::time::timeout_at(grace, wait.outcome()).await {
+                            Ok(Some(KvOutcome::Failed { rank, reason })) => Err(kv_failed(rank, reason)),
+                            _ => Err(e),
+                        };
+                    }
+                },
+                r = kv_outcome(&mut wait), if !ready => {
+                    r?;
+                    ready = true;
+                }
+            }
+        }
+        drop(wait);
+        let reply = reply.ok_or_else(gone)?;
         tracing::debug!(target: TL, stage = "proxy.decode_answered", id = %id);
         match (reply, prefix) {
             (Reply::Full { content_type, body }, Some((first, _))) => Ok(Reply::Full {

@@ -226,7 +226,7 @@ async fn openai(
                 for _ in 0..ranks {
                     push(&st, Notif::ProxyNotif { req_id: id.clone() }).await;
                 }
-            } else if !has("@nonotify") {
+            } else if !has("@nonotify") && !has("@dready") && !has("@dfail") {
                 for r in 0..ranks {
                     push(
                         &st,
@@ -252,6 +252,41 @@ async fn openai(
         return ([("content-type", "application/json")], r.to_string()).into_response();
     }
     // Decoder.
+    if has("@dready") || has("@dfail") {
+        // The KV's outcome comes only once the decode request is here: it was sent first.
+        let id = v
+            .pointer("/kv_transfer_params/lmcache.pd_handoff_id")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string();
+        if has("@dready") {
+            for r in 0..2 {
+                push(
+                    &st,
+                    Notif::KvReady {
+                        req_id: id.clone(),
+                        rank: r,
+                        chunks: 2,
+                        bytes: 64,
+                    },
+                )
+                .await;
+            }
+        } else {
+            push(
+                &st,
+                Notif::KvFailed {
+                    req_id: id,
+                    rank: 1,
+                    reason: "sender cancelled mid-transfer".into(),
+                },
+            )
+            .await;
+            // A decoder whose KV never comes: only its own deadline would end this.
+            tokio::time::sleep(T).await;
+            return err_json(StatusCode::INTERNAL_SERVER_ERROR, "KV never arrived");
+        }
+    }
     if has("@d500") {
         return err_json(StatusCode::INTERNAL_SERVER_ERROR, "decoder exploded");
     }
@@ -378,7 +413,8 @@ async fn env(flow: Flow, np: usize, nd: usize, tweak: impl FnOnce(&mut Config)) 
     tweak(&mut cfg);
     let proxy = server::start(cfg).await.unwrap();
     if let Some(n) = proxy.notify_addr() {
-        for x in &p {
+        // Decoders too: some doubles report the KV's outcome once the decode request is in.
+        for x in p.iter().chain(&d) {
             x.connect_notify(n).await;
         }
     }
@@ -737,6 +773,104 @@ async fn kv_failed_gives_502_at_once() {
         );
     }
     assert_eq!(e.d[0].st.calls.load(Relaxed), 0);
+    e.settled().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_goes_out_before_kv_ready_and_its_answer_waits_for_it() {
+    // `@dready`: no outcome until the decoder has the decode request (it reports then).
+    let e = env(Flow::Lmcache, 1, 1, |c| {
+        c.kv_ready_timeout = Duration::from_secs(5);
+        c.decode_after_kv_ready = false;
+    })
+    .await;
+    let a = e
+        .post("/v1/completions", completion("@dready", false))
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    assert_eq!(a.json()["choices"][0]["text"], " first d0 d1");
+    let (_, dv) = e.d[0].last();
+    assert!(
+        dv.pointer("/kv_transfer_params/lmcache.pd_handoff_id")
+            .and_then(Value::as_str)
+            .is_some_and(|id| id.starts_with("kvb-")),
+        "{dv}"
+    );
+    let a = e.post("/v1/completions", completion("@dready", true)).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    assert!(
+        a.text().contains(" first") && a.text().ends_with("data: [DONE]\n\n"),
+        "{}",
+        a.text()
+    );
+    let a = e.post("/v1/chat/completions", chat("@dready", true)).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    assert!(
+        a.text().contains(" d2") && a.text().ends_with("data: [DONE]\n\n"),
+        "{}",
+        a.text()
+    );
+    assert_eq!(e.d[0].st.calls.load(Relaxed), 3);
+    e.settled().await;
+    let m = e.metrics().await;
+    assert_eq!(
+        sample(&m, "kvbridge_proxy_kv_wait_seconds_count"),
+        Some(3.0),
+        "{m}"
+    );
+
+    // The old order (the default): the decode waits for outcomes that only the decode
+    // would cause, so the KV wait times out and the decoder is never called.
+    let e = env(Flow::Lmcache, 1, 1, |c| {
+        c.kv_ready_timeout = Duration::from_millis(300)
+    })
+    .await;
+    let a = e.post("/v1/completions", completion("@dready", true)).await;
+    assert_eq!(a.code(), "kv_ready_timeout", "{}", a.text());
+    assert_eq!(e.d[0].st.calls.load(Relaxed), 0);
+    e.settled().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_failed_after_the_decode_was_sent_gives_502_at_once() {
+    // `@dfail`: the decoder is called, a rank reports KvFailed, the decoder never
+    // answers (its KV will not come). The client gets the typed error at once, and the
+    // dropped decode frees every slot.
+    let e = env(Flow::Lmcache, 1, 1, |c| {
+        c.kv_ready_timeout = Duration::from_secs(20);
+        c.decode_after_kv_ready = false;
+    })
+    .await;
+    for (path, body) in [
+        ("/v1/completions", completion("@dfail", true)),
+        ("/v1/completions", completion("@dfail", false)),
+        ("/v1/chat/completions", chat("@dfail", true)),
+    ] {
+        let t = Instant::now();
+        let a = e.post(path, body).await;
+        assert_eq!(a.status, StatusCode::BAD_GATEWAY, "{}", a.text());
+        assert_eq!(a.code(), "kv_transfer_failed");
+        assert!(
+            a.text().contains("rank 1") && a.text().contains("sender cancelled"),
+            "{}",
+            a.text()
+        );
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    }
+    assert_eq!(e.d[0].st.calls.load(Relaxed), 3);
+    e.settled().await;
+    // And a KV that never comes after the decode was sent: the KV deadline still holds.
+    let e = env(Flow::Lmcache, 1, 1, |c| {
+        c.kv_ready_timeout = Duration::from_millis(300);
+        c.decode_after_kv_ready = false;
+    })
+    .await;
+    let t = Instant::now();
+    let a = e
+        .post("/v1/completions", completion("@nonotify", true))
+        .await;
+    assert_eq!(a.code(), "kv_ready_timeout", "{}", a.text());
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
     e.settled().await;
 }
 

@@ -7,9 +7,14 @@
 //! one JSON line `{"req_id", "key", "tokens"}` (key: [`crate::model::tokens_key`] of the
 //! prompt tokens) over TCP to the decoder's `receiver_alloc_port` of rank 0 (a port the PD
 //! layer does not use), answered by `ok`. The decoder then finds the id from the tokens of
-//! its decode request. The announcement is acknowledged before the first chunk moves, and
-//! the proxy sends the decode only after every rank's `KvReady`, so it is always there in
-//! time.
+//! its decode request. The announcement is acknowledged before the prefiller answers (it
+//! runs during the first chunk's compute), and the proxy sends the decode only after the
+//! prefill answered, so it is always there in time.
+//!
+//! This is now the fallback: a decode request that carries the proxy's handoff id
+//! (`kv_transfer_params.lmcache.pd_handoff_id`) is matched by id, proved by the PD layer's
+//! chunk keys over its tokens (see `engine::find_kv`); the announcement serves clients that
+//! send no id.
 
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;

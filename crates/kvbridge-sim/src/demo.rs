@@ -75,6 +75,16 @@ pub struct DemoArgs {
     /// disaggregated and the colocated path (medians over the streamed replays).
     #[arg(long)]
     pub timeline: bool,
+    /// Extra one-at-a-time pairs (disaggregated, colocated; streamed, 2 output tokens, the
+    /// workload's prompts in turn) measured after the `--compare` replays, for the unloaded
+    /// TTFT figures (medians over every streamed pair; with `--timeline`, recorded too).
+    #[arg(long, default_value_t = 32)]
+    pub ttft_samples: u32,
+    /// Run the proxy with `decode_after_kv_ready` (lmcache flow; the proxy's own default):
+    /// send the decode only after every rank's `KvReady`. Without it the demo's proxy sends
+    /// the decode as soon as the prefill answered (the faster order); this compares the two.
+    #[arg(long)]
+    pub decode_after_kv_ready: bool,
     /// Soak instead of a fixed workload: run the proxy and every worker as child processes
     /// and send requests for this long (`90s`, `30m`, `1h`); see `--chaos`.
     #[arg(long)]
@@ -107,7 +117,8 @@ pub struct DemoArgs {
 pub struct TimelineReport {
     /// Streamed replays measured.
     pub replays: u64,
-    /// The disaggregated path's steps in order ([`timeline::DISAGG_PATH`]).
+    /// The disaggregated path's steps in order ([`timeline::DISAGG_PATH_EARLY_DECODE`], or
+    /// [`timeline::DISAGG_PATH`] with `--decode-after-kv-ready`).
     pub disaggregated: Vec<Step>,
     /// The colocated path's steps in order ([`timeline::COLOCATED_PATH`]).
     pub colocated: Vec<Step>,
@@ -156,6 +167,19 @@ pub struct DemoSummary {
     pub ttft_unloaded_disagg_p50_ms: f64,
     /// One request at a time: colocated TTFT p50, ms.
     pub ttft_unloaded_colocated_p50_ms: f64,
+    /// One request at a time: median over pairs (the same request on both paths, one right
+    /// after the other) of disaggregated minus colocated TTFT, ms. Less noisy than the
+    /// difference of the two medians: both of a pair see about the same host load.
+    pub ttft_unloaded_gap_p50_ms: f64,
+    /// The pairs' gap, 25th percentile, ms.
+    pub ttft_unloaded_gap_p25_ms: f64,
+    /// The pairs' gap, 75th percentile, ms.
+    pub ttft_unloaded_gap_p75_ms: f64,
+    /// Streamed pairs behind the unloaded TTFT figures (`--compare`'s streamed replays plus
+    /// `--ttft-samples`).
+    pub ttft_unloaded_pairs: u64,
+    /// Whether the proxy sent each decode only after every rank's `KvReady`.
+    pub decode_after_kv_ready: bool,
     /// Mean time a decoder spent loading a request's KV before its first token (copy out of
     /// the receive buffer and digest), ms: part of the TTFT gap.
     pub decode_kv_load_mean_ms: f64,
@@ -233,7 +257,7 @@ impl DemoSummary {
              throughput          {rps:.1} req/s  {tps:.0} output tokens/s  ({wall:.1} s)\n\
              KV moved            {kvb:.1} MiB at {gib:.2} GiB/s while transferring ({ratio:.0}% of the channel ceiling {ceil:.2} GiB/s at this page size; PD layer alone {pdc:.2} GiB/s)\n\
              handshakes          {hs} of {hsm:.2} ms on average (at start)\n\
-             unloaded TTFT       disaggregated {ud:.1} ms  colocated {uc:.1} ms  gap {gap:.1} ms  (target: one chunk at the ceiling {ct:.1} ms + 1 ms; decoder KV load {kl:.1} ms)\n\
+             unloaded TTFT       disaggregated {ud:.1} ms  colocated {uc:.1} ms  gap {gap:.2} ms (pairs' median; p25 {g25:.2}, p75 {g75:.2}; {np} pairs{order})  (target: one chunk at the ceiling {ct:.1} ms + 1 ms; decoder KV load {kl:.1} ms)\n\
              KV mismatches       {mm}\n\
              KV missing          {miss}\n\
              leaked pages        {leak}\n\
@@ -259,7 +283,15 @@ impl DemoSummary {
             ud = self.ttft_unloaded_disagg_p50_ms,
             uc = self.ttft_unloaded_colocated_p50_ms,
             kl = self.decode_kv_load_mean_ms,
-            gap = self.ttft_unloaded_disagg_p50_ms - self.ttft_unloaded_colocated_p50_ms,
+            gap = self.ttft_unloaded_gap_p50_ms,
+            g25 = self.ttft_unloaded_gap_p25_ms,
+            g75 = self.ttft_unloaded_gap_p75_ms,
+            np = self.ttft_unloaded_pairs,
+            order = if self.decode_after_kv_ready {
+                "; decode after KvReady"
+            } else {
+                ""
+            },
             ct = self.chunk_transfer_ms,
             mm = self.kv_mismatches,
             miss = self.kv_missing,
@@ -336,7 +368,17 @@ impl Cluster {
         cost: crate::cost::CostModel,
         buffer_bytes: u64,
     ) -> anyhow::Result<Cluster> {
-        Self::start_full(prefillers, decoders, model, model, cost, buffer_bytes, None).await
+        Self::start_full(
+            prefillers,
+            decoders,
+            model,
+            model,
+            cost,
+            buffer_bytes,
+            None,
+            false,
+        )
+        .await
     }
 
     /// Like [`Cluster::start`], with the prefillers' `pd_transfer_mode` set to `mode`
@@ -357,6 +399,30 @@ impl Cluster {
             cost,
             buffer_bytes,
             Some(mode),
+            false,
+        )
+        .await
+    }
+
+    /// Like [`Cluster::start_with_mode`], with the proxy's `decode_after_kv_ready` set.
+    pub async fn start_with(
+        prefillers: u32,
+        decoders: u32,
+        model: &model::Model,
+        cost: crate::cost::CostModel,
+        buffer_bytes: u64,
+        mode: TransferMode,
+        decode_after_kv_ready: bool,
+    ) -> anyhow::Result<Cluster> {
+        Self::start_full(
+            prefillers,
+            decoders,
+            model,
+            model,
+            cost,
+            buffer_bytes,
+            Some(mode),
+            decode_after_kv_ready,
         )
         .await
     }
@@ -379,10 +445,12 @@ impl Cluster {
             cost,
             buffer_bytes,
             None,
+            false,
         )
         .await
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn start_full(
         prefillers: u32,
         decoders: u32,
@@ -391,6 +459,7 @@ impl Cluster {
         cost: crate::cost::CostModel,
         buffer_bytes: u64,
         mode: Option<TransferMode>,
+        decode_after_kv_ready: bool,
     ) -> anyhow::Result<Cluster> {
         if prefillers == 0 || decoders == 0 {
             anyhow::bail!("at least one prefiller and one decoder are needed");
@@ -421,6 +490,7 @@ impl Cluster {
             kv_ready_timeout: Duration::from_secs(30),
             prefill_timeout: Duration::from_secs(60),
             decode_timeout: Duration::from_secs(60),
+            decode_after_kv_ready,
             prefillers: pls
                 .iter()
                 .map(|l| {
@@ -607,13 +677,14 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
     let mode = args
         .transfer_mode
         .unwrap_or(EngineConfig::new(Role::Prefill, model.clone()).transfer_mode);
-    let cluster = Cluster::start_with_mode(
+    let cluster = Cluster::start_with(
         prefillers,
         decoders,
         &model,
         cost,
         args.buffer_mib.saturating_mul(1 << 20),
         mode,
+        args.decode_after_kv_ready,
     )
     .await?;
     let ceiling = if args.ceiling_reps > 0 {
@@ -746,6 +817,70 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
             }
         }
     }
+    // More unloaded pairs, only for the TTFT figures: one run's median over a handful of
+    // replays moved by milliseconds from run to run. Short answers (2 tokens) keep this to
+    // about a prefill per request; the order alternates so neither path always goes first.
+    let mut gaps: Vec<f64> = ud.iter().zip(&uc).map(|(d, c)| d - c).collect();
+    for j in 0..(args.ttft_samples as usize) {
+        let Some(w) = work.get(j % n.max(1)) else {
+            break;
+        };
+        let mut body = w.body.clone();
+        if let Some(m) = body.as_object_mut() {
+            m.insert("stream".into(), Value::Bool(true));
+            m.remove("max_completion_tokens");
+            m.insert("max_tokens".into(), Value::from(2));
+        }
+        let durl = format!("{base}{}", w.path);
+        let curl = format!("{}{}", cluster.colocated_url(), w.path);
+        let (d, c) = if j % 2 == 0 {
+            let d = traced(record, client.generate(&durl, &body, deadline)).await;
+            let c = traced(record, client.generate(&curl, &body, deadline)).await;
+            (d, c)
+        } else {
+            let c = traced(record, client.generate(&curl, &body, deadline)).await;
+            let d = traced(record, client.generate(&durl, &body, deadline)).await;
+            (d, c)
+        };
+        match (d, c) {
+            ((Ok(d), dm), (Ok(c), cm)) => {
+                if d.text != c.text {
+                    matched = false;
+                    if errors.len() < 5 {
+                        errors.push(format!(
+                            "TTFT sample {j}: disaggregated output {:?} differs from colocated {:?}",
+                            excerpt(&d.text),
+                            excerpt(&c.text)
+                        ));
+                    }
+                }
+                let (dt, ct) = (d.ttft.as_secs_f64() * 1e3, c.ttft.as_secs_f64() * 1e3);
+                ud.push(dt);
+                uc.push(ct);
+                gaps.push(dt - ct);
+                if let (Some((s0, dm)), Some((s1, cm))) = (dm, cm) {
+                    td.push(timeline::Trace {
+                        sent: s0,
+                        ttft: d.ttft,
+                        marks: dm,
+                    });
+                    tc.push(timeline::Trace {
+                        sent: s1,
+                        ttft: c.ttft,
+                        marks: cm,
+                    });
+                }
+            }
+            ((d, _), (c, _)) => {
+                matched = false;
+                for e in [d.err(), c.err()].into_iter().flatten() {
+                    if errors.len() < 5 {
+                        errors.push(format!("TTFT sample {j}: {e}"));
+                    }
+                }
+            }
+        }
+    }
     let quiesced = match cluster.quiesce(deadline).await {
         Ok(()) => true,
         Err(e) => {
@@ -783,6 +918,11 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
         kv_gib_per_s,
         ttft_unloaded_disagg_p50_ms: pct(&mut ud, 0.5),
         ttft_unloaded_colocated_p50_ms: pct(&mut uc, 0.5),
+        ttft_unloaded_gap_p50_ms: pct(&mut gaps.clone(), 0.5),
+        ttft_unloaded_gap_p25_ms: pct(&mut gaps.clone(), 0.25),
+        ttft_unloaded_gap_p75_ms: pct(&mut gaps, 0.75),
+        ttft_unloaded_pairs: ud.len() as u64,
+        decode_after_kv_ready: args.decode_after_kv_ready,
         decode_kv_load_mean_ms: if st.kv_requests_received > 0 {
             st.kv_load_s * 1e3 / st.kv_requests_received as f64
         } else {
@@ -820,7 +960,14 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
         ),
         timeline: (!td.is_empty()).then(|| TimelineReport {
             replays: td.len() as u64,
-            disaggregated: timeline::path(&td, timeline::DISAGG_PATH),
+            disaggregated: timeline::path(
+                &td,
+                if args.decode_after_kv_ready {
+                    timeline::DISAGG_PATH
+                } else {
+                    timeline::DISAGG_PATH_EARLY_DECODE
+                },
+            ),
             colocated: timeline::path(&tc, timeline::COLOCATED_PATH),
             all_disaggregated: timeline::all_steps(&td),
             gap: timeline::gap(&td, &tc),

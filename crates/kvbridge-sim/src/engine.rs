@@ -49,6 +49,10 @@ type ChunkMsg = (u64, ChunkSlot);
 /// the PD sender's step deadline.
 const CHUNK_MEMORY_WAIT: Duration = Duration::from_secs(60);
 
+/// The `kv_transfer_params` key under which the proxy names the PD request holding a decode
+/// request's KV (LMCache's own proxy uses the same key).
+pub const HANDOFF_KEY: &str = "lmcache.pd_handoff_id";
+
 /// Which part of disaggregated serving this engine plays.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -276,6 +280,9 @@ struct Inner {
     /// Prefill: each sender rank's chunk memory (see [`crate::chunk_memory`]).
     chunk_memory: Vec<Arc<ChunkMemory>>,
     consumers: std::sync::Mutex<HashMap<String, JoinHandle<Result<SeqState, SimError>>>>,
+    /// Decode: PD requests taken by a decode request, until their pages are released (so
+    /// two decode requests naming one id cannot both read, and release, its pages).
+    claimed: std::sync::Mutex<std::collections::HashSet<String>>,
 }
 
 impl Inner {
@@ -336,6 +343,10 @@ pub enum SimError {
     /// The PD layer failed (500).
     #[error(transparent)]
     Kv(#[from] PdError),
+    /// Decode: the KV transfer this decode request was handed ended before it completed
+    /// (500 `kv_transfer_failed`).
+    #[error("{0}")]
+    KvEnded(String),
     /// Starting the engine failed.
     #[error("engine start: {0}")]
     Start(String),
@@ -349,7 +360,9 @@ impl SimError {
         match self {
             SimError::BadRequest(_) => (StatusCode::BAD_REQUEST, "invalid_request"),
             SimError::Announce(_) => (StatusCode::INTERNAL_SERVER_ERROR, "kv_announce_failed"),
-            SimError::Kv(_) => (StatusCode::INTERNAL_SERVER_ERROR, "kv_transfer_failed"),
+            SimError::Kv(_) | SimError::KvEnded(_) => {
+                (StatusCode::INTERNAL_SERVER_ERROR, "kv_transfer_failed")
+            }
             SimError::Start(_) | SimError::Internal(_) => {
                 (StatusCode::INTERNAL_SERVER_ERROR, "internal")
             }
@@ -578,6 +591,7 @@ pub async fn start(cfg: EngineConfig, listener: TcpListener) -> Result<RunningEn
         seq: AtomicU64::new(0),
         chunk_memory,
         consumers: std::sync::Mutex::new(HashMap::new()),
+        claimed: std::sync::Mutex::new(std::collections::HashSet::new()),
     });
     if let Some(rx0) = inner.receivers.first() {
         // Every granted request gets a consumer at once: its KV is digested as it lands.
@@ -640,6 +654,9 @@ struct GenRequest {
     max_tokens: u32,
     stream: bool,
     disagg: Option<DisaggSpec>,
+    /// Decode: the PD request id the proxy named (`kv_transfer_params` key
+    /// `lmcache.pd_handoff_id`), if any.
+    handoff: Option<String>,
 }
 
 fn parse_json(body: &Bytes) -> Result<serde_json::Map<String, Value>, SimError> {
@@ -743,12 +760,22 @@ fn parse(api: Api, m: &serde_json::Map<String, Value>, limit: u32) -> Result<Gen
                 .map_err(|e| SimError::BadRequest(format!("invalid `disagg_spec`: {e}")))?,
         ),
     };
+    let handoff = match m.get("kv_transfer_params").and_then(|k| k.get(HANDOFF_KEY)) {
+        None | Some(Value::Null) => None,
+        Some(Value::String(id)) if !id.is_empty() && id.len() <= 256 => Some(id.clone()),
+        Some(_) => {
+            return Err(SimError::BadRequest(format!(
+                "`kv_transfer_params.{HANDOFF_KEY}` must be a non-empty string of at most 256 bytes"
+            )))
+        }
+    };
     Ok(GenRequest {
         api,
         tokens,
         max_tokens: max_tokens as u32,
         stream,
         disagg,
+        handoff,
     })
 }
 
@@ -792,7 +819,7 @@ async fn serve_gen(s: Arc<Inner>, api: Api, body: Bytes) -> Response {
 async fn prompt_state(s: &Arc<Inner>, req: &GenRequest) -> Result<SeqState, SimError> {
     match (s.cfg.role, &req.disagg) {
         (Role::Prefill, Some(ds)) => prefill_and_send(s, &req.tokens, ds).await,
-        (Role::Decode, _) => match find_announced(s, req) {
+        (Role::Decode, _) => match find_kv(s, req)? {
             Some((id, m)) => receive(s, &req.tokens, &id, m).await,
             None => {
                 s.counts.local_prefills.fetch_add(1, Relaxed);
@@ -1053,32 +1080,97 @@ async fn rank_sender_inner(s: &Inner, job: RankJob) {
     }
 }
 
-/// Decode role: the announced PD request holding this prompt's KV, and how many of the
-/// request's tokens it covers. A completion's decode prompt is the prefill prompt plus the
-/// first token; a chat's is the prefill prompt itself.
-fn find_announced(s: &Inner, req: &GenRequest) -> Option<(String, usize)> {
+/// Decode role: the PD request holding this prompt's KV, and how many of the request's
+/// tokens it covers (a completion's decode prompt is the prefill prompt plus the first
+/// token; a chat's is the prefill prompt itself), claimed for this request.
+///
+/// With a handoff id (`kv_transfer_params.lmcache.pd_handoff_id`) the request is taken by
+/// id, and only if its chunk keys, which its sender computed over the tokens it sent the KV
+/// of ([`kvbridge_pd::chunk_keys`]: model, world size, rank, dtype, layout and every token
+/// up to each chunk's end), equal the keys of this decode prompt's tokens on every
+/// receiving rank: the id alone is the client's word, the keys prove the KV is this
+/// prompt's. Without an id, with one this decoder does not hold, or with one whose keys
+/// differ, the announcement table is searched by the prompt's key ([`crate::announce`]). Either way the request
+/// need not be complete: its chunks are waited for, each with the retrieve deadline, and a
+/// transfer that ends before its last chunk lands fails the decode at once
+/// (`kv_transfer_failed`). A request is claimed once; a second decode naming it is refused.
+fn find_kv(s: &Inner, req: &GenRequest) -> Result<Option<(String, usize)>, SimError> {
     let n = req.tokens.len();
     let order = match req.api {
         Api::Completions => [n.saturating_sub(1), n],
         Api::Chat => [n, n.saturating_sub(1)],
     };
+    let ranks = s.cfg.receiving_ranks();
+    if let Some(id) = &req.handoff {
+        if let Some(why) = s.receivers.first().and_then(|rx| rx.ended(id)) {
+            s.counts.kv_retrieve_failed.fetch_add(1, Relaxed);
+            return Err(SimError::KvEnded(format!(
+                "the KV transfer of request {id} ended before it completed: {why}"
+            )));
+        }
+        let held: Option<Vec<Vec<u64>>> =
+            s.receivers[..ranks].iter().map(|rx| rx.keys(id)).collect();
+        if let Some(held) = held {
+            for m in order {
+                if m == 0 {
+                    continue;
+                }
+                let matches = held.iter().enumerate().all(|(r, keys)| {
+                    let want = kvbridge_pd::chunk_keys(
+                        &s.model.name,
+                        s.model.world_size,
+                        r as u32,
+                        &s.model.spec,
+                        &req.tokens[..m],
+                    );
+                    want.len() == keys.len() && want.iter().zip(keys).all(|(w, k)| w.hash == *k)
+                });
+                if matches {
+                    claim(s, id)?;
+                    s.announced.remove(model::tokens_key(&req.tokens[..m]), id);
+                    tracing::debug!(target: TL, stage = "decode.kv_by_id", id = %id);
+                    return Ok(Some((id.clone(), m)));
+                }
+            }
+            // The id names KV that is not this prompt's (or not of this model: the keys
+            // name it): the id is not trusted, and the request is looked up as if it had
+            // come without one.
+            tracing::warn!(req_id = %id, "`kv_transfer_params.{HANDOFF_KEY}` names KV whose chunk keys are not this prompt's; ignoring it");
+        }
+        // Not held here (or not this prompt's): fall back to the announcement.
+    }
     for m in order {
         if m == 0 {
             continue;
         }
         let key = model::tokens_key(&req.tokens[..m]);
         for id in s.announced.candidates(key, m as u64) {
-            // Only a complete transfer can be claimed (one whose decode is coming); a
-            // complete request answers at once.
-            let n = s.cfg.receiving_ranks();
-            let complete = s.receivers[..n].iter().all(|rx| rx.is_complete(&id));
-            if complete {
+            // A request whose pages are held (still landing or complete) can be claimed:
+            // its chunks are waited for. One that ended is skipped (its announcement goes).
+            let held = s.receivers[..ranks]
+                .iter()
+                .all(|rx| rx.chunks_landed(&id).is_some());
+            if held && claim(s, &id).is_ok() {
                 s.announced.remove(key, &id);
-                return Some((id, m));
+                return Ok(Some((id, m)));
+            }
+            if s.receivers[0].ended(&id).is_some() {
+                s.announced.remove(key, &id);
             }
         }
     }
-    None
+    Ok(None)
+}
+
+/// Decode role: marks request `id`'s KV as taken by one decode request (until released).
+fn claim(s: &Inner, id: &str) -> Result<(), SimError> {
+    if lock(&s.claimed).insert(id.to_string()) {
+        Ok(())
+    } else {
+        Err(SimError::BadRequest(format!(
+            "the KV of request {id} is already taken by another decode request"
+        )))
+    }
 }
 
 fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -1160,8 +1252,15 @@ async fn receive(s: &Arc<Inner>, tokens: &[u32], id: &str, m: usize) -> Result<S
             for rx in &s.receivers[..ranks] {
                 let _ = rx.cancel(id);
             }
+            lock(&s.claimed).remove(id);
             s.counts.kv_retrieve_failed.fetch_add(1, Relaxed);
-            return Err(e);
+            // The transfer ended under us: say so in the engine's own terms.
+            return Err(match e {
+                SimError::Kv(pd) => {
+                    SimError::KvEnded(format!("the KV of request {id} did not arrive: {pd}"))
+                }
+                e => e,
+            });
         }
     };
     // On the path to the first token: only the prompt's prefix hashes and the token after
@@ -1212,11 +1311,19 @@ async fn receive(s: &Arc<Inner>, tokens: &[u32], id: &str, m: usize) -> Result<S
             (chunks, bytes, mismatches)
         })
         .await;
+        // The decode may have started before the sender's `finish` (every chunk had landed,
+        // which is all it reads): the pages can be released once the request is complete.
+        // A transfer that ended instead has had its pages returned by the receiver.
         for rx in &s2.receivers[..ranks] {
-            if let Err(e) = rx.release(&id2) {
+            let r = match rx.wait_complete(&id2, s2.cfg.retrieve_timeout).await {
+                Ok(()) => rx.release(&id2),
+                Err(e) => Err(e),
+            };
+            if let Err(e) = r {
                 tracing::warn!(req_id = %id2, "releasing received KV: {e}");
             }
         }
+        lock(&s2.claimed).remove(&id2);
         match r {
             Ok((chunks, bytes, mismatches)) => {
                 s2.counts.kv_chunks_received.fetch_add(chunks, Relaxed);

@@ -278,6 +278,34 @@ pub const DISAGG_PATH: &[&str] = &[
     "client.first_text",
 ];
 
+/// The disaggregated path's marks in order when the proxy sends the decode as soon as the
+/// prefill answered (lmcache flow, the default): the decode request reaches the decoder
+/// while the last chunk is still moving, and `KvReady` races the decoder's answer.
+pub const DISAGG_PATH_EARLY_DECODE: &[&str] = &[
+    "client.sent",
+    "proxy.received",
+    "proxy.prefill_sent",
+    "prefill.received",
+    "prefill.announce",
+    "prefill.announced",
+    "prefill.allocated",
+    "prefill.chunk_ready[0]",
+    "prefill.chunk_computed[last]",
+    "prefill.chunk_ready[last]",
+    "proxy.prefill_answered",
+    "proxy.decode_sent",
+    "decode.received",
+    "decode.kv_by_id",
+    "sender.chunk_landed[last]",
+    "decode.chunk_landed[last]",
+    "decode.chunk_digested[last]",
+    "decode.kv_loaded",
+    "decode.first_token",
+    "sender.finished",
+    "proxy.kv_ready",
+    "client.first_text",
+];
+
 /// The colocated path's marks in order.
 pub const COLOCATED_PATH: &[&str] = &[
     "client.sent",
