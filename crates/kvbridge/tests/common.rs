@@ -247,6 +247,52 @@ pub async fn hello(
     (ctl, w)
 }
 
+/// A same-host peer `name` made by hand: it handshakes, opens its data connection, connects
+/// the offered shared-memory socket and proves its token there, then waits (with a
+/// deadline) until the listener's `ShmMap` frames are waiting on that socket, and leaves
+/// them unread. Returns its (control, data, shared-memory) connections: dropped at once
+/// they act like a killed process; kept, like a live peer that never confirms an unmap.
+pub async fn peer_leaving_shm_frames_unread(
+    target: &str,
+    name: &str,
+) -> (
+    tokio::net::TcpStream,
+    tokio::net::TcpStream,
+    tokio::net::UnixStream,
+) {
+    use kvbridge::proto::msg::*;
+    use kvbridge::proto::PeerId;
+    let (ctl, w) = hello(target, name).await;
+    let me = PeerId::new(name).unwrap();
+    let offer = w
+        .shm
+        .clone()
+        .expect("a listener on this host offers shared memory");
+    let mut data = tokio::net::TcpStream::connect(target).await.unwrap();
+    let hello = Message::DataHello(DataHello {
+        token: w.token,
+        peer_id: me,
+        stream: 0,
+    });
+    send_frame(&mut data, &hello).await;
+    let addr = {
+        use std::os::linux::net::SocketAddrExt;
+        std::os::unix::net::SocketAddr::from_abstract_name(offer.socket.as_bytes()).unwrap()
+    };
+    let s = std::os::unix::net::UnixStream::connect_addr(&addr).unwrap();
+    s.set_nonblocking(true).unwrap();
+    let mut s = tokio::net::UnixStream::from_std(s).unwrap();
+    {
+        use tokio::io::AsyncWriteExt;
+        s.write_all(&hello.to_frame().unwrap()).await.unwrap();
+    }
+    tokio::time::timeout(std::time::Duration::from_secs(5), s.readable())
+        .await
+        .expect("the listener sends its ShmMap")
+        .unwrap();
+    (ctl, data, s)
+}
+
 /// Handshakes by hand as peer "hostile" (no secret, no memory of its own); returns its
 /// (control, data) connections once the listener said `Ready`.
 pub async fn handshake(target: &str) -> (tokio::net::TcpStream, tokio::net::TcpStream) {

@@ -19,50 +19,6 @@ use std::time::{Duration, Instant};
 const PAGE: usize = 4096;
 const PAGES: usize = 64;
 
-/// A live peer that maps the listener's regions and then says nothing on shared memory: it
-/// handshakes by hand, proves its token on the offered unix socket and leaves the
-/// listener's frames there unread (so it neither confirms an unmap nor closes the socket).
-/// Returns (control, data, shared-memory) connections.
-async fn silent_peer(
-    target: &str,
-    name: &str,
-) -> (
-    tokio::net::TcpStream,
-    tokio::net::TcpStream,
-    tokio::net::UnixStream,
-) {
-    let (ctl, w) = hello(target, name).await;
-    let me = PeerId::new(name).unwrap();
-    let offer = w
-        .shm
-        .clone()
-        .expect("a listener on this host offers shared memory");
-    let mut data = tokio::net::TcpStream::connect(target).await.unwrap();
-    let hello = Message::DataHello(DataHello {
-        token: w.token,
-        peer_id: me,
-        stream: 0,
-    });
-    send_frame(&mut data, &hello).await;
-    let addr = {
-        use std::os::linux::net::SocketAddrExt;
-        std::os::unix::net::SocketAddr::from_abstract_name(offer.socket.as_bytes()).unwrap()
-    };
-    let s = std::os::unix::net::UnixStream::connect_addr(&addr).unwrap();
-    s.set_nonblocking(true).unwrap();
-    let mut s = tokio::net::UnixStream::from_std(s).unwrap();
-    {
-        use tokio::io::AsyncWriteExt;
-        s.write_all(&hello.to_frame().unwrap()).await.unwrap();
-    }
-    // The listener maps its regions for us once the token is proven.
-    tokio::time::timeout(Duration::from_secs(5), s.readable())
-        .await
-        .expect("the listener sends its ShmMap")
-        .unwrap();
-    (ctl, data, s)
-}
-
 /// Waits (at most 10 s) until `cond` holds.
 async fn wait_until(what: &str, cond: impl Fn() -> bool) {
     let until = Instant::now() + Duration::from_secs(10);
@@ -176,7 +132,7 @@ async fn a_silent_peer_whose_session_ends_does_not_cut_other_peers_loose() {
     assert_transport(&pre, &peer, Transport::Shm).await;
 
     // A maps the region too, and will never confirm an unmap.
-    let (ctl, data, shm) = silent_peer(&addr(&dec), "silent").await;
+    let (ctl, data, shm) = peer_leaving_shm_frames_unread(&addr(&dec), "silent").await;
     wait_until("both peers mapped the region", || kv.exports() == 2).await;
 
     // A's session ends (its control and data connections close), while its shared-memory
@@ -231,7 +187,7 @@ async fn deregister_with_a_silent_peer_ends_its_session_and_spares_the_others() 
     let (pre, src) = initiator("prefill-0", |_| {}, PAGES * PAGE, PAGE).await;
     let peer = pre.connect(&addr(&dec)).await.unwrap();
     assert_transport(&pre, &peer, Transport::Shm).await;
-    let (mut ctl, _data, shm) = silent_peer(&addr(&dec), "silent").await;
+    let (mut ctl, _data, shm) = peer_leaving_shm_frames_unread(&addr(&dec), "silent").await;
     wait_until("both peers mapped both regions", || {
         gone.exports() == 2 && kv.exports() == 2
     })
@@ -319,7 +275,7 @@ async fn tcp_writes_during_a_detach_land_where_the_listener_reads() {
     .await;
     let peer = tcp.connect(&addr(&dec)).await.unwrap();
     assert_transport(&tcp, &peer, Transport::Tcp).await;
-    let (ctl, data, shm) = silent_peer(&addr(&dec), "silent").await;
+    let (ctl, data, shm) = peer_leaving_shm_frames_unread(&addr(&dec), "silent").await;
     wait_until("the silent peer mapped the region", || kv.exports() == 1).await;
 
     drop((ctl, data));

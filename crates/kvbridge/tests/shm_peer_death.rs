@@ -7,55 +7,10 @@
 
 mod common;
 use common::*;
-use kvbridge::proto::msg::*;
-use kvbridge::proto::PeerId;
 use kvbridge::{Op, Transport};
 use std::time::{Duration, Instant};
 
 const PAGE: usize = 4096;
-
-/// Handshakes by hand, connects the offered shared-memory socket and proves the token, then
-/// waits until the listener's `ShmMap` frames wait unread on it. Returns every connection,
-/// to be dropped at once like a killed process's.
-async fn hostile_peer_with_unread_shm_frames(
-    target: &str,
-) -> (
-    tokio::net::TcpStream,
-    tokio::net::TcpStream,
-    tokio::net::UnixStream,
-) {
-    let (ctl, w) = hello(target, "dies-unread").await;
-    let me = PeerId::new("dies-unread").unwrap();
-    let offer = w
-        .shm
-        .clone()
-        .expect("a listener on this host offers shared memory");
-    let mut data = tokio::net::TcpStream::connect(target).await.unwrap();
-    let hello = Message::DataHello(DataHello {
-        token: w.token,
-        peer_id: me,
-        stream: 0,
-    });
-    send_frame(&mut data, &hello).await;
-    let addr = {
-        use std::os::linux::net::SocketAddrExt;
-        std::os::unix::net::SocketAddr::from_abstract_name(offer.socket.as_bytes()).unwrap()
-    };
-    let s = std::os::unix::net::UnixStream::connect_addr(&addr).unwrap();
-    s.set_nonblocking(true).unwrap();
-    let mut s = tokio::net::UnixStream::from_std(s).unwrap();
-    {
-        use tokio::io::AsyncWriteExt;
-        s.write_all(&hello.to_frame().unwrap()).await.unwrap();
-    }
-    // The listener maps its region for us once the token is proven: wait (with a deadline)
-    // until its frames are here, without reading them.
-    tokio::time::timeout(Duration::from_secs(5), s.readable())
-        .await
-        .expect("the listener sends its ShmMap")
-        .unwrap();
-    (ctl, data, s)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_dying_with_shm_frames_unread_does_not_cut_other_peers_loose() {
@@ -66,7 +21,7 @@ async fn a_peer_dying_with_shm_frames_unread_does_not_cut_other_peers_loose() {
     assert_transport(&pre, &peer, Transport::Shm).await;
 
     // Another peer dies with the listener's frames unread: its end resets.
-    let conns = hostile_peer_with_unread_shm_frames(&addr(&dec)).await;
+    let conns = peer_leaving_shm_frames_unread(&addr(&dec), "dies-unread").await;
     drop(conns);
     // The listener forgets it and is left with the one export of the live prefiller.
     let until = Instant::now() + Duration::from_secs(10);
