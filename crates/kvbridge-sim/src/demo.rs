@@ -382,29 +382,7 @@ impl Cluster {
     }
 
     /// Like [`Cluster::start`], with the prefillers' `pd_transfer_mode` set to `mode`
-    /// (instead of the environment's, or push).
-    pub async fn start_with_mode(
-        prefillers: u32,
-        decoders: u32,
-        model: &model::Model,
-        cost: crate::cost::CostModel,
-        buffer_bytes: u64,
-        mode: TransferMode,
-    ) -> anyhow::Result<Cluster> {
-        Self::start_full(
-            prefillers,
-            decoders,
-            model,
-            model,
-            cost,
-            buffer_bytes,
-            Some(mode),
-            false,
-        )
-        .await
-    }
-
-    /// Like [`Cluster::start_with_mode`], with the proxy's `decode_after_kv_ready` set.
+    /// (instead of the environment's, or push) and the proxy's `decode_after_kv_ready` set.
     pub async fn start_with(
         prefillers: u32,
         decoders: u32,

@@ -61,7 +61,7 @@ async fn check(p: u32, d: u32, m: Model, n: usize) {
 async fn check_mode(p: u32, d: u32, m: Model, n: usize, mode: Option<TransferMode>) {
     let c = match mode {
         None => Cluster::start(p, d, &m, CostModel::FREE, 16 << 20).await,
-        Some(mode) => Cluster::start_with_mode(p, d, &m, CostModel::FREE, 16 << 20, mode).await,
+        Some(mode) => Cluster::start_with(p, d, &m, CostModel::FREE, 16 << 20, mode, false).await,
     }
     .expect("cluster starts");
     let client = Client::new();
