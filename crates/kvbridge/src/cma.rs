@@ -229,26 +229,21 @@ unsafe fn vm_copy(pid: libc::pid_t, dir: Dir, pieces: &[Piece]) -> Result<(), Co
     let mut done = 0usize;
     // Index of the first piece not fully copied.
     let mut first = 0usize;
+    // The two calls take the same arguments in the same order.
+    let call = match dir {
+        Dir::Write => libc::process_vm_writev,
+        Dir::Read => libc::process_vm_readv,
+    };
     while done < total {
         let (l, r) = (&local[first..], &remote[first..]);
-        let n = match dir {
-            Dir::Write => libc::process_vm_writev(
-                pid,
-                l.as_ptr(),
-                l.len() as libc::c_ulong,
-                r.as_ptr(),
-                r.len() as libc::c_ulong,
-                0,
-            ),
-            Dir::Read => libc::process_vm_readv(
-                pid,
-                l.as_ptr(),
-                l.len() as libc::c_ulong,
-                r.as_ptr(),
-                r.len() as libc::c_ulong,
-                0,
-            ),
-        };
+        let n = call(
+            pid,
+            l.as_ptr(),
+            l.len() as libc::c_ulong,
+            r.as_ptr(),
+            r.len() as libc::c_ulong,
+            0,
+        );
         if n < 0 {
             let error = io::Error::last_os_error();
             if error.kind() == io::ErrorKind::Interrupted {

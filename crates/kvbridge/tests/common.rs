@@ -296,15 +296,30 @@ pub async fn peer_leaving_shm_frames_unread(
 /// Handshakes by hand as peer "hostile" (no secret, no memory of its own); returns its
 /// (control, data) connections once the listener said `Ready`.
 pub async fn handshake(target: &str) -> (tokio::net::TcpStream, tokio::net::TcpStream) {
+    let (ctl, data, _) = handshake_as(target, "hostile").await;
+    (ctl, data)
+}
+
+/// Handshakes by hand as peer `name` (no secret, no memory of its own, data connection 0);
+/// returns its (control, data) connections and the session token once the listener said
+/// `Ready`.
+pub async fn handshake_as(
+    target: &str,
+    name: &str,
+) -> (
+    tokio::net::TcpStream,
+    tokio::net::TcpStream,
+    kvbridge::proto::SessionToken,
+) {
     use kvbridge::proto::msg::*;
     use kvbridge::proto::PeerId;
-    let (mut ctl, w) = hello(target, "hostile").await;
+    let (mut ctl, w) = hello(target, name).await;
     let mut data = tokio::net::TcpStream::connect(target).await.unwrap();
     send_frame(
         &mut data,
         &Message::DataHello(DataHello {
             token: w.token,
-            peer_id: PeerId::new("hostile").unwrap(),
+            peer_id: PeerId::new(name).unwrap(),
             stream: 0,
         }),
     )
@@ -317,5 +332,5 @@ pub async fn handshake(target: &str) -> (tokio::net::TcpStream, tokio::net::TcpS
         recv_frame(&mut ctl).await,
         Some(Message::Ready(_))
     ));
-    (ctl, data)
+    (ctl, data, w.token)
 }

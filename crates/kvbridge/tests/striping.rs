@@ -282,23 +282,6 @@ async fn wrong_token_extra_data_connection_is_refused() {
     assert!(bytes(&src, 0, 4 * MIB) == bytes(&kv, 0, 4 * MIB));
 }
 
-/// Handshakes by hand as `name` (control and data connection 0); returns both and the
-/// session token, once the listener said `Ready`.
-async fn by_hand(target: &str, name: &str) -> (TcpStream, TcpStream, SessionToken) {
-    let (mut ctl, w) = hello(target, name).await;
-    let mut data = TcpStream::connect(target).await.unwrap();
-    send_frame(&mut data, &data_hello(w.token, name, 0)).await;
-    assert!(matches!(
-        recv_frame(&mut ctl).await,
-        Some(Message::MemInfo(_))
-    ));
-    assert!(matches!(
-        recv_frame(&mut ctl).await,
-        Some(Message::Ready(_))
-    ));
-    (ctl, data, w.token)
-}
-
 fn data_hello(token: SessionToken, name: &str, stream: u32) -> Message {
     Message::DataHello(DataHello {
         token,
@@ -326,7 +309,7 @@ async fn extra(target: &str, hello: &Message) -> (Option<Message>, TcpStream) {
 async fn correct_token_extra_connections_that_are_not_allowed_are_refused() {
     let (dec, kv) = listener("decode-0", striped(3), 4 * MIB, 4096).await;
     let target = addr(&dec);
-    let (mut ctl, _data, token) = by_hand(&target, "by-hand").await;
+    let (mut ctl, _data, token) = handshake_as(&target, "by-hand").await;
     // Stream 1 is allowed: kept, not refused.
     let (answer, _one) = extra(&target, &data_hello(token, "by-hand", 1)).await;
     assert!(answer.is_none(), "stream 1 refused: {answer:?}");
