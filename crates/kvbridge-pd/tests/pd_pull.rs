@@ -119,14 +119,14 @@ async fn push_chunks_are_borrowed_as_they_land_and_pinned_until_dropped() {
 }
 
 /// Pull: the decoder cancels a request while the receiver's read of one of its chunks is held
-/// in flight (the sender serves reads after 400 ms). That page is not freed, and a request
+/// in flight (the sender serves reads after 2 s, a window a loaded 2-core machine does not miss). That page is not freed, and a request
 /// that needs every page waits, until the read resolved; the sender hears `PullErr` and
 /// reports `KvFailed` once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn receiver_cancel_never_frees_a_page_a_read_can_land_in() {
     let rx = Arc::new(receiver(2, |_| {}).await);
     let (sink, mut outcomes) = queue();
-    let tx = pull_sender("prefill-a", sink, Some(Duration::from_millis(400))).await;
+    let tx = pull_sender("prefill-a", sink, Some(2 * S)).await;
     // Engine memory is registered before the session exists (see `PdSender::register`).
     let page = spec().page_bytes() as usize;
     let mem = Region::alloc(page * 2, page).unwrap();
@@ -167,7 +167,8 @@ async fn receiver_cancel_never_frees_a_page_a_read_can_land_in() {
 async fn sender_cancel_waits_for_cancel_ack() {
     let rx = receiver(4, |_| {}).await;
     let (sink, mut outcomes) = queue();
-    let tx = pull_sender("prefill-0", sink, Some(Duration::from_millis(300))).await;
+    // Reads are served after 2 s: a window in which a loaded machine still sees the pin.
+    let tx = pull_sender("prefill-0", sink, Some(2 * S)).await;
     // Engine memory is registered before the session exists (see `PdSender::register`).
     let page = spec().page_bytes() as usize;
     let mem = Region::alloc(page * 2, page).unwrap();
@@ -265,12 +266,9 @@ async fn sender_cancel_disconnects_a_silent_receiver() {
 async fn sender_killed_mid_pull() {
     let (failures, mut proxy) = queue();
     let rx = receiver(4, |c| c.failure_outcomes = failures).await;
-    let tx = pull_sender(
-        "prefill-0",
-        OutcomeSink::None,
-        Some(Duration::from_millis(300)),
-    )
-    .await;
+    // The read is held far longer than the test runs: the kill, not the delay, ends it, so
+    // a slow machine cannot miss the window in which the page is pinned.
+    let tx = pull_sender("prefill-0", OutcomeSink::None, Some(30 * S)).await;
     // Engine memory is registered before the session exists (see `PdSender::register`).
     let page = spec().page_bytes() as usize;
     let mem = Region::alloc(page * 3, page).unwrap();

@@ -250,7 +250,8 @@ async fn deregister_waits_for_writes_in_flight_then_refuses_new_ones() {
     let (dec, kv) = listener(
         "decode-0",
         |c| {
-            c.hooks.write_apply_delay = Some(Duration::from_millis(300));
+            // Long enough that a loaded machine still sees the write held.
+            c.hooks.write_apply_delay = Some(Duration::from_secs(2));
             // The hook holds writes the listener applies: TCP's.
             c.transport = Transport::Tcp;
         },
