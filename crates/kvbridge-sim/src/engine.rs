@@ -820,7 +820,7 @@ async fn prompt_state(s: &Arc<Inner>, req: &GenRequest) -> Result<SeqState, SimE
     match (s.cfg.role, &req.disagg) {
         (Role::Prefill, Some(ds)) => prefill_and_send(s, &req.tokens, ds).await,
         (Role::Decode, _) => match find_kv(s, req)? {
-            Some((id, m)) => receive(s, &req.tokens, &id, m).await,
+            Some((claim, m)) => receive(s, &req.tokens, claim, m).await,
             None => {
                 s.counts.local_prefills.fetch_add(1, Relaxed);
                 prefill(s, &req.tokens, None).await
@@ -1094,7 +1094,7 @@ async fn rank_sender_inner(s: &Inner, job: RankJob) {
 /// need not be complete: its chunks are waited for, each with the retrieve deadline, and a
 /// transfer that ends before its last chunk lands fails the decode at once
 /// (`kv_transfer_failed`). A request is claimed once; a second decode naming it is refused.
-fn find_kv(s: &Inner, req: &GenRequest) -> Result<Option<(String, usize)>, SimError> {
+fn find_kv(s: &Arc<Inner>, req: &GenRequest) -> Result<Option<(Claim, usize)>, SimError> {
     let n = req.tokens.len();
     let order = match req.api {
         Api::Completions => [n.saturating_sub(1), n],
@@ -1126,10 +1126,10 @@ fn find_kv(s: &Inner, req: &GenRequest) -> Result<Option<(String, usize)>, SimEr
                     want.len() == keys.len() && want.iter().zip(keys).all(|(w, k)| w.hash == *k)
                 });
                 if matches {
-                    claim(s, id)?;
+                    let c = claim(s, id)?;
                     s.announced.remove(model::tokens_key(&req.tokens[..m]), id);
                     tracing::debug!(target: TL, stage = "decode.kv_by_id", id = %id);
-                    return Ok(Some((id.clone(), m)));
+                    return Ok(Some((c, m)));
                 }
             }
             // The id names KV that is not this prompt's (or not of this model: the keys
@@ -1150,9 +1150,11 @@ fn find_kv(s: &Inner, req: &GenRequest) -> Result<Option<(String, usize)>, SimEr
             let held = s.receivers[..ranks]
                 .iter()
                 .all(|rx| rx.chunks_landed(&id).is_some());
-            if held && claim(s, &id).is_ok() {
-                s.announced.remove(key, &id);
-                return Ok(Some((id, m)));
+            if held {
+                if let Ok(c) = claim(s, &id) {
+                    s.announced.remove(key, &id);
+                    return Ok(Some((c, m)));
+                }
             }
             if s.receivers[0].ended(&id).is_some() {
                 s.announced.remove(key, &id);
@@ -1162,14 +1164,50 @@ fn find_kv(s: &Inner, req: &GenRequest) -> Result<Option<(String, usize)>, SimEr
     Ok(None)
 }
 
-/// Decode role: marks request `id`'s KV as taken by one decode request (until released).
-fn claim(s: &Inner, id: &str) -> Result<(), SimError> {
+/// Decode role: marks request `id`'s KV as taken by one decode request (until the returned
+/// [`Claim`] is dropped).
+fn claim(s: &Arc<Inner>, id: &str) -> Result<Claim, SimError> {
     if lock(&s.claimed).insert(id.to_string()) {
-        Ok(())
+        Ok(Claim {
+            s: s.clone(),
+            id: id.to_string(),
+            armed: true,
+        })
     } else {
         Err(SimError::BadRequest(format!(
             "the KV of request {id} is already taken by another decode request"
         )))
+    }
+}
+
+/// Decode role: one decode request's hold on a PD request's KV. Whatever ends the decode
+/// request, the id is unclaimed when this drops. Dropped while still armed (the decode
+/// failed, or its future was dropped because the client went away or the proxy gave up),
+/// it also cancels the PD request on every receiving rank, so its pages return now (once no
+/// write can land in them) rather than when the receiver's TTL runs out.
+struct Claim {
+    s: Arc<Inner>,
+    id: String,
+    armed: bool,
+}
+
+impl Claim {
+    /// The PD request's pages have been released by their owner: nothing to cancel.
+    fn disarm(&mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        if self.armed {
+            for rx in &self.s.receivers[..self.s.cfg.receiving_ranks()] {
+                // An error is a request the receiver no longer holds: nothing to return.
+                let _ = rx.cancel(&self.id);
+            }
+            tracing::debug!(req_id = %self.id, "decode request ended before its KV was released: cancelled");
+        }
+        lock(&self.s.claimed).remove(&self.id);
     }
 }
 
@@ -1224,8 +1262,16 @@ async fn consume(s: Arc<Inner>, id: String, tokens: u64) -> Result<SeqState, Sim
 
 /// Decode role: request `id`'s KV, digested as it landed (or now, if its grant was missed),
 /// continued over `tokens[m..]`; every chunk is then verified in place, off the path to the
-/// first token, and the pages are released.
-async fn receive(s: &Arc<Inner>, tokens: &[u32], id: &str, m: usize) -> Result<SeqState, SimError> {
+/// first token, and the pages are released. `claim` is the request's hold on `id`: dropped
+/// armed (a failure here, or this future dropped) it cancels the request.
+async fn receive(
+    s: &Arc<Inner>,
+    tokens: &[u32],
+    mut claim: Claim,
+    m: usize,
+) -> Result<SeqState, SimError> {
+    let id = claim.id.clone();
+    let id = id.as_str();
     s.counts.kv_requests_received.fetch_add(1, Relaxed);
     tracing::debug!(target: TL, stage = "decode.kv_found", id);
     let t0 = Instant::now();
@@ -1249,10 +1295,7 @@ async fn receive(s: &Arc<Inner>, tokens: &[u32], id: &str, m: usize) -> Result<S
     let kv = match kv {
         Ok(kv) => kv,
         Err(e) => {
-            for rx in &s.receivers[..ranks] {
-                let _ = rx.cancel(id);
-            }
-            lock(&s.claimed).remove(id);
+            drop(claim); // armed: cancels the request on every rank, and unclaims it
             s.counts.kv_retrieve_failed.fetch_add(1, Relaxed);
             // The transfer ended under us: say so in the engine's own terms.
             return Err(match e {
@@ -1323,7 +1366,8 @@ async fn receive(s: &Arc<Inner>, tokens: &[u32], id: &str, m: usize) -> Result<S
                 tracing::warn!(req_id = %id2, "releasing received KV: {e}");
             }
         }
-        lock(&s2.claimed).remove(&id2);
+        claim.disarm();
+        drop(claim);
         match r {
             Ok((chunks, bytes, mismatches)) => {
                 s2.counts.kv_chunks_received.fetch_add(chunks, Relaxed);

@@ -245,3 +245,42 @@ async fn a_handoff_id_whose_kv_is_another_prompts_is_not_used() {
     assert_eq!(st.kv_requests_received, 1, "{st:?}");
     assert_eq!(st.kv_mismatches, 0, "{st:?}");
 }
+
+/// A decode request that goes away while it waits for its KV (its client hung up) gives
+/// the pages back at once, not when the receiver's TTL (60 s) runs out, and the transfer is
+/// ended for the sender too: nobody is left to read that KV.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_request_whose_client_hangs_up_returns_the_pages_at_once() {
+    let s = setup().await;
+    let text = model::random_prompt(11, 40);
+    let tokens = chat_tokens(&text);
+    let mut t = s.begin("handoff-dropped", &tokens).await;
+    assert!(t.chunks() >= 3);
+    t.send_chunk(0, &s.chunk(&tokens, 0)).await.unwrap();
+    let answer = s.decode(chat(&text, Some("handoff-dropped")));
+    // The decoder has claimed the KV and waits for chunk 1.
+    let until = Instant::now() + T;
+    while s.dec.stats().kv_requests_received < 1 {
+        assert!(Instant::now() < until, "the decoder never claimed the KV");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert!(s.dec.stats().pages_free < s.dec.stats().pages_total);
+    // The client hangs up: its connection closes.
+    answer.abort();
+    let _ = answer.await;
+    let t0 = Instant::now();
+    while s.dec.stats().pages_free < s.dec.stats().pages_total {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "pages still held after the client left: {:?}",
+            s.dec.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The sender is told: its next chunk finds the request cancelled.
+    let e = t.send_chunk(1, &s.chunk(&tokens, 1)).await.unwrap_err();
+    assert!(e.to_string().contains("handoff-dropped"), "{e}");
+    s.settled().await;
+    let st = s.dec.stats();
+    assert_eq!(st.pages_leaked, 0, "{st:?}");
+}
