@@ -123,6 +123,9 @@ pub struct Metrics {
     pub kv_outcomes_malformed: AtomicU64,
     /// Requests refused with 413 because their body exceeded `--max-body-bytes`.
     pub body_too_large: AtomicU64,
+    /// Requests started over on another decoder because the prefiller could not reach
+    /// theirs (`kv_receiver_unreachable`; no KV had moved).
+    pub decoder_retries: AtomicU64,
     /// Time from arrival to the first byte of the answer.
     pub ttft: Histogram,
     /// Duration of the prefill request.
@@ -208,6 +211,11 @@ impl Metrics {
                 "body_too_large_total",
                 "Requests refused because their body exceeded --max-body-bytes.",
                 &self.body_too_large,
+            ),
+            (
+                "decoder_retries_total",
+                "Requests started over on another decoder because the prefiller could not reach theirs.",
+                &self.decoder_retries,
             ),
         ];
         for (n, h, v) in counters {

@@ -43,6 +43,9 @@ pub struct Worker {
     inflight: AtomicU64,
     tokens: AtomicU64,
     served: AtomicU64,
+    /// Passive ejections so far: a health check that started before the latest one is
+    /// older than the evidence that ejected the worker, so it cannot re-admit it.
+    passive_ejections: AtomicU64,
 }
 
 impl Worker {
@@ -145,6 +148,7 @@ impl Pool {
                     inflight: AtomicU64::new(0),
                     tokens: AtomicU64::new(0),
                     served: AtomicU64::new(0),
+                    passive_ejections: AtomicU64::new(0),
                 })
                 .collect(),
             lock: Mutex::new(()),
@@ -260,6 +264,34 @@ impl Pool {
     /// Records a health-check result (or a passive failure: a refused connection counts as
     /// enough failures to eject at once). Returns true when the health state changed.
     pub fn report(&self, idx: usize, ok: bool, passive: bool) -> bool {
+        let _g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        self.apply(idx, ok, passive)
+    }
+
+    /// What a health check of worker `idx` notes before it starts, for
+    /// [`Pool::report_check`].
+    pub fn check_started(&self, idx: usize) -> u64 {
+        self.workers
+            .get(idx)
+            .map_or(0, |w| w.passive_ejections.load(Relaxed))
+    }
+
+    /// Records the result of a health check that began when [`Pool::check_started`] returned
+    /// `started`. A pass is ignored if the worker was passively ejected since: the check
+    /// probed the worker before that evidence (and may not probe what failed: a decoder's
+    /// HTTP endpoint can answer while its KV endpoints refuse). Returns true when the health
+    /// state changed.
+    pub fn report_check(&self, idx: usize, ok: bool, started: u64) -> bool {
+        let _g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        if ok && self.check_started(idx) != started {
+            return false;
+        }
+        self.apply(idx, ok, false)
+    }
+
+    /// [`Pool::report`] under the pool's lock (so a stale check and an ejection cannot
+    /// interleave).
+    fn apply(&self, idx: usize, ok: bool, passive: bool) -> bool {
         let Some(w) = self.workers.get(idx) else {
             return false;
         };
@@ -276,6 +308,7 @@ impl Pool {
         } else {
             w.oks.store(0, Relaxed);
             let fails = if passive {
+                w.passive_ejections.fetch_add(1, Relaxed);
                 down_after
             } else {
                 w.fails.fetch_add(1, Relaxed) + 1
@@ -399,6 +432,18 @@ mod tests {
         assert!(p.report(1, true, false));
         assert_eq!(p.try_pick(1, &[]).unwrap().index(), 1);
         assert_eq!(p.try_pick(1, &[1]).unwrap_err(), PickError::NoHealthy);
+    }
+
+    #[test]
+    fn a_check_older_than_a_passive_ejection_does_not_readmit() {
+        let p = pool(1, 0, 0);
+        let started = p.check_started(0);
+        assert!(p.report(0, false, true), "passive ejection");
+        assert!(!p.report_check(0, true, started), "stale pass ignored");
+        assert_eq!(p.try_pick(1, &[]).unwrap_err(), PickError::NoHealthy);
+        let fresh = p.check_started(0);
+        assert!(p.report_check(0, true, fresh), "a later check re-admits");
+        assert_eq!(p.try_pick(1, &[]).unwrap().index(), 0);
     }
 
     #[tokio::test]

@@ -247,6 +247,7 @@ async fn health_loop(app: Arc<App>, pool: Arc<Pool>, idx: usize) {
     let uri = format!("{}/health", pool.workers[idx].base);
     loop {
         tick.tick().await;
+        let started = pool.check_started(idx);
         let req = Request::get(&uri).body(Full::new(Bytes::new()));
         let Ok(req) = req else { return };
         let ok = match tokio::time::timeout(app.cfg.health_timeout, async {
@@ -260,7 +261,7 @@ async fn health_loop(app: Arc<App>, pool: Arc<Pool>, idx: usize) {
             Ok(Ok(ok)) => ok,
             _ => false,
         };
-        pool.report(idx, ok, false);
+        pool.report_check(idx, ok, started);
     }
 }
 
@@ -586,6 +587,25 @@ pub(crate) fn lmcache_decode_body(doc: &ReqDoc<'_>, first: Option<&str>, pd_id: 
 }
 
 /// Where an attempt on a decoder ended.
+/// How one attempt of the LMCache flow failed.
+enum LmcacheFail {
+    /// The prefiller could not reach this decoder at all (no KV moved): the request may go
+    /// to another decoder. Its admission slot was given back.
+    ReceiverUnreachable(String),
+    /// Any other failure: the answer to give.
+    Api(ApiError),
+}
+
+impl From<ApiError> for LmcacheFail {
+    fn from(e: ApiError) -> Self {
+        LmcacheFail::Api(e)
+    }
+}
+
+/// The error code with which a prefiller says it could not reach the decoder named in the
+/// request's `disagg_spec` at all (connection refused, reset or timed out): no KV moved.
+pub(crate) const KV_RECEIVER_UNREACHABLE: &str = "kv_receiver_unreachable";
+
 enum DecodeFail {
     /// The decoder refused the connection; its slot comes back for a retry elsewhere.
     Refused(Slot, String),
@@ -752,19 +772,55 @@ impl App {
     }
 
     /// LMCache flow: prefill with a `disagg_spec`, wait for every rank's outcome, then decode.
+    /// A prefiller that answers `kv_receiver_unreachable` (it could not reach the chosen
+    /// decoder at all, so no KV moved) has that decoder ejected, and the request starts over
+    /// on the least loaded other healthy decoder that admits it, each decoder at most once.
     async fn lmcache(
         &self,
         ctx: &Ctx<'_>,
         doc: &ReqDoc<'_>,
-        dslot: Slot,
+        mut dslot: Slot,
     ) -> Result<Reply, ApiError> {
+        let mut tried = Vec::new();
+        loop {
+            let (index, label) = (dslot.index(), dslot.worker().label.clone());
+            let detail = match self.lmcache_once(ctx, doc, dslot).await {
+                Ok(r) => return Ok(r),
+                Err(LmcacheFail::Api(e)) => return Err(e),
+                Err(LmcacheFail::ReceiverUnreachable(detail)) => detail,
+            };
+            tracing::warn!(request_id = ctx.rid(), worker = %label, "the prefiller cannot reach this decoder: {detail}");
+            self.decode.report(index, false, true);
+            let err = ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "decoder_unavailable",
+                Outcome::NoWorker,
+                format!("decoder {label} is unreachable from the prefiller: {detail}"),
+            );
+            tried.push(index);
+            dslot = match self.decode.try_pick(ctx.tokens, &tried) {
+                Ok(s) => s,
+                Err(_) => return Err(err),
+            };
+            self.metrics.decoder_retries.fetch_add(1, Relaxed);
+        }
+    }
+
+    /// One attempt of [`App::lmcache`] with `dslot`'s decoder.
+    async fn lmcache_once(
+        &self,
+        ctx: &Ctx<'_>,
+        doc: &ReqDoc<'_>,
+        dslot: Slot,
+    ) -> Result<Reply, LmcacheFail> {
         let Some(waiters) = &self.waiters else {
             return Err(ApiError::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "internal",
                 Outcome::PrefillError,
                 "no notification socket",
-            ));
+            )
+            .into());
         };
         let dc = &self.cfg.decoders[dslot.index()];
         let id = self.next_id();
@@ -795,16 +851,32 @@ impl App {
                 "the proxy is shutting down",
             )
         };
+        let unreachable = |r: Result<Bytes, ApiError>| match r {
+            Err(e) if e.code == KV_RECEIVER_UNREACHABLE => {
+                Err(LmcacheFail::ReceiverUnreachable(e.message))
+            }
+            r => r.map_err(LmcacheFail::Api),
+        };
         let answer = loop {
             tokio::select! {
-                r = &mut prefill => break r?,
+                r = &mut prefill => break unreachable(r)?,
                 o = wait.outcome(), if !ready => match o {
                     Some(KvOutcome::Ready) => {
                         tracing::debug!(target: TL, stage = "proxy.kv_ready", id = %id);
                         ready = true
                     }
-                    Some(KvOutcome::Failed { rank, reason }) => return Err(kv_failed(rank, reason)),
-                    None => return Err(gone()),
+                    Some(KvOutcome::Failed { rank, reason }) => {
+                        // A prefiller that cannot reach the decoder reports KvFailed and
+                        // answers `kv_receiver_unreachable` at about the same time, in
+                        // either order: give its answer a moment to say which it is.
+                        if let Ok(r @ Err(_)) =
+                            tokio::time::timeout(KV_OUTCOME_GRACE, prefill.as_mut()).await
+                        {
+                            unreachable(r)?;
+                        }
+                        return Err(kv_failed(rank, reason).into());
+                    }
+                    None => return Err(gone().into()),
                 },
             }
         };
@@ -894,15 +966,15 @@ impl App {
             tokio::select! {
                 r = &mut decode, if reply.is_none() => match r {
                     Ok(r) => reply = Some(r),
-                    Err(e) if ready => return Err(e),
+                    Err(e) if ready => return Err(e.into()),
                     Err(e) => {
                         // The decoder failing because its KV did (it learns of it from the
                         // PD layer at about the time the proxy does) is the KV's failure:
                         // give the outcome a moment to say so.
                         let grace = (tokio::time::Instant::now() + KV_OUTCOME_GRACE).min(kv_deadline);
                         return match tokio::time::timeout_at(grace, wait.outcome()).await {
-                            Ok(Some(KvOutcome::Failed { rank, reason })) => Err(kv_failed(rank, reason)),
-                            _ => Err(e),
+                            Ok(Some(KvOutcome::Failed { rank, reason })) => Err(kv_failed(rank, reason).into()),
+                            _ => Err(e.into()),
                         };
                     }
                 },
@@ -968,6 +1040,16 @@ impl App {
                     self.metrics.prefill.observe(t.elapsed());
                     if status.is_success() {
                         return Ok(b);
+                    }
+                    if status == StatusCode::SERVICE_UNAVAILABLE
+                        && error_code(&b).as_deref() == Some(KV_RECEIVER_UNREACHABLE)
+                    {
+                        return Err(ApiError::new(
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            KV_RECEIVER_UNREACHABLE,
+                            Outcome::PrefillError,
+                            format!("prefiller {}: {}", w.label, error_message(&b)),
+                        ));
                     }
                     return Err(upstream_status(status, ct, b, &w.label, Role::Prefill));
                 }
@@ -1203,16 +1285,7 @@ fn upstream_status(
     } else {
         "decode_failed"
     };
-    let detail = serde_json::from_slice::<Value>(&b)
-        .ok()
-        .and_then(|v| {
-            v.pointer("/error/message")
-                .or_else(|| v.get("message"))
-                .or_else(|| v.get("detail"))
-                .and_then(|m| m.as_str())
-                .map(str::to_string)
-        })
-        .unwrap_or_else(|| excerpt(&b));
+    let detail = error_message(&b);
     ApiError::new(
         StatusCode::BAD_GATEWAY,
         code,
@@ -1224,6 +1297,27 @@ fn upstream_status(
                 .replace("decode", "decoder")
         ),
     )
+}
+
+/// A worker's error body's message (OpenAI's `error.message`, or a bare `message` or
+/// `detail`), else an excerpt of the body.
+fn error_message(b: &[u8]) -> String {
+    serde_json::from_slice::<Value>(b)
+        .ok()
+        .and_then(|v| {
+            v.pointer("/error/message")
+                .or_else(|| v.get("message"))
+                .or_else(|| v.get("detail"))
+                .and_then(|m| m.as_str())
+                .map(str::to_string)
+        })
+        .unwrap_or_else(|| excerpt(b))
+}
+
+/// A worker's error body's `error.code`, if any.
+fn error_code(b: &[u8]) -> Option<String> {
+    let v = serde_json::from_slice::<Value>(b).ok()?;
+    v.pointer("/error/code")?.as_str().map(str::to_string)
 }
 
 /// Request facts every step needs.

@@ -141,7 +141,18 @@ pub enum AnnounceError {
         /// The deadline.
         after: Duration,
     },
-    /// Connecting, writing or reading failed, or the decoder refused.
+    /// The decoder could not be reached at all (connection refused, reset or timed out
+    /// while connecting): nothing was delivered, so the request can go to another decoder.
+    #[error("announcing {req_id} to {addr}: the decoder is unreachable: {detail}")]
+    Unreachable {
+        /// The request.
+        req_id: String,
+        /// The decoder's announce address.
+        addr: String,
+        /// What went wrong.
+        detail: String,
+    },
+    /// Writing or reading failed, or the decoder refused.
     #[error("announcing {req_id} to {addr}: {detail}")]
     Failed {
         /// The request.
@@ -164,10 +175,18 @@ pub async fn announce(
         addr: addr.to_string(),
         detail,
     };
+    let unreachable = |detail: String| AnnounceError::Unreachable {
+        req_id: a.req_id.clone(),
+        addr: addr.to_string(),
+        detail,
+    };
+    // An atomic, not a Cell: the future must stay Send.
+    let connected = std::sync::atomic::AtomicBool::new(false);
     let work = async {
         let mut s = TcpStream::connect(addr)
             .await
-            .map_err(|e| failed(format!("connect: {e}")))?;
+            .map_err(|e| unreachable(format!("connect: {e}")))?;
+        connected.store(true, std::sync::atomic::Ordering::Relaxed);
         let _ = s.set_nodelay(true);
         let mut line = serde_json::to_string(a).map_err(|e| failed(e.to_string()))?;
         line.push('\n');
@@ -187,6 +206,9 @@ pub async fn announce(
     };
     match tokio::time::timeout(deadline, work).await {
         Ok(r) => r,
+        Err(_) if !connected.load(std::sync::atomic::Ordering::Relaxed) => Err(unreachable(
+            format!("connect: no answer within {deadline:?}"),
+        )),
         Err(_) => Err(AnnounceError::Timeout {
             req_id: a.req_id.clone(),
             addr: addr.to_string(),

@@ -337,7 +337,9 @@ pub enum SimError {
     /// The request is malformed (400).
     #[error("{0}")]
     BadRequest(String),
-    /// The decoder could not be told about the transfer (500).
+    /// The decoder could not be told about the transfer (500 `kv_announce_failed`; 503
+    /// `kv_receiver_unreachable` when it could not be reached at all, which tells a proxy
+    /// that no KV moved and the request may go to another decoder).
     #[error(transparent)]
     Announce(#[from] announce::AnnounceError),
     /// The PD layer failed (500).
@@ -359,6 +361,9 @@ impl SimError {
     fn status_and_code(&self) -> (StatusCode, &'static str) {
         match self {
             SimError::BadRequest(_) => (StatusCode::BAD_REQUEST, "invalid_request"),
+            SimError::Announce(announce::AnnounceError::Unreachable { .. }) => {
+                (StatusCode::SERVICE_UNAVAILABLE, "kv_receiver_unreachable")
+            }
             SimError::Announce(_) => (StatusCode::INTERNAL_SERVER_ERROR, "kv_announce_failed"),
             SimError::Kv(_) | SimError::KvEnded(_) => {
                 (StatusCode::INTERNAL_SERVER_ERROR, "kv_transfer_failed")

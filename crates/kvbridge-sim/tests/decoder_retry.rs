@@ -1,0 +1,142 @@
+//! A decoder the prefiller cannot reach (its KV ports refuse connections while its HTTP
+//! endpoint still answers health checks) costs no request: the prefiller answers
+//! `kv_receiver_unreachable` before any KV moves, and the proxy ejects that decoder and
+//! starts the request over on another one. Real engines and a real proxy, in process.
+
+use kvbridge_pd::{Dtype, KvLayout, KvSpec};
+use kvbridge_proxy::config::{Config as ProxyConfig, DecoderConfig, WorkerAddr};
+use kvbridge_sim::client::Client;
+use kvbridge_sim::cost::CostModel;
+use kvbridge_sim::engine::{self, EngineConfig, Role, RunningEngine};
+use kvbridge_sim::model::{self, Model};
+use serde_json::json;
+use std::time::Duration;
+use tokio::net::TcpListener;
+
+const DEADLINE: Duration = Duration::from_secs(15);
+
+fn model() -> Model {
+    Model {
+        name: "sim-retry".into(),
+        spec: KvSpec {
+            chunk_tokens: 32,
+            ..KvSpec::new(
+                KvLayout::Standard {
+                    layers: 4,
+                    kv_heads: 2,
+                    head_dim: 64,
+                },
+                Dtype::Bf16,
+            )
+        },
+        world_size: 1,
+    }
+}
+
+async fn engine(c: EngineConfig) -> RunningEngine {
+    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    engine::start(c, l).await.expect("engine starts")
+}
+
+/// A port nothing listens on (bound, then closed).
+async fn closed_port() -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    l.local_addr().expect("addr").port()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decoder_the_prefiller_cannot_reach_is_ejected_and_the_request_goes_to_another() {
+    let m = model();
+    let mk = |role| {
+        let mut c = EngineConfig::new(role, m.clone());
+        c.cost = CostModel::FREE;
+        c.buffer_bytes = 16 << 20;
+        c
+    };
+    let good = engine(mk(Role::Decode)).await;
+    // Its HTTP answers (health checks pass), but its KV endpoints are gone.
+    let cut = engine(mk(Role::Decode)).await;
+    let colocated = engine(mk(Role::Both)).await;
+    let pl = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let proxy = kvbridge_proxy::server::start(ProxyConfig {
+        port: 0,
+        proxy_port: 0,
+        prefillers: vec![WorkerAddr {
+            host: "127.0.0.1".into(),
+            port: pl.local_addr().expect("addr").port(),
+        }],
+        decoders: vec![
+            DecoderConfig {
+                host: "127.0.0.1".into(),
+                port: cut.http_addr().port(),
+                init_ports: vec![closed_port().await],
+                alloc_ports: vec![closed_port().await],
+                max_requests: 0,
+                kv_capacity_tokens: 0,
+            },
+            DecoderConfig {
+                host: "127.0.0.1".into(),
+                port: good.http_addr().port(),
+                init_ports: good.init_ports().to_vec(),
+                alloc_ports: good.alloc_ports().to_vec(),
+                max_requests: 0,
+                kv_capacity_tokens: 0,
+            },
+        ],
+        kv_ready_timeout: Duration::from_secs(5),
+        prefill_timeout: Duration::from_secs(10),
+        decode_timeout: Duration::from_secs(10),
+        // Health checks would not eject the cut decoder (its HTTP answers); after the first
+        // one (at start) none runs during the test.
+        health_interval: Duration::from_secs(60),
+        ..ProxyConfig::default()
+    })
+    .await
+    .expect("proxy");
+    let mut pc = mk(Role::Prefill);
+    pc.proxy_endpoint = Some(format!(
+        "tcp://{}",
+        proxy.notify_addr().expect("lmcache flow")
+    ));
+    let _prefiller = engine::start(pc, pl).await.expect("prefiller starts");
+    let client = Client::new();
+    let url = format!("http://{}/v1/completions", proxy.http_addr());
+    let col_url = format!("http://{}/v1/completions", colocated.http_addr());
+    // Ties spread round-robin: the cut decoder is picked within the first two requests.
+    for i in 0..6u64 {
+        let body = json!({"prompt": model::random_prompt(300 + i, 100), "max_tokens": 5, "stream": i % 2 == 1});
+        let got = client
+            .generate(&url, &body, DEADLINE)
+            .await
+            .unwrap_or_else(|e| panic!("request {i}: {e}"));
+        let want = client
+            .generate(&col_url, &body, DEADLINE)
+            .await
+            .expect("colocated");
+        assert_eq!(got.text, want.text, "request {i}");
+    }
+    let health = client
+        .get_json(&format!("http://{}/health", proxy.http_addr()), DEADLINE)
+        .await
+        .expect("proxy health");
+    assert_eq!(health["decoders_healthy"], 1, "{health}");
+    let metrics = client
+        .get_text(&format!("http://{}/metrics", proxy.http_addr()), DEADLINE)
+        .await
+        .expect("proxy metrics");
+    let retries = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("kvbridge_proxy_decoder_retries_total "))
+        .and_then(|v| v.trim().parse::<f64>().ok());
+    // Once, or twice when the proxy's first health check (it starts with the proxy, and
+    // probes only HTTP) passed after the first ejection and re-admitted the decoder.
+    assert!(
+        matches!(retries, Some(r) if (1.0..=2.0).contains(&r)),
+        "{metrics}"
+    );
+    assert_eq!(cut.stats().requests, 0, "nothing reached the cut decoder");
+    assert_eq!(good.stats().kv_requests_received, 6);
+    good.quiesce(DEADLINE).await.expect("verifications settle");
+    let st = good.stats();
+    assert_eq!((st.kv_mismatches, st.pages_leaked), (0, 0), "{st:?}");
+}
