@@ -18,6 +18,7 @@
 #![warn(missing_docs)]
 
 pub mod announce;
+pub mod background;
 pub mod chunk_memory;
 pub mod cli;
 pub mod client;
