@@ -237,19 +237,18 @@ impl Model {
         }
     }
 
-    /// Calls `f` with the KV of one chunk on every rank (`chunks[rank]`), computed into this
-    /// thread's scratch buffers, which are kept for the next call: looking at a chunk
-    /// allocates nothing (see [`crate::chunk_memory`] for why that matters).
+    /// Calls `f` with the KV of one chunk on every rank (`chunks[rank]`), computed into
+    /// scratch buffers taken from a small process-wide pool and given back after: looking at
+    /// a chunk allocates nothing once the pool is warm (see [`crate::chunk_memory`] for why
+    /// that matters). The pool keeps at most [`SCRATCH_KEPT`] sets, so the memory it holds
+    /// does not grow with the number of threads that ever computed a chunk (per-thread
+    /// buffers did: tokio's blocking pool alone may run 512 threads).
     pub fn with_chunks<R>(&self, prefixes: &[u64], f: impl FnOnce(&[&[u8]]) -> R) -> R {
-        thread_local! {
-            static SCRATCH: std::cell::RefCell<Vec<Vec<u8>>> =
-                const { std::cell::RefCell::new(Vec::new()) };
-        }
         let (planes, row) = self.planes_and_row();
         let len = planes * prefixes.len() * row;
         let ranks = self.world_size as usize;
-        // Taken out of the thread-local while `f` runs, so a nested call gets its own.
-        let mut bufs = SCRATCH.with(|s| std::mem::take(&mut *s.borrow_mut()));
+        // Taken out of the pool while `f` runs, so a nested call gets its own.
+        let mut bufs = scratch_take();
         if bufs.len() < ranks {
             bufs.resize_with(ranks, Vec::new);
         }
@@ -260,7 +259,7 @@ impl Model {
         let refs: Vec<&[u8]> = bufs.iter().take(ranks).map(|b| &b[..len]).collect();
         let out = f(&refs);
         drop(refs);
-        SCRATCH.with(|s| *s.borrow_mut() = bufs);
+        scratch_give_back(bufs);
         out
     }
 
@@ -376,6 +375,27 @@ fn fill_row(seed: u64, out: &mut [u8]) {
     if !rest.is_empty() {
         let v = r.next_u64().to_le_bytes();
         rest.copy_from_slice(&v[..rest.len()]);
+    }
+}
+
+/// Most scratch sets [`Model::with_chunks`] keeps between calls (one set: a chunk per rank).
+/// Concurrent calls beyond it allocate their own and drop them after.
+pub const SCRATCH_KEPT: usize = 4;
+
+static SCRATCH: std::sync::Mutex<Vec<Vec<Vec<u8>>>> = std::sync::Mutex::new(Vec::new());
+
+fn scratch_take() -> Vec<Vec<u8>> {
+    SCRATCH
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .pop()
+        .unwrap_or_default()
+}
+
+fn scratch_give_back(bufs: Vec<Vec<u8>>) {
+    let mut pool = SCRATCH.lock().unwrap_or_else(|p| p.into_inner());
+    if pool.len() < SCRATCH_KEPT {
+        pool.push(bufs);
     }
 }
 
