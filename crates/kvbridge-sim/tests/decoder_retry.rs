@@ -3,12 +3,15 @@
 //! `kv_receiver_unreachable` before any KV moves, and the proxy ejects that decoder and
 //! starts the request over on another one. Real engines and a real proxy, in process.
 
+mod proxied;
+
 use kvbridge_pd::{Dtype, KvLayout, KvSpec};
-use kvbridge_proxy::config::{Config as ProxyConfig, DecoderConfig, WorkerAddr};
+use kvbridge_proxy::config::Config as ProxyConfig;
 use kvbridge_sim::client::Client;
 use kvbridge_sim::cost::CostModel;
 use kvbridge_sim::engine::{self, EngineConfig, Role, RunningEngine};
 use kvbridge_sim::model::{self, Model};
+use proxied::{decoder_at, decoder_of, prefiller_at};
 use serde_json::json;
 use std::time::Duration;
 use tokio::net::TcpListener;
@@ -61,27 +64,14 @@ async fn a_decoder_the_prefiller_cannot_reach_is_ejected_and_the_request_goes_to
     let proxy = kvbridge_proxy::server::start(ProxyConfig {
         port: 0,
         proxy_port: 0,
-        prefillers: vec![WorkerAddr {
-            host: "127.0.0.1".into(),
-            port: pl.local_addr().expect("addr").port(),
-        }],
+        prefillers: vec![prefiller_at(pl.local_addr().expect("addr").port())],
         decoders: vec![
-            DecoderConfig {
-                host: "127.0.0.1".into(),
-                port: cut.http_addr().port(),
-                init_ports: vec![closed_port().await],
-                alloc_ports: vec![closed_port().await],
-                max_requests: 0,
-                kv_capacity_tokens: 0,
-            },
-            DecoderConfig {
-                host: "127.0.0.1".into(),
-                port: good.http_addr().port(),
-                init_ports: good.init_ports().to_vec(),
-                alloc_ports: good.alloc_ports().to_vec(),
-                max_requests: 0,
-                kv_capacity_tokens: 0,
-            },
+            decoder_at(
+                cut.http_addr().port(),
+                vec![closed_port().await],
+                vec![closed_port().await],
+            ),
+            decoder_of(&good),
         ],
         kv_ready_timeout: Duration::from_secs(5),
         prefill_timeout: Duration::from_secs(10),

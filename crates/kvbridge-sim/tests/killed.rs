@@ -2,12 +2,15 @@
 //! errors within their deadlines, later requests succeed on the other worker, and the
 //! surviving decoders' pages all come back (none leaked).
 
+mod proxied;
+
 use kvbridge_pd::{Dtype, KvLayout, KvSpec};
-use kvbridge_proxy::config::{Config as ProxyConfig, DecoderConfig, WorkerAddr};
+use kvbridge_proxy::config::Config as ProxyConfig;
 use kvbridge_sim::client::{Client, ClientError};
 use kvbridge_sim::cost::CostModel;
 use kvbridge_sim::engine::{self, EngineConfig, Role};
 use kvbridge_sim::model::{self, Model};
+use proxied::{decoder_at, decoder_of, prefiller_at};
 use serde_json::{json, Value};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -129,21 +132,8 @@ async fn killed_prefiller_fails_its_requests_cleanly_and_leaks_no_page() {
     let proxy = kvbridge_proxy::server::start(ProxyConfig {
         port: 0,
         proxy_port: 0,
-        prefillers: [pa, pb]
-            .iter()
-            .map(|&port| WorkerAddr {
-                host: "127.0.0.1".into(),
-                port,
-            })
-            .collect(),
-        decoders: vec![DecoderConfig {
-            host: "127.0.0.1".into(),
-            port: dec.http_addr().port(),
-            init_ports: dec.init_ports().to_vec(),
-            alloc_ports: dec.alloc_ports().to_vec(),
-            max_requests: 0,
-            kv_capacity_tokens: 0,
-        }],
+        prefillers: vec![prefiller_at(pa), prefiller_at(pb)],
+        decoders: vec![decoder_of(&dec)],
         kv_ready_timeout: Duration::from_secs(3),
         prefill_timeout: Duration::from_secs(10),
         decode_timeout: Duration::from_secs(10),
@@ -270,21 +260,11 @@ async fn killed_decoder_fails_its_streams_cleanly_and_the_rest_succeed() {
     let pl = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
-    let decoder = |v: &Value| DecoderConfig {
-        host: "127.0.0.1".into(),
-        port: port(v),
-        init_ports: ports(v, "init_ports"),
-        alloc_ports: ports(v, "alloc_ports"),
-        max_requests: 0,
-        kv_capacity_tokens: 0,
-    };
+    let decoder = |v: &Value| decoder_at(port(v), ports(v, "init_ports"), ports(v, "alloc_ports"));
     let proxy = kvbridge_proxy::server::start(ProxyConfig {
         port: 0,
         proxy_port: 0,
-        prefillers: vec![WorkerAddr {
-            host: "127.0.0.1".into(),
-            port: pl.local_addr().expect("addr").port(),
-        }],
+        prefillers: vec![prefiller_at(pl.local_addr().expect("addr").port())],
         decoders: vec![decoder(&va), decoder(&vb)],
         kv_ready_timeout: Duration::from_secs(3),
         prefill_timeout: Duration::from_secs(10),
