@@ -5,13 +5,12 @@
 
 mod proxied;
 
-use kvbridge_pd::{Dtype, KvLayout, KvSpec};
 use kvbridge_proxy::config::Config as ProxyConfig;
 use kvbridge_sim::client::Client;
 use kvbridge_sim::cost::CostModel;
 use kvbridge_sim::engine::{self, EngineConfig, Role, RunningEngine};
 use kvbridge_sim::model::{self, Model};
-use proxied::{decoder_at, decoder_of, prefiller_at};
+use proxied::{decoder_at, decoder_of, prefiller_at, prefiller_for, small_model};
 use serde_json::json;
 use std::time::Duration;
 use tokio::net::TcpListener;
@@ -19,21 +18,7 @@ use tokio::net::TcpListener;
 const DEADLINE: Duration = Duration::from_secs(15);
 
 fn model() -> Model {
-    Model {
-        name: "sim-retry".into(),
-        spec: KvSpec {
-            chunk_tokens: 32,
-            ..KvSpec::new(
-                KvLayout::Standard {
-                    layers: 4,
-                    kv_heads: 2,
-                    head_dim: 64,
-                },
-                Dtype::Bf16,
-            )
-        },
-        world_size: 1,
-    }
+    small_model("sim-retry")
 }
 
 async fn engine(c: EngineConfig) -> RunningEngine {
@@ -83,12 +68,7 @@ async fn a_decoder_the_prefiller_cannot_reach_is_ejected_and_the_request_goes_to
     })
     .await
     .expect("proxy");
-    let mut pc = mk(Role::Prefill);
-    pc.proxy_endpoint = Some(format!(
-        "tcp://{}",
-        proxy.notify_addr().expect("lmcache flow")
-    ));
-    let _prefiller = engine::start(pc, pl).await.expect("prefiller starts");
+    let _prefiller = prefiller_for(mk(Role::Prefill), pl, &proxy).await;
     let client = Client::new();
     let url = format!("http://{}/v1/completions", proxy.http_addr());
     let col_url = format!("http://{}/v1/completions", colocated.http_addr());

@@ -4,13 +4,12 @@
 
 mod proxied;
 
-use kvbridge_pd::{Dtype, KvLayout, KvSpec};
 use kvbridge_proxy::config::Config as ProxyConfig;
 use kvbridge_sim::client::{Client, ClientError};
 use kvbridge_sim::cost::CostModel;
 use kvbridge_sim::engine::{self, EngineConfig, Role};
 use kvbridge_sim::model::{self, Model};
-use proxied::{decoder_at, decoder_of, prefiller_at};
+use proxied::{decoder_at, decoder_of, prefiller_at, prefiller_for, small_model};
 use serde_json::{json, Value};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -20,21 +19,7 @@ use tokio::process::{Child, Command};
 const DEADLINE: Duration = Duration::from_secs(15);
 
 fn model() -> Model {
-    Model {
-        name: "sim-kill".into(),
-        spec: KvSpec {
-            chunk_tokens: 32,
-            ..KvSpec::new(
-                KvLayout::Standard {
-                    layers: 4,
-                    kv_heads: 2,
-                    head_dim: 64,
-                },
-                Dtype::Bf16,
-            )
-        },
-        world_size: 1,
-    }
+    small_model("sim-kill")
 }
 
 const PREFILL_TOKENS_PER_S: f64 = 4000.0;
@@ -275,12 +260,7 @@ async fn killed_decoder_fails_its_streams_cleanly_and_the_rest_succeed() {
     })
     .await
     .expect("proxy");
-    let mut pc = mk(Role::Prefill);
-    pc.proxy_endpoint = Some(format!(
-        "tcp://{}",
-        proxy.notify_addr().expect("lmcache flow")
-    ));
-    let _prefiller = engine::start(pc, pl).await.expect("prefiller");
+    let _prefiller = prefiller_for(mk(Role::Prefill), pl, &proxy).await;
     let client = Client::new();
     let url = format!("http://{}/v1/completions", proxy.http_addr());
     let col_url = format!("http://{}/v1/completions", colocated.http_addr());

@@ -1,7 +1,30 @@
 //! What the tests that put real engines behind a real proxy share: the proxy's view of them.
 
+use kvbridge_pd::{Dtype, KvLayout, KvSpec};
 use kvbridge_proxy::config::{DecoderConfig, WorkerAddr};
-use kvbridge_sim::engine::RunningEngine;
+use kvbridge_proxy::server::RunningProxy;
+use kvbridge_sim::engine::{self, EngineConfig, RunningEngine};
+use kvbridge_sim::model::Model;
+
+/// A small model named `name`: 4 layers, 2 KV heads of 64, bf16, 32-token chunks, TP=1
+/// (the engine binary's `--layers 4 --kv-heads 2 --head-dim 64 --chunk-tokens 32`).
+pub fn small_model(name: &str) -> Model {
+    Model {
+        name: name.into(),
+        spec: KvSpec {
+            chunk_tokens: 32,
+            ..KvSpec::new(
+                KvLayout::Standard {
+                    layers: 4,
+                    kv_heads: 2,
+                    head_dim: 64,
+                },
+                Dtype::Bf16,
+            )
+        },
+        world_size: 1,
+    }
+}
 
 /// A prefiller listening on 127.0.0.1:`port`.
 pub fn prefiller_at(port: u16) -> WorkerAddr {
@@ -30,4 +53,18 @@ pub fn decoder_of(e: &RunningEngine) -> DecoderConfig {
         e.init_ports().to_vec(),
         e.alloc_ports().to_vec(),
     )
+}
+
+/// Starts an in-process prefiller on `l` (the address the proxy was given) that reports its
+/// outcomes to `proxy`'s notification socket.
+pub async fn prefiller_for(
+    mut c: EngineConfig,
+    l: tokio::net::TcpListener,
+    proxy: &RunningProxy,
+) -> RunningEngine {
+    c.proxy_endpoint = Some(format!(
+        "tcp://{}",
+        proxy.notify_addr().expect("lmcache flow")
+    ));
+    engine::start(c, l).await.expect("prefiller starts")
 }
