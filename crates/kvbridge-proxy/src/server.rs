@@ -869,10 +869,13 @@ impl App {
                         // A prefiller that cannot reach the decoder reports KvFailed and
                         // answers `kv_receiver_unreachable` at about the same time, in
                         // either order: give its answer a moment to say which it is.
-                        if let Ok(r @ Err(_)) =
+                        // Any other answer leaves the outcome as it was: `KvFailed`.
+                        if let Ok(Err(e)) =
                             tokio::time::timeout(KV_OUTCOME_GRACE, prefill.as_mut()).await
                         {
-                            unreachable(r)?;
+                            if e.code == KV_RECEIVER_UNREACHABLE {
+                                return Err(LmcacheFail::ReceiverUnreachable(e.message));
+                            }
                         }
                         return Err(kv_failed(rank, reason).into());
                     }

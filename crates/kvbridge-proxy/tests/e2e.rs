@@ -31,6 +31,9 @@ use zeromq::{Socket, SocketSend, ZmqMessage};
 /// Upper bound for any single wait in these tests.
 const T: Duration = Duration::from_secs(10);
 
+/// The alloc port a decoder is given to be one the prefiller double cannot reach (`@unreach`).
+const UNREACHABLE_PORT: u16 = 7999;
+
 // ---------------------------------------------------------------- doubles
 
 #[derive(Clone, Copy, PartialEq)]
@@ -182,6 +185,33 @@ async fn openai(
                 .as_array()
                 .map(|a| a.len())
                 .unwrap_or(1) as u32;
+            let cut = spec["receiver_alloc_port"][0].as_u64() == Some(UNREACHABLE_PORT.into());
+            if (has("@unreach") && cut) || has("@kvfail500") {
+                for r in 0..ranks {
+                    push(
+                        &st,
+                        Notif::KvFailed {
+                            req_id: id.clone(),
+                            rank: r,
+                            reason: "connect: connection refused".into(),
+                        },
+                    )
+                    .await;
+                }
+                // The answer follows the outcome, as a real prefiller's may.
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                if has("@kvfail500") {
+                    return err_json(StatusCode::INTERNAL_SERVER_ERROR, "prefill exploded");
+                }
+                let e = json!({"error": {"message": "announcing: the decoder is unreachable",
+                    "type": "server_error", "code": "kv_receiver_unreachable"}});
+                return (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    [("content-type", "application/json")],
+                    e.to_string(),
+                )
+                    .into_response();
+            }
             if has("@kvfail") || has("@kvslowfail") {
                 push(
                     &st,
@@ -773,6 +803,56 @@ async fn kv_failed_gives_502_at_once() {
         );
     }
     assert_eq!(e.d[0].st.calls.load(Relaxed), 0);
+    e.settled().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decoder_the_prefiller_cannot_reach_has_the_request_moved_to_another() {
+    // Decoder 0's KV ports are out of the prefiller's reach; its HTTP answers.
+    let e = env(Flow::Lmcache, 1, 2, |c| {
+        c.decoders[0].alloc_ports = vec![UNREACHABLE_PORT, UNREACHABLE_PORT + 1]
+    })
+    .await;
+    // Ties spread round-robin, so decoder 0 is picked within two requests. Its prefill
+    // reports `KvFailed` on every rank first and answers `kv_receiver_unreachable` 20 ms
+    // later: the proxy waits for that answer and starts the request over on decoder 1.
+    for stream in [false, true, false, true] {
+        let a = e
+            .post("/v1/completions", completion("@unreach", stream))
+            .await;
+        assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    }
+    assert_eq!(
+        e.d[0].st.calls.load(Relaxed),
+        0,
+        "no decode reached decoder 0"
+    );
+    assert_eq!(e.d[1].st.calls.load(Relaxed), 4);
+    let prefills = e.p[0].st.calls.load(Relaxed);
+    assert!(prefills >= 5, "one prefill per attempt: {prefills}");
+    let m = e.metrics().await;
+    assert_eq!(
+        sample(&m, "kvbridge_proxy_decoder_retries_total"),
+        Some((prefills - 4) as f64),
+        "{m}"
+    );
+    assert_eq!(
+        sample(&m, "kvbridge_proxy_requests_total{outcome=\"ok\"}"),
+        Some(4.0),
+        "{m}"
+    );
+    e.settled().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_failed_then_another_prefill_error_stays_kv_transfer_failed() {
+    let e = env(Flow::Lmcache, 1, 2, |_| {}).await;
+    let a = e
+        .post("/v1/completions", completion("@kvfail500", false))
+        .await;
+    assert_eq!(a.status, StatusCode::BAD_GATEWAY, "{}", a.text());
+    assert_eq!(a.code(), "kv_transfer_failed", "{}", a.text());
+    assert_eq!(e.p[0].st.calls.load(Relaxed), 1, "not retried");
     e.settled().await;
 }
 
