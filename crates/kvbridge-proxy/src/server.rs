@@ -790,13 +790,7 @@ impl App {
                 Err(LmcacheFail::ReceiverUnreachable(detail)) => detail,
             };
             tracing::warn!(request_id = ctx.rid(), worker = %label, "the prefiller cannot reach this decoder: {detail}");
-            self.decode.report(index, false, true);
-            let err = ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "decoder_unavailable",
-                Outcome::NoWorker,
-                format!("decoder {label} is unreachable from the prefiller: {detail}"),
-            );
+            let err = self.decoder_down(index, &label, format!("from the prefiller: {detail}"));
             tried.push(index);
             dslot = match self.decode.try_pick(ctx.tokens, &tried) {
                 Ok(s) => s,
@@ -1084,7 +1078,7 @@ impl App {
                 Err(DecodeFail::Api(e)) => return Err(e),
                 Err(DecodeFail::Refused(s, e)) => {
                     tracing::warn!(request_id = ctx.rid(), worker = %s.worker().label, "decoder unreachable: {e}");
-                    let err = self.decoder_down(&s, e);
+                    let err = self.decoder_down(s.index(), &s.worker().label, e);
                     tried.push(s.index());
                     drop(s);
                     err
@@ -1195,13 +1189,15 @@ impl App {
         })
     }
 
-    fn decoder_down(&self, slot: &Slot, e: String) -> ApiError {
-        self.decode.report(slot.index(), false, true);
+    /// Ejects decoder `index` at once (passively) and returns the error to give if no other
+    /// decoder takes the request.
+    fn decoder_down(&self, index: usize, label: &str, e: String) -> ApiError {
+        self.decode.report(index, false, true);
         ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "decoder_unavailable",
             Outcome::NoWorker,
-            format!("decoder {} is unreachable: {e}", slot.worker().label),
+            format!("decoder {label} is unreachable: {e}"),
         )
     }
 

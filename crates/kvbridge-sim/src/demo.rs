@@ -732,9 +732,8 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
     // Replay a sample one at a time: outputs must equal the colocated engine's, and the
     // unloaded TTFTs compare the two paths.
     let mut matched = true;
-    let (mut ud, mut uc) = (Vec::new(), Vec::new());
     let record = args.timeline && timeline::installed();
-    let (mut td, mut tc) = (Vec::new(), Vec::new());
+    let mut pairs = Pairs::default();
     let k = (args.compare as usize).min(n);
     for (i, w) in work.iter().take(k).enumerate() {
         let (d, dm) = traced(
@@ -754,20 +753,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
         match (d, c) {
             (Ok(d), Ok(c)) => {
                 if w.body.get("stream").and_then(Value::as_bool) == Some(true) {
-                    ud.push(d.ttft.as_secs_f64() * 1e3);
-                    uc.push(c.ttft.as_secs_f64() * 1e3);
-                    if let (Some((s0, dm)), Some((s1, cm))) = (dm, cm) {
-                        td.push(timeline::Trace {
-                            sent: s0,
-                            ttft: d.ttft,
-                            marks: dm,
-                        });
-                        tc.push(timeline::Trace {
-                            sent: s1,
-                            ttft: c.ttft,
-                            marks: cm,
-                        });
-                    }
+                    pairs.push(&d, dm, &c, cm);
                 }
                 let first = results
                     .iter()
@@ -798,7 +784,6 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
     // More unloaded pairs, only for the TTFT figures: one run's median over a handful of
     // replays moved by milliseconds from run to run. Short answers (2 tokens) keep this to
     // about a prefill per request; the order alternates so neither path always goes first.
-    let mut gaps: Vec<f64> = ud.iter().zip(&uc).map(|(d, c)| d - c).collect();
     for j in 0..(args.ttft_samples as usize) {
         let Some(w) = work.get(j % n.max(1)) else {
             break;
@@ -832,22 +817,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
                         ));
                     }
                 }
-                let (dt, ct) = (d.ttft.as_secs_f64() * 1e3, c.ttft.as_secs_f64() * 1e3);
-                ud.push(dt);
-                uc.push(ct);
-                gaps.push(dt - ct);
-                if let (Some((s0, dm)), Some((s1, cm))) = (dm, cm) {
-                    td.push(timeline::Trace {
-                        sent: s0,
-                        ttft: d.ttft,
-                        marks: dm,
-                    });
-                    tc.push(timeline::Trace {
-                        sent: s1,
-                        ttft: c.ttft,
-                        marks: cm,
-                    });
-                }
+                pairs.push(&d, dm, &c, cm);
             }
             ((d, _), (c, _)) => {
                 matched = false;
@@ -866,6 +836,13 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
             false
         }
     };
+    let Pairs {
+        disagg: mut ud,
+        colocated: mut uc,
+        mut gaps,
+        traces_disagg: td,
+        traces_colocated: tc,
+    } = pairs;
     let st = cluster.stats();
     let kv_gib_per_s = if st.kv_send_busy_s > 0.0 {
         st.kv_bytes_sent as f64 / st.kv_send_busy_s / (1u64 << 30) as f64
@@ -999,6 +976,44 @@ async fn transfer_ceiling(
 
 /// Runs `f`; with `record`, returns the timeline marks recorded while it ran and when it
 /// started.
+/// The unloaded pairs (one request on both paths, one right after the other): TTFTs in ms,
+/// their differences, and with `--timeline` the traces.
+#[derive(Default)]
+struct Pairs {
+    disagg: Vec<f64>,
+    colocated: Vec<f64>,
+    gaps: Vec<f64>,
+    traces_disagg: Vec<timeline::Trace>,
+    traces_colocated: Vec<timeline::Trace>,
+}
+
+impl Pairs {
+    fn push(
+        &mut self,
+        d: &Answer,
+        d_marks: Option<(Instant, Vec<Mark>)>,
+        c: &Answer,
+        c_marks: Option<(Instant, Vec<Mark>)>,
+    ) {
+        let (dt, ct) = (d.ttft.as_secs_f64() * 1e3, c.ttft.as_secs_f64() * 1e3);
+        self.disagg.push(dt);
+        self.colocated.push(ct);
+        self.gaps.push(dt - ct);
+        if let (Some((s0, dm)), Some((s1, cm))) = (d_marks, c_marks) {
+            self.traces_disagg.push(timeline::Trace {
+                sent: s0,
+                ttft: d.ttft,
+                marks: dm,
+            });
+            self.traces_colocated.push(timeline::Trace {
+                sent: s1,
+                ttft: c.ttft,
+                marks: cm,
+            });
+        }
+    }
+}
+
 async fn traced<T>(
     record: bool,
     f: impl std::future::Future<Output = T>,

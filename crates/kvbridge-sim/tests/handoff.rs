@@ -103,12 +103,10 @@ impl Setup {
 
     /// Waits (bounded) until the decoder has received `n` requests.
     async fn decoder_received(&self, n: u64) {
-        let until = Instant::now() + T;
-        while self.dec.stats().requests < n {
-            assert!(Instant::now() < until, "the decoder never got the request");
-            tokio::task::yield_now().await;
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
+        until(T, "the decoder never got the request", || {
+            self.dec.stats().requests >= n
+        })
+        .await;
     }
 
     /// Every transfer and verification over, every page back.
@@ -124,6 +122,15 @@ impl Setup {
             assert!(Instant::now() < until, "pages not returned: {st:?}");
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
+    }
+}
+
+/// Polls `done` every millisecond; fails the test with `what` once `limit` has passed.
+async fn until(limit: Duration, what: &str, done: impl Fn() -> bool) {
+    let t0 = Instant::now();
+    while !done() {
+        assert!(t0.elapsed() < limit, "{what}");
+        tokio::time::sleep(Duration::from_millis(1)).await;
     }
 }
 
@@ -259,24 +266,24 @@ async fn a_decode_request_whose_client_hangs_up_returns_the_pages_at_once() {
     t.send_chunk(0, &s.chunk(&tokens, 0)).await.unwrap();
     let answer = s.decode(chat(&text, Some("handoff-dropped")));
     // The decoder has claimed the KV and waits for chunk 1.
-    let until = Instant::now() + T;
-    while s.dec.stats().kv_requests_received < 1 {
-        assert!(Instant::now() < until, "the decoder never claimed the KV");
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    until(T, "the decoder never claimed the KV", || {
+        s.dec.stats().kv_requests_received >= 1
+    })
+    .await;
     assert!(s.dec.stats().pages_free < s.dec.stats().pages_total);
     // The client hangs up: its connection closes.
     answer.abort();
     let _ = answer.await;
-    let t0 = Instant::now();
-    while s.dec.stats().pages_free < s.dec.stats().pages_total {
-        assert!(
-            t0.elapsed() < Duration::from_secs(5),
-            "pages still held after the client left: {:?}",
-            s.dec.stats()
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let all_free = || {
+        let st = s.dec.stats();
+        st.pages_free == st.pages_total
+    };
+    until(
+        Duration::from_secs(5),
+        "pages still held after the client left",
+        all_free,
+    )
+    .await;
     // The sender is told: its next chunk finds the request cancelled.
     let e = t.send_chunk(1, &s.chunk(&tokens, 1)).await.unwrap_err();
     assert!(e.to_string().contains("handoff-dropped"), "{e}");

@@ -324,13 +324,14 @@ pub async fn handshake_as(
         }),
     )
     .await;
-    assert!(matches!(
-        recv_frame(&mut ctl).await,
-        Some(Message::MemInfo(_))
-    ));
-    assert!(matches!(
-        recv_frame(&mut ctl).await,
-        Some(Message::Ready(_))
-    ));
+    until_ready(&mut ctl).await;
     (ctl, data, w.token)
+}
+
+/// Reads the listener's last two handshake frames on a by-hand peer's control connection:
+/// `MemInfo`, then `Ready`.
+pub async fn until_ready(ctl: &mut tokio::net::TcpStream) {
+    use kvbridge::proto::msg::Message;
+    assert!(matches!(recv_frame(ctl).await, Some(Message::MemInfo(_))));
+    assert!(matches!(recv_frame(ctl).await, Some(Message::Ready(_))));
 }
