@@ -187,6 +187,26 @@ pub enum PeerEvent {
     },
 }
 
+/// A notification queued for its peer whose delivery is still to be confirmed
+/// ([`Channel::notify_queued`]). Dropping it gives up on the confirmation, not on the
+/// notification.
+#[must_use = "a failed delivery is only known by awaiting `delivered`"]
+pub struct QueuedNotify(crate::datapath::Submitted);
+
+impl QueuedNotify {
+    /// Returns once the peer received the notification; fails as [`Channel::notify`] does
+    /// (the session ended, or the op deadline counted from the queueing passed).
+    pub async fn delivered(self) -> Result<()> {
+        self.0.outcome().await
+    }
+}
+
+impl std::fmt::Debug for QueuedNotify {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("QueuedNotify")
+    }
+}
+
 /// An application message from a peer, delivered after every write that peer issued before
 /// it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -587,6 +607,16 @@ impl Channel {
     /// Sends a small message to the peer's application. It is delivered after every write
     /// this channel issued to that peer before it; returns once the peer received it.
     pub async fn notify(&self, peer: &PeerId, data: &[u8]) -> Result<()> {
+        self.notify_queued(peer, data).await?.delivered().await
+    }
+
+    /// [`Channel::notify`] without waiting for the peer: returns once the notification is
+    /// queued behind every write issued to that peer before it (a write or notification
+    /// issued after this returns follows it), with its confirmation still to come
+    /// ([`QueuedNotify::delivered`], under the channel's op deadline counted from now). A
+    /// sender that notifies after each of a run of writes thus pays no round trip per
+    /// write, and learns of a failure at the latest when it awaits the confirmation.
+    pub async fn notify_queued(&self, peer: &PeerId, data: &[u8]) -> Result<QueuedNotify> {
         if data.len() > self.inner.config.limits.max_notify_len {
             return Err(Error::InvalidOp {
                 peer: peer.to_string(),
@@ -602,15 +632,17 @@ impl Channel {
         // With several data connections, earlier writes may still be in flight on the
         // others: the notification leaves only once they all completed.
         h.data.wait_earlier(self.inner.config.deadlines.op).await?;
-        h.data
-            .run(
+        let submitted = h
+            .data
+            .submit(
                 Step::Notify,
                 self.inner.config.deadlines.op,
                 0,
                 DataPath::notify_waiting,
                 |id| Outgoing::Notify { id, data },
             )
-            .await
+            .await?;
+        Ok(QueuedNotify(submitted))
     }
 
     /// Ends the session with `peer` from our side (the peer hears a `Bye` with `reason`).

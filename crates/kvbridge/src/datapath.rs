@@ -531,15 +531,27 @@ impl DataPath {
         waiting: impl FnOnce(oneshot::Sender<Result<()>>) -> Waiting,
         outgoing: impl FnOnce(u64) -> Outgoing,
     ) -> Result<()> {
+        self.submit(step, deadline, bytes, waiting, outgoing)
+            .await?
+            .outcome()
+            .await
+    }
+
+    /// [`DataPath::run`]'s first half: waits for room, enters the batch and queues it on
+    /// its connection (so it is ordered before anything queued after this returns). The
+    /// outcome is [`Submitted::outcome`]'s, under the same deadline, counted from now.
+    pub(crate) async fn submit(
+        &self,
+        step: Step,
+        deadline: Duration,
+        bytes: u64,
+        waiting: impl FnOnce(oneshot::Sender<Result<()>>) -> Waiting,
+        outgoing: impl FnOnce(u64) -> Outgoing,
+    ) -> Result<Submitted> {
         let until = tokio::time::Instant::now() + deadline;
-        let timeout = || Error::Timeout {
-            peer: self.peer.to_string(),
-            step,
-            after: deadline,
-        };
         let room = self.acquire_room(step, deadline, until, bytes).await?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let (tx, mut rx) = oneshot::channel();
+        let (tx, rx) = oneshot::channel();
         {
             let mut p = self.pending.lock().expect("pending poisoned");
             if let Some(e) = &p.closed {
@@ -556,27 +568,19 @@ impl DataPath {
                 },
             );
         }
-        let submit_and_wait = async {
-            if self.out.send(outgoing(id)).await.is_err() {
-                // The writer is gone; the session is tearing down and will drain us.
-            }
-            (&mut rx).await
+        let submitted = Submitted {
+            rx,
+            until,
+            deadline,
+            step,
+            peer: self.peer.clone(),
+            abort: self.abort.clone(),
         };
-        match tokio::time::timeout_at(until, submit_and_wait).await {
-            Ok(Ok(r)) => r,
-            Ok(Err(_)) => Err(Error::lost(self.peer.as_str(), step, "session ended")),
-            Err(_) => {
-                let err = timeout();
-                let _ = self
-                    .abort
-                    .send(crate::session::SessionCmd::Abort(err.clone()));
-                // The session stops both data tasks, then drains us: after this returns,
-                // nothing of this batch can land any more.
-                match tokio::time::timeout(Duration::from_secs(30), rx).await {
-                    Ok(Ok(Err(e))) if e != err => Err(e),
-                    _ => Err(err),
-                }
-            }
+        match tokio::time::timeout_at(until, self.out.send(outgoing(id))).await {
+            // A closed queue: the writer is gone; the session is tearing down and will
+            // drain us (the outcome says so).
+            Ok(_) => Ok(submitted),
+            Err(_) => Err(submitted.abort_after_timeout().await),
         }
     }
 
@@ -596,6 +600,47 @@ impl DataPath {
 
     pub(crate) fn out_sender(&self) -> mpsc::Sender<Outgoing> {
         self.out.clone()
+    }
+}
+
+/// A batch queued on its connection whose outcome is still to come
+/// ([`DataPath::submit`]).
+pub(crate) struct Submitted {
+    rx: oneshot::Receiver<Result<()>>,
+    until: tokio::time::Instant,
+    deadline: Duration,
+    step: Step,
+    peer: PeerId,
+    abort: mpsc::UnboundedSender<crate::session::SessionCmd>,
+}
+
+impl Submitted {
+    /// The batch's outcome, within the deadline it was submitted under. Past it, the
+    /// session is torn down (so nothing of the batch can land later) and the outcome is
+    /// `Timeout`.
+    pub(crate) async fn outcome(mut self) -> Result<()> {
+        match tokio::time::timeout_at(self.until, &mut self.rx).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(Error::lost(self.peer.as_str(), self.step, "session ended")),
+            Err(_) => Err(self.abort_after_timeout().await),
+        }
+    }
+
+    /// Past the deadline: asks the session to tear down, and returns once it drained us
+    /// (after that nothing of this batch can land any more).
+    async fn abort_after_timeout(self) -> Error {
+        let err = Error::Timeout {
+            peer: self.peer.to_string(),
+            step: self.step,
+            after: self.deadline,
+        };
+        let _ = self
+            .abort
+            .send(crate::session::SessionCmd::Abort(err.clone()));
+        match tokio::time::timeout(Duration::from_secs(30), self.rx).await {
+            Ok(Ok(Err(e))) if e != err => e,
+            _ => err,
+        }
     }
 }
 
@@ -1051,8 +1096,16 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
             }
             Message::ReadBatch(b) => {
                 let result = ctx.resolve(&b, false).and_then(|d| ctx.admit(&b, d));
-                if let Some(d) = ctx.hooks.read_serve_delay {
-                    tokio::time::sleep(d).await;
+                if let (Some(d), Ok(_)) = (ctx.hooks.read_serve_delay, &result) {
+                    // Held without holding up the connection: the frames after it (the
+                    // acknowledgements of our own notifications among them) are still read,
+                    // as they would be behind a slow read on a real host.
+                    let out = ctx.out.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(d).await;
+                        let _ = out.send(Outgoing::ReadResp { id: b.id, result }).await;
+                    });
+                    continue;
                 }
                 let bad = result.as_ref().err().map(|r| r.message.clone());
                 if ctx

@@ -40,7 +40,7 @@ mod shm;
 mod tls;
 mod wire;
 
-pub use channel::{Channel, Notification, Op, PeerEvent, Stats};
+pub use channel::{Channel, Notification, Op, PeerEvent, QueuedNotify, Stats};
 pub use cma::{cma_available, CmaStatus};
 pub use config::{ChannelConfig, Deadlines, Limits, Pem, TestHooks, TlsConfig, Transport};
 pub use error::{Error, Result};

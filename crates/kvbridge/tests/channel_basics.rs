@@ -458,3 +458,101 @@ async fn peer_restart(t: Carrier) {
     );
 }
 per_transport!(peer_restart_per_transport, super::peer_restart);
+
+/// Notifications queued without waiting (`notify_queued`) still follow the writes issued
+/// before them, arrive in order, and are confirmed later.
+async fn queued_notifications_follow_their_writes(t: Carrier) {
+    let (dec, kv) = listener("decode-0", |c| t.apply(c), 16 * PAGE, PAGE).await;
+    let (pre, src) = initiator("prefill-0", |c| t.apply(c), 8 * PAGE, PAGE).await;
+    fill(&src, 5);
+    let peer = pre.connect(&addr(&dec)).await.unwrap();
+    assert_transport(&pre, &peer, t).await;
+    let mut queued = Vec::new();
+    for i in 0..8usize {
+        pre.write(&peer, &[Op::page(&src, i, kv.id(), (15 - i) as u64, PAGE)])
+            .await
+            .unwrap();
+        queued.push(pre.notify_queued(&peer, &[i as u8]).await.unwrap());
+    }
+    for i in 0..8usize {
+        let n = tokio::time::timeout(Duration::from_secs(5), dec.recv_notification())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(n.data, [i as u8], "notifications out of order");
+        // The page written before the notification has landed.
+        let (mut a, mut b) = (vec![0u8; PAGE], vec![0u8; PAGE]);
+        src.read_at(i * PAGE, &mut a).unwrap();
+        kv.read_at((15 - i) * PAGE, &mut b).unwrap();
+        assert!(
+            a == b,
+            "page {i} not in place when its notification arrived"
+        );
+    }
+    for q in queued {
+        q.delivered().await.unwrap();
+    }
+}
+per_transport!(
+    queued_notifications_follow_their_writes_per_transport,
+    super::queued_notifications_follow_their_writes
+);
+
+/// A queued notification whose peer goes away before confirming it fails typed when its
+/// confirmation is awaited, long before the op deadline; it does not hang.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_notification_whose_peer_closes_fails_when_awaited() {
+    // The listener holds each write 30 s, so the notification queued behind one cannot
+    // be confirmed before the listener closes.
+    let (dec, kv) = listener(
+        "decode-0",
+        |c| {
+            c.transport = Transport::Tcp;
+            c.hooks.write_apply_delay = Some(Duration::from_secs(30));
+        },
+        4 * PAGE,
+        PAGE,
+    )
+    .await;
+    let (pre, src) = initiator(
+        "prefill-0",
+        |c| c.transport = Transport::Tcp,
+        4 * PAGE,
+        PAGE,
+    )
+    .await;
+    let peer = pre.connect(&addr(&dec)).await.unwrap();
+    let w = {
+        let (pre, peer, src) = (pre.clone(), peer.clone(), src.clone());
+        let kv = kv.id();
+        tokio::spawn(async move { pre.write(&peer, &[Op::page(&src, 0, kv, 0, PAGE)]).await })
+    };
+    // The write is entered (and, in the same poll, queued) before the notification.
+    let t0 = std::time::Instant::now();
+    while pre.stats().await.unwrap().batches_in_flight == 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the write never started"
+        );
+        tokio::task::yield_now().await;
+    }
+    let q = pre
+        .notify_queued(&peer, b"after the held write")
+        .await
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    dec.close().await;
+    let e = tokio::time::timeout(Duration::from_secs(10), q.delivered())
+        .await
+        .expect("the confirmation of a notification to a closed peer hung")
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::PeerClosed { .. } | Error::Disconnected { .. } | Error::ConnectionLost { .. }
+        ),
+        "{e:?}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(10));
+    assert!(w.await.unwrap().is_err(), "the held write succeeded");
+}
