@@ -275,6 +275,7 @@ impl PdSender {
             pull: cfg.mode == TransferMode::Pull,
             offered: Vec::new(),
             regions: Vec::new(),
+            unconfirmed: std::collections::VecDeque::new(),
         };
         if self.follows() {
             // Rank 0 sends the (identical) KV for every rank: nothing to write here.
@@ -433,7 +434,14 @@ pub struct Transfer {
     offered: Vec<bool>,
     /// Pull: the regions offered from (kept alive until every read of them resolved).
     regions: Vec<Region>,
+    /// Push: `Written` notifications queued and not yet confirmed, oldest first (at most
+    /// [`MAX_UNCONFIRMED`]; all confirmed before `Finish`).
+    unconfirmed: std::collections::VecDeque<kvbridge::QueuedNotify>,
 }
+
+/// Most `Written` notifications a push transfer leaves unconfirmed: the next chunk's write
+/// does not wait for a round trip, and a failure still surfaces within a few chunks.
+const MAX_UNCONFIRMED: usize = 8;
 
 impl std::fmt::Debug for Transfer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -794,31 +802,58 @@ impl Transfer {
             .channel
             .write(&peer, &[op])
             .await
-            .map_err(|e| PdError::Transfer {
-                req_id: self.req_id.clone(),
-                peer: peer.to_string(),
-                step: PdStep::Write,
-                source: Box::new(e),
-            })?;
+            .map_err(|e| self.write_failed(&peer, e))?;
         drop(state);
         self.sent[index as usize] = true;
         self.bytes += len as u64;
-        // Ordered after the write: the decoder may consume the chunk from now on.
+        // Ordered after the write: the decoder may consume the chunk from now on. Queued
+        // only: the next chunk's write need not wait for the receiver's confirmation (a
+        // round trip per chunk), which is collected later (`confirm_written`).
         let note = PdMsg::Written {
             req_id: self.req_id.clone(),
             incarnation: self.inner.channel.incarnation().0,
             index,
         };
-        self.inner
+        let queued = self
+            .inner
             .channel
-            .notify(&peer, &note.encode())
+            .notify_queued(&peer, &note.encode())
             .await
-            .map_err(|e| PdError::Transfer {
-                req_id: self.req_id.clone(),
-                peer: peer.to_string(),
-                step: PdStep::Write,
-                source: Box::new(e),
-            })
+            .map_err(|e| self.write_failed(&peer, e))?;
+        self.unconfirmed.push_back(queued);
+        while self.unconfirmed.len() > MAX_UNCONFIRMED {
+            self.confirm_oldest(&peer).await?;
+        }
+        Ok(())
+    }
+
+    fn write_failed(&self, peer: &PeerId, e: kvbridge::Error) -> PdError {
+        PdError::Transfer {
+            req_id: self.req_id.clone(),
+            peer: peer.to_string(),
+            step: PdStep::Write,
+            source: Box::new(e),
+        }
+    }
+
+    /// Waits for the receiver's confirmation of the oldest unconfirmed `Written`.
+    async fn confirm_oldest(&mut self, peer: &PeerId) -> Result<()> {
+        match self.unconfirmed.pop_front() {
+            Some(q) => q.delivered().await.map_err(|e| self.write_failed(peer, e)),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits until the receiver confirmed every `Written` (before `Finish`: a lost one
+    /// fails the transfer here rather than leave the receiver waiting for a chunk).
+    async fn confirm_written(&mut self) -> Result<()> {
+        let Some(peer) = self.peer.clone() else {
+            return Ok(());
+        };
+        while !self.unconfirmed.is_empty() {
+            self.confirm_oldest(&peer).await?;
+        }
+        Ok(())
     }
 
     /// Tells the receiver every chunk landed, waits for its confirmation, and reports
@@ -865,6 +900,7 @@ impl Transfer {
         if self.peer.is_none() {
             return Ok(summary); // an empty prompt: nothing was allocated
         }
+        self.confirm_written().await?;
         let msg = PdMsg::Finish {
             call: 0,
             req_id: self.req_id.clone(),
