@@ -69,6 +69,10 @@ pub struct CostArgs {
     /// Decode time per generated token, milliseconds.
     #[arg(long, default_value_t = CostModel::default().decode_per_token.as_secs_f64() * 1e3)]
     pub decode_ms_per_token: f64,
+    /// Prompt tokens prefilled per step (chunked prefill): a step's KV exists when the step
+    /// ends, then moves in pages of `--chunk-tokens`. 0: one page per step.
+    #[arg(long, default_value_t = CostModel::default().prefill_step_tokens)]
+    pub prefill_step_tokens: u32,
 }
 
 impl CostArgs {
@@ -85,6 +89,7 @@ impl CostArgs {
         Ok(CostModel {
             prefill_tokens_per_s: self.prefill_tokens_per_s,
             decode_per_token: Duration::from_secs_f64(self.decode_ms_per_token / 1e3),
+            prefill_step_tokens: self.prefill_step_tokens,
         })
     }
 }

@@ -16,6 +16,12 @@ pub struct CostModel {
     /// Time per generated token (decodes of different requests run side by side, as in a
     /// batch).
     pub decode_per_token: Duration,
+    /// Prompt tokens the accelerator prefills in one step (chunked prefill). A step's KV
+    /// exists only when the step ends; it then moves in pages of the KV spec's
+    /// `chunk_tokens`, so a step larger than a page lets the decoder take in the first pages
+    /// of the last step while the rest still land. 0, or less than a page: one page per
+    /// step. Rounded down to whole pages.
+    pub prefill_step_tokens: u32,
 }
 
 impl Default for CostModel {
@@ -23,6 +29,7 @@ impl Default for CostModel {
         Self {
             prefill_tokens_per_s: 40_000.0,
             decode_per_token: Duration::from_millis(4),
+            prefill_step_tokens: 0,
         }
     }
 }
@@ -32,7 +39,13 @@ impl CostModel {
     pub const FREE: CostModel = CostModel {
         prefill_tokens_per_s: 0.0,
         decode_per_token: Duration::ZERO,
+        prefill_step_tokens: 0,
     };
+
+    /// Pages of `page_tokens` tokens in one prefill step (at least 1).
+    pub fn pages_per_step(&self, page_tokens: u32) -> usize {
+        (self.prefill_step_tokens / page_tokens.max(1)).max(1) as usize
+    }
 
     /// Simulated time to prefill `tokens` tokens.
     pub fn prefill_time(&self, tokens: u64) -> Duration {
@@ -41,5 +54,27 @@ impl CostModel {
         } else {
             Duration::ZERO
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_step_is_whole_pages_and_at_least_one() {
+        let step = |t| CostModel {
+            prefill_step_tokens: t,
+            ..CostModel::default()
+        };
+        assert_eq!(step(0).pages_per_step(256), 1);
+        assert_eq!(step(100).pages_per_step(256), 1, "less than a page");
+        assert_eq!(step(256).pages_per_step(128), 2);
+        assert_eq!(step(300).pages_per_step(128), 2, "rounded down");
+        assert_eq!(
+            step(256).pages_per_step(0),
+            256,
+            "a zero page counts as one token"
+        );
     }
 }

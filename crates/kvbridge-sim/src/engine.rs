@@ -542,9 +542,12 @@ pub async fn start(cfg: EngineConfig, listener: TcpListener) -> Result<RunningEn
                 sc.mla_send_once = cfg.mla_send_once;
                 sc.mode = cfg.transfer_mode;
                 let sender = PdSender::start(sc).await?;
-                // Per rank: one chunk being computed, one moving, two queued for the sender.
-                let mem = ChunkMemory::new(cfg.model.spec.page_bytes() as usize, 4)
-                    .map_err(|e| SimError::Start(e.to_string()))?;
+                // Per rank: the pages of one step being computed, and as many of the step
+                // before moving or queued for the sender (at least 4 pages).
+                let per_step = cfg.cost.pages_per_step(cfg.model.spec.chunk_tokens);
+                let mem =
+                    ChunkMemory::new(cfg.model.spec.page_bytes() as usize, (2 * per_step).max(4))
+                        .map_err(|e| SimError::Start(e.to_string()))?;
                 sender
                     .register(mem.region())
                     .map_err(|e| SimError::Start(format!("registering chunk memory: {e}")))?;
@@ -835,8 +838,8 @@ async fn prompt_state(s: &Arc<Inner>, req: &GenRequest) -> Result<SeqState, SimE
     }
 }
 
-/// Prefills `tokens` on the simulated accelerator, chunk by chunk; each chunk of every rank
-/// goes to `send[rank]` as soon as it exists.
+/// Prefills `tokens` on the simulated accelerator, one step (of whole pages) at a time; the
+/// pages of every rank go to `send[rank]` as soon as their step ends.
 async fn prefill(
     s: &Arc<Inner>,
     tokens: &[u32],
@@ -847,7 +850,11 @@ async fn prefill(
     let model = s.model.clone();
     let mut state = model.start();
     let c = model.spec.chunk_tokens.max(1) as usize;
+    let pages = tokens.len().div_ceil(c);
+    let per_step = s.cfg.cost.pages_per_step(model.spec.chunk_tokens);
     let mut done = 0u64;
+    // This step's pages, computed but not yet existing for the cost model: one slot per rank.
+    let mut step: Vec<(u64, Vec<ChunkSlot>)> = Vec::with_capacity(per_step);
     for (i, part) in tokens.chunks(c).enumerate() {
         let (m, part_v) = (model.clone(), part.to_vec());
         // Sending: every rank's KV is computed straight into its registered chunk memory,
@@ -887,18 +894,24 @@ async fn prefill(
             "local.chunk_computed"
         };
         tracing::debug!(target: TL, stage, chunk = i);
-        // The cost model: this chunk exists no earlier than the accelerator would have it.
+        step.push((i as u64, chunks));
+        if step.len() < per_step && i + 1 < pages {
+            continue;
+        }
+        // The cost model: this step's KV exists no earlier than the accelerator would have it.
         tokio::time::sleep_until(start + s.cfg.cost.prefill_time(done)).await;
-        let stage = if send.is_some() {
-            "prefill.chunk_ready"
-        } else {
-            "local.chunk_ready"
-        };
-        tracing::debug!(target: TL, stage, chunk = i);
-        if let Some(send) = send {
-            for (tx, chunk) in send.iter().zip(chunks) {
-                // A rank whose transfer failed has reported KvFailed and stopped listening.
-                let _ = tx.send((i as u64, chunk)).await;
+        for (i, chunks) in step.drain(..) {
+            let stage = if send.is_some() {
+                "prefill.chunk_ready"
+            } else {
+                "local.chunk_ready"
+            };
+            tracing::debug!(target: TL, stage, chunk = i);
+            if let Some(send) = send {
+                for (tx, chunk) in send.iter().zip(chunks) {
+                    // A rank whose transfer failed has reported KvFailed and stopped listening.
+                    let _ = tx.send((i, chunk)).await;
+                }
             }
         }
     }
@@ -947,7 +960,8 @@ async fn prefill_and_send(
     let mut txs = Vec::with_capacity(s.senders.len());
     let mut begun = Vec::with_capacity(s.senders.len());
     for sender in &s.senders {
-        let (tx, rx) = mpsc::channel::<ChunkMsg>(2);
+        let (tx, rx) =
+            mpsc::channel::<ChunkMsg>(s.cfg.cost.pages_per_step(s.model.spec.chunk_tokens).max(2));
         let (btx, brx) = oneshot::channel::<Result<(), PdError>>();
         txs.push(tx);
         begun.push(brx);

@@ -410,6 +410,7 @@ pub fn model_flags(m: &ModelArgs, c: &CostArgs) -> Vec<String> {
         ("--tp", m.tp.to_string()),
         ("--prefill-tokens-per-s", c.prefill_tokens_per_s.to_string()),
         ("--decode-ms-per-token", c.decode_ms_per_token.to_string()),
+        ("--prefill-step-tokens", c.prefill_step_tokens.to_string()),
     ]
     .into_iter()
     .flat_map(|(k, v)| [k.to_string(), v])
@@ -1216,6 +1217,7 @@ mod tests {
         let c = CostArgs {
             prefill_tokens_per_s: 1234.5,
             decode_ms_per_token: 0.25,
+            prefill_step_tokens: 192,
         };
         let mut argv = vec!["engine".to_string()];
         argv.extend(model_flags(&m, &c));
@@ -1224,5 +1226,6 @@ mod tests {
         assert_eq!(a.e.model.tp, 2);
         assert_eq!(a.e.model.dtype, "fp16");
         assert_eq!(a.e.cost.decode_ms_per_token, 0.25);
+        assert_eq!(a.e.cost.prefill_step_tokens, 192);
     }
 }

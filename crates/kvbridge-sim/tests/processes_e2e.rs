@@ -35,6 +35,8 @@ fn options(prefillers: u32, decoders: u32, tp: u32, latent_dim: u32) -> SoakOpti
         cost: CostArgs {
             prefill_tokens_per_s: 50_000.0,
             decode_ms_per_token: 0.5,
+            // Two 32-token pages per prefill step: a step's pages move together.
+            prefill_step_tokens: 64,
         },
         ..base
     }

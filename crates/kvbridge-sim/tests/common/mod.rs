@@ -39,6 +39,7 @@ pub fn soak_options() -> SoakOptions {
         cost: CostArgs {
             prefill_tokens_per_s: 20_000.0,
             decode_ms_per_token: 1.0,
+            prefill_step_tokens: 0,
         },
         progress: false,
     }
