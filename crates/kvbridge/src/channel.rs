@@ -612,7 +612,8 @@ impl Channel {
 
     /// [`Channel::notify`] without waiting for the peer: returns once the notification is
     /// queued behind every write issued to that peer before it (a write or notification
-    /// issued after this returns follows it), with its confirmation still to come
+    /// issued after this returns follows it; with several data connections, once those
+    /// writes completed), with its confirmation still to come
     /// ([`QueuedNotify::delivered`], under the channel's op deadline counted from now). A
     /// sender that notifies after each of a run of writes thus pays no round trip per
     /// write, and learns of a failure at the latest when it awaits the confirmation.

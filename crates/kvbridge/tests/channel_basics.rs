@@ -261,7 +261,10 @@ async fn deregister_waits_for_writes_in_flight_then_refuses_new_ones() {
     .await;
     let (pre, src) = initiator(
         "prefill-0",
-        |c| c.transport = Transport::Tcp,
+        |c| {
+            c.transport = Transport::Tcp;
+            c.data_connections = 1;
+        },
         4 * PAGE,
         PAGE,
     )
@@ -508,6 +511,9 @@ async fn a_queued_notification_whose_peer_closes_fails_when_awaited() {
         "decode-0",
         |c| {
             c.transport = Transport::Tcp;
+            // One connection: with several, a notification waits for the writes before
+            // it to complete rather than queue behind them.
+            c.data_connections = 1;
             c.hooks.write_apply_delay = Some(Duration::from_secs(30));
         },
         4 * PAGE,
@@ -516,7 +522,10 @@ async fn a_queued_notification_whose_peer_closes_fails_when_awaited() {
     .await;
     let (pre, src) = initiator(
         "prefill-0",
-        |c| c.transport = Transport::Tcp,
+        |c| {
+            c.transport = Transport::Tcp;
+            c.data_connections = 1;
+        },
         4 * PAGE,
         PAGE,
     )
