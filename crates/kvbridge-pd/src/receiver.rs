@@ -559,10 +559,23 @@ fn send(inner: &Arc<Inner>, peer: &PeerId, msg: &PdMsg) {
         let peer = peer.clone();
         tokio::spawn(async move {
             while let Some(b) = rx.recv().await {
-                // Bounded by the channel's op deadline; a failure means the session is going
-                // down, and the allocator learns that from the peer event.
-                if let Err(e) = ch.notify(&peer, &b).await {
-                    tracing::debug!(%peer, error = %e, "PD reply not delivered");
+                // Queued in order, confirmed on the side: a message whose confirmation is
+                // slow (its acknowledgement stuck behind a large write on the connection)
+                // must not hold up the next one: a `Fence` waiting behind an `AllocOk`'s
+                // confirmation let the sender write one more chunk into a cancelled
+                // request's pages. Bounded by the channel's op deadline; a failure means
+                // the session is going down, and the allocator learns that from the peer
+                // event.
+                match ch.notify_queued(&peer, &b).await {
+                    Ok(q) => {
+                        let peer = peer.clone();
+                        tokio::spawn(async move {
+                            if let Err(e) = q.delivered().await {
+                                tracing::debug!(%peer, error = %e, "PD reply not delivered");
+                            }
+                        });
+                    }
+                    Err(e) => tracing::debug!(%peer, error = %e, "PD reply not sent"),
                 }
             }
         });

@@ -533,6 +533,11 @@ fn set_rcvlowat(r: &std::net::TcpStream, v: usize) {
 
 /// The socket's receive buffer (`SO_RCVBUF`), 0 if unknown.
 fn recv_buffer(r: &std::net::TcpStream) -> usize {
+    int_sockopt(r, libc::SO_RCVBUF).map_or(0, |v| v.max(0) as usize)
+}
+
+/// A `SOL_SOCKET` option of type `int`.
+fn int_sockopt(r: &std::net::TcpStream, opt: libc::c_int) -> Option<libc::c_int> {
     use std::os::fd::AsRawFd;
     let mut v: libc::c_int = 0;
     let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
@@ -541,16 +546,12 @@ fn recv_buffer(r: &std::net::TcpStream) -> usize {
         libc::getsockopt(
             r.as_raw_fd(),
             libc::SOL_SOCKET,
-            libc::SO_RCVBUF,
+            opt,
             (&mut v as *mut libc::c_int).cast(),
             &mut len,
         )
     };
-    if rc == 0 {
-        v.max(0) as usize
-    } else {
-        0
-    }
+    (rc == 0).then_some(v)
 }
 
 #[cfg(test)]
@@ -595,20 +596,7 @@ mod tests {
         assert!(start.elapsed() < Duration::from_secs(10));
         drop(t.join().unwrap());
         // The socket is back to waking on every byte for the next frame.
-        let mut v: libc::c_int = 0;
-        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-        use std::os::fd::AsRawFd;
-        // SAFETY: a valid socket and a c_int buffer of the given length.
-        let rc = unsafe {
-            libc::getsockopt(
-                r.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_RCVLOWAT,
-                (&mut v as *mut libc::c_int).cast(),
-                &mut len,
-            )
-        };
-        assert_eq!((rc, v), (0, 1));
+        assert_eq!(int_sockopt(&r, libc::SO_RCVLOWAT), Some(1));
     }
 
     /// A payload that stops short still fails at its deadline, with `TimedOut`.
