@@ -204,13 +204,9 @@ impl ReadHalf {
                 // with SO_RCVTIMEO and the whole read by checking the clock between calls.
                 let start = std::time::Instant::now();
                 let total: usize = bufs.iter().map(|b| b.len()).sum();
+                r.set_read_timeout(Some(limit))?;
                 let lowat = payload_lowat(r, total);
-                let res = if lowat > 1 {
-                    Self::blocking_read_exact_gathered(r, bufs, start, limit, lowat)
-                } else {
-                    r.set_read_timeout(Some(limit))?;
-                    Self::blocking_read_exact(r, bufs, Some((start, limit)))
-                };
+                let res = Self::blocking_read_exact(r, bufs, Some((start, limit)), lowat);
                 r.set_read_timeout(None)?;
                 res
             }
@@ -221,67 +217,46 @@ impl ReadHalf {
         }
     }
 
+    /// Fills `bufs` from a blocking socket. With a `deadline` (start, limit) the whole read
+    /// is bounded by checking the clock between calls (the caller has set `SO_RCVTIMEO`).
+    ///
+    /// With `lowat` > 1 the kernel is asked to wake this thread only once `lowat` bytes are
+    /// queued (`SO_RCVLOWAT`, lowered to what is left near the end): a few wake-ups and
+    /// `readv` calls per MiB instead of one per 64 KiB segment. On loopback one connection
+    /// moved 256 KiB-4 MiB blocks 1.6-1.8x faster with it (docs/architecture.md). Should
+    /// the kernel ever not wake us although the bytes are on their way (a receive window
+    /// smaller than `lowat`), a call that waits [`LOWAT_PATIENCE`] drops back to waking on
+    /// every byte; the read's deadline is unchanged.
     fn blocking_read_exact(
         r: &mut std::net::TcpStream,
         mut bufs: &mut [IoSliceMut<'_>],
         deadline: Option<(std::time::Instant, std::time::Duration)>,
-    ) -> io::Result<()> {
-        use std::io::Read;
-        /// Linux refuses `readv` with more than this many buffers.
-        const IOV_MAX: usize = 1024;
-        IoSliceMut::advance_slices(&mut bufs, 0);
-        while !bufs.is_empty() {
-            if let Some((start, limit)) = deadline {
-                if start.elapsed() > limit {
-                    return Err(io::ErrorKind::TimedOut.into());
-                }
-            }
-            let end = bufs.len().min(IOV_MAX);
-            match r.read_vectored(&mut bufs[..end]) {
-                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-                Ok(n) => IoSliceMut::advance_slices(&mut bufs, n),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    return Err(io::ErrorKind::TimedOut.into())
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(())
-    }
-
-    /// [`ReadHalf::blocking_read_exact`] for a large payload, with the kernel asked to wake
-    /// this thread only once `lowat` bytes are queued (`SO_RCVLOWAT`, lowered to what is
-    /// left near the end): a few wake-ups and `readv` calls per MiB instead of one per
-    /// 64 KiB segment. On loopback one connection moved 256 KiB-4 MiB blocks 1.6-1.8x
-    /// faster with it (docs/architecture.md).
-    /// Should the kernel ever not wake us although the bytes are on their way (a receive
-    /// window smaller than `lowat`), a call that waits [`LOWAT_PATIENCE`] drops back to
-    /// waking on every byte; the read's deadline is unchanged.
-    fn blocking_read_exact_gathered(
-        r: &mut std::net::TcpStream,
-        mut bufs: &mut [IoSliceMut<'_>],
-        start: std::time::Instant,
-        limit: std::time::Duration,
         mut lowat: usize,
     ) -> io::Result<()> {
         use std::io::Read;
         /// Linux refuses `readv` with more than this many buffers.
         const IOV_MAX: usize = 1024;
-        set_rcvlowat(r, lowat);
-        r.set_read_timeout(Some(limit.min(LOWAT_PATIENCE)))?;
+        if lowat > 1 {
+            set_rcvlowat(r, lowat);
+            let wait = deadline.map_or(LOWAT_PATIENCE, |(_, limit)| limit.min(LOWAT_PATIENCE));
+            r.set_read_timeout(Some(wait))?;
+        }
         IoSliceMut::advance_slices(&mut bufs, 0);
         let res = loop {
             if bufs.is_empty() {
                 break Ok(());
             }
-            let left: usize = bufs.iter().map(|b| b.len()).sum();
-            if left < lowat {
-                lowat = left.max(1);
-                set_rcvlowat(r, lowat);
+            if lowat > 1 {
+                let left: usize = bufs.iter().map(|b| b.len()).sum();
+                if left < lowat {
+                    lowat = left.max(1);
+                    set_rcvlowat(r, lowat);
+                }
             }
-            if start.elapsed() > limit {
-                break Err(io::ErrorKind::TimedOut.into());
+            if let Some((start, limit)) = deadline {
+                if start.elapsed() > limit {
+                    break Err(io::ErrorKind::TimedOut.into());
+                }
             }
             let end = bufs.len().min(IOV_MAX);
             match r.read_vectored(&mut bufs[..end]) {
@@ -289,18 +264,14 @@ impl ReadHalf {
                 Ok(n) => IoSliceMut::advance_slices(&mut bufs, n),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock && lowat > 1 => {
-                    tracing::debug!(
-                        lowat,
-                        left,
-                        "no wake-up with SO_RCVLOWAT; reading as bytes come"
-                    );
+                    tracing::debug!(lowat, "no wake-up with SO_RCVLOWAT; reading as bytes come");
                     lowat = 1;
                     set_rcvlowat(r, 1);
-                    let rest = limit.saturating_sub(start.elapsed());
-                    if rest.is_zero() {
+                    let rest = deadline.map(|(start, limit)| limit.saturating_sub(start.elapsed()));
+                    if rest.is_some_and(|d| d.is_zero()) {
                         break Err(io::ErrorKind::TimedOut.into());
                     }
-                    r.set_read_timeout(Some(rest))?;
+                    r.set_read_timeout(rest)?;
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     break Err(io::ErrorKind::TimedOut.into())
@@ -321,7 +292,7 @@ impl ReadHalf {
         const IOV_MAX: usize = 1024;
         IoSliceMut::advance_slices(&mut bufs, 0);
         match self {
-            ReadHalf::Blocking(r) => Self::blocking_read_exact(r, bufs, None),
+            ReadHalf::Blocking(r) => Self::blocking_read_exact(r, bufs, None, 1),
             ReadHalf::Tokio(r) => {
                 while !bufs.is_empty() {
                     let end = bufs.len().min(IOV_MAX);
@@ -591,7 +562,7 @@ mod tests {
         let start = Instant::now();
         let limit = Duration::from_secs(20);
         let mut iov = [IoSliceMut::new(&mut got)];
-        ReadHalf::blocking_read_exact_gathered(&mut r, &mut iov, start, limit, 512 << 10).unwrap();
+        ReadHalf::blocking_read_exact(&mut r, &mut iov, Some((start, limit)), 512 << 10).unwrap();
         assert!(got == data, "bytes differ");
         assert!(start.elapsed() < Duration::from_secs(10));
         drop(t.join().unwrap());
@@ -607,11 +578,10 @@ mod tests {
         let mut got = vec![0u8; 512 << 10];
         let start = Instant::now();
         let mut iov = [IoSliceMut::new(&mut got)];
-        let e = ReadHalf::blocking_read_exact_gathered(
+        let e = ReadHalf::blocking_read_exact(
             &mut r,
             &mut iov,
-            start,
-            Duration::from_millis(300),
+            Some((start, Duration::from_millis(300))),
             256 << 10,
         )
         .unwrap_err();
