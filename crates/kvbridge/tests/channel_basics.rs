@@ -247,34 +247,17 @@ async fn notifications_carry_the_session_incarnation() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deregister_waits_for_writes_in_flight_then_refuses_new_ones() {
-    let (dec, kv) = listener(
-        "decode-0",
-        |c| {
-            // Long enough that a loaded machine still sees the write held.
-            c.hooks.write_apply_delay = Some(Duration::from_secs(2));
-            // The hook holds writes the listener applies: TCP's.
-            c.transport = Transport::Tcp;
-        },
-        4 * PAGE,
-        PAGE,
-    )
-    .await;
-    let (pre, src) = initiator(
-        "prefill-0",
-        |c| {
-            c.transport = Transport::Tcp;
-            c.data_connections = 1;
-        },
-        4 * PAGE,
-        PAGE,
-    )
-    .await;
-    fill(&src, 5);
-    let peer = pre.connect(&addr(&dec)).await.unwrap();
-    let p2 = pre.clone();
-    let (src2, kvid, peer2) = (src.clone(), kv.id(), peer.clone());
-    let w =
-        tokio::spawn(async move { p2.write(&peer2, &[Op::page(&src2, 0, kvid, 1, PAGE)]).await });
+    // Long enough that a loaded machine still sees the write held.
+    let h = held_writes(Duration::from_secs(2)).await;
+    let w = h.spawn_write(1);
+    let HeldWrites {
+        dec,
+        kv,
+        pre,
+        src,
+        peer,
+    } = h;
+    let kvid = kv.id();
     // Wait until the listener has accepted the batch (the region is in use by it).
     let t = std::time::Instant::now();
     while kv.in_use() == 0 && t.elapsed() < Duration::from_secs(5) {
@@ -507,35 +490,9 @@ per_transport!(
 async fn a_queued_notification_whose_peer_closes_fails_when_awaited() {
     // The listener holds each write 30 s, so the notification queued behind one cannot
     // be confirmed before the listener closes.
-    let (dec, kv) = listener(
-        "decode-0",
-        |c| {
-            c.transport = Transport::Tcp;
-            // One connection: with several, a notification waits for the writes before
-            // it to complete rather than queue behind them.
-            c.data_connections = 1;
-            c.hooks.write_apply_delay = Some(Duration::from_secs(30));
-        },
-        4 * PAGE,
-        PAGE,
-    )
-    .await;
-    let (pre, src) = initiator(
-        "prefill-0",
-        |c| {
-            c.transport = Transport::Tcp;
-            c.data_connections = 1;
-        },
-        4 * PAGE,
-        PAGE,
-    )
-    .await;
-    let peer = pre.connect(&addr(&dec)).await.unwrap();
-    let w = {
-        let (pre, peer, src) = (pre.clone(), peer.clone(), src.clone());
-        let kv = kv.id();
-        tokio::spawn(async move { pre.write(&peer, &[Op::page(&src, 0, kv, 0, PAGE)]).await })
-    };
+    let h = held_writes(Duration::from_secs(30)).await;
+    let w = h.spawn_write(0);
+    let HeldWrites { dec, pre, peer, .. } = h;
     // The write is entered (and, in the same poll, queued) before the notification.
     let t0 = std::time::Instant::now();
     while pre.stats().await.unwrap().batches_in_flight == 0 {
@@ -564,4 +521,61 @@ async fn a_queued_notification_whose_peer_closes_fails_when_awaited() {
     );
     assert!(t0.elapsed() < Duration::from_secs(10));
     assert!(w.await.unwrap().is_err(), "the held write succeeded");
+}
+
+/// A TCP listener that holds every write it applies for `hold` (the hook acts on the
+/// batches the listener applies: TCP's), and an initiator connected to it over one data
+/// connection (with several, a notification waits for the writes before it to complete
+/// rather than queue behind them).
+struct HeldWrites {
+    dec: kvbridge::Channel,
+    kv: Region,
+    pre: kvbridge::Channel,
+    src: Region,
+    peer: kvbridge::PeerId,
+}
+
+async fn held_writes(hold: Duration) -> HeldWrites {
+    let (dec, kv) = listener(
+        "decode-0",
+        |c| {
+            c.hooks.write_apply_delay = Some(hold);
+            c.transport = Transport::Tcp;
+        },
+        4 * PAGE,
+        PAGE,
+    )
+    .await;
+    let (pre, src) = initiator(
+        "prefill-0",
+        |c| {
+            c.transport = Transport::Tcp;
+            c.data_connections = 1;
+        },
+        4 * PAGE,
+        PAGE,
+    )
+    .await;
+    fill(&src, 5);
+    let peer = pre.connect(&addr(&dec)).await.unwrap();
+    HeldWrites {
+        dec,
+        kv,
+        pre,
+        src,
+        peer,
+    }
+}
+
+impl HeldWrites {
+    /// Writes the initiator's page 0 into the listener's page `to`, in a task of its own.
+    fn spawn_write(&self, to: u64) -> tokio::task::JoinHandle<kvbridge::Result<()>> {
+        let (pre, peer, src, kv) = (
+            self.pre.clone(),
+            self.peer.clone(),
+            self.src.clone(),
+            self.kv.id(),
+        );
+        tokio::spawn(async move { pre.write(&peer, &[Op::page(&src, 0, kv, to, PAGE)]).await })
+    }
 }
