@@ -59,3 +59,8 @@ pub use layout::{Dtype, KvLayout, KvSpec, DEFAULT_CHUNK_TOKENS};
 pub use outcome::{Outcome, OutcomeSink, ZmqPusher};
 pub use receiver::{ChunkRef, GrantedRequest, PdReceiver, ReceiverConfig};
 pub use sender::{DisaggSpec, PdSender, SenderConfig, Summary, Transfer};
+
+/// The `tracing` target of the PD layer's per-chunk timeline marks (`DEBUG`, fields
+/// `stage`, `id`, `chunk`), which `kvbridge demo --timeline` records; the same target as
+/// the reference engine's marks.
+pub const TIMELINE: &str = "kvbridge::timeline";

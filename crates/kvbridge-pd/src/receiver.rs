@@ -885,6 +885,7 @@ async fn handle(inner: &Arc<Inner>, peer: PeerId, session_incarnation: u64, data
             incarnation,
             index,
         } => {
+            tracing::debug!(target: crate::TIMELINE, stage = "receiver.written", id = %req_id, chunk = index);
             if let Err(e) =
                 lock(&inner.alloc).chunk_written(&req_id, &owner(&peer, incarnation), index)
             {

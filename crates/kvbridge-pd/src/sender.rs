@@ -21,6 +21,7 @@ use crate::key::chunk_keys;
 use crate::layout::KvSpec;
 use crate::msg::PdMsg;
 use crate::outcome::{Outcome, OutcomeSink};
+use crate::TIMELINE;
 use kvbridge::{Channel, ChannelConfig, Grant, Op, PeerId, Region, RegionId};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -804,6 +805,7 @@ impl Transfer {
             .await
             .map_err(|e| self.write_failed(&peer, e))?;
         drop(state);
+        tracing::debug!(target: TIMELINE, stage = "sender.write_done", id = %self.req_id, chunk = index);
         self.sent[index as usize] = true;
         self.bytes += len as u64;
         // Ordered after the write: the decoder may consume the chunk from now on. Queued

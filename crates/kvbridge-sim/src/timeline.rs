@@ -17,7 +17,7 @@ use tracing_subscriber::layer::Context;
 use tracing_subscriber::Layer;
 
 /// The `tracing` target of timeline marks.
-pub const TARGET: &str = "kvbridge::timeline";
+pub const TARGET: &str = kvbridge_pd::TIMELINE;
 
 static ON: AtomicBool = AtomicBool::new(false);
 static MARKS: Mutex<Vec<Mark>> = Mutex::new(Vec::new());
@@ -265,7 +265,9 @@ pub const DISAGG_PATH: &[&str] = &[
     "prefill.chunk_ready[0]",
     "prefill.chunk_computed[last]",
     "prefill.chunk_ready[last]",
+    "sender.write_done[last]",
     "sender.chunk_landed[last]",
+    "receiver.written[last]",
     "sender.finished",
     "proxy.outcome_received",
     "proxy.kv_ready",
@@ -296,7 +298,9 @@ pub const DISAGG_PATH_EARLY_DECODE: &[&str] = &[
     "proxy.decode_sent",
     "decode.received",
     "decode.kv_by_id",
+    "sender.write_done[last]",
     "sender.chunk_landed[last]",
+    "receiver.written[last]",
     "decode.chunk_landed[last]",
     "decode.chunk_digested[last]",
     "decode.kv_loaded",
