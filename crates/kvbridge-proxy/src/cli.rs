@@ -72,6 +72,10 @@ pub struct ProxyArgs {
     /// Seconds allowed for one health check [default: 1].
     #[arg(long)]
     pub health_timeout: Option<f64>,
+    /// Whether a decoder's health check also connects to each of its KV init ports (`true`
+    /// or `false`) [default: true].
+    #[arg(long)]
+    pub health_kv_ports: Option<bool>,
     /// Consecutive failed checks that eject a worker [default: 2].
     #[arg(long)]
     pub unhealthy_after: Option<u32>,

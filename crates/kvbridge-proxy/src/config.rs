@@ -90,6 +90,10 @@ pub struct Config {
     pub health_interval: Duration,
     /// Deadline of one health check.
     pub health_timeout: Duration,
+    /// Whether a decoder's health check also opens a TCP connection to each of its KV init
+    /// ports (every rank): its HTTP endpoint can answer while its KV receiver is gone, and
+    /// every prefill sent its way would then fail at the handshake.
+    pub health_kv_ports: bool,
     /// Consecutive failed checks that eject a worker.
     pub unhealthy_after: u32,
     /// Consecutive passed checks that re-admit an ejected worker.
@@ -128,6 +132,7 @@ impl Default for Config {
             connect_timeout: Duration::from_secs(3),
             health_interval: Duration::from_secs(2),
             health_timeout: Duration::from_secs(1),
+            health_kv_ports: true,
             unhealthy_after: 2,
             healthy_after: 1,
             max_queue: 1024,
@@ -154,6 +159,7 @@ struct FileConfig {
     connect_timeout: Option<f64>,
     health_interval: Option<f64>,
     health_timeout: Option<f64>,
+    health_kv_ports: Option<bool>,
     unhealthy_after: Option<u32>,
     healthy_after: Option<u32>,
     max_queue: Option<usize>,
@@ -336,6 +342,10 @@ impl Config {
                 file.health_timeout,
                 d.health_timeout,
             )?,
+            health_kv_ports: a
+                .health_kv_ports
+                .or(file.health_kv_ports)
+                .unwrap_or(d.health_kv_ports),
             unhealthy_after: a
                 .unhealthy_after
                 .or(file.unhealthy_after)
@@ -523,6 +533,7 @@ mod tests {
 port = 9000
 flow = "lmcache"
 kv_ready_timeout = 5
+health_kv_ports = false
 [[prefiller]]
 host = "p1"
 port = 8100
@@ -542,6 +553,10 @@ kv_capacity_tokens = 100000
         assert_eq!(c.prefillers[0].host, "p1");
         assert_eq!(c.decoders[0].ranks(), 2);
         assert_eq!(c.decoders[0].kv_capacity_tokens, 100000);
+        assert!(!c.health_kv_ports);
+        let c = parse(&["--config", ps, "--health-kv-ports", "true"]).unwrap();
+        assert!(c.health_kv_ports, "the flag wins over the file");
+        assert!(parse(&[]).unwrap().health_kv_ports, "on by default");
         std::fs::write(&p, "bogus_key = 1\n").unwrap();
         let e = parse(&["--config", ps]).unwrap_err();
         assert!(e.to_string().contains("bogus_key"), "{e}");

@@ -201,10 +201,26 @@ pub async fn start(cfg: Config) -> anyhow::Result<RunningProxy> {
         busy_poll,
     });
     if !app.cfg.health_interval.is_zero() {
-        for pool in [app.prefill.clone(), app.decode.clone()] {
-            for idx in 0..pool.workers.len() {
-                tasks.push(tokio::spawn(health_loop(app.clone(), pool.clone(), idx)));
-            }
+        for idx in 0..app.prefill.workers.len() {
+            let pool = app.prefill.clone();
+            tasks.push(tokio::spawn(health_loop(
+                app.clone(),
+                pool,
+                idx,
+                Vec::new(),
+            )));
+        }
+        for (idx, d) in app.cfg.decoders.iter().enumerate() {
+            let kv = if app.cfg.health_kv_ports {
+                d.init_ports
+                    .iter()
+                    .map(|p| format!("{}:{p}", d.host))
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            let pool = app.decode.clone();
+            tasks.push(tokio::spawn(health_loop(app.clone(), pool, idx, kv)));
         }
     }
     let router = Router::new()
@@ -241,7 +257,11 @@ pub async fn start(cfg: Config) -> anyhow::Result<RunningProxy> {
     })
 }
 
-async fn health_loop(app: Arc<App>, pool: Arc<Pool>, idx: usize) {
+/// Checks worker `idx` every `health_interval`: `GET /health` must answer 2xx, then each of
+/// `kv` (`host:port`, a decoder's KV init ports) must accept a TCP connection, all within
+/// `health_timeout`. The probe connection is closed before it sends a byte, which a kvbridge
+/// listener drops without a word.
+async fn health_loop(app: Arc<App>, pool: Arc<Pool>, idx: usize, kv: Vec<String>) {
     let mut tick = tokio::time::interval(app.cfg.health_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let uri = format!("{}/health", pool.workers[idx].base);
@@ -250,18 +270,39 @@ async fn health_loop(app: Arc<App>, pool: Arc<Pool>, idx: usize) {
         let started = pool.check_started(idx);
         let req = Request::get(&uri).body(Full::new(Bytes::new()));
         let Ok(req) = req else { return };
-        let ok = match tokio::time::timeout(app.cfg.health_timeout, async {
-            let resp = app.client.request(req).await?;
-            let ok = resp.status().is_success();
+        let check = async {
+            let resp = match app.client.request(req).await {
+                Ok(r) => r,
+                Err(e) => return Err(format!("GET /health: {e}")),
+            };
+            let status = resp.status();
             let _ = Limited::new(resp.into_body(), 1 << 16).collect().await;
-            Ok::<bool, hyper_util::client::legacy::Error>(ok)
-        })
-        .await
-        {
-            Ok(Ok(ok)) => ok,
-            _ => false,
+            if !status.is_success() {
+                return Err(format!("GET /health answered {status}"));
+            }
+            for a in &kv {
+                if let Err(e) = tokio::net::TcpStream::connect(a).await {
+                    return Err(format!("KV port {a}: {e}"));
+                }
+            }
+            Ok(())
         };
-        pool.report_check(idx, ok, started);
+        let r = match tokio::time::timeout(app.cfg.health_timeout, check).await {
+            Ok(r) => r,
+            Err(_) => Err(format!("no answer within {:?}", app.cfg.health_timeout)),
+        };
+        let changed = pool.report_check(idx, r.is_ok(), started);
+        let worker = &pool.workers[idx].label;
+        match r {
+            Err(why) if changed => {
+                tracing::warn!(%worker, "health check failed, worker ejected: {why}")
+            }
+            Err(why) => tracing::debug!(%worker, "health check failed: {why}"),
+            Ok(()) if changed => {
+                tracing::info!(%worker, "health checks pass again, worker re-admitted")
+            }
+            Ok(()) => {}
+        }
     }
 }
 

@@ -116,6 +116,60 @@ impl Double {
     }
 }
 
+/// A decoder double's KV init port: a listener that accepts and drops connections, which
+/// can be closed (connections refused) and opened again on the same port.
+struct KvPort {
+    port: u16,
+    task: Option<tokio::task::JoinHandle<()>>,
+    /// Connections accepted so far.
+    accepted: Arc<AtomicU64>,
+}
+
+impl KvPort {
+    async fn open() -> KvPort {
+        let mut k = KvPort {
+            port: 0,
+            task: None,
+            accepted: Arc::new(AtomicU64::new(0)),
+        };
+        k.listen().await;
+        k
+    }
+
+    async fn listen(&mut self) {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        // Our closed listener's accepted connections may linger in TIME_WAIT on the port.
+        sock.set_reuseaddr(true).unwrap();
+        sock.bind(SocketAddr::from(([127, 0, 0, 1], self.port)))
+            .unwrap();
+        let l = sock.listen(16).unwrap();
+        self.port = l.local_addr().unwrap().port();
+        let accepted = self.accepted.clone();
+        self.task = Some(tokio::spawn(async move {
+            while let Ok((c, _)) = l.accept().await {
+                accepted.fetch_add(1, Relaxed);
+                drop(c);
+            }
+        }));
+    }
+
+    /// Closes the listener; returns once the port refuses connections.
+    async fn close(&mut self) {
+        if let Some(t) = self.task.take() {
+            t.abort();
+            let _ = t.await;
+        }
+    }
+}
+
+impl Drop for KvPort {
+    fn drop(&mut self) {
+        if let Some(t) = &self.task {
+            t.abort();
+        }
+    }
+}
+
 async fn dhealth(State(st): State<Arc<DState>>) -> StatusCode {
     if st.healthy.load(Relaxed) {
         StatusCode::OK
@@ -1047,10 +1101,12 @@ async fn every_worker_down_gives_503() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_checks_eject_and_readmit_workers() {
+    let kv = [KvPort::open().await, KvPort::open().await];
     let e = env(Flow::Vllm, 1, 1, |c| {
         c.health_interval = Duration::from_millis(20);
         c.unhealthy_after = 2;
         c.healthy_after = 2;
+        c.decoders[0].init_ports = kv.iter().map(|k| k.port).collect();
     })
     .await;
     let healthy = "kvbridge_proxy_worker_healthy{role=\"decode\",worker=\"127.0.0.1:";
@@ -1063,6 +1119,65 @@ async fn health_checks_eject_and_readmit_workers() {
     e.settle(&name, 1.0).await;
     let a = e.post("/v1/completions", completion("x", false)).await;
     assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+}
+
+/// A decoder whose HTTP endpoint answers but whose KV receiver is gone would fail every
+/// prefill sent its way at the handshake: the health check connects to every rank's KV init
+/// port too, and ejects it; it comes back once the port accepts again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decoder_whose_kv_port_refuses_is_ejected_though_its_http_answers() {
+    let mut kv = [KvPort::open().await, KvPort::open().await];
+    let e = env(Flow::Vllm, 1, 1, |c| {
+        c.health_interval = Duration::from_millis(20);
+        c.unhealthy_after = 2;
+        c.healthy_after = 2;
+        c.decoders[0].init_ports = kv.iter().map(|k| k.port).collect();
+    })
+    .await;
+    let healthy = "kvbridge_proxy_worker_healthy{role=\"decode\",worker=\"127.0.0.1:";
+    let name = format!("{healthy}{}\"}}", e.d[0].addr.port());
+    let until = Instant::now() + T;
+    while kv[1].accepted.load(Relaxed) == 0 {
+        assert!(Instant::now() < until, "the KV port was never probed");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    e.settle(&name, 1.0).await;
+    // Rank 1's KV listener dies; the decoder's HTTP still answers 200.
+    kv[1].close().await;
+    e.settle(&name, 0.0).await;
+    assert!(
+        e.d[0].st.healthy.load(Relaxed),
+        "HTTP health was never touched"
+    );
+    let a = e.post("/v1/completions", completion("x", false)).await;
+    assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "{}", a.text());
+    assert_eq!(a.code(), "no_healthy_worker");
+    kv[1].listen().await;
+    e.settle(&name, 1.0).await;
+    let a = e.post("/v1/completions", completion("x", false)).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+}
+
+/// `health_kv_ports = false` leaves the KV ports alone (a proxy that cannot reach them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_port_checks_can_be_switched_off() {
+    let kv = KvPort::open().await;
+    let e = env(Flow::Vllm, 1, 1, |c| {
+        c.health_interval = Duration::from_millis(20);
+        c.unhealthy_after = 1;
+        c.healthy_after = 1;
+        c.health_kv_ports = false;
+        c.decoders[0].init_ports = vec![kv.port];
+    })
+    .await;
+    let healthy = "kvbridge_proxy_worker_healthy{role=\"decode\",worker=\"127.0.0.1:";
+    let name = format!("{healthy}{}\"}}", e.d[0].addr.port());
+    // An ejection and a re-admission: health checks ran, and passed without the KV port.
+    e.d[0].st.healthy.store(false, Relaxed);
+    e.settle(&name, 0.0).await;
+    e.d[0].st.healthy.store(true, Relaxed);
+    e.settle(&name, 1.0).await;
+    assert_eq!(kv.accepted.load(Relaxed), 0, "the KV port was probed");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
