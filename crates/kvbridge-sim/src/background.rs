@@ -1,8 +1,11 @@
-//! Work that must not compete with the path to the first token: the decoder's check of the
-//! KV it received against the KV the model says it must be (a real decoder would not do it at
-//! all; here it proves every byte that crossed). Such work runs on a thread of its own at the
-//! lowest CPU priority (nice 19), so it takes the cores only when the request path does not
-//! need them, yet is never starved outright: the scheduler still gives it a small share.
+//! Work that must not compete with the transfer engine and the request path: the decoder's
+//! check of the KV it received against the KV the model says it must be (a real decoder would
+//! not do it at all; here it proves every byte that crossed), and the CPU work that stands in
+//! for the accelerator (the prefill's KV compute, the decoder's digest of the KV it holds),
+//! which on a real deployment takes no host core from the transfer. Such work runs on a
+//! thread of its own at the lowest CPU priority (nice 19), so a waking transfer or network
+//! thread preempts it at once instead of waiting out its time slice, yet it is never starved
+//! outright: the scheduler still gives it a small share, and all of it when a core is idle.
 
 use std::fmt;
 
