@@ -1099,18 +1099,28 @@ async fn every_worker_down_gives_503() {
     e2.settled().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn health_checks_eject_and_readmit_workers() {
-    let kv = [KvPort::open().await, KvPort::open().await];
+/// One prefiller and one decoder, whose ranks' KV init ports are `kv`, health-checked every
+/// 20 ms (2 checks eject, 2 re-admit), then `tweak`; with the decoder's health metric name.
+async fn checked_env(kv: &[KvPort], tweak: impl FnOnce(&mut Config)) -> (Env, String) {
     let e = env(Flow::Vllm, 1, 1, |c| {
         c.health_interval = Duration::from_millis(20);
         c.unhealthy_after = 2;
         c.healthy_after = 2;
         c.decoders[0].init_ports = kv.iter().map(|k| k.port).collect();
+        tweak(c);
     })
     .await;
-    let healthy = "kvbridge_proxy_worker_healthy{role=\"decode\",worker=\"127.0.0.1:";
-    let name = format!("{healthy}{}\"}}", e.d[0].addr.port());
+    let name = format!(
+        "kvbridge_proxy_worker_healthy{{role=\"decode\",worker=\"127.0.0.1:{}\"}}",
+        e.d[0].addr.port()
+    );
+    (e, name)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_checks_eject_and_readmit_workers() {
+    let kv = [KvPort::open().await, KvPort::open().await];
+    let (e, name) = checked_env(&kv, |_| {}).await;
     e.d[0].st.healthy.store(false, Relaxed);
     e.settle(&name, 0.0).await;
     let a = e.post("/v1/completions", completion("x", false)).await;
@@ -1127,15 +1137,7 @@ async fn health_checks_eject_and_readmit_workers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decoder_whose_kv_port_refuses_is_ejected_though_its_http_answers() {
     let mut kv = [KvPort::open().await, KvPort::open().await];
-    let e = env(Flow::Vllm, 1, 1, |c| {
-        c.health_interval = Duration::from_millis(20);
-        c.unhealthy_after = 2;
-        c.healthy_after = 2;
-        c.decoders[0].init_ports = kv.iter().map(|k| k.port).collect();
-    })
-    .await;
-    let healthy = "kvbridge_proxy_worker_healthy{role=\"decode\",worker=\"127.0.0.1:";
-    let name = format!("{healthy}{}\"}}", e.d[0].addr.port());
+    let (e, name) = checked_env(&kv, |_| {}).await;
     let until = Instant::now() + T;
     while kv[1].accepted.load(Relaxed) == 0 {
         assert!(Instant::now() < until, "the KV port was never probed");
@@ -1161,23 +1163,14 @@ async fn a_decoder_whose_kv_port_refuses_is_ejected_though_its_http_answers() {
 /// `health_kv_ports = false` leaves the KV ports alone (a proxy that cannot reach them).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_port_checks_can_be_switched_off() {
-    let kv = KvPort::open().await;
-    let e = env(Flow::Vllm, 1, 1, |c| {
-        c.health_interval = Duration::from_millis(20);
-        c.unhealthy_after = 1;
-        c.healthy_after = 1;
-        c.health_kv_ports = false;
-        c.decoders[0].init_ports = vec![kv.port];
-    })
-    .await;
-    let healthy = "kvbridge_proxy_worker_healthy{role=\"decode\",worker=\"127.0.0.1:";
-    let name = format!("{healthy}{}\"}}", e.d[0].addr.port());
+    let kv = [KvPort::open().await];
+    let (e, name) = checked_env(&kv, |c| c.health_kv_ports = false).await;
     // An ejection and a re-admission: health checks ran, and passed without the KV port.
     e.d[0].st.healthy.store(false, Relaxed);
     e.settle(&name, 0.0).await;
     e.d[0].st.healthy.store(true, Relaxed);
     e.settle(&name, 1.0).await;
-    assert_eq!(kv.accepted.load(Relaxed), 0, "the KV port was probed");
+    assert_eq!(kv[0].accepted.load(Relaxed), 0, "the KV port was probed");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
