@@ -278,8 +278,8 @@ impl Pool {
 
     /// Records the result of a health check that began when [`Pool::check_started`] returned
     /// `started`. A pass is ignored if the worker was passively ejected since: the check
-    /// probed the worker before that evidence (and may not probe what failed: a decoder's
-    /// HTTP endpoint can answer while its KV endpoints refuse). Returns true when the health
+    /// probed the worker before that evidence (and may not probe what failed: it connects to a
+    /// decoder's KV init ports but makes no handshake there). Returns true when the health
     /// state changed.
     pub fn report_check(&self, idx: usize, ok: bool, started: u64) -> bool {
         let _g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
