@@ -807,12 +807,20 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
         }
         let durl = format!("{base}{}", w.path);
         let curl = format!("{}{}", cluster.colocated_url(), w.path);
+        // Each replay starts on a quiet cluster: the previous disaggregated request's check
+        // of its KV (milliseconds of CPU, at nice 19) would otherwise still run during the
+        // next replay's prefill and transfer, on one path more than on the other. A cluster
+        // that does not quiesce fails the run below.
         let (d, c) = if j % 2 == 0 {
+            let _ = cluster.quiesce(deadline).await;
             let d = traced(record, client.generate(&durl, &body, deadline)).await;
+            let _ = cluster.quiesce(deadline).await;
             let c = traced(record, client.generate(&curl, &body, deadline)).await;
             (d, c)
         } else {
+            let _ = cluster.quiesce(deadline).await;
             let c = traced(record, client.generate(&curl, &body, deadline)).await;
+            let _ = cluster.quiesce(deadline).await;
             let d = traced(record, client.generate(&durl, &body, deadline)).await;
             (d, c)
         };

@@ -1265,8 +1265,10 @@ async fn consume(s: Arc<Inner>, id: String, tokens: u64) -> Result<SeqState, Sim
         let t = model.spec.tokens_in_chunk(i, tokens) as usize;
         let (m, ws) = (model.clone(), model.world_size as usize);
         // The last chunk's digest is on the path to the first token and the prefill is over:
-        // use two cores for it. Earlier chunks leave the other core to the prefiller.
-        let threads = if i + 1 == n { 2 } else { 1 };
+        // use two cores for it, unless it is short (a second thread costs ~0.1 ms to start
+        // here, more than it saves on fewer than 64 tokens: 2 MiB in the demo). Earlier
+        // chunks leave the other core to the prefiller.
+        let threads = if i + 1 == n && t >= 64 { 2 } else { 1 };
         // The simulated accelerator's work: at the lowest priority, as the prefill's.
         state = crate::background::run("kvb-absorb", move || {
             let mut st = state;
