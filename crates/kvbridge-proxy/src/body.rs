@@ -1,6 +1,9 @@
 //! The streamed answer: the decoder's body passed through frame by frame, with an idle
 //! deadline, an SSE `error` event when the decoder fails mid-stream, and the request's guards
-//! released exactly once when the stream ends (or the client goes away).
+//! released exactly once when the stream ends (or the client goes away). The answer may start
+//! before the decoder's does ([`ProxyBody::pending`]): with the prefill's first token, while
+//! the decode request is still out; the decoder's stream then follows, or its failure as an
+//! SSE `error` event.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -15,18 +18,23 @@ use tokio::time::Sleep;
 
 use crate::metrics::Outcome;
 use crate::pool::Slot;
-use crate::server::Track;
+use crate::server::{ApiError, Reply, Track};
+
+/// A decode request still out: resolves to the decoder's answer (a stream) or its failure.
+pub(crate) type PendingDecode = Pin<Box<dyn Future<Output = Result<Reply, ApiError>> + Send>>;
 
 /// What a finished stream releases and records.
 pub(crate) struct Finish {
     pub track: Track,
-    pub slot: Slot,
+    /// The decoder's admission slot (`None` while the decode is pending: it holds it).
+    pub slot: Option<Slot>,
     pub decode_start: Instant,
 }
 
 /// A streamed answer (see the module docs).
 pub(crate) struct ProxyBody {
     prefix: Option<Bytes>,
+    pending: Option<PendingDecode>,
     inner: Option<Incoming>,
     idle: Duration,
     timer: Pin<Box<Sleep>>,
@@ -44,11 +52,35 @@ impl ProxyBody {
     pub(crate) fn new(inner: Incoming, prefix: Option<Bytes>, idle: Duration, fin: Finish) -> Self {
         ProxyBody {
             prefix,
+            pending: None,
             inner: Some(inner),
             idle,
             timer: Box::pin(tokio::time::sleep(idle)),
             first: true,
             fin: Some(fin),
+        }
+    }
+
+    /// An answer that starts with `first` while `decode` is still out; the decoder's stream
+    /// follows once it answers (`idle` applies to that wait as to any other).
+    pub(crate) fn pending(
+        first: Bytes,
+        decode: PendingDecode,
+        idle: Duration,
+        track: Track,
+    ) -> Self {
+        ProxyBody {
+            prefix: Some(first),
+            pending: Some(decode),
+            inner: None,
+            idle,
+            timer: Box::pin(tokio::time::sleep(idle)),
+            first: true,
+            fin: Some(Finish {
+                track,
+                slot: None,
+                decode_start: Instant::now(),
+            }),
         }
     }
 
@@ -61,13 +93,73 @@ impl ProxyBody {
         }
     }
 
-    fn fail(&mut self, message: String) -> Frame<Bytes> {
+    fn fail(&mut self, message: String, code: &str, outcome: Outcome) -> Frame<Bytes> {
         self.inner = None;
+        self.pending = None;
         if let Some(mut f) = self.fin.take() {
-            tracing::warn!(request_id = f.track.rid(), worker = %f.slot.worker().label, "{message}");
-            f.track.outcome = Outcome::DecodeError;
+            let worker = f
+                .slot
+                .as_ref()
+                .map(|s| s.worker().label.clone())
+                .unwrap_or_default();
+            tracing::warn!(request_id = f.track.rid(), worker = %worker, "{message}");
+            f.track.outcome = outcome;
         }
-        Frame::data(sse_error(&message, "decoder_stream_failed"))
+        Frame::data(sse_error(&message, code))
+    }
+
+    /// Polls the pending decode: `Ready(None)` once its stream is in `inner` (or nothing
+    /// was pending), `Ready(Some(frame))` for what to send instead, `Pending` meanwhile.
+    fn poll_pending(&mut self, cx: &mut Context<'_>) -> Poll<Option<Frame<Bytes>>> {
+        let Some(p) = self.pending.as_mut() else {
+            return Poll::Ready(None);
+        };
+        let r = match p.as_mut().poll(cx) {
+            Poll::Ready(r) => r,
+            Poll::Pending => {
+                if self.timer.as_mut().poll(cx).is_ready() {
+                    let msg = format!("decoder did not answer for {:?}", self.idle);
+                    return Poll::Ready(Some(self.fail(
+                        msg,
+                        "decoder_stream_failed",
+                        Outcome::DecodeError,
+                    )));
+                }
+                return Poll::Pending;
+            }
+        };
+        self.pending = None;
+        match r {
+            Ok(Reply::Stream {
+                body,
+                slot,
+                decode_start,
+                ..
+            }) => {
+                if let Some(f) = &mut self.fin {
+                    f.slot = Some(slot);
+                    f.decode_start = decode_start;
+                }
+                self.inner = Some(body);
+                Poll::Ready(None)
+            }
+            Ok(Reply::Full { body, .. }) => {
+                // Not a stream (a decoder that ignored `stream`): passed on whole.
+                if let Some(mut f) = self.fin.take() {
+                    f.track.outcome = Outcome::Ok;
+                }
+                Poll::Ready(Some(Frame::data(body)))
+            }
+            Ok(Reply::Pending { .. }) => Poll::Ready(Some(self.fail(
+                "internal: a decode answered with another pending decode".into(),
+                "internal",
+                Outcome::DecodeError,
+            ))),
+            Err(e) => {
+                let (message, code, outcome) = e.parts();
+                Poll::Ready(Some(self.fail(message, code, outcome)))
+            }
+        }
     }
 }
 
@@ -84,6 +176,11 @@ impl Body for ProxyBody {
             this.on_data();
             return Poll::Ready(Some(Ok(Frame::data(p))));
         }
+        match this.poll_pending(cx) {
+            Poll::Ready(Some(frame)) => return Poll::Ready(Some(Ok(frame))),
+            Poll::Ready(None) => {}
+            Poll::Pending => return Poll::Pending,
+        }
         let Some(inner) = this.inner.as_mut() else {
             return Poll::Ready(None);
         };
@@ -97,7 +194,12 @@ impl Body for ProxyBody {
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(e))) => {
-                Poll::Ready(Some(Ok(this.fail(format!("decoder stream broke: {e}")))))
+                let msg = format!("decoder stream broke: {e}");
+                Poll::Ready(Some(Ok(this.fail(
+                    msg,
+                    "decoder_stream_failed",
+                    Outcome::DecodeError,
+                ))))
             }
             Poll::Ready(None) => {
                 this.inner = None;
@@ -110,7 +212,11 @@ impl Body for ProxyBody {
             Poll::Pending => {
                 if this.timer.as_mut().poll(cx).is_ready() {
                     let msg = format!("decoder sent nothing for {:?}", this.idle);
-                    Poll::Ready(Some(Ok(this.fail(msg))))
+                    Poll::Ready(Some(Ok(this.fail(
+                        msg,
+                        "decoder_stream_failed",
+                        Outcome::DecodeError,
+                    ))))
                 } else {
                     Poll::Pending
                 }
@@ -119,7 +225,7 @@ impl Body for ProxyBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.prefix.is_none() && self.inner.is_none()
+        self.prefix.is_none() && self.pending.is_none() && self.inner.is_none()
     }
 
     fn size_hint(&self) -> SizeHint {

@@ -116,6 +116,11 @@ pub struct ProxyArgs {
     /// their KV with a deadline) [default: true].
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub decode_after_kv_ready: Option<bool>,
+    /// lmcache flow: whether a streamed completion's first token (the prefill's) goes to the
+    /// client as soon as every rank reported `KvReady`, ahead of the decoder's stream
+    /// (`true` or `false`) [default: true].
+    #[arg(long)]
+    pub first_token_on_kv_ready: Option<bool>,
 }
 
 /// Builds the proxy's runtime (see [`ProxyArgs::threads`]) and runs the proxy on it until

@@ -114,6 +114,12 @@ pub struct Config {
     /// old order because with the other one a decoder is contacted for KV that may never
     /// come (it must wait for its KV with a deadline, as the reference engine does).
     pub decode_after_kv_ready: bool,
+    /// lmcache flow, streamed completions with a text prompt: send the prefill's first token
+    /// to the client as soon as every rank reported `KvReady` (true, the default), ahead of
+    /// the decoder's stream, rather than with the decoder's first answer (false). The client
+    /// then does not wait for the decoder's first step over the KV; a decoder failure after
+    /// that first token is an SSE `error` event, as any failure mid-stream.
+    pub first_token_on_kv_ready: bool,
 }
 
 impl Default for Config {
@@ -140,6 +146,7 @@ impl Default for Config {
             max_body_bytes: 8 << 20,
             busy_poll: Duration::from_micros(100),
             decode_after_kv_ready: true,
+            first_token_on_kv_ready: true,
         }
     }
 }
@@ -167,6 +174,7 @@ struct FileConfig {
     max_body_bytes: Option<usize>,
     busy_poll_us: Option<u64>,
     decode_after_kv_ready: Option<bool>,
+    first_token_on_kv_ready: Option<bool>,
     #[serde(default, rename = "prefiller")]
     prefillers: Vec<WorkerAddr>,
     #[serde(default, rename = "decoder")]
@@ -374,6 +382,10 @@ impl Config {
                 .decode_after_kv_ready
                 .or(file.decode_after_kv_ready)
                 .unwrap_or(d.decode_after_kv_ready),
+            first_token_on_kv_ready: a
+                .first_token_on_kv_ready
+                .or(file.first_token_on_kv_ready)
+                .unwrap_or(d.first_token_on_kv_ready),
         };
         cfg.validate()?;
         Ok(cfg)
@@ -534,6 +546,7 @@ port = 9000
 flow = "lmcache"
 kv_ready_timeout = 5
 health_kv_ports = false
+first_token_on_kv_ready = false
 [[prefiller]]
 host = "p1"
 port = 8100
@@ -557,6 +570,10 @@ kv_capacity_tokens = 100000
         let c = parse(&["--config", ps, "--health-kv-ports", "true"]).unwrap();
         assert!(c.health_kv_ports, "the flag wins over the file");
         assert!(parse(&[]).unwrap().health_kv_ports, "on by default");
+        assert!(!c.first_token_on_kv_ready, "the file's setting");
+        let c = parse(&["--config", ps, "--first-token-on-kv-ready", "true"]).unwrap();
+        assert!(c.first_token_on_kv_ready, "the flag wins over the file");
+        assert!(parse(&[]).unwrap().first_token_on_kv_ready, "on by default");
         std::fs::write(&p, "bogus_key = 1\n").unwrap();
         let e = parse(&["--config", ps]).unwrap_err();
         assert!(e.to_string().contains("bogus_key"), "{e}");

@@ -352,6 +352,11 @@ pub(crate) struct ApiError {
 }
 
 impl ApiError {
+    /// Message, code and outcome: what an SSE `error` event says of it.
+    pub(crate) fn parts(self) -> (String, &'static str, Outcome) {
+        (self.message, self.code, self.outcome)
+    }
+
     fn new(
         status: StatusCode,
         code: &'static str,
@@ -546,11 +551,17 @@ async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
 }
 
 /// What a flow produced.
-enum Reply {
+pub(crate) enum Reply {
     /// A whole body, ready to send.
     Full {
         content_type: HeaderValue,
         body: Bytes,
+    },
+    /// The first token, sent now, and the decode still to answer (its stream follows the
+    /// first token; see `first_token_on_kv_ready`).
+    Pending {
+        first: Bytes,
+        decode: crate::body::PendingDecode,
     },
     /// The decoder's stream, with an optional first chunk in front.
     Stream {
@@ -702,12 +713,22 @@ impl App {
             }) => {
                 let fin = Finish {
                     track,
-                    slot,
+                    slot: Some(slot),
                     decode_start,
                 };
                 let body = ProxyBody::new(body, prefix, self.cfg.decode_timeout, fin);
                 let mut r = Response::new(Body::new(body));
                 r.headers_mut().insert(CONTENT_TYPE, content_type);
+                r.headers_mut()
+                    .insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+                r.headers_mut().insert(X_REQUEST_ID, rid);
+                r
+            }
+            Ok(Reply::Pending { first, decode }) => {
+                let body = ProxyBody::pending(first, decode, self.cfg.decode_timeout, track);
+                let mut r = Response::new(Body::new(body));
+                r.headers_mut()
+                    .insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
                 r.headers_mut()
                     .insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
                 r.headers_mut().insert(X_REQUEST_ID, rid);
@@ -738,7 +759,7 @@ impl App {
     }
 
     async fn flow(
-        &self,
+        self: &Arc<Self>,
         api: Api,
         headers: &HeaderMap,
         body: Result<Bytes, BytesRejection>,
@@ -817,7 +838,7 @@ impl App {
     /// decoder at all, so no KV moved) has that decoder ejected, and the request starts over
     /// on the least loaded other healthy decoder that admits it, each decoder at most once.
     async fn lmcache(
-        &self,
+        self: &Arc<Self>,
         ctx: &Ctx<'_>,
         doc: &ReqDoc<'_>,
         mut dslot: Slot,
@@ -843,7 +864,7 @@ impl App {
 
     /// One attempt of [`App::lmcache`] with `dslot`'s decoder.
     async fn lmcache_once(
-        &self,
+        self: &Arc<Self>,
         ctx: &Ctx<'_>,
         doc: &ReqDoc<'_>,
         dslot: Slot,
@@ -980,19 +1001,32 @@ impl App {
         }
         let first = prefix.as_ref().map(|(f, _)| f.as_str());
         let dbody = Bytes::from(lmcache_decode_body(doc, first, &id));
+        // The streamed first token: sent ahead of the decoder's stream.
+        let first_sse = prefix
+            .as_ref()
+            .filter(|_| ctx.stream)
+            .map(|(f, pv)| first_chunk(pv, f, None));
         tracing::debug!(target: TL, stage = "proxy.decode_sent", id = %id);
-        // The KV sits on this decoder: no other one can take the request over.
-        let decode = self.decode(
-            ctx,
-            dbody,
-            dslot,
-            prefix
-                .as_ref()
-                .filter(|_| ctx.stream)
-                .map(|(f, pv)| first_chunk(pv, f, None)),
-            false,
-        );
-        tokio::pin!(decode);
+        // The KV sits on this decoder: no other one can take the request over. A task of its
+        // own, so that the answer can start before the decoder's does (below); dropped, it
+        // is aborted, which closes the decoder connection as dropping the call did.
+        let decode = {
+            let (app, owned) = (self.clone(), ctx.to_owned());
+            AbortOnDrop(tokio::spawn(async move {
+                app.decode(&owned.ctx(), dbody, dslot, None, false).await
+            }))
+        };
+        let mut decode = decode;
+        let joined = |r: Result<Result<Reply, ApiError>, tokio::task::JoinError>| {
+            r.unwrap_or_else(|e| {
+                Err(ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal",
+                    Outcome::DecodeError,
+                    format!("the decode task ended: {e}"),
+                ))
+            })
+        };
         // Decode before `KvReady`: the request goes out now, while the KV's tail is still
         // landing (the decoder waits for its KV with its own deadline, and fails at once
         // when the transfer ends early). Its answer is passed on only once every rank
@@ -1001,8 +1035,22 @@ impl App {
         // connection), a missing outcome `kv_ready_timeout`.
         let mut reply = None;
         while reply.is_none() || !ready {
+            if ready && self.cfg.first_token_on_kv_ready {
+                if let Some(first) = first_sse.clone() {
+                    // Every rank confirmed the KV and the first token is in hand: the
+                    // client gets it now, not after the decoder's first step over that KV
+                    // (its digest of the last chunk in the reference engine, a forward
+                    // pass on a real one). The decoder's stream follows; its failure from
+                    // here on is an SSE `error` event, as any failure mid-stream.
+                    tracing::debug!(target: TL, stage = "proxy.first_token_sent", id = %id);
+                    return Ok(Reply::Pending {
+                        first,
+                        decode: Box::pin(async move { joined((&mut decode.0).await) }),
+                    });
+                }
+            }
             tokio::select! {
-                r = &mut decode, if reply.is_none() => match r {
+                r = &mut decode.0, if reply.is_none() => match joined(r) {
                     Ok(r) => reply = Some(r),
                     Err(e) if ready => return Err(e.into()),
                     Err(e) => {
@@ -1029,6 +1077,22 @@ impl App {
             (Reply::Full { content_type, body }, Some((first, _))) => Ok(Reply::Full {
                 content_type,
                 body: prepend_first(body, &first),
+            }),
+            (
+                Reply::Stream {
+                    content_type,
+                    body,
+                    slot,
+                    decode_start,
+                    ..
+                },
+                _,
+            ) => Ok(Reply::Stream {
+                content_type,
+                body,
+                prefix: first_sse,
+                slot,
+                decode_start,
             }),
             (r, _) => Ok(r),
         }
@@ -1374,6 +1438,49 @@ struct Ctx<'a> {
 impl Ctx<'_> {
     fn rid(&self) -> &str {
         self.rid.to_str().unwrap_or("?")
+    }
+
+    fn to_owned(&self) -> OwnedCtx {
+        OwnedCtx {
+            api: self.api,
+            rid: self.rid.clone(),
+            auth: self.auth.cloned(),
+            tokens: self.tokens,
+            stream: self.stream,
+            t0: self.t0,
+        }
+    }
+}
+
+/// A [`Ctx`] that owns its headers, for a step that runs as a task of its own.
+struct OwnedCtx {
+    api: Api,
+    rid: HeaderValue,
+    auth: Option<HeaderValue>,
+    tokens: u64,
+    stream: bool,
+    t0: Instant,
+}
+
+impl OwnedCtx {
+    fn ctx(&self) -> Ctx<'_> {
+        Ctx {
+            api: self.api,
+            rid: &self.rid,
+            auth: self.auth.as_ref(),
+            tokens: self.tokens,
+            stream: self.stream,
+            t0: self.t0,
+        }
+    }
+}
+
+/// A task that is aborted when this handle is dropped.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

@@ -336,6 +336,10 @@ async fn openai(
         return ([("content-type", "application/json")], r.to_string()).into_response();
     }
     // Decoder.
+    if has("@dhold") {
+        // Answers only once the test says so (`hold.notify_one`).
+        let _ = tokio::time::timeout(T, st.hold.notified()).await;
+    }
     if has("@dready") || has("@dfail") {
         // The KV's outcome comes only once the decode request is here: it was sent first.
         let id = v
@@ -1225,6 +1229,79 @@ async fn admission_full_gives_429_and_a_queued_request_gets_the_freed_slot() {
     e.settled().await;
 }
 
+/// Sends a streamed completion and returns its body once the first frame came, with that
+/// frame's text.
+async fn first_frame(e: &Env, prompt: &str) -> (hyper::body::Incoming, String) {
+    let req = hyper::Request::post(e.url("/v1/completions"))
+        .body(Full::new(Bytes::from(completion(prompt, true).to_string())))
+        .unwrap();
+    let resp = tokio::time::timeout(T, e.client.request(req))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut body = resp.into_body();
+    let first = tokio::time::timeout(T, body.frame())
+        .await
+        .expect("no first frame while the decoder holds its answer")
+        .unwrap()
+        .unwrap();
+    let text = String::from_utf8_lossy(first.data_ref().unwrap()).to_string();
+    (body, text)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_completions_first_token_goes_out_on_kv_ready_before_the_decoder_answers() {
+    let e = env(Flow::Lmcache, 1, 1, |_| {}).await;
+    // The decoder holds its answer until told: the first token (the prefill's) still comes.
+    let (body, first) = first_frame(&e, "@dhold").await;
+    assert!(first.contains(" first"), "{first}");
+    e.d[0].st.hold.notify_one();
+    let rest = tokio::time::timeout(T, body.collect())
+        .await
+        .unwrap()
+        .unwrap()
+        .to_bytes();
+    let rest = String::from_utf8_lossy(&rest);
+    assert!(
+        rest.contains(" d0") && rest.ends_with("data: [DONE]\n\n"),
+        "{rest}"
+    );
+    // A decoder that fails after that first token: an SSE error event ends the stream.
+    let (body, first) = first_frame(&e, "@dhold @d500").await;
+    assert!(first.contains(" first"), "{first}");
+    e.d[0].st.hold.notify_one();
+    let rest = tokio::time::timeout(T, body.collect())
+        .await
+        .unwrap()
+        .unwrap()
+        .to_bytes();
+    let rest = String::from_utf8_lossy(&rest);
+    assert!(
+        rest.starts_with("event: error\ndata: ") && rest.contains("decoder exploded"),
+        "{rest}"
+    );
+    e.settled().await;
+    let m = e.metrics().await;
+    assert_eq!(
+        sample(
+            &m,
+            "kvbridge_proxy_requests_total{outcome=\"decode_error\"}"
+        ),
+        Some(1.0),
+        "{m}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_first_token_on_kv_ready_off_a_decoder_error_is_a_502() {
+    let e = env(Flow::Lmcache, 1, 1, |c| c.first_token_on_kv_ready = false).await;
+    let a = e.post("/v1/completions", completion("@d500", true)).await;
+    assert_eq!(a.status, StatusCode::BAD_GATEWAY, "{}", a.text());
+    assert!(a.text().contains("decoder exploded"));
+    e.settled().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_gets_openai_shaped_errors() {
     let e = env(Flow::Lmcache, 1, 1, |c| {
@@ -1332,27 +1409,41 @@ async fn thousand_requests_with_random_failures_leave_nothing_behind() {
                     e.post("/v1/completions", body),
                 )
                 .await;
-                return (mode, r.map(|a| a.status.as_u16()).unwrap_or(0), false);
+                return (
+                    mode,
+                    stream,
+                    r.map(|a| a.status.as_u16()).unwrap_or(0),
+                    false,
+                );
             }
             let a = e.post("/v1/completions", body).await;
-            (mode, a.status.as_u16(), a.text().contains("event: error"))
+            (
+                mode,
+                stream,
+                a.status.as_u16(),
+                a.text().contains("event: error"),
+            )
         }));
     }
     let mut by_status = std::collections::BTreeMap::new();
     let mut gave_up = 0;
     for t in tasks {
-        let (mode, status, sse_err) = tokio::time::timeout(T, t).await.unwrap().unwrap();
+        let (mode, stream, status, sse_err) = tokio::time::timeout(T, t).await.unwrap().unwrap();
         *by_status.entry(status).or_insert(0) += 1;
         gave_up += (status == 0) as u32;
         let want: &[u16] = match mode {
             "ok" | "@late" | "@plain" | "@slow" => &[200, 429],
+            // A stream's first token went out once the KV was confirmed: the decoder's
+            // failure after it is an SSE error event.
+            "@d500" if stream => &[200, 429],
             "@p500" | "@kvfail" | "@d500" => &[502, 429],
             "@nonotify" => &[504, 429],
             "@die" => &[200, 502, 429],
             _ => &[0, 200, 429],
         };
         assert!(want.contains(&status), "{mode}: {status}");
-        assert_eq!(sse_err, mode == "@die" && status == 200, "{mode}");
+        let mid_stream = mode == "@die" || (mode == "@d500" && stream);
+        assert_eq!(sse_err, mid_stream && status == 200, "{mode}");
     }
     assert!(
         by_status.get(&200).copied().unwrap_or(0) > 300,
