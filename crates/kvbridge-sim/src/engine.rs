@@ -876,13 +876,10 @@ async fn prefill(
             let mut st = state;
             let p = m.prefixes(st.prefix, &part_v);
             if slots.is_empty() {
-                m.with_chunks(&p, |refs| m.absorb(&mut st, refs, &p));
+                m.compute_and_absorb(&mut st, &p);
             } else {
-                for (r, slot) in slots.iter_mut().enumerate() {
-                    m.fill_chunk(r as u32, &p, slot.bytes_mut());
-                }
-                let refs: Vec<&[u8]> = slots.iter().map(ChunkSlot::bytes).collect();
-                m.absorb(&mut st, &refs, &p);
+                let mut outs: Vec<&mut [u8]> = slots.iter_mut().map(ChunkSlot::bytes_mut).collect();
+                m.fill_and_absorb(&mut st, &mut outs, &p);
             }
             (st, slots)
         })
@@ -1360,22 +1357,21 @@ async fn receive(
             let model = s3.model.clone();
             let c = model.spec.chunk_tokens.max(1) as usize;
             let (mut chunks, mut bytes, mut mismatches) = (0u64, 0u64, 0u64);
+            // Each chunk compared as its expected KV is generated (no copy of it in memory).
             for (i, p) in prefixes.chunks(c).enumerate() {
-                model.with_chunks(p, |expect| {
-                    for (r, expect) in expect.iter().enumerate() {
-                        chunks += 1;
-                        let rank = r.min(ranks - 1);
-                        match s3.receivers[rank].borrow_chunk(&id3, i as u64) {
-                            Ok(got) => {
-                                bytes += got.len() as u64;
-                                if *got != **expect {
-                                    mismatches += 1;
-                                }
+                for r in 0..model.world_size {
+                    chunks += 1;
+                    let rank = (r as usize).min(ranks - 1);
+                    match s3.receivers[rank].borrow_chunk(&id3, i as u64) {
+                        Ok(got) => {
+                            bytes += got.len() as u64;
+                            if !model.chunk_matches(r, p, &got) {
+                                mismatches += 1;
                             }
-                            Err(_) => mismatches += 1,
                         }
+                        Err(_) => mismatches += 1,
                     }
-                });
+                }
             }
             (chunks, bytes, mismatches)
         })

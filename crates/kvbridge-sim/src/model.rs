@@ -237,30 +237,77 @@ impl Model {
         }
     }
 
-    /// Calls `f` with the KV of one chunk on every rank (`chunks[rank]`), computed into
-    /// scratch buffers taken from a small process-wide pool and given back after: looking at
-    /// a chunk allocates nothing once the pool is warm (see [`crate::chunk_memory`] for why
-    /// that matters). The pool keeps at most [`SCRATCH_KEPT`] sets, so the memory it holds
-    /// does not grow with the number of threads that ever computed a chunk (per-thread
-    /// buffers did: tokio's blocking pool alone may run 512 threads).
-    pub fn with_chunks<R>(&self, prefixes: &[u64], f: impl FnOnce(&[&[u8]]) -> R) -> R {
+    /// [`Model::fill_chunk`] on every rank (`out[rank]`) and [`Model::absorb`] of what was
+    /// filled, in one pass: each row is digested while its words are still in registers
+    /// instead of read back from memory (the same values; a pass over the chunk less, which
+    /// on a small host is memory bandwidth the transfer then has).
+    pub fn fill_and_absorb(&self, state: &mut SeqState, out: &mut [&mut [u8]], prefixes: &[u64]) {
+        let (planes, row) = self.planes_and_row();
+        let t = prefixes.len();
+        let per_rank: Vec<Vec<u64>> = out
+            .iter_mut()
+            .enumerate()
+            .map(|(rank, out)| {
+                debug_assert_eq!(out.len(), planes * t * row);
+                let mut h = vec![POSITION_SEED; t];
+                for plane in 0..planes {
+                    for (j, (&p, d)) in prefixes.iter().zip(h.iter_mut()).enumerate() {
+                        let off = (plane * t + j) * row;
+                        let seed = self.row_seed(p, rank as u32, plane);
+                        *d = fill_and_digest_row(seed, &mut out[off..off + row], *d);
+                    }
+                }
+                h
+            })
+            .collect();
+        Self::chain(state, &per_rank, t);
+        if let Some(&p) = prefixes.last() {
+            state.prefix = p;
+        }
+    }
+
+    /// Computes the KV of one chunk on every rank and absorbs it ([`Model::fill_and_absorb`]):
+    /// what a colocated engine does with a prefill step. The KV goes to scratch buffers taken
+    /// from a small process-wide pool and given back after: a step allocates nothing once
+    /// the pool is warm (see [`crate::chunk_memory`] for why that matters). The pool keeps at
+    /// most [`SCRATCH_KEPT`] sets, so the memory it holds does not grow with the number of
+    /// threads that ever computed a chunk (per-thread buffers did: tokio's blocking pool
+    /// alone may run 512 threads).
+    pub fn compute_and_absorb(&self, state: &mut SeqState, prefixes: &[u64]) {
         let (planes, row) = self.planes_and_row();
         let len = planes * prefixes.len() * row;
         let ranks = self.world_size as usize;
-        // Taken out of the pool while `f` runs, so a nested call gets its own.
         let mut bufs = scratch_take();
         if bufs.len() < ranks {
             bufs.resize_with(ranks, Vec::new);
         }
-        for (r, b) in bufs.iter_mut().take(ranks).enumerate() {
-            b.resize(len, 0);
-            self.fill_chunk(r as u32, prefixes, &mut b[..len]);
-        }
-        let refs: Vec<&[u8]> = bufs.iter().take(ranks).map(|b| &b[..len]).collect();
-        let out = f(&refs);
-        drop(refs);
+        let mut outs: Vec<&mut [u8]> = bufs
+            .iter_mut()
+            .take(ranks)
+            .map(|b| {
+                b.resize(len, 0);
+                &mut b[..len]
+            })
+            .collect();
+        self.fill_and_absorb(state, &mut outs, prefixes);
+        drop(outs);
         scratch_give_back(bufs);
-        out
+    }
+
+    /// Whether `got` is exactly the KV of `prefixes` on `rank`: compared as it is generated,
+    /// without computing the expected chunk into memory first.
+    pub fn chunk_matches(&self, rank: u32, prefixes: &[u64], got: &[u8]) -> bool {
+        let (planes, row) = self.planes_and_row();
+        let t = prefixes.len();
+        if got.len() != planes * t * row {
+            return false;
+        }
+        (0..planes).all(|plane| {
+            prefixes.iter().enumerate().all(|(j, &p)| {
+                let off = (plane * t + j) * row;
+                row_matches(self.row_seed(p, rank, plane), &got[off..off + row])
+            })
+        })
     }
 
     /// The KV of one chunk, newly allocated.
@@ -279,7 +326,7 @@ impl Model {
     /// them position by position ran 2-3x slower on a virtual machine's shared memory).
     fn position_digests(&self, chunk: &[u8], t: usize, range: std::ops::Range<usize>) -> Vec<u64> {
         let (planes, row) = self.planes_and_row();
-        let mut h = vec![0x243f_6a88_85a3_08d3u64; range.len()];
+        let mut h = vec![POSITION_SEED; range.len()];
         for plane in 0..planes {
             for (d, j) in h.iter_mut().zip(range.clone()) {
                 let off = (plane * t + j) * row;
@@ -363,7 +410,7 @@ impl Model {
     /// Appends one token: computes its KV on every rank and absorbs it.
     pub fn extend(&self, state: &mut SeqState, token: u32) {
         let p = self.prefixes(state.prefix, &[token]);
-        self.with_chunks(&p, |refs| self.absorb(state, refs, &p));
+        self.compute_and_absorb(state, &p);
     }
 
     /// The next token, from the digest of the KV held.
@@ -377,7 +424,7 @@ impl Model {
         let c = self.spec.chunk_tokens.max(1) as usize;
         for part in tokens.chunks(c) {
             let p = self.prefixes(s.prefix, part);
-            self.with_chunks(&p, |refs| self.absorb(&mut s, refs, &p));
+            self.compute_and_absorb(&mut s, &p);
         }
         s
     }
@@ -397,7 +444,50 @@ fn fill_row(seed: u64, out: &mut [u8]) {
     }
 }
 
-/// Most scratch sets [`Model::with_chunks`] keeps between calls (one set: a chunk per rank).
+/// Where a position's digest starts, before its first row.
+const POSITION_SEED: u64 = 0x243f_6a88_85a3_08d3;
+
+/// Multiplier of [`digest_bytes`]'s lanes.
+const LANE_MUL: u64 = 0x9fb2_1c65_1e98_df25;
+
+/// [`fill_row`] then `digest_bytes(h, out)`, in one pass when the row is whole 32-byte
+/// blocks (every layout the demo uses; others take the two passes).
+#[inline]
+fn fill_and_digest_row(seed: u64, out: &mut [u8], h: u64) -> u64 {
+    if !out.len().is_multiple_of(32) {
+        fill_row(seed, out);
+        return digest_bytes(h, out);
+    }
+    let mut r = SplitMix(seed);
+    let mut l = [h, h ^ 1, h ^ 2, h ^ 3];
+    for block in out.chunks_exact_mut(32) {
+        for (k, lane) in l.iter_mut().enumerate() {
+            let w = r.next_u64();
+            block[k * 8..k * 8 + 8].copy_from_slice(&w.to_le_bytes());
+            *lane = (*lane ^ w).wrapping_mul(LANE_MUL);
+        }
+    }
+    let mut h = h;
+    for lane in l {
+        h = mix2(h, lane);
+    }
+    mix2(h, out.len() as u64)
+}
+
+/// Whether `got` is what [`fill_row`] writes for `seed`.
+#[inline]
+fn row_matches(seed: u64, got: &[u8]) -> bool {
+    let mut r = SplitMix(seed);
+    let mut it = got.chunks_exact(8);
+    let mut same = true;
+    for w in &mut it {
+        same &= w == r.next_u64().to_le_bytes();
+    }
+    let rest = it.remainder();
+    same && (rest.is_empty() || rest == &r.next_u64().to_le_bytes()[..rest.len()])
+}
+
+/// Most scratch sets [`Model::compute_and_absorb`] keeps between calls (one set: a chunk per rank).
 /// Concurrent calls beyond it allocate their own and drop them after.
 pub const SCRATCH_KEPT: usize = 4;
 
@@ -427,7 +517,7 @@ fn digest_bytes(mut h: u64, bytes: &[u8]) -> u64 {
         for (k, lane) in l.iter_mut().enumerate() {
             let mut w = [0u8; 8];
             w.copy_from_slice(&c[k * 8..k * 8 + 8]);
-            *lane = (*lane ^ u64::from_le_bytes(w)).wrapping_mul(0x9fb2_1c65_1e98_df25);
+            *lane = (*lane ^ u64::from_le_bytes(w)).wrapping_mul(LANE_MUL);
         }
     }
     for &b in it.remainder() {
@@ -528,6 +618,43 @@ mod tests {
             m.absorb(&mut s2, &[&bad], &p);
             assert_ne!(s1.digest, s2.digest, "byte {pos}");
         }
+    }
+
+    #[test]
+    fn fused_fill_and_absorb_equals_fill_then_absorb() {
+        let mla = KvLayout::Mla {
+            layers: 3,
+            latent_dim: 5, // rows of 10 bytes: not whole 32-byte blocks
+        };
+        for (layout, ws) in [(STD, 1), (STD, 2), (mla, 2)] {
+            let m = model(layout, ws);
+            let p = m.prefixes(m.start().prefix, &[3, 1, 4, 1, 5, 9, 2]);
+            let want: Vec<Vec<u8>> = (0..ws).map(|r| m.chunk(r, &p)).collect();
+            let refs: Vec<&[u8]> = want.iter().map(Vec::as_slice).collect();
+            let mut a = m.start();
+            m.absorb(&mut a, &refs, &p);
+            let mut got: Vec<Vec<u8>> = want.iter().map(|c| vec![0u8; c.len()]).collect();
+            let mut outs: Vec<&mut [u8]> = got.iter_mut().map(Vec::as_mut_slice).collect();
+            let mut b = m.start();
+            m.fill_and_absorb(&mut b, &mut outs, &p);
+            assert_eq!(a, b, "{layout:?} x{ws}");
+            assert_eq!(got, want, "{layout:?} x{ws}");
+        }
+    }
+
+    #[test]
+    fn chunk_matches_only_the_exact_kv() {
+        let m = model(STD, 2);
+        let p = m.prefixes(m.start().prefix, &[7, 8, 9]);
+        let good = m.chunk(1, &p);
+        assert!(m.chunk_matches(1, &p, &good));
+        assert!(!m.chunk_matches(0, &p, &good), "another rank's KV");
+        for pos in [0, good.len() / 2, good.len() - 1] {
+            let mut bad = good.clone();
+            bad[pos] ^= 0x10;
+            assert!(!m.chunk_matches(1, &p, &bad), "byte {pos}");
+        }
+        assert!(!m.chunk_matches(1, &p, &good[1..]), "short");
     }
 
     #[test]
