@@ -6,8 +6,13 @@
 //! thread of its own at the lowest CPU priority (nice 19), so a waking transfer or network
 //! thread preempts it at once instead of waiting out its time slice, yet it is never starved
 //! outright: the scheduler still gives it a small share, and all of it when a core is idle.
+//! The threads park between jobs ([`kvbridge::thread_pool`]): a new thread took 50-200 µs to
+//! start here, on the path to a first token for the decoder's digest of the last chunk.
 
 use std::fmt;
+use std::time::Duration;
+
+use kvbridge::thread_pool::ThreadPool;
 
 /// Why a background job gave no result.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -21,18 +26,23 @@ impl fmt::Display for BackgroundError {
 
 impl std::error::Error for BackgroundError {}
 
-/// Runs `f` on a new thread named `name` at the lowest CPU priority and waits for its result.
+/// Threads at the lowest priority, parked between jobs (set up once, when spawned).
+static LOW_PRIORITY: ThreadPool = ThreadPool::new(16, Duration::from_secs(30), lowest_priority);
+
+/// Runs `f` on a thread at the lowest CPU priority (a parked one, or a new one named `name`)
+/// and waits for its result.
 pub async fn run<T: Send + 'static>(
     name: &str,
     f: impl FnOnce() -> T + Send + 'static,
 ) -> Result<T, BackgroundError> {
     let (tx, rx) = tokio::sync::oneshot::channel();
-    std::thread::Builder::new()
-        .name(name.to_string())
-        .spawn(move || {
-            lowest_priority();
-            let _ = tx.send(f());
-        })
+    LOW_PRIORITY
+        .run(
+            name,
+            Box::new(move || {
+                let _ = tx.send(f());
+            }),
+        )
         .map_err(|e| BackgroundError(format!("starting thread {name}: {e}")))?;
     rx.await
         .map_err(|_| BackgroundError(format!("thread {name} panicked")))
