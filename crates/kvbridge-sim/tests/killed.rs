@@ -304,8 +304,12 @@ async fn killed_decoder_fails_its_streams_cleanly_and_the_rest_succeed() {
                 ok += 1;
             }
             Err(ClientError::Answer { detail, .. }) => {
+                // Mid-stream: the decoder's stream broke, or (a completion whose first
+                // token went out on `KvReady`) the decoder failed before it answered.
                 assert!(
-                    detail.contains("decoder_stream_failed"),
+                    ["decoder_stream_failed", "decode_failed", "decode_timeout"]
+                        .iter()
+                        .any(|c| detail.contains(c)),
                     "request {i}: {detail}"
                 );
                 failed += 1;
