@@ -697,7 +697,11 @@ fn prompt_tokens(v: Option<&Value>) -> Result<Vec<u32>, SimError> {
     }
 }
 
-fn chat_tokens(v: Option<&Value>) -> Result<Vec<u32>, SimError> {
+/// A chat's prompt tokens: the template over `messages` (see [`model::chat_prompt`]). With
+/// `continue_final` (vLLM's `continue_final_message`), the last message must be the
+/// assistant's, and the prompt ends with its content instead of a turn of its own, so the
+/// answer continues it: the proxy's way to hand a decoder the prefill's first token.
+fn chat_tokens(v: Option<&Value>, continue_final: bool) -> Result<Vec<u32>, SimError> {
     let Some(Value::Array(msgs)) = v else {
         return Err(SimError::BadRequest("`messages` must be an array".into()));
     };
@@ -723,13 +727,36 @@ fn chat_tokens(v: Option<&Value>) -> Result<Vec<u32>, SimError> {
         };
         parts.push((role.to_string(), content));
     }
-    Ok(model::tokenize(&model::chat_prompt(&parts)))
+    if !continue_final {
+        return Ok(model::tokenize(&model::chat_prompt(&parts)));
+    }
+    match parts.pop() {
+        Some((role, content)) if role == "assistant" => {
+            let mut text = model::chat_prompt(&parts);
+            text.push_str(&content);
+            Ok(model::tokenize(&text))
+        }
+        _ => Err(SimError::BadRequest(
+            "`continue_final_message` needs a last message from the assistant".into(),
+        )),
+    }
 }
 
 fn parse(api: Api, m: &serde_json::Map<String, Value>, limit: u32) -> Result<GenRequest, SimError> {
     let tokens = match api {
         Api::Completions => prompt_tokens(m.get("prompt"))?,
-        Api::Chat => chat_tokens(m.get("messages"))?,
+        Api::Chat => {
+            let cont = match m.get("continue_final_message") {
+                None | Some(Value::Null) => false,
+                Some(Value::Bool(b)) => *b,
+                Some(_) => {
+                    return Err(SimError::BadRequest(
+                        "`continue_final_message` must be a boolean".into(),
+                    ))
+                }
+            };
+            chat_tokens(m.get("messages"), cont)?
+        }
     };
     if tokens.is_empty() {
         return Err(SimError::BadRequest("the prompt is empty".into()));
@@ -1575,7 +1602,12 @@ async fn tokenize(State(s): State<Arc<Inner>>, body: Bytes) -> Response {
     let r = (|| {
         let m = parse_json(&body)?;
         let tokens = if m.contains_key("messages") {
-            chat_tokens(m.get("messages"))?
+            chat_tokens(
+                m.get("messages"),
+                m.get("continue_final_message")
+                    .and_then(Value::as_bool)
+                    .unwrap_or(false),
+            )?
         } else {
             prompt_tokens(m.get("prompt"))?
         };

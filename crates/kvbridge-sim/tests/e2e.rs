@@ -208,3 +208,54 @@ async fn bad_requests_get_clear_errors() {
     }
     c.shutdown().await;
 }
+
+/// A chat that continues its last assistant message (`continue_final_message`, how the
+/// proxy hands a decoder the prefill's first token) answers exactly the rest of the reply.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chat_continues_its_final_assistant_message() {
+    let m = small(STD, 1);
+    let c = Cluster::start(1, 1, &m, CostModel::FREE, 16 << 20)
+        .await
+        .expect("cluster starts");
+    let client = Client::new();
+    let url = format!("{}/v1/chat/completions", c.colocated_url());
+    let user = json!({"role": "user", "content": kvbridge_sim::model::random_prompt(7, 20)});
+    let whole = client
+        .generate(
+            &url,
+            &json!({"messages": [user], "max_tokens": 4}),
+            DEADLINE,
+        )
+        .await
+        .expect("chat");
+    let first = format!(
+        " {}",
+        whole.text.split_whitespace().next().expect("a token")
+    );
+    let rest = client
+        .generate(
+            &url,
+            &json!({"messages": [user, {"role": "assistant", "content": first}],
+                "continue_final_message": true, "add_generation_prompt": false, "max_tokens": 3}),
+            DEADLINE,
+        )
+        .await
+        .expect("continued chat");
+    assert_eq!(format!("{first}{}", rest.text), whole.text);
+    // Only an assistant's message can be continued.
+    let r = client
+        .generate(
+            &url,
+            &json!({"messages": [user], "continue_final_message": true}),
+            DEADLINE,
+        )
+        .await;
+    assert!(
+        matches!(
+            r,
+            Err(kvbridge_sim::client::ClientError::Status { status: 400, .. })
+        ),
+        "{r:?}"
+    );
+    c.shutdown().await;
+}
