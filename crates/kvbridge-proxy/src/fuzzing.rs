@@ -28,7 +28,11 @@ pub fn parse_request(path: &str, body: &[u8]) -> Result<Parsed, String> {
     let api = Api::from_path(path).ok_or_else(|| format!("no route for POST {path}"))?;
     let doc = ReqDoc::parse(api, body)?;
     let spec = br#"{"ret_first_tok":true,"disagg_spec":{"req_id":"kvb-fuzz-0","receiver_host":"127.0.0.1","receiver_init_port":[8300],"receiver_alloc_port":[8400]}}"#;
-    let first = (api == Api::Completions && doc.prompt_text().is_some()).then_some(" tok");
+    let first = match api {
+        Api::Completions => doc.prompt_text().is_some(),
+        Api::Chat => server::chat_continues(&doc),
+    }
+    .then_some(" tok");
     Ok(Parsed {
         stream: doc.stream,
         max_tokens: doc.max_tokens,
@@ -41,7 +45,7 @@ pub fn parse_request(path: &str, body: &[u8]) -> Result<Parsed, String> {
         ],
         lmcache: [
             server::prefill_body(&doc, spec),
-            server::lmcache_decode_body(&doc, first, "kvb-fuzz-0"),
+            server::lmcache_decode_body(&doc, api, first, "kvb-fuzz-0"),
         ],
     })
 }

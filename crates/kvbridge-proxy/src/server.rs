@@ -606,19 +606,37 @@ pub(crate) fn vllm_decode_body(doc: &ReqDoc<'_>, kv: Option<&[u8]>) -> Vec<u8> {
     doc.with(&[("kv_transfer_params", kv)])
 }
 
-/// The LMCache flow's decode request. `first`: the prefill's first token, for a completion
-/// with a text prompt, which then continues from it with one token less to make. The PD
-/// request id goes along as `kv_transfer_params: {"lmcache.pd_handoff_id": id}` (the key
-/// LMCache's own proxy uses), so a decoder can find the KV by id.
-pub(crate) fn lmcache_decode_body(doc: &ReqDoc<'_>, first: Option<&str>, pd_id: &str) -> Vec<u8> {
+/// The LMCache flow's decode request. `first`: the prefill's first token, which the decode
+/// then continues from with one token less to make: a completion with a text prompt gets it
+/// appended to its prompt; a chat ([`chat_continues`]) gets it as a last assistant message
+/// with `continue_final_message: true` and `add_generation_prompt: false` (vLLM's and
+/// SGLang's way to continue a reply). The PD request id goes along as
+/// `kv_transfer_params: {"lmcache.pd_handoff_id": id}` (the key LMCache's own proxy uses),
+/// so a decoder can find the KV by id.
+pub(crate) fn lmcache_decode_body(
+    doc: &ReqDoc<'_>,
+    api: Api,
+    first: Option<&str>,
+    pd_id: &str,
+) -> Vec<u8> {
     let kv = serde_json::to_vec(&json!({ "lmcache.pd_handoff_id": pd_id })).unwrap_or_default();
     let Some(first) = first else {
         return doc.with(&[("kv_transfer_params", Some(&kv))]);
     };
-    let prompt = doc.prompt_text().map(|mut p| {
-        p.push_str(first);
-        serde_json::to_vec(&p).unwrap_or_default()
-    });
+    let prompt = match api {
+        Api::Completions => doc.prompt_text().map(|mut p| {
+            p.push_str(first);
+            serde_json::to_vec(&p).unwrap_or_default()
+        }),
+        Api::Chat => None,
+    };
+    let messages = match api {
+        Api::Chat => chat_messages(doc).map(|mut m| {
+            m.push(json!({"role": "assistant", "content": first}));
+            serde_json::to_vec(&m).unwrap_or_default()
+        }),
+        Api::Completions => None,
+    };
     // Both limits are at least 2 here: one token is already made.
     let less = |key: &str| {
         doc.int(key)
@@ -629,6 +647,11 @@ pub(crate) fn lmcache_decode_body(doc: &ReqDoc<'_>, first: Option<&str>, pd_id: 
     if let Some(p) = &prompt {
         set.push(("prompt", Some(p)));
     }
+    if let Some(m) = &messages {
+        set.push(("messages", Some(m)));
+        set.push(("continue_final_message", Some(b"true")));
+        set.push(("add_generation_prompt", Some(b"false")));
+    }
     if let Some(m) = &mt {
         set.push(("max_tokens", Some(m)));
     }
@@ -636,6 +659,28 @@ pub(crate) fn lmcache_decode_body(doc: &ReqDoc<'_>, first: Option<&str>, pd_id: 
         set.push(("max_completion_tokens", Some(m)));
     }
     doc.with(&set)
+}
+
+/// A chat's `messages`, when they are an array.
+fn chat_messages(doc: &ReqDoc<'_>) -> Option<Vec<Value>> {
+    serde_json::from_str(doc.get("messages")?.get()).ok()
+}
+
+/// Whether a chat's decode can continue from the prefill's first token: its messages parse,
+/// it asks for more than one token, and it does not continue a reply of its own already
+/// (`continue_final_message`, or no `add_generation_prompt`).
+pub(crate) fn chat_continues(doc: &ReqDoc<'_>) -> bool {
+    let flag = |key: &str| doc.get(key).map(|v| v.get().trim());
+    chat_messages(doc).is_some()
+        && doc.max_tokens != Some(1)
+        && matches!(
+            flag("continue_final_message"),
+            None | Some("false") | Some("null")
+        )
+        && matches!(
+            flag("add_generation_prompt"),
+            None | Some("true") | Some("null")
+        )
 }
 
 /// Where an attempt on a decoder ended.
@@ -976,6 +1021,21 @@ impl App {
         // decode needs the prefill's answer; with `max_tokens: 1` that answer is the whole
         // answer (still given only once the KV is confirmed, as before).
         let mut prefix = None;
+        // A chat continues from the prefill's token only to send that token early: with
+        // `first_token_on_kv_ready` off it goes to the decoder as it came.
+        if ctx.api == Api::Chat && self.cfg.first_token_on_kv_ready && chat_continues(doc) {
+            let first = serde_json::from_slice::<Value>(&answer)
+                .ok()
+                .and_then(|pv| {
+                    let f = pv
+                        .pointer("/choices/0/message/content")?
+                        .as_str()?
+                        .to_string();
+                    Some((f, pv))
+                });
+            // An answer without a text first token: the decoder makes the whole answer.
+            prefix = first.filter(|(f, _)| !f.is_empty());
+        }
         if ctx.api == Api::Completions && doc.prompt_text().is_some() {
             let pv: Value = serde_json::from_slice(&answer).map_err(|e| {
                 ApiError::new(
@@ -1000,12 +1060,15 @@ impl App {
             ready = true;
         }
         let first = prefix.as_ref().map(|(f, _)| f.as_str());
-        let dbody = Bytes::from(lmcache_decode_body(doc, first, &id));
+        let dbody = Bytes::from(lmcache_decode_body(doc, ctx.api, first, &id));
         // The streamed first token: sent ahead of the decoder's stream.
         let first_sse = prefix
             .as_ref()
             .filter(|_| ctx.stream)
-            .map(|(f, pv)| first_chunk(pv, f, None));
+            .map(|(f, pv)| match ctx.api {
+                Api::Completions => first_chunk(pv, f, None),
+                Api::Chat => first_chat_chunk(pv, f),
+            });
         tracing::debug!(target: TL, stage = "proxy.decode_sent", id = %id);
         // The KV sits on this decoder: no other one can take the request over. A task of its
         // own, so that the answer can start before the decoder's does (below); dropped, it
@@ -1491,6 +1554,14 @@ fn first_chunk(pv: &Value, first: &str, finish: Option<&str>) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
 }
 
+/// The chat SSE chunk that carries the prefill's first token (with the reply's role).
+fn first_chat_chunk(pv: &Value, first: &str) -> Bytes {
+    let v = json!({"id": pv.get("id"), "object": "chat.completion.chunk", "created": pv.get("created"),
+        "model": pv.get("model"), "choices": [{"index": 0, "delta": {"role": "assistant", "content": first},
+        "logprobs": null, "finish_reason": null}]});
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
 /// `max_tokens == 1`: the prefill's answer is the whole answer.
 fn answer_from_prefill(mut pv: Value, first: &str, stream: bool) -> Reply {
     if stream {
@@ -1510,14 +1581,16 @@ fn answer_from_prefill(mut pv: Value, first: &str, stream: bool) -> Reply {
     }
 }
 
-/// Puts the prefill's first token in front of a non-streamed completion.
+/// Puts the prefill's first token in front of a non-streamed completion or chat reply.
 fn prepend_first(body: Bytes, first: &str) -> Bytes {
     let Ok(mut v) = serde_json::from_slice::<Value>(&body) else {
         return body;
     };
-    if let Some(t) = v.pointer_mut("/choices/0/text") {
-        if let Some(s) = t.as_str() {
-            *t = Value::String(format!("{first}{s}"));
+    for at in ["/choices/0/text", "/choices/0/message/content"] {
+        if let Some(t) = v.pointer_mut(at) {
+            if let Some(s) = t.as_str() {
+                *t = Value::String(format!("{first}{s}"));
+            }
         }
     }
     if let Some(u) = v.get_mut("usage").and_then(Value::as_object_mut) {

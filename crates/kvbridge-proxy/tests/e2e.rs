@@ -694,15 +694,27 @@ async fn lmcache_success_non_streamed_and_streamed() {
     assert!(f < d0 && d0 < done, "{t}");
     assert!(!t.contains("event: error"));
 
-    // Chat, with LMCache's plain ProxyNotif outcomes: the decoder answers the original request.
+    // Chat, with LMCache's plain ProxyNotif outcomes: the prefill's first token comes first,
+    // and the decoder continues it (a last assistant message, `continue_final_message`).
     let a = e
         .post("/v1/chat/completions", chat("hi @plain", true))
         .await;
     assert_eq!(a.status, StatusCode::OK, "{}", a.text());
-    assert!(a.text().contains(" d2") && a.text().ends_with("data: [DONE]\n\n"));
+    let t = a.text();
+    assert!(t.contains(" d2") && t.ends_with("data: [DONE]\n\n"), "{t}");
+    assert!(
+        t.find("\" first\"").unwrap() < t.find(" d0").unwrap(),
+        "{t}"
+    );
     let (_, dv) = e.d[0].last();
     assert_eq!(dv["messages"][0]["content"], "hi @plain");
-    assert_eq!(dv["max_tokens"], 3);
+    assert_eq!(
+        dv["messages"][1],
+        json!({"role": "assistant", "content": " first"})
+    );
+    assert_eq!(dv["continue_final_message"], true);
+    assert_eq!(dv["add_generation_prompt"], false);
+    assert_eq!(dv["max_tokens"], 2);
     let (_, pv) = e.p[0].last();
     assert_eq!(
         dv["kv_transfer_params"]["lmcache.pd_handoff_id"],
@@ -1299,6 +1311,13 @@ async fn with_first_token_on_kv_ready_off_a_decoder_error_is_a_502() {
     let a = e.post("/v1/completions", completion("@d500", true)).await;
     assert_eq!(a.status, StatusCode::BAD_GATEWAY, "{}", a.text());
     assert!(a.text().contains("decoder exploded"));
+    // A chat then goes to the decoder as it came: the decoder makes its first token.
+    let a = e.post("/v1/chat/completions", chat("hi", true)).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    let (_, dv) = e.d[0].last();
+    assert_eq!(dv["messages"].as_array().map(Vec::len), Some(1), "{dv}");
+    assert!(dv.get("continue_final_message").is_none(), "{dv}");
+    assert_eq!(dv["max_tokens"], 3);
     e.settled().await;
 }
 
