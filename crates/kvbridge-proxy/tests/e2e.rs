@@ -1228,12 +1228,7 @@ async fn admission_full_gives_429_and_a_queued_request_gets_the_freed_slot() {
     assert_eq!(a.code(), "admission_full");
     // Free the slot: the queued request goes through.
     e.d[0].st.hold.notify_waiters();
-    let rest = tokio::time::timeout(T, body.collect())
-        .await
-        .unwrap()
-        .unwrap()
-        .to_bytes();
-    assert!(String::from_utf8_lossy(&rest).ends_with("data: [DONE]\n\n"));
+    assert!(rest_of(body).await.ends_with("data: [DONE]\n\n"));
     assert_eq!(
         tokio::time::timeout(T, queued).await.unwrap().unwrap(),
         StatusCode::OK
@@ -1241,9 +1236,9 @@ async fn admission_full_gives_429_and_a_queued_request_gets_the_freed_slot() {
     e.settled().await;
 }
 
-/// Sends a streamed completion and returns its body once the first frame came, with that
-/// frame's text.
-async fn first_frame(e: &Env, prompt: &str) -> (hyper::body::Incoming, String) {
+/// Sends a streamed completion to a decoder that holds its answer (`@dhold`), reads the
+/// first frame while it holds, then lets it answer: returns that frame's text and the rest.
+async fn first_while_the_decoder_holds(e: &Env, prompt: &str) -> (String, String) {
     let req = hyper::Request::post(e.url("/v1/completions"))
         .body(Full::new(Bytes::from(completion(prompt, true).to_string())))
         .unwrap();
@@ -1258,37 +1253,34 @@ async fn first_frame(e: &Env, prompt: &str) -> (hyper::body::Incoming, String) {
         .expect("no first frame while the decoder holds its answer")
         .unwrap()
         .unwrap();
-    let text = String::from_utf8_lossy(first.data_ref().unwrap()).to_string();
-    (body, text)
+    let first = String::from_utf8_lossy(first.data_ref().unwrap()).to_string();
+    e.d[0].st.hold.notify_one();
+    (first, rest_of(body).await)
+}
+
+/// The rest of a streamed answer, as text.
+async fn rest_of(body: hyper::body::Incoming) -> String {
+    let rest = tokio::time::timeout(T, body.collect())
+        .await
+        .unwrap()
+        .unwrap()
+        .to_bytes();
+    String::from_utf8_lossy(&rest).to_string()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_completions_first_token_goes_out_on_kv_ready_before_the_decoder_answers() {
     let e = env(Flow::Lmcache, 1, 1, |_| {}).await;
     // The decoder holds its answer until told: the first token (the prefill's) still comes.
-    let (body, first) = first_frame(&e, "@dhold").await;
+    let (first, rest) = first_while_the_decoder_holds(&e, "@dhold").await;
     assert!(first.contains(" first"), "{first}");
-    e.d[0].st.hold.notify_one();
-    let rest = tokio::time::timeout(T, body.collect())
-        .await
-        .unwrap()
-        .unwrap()
-        .to_bytes();
-    let rest = String::from_utf8_lossy(&rest);
     assert!(
         rest.contains(" d0") && rest.ends_with("data: [DONE]\n\n"),
         "{rest}"
     );
     // A decoder that fails after that first token: an SSE error event ends the stream.
-    let (body, first) = first_frame(&e, "@dhold @d500").await;
+    let (first, rest) = first_while_the_decoder_holds(&e, "@dhold @d500").await;
     assert!(first.contains(" first"), "{first}");
-    e.d[0].st.hold.notify_one();
-    let rest = tokio::time::timeout(T, body.collect())
-        .await
-        .unwrap()
-        .unwrap()
-        .to_bytes();
-    let rest = String::from_utf8_lossy(&rest);
     assert!(
         rest.starts_with("event: error\ndata: ") && rest.contains("decoder exploded"),
         "{rest}"
