@@ -277,12 +277,15 @@ pub const DISAGG_PATH: &[&str] = &[
     "decode.kv_found",
     "decode.kv_loaded",
     "decode.first_token",
+    "proxy.first_token_sent",
     "client.first_text",
 ];
 
 /// The disaggregated path's marks in order when the proxy sends the decode as soon as the
 /// prefill answered (lmcache flow, the default): the decode request reaches the decoder
-/// while the last chunk is still moving, and `KvReady` races the decoder's answer.
+/// while the last chunk is still moving, and `KvReady` races the decoder's answer. With
+/// `first_token_on_kv_ready` the first token leaves the proxy on `KvReady`
+/// (`proxy.first_token_sent`), and the decoder's steps are off the path to it.
 pub const DISAGG_PATH_EARLY_DECODE: &[&str] = &[
     "client.sent",
     "proxy.received",
@@ -306,7 +309,9 @@ pub const DISAGG_PATH_EARLY_DECODE: &[&str] = &[
     "decode.kv_loaded",
     "decode.first_token",
     "sender.finished",
+    "proxy.outcome_received",
     "proxy.kv_ready",
+    "proxy.first_token_sent",
     "client.first_text",
 ];
 
