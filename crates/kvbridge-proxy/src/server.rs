@@ -875,7 +875,7 @@ impl App {
         let dbody = Bytes::from(vllm_decode_body(doc, kv));
         // The KV waits on the prefiller until a decoder reads it: any decoder will do, so a
         // refused connection is retried on another one.
-        self.decode(ctx, dbody, dslot, None, true).await
+        self.decode(ctx, dbody, dslot, true).await
     }
 
     /// LMCache flow: prefill with a `disagg_spec`, wait for every rank's outcome, then decode.
@@ -1073,13 +1073,12 @@ impl App {
         // The KV sits on this decoder: no other one can take the request over. A task of its
         // own, so that the answer can start before the decoder's does (below); dropped, it
         // is aborted, which closes the decoder connection as dropping the call did.
-        let decode = {
+        let mut decode = {
             let (app, owned) = (self.clone(), ctx.to_owned());
             AbortOnDrop(tokio::spawn(async move {
-                app.decode(&owned.ctx(), dbody, dslot, None, false).await
+                app.decode(&owned.ctx(), dbody, dslot, false).await
             }))
         };
-        let mut decode = decode;
         let joined = |r: Result<Result<Reply, ApiError>, tokio::task::JoinError>| {
             r.unwrap_or_else(|e| {
                 Err(ApiError::new(
@@ -1231,7 +1230,6 @@ impl App {
         ctx: &Ctx<'_>,
         body: Bytes,
         mut slot: Slot,
-        prefix: Option<Bytes>,
         retry: bool,
     ) -> Result<Reply, ApiError> {
         let start = Instant::now();
@@ -1239,7 +1237,7 @@ impl App {
         let mut tried = Vec::new();
         loop {
             let failed = match self
-                .decode_once(ctx, body.clone(), slot, prefix.clone(), start, deadline)
+                .decode_once(ctx, body.clone(), slot, start, deadline)
                 .await
             {
                 Ok(r) => return Ok(r),
@@ -1268,7 +1266,6 @@ impl App {
         ctx: &Ctx<'_>,
         body: Bytes,
         slot: Slot,
-        prefix: Option<Bytes>,
         start: Instant,
         deadline: tokio::time::Instant,
     ) -> Result<Reply, DecodeFail> {
@@ -1351,7 +1348,7 @@ impl App {
         Ok(Reply::Stream {
             content_type: ct.unwrap_or(HeaderValue::from_static("text/event-stream")),
             body,
-            prefix,
+            prefix: None,
             slot,
             decode_start: start,
         })
