@@ -47,8 +47,9 @@
 //! 2. `deregister` removes the region from the table (no new grant, no new offer), which
 //!    makes the session send `ShmUnmap`, and then waits (`quiesce`, within the op deadline)
 //!    until the in-use count *and* the cross-memory exports are zero.
-//! 3. The initiator copies only on its data writer thread, holding the region's read lock
-//!    for the whole call and checking the `revoked` flag under it. On `ShmUnmap` it takes the
+//! 3. The initiator copies (on the thread of the task that issued the write, or on its data
+//!    writer thread for reads) holding the region's read lock for the whole call and
+//!    checking the `revoked` flag under it. On `ShmUnmap` it takes the
 //!    write lock — which waits for a copy in progress — sets `revoked`, and only then
 //!    answers `ShmUnmapped`. Any later batch naming the region finds it revoked (or gone
 //!    from the map) and fails with `Rejected { UnknownRegion }`.

@@ -39,8 +39,13 @@ pub fn validate_batch(
         let _ = table.insert(r.clone(), g.clone());
     }
     let (abort, _abort_rx) = mpsc::unbounded_channel();
-    let (path, _out_rx) =
-        DataPath::new(peer.clone(), abort, limits.max_bytes_in_flight_per_peer, 1);
+    let (path, _out_rx) = DataPath::new(
+        peer.clone(),
+        abort,
+        limits.max_bytes_in_flight_per_peer,
+        1,
+        None,
+    );
     let (notifications, _notif_rx) = mpsc::channel(1);
     let out = path.out_sender();
     let ctx = ReaderCtx {

@@ -750,6 +750,7 @@ impl Session {
             self.cmd_tx.clone(),
             self.env.config.limits.max_bytes_in_flight_per_peer,
             streams.len(),
+            self.shm.peer.clone(),
         );
         let mut conns = Vec::with_capacity(streams.len());
         for (i, (s, rx)) in streams.into_iter().zip(rxs).enumerate() {
@@ -1259,9 +1260,14 @@ impl Session {
     /// Teardown of shared memory, after the data tasks stopped. (Listener) waits, within the
     /// close deadline, for the peer to close the connection — its word that nothing of ours
     /// is mapped any more; the regions of exports it did not confirm are detached, safely
-    /// for the other peers that map them ([`detach_region`]). (Initiator) ends the
-    /// connection task; our mappings go with the last handle.
+    /// for the other peers that map them ([`detach_region`]). (Initiator) revokes every
+    /// mapping, which waits for the direct copies still running (callers copy their writes
+    /// themselves, `DataPath::write_direct`) and refuses new ones, then ends the connection
+    /// task; our mappings go with the last handle.
     async fn end_shm(&mut self) {
+        if let Some(p) = self.shm.peer.clone() {
+            let _ = tokio::task::spawn_blocking(move || p.revoke_all()).await;
+        }
         if let Some(mut rx) = self.shm.rx.take() {
             let limit = self.env.config.deadlines.close;
             let wait = async {
