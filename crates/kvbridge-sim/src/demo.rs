@@ -200,10 +200,12 @@ pub struct DemoSummary {
     /// Handshakes made.
     pub handshakes: u64,
     /// Same run, before the workload: a raw kvbridge channel writing pages of the demo's
-    /// chunk size, one page per batch, 2 requests in flight over a 64 MiB working set
-    /// (`kvbridge bench pd`'s raw side), GiB/s; 0 when skipped. `kvbridge bench transfer
-    /// --transport shm --block-sizes <page>` cycles a 1 GiB region and reads lower (colder
-    /// memory); this is the stricter reference.
+    /// chunk size, one page per batch, one request at a time over a 64 MiB working set
+    /// (`kvbridge bench pd`'s raw side), GiB/s; 0 when skipped. One at a time because a
+    /// prefiller writes its chunks one at a time, and `kv_gib_per_s` is a prefiller's rate
+    /// (bytes over its busy time); with two in flight the channel copies on two threads at
+    /// once. `kvbridge bench transfer --transport shm --block-sizes <page>` cycles a 1 GiB
+    /// region and reads lower (colder memory); this is the stricter reference.
     pub ceiling_channel_gib_per_s: f64,
     /// Same run: the PD layer alone (zero-copy chunks, `kvbridge bench pd`), GiB/s.
     pub ceiling_pd_gib_per_s: f64,
@@ -993,8 +995,8 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
 
 /// The same-run transfer ceiling at the demo's page size: `kvbridge bench pd`'s
 /// measurement (a raw channel writing one chunk-sized page per batch, and the PD layer's
-/// zero-copy path), 4 requests of 4 chunks, 2 in flight, `reps` repetitions (medians), in
-/// `mode`.
+/// zero-copy path), 4 requests of 4 chunks, one at a time, `reps` repetitions (medians),
+/// in `mode`.
 async fn transfer_ceiling(
     model: &model::Model,
     mode: TransferMode,
@@ -1022,7 +1024,7 @@ async fn transfer_ceiling(
         head_dim,
         latent_dim,
         dtype: spec.dtype,
-        concurrency: 2,
+        concurrency: 1,
         tp: 1,
         mla_send_once: false,
         mode,
