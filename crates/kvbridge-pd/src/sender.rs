@@ -264,6 +264,7 @@ impl PdSender {
             shared: Arc::new(Shared::default()),
             req_id: req_id.clone(),
             peer: None,
+            link: None,
             region: RegionId([0; 16]),
             page_bytes: spec.page_bytes(),
             pages: Vec::new(),
@@ -311,9 +312,23 @@ impl PdSender {
                 });
             }
         };
+        // Every call of this transfer goes over this session (and fails once it ends).
+        let link = match inner.channel.link(&peer).await {
+            Ok(l) => l,
+            Err(e) => {
+                t.done = true;
+                return Err(PdError::Transfer {
+                    req_id,
+                    peer: peer.to_string(),
+                    step: PdStep::Connect,
+                    source: Box::new(e),
+                });
+            }
+        };
         // Known to the dispatcher before the receiver can answer, so a fence always finds it.
         lock(&inner.transfers).insert((peer.clone(), req_id.clone()), t.shared.clone());
         t.peer = Some(peer.clone());
+        t.link = Some(link);
         let keys: Vec<u64> = chunk_keys(&cfg.model, cfg.world_size, cfg.rank, &spec, tokens)
             .into_iter()
             .map(|k| k.hash)
@@ -418,6 +433,9 @@ pub struct Transfer {
     shared: Arc<Shared>,
     req_id: String,
     peer: Option<PeerId>,
+    /// The session with the receiver, once connected: writes and notes skip the channel's
+    /// per-call lookup, and none of them reaches a later session.
+    link: Option<kvbridge::PeerLink>,
     region: RegionId,
     page_bytes: u64,
     pages: Vec<u32>,
@@ -503,10 +521,9 @@ impl Transfer {
         }
         let (tx, rx) = oneshot::channel();
         lock(&inner.calls).insert(call, tx);
+        let link = self.link()?;
         let run = async {
-            inner
-                .channel
-                .notify(&peer, &msg.encode())
+            link.notify(&msg.encode())
                 .await
                 .map_err(|e| PdError::Transfer {
                     req_id: self.req_id.clone(),
@@ -698,9 +715,8 @@ impl Transfer {
         if !self.regions.iter().any(|r| r.id() == region.id()) {
             self.regions.push(region.clone());
         }
-        self.inner
-            .channel
-            .notify(&peer, &msg.encode())
+        self.link()?
+            .notify(&msg.encode())
             .await
             .map_err(|e| PdError::Transfer {
                 req_id: self.req_id.clone(),
@@ -708,6 +724,13 @@ impl Transfer {
                 step: PdStep::Pull,
                 source: Box::new(e),
             })
+    }
+
+    /// The session with the receiver (set with `peer` in `begin`).
+    fn link(&self) -> Result<&kvbridge::PeerLink> {
+        self.link
+            .as_ref()
+            .ok_or_else(|| self.invalid(PdStep::Write, "no session"))
     }
 
     /// Pull mode: waits (up to the step deadline) until the receiver has read chunk
@@ -799,9 +822,8 @@ impl Transfer {
                 reason: why.clone(),
             });
         }
-        self.inner
-            .channel
-            .write(&peer, &[op])
+        self.link()?
+            .write(&[op])
             .await
             .map_err(|e| self.write_failed(&peer, e))?;
         drop(state);
@@ -817,9 +839,8 @@ impl Transfer {
             index,
         };
         let queued = self
-            .inner
-            .channel
-            .notify_queued(&peer, &note.encode())
+            .link()?
+            .notify_queued(&note.encode())
             .await
             .map_err(|e| self.write_failed(&peer, e))?;
         self.unconfirmed.push_back(queued);
@@ -989,7 +1010,10 @@ impl Transfer {
             pull: self.pull,
         };
         let d = self.inner.cfg.step_deadline;
-        let _ = tokio::time::timeout(d, self.inner.channel.notify(peer, &msg.encode())).await;
+        if let Some(l) = &self.link {
+            // On this session only: when it ended, the receiver let go of the request anyway.
+            let _ = tokio::time::timeout(d, l.notify(&msg.encode())).await;
+        }
     }
 }
 

@@ -207,6 +207,55 @@ impl std::fmt::Debug for QueuedNotify {
     }
 }
 
+/// One session with a peer ([`Channel::link`]). Its calls are [`Channel`]'s, without the
+/// directory lookup each of those makes first (a round trip through the channel's core
+/// task, which a loaded runtime may take a tenth of a millisecond to schedule): for a run
+/// of writes and notifications to one peer, such as a request's KV chunks.
+///
+/// It stays bound to the session it was taken on. Once that session ends, every call fails
+/// typed (as batches in flight on it do), also after the peer reconnected: a new session is
+/// a new link, so nothing meant for one session lands in the next.
+#[derive(Clone)]
+pub struct PeerLink {
+    channel: Channel,
+    handle: PeerHandle,
+}
+
+impl PeerLink {
+    /// The peer.
+    pub fn peer(&self) -> &PeerId {
+        &self.handle.peer_id
+    }
+
+    /// [`Channel::write`] on this session.
+    pub async fn write(&self, ops: &[Op]) -> Result<()> {
+        self.channel.write_on(&self.handle, ops).await
+    }
+
+    /// [`Channel::read`] on this session.
+    pub async fn read(&self, ops: &[Op]) -> Result<()> {
+        self.channel.read_on(&self.handle, ops).await
+    }
+
+    /// [`Channel::notify`] on this session.
+    pub async fn notify(&self, data: &[u8]) -> Result<()> {
+        self.notify_queued(data).await?.delivered().await
+    }
+
+    /// [`Channel::notify_queued`] on this session.
+    pub async fn notify_queued(&self, data: &[u8]) -> Result<QueuedNotify> {
+        self.channel.notify_queued_on(&self.handle, data).await
+    }
+}
+
+impl std::fmt::Debug for PeerLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerLink")
+            .field("peer", &self.handle.peer_id)
+            .finish_non_exhaustive()
+    }
+}
+
 /// An application message from a peer, delivered after every write that peer issued before
 /// it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -562,7 +611,11 @@ impl Channel {
     /// has landed (or failed, with a typed error naming the peer and the step).
     pub async fn write(&self, peer: &PeerId, ops: &[Op]) -> Result<()> {
         let h = self.handle(peer).await?;
-        let (descs, sources, _) = self.prepare(&h, ops, false)?;
+        self.write_on(&h, ops).await
+    }
+
+    async fn write_on(&self, h: &PeerHandle, ops: &[Op]) -> Result<()> {
+        let (descs, sources, _) = self.prepare(h, ops, false)?;
         h.data
             .transfer(
                 crate::shm::Dir::Write,
@@ -576,11 +629,15 @@ impl Channel {
     /// Reads every op's remote bytes into the local regions; returns when all have landed.
     pub async fn read(&self, peer: &PeerId, ops: &[Op]) -> Result<()> {
         let h = self.handle(peer).await?;
+        self.read_on(&h, ops).await
+    }
+
+    async fn read_on(&self, h: &PeerHandle, ops: &[Op]) -> Result<()> {
         let limit = self.inner.config.deadlines.op;
         // A local region being detached from shared memory is being copied: bytes read into
         // it now would be lost, so the batch waits for the copy to end.
         let (descs, dests) = loop {
-            let (descs, dests, _) = self.prepare(&h, ops, true)?;
+            let (descs, dests, _) = self.prepare(h, ops, true)?;
             match dests
                 .iter()
                 .map(|d| d.region.region())
@@ -618,9 +675,14 @@ impl Channel {
     /// sender that notifies after each of a run of writes thus pays no round trip per
     /// write, and learns of a failure at the latest when it awaits the confirmation.
     pub async fn notify_queued(&self, peer: &PeerId, data: &[u8]) -> Result<QueuedNotify> {
+        let h = self.handle(peer).await?;
+        self.notify_queued_on(&h, data).await
+    }
+
+    async fn notify_queued_on(&self, h: &PeerHandle, data: &[u8]) -> Result<QueuedNotify> {
         if data.len() > self.inner.config.limits.max_notify_len {
             return Err(Error::InvalidOp {
-                peer: peer.to_string(),
+                peer: h.peer_id.to_string(),
                 detail: format!(
                     "notification of {} bytes, limit {}",
                     data.len(),
@@ -628,10 +690,9 @@ impl Channel {
                 ),
             });
         }
-        let h = self.handle(peer).await?;
         let data = data.to_vec();
-        // With several data connections, earlier writes may still be in flight on the
-        // others: the notification leaves only once they all completed.
+        // With several data connections (or a direct copy running), earlier writes may
+        // still be in flight: the notification leaves only once they all completed.
         h.data.wait_earlier(self.inner.config.deadlines.op).await?;
         let submitted = h
             .data
@@ -644,6 +705,14 @@ impl Channel {
             )
             .await?;
         Ok(QueuedNotify(submitted))
+    }
+
+    /// The current session with a connected `peer`, looked up once: see [`PeerLink`].
+    pub async fn link(&self, peer: &PeerId) -> Result<PeerLink> {
+        Ok(PeerLink {
+            channel: self.clone(),
+            handle: self.handle(peer).await?,
+        })
     }
 
     /// Ends the session with `peer` from our side (the peer hears a `Bye` with `reason`).

@@ -41,7 +41,7 @@ pub mod thread_pool;
 mod tls;
 mod wire;
 
-pub use channel::{Channel, Notification, Op, PeerEvent, QueuedNotify, Stats};
+pub use channel::{Channel, Notification, Op, PeerEvent, PeerLink, QueuedNotify, Stats};
 pub use cma::{cma_available, CmaStatus};
 pub use config::{ChannelConfig, Deadlines, Limits, Pem, TestHooks, TlsConfig, Transport};
 pub use error::{Error, Result};
