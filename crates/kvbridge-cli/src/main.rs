@@ -96,7 +96,18 @@ fn main() -> Result<()> {
         }
         Cmd::Demo(args) => {
             let json = args.json;
-            let s = rt()?.block_on(kvbridge_sim::demo::run(*args))?;
+            let rt = rt()?;
+            // The reference for the KV rate, on the quiet host before the workload.
+            let reference = if args.ceiling_reps > 0 {
+                let page = kvbridge_sim::demo::page_bytes(&args)?;
+                Some(rt.block_on(bench::transfer::at_page_size(page, args.ceiling_reps))?)
+            } else {
+                None
+            };
+            let mut s = rt.block_on(kvbridge_sim::demo::run(*args))?;
+            if let Some(gib) = reference {
+                s.set_bench_transfer(gib);
+            }
             verdict(json, &s, s.table(), s.passed())
         }
         Cmd::Bench(BenchCmd::Transfer(args)) => {

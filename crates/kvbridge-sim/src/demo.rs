@@ -224,6 +224,14 @@ pub struct DemoSummary {
     pub ttft_gap_met: bool,
     /// Whether `kv_vs_ceiling` is at least 0.9 (the KV rate within 10% of the ceiling).
     pub kv_rate_met: bool,
+    /// The issue's own reference, measured by `kvbridge demo` before the workload:
+    /// `kvbridge bench transfer --transport shm --block-sizes <page>` with its defaults
+    /// (128 ops per batch, 2 batches in flight, 1 GiB working set, a second process as the
+    /// peer), GiB/s; 0 when not measured (`--ceiling-reps 0`, or the demo run as a library).
+    pub bench_transfer_gib_per_s: f64,
+    /// `kv_gib_per_s / bench_transfer_gib_per_s` (0 when not measured). Reported beside the
+    /// stricter `kv_vs_ceiling`, which alone decides `kv_rate_met`.
+    pub kv_vs_bench_transfer: f64,
     /// With `--timeline`: where the unloaded time to first token goes.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub timeline: Option<TimelineReport>,
@@ -232,6 +240,17 @@ pub struct DemoSummary {
 }
 
 impl DemoSummary {
+    /// Records the `kvbridge bench transfer` figure at the demo's page size, measured in the
+    /// same run (see `bench_transfer_gib_per_s`).
+    pub fn set_bench_transfer(&mut self, gib_per_s: f64) {
+        self.bench_transfer_gib_per_s = gib_per_s;
+        self.kv_vs_bench_transfer = if gib_per_s > 0.0 {
+            self.kv_gib_per_s / gib_per_s
+        } else {
+            0.0
+        };
+    }
+
     /// Whether the run proves the system: no failure, no mismatch, no missing KV, equal
     /// outputs, no leaked page.
     pub fn passed(&self) -> bool {
@@ -275,7 +294,7 @@ impl DemoSummary {
              TTFT                p50 {p50:.1} ms  p99 {p99:.1} ms\n\
              time per token      p50 {tpot:.2} ms\n\
              throughput          {rps:.1} req/s  {tps:.0} output tokens/s  ({wall:.1} s)\n\
-             KV moved            {kvb:.1} MiB at {gib:.2} GiB/s while transferring under load ({ratio:.0}% of the channel ceiling {ceil:.2} GiB/s at this page size, target 90%: {kvmet}; PD layer alone {pdc:.2} GiB/s), {gibu:.2} GiB/s one request at a time ({ratiou:.0}%)\n\
+             KV moved            {kvb:.1} MiB at {gib:.2} GiB/s while transferring under load ({ratio:.0}% of the channel ceiling {ceil:.2} GiB/s at this page size, target 90%: {kvmet}; PD layer alone {pdc:.2} GiB/s{bt}), {gibu:.2} GiB/s one request at a time ({ratiou:.0}%)\n\
              handshakes          {hs} of {hsm:.2} ms on average (at start)\n\
              unloaded TTFT       disaggregated {ud:.1} ms  colocated {uc:.1} ms  gap {gap:.2} ms (pairs' median; p25 {g25:.2}, p75 {g75:.2}; {np} pairs{order})  (target: one chunk at the ceiling {ct:.1} ms + 1 ms = {gt:.2} ms: {gapmet}; decoder KV load {kl:.1} ms)\n\
              KV mismatches       {mm}\n\
@@ -300,6 +319,15 @@ impl DemoSummary {
             ratiou = self.kv_vs_ceiling_unloaded * 100.0,
             ceil = self.ceiling_channel_gib_per_s,
             pdc = self.ceiling_pd_gib_per_s,
+            bt = if self.bench_transfer_gib_per_s > 0.0 {
+                format!(
+                    "; {:.0}% of `kvbridge bench transfer` at this page size, {:.2} GiB/s",
+                    self.kv_vs_bench_transfer * 100.0,
+                    self.bench_transfer_gib_per_s
+                )
+            } else {
+                String::new()
+            },
             hs = self.handshakes,
             hsm = self.handshake_ms,
             ud = self.ttft_unloaded_disagg_p50_ms,
@@ -666,6 +694,12 @@ pub fn work_item(
     }
 }
 
+/// The size of the demo's KV pages (one chunk), in bytes: the page size its references are
+/// measured at.
+pub fn page_bytes(args: &DemoArgs) -> anyhow::Result<u64> {
+    Ok(args.model.build()?.spec.page_bytes())
+}
+
 /// Runs the demo and returns its summary (the caller prints it and sets the exit status).
 pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
     let model = args.model.build()?;
@@ -958,6 +992,8 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
         ttft_gap_target_ms: 0.0,
         ttft_gap_met: false,
         kv_rate_met: false,
+        bench_transfer_gib_per_s: 0.0,
+        kv_vs_bench_transfer: 0.0,
         setup: format!(
             "{}P{}D, TP={}, {}, {} bytes/token, {} tokens/chunk, {} tokens/prefill step, {mode}, in-process on loopback",
             prefillers,

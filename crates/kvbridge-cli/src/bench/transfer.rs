@@ -145,6 +145,27 @@ fn memcpy_ceiling(src: &Region, dst: &Region, block: usize, total: u64, window: 
 }
 
 /// Runs the benchmark.
+/// `kvbridge bench transfer --transport shm --block-sizes <page> --reps <reps>` with its
+/// other defaults: kvbridge's GiB/s (median), the reference for the demo's KV rate.
+pub async fn at_page_size(page: u64, reps: usize) -> Result<f64> {
+    let r = run(TransferArgs {
+        transport: "shm".into(),
+        same_offsets: false,
+        block_sizes: vec![page.to_string()],
+        batch: 128,
+        total: "1G".into(),
+        inflight: 2,
+        sessions: 1,
+        reps,
+        json: true,
+    })
+    .await?;
+    r.results
+        .first()
+        .map(|row| row.gib_per_s)
+        .ok_or_else(|| anyhow::anyhow!("bench transfer measured nothing"))
+}
+
 pub async fn run(args: TransferArgs) -> Result<Report> {
     let cma = args.transport == "cma";
     let transport = if cma {
