@@ -626,7 +626,10 @@ impl Session {
                     tracing::warn!(peer = %self.peer_name, "shared memory not ready in time; using TCP");
                     self.on_established(est);
                 }
-                r = any_data_task(self.data.as_mut()) => return flatten(&self.peer_name, r),
+                r = any_data_task(self.data.as_mut()) => {
+                    let e = flatten(&self.peer_name, r);
+                    return self.peer_word_after(e).await;
+                }
                 _ = tick.tick(), if self.established => {
                     if self.last_heard.elapsed() > self.env.config.deadlines.peer_silence {
                         return Error::Timeout { peer: self.peer_name.clone(), step: Step::Established,
@@ -652,6 +655,30 @@ impl Session {
     }
 
     /// Carries out what the machine asked for; returns an error when the session must end.
+    /// A data connection ended with `lost`. A peer that ends the session on purpose says so
+    /// on the control connection first (`Bye`, `Reject`), then closes its data connections;
+    /// our data reader, on its own thread, can see that close before the control reader
+    /// reads the word that preceded it. So the control connection gets [`PEER_WORD_GRACE`]
+    /// to deliver it: the session then ends with the peer's reason, not "data connection
+    /// closed". A peer that died closes its control connection too, which ends the wait.
+    async fn peer_word_after(&mut self, lost: Error) -> Error {
+        if !matches!(lost, Error::ConnectionLost { .. }) {
+            return lost;
+        }
+        let until = Instant::now() + PEER_WORD_GRACE;
+        loop {
+            match tokio::time::timeout_at(until, self.ctl_rx.recv()).await {
+                Ok(Some(Ok(m))) => {
+                    self.machine.handle_message(m, std_now());
+                    if let Some(e) = self.process_outputs().await {
+                        return e;
+                    }
+                }
+                _ => return lost,
+            }
+        }
+    }
+
     async fn process_outputs(&mut self) -> Option<Error> {
         while let Some(o) = self.machine.poll_output() {
             match o {
@@ -1548,6 +1575,10 @@ async fn synced(w: Option<&mut tokio::sync::watch::Receiver<bool>>) {
         None => std::future::pending().await,
     }
 }
+
+/// How long a session whose data connection ended waits for the peer's `Bye` or `Reject`
+/// on the control connection ([`Session::peer_word_after`]).
+const PEER_WORD_GRACE: Duration = Duration::from_millis(100);
 
 fn flatten(peer: &str, r: std::result::Result<Result<()>, tokio::task::JoinError>) -> Error {
     match r {

@@ -218,17 +218,19 @@ async fn disconnect_ends_one_session_and_fails_its_work() {
     pre.disconnect(&peer, "sender gave up").await.unwrap();
     let e = w.await.unwrap().unwrap_err();
     assert!(matches!(e, Error::Disconnected { .. }), "{e}");
-    // The peer saw the session go down, with our reason.
-    let ev = tokio::time::timeout(Duration::from_secs(5), events.recv())
-        .await
-        .unwrap()
-        .unwrap();
-    match ev {
-        kvbridge::PeerEvent::Down { error, .. } => {
-            assert!(error.to_string().contains("sender gave up"), "{error}")
+    // The peer saw the session go down, with our reason (its `Up` may come first: the
+    // subscription began after our connect returned).
+    let error = loop {
+        match tokio::time::timeout(Duration::from_secs(5), events.recv())
+            .await
+            .unwrap()
+            .unwrap()
+        {
+            kvbridge::PeerEvent::Down { error, .. } => break error,
+            kvbridge::PeerEvent::Up { .. } => continue,
         }
-        e => panic!("{e:?}"),
-    }
+    };
+    assert!(error.to_string().contains("sender gave up"), "{error}");
     let e = pre.disconnect(&peer, "again").await.unwrap_err();
     assert!(matches!(e, Error::UnknownPeer { .. }), "{e}");
     // A new connect starts a fresh session.
