@@ -464,14 +464,16 @@ impl DataPath {
         let Some(shm) = self.direct.as_deref().filter(|_| multi_thread) else {
             return Err((descs, sources));
         };
-        let Some(maps) = shm.resolve(&descs) else {
-            return Err((descs, sources));
-        };
         let until = tokio::time::Instant::now() + deadline;
         let bytes: u64 = descs.iter().map(|d| d.len).sum();
         let room = match self.acquire_room(Step::Write, deadline, until, bytes).await {
             Ok(r) => r,
             Err(e) => return Ok(Err(e)),
+        };
+        // Resolved after the wait for room, with no await before the copy, as the writer
+        // thread does: a region revoked meanwhile (detached, say) goes over TCP instead.
+        let Some(maps) = shm.resolve(&descs) else {
+            return Err((descs, sources));
         };
         let id = {
             let mut order = self.order.lock().expect("order poisoned");

@@ -654,7 +654,6 @@ impl Session {
         }
     }
 
-    /// Carries out what the machine asked for; returns an error when the session must end.
     /// A data connection ended with `lost`. A peer that ends the session on purpose says so
     /// on the control connection first (`Bye`, `Reject`), then closes its data connections;
     /// our data reader, on its own thread, can see that close before the control reader
@@ -679,6 +678,7 @@ impl Session {
         }
     }
 
+    /// Carries out what the machine asked for; returns an error when the session must end.
     async fn process_outputs(&mut self) -> Option<Error> {
         while let Some(o) = self.machine.poll_output() {
             match o {
