@@ -514,6 +514,7 @@ impl Transfer {
             .peer
             .clone()
             .ok_or_else(|| self.invalid(step, "no session"))?;
+        let link = self.link()?;
         let call = inner.next_call.fetch_add(1, Ordering::Relaxed);
         match &mut msg {
             PdMsg::Alloc { call: c, .. } | PdMsg::Finish { call: c, .. } => *c = call,
@@ -521,7 +522,6 @@ impl Transfer {
         }
         let (tx, rx) = oneshot::channel();
         lock(&inner.calls).insert(call, tx);
-        let link = self.link()?;
         let run = async {
             link.notify(&msg.encode())
                 .await
