@@ -263,7 +263,6 @@ impl PdSender {
             inner: inner.clone(),
             shared: Arc::new(Shared::default()),
             req_id: req_id.clone(),
-            peer: None,
             link: None,
             region: RegionId([0; 16]),
             page_bytes: spec.page_bytes(),
@@ -327,7 +326,6 @@ impl PdSender {
         };
         // Known to the dispatcher before the receiver can answer, so a fence always finds it.
         lock(&inner.transfers).insert((peer.clone(), req_id.clone()), t.shared.clone());
-        t.peer = Some(peer.clone());
         t.link = Some(link);
         let keys: Vec<u64> = chunk_keys(&cfg.model, cfg.world_size, cfg.rank, &spec, tokens)
             .into_iter()
@@ -432,9 +430,8 @@ pub struct Transfer {
     inner: Arc<Inner>,
     shared: Arc<Shared>,
     req_id: String,
-    peer: Option<PeerId>,
-    /// The session with the receiver, once connected: writes and notes skip the channel's
-    /// per-call lookup, and none of them reaches a later session.
+    /// The session with the receiver (and so the receiver), once connected: writes and
+    /// notes skip the channel's per-call lookup, and none of them reaches a later session.
     link: Option<kvbridge::PeerLink>,
     region: RegionId,
     page_bytes: u64,
@@ -510,11 +507,8 @@ impl Transfer {
     /// One request/response over notify, correlated by call id, under `deadline`.
     async fn call(&self, step: PdStep, mut msg: PdMsg, deadline: Duration) -> Result<PdMsg> {
         let inner = &self.inner;
-        let peer = self
-            .peer
-            .clone()
-            .ok_or_else(|| self.invalid(step, "no session"))?;
-        let link = self.link()?;
+        let link = self.link(step)?;
+        let peer = link.peer().clone();
         let call = inner.next_call.fetch_add(1, Ordering::Relaxed);
         match &mut msg {
             PdMsg::Alloc { call: c, .. } | PdMsg::Finish { call: c, .. } => *c = call,
@@ -698,10 +692,7 @@ impl Transfer {
                 reason: why.clone(),
             });
         }
-        let peer = self
-            .peer
-            .clone()
-            .ok_or_else(|| self.invalid(PdStep::Pull, "no session"))?;
+        let peer = self.link(PdStep::Pull)?.peer().clone();
         let msg = PdMsg::Offer {
             req_id: self.req_id.clone(),
             incarnation: self.inner.channel.incarnation().0,
@@ -715,7 +706,7 @@ impl Transfer {
         if !self.regions.iter().any(|r| r.id() == region.id()) {
             self.regions.push(region.clone());
         }
-        self.link()?
+        self.link(PdStep::Pull)?
             .notify(&msg.encode())
             .await
             .map_err(|e| PdError::Transfer {
@@ -726,11 +717,16 @@ impl Transfer {
             })
     }
 
-    /// The session with the receiver (set with `peer` in `begin`).
-    fn link(&self) -> Result<&kvbridge::PeerLink> {
+    /// The session with the receiver (set in `begin`); `step` names the call that needs it.
+    fn link(&self, step: PdStep) -> Result<&kvbridge::PeerLink> {
         self.link
             .as_ref()
-            .ok_or_else(|| self.invalid(PdStep::Write, "no session"))
+            .ok_or_else(|| self.invalid(step, "no session"))
+    }
+
+    /// The receiver, once connected.
+    fn peer(&self) -> Option<&PeerId> {
+        self.link.as_ref().map(kvbridge::PeerLink::peer)
     }
 
     /// Pull mode: waits (up to the step deadline) until the receiver has read chunk
@@ -798,10 +794,7 @@ impl Transfer {
         offset: usize,
         len: usize,
     ) -> Result<()> {
-        let peer = self
-            .peer
-            .clone()
-            .ok_or_else(|| self.invalid(PdStep::Write, "no session"))?;
+        let peer = self.link(PdStep::Write)?.peer().clone();
         let page = *self
             .pages
             .get(index as usize)
@@ -822,7 +815,7 @@ impl Transfer {
                 reason: why.clone(),
             });
         }
-        self.link()?
+        self.link(PdStep::Write)?
             .write(&[op])
             .await
             .map_err(|e| self.write_failed(&peer, e))?;
@@ -839,7 +832,7 @@ impl Transfer {
             index,
         };
         let queued = self
-            .link()?
+            .link(PdStep::Write)?
             .notify_queued(&note.encode())
             .await
             .map_err(|e| self.write_failed(&peer, e))?;
@@ -908,7 +901,7 @@ impl Transfer {
             bytes: self.bytes + pulled_late,
             sent_by: self.sent_by,
         };
-        let Some(peer) = self.peer.clone() else {
+        let Some(peer) = self.peer().cloned() else {
             return Ok(summary); // an empty prompt: nothing was allocated
         };
         let msg = PdMsg::Finish {
@@ -951,10 +944,7 @@ impl Transfer {
     }
 
     fn peer_name(&self) -> String {
-        self.peer
-            .as_ref()
-            .map(|p| p.to_string())
-            .unwrap_or_default()
+        self.peer().map(|p| p.to_string()).unwrap_or_default()
     }
 
     /// Gives the request up: reports `KvFailed` with `reason` and releases the receiver's
@@ -989,7 +979,7 @@ impl Transfer {
     }
 
     fn forget(&self) {
-        if let Some(p) = &self.peer {
+        if let Some(p) = self.peer() {
             lock(&self.inner.transfers).remove(&(p.clone(), self.req_id.clone()));
         }
     }
@@ -999,7 +989,7 @@ impl Transfer {
     /// of the request can be served any more (the receiver's `CancelAck`, or, when it does
     /// not answer within the step deadline, our session with it torn down).
     async fn cancel_on_receiver(&self) {
-        let Some(peer) = &self.peer else { return };
+        let Some(peer) = self.peer() else { return };
         if self.pull && self.unanswered() {
             pull_cancel(&self.inner, &self.shared, peer, &self.req_id).await;
             return;
@@ -1073,7 +1063,7 @@ impl Drop for Transfer {
             rank: self.inner.cfg.rank,
             reason,
         });
-        if let (Some(peer), Some(rt)) = (self.peer.clone(), rt) {
+        if let (Some(peer), Some(rt)) = (self.peer().cloned(), rt) {
             if pull_pending {
                 // Reads of the offered memory may be in flight: the task owns the regions
                 // (they stay valid) until none can be served any more.

@@ -262,7 +262,7 @@ impl DataPath {
         };
         let bytes: u64 = descs.iter().map(|d| d.len).sum();
         let (descs, locals) = if dir == Dir::Write && self.stripes.is_empty() {
-            match self.write_direct(deadline, descs, locals).await {
+            match self.write_direct(deadline, bytes, descs, locals).await {
                 Ok(r) => return r,
                 Err(batch) => batch,
             }
@@ -437,7 +437,7 @@ impl DataPath {
             })
     }
 
-    /// Copies a write into the peer's regions on the calling thread, when every op's region
+    /// Copies a write of `bytes` into the peer's regions on the calling thread, when every op's region
     /// is reachable directly and the runtime is a multi-thread one. That spares each write
     /// two thread hand-offs (to the writer thread and back), each a wake-up of tens of
     /// microseconds on a loaded host, on the path of every KV chunk. A batch of at most
@@ -453,6 +453,7 @@ impl DataPath {
     async fn write_direct(
         &self,
         deadline: Duration,
+        bytes: u64,
         descs: Vec<OpDesc>,
         sources: Vec<LocalSlice>,
     ) -> std::result::Result<Result<()>, (Vec<OpDesc>, Vec<LocalSlice>)> {
@@ -465,7 +466,6 @@ impl DataPath {
             return Err((descs, sources));
         };
         let until = tokio::time::Instant::now() + deadline;
-        let bytes: u64 = descs.iter().map(|d| d.len).sum();
         let room = match self.acquire_room(Step::Write, deadline, until, bytes).await {
             Ok(r) => r,
             Err(e) => return Ok(Err(e)),

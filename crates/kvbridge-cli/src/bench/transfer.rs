@@ -144,7 +144,6 @@ fn memcpy_ceiling(src: &Region, dst: &Region, block: usize, total: u64, window: 
     total as f64 / GIB / t.elapsed().as_secs_f64()
 }
 
-/// Runs the benchmark.
 /// `kvbridge bench transfer --transport shm --block-sizes <page> --reps <reps>` with its
 /// other defaults: kvbridge's GiB/s (median), the reference for the demo's KV rate.
 pub async fn at_page_size(page: u64, reps: usize) -> Result<f64> {
@@ -166,6 +165,7 @@ pub async fn at_page_size(page: u64, reps: usize) -> Result<f64> {
         .ok_or_else(|| anyhow::anyhow!("bench transfer measured nothing"))
 }
 
+/// Runs the benchmark.
 pub async fn run(args: TransferArgs) -> Result<Report> {
     let cma = args.transport == "cma";
     let transport = if cma {
