@@ -17,6 +17,7 @@ use crate::error::{Error, Result};
 use crate::region::{RegionTable, RegionUse};
 use crate::shm::{Dir, ShmFail, ShmPeer};
 use crate::wire::{read_data_frame, write_all_vectored, write_msg, ReadError};
+use crate::writer_queue::{self, Direct, WriterQueue, WriterRx};
 use crate::Notification;
 use kvbridge_proto::handshake::Step;
 use kvbridge_proto::ids::Blob;
@@ -27,6 +28,7 @@ use std::io::{IoSlice, IoSliceMut};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tokio::io::AsyncWriteExt;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::net::{ReadHalf, WriteHalf};
@@ -120,6 +122,12 @@ pub(crate) enum Outgoing {
     },
     /// A `WriteAck` or `NotifyAck` for the peer.
     Ack(Message),
+    /// An encoded notification or acknowledgement that could not take the fast lane
+    /// ([`WriterQueue::send_direct`]).
+    Frame(Vec<u8>),
+    /// Nothing to send: wakes the writer for the tail of a frame the fast lane sent in part
+    /// (`Turn::tail`).
+    Wake,
     ReadResp {
         id: u64,
         result: std::result::Result<Vec<LocalSlice>, Reject>,
@@ -143,9 +151,9 @@ pub(crate) struct DataPath {
     pending: Mutex<Pending>,
     next_id: AtomicU64,
     /// Connection 0's writer queue: notifications, acks, unstriped batches.
-    out: mpsc::Sender<Outgoing>,
+    out: WriterQueue,
     /// (Striped initiator) The writer queues of connections 1..N.
-    stripes: Vec<mpsc::Sender<Outgoing>>,
+    stripes: Vec<WriterQueue>,
     /// (Striped) Transfers entered and not yet ended, by ticket: a notification waits until
     /// none older than it is left, so it still follows every write issued before it.
     order: Mutex<std::collections::BTreeSet<u64>>,
@@ -188,20 +196,22 @@ impl Drop for Ticket<'_> {
 
 impl DataPath {
     /// A data path over `connections` (at least 1) connections; returns the writer queue of
-    /// each, connection 0 first. `direct`: the peer's regions reachable directly, if any.
+    /// each, connection 0 first. `direct`: the peer's regions reachable directly, if any;
+    /// `frames_direct`: the channel's count of frames that skipped a writer.
     pub(crate) fn new(
         peer: PeerId,
         abort: mpsc::UnboundedSender<crate::session::SessionCmd>,
         max_in_flight: u64,
         connections: usize,
         direct: Option<Arc<ShmPeer>>,
-    ) -> (Arc<Self>, Vec<mpsc::Receiver<Outgoing>>) {
-        let (out, rx) = mpsc::channel(1024);
+        frames_direct: Arc<AtomicU64>,
+    ) -> (Arc<Self>, Vec<WriterRx>) {
+        let (out, rx) = writer_queue::channel(frames_direct.clone());
         let units = (room_units(max_in_flight) as usize).min(tokio::sync::Semaphore::MAX_PERMITS);
         let mut rxs = vec![rx];
         let mut stripes = Vec::new();
         for _ in 1..connections.max(1) {
-            let (tx, rx) = mpsc::channel(1024);
+            let (tx, rx) = writer_queue::channel(frames_direct.clone());
             stripes.push(tx);
             rxs.push(rx);
         }
@@ -231,12 +241,12 @@ impl DataPath {
     }
 
     /// A sender to the writer queue of connection `i` (of those this path was made with).
-    pub(crate) fn queue_of(&self, i: usize) -> mpsc::Sender<Outgoing> {
+    pub(crate) fn queue_of(&self, i: usize) -> WriterQueue {
         self.queue(i).clone()
     }
 
     /// The writer queue of connection `i`.
-    fn queue(&self, i: usize) -> &mpsc::Sender<Outgoing> {
+    fn queue(&self, i: usize) -> &WriterQueue {
         if i == 0 {
             &self.out
         } else {
@@ -665,7 +675,28 @@ impl DataPath {
             peer: self.peer.clone(),
             abort: self.abort.clone(),
         };
-        match tokio::time::timeout_at(until, self.out.send(outgoing(id))).await {
+        let o = match outgoing(id) {
+            Outgoing::Notify { id, data } => {
+                let frame = Message::Notify(Notify {
+                    id,
+                    data: Blob(data),
+                })
+                .to_frame()
+                .map_err(|e| Error::Local(e.to_string()))?;
+                match self.out.send_direct(&frame) {
+                    // On the wire; the outcome comes with the peer's acknowledgement.
+                    Direct::Sent => return Ok(submitted),
+                    // The session ends on the shut socket, and the outcome says so.
+                    Direct::Broken(e) => {
+                        tracing::debug!(peer = %self.peer, error = %e, "notification cut short");
+                        return Ok(submitted);
+                    }
+                    Direct::Queue => Outgoing::Frame(frame),
+                }
+            }
+            o => o,
+        };
+        match tokio::time::timeout_at(until, self.out.send(o)).await {
             // A closed queue: the writer is gone; the session is tearing down and will
             // drain us (the outcome says so).
             Ok(_) => Ok(submitted),
@@ -687,7 +718,7 @@ impl DataPath {
         move |tx| Waiting::Read(dests, tx)
     }
 
-    pub(crate) fn out_sender(&self) -> mpsc::Sender<Outgoing> {
+    pub(crate) fn out_sender(&self) -> WriterQueue {
         self.out.clone()
     }
 }
@@ -870,11 +901,18 @@ pub(crate) async fn run_writer(
     path: Arc<DataPath>,
     shm: Option<Arc<ShmPeer>>,
     mut w: WriteHalf,
-    mut rx: mpsc::Receiver<Outgoing>,
+    mut rx: WriterRx,
 ) -> Result<()> {
     let peer = path.peer.clone();
     let lost = |step, e: std::io::Error| Error::lost(peer.as_str(), step, e);
-    while let Some(o) = rx.recv().await {
+    // The turn is held until the item is on the wire (see `writer_queue`).
+    while let Some((o, turn)) = rx.recv().await {
+        if let Some(tail) = turn.tail() {
+            w.write_all(&tail)
+                .await
+                .map_err(|e| lost(Step::Notify, e))?;
+            w.flush().await.map_err(|e| lost(Step::Notify, e))?;
+        }
         match o {
             Outgoing::Write { id, descs, sources } => {
                 let Some((descs, sources)) =
@@ -916,6 +954,11 @@ pub(crate) async fn run_writer(
             Outgoing::Ack(m) => write_msg(&mut w, &m)
                 .await
                 .map_err(|e| lost(Step::Write, e))?,
+            Outgoing::Frame(f) => {
+                w.write_all(&f).await.map_err(|e| lost(Step::Notify, e))?;
+                w.flush().await.map_err(|e| lost(Step::Notify, e))?;
+            }
+            Outgoing::Wake => {}
             Outgoing::ReadResp { id, result } => match result {
                 Ok(sources) => {
                     let frame = Message::ReadResp(Ack { id, error: None })
@@ -957,13 +1000,25 @@ pub(crate) struct ReaderCtx {
     pub(crate) payload_deadline: Duration,
     pub(crate) hooks: TestHooks,
     pub(crate) notifications: mpsc::Sender<Notification>,
-    pub(crate) out: mpsc::Sender<Outgoing>,
+    pub(crate) out: WriterQueue,
     /// The channel's count of batches refused for passing the per-peer limit on bytes in
     /// flight.
     pub(crate) in_flight_refused: Arc<AtomicU64>,
 }
 
 impl ReaderCtx {
+    /// Sends a successful `WriteAck` or `NotifyAck`: on the fast lane when the connection
+    /// is idle (this thread writes it), else through the writer. `Ok(false)`: the writer is
+    /// gone (the session is ending).
+    async fn ack(&self, m: Message, step: Step) -> Result<bool> {
+        let frame = m.to_frame().map_err(|e| Error::Local(e.to_string()))?;
+        match self.out.send_direct(&frame) {
+            Direct::Sent => Ok(true),
+            Direct::Broken(e) => Err(Error::lost(self.path.peer.as_str(), step, e)),
+            Direct::Queue => Ok(self.out.send(Outgoing::Frame(frame)).await.is_ok()),
+        }
+    }
+
     fn payload_error(&self, step: Step, e: std::io::Error) -> Error {
         if e.kind() == std::io::ErrorKind::TimedOut {
             Error::Timeout {
@@ -1182,7 +1237,7 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
                     id: b.id,
                     error: None,
                 });
-                if ctx.out.send(Outgoing::Ack(ack)).await.is_err() {
+                if !ctx.ack(ack, Step::Write).await? {
                     return Ok(());
                 }
             }
@@ -1237,7 +1292,7 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
                     id: n.id,
                     error: None,
                 });
-                if ctx.out.send(Outgoing::Ack(ack)).await.is_err() {
+                if !ctx.ack(ack, Step::Notify).await? {
                     return Ok(());
                 }
             }

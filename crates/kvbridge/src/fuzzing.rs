@@ -45,6 +45,7 @@ pub fn validate_batch(
         limits.max_bytes_in_flight_per_peer,
         1,
         None,
+        Default::default(),
     );
     let (notifications, _notif_rx) = mpsc::channel(1);
     let out = path.out_sender();

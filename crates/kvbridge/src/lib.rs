@@ -40,6 +40,7 @@ mod shm;
 pub mod thread_pool;
 mod tls;
 mod wire;
+mod writer_queue;
 
 pub use channel::{Channel, Notification, Op, PeerEvent, PeerLink, QueuedNotify, Stats};
 pub use cma::{cma_available, CmaStatus};

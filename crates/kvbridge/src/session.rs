@@ -16,6 +16,7 @@ use crate::region::RegionTable;
 use crate::region::{AbandonedExport, Region, RegionExport};
 use crate::shm::{FdReader, Mapping, ShmPeer};
 use crate::wire::{read_frame, write_msg, ReadError};
+use crate::writer_queue::{WriterQueue, WriterRx};
 use crate::Notification;
 use kvbridge_proto::handshake::{
     ping, Established, Initiator, ListenerSession, LocalIdentity, Output, Step,
@@ -79,6 +80,8 @@ pub(crate) struct SessionEnv {
     pub(crate) in_flight_refused: Arc<std::sync::atomic::AtomicU64>,
     /// The channel's counts of batches copied directly (shared memory, cross-memory attach).
     pub(crate) direct: Arc<crate::shm::DirectCounters>,
+    /// The channel's count of frames written past the writers (`Stats::frames_direct`).
+    pub(crate) frames_direct: Arc<std::sync::atomic::AtomicU64>,
 }
 
 enum Machine {
@@ -157,7 +160,7 @@ struct DataConn {
     reader: JoinHandle<Result<()>>,
     writer: JoinHandle<Result<()>>,
     /// Its writer's queue (teardown asks the writer to flush and stop through it).
-    out: mpsc::Sender<Outgoing>,
+    out: WriterQueue,
     /// For data threads: stops them when dropped.
     threads: Option<ThreadStop>,
 }
@@ -778,6 +781,7 @@ impl Session {
             self.env.config.limits.max_bytes_in_flight_per_peer,
             streams.len(),
             self.shm.peer.clone(),
+            self.env.frames_direct.clone(),
         );
         let mut conns = Vec::with_capacity(streams.len());
         for (i, (s, rx)) in streams.into_iter().zip(rxs).enumerate() {
@@ -798,7 +802,7 @@ impl Session {
         let Some(path) = self.data.as_ref().map(|d| d.path.clone()) else {
             return;
         };
-        let (out, rx) = mpsc::channel(1024);
+        let (out, rx) = crate::writer_queue::channel(self.env.frames_direct.clone());
         match self.start_conn(&path, s, stream, out, rx, None) {
             Ok(c) => self.data.as_mut().expect("checked").conns.push(c),
             Err(e) => self.fail_bind(e),
@@ -811,8 +815,8 @@ impl Session {
         path: &Arc<DataPath>,
         s: Stream,
         stream: u32,
-        out: mpsc::Sender<Outgoing>,
-        out_rx: mpsc::Receiver<Outgoing>,
+        out: WriterQueue,
+        out_rx: WriterRx,
         shm: Option<Arc<ShmPeer>>,
     ) -> std::io::Result<DataConn> {
         let ctx = ReaderCtx {
@@ -845,6 +849,8 @@ impl Session {
         };
         Ok(match (s, blocking) {
             (_, Some((r, w, sock))) => {
+                // Small frames may skip the writer thread (see `writer_queue`).
+                out_rx.open_lane(sock.try_clone()?);
                 let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
                 let writer = spawn_data_thread(
                     "kvb-data-tx",
@@ -941,7 +947,7 @@ impl Session {
         if let Some(mut d) = self.data.take() {
             // Let the writers flush what is queued (an error ack for the peer), briefly.
             for c in &d.conns {
-                let _ = c.out.try_send(Outgoing::Shutdown);
+                c.out.try_send(Outgoing::Shutdown);
             }
             let flush_until = Instant::now() + Duration::from_millis(200);
             let mut flushed = Vec::with_capacity(d.conns.len());

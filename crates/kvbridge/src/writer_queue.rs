@@ -1,0 +1,392 @@
+//! A data connection's writer queue, and the fast lane past it for small frames.
+//!
+//! Everything a data connection sends goes through one writer, in order. With data threads
+//! that writer is a thread of its own, and handing it a small frame (a notification, an
+//! acknowledgement) costs a thread wake-up: on the 2-core demo host a notification's round
+//! trip was 80-100 µs against 45 µs for raw loopback TCP, and a PD `finish` (two
+//! notifications and their acknowledgements) took 0.2 ms unloaded, 0.5 ms under load.
+//!
+//! So a small frame skips the queue when the connection is idle: its caller writes it to
+//! the socket itself, without blocking (`MSG_DONTWAIT`). Order is kept by one rule: a frame
+//! goes direct only while nothing is queued or being written ([`Lane::queued`] is 0 under
+//! the lane's lock, which the writer holds for each item it sends and releases only after
+//! counting it done). Anything queued before the frame was issued is thus on the wire
+//! before it; anything issued after it either finds the lock taken or queues behind it.
+//!
+//! The caller never waits on the socket. A frame the socket took only part of has its tail
+//! handed to the writer, which sends it before anything else (and until it has, every
+//! later frame queues), so a frame is never torn.
+
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use tokio::sync::mpsc;
+
+use crate::datapath::Outgoing;
+
+/// Items a writer queue holds before `send` waits.
+pub(crate) const QUEUE_DEPTH: usize = 1024;
+
+/// Frames at most this long may take the fast lane: a notification or an acknowledgement,
+/// never a payload (those stay with the writer, which may block on them).
+pub(crate) const DIRECT_FRAME_MAX: usize = 16 << 10;
+
+/// What the queue's senders and its writer share.
+#[derive(Debug)]
+pub(crate) struct Lane {
+    /// Items sent to the queue and not yet written out (counted before they enter it,
+    /// uncounted once on the wire).
+    queued: AtomicUsize,
+    /// The connection's socket (a duplicate of the writer's), once it runs on data threads.
+    sock: OnceLock<std::net::TcpStream>,
+    /// Held by whoever writes to the socket: the writer for each item, or a direct frame.
+    busy: Arc<tokio::sync::Mutex<()>>,
+    /// The rest of a direct frame the socket took only part of: the writer's next bytes.
+    tail: std::sync::Mutex<Option<Vec<u8>>>,
+    /// The channel's count of frames written direct (`Stats::frames_direct`).
+    direct: Arc<AtomicU64>,
+}
+
+/// The sending side of a data connection's writer queue.
+#[derive(Debug, Clone)]
+pub(crate) struct WriterQueue {
+    tx: mpsc::Sender<Outgoing>,
+    lane: Arc<Lane>,
+}
+
+/// The writer's side.
+#[derive(Debug)]
+pub(crate) struct WriterRx {
+    rx: mpsc::Receiver<Outgoing>,
+    lane: Arc<Lane>,
+}
+
+/// The writer's right to the socket for one item: the item counts as queued until this is
+/// dropped, and no direct frame is written meanwhile.
+pub(crate) struct Turn {
+    lane: Arc<Lane>,
+    _busy: tokio::sync::OwnedMutexGuard<()>,
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        // Before the lock goes (fields drop after this body): a direct frame that gets the
+        // lock next sees this item done.
+        self.lane.queued.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// How [`WriterQueue::send_direct`] ended.
+#[derive(Debug)]
+pub(crate) enum Direct {
+    /// The frame is on the socket (or its tail is the writer's next item).
+    Sent,
+    /// Nothing was written: the caller queues the frame.
+    Queue,
+    /// The socket failed, possibly in the middle of the frame; it is shut down, so the
+    /// session ends on it.
+    Broken(std::io::Error),
+}
+
+fn lock_tail(lane: &Lane) -> std::sync::MutexGuard<'_, Option<Vec<u8>>> {
+    lane.tail.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Turn {
+    /// The rest of a frame sent in part on the fast lane: it goes out before this turn's
+    /// item.
+    pub(crate) fn tail(&self) -> Option<Vec<u8>> {
+        lock_tail(&self.lane).take()
+    }
+}
+
+/// A new writer queue; `direct` counts the frames that skip it.
+pub(crate) fn channel(direct: Arc<AtomicU64>) -> (WriterQueue, WriterRx) {
+    let (tx, rx) = mpsc::channel(QUEUE_DEPTH);
+    let lane = Arc::new(Lane {
+        queued: AtomicUsize::new(0),
+        sock: OnceLock::new(),
+        busy: Default::default(),
+        tail: Default::default(),
+        direct,
+    });
+    (
+        WriterQueue {
+            tx,
+            lane: lane.clone(),
+        },
+        WriterRx { rx, lane },
+    )
+}
+
+impl WriterQueue {
+    /// Queues `o` (waits while the queue is full). Fails when the writer is gone.
+    pub(crate) async fn send(&self, o: Outgoing) -> Result<(), mpsc::error::SendError<Outgoing>> {
+        self.lane.queued.fetch_add(1, Ordering::SeqCst);
+        let r = self.tx.send(o).await;
+        if r.is_err() {
+            self.lane.queued.fetch_sub(1, Ordering::SeqCst);
+        }
+        r
+    }
+
+    /// Queues `o` if there is room now; whether it did.
+    pub(crate) fn try_send(&self, o: Outgoing) -> bool {
+        self.lane.queued.fetch_add(1, Ordering::SeqCst);
+        let queued = self.tx.try_send(o).is_ok();
+        if !queued {
+            self.lane.queued.fetch_sub(1, Ordering::SeqCst);
+        }
+        queued
+    }
+
+    /// Sends the encoded `frame` (at most [`DIRECT_FRAME_MAX`] bytes) straight to the
+    /// socket when the connection is idle and the socket takes it without blocking;
+    /// otherwise reports [`Direct::Queue`] and the caller queues it. Never waits: a frame
+    /// the socket took only part of is finished by the writer.
+    pub(crate) fn send_direct(&self, frame: &[u8]) -> Direct {
+        let lane = &self.lane;
+        if frame.len() > DIRECT_FRAME_MAX || lane.queued.load(Ordering::SeqCst) != 0 {
+            return Direct::Queue;
+        }
+        let Some(sock) = lane.sock.get() else {
+            return Direct::Queue;
+        };
+        let Ok(_busy) = lane.busy.try_lock() else {
+            return Direct::Queue;
+        };
+        if lane.queued.load(Ordering::SeqCst) != 0 {
+            return Direct::Queue;
+        }
+        let broken = |e| {
+            let _ = sock.shutdown(std::net::Shutdown::Both);
+            Direct::Broken(e)
+        };
+        match send_nowait(sock, frame) {
+            Ok(0) => Direct::Queue,
+            Ok(n) if n == frame.len() => {
+                lane.direct.fetch_add(1, Ordering::Relaxed);
+                Direct::Sent
+            }
+            Ok(n) => {
+                // Still under the lock, so nothing got between the part sent and the tail:
+                // the writer sends the tail first at its next turn, which this wakes it for.
+                *lock_tail(lane) = Some(frame[n..].to_vec());
+                if self.try_send(Outgoing::Wake) {
+                    lane.direct.fetch_add(1, Ordering::Relaxed);
+                    Direct::Sent
+                } else {
+                    // The writer is gone, or 1024 items arrived since the check above.
+                    broken(std::io::Error::other(
+                        "a frame's tail could not be handed to the writer",
+                    ))
+                }
+            }
+            Err(e) => broken(e),
+        }
+    }
+}
+
+impl WriterRx {
+    /// Lets small frames skip the queue over `sock` (a duplicate of the writer's blocking
+    /// socket). Without it every frame is queued.
+    pub(crate) fn open_lane(&self, sock: std::net::TcpStream) {
+        let _ = self.lane.sock.set(sock);
+    }
+
+    /// The next item, with the turn to write it. Before the item, the writer sends
+    /// [`Turn::tail`].
+    pub(crate) async fn recv(&mut self) -> Option<(Outgoing, Turn)> {
+        let o = self.rx.recv().await?;
+        let busy = self.lane.busy.clone().lock_owned().await;
+        Some((
+            o,
+            Turn {
+                lane: self.lane.clone(),
+                _busy: busy,
+            },
+        ))
+    }
+}
+
+/// Writes as much of `frame` as the socket takes without waiting for room; returns how
+/// much that was.
+fn send_nowait(sock: &std::net::TcpStream, frame: &[u8]) -> std::io::Result<usize> {
+    let fd = sock.as_raw_fd();
+    let mut off = 0usize;
+    while off < frame.len() {
+        let rest = &frame[off..];
+        // SAFETY: `rest` is valid for reads of its length; `fd` is an open socket owned by
+        // `sock` for the duration of the call.
+        let n = unsafe {
+            libc::send(
+                fd,
+                rest.as_ptr().cast(),
+                rest.len(),
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            )
+        };
+        if n >= 0 {
+            off += n as usize;
+            continue;
+        }
+        let e = std::io::Error::last_os_error();
+        match e.kind() {
+            std::io::ErrorKind::Interrupted => continue,
+            std::io::ErrorKind::WouldBlock => break,
+            _ => return Err(e),
+        }
+    }
+    Ok(off)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+    use std::time::{Duration, Instant};
+
+    /// A connected pair of blocking loopback sockets: (ours, the peer's).
+    fn pair() -> (std::net::TcpStream, std::net::TcpStream) {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let ours = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (theirs, _) = l.accept().unwrap();
+        // A test that reads what never came fails instead of hanging.
+        theirs
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        (ours, theirs)
+    }
+
+    fn lane_over(sock: &std::net::TcpStream) -> (WriterQueue, WriterRx, Arc<AtomicU64>) {
+        let count = Arc::new(AtomicU64::new(0));
+        let (q, rx) = channel(count.clone());
+        rx.open_lane(sock.try_clone().unwrap());
+        (q, rx, count)
+    }
+
+    #[tokio::test]
+    async fn an_idle_connection_takes_a_frame_direct() {
+        let (ours, mut theirs) = pair();
+        let (q, _rx, count) = lane_over(&ours);
+        assert!(matches!(q.send_direct(b"hello"), Direct::Sent));
+        let mut got = [0u8; 5];
+        theirs.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"hello");
+        assert_eq!(count.load(Ordering::Relaxed), 1);
+    }
+
+    #[tokio::test]
+    async fn without_a_lane_or_when_too_large_a_frame_is_queued() {
+        let count = Arc::new(AtomicU64::new(0));
+        let (q, _rx) = channel(count.clone());
+        assert!(
+            matches!(q.send_direct(b"x"), Direct::Queue),
+            "no socket yet"
+        );
+        let (ours, _theirs) = pair();
+        let (q, _rx, _) = lane_over(&ours);
+        let big = vec![0u8; DIRECT_FRAME_MAX + 1];
+        assert!(matches!(q.send_direct(&big), Direct::Queue), "a payload");
+        assert_eq!(count.load(Ordering::Relaxed), 0);
+    }
+
+    /// The writer's part: takes an item with its turn and writes it out.
+    async fn write_next(rx: &mut WriterRx, sock: &mut std::net::TcpStream) {
+        let (o, turn) = rx.recv().await.unwrap();
+        let Outgoing::Frame(f) = o else {
+            panic!("a frame was queued")
+        };
+        sock.write_all(&f).unwrap();
+        drop(turn);
+    }
+
+    #[tokio::test]
+    async fn a_frame_never_overtakes_what_was_queued_before_it() {
+        let (ours, mut theirs) = pair();
+        let (q, mut rx, count) = lane_over(&ours);
+        let mut w = ours.try_clone().unwrap();
+
+        // Queued, not yet taken by the writer: the next frame must queue behind it.
+        q.send(Outgoing::Frame(b"first.".to_vec())).await.unwrap();
+        let second = q.send_direct(b"second.");
+        assert!(matches!(second, Direct::Queue), "overtook a queued item");
+        q.send(Outgoing::Frame(b"second.".to_vec())).await.unwrap();
+        write_next(&mut rx, &mut w).await;
+
+        // Taken by the writer and being written: still no direct frame.
+        let (o, turn) = rx.recv().await.unwrap();
+        assert!(
+            matches!(q.send_direct(b"third."), Direct::Queue),
+            "wrote beside the writer"
+        );
+        let Outgoing::Frame(f) = o else { panic!() };
+        w.write_all(&f).unwrap();
+        drop(turn);
+
+        // Everything written: the lane is open again.
+        assert!(matches!(q.send_direct(b"third."), Direct::Sent));
+        let mut got = vec![0u8; 19];
+        theirs.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"first.second.third.");
+        assert_eq!(count.load(Ordering::Relaxed), 1);
+    }
+
+    #[tokio::test]
+    async fn a_peer_that_stops_reading_never_blocks_the_caller() {
+        let (ours, mut theirs) = pair();
+        let (q, mut rx, count) = lane_over(&ours);
+        let frame_of = |i: u64| vec![(i % 251) as u8; DIRECT_FRAME_MAX];
+        let mut sent = 0u64;
+        loop {
+            let t = Instant::now();
+            let r = q.send_direct(&frame_of(sent));
+            assert!(
+                t.elapsed() < Duration::from_secs(2),
+                "blocked {:?}",
+                t.elapsed()
+            );
+            match r {
+                Direct::Sent => sent += 1,
+                Direct::Queue => break,
+                Direct::Broken(e) => panic!("a full socket broke the lane: {e}"),
+            }
+            assert!(sent < 100_000, "the socket never filled");
+        }
+        assert!(sent > 0, "an idle socket refused the first frame");
+        assert_eq!(count.load(Ordering::Relaxed), sent);
+        // The peer reads again; every frame arrives whole and in order.
+        let total = sent as usize * DIRECT_FRAME_MAX;
+        let reader = std::thread::spawn(move || {
+            let mut got = vec![0u8; total];
+            theirs.read_exact(&mut got).map(|_| got)
+        });
+        // The socket may have taken the last frame only in part: then its tail is the
+        // writer's next bytes, and nothing else went direct since.
+        match tokio::time::timeout(Duration::from_millis(100), rx.recv()).await {
+            Err(_) => {}
+            Ok(Some((Outgoing::Wake, turn))) => {
+                let tail = turn.tail().expect("woken without a tail");
+                assert!(
+                    !tail.is_empty() && tail.len() < DIRECT_FRAME_MAX,
+                    "{}",
+                    tail.len()
+                );
+                let mut w = ours.try_clone().unwrap();
+                w.write_all(&tail).unwrap();
+            }
+            Ok(_) => panic!("something else was queued"),
+        }
+        let got = reader
+            .join()
+            .unwrap()
+            .expect("the frames did not all arrive");
+        for (i, f) in got.chunks(DIRECT_FRAME_MAX).enumerate() {
+            assert!(
+                f == frame_of(i as u64),
+                "frame {i} arrived torn or out of order"
+            );
+        }
+    }
+}
