@@ -9,7 +9,7 @@ use crate::error::{PdError, PdStep, Result};
 use crate::layout::KvSpec;
 use crate::msg::PdMsg;
 use crate::outcome::{Outcome, OutcomeSink};
-use kvbridge::{Channel, ChannelConfig, Grant, Op, PeerEvent, PeerId, Region, RegionId};
+use kvbridge::{Channel, ChannelConfig, Grant, Op, PeerEvent, PeerId, PeerLink, Region, RegionId};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -558,24 +558,44 @@ fn send(inner: &Arc<Inner>, peer: &PeerId, msg: &PdMsg) {
         let ch = inner.channel.clone();
         let peer = peer.clone();
         tokio::spawn(async move {
+            // The peer's session, looked up once rather than per message (a round trip
+            // through the channel's core task). When it failed, the message goes to the
+            // peer's current session, as a lookup per message would have sent it.
+            let mut link: Option<PeerLink> = None;
             while let Some(b) = rx.recv().await {
-                // Queued in order, confirmed on the side: a message whose confirmation is
-                // slow (its acknowledgement stuck behind a large write on the connection)
-                // must not hold up the next one: a `Fence` waiting behind an `AllocOk`'s
-                // confirmation let the sender write one more chunk into a cancelled
-                // request's pages. Bounded by the channel's op deadline; a failure means
-                // the session is going down, and the allocator learns that from the peer
-                // event.
-                match ch.notify_queued(&peer, &b).await {
-                    Ok(q) => {
-                        let peer = peer.clone();
-                        tokio::spawn(async move {
-                            if let Err(e) = q.delivered().await {
-                                tracing::debug!(%peer, error = %e, "PD reply not delivered");
+                for _attempt in 0..2 {
+                    let l = match &link {
+                        Some(l) => l.clone(),
+                        None => match ch.link(&peer).await {
+                            Ok(l) => link.insert(l).clone(),
+                            Err(e) => {
+                                tracing::debug!(%peer, error = %e, "PD reply not sent");
+                                break;
                             }
-                        });
+                        },
+                    };
+                    // Queued in order, confirmed on the side: a message whose confirmation
+                    // is slow (its acknowledgement stuck behind a large write on the
+                    // connection) must not hold up the next one: a `Fence` waiting behind
+                    // an `AllocOk`'s confirmation let the sender write one more chunk into
+                    // a cancelled request's pages. Bounded by the channel's op deadline; a
+                    // failure means the session is going down, and the allocator learns
+                    // that from the peer event.
+                    match l.notify_queued(&b).await {
+                        Ok(q) => {
+                            let peer = peer.clone();
+                            tokio::spawn(async move {
+                                if let Err(e) = q.delivered().await {
+                                    tracing::debug!(%peer, error = %e, "PD reply not delivered");
+                                }
+                            });
+                            break;
+                        }
+                        Err(e) => {
+                            tracing::debug!(%peer, error = %e, "PD reply not sent on its session");
+                            link = None;
+                        }
                     }
-                    Err(e) => tracing::debug!(%peer, error = %e, "PD reply not sent"),
                 }
             }
         });
