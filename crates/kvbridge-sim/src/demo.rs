@@ -165,6 +165,13 @@ pub struct DemoSummary {
     /// write and finish calls (at least one in flight), GiB/s: the rate while transferring,
     /// with the workload's prefills, decodes and verifications sharing the host.
     pub kv_gib_per_s: f64,
+    /// The workload's KV bytes over the time inside write calls alone (at least one in
+    /// flight), GiB/s: `kv_gib_per_s` without the finishes, the rate of the data movement
+    /// itself.
+    pub kv_write_gib_per_s: f64,
+    /// Mean time of a transfer's finish under the workload (the receiver confirms that every
+    /// chunk landed: one round trip after the last write), ms.
+    pub kv_finish_mean_ms: f64,
     /// The same over the one-at-a-time replays after the workload (`--compare`,
     /// `--ttft-samples`): the rate while transferring when one request is in flight.
     pub kv_gib_per_s_unloaded: f64,
@@ -295,6 +302,7 @@ impl DemoSummary {
              time per token      p50 {tpot:.2} ms\n\
              throughput          {rps:.1} req/s  {tps:.0} output tokens/s  ({wall:.1} s)\n\
              KV moved            {kvb:.1} MiB at {gib:.2} GiB/s while transferring under load ({ratio:.0}% of the channel ceiling {ceil:.2} GiB/s at this page size, target 90%: {kvmet}; PD layer alone {pdc:.2} GiB/s{bt}), {gibu:.2} GiB/s one request at a time ({ratiou:.0}%)\n\
+             KV time             writes alone {wg:.2} GiB/s; finish (the receiver confirms every chunk) {fm:.2} ms per transfer, under load\n\
              handshakes          {hs} of {hsm:.2} ms on average (at start)\n\
              unloaded TTFT       disaggregated {ud:.1} ms  colocated {uc:.1} ms  gap {gap:.2} ms (pairs' median; p25 {g25:.2}, p75 {g75:.2}; {np} pairs{order})  (target: one chunk at the ceiling {ct:.1} ms + 1 ms = {gt:.2} ms: {gapmet}; decoder KV load {kl:.1} ms)\n\
              KV mismatches       {mm}\n\
@@ -316,6 +324,8 @@ impl DemoSummary {
             gib = self.kv_gib_per_s,
             ratio = self.kv_vs_ceiling * 100.0,
             gibu = self.kv_gib_per_s_unloaded,
+            wg = self.kv_write_gib_per_s,
+            fm = self.kv_finish_mean_ms,
             ratiou = self.kv_vs_ceiling_unloaded * 100.0,
             ceil = self.ceiling_channel_gib_per_s,
             pdc = self.ceiling_pd_gib_per_s,
@@ -597,6 +607,9 @@ impl Cluster {
             s.kv_transfers_failed += x.kv_transfers_failed;
             s.kv_bytes_sent += x.kv_bytes_sent;
             s.kv_send_busy_s += x.kv_send_busy_s;
+            s.kv_write_busy_s += x.kv_write_busy_s;
+            s.kv_finishes += x.kv_finishes;
+            s.kv_finish_s += x.kv_finish_s;
             s.kv_requests_received += x.kv_requests_received;
             s.kv_chunks_received += x.kv_chunks_received;
             s.kv_bytes_received += x.kv_bytes_received;
@@ -921,6 +934,12 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
         }
     };
     let kv_gib_per_s = rate(loaded.kv_bytes_sent, loaded.kv_send_busy_s);
+    let kv_write_gib_per_s = rate(loaded.kv_bytes_sent, loaded.kv_write_busy_s);
+    let kv_finish_mean_ms = if loaded.kv_finishes > 0 {
+        loaded.kv_finish_s * 1e3 / loaded.kv_finishes as f64
+    } else {
+        0.0
+    };
     let kv_gib_per_s_unloaded = rate(
         st.kv_bytes_sent - loaded.kv_bytes_sent,
         st.kv_send_busy_s - loaded.kv_send_busy_s,
@@ -947,6 +966,8 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
         wall_s: wall,
         kv_bytes: st.kv_bytes_sent,
         kv_gib_per_s,
+        kv_write_gib_per_s,
+        kv_finish_mean_ms,
         ttft_unloaded_disagg_p50_ms: pct(&mut ud, 0.5),
         ttft_unloaded_colocated_p50_ms: pct(&mut uc, 0.5),
         ttft_unloaded_gap_p50_ms: pct(&mut gaps.clone(), 0.5),

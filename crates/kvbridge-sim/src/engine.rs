@@ -182,6 +182,8 @@ struct Counts {
     /// Rank transfers not yet finished, plus received KV not yet verified.
     in_flight: AtomicU64,
     kv_load_ns: AtomicU64,
+    kv_finishes: AtomicU64,
+    kv_finish_ns: AtomicU64,
 }
 
 /// Wall time during which at least one KV write or finish call was in progress (the union
@@ -235,6 +237,13 @@ pub struct EngineStats {
     /// Prefill: wall time during which at least one PD write or finish call was in progress
     /// (KV bytes over this is the transfer throughput).
     pub kv_send_busy_s: f64,
+    /// Prefill: wall time during which at least one PD write call was in progress (the part
+    /// of `kv_send_busy_s` that moved chunks; the rest waited for finishes).
+    pub kv_write_busy_s: f64,
+    /// Prefill: finish calls made (each waits for the receiver's confirmation).
+    pub kv_finishes: u64,
+    /// Prefill: time inside those finish calls, summed, seconds.
+    pub kv_finish_s: f64,
     /// Decode: requests whose KV came through the PD layer.
     pub kv_requests_received: u64,
     /// Decode: KV chunks received and verified.
@@ -273,6 +282,8 @@ struct Inner {
     accel: tokio::sync::Mutex<()>,
     counts: Counts,
     busy: BusyClock,
+    /// The same for write calls only.
+    write_busy: BusyClock,
     /// Woken whenever `counts.in_flight` drops.
     settled: tokio::sync::Notify,
     seq: AtomicU64,
@@ -315,6 +326,9 @@ impl Inner {
             kv_transfers_failed: c.kv_transfers_failed.load(Relaxed),
             kv_bytes_sent: c.kv_bytes_sent.load(Relaxed),
             kv_send_busy_s: self.busy.total().as_secs_f64(),
+            kv_write_busy_s: self.write_busy.total().as_secs_f64(),
+            kv_finishes: c.kv_finishes.load(Relaxed),
+            kv_finish_s: c.kv_finish_ns.load(Relaxed) as f64 / 1e9,
             kv_requests_received: c.kv_requests_received.load(Relaxed),
             kv_chunks_received: c.kv_chunks_received.load(Relaxed),
             kv_bytes_received: c.kv_bytes_received.load(Relaxed),
@@ -595,6 +609,7 @@ pub async fn start(cfg: EngineConfig, listener: TcpListener) -> Result<RunningEn
         accel: tokio::sync::Mutex::new(()),
         counts: Counts::default(),
         busy: BusyClock::default(),
+        write_busy: BusyClock::default(),
         settled: tokio::sync::Notify::new(),
         seq: AtomicU64::new(0),
         chunk_memory,
@@ -1084,9 +1099,11 @@ async fn rank_sender_inner(s: &Inner, job: RankJob) {
     };
     while let Some((i, data)) = rx.recv().await {
         s.busy.enter();
+        s.write_busy.enter();
         let r = t.send_chunk_from(i, data.region(), data.offset()).await;
         // The transfer returned: nothing reads the slot any more, it may be reused.
         drop(data);
+        s.write_busy.leave();
         s.busy.leave();
         tracing::debug!(target: TL, stage = "sender.chunk_landed", id = t.req_id(), chunk = i);
         if let Err(e) = r {
@@ -1110,7 +1127,12 @@ async fn rank_sender_inner(s: &Inner, job: RankJob) {
     }
     let id = t.req_id().to_string();
     s.busy.enter();
+    let began = Instant::now();
     let r = t.finish().await;
+    s.counts
+        .kv_finish_ns
+        .fetch_add(began.elapsed().as_nanos() as u64, Relaxed);
+    s.counts.kv_finishes.fetch_add(1, Relaxed);
     s.busy.leave();
     tracing::debug!(target: TL, stage = "sender.finished", id = %id);
     match r {
