@@ -42,6 +42,8 @@ enum BenchCmd {
     Pd(kvbridge_pd::bench::PdBenchArgs),
     /// The proxy against the installed peer routers (bench/proxy.sh, medians of runs).
     Proxy(bench::proxy::ProxyBenchArgs),
+    /// Notification round trips against a raw loopback TCP ping-pong, same run.
+    Notify(bench::notify::NotifyArgs),
     /// The listener process the other benchmarks start (internal).
     #[command(hide = true)]
     Peer {
@@ -58,6 +60,9 @@ enum BenchCmd {
         /// mid-handshake).
         #[arg(long)]
         welcome_delay_ms: Option<u64>,
+        /// Echo notifications and sink bytes back (`bench notify`).
+        #[arg(long)]
+        echo: bool,
     },
 }
 
@@ -133,6 +138,16 @@ fn main() -> Result<()> {
             rt()?.block_on(kvbridge_pd::bench::run(args))?;
             Ok(())
         }
+        Cmd::Bench(BenchCmd::Notify(args)) => {
+            let json = args.json;
+            let r = rt()?.block_on(bench::notify::run(args))?;
+            if json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                println!("{}", r.table());
+            }
+            Ok(())
+        }
         Cmd::Bench(BenchCmd::Handshake(args)) => {
             let json = args.json;
             let r = rt()?.block_on(bench::handshake::run(args))?;
@@ -148,11 +163,13 @@ fn main() -> Result<()> {
             page,
             listen,
             welcome_delay_ms,
+            echo,
         }) => rt()?.block_on(bench::peer::run(bench::peer::PeerOptions {
             region_bytes,
             page,
             listen,
             welcome_delay: welcome_delay_ms.map(std::time::Duration::from_millis),
+            echo,
         })),
     }
 }

@@ -1,6 +1,7 @@
 //! `kvbridge bench …`: benchmarks that run initiator and listener in two processes.
 
 pub mod handshake;
+pub mod notify;
 pub mod peer;
 pub mod proxy;
 pub mod transfer;

@@ -2,7 +2,8 @@
 //!
 //! It listens with a kvbridge channel and a plain TCP sink on loopback, prints one line
 //! `READY <channel addr> <region id> <sink addr>`, and serves until its stdin closes (so it
-//! never outlives the benchmark that started it).
+//! never outlives the benchmark that started it). With `echo` it sends every notification
+//! back to its sender, and the sink echoes what it reads (`kvbridge bench notify`).
 
 use anyhow::{Context, Result};
 use kvbridge::{Channel, ChannelConfig, Grant, Region};
@@ -20,6 +21,8 @@ pub struct PeerOptions {
     pub listen: String,
     /// Test hook: delay before answering a Hello.
     pub welcome_delay: Option<std::time::Duration>,
+    /// Echo notifications and sink bytes back.
+    pub echo: bool,
 }
 
 /// Runs the peer (the child side).
@@ -29,6 +32,7 @@ pub async fn run(opts: PeerOptions) -> Result<()> {
         page,
         listen,
         welcome_delay,
+        echo,
     } = opts;
     let mut cfg = ChannelConfig::new("bench-listener", Some(&listen));
     cfg.hooks.listener_welcome_delay = welcome_delay;
@@ -43,9 +47,15 @@ pub async fn run(opts: PeerOptions) -> Result<()> {
     std::thread::spawn(move || {
         for s in sink.incoming().flatten() {
             let r = sink_region.clone();
-            std::thread::spawn(move || serve_sink(s, r));
+            std::thread::spawn(move || match echo {
+                true => serve_echo(s),
+                false => serve_sink(s, r),
+            });
         }
     });
+    if echo {
+        tokio::spawn(echo_notifications(ch.clone()));
+    }
     println!(
         "READY {} {} {}",
         ch.local_addr().context("no listen address")?,
@@ -93,6 +103,39 @@ fn serve_sink(mut s: std::net::TcpStream, region: Region) {
     }
 }
 
+/// Sends every notification back to its sender, on that sender's session.
+async fn echo_notifications(ch: Channel) {
+    let mut links = std::collections::HashMap::new();
+    while let Some(n) = ch.recv_notification().await {
+        let link = match links.get(&n.peer) {
+            Some(l) => l,
+            None => match ch.link(&n.peer).await {
+                Ok(l) => links.entry(n.peer.clone()).or_insert(l),
+                Err(_) => continue,
+            },
+        };
+        if link.notify_queued(&n.data).await.is_err() {
+            links.remove(&n.peer);
+        }
+    }
+}
+
+/// The raw socket's reference for `bench notify`: echoes what it reads.
+fn serve_echo(mut s: std::net::TcpStream) {
+    let _ = s.set_nodelay(true);
+    let mut b = [0u8; 4096];
+    loop {
+        match s.read(&mut b) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => {
+                if s.write_all(&b[..n]).is_err() {
+                    return;
+                }
+            }
+        }
+    }
+}
+
 /// A started peer process.
 pub struct PeerProcess {
     child: Child,
@@ -110,6 +153,11 @@ impl PeerProcess {
         Self::start_with(region_bytes, page, &[], &[])
     }
 
+    /// A peer that echoes notifications and sink bytes (`kvbridge bench notify`).
+    pub fn start_echo() -> Result<Self> {
+        Self::spawn(1 << 20, 4096, &[], &[], &["--echo"])
+    }
+
     /// [`PeerProcess::start`] with environment variables set (`env`) and removed (`unset`)
     /// for the child (e.g. `KVBRIDGE_TLS_*`).
     pub fn start_with(
@@ -117,6 +165,16 @@ impl PeerProcess {
         page: usize,
         env: &[(&str, &std::ffi::OsStr)],
         unset: &[&str],
+    ) -> Result<Self> {
+        Self::spawn(region_bytes, page, env, unset, &[])
+    }
+
+    fn spawn(
+        region_bytes: usize,
+        page: usize,
+        env: &[(&str, &std::ffi::OsStr)],
+        unset: &[&str],
+        extra: &[&str],
     ) -> Result<Self> {
         let exe = std::env::current_exe()?;
         let mut cmd = Command::new(exe);
@@ -129,6 +187,7 @@ impl PeerProcess {
         let mut child = cmd
             .args(["bench", "peer", "--region-bytes", &region_bytes.to_string()])
             .args(["--page", &page.to_string()])
+            .args(extra)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
