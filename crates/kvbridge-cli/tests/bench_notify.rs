@@ -19,7 +19,10 @@ fn bench_notify_reports_the_three_latencies() {
     let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
     assert_eq!(v["samples"], 20, "{v}");
     for k in ["tcp_round_trip", "notify_reply", "notify_delivered"] {
-        assert!(v[k]["p50_us"].as_f64().is_some_and(|us| us > 0.0), "{k}: {v}");
+        assert!(
+            v[k]["p50_us"].as_f64().is_some_and(|us| us > 0.0),
+            "{k}: {v}"
+        );
     }
     assert!(
         v["frames_direct"].as_u64().is_some_and(|n| n > 0),
