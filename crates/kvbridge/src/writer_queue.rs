@@ -19,7 +19,7 @@
 
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use tokio::sync::mpsc;
 
@@ -38,8 +38,10 @@ pub(crate) struct Lane {
     /// Items sent to the queue and not yet written out (counted before they enter it,
     /// uncounted once on the wire).
     queued: AtomicUsize,
-    /// The connection's socket (a duplicate of the writer's), once it runs on data threads.
-    sock: OnceLock<std::net::TcpStream>,
+    /// The connection's socket (a duplicate of the writer's) while its writer runs on a data
+    /// thread; closed when the writer ends, so a handle that outlives its session holds no
+    /// descriptor.
+    sock: std::sync::Mutex<Option<std::net::TcpStream>>,
     /// Held by whoever writes to the socket: the writer for each item, or a direct frame.
     busy: Arc<tokio::sync::Mutex<()>>,
     /// The rest of a direct frame the socket took only part of: the writer's next bytes.
@@ -89,8 +91,20 @@ pub(crate) enum Direct {
     Broken(std::io::Error),
 }
 
+impl Drop for WriterRx {
+    fn drop(&mut self) {
+        // The writer is gone: nothing may be written past it any more, and its socket's
+        // duplicate closes now rather than with the last handle of the session.
+        *lock(&self.lane.sock) = None;
+    }
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 fn lock_tail(lane: &Lane) -> std::sync::MutexGuard<'_, Option<Vec<u8>>> {
-    lane.tail.lock().unwrap_or_else(|p| p.into_inner())
+    lock(&lane.tail)
 }
 
 impl Turn {
@@ -106,7 +120,7 @@ pub(crate) fn channel(direct: Arc<AtomicU64>) -> (WriterQueue, WriterRx) {
     let (tx, rx) = mpsc::channel(QUEUE_DEPTH);
     let lane = Arc::new(Lane {
         queued: AtomicUsize::new(0),
-        sock: OnceLock::new(),
+        sock: std::sync::Mutex::new(None),
         busy: Default::default(),
         tail: Default::default(),
         direct,
@@ -150,15 +164,17 @@ impl WriterQueue {
         if frame.len() > DIRECT_FRAME_MAX || lane.queued.load(Ordering::SeqCst) != 0 {
             return Direct::Queue;
         }
-        let Some(sock) = lane.sock.get() else {
-            return Direct::Queue;
-        };
         let Ok(_busy) = lane.busy.try_lock() else {
             return Direct::Queue;
         };
         if lane.queued.load(Ordering::SeqCst) != 0 {
             return Direct::Queue;
         }
+        // Held for one non-blocking send at most.
+        let sock = lock(&lane.sock);
+        let Some(sock) = sock.as_ref() else {
+            return Direct::Queue;
+        };
         let broken = |e| {
             let _ = sock.shutdown(std::net::Shutdown::Both);
             Direct::Broken(e)
@@ -192,7 +208,7 @@ impl WriterRx {
     /// Lets small frames skip the queue over `sock` (a duplicate of the writer's blocking
     /// socket). Without it every frame is queued.
     pub(crate) fn open_lane(&self, sock: std::net::TcpStream) {
-        let _ = self.lane.sock.set(sock);
+        *lock(&self.lane.sock) = Some(sock);
     }
 
     /// The next item, with the turn to write it. Before the item, the writer sends
@@ -290,6 +306,25 @@ mod tests {
         let big = vec![0u8; DIRECT_FRAME_MAX + 1];
         assert!(matches!(q.send_direct(&big), Direct::Queue), "a payload");
         assert_eq!(count.load(Ordering::Relaxed), 0);
+    }
+
+    #[tokio::test]
+    async fn the_lane_closes_with_its_writer() {
+        let (ours, mut theirs) = pair();
+        let (q, rx, _) = lane_over(&ours);
+        drop(rx);
+        assert!(
+            matches!(q.send_direct(b"late"), Direct::Queue),
+            "a frame went past a writer that had ended"
+        );
+        // Its duplicate of the socket is closed: with ours gone too, the peer reads the end.
+        drop(ours);
+        let mut b = [0u8; 4];
+        assert_eq!(
+            theirs.read(&mut b).unwrap(),
+            0,
+            "the lane still held the socket"
+        );
     }
 
     /// The writer's part: takes an item with its turn and writes it out.
