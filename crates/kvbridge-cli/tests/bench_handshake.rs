@@ -2,22 +2,16 @@
 //! certificate and key from `KVBRIDGE_TLS_CERT`/`KVBRIDGE_TLS_KEY` files, the initiators
 //! trust it, and both sides of the comparison report samples.
 
+mod common;
 use std::process::Command;
 
 #[test]
 fn bench_handshake_with_tls_reports_both_sides() {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvbridge"))
-        .args(["bench", "handshake", "--tls", "--peers", "3", "--json"])
-        .env_remove("KVBRIDGE_TLS_CA")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+    let v = common::run_json(
+        &mut Command::new(env!("CARGO_BIN_EXE_kvbridge"))
+            .args(["bench", "handshake", "--tls", "--peers", "3", "--json"])
+            .env_remove("KVBRIDGE_TLS_CA"),
     );
-    let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
     assert_eq!(v["samples"], 3, "{v}");
     assert_eq!(v["tls"]["samples"], 3, "{v}");
     assert!(

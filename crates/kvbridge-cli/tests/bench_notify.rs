@@ -1,22 +1,16 @@
 //! `kvbridge bench notify` end to end: the echoing peer process answers every notification
 //! and every raw ping, and the notifications took the fast lane past the data writer.
 
+mod common;
 use std::process::Command;
 
 #[test]
 fn bench_notify_reports_the_three_latencies() {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvbridge"))
-        .args(["bench", "notify", "--samples", "20", "--json"])
-        .env("KVBRIDGE_DATA_THREADS", "1")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+    let v = common::run_json(
+        &mut Command::new(env!("CARGO_BIN_EXE_kvbridge"))
+            .args(["bench", "notify", "--samples", "20", "--json"])
+            .env("KVBRIDGE_DATA_THREADS", "1"),
     );
-    let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
     assert_eq!(v["samples"], 20, "{v}");
     for k in ["tcp_round_trip", "notify_reply", "notify_delivered"] {
         assert!(

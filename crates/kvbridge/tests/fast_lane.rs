@@ -1,13 +1,12 @@
 //! Small frames (notifications, acknowledgements) skip an idle data connection's writer:
-//! the task or thread that issues one writes it to the socket itself. They still never pass
-//! anything queued or being written before them.
+//! the task or thread that issues one writes it to the socket itself. That they never pass
+//! a payload being written is `direct_copy.rs`'s TCP case; the order rule itself is unit
+//! tested in `writer_queue.rs`.
 
 mod common;
 use common::*;
-use kvbridge::{Op, Transport};
+use kvbridge::Transport;
 use std::time::Duration;
-
-const LEN: usize = 64 << 20;
 
 /// On data threads, a notification on an idle connection and the peer's acknowledgement
 /// of it are both written by their issuers.
@@ -43,36 +42,4 @@ async fn notifications_and_their_acks_skip_idle_writers_tcp() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn notifications_and_their_acks_skip_idle_writers_shm() {
     notifications_and_their_acks_skip_idle_writers(Transport::Shm.into()).await
-}
-
-/// A notification issued while a large TCP write is on its way out (its payload held by
-/// the writer) must wait for it: it reaches the peer only after the write's last byte.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_notification_issued_during_a_tcp_write_follows_it() {
-    let t: Carrier = Transport::Tcp.into();
-    let (dec, kv) = listener("decode-0", |c| t.apply(c), LEN, LEN).await;
-    let (pre, src) = initiator("prefill-0", |c| t.apply(c), LEN, LEN).await;
-    fill(&src, 13);
-    let peer = pre.connect(&addr(&dec)).await.unwrap();
-    assert_transport(&pre, &peer, t).await;
-    let write = tokio::spawn({
-        let (pre, src, peer, kv) = (pre.clone(), src.clone(), peer.clone(), kv.id());
-        async move { pre.write(&peer, &[Op::page(&src, 0, kv, 0, LEN)]).await }
-    });
-    wait_in_flight(&pre).await;
-    let queued = pre.notify_queued(&peer, b"after").await.unwrap();
-    let n = tokio::time::timeout(Duration::from_secs(10), dec.recv_notification())
-        .await
-        .expect("no notification")
-        .unwrap();
-    assert_eq!(n.data, b"after");
-    let (mut a, mut b) = (vec![0u8; 4096], vec![0u8; 4096]);
-    src.read_at(LEN - 4096, &mut a).unwrap();
-    kv.read_at(LEN - 4096, &mut b).unwrap();
-    assert!(
-        a == b,
-        "the notification arrived before the write it followed had landed"
-    );
-    write.await.unwrap().unwrap();
-    queued.delivered().await.unwrap();
 }

@@ -1,4 +1,4 @@
-//! Helpers for the tests that run `kvbridge bench peer` as a separate process.
+//! Helpers for the tests that run `kvbridge` as a separate process.
 #![allow(dead_code)]
 
 use std::io::Read;
@@ -45,4 +45,17 @@ pub fn spawn_peer(mut cmd: Command) -> Peer {
         addr: parts[1].to_string(),
         region: kvbridge::RegionId(id),
     }
+}
+
+/// Runs `cmd` (a `kvbridge ... --json` command line), asserts it succeeded, and parses the
+/// one JSON object it printed.
+pub fn run_json(cmd: &mut Command) -> serde_json::Value {
+    let out = cmd.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(stdout.trim()).unwrap()
 }
