@@ -8,7 +8,7 @@ use std::process::Command;
 #[test]
 fn bench_handshake_with_tls_reports_both_sides() {
     let v = common::run_json(
-        &mut Command::new(env!("CARGO_BIN_EXE_kvbridge"))
+        Command::new(env!("CARGO_BIN_EXE_kvbridge"))
             .args(["bench", "handshake", "--tls", "--peers", "3", "--json"])
             .env_remove("KVBRIDGE_TLS_CA"),
     );

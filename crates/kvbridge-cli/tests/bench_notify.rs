@@ -7,7 +7,7 @@ use std::process::Command;
 #[test]
 fn bench_notify_reports_the_three_latencies() {
     let v = common::run_json(
-        &mut Command::new(env!("CARGO_BIN_EXE_kvbridge"))
+        Command::new(env!("CARGO_BIN_EXE_kvbridge"))
             .args(["bench", "notify", "--samples", "20", "--json"])
             .env("KVBRIDGE_DATA_THREADS", "1"),
     );
