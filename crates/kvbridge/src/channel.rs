@@ -7,7 +7,7 @@
 //! arrive for a session the directory does not know yet.
 
 use crate::config::ChannelConfig;
-use crate::datapath::{DataPath, LocalSlice, Outgoing};
+use crate::datapath::{DataPath, LocalSlice};
 use crate::error::{Error, Result};
 use crate::net::{Listener, Stream};
 use crate::region::{Grant, Region, RegionTable};
@@ -699,16 +699,7 @@ impl Channel {
         // With several data connections (or a direct copy running), earlier writes may
         // still be in flight: the notification leaves only once they all completed.
         h.data.wait_earlier(self.inner.config.deadlines.op).await?;
-        let submitted = h
-            .data
-            .submit(
-                Step::Notify,
-                self.inner.config.deadlines.op,
-                0,
-                DataPath::notify_waiting,
-                |id| Outgoing::Notify { id, data },
-            )
-            .await?;
+        let submitted = h.data.notify(self.inner.config.deadlines.op, data).await?;
         Ok(QueuedNotify(submitted))
     }
 

@@ -116,14 +116,8 @@ pub(crate) enum Outgoing {
         id: u64,
         descs: Vec<OpDesc>,
     },
-    Notify {
-        id: u64,
-        data: Vec<u8>,
-    },
-    /// A `WriteAck` or `NotifyAck` for the peer.
-    Ack(Message),
-    /// An encoded notification or acknowledgement that could not take the fast lane
-    /// ([`WriterQueue::send_direct`]).
+    /// An encoded notification or acknowledgement, queued when it could not take the fast
+    /// lane ([`WriterQueue::send_direct`]).
     Frame(Vec<u8>),
     /// Nothing to send: wakes the writer for the tail of a frame the fast lane sent in part
     /// (`Turn::tail`).
@@ -647,9 +641,39 @@ impl DataPath {
         waiting: impl FnOnce(oneshot::Sender<Result<()>>) -> Waiting,
         outgoing: impl FnOnce(u64) -> Outgoing,
     ) -> Result<Submitted> {
+        self.submit_with(step, deadline, bytes, waiting, |id| Ok(outgoing(id)))
+            .await
+    }
+
+    /// Submits a notification of `data` (its outcome is the peer's acknowledgement); it
+    /// goes on the writer's fast lane when the connection is idle.
+    pub(crate) async fn notify(&self, deadline: Duration, data: Vec<u8>) -> Result<Submitted> {
+        self.submit_with(Step::Notify, deadline, 0, Waiting::Notify, |id| {
+            Message::Notify(Notify {
+                id,
+                data: Blob(data),
+            })
+            .to_frame()
+            .map(Outgoing::Frame)
+            .map_err(|e| Error::Local(e.to_string()))
+        })
+        .await
+    }
+
+    /// [`DataPath::submit`] with an item that may fail to build (before anything is
+    /// entered). An encoded frame tries the fast lane first.
+    async fn submit_with(
+        &self,
+        step: Step,
+        deadline: Duration,
+        bytes: u64,
+        waiting: impl FnOnce(oneshot::Sender<Result<()>>) -> Waiting,
+        outgoing: impl FnOnce(u64) -> Result<Outgoing>,
+    ) -> Result<Submitted> {
         let until = tokio::time::Instant::now() + deadline;
         let room = self.acquire_room(step, deadline, until, bytes).await?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let o = outgoing(id)?;
         let (tx, rx) = oneshot::channel();
         {
             let mut p = self.pending.lock().expect("pending poisoned");
@@ -675,27 +699,18 @@ impl DataPath {
             peer: self.peer.clone(),
             abort: self.abort.clone(),
         };
-        let o = match outgoing(id) {
-            Outgoing::Notify { id, data } => {
-                let frame = Message::Notify(Notify {
-                    id,
-                    data: Blob(data),
-                })
-                .to_frame()
-                .map_err(|e| Error::Local(e.to_string()))?;
-                match self.out.send_direct(&frame) {
-                    // On the wire; the outcome comes with the peer's acknowledgement.
-                    Direct::Sent => return Ok(submitted),
-                    // The session ends on the shut socket, and the outcome says so.
-                    Direct::Broken(e) => {
-                        tracing::debug!(peer = %self.peer, error = %e, "notification cut short");
-                        return Ok(submitted);
-                    }
-                    Direct::Queue => Outgoing::Frame(frame),
+        if let Outgoing::Frame(frame) = &o {
+            match self.out.send_direct(frame) {
+                // On the wire; the outcome comes with the peer's acknowledgement.
+                Direct::Sent => return Ok(submitted),
+                // The session ends on the shut socket, and the outcome says so.
+                Direct::Broken(e) => {
+                    tracing::debug!(peer = %self.peer, error = %e, "frame cut short");
+                    return Ok(submitted);
                 }
+                Direct::Queue => {}
             }
-            o => o,
-        };
+        }
         match tokio::time::timeout_at(until, self.out.send(o)).await {
             // A closed queue: the writer is gone; the session is tearing down and will
             // drain us (the outcome says so).
@@ -706,10 +721,6 @@ impl DataPath {
 
     pub(crate) fn write_waiting(tx: oneshot::Sender<Result<()>>) -> Waiting {
         Waiting::Write(tx)
-    }
-
-    pub(crate) fn notify_waiting(tx: oneshot::Sender<Result<()>>) -> Waiting {
-        Waiting::Notify(tx)
     }
 
     pub(crate) fn read_waiting(
@@ -940,20 +951,6 @@ pub(crate) async fn run_writer(
                     .await
                     .map_err(|e| lost(Step::Read, e))?;
             }
-            Outgoing::Notify { id, data } => {
-                write_msg(
-                    &mut w,
-                    &Message::Notify(Notify {
-                        id,
-                        data: Blob(data),
-                    }),
-                )
-                .await
-                .map_err(|e| lost(Step::Notify, e))?;
-            }
-            Outgoing::Ack(m) => write_msg(&mut w, &m)
-                .await
-                .map_err(|e| lost(Step::Write, e))?,
             Outgoing::Frame(f) => {
                 w.write_all(&f).await.map_err(|e| lost(Step::Notify, e))?;
                 w.flush().await.map_err(|e| lost(Step::Notify, e))?;
@@ -1208,13 +1205,13 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
                     Ok(d) => d,
                     Err(reject) => {
                         let err = ctx.misbehaved(Step::Write, reject.message.clone());
-                        let _ = ctx
-                            .out
-                            .send(Outgoing::Ack(Message::WriteAck(Ack {
-                                id: b.id,
-                                error: Some(reject),
-                            })))
-                            .await;
+                        let ack = Message::WriteAck(Ack {
+                            id: b.id,
+                            error: Some(reject),
+                        });
+                        if let Ok(f) = ack.to_frame() {
+                            let _ = ctx.out.send(Outgoing::Frame(f)).await;
+                        }
                         return Err(err);
                     }
                 };
