@@ -150,8 +150,10 @@ impl DirectCopy for MemCopy {
         for p in pieces {
             let remote = p.remote as *mut u8;
             match dir {
-                Dir::Write => std::ptr::copy_nonoverlapping(p.local, remote, p.len),
-                Dir::Read => std::ptr::copy_nonoverlapping(remote, p.local, p.len),
+                // Streaming stores for large pieces: the other side reads them later,
+                // this thread never does (`stream_copy`).
+                Dir::Write => crate::stream_copy::copy(p.local, remote, p.len),
+                Dir::Read => crate::stream_copy::copy(remote, p.local, p.len),
             }
         }
         Ok(())

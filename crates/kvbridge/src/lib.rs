@@ -37,6 +37,7 @@ pub mod net;
 mod region;
 mod session;
 mod shm;
+mod stream_copy;
 pub mod thread_pool;
 mod tls;
 mod wire;
