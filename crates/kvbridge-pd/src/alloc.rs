@@ -197,6 +197,16 @@ pub enum Event {
         /// The `finish` call answered.
         call: u64,
     },
+    /// Answer the owner's `finish_when_landed` call: the request completes by itself when
+    /// its last chunk lands.
+    Accepted {
+        /// The request.
+        req_id: String,
+        /// Its owner.
+        owner: Owner,
+        /// The `finish_when_landed` call answered.
+        call: u64,
+    },
     /// Refuse the owner's deferred `finish` call: the request ended first.
     FinishRefused {
         /// The request.
@@ -311,6 +321,9 @@ struct Req {
     reading: Vec<bool>,
     /// Pull: the owner's `finish` call, answered once every chunk landed.
     finish_call: Option<u64>,
+    /// Push: the owner's [`PageAllocator::finish_when_landed`] was accepted; the request
+    /// completes when its last chunk lands.
+    complete_when_landed: bool,
 }
 
 /// A read of a pull request in flight, from [`PageAllocator::begin_read`] to
@@ -457,6 +470,7 @@ impl PageAllocator {
                 pull: req.pull,
                 reading: vec![false; n],
                 finish_call: None,
+                complete_when_landed: false,
             },
         );
         Grant {
@@ -808,10 +822,52 @@ impl PageAllocator {
         }])
     }
 
+    /// Push mode: the owner asks the request to complete by itself once every chunk has
+    /// landed (each through [`PageAllocator::chunk_written`], which follows its write), and
+    /// to be answered now ([`Event::Accepted`]), so its round trip runs while it writes
+    /// instead of after its last write. Until then the request is live as any other: it
+    /// ends on a cancel, on its TTL or with its owner's session, and its reader learns so.
+    /// When every chunk landed already, this is [`PageAllocator::finish`].
+    pub fn finish_when_landed(
+        &mut self,
+        now: Instant,
+        req_id: &str,
+        owner: &Owner,
+        call: u64,
+    ) -> Result<Vec<Event>, ReqError> {
+        let r = self.reqs.get_mut(req_id).ok_or(ReqError::Unknown)?;
+        if &r.owner != owner {
+            return Err(ReqError::NotOwner);
+        }
+        if r.state != ReqState::Writing {
+            return Err(ReqError::WrongState("already complete"));
+        }
+        if r.pull {
+            return Err(ReqError::WrongState(
+                "a pull request (the receiver reads it)",
+            ));
+        }
+        if r.complete_when_landed {
+            return Err(ReqError::WrongState("already finishing"));
+        }
+        if r.landed.iter().all(|l| *l) {
+            return self.finish(now, req_id, owner, call);
+        }
+        r.complete_when_landed = true;
+        Ok(vec![Event::Accepted {
+            req_id: req_id.to_string(),
+            owner: owner.clone(),
+            call,
+        }])
+    }
+
     /// Push mode: the owner says chunk `index` landed (its message is ordered after the
-    /// write), so a reader may borrow it before the whole request is complete.
+    /// write), so a reader may borrow it before the whole request is complete. After an
+    /// accepted [`PageAllocator::finish_when_landed`], the last chunk to land completes the
+    /// request.
     pub fn chunk_written(
         &mut self,
+        now: Instant,
         req_id: &str,
         owner: &Owner,
         index: u64,
@@ -833,6 +889,9 @@ impl PageAllocator {
             .get_mut(index as usize)
             .ok_or(ReqError::WrongState("without that chunk"))?;
         *l = true;
+        if r.complete_when_landed && r.landed.iter().all(|l| *l) {
+            self.complete(now, req_id, owner)?;
+        }
         Ok(())
     }
 
@@ -1381,7 +1440,7 @@ mod tests {
         a.alloc(t, req("a", 1, &[1, 2]));
         // Not landed yet: no borrow.
         assert!(a.pin_chunk("a", 0).is_err());
-        a.chunk_written("a", &owner(1), 0).unwrap();
+        a.chunk_written(t, "a", &owner(1), 0).unwrap();
         assert_eq!(a.landed("a"), Some(&[true, false][..]));
         let p = a.pin_chunk("a", 0).unwrap();
         a.complete(t, "a", &owner(1)).unwrap();
@@ -1404,7 +1463,7 @@ mod tests {
         let t = Instant::now();
         let mut a = PageAllocator::new(1, S, 10 * S);
         a.alloc(t, req("a", 1, &[1]));
-        a.chunk_written("a", &owner(1), 0).unwrap();
+        a.chunk_written(t, "a", &owner(1), 0).unwrap();
         let p = a.pin_chunk("a", 0).unwrap();
         a.cancel(t, "a").unwrap();
         a.fence_acked(t, "a", &owner(1));
@@ -1412,6 +1471,63 @@ mod tests {
         a.unpin(t, p);
         let c = a.counters();
         assert_eq!((c.free, c.pinned, c.leaked), (1, 0, 0));
+    }
+
+    #[test]
+    fn finish_when_landed_answers_at_once_and_completes_with_the_last_chunk() {
+        let t = Instant::now();
+        let mut a = PageAllocator::new(4, S, 10 * S);
+        a.alloc(t, req("a", 1, &[1, 2, 3]));
+        assert_eq!(
+            a.finish_when_landed(t, "a", &owner(2), 7),
+            Err(ReqError::NotOwner)
+        );
+        assert_eq!(
+            a.finish_when_landed(t, "a", &owner(1), 7).unwrap(),
+            vec![Event::Accepted {
+                req_id: "a".into(),
+                owner: owner(1),
+                call: 7
+            }]
+        );
+        assert!(a.finish_when_landed(t, "a", &owner(1), 8).is_err());
+        // Chunks land in any order; the request completes with the last of them only.
+        a.chunk_written(t, "a", &owner(1), 2).unwrap();
+        a.chunk_written(t, "a", &owner(1), 0).unwrap();
+        assert_eq!(a.state("a"), Some(ReqState::Writing));
+        assert!(a.begin_retrieve("a").is_err());
+        a.chunk_written(t, "a", &owner(1), 1).unwrap();
+        assert_eq!(a.state("a"), Some(ReqState::Complete));
+        a.begin_retrieve("a").unwrap();
+        a.end_retrieve(t, "a").unwrap();
+        assert_eq!(a.counters().leaked, 0);
+        // Every chunk landed already: a plain finish. A pull request: refused.
+        a.alloc(t, req("b", 1, &[4]));
+        a.chunk_written(t, "b", &owner(1), 0).unwrap();
+        assert!(matches!(
+            a.finish_when_landed(t, "b", &owner(1), 9).unwrap()[..],
+            [Event::Completed { call: 9, .. }]
+        ));
+        a.alloc(t, pull_req("c", 1, &[5]));
+        assert!(a.finish_when_landed(t, "c", &owner(1), 10).is_err());
+    }
+
+    #[test]
+    fn a_request_finishing_when_landed_still_expires() {
+        let t = Instant::now();
+        let mut a = PageAllocator::new(2, S, 10 * S);
+        a.alloc(t, req("a", 1, &[1, 2]));
+        a.finish_when_landed(t, "a", &owner(1), 1).unwrap();
+        a.chunk_written(t, "a", &owner(1), 0).unwrap();
+        let ev = a.tick(t + 11 * S);
+        assert!(
+            ev.iter()
+                .any(|e| matches!(e, Event::Ended { req_id, .. } if req_id == "a")),
+            "{ev:?}"
+        );
+        assert_eq!(a.state("a"), None);
+        assert!(a.chunk_written(t + 11 * S, "a", &owner(1), 1).is_err());
+        assert_eq!(a.counters().leaked, 0);
     }
 
     #[test]
@@ -1423,7 +1539,7 @@ mod tests {
         assert_eq!(a.begin_read("a", &owner(2), 0), Err(ReqError::NotOwner));
         let r0 = a.begin_read("a", &owner(1), 0).unwrap();
         assert!(a.begin_read("a", &owner(1), 0).is_err());
-        assert!(a.chunk_written("a", &owner(1), 1).is_err());
+        assert!(a.chunk_written(t, "a", &owner(1), 1).is_err());
         // Finish before the reads resolved: deferred.
         assert!(a.finish(t, "a", &owner(1), 9).unwrap().is_empty());
         let (pulled, ev) = a.end_read(t, &r0, true);

@@ -68,7 +68,22 @@ pub enum PdMsg {
         /// The sender channel's incarnation.
         incarnation: u64,
     },
-    /// Receiver → sender: finish accepted; the KV is ready.
+    /// Sender → receiver, push mode: answer this finish now, and complete the request by
+    /// yourself once every chunk has landed (the `Written` of the last one). Sent ahead of
+    /// the writes, so its round trip runs while they do instead of after the last one. A
+    /// new message rather than a field of `Finish`: a receiver that does not know it drops
+    /// it as malformed (the sender's call then fails at its deadline) instead of completing
+    /// the request before its chunks landed.
+    FinishWhenLanded {
+        /// Correlation id of this call.
+        call: u64,
+        /// The request.
+        req_id: String,
+        /// The sender channel's incarnation.
+        incarnation: u64,
+    },
+    /// Receiver → sender: finish accepted; the KV is ready (after `FinishWhenLanded`: will
+    /// be, once the last chunk's `Written` arrives).
     FinishOk {
         /// The call answered.
         call: u64,

@@ -700,6 +700,11 @@ fn apply(inner: &Arc<Inner>, events: Vec<Event>) {
                 req_id,
                 owner,
                 call,
+            }
+            | Event::Accepted {
+                req_id,
+                owner,
+                call,
             } => {
                 if let Some(peer) = PeerId::new(owner.peer.clone()) {
                     send(inner, &peer, &PdMsg::FinishOk { call, req_id });
@@ -865,28 +870,20 @@ async fn handle(inner: &Arc<Inner>, peer: PeerId, session_incarnation: u64, data
             incarnation,
         } => {
             let r = lock(&inner.alloc).finish(now, &req_id, &owner(&peer, incarnation), call);
-            match r {
-                Ok(ev) => ev,
-                Err(e) => {
-                    let reason = match e {
-                        ReqError::Unknown => {
-                            "the receiver no longer holds the request (cancelled or expired)"
-                                .to_string()
-                        }
-                        e => e.to_string(),
-                    };
-                    send(
-                        inner,
-                        &peer,
-                        &PdMsg::FinishErr {
-                            call,
-                            req_id,
-                            reason,
-                        },
-                    );
-                    Vec::new()
-                }
-            }
+            finish_answer(inner, &peer, call, req_id, r)
+        }
+        PdMsg::FinishWhenLanded {
+            call,
+            req_id,
+            incarnation,
+        } => {
+            let r = lock(&inner.alloc).finish_when_landed(
+                now,
+                &req_id,
+                &owner(&peer, incarnation),
+                call,
+            );
+            finish_answer(inner, &peer, call, req_id, r)
         }
         PdMsg::Cancel {
             req_id,
@@ -907,7 +904,7 @@ async fn handle(inner: &Arc<Inner>, peer: PeerId, session_incarnation: u64, data
         } => {
             tracing::debug!(target: crate::TIMELINE, stage = "receiver.written", id = %req_id, chunk = index);
             if let Err(e) =
-                lock(&inner.alloc).chunk_written(&req_id, &owner(&peer, incarnation), index)
+                lock(&inner.alloc).chunk_written(now, &req_id, &owner(&peer, incarnation), index)
             {
                 // Late (the request ended) or confused: nothing becomes readable.
                 tracing::debug!(%peer, %req_id, index, error = %e, "chunk-written note ignored");
@@ -948,6 +945,35 @@ async fn handle(inner: &Arc<Inner>, peer: PeerId, session_incarnation: u64, data
         }
     };
     apply(inner, ev);
+}
+
+/// The allocator's events for a `finish` or `finish_when_landed` call, or, when it refused the
+/// call, a `FinishErr` sent to the sender.
+fn finish_answer(
+    inner: &Arc<Inner>,
+    peer: &PeerId,
+    call: u64,
+    req_id: String,
+    r: std::result::Result<Vec<Event>, ReqError>,
+) -> Vec<Event> {
+    match r {
+        Ok(ev) => ev,
+        Err(e) => {
+            let reason = match e {
+                ReqError::Unknown => {
+                    "the receiver no longer holds the request (cancelled or expired)".to_string()
+                }
+                e => e.to_string(),
+            };
+            let msg = PdMsg::FinishErr {
+                call,
+                req_id,
+                reason,
+            };
+            send(inner, peer, &msg);
+            Vec::new()
+        }
+    }
 }
 
 /// A chunk a pull sender offered.

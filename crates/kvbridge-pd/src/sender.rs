@@ -277,6 +277,7 @@ impl PdSender {
             offered: Vec::new(),
             regions: Vec::new(),
             unconfirmed: std::collections::VecDeque::new(),
+            early: None,
         };
         if self.follows() {
             // Rank 0 sends the (identical) KV for every rank: nothing to write here.
@@ -453,6 +454,19 @@ pub struct Transfer {
     /// Push: `Written` notifications queued and not yet confirmed, oldest first (at most
     /// [`MAX_UNCONFIRMED`]; all confirmed before `Finish`).
     unconfirmed: std::collections::VecDeque<kvbridge::QueuedNotify>,
+    /// Push: the confirmation asked for ahead of the writes ([`Transfer::prepare_finish`]),
+    /// collected by [`Transfer::finish`].
+    early: Option<EarlyFinish>,
+}
+
+/// A `FinishWhenLanded` sent ahead of the writes.
+struct EarlyFinish {
+    /// Its call id (an entry in the sender's calls until answered or forgotten).
+    call: u64,
+    /// The receiver's answer.
+    answer: oneshot::Receiver<PdMsg>,
+    /// The notification itself, until the receiver confirmed it arrived.
+    queued: kvbridge::QueuedNotify,
 }
 
 /// Most `Written` notifications a push transfer leaves unconfirmed: the next chunk's write
@@ -836,7 +850,13 @@ impl Transfer {
             .notify_queued(&note.encode())
             .await
             .map_err(|e| self.write_failed(&peer, e))?;
-        self.unconfirmed.push_back(queued);
+        // The last chunk after an early finish: the receiver's `FinishOk` came (or comes)
+        // already, and waiting for this note's confirmation would put back the round trip
+        // after the last write that `prepare_finish` takes away. Were the note lost with
+        // the session, the receiver ends the request as failed and reports it.
+        if self.early.is_none() || self.sent.iter().any(|s| !s) {
+            self.unconfirmed.push_back(queued);
+        }
         while self.unconfirmed.len() > MAX_UNCONFIRMED {
             self.confirm_oldest(&peer).await?;
         }
@@ -860,8 +880,68 @@ impl Transfer {
         }
     }
 
+    /// Push: asks the receiver for its confirmation of the whole transfer now, ahead of
+    /// the writes, so that the round trip runs while prefill produces and writes the
+    /// chunks instead of after the last write; [`Transfer::finish`] then only collects the
+    /// answer. The receiver answers at once (if it still holds the request) and completes
+    /// the request by itself when the last chunk's write lands: the note saying so follows
+    /// each write on the session. `finish` does not wait for that last note's
+    /// confirmation: were the session to fail before the note arrives, the receiver ends
+    /// the request as failed and reports `KvFailed` for it, and a decoder waiting for it
+    /// gets a clear error. Every earlier failure is what it was: a fence or a lost session
+    /// fails the next write, and `finish`.
+    ///
+    /// Does nothing in pull mode (the receiver reads, and knows when it is done), when
+    /// nothing is left to send, or when called again.
+    pub async fn prepare_finish(&mut self) -> Result<()> {
+        let r = self.prepare_finish_inner().await;
+        self.fail_on_err(r).await
+    }
+
+    async fn prepare_finish_inner(&mut self) -> Result<()> {
+        if self.pull || self.done || self.early.is_some() || self.sent.iter().all(|s| *s) {
+            return Ok(());
+        }
+        let Some(peer) = self.peer().cloned() else {
+            return Ok(());
+        };
+        let call = self.inner.next_call.fetch_add(1, Ordering::Relaxed);
+        let msg = PdMsg::FinishWhenLanded {
+            call,
+            req_id: self.req_id.clone(),
+            incarnation: self.inner.channel.incarnation().0,
+        };
+        let (tx, answer) = oneshot::channel();
+        lock(&self.inner.calls).insert(call, tx);
+        let queued = self
+            .link(PdStep::Finish)?
+            .notify_queued(&msg.encode())
+            .await;
+        match queued {
+            Ok(queued) => {
+                self.early = Some(EarlyFinish {
+                    call,
+                    answer,
+                    queued,
+                });
+                Ok(())
+            }
+            Err(e) => {
+                lock(&self.inner.calls).remove(&call);
+                Err(PdError::Transfer {
+                    req_id: self.req_id.clone(),
+                    peer: peer.to_string(),
+                    step: PdStep::Finish,
+                    source: Box::new(e),
+                })
+            }
+        }
+    }
+
     /// Tells the receiver every chunk landed, waits for its confirmation, and reports
-    /// `KvReady`. Fails (with `KvFailed`) when a chunk was not handed over.
+    /// `KvReady`. Fails (with `KvFailed`) when a chunk was not handed over. After
+    /// [`Transfer::prepare_finish`] the confirmation was asked for already, and this
+    /// collects it.
     pub async fn finish(mut self) -> Result<Summary> {
         let r = self.finish_inner().await;
         let r = self.fail_on_err(r).await;
@@ -904,6 +984,10 @@ impl Transfer {
         let Some(peer) = self.peer().cloned() else {
             return Ok(summary); // an empty prompt: nothing was allocated
         };
+        if let Some(early) = self.early.take() {
+            let answer = self.collect_early(&peer, early).await?;
+            return self.finish_result(answer, summary);
+        }
         let msg = PdMsg::Finish {
             call: 0,
             req_id: self.req_id.clone(),
@@ -928,7 +1012,53 @@ impl Transfer {
             self.call(PdStep::Finish, msg, self.inner.cfg.step_deadline)
         );
         confirmed?;
-        match answer? {
+        self.finish_result(answer?, summary)
+    }
+
+    /// Waits for the answer to an early finish, and for the confirmation of every note
+    /// but the last chunk's and of the `FinishWhenLanded` itself, under the step deadline.
+    async fn collect_early(&mut self, peer: &PeerId, early: EarlyFinish) -> Result<PdMsg> {
+        let EarlyFinish {
+            call,
+            answer,
+            queued,
+        } = early;
+        let deadline = self.inner.cfg.step_deadline;
+        let unconfirmed = std::mem::take(&mut self.unconfirmed);
+        let confirmed = async {
+            for q in unconfirmed.into_iter().chain([queued]) {
+                q.delivered()
+                    .await
+                    .map_err(|e| self.write_failed(peer, e))?;
+            }
+            Ok::<(), PdError>(())
+        };
+        let answered = async {
+            answer.await.map_err(|_| PdError::Cancelled {
+                req_id: self.req_id.clone(),
+                step: PdStep::Finish,
+                reason: "the sender is closing".into(),
+            })
+        };
+        let r = tokio::time::timeout(deadline, async {
+            let (c, a) = tokio::join!(confirmed, answered);
+            c.and(a)
+        })
+        .await;
+        lock(&self.inner.calls).remove(&call);
+        r.unwrap_or_else(|_| {
+            Err(PdError::Timeout {
+                req_id: self.req_id.clone(),
+                peer: peer.to_string(),
+                step: PdStep::Finish,
+                after: deadline,
+            })
+        })
+    }
+
+    /// The transfer's result from the receiver's answer to its finish.
+    fn finish_result(&self, answer: PdMsg, summary: Summary) -> Result<Summary> {
+        match answer {
             PdMsg::FinishOk { .. } => Ok(summary),
             PdMsg::FinishErr { reason, .. } => Err(PdError::Refused {
                 req_id: self.req_id.clone(),
@@ -979,6 +1109,9 @@ impl Transfer {
     }
 
     fn forget(&self) {
+        if let Some(e) = &self.early {
+            lock(&self.inner.calls).remove(&e.call);
+        }
         if let Some(p) = self.peer() {
             lock(&self.inner.transfers).remove(&(p.clone(), self.req_id.clone()));
         }

@@ -12,7 +12,7 @@
 
 use kvbridge_pd::alloc::{AllocReq, Event, Owner, PageAllocator, ReadTicket, Refusal, ReqState};
 use proptest::prelude::*;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone)]
@@ -30,6 +30,7 @@ enum Op {
     Unpin(u8),
     PullCancel(u8),
     Finish(u8),
+    FinishWhenLanded(u8),
     Complete(u8),
     Cancel(u8),
     SenderCancel(u8),
@@ -50,6 +51,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => any::<u8>().prop_map(Op::Unpin),
         1 => (0u8..24).prop_map(Op::PullCancel),
         2 => (0u8..24).prop_map(Op::Finish),
+        2 => (0u8..24).prop_map(Op::FinishWhenLanded),
         3 => (0u8..24).prop_map(Op::Complete),
         1 => (0u8..24).prop_map(Op::Cancel),
         1 => (0u8..24).prop_map(Op::SenderCancel),
@@ -70,6 +72,8 @@ struct World {
     reads: Vec<ReadTicket>,
     /// Pages borrowed by readers.
     pins: Vec<u32>,
+    /// Per push request: the chunks to send (not held) whose note has not arrived.
+    unwritten: HashMap<String, HashSet<u64>>,
 }
 
 impl World {
@@ -85,6 +89,15 @@ impl World {
         for e in ev {
             match e {
                 Event::Granted(g) => {
+                    // Per grant (a request id may come back after its first grant ended).
+                    let chunks: HashSet<u64> = g
+                        .slots
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, s)| !s.held)
+                        .map(|(i, _)| i as u64)
+                        .collect();
+                    self.unwritten.insert(g.req_id.clone(), chunks);
                     for s in &g.slots {
                         assert!(
                             !self.landable.contains_key(&s.page),
@@ -128,6 +141,15 @@ impl World {
         }
     }
 
+    /// A push request completed through `finish_when_landed`: every chunk it had to
+    /// receive must have landed (its note arrived), or a reader would see a page that a
+    /// write has yet to fill.
+    fn completed_when_landed(&self, req: &str) {
+        if let Some(u) = self.unwritten.get(req) {
+            assert!(u.is_empty(), "{req} completed with chunks {u:?} not landed");
+        }
+    }
+
     fn settle(&mut self, owner: &Owner, req: &str) {
         self.landable.retain(|_, (o, r)| !(o == owner && r == req));
     }
@@ -152,6 +174,7 @@ fn run(ops: Vec<Op>, pages: u32) {
         landable: HashMap::new(),
         reads: Vec::new(),
         pins: Vec::new(),
+        unwritten: HashMap::new(),
     };
     let mut pull: HashMap<String, bool> = HashMap::new();
     for op in ops {
@@ -197,7 +220,19 @@ fn run(ops: Vec<Op>, pages: u32) {
             }
             Op::Written(req, i) => {
                 let owner = w.owner_of(req);
-                let _ = w.a.chunk_written(&format!("r{req}"), &owner, i as u64);
+                let id = format!("r{req}");
+                let was = w.a.state(&id);
+                if w.a.chunk_written(now, &id, &owner, i as u64).is_ok() {
+                    if let Some(u) = w.unwritten.get_mut(&id) {
+                        u.remove(&(i as u64));
+                    }
+                }
+                // The last chunk after an accepted `finish_when_landed`: the request
+                // completes, and its note came after every write of it.
+                if was == Some(ReqState::Writing) && w.a.state(&id) == Some(ReqState::Complete) {
+                    w.completed_when_landed(&id);
+                    w.settle(&owner, &id);
+                }
             }
             Op::BeginRead(req, i) => {
                 let owner = w.owner_of(req);
@@ -237,6 +272,19 @@ fn run(ops: Vec<Op>, pages: u32) {
                 let id = format!("r{req}");
                 if let Ok(ev) = w.a.finish(now, &id, &owner, 0) {
                     if w.a.state(&id) == Some(ReqState::Complete) {
+                        w.settle(&owner, &id);
+                    }
+                    w.events(ev, &pull);
+                }
+            }
+            Op::FinishWhenLanded(req) => {
+                let owner = w.owner_of(req);
+                let id = format!("r{req}");
+                if let Ok(ev) = w.a.finish_when_landed(now, &id, &owner, 0) {
+                    // Accepted with writes still to come: they can land, so the request's
+                    // pages stay landable until the last note completes it.
+                    if w.a.state(&id) == Some(ReqState::Complete) {
+                        w.completed_when_landed(&id);
                         w.settle(&owner, &id);
                     }
                     w.events(ev, &pull);

@@ -1097,6 +1097,12 @@ async fn rank_sender_inner(s: &Inner, job: RankJob) {
             return;
         }
     };
+    // The receiver's confirmation is asked for now, and comes back while the prefill runs
+    // (`prepare_finish`): the finish after the last write waits for nothing.
+    if t.prepare_finish().await.is_err() {
+        s.counts.kv_transfers_failed.fetch_add(1, Relaxed);
+        return;
+    }
     while let Some((i, data)) = rx.recv().await {
         s.busy.enter();
         s.write_busy.enter();
@@ -1112,14 +1118,7 @@ async fn rank_sender_inner(s: &Inner, job: RankJob) {
             return;
         }
     }
-    // KvReady only after the decoder acknowledged the announcement (long done by now: it
-    // started with the prefill). A sender gone without an answer counts as a failure.
-    let ok = tokio::time::timeout(s.cfg.announce_timeout, announced.wait_for(Option::is_some))
-        .await
-        .ok()
-        .and_then(|r| r.ok().and_then(|v| *v))
-        .unwrap_or(false);
-    if !ok {
+    if !told_decoder(s, &mut announced).await {
         s.counts.kv_transfers_failed.fetch_add(1, Relaxed);
         t.cancel("the decoder was not told about the transfer (announcement failed)")
             .await;
@@ -1145,6 +1144,20 @@ async fn rank_sender_inner(s: &Inner, job: RankJob) {
             s.counts.kv_transfers_failed.fetch_add(1, Relaxed);
         }
     }
+}
+
+/// Whether the decoder acknowledged the announcement of the transfer: `KvReady` comes only
+/// after that (long done by then: it started with the prefill). A sender gone without an
+/// answer counts as a failure.
+async fn told_decoder(
+    s: &Inner,
+    announced: &mut tokio::sync::watch::Receiver<Option<bool>>,
+) -> bool {
+    tokio::time::timeout(s.cfg.announce_timeout, announced.wait_for(Option::is_some))
+        .await
+        .ok()
+        .and_then(|r| r.ok().and_then(|v| *v))
+        .unwrap_or(false)
 }
 
 /// Decode role: the PD request holding this prompt's KV, and how many of the request's
