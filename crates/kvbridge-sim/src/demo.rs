@@ -169,8 +169,9 @@ pub struct DemoSummary {
     /// flight), GiB/s: `kv_gib_per_s` without the finishes, the rate of the data movement
     /// itself.
     pub kv_write_gib_per_s: f64,
-    /// Mean time of a transfer's finish under the workload (the receiver confirms that every
-    /// chunk landed: one round trip after the last write), ms.
+    /// Mean time of a transfer's finish under the workload, ms: collecting the receiver's
+    /// confirmation, asked for right after `begin` (`Transfer::prepare_finish`), so this is
+    /// the part of its round trip that the writes did not hide.
     pub kv_finish_mean_ms: f64,
     /// The same over the one-at-a-time replays after the workload (`--compare`,
     /// `--ttft-samples`): the rate while transferring when one request is in flight.
