@@ -326,6 +326,22 @@ struct Req {
     complete_when_landed: bool,
 }
 
+/// A live request of `owner` that is still being written.
+fn writing<'a>(
+    reqs: &'a mut HashMap<String, Req>,
+    req_id: &str,
+    owner: &Owner,
+) -> Result<&'a mut Req, ReqError> {
+    let r = reqs.get_mut(req_id).ok_or(ReqError::Unknown)?;
+    if &r.owner != owner {
+        return Err(ReqError::NotOwner);
+    }
+    if r.state != ReqState::Writing {
+        return Err(ReqError::WrongState("already complete"));
+    }
+    Ok(r)
+}
+
 /// A read of a pull request in flight, from [`PageAllocator::begin_read`] to
 /// [`PageAllocator::end_read`]. Its page stays pinned in between.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -501,13 +517,7 @@ impl PageAllocator {
     /// The sender says every chunk of the request landed (its message is ordered after its
     /// writes).
     pub fn complete(&mut self, now: Instant, req_id: &str, owner: &Owner) -> Result<(), ReqError> {
-        let r = self.reqs.get_mut(req_id).ok_or(ReqError::Unknown)?;
-        if &r.owner != owner {
-            return Err(ReqError::NotOwner);
-        }
-        if r.state != ReqState::Writing {
-            return Err(ReqError::WrongState("already complete"));
-        }
+        let r = writing(&mut self.reqs, req_id, owner)?;
         if r.pull && r.landed.iter().any(|l| !l) {
             return Err(ReqError::WrongState(
                 "a pull request with chunks not pulled yet",
@@ -800,13 +810,7 @@ impl PageAllocator {
         owner: &Owner,
         call: u64,
     ) -> Result<Vec<Event>, ReqError> {
-        let r = self.reqs.get_mut(req_id).ok_or(ReqError::Unknown)?;
-        if &r.owner != owner {
-            return Err(ReqError::NotOwner);
-        }
-        if r.state != ReqState::Writing {
-            return Err(ReqError::WrongState("already complete"));
-        }
+        let r = writing(&mut self.reqs, req_id, owner)?;
         if r.pull && (r.landed.iter().any(|l| !l) || r.reading.iter().any(|x| *x)) {
             if r.finish_call.is_some() {
                 return Err(ReqError::WrongState("already finishing"));
@@ -835,13 +839,7 @@ impl PageAllocator {
         owner: &Owner,
         call: u64,
     ) -> Result<Vec<Event>, ReqError> {
-        let r = self.reqs.get_mut(req_id).ok_or(ReqError::Unknown)?;
-        if &r.owner != owner {
-            return Err(ReqError::NotOwner);
-        }
-        if r.state != ReqState::Writing {
-            return Err(ReqError::WrongState("already complete"));
-        }
+        let r = writing(&mut self.reqs, req_id, owner)?;
         if r.pull {
             return Err(ReqError::WrongState(
                 "a pull request (the receiver reads it)",
