@@ -1,7 +1,8 @@
 //! `kvbridge bench pd`: prefiller ranks to decoder ranks over real loopback sockets.
 //!
 //! Each request's KV is written chunk by chunk through the PD sender's zero-copy path
-//! ([`crate::Transfer::send_chunk_from`]), then finished; the proxy side (an in-process
+//! ([`crate::Transfer::send_chunk_from`]), then finished (the finish asked for right after
+//! `begin`, [`crate::Transfer::prepare_finish`], as the reference engine does); the proxy side (an in-process
 //! outcome queue) timestamps every outcome. The same run measures a raw
 //! [`kvbridge::Channel`] writing the same bytes with the same page size and batch shape
 //! (one chunk per batch, the same requests in flight), so the PD layer's overhead is
@@ -568,6 +569,9 @@ async fn pd_rep(
                     ranks.spawn(async move {
                         let fut = async {
                             let mut t = tx.begin(&ds, &toks).await?;
+                            // As the reference engine does: the confirmation's round
+                            // trip runs during the writes (push; a no-op for pull).
+                            t.prepare_finish().await?;
                             let page = spec.page_bytes() as usize;
                             let n = t.chunks();
                             for i in 0..n {
@@ -601,7 +605,10 @@ async fn pd_rep(
                         let got = rx.retrieve(&ds.req_id, deadline).await?;
                         check_kv(&ds.req_id, &got, &engine, spec)?;
                     } else {
-                        // The decoder consumes the KV in place: pages return.
+                        // The decoder consumes the KV in place: pages return. After an
+                        // early finish the request completes when the receiver reads the
+                        // last chunk's note, a one-way trip after `KvReady`.
+                        rx.wait_complete(&ds.req_id, deadline).await?;
                         rx.release(&ds.req_id)?;
                     }
                 }

@@ -306,7 +306,10 @@ impl PdReceiver {
     }
 
     /// Returns the pages of a complete request without copying its KV out (the decoder
-    /// consumed it in place). Fails naming the request when it is not complete.
+    /// consumed it in place). Fails naming the request when it is not complete. A sender
+    /// that asked for its finish ahead of the writes (`Transfer::prepare_finish`) reports
+    /// `KvReady` once its last write landed; the request completes when this receiver reads
+    /// that write's note, a moment later: wait for it first ([`PdReceiver::wait_complete`]).
     pub fn release(&self, req_id: &str) -> Result<()> {
         let invalid = |e: ReqError| PdError::Invalid {
             req_id: req_id.into(),
