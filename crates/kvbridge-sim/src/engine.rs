@@ -280,6 +280,10 @@ struct Inner {
     announced: Announced,
     /// The simulated accelerator: one prefill at a time.
     accel: tokio::sync::Mutex<()>,
+    /// How long the mock accelerator took per token of the last chunk it computed, ps (0
+    /// until known): the lead with which a prefill step's KV computation starts
+    /// ([`jit_wait`]).
+    fill_ps_per_token: AtomicU64,
     counts: Counts,
     busy: BusyClock,
     /// The same for write calls only.
@@ -607,6 +611,7 @@ pub async fn start(cfg: EngineConfig, listener: TcpListener) -> Result<RunningEn
         outcomes,
         announced,
         accel: tokio::sync::Mutex::new(()),
+        fill_ps_per_token: AtomicU64::new(0),
         counts: Counts::default(),
         busy: BusyClock::default(),
         write_busy: BusyClock::default(),
@@ -898,6 +903,9 @@ async fn prefill(
     // This step's pages, computed but not yet existing for the cost model: one slot per rank.
     let mut step: Vec<(u64, Vec<ChunkSlot>)> = Vec::with_capacity(per_step);
     for (i, part) in tokens.chunks(c).enumerate() {
+        if step.is_empty() {
+            jit_wait(s, start, tokens.len(), i, c, per_step).await;
+        }
         let (m, part_v) = (model.clone(), part.to_vec());
         // Sending: every rank's KV is computed straight into its registered chunk memory,
         // and moved from there. Colocated: into this thread's scratch buffers.
@@ -914,6 +922,7 @@ async fn prefill(
         }
         // At the lowest priority (see `background`): on 2 cores the transfer of the previous
         // chunk and its notifications ran 10-20% faster in the demo (docs/engine.md).
+        let computing = Instant::now();
         let (st, chunks) = crate::background::run("kvb-prefill", move || {
             let mut st = state;
             let p = m.prefixes(st.prefix, &part_v);
@@ -927,6 +936,8 @@ async fn prefill(
         })
         .await
         .map_err(|e| SimError::Internal(format!("prefill task: {e}")))?;
+        let per_token = computing.elapsed().as_nanos() * 1000 / part.len().max(1) as u128;
+        s.fill_ps_per_token.store(per_token as u64, Relaxed);
         state = st;
         done += part.len() as u64;
         let stage = if send.is_some() {
@@ -957,6 +968,51 @@ async fn prefill(
         }
     }
     Ok(state)
+}
+
+/// Waits until the mock accelerator should start computing the step that begins with chunk
+/// `first`: the cost model's time for the step's KV to exist, less the time its tokens take
+/// to compute (at the last chunk's rate, with a quarter and a timer tick to spare).
+///
+/// A real accelerator computes KV in its own memory and takes nothing from the host; this
+/// one fills host memory, and a step computed as soon as the previous one was handed over
+/// filled the next chunk while the previous chunk was being transferred, two streams through
+/// the same memory on a 2-core host. Computed as late as the step allows, it overlaps the
+/// cost model's wait instead. Both the disaggregated and the colocated prefill wait the
+/// same, and the step's KV exists no later than before unless a compute runs more than a
+/// quarter over the last one's.
+async fn jit_wait(
+    s: &Inner,
+    start: tokio::time::Instant,
+    tokens: usize,
+    first: usize,
+    chunk_tokens: usize,
+    per_step: usize,
+) {
+    let end = ((first + per_step) * chunk_tokens).min(tokens);
+    let step_tokens = (end - first * chunk_tokens) as u64;
+    let ready = start + s.cfg.cost.prefill_time(end as u64);
+    let at = compute_start(ready, s.fill_ps_per_token.load(Relaxed), step_tokens);
+    // Only a wait in the future: a zero-length timer still waits for the next tick.
+    if let Some(at) = at.filter(|at| *at > tokio::time::Instant::now()) {
+        tokio::time::sleep_until(at).await;
+    }
+}
+
+/// When to start computing a step of `step_tokens` tokens whose KV the cost model has exist
+/// at `ready`, at `ps_per_token` picoseconds per token (the last chunk's rate): early by that
+/// time, a quarter more and a timer tick (tokio's timers fire on 1 ms ticks). `None`, to
+/// start at once, while the rate is not known.
+fn compute_start(
+    ready: tokio::time::Instant,
+    ps_per_token: u64,
+    step_tokens: u64,
+) -> Option<tokio::time::Instant> {
+    if ps_per_token == 0 {
+        return None;
+    }
+    let compute = Duration::from_nanos(ps_per_token.saturating_mul(step_tokens) / 1000);
+    ready.checked_sub(compute * 5 / 4 + Duration::from_millis(1))
 }
 
 /// Prefill role: starts the prefill at once and, while the accelerator computes, announces
@@ -1653,5 +1709,30 @@ async fn tokenize(State(s): State<Arc<Inner>>, body: Bytes) -> Response {
             "max_model_len": s.cfg.buffer_bytes / s.model.spec.bytes_per_token().max(1)}))
         .into_response(),
         Err(e) => e.into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_step_is_computed_as_late_as_its_ready_time_allows() {
+        let ready = tokio::time::Instant::now() + Duration::from_secs(1);
+        // The rate not known yet: at once.
+        assert_eq!(compute_start(ready, 0, 256), None);
+        // 4 µs per token, 256 tokens: 1.024 ms of compute, started 1.28 ms + a tick early.
+        let at = compute_start(ready, 4_000_000, 256).unwrap();
+        assert_eq!(
+            ready - at,
+            Duration::from_micros(1280) + Duration::from_millis(1)
+        );
+        // Twice the tokens, twice the compute.
+        let at2 = compute_start(ready, 4_000_000, 512).unwrap();
+        assert_eq!(at - at2, Duration::from_micros(1280));
+        // A step that cannot be computed in time starts at once (before now).
+        let soon = tokio::time::Instant::now() + Duration::from_micros(100);
+        let late = compute_start(soon, 4_000_000, 256).unwrap();
+        assert!(late < tokio::time::Instant::now());
     }
 }
