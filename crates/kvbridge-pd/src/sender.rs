@@ -911,12 +911,10 @@ impl Transfer {
             req_id: self.req_id.clone(),
             incarnation: self.inner.channel.incarnation().0,
         };
+        let link = self.link(PdStep::Finish)?;
         let (tx, answer) = oneshot::channel();
         lock(&self.inner.calls).insert(call, tx);
-        let queued = self
-            .link(PdStep::Finish)?
-            .notify_queued(&msg.encode())
-            .await;
+        let queued = link.notify_queued(&msg.encode()).await;
         match queued {
             Ok(queued) => {
                 self.early = Some(EarlyFinish {
