@@ -294,7 +294,7 @@ struct Inner {
     /// Decode: per granted request, the task digesting its KV as it lands.
     /// Prefill: each sender rank's chunk memory (see [`crate::chunk_memory`]).
     chunk_memory: Vec<Arc<ChunkMemory>>,
-    consumers: std::sync::Mutex<HashMap<String, JoinHandle<Result<SeqState, SimError>>>>,
+    consumers: std::sync::Mutex<HashMap<String, JoinHandle<Result<Consumed, SimError>>>>,
     /// Decode: PD requests taken by a decode request, until their pages are released (so
     /// two decode requests naming one id cannot both read, and release, its pages).
     claimed: std::sync::Mutex<std::collections::HashSet<String>>,
@@ -1363,14 +1363,28 @@ fn start_consumer(s: &Arc<Inner>, id: String, tokens: u64) {
     c.insert(id, h);
 }
 
+/// What a decoder took from a request's KV as it landed.
+struct Consumed {
+    /// The sequence state after the KV (its prefix hash is set once the prompt is known).
+    state: SeqState,
+    /// Per chunk, per world rank, the digest of each position's KV as it was read
+    /// (`[chunk][rank][position]`): checked against the prompt's KV after the first token,
+    /// without reading the pages again.
+    digests: Vec<Vec<Vec<u64>>>,
+    /// Bytes read, counted per world rank (an MLA chunk sent once counts for every rank).
+    bytes: u64,
+}
+
 /// Decode role: the digest of request `id`'s KV (every rank), computed chunk by chunk, in
 /// place, as each chunk lands on every receiving rank. Each chunk waits at most the
-/// retrieve deadline. The pages stay held (for verification and release).
-async fn consume(s: Arc<Inner>, id: String, tokens: u64) -> Result<SeqState, SimError> {
+/// retrieve deadline. The pages stay held until the request's release.
+async fn consume(s: Arc<Inner>, id: String, tokens: u64) -> Result<Consumed, SimError> {
     let model = s.model.clone();
     let n = model.spec.chunks_for(tokens);
     let ranks = s.cfg.receiving_ranks();
     let mut state = model.start();
+    let mut digests = Vec::with_capacity(n as usize);
+    let mut bytes = 0u64;
     for i in 0..n {
         let mut held: Vec<ChunkRef> = Vec::with_capacity(ranks);
         for rx in &s.receivers[..ranks] {
@@ -1385,18 +1399,26 @@ async fn consume(s: Arc<Inner>, id: String, tokens: u64) -> Result<SeqState, Sim
         // chunks leave the other core to the prefiller.
         let threads = if i + 1 == n && t >= 64 { 2 } else { 1 };
         // The simulated accelerator's work: at the lowest priority, as the prefill's.
-        state = crate::background::run("kvb-absorb", move || {
+        let (st, d, b) = crate::background::run("kvb-absorb", move || {
             let mut st = state;
             // MLA send-once: rank 0's copy stands for every rank (the KV is identical).
             let refs: Vec<&[u8]> = (0..ws).map(|r| &*held[r.min(held.len() - 1)]).collect();
-            m.absorb_kv_par(&mut st, &refs, t, threads);
-            st
+            let b = refs.iter().map(|c| c.len() as u64).sum::<u64>();
+            let d = m.absorb_kv_par(&mut st, &refs, t, threads);
+            (st, d, b)
         })
         .await
         .map_err(|e| SimError::Internal(format!("decode task: {e}")))?;
+        state = st;
+        digests.push(d);
+        bytes += b;
         tracing::debug!(target: TL, stage = "decode.chunk_digested", id = %id, chunk = i);
     }
-    Ok(state)
+    Ok(Consumed {
+        state,
+        digests,
+        bytes,
+    })
 }
 
 /// Decode role: request `id`'s KV, digested as it landed (or now, if its grant was missed),
@@ -1424,14 +1446,18 @@ async fn receive(
         None => consume(s.clone(), id.to_string(), m as u64).await,
     };
     let kv = match consumed {
-        Ok(st) if st.len == m as u64 => Ok(st),
-        Ok(st) => Err(SimError::Internal(format!(
+        Ok(c) if c.state.len == m as u64 => Ok(c),
+        Ok(c) => Err(SimError::Internal(format!(
             "request {id} holds KV of {} tokens, the decode prompt has {m}",
-            st.len
+            c.state.len
         ))),
         Err(e) => Err(e),
     };
-    let kv = match kv {
+    let Consumed {
+        state: kv,
+        digests,
+        bytes,
+    } = match kv {
         Ok(kv) => kv,
         Err(e) => {
             drop(claim); // armed: cancels the request on every rank, and unclaims it
@@ -1462,41 +1488,13 @@ async fn receive(
         .kv_load_ns
         .fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
     tracing::debug!(target: TL, stage = "decode.kv_loaded", id);
-    // Off the path: every chunk compared, in place, with the KV the model says it must be (a
-    // real decoder would not do this; here it proves the transfer); then the pages return.
-    // At the lowest CPU priority: on a small host it would otherwise take a core from the
-    // first token's way to the client (measured: ~1 ms of the unloaded TTFT gap).
+    // Off the path: the pages return once the request is complete (the KV was read when
+    // it was digested; nothing reads it again). The decode may have started before the
+    // sender's `finish` (every chunk had landed, which is all it reads). A transfer that
+    // ended instead has had its pages returned by the receiver.
     s.work_started();
     let (s2, id2) = (s.clone(), id.to_string());
     tokio::spawn(async move {
-        let s3 = s2.clone();
-        let id3 = id2.clone();
-        let r = crate::background::run("kvb-verify", move || {
-            let model = s3.model.clone();
-            let c = model.spec.chunk_tokens.max(1) as usize;
-            let (mut chunks, mut bytes, mut mismatches) = (0u64, 0u64, 0u64);
-            // Each chunk compared as its expected KV is generated (no copy of it in memory).
-            for (i, p) in prefixes.chunks(c).enumerate() {
-                for r in 0..model.world_size {
-                    chunks += 1;
-                    let rank = (r as usize).min(ranks - 1);
-                    match s3.receivers[rank].borrow_chunk(&id3, i as u64) {
-                        Ok(got) => {
-                            bytes += got.len() as u64;
-                            if !model.chunk_matches(r, p, &got) {
-                                mismatches += 1;
-                            }
-                        }
-                        Err(_) => mismatches += 1,
-                    }
-                }
-            }
-            (chunks, bytes, mismatches)
-        })
-        .await;
-        // The decode may have started before the sender's `finish` (every chunk had landed,
-        // which is all it reads): the pages can be released once the request is complete.
-        // A transfer that ended instead has had its pages returned by the receiver.
         for rx in &s2.receivers[..ranks] {
             let r = match rx.wait_complete(&id2, s2.cfg.retrieve_timeout).await {
                 Ok(()) => rx.release(&id2),
@@ -1508,8 +1506,31 @@ async fn receive(
         }
         claim.disarm();
         drop(claim);
+        // Then every chunk is checked (a real decoder would not do this; here it proves the
+        // transfer): the digest of each position's KV as the decoder read it against the
+        // digest of the KV the model says the prompt must have, generated in registers. A
+        // pass of compute and no memory traffic (comparing the pages themselves was a second
+        // read of every byte beside the transfers). At the lowest CPU priority: on a small
+        // host it would otherwise take a core from the first token's way to the client.
+        let s3 = s2.clone();
+        let r = crate::background::run("kvb-verify", move || {
+            let model = s3.model.clone();
+            let c = model.spec.chunk_tokens.max(1) as usize;
+            let (mut chunks, mut mismatches) = (0u64, 0u64);
+            for (i, p) in prefixes.chunks(c).enumerate() {
+                for r in 0..model.world_size {
+                    chunks += 1;
+                    let held = digests.get(i).and_then(|d| d.get(r as usize));
+                    if !held.is_some_and(|h| model.digests_match(r, p, h)) {
+                        mismatches += 1;
+                    }
+                }
+            }
+            (chunks, mismatches)
+        })
+        .await;
         match r {
-            Ok((chunks, bytes, mismatches)) => {
+            Ok((chunks, mismatches)) => {
                 s2.counts.kv_chunks_received.fetch_add(chunks, Relaxed);
                 s2.counts.kv_bytes_received.fetch_add(bytes, Relaxed);
                 if mismatches > 0 {

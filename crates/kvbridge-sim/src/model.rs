@@ -340,7 +340,7 @@ impl Model {
     /// of `t` tokens), whose prefix hashes are `prefixes`. Uses the bytes as they are: a
     /// corrupted byte changes the digest.
     pub fn absorb(&self, state: &mut SeqState, chunks: &[&[u8]], prefixes: &[u64]) {
-        self.absorb_kv(state, chunks, prefixes.len());
+        let _ = self.absorb_kv(state, chunks, prefixes.len());
         if let Some(&p) = prefixes.last() {
             state.prefix = p;
         }
@@ -350,12 +350,17 @@ impl Model {
     /// `t` positions, without the prefix hashes: the digest depends on the KV bytes only, so
     /// a decoder can digest KV as it lands, before it knows the prompt's tokens (it sets
     /// `prefix` once it does).
-    pub fn absorb_kv(&self, state: &mut SeqState, chunks: &[&[u8]], t: usize) {
+    ///
+    /// Returns the digests it chained, `[rank][position]`: what the decoder held, which
+    /// [`Model::digests_match`] later checks against the KV the prompt must have, without
+    /// reading the chunk again.
+    pub fn absorb_kv(&self, state: &mut SeqState, chunks: &[&[u8]], t: usize) -> Vec<Vec<u64>> {
         let per_rank: Vec<Vec<u64>> = chunks
             .iter()
             .map(|c| self.position_digests(c, t, 0..t))
             .collect();
         Self::chain(state, &per_rank, t);
+        per_rank
     }
 
     /// Chains per-rank position digests (`per_rank[rank][j]`) into `state`, position by
@@ -374,7 +379,14 @@ impl Model {
     /// [`Model::absorb_kv`] with the per-position digests (the bulk of the work) computed on
     /// `threads` threads, each over a range of positions; the result is identical. For the
     /// one chunk left on the path to the first token, when nothing else needs the cores.
-    pub fn absorb_kv_par(&self, state: &mut SeqState, chunks: &[&[u8]], t: usize, threads: usize) {
+    /// Returns the digests it chained, as [`Model::absorb_kv`] does.
+    pub fn absorb_kv_par(
+        &self,
+        state: &mut SeqState,
+        chunks: &[&[u8]],
+        t: usize,
+        threads: usize,
+    ) -> Vec<Vec<u64>> {
         let threads = threads.clamp(1, t.max(1));
         if threads == 1 {
             return self.absorb_kv(state, chunks, t);
@@ -405,6 +417,41 @@ impl Model {
             })
             .collect();
         Self::chain(state, &per_rank, t);
+        per_rank
+    }
+
+    /// The position digests (as [`Model::absorb_kv`] returns them for one rank) of the KV
+    /// that positions with prefix hashes `prefixes` must hold on `rank`, computed as the KV
+    /// is generated, in registers: nothing is written to memory or read from it. A decoder
+    /// that digested the KV it received checks it with this instead of reading it a second
+    /// time, which on a small host is memory bandwidth the transfers then have.
+    pub fn expected_digests(&self, rank: u32, prefixes: &[u64]) -> Vec<u64> {
+        let (planes, row) = self.planes_and_row();
+        let mut h = vec![POSITION_SEED; prefixes.len()];
+        // Rows that are not whole 32-byte blocks are generated into this one row first.
+        let mut odd = vec![0u8; if row % 32 == 0 { 0 } else { row }];
+        for plane in 0..planes {
+            for (d, &p) in h.iter_mut().zip(prefixes) {
+                let seed = self.row_seed(p, rank, plane);
+                *d = if odd.is_empty() {
+                    generate_and_digest_row(seed, row, *d)
+                } else {
+                    fill_row(seed, &mut odd);
+                    digest_bytes(*d, &odd)
+                };
+            }
+        }
+        h
+    }
+
+    /// Whether `held` (one rank's position digests of a chunk, from [`Model::absorb_kv`])
+    /// is the digest of exactly the KV that positions with prefix hashes `prefixes` must
+    /// hold on `rank`: [`Model::chunk_matches`] over what the decoder read when it absorbed
+    /// the chunk. A changed byte changes its row's digest for certain (each step of it is a
+    /// bijection of the byte's lane), and so its position's digest but for a chance of
+    /// about 2^-64.
+    pub fn digests_match(&self, rank: u32, prefixes: &[u64], held: &[u64]) -> bool {
+        held.len() == prefixes.len() && self.expected_digests(rank, prefixes) == held
     }
 
     /// Appends one token: computes its KV on every rank and absorbs it.
@@ -472,6 +519,25 @@ fn fill_and_digest_row(seed: u64, out: &mut [u8], h: u64) -> u64 {
         h = mix2(h, lane);
     }
     mix2(h, out.len() as u64)
+}
+
+/// `digest_bytes(h, row)` of the row [`fill_row`] writes for `seed`, for a row of `len`
+/// bytes in whole 32-byte blocks, without the row in memory.
+#[inline]
+fn generate_and_digest_row(seed: u64, len: usize, h: u64) -> u64 {
+    debug_assert!(len.is_multiple_of(32));
+    let mut r = SplitMix(seed);
+    let mut l = [h, h ^ 1, h ^ 2, h ^ 3];
+    for _ in 0..len / 32 {
+        for lane in l.iter_mut() {
+            *lane = (*lane ^ r.next_u64()).wrapping_mul(LANE_MUL);
+        }
+    }
+    let mut h = h;
+    for lane in l {
+        h = mix2(h, lane);
+    }
+    mix2(h, len as u64)
 }
 
 /// Whether `got` is what [`fill_row`] writes for `seed`.
@@ -658,6 +724,40 @@ mod tests {
     }
 
     #[test]
+    fn digests_match_only_the_exact_kv() {
+        let mla = KvLayout::Mla {
+            layers: 3,
+            latent_dim: 5, // rows of 10 bytes: not whole 32-byte blocks
+        };
+        for (layout, ws) in [(STD, 2), (mla, 2)] {
+            let m = model(layout, ws);
+            let p = m.prefixes(m.start().prefix, &[7, 8, 9, 10]);
+            let good = m.chunk(1, &p);
+            let held = |kv: &[u8]| m.absorb_kv(&mut m.start(), &[kv], p.len()).remove(0);
+            assert_eq!(m.expected_digests(1, &p), held(&good), "{layout:?}");
+            assert!(m.digests_match(1, &p, &held(&good)), "{layout:?}");
+            if !layout.is_mla() {
+                assert!(!m.digests_match(0, &p, &held(&good)), "another rank's KV");
+            }
+            let other = m.prefixes(m.start().prefix, &[7, 8, 9, 11]);
+            assert!(
+                !m.digests_match(1, &other, &held(&good)),
+                "another prompt's KV"
+            );
+            for pos in [0, good.len() / 3, good.len() - 1] {
+                let mut bad = good.clone();
+                bad[pos] ^= 0x10;
+                assert!(
+                    !m.digests_match(1, &p, &held(&bad)),
+                    "{layout:?} byte {pos}"
+                );
+            }
+            let short = held(&good)[1..].to_vec();
+            assert!(!m.digests_match(1, &p, &short), "a position missing");
+        }
+    }
+
+    #[test]
     fn parallel_kv_digest_equals_the_serial_one() {
         for ws in [1, 2] {
             let m = model(
@@ -672,11 +772,12 @@ mod tests {
             let chunks: Vec<Vec<u8>> = (0..ws).map(|r| m.chunk(r, &p)).collect();
             let refs: Vec<&[u8]> = chunks.iter().map(Vec::as_slice).collect();
             let mut a = m.start();
-            m.absorb_kv(&mut a, &refs, p.len());
+            let da = m.absorb_kv(&mut a, &refs, p.len());
             for threads in [1, 2, 3, 16] {
                 let mut b = m.start();
-                m.absorb_kv_par(&mut b, &refs, p.len(), threads);
+                let db = m.absorb_kv_par(&mut b, &refs, p.len(), threads);
                 assert_eq!(a, b, "{threads} threads, world size {ws}");
+                assert_eq!(da, db, "{threads} threads, world size {ws}");
             }
         }
     }
@@ -692,7 +793,7 @@ mod tests {
         for p in all.chunks(m.spec.chunk_tokens as usize) {
             let kv: Vec<Vec<u8>> = (0..2).map(|r| m.chunk(r, p)).collect();
             let refs: Vec<&[u8]> = kv.iter().map(Vec::as_slice).collect();
-            m.absorb_kv(&mut got, &refs, p.len());
+            let _ = m.absorb_kv(&mut got, &refs, p.len());
         }
         got.prefix = *all.last().unwrap();
         assert_eq!(got, want);
