@@ -240,6 +240,10 @@ pub struct DemoSummary {
     /// `kv_gib_per_s / bench_transfer_gib_per_s` (0 when not measured). Reported beside the
     /// stricter `kv_vs_ceiling`, which alone decides `kv_rate_met`.
     pub kv_vs_bench_transfer: f64,
+    /// The kernel's huge-page policy for shared memory (`shmem_enabled`: `never`, `advise`,
+    /// ...; `unknown` where it cannot be read), which the KV regions (memfds) depend on:
+    /// with `never` every copy into them walks 4 KiB pages ([`kvbridge::shared_huge_pages`]).
+    pub shmem_huge_pages: String,
     /// With `--timeline`: where the unloaded time to first token goes.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub timeline: Option<TimelineReport>,
@@ -303,7 +307,7 @@ impl DemoSummary {
              time per token      p50 {tpot:.2} ms\n\
              throughput          {rps:.1} req/s  {tps:.0} output tokens/s  ({wall:.1} s)\n\
              KV moved            {kvb:.1} MiB at {gib:.2} GiB/s while transferring under load ({ratio:.0}% of the channel ceiling {ceil:.2} GiB/s at this page size, target 90%: {kvmet}; PD layer alone {pdc:.2} GiB/s{bt}), {gibu:.2} GiB/s one request at a time ({ratiou:.0}%)\n\
-             KV time             writes alone {wg:.2} GiB/s; finish (the receiver confirms every chunk) {fm:.2} ms per transfer, under load\n\
+             KV time             writes alone {wg:.2} GiB/s; finish (the receiver confirms every chunk) {fm:.2} ms per transfer, under load; shared-memory huge pages: {thp}\n\
              handshakes          {hs} of {hsm:.2} ms on average (at start)\n\
              unloaded TTFT       disaggregated {ud:.1} ms  colocated {uc:.1} ms  gap {gap:.2} ms (pairs' median; p25 {g25:.2}, p75 {g75:.2}; {np} pairs{order})  (target: one chunk at the ceiling {ct:.1} ms + 1 ms = {gt:.2} ms: {gapmet}; decoder KV load {kl:.1} ms)\n\
              KV mismatches       {mm}\n\
@@ -327,6 +331,7 @@ impl DemoSummary {
             gibu = self.kv_gib_per_s_unloaded,
             wg = self.kv_write_gib_per_s,
             fm = self.kv_finish_mean_ms,
+            thp = self.shmem_huge_pages,
             ratiou = self.kv_vs_ceiling_unloaded * 100.0,
             ceil = self.ceiling_channel_gib_per_s,
             pdc = self.ceiling_pd_gib_per_s,
@@ -1016,6 +1021,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
         kv_rate_met: false,
         bench_transfer_gib_per_s: 0.0,
         kv_vs_bench_transfer: 0.0,
+        shmem_huge_pages: kvbridge::shared_huge_pages().unwrap_or_else(|| "unknown".into()),
         setup: format!(
             "{}P{}D, TP={}, {}, {} bytes/token, {} tokens/chunk, {} tokens/prefill step, {mode}, in-process on loopback",
             prefillers,

@@ -50,7 +50,7 @@ pub use error::{Error, Result};
 pub use kvbridge_proto as proto;
 pub use kvbridge_proto::handshake::Step;
 pub use kvbridge_proto::{Incarnation, PeerId, RegionId};
-pub use region::{Grant, Region};
+pub use region::{shared_huge_pages, Grant, Region};
 pub use shm::host_id;
 
 /// Fills `buf` from the operating system's random source.
