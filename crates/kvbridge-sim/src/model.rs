@@ -505,32 +505,32 @@ fn fill_and_digest_row(seed: u64, out: &mut [u8], h: u64) -> u64 {
         fill_row(seed, out);
         return digest_bytes(h, out);
     }
-    let mut r = SplitMix(seed);
-    let mut l = [h, h ^ 1, h ^ 2, h ^ 3];
-    for block in out.chunks_exact_mut(32) {
-        for (k, lane) in l.iter_mut().enumerate() {
-            let w = r.next_u64();
-            block[k * 8..k * 8 + 8].copy_from_slice(&w.to_le_bytes());
-            *lane = (*lane ^ w).wrapping_mul(LANE_MUL);
-        }
-    }
-    let mut h = h;
-    for lane in l {
-        h = mix2(h, lane);
-    }
-    mix2(h, out.len() as u64)
+    let len = out.len();
+    digest_generated_row(seed, len, h, |at, w| {
+        out[at..at + 8].copy_from_slice(&w.to_le_bytes())
+    })
 }
 
 /// `digest_bytes(h, row)` of the row [`fill_row`] writes for `seed`, for a row of `len`
 /// bytes in whole 32-byte blocks, without the row in memory.
 #[inline]
 fn generate_and_digest_row(seed: u64, len: usize, h: u64) -> u64 {
+    digest_generated_row(seed, len, h, |_, _| {})
+}
+
+/// The one pass behind [`fill_and_digest_row`] and [`generate_and_digest_row`]: generates
+/// the row of `len` bytes (whole 32-byte blocks) that [`fill_row`] writes for `seed`, hands
+/// each word to `store` with its byte offset, and returns `digest_bytes(h, row)`.
+#[inline(always)]
+fn digest_generated_row(seed: u64, len: usize, h: u64, mut store: impl FnMut(usize, u64)) -> u64 {
     debug_assert!(len.is_multiple_of(32));
     let mut r = SplitMix(seed);
     let mut l = [h, h ^ 1, h ^ 2, h ^ 3];
-    for _ in 0..len / 32 {
-        for lane in l.iter_mut() {
-            *lane = (*lane ^ r.next_u64()).wrapping_mul(LANE_MUL);
+    for block in 0..len / 32 {
+        for (k, lane) in l.iter_mut().enumerate() {
+            let w = r.next_u64();
+            store(block * 32 + k * 8, w);
+            *lane = (*lane ^ w).wrapping_mul(LANE_MUL);
         }
     }
     let mut h = h;
