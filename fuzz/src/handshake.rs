@@ -198,6 +198,7 @@ fn message(spec: MsgSpec, hash: u64) -> Option<Message> {
             incarnation: Incarnation(incarnation),
             compat: compat(hash),
             auth: a.map(auth),
+            unacked_notify: incarnation % 2 == 0,
         }),
         MsgSpec::Welcome {
             version,
@@ -214,6 +215,7 @@ fn message(spec: MsgSpec, hash: u64) -> Option<Message> {
             auth: a.map(auth),
             // The shared-memory offer only names a socket; the state machines pass it on.
             shm: None,
+            unacked_notify: token[0] % 2 == 0,
         }),
         MsgSpec::Reject(c) => Message::Reject(reject(c)),
         MsgSpec::Bye(c) => Message::Bye(reject(c)),
@@ -241,7 +243,11 @@ fn message(spec: MsgSpec, hash: u64) -> Option<Message> {
         }),
         MsgSpec::ReadBatch(id) => Message::ReadBatch(Batch { id, ops: vec![] }),
         MsgSpec::WriteAck(id) => Message::WriteAck(Ack { id, error: None }),
-        MsgSpec::Notify(id, d) => Message::Notify(Notify { id, data: Blob(d) }),
+        MsgSpec::Notify(id, d) => Message::Notify(Notify {
+            id,
+            data: Blob(d),
+            unacked: id % 2 == 1,
+        }),
         MsgSpec::Raw(b) => Message::decode(&b).ok()?,
     })
 }

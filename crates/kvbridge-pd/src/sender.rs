@@ -276,7 +276,6 @@ impl PdSender {
             pull: cfg.mode == TransferMode::Pull,
             offered: Vec::new(),
             regions: Vec::new(),
-            unconfirmed: std::collections::VecDeque::new(),
             early: None,
         };
         if self.follows() {
@@ -451,9 +450,6 @@ pub struct Transfer {
     offered: Vec<bool>,
     /// Pull: the regions offered from (kept alive until every read of them resolved).
     regions: Vec<Region>,
-    /// Push: `Written` notifications queued and not yet confirmed, oldest first (at most
-    /// [`MAX_UNCONFIRMED`]; all confirmed before `Finish`).
-    unconfirmed: std::collections::VecDeque<kvbridge::QueuedNotify>,
     /// Push: the confirmation asked for ahead of the writes ([`Transfer::prepare_finish`]),
     /// collected by [`Transfer::finish`].
     early: Option<EarlyFinish>,
@@ -468,10 +464,6 @@ struct EarlyFinish {
     /// The notification itself, until the receiver confirmed it arrived.
     queued: kvbridge::QueuedNotify,
 }
-
-/// Most `Written` notifications a push transfer leaves unconfirmed: the next chunk's write
-/// does not wait for a round trip, and a failure still surfaces within a few chunks.
-const MAX_UNCONFIRMED: usize = 8;
 
 impl std::fmt::Debug for Transfer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -837,29 +829,21 @@ impl Transfer {
         tracing::debug!(target: TIMELINE, stage = "sender.write_done", id = %self.req_id, chunk = index);
         self.sent[index as usize] = true;
         self.bytes += len as u64;
-        // Ordered after the write: the decoder may consume the chunk from now on. Queued
-        // only: the next chunk's write need not wait for the receiver's confirmation (a
-        // round trip per chunk), which is collected later (in `finish`, or when too many are unconfirmed).
+        // Ordered after the write: the decoder may consume the chunk from now on. Posted
+        // with no acknowledgement: the transfer's last answer (to `Finish`, which follows
+        // the notes on the session, or the early finish's completion on the last note)
+        // says they all arrived, a session lost meanwhile fails the next write or the
+        // finish, and an acknowledgement per chunk cost the receiver a send and this
+        // side a wake-up on the cores that copy the next chunk.
         let note = PdMsg::Written {
             req_id: self.req_id.clone(),
             incarnation: self.inner.channel.incarnation().0,
             index,
         };
-        let queued = self
-            .link(PdStep::Write)?
-            .notify_queued(&note.encode())
+        self.link(PdStep::Write)?
+            .notify_posted(&note.encode())
             .await
             .map_err(|e| self.write_failed(&peer, e))?;
-        // The last chunk after an early finish: the receiver's `FinishOk` came (or comes)
-        // already, and waiting for this note's confirmation would put back the round trip
-        // after the last write that `prepare_finish` takes away. Were the note lost with
-        // the session, the receiver ends the request as failed and reports it.
-        if self.early.is_none() || self.sent.iter().any(|s| !s) {
-            self.unconfirmed.push_back(queued);
-        }
-        while self.unconfirmed.len() > MAX_UNCONFIRMED {
-            self.confirm_oldest(&peer).await?;
-        }
         Ok(())
     }
 
@@ -872,23 +856,15 @@ impl Transfer {
         }
     }
 
-    /// Waits for the receiver's confirmation of the oldest unconfirmed `Written`.
-    async fn confirm_oldest(&mut self, peer: &PeerId) -> Result<()> {
-        match self.unconfirmed.pop_front() {
-            Some(q) => q.delivered().await.map_err(|e| self.write_failed(peer, e)),
-            None => Ok(()),
-        }
-    }
-
     /// Push: asks the receiver for its confirmation of the whole transfer now, ahead of
     /// the writes, so that the round trip runs while prefill produces and writes the
     /// chunks instead of after the last write; [`Transfer::finish`] then only collects the
     /// answer. The receiver answers at once (if it still holds the request) and completes
     /// the request by itself when the last chunk's write lands: the note saying so follows
-    /// each write on the session. `finish` does not wait for that last note's
-    /// confirmation: were the session to fail before the note arrives, the receiver ends
-    /// the request as failed and reports `KvFailed` for it, and a decoder waiting for it
-    /// gets a clear error. Every earlier failure is what it was: a fence or a lost session
+    /// each write on the session. `finish` does not wait for the notes to arrive (they
+    /// are posted with no confirmation): were the session to fail before they do, the
+    /// receiver ends the request as failed and reports `KvFailed` for it, and a decoder
+    /// waiting for it gets a clear error. Every earlier failure is what it was: a fence or a lost session
     /// fails the next write, and `finish`.
     ///
     /// Does nothing in pull mode (the receiver reads, and knows when it is done), when
@@ -991,30 +967,17 @@ impl Transfer {
             req_id: self.req_id.clone(),
             incarnation: self.inner.channel.incarnation().0,
         };
-        // `Finish` follows the queued `Written`s on the channel (notifications keep their
-        // order), so it goes out at once: their confirmations are collected while the
-        // receiver answers, rather than in a round trip of their own before it (which was
-        // a third of the time from the last chunk's landing to `KvReady` in the demo). A
-        // lost `Written` still fails the transfer here.
-        let unconfirmed = std::mem::take(&mut self.unconfirmed);
-        let confirmed = async {
-            for q in unconfirmed {
-                q.delivered()
-                    .await
-                    .map_err(|e| self.write_failed(&peer, e))?;
-            }
-            Ok::<(), PdError>(())
-        };
-        let (confirmed, answer) = tokio::join!(
-            confirmed,
-            self.call(PdStep::Finish, msg, self.inner.cfg.step_deadline)
-        );
-        confirmed?;
-        self.finish_result(answer?, summary)
+        // `Finish` follows the `Written` notes on the session (notifications keep their
+        // order, and the receiver handles them in order), so its answer also says that
+        // every note arrived; a note lost with the session fails the call.
+        let answer = self
+            .call(PdStep::Finish, msg, self.inner.cfg.step_deadline)
+            .await?;
+        self.finish_result(answer, summary)
     }
 
-    /// Waits for the answer to an early finish, and for the confirmation of every note
-    /// but the last chunk's and of the `FinishWhenLanded` itself, under the step deadline.
+    /// Waits for the answer to an early finish, and for the confirmation of the
+    /// `FinishWhenLanded` itself, under the step deadline.
     async fn collect_early(&mut self, peer: &PeerId, early: EarlyFinish) -> Result<PdMsg> {
         let EarlyFinish {
             call,
@@ -1022,14 +985,11 @@ impl Transfer {
             queued,
         } = early;
         let deadline = self.inner.cfg.step_deadline;
-        let unconfirmed = std::mem::take(&mut self.unconfirmed);
         let confirmed = async {
-            for q in unconfirmed.into_iter().chain([queued]) {
-                q.delivered()
-                    .await
-                    .map_err(|e| self.write_failed(peer, e))?;
-            }
-            Ok::<(), PdError>(())
+            queued
+                .delivered()
+                .await
+                .map_err(|e| self.write_failed(peer, e))
         };
         let answered = async {
             answer.await.map_err(|_| PdError::Cancelled {

@@ -243,14 +243,20 @@ mod props {
                         description: d,
                     },
                     auth: None,
+                    unacked_notify: i % 2 == 0,
                 })
             }),
             (any::<u64>(), proptest::collection::vec(op(), 0..50))
                 .prop_map(|(id, ops)| Message::WriteBatch(Batch { id, ops })),
             (any::<u64>(), proptest::collection::vec(op(), 0..50))
                 .prop_map(|(id, ops)| Message::ReadBatch(Batch { id, ops })),
-            (any::<u64>(), proptest::collection::vec(any::<u8>(), 0..300))
-                .prop_map(|(id, d)| Message::Notify(Notify { id, data: Blob(d) })),
+            (any::<u64>(), proptest::collection::vec(any::<u8>(), 0..300)).prop_map(|(id, d)| {
+                Message::Notify(Notify {
+                    id,
+                    data: Blob(d),
+                    unacked: id % 2 == 1,
+                })
+            }),
             (any::<u64>(), ".{0,30}").prop_map(|(id, m)| Message::WriteAck(Ack {
                 id,
                 error: Some(Reject {

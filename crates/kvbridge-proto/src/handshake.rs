@@ -222,6 +222,8 @@ pub enum Output {
         token: SessionToken,
         /// The listener's shared-memory offer, if it made one.
         shm: Option<ShmOffer>,
+        /// The listener honours unacknowledged notifications ([`Welcome::unacked_notify`]).
+        unacked_notify: bool,
     },
     /// The session is established.
     Ready(Established),
@@ -420,6 +422,7 @@ impl Initiator {
                 challenge: Some(Blob(challenge.to_vec())),
                 response: None,
             }),
+            unacked_notify: true,
         }));
         Self {
             local,
@@ -604,6 +607,7 @@ impl Initiator {
             incarnation: w.incarnation,
             token: w.token,
             shm: w.shm,
+            unacked_notify: w.unacked_notify,
         });
     }
 
@@ -637,6 +641,8 @@ pub struct ListenerSession {
     auth: Option<(Secret, Vec<u8>, [u8; CHALLENGE_LEN], PeerId)>,
     peer_id: PeerId,
     incarnation: Incarnation,
+    /// The initiator honours unacknowledged notifications.
+    unacked_notify: bool,
     granted: MemInfo,
 }
 
@@ -729,6 +735,7 @@ impl ListenerSession {
                 compat: local.compat.clone(),
                 auth,
                 shm,
+                unacked_notify: true,
             })),
             Err(e) => core.fail(e),
         }
@@ -740,8 +747,15 @@ impl ListenerSession {
             auth: auth_state,
             peer_id: hello.peer_id,
             incarnation: hello.incarnation,
+            unacked_notify: hello.unacked_notify,
             granted,
         }
+    }
+
+    /// Whether the initiator honours unacknowledged notifications
+    /// ([`Hello::unacked_notify`]).
+    pub fn peer_unacked_notify(&self) -> bool {
+        self.unacked_notify
     }
 
     /// The peer this session serves.

@@ -163,6 +163,10 @@ pub struct Hello {
     pub compat: Compat,
     /// Reserved for authentication.
     pub auth: Option<Auth>,
+    /// The initiator honours [`Notify::unacked`] (sends no acknowledgement for such a
+    /// notification). Absent (false) from older initiators.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub unacked_notify: bool,
 }
 
 /// Listener → initiator: the session exists.
@@ -184,6 +188,9 @@ pub struct Welcome {
     /// listeners and when shared memory is off).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shm: Option<ShmOffer>,
+    /// The listener honours [`Notify::unacked`]. Absent (false) from older listeners.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub unacked_notify: bool,
 }
 
 /// A listener's offer of shared memory (in [`Welcome`]).
@@ -401,6 +408,12 @@ pub struct Notify {
     pub id: u64,
     /// The bytes.
     pub data: Blob,
+    /// The sender wants no [`Message::NotifyAck`]: the application's own answer, later on
+    /// the same session, confirms delivery (frames are handled in order). Sent only to a
+    /// peer that said it honours it ([`Hello::unacked_notify`], [`Welcome::unacked_notify`]);
+    /// absent (false) from older peers.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub unacked: bool,
 }
 
 /// The version a `Hello` must carry.
@@ -447,6 +460,47 @@ mod tests {
         let Old::DataHello(seen) = rmp_serde::from_slice::<Old>(&body).unwrap();
         assert_eq!(seen, OldDataHello { token, peer_id });
         assert_eq!(Message::decode(&body).unwrap(), third);
+    }
+
+    /// A notification from a peer that predates unacknowledged ones decodes as an ordinary
+    /// (acknowledged) one, and such a peer reads a new one, ignoring the flag.
+    #[test]
+    fn notify_unacked_is_compatible() {
+        #[derive(Serialize, Deserialize, PartialEq, Debug)]
+        struct OldNotify {
+            id: u64,
+            data: Blob,
+        }
+        #[derive(Serialize, Deserialize, PartialEq, Debug)]
+        enum Old {
+            Notify(OldNotify),
+        }
+        let old = rmp_serde::to_vec_named(&Old::Notify(OldNotify {
+            id: 5,
+            data: Blob(vec![1, 2]),
+        }))
+        .unwrap();
+        let acked = Message::Notify(Notify {
+            id: 5,
+            data: Blob(vec![1, 2]),
+            unacked: false,
+        });
+        assert_eq!(Message::decode(&old).unwrap(), acked);
+        let posted = Message::Notify(Notify {
+            id: 6,
+            data: Blob(vec![3]),
+            unacked: true,
+        });
+        let body = posted.encode_body().unwrap();
+        let Old::Notify(seen) = rmp_serde::from_slice::<Old>(&body).unwrap();
+        assert_eq!(
+            seen,
+            OldNotify {
+                id: 6,
+                data: Blob(vec![3])
+            }
+        );
+        assert_eq!(Message::decode(&body).unwrap(), posted);
     }
 
     /// An offer and a region from a peer that predates cross-memory attach decode with it

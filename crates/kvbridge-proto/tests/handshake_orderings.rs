@@ -373,6 +373,7 @@ fn version_mismatch_names_both_versions() {
         incarnation: Incarnation(1),
         compat: Compat::default(),
         auth: None,
+        unacked_notify: false,
     };
     let mut l = ListenerSession::accept(
         h,
@@ -447,7 +448,8 @@ fn any_message() -> impl Strategy<Value = Message> {
                 hash: 42,
                 description: String::new()
             },
-            auth: None
+            auth: None,
+            unacked_notify: true,
         })),
         Just(Message::MemInfo(mem(5))),
         Just(Message::Ready(Ready {})),
@@ -500,7 +502,8 @@ proptest! {
         let mut init = Initiator::new(ident("p", 1, 42), STEP, t0, [0; 32]);
         let mut l = ListenerSession::accept(
             Hello { version: 1, peer_id: PeerId::new("p").unwrap(), incarnation: Incarnation(1),
-                    compat: Compat { hash: 42, description: String::new() }, auth: None },
+                    compat: Compat { hash: 42, description: String::new() }, auth: None,
+                    unacked_notify: true },
             &ident("d", 2, 42), SessionToken([1; 16]), mem(2), STEP, t0, [0; 32]);
         let (mut io, mut lo) = (vec![], vec![]);
         let mut now = t0;

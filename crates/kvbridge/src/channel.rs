@@ -250,6 +250,11 @@ impl PeerLink {
     pub async fn notify_queued(&self, data: &[u8]) -> Result<QueuedNotify> {
         self.channel.notify_queued_on(&self.handle, data).await
     }
+
+    /// [`Channel::notify_posted`] on this session.
+    pub async fn notify_posted(&self, data: &[u8]) -> Result<()> {
+        self.channel.notify_posted_on(&self.handle, data).await
+    }
 }
 
 impl std::fmt::Debug for PeerLink {
@@ -684,7 +689,28 @@ impl Channel {
         self.notify_queued_on(&h, data).await
     }
 
-    async fn notify_queued_on(&self, h: &PeerHandle, data: &[u8]) -> Result<QueuedNotify> {
+    /// [`Channel::notify_queued`] with no confirmation at all: the peer sends no
+    /// acknowledgement, so neither side pays a send and a wake-up for one. For a
+    /// notification that a later answer on the same session confirms anyway (frames are
+    /// handled in order, so an answer to a later request means this one was delivered),
+    /// such as a chunk's "written" ahead of the transfer's final round trip. A session that
+    /// ends before the peer read it loses it; the later request then fails with the
+    /// session. With a peer that predates this, it is an ordinary notification whose
+    /// confirmation nobody awaits.
+    pub async fn notify_posted(&self, peer: &PeerId, data: &[u8]) -> Result<()> {
+        let h = self.handle(peer).await?;
+        self.notify_posted_on(&h, data).await
+    }
+
+    async fn notify_posted_on(&self, h: &PeerHandle, data: &[u8]) -> Result<()> {
+        self.check_notify_len(h, data)?;
+        h.data.wait_earlier(self.inner.config.deadlines.op).await?;
+        h.data
+            .notify_posted(self.inner.config.deadlines.op, data.to_vec())
+            .await
+    }
+
+    fn check_notify_len(&self, h: &PeerHandle, data: &[u8]) -> Result<()> {
         if data.len() > self.inner.config.limits.max_notify_len {
             return Err(Error::InvalidOp {
                 peer: h.peer_id.to_string(),
@@ -695,6 +721,11 @@ impl Channel {
                 ),
             });
         }
+        Ok(())
+    }
+
+    async fn notify_queued_on(&self, h: &PeerHandle, data: &[u8]) -> Result<QueuedNotify> {
+        self.check_notify_len(h, data)?;
         let data = data.to_vec();
         // With several data connections (or a direct copy running), earlier writes may
         // still be in flight: the notification leaves only once they all completed.

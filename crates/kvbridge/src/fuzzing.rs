@@ -46,6 +46,7 @@ pub fn validate_batch(
         1,
         None,
         Default::default(),
+        true,
     );
     let (notifications, _notif_rx) = mpsc::channel(1);
     let out = path.out_sender();

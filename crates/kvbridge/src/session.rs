@@ -242,6 +242,8 @@ struct Session {
     peer_id: Option<PeerId>,
     /// The peer's incarnation, once the handshake named it.
     peer_incarnation: Option<Incarnation>,
+    /// The peer honours unacknowledged notifications (its `Hello` or `Welcome` said so).
+    peer_unacked_notify: bool,
     machine: Machine,
     ctl_w: WriteHalf,
     ctl_rx: mpsc::Receiver<std::result::Result<Message, ReadError>>,
@@ -477,6 +479,11 @@ impl Session {
     ) -> Self {
         let (r, w) = stream.into_split();
         let (ctl_rx, ctl_reader) = spawn_control_reader(r, env.config.limits.max_frame_len);
+        let peer_unacked_notify = match &machine {
+            Machine::Listen(m) => m.peer_unacked_notify(),
+            // Learnt from the `Welcome`.
+            Machine::Init(_) => false,
+        };
         Session {
             id,
             env,
@@ -484,6 +491,7 @@ impl Session {
             peer_name,
             peer_id,
             peer_incarnation,
+            peer_unacked_notify,
             machine,
             ctl_w: w,
             ctl_rx,
@@ -695,8 +703,10 @@ impl Session {
                     token,
                     incarnation,
                     shm,
+                    unacked_notify,
                 } => {
                     self.peer_incarnation = Some(incarnation);
+                    self.peer_unacked_notify = unacked_notify;
                     self.peer_name = peer_id.to_string();
                     self.peer_id = Some(peer_id.clone());
                     if let Err(e) = self.start_shm(shm, token) {
@@ -782,6 +792,7 @@ impl Session {
             streams.len(),
             self.shm.peer.clone(),
             self.env.frames_direct.clone(),
+            self.peer_unacked_notify,
         );
         let mut conns = Vec::with_capacity(streams.len());
         for (i, (s, rx)) in streams.into_iter().zip(rxs).enumerate() {

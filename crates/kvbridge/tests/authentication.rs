@@ -202,6 +202,7 @@ async fn hello_without_proof(dec: &kvbridge::Channel) -> (TcpStream, Welcome) {
                 challenge: Some(Blob(vec![0; 32])),
                 response: None,
             }),
+            unacked_notify: false,
         })
         .to_frame()
         .unwrap(),

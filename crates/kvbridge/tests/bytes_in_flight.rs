@@ -59,6 +59,7 @@ async fn raw_listener_session(l: &TcpListener, region: RegionId) -> (TcpStream, 
             compat: h.compat,
             auth: None,
             shm: None,
+            unacked_notify: false,
         }),
     )
     .await;

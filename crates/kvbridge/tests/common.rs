@@ -226,6 +226,16 @@ pub async fn hello(
     target: &str,
     name: &str,
 ) -> (tokio::net::TcpStream, kvbridge::proto::msg::Welcome) {
+    hello_saying(target, name, false).await
+}
+
+/// [`hello`], saying in the `Hello` whether this peer honours unacknowledged notifications
+/// (`false`: as a peer built before them).
+pub async fn hello_saying(
+    target: &str,
+    name: &str,
+    unacked_notify: bool,
+) -> (tokio::net::TcpStream, kvbridge::proto::msg::Welcome) {
     use kvbridge::proto::msg::*;
     use kvbridge::proto::{Incarnation, PeerId};
     let mut ctl = tokio::net::TcpStream::connect(target).await.unwrap();
@@ -237,6 +247,7 @@ pub async fn hello(
             incarnation: Incarnation(1),
             compat: Compat::default(),
             auth: None,
+            unacked_notify,
         }),
     )
     .await;
@@ -311,9 +322,22 @@ pub async fn handshake_as(
     tokio::net::TcpStream,
     kvbridge::proto::SessionToken,
 ) {
+    handshake_saying(target, name, false).await
+}
+
+/// [`handshake_as`], with [`hello_saying`]'s `unacked_notify`.
+pub async fn handshake_saying(
+    target: &str,
+    name: &str,
+    unacked_notify: bool,
+) -> (
+    tokio::net::TcpStream,
+    tokio::net::TcpStream,
+    kvbridge::proto::SessionToken,
+) {
     use kvbridge::proto::msg::*;
     use kvbridge::proto::PeerId;
-    let (mut ctl, w) = hello(target, name).await;
+    let (mut ctl, w) = hello_saying(target, name, unacked_notify).await;
     let mut data = tokio::net::TcpStream::connect(target).await.unwrap();
     send_frame(
         &mut data,

@@ -101,6 +101,7 @@ async fn thirty_two_initiators_are_not_blocked_by_a_stalled_peer() {
         incarnation: kvbridge::Incarnation(1),
         compat: Compat::default(),
         auth: None,
+        unacked_notify: false,
     })
     .to_frame()
     .unwrap();
