@@ -15,6 +15,7 @@ SUITE=(
   "kvbridge-pd pd_e2e sender_killed_mid_transfer no_three_way_deadlock_when_buffer_nearly_full request_larger_than_buffer_fails_fast_naming_sizes no_page_reuse_while_cancelled_write_in_flight"
   "kvbridge-pd alloc_failure a_region_larger_than_memory_is_a_typed_error_naming_its_size a_receive_buffer_that_cannot_be_allocated_fails_start_and_frees_its_port"
   "kvbridge-pd pd_fence"
+  "kvbridge-pd outcome_reconnect"
   "kvbridge handshake restarted_peer_replaces_its_session_and_old_work_fails_peer_restarted killed_listener_mid_handshake_then_restart_succeeds thirty_two_initiators_are_not_blocked_by_a_stalled_peer"
   "kvbridge simulation handshake_and_first_write_under_1000_seeds"
   "kvbridge hostile_peer"

@@ -50,6 +50,7 @@ pub mod msg;
 pub mod outcome;
 pub mod receiver;
 pub mod sender;
+mod zmtp_push;
 
 pub use alloc::Counters;
 pub use config::{PdConfig, PdConfigArgs, Role, TransferMode};

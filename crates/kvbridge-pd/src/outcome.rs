@@ -6,10 +6,10 @@
 //! The structs duplicate the proxy's (`kvbridge-proxy::notif`) on purpose: the two crates
 //! agree on bytes (pinned by golden tests on both sides), not on Rust types.
 
+use crate::zmtp_push::PushConn;
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
 use tokio::sync::mpsc;
-use zeromq::{Socket, SocketSend, ZmqMessage};
 
 /// One rank's outcome for one request.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -95,56 +95,74 @@ impl OutcomeSink {
     }
 }
 
-/// A ZMQ PUSH socket to the proxy, driven by its own task: it connects lazily, sends in
-/// order, and gives each connect and send a deadline (an outcome that cannot be delivered is
-/// logged and dropped; the proxy's own deadline then answers the client).
+/// A ZMQ PUSH connection to the proxy, driven by its own task: it connects lazily and
+/// sends in order. Each outcome has `deadline` from when it was emitted to reach the proxy:
+/// while the proxy is unreachable (restarting, say) the task reconnects, with growing
+/// pauses, and sends it then; an outcome still undelivered at its deadline is logged and
+/// dropped (the proxy's own deadline then answers the client). A proxy that went away is
+/// noticed before the next send ([`crate::zmtp_push`]), not by losing that send.
 #[derive(Debug, Clone)]
 pub struct ZmqPusher {
-    tx: mpsc::UnboundedSender<Outcome>,
+    tx: mpsc::UnboundedSender<(tokio::time::Instant, Outcome)>,
 }
+
+/// First pause before connecting again to an unreachable proxy; it doubles up to
+/// [`RECONNECT_PAUSE_MAX`].
+const RECONNECT_PAUSE_MIN: Duration = Duration::from_millis(20);
+const RECONNECT_PAUSE_MAX: Duration = Duration::from_millis(500);
 
 impl ZmqPusher {
     /// Starts the pusher for `endpoint` (`tcp://host:port`); must run inside a tokio runtime.
     pub fn spawn(endpoint: String, deadline: Duration) -> ZmqPusher {
-        let (tx, mut rx) = mpsc::unbounded_channel::<Outcome>();
+        let (tx, mut rx) = mpsc::unbounded_channel::<(tokio::time::Instant, Outcome)>();
         tokio::spawn(async move {
-            let mut sock: Option<zeromq::PushSocket> = None;
-            while let Some(o) = rx.recv().await {
-                if sock.is_none() {
-                    let mut s = zeromq::PushSocket::new();
-                    match tokio::time::timeout(deadline, s.connect(&endpoint)).await {
-                        Ok(Ok(())) => sock = Some(s),
-                        Ok(Err(e)) => {
-                            tracing::warn!(%endpoint, error = %e, req_id = o.req_id(), "cannot connect to the proxy; outcome dropped");
-                            continue;
+            let Some(addr) = endpoint.strip_prefix("tcp://").map(str::to_string) else {
+                tracing::warn!(%endpoint, "outcome endpoint is not tcp://host:port; outcomes are dropped");
+                while rx.recv().await.is_some() {}
+                return;
+            };
+            let mut conn: Option<PushConn> = None;
+            while let Some((emitted, o)) = rx.recv().await {
+                let until = emitted + deadline;
+                let body = o.encode();
+                let mut pause = RECONNECT_PAUSE_MIN;
+                let delivered = loop {
+                    let left = until.saturating_duration_since(tokio::time::Instant::now());
+                    if left.is_zero() {
+                        break false;
+                    }
+                    if conn.as_ref().is_none_or(PushConn::peer_gone) {
+                        match PushConn::connect(&addr, left).await {
+                            Ok(c) => conn = Some(c),
+                            Err(e) => {
+                                conn = None;
+                                tracing::debug!(%endpoint, error = %e, "cannot connect to the proxy yet");
+                                tokio::time::sleep(pause.min(left)).await;
+                                pause = (pause * 2).min(RECONNECT_PAUSE_MAX);
+                                continue;
+                            }
                         }
-                        Err(_) => {
-                            tracing::warn!(%endpoint, ?deadline, req_id = o.req_id(), "connecting to the proxy passed its deadline; outcome dropped");
-                            continue;
+                    }
+                    let c = conn.as_mut().expect("connected just above");
+                    match c.send(&body, left).await {
+                        Ok(()) => break true,
+                        Err(e) => {
+                            tracing::debug!(%endpoint, error = %e, "proxy connection lost; reconnecting");
+                            conn = None;
                         }
                     }
-                }
-                let Some(s) = sock.as_mut() else { continue };
-                let msg = ZmqMessage::from(o.encode());
-                match tokio::time::timeout(deadline, s.send(msg)).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => {
-                        tracing::warn!(%endpoint, error = %e, req_id = o.req_id(), "outcome not delivered");
-                        sock = None;
-                    }
-                    Err(_) => {
-                        tracing::warn!(%endpoint, req_id = o.req_id(), "sending an outcome passed its deadline");
-                        sock = None;
-                    }
+                };
+                if !delivered {
+                    tracing::warn!(%endpoint, ?deadline, req_id = o.req_id(), "outcome not delivered to the proxy within its deadline; dropped");
                 }
             }
         });
         ZmqPusher { tx }
     }
 
-    /// Queues an outcome.
+    /// Queues an outcome; its deadline starts now.
     pub fn emit(&self, o: Outcome) {
-        let _ = self.tx.send(o);
+        let _ = self.tx.send((tokio::time::Instant::now(), o));
     }
 }
 

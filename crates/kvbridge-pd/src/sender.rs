@@ -864,8 +864,8 @@ impl Transfer {
     /// each write on the session. `finish` does not wait for the notes to arrive (they
     /// are posted with no confirmation): were the session to fail before they do, the
     /// receiver ends the request as failed and reports `KvFailed` for it, and a decoder
-    /// waiting for it gets a clear error. Every earlier failure is what it was: a fence or a lost session
-    /// fails the next write, and `finish`.
+    /// waiting for it gets a clear error. Every earlier failure is what it was: a fence or
+    /// a lost session fails the next write, and `finish`.
     ///
     /// Does nothing in pull mode (the receiver reads, and knows when it is done), when
     /// nothing is left to send, or when called again.
