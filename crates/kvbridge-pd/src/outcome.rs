@@ -100,7 +100,7 @@ impl OutcomeSink {
 /// while the proxy is unreachable (restarting, say) the task reconnects, with growing
 /// pauses, and sends it then; an outcome still undelivered at its deadline is logged and
 /// dropped (the proxy's own deadline then answers the client). A proxy that went away is
-/// noticed before the next send ([`crate::zmtp_push`]), not by losing that send.
+/// noticed before the next send (see `zmtp_push.rs`), not by losing that send.
 #[derive(Debug, Clone)]
 pub struct ZmqPusher {
     tx: mpsc::UnboundedSender<(tokio::time::Instant, Outcome)>,
@@ -109,6 +109,7 @@ pub struct ZmqPusher {
 /// First pause before connecting again to an unreachable proxy; it doubles up to
 /// [`RECONNECT_PAUSE_MAX`].
 const RECONNECT_PAUSE_MIN: Duration = Duration::from_millis(20);
+/// Longest pause between attempts to connect to an unreachable proxy.
 const RECONNECT_PAUSE_MAX: Duration = Duration::from_millis(500);
 
 impl ZmqPusher {
