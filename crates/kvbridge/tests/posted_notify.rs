@@ -43,23 +43,13 @@ async fn posted_notes_follow_their_writes_unacknowledged(t: Carrier) {
         kv.read_at((7 - i) * PAGE, &mut b).unwrap();
         assert!(a == b, "note {i} arrived before its write landed");
     }
-    // An acknowledged notification after them still gets its acknowledgement.
+    // An acknowledged notification after them still gets its acknowledgement, so the
+    // session is intact: had the receiver acknowledged the posted notes, this side would
+    // have met acknowledgements of batches it never entered, called the peer misbehaving,
+    // and ended the session. (Which frames the receiver sent is `an_unacked_notify_...`
+    // below, on the wire.)
     link.notify(b"acked").await.unwrap();
     assert_eq!(next_notification(&dec).await.data, b"acked");
-    let ds = dec.stats().await.unwrap();
-    let ps = pre.stats().await.unwrap();
-    // The receiver sent exactly one small frame: the acknowledgement of "acked" (on the
-    // fast lane of an idle connection); write completions over shared memory are local.
-    if t.transport == Transport::Shm {
-        assert_eq!(
-            ds.frames_direct, 1,
-            "posted notes were acknowledged: {ds:?}"
-        );
-        assert!(
-            ps.frames_direct >= 9,
-            "notes did not skip the writer: {ps:?}"
-        );
-    }
 
     pre.disconnect(&peer, "test").await.unwrap();
     let e = link
