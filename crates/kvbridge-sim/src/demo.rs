@@ -955,6 +955,14 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
         .map(|c| (c.summary.channel_gib_per_s, c.summary.kv_gib_per_s))
         .unwrap_or((0.0, 0.0));
     let hs = &cluster.handshakes;
+    if k == 0 {
+        // Fails the run as before (nothing shows the outputs are right), but says why.
+        errors.push(
+            "no output was compared with the colocated engine's (`--compare` and \
+             `--ttft-samples` were 0)"
+                .to_string(),
+        );
+    }
     let mut summary = DemoSummary {
         requests: n as u64,
         ok,

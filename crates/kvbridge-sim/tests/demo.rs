@@ -10,6 +10,11 @@ struct Cli {
 }
 
 fn args(extra: &[&str]) -> DemoArgs {
+    args_comparing("3", extra)
+}
+
+/// [`args`] with `--compare <compare>`.
+fn args_comparing(compare: &str, extra: &[&str]) -> DemoArgs {
     let mut a = vec![
         "demo",
         "--requests",
@@ -17,7 +22,7 @@ fn args(extra: &[&str]) -> DemoArgs {
         "--concurrency",
         "2",
         "--compare",
-        "3",
+        compare,
         "--prompt-tokens",
         "5..60",
         "--output-tokens",
@@ -55,6 +60,22 @@ async fn transfer_mode_pull_runs_and_passes() {
         assert!(s.passed(), "{mode}: {}", s.table());
         assert_eq!(s.kv_mismatches, 0);
     }
+}
+
+/// With nothing compared against the colocated engine the run does not pass, and its
+/// verdict says why rather than a bare FAIL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_compared_fails_and_says_why() {
+    let s = demo::run(args_comparing("0", &["--ttft-samples", "0"]))
+        .await
+        .expect("the demo runs");
+    assert_eq!(s.compared, 0);
+    assert!(!s.passed());
+    let verdict = s.table();
+    assert!(
+        verdict.contains("no output was compared with the colocated engine"),
+        "{verdict}"
+    );
 }
 
 #[test]
