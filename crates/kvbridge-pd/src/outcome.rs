@@ -124,36 +124,7 @@ impl ZmqPusher {
             };
             let mut conn: Option<PushConn> = None;
             while let Some((emitted, o)) = rx.recv().await {
-                let until = emitted + deadline;
-                let body = o.encode();
-                let mut pause = RECONNECT_PAUSE_MIN;
-                let delivered = loop {
-                    let left = until.saturating_duration_since(tokio::time::Instant::now());
-                    if left.is_zero() {
-                        break false;
-                    }
-                    if conn.as_ref().is_none_or(PushConn::peer_gone) {
-                        match PushConn::connect(&addr, left).await {
-                            Ok(c) => conn = Some(c),
-                            Err(e) => {
-                                conn = None;
-                                tracing::debug!(%endpoint, error = %e, "cannot connect to the proxy yet");
-                                tokio::time::sleep(pause.min(left)).await;
-                                pause = (pause * 2).min(RECONNECT_PAUSE_MAX);
-                                continue;
-                            }
-                        }
-                    }
-                    let c = conn.as_mut().expect("connected just above");
-                    match c.send(&body, left).await {
-                        Ok(()) => break true,
-                        Err(e) => {
-                            tracing::debug!(%endpoint, error = %e, "proxy connection lost; reconnecting");
-                            conn = None;
-                        }
-                    }
-                };
-                if !delivered {
+                if !deliver(&mut conn, &addr, &endpoint, &o.encode(), emitted + deadline).await {
                     tracing::warn!(%endpoint, ?deadline, req_id = o.req_id(), "outcome not delivered to the proxy within its deadline; dropped");
                 }
             }
@@ -164,6 +135,44 @@ impl ZmqPusher {
     /// Queues an outcome; its deadline starts now.
     pub fn emit(&self, o: Outcome) {
         let _ = self.tx.send((tokio::time::Instant::now(), o));
+    }
+}
+
+/// Sends `body` on `conn` (connecting, or reconnecting to a proxy that went away, with
+/// growing pauses) until it is on the wire or `until` passes; whether it went.
+async fn deliver(
+    conn: &mut Option<PushConn>,
+    addr: &str,
+    endpoint: &str,
+    body: &[u8],
+    until: tokio::time::Instant,
+) -> bool {
+    let mut pause = RECONNECT_PAUSE_MIN;
+    loop {
+        let left = until.saturating_duration_since(tokio::time::Instant::now());
+        if left.is_zero() {
+            return false;
+        }
+        let c = match conn {
+            Some(c) if !c.peer_gone() => c,
+            _ => match PushConn::connect(addr, left).await {
+                Ok(c) => conn.insert(c),
+                Err(e) => {
+                    *conn = None;
+                    tracing::debug!(%endpoint, error = %e, "cannot connect to the proxy yet");
+                    tokio::time::sleep(pause.min(left)).await;
+                    pause = (pause * 2).min(RECONNECT_PAUSE_MAX);
+                    continue;
+                }
+            },
+        };
+        match c.send(body, left).await {
+            Ok(()) => return true,
+            Err(e) => {
+                tracing::debug!(%endpoint, error = %e, "proxy connection lost; reconnecting");
+                *conn = None;
+            }
+        }
     }
 }
 

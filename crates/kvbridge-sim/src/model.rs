@@ -436,8 +436,7 @@ impl Model {
                 *d = if odd.is_empty() {
                     generate_and_digest_row(seed, row, *d)
                 } else {
-                    fill_row(seed, &mut odd);
-                    digest_bytes(*d, &odd)
+                    fill_and_digest_row(seed, &mut odd, *d)
                 };
             }
         }
