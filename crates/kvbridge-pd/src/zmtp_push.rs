@@ -103,10 +103,13 @@ impl PushConn {
     }
 
     /// Whether the peer closed the connection or sent something a PULL never sends (either
-    /// way this connection is done). Never waits.
+    /// way this connection is done). Never waits. Asks the socket itself (a peek that does
+    /// not block) rather than the runtime's cached readiness, which lags the peer's close
+    /// by as long as the reactor takes to run: a send in that gap went into the closed
+    /// connection and was lost.
     pub(crate) fn peer_gone(&self) -> bool {
-        let mut b = [0u8; 1];
-        match self.stream.try_read(&mut b) {
+        let mut b = [std::mem::MaybeUninit::<u8>::uninit(); 1];
+        match socket2::SockRef::from(&self.stream).peek(&mut b) {
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => false,
             // End of stream, an error, or bytes (a PULL has nothing to say after READY).
             _ => true,
