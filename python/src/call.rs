@@ -6,7 +6,7 @@ use crate::runtime;
 use pyo3::prelude::*;
 use pyo3::types::PyCFunction;
 use std::future::Future;
-use std::sync::mpsc;
+use std::sync::{mpsc, Mutex};
 use std::time::Duration;
 use tokio::task::AbortHandle;
 
@@ -60,6 +60,20 @@ where
     T: Send + 'static,
     F: Future<Output = EngineResult<T>> + Send + 'static,
 {
+    block_on_with(py, fut, drop)
+}
+
+/// [`block_on`], handing a value the future produced to `undelivered` when the caller was
+/// interrupted before it could return it (a received notification goes back to its queue).
+pub(crate) fn block_on_with<T, F>(
+    py: Python<'_>,
+    fut: F,
+    undelivered: impl FnOnce(T),
+) -> PyResult<T>
+where
+    T: Send + 'static,
+    F: Future<Output = EngineResult<T>> + Send + 'static,
+{
     let (tx, rx) = mpsc::sync_channel(1);
     let task = runtime(py)?.spawn(async move {
         let _ = tx.send(fut.await);
@@ -74,6 +88,12 @@ where
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 if let Err(e) = py.check_signals() {
                     task.abort();
+                    // The task stops at its next await, or finishes the step it is in: wait
+                    // for either, so that a value it took is not lost.
+                    let late = py.allow_threads(move || rx.recv_timeout(ABORT_GRACE));
+                    if let Ok(Ok(v)) = late {
+                        undelivered(v);
+                    }
                     return Err(e);
                 }
             }
@@ -83,6 +103,9 @@ where
         }
     }
 }
+
+/// How long an interrupted caller waits for its cancelled task to stop.
+const ABORT_GRACE: Duration = Duration::from_secs(1);
 
 /// Runs `fut` on the runtime with no signal checks and no cancellation: for steps that must
 /// finish once begun (close), each bounded by its own deadline.
@@ -114,27 +137,64 @@ where
     T: Send + 'static,
     F: Future<Output = EngineResult<T>> + Send + 'static,
 {
+    awaitable_with(py, fut, convert, drop)
+}
+
+/// [`awaitable`], handing a value the future produced to `undelivered` when the asyncio
+/// future was cancelled (or its loop closed) before the value could be set on it.
+pub(crate) fn awaitable_with<'py, T, F, U>(
+    py: Python<'py>,
+    fut: F,
+    convert: Convert<T>,
+    undelivered: U,
+) -> PyResult<Bound<'py, PyAny>>
+where
+    T: Send + 'static,
+    F: Future<Output = EngineResult<T>> + Send + 'static,
+    U: FnOnce(T) + Send + 'static,
+{
     let event_loop = py.import("asyncio")?.call_method0("get_running_loop")?;
     let py_future = event_loop.call_method0("create_future")?;
-    let complete = py
-        .import("kvbridge._native")?
-        .getattr("_complete_future")?
-        .unbind();
     let loop_ref = event_loop.clone().unbind();
     let future_ref = py_future.clone().unbind();
     let task = runtime(py)?.spawn(async move {
         let result = fut.await;
         Python::with_gil(|py| {
-            let (ok, value) = match result.map_err(|e| e.to_py(py)).and_then(|v| convert(py, v)) {
-                Ok(v) => (true, v),
-                Err(e) => (false, e.into_value(py).into_any()),
-            };
-            // The loop may be closed already: nobody is waiting then.
-            let _ = loop_ref.call_method1(
-                py,
-                "call_soon_threadsafe",
-                (complete, future_ref, ok, value),
-            );
+            let pending = Mutex::new(Some((result, undelivered)));
+            // Runs on the loop's thread, where the future's state cannot change under it.
+            let complete = PyCFunction::new_closure(py, None, None, move |args, _| {
+                let py = args.py();
+                let taken = pending.lock().ok().and_then(|mut p| p.take());
+                let Some((result, undelivered)) = taken else {
+                    return Ok(());
+                };
+                let future = future_ref.bind(py);
+                if future.call_method0("done")?.is_truthy()? {
+                    if let Ok(v) = result {
+                        undelivered(v);
+                    }
+                    return Ok(());
+                }
+                match result.map_err(|e| e.to_py(py)).and_then(|v| convert(py, v)) {
+                    Ok(v) => future.call_method1("set_result", (v,))?,
+                    Err(e) => future.call_method1("set_exception", (e.into_value(py),))?,
+                };
+                PyResult::Ok(())
+            });
+            match complete {
+                Ok(f) => {
+                    if loop_ref
+                        .call_method1(py, "call_soon_threadsafe", (f.clone(),))
+                        .is_err()
+                    {
+                        // The loop is closed: nobody waits any more; hand the value back.
+                        if let Err(e) = f.call0() {
+                            e.write_unraisable(py, None);
+                        }
+                    }
+                }
+                Err(e) => e.write_unraisable(py, None),
+            }
         });
     });
     let abort = task.abort_handle();
@@ -147,26 +207,6 @@ where
     })?;
     py_future.call_method1("add_done_callback", (on_done,))?;
     Ok(py_future)
-}
-
-/// Sets an asyncio future's result or exception, unless it is done (cancelled) already.
-/// Runs on the event loop's thread.
-#[pyfunction]
-#[pyo3(name = "_complete_future")]
-pub(crate) fn complete_future(
-    future: &Bound<'_, PyAny>,
-    ok: bool,
-    value: &Bound<'_, PyAny>,
-) -> PyResult<()> {
-    if future.call_method0("done")?.is_truthy()? {
-        return Ok(());
-    }
-    if ok {
-        future.call_method1("set_result", (value,))?;
-    } else {
-        future.call_method1("set_exception", (value,))?;
-    }
-    Ok(())
 }
 
 /// Spawns `fut` on the runtime for a [`crate::transfer::Transfer`] to poll.

@@ -15,7 +15,7 @@ use kvbridge::{Channel, ChannelConfig, Grant, Op, PeerId, Pem, Region, RegionId,
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyInt, PyList, PyString};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
@@ -51,6 +51,38 @@ struct Registered {
 struct Open {
     channel: Channel,
     regions: Mutex<HashMap<u128, Registered>>,
+    /// Notifications a cancelled or interrupted receive took from the engine before it
+    /// could hand them over: the next receive returns them first.
+    returned: Returned,
+}
+
+/// Notifications handed back by receives that could not deliver them, oldest first; a
+/// receive waiting on the engine wakes when one is handed back.
+#[derive(Default)]
+struct ReturnedQueue {
+    queue: Mutex<VecDeque<(String, Vec<u8>)>>,
+    added: tokio::sync::Notify,
+}
+
+type Returned = Arc<ReturnedQueue>;
+
+fn give_back(returned: &Returned, got: Option<(String, Vec<u8>)>) {
+    if let Some(n) = got {
+        returned
+            .queue
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push_front(n);
+        returned.added.notify_waiters();
+    }
+}
+
+fn take_returned(returned: &Returned) -> Option<(String, Vec<u8>)> {
+    returned
+        .queue
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .pop_front()
 }
 
 impl Open {
@@ -619,6 +651,7 @@ impl PyChannel {
             open: Mutex::new(Some(Arc::new(Open {
                 channel,
                 regions: Mutex::new(HashMap::new()),
+                returned: Returned::default(),
             }))),
             peer_id: peer_id.to_string(),
             local_addr,
@@ -1003,9 +1036,11 @@ impl PyChannel {
         py: Python<'_>,
         timeout: Option<f64>,
     ) -> PyResult<Option<(String, Py<PyBytes>)>> {
-        let channel = self.open(py)?.channel.clone();
+        let open = self.open(py)?;
         let limit = timeout_arg(py, timeout)?;
-        let got = call::block_on(py, recv(channel, limit))?;
+        let returned = open.returned.clone();
+        let fut = recv(open.channel.clone(), open.returned.clone(), limit);
+        let got = call::block_on_with(py, fut, move |got| give_back(&returned, got))?;
         Ok(got.map(|(p, d)| (p, PyBytes::new(py, &d).unbind())))
     }
 
@@ -1016,11 +1051,13 @@ impl PyChannel {
         py: Python<'py>,
         timeout: Option<f64>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let channel = self.open(py)?.channel.clone();
+        let open = self.open(py)?;
         let limit = timeout_arg(py, timeout)?;
-        call::awaitable(
+        let returned = open.returned.clone();
+        let fut = recv(open.channel.clone(), open.returned.clone(), limit);
+        call::awaitable_with(
             py,
-            recv(channel, limit),
+            fut,
             |py, got: Option<(String, Vec<u8>)>| {
                 Ok(match got {
                     Some((p, d)) => (p, PyBytes::new(py, &d))
@@ -1030,17 +1067,20 @@ impl PyChannel {
                     None => py.None(),
                 })
             },
+            move |got| give_back(&returned, got),
         )
     }
 
     /// Every notification already received, by peer: ``{peer_id: [data, ...]}`` (NIXL's
     /// ``get_new_notifs``). Never blocks.
     fn get_new_notifs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let channel = self.open(py)?.channel.clone();
+        let open = self.open(py)?;
         let out = PyDict::new(py);
-        while let Some(n) = try_recv(&channel) {
-            let peer = n.peer.to_string();
-            let data = PyBytes::new(py, &n.data);
+        let returned = std::iter::from_fn(|| take_returned(&open.returned));
+        let fresh =
+            std::iter::from_fn(|| try_recv(&open.channel).map(|n| (n.peer.to_string(), n.data)));
+        for (peer, data) in returned.chain(fresh) {
+            let data = PyBytes::new(py, &data);
             match out.get_item(&peer)? {
                 Some(list) => list.downcast::<PyList>()?.append(data)?,
                 None => out.set_item(&peer, PyList::new(py, [data])?)?,
@@ -1143,17 +1183,34 @@ fn timeout_arg(py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Duration
 /// The next notification, or `None` once `limit` passed; `Closed` once the channel closed.
 async fn recv(
     channel: Channel,
+    returned: Returned,
     limit: Option<Duration>,
 ) -> EngineResult<Option<(String, Vec<u8>)>> {
+    let next = async {
+        loop {
+            let added = returned.added.notified();
+            let mut added = std::pin::pin!(added);
+            added.as_mut().enable();
+            if let Some(n) = take_returned(&returned) {
+                return Some(n);
+            }
+            tokio::select! {
+                n = channel.recv_notification() => {
+                    return n.map(|n| (n.peer.to_string(), n.data));
+                }
+                () = &mut added => {}
+            }
+        }
+    };
     let got = match limit {
-        Some(d) => match tokio::time::timeout(d, channel.recv_notification()).await {
+        Some(d) => match tokio::time::timeout(d, next).await {
             Ok(n) => n,
             Err(_) => return Ok(None),
         },
-        None => channel.recv_notification().await,
+        None => next.await,
     };
     match got {
-        Some(n) => Ok(Some((n.peer.to_string(), n.data))),
+        Some(n) => Ok(Some(n)),
         None => Err(Outcome::Engine(kvbridge::Error::Closed)),
     }
 }

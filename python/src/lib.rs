@@ -20,7 +20,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<channel::PyChannel>()?;
     m.add_class::<channel::PyRegionInfo>()?;
     m.add_class::<transfer::Transfer>()?;
-    m.add_function(wrap_pyfunction!(call::complete_future, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
