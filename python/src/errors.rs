@@ -53,10 +53,12 @@ pub(crate) fn to_py(py: Python<'_>, e: &Error) -> PyErr {
             code,
             ..
         } => {
-            let class = if *code == ErrorCode::LimitExceeded {
-                "LimitExceeded"
-            } else {
-                "Rejected"
+            // A refusal whose code has its own class is raised as that class (a listener
+            // refusing an incompatible initiator is `Incompatible` on both sides).
+            let class = match code {
+                ErrorCode::LimitExceeded => "LimitExceeded",
+                ErrorCode::Incompatible | ErrorCode::UnsupportedVersion => "Incompatible",
+                _ => "Rejected",
             };
             (class, Some(peer), step(s), Some(*code))
         }
