@@ -79,7 +79,10 @@ def test_peer_in_another_process_byte_exact():
             ch.notify(peer, b"digest")
             got = ch.recv_notification(timeout=10)
             assert got == ("decode-sub", hashlib.sha256(expected.tobytes()).hexdigest().encode())
-            ch.notify(peer, b"bye")
+            try:
+                ch.notify(peer, b"bye")
+            except kvbridge.PeerClosed:
+                pass  # the peer may close on reading it before its acknowledgement is out
         out, err = finish(proc)
         assert proc.returncode == 0, err
     finally:
