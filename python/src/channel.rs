@@ -218,10 +218,6 @@ impl PyRegionInfo {
 /// lazily, and moves bytes between registered memory regions with one-sided batched writes
 /// and reads, plus ordered notifications.
 ///
-/// ``Channel(peer_id, listen=None, *, secret=None, transport=None, tls_cert=None,
-/// tls_key=None, tls_ca=None, tls_server_name=None, compat=None, use_env=True,
-/// deadlines=None)``
-///
 /// - ``peer_id``: this side's stable id, e.g. ``"prefill-0/rank0"``.
 /// - ``listen``: ``"127.0.0.1:0"`` listens (port 0 picks one; see ``local_addr``); ``None``
 ///   makes an initiator-only channel.
@@ -1115,7 +1111,7 @@ impl PyChannel {
 
     /// Ends the session with ``peer`` from this side (the peer hears ``reason``); batches in
     /// flight on it fail with ``Disconnected``.
-    #[pyo3(signature = (peer, reason="disconnect".to_string()))]
+    #[pyo3(signature = (peer, reason="disconnect".to_string()), text_signature = "($self, peer, reason='disconnect')")]
     fn disconnect(&self, py: Python<'_>, peer: &str, reason: String) -> PyResult<()> {
         let channel = self.open(py)?.channel.clone();
         let peer = peer_arg(py, peer)?;

@@ -164,3 +164,39 @@ def test_gil_is_released_while_bytes_move(pair):
     finally:
         stop.set()
         t.join()
+
+
+class FakeTensor:
+    """What register_buffer asks of a CPU tensor: data_ptr(), nbytes, device, is_contiguous()."""
+
+    class device:
+        type = "cpu"
+
+    def __init__(self, array, contiguous=True):
+        self.array = array
+        self.contiguous = contiguous
+
+    def data_ptr(self):
+        return self.array.__array_interface__["data"][0]
+
+    @property
+    def nbytes(self):
+        return self.array.nbytes
+
+    def is_contiguous(self):
+        return self.contiguous
+
+
+def test_tensor_like_objects_register_by_data_ptr(pair):
+    backing = np.zeros(2 * PAGE, dtype=np.uint8)
+    tensor = FakeTensor(backing)
+    rid = pair.prefiller.register_buffer(tensor, PAGE)
+    pair.kv[3 * PAGE : 4 * PAGE] = 9
+    pair.prefiller.read_pages(pair.peer, rid, [1], pair.kv_region, [3])
+    assert (backing[PAGE:] == 9).all()
+    with pytest.raises(kvbridge.InvalidOp, match="not contiguous"):
+        pair.prefiller.register_buffer(FakeTensor(backing, contiguous=False), PAGE)
+    gpu = FakeTensor(backing)
+    gpu.device = type("device", (), {"type": "cuda"})
+    with pytest.raises(kvbridge.InvalidOp, match="cuda"):
+        pair.prefiller.register_buffer(gpu, PAGE)
