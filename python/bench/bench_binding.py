@@ -2,12 +2,13 @@
 transfer` (the Rust engine driven from Rust) at the same block sizes, in the same run.
 
 Both sides write `--batch` ops of one block each per batch, `--inflight` batches in flight,
-`--total` bytes per measurement, scattered over a window of batch x inflight blocks of the
-largest size (as `kvbridge bench transfer` does), to a
-listener in another process over TCP (one session). Repetitions alternate Rust and Python;
-medians and spreads are printed with the ratio Python / Rust. Any failed transfer, or a
-peer whose memory does not hold exactly what was written, fails the run loudly and prints
-no throughput.
+`--total` bytes per measurement, scattered over a window of batch x inflight blocks (as
+`kvbridge bench transfer --block-sizes BLOCK` does), over TCP (one session) to the same kind of
+listener: `kvbridge bench peer`, the process `kvbridge bench transfer` starts. The Python
+side sends from shared anonymous memory, the kind `Region::alloc` gives the Rust side.
+Repetitions alternate Rust and Python; medians and spreads are printed with the ratio
+Python / Rust. Any failed transfer, or a peer whose memory does not read back exactly what
+was written, fails the run loudly and prints no throughput.
 
     python python/bench/bench_binding.py --kvbridge target/release/kvbridge [--reps 5]
 """
@@ -15,8 +16,8 @@ no throughput.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
+import mmap
 import os
 import statistics
 import subprocess
@@ -28,22 +29,6 @@ import numpy as np
 import kvbridge
 
 PEER_PAGE = 4096
-
-
-def peer_main(window: int) -> None:
-    """The listener: a numpy region of `window` bytes; answers b"digest" with the sha256 of
-    its first N bytes (N in the message) until stdin closes."""
-    with kvbridge.Channel("bench-listener", "127.0.0.1:0", transport="tcp", use_env=False) as ch:
-        mem = np.zeros(window, dtype=np.uint8)
-        rid = ch.register_buffer(mem, PEER_PAGE)
-        print(ch.local_addr, rid, flush=True)
-        while True:
-            got = ch.recv_notification(timeout=600)
-            if got is None or got[1] == b"bye":
-                return
-            peer, msg = got
-            n = int(msg.split()[1])
-            ch.notify(peer, hashlib.sha256(mem[:n].tobytes()).hexdigest().encode())
 
 
 class Failed(Exception):
@@ -75,12 +60,12 @@ def python_rep(ch, peer, local_region, remote_region, block, batch, inflight, to
     return batches * batch * block / (1 << 30) / elapsed
 
 
-def rust_rep(binary, blocks, batch, inflight, total):
+def rust_rep(binary, blocks, batch, inflight, total, inner):
     cmd = [
         binary, "bench", "transfer", "--transport", "tcp",
         "--block-sizes", ",".join(str(b) for b in blocks),
         "--batch", str(batch), "--inflight", str(inflight), "--total", str(total),
-        "--reps", "1", "--json",
+        "--reps", str(inner), "--json",
     ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
@@ -88,6 +73,46 @@ def rust_rep(binary, blocks, batch, inflight, total):
     out = r.stdout[r.stdout.index("{"):]
     report = json.loads(out)
     return {row["block_size"]: row["gib_per_s"] for row in report["results"]}
+
+
+def python_measurement(a, block, window, local_mem):
+    """What one `kvbridge bench transfer --block-sizes BLOCK --reps INNER` call does, from
+    Python: a fresh listener process and session, INNER measurements, their median; then
+    the listener's window must read back equal to what was written."""
+    peer_proc = subprocess.Popen(
+        [a.kvbridge, "bench", "peer", "--region-bytes", str(window), "--page", str(PEER_PAGE)],
+        stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True,
+    )
+    try:
+        ready, addr, remote_region, _sink = peer_proc.stdout.readline().split()
+        if ready != "READY":
+            raise Failed("kvbridge bench peer did not start")
+        remote_region = int(remote_region, 16)
+        with kvbridge.Channel("bench-python", transport="tcp", use_env=False) as ch:
+            local_region = ch.register_buffer(local_mem, PEER_PAGE)
+            peer = ch.connect(addr)
+            figures = [
+                python_rep(ch, peer, local_region, remote_region, block, a.batch, a.inflight,
+                           a.total, window, a.api)
+                for _ in range(a.inner)
+            ]
+            back_mem = mmap.mmap(-1, window)
+            back_region = ch.register_buffer(back_mem, PEER_PAGE)
+            chunk = min(window, 1 << 20)
+            for at in range(0, window, chunk * 64):
+                ops = [(back_region, o, remote_region, o, chunk)
+                       for o in range(at, min(window, at + chunk * 64), chunk)]
+                ch.read(peer, ops)
+            ch.deregister(back_region)
+            if back_mem[:] != local_mem[:window]:
+                raise Failed("the listener's memory differs from what was written (block %d)" % block)
+        return statistics.median(figures)
+    finally:
+        peer_proc.stdin.close()
+        try:
+            peer_proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            peer_proc.kill()
 
 
 def spread(xs):
@@ -101,64 +126,52 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--inflight", type=int, default=2)
     ap.add_argument("--total", type=int, default=512 << 20, help="bytes per measurement")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=5, help="repetitions; the median is reported")
+    ap.add_argument("--inner", type=int, default=3,
+                    help="measurements per repetition and side (the Rust side's --reps); their "
+                         "median is the repetition's figure, so a cold first one does not count")
     ap.add_argument("--api", choices=["pages", "ops"], default="pages",
                     help="submit_write_pages (page indices) or submit_write (byte ops)")
-    ap.add_argument("--peer", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
-    if a.peer is not None:
-        peer_main(a.peer)
-        return 0
     blocks = [int(b) for b in a.block_sizes.split(",")]
     if any(b % PEER_PAGE for b in blocks):
         sys.exit("block sizes must be multiples of %d" % PEER_PAGE)
-    window = max(b * a.batch * a.inflight for b in blocks)
+    def scatter_window(block):
+        # What `kvbridge bench transfer --block-sizes BLOCK` cycles through.
+        return min(max(block * a.batch * a.inflight, 1 << 20), 1 << 30)
+
+    window = max(scatter_window(b) for b in blocks)
     if a.total < window:
         sys.exit("--total must cover the window (%d bytes) so every block is written" % window)
     if not os.access(a.kvbridge, os.X_OK):
         sys.exit("%s not found: cargo build --release -p kvbridge-cli" % a.kvbridge)
 
-    peer_proc = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "--peer", str(window)],
-        stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-    )
     rust = {b: [] for b in blocks}
     py = {b: [] for b in blocks}
+    local_mem = mmap.mmap(-1, window)
+    local = np.frombuffer(local_mem, dtype=np.uint8)
+    local[:] = (np.arange(window, dtype=np.uint64) * 31 + 7).astype(np.uint8)
     try:
-        addr, remote_region = peer_proc.stdout.readline().split()
-        remote_region = int(remote_region)
-        ch = kvbridge.Channel("bench-python", transport="tcp", use_env=False)
-        local = np.empty(window, dtype=np.uint8)
-        local[:] = (np.arange(window, dtype=np.uint64) * 31 + 7).astype(np.uint8)
-        local_region = ch.register_buffer(local, PEER_PAGE)
-        peer = ch.connect(addr)
         for rep in range(a.reps):
-            for b, g in rust_rep(a.kvbridge, blocks, a.batch, a.inflight, a.total).items():
-                rust[b].append(g)
+            # Side by side per block size, the order alternating per repetition, so that the
+            # host's load swings hit both alike.
             for b in blocks:
-                py[b].append(python_rep(ch, peer, local_region, remote_region, b, a.batch,
-                                        a.inflight, a.total, window, a.api))
+                def rust_side():
+                    rust[b].append(rust_rep(a.kvbridge, [b], a.batch, a.inflight, a.total, a.inner)[b])
+
+                def python_side():
+                    py[b].append(python_measurement(a, b, scatter_window(b), local_mem))
+
+                for side in ((rust_side, python_side) if rep % 2 == 0 else (python_side, rust_side)):
+                    side()
             print("rep %d/%d done" % (rep + 1, a.reps), file=sys.stderr, flush=True)
-        # Every measured byte landed: the peer's window equals ours.
-        ch.notify(peer, b"digest %d" % window)
-        got = ch.recv_notification(timeout=60)
-        if got is None or got[1] != hashlib.sha256(local.tobytes()).hexdigest().encode():
-            raise Failed("the peer's memory differs from what was written")
-        ch.notify(peer, b"bye")
-        ch.close()
-    except (kvbridge.KvbridgeError, Failed) as e:
+    except (kvbridge.KvbridgeError, Failed, subprocess.TimeoutExpired) as e:
         print("FAILED: %s" % e, file=sys.stderr)
         return 1
-    finally:
-        if peer_proc.poll() is None:
-            try:
-                peer_proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                peer_proc.kill()
 
     print("Python batched writes (%s) vs kvbridge bench transfer, tcp, batch %d, %d in flight, "
-          "%d MiB per measurement, medians of %d (min-max)"
-          % (a.api, a.batch, a.inflight, a.total >> 20, a.reps))
+          "%d MiB per measurement, medians of %d repetitions (min-max), each the median of %d"
+          % (a.api, a.batch, a.inflight, a.total >> 20, a.reps, a.inner))
     print("%10s %16s %18s %7s" % ("block", "python GiB/s", "rust GiB/s", "ratio"))
     for b in blocks:
         p, r = statistics.median(py[b]), statistics.median(rust[b])
