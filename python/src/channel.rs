@@ -244,15 +244,43 @@ pub(crate) struct PyChannel {
     open: Mutex<Option<Arc<Open>>>,
     peer_id: String,
     local_addr: Option<String>,
+    /// The process the channel was created in: its tasks run on that process's runtime, so
+    /// in a child made by `fork` the channel cannot work (a call would wait for a task that
+    /// does not exist there).
+    pid: u32,
 }
 
 impl PyChannel {
     fn open(&self, py: Python<'_>) -> PyResult<Arc<Open>> {
+        if self.forked() {
+            return Err(errors::local(
+                py,
+                format!(
+                    "channel {} was created in process {}, before a fork: create channels in the process that uses them",
+                    self.peer_id, self.pid
+                ),
+            ));
+        }
         self.open
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
             .ok_or_else(|| errors::closed(py))
+    }
+
+    fn forked(&self) -> bool {
+        std::process::id() != self.pid
+    }
+
+    /// Lets go of an open channel: closes it in the process that created it; in a forked
+    /// child, where its tasks do not exist, leaves it untouched (dropping it would wait on
+    /// them, and its memory belongs to the parent's sessions).
+    fn release(&self, py: Python<'_>, open: Arc<Open>) -> PyResult<()> {
+        if self.forked() {
+            std::mem::forget(open);
+            return Ok(());
+        }
+        Self::shut(py, open)
     }
 
     /// The local side of a batch by pages: checked, before the peer's regions are known.
@@ -650,6 +678,7 @@ impl PyChannel {
                 returned: Returned::default(),
             }))),
             peer_id: peer_id.to_string(),
+            pid: std::process::id(),
             local_addr,
         })
     }
@@ -1126,7 +1155,7 @@ impl PyChannel {
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         let open = self.open.lock().unwrap_or_else(|p| p.into_inner()).take();
         match open {
-            Some(open) => Self::shut(py, open),
+            Some(open) => self.release(py, open),
             None => Ok(()),
         }
     }
@@ -1162,7 +1191,7 @@ impl Drop for PyChannel {
             .take();
         if let Some(open) = open {
             Python::with_gil(|py| {
-                let _ = Self::shut(py, open);
+                let _ = self.release(py, open);
             });
         }
     }
