@@ -736,8 +736,9 @@ impl PyChannel {
     /// Registers the memory of ``obj`` and returns its region id: a C-contiguous
     /// buffer-protocol object (bytearray, numpy array, memoryview) or a contiguous CPU
     /// tensor (``data_ptr()`` and ``nbytes``). The channel keeps ``obj`` (and its buffer
-    /// export, so a bytearray cannot be resized) until ``deregister``/``close``. A read-only
-    /// buffer is refused unless ``peers=[]`` (then it can only be the source of writes).
+    /// export, so a bytearray cannot be resized) until ``deregister``/``close``; do not
+    /// resize a registered tensor in place (``resize_``) meanwhile. A read-only buffer is
+    /// refused unless ``peers=[]`` (then it can only be the source of writes).
     #[pyo3(signature = (obj, page_size, *, peers=None))]
     fn register_buffer(
         &self,
