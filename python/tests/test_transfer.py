@@ -142,27 +142,36 @@ def test_asyncio_cancel_leaves_the_channel_usable(pair):
     asyncio.run(main())
 
 
-def test_gil_is_released_while_bytes_move(pair):
-    """A second Python thread runs while the first one is in a batch of 256 writes."""
+def test_gil_is_released_while_a_call_blocks(pair):
+    """A second Python thread runs while the first one waits in a blocking call.
+
+    Every blocking call (writes, reads, connect, receive) waits through the same helper, so
+    one call that blocks for a known time shows it: a receive with nothing to receive. A
+    count of loop turns in a burst of writes depended on the scheduler of a loaded host.
+    """
     import threading
 
-    ticks = 0
-    stop = threading.Event()
+    turns_needed = 1_000_000  # ~0.1 s of Python: twenty 5 ms GIL switch intervals
+    go = threading.Event()
+    done = threading.Event()
 
     def spin():
-        nonlocal ticks
-        while not stop.is_set():
-            ticks += 1
+        go.wait()
+        n = 0
+        while n < turns_needed:
+            n += 1
+        done.set()
 
     t = threading.Thread(target=spin)
     t.start()
     try:
-        before = ticks
-        for _ in range(32):
-            pair.prefiller.write_pages(pair.peer, pair.staging_region, list(range(8)), pair.kv_region, list(range(8, 16)))
-        assert ticks > before
+        go.set()
+        # Holding the GIL for the whole wait would leave the spinner at most a few switch
+        # intervals, too few for its turns; with the GIL released it finishes well inside.
+        assert pair.decoder.recv_notification(timeout=3.0) is None
+        assert done.is_set(), "the spinner did not finish while the call blocked: GIL held?"
     finally:
-        stop.set()
+        done.wait(10)
         t.join()
 
 
