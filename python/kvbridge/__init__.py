@@ -43,7 +43,13 @@ from ._errors import (
     Unauthenticated,
     UsageError,
 )
-from ._native import Channel, RegionInfo, Transfer, __version__
+import atexit as _atexit
+
+from ._native import Channel, RegionInfo, Transfer, __version__, _at_exit
+
+# Blocking calls still waiting in daemon threads end with Closed before the interpreter
+# finalizes (one ended by finalization itself aborts the process).
+_atexit.register(_at_exit)
 
 __all__ = [
     "Channel",

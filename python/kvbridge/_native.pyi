@@ -6,6 +6,9 @@ from typing import Any, Literal, final
 
 __version__: str
 
+def _at_exit(timeout: float = 2.0) -> None:
+    """The exit hook: ends blocking calls (they raise Closed) and waits for them."""
+
 # (local_region, local_offset, remote_region, remote_offset, length)
 _Op = tuple[int, int, int, int, int]
 

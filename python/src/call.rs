@@ -6,8 +6,9 @@ use crate::runtime;
 use pyo3::prelude::*;
 use pyo3::types::PyCFunction;
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::task::AbortHandle;
 
 /// How often a blocked caller wakes to check for signals (Ctrl-C).
@@ -74,6 +75,10 @@ where
     T: Send + 'static,
     F: Future<Output = EngineResult<T>> + Send + 'static,
 {
+    if EXITING.load(Ordering::SeqCst) {
+        return Err(exiting(py));
+    }
+    let _waiting = Waiting::enter();
     let (tx, rx) = mpsc::sync_channel(1);
     let task = runtime(py)?.spawn(async move {
         let _ = tx.send(fut.await);
@@ -86,6 +91,10 @@ where
             Ok(Ok(v)) => return Ok(v),
             Ok(Err(e)) => return Err(e.to_py(py)),
             Err(mpsc::RecvTimeoutError::Timeout) => {
+                if EXITING.load(Ordering::SeqCst) {
+                    task.abort();
+                    return Err(exiting(py));
+                }
                 if let Err(e) = py.check_signals() {
                     task.abort();
                     // The task stops at its next await, or finishes the step it is in: wait
@@ -102,6 +111,59 @@ where
             }
         }
     }
+}
+
+/// Set once the interpreter runs its exit hooks: blocking calls then end with `Closed`.
+static EXITING: AtomicBool = AtomicBool::new(false);
+
+/// Callers inside [`block_on_with`], on any thread.
+static WAITING: AtomicUsize = AtomicUsize::new(0);
+
+/// Counts a caller in [`WAITING`] while it waits.
+struct Waiting;
+
+impl Waiting {
+    fn enter() -> Waiting {
+        WAITING.fetch_add(1, Ordering::SeqCst);
+        Waiting
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        WAITING.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+fn exiting(py: Python<'_>) -> PyErr {
+    errors::make(
+        py,
+        "Closed",
+        "kvbridge: the interpreter is exiting".to_string(),
+        None,
+        None,
+        None,
+    )
+}
+
+/// The interpreter's exit hook (registered with `atexit` by `kvbridge/__init__.py`): ends
+/// every blocking call, and waits up to `timeout` seconds, with the GIL released, until no
+/// thread is inside one.
+///
+/// Why: a daemon thread still blocked in a call when the interpreter finalizes is ended by
+/// the interpreter as it takes the GIL back at its next signal check; that forced unwind
+/// through Rust frames aborts the whole process ("FATAL: exception not rethrown"). Ended
+/// here, the call returns `Closed` to Python first, and the thread leaves Rust for good.
+#[pyfunction]
+#[pyo3(signature = (timeout=2.0))]
+pub(crate) fn _at_exit(py: Python<'_>, timeout: f64) {
+    EXITING.store(true, Ordering::SeqCst);
+    let until = Instant::now() + Duration::from_secs_f64(timeout.clamp(0.0, 60.0));
+    py.allow_threads(|| {
+        while WAITING.load(Ordering::SeqCst) > 0 && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    });
 }
 
 /// How long an interrupted caller waits for its cancelled task to stop.

@@ -21,5 +21,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<channel::PyRegionInfo>()?;
     m.add_class::<transfer::Transfer>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(call::_at_exit, m)?)?;
     Ok(())
 }

@@ -189,3 +189,31 @@ def test_listener_late_then_restarted_on_the_same_port():
                     ch.write_pages("decode-sub", src_region, [0], int(region), [0])
             assert time.monotonic() - t0 < 5
             assert not isinstance(e.value, kvbridge.Closed)
+
+
+EXIT_WITH_A_BLOCKED_DAEMON = r"""
+import threading, torch, kvbridge
+ch = kvbridge.Channel("decode-0", "127.0.0.1:0", use_env=False)
+ended = []
+def receive():
+    try:
+        ch.recv_notification(timeout=None)
+    except kvbridge.KvbridgeError as e:
+        ended.append(e)
+t = threading.Thread(target=receive, daemon=True)
+t.start()
+t.join(0.3)  # the thread is now blocked in the receive
+print("exiting", flush=True)
+"""
+
+
+def test_exit_with_a_daemon_thread_blocked_in_a_call_is_clean():
+    """The interpreter exits while a daemon thread waits in a call. Ended by finalization,
+    the wait's forced unwind through Rust frames aborts the process (seen with torch
+    loaded); the exit hook ends the call first."""
+    pytest.importorskip("torch")
+    r = subprocess.run(
+        [sys.executable, "-c", EXIT_WITH_A_BLOCKED_DAEMON], capture_output=True, timeout=60
+    )
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert b"FATAL" not in r.stderr
