@@ -137,7 +137,7 @@ pub fn run(args: &ProxyBenchArgs) -> Result<ProxyBench> {
                 routers.join(" ")
             }
         );
-        let mut child = Command::new("bash")
+        let child = Command::new("bash")
             .arg(&script)
             .env("DUR", args.dur.to_string())
             .env("ROUTERS", routers.join(" "))
