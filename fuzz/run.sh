@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-600}
-read -r -a targets <<<"${TARGETS:-frame_decoder handshake op_validation proxy_request proxy_http}"
+read -r -a targets <<<"${TARGETS:-frame_decoder handshake op_validation proxy_request proxy_http zmtp_pull}"
 # proxy_http takes proxy_request's inputs and starts from its seeds.
 seeds_of() { if [ "$1" = proxy_http ]; then echo proxy_request; else echo "$1"; fi; }
 flags=(--sanitizer none -O -a)

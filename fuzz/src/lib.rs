@@ -13,6 +13,7 @@ pub mod handshake;
 pub mod op_validation;
 pub mod proxy_http;
 pub mod proxy_request;
+pub mod zmtp_pull;
 
 #[cfg(test)]
 mod replay {
@@ -69,5 +70,10 @@ mod replay {
     #[test]
     fn proxy_http_seeds() {
         assert!(replay_corpus("proxy_http", "proxy_request", crate::proxy_http::run) > 0);
+    }
+
+    #[test]
+    fn zmtp_pull_seeds() {
+        assert!(replay("zmtp_pull", crate::zmtp_pull::run) > 0);
     }
 }

@@ -5,6 +5,10 @@
 //! `ProxyNotif{req_id}` is LMCache's success message; `KvReady` and `KvFailed` are ours.
 //! The structs duplicate the proxy's (`kvbridge-proxy::notif`) on purpose: the two crates
 //! agree on bytes (pinned by golden tests on both sides), not on Rust types.
+//!
+//! With a shared secret (`KVBRIDGE_SECRET`, as for the channel), every outcome also carries a
+//! `tag` key: the HMAC of its kind, rank and request id (`kvbridge_proto::outcome_tag`), which
+//! a proxy given the same secret requires. msgspec decoders that do not know the key skip it.
 
 use crate::zmtp_push::PushConn;
 use serde::{Deserialize, Serialize};
@@ -56,10 +60,51 @@ impl Outcome {
         }
     }
 
+    /// The message type's name on the wire (`"type"`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Outcome::ProxyNotif { .. } => "ProxyNotif",
+            Outcome::KvReady { .. } => "KvReady",
+            Outcome::KvFailed { .. } => "KvFailed",
+        }
+    }
+
+    /// The rank the outcome is about (0 for `ProxyNotif`, which names none).
+    fn rank(&self) -> u32 {
+        match self {
+            Outcome::ProxyNotif { .. } => 0,
+            Outcome::KvReady { rank, .. } | Outcome::KvFailed { rank, .. } => *rank,
+        }
+    }
+
     /// msgpack bytes in the tagged-map shape.
     pub fn encode(&self) -> Vec<u8> {
         // A plain enum of strings and integers always serialises.
         rmp_serde::to_vec_named(self).unwrap_or_default()
+    }
+
+    /// msgpack bytes with, under `secret`, a `tag` entry that authenticates the kind, rank
+    /// and request id (without a secret, the same as [`Outcome::encode`]).
+    pub fn encode_tagged(&self, secret: Option<&[u8]>) -> Vec<u8> {
+        let mut b = self.encode();
+        let Some(secret) = secret else { return b };
+        // Every outcome is a fixmap of at most 6 entries (header 0x80 | n): one more entry
+        // keeps it a fixmap, so the tag is appended and the count raised.
+        match b.first() {
+            Some(&h) if h & 0xf0 == 0x80 && h & 0x0f < 15 => b[0] = h + 1,
+            _ => return b,
+        }
+        let tag = kvbridge_proto::outcome_tag::outcome_tag(
+            secret,
+            self.kind(),
+            self.rank(),
+            self.req_id(),
+        );
+        b.extend_from_slice(b"\xa3tag");
+        b.push(0xd9); // str8
+        b.push(tag.len() as u8);
+        b.extend_from_slice(tag.as_bytes());
+        b
     }
 
     /// Decodes msgpack bytes (rejects anything over 64 KiB).
@@ -106,6 +151,14 @@ pub struct ZmqPusher {
     tx: mpsc::UnboundedSender<(tokio::time::Instant, Outcome)>,
 }
 
+/// The shared secret that tags outcomes: `KVBRIDGE_SECRET`, as the channel reads it.
+fn secret_from_env() -> Option<Vec<u8>> {
+    std::env::var("KVBRIDGE_SECRET")
+        .ok()
+        .map(String::into_bytes)
+        .filter(|s| !s.is_empty())
+}
+
 /// First pause before connecting again to an unreachable proxy; it doubles up to
 /// [`RECONNECT_PAUSE_MAX`].
 const RECONNECT_PAUSE_MIN: Duration = Duration::from_millis(20);
@@ -114,7 +167,17 @@ const RECONNECT_PAUSE_MAX: Duration = Duration::from_millis(500);
 
 impl ZmqPusher {
     /// Starts the pusher for `endpoint` (`tcp://host:port`); must run inside a tokio runtime.
+    /// Outcomes are tagged under `KVBRIDGE_SECRET` when it is set.
     pub fn spawn(endpoint: String, deadline: Duration) -> ZmqPusher {
+        Self::spawn_with_secret(endpoint, deadline, secret_from_env())
+    }
+
+    /// [`ZmqPusher::spawn`] with the secret given (`None`: outcomes go untagged).
+    pub fn spawn_with_secret(
+        endpoint: String,
+        deadline: Duration,
+        secret: Option<Vec<u8>>,
+    ) -> ZmqPusher {
         let (tx, mut rx) = mpsc::unbounded_channel::<(tokio::time::Instant, Outcome)>();
         tokio::spawn(async move {
             let Some(addr) = endpoint.strip_prefix("tcp://").map(str::to_string) else {
@@ -124,7 +187,8 @@ impl ZmqPusher {
             };
             let mut conn: Option<PushConn> = None;
             while let Some((emitted, o)) = rx.recv().await {
-                if !deliver(&mut conn, &addr, &endpoint, &o.encode(), emitted + deadline).await {
+                let body = o.encode_tagged(secret.as_deref());
+                if !deliver(&mut conn, &addr, &endpoint, &body, emitted + deadline).await {
                     tracing::warn!(%endpoint, ?deadline, req_id = o.req_id(), "outcome not delivered to the proxy within its deadline; dropped");
                 }
             }
@@ -216,5 +280,31 @@ mod tests {
             assert_eq!(Outcome::decode(b).unwrap(), o);
         }
         assert!(Outcome::decode(b"\xc1").is_err());
+    }
+
+    /// The tag rides as one more map entry; the message still decodes as before (extra keys
+    /// are skipped) and carries the pinned tag of `kvbridge_proto::outcome_tag`.
+    #[test]
+    fn tagged_outcomes_keep_their_shape() {
+        let o = Outcome::KvReady {
+            req_id: "kvb-00".into(),
+            rank: 1,
+            chunks: 4,
+            bytes: 1 << 20,
+            sent_by: None,
+        };
+        assert_eq!(o.encode_tagged(None), o.encode());
+        let b = o.encode_tagged(Some(b"secret"));
+        assert_eq!(b[0], 0x86);
+        assert_eq!(Outcome::decode(&b).unwrap(), o);
+        #[derive(Deserialize)]
+        struct Tag {
+            tag: String,
+        }
+        let t: Tag = rmp_serde::from_slice(&b).unwrap();
+        assert_eq!(
+            t.tag,
+            "c3d132555ac9569aaa46fc7fdb2d7b5ab3bffc257ae9a40dba9368fd2e11838c"
+        );
     }
 }

@@ -9,59 +9,21 @@
 //! after its handshake, so the connection is readable only once the peer closed it (or
 //! broke the protocol), and [`PushConn::send`] checks that before every message.
 //!
-//! Wire format (ZMTP 3.0, rfc.zeromq.org/spec/23): a 64-byte greeting each way, then a
-//! `READY` command each way carrying `Socket-Type`, then message frames (flags, size, body).
+//! The framing (greeting, `READY`, frames, with size limits) is `kvbridge_proto::zmtp`,
+//! shared with the proxy's PULL side.
 
+use kvbridge_proto::zmtp::{
+    check_greeting, frame, greeting, parse_frame_header, ready_command, ready_properties,
+    socket_type_is, FLAG_COMMAND, GREETING_LEN, MAX_COMMAND_BODY,
+};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-
-/// Largest command or frame body this side reads from the peer during the handshake.
-const MAX_HANDSHAKE_BODY: u64 = 4096;
 
 /// A connected, handshaken PUSH connection.
 #[derive(Debug)]
 pub(crate) struct PushConn {
     stream: TcpStream,
-}
-
-/// Our 64-byte greeting: signature, version 3.0, mechanism `NULL`, as-server 0, filler.
-fn greeting() -> [u8; 64] {
-    let mut g = [0u8; 64];
-    g[0] = 0xFF;
-    g[9] = 0x7F;
-    g[10] = 3;
-    g[11] = 0;
-    g[12..16].copy_from_slice(b"NULL");
-    g
-}
-
-/// A `READY` command announcing `Socket-Type: PUSH`.
-fn ready_command() -> Vec<u8> {
-    let mut body = Vec::new();
-    body.push(5);
-    body.extend_from_slice(b"READY");
-    let (name, value) = (b"Socket-Type", b"PUSH");
-    body.push(name.len() as u8);
-    body.extend_from_slice(name);
-    body.extend_from_slice(&(value.len() as u32).to_be_bytes());
-    body.extend_from_slice(value);
-    frame(0x04, &body)
-}
-
-/// One frame: `flags` (0x04 for a command, 0 for the last frame of a message), the long-size
-/// flag when the body needs it, the size, the body.
-fn frame(flags: u8, body: &[u8]) -> Vec<u8> {
-    let mut f = Vec::with_capacity(body.len() + 9);
-    if body.len() > 255 {
-        f.push(flags | 0x02);
-        f.extend_from_slice(&(body.len() as u64).to_be_bytes());
-    } else {
-        f.push(flags);
-        f.push(body.len() as u8);
-    }
-    f.extend_from_slice(body);
-    f
 }
 
 fn bad(detail: impl Into<String>) -> std::io::Error {
@@ -76,23 +38,16 @@ impl PushConn {
             let mut stream = TcpStream::connect(addr).await?;
             stream.set_nodelay(true)?;
             stream.write_all(&greeting()).await?;
-            let mut theirs = [0u8; 64];
+            let mut theirs = [0u8; GREETING_LEN];
             stream.read_exact(&mut theirs).await?;
-            if theirs[0] != 0xFF || theirs[9] != 0x7F {
-                return Err(bad("the peer did not greet as ZMTP"));
-            }
-            if theirs[10] < 3 {
-                return Err(bad(format!("the peer speaks ZMTP {}", theirs[10])));
-            }
-            if &theirs[12..17] != b"NULL\0" {
-                return Err(bad("the peer wants a security mechanism other than NULL"));
-            }
-            stream.write_all(&ready_command()).await?;
+            check_greeting(&theirs).map_err(|e| bad(e.to_string()))?;
+            stream.write_all(&ready_command("PUSH")).await?;
             let (flags, body) = read_frame(&mut stream).await?;
-            if flags & 0x04 == 0 || body.get(1..6) != Some(b"READY") {
-                return Err(bad("the peer did not answer READY"));
-            }
-            if !socket_type_is(&body[6..], b"PULL") {
+            let props = ready_properties(&body)
+                .ok()
+                .filter(|_| flags & FLAG_COMMAND != 0)
+                .ok_or_else(|| bad("the peer did not answer READY"))?;
+            if !socket_type_is(props, b"PULL") {
                 return Err(bad("the peer is not a PULL socket"));
             }
             Ok(PushConn { stream })
@@ -129,72 +84,29 @@ impl PushConn {
 }
 
 /// Reads one frame during the handshake: its flags and body (at most
-/// [`MAX_HANDSHAKE_BODY`] bytes).
+/// [`MAX_COMMAND_BODY`] bytes, checked before the body is read).
 async fn read_frame(s: &mut TcpStream) -> std::io::Result<(u8, Vec<u8>)> {
-    let flags = s.read_u8().await?;
-    let len = if flags & 0x02 != 0 {
-        s.read_u64().await?
-    } else {
-        u64::from(s.read_u8().await?)
+    let mut hdr = [0u8; 9];
+    s.read_exact(&mut hdr[..2]).await?;
+    let mut have = 2;
+    let h = loop {
+        match parse_frame_header(&hdr[..have], MAX_COMMAND_BODY as u64) {
+            Ok(Some(h)) => break h,
+            Ok(None) => {
+                s.read_exact(&mut hdr[have..9]).await?;
+                have = 9;
+            }
+            Err(e) => return Err(bad(e.to_string())),
+        }
     };
-    if len > MAX_HANDSHAKE_BODY {
-        return Err(bad(format!("a handshake frame of {len} bytes")));
-    }
-    let mut body = vec![0u8; len as usize];
+    let mut body = vec![0u8; h.body_len as usize];
     s.read_exact(&mut body).await?;
-    Ok((flags, body))
-}
-
-/// Whether the `READY` metadata `props` says `Socket-Type` is `want` (names compare
-/// without case, as the spec says).
-fn socket_type_is(mut props: &[u8], want: &[u8]) -> bool {
-    while let Some((&n, rest)) = props.split_first() {
-        let n = n as usize;
-        if rest.len() < n + 4 {
-            return false;
-        }
-        let (name, rest) = rest.split_at(n);
-        let (vlen, rest) = rest.split_at(4);
-        let v = u32::from_be_bytes([vlen[0], vlen[1], vlen[2], vlen[3]]) as usize;
-        if rest.len() < v {
-            return false;
-        }
-        let (value, rest) = rest.split_at(v);
-        if name.eq_ignore_ascii_case(b"Socket-Type") {
-            return value == want;
-        }
-        props = rest;
-    }
-    false
+    Ok((h.flags, body))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn frames_pick_their_size_field() {
-        assert_eq!(frame(0, b"ab"), [0, 2, b'a', b'b']);
-        let long = frame(0, &[7; 300]);
-        assert_eq!(long[0], 0x02);
-        assert_eq!(&long[1..9], &300u64.to_be_bytes());
-        assert_eq!(long.len(), 309);
-    }
-
-    #[test]
-    fn ready_names_the_socket_type() {
-        let r = ready_command();
-        assert_eq!(r[0], 0x04);
-        assert_eq!(r[1] as usize, r.len() - 2);
-        assert_eq!(&r[3..8], b"READY");
-        assert!(socket_type_is(&r[8..], b"PUSH"));
-        assert!(!socket_type_is(&r[8..], b"PULL"));
-        // Truncated or malformed metadata is not a match, and does not panic.
-        for cut in 8..r.len() - 1 {
-            assert!(!socket_type_is(&r[8..cut], b"PUSH"));
-        }
-        assert!(!socket_type_is(&[200, 1, 2], b"PUSH"));
-    }
 
     /// Against the `zeromq` crate's PULL (what the proxy binds): short and long messages
     /// arrive whole. (That a closed peer is noticed before the next send is

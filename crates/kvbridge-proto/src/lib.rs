@@ -13,6 +13,8 @@
 //! * [`handshake`]: the initiator and listener state machines.
 //! * [`ids`]: peer, region, session and incarnation identifiers.
 //! * [`auth`]: the shared secret and HMAC challenge/response proofs.
+//! * [`zmtp`]: ZMTP 3.0 NULL framing and the PULL side of the KV outcome channel.
+//! * [`outcome_tag`]: the HMAC tag that authenticates a KV outcome.
 
 #![warn(missing_docs)]
 
@@ -21,6 +23,8 @@ pub mod frame;
 pub mod handshake;
 pub mod ids;
 pub mod msg;
+pub mod outcome_tag;
+pub mod zmtp;
 
 pub use frame::{FrameError, FrameHeader, FRAME_HEADER_LEN, PROTOCOL_VERSION};
 pub use ids::{Incarnation, PeerId, RegionId, SessionToken};

@@ -42,6 +42,26 @@ pub(crate) struct ProxyBody {
     fin: Option<Finish>,
 }
 
+/// What a client is told of a server-side failure with error code `code`. The detail (which
+/// worker, its address, its error text) names internal parts of the deployment: it goes to
+/// the proxy's log under the request id, not to the client.
+pub(crate) fn public_message(code: &str) -> &'static str {
+    match code {
+        "no_healthy_worker" => "no healthy worker can take this request now",
+        "decoder_unavailable" => "no decoder could be reached for this request",
+        "prefill_failed" => "the prefill failed",
+        "prefill_timeout" => "the prefill did not finish in time",
+        "kv_transfer_failed" => "the KV cache transfer failed",
+        "kv_ready_timeout" => "the KV cache did not arrive in time",
+        "decode_failed" | "decoder_stream_failed" => "the decode failed",
+        "decode_timeout" => "the decoder did not answer in time",
+        "upstream_failed" => "a worker failed",
+        "upstream_timeout" => "a worker did not answer in time",
+        "shutting_down" => "the proxy is shutting down",
+        _ => "the request failed inside the proxy",
+    }
+}
+
 /// Formats an SSE `error` event with an OpenAI-shaped error object.
 pub(crate) fn sse_error(message: &str, code: &str) -> Bytes {
     let v = serde_json::json!({"error": {"message": message, "type": "server_error", "param": null, "code": code}});
@@ -102,10 +122,10 @@ impl ProxyBody {
                 .as_ref()
                 .map(|s| s.worker().label.clone())
                 .unwrap_or_default();
-            tracing::warn!(request_id = f.track.rid(), worker = %worker, "{message}");
+            tracing::warn!(request_id = f.track.rid(), worker = %worker, code, "{message}");
             f.track.outcome = outcome;
         }
-        Frame::data(sse_error(&message, code))
+        Frame::data(sse_error(public_message(code), code))
     }
 
     /// Polls the pending decode: `Ready(None)` once its stream is in `inner` (or nothing

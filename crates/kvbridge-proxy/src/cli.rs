@@ -73,9 +73,27 @@ pub struct ProxyArgs {
     #[arg(long)]
     pub health_timeout: Option<f64>,
     /// Whether a decoder's health check also connects to each of its KV init ports (`true`
-    /// or `false`) [default: true].
+    /// or `false`) [default: true in the lmcache flow, false in the vllm flow, whose NIXL
+    /// decoders have no KV init port].
     #[arg(long)]
     pub health_kv_ports: Option<bool>,
+    /// Shared secret: with one, a KV outcome counts only with a valid tag (kvbridge's PD
+    /// senders add it under the same `KVBRIDGE_SECRET`), and untagged ones (LMCache's
+    /// `ProxyNotif`) are refused and counted. Prefer the environment to the flag (a flag
+    /// shows in the process list).
+    #[arg(long, env = "KVBRIDGE_SECRET", hide_env_values = true)]
+    pub secret: Option<crate::config::Secret>,
+    /// Most client connections open at once; more are closed as soon as accepted
+    /// [default: 4096].
+    #[arg(long)]
+    pub max_connections: Option<usize>,
+    /// Seconds a client has to send a request's headers [default: 10].
+    #[arg(long)]
+    pub header_timeout: Option<f64>,
+    /// Seconds a client has to send a request's body once its headers are in (408 after)
+    /// [default: 30].
+    #[arg(long)]
+    pub body_timeout: Option<f64>,
     /// Consecutive failed checks that eject a worker [default: 2].
     #[arg(long)]
     pub unhealthy_after: Option<u32>,

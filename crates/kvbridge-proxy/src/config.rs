@@ -20,6 +20,37 @@ pub enum Flow {
     Vllm,
 }
 
+/// The shared secret that authenticates KV outcomes (`KVBRIDGE_SECRET`, `--secret`). Its
+/// `Debug` never shows the bytes.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(std::sync::Arc<[u8]>);
+
+impl Secret {
+    /// A secret from bytes; `None` when empty.
+    pub fn new(bytes: impl Into<Vec<u8>>) -> Option<Secret> {
+        let b: Vec<u8> = bytes.into();
+        (!b.is_empty()).then(|| Secret(b.into()))
+    }
+
+    /// The secret's bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(<redacted>)")
+    }
+}
+
+impl std::str::FromStr for Secret {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Secret, String> {
+        Secret::new(s.as_bytes()).ok_or_else(|| "the secret is empty".to_string())
+    }
+}
+
 /// An HTTP worker (prefiller or decoder).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -60,6 +91,56 @@ impl DecoderConfig {
     }
 }
 
+/// Limits of the outcome port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OutcomePortLimits {
+    /// Most connections served at once.
+    pub max_conns: usize,
+    /// Deadline for a new connection's greeting and `READY`.
+    pub handshake: Duration,
+    /// Deadline for a frame, from its first byte to its last.
+    pub frame: Duration,
+    /// Largest frame body (an outcome message).
+    pub max_frame: usize,
+    /// Most frames in one message.
+    pub max_frames: usize,
+}
+
+impl Default for OutcomePortLimits {
+    fn default() -> Self {
+        OutcomePortLimits {
+            max_conns: 1024,
+            handshake: Duration::from_secs(5),
+            frame: Duration::from_secs(5),
+            max_frame: crate::notif::MAX_MESSAGE_BYTES,
+            max_frames: 16,
+        }
+    }
+}
+
+/// Limits of the HTTP listener against clients that hold connections without finishing
+/// their requests (slowloris).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HttpLimits {
+    /// Most client connections open at once; more are closed as soon as accepted.
+    pub max_conns: usize,
+    /// Deadline for a request's headers, from the connection's first byte (or from the end
+    /// of the previous request on a kept-alive connection).
+    pub header_timeout: Duration,
+    /// Deadline for a request's whole body, once its headers are in (408 after).
+    pub body_timeout: Duration,
+}
+
+impl Default for HttpLimits {
+    fn default() -> Self {
+        HttpLimits {
+            max_conns: 4096,
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
 /// Everything the proxy needs to run.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -92,8 +173,18 @@ pub struct Config {
     pub health_timeout: Duration,
     /// Whether a decoder's health check also opens a TCP connection to each of its KV init
     /// ports (every rank): its HTTP endpoint can answer while its KV receiver is gone, and
-    /// every prefill sent its way would then fail at the handshake.
-    pub health_kv_ports: bool,
+    /// every prefill sent its way would then fail at the handshake. `None` fits the flow
+    /// ([`Config::probes_kv_ports`]): on in the lmcache flow, off in the vllm flow, whose
+    /// NIXL decoders have no KV init port.
+    pub health_kv_ports: Option<bool>,
+    /// The shared secret: with one, a KV outcome counts only with a valid tag (the PD sender
+    /// adds it under the same secret); without one, any well-formed outcome counts,
+    /// LMCache's untagged `ProxyNotif` included.
+    pub secret: Option<Secret>,
+    /// Limits of the outcome port (connections, deadlines, frame sizes).
+    pub outcome_port: OutcomePortLimits,
+    /// Limits of the HTTP listener (connections, header and body deadlines).
+    pub http_limits: HttpLimits,
     /// Consecutive failed checks that eject a worker.
     pub unhealthy_after: u32,
     /// Consecutive passed checks that re-admit an ejected worker.
@@ -138,7 +229,10 @@ impl Default for Config {
             connect_timeout: Duration::from_secs(3),
             health_interval: Duration::from_secs(2),
             health_timeout: Duration::from_secs(1),
-            health_kv_ports: true,
+            health_kv_ports: None,
+            secret: None,
+            outcome_port: Default::default(),
+            http_limits: HttpLimits::default(),
             unhealthy_after: 2,
             healthy_after: 1,
             max_queue: 1024,
@@ -167,6 +261,9 @@ struct FileConfig {
     health_interval: Option<f64>,
     health_timeout: Option<f64>,
     health_kv_ports: Option<bool>,
+    max_connections: Option<usize>,
+    header_timeout: Option<f64>,
+    body_timeout: Option<f64>,
     unhealthy_after: Option<u32>,
     healthy_after: Option<u32>,
     max_queue: Option<usize>,
@@ -350,10 +447,27 @@ impl Config {
                 file.health_timeout,
                 d.health_timeout,
             )?,
-            health_kv_ports: a
-                .health_kv_ports
-                .or(file.health_kv_ports)
-                .unwrap_or(d.health_kv_ports),
+            health_kv_ports: a.health_kv_ports.or(file.health_kv_ports),
+            secret: a.secret.clone(),
+            outcome_port: Default::default(),
+            http_limits: HttpLimits {
+                max_conns: a
+                    .max_connections
+                    .or(file.max_connections)
+                    .unwrap_or(d.http_limits.max_conns),
+                header_timeout: pick(
+                    "header-timeout",
+                    a.header_timeout,
+                    file.header_timeout,
+                    d.http_limits.header_timeout,
+                )?,
+                body_timeout: pick(
+                    "body-timeout",
+                    a.body_timeout,
+                    file.body_timeout,
+                    d.http_limits.body_timeout,
+                )?,
+            },
             unhealthy_after: a
                 .unhealthy_after
                 .or(file.unhealthy_after)
@@ -391,6 +505,13 @@ impl Config {
         Ok(cfg)
     }
 
+    /// Whether decoders' health checks probe their KV init ports: as configured, else only
+    /// in the lmcache flow (a vLLM NIXL decoder listens on no KV init port, so probing one
+    /// would eject every decoder after `unhealthy_after` checks).
+    pub fn probes_kv_ports(&self) -> bool {
+        self.health_kv_ports.unwrap_or(self.flow == Flow::Lmcache)
+    }
+
     /// Checks that the configuration can run; the error names the offending setting.
     pub fn validate(&self) -> anyhow::Result<()> {
         if self.prefillers.is_empty() {
@@ -424,6 +545,12 @@ impl Config {
                     anyhow::bail!("at most {} ranks per decoder", crate::kvwait::MAX_RANKS);
                 }
             }
+        }
+        if self.http_limits.max_conns == 0
+            || self.http_limits.header_timeout.is_zero()
+            || self.http_limits.body_timeout.is_zero()
+        {
+            anyhow::bail!("--max-connections, --header-timeout and --body-timeout must be above 0");
         }
         if self.unhealthy_after == 0 || self.healthy_after == 0 {
             anyhow::bail!("--unhealthy-after and --healthy-after must be at least 1");
@@ -517,6 +644,19 @@ mod tests {
     }
 
     #[test]
+    fn kv_port_probes_fit_the_flow_unless_set() {
+        assert!(parse(&[]).unwrap().probes_kv_ports(), "lmcache: on");
+        assert!(
+            !parse(&["--flow", "vllm"]).unwrap().probes_kv_ports(),
+            "vllm: off"
+        );
+        let on = parse(&["--flow", "vllm", "--health-kv-ports", "true"]).unwrap();
+        assert!(on.probes_kv_ports(), "asked for");
+        let off = parse(&["--health-kv-ports", "false"]).unwrap();
+        assert!(!off.probes_kv_ports());
+    }
+
+    #[test]
     fn bad_input_is_a_clear_error() {
         let e = parse(&["--prefiller-host", "a,b,c", "--prefiller-port", "1,2"]).unwrap_err();
         assert!(
@@ -566,10 +706,9 @@ kv_capacity_tokens = 100000
         assert_eq!(c.prefillers[0].host, "p1");
         assert_eq!(c.decoders[0].ranks(), 2);
         assert_eq!(c.decoders[0].kv_capacity_tokens, 100000);
-        assert!(!c.health_kv_ports);
+        assert!(!c.probes_kv_ports());
         let c = parse(&["--config", ps, "--health-kv-ports", "true"]).unwrap();
-        assert!(c.health_kv_ports, "the flag wins over the file");
-        assert!(parse(&[]).unwrap().health_kv_ports, "on by default");
+        assert!(c.probes_kv_ports(), "the flag wins over the file");
         assert!(!c.first_token_on_kv_ready, "the file's setting");
         let c = parse(&["--config", ps, "--first-token-on-kv-ready", "true"]).unwrap();
         assert!(c.first_token_on_kv_ready, "the flag wins over the file");

@@ -6,15 +6,13 @@
 //! Outcomes for ids nobody waits for (late, duplicate or foreign) are counted and dropped.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 use tokio::sync::{mpsc, oneshot};
-use zeromq::{Socket, SocketRecv};
 
 use crate::metrics::Metrics;
-use crate::notif::{self, Notif};
+use crate::notif::Notif;
 
 /// The most ranks one request may have (the rank set is a 64-bit mask).
 pub const MAX_RANKS: u32 = 64;
@@ -180,57 +178,10 @@ async fn own(mut rx: mpsc::UnboundedReceiver<Event>, metrics: Arc<Metrics>) {
     }
 }
 
-/// Binds the notification PULL socket on `host:port` (port 0 picks a free one) and starts the
-/// task that decodes messages and hands them to `waiters`. Returns the bound address and the
-/// reader task.
-pub async fn bind_pull(
-    host: &str,
-    port: u16,
-    waiters: KvWaiters,
-    metrics: Arc<Metrics>,
-) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
-    let listener = std::net::TcpListener::bind((host, port)).map_err(|e| {
-        anyhow::anyhow!("cannot bind the notification socket on {host}:{port}: {e}")
-    })?;
-    let addr = listener.local_addr()?;
-    let mut sock = zeromq::PullSocket::new();
-    sock.bind_listener(listener)
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot listen for notifications on {addr}: {e}"))?;
-    let task = tokio::spawn(async move {
-        loop {
-            let msg = match sock.recv().await {
-                Ok(m) => m,
-                Err(e) => {
-                    // A peer that disconnects mid-message shows up here; the socket goes on.
-                    // Pause briefly so a persistent error cannot spin a core.
-                    tracing::debug!(error = %e, "notification socket receive error");
-                    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-                    continue;
-                }
-            };
-            for frame in msg.iter() {
-                match notif::decode(frame) {
-                    Ok(n) => {
-                        tracing::debug!(target: "kvbridge::timeline", stage = "proxy.outcome_received", id = n.req_id());
-                        waiters.deliver(n)
-                    }
-                    Err(e) => {
-                        metrics.kv_outcomes_malformed.fetch_add(1, Relaxed);
-                        tracing::warn!(error = %e, len = frame.len(), "malformed notification dropped");
-                    }
-                }
-            }
-        }
-    });
-    Ok((addr, task))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::time::Duration;
-    use zeromq::{SocketSend, ZmqMessage};
 
     const T: Duration = Duration::from_secs(5);
 
@@ -327,42 +278,5 @@ mod tests {
             })
         );
         pending(&m, 0).await;
-    }
-
-    /// The real socket: a zeromq PUSH peer delivers encoded outcomes, garbage is counted.
-    #[tokio::test]
-    async fn zmq_push_to_pull_round_trip() {
-        let m = Arc::new(Metrics::default());
-        let w = KvWaiters::spawn(m.clone());
-        let (addr, task) = bind_pull("127.0.0.1", 0, w.clone(), m.clone())
-            .await
-            .unwrap();
-        let mut wait = w.register("z", 2);
-        let mut push = zeromq::PushSocket::new();
-        tokio::time::timeout(T, push.connect(&format!("tcp://{addr}")))
-            .await
-            .unwrap()
-            .unwrap();
-        for msg in [
-            b"garbage".to_vec(),
-            notif::encode(&Notif::ProxyNotif { req_id: "z".into() }),
-            notif::encode(&Notif::KvReady {
-                req_id: "z".into(),
-                rank: 1,
-                chunks: 2,
-                bytes: 3,
-            }),
-        ] {
-            tokio::time::timeout(T, push.send(ZmqMessage::from(msg)))
-                .await
-                .unwrap()
-                .unwrap();
-        }
-        assert_eq!(
-            tokio::time::timeout(T, wait.outcome()).await.unwrap(),
-            Some(KvOutcome::Ready)
-        );
-        assert_eq!(m.kv_outcomes_malformed.load(Relaxed), 1);
-        task.abort();
     }
 }

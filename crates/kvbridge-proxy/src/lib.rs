@@ -12,8 +12,10 @@ pub mod config;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod kvwait;
+mod listener;
 pub mod metrics;
 pub mod notif;
+pub mod outcome_port;
 pub mod pool;
 mod request;
 pub mod server;

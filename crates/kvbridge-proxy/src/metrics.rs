@@ -121,6 +121,15 @@ pub struct Metrics {
     pub kv_outcomes_unknown: AtomicU64,
     /// Messages on the notification socket that could not be decoded.
     pub kv_outcomes_malformed: AtomicU64,
+    /// Outcomes refused because a secret is set and their tag is missing or wrong.
+    pub kv_outcomes_unauthenticated: AtomicU64,
+    /// Outcome-port connections closed for breaking ZMTP or its limits (oversized frames,
+    /// garbage, a handshake or frame not done within its deadline).
+    pub outcome_conns_refused: AtomicU64,
+    /// Outcome-port connections closed to make room for a new one at the connection cap.
+    pub outcome_conns_evicted: AtomicU64,
+    /// HTTP connections closed at once because the connection cap was reached.
+    pub http_conns_refused: AtomicU64,
     /// Requests refused with 413 because their body exceeded `--max-body-bytes`.
     pub body_too_large: AtomicU64,
     /// Requests started over on another decoder because the prefiller could not reach
@@ -206,6 +215,26 @@ impl Metrics {
                 "kv_outcomes_malformed_total",
                 "Undecodable notification messages.",
                 &self.kv_outcomes_malformed,
+            ),
+            (
+                "kv_outcomes_unauthenticated_total",
+                "Outcomes refused for a missing or wrong tag (a secret is set).",
+                &self.kv_outcomes_unauthenticated,
+            ),
+            (
+                "outcome_conns_refused_total",
+                "Outcome-port connections closed for breaking ZMTP, its limits or its deadlines.",
+                &self.outcome_conns_refused,
+            ),
+            (
+                "outcome_conns_evicted_total",
+                "Idle outcome-port connections closed to make room at the connection cap.",
+                &self.outcome_conns_evicted,
+            ),
+            (
+                "http_conns_refused_total",
+                "HTTP connections closed at once at the connection cap.",
+                &self.http_conns_refused,
             ),
             (
                 "body_too_large_total",

@@ -87,6 +87,34 @@ pub fn decode(bytes: &[u8]) -> Result<Notif, DecodeError> {
     rmp_serde::from_slice(bytes).map_err(|e| DecodeError(e.to_string()))
 }
 
+/// Decodes one outcome message and its `tag` entry, if any (the PD sender adds one under a
+/// shared secret; see [`authentic`]).
+pub fn decode_tagged(bytes: &[u8]) -> Result<(Notif, Option<String>), DecodeError> {
+    #[derive(Deserialize)]
+    struct Tag {
+        #[serde(default)]
+        tag: Option<String>,
+    }
+    let msg = decode(bytes)?;
+    // The same bytes again, for one key: a map that decoded above decodes here.
+    let tag = rmp_serde::from_slice::<Tag>(bytes)
+        .map_err(|e| DecodeError(e.to_string()))?
+        .tag;
+    Ok((msg, tag))
+}
+
+/// Whether `tag` authenticates `msg` under `secret`: the HMAC of its kind, rank (0 for
+/// `ProxyNotif`) and request id (`kvbridge_proto::outcome_tag`), compared in constant time.
+pub fn authentic(msg: &Notif, tag: Option<&str>, secret: &[u8]) -> bool {
+    let rank = match msg {
+        Notif::ProxyNotif { .. } => 0,
+        Notif::KvReady { rank, .. } | Notif::KvFailed { rank, .. } => *rank,
+    };
+    tag.is_some_and(|t| {
+        kvbridge_proto::outcome_tag::verify_outcome_tag(secret, msg.kind(), rank, msg.req_id(), t)
+    })
+}
+
 /// Encodes one outcome message in the tagged map shape that [`decode`] reads.
 pub fn encode(msg: &Notif) -> Vec<u8> {
     // Serialising a plain enum of strings and integers into a Vec cannot fail.
@@ -172,6 +200,44 @@ mod tests {
             assert_eq!(bytes[0] & 0xf0, 0x80, "a map, not an array");
             assert_eq!(decode(&bytes).unwrap(), m);
         }
+    }
+
+    /// The bytes the PD sender writes for `KvReady{req_id: "kvb-00", rank: 1, chunks: 4,
+    /// bytes: 1048576}` under the secret `secret` (kvbridge-pd's
+    /// `tagged_outcomes_keep_their_shape` pins the same tag).
+    #[test]
+    fn tagged_outcomes_are_authentic_only_under_their_secret() {
+        let mut b = vec![0x86];
+        s(&mut b, "type");
+        s(&mut b, "KvReady");
+        s(&mut b, "req_id");
+        s(&mut b, "kvb-00");
+        s(&mut b, "rank");
+        b.push(1);
+        s(&mut b, "chunks");
+        b.push(4);
+        s(&mut b, "bytes");
+        b.extend_from_slice(&[0xce, 0, 0x10, 0, 0]);
+        s(&mut b, "tag");
+        let tag = "c3d132555ac9569aaa46fc7fdb2d7b5ab3bffc257ae9a40dba9368fd2e11838c";
+        b.extend_from_slice(&[0xd9, 64]);
+        b.extend_from_slice(tag.as_bytes());
+        let (m, t) = decode_tagged(&b).unwrap();
+        assert_eq!(t.as_deref(), Some(tag));
+        assert!(authentic(&m, t.as_deref(), b"secret"));
+        assert!(!authentic(&m, t.as_deref(), b"other"));
+        assert!(!authentic(&m, None, b"secret"));
+        let forged = Notif::KvFailed {
+            req_id: "kvb-00".into(),
+            rank: 1,
+            reason: String::new(),
+        };
+        assert!(
+            !authentic(&forged, t.as_deref(), b"secret"),
+            "kind is bound"
+        );
+        let (plain, none) = decode_tagged(&encode(&m)).unwrap();
+        assert_eq!((plain, none), (m, None));
     }
 
     #[test]

@@ -27,7 +27,7 @@ use tokio::task::JoinHandle;
 use crate::body::{Finish, ProxyBody};
 use crate::busy_poll::{Awaiting, BusyPoll};
 use crate::config::{Config, Flow};
-use crate::kvwait::{self, KvOutcome, KvWait, KvWaiters};
+use crate::kvwait::{KvOutcome, KvWait, KvWaiters};
 use crate::metrics::{Metrics, Outcome};
 use crate::pool::{PickError, Pool, Role, Slot};
 use crate::request::{Api, PrefillAnswer, ReqDoc};
@@ -109,8 +109,6 @@ pub(crate) struct App {
     decode: Arc<Pool>,
     waiters: Option<KvWaiters>,
     metrics: Arc<Metrics>,
-    id_prefix: String,
-    seq: AtomicU64,
     /// Per worker, the URIs of both APIs (completions, chat), parsed once.
     prefill_uris: Vec<[Uri; 2]>,
     decode_uris: Vec<[Uri; 2]>,
@@ -140,8 +138,15 @@ pub async fn start(cfg: Config) -> anyhow::Result<RunningProxy> {
     let mut tasks = Vec::new();
     let (waiters, notify_addr) = if cfg.flow == Flow::Lmcache {
         let w = KvWaiters::spawn(metrics.clone());
-        let (addr, t) =
-            kvwait::bind_pull(&cfg.proxy_host, cfg.proxy_port, w.clone(), metrics.clone()).await?;
+        let (addr, t) = crate::outcome_port::bind(
+            &cfg.proxy_host,
+            cfg.proxy_port,
+            w.clone(),
+            metrics.clone(),
+            cfg.secret.clone(),
+            cfg.outcome_port,
+        )
+        .await?;
         tasks.push(t);
         (Some(w), Some(addr))
     } else {
@@ -176,10 +181,6 @@ pub async fn start(cfg: Config) -> anyhow::Result<RunningProxy> {
         ua,
         ha,
     );
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
     let (prefill_uris, decode_uris) = (api_uris(&prefill)?, api_uris(&decode)?);
     let one_thread = tokio::runtime::Handle::current().runtime_flavor()
         == tokio::runtime::RuntimeFlavor::CurrentThread;
@@ -194,8 +195,6 @@ pub async fn start(cfg: Config) -> anyhow::Result<RunningProxy> {
         decode,
         waiters,
         metrics,
-        id_prefix: format!("kvb-{:x}{:x}", std::process::id(), nanos & 0xffff_ffff_ffff),
-        seq: AtomicU64::new(0),
         prefill_uris,
         decode_uris,
         busy_poll,
@@ -211,7 +210,7 @@ pub async fn start(cfg: Config) -> anyhow::Result<RunningProxy> {
             )));
         }
         for (idx, d) in app.cfg.decoders.iter().enumerate() {
-            let kv = if app.cfg.health_kv_ports {
+            let kv = if app.cfg.probes_kv_ports() {
                 d.init_ports
                     .iter()
                     .map(|p| format!("{}:{p}", d.host))
@@ -233,20 +232,13 @@ pub async fn start(cfg: Config) -> anyhow::Result<RunningProxy> {
         .layer(axum::extract::DefaultBodyLimit::max(app.cfg.max_body_bytes))
         .with_state(app.clone());
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
-    use axum::serve::ListenerExt;
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    let server = tokio::spawn(async move {
-        let r = axum::serve(listener, router)
-            .with_graceful_shutdown(async move {
-                let _ = stop_rx.await;
-            })
-            .await;
-        if let Err(e) = r {
-            tracing::error!(error = %e, "HTTP server stopped");
-        }
-    });
+    let server = tokio::spawn(crate::listener::serve(
+        listener,
+        router,
+        app.cfg.http_limits,
+        app.metrics.clone(),
+        stop_rx,
+    ));
     Ok(RunningProxy {
         http_addr,
         notify_addr,
@@ -398,7 +390,14 @@ impl ApiError {
                 r
             }
             None => {
-                let v = json!({"error": {"message": self.message, "type": self.kind, "param": null, "code": self.code}});
+                // A server error's detail names internal parts (worker addresses, their
+                // error text): the client gets a generic message, the log the detail.
+                let message = if self.status.is_server_error() {
+                    crate::body::public_message(self.code)
+                } else {
+                    self.message.as_str()
+                };
+                let v = json!({"error": {"message": message, "type": self.kind, "param": null, "code": self.code}});
                 let mut r = Response::new(Body::from(v.to_string()));
                 r.headers_mut()
                     .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
@@ -524,7 +523,13 @@ async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
             .to_bytes();
         Ok::<_, String>((parts.status, parts.headers.get(CONTENT_TYPE).cloned(), b))
     };
-    match tokio::time::timeout(app.cfg.decode_timeout, r).await {
+    let r = tokio::time::timeout(app.cfg.decode_timeout, r).await;
+    if let Ok(Err(e)) = &r {
+        tracing::warn!(request_id = ?rid, worker = %w.label, "GET /v1/models: {e}");
+    } else if r.is_err() {
+        tracing::warn!(request_id = ?rid, worker = %w.label, "GET /v1/models timed out");
+    }
+    match r {
         Ok(Ok((status, ct, b))) => {
             let mut resp = Response::new(Body::from(b));
             *resp.status_mut() = status;
@@ -710,9 +715,36 @@ enum DecodeFail {
     Api(ApiError),
 }
 
+/// A fresh request id: `kvb-` and 128 random bits in hex. Unguessable, so that no one who
+/// sees some ids (a client gets its own back) can name another request's id, e.g. in a
+/// forged outcome.
+pub(crate) fn random_id() -> String {
+    let mut b = [0u8; 16];
+    if getrandom::fill(&mut b).is_err() {
+        // The OS source failing is not seen on Linux past early boot. `RandomState` is
+        // keyed from the same source at start; its SipHash of a counter is still not
+        // guessable from outside.
+        use std::hash::{BuildHasher, Hasher};
+        static N: AtomicU64 = AtomicU64::new(0);
+        let n = N.fetch_add(1, Relaxed);
+        for (i, half) in b.chunks_mut(8).enumerate() {
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u64(n);
+            h.write_usize(i);
+            half.copy_from_slice(&h.finish().to_le_bytes());
+        }
+    }
+    let mut s = String::with_capacity(36);
+    s.push_str("kvb-");
+    for x in b {
+        s.push_str(&format!("{x:02x}"));
+    }
+    s
+}
+
 impl App {
     fn next_id(&self) -> String {
-        format!("{}-{}", self.id_prefix, self.seq.fetch_add(1, Relaxed))
+        random_id()
     }
 
     fn request_id(&self, headers: &HeaderMap) -> HeaderValue {
@@ -821,6 +853,17 @@ impl App {
                     format!(
                         "the request body is larger than this proxy's limit of {} bytes (--max-body-bytes)",
                         self.cfg.max_body_bytes
+                    ),
+                );
+            }
+            if crate::listener::body_timed_out(&r) {
+                return ApiError::new(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "request_timeout",
+                    Outcome::BadRequest,
+                    format!(
+                        "the request body did not arrive within {:?} (--body-timeout)",
+                        self.cfg.http_limits.body_timeout
                     ),
                 );
             }

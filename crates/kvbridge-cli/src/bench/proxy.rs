@@ -1,6 +1,7 @@
 //! `kvbridge bench proxy`: reruns `bench/proxy.sh` (this proxy in the vllm flow against the
 //! peer routers that are installed, all in front of the same mock backends) several times and
-//! prints the median of each figure.
+//! prints the median of each figure. A run that saw any failed request fails the whole
+//! benchmark, with no figure: it measured errors, not a proxy.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -48,8 +49,6 @@ pub struct ProxyRow {
     pub rss_mb: f64,
     /// A streamed answer of 8 tokens 2 ms apart, milliseconds (a Nagle stall adds ~40 ms).
     pub stream_ms: f64,
-    /// Runs in which wrk reported errors or non-2xx answers.
-    pub runs_with_errors: u32,
 }
 
 /// The whole comparison.
@@ -112,6 +111,19 @@ pub fn run(args: &ProxyBenchArgs) -> Result<ProxyBench> {
     let results =
         std::env::temp_dir().join(format!("kvbridge-bench-proxy-{}.tsv", std::process::id()));
     let _ = std::fs::remove_file(&results);
+    // The mock backends are built first, under their own limit: on a fresh machine the build
+    // takes minutes, which the limit of a run below must not count.
+    eprintln!("building the mock backends (once)");
+    let build = Command::new("bash")
+        .arg(&script)
+        .arg("--build")
+        .stdout(Stdio::null())
+        .spawn()
+        .with_context(|| format!("starting {} --build", script.display()))?;
+    let status = wait_within(build, BUILD_LIMIT, &script)?;
+    if !status.success() {
+        bail!("{} --build failed: {status}", script.display());
+    }
     // Each run: 1 + 2 x dur seconds of load per proxy, plus starts, streams and a margin.
     let per_run = Duration::from_secs(60 + u64::from(args.dur) * 4 * (1 + routers.len() as u64));
     for i in 0..args.runs {
@@ -125,7 +137,7 @@ pub fn run(args: &ProxyBenchArgs) -> Result<ProxyBench> {
                 routers.join(" ")
             }
         );
-        let mut child = Command::new("bash")
+        let child = Command::new("bash")
             .arg(&script)
             .env("DUR", args.dur.to_string())
             .env("ROUTERS", routers.join(" "))
@@ -134,20 +146,14 @@ pub fn run(args: &ProxyBenchArgs) -> Result<ProxyBench> {
             .stdout(Stdio::null())
             .spawn()
             .with_context(|| format!("starting {}", script.display()))?;
-        let deadline = Instant::now() + per_run;
-        let status = loop {
-            if let Some(s) = child.try_wait()? {
-                break s;
-            }
-            if Instant::now() >= deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                bail!("{} did not finish within {per_run:?}", script.display());
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        };
+        let status = wait_within(child, per_run, &script)?;
         if !status.success() {
-            bail!("{} failed: {status}", script.display());
+            let _ = std::fs::remove_file(&results);
+            bail!(
+                "run {} of {} failed ({status}; its reason is above): no figures are reported",
+                i + 1,
+                args.runs
+            );
         }
     }
     let text = std::fs::read_to_string(&results).context("reading the script's results")?;
@@ -155,9 +161,33 @@ pub fn run(args: &ProxyBenchArgs) -> Result<ProxyBench> {
     parse(&text, args.runs, args.dur)
 }
 
+/// Longest the mock backends' first build may take.
+const BUILD_LIMIT: Duration = Duration::from_secs(30 * 60);
+
+/// Waits for `child` (running `script`) at most `limit`; kills it past that.
+fn wait_within(
+    mut child: std::process::Child,
+    limit: Duration,
+    script: &std::path::Path,
+) -> Result<std::process::ExitStatus> {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(s) = child.try_wait()? {
+            return Ok(s);
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("{} did not finish within {limit:?}", script.display());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Medians of the script's result lines; a line that reports failed requests fails it all.
 fn parse(text: &str, runs: u32, dur_s: u32) -> Result<ProxyBench> {
     type Cols = [Vec<f64>; 6];
-    let mut by: BTreeMap<String, (usize, Cols, u32)> = BTreeMap::new();
+    let mut by: BTreeMap<String, (usize, Cols)> = BTreeMap::new();
     let mut direct = Vec::new();
     for (i, line) in text.lines().enumerate() {
         let f: Vec<&str> = line.split('\t').collect();
@@ -168,22 +198,28 @@ fn parse(text: &str, runs: u32, dur_s: u32) -> Result<ProxyBench> {
             direct.extend(f[3].parse::<f64>().ok());
             continue;
         }
+        if f[7].trim() != "none" {
+            bail!(
+                "{} saw failed requests ({}): no figures are reported",
+                f[0],
+                f[7].trim()
+            );
+        }
         let e = by
             .entry(f[0].to_string())
-            .or_insert((i, Default::default(), 0));
+            .or_insert((i, Default::default()));
         for (c, idx) in [1, 2, 3, 4, 5, 6].into_iter().enumerate() {
             if let Ok(v) = f[idx].parse::<f64>() {
                 e.1[c].push(v);
             }
         }
-        e.2 += (f[7].trim() != "none") as u32;
     }
     if by.is_empty() {
         bail!("the script reported no result");
     }
     let mut rows: Vec<(usize, ProxyRow)> = by
         .into_iter()
-        .map(|(name, (first, c, errs))| {
+        .map(|(name, (first, c))| {
             (
                 first,
                 ProxyRow {
@@ -194,7 +230,6 @@ fn parse(text: &str, runs: u32, dur_s: u32) -> Result<ProxyBench> {
                     added_ms: median(&c[3]),
                     rss_mb: median(&c[4]),
                     stream_ms: median(&c[5]),
-                    runs_with_errors: errs,
                 },
             )
         })
@@ -218,8 +253,9 @@ pub fn table(b: &ProxyBench) -> String {
         .fold(f64::NAN, f64::max);
     let mut s = format!(
         "medians of {} runs, {} s of load each; direct backend p50 at 1 conn: {:.3} ms\n\n\
-         | proxy | CPU per request | rps at 16 conns | vs best peer | p50 at 1 conn (added) | RSS | streamed 8 tokens | runs with errors |\n\
-         |---|---|---|---|---|---|---|---|\n",
+         every request of every run answered 2xx\n\n\
+         | proxy | CPU per request | rps at 16 conns | vs best peer | p50 at 1 conn (added) | RSS | streamed 8 tokens |\n\
+         |---|---|---|---|---|---|---|\n",
         b.runs, b.dur_s, b.direct_p50_ms
     );
     for r in &b.rows {
@@ -229,16 +265,8 @@ pub fn table(b: &ProxyBench) -> String {
             format!("{:.2}x", r.rps / best_peer)
         };
         s.push_str(&format!(
-            "| {} | {:.1} us | {:.0} | {} | {:.3} ms (+{:.3}) | {:.1} MB | {:.1} ms | {} |\n",
-            r.name,
-            r.cpu_us,
-            r.rps,
-            ratio,
-            r.p50_ms,
-            r.added_ms,
-            r.rss_mb,
-            r.stream_ms,
-            r.runs_with_errors
+            "| {} | {:.1} us | {:.0} | {} | {:.3} ms (+{:.3}) | {:.1} MB | {:.1} ms |\n",
+            r.name, r.cpu_us, r.rps, ratio, r.p50_ms, r.added_ms, r.rss_mb, r.stream_ms,
         ));
     }
     s
@@ -254,7 +282,7 @@ mod tests {
                  sglang-router\t150\t4000\t0.4\t0.38\t90\t27\tnone\n\
                  direct\t\t\t0.02\t\t\t26\tnone\n\
                  kvbridge\t50\t15000\t0.2\t0.18\t14\t31\tnone\n\
-                 sglang-router\t160\t5000\t0.5\t0.48\t91\t28\tNon-2xx 3\n\
+                 sglang-router\t160\t5000\t0.5\t0.48\t91\t28\tnone\n\
                  kvbridge\t45\t14000\t0.25\t0.23\t13.5\t29\tnone\n\
                  garbage\n";
         let b = parse(t, 3, 3).unwrap();
@@ -262,10 +290,19 @@ mod tests {
         assert_eq!(b.rows[0].name, "kvbridge");
         assert_eq!(b.rows[0].cpu_us, 45.0);
         assert_eq!(b.rows[0].rps, 14000.0);
-        assert_eq!(b.rows[1].runs_with_errors, 1);
+        assert_eq!(b.rows[1].rps, 5000.0);
         assert_eq!(b.direct_p50_ms, 0.02);
         let s = table(&b);
         assert!(s.contains("| kvbridge | 45.0 us | 14000 | 2.80x |"), "{s}");
         assert!(parse("", 1, 1).is_err());
+    }
+
+    /// One line with failed requests fails the benchmark: no rows, no throughput.
+    #[test]
+    fn a_run_with_failed_requests_gives_no_figures() {
+        let t = "kvbridge\t40\t13000\t0.3\t0.28\t13\t30\tnone\n\
+                 kvbridge\t50\t35831\t0.2\t0.18\t14\t31\tNon-2xx or 3xx responses: 101321\n";
+        let e = parse(t, 2, 3).unwrap_err().to_string();
+        assert!(e.contains("failed requests") && e.contains("101321"), "{e}");
     }
 }
