@@ -960,15 +960,32 @@ fn try_shm(
 
 /// The writer task: sends queued frames and payloads until `Shutdown` or a socket error.
 /// Batches whose regions the peer mapped for us (`shm`) are copied here instead, in order
-/// with the frames.
+/// with the frames. Each payload (a write batch, a read response) must be on the wire
+/// within `limit` (the op deadline): a peer that stops reading ends the session with
+/// `Timeout` instead of holding the writer and the regions it sends from.
 pub(crate) async fn run_writer(
     path: Arc<DataPath>,
     shm: Option<Arc<ShmPeer>>,
     mut w: WriteHalf,
     mut rx: WriterRx,
+    limit: Duration,
 ) -> Result<()> {
     let peer = path.peer.clone();
-    let lost = |step, e: std::io::Error| Error::lost(peer.as_str(), step, e);
+    let lost = |step, e: std::io::Error| {
+        // WouldBlock: SO_SNDTIMEO expired on a blocking socket.
+        if matches!(
+            e.kind(),
+            std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
+        ) {
+            Error::Timeout {
+                peer: peer.to_string(),
+                step,
+                after: limit,
+            }
+        } else {
+            Error::lost(peer.as_str(), step, e)
+        }
+    };
     // The turn is held until the item is on the wire (see `writer_queue`).
     while let Some((o, turn)) = rx.recv().await {
         if let Some(tail) = turn.tail() {
@@ -990,7 +1007,7 @@ pub(crate) async fn run_writer(
                 let mut slices = Vec::with_capacity(sources.len() + 1);
                 slices.push(IoSlice::new(&frame));
                 slices.extend(sources.iter().map(LocalSlice::as_io));
-                write_all_vectored(&mut w, &mut slices)
+                write_all_vectored(&mut w, &mut slices, limit)
                     .await
                     .map_err(|e| lost(Step::Write, e))?;
             }
@@ -1017,7 +1034,7 @@ pub(crate) async fn run_writer(
                     let mut slices = Vec::with_capacity(sources.len() + 1);
                     slices.push(IoSlice::new(&frame));
                     slices.extend(sources.iter().map(LocalSlice::as_io));
-                    write_all_vectored(&mut w, &mut slices)
+                    write_all_vectored(&mut w, &mut slices, limit)
                         .await
                         .map_err(|e| lost(Step::Read, e))?;
                     drop(slices);
@@ -1070,7 +1087,11 @@ impl ReaderCtx {
     }
 
     fn payload_error(&self, step: Step, e: std::io::Error) -> Error {
-        if e.kind() == std::io::ErrorKind::TimedOut {
+        // WouldBlock: SO_SNDTIMEO expired on a blocking socket.
+        if matches!(
+            e.kind(),
+            std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
+        ) {
             Error::Timeout {
                 peer: self.path.peer.to_string(),
                 step,
