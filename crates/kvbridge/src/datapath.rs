@@ -989,10 +989,12 @@ pub(crate) async fn run_writer(
     // The turn is held until the item is on the wire (see `writer_queue`).
     while let Some((o, turn)) = rx.recv().await {
         if let Some(tail) = turn.tail() {
-            w.write_all(&tail)
-                .await
-                .map_err(|e| lost(Step::Notify, e))?;
-            w.flush().await.map_err(|e| lost(Step::Notify, e))?;
+            within(limit, async {
+                w.write_all(&tail).await?;
+                w.flush().await
+            })
+            .await
+            .map_err(|e| lost(Step::Notify, e))?;
         }
         match o {
             Outgoing::Write { id, descs, sources } => {
@@ -1017,14 +1019,19 @@ pub(crate) async fn run_writer(
                 else {
                     continue;
                 };
-                write_msg(&mut w, &Message::ReadBatch(Batch { id, ops: descs }))
-                    .await
-                    .map_err(|e| lost(Step::Read, e))?;
+                within(
+                    limit,
+                    write_msg(&mut w, &Message::ReadBatch(Batch { id, ops: descs })),
+                )
+                .await
+                .map_err(|e| lost(Step::Read, e))?;
             }
-            Outgoing::Frame(f) => {
-                w.write_all(&f).await.map_err(|e| lost(Step::Notify, e))?;
-                w.flush().await.map_err(|e| lost(Step::Notify, e))?;
-            }
+            Outgoing::Frame(f) => within(limit, async {
+                w.write_all(&f).await?;
+                w.flush().await
+            })
+            .await
+            .map_err(|e| lost(Step::Notify, e))?,
             Outgoing::Wake => {}
             Outgoing::ReadResp { id, result } => match result {
                 Ok(sources) => {
@@ -1040,12 +1047,15 @@ pub(crate) async fn run_writer(
                     drop(slices);
                     path.release_incoming(sources.iter().map(|s| s.len as u64).sum());
                 }
-                Err(reject) => write_msg(
-                    &mut w,
-                    &Message::ReadResp(Ack {
-                        id,
-                        error: Some(reject),
-                    }),
+                Err(reject) => within(
+                    limit,
+                    write_msg(
+                        &mut w,
+                        &Message::ReadResp(Ack {
+                            id,
+                            error: Some(reject),
+                        }),
+                    ),
                 )
                 .await
                 .map_err(|e| lost(Step::Read, e))?,
@@ -1054,6 +1064,17 @@ pub(crate) async fn run_writer(
         }
     }
     Ok(())
+}
+
+/// A frame write bounded by `limit` (on a blocking socket `SO_SNDTIMEO` bounds each call).
+async fn within(
+    limit: Duration,
+    write: impl std::future::Future<Output = std::io::Result<()>>,
+) -> std::io::Result<()> {
+    match tokio::time::timeout(limit, write).await {
+        Ok(r) => r,
+        Err(_) => Err(std::io::ErrorKind::TimedOut.into()),
+    }
 }
 
 /// Everything the reader task needs.
