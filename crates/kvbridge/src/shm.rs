@@ -57,8 +57,11 @@
 //! Threat model: shared memory is offered only to peers on the same host and used only
 //! after they authenticated (when a secret is configured). A peer that maps a region can
 //! write anywhere in it at any time; what is protected is memory the owner no longer grants
-//! (it is detached) and the owner's process (sizes and seals are checked before a mapping
-//! is trusted, so a listener cannot make the initiator fault).
+//! (it is detached) and the owner's process: before a mapping is trusted its file must be
+//! shared memory (tmpfs: a hole punched in it later reads as zeros, no fault), long enough,
+//! sealed against shrinking and growing, and allocated (so populating it allocates nothing
+//! in the initiator); the unix socket takes connections of our own user only, a bounded
+//! number of them, and no descriptor a frame may not carry.
 
 use crate::cma::{CmaCopy, CmaStatus, CopyError, DirectCopy, MemCopy, Piece};
 use crate::datapath::LocalSlice;
