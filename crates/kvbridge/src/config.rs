@@ -180,7 +180,10 @@ impl std::fmt::Display for Pem {
 /// TLS (1.3, rustls with the ring provider) on the control connection. With it set, a
 /// listener accepts control connections only over TLS and an initiator dials only over TLS.
 /// The data connection and shared memory are not covered (docs/protocol.md, *TLS*):
-/// TLS protects the handshake, the session token, region lists and notifications.
+/// TLS protects the handshake and region lists. The session token is not among them: it
+/// travels in the clear on every data connection, and with a secret each data connection
+/// is bound by a challenge under a session key instead (docs/protocol.md,
+/// *Authentication*).
 ///
 /// TLS authenticates the listener to the initiator; the initiator is authenticated to the
 /// listener by the shared secret ([`ChannelConfig::secret`]).
