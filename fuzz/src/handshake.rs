@@ -64,6 +64,7 @@ enum MsgSpec {
     Notify(u64, Vec<u8>),
     /// A message decoded from raw bytes (skipped when they do not decode).
     Raw(Vec<u8>),
+    HostOffer,
 }
 
 #[derive(Debug, Arbitrary)]
@@ -135,15 +136,15 @@ fn error_code(b: u8) -> ErrorCode {
     CODES[usize::from(b) % CODES.len()]
 }
 
-/// A peer id from a selector: the two real ones, another valid one, or invalid ones (empty,
-/// too long) that only a decoder produces.
+/// A peer id from a selector: the two real ones, another valid one, the longest valid one,
+/// or an empty one that only a decoder produces (a longer one does not decode).
 fn peer(b: u8) -> PeerId {
     let s = match b % 5 {
         0 => "prefill-0".to_string(),
         1 => "decode-0".to_string(),
         2 => "intruder".to_string(),
         3 => String::new(),
-        _ => "x".repeat(257),
+        _ => "x".repeat(kvbridge_proto::ids::MAX_PEER_ID_LEN),
     };
     // PeerId::new refuses what is invalid; the wire does not, so go through msgpack.
     rmp_serde::from_slice(&rmp_serde::to_vec(&s).expect("a string encodes"))
@@ -199,6 +200,9 @@ fn message(spec: MsgSpec, hash: u64) -> Option<Message> {
             compat: compat(hash),
             auth: a.map(auth),
             unacked_notify: incarnation % 2 == 0,
+            host_after_proof: incarnation % 3 != 0,
+            data_proof: incarnation % 5 != 0,
+            data_connections: 0,
         }),
         MsgSpec::Welcome {
             version,
@@ -216,6 +220,8 @@ fn message(spec: MsgSpec, hash: u64) -> Option<Message> {
             // The shared-memory offer only names a socket; the state machines pass it on.
             shm: None,
             unacked_notify: token[0] % 2 == 0,
+            host_after_proof: token[1] % 2 == 0,
+            data_proof: token[2] % 2 == 0,
         }),
         MsgSpec::Reject(c) => Message::Reject(reject(c)),
         MsgSpec::Bye(c) => Message::Bye(reject(c)),
@@ -224,6 +230,7 @@ fn message(spec: MsgSpec, hash: u64) -> Option<Message> {
         MsgSpec::Proof(a) => Message::Proof(auth(a)),
         MsgSpec::Ping(n) => Message::Ping(Ping { nonce: n }),
         MsgSpec::Pong(n) => Message::Pong(Ping { nonce: n }),
+        MsgSpec::HostOffer => Message::HostOffer(Default::default()),
         MsgSpec::DataHello(p) => Message::DataHello(DataHello {
             token: SessionToken([p; 16]),
             peer_id: peer(p),
@@ -536,7 +543,10 @@ fn drain_initiator(
                 assert!(
                     !matches!(
                         msg,
-                        Message::Welcome(_) | Message::Ready(_) | Message::DataHello(_)
+                        Message::Welcome(_)
+                            | Message::Ready(_)
+                            | Message::DataHello(_)
+                            | Message::HostOffer(_)
                     ),
                     "initiator sent a listener's message"
                 );
@@ -589,6 +599,10 @@ fn drain_listener(
                 }
                 if matches!(msg, Message::MemInfo(_) | Message::Ready(_)) {
                     assert!(seen.ready, "listener served memory before its Ready");
+                }
+                // Nothing about the host before the initiator proved itself.
+                if matches!(msg, Message::HostOffer(_)) {
+                    assert!(l.may_bind(), "HostOffer before the initiator's proof");
                 }
                 assert!(
                     !matches!(

@@ -4,7 +4,7 @@
 //! both challenges and both peer ids, with the role in the MAC's domain so that one side's
 //! proof can never be replayed as the other's. Proofs are compared in constant time.
 
-use crate::ids::PeerId;
+use crate::ids::{PeerId, SessionToken};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use std::fmt;
@@ -17,10 +17,26 @@ pub const CHALLENGE_LEN: usize = 32;
 pub struct Secret(Vec<u8>);
 
 impl Secret {
-    /// A secret from bytes; `None` when empty.
+    /// Fewest bytes a channel accepts as its secret (128 bits when they are random): the
+    /// listener proves itself first, so anyone can take one proof away and search for a
+    /// short secret offline.
+    pub const MIN_LEN: usize = 16;
+
+    /// A secret from bytes; `None` when empty. Channels refuse one shorter than
+    /// [`Secret::MIN_LEN`] with a configuration error that names both lengths.
     pub fn new(bytes: impl Into<Vec<u8>>) -> Option<Self> {
         let b = bytes.into();
         (!b.is_empty()).then_some(Self(b))
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether it is empty (never, for a secret made by [`Secret::new`]).
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
     }
 }
 
@@ -30,11 +46,64 @@ impl fmt::Debug for Secret {
     }
 }
 
-/// Which side a proof is for.
+/// Which side a proof is for (or the session's data-connection key).
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Role {
     Initiator,
     Listener,
+    DataKey,
+}
+
+/// A session's key for its data connections, derived from the secret and the session's
+/// authentication exchange (both fresh challenges, both ids): each data connection proves
+/// with it that it belongs to that session, in answer to a fresh challenge of the listener
+/// (`DataChallenge`). Seeing a data connection's bytes teaches nothing that opens another.
+/// Its `Debug` never shows the bytes.
+#[derive(Clone, PartialEq, Eq)]
+pub struct DataKey([u8; 32]);
+
+impl fmt::Debug for DataKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("DataKey(<redacted>)")
+    }
+}
+
+impl DataKey {
+    fn mac(&self, nonce: &[u8], token: &SessionToken, stream: u32) -> Hmac<Sha256> {
+        let mut m = <Hmac<Sha256> as Mac>::new_from_slice(&self.0).expect("any key length");
+        m.update(b"kvbridge/1 data connection");
+        m.update(&(nonce.len() as u32).to_le_bytes());
+        m.update(nonce);
+        m.update(&token.0);
+        m.update(&stream.to_le_bytes());
+        m
+    }
+
+    /// The initiator's answer to the challenge `nonce` on its data connection `stream` of
+    /// the session whose token is `token`.
+    pub fn prove(&self, nonce: &[u8], token: &SessionToken, stream: u32) -> Vec<u8> {
+        self.mac(nonce, token, stream)
+            .finalize()
+            .into_bytes()
+            .to_vec()
+    }
+
+    /// Checks such an answer, in constant time.
+    pub fn verify(&self, nonce: &[u8], token: &SessionToken, stream: u32, proof: &[u8]) -> bool {
+        self.mac(nonce, token, stream).verify_slice(proof).is_ok()
+    }
+}
+
+/// The data-connection key of the session whose authentication exchanged `ci` and `cl`.
+pub(crate) fn data_key(
+    secret: &Secret,
+    ci: &[u8],
+    cl: &[u8],
+    initiator: &PeerId,
+    listener: &PeerId,
+) -> DataKey {
+    let k = mac(secret, Role::DataKey, ci, cl, initiator, listener).finalize();
+    DataKey(k.into_bytes().into())
 }
 
 fn mac(
@@ -50,6 +119,7 @@ fn mac(
     m.update(match role {
         Role::Initiator => b"kvbridge/1 initiator proof",
         Role::Listener => b"kvbridge/1 listener proof\0",
+        Role::DataKey => b"kvbridge/1 data-conn key\0\0",
     });
     for part in [
         initiator_challenge,
@@ -110,5 +180,32 @@ mod tests {
         assert!(!verify(&other, Role::Listener, b"ci", b"cl", &i, &l, &p));
         assert!(!verify(&s, Role::Listener, b"ci", b"cl", &i, &l, &p[..31]));
         assert_eq!(format!("{s:?}"), "Secret(<redacted>)");
+    }
+
+    /// A data-connection proof answers one challenge, for one session token and stream,
+    /// under one session's key: replaying it for another stream, another challenge or under
+    /// another session's key fails, and the key differs from both role proofs.
+    #[test]
+    fn data_proofs_bind_nonce_token_stream_and_session() {
+        let s = Secret::new(b"k".to_vec()).unwrap();
+        let (i, l) = (PeerId::new("p").unwrap(), PeerId::new("d").unwrap());
+        let k = data_key(&s, b"ci", b"cl", &i, &l);
+        assert_ne!(
+            k.0.to_vec(),
+            prove(&s, Role::Initiator, b"ci", b"cl", &i, &l)
+        );
+        assert_ne!(
+            k.0.to_vec(),
+            prove(&s, Role::Listener, b"ci", b"cl", &i, &l)
+        );
+        let t = SessionToken([5; 16]);
+        let p = k.prove(b"n1", &t, 1);
+        assert!(k.verify(b"n1", &t, 1, &p));
+        assert!(!k.verify(b"n1", &t, 2, &p));
+        assert!(!k.verify(b"n2", &t, 1, &p));
+        assert!(!k.verify(b"n1", &SessionToken([6; 16]), 1, &p));
+        let other = data_key(&s, b"ci", b"cx", &i, &l);
+        assert!(!other.verify(b"n1", &t, 1, &p));
+        assert_eq!(format!("{k:?}"), "DataKey(<redacted>)");
     }
 }

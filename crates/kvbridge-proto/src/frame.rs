@@ -244,6 +244,9 @@ mod props {
                     },
                     auth: None,
                     unacked_notify: i % 2 == 0,
+                    host_after_proof: false,
+                    data_proof: false,
+                    data_connections: 0,
                 })
             }),
             (any::<u64>(), proptest::collection::vec(op(), 0..50))

@@ -6,6 +6,9 @@
 //!       compat, auth}
 //!                                       <--- Welcome{peer_id, incarnation, token, compat}
 //!                                            | Reject{code, message}
+//! Proof (with a secret)                 ---> checked before anything is granted
+//!                                       <--- HostOffer (with a secret: the shared-memory
+//!                                            offer, told only to a peer that proved itself)
 //! MemInfo{regions granted to listener}  ---> held until the data connection is bound
 //! data connection: DataHello{token}     ---> driver binds it, calls data_bound()
 //!                                       <--- MemInfo{regions granted to initiator}
@@ -23,10 +26,11 @@
 //! `handle_timeout(now)` when it passes. A failed machine emits exactly one `Failed` output
 //! and nothing after it; the driver then drops all state of that session (rollback).
 
-use crate::auth::{self, Role, Secret, CHALLENGE_LEN};
+use crate::auth::{self, DataKey, Role, Secret, CHALLENGE_LEN};
 use crate::ids::{Blob, Incarnation, PeerId, SessionToken};
 use crate::msg::{
-    Auth, Compat, ErrorCode, Hello, MemInfo, Message, Ping, Ready, Reject, ShmOffer, Welcome,
+    Auth, Compat, ErrorCode, Hello, HostOffer, MemInfo, Message, Ping, Ready, Reject, ShmOffer,
+    Welcome,
 };
 use crate::PROTOCOL_VERSION;
 use std::collections::VecDeque;
@@ -224,6 +228,9 @@ pub enum Output {
         shm: Option<ShmOffer>,
         /// The listener honours unacknowledged notifications ([`Welcome::unacked_notify`]).
         unacked_notify: bool,
+        /// The session's data-connection key, when the listener challenges every data
+        /// connection ([`Welcome::data_proof`]): answer its `DataChallenge` with it.
+        data_key: Option<DataKey>,
     },
     /// The session is established.
     Ready(Established),
@@ -382,6 +389,8 @@ fn check_peer(
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum InitState {
     AwaitWelcome,
+    /// Proof sent; the listener's `HostOffer` follows (`Welcome::host_after_proof`).
+    AwaitHost,
     AwaitLocalMem,
     AwaitReady,
     Established,
@@ -401,6 +410,12 @@ pub struct Initiator {
     /// Our regions changed after our `MemInfo` went out and before the session was
     /// established: the newest list, sent as soon as it is.
     mem_update: Option<MemInfo>,
+    /// (AwaitHost) What the `Welcome` said, announced once the `HostOffer` came:
+    /// (token, the listener honours unacknowledged notifications).
+    welcomed: Option<(SessionToken, bool)>,
+    /// The session's data-connection key, once the listener proved itself and said it
+    /// challenges data connections.
+    data_key: Option<DataKey>,
 }
 
 impl Initiator {
@@ -411,6 +426,18 @@ impl Initiator {
         step_timeout: Duration,
         now: Instant,
         challenge: [u8; CHALLENGE_LEN],
+    ) -> Self {
+        Self::declaring(local, step_timeout, now, challenge, 0)
+    }
+
+    /// [`Initiator::new`], declaring in the `Hello` how many data connections it will open
+    /// (0: not said); the listener refuses any beyond them.
+    pub fn declaring(
+        local: LocalIdentity,
+        step_timeout: Duration,
+        now: Instant,
+        challenge: [u8; CHALLENGE_LEN],
+        data_connections: u32,
     ) -> Self {
         let mut core = Core::new(step_timeout, now);
         core.send(Message::Hello(Hello {
@@ -423,6 +450,10 @@ impl Initiator {
                 response: None,
             }),
             unacked_notify: true,
+            host_after_proof: true,
+            // Only a secret gives a key to answer with.
+            data_proof: local.secret.is_some(),
+            data_connections,
         }));
         Self {
             local,
@@ -433,13 +464,15 @@ impl Initiator {
             peer: None,
             peer_mem: None,
             mem_update: None,
+            welcomed: None,
+            data_key: None,
         }
     }
 
     /// The step the handshake is waiting on.
     pub fn step(&self) -> Step {
         match self.state {
-            InitState::AwaitWelcome => Step::Welcome,
+            InitState::AwaitWelcome | InitState::AwaitHost => Step::Welcome,
             InitState::AwaitLocalMem => Step::MemInfo,
             InitState::AwaitReady if !self.bound => Step::DataBind,
             InitState::AwaitReady if self.peer_mem.is_none() => Step::MemInfo,
@@ -472,7 +505,7 @@ impl Initiator {
             InitState::AwaitReady => self.mem_update = Some(mem),
             // Before: the driver is asked for the list (AwaitLocalMem) and reads it then.
             // After: the session is over.
-            InitState::AwaitWelcome | InitState::Done => {}
+            InitState::AwaitWelcome | InitState::AwaitHost | InitState::Done => {}
         }
     }
 
@@ -509,6 +542,10 @@ impl Initiator {
         };
         match (self.state, m) {
             (InitState::AwaitWelcome, Message::Welcome(w)) => self.on_welcome(w, now),
+            (InitState::AwaitHost, Message::HostOffer(h)) => {
+                let (token, unacked_notify) = self.welcomed.take().expect("set with AwaitHost");
+                self.welcome_done(token, h.shm, unacked_notify, now);
+            }
             (InitState::AwaitLocalMem, m @ (Message::MemInfo(_) | Message::Ready(_))) => {
                 self.core.hold(m, step)
             }
@@ -598,16 +635,46 @@ impl Initiator {
                 challenge: None,
                 response: Some(Blob(mine)),
             }));
+            if w.data_proof {
+                self.data_key = Some(auth::data_key(
+                    secret,
+                    &self.challenge,
+                    &cl.0,
+                    me,
+                    &w.peer_id,
+                ));
+            }
         }
         self.peer = Some((w.peer_id.clone(), w.incarnation));
+        if w.host_after_proof {
+            // The listener tells only an authenticated peer about its host.
+            self.welcomed = Some((w.token, w.unacked_notify));
+            self.state = InitState::AwaitHost;
+            self.core.arm(now);
+            return;
+        }
+        self.welcome_done(w.token, w.shm, w.unacked_notify, now);
+    }
+
+    /// The listener's welcome is complete (with its host offer, if one came after our
+    /// proof): the driver opens the data connection.
+    fn welcome_done(
+        &mut self,
+        token: SessionToken,
+        shm: Option<ShmOffer>,
+        unacked_notify: bool,
+        now: Instant,
+    ) {
+        let (peer_id, incarnation) = self.peer.clone().expect("set by Welcome");
         self.state = InitState::AwaitLocalMem;
         self.core.arm(now);
         self.core.out.push_back(Output::Welcomed {
-            peer_id: w.peer_id,
-            incarnation: w.incarnation,
-            token: w.token,
-            shm: w.shm,
-            unacked_notify: w.unacked_notify,
+            peer_id,
+            incarnation,
+            token,
+            shm,
+            unacked_notify,
+            data_key: self.data_key.clone(),
         });
     }
 
@@ -644,6 +711,14 @@ pub struct ListenerSession {
     /// The initiator honours unacknowledged notifications.
     unacked_notify: bool,
     granted: MemInfo,
+    /// The `HostOffer` to send once the initiator's proof checks out (a listener with a
+    /// secret says nothing about its host before that).
+    host_offer: Option<HostOffer>,
+    /// The session's data-connection key, once the initiator's proof checked out (with a
+    /// secret): every data connection must answer a challenge with it.
+    data_key: Option<DataKey>,
+    /// Data connections the initiator declared (0: not said).
+    data_connections: u32,
 }
 
 impl ListenerSession {
@@ -686,6 +761,13 @@ impl ListenerSession {
     ) -> Self {
         let mut core = Core::new(step_timeout, now);
         let mut auth_state = None;
+        // With a secret the offer (host identity, pid, socket name) waits for the proof; an
+        // initiator that cannot take it then (an older one) gets none.
+        let (shm, host_offer) = match (&local.secret, hello.host_after_proof) {
+            (None, _) => (shm, None),
+            (Some(_), true) => (None, Some(HostOffer { shm })),
+            (Some(_), false) => (None, None),
+        };
         let checked = check_peer(
             local,
             hello.version,
@@ -725,6 +807,18 @@ impl ListenerSession {
                         .into(),
                 }),
             },
+        })
+        .and_then(|auth| {
+            // Its data connections would be bound by a token seen in the clear: refused.
+            if local.secret.is_some() && !hello.data_proof {
+                return Err(HandshakeError::Unauthenticated {
+                    step: Step::Hello,
+                    detail: "this listener authenticates every data connection (data_proof); \
+                             the peer predates it: upgrade it"
+                        .into(),
+                });
+            }
+            Ok(auth)
         });
         match checked {
             Ok(auth) => core.send(Message::Welcome(Welcome {
@@ -736,6 +830,8 @@ impl ListenerSession {
                 auth,
                 shm,
                 unacked_notify: true,
+                host_after_proof: host_offer.is_some(),
+                data_proof: local.secret.is_some(),
             })),
             Err(e) => core.fail(e),
         }
@@ -749,6 +845,9 @@ impl ListenerSession {
             incarnation: hello.incarnation,
             unacked_notify: hello.unacked_notify,
             granted,
+            host_offer,
+            data_key: None,
+            data_connections: hello.data_connections,
         }
     }
 
@@ -756,6 +855,19 @@ impl ListenerSession {
     /// ([`Hello::unacked_notify`]).
     pub fn peer_unacked_notify(&self) -> bool {
         self.unacked_notify
+    }
+
+    /// The session's data-connection key: `Some` once the initiator proved itself (with a
+    /// secret). Each data connection is bound only after it answered a fresh
+    /// `DataChallenge` with it.
+    pub fn data_key(&self) -> Option<&DataKey> {
+        self.data_key.as_ref().filter(|_| self.authenticated)
+    }
+
+    /// How many data connections the initiator declared it opens (`None`: it did not say,
+    /// as initiators that predate the field).
+    pub fn declared_data_connections(&self) -> Option<u32> {
+        (self.data_connections > 0).then_some(self.data_connections)
     }
 
     /// The peer this session serves.
@@ -837,13 +949,28 @@ impl ListenerSession {
             (ListenState::AwaitMem, Message::Proof(a)) if !self.authenticated => {
                 let ok = match (&self.auth, a.response) {
                     (Some((secret, ci, cl, me)), Some(proof)) => {
-                        auth::verify(secret, Role::Initiator, ci, cl, &self.peer_id, me, &proof.0)
+                        let ok = auth::verify(
+                            secret,
+                            Role::Initiator,
+                            ci,
+                            cl,
+                            &self.peer_id,
+                            me,
+                            &proof.0,
+                        );
+                        if ok {
+                            self.data_key = Some(auth::data_key(secret, ci, cl, &self.peer_id, me));
+                        }
+                        ok
                     }
                     _ => false,
                 };
                 if ok {
                     self.authenticated = true;
                     self.core.arm(now);
+                    if let Some(h) = self.host_offer.take() {
+                        self.core.send(Message::HostOffer(h));
+                    }
                 } else {
                     self.core.fail(HandshakeError::Unauthenticated {
                         step,

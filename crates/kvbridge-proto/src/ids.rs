@@ -9,9 +9,36 @@ pub const MAX_PEER_ID_LEN: usize = 256;
 
 /// A peer's stable name (for example `prefill-0/rank3`), chosen by configuration. A process
 /// that restarts keeps its peer id and gets a new [`Incarnation`].
-#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(transparent)]
 pub struct PeerId(String);
+
+/// Decoding refuses an id longer than [`MAX_PEER_ID_LEN`] before it allocates anything for
+/// it (an empty one is refused later, by the handshake, with a typed error).
+impl<'de> Deserialize<'de> for PeerId {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        bounded_string(d, MAX_PEER_ID_LEN).map(PeerId)
+    }
+}
+
+/// Deserializes a string of at most `max` bytes; a longer one is an error before any
+/// allocation (the decoder lends the bytes from the frame body).
+pub fn bounded_string<'de, D: Deserializer<'de>>(d: D, max: usize) -> Result<String, D::Error> {
+    struct Bounded(usize);
+    impl Visitor<'_> for Bounded {
+        type Value = String;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            write!(f, "a string of at most {} bytes", self.0)
+        }
+        fn visit_str<E: de::Error>(self, v: &str) -> Result<String, E> {
+            if v.len() > self.0 {
+                return Err(E::invalid_length(v.len(), &self));
+            }
+            Ok(v.to_owned())
+        }
+    }
+    d.deserialize_str(Bounded(max))
+}
 
 impl PeerId {
     /// Makes a peer id; `None` when it is empty or longer than [`MAX_PEER_ID_LEN`].

@@ -32,10 +32,20 @@ pub enum Message {
     Ping(Ping),
     /// Answer to [`Message::Ping`].
     Pong(Ping),
+    /// Listener → initiator, once the initiator's proof checked out: what the listener tells
+    /// only an authenticated peer about its host (sent when both said
+    /// `host_after_proof` in `Hello` and `Welcome`).
+    HostOffer(HostOffer),
 
     // ---- data connection ----
     /// Initiator → listener, first frame of a data connection.
     DataHello(DataHello),
+    /// Listener → initiator, answer to a `DataHello` when the session authenticates its
+    /// data connections (`Welcome::data_proof`): a fresh challenge.
+    DataChallenge(DataChallenge),
+    /// Initiator → listener: the answer to [`Message::DataChallenge`], under the session's
+    /// data-connection key ([`crate::auth::DataKey`]).
+    DataProof(DataProof),
     /// Write ops; the concatenated payloads of all ops follow the frame, in op order.
     WriteBatch(Batch),
     /// Completion of a [`Message::WriteBatch`].
@@ -81,7 +91,10 @@ impl Message {
             Message::Proof(_) => "Proof",
             Message::Ping(_) => "Ping",
             Message::Pong(_) => "Pong",
+            Message::HostOffer(_) => "HostOffer",
             Message::DataHello(_) => "DataHello",
+            Message::DataChallenge(_) => "DataChallenge",
+            Message::DataProof(_) => "DataProof",
             Message::WriteBatch(_) => "WriteBatch",
             Message::WriteAck(_) => "WriteAck",
             Message::ReadBatch(_) => "ReadBatch",
@@ -130,8 +143,17 @@ impl Message {
 pub struct Compat {
     /// A hash over everything that must match.
     pub hash: u64,
-    /// Human-readable form of what was hashed.
+    /// Human-readable form of what was hashed (at most [`MAX_COMPAT_DESCRIPTION_LEN`]
+    /// bytes on the wire).
+    #[serde(deserialize_with = "bounded_description")]
     pub description: String,
+}
+
+/// Longest [`Compat::description`] accepted off the wire, in bytes.
+pub const MAX_COMPAT_DESCRIPTION_LEN: usize = 4096;
+
+fn bounded_description<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    crate::ids::bounded_string(d, MAX_COMPAT_DESCRIPTION_LEN)
 }
 
 impl fmt::Display for Compat {
@@ -167,6 +189,26 @@ pub struct Hello {
     /// notification). Absent (false) from older initiators.
     #[serde(default, skip_serializing_if = "is_false")]
     pub unacked_notify: bool,
+    /// The initiator takes the listener's host identity (the shared-memory offer) in a
+    /// [`Message::HostOffer`] after its proof, when the listener authenticates. Absent
+    /// (false) from older initiators: a listener with a secret then offers them no shared
+    /// memory, rather than tell an unauthenticated peer about its host.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub host_after_proof: bool,
+    /// The initiator answers a [`Message::DataChallenge`] on each of its data connections.
+    /// Absent (false) from older initiators, which a listener with a secret refuses with
+    /// `Unauthenticated` (their data connections would be bound by the token alone).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub data_proof: bool,
+    /// How many data connections the initiator will open (stream indices
+    /// `0..data_connections`); a listener refuses any other. Absent (0) from older
+    /// initiators: then up to the listener's maximum.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub data_connections: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// Listener → initiator: the session exists.
@@ -191,6 +233,26 @@ pub struct Welcome {
     /// The listener honours [`Notify::unacked`]. Absent (false) from older listeners.
     #[serde(default, skip_serializing_if = "is_false")]
     pub unacked_notify: bool,
+    /// A [`Message::HostOffer`] follows the initiator's proof (and `shm` is absent here):
+    /// set by a listener with a secret for an initiator that said `host_after_proof`.
+    /// Absent (false) from older listeners, which carry the offer in `shm`.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub host_after_proof: bool,
+    /// The listener sends a [`Message::DataChallenge`] on each data connection and binds it
+    /// only once answered under the session's key (set with a secret). Absent (false) from
+    /// older listeners, which bind a data connection by its token.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub data_proof: bool,
+}
+
+/// What a listener tells only an authenticated initiator about its host
+/// ([`Message::HostOffer`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct HostOffer {
+    /// The shared-memory offer, as [`Welcome::shm`] carries it without authentication;
+    /// absent when there is none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shm: Option<ShmOffer>,
 }
 
 /// A listener's offer of shared memory (in [`Welcome`]).
@@ -352,6 +414,21 @@ pub struct DataHello {
     /// wire means 0, so peers that predate it interoperate unchanged.
     #[serde(default)]
     pub stream: u32,
+}
+
+/// A fresh challenge on a data connection ([`Message::DataChallenge`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DataChallenge {
+    /// 32 random bytes, never used twice.
+    pub nonce: Blob,
+}
+
+/// The answer to a [`DataChallenge`] ([`Message::DataProof`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DataProof {
+    /// HMAC-SHA256 under the session's data-connection key over the challenge, the session
+    /// token and the stream index.
+    pub response: Blob,
 }
 
 /// One remote range of a batch.
@@ -559,6 +636,87 @@ mod tests {
         let on = ShmOffer { cma: true, ..off };
         let seen: OldOffer = rmp_serde::from_slice(&rmp_serde::to_vec_named(&on).unwrap()).unwrap();
         assert_eq!(seen, o);
+    }
+
+    /// A peer id or compat description longer than any valid one is refused while the
+    /// frame body is decoded (before the handshake allocates or looks at it); the longest
+    /// valid ones decode.
+    #[test]
+    fn overlong_ids_and_descriptions_are_refused_while_decoding() {
+        #[derive(Serialize)]
+        struct RawHello {
+            version: u8,
+            peer_id: String,
+            incarnation: u64,
+            compat: RawCompat,
+            auth: Option<Auth>,
+        }
+        #[derive(Serialize)]
+        struct RawCompat {
+            hash: u64,
+            description: String,
+        }
+        #[derive(Serialize)]
+        enum Raw {
+            Hello(RawHello),
+        }
+        let hello = |id: usize, desc: usize| {
+            rmp_serde::to_vec_named(&Raw::Hello(RawHello {
+                version: 1,
+                peer_id: "p".repeat(id),
+                incarnation: 1,
+                compat: RawCompat {
+                    hash: 0,
+                    description: "d".repeat(desc),
+                },
+                auth: None,
+            }))
+            .unwrap()
+        };
+        let max_id = crate::ids::MAX_PEER_ID_LEN;
+        assert!(Message::decode(&hello(max_id, MAX_COMPAT_DESCRIPTION_LEN)).is_ok());
+        for body in [
+            hello(max_id + 1, 1),
+            hello(1, MAX_COMPAT_DESCRIPTION_LEN + 1),
+        ] {
+            let e = Message::decode(&body).unwrap_err();
+            assert!(matches!(e, FrameError::Malformed(_)), "{e}");
+        }
+    }
+
+    /// The host-offer flags are optional both ways: a peer that predates them decodes a new
+    /// `Hello`/`Welcome` (ignoring the field), and a new peer reads an old one as `false`.
+    #[test]
+    fn host_after_proof_is_compatible() {
+        let hello = Hello {
+            version: 1,
+            peer_id: PeerId::new("p").unwrap(),
+            incarnation: Incarnation(1),
+            compat: Compat::default(),
+            auth: None,
+            unacked_notify: false,
+            host_after_proof: false,
+            data_proof: false,
+            data_connections: 0,
+        };
+        // Absent when false: byte for byte what an older peer sends.
+        let old = Message::Hello(hello.clone()).encode_body().unwrap();
+        assert!(!String::from_utf8_lossy(&old).contains("host_after_proof"));
+        let new = Message::Hello(Hello {
+            host_after_proof: true,
+            data_proof: false,
+            ..hello
+        });
+        let body = new.encode_body().unwrap();
+        assert_eq!(Message::decode(&body).unwrap(), new);
+        assert!(matches!(
+            Message::decode(&old).unwrap(),
+            Message::Hello(Hello {
+                host_after_proof: false,
+                data_proof: false,
+                ..
+            })
+        ));
     }
 
     #[test]

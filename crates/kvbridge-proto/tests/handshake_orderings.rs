@@ -6,7 +6,9 @@ use kvbridge_proto::auth::Secret;
 use kvbridge_proto::handshake::{
     Established, HandshakeError, Initiator, ListenerSession, LocalIdentity, Output, Step,
 };
-use kvbridge_proto::msg::{Compat, Hello, MemInfo, MemKind, Message, Ready, RegionInfo, Reject};
+use kvbridge_proto::msg::{
+    Compat, Hello, HostOffer, MemInfo, MemKind, Message, Ready, RegionInfo, Reject, ShmOffer,
+};
 use kvbridge_proto::msg::{ErrorCode, Ping};
 use kvbridge_proto::{Incarnation, PeerId, RegionId, SessionToken};
 use proptest::prelude::*;
@@ -364,6 +366,193 @@ fn incompatible_peers_fail_fast_naming_both_values() {
     }
 }
 
+fn offer() -> ShmOffer {
+    ShmOffer {
+        host: "boot-id/net:1/pid:2".into(),
+        pid: 4242,
+        socket: "kvbridge-secret-name".into(),
+        cma: true,
+    }
+}
+
+/// Runs a handshake between `init` and a listener with `listener_secret` that has a
+/// shared-memory offer, and returns every message the listener sent with, for each,
+/// whether the initiator had proven itself (`may_bind`) when it went out; and the offer
+/// the initiator was welcomed with.
+fn listener_words(
+    init: &mut Initiator,
+    listener_secret: Option<&str>,
+) -> (Vec<(Message, bool)>, Option<ShmOffer>) {
+    let now = Instant::now();
+    let mut words = vec![];
+    let mut welcomed_with = None;
+    let Some(Output::Send(Message::Hello(h))) = init.poll_output() else {
+        panic!("no Hello")
+    };
+    let mut l = ListenerSession::accept_with_shm(
+        h,
+        &with_secret(ident("decode-0", 2, 42), listener_secret),
+        SessionToken([9; 16]),
+        mem(2),
+        STEP,
+        now,
+        [2; 32],
+        Some(offer()),
+    );
+    for _ in 0..8 {
+        while let Some(o) = l.poll_output() {
+            if let Output::Send(m) = o {
+                words.push((m.clone(), l.may_bind()));
+                init.handle_message(m, now);
+            }
+        }
+        while let Some(o) = init.poll_output() {
+            match o {
+                Output::Send(m) => l.handle_message(m, now),
+                Output::Welcomed { shm, .. } => {
+                    welcomed_with = shm;
+                    init.provide_mem_info(mem(1), now);
+                }
+                Output::Failed(e) => panic!("{e}"),
+                _ => {}
+            }
+        }
+    }
+    (words, welcomed_with)
+}
+
+/// With a secret, the listener tells nothing about its host (pid, boot id, namespaces,
+/// socket name) before the initiator's proof: the `Welcome` carries no offer, a `HostOffer`
+/// after the proof does. Without a secret the `Welcome` carries it as before.
+#[test]
+fn the_host_offer_comes_only_after_the_initiators_proof() {
+    let mut init = Initiator::new(
+        with_secret(ident("prefill-0", 1, 42), Some("s3cret-of-the-cluster")),
+        STEP,
+        Instant::now(),
+        [1; 32],
+    );
+    let (words, welcomed_with) = listener_words(&mut init, Some("s3cret-of-the-cluster"));
+    let Some((Message::Welcome(w), _)) = words.first() else {
+        panic!("{words:?}")
+    };
+    assert_eq!(
+        w.shm, None,
+        "the Welcome told an unauthenticated peer about the host"
+    );
+    assert!(w.host_after_proof);
+    let host: Vec<_> = words
+        .iter()
+        .filter(|(m, _)| matches!(m, Message::HostOffer(_)))
+        .collect();
+    assert_eq!(host.len(), 1, "{words:?}");
+    assert!(host[0].1, "HostOffer before the proof checked out");
+    assert_eq!(welcomed_with, Some(offer()));
+
+    let mut init = Initiator::new(ident("prefill-0", 1, 42), STEP, Instant::now(), [1; 32]);
+    let (words, welcomed_with) = listener_words(&mut init, None);
+    let Some((Message::Welcome(w), _)) = words.first() else {
+        panic!("{words:?}")
+    };
+    assert_eq!(w.shm, Some(offer()));
+    assert!(!w.host_after_proof);
+    assert_eq!(welcomed_with, Some(offer()));
+}
+
+/// An initiator that predates data-connection proofs (and the host offer: its `Hello` has
+/// neither flag) would have its data connections bound by a token seen in the clear: a
+/// listener with a secret refuses it with a typed `Unauthenticated` that says why, before
+/// telling it anything about its host.
+#[test]
+fn an_older_initiator_is_refused_by_a_listener_with_a_secret_saying_why() {
+    let now = Instant::now();
+    let secret = Some("s3cret-of-the-cluster");
+    let mut init = Initiator::new(
+        with_secret(ident("prefill-0", 1, 42), secret),
+        STEP,
+        now,
+        [1; 32],
+    );
+    let Some(Output::Send(Message::Hello(mut h))) = init.poll_output() else {
+        panic!()
+    };
+    assert!(h.data_proof && h.host_after_proof);
+    h.host_after_proof = false;
+    h.data_proof = false;
+    let mut l = ListenerSession::accept_with_shm(
+        h,
+        &with_secret(ident("decode-0", 2, 42), secret),
+        SessionToken([9; 16]),
+        mem(2),
+        STEP,
+        now,
+        [2; 32],
+        Some(offer()),
+    );
+    match l.poll_output() {
+        Some(Output::Send(Message::Reject(r))) => {
+            assert_eq!(r.code, ErrorCode::Unauthenticated);
+            assert!(r.message.contains("predates"), "{}", r.message);
+        }
+        o => panic!("{o:?}"),
+    }
+    assert!(matches!(
+        l.poll_output(),
+        Some(Output::Failed(HandshakeError::Unauthenticated { .. }))
+    ));
+    assert!(l.data_key().is_none());
+}
+
+/// Both sides derive the same data-connection key from the authentication exchange, and
+/// the listener's is there only once the initiator proved itself.
+#[test]
+fn both_sides_derive_the_same_data_key_after_the_proof() {
+    let now = Instant::now();
+    let secret = Some("s3cret-of-the-cluster");
+    let mut init = Initiator::declaring(
+        with_secret(ident("prefill-0", 1, 42), secret),
+        STEP,
+        now,
+        [1; 32],
+        3,
+    );
+    let Some(Output::Send(Message::Hello(h))) = init.poll_output() else {
+        panic!()
+    };
+    assert_eq!(h.data_connections, 3);
+    let mut l = ListenerSession::accept(
+        h,
+        &with_secret(ident("decode-0", 2, 42), secret),
+        SessionToken([9; 16]),
+        mem(2),
+        STEP,
+        now,
+        [2; 32],
+    );
+    assert_eq!(l.declared_data_connections(), Some(3));
+    let Some(Output::Send(Message::Welcome(w))) = l.poll_output() else {
+        panic!()
+    };
+    assert!(w.data_proof);
+    assert!(l.data_key().is_none(), "a key before the proof");
+    init.handle_message(Message::Welcome(w), now);
+    let Some(Output::Send(proof @ Message::Proof(_))) = init.poll_output() else {
+        panic!()
+    };
+    l.handle_message(proof, now);
+    let Some(Output::Send(Message::HostOffer(h))) = l.poll_output() else {
+        panic!()
+    };
+    init.handle_message(Message::HostOffer(h), now);
+    let Some(Output::Welcomed {
+        data_key: Some(k), ..
+    }) = init.poll_output()
+    else {
+        panic!("no data key")
+    };
+    assert_eq!(l.data_key(), Some(&k));
+}
+
 #[test]
 fn version_mismatch_names_both_versions() {
     let now = Instant::now();
@@ -374,6 +563,9 @@ fn version_mismatch_names_both_versions() {
         compat: Compat::default(),
         auth: None,
         unacked_notify: false,
+        host_after_proof: false,
+        data_proof: false,
+        data_connections: 0,
     };
     let mut l = ListenerSession::accept(
         h,
@@ -450,8 +642,12 @@ fn any_message() -> impl Strategy<Value = Message> {
             },
             auth: None,
             unacked_notify: true,
+            host_after_proof: false,
+            data_proof: false,
+            data_connections: 0,
         })),
         Just(Message::MemInfo(mem(5))),
+        Just(Message::HostOffer(HostOffer::default())),
         Just(Message::Ready(Ready {})),
         Just(Message::Ping(Ping { nonce: 1 })),
         Just(Message::Pong(Ping { nonce: 1 })),
@@ -503,7 +699,7 @@ proptest! {
         let mut l = ListenerSession::accept(
             Hello { version: 1, peer_id: PeerId::new("p").unwrap(), incarnation: Incarnation(1),
                     compat: Compat { hash: 42, description: String::new() }, auth: None,
-                    unacked_notify: true },
+                    unacked_notify: true, host_after_proof: true, data_proof: false, data_connections: 0 },
             &ident("d", 2, 42), SessionToken([1; 16]), mem(2), STEP, t0, [0; 32]);
         let (mut io, mut lo) = (vec![], vec![]);
         let mut now = t0;

@@ -16,6 +16,7 @@ use crate::session::{
 };
 use crate::tls::Tls;
 use crate::wire::{read_frame, ReadError};
+use kvbridge_proto::auth::Secret;
 use kvbridge_proto::handshake::{LocalIdentity, Step};
 use kvbridge_proto::msg::{ErrorCode, Message, OpDesc, RegionInfo};
 use kvbridge_proto::{Incarnation, PeerId, RegionId, SessionToken};
@@ -89,7 +90,9 @@ pub(crate) enum CoreCmd {
     },
     Incoming {
         stream: Stream,
-        first: Message,
+        first: Box<Message>,
+        /// Where the connection came from (handshake quotas, logs).
+        from: SocketAddr,
     },
     /// A shared-memory connection presenting a session token.
     ShmIncoming {
@@ -153,6 +156,11 @@ pub struct Stats {
     pub sessions_ended: u64,
     /// Handshakes refused because `max_concurrent_handshakes` were already under way.
     pub handshakes_refused: u64,
+    /// Sessions that ended because authentication failed: a peer that could not prove it
+    /// knows the shared secret (or sent no proof), a listener that could not, or one side
+    /// requiring authentication that the other does not do. Each is logged at WARN with the
+    /// peer's address (rate-limited).
+    pub auth_failed: u64,
     /// Control connections refused on TLS grounds: a failed TLS handshake, a plaintext
     /// `Hello` on a listener that requires TLS, a TLS ClientHello on one that does not.
     pub tls_refused: u64,
@@ -286,6 +294,8 @@ struct Inner {
     local_addr: Option<SocketAddr>,
     tasks: std::sync::Mutex<Vec<JoinHandle<()>>>,
     events: tokio::sync::broadcast::Sender<PeerEvent>,
+    /// The name of our unix socket, when we offer shared memory.
+    shm_socket: Option<String>,
 }
 
 impl Drop for Inner {
@@ -321,6 +331,16 @@ impl Channel {
     pub async fn new(config: ChannelConfig) -> Result<Channel> {
         let peer_id = PeerId::new(config.peer_id.clone())
             .ok_or_else(|| Error::Local(format!("invalid peer id {:?}", config.peer_id)))?;
+        if let Some(s) = &config.secret {
+            if s.len() < Secret::MIN_LEN {
+                return Err(Error::Local(format!(
+                    "the shared secret (ChannelConfig::secret / KVBRIDGE_SECRET) is {} bytes; \
+                     at least {} are required (e.g. `openssl rand -hex 16`)",
+                    s.len(),
+                    Secret::MIN_LEN
+                )));
+            }
+        }
         let local = LocalIdentity {
             peer_id,
             incarnation: Incarnation(crate::rand_u64()),
@@ -348,6 +368,9 @@ impl Channel {
             None => None,
         };
         let local_addr = listener.as_ref().and_then(|l| l.local_addr().ok());
+        if let Some(w) = local_addr.and_then(|a| exposure_warning(a, config.secret.is_some())) {
+            tracing::warn!("{w}");
+        }
         let (core_tx, core_rx) = mpsc::unbounded_channel();
         let (notif_tx, notif_rx) = mpsc::channel(4096);
         let table = Arc::new(RegionTable::default());
@@ -379,6 +402,7 @@ impl Channel {
             }
             _ => None,
         };
+        let shm_socket = shm.as_ref().map(|(_, o)| o.socket.clone());
         let env = SessionEnv {
             local: local.clone(),
             config: config.clone(),
@@ -417,8 +441,17 @@ impl Channel {
                 local_addr,
                 tasks: std::sync::Mutex::new(tasks),
                 events,
+                shm_socket,
             }),
         })
+    }
+
+    /// The name of the listener's unix socket in the abstract namespace, when it offers
+    /// shared memory. Not a secret from local users (`/proc/net/unix` lists it); tests use
+    /// it to play a local attacker.
+    #[doc(hidden)]
+    pub fn shm_socket_name(&self) -> Option<String> {
+        self.inner.shm_socket.clone()
     }
 
     /// The address the channel listens on.
@@ -833,7 +866,28 @@ impl Channel {
     }
 }
 
+/// What to warn about when a listener is reachable beyond this host without a secret:
+/// every peer that reaches it may then read and write every region granted to all peers.
+fn exposure_warning(addr: SocketAddr, secret: bool) -> Option<String> {
+    (!secret && !addr.ip().is_loopback()).then(|| {
+        format!(
+            "listening on {addr}, beyond this host, without a shared secret: any peer that \
+             reaches this address may read and write every region granted to all peers; \
+             set KVBRIDGE_SECRET (and TLS), or listen on a loopback address"
+        )
+    })
+}
+
 // ---- acceptor ------------------------------------------------------------------------------
+
+/// The largest first frame a connection may send (`Limits::max_first_frame_len`, never more
+/// than `max_frame_len`).
+fn first_frame_limit(config: &ChannelConfig) -> u32 {
+    config
+        .limits
+        .max_first_frame_len
+        .min(config.limits.max_frame_len)
+}
 
 async fn accept_loop(
     l: Listener,
@@ -851,11 +905,14 @@ async fn accept_loop(
                 // client delays only itself. Their number is bounded: past the limit a new
                 // connection is closed at once.
                 let Ok(permit) = unidentified.clone().try_acquire_owned() else {
-                    tracing::warn!(
-                        %from,
-                        limit = config.limits.max_unidentified_connections,
-                        "too many connections without a first frame; closing this one"
-                    );
+                    if let Some(suppressed) = crate::refusals::UNIDENTIFIED_LIMIT.allow() {
+                        tracing::warn!(
+                            %from,
+                            limit = config.limits.max_unidentified_connections,
+                            suppressed,
+                            "too many connections without a first frame; closing this one"
+                        );
+                    }
                     drop(stream);
                     continue;
                 };
@@ -881,20 +938,52 @@ async fn shm_accept_loop(
     config: Arc<ChannelConfig>,
     core: mpsc::UnboundedSender<CoreCmd>,
 ) {
+    // As on TCP: connections that have not presented a token yet are bounded.
+    let unidentified = Arc::new(tokio::sync::Semaphore::new(
+        config.limits.max_unidentified_connections.max(1),
+    ));
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
     loop {
         match l.accept().await {
             Ok((stream, _)) => {
+                // The abstract socket is reachable by every user of the network namespace;
+                // only our own user's processes may map our memory.
+                let uid = crate::shm::peer_uid(&stream);
+                if uid != Some(me) {
+                    if let Some(suppressed) = crate::refusals::UNIX_REFUSED.allow() {
+                        tracing::warn!(
+                            ?uid,
+                            ours = me,
+                            suppressed,
+                            "unix-socket connection from another user; closed"
+                        );
+                    }
+                    continue;
+                }
+                let Ok(permit) = unidentified.clone().try_acquire_owned() else {
+                    if let Some(suppressed) = crate::refusals::UNIX_REFUSED.allow() {
+                        tracing::warn!(
+                            limit = config.limits.max_unidentified_connections,
+                            suppressed,
+                            "too many unix-socket connections without a token; closing this one"
+                        );
+                    }
+                    continue;
+                };
                 let core = core.clone();
                 let limit = config.deadlines.first_frame;
-                let max = config.limits.max_frame_len;
+                let max = first_frame_limit(&config);
                 tokio::spawn(async move {
-                    let mut fr = crate::shm::FdReader::new(max);
+                    // No descriptor is expected: one closes the connection.
+                    let mut fr = crate::shm::FdReader::new(max, 0);
                     // Anything but a DataHello in time gets nothing: the connection drops.
                     if let Ok(Ok(Some(Message::DataHello(hello)))) =
                         tokio::time::timeout(limit, fr.next(&stream)).await
                     {
                         let _ = core.send(CoreCmd::ShmIncoming { stream, hello });
                     }
+                    drop(permit);
                 });
             }
             Err(e) => {
@@ -930,7 +1019,9 @@ async fn classify(
                     Err(e) => {
                         // The peer learns of it from its own TLS stack (an alert, or the
                         // close); we count and log it.
-                        tracing::warn!(%from, error = %e, "TLS handshake failed");
+                        if let Some(suppressed) = crate::refusals::TLS_REFUSED.allow() {
+                            tracing::warn!(%from, error = %e, suppressed, "TLS handshake failed");
+                        }
                         let _ = core.send(CoreCmd::TlsRefused);
                         return;
                     }
@@ -945,19 +1036,29 @@ async fn classify(
         }
     }
     let mut buf = Vec::new();
-    let read = read_frame(&mut stream, config.limits.max_frame_len, &mut buf);
+    let read = read_frame(&mut stream, first_frame_limit(&config), &mut buf);
     let first = tokio::time::timeout_at(deadline, read).await;
     match first {
         Ok(Ok(Message::Hello(_))) if tls.is_some() && !over_tls => {
             // Counted before the refusal goes out: a peer that saw it finds it counted.
             let _ = core.send(CoreCmd::TlsRefused);
-            tracing::warn!(%from, "plaintext Hello on a listener that requires TLS; refused");
+            if let Some(suppressed) = crate::refusals::TLS_REFUSED.allow() {
+                tracing::warn!(
+                    %from,
+                    suppressed,
+                    "plaintext Hello on a listener that requires TLS; refused"
+                );
+            }
             let msg = "this listener requires TLS on the control connection \
                        (KVBRIDGE_TLS_CA on the initiator); the Hello came in plaintext";
             refuse(stream, ErrorCode::Incompatible, msg).await
         }
         Ok(Ok(m @ (Message::Hello(_) | Message::DataHello(_)))) => {
-            let _ = core.send(CoreCmd::Incoming { stream, first: m });
+            let _ = core.send(CoreCmd::Incoming {
+                stream,
+                first: Box::new(m),
+                from,
+            });
         }
         Ok(Ok(m)) => {
             let msg = format!("{} cannot open a connection", m.name());
@@ -979,7 +1080,13 @@ async fn classify(
                 // peer's TLS stack reports a non-TLS answer; read the rest of its
                 // ClientHello first, or closing with unread bytes would reset the
                 // connection before the refusal reaches it.
-                tracing::warn!(%from, "a TLS ClientHello on a plaintext listener; refused");
+                if let Some(suppressed) = crate::refusals::TLS_REFUSED.allow() {
+                    tracing::warn!(
+                        %from,
+                        suppressed,
+                        "a TLS ClientHello on a plaintext listener; refused"
+                    );
+                }
                 let _ = core.send(CoreCmd::TlsRefused);
                 return refuse_lingering(stream, code, "this listener does not speak TLS").await;
             }
@@ -997,6 +1104,8 @@ async fn classify(
 
 struct SessionEntry {
     peer: Option<PeerId>,
+    /// (Listener) The control connection's source address.
+    source: Option<SocketAddr>,
     addr: Option<String>,
     token: Option<SessionToken>,
     ctl: mpsc::UnboundedSender<SessionCmd>,
@@ -1009,7 +1118,11 @@ struct Core {
     events: tokio::sync::broadcast::Sender<PeerEvent>,
     next_id: u64,
     sessions: HashMap<u64, SessionEntry>,
+    /// Established sessions only: a handshaking one never owns its claimed peer id.
     by_peer: HashMap<PeerId, u64>,
+    /// Old session → established sessions of the same peer waiting for it to be down
+    /// before they are published.
+    up_after: HashMap<u64, Vec<(u64, PeerHandle)>>,
     tokens: HashMap<SessionToken, u64>,
     /// Address → (dialling session, callers waiting for it).
     dials: HashMap<String, (u64, Vec<ConnectReply>)>,
@@ -1017,6 +1130,7 @@ struct Core {
     ended: u64,
     refused: u64,
     tls_refused: u64,
+    auth_failed: u64,
     closing: Option<Vec<oneshot::Sender<()>>>,
     /// Callers of `disconnect` waiting for a session to be torn down.
     disconnecting: HashMap<u64, Vec<oneshot::Sender<Result<()>>>>,
@@ -1042,12 +1156,14 @@ impl Core {
             next_id: 1,
             sessions: HashMap::new(),
             by_peer: HashMap::new(),
+            up_after: HashMap::new(),
             tokens: HashMap::new(),
             dials: HashMap::new(),
             by_addr: HashMap::new(),
             ended: 0,
             refused: 0,
             tls_refused: 0,
+            auth_failed: 0,
             closing: None,
             disconnecting: HashMap::new(),
         }
@@ -1083,6 +1199,7 @@ impl Core {
             id,
             SessionEntry {
                 peer,
+                source: None,
                 addr,
                 token,
                 ctl: tx.clone(),
@@ -1098,8 +1215,28 @@ impl Core {
         self.sessions.values().filter(|s| s.up.is_none()).count()
     }
 
-    fn limit_handshakes(&self) -> usize {
-        self.env.config.limits.max_concurrent_handshakes
+    /// Sessions that are not established yet whose control connection came from `ip`.
+    fn handshaking_from(&self, ip: std::net::IpAddr) -> usize {
+        self.sessions
+            .values()
+            .filter(|s| s.up.is_none() && s.source.is_some_and(|a| a.ip() == ip))
+            .count()
+    }
+
+    /// Why a `Hello` from `from` gets no handshake slot, if it does not.
+    fn no_slot_for(&self, from: SocketAddr) -> Option<String> {
+        let limits = &self.env.config.limits;
+        let all = self.handshaking();
+        if all >= limits.max_concurrent_handshakes {
+            return Some(format!("{all} handshakes already under way (limit)"));
+        }
+        let theirs = self.handshaking_from(from.ip());
+        (theirs >= limits.max_handshakes_per_source).then(|| {
+            format!(
+                "{theirs} handshakes from {} already under way (limit per source)",
+                from.ip()
+            )
+        })
     }
 
     fn set_task(&mut self, id: u64, task: JoinHandle<()>) {
@@ -1126,6 +1263,29 @@ impl Core {
                     },
                 };
                 let _ = old.ctl.send(SessionCmd::Replace(err));
+            }
+        }
+    }
+
+    /// Publishes an established session: lookups, dial waiters and `PeerEvent::Up` see it.
+    fn publish(&mut self, id: u64, handle: PeerHandle) {
+        let Some(s) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        s.up = Some(handle.clone());
+        s.peer = Some(handle.peer_id.clone());
+        let _ = self.events.send(PeerEvent::Up {
+            peer: handle.peer_id.clone(),
+            incarnation: handle.incarnation,
+        });
+        let addr = s.addr.clone();
+        self.by_peer.insert(handle.peer_id.clone(), id);
+        if let Some(addr) = addr {
+            self.by_addr.insert(addr.clone(), id);
+            if let Some((_, waiters)) = self.dials.remove(&addr) {
+                for w in waiters {
+                    let _ = w.send(Ok(handle.clone()));
+                }
             }
         }
     }
@@ -1163,18 +1323,26 @@ impl Core {
                     .and_then(|s| s.up.clone());
                 let _ = reply.send(h);
             }
-            CoreCmd::Incoming { stream, first } => {
+            CoreCmd::Incoming {
+                stream,
+                first,
+                from,
+            } => {
                 if self.closing.is_some() {
                     tokio::spawn(refuse(stream, ErrorCode::ShuttingDown, "channel closing"));
                     return;
                 }
-                match first {
-                    Message::Hello(_) if self.handshaking() >= self.limit_handshakes() => {
+                let no_slot = match *first {
+                    Message::Hello(_) => self.no_slot_for(from),
+                    _ => None,
+                };
+                match *first {
+                    Message::Hello(_) if no_slot.is_some() => {
                         self.refused += 1;
-                        let msg = format!(
-                            "{} handshakes already under way (limit)",
-                            self.handshaking()
-                        );
+                        let msg = no_slot.expect("checked");
+                        if let Some(suppressed) = crate::refusals::HANDSHAKE_LIMIT.allow() {
+                            tracing::warn!(%from, suppressed, "{msg}; Hello refused");
+                        }
                         tokio::spawn(async move {
                             refuse(stream, ErrorCode::LimitExceeded, &msg).await
                         });
@@ -1184,10 +1352,13 @@ impl Core {
                         crate::rand_bytes(&mut t);
                         let token = SessionToken(t);
                         let peer = hello.peer_id.clone();
-                        let (id, tx, rx) =
-                            self.spawn_session(Some(peer.clone()), None, Some(token));
-                        self.replace_old(&peer, id, hello.incarnation);
-                        self.by_peer.insert(peer, id);
+                        // The peer id is only a claim until the session is established
+                        // (version, compat and proof checked): it neither replaces the
+                        // peer's live session nor enters `by_peer` before that (SessionUp).
+                        let (id, tx, rx) = self.spawn_session(Some(peer), None, Some(token));
+                        if let Some(s) = self.sessions.get_mut(&id) {
+                            s.source = Some(from);
+                        }
                         // Entered before the Welcome that reveals it goes out.
                         self.tokens.insert(token, id);
                         let task = tokio::spawn(run_listener(
@@ -1248,32 +1419,39 @@ impl Core {
                 }
             }
             CoreCmd::SessionUp { id, handle } => {
-                let Some(s) = self.sessions.get_mut(&id) else {
+                if !self.sessions.contains_key(&id) {
                     return;
-                };
-                s.up = Some(handle.clone());
-                s.peer = Some(handle.peer_id.clone());
-                let _ = self.events.send(PeerEvent::Up {
-                    peer: handle.peer_id.clone(),
-                    incarnation: handle.incarnation,
-                });
-                let addr = s.addr.clone();
-                self.replace_old(&handle.peer_id, id, handle.incarnation);
-                self.by_peer.insert(handle.peer_id.clone(), id);
-                if let Some(addr) = addr {
-                    self.by_addr.insert(addr.clone(), id);
-                    if let Some((_, waiters)) = self.dials.remove(&addr) {
-                        for w in waiters {
-                            let _ = w.send(Ok(handle.clone()));
-                        }
+                }
+                // An established session replaces the peer's older one. It is published only
+                // once the older one is down, so that layers above see the old incarnation's
+                // `Down` before the new one's `Up`, and never two sessions of one peer.
+                if let Some(old) = self.by_peer.get(&handle.peer_id).copied() {
+                    if old != id && self.sessions.contains_key(&old) {
+                        self.replace_old(&handle.peer_id, id, handle.incarnation);
+                        self.up_after.entry(old).or_default().push((id, handle));
+                        return;
                     }
                 }
+                self.publish(id, handle);
             }
             CoreCmd::SessionDown { id, error } => {
                 let Some(s) = self.sessions.remove(&id) else {
                     return;
                 };
                 self.ended += 1;
+                if let Error::Unauthenticated { peer, step, detail } = &error {
+                    self.auth_failed += 1;
+                    if let Some(suppressed) = crate::refusals::AUTH_FAILED.allow() {
+                        let from = s.source.map(|a| a.to_string());
+                        tracing::warn!(
+                            %peer,
+                            from = from.as_deref().unwrap_or("(we dialled)"),
+                            %step,
+                            suppressed,
+                            "authentication failed: {detail}"
+                        );
+                    }
+                }
                 for w in self.disconnecting.remove(&id).unwrap_or_default() {
                     let _ = w.send(Ok(()));
                 }
@@ -1291,6 +1469,11 @@ impl Core {
                 }
                 if let Some(t) = &s.token {
                     self.tokens.remove(t);
+                }
+                // Sessions that replace this one are published now, in the order they came up
+                // (a later one replaces an earlier one the same way).
+                for (new, handle) in self.up_after.remove(&id).unwrap_or_default() {
+                    self.handle(CoreCmd::SessionUp { id: new, handle });
                 }
                 if let Some(addr) = &s.addr {
                     if self.by_addr.get(addr) == Some(&id) {
@@ -1366,6 +1549,7 @@ impl Core {
                     sessions_ended: self.ended,
                     handshakes_refused: self.refused,
                     tls_refused: self.tls_refused,
+                    auth_failed: self.auth_failed,
                 });
             }
             CoreCmd::Close { reply } => {
@@ -1375,5 +1559,26 @@ impl Core {
                 self.closing.get_or_insert_with(Vec::new).push(reply);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_listener_beyond_loopback_without_a_secret_is_warned_about() {
+        let open: SocketAddr = "0.0.0.0:8300".parse().unwrap();
+        let w = exposure_warning(open, false).expect("a warning");
+        assert!(
+            w.contains("0.0.0.0:8300") && w.contains("KVBRIDGE_SECRET"),
+            "{w}"
+        );
+        assert_eq!(exposure_warning(open, true), None);
+        assert_eq!(
+            exposure_warning("127.0.0.1:1".parse().unwrap(), false),
+            None
+        );
+        assert_eq!(exposure_warning("[::1]:1".parse().unwrap(), false), None);
     }
 }

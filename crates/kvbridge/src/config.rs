@@ -57,10 +57,18 @@ pub struct Limits {
     /// Most sessions handshaking with this listener at once; more are refused with
     /// `LimitExceeded` (a flood of half-open peers cannot exhaust the listener).
     pub max_concurrent_handshakes: usize,
+    /// Most sessions handshaking at once that came from one source address: one host
+    /// cannot take every handshake slot and lock the others out. More are refused with
+    /// `LimitExceeded`, like those past `max_concurrent_handshakes`.
+    pub max_handshakes_per_source: usize,
     /// Most accepted connections that have not sent their first frame yet; more are closed
-    /// at once (each waits up to `first_frame` and may announce a body of `max_frame_len`,
-    /// before any authentication).
+    /// at once (each waits up to `first_frame` and may announce a body of
+    /// `max_first_frame_len`, before any authentication).
     pub max_unidentified_connections: usize,
+    /// Largest first frame of a connection (`Hello`, `DataHello`, on TCP or the unix
+    /// socket): they never need more than a few KiB, and they arrive before any
+    /// authentication. A larger one is refused with `LimitExceeded`.
+    pub max_first_frame_len: u32,
     /// Most payload bytes of write and read batches in flight with one peer, each way
     /// (docs/protocol.md, *Bytes in flight*). Our own batches wait for room (in order,
     /// within the op deadline; one larger than this fails at once with `InvalidOp`); a
@@ -77,7 +85,9 @@ impl Default for Limits {
             max_batch_bytes: 16 << 30,
             max_notify_len: 1 << 20,
             max_concurrent_handshakes: 256,
+            max_handshakes_per_source: 64,
             max_unidentified_connections: 512,
+            max_first_frame_len: MAX_FIRST_FRAME_LEN,
             max_bytes_in_flight_per_peer: 64 << 30,
         }
     }
@@ -170,7 +180,10 @@ impl std::fmt::Display for Pem {
 /// TLS (1.3, rustls with the ring provider) on the control connection. With it set, a
 /// listener accepts control connections only over TLS and an initiator dials only over TLS.
 /// The data connection and shared memory are not covered (docs/protocol.md, *TLS*):
-/// TLS protects the handshake, the session token, region lists and notifications.
+/// TLS protects the handshake and region lists. The session token is not among them: it
+/// travels in the clear on every data connection, and with a secret each data connection
+/// is bound by a challenge under a session key instead (docs/protocol.md,
+/// *Authentication*).
 ///
 /// TLS authenticates the listener to the initiator; the initiator is authenticated to the
 /// listener by the shared secret ([`ChannelConfig::secret`]).
@@ -286,6 +299,10 @@ impl ChannelConfig {
         }
     }
 }
+
+/// Default [`Limits::max_first_frame_len`] (8 KiB): a `Hello` with the longest peer id and
+/// compat description fits in about 4.5 KiB.
+pub const MAX_FIRST_FRAME_LEN: u32 = 8 << 10;
 
 /// TCP data connections per session unless configured: two streams moved 256 KiB-4 MiB
 /// blocks 1.2-1.3x faster than one on loopback (docs/architecture.md), for two more threads

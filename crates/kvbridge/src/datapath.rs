@@ -960,22 +960,41 @@ fn try_shm(
 
 /// The writer task: sends queued frames and payloads until `Shutdown` or a socket error.
 /// Batches whose regions the peer mapped for us (`shm`) are copied here instead, in order
-/// with the frames.
+/// with the frames. Each payload (a write batch, a read response) must be on the wire
+/// within `limit` (the op deadline): a peer that stops reading ends the session with
+/// `Timeout` instead of holding the writer and the regions it sends from.
 pub(crate) async fn run_writer(
     path: Arc<DataPath>,
     shm: Option<Arc<ShmPeer>>,
     mut w: WriteHalf,
     mut rx: WriterRx,
+    limit: Duration,
 ) -> Result<()> {
     let peer = path.peer.clone();
-    let lost = |step, e: std::io::Error| Error::lost(peer.as_str(), step, e);
+    let lost = |step, e: std::io::Error| {
+        // WouldBlock: SO_SNDTIMEO expired on a blocking socket.
+        if matches!(
+            e.kind(),
+            std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
+        ) {
+            Error::Timeout {
+                peer: peer.to_string(),
+                step,
+                after: limit,
+            }
+        } else {
+            Error::lost(peer.as_str(), step, e)
+        }
+    };
     // The turn is held until the item is on the wire (see `writer_queue`).
     while let Some((o, turn)) = rx.recv().await {
         if let Some(tail) = turn.tail() {
-            w.write_all(&tail)
-                .await
-                .map_err(|e| lost(Step::Notify, e))?;
-            w.flush().await.map_err(|e| lost(Step::Notify, e))?;
+            within(limit, async {
+                w.write_all(&tail).await?;
+                w.flush().await
+            })
+            .await
+            .map_err(|e| lost(Step::Notify, e))?;
         }
         match o {
             Outgoing::Write { id, descs, sources } => {
@@ -990,7 +1009,7 @@ pub(crate) async fn run_writer(
                 let mut slices = Vec::with_capacity(sources.len() + 1);
                 slices.push(IoSlice::new(&frame));
                 slices.extend(sources.iter().map(LocalSlice::as_io));
-                write_all_vectored(&mut w, &mut slices)
+                write_all_vectored(&mut w, &mut slices, limit)
                     .await
                     .map_err(|e| lost(Step::Write, e))?;
             }
@@ -1000,14 +1019,19 @@ pub(crate) async fn run_writer(
                 else {
                     continue;
                 };
-                write_msg(&mut w, &Message::ReadBatch(Batch { id, ops: descs }))
-                    .await
-                    .map_err(|e| lost(Step::Read, e))?;
+                within(
+                    limit,
+                    write_msg(&mut w, &Message::ReadBatch(Batch { id, ops: descs })),
+                )
+                .await
+                .map_err(|e| lost(Step::Read, e))?;
             }
-            Outgoing::Frame(f) => {
-                w.write_all(&f).await.map_err(|e| lost(Step::Notify, e))?;
-                w.flush().await.map_err(|e| lost(Step::Notify, e))?;
-            }
+            Outgoing::Frame(f) => within(limit, async {
+                w.write_all(&f).await?;
+                w.flush().await
+            })
+            .await
+            .map_err(|e| lost(Step::Notify, e))?,
             Outgoing::Wake => {}
             Outgoing::ReadResp { id, result } => match result {
                 Ok(sources) => {
@@ -1017,18 +1041,21 @@ pub(crate) async fn run_writer(
                     let mut slices = Vec::with_capacity(sources.len() + 1);
                     slices.push(IoSlice::new(&frame));
                     slices.extend(sources.iter().map(LocalSlice::as_io));
-                    write_all_vectored(&mut w, &mut slices)
+                    write_all_vectored(&mut w, &mut slices, limit)
                         .await
                         .map_err(|e| lost(Step::Read, e))?;
                     drop(slices);
                     path.release_incoming(sources.iter().map(|s| s.len as u64).sum());
                 }
-                Err(reject) => write_msg(
-                    &mut w,
-                    &Message::ReadResp(Ack {
-                        id,
-                        error: Some(reject),
-                    }),
+                Err(reject) => within(
+                    limit,
+                    write_msg(
+                        &mut w,
+                        &Message::ReadResp(Ack {
+                            id,
+                            error: Some(reject),
+                        }),
+                    ),
                 )
                 .await
                 .map_err(|e| lost(Step::Read, e))?,
@@ -1037,6 +1064,17 @@ pub(crate) async fn run_writer(
         }
     }
     Ok(())
+}
+
+/// A frame write bounded by `limit` (on a blocking socket `SO_SNDTIMEO` bounds each call).
+async fn within(
+    limit: Duration,
+    write: impl std::future::Future<Output = std::io::Result<()>>,
+) -> std::io::Result<()> {
+    match tokio::time::timeout(limit, write).await {
+        Ok(r) => r,
+        Err(_) => Err(std::io::ErrorKind::TimedOut.into()),
+    }
 }
 
 /// Everything the reader task needs.
@@ -1070,7 +1108,11 @@ impl ReaderCtx {
     }
 
     fn payload_error(&self, step: Step, e: std::io::Error) -> Error {
-        if e.kind() == std::io::ErrorKind::TimedOut {
+        // WouldBlock: SO_SNDTIMEO expired on a blocking socket.
+        if matches!(
+            e.kind(),
+            std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
+        ) {
             Error::Timeout {
                 peer: self.path.peer.to_string(),
                 step,

@@ -34,6 +34,7 @@ mod error;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod net;
+mod refusals;
 mod region;
 mod session;
 mod shm;

@@ -180,6 +180,18 @@ impl Stream {
     }
 }
 
+impl WriteHalf {
+    /// Bounds each blocking system call on this half (`SO_SNDTIMEO`): a peer that stops
+    /// reading cannot block the writing thread past `limit`. A no-op for non-blocking
+    /// halves, which callers bound with timers.
+    pub fn set_stall_timeout(&self, limit: Option<std::time::Duration>) -> io::Result<()> {
+        match self {
+            WriteHalf::Blocking(w) => w.set_write_timeout(limit),
+            _ => Ok(()),
+        }
+    }
+}
+
 impl ReadHalf {
     /// Bounds each blocking system call on this half (`SO_RCVTIMEO`); `None` removes the
     /// bound. A no-op for non-blocking halves, which callers bound with timers.

@@ -41,6 +41,11 @@ pub(crate) enum SessionCmd {
     /// (Listener) A data connection that presented this session's token, with its stream
     /// index (`DataHello::stream`).
     DataConn(Stream, PeerId, u32),
+    /// (Listener) A data connection answered its challenge under the session's key: it
+    /// may be bound as stream `u32` (unless that stream was bound meanwhile).
+    DataProven(Stream, u32),
+    /// (Listener) A data connection did not answer its challenge (it was refused).
+    DataUnproven,
     /// A newer session of the same peer took over; fail with this error.
     Replace(Error),
     /// A batch passed its deadline; tear down with this error.
@@ -125,6 +130,22 @@ impl Machine {
         match self {
             Machine::Init(_) => true,
             Machine::Listen(m) => m.may_bind(),
+        }
+    }
+    /// (Listener) The session's data-connection key, once the peer proved itself, when
+    /// data connections must answer a challenge (a secret is set).
+    fn data_key(&self) -> Option<kvbridge_proto::auth::DataKey> {
+        match self {
+            Machine::Init(_) => None,
+            Machine::Listen(m) => m.data_key().cloned(),
+        }
+    }
+    /// (Listener) The most data connections the peer may open.
+    fn data_connection_cap(&self) -> u32 {
+        let max = crate::config::MAX_DATA_CONNECTIONS as u32;
+        match self {
+            Machine::Init(_) => max,
+            Machine::Listen(m) => m.declared_data_connections().unwrap_or(max).min(max),
         }
     }
     fn step(&self) -> Step {
@@ -258,6 +279,13 @@ struct Session {
     /// (Listener) Extra data connections of a striped session (stream index ≥ 1), parked
     /// until connection 0 is bound.
     parked_extra: Vec<(u32, Stream)>,
+    /// (Listener, with a secret) Data connections waiting for the peer's proof before they
+    /// are challenged: (stream index, connection).
+    unproven: Vec<(u32, Stream)>,
+    /// (Listener, with a secret) Challenges under way on data connections.
+    proving: Vec<JoinHandle<()>>,
+    /// (Listener) The session's token.
+    token: Option<SessionToken>,
     data_connect: Option<JoinHandle<std::io::Result<Vec<Stream>>>>,
     remote: Arc<RwLock<HashMap<RegionId, RegionInfo>>>,
     established: bool,
@@ -398,11 +426,17 @@ pub(crate) async fn run_initiator(
         },
         None => stream,
     };
-    let machine = Machine::Init(Initiator::new(
+    // Declared in the Hello: the listener refuses any data connection beyond them.
+    let streams = env
+        .config
+        .data_connections
+        .clamp(1, crate::config::MAX_DATA_CONNECTIONS) as u32;
+    let machine = Machine::Init(Initiator::declaring(
         env.local.clone(),
         d.handshake_step,
         std_now(),
         challenge(),
+        streams,
     ));
     Session::start(
         env,
@@ -447,7 +481,7 @@ pub(crate) async fn run_listener(
         challenge(),
         env.shm_offer.clone(),
     ));
-    Session::start(
+    let mut session = Session::start(
         env,
         id,
         None,
@@ -458,9 +492,9 @@ pub(crate) async fn run_listener(
         stream,
         cmds,
         cmd_tx,
-    )
-    .run()
-    .await;
+    );
+    session.token = Some(token);
+    session.run().await;
 }
 
 impl Session {
@@ -502,6 +536,9 @@ impl Session {
             pending_bind: None,
             parked_data: None,
             parked_extra: Vec::new(),
+            unproven: Vec::new(),
+            proving: Vec::new(),
+            token: None,
             data_connect: None,
             remote: Arc::new(RwLock::new(HashMap::new())),
             established: false,
@@ -522,6 +559,14 @@ impl Session {
         loop {
             if let Some(e) = self.process_outputs().await {
                 return e;
+            }
+            if !self.unproven.is_empty() {
+                if let Some(key) = self.machine.data_key() {
+                    for (stream, s) in std::mem::take(&mut self.unproven) {
+                        self.challenge(&key, stream, s);
+                    }
+                    continue;
+                }
             }
             if self.parked_data.is_some() && self.machine.may_bind() {
                 let s = self.parked_data.take().expect("checked");
@@ -558,10 +603,37 @@ impl Session {
                     }
                 }
                 c = self.cmds.recv() => match c {
+                    Some(SessionCmd::DataConn(s, peer, stream)) if self.env.local.secret.is_some() => {
+                        // Bound only once it answers a fresh challenge under the session's
+                        // key: its token alone (seen in the clear) proves nothing.
+                        if stream >= self.machine.data_connection_cap() || Some(&peer) != self.peer_id.as_ref() {
+                            tokio::spawn(refuse(s, ErrorCode::UnknownSession, "data connection does not match this session"));
+                        } else if self.unproven.len() + self.proving.len() >= 2 * crate::config::MAX_DATA_CONNECTIONS {
+                            tokio::spawn(refuse(s, ErrorCode::LimitExceeded, "too many data connections being checked"));
+                        } else if let Some(key) = self.machine.data_key() {
+                            self.challenge(&key, stream, s);
+                        } else {
+                            self.unproven.push((stream, s));
+                        }
+                    }
+                    Some(SessionCmd::DataUnproven) => self.proving.retain(|h| !h.is_finished()),
+                    Some(SessionCmd::DataProven(s, stream)) => {
+                        self.proving.retain(|h| !h.is_finished());
+                        let bound = self.data.as_ref().is_some_and(|d| d.conns.iter().any(|c| c.stream == stream))
+                            || (stream == 0 && (self.data.is_some() || self.pending_bind.is_some() || self.parked_data.is_some()))
+                            || self.parked_extra.iter().any(|(i, _)| *i == stream);
+                        if bound {
+                            tokio::spawn(refuse(s, ErrorCode::UnknownSession, "this data connection's stream is already bound"));
+                        } else if stream == 0 {
+                            self.parked_data = Some(s);
+                        } else {
+                            self.parked_extra.push((stream, s));
+                        }
+                    }
                     Some(SessionCmd::DataConn(s, peer, stream)) if stream > 0 => {
                         let known = self.parked_extra.iter().any(|(i, _)| *i == stream)
                             || self.data.as_ref().is_some_and(|d| d.conns.iter().any(|c| c.stream == stream));
-                        if known || stream as usize >= crate::config::MAX_DATA_CONNECTIONS || Some(&peer) != self.peer_id.as_ref() {
+                        if known || stream >= self.machine.data_connection_cap() || Some(&peer) != self.peer_id.as_ref() {
                             tokio::spawn(refuse(s, ErrorCode::UnknownSession, "data connection does not match this session"));
                         } else {
                             self.parked_extra.push((stream, s));
@@ -704,6 +776,7 @@ impl Session {
                     incarnation,
                     shm,
                     unacked_notify,
+                    data_key,
                 } => {
                     self.peer_incarnation = Some(incarnation);
                     self.peer_unacked_notify = unacked_notify;
@@ -717,6 +790,7 @@ impl Session {
                     let net = self.env.config.net;
                     let addr = self.addr.clone().unwrap_or_default();
                     let limit = self.env.config.deadlines.connect;
+                    let step = self.env.config.deadlines.handshake_step;
                     let me = self.env.local.peer_id.clone();
                     // Shared memory carries the data itself: no striping beside it.
                     let n = if self.shm.peer.is_some() {
@@ -741,6 +815,35 @@ impl Session {
                                 stream,
                             });
                             write_msg(&mut s, &hello).await?;
+                            if let Some(key) = &data_key {
+                                // The listener binds it only once we answer its challenge.
+                                let nonce = tokio::time::timeout(step, async {
+                                    let mut buf = Vec::new();
+                                    match read_frame(&mut s, 1024, &mut buf).await {
+                                        Ok(Message::DataChallenge(c)) => Ok(c.nonce.0),
+                                        Ok(Message::Reject(r)) => Err(std::io::Error::new(
+                                            std::io::ErrorKind::PermissionDenied,
+                                            format!(
+                                                "data connection {stream} refused: {}: {}",
+                                                r.code, r.message
+                                            ),
+                                        )),
+                                        Ok(m) => Err(std::io::Error::new(
+                                            std::io::ErrorKind::InvalidData,
+                                            format!("{} instead of DataChallenge", m.name()),
+                                        )),
+                                        Err(e) => Err(std::io::Error::other(e.to_string())),
+                                    }
+                                })
+                                .await
+                                .map_err(|_| {
+                                    std::io::Error::from(std::io::ErrorKind::TimedOut)
+                                })??;
+                                let proof = Message::DataProof(kvbridge_proto::msg::DataProof {
+                                    response: Blob(key.prove(&nonce, &token, stream)),
+                                });
+                                write_msg(&mut s, &proof).await?;
+                            }
                             all.push(s);
                         }
                         Ok(all)
@@ -767,6 +870,53 @@ impl Session {
             }
         }
         None
+    }
+
+    /// (Listener) Challenges data connection `stream` to prove, under the session's key,
+    /// that it belongs to this session; it comes back as `DataProven` (or is refused with
+    /// `Unauthenticated`, and comes back as `DataUnproven`), within a handshake step.
+    fn challenge(&mut self, key: &kvbridge_proto::auth::DataKey, stream: u32, mut s: Stream) {
+        let key = key.clone();
+        let token = self.token.expect("a listener session has a token");
+        let tx = self.cmd_tx.clone();
+        let limit = self.env.config.deadlines.handshake_step;
+        let peer = self.peer_name.clone();
+        self.proving.push(tokio::spawn(async move {
+            let nonce = challenge();
+            let exchange = async {
+                let c = Message::DataChallenge(kvbridge_proto::msg::DataChallenge {
+                    nonce: Blob(nonce.to_vec()),
+                });
+                write_msg(&mut s, &c).await.map_err(|e| e.to_string())?;
+                let mut buf = Vec::new();
+                match read_frame(&mut s, 1024, &mut buf).await {
+                    Ok(Message::DataProof(p)) => Ok(p.response.0),
+                    Ok(m) => Err(format!("{} instead of DataProof", m.name())),
+                    Err(e) => Err(e.to_string()),
+                }
+            };
+            let answer = match tokio::time::timeout(limit, exchange).await {
+                Ok(r) => r,
+                Err(_) => Err(format!("no DataProof within {limit:?}")),
+            };
+            match answer {
+                Ok(proof) if key.verify(&nonce, &token, stream, &proof) => {
+                    let _ = tx.send(SessionCmd::DataProven(s, stream));
+                }
+                Ok(_) => {
+                    if let Some(suppressed) = crate::refusals::AUTH_FAILED.allow() {
+                        tracing::warn!(%peer, stream, suppressed, "a data connection's proof does not check out; refused");
+                    }
+                    refuse(s, ErrorCode::Unauthenticated, "the data connection's proof does not check out").await;
+                    let _ = tx.send(SessionCmd::DataUnproven);
+                }
+                Err(why) => {
+                    tracing::debug!(%peer, stream, %why, "data connection not proven; refused");
+                    refuse(s, ErrorCode::Unauthenticated, &why).await;
+                    let _ = tx.send(SessionCmd::DataUnproven);
+                }
+            }
+        }));
     }
 
     /// Binds now, or after a test hook's delay (while control messages keep being served,
@@ -862,11 +1012,13 @@ impl Session {
             (_, Some((r, w, sock))) => {
                 // Small frames may skip the writer thread (see `writer_queue`).
                 out_rx.open_lane(sock.try_clone()?);
+                // No blocking write outlives the op deadline (`run_writer`).
+                w.set_stall_timeout(Some(self.env.config.deadlines.op))?;
                 let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
                 let writer = spawn_data_thread(
                     "kvb-data-tx",
                     stop_rx.clone(),
-                    run_writer(path.clone(), shm, w, out_rx),
+                    run_writer(path.clone(), shm, w, out_rx, self.env.config.deadlines.op),
                 );
                 let reader = spawn_data_thread("kvb-data-rx", stop_rx, run_reader(r, ctx));
                 DataConn {
@@ -884,7 +1036,13 @@ impl Session {
                 let (r, w) = s.into_split();
                 DataConn {
                     stream,
-                    writer: tokio::spawn(run_writer(path.clone(), shm, w, out_rx)),
+                    writer: tokio::spawn(run_writer(
+                        path.clone(),
+                        shm,
+                        w,
+                        out_rx,
+                        self.env.config.deadlines.op,
+                    )),
                     reader: tokio::spawn(run_reader(r, ctx)),
                     out,
                     threads: None,
@@ -1029,12 +1187,20 @@ impl Session {
         let mut late: Vec<Stream> = Vec::new();
         while let Ok(c) = self.cmds.try_recv() {
             match c {
-                SessionCmd::DataConn(s, _, _) => late.push(s),
+                SessionCmd::DataConn(s, _, _) | SessionCmd::DataProven(s, _) => late.push(s),
                 // Never bound: nothing of ours was mapped through it.
                 SessionCmd::ShmConn(s, _) => drop(s),
                 _ => {}
             }
         }
+        for h in self.proving.drain(..) {
+            h.abort();
+        }
+        late.extend(
+            std::mem::take(&mut self.unproven)
+                .into_iter()
+                .map(|(_, s)| s),
+        );
         late.extend(self.parked_data.take());
         late.extend(
             std::mem::take(&mut self.parked_extra)
@@ -1132,7 +1298,8 @@ impl Session {
         let r = s.clone();
         let max = self.env.config.limits.max_frame_len;
         self.shm.reader = Some(tokio::spawn(async move {
-            let mut fr = FdReader::new(max);
+            // The initiator passes no descriptor.
+            let mut fr = FdReader::new(max, 0);
             loop {
                 let m = fr.next(&r).await;
                 let stop = !matches!(m, Ok(Some(_)));
@@ -1466,7 +1633,8 @@ async fn initiator_shm(
     synced: tokio::sync::watch::Sender<bool>,
     cma: Option<CmaAsk>,
 ) -> std::io::Result<()> {
-    let mut fr = FdReader::new(max);
+    // One descriptor per `ShmMap`, none with anything else.
+    let mut fr = FdReader::new(max, 1);
     // With `cma`, the first `ShmSync` (the listener bound this connection to the session:
     // a frame sent before that could be read by its acceptor and lost) is answered with
     // `CmaAsk`, and the probe must be answered before a `ShmSync` is the last word: the

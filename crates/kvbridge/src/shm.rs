@@ -57,8 +57,11 @@
 //! Threat model: shared memory is offered only to peers on the same host and used only
 //! after they authenticated (when a secret is configured). A peer that maps a region can
 //! write anywhere in it at any time; what is protected is memory the owner no longer grants
-//! (it is detached) and the owner's process (sizes and seals are checked before a mapping
-//! is trusted, so a listener cannot make the initiator fault).
+//! (it is detached) and the owner's process: before a mapping is trusted its file must be
+//! shared memory (tmpfs: a hole punched in it later reads as zeros, no fault), long enough,
+//! sealed against shrinking and growing, and allocated (so populating it allocates nothing
+//! in the initiator); the unix socket takes connections of our own user only, a bounded
+//! number of them, and no descriptor a frame may not carry.
 
 use crate::cma::{CmaCopy, CmaStatus, CopyError, DirectCopy, MemCopy, Piece};
 use crate::datapath::LocalSlice;
@@ -244,24 +247,70 @@ fn sendmsg(sock: RawFd, data: &[u8], fd: Option<RawFd>) -> io::Result<usize> {
     Ok(n as usize)
 }
 
+/// Most descriptors one `recvmsg` accepts; the kernel closes any beyond them, and the read
+/// fails (a correct peer sends one per frame).
+const FDS_PER_READ: usize = 4;
+
 /// Reads frames and the descriptors that travel with them off a unix socket.
+///
+/// Each descriptor belongs to the frame whose bytes arrived with it. A frame hands out at
+/// most `max_fds` of its own ([`FdReader::take_fd`]); the others, and any left untaken,
+/// are closed when the next frame is read. More than `max_fds` + [`FDS_PER_READ`] waiting
+/// at once is an error: a peer cannot make us hold descriptors it passes.
 pub(crate) struct FdReader {
     buf: Vec<u8>,
-    fds: VecDeque<OwnedFd>,
+    /// Descriptors received, with the stream offset of the first byte read with each.
+    fds: VecDeque<(u64, OwnedFd)>,
+    /// The frame last returned's descriptors.
+    frame_fds: VecDeque<OwnedFd>,
+    /// Stream offset of `buf[0]`.
+    consumed: u64,
     max_body: u32,
+    max_fds: usize,
 }
 
 impl FdReader {
-    pub(crate) fn new(max_body: u32) -> Self {
+    /// A reader of frames of up to `max_body` bytes, each carrying at most `max_fds`
+    /// descriptors (0: a descriptor is an error).
+    pub(crate) fn new(max_body: u32, max_fds: usize) -> Self {
         Self {
             buf: Vec::new(),
             fds: VecDeque::new(),
+            frame_fds: VecDeque::new(),
+            consumed: 0,
             max_body,
+            max_fds,
         }
+    }
+
+    /// Hands the descriptors that arrived with the stream's bytes before `end` to the frame
+    /// that ends there (closing those over the limit).
+    fn close_frame(&mut self, end: u64) -> io::Result<()> {
+        self.frame_fds.clear();
+        while self.fds.front().is_some_and(|(at, _)| *at < end) {
+            let (_, fd) = self.fds.pop_front().expect("checked");
+            self.frame_fds.push_back(fd);
+        }
+        if self.frame_fds.len() > self.max_fds {
+            self.frame_fds.clear();
+            if self.max_fds == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "a descriptor where none is expected",
+                ));
+            }
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("more than {} descriptors with one frame", self.max_fds),
+            ));
+        }
+        Ok(())
     }
 
     /// The next frame; `Ok(None)` on a clean end of stream.
     pub(crate) async fn next(&mut self, s: &UnixStream) -> io::Result<Option<Message>> {
+        // What the previous frame did not take is closed now.
+        self.frame_fds.clear();
         loop {
             if self.buf.len() >= FRAME_HEADER_LEN {
                 let h: [u8; FRAME_HEADER_LEN] = self.buf[..FRAME_HEADER_LEN]
@@ -274,14 +323,32 @@ impl FdReader {
                     let m = Message::decode(&self.buf[FRAME_HEADER_LEN..end])
                         .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
                     self.buf.drain(..end);
+                    self.consumed += end as u64;
+                    self.close_frame(self.consumed)?;
                     return Ok(Some(m));
                 }
             }
+            if self.fds.len() > self.max_fds + FDS_PER_READ {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("{} descriptors waiting for their frames", self.fds.len()),
+                ));
+            }
             s.readable().await?;
             let mut chunk = [0u8; 4096];
+            let at = self.consumed + self.buf.len() as u64;
+            let mut got = Vec::new();
             let r = s.try_io(Interest::READABLE, || {
-                recvmsg(s.as_raw_fd(), &mut chunk, &mut self.fds)
+                recvmsg(s.as_raw_fd(), &mut chunk, &mut got)
             });
+            self.fds.extend(got.into_iter().map(|fd| (at, fd)));
+            if self.max_fds == 0 && !self.fds.is_empty() {
+                self.fds.clear();
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "a descriptor where none is expected",
+                ));
+            }
             match r {
                 Ok(0) if self.buf.is_empty() => return Ok(None),
                 Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
@@ -292,18 +359,25 @@ impl FdReader {
         }
     }
 
-    /// The descriptor that came with the last `ShmMap`.
+    /// The (first) descriptor that came with the frame last returned.
     pub(crate) fn take_fd(&mut self) -> Option<OwnedFd> {
-        self.fds.pop_front()
+        self.frame_fds.pop_front()
     }
 }
 
-fn recvmsg(sock: RawFd, data: &mut [u8], fds: &mut VecDeque<OwnedFd>) -> io::Result<usize> {
+fn recvmsg(sock: RawFd, data: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Result<usize> {
     let mut iov = libc::iovec {
         iov_base: data.as_mut_ptr().cast(),
         iov_len: data.len(),
     };
-    let mut cbuf = [0u64; 32];
+    // Room for FDS_PER_READ descriptors (CMSG_SPACE(16) = 32 bytes); the kernel closes any
+    // beyond that and sets MSG_CTRUNC.
+    let mut cbuf = [0u64; 4];
+    debug_assert!(
+        // SAFETY: CMSG_SPACE of a constant.
+        unsafe { libc::CMSG_SPACE((FDS_PER_READ * std::mem::size_of::<RawFd>()) as u32) } as usize
+            <= std::mem::size_of_val(&cbuf)
+    );
     // SAFETY: an all-zero msghdr is valid.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
@@ -326,7 +400,7 @@ fn recvmsg(sock: RawFd, data: &mut [u8], fds: &mut VecDeque<OwnedFd>) -> io::Res
                 for i in 0..bytes / std::mem::size_of::<RawFd>() {
                     let fd = std::ptr::read_unaligned(data.cast::<RawFd>().add(i));
                     // The descriptor is ours now.
-                    fds.push_back(OwnedFd::from_raw_fd(fd));
+                    fds.push(OwnedFd::from_raw_fd(fd));
                 }
             }
             c = libc::CMSG_NXTHDR(&msg, c);
@@ -362,8 +436,9 @@ impl Drop for Mapping {
 }
 
 impl Mapping {
-    /// Maps `len` bytes of a peer's memfd, after checking that it is at least that long and
-    /// sealed against shrinking (a shrunk file would make our copies fault).
+    /// Maps `len` bytes of a peer's memfd, after checking that it is shared memory (tmpfs),
+    /// at least that long, sealed against shrinking and growing (a shrunk file would make
+    /// our copies fault), and allocated (populating a sparse file would allocate it here).
     pub(crate) fn map(fd: &OwnedFd, len: u64) -> io::Result<Mapping> {
         let len = usize::try_from(len)
             .ok()
@@ -381,12 +456,43 @@ impl Mapping {
                 format!("memfd of {} bytes for a region of {len}", st.st_size),
             ));
         }
-        // SAFETY: fd is open; F_GET_SEALS has no other argument.
-        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
-        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+        // Shared memory (tmpfs), not hugetlbfs or a file: a hole punched in it reads as
+        // zeros instead of faulting (a hugetlb page that cannot be had is a SIGBUS).
+        // SAFETY: an all-zero statfs is valid; fd is open.
+        let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+        // SAFETY: fs is a valid out-parameter.
+        if unsafe { libc::fstatfs(fd.as_raw_fd(), &mut fs) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if fs.f_type != libc::TMPFS_MAGIC {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
-                "the peer's memfd is not sealed against shrinking",
+                format!(
+                    "the peer's descriptor is not shared memory (file system {:#x})",
+                    fs.f_type
+                ),
+            ));
+        }
+        // SAFETY: fd is open; F_GET_SEALS has no other argument.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        let needed = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+        if seals < 0 || seals & needed != needed {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "the peer's memfd is not sealed against shrinking and growing",
+            ));
+        }
+        // A kvbridge region's pages are all allocated by its owner (it touches every page).
+        // Populating a sparse file would allocate its holes here, charged to us: a peer
+        // could announce any size and have this process killed for memory.
+        let allocated = (st.st_blocks as u64).saturating_mul(512);
+        if allocated < len as u64 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "the peer's memfd has {allocated} bytes allocated for a region of {len}: \
+                     not mapping a sparse file"
+                ),
             ));
         }
         // Populate now: the first copy into the region must not pay for page faults.
@@ -698,6 +804,146 @@ mod tests {
                 len: len as usize,
             },
         )
+    }
+
+    fn open_fds() -> usize {
+        std::fs::read_dir("/proc/self/fd").unwrap().count()
+    }
+
+    /// A sealed memfd whose pages were never allocated (a hostile listener announcing a
+    /// huge region) is refused before it is mapped: populating it would allocate all of
+    /// it in this process.
+    #[test]
+    fn a_sparse_memfd_is_not_mapped() {
+        let len = 256usize << 20;
+        let fd = memfd(len).unwrap();
+        let e = Mapping::map(&fd, len as u64)
+            .err()
+            .expect("a sparse memfd was mapped");
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+        assert!(e.to_string().contains("sparse"), "{e}");
+        // An allocated one of the same kind maps (what a kvbridge listener passes).
+        let len = 1usize << 20;
+        let fd = memfd(len).unwrap();
+        // SAFETY: fd is open; the range is the file's.
+        assert_eq!(
+            unsafe { libc::fallocate(fd.as_raw_fd(), 0, 0, len as i64) },
+            0
+        );
+        Mapping::map(&fd, len as u64).unwrap();
+    }
+
+    /// A descriptor that is not shared memory (a file, a pipe) is refused.
+    #[test]
+    fn a_descriptor_that_is_not_shared_memory_is_not_mapped() {
+        let f = std::fs::File::open("/proc/self/exe").unwrap();
+        let fd = OwnedFd::from(f);
+        let e = Mapping::map(&fd, 4096).err().expect("a file was mapped");
+        assert!(e.to_string().contains("not shared memory"), "{e}");
+    }
+
+    /// Descriptors a frame may not carry are closed, not kept: with none allowed the first
+    /// one ends the read; with one allowed, extra ones and those sent with other frames
+    /// are closed, and the one sent with the frame is handed out.
+    #[tokio::test]
+    async fn descriptors_beyond_a_frames_share_are_closed() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let null = std::fs::File::open("/dev/null").unwrap();
+        let base = open_fds();
+        // Three descriptors with a whole frame, none allowed.
+        let frame = Message::ShmSync(kvbridge_proto::msg::Ready {})
+            .to_frame()
+            .unwrap();
+        send_fds(&a, &frame, &[null.as_raw_fd(); 3]);
+        let mut fr = FdReader::new(1 << 12, 0);
+        let e = fr.next(&b).await.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{e}");
+        drop(fr);
+        drop((a, b));
+        assert!(open_fds() <= base, "{} descriptors kept", open_fds() - base);
+
+        // A frame's bytes trickling in, each piece with descriptors: the waiting ones are
+        // bounded before the frame is even complete.
+        let (a, b) = UnixStream::pair().unwrap();
+        for _ in 0..5 {
+            send_fds(&a, &frame[..1], &[null.as_raw_fd(); 3]);
+        }
+        let mut fr = FdReader::new(1 << 12, 1);
+        let e = tokio::time::timeout(std::time::Duration::from_secs(5), fr.next(&b))
+            .await
+            .expect("descriptors kept while waiting for the frame")
+            .unwrap_err();
+        assert!(e.to_string().contains("waiting"), "{e}");
+        drop(fr);
+        drop((a, b));
+        assert!(open_fds() <= base, "{} descriptors kept", open_fds() - base);
+
+        let (a, b) = UnixStream::pair().unwrap();
+        let base = open_fds();
+        let map = Message::ShmMap(ShmRegion {
+            id: RegionId([1; 16]),
+            len: 4096,
+            addr: None,
+        })
+        .to_frame()
+        .unwrap();
+        // A ShmMap with one descriptor, then a ShmSync with one it may not carry.
+        send_fds(&a, &map, &[null.as_raw_fd()]);
+        send_fds(&a, &frame, &[null.as_raw_fd()]);
+        let mut fr = FdReader::new(1 << 12, 1);
+        assert!(matches!(
+            fr.next(&b).await.unwrap(),
+            Some(Message::ShmMap(_))
+        ));
+        let fd = fr.take_fd().expect("the ShmMap's descriptor");
+        assert!(fr.take_fd().is_none());
+        assert!(matches!(
+            fr.next(&b).await.unwrap(),
+            Some(Message::ShmSync(_))
+        ));
+        // Still held until the next frame is read; not handed out as a ShmMap's.
+        drop(fd);
+        drop(a);
+        assert!(fr.next(&b).await.unwrap().is_none());
+        assert!(open_fds() <= base, "{} descriptors kept", open_fds() - base);
+
+        // A ShmMap with two descriptors: refused, both closed.
+        let (a, b) = UnixStream::pair().unwrap();
+        send_fds(&a, &map, &[null.as_raw_fd(); 2]);
+        let mut fr = FdReader::new(1 << 12, 1);
+        let e = fr.next(&b).await.unwrap_err();
+        assert!(e.to_string().contains("more than 1"), "{e}");
+        assert!(fr.take_fd().is_none());
+        drop((fr, a, b));
+        assert!(open_fds() <= base, "{} descriptors kept", open_fds() - base);
+    }
+
+    /// Sends `data` with `fds` attached, blocking.
+    fn send_fds(s: &UnixStream, data: &[u8], fds: &[RawFd]) {
+        let mut iov = libc::iovec {
+            iov_base: data.as_ptr() as *mut libc::c_void,
+            iov_len: data.len(),
+        };
+        let mut cbuf = [0u64; 16];
+        // SAFETY: an all-zero msghdr is valid.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        let bytes = std::mem::size_of_val(fds);
+        msg.msg_control = cbuf.as_mut_ptr().cast();
+        // SAFETY: CMSG_SPACE of a small length.
+        msg.msg_controllen = unsafe { libc::CMSG_SPACE(bytes as u32) } as usize;
+        // SAFETY: the control buffer holds one cmsghdr with `bytes` of data.
+        unsafe {
+            let c = libc::CMSG_FIRSTHDR(&msg);
+            (*c).cmsg_level = libc::SOL_SOCKET;
+            (*c).cmsg_type = libc::SCM_RIGHTS;
+            (*c).cmsg_len = libc::CMSG_LEN(bytes as u32) as usize;
+            std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(c).cast(), fds.len());
+        }
+        // SAFETY: msg points at valid buffers for the call.
+        let n = unsafe { libc::sendmsg(s.as_raw_fd(), &msg, 0) };
+        assert_eq!(n, data.len() as isize, "{}", io::Error::last_os_error());
     }
 
     /// A region reached by cross-memory attach is checked like a mapping: an op past its

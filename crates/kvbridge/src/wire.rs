@@ -133,11 +133,17 @@ fn write_chunk() -> usize {
     })
 }
 
-/// Writes every byte of `bufs`, in `writev` calls of about [`write_chunk`] bytes.
+/// Writes every byte of `bufs`, in `writev` calls of about [`write_chunk`] bytes, and
+/// fails with `TimedOut` once `limit` has passed: a peer that stops reading must not hold
+/// the writer (and the memory it sends from) forever. A blocking socket cannot be raced
+/// against a timer: its owner bounds each call with `SO_SNDTIMEO`
+/// ([`crate::net::WriteHalf::set_stall_timeout`]), and the clock is checked between calls.
 pub(crate) async fn write_all_vectored<W: AsyncWrite + Unpin>(
     w: &mut W,
     mut bufs: &mut [IoSlice<'_>],
+    limit: std::time::Duration,
 ) -> io::Result<()> {
+    let until = tokio::time::Instant::now() + limit;
     let chunk = write_chunk();
     IoSlice::advance_slices(&mut bufs, 0);
     while !bufs.is_empty() {
@@ -152,7 +158,18 @@ pub(crate) async fn write_all_vectored<W: AsyncWrite + Unpin>(
             call.push(IoSlice::new(&b[..take]));
             bytes += take;
         }
-        let n = w.write_vectored(&call).await?;
+        if tokio::time::Instant::now() >= until {
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+        let n = match tokio::time::timeout_at(until, w.write_vectored(&call)).await {
+            Ok(Ok(n)) => n,
+            // SO_SNDTIMEO expired on a blocking socket.
+            Ok(Err(e)) if e.kind() == io::ErrorKind::WouldBlock => {
+                return Err(io::ErrorKind::TimedOut.into())
+            }
+            Ok(Err(e)) => return Err(e),
+            Err(_) => return Err(io::ErrorKind::TimedOut.into()),
+        };
         drop(call);
         if n == 0 {
             return Err(io::ErrorKind::WriteZero.into());

@@ -60,6 +60,8 @@ async fn raw_listener_session(l: &TcpListener, region: RegionId) -> (TcpStream, 
             auth: None,
             shm: None,
             unacked_notify: false,
+            host_after_proof: false,
+            data_proof: false,
         }),
     )
     .await;

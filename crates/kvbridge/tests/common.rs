@@ -248,6 +248,9 @@ pub async fn hello_saying(
             compat: Compat::default(),
             auth: None,
             unacked_notify,
+            host_after_proof: false,
+            data_proof: false,
+            data_connections: 0,
         }),
     )
     .await;

@@ -102,6 +102,9 @@ async fn thirty_two_initiators_are_not_blocked_by_a_stalled_peer() {
         compat: Compat::default(),
         auth: None,
         unacked_notify: false,
+        host_after_proof: false,
+        data_proof: false,
+        data_connections: 0,
     })
     .to_frame()
     .unwrap();

@@ -313,3 +313,186 @@ async fn silent_connections_beyond_the_limit_are_closed_at_once() {
         }
     }
 }
+
+/// A peer that asks for a read and never takes the answer (while its control connection
+/// stays up) must not pin the region: the response's write has the op deadline, and its
+/// expiry ends the session. Both data-path drivers.
+async fn unread_read_response_ends_the_session(threads: bool) {
+    const LEN: usize = 64 << 20;
+    let op = Duration::from_millis(500);
+    let (dec, kv) = listener(
+        "decode-0",
+        |c| {
+            c.deadlines.op = op;
+            // Silence on the control connection must not be what ends the session.
+            c.deadlines.peer_silence = Duration::from_secs(120);
+            c.data_threads = threads;
+        },
+        LEN,
+        PAGE,
+    )
+    .await;
+    let (_ctl, mut data) = handshake(&addr(&dec)).await;
+    let batch = Message::ReadBatch(Batch {
+        id: 1,
+        ops: vec![OpDesc {
+            region: kv.id(),
+            offset: 0,
+            len: LEN as u64,
+        }],
+    });
+    data.write_all(&batch.to_frame().unwrap()).await.unwrap();
+    // Far more than the socket buffers hold; then nothing is read.
+    let t = std::time::Instant::now();
+    while (kv.in_use() > 0 || dec.stats().await.unwrap().sessions > 0)
+        && t.elapsed() < Duration::from_secs(10)
+    {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        kv.in_use(),
+        0,
+        "an unread read response still holds the region"
+    );
+    assert_eq!(
+        dec.stats().await.unwrap().sessions,
+        0,
+        "the session was kept"
+    );
+    assert!(
+        t.elapsed() < op + Duration::from_secs(3),
+        "took {:?}",
+        t.elapsed()
+    );
+    tokio::time::timeout(Duration::from_secs(1), dec.deregister(kv.id()))
+        .await
+        .unwrap()
+        .unwrap();
+    drop(data);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_never_reads_its_read_response_loses_its_session_on_data_threads() {
+    unread_read_response_ends_the_session(true).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_never_reads_its_read_response_loses_its_session_on_data_tasks() {
+    unread_read_response_ends_the_session(false).await
+}
+
+/// Before authentication a connection may announce only a small first frame: a `Hello` or
+/// `DataHello` never needs more than a few KiB, whatever `max_frame_len` allows later. One
+/// that announces more is refused with `LimitExceeded` before its body is read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_frame_larger_than_a_hello_needs_is_refused() {
+    let (dec, _kv) = listener("decode-0", |_| {}, PAGE, PAGE).await;
+    for announced in [64 << 10, 16 << 20] {
+        let mut s = TcpStream::connect(addr(&dec)).await.unwrap();
+        s.write_all(&FrameHeader::encode(announced)).await.unwrap();
+        match recv_frame(&mut s).await {
+            Some(Message::Reject(r)) => {
+                assert_eq!(
+                    r.code,
+                    ErrorCode::LimitExceeded,
+                    "{announced}: {}",
+                    r.message
+                )
+            }
+            m => panic!("{announced}: {m:?}"),
+        }
+    }
+    // A Hello whose compat description is far longer than any real one: refused the same
+    // way, though it is a well-formed message.
+    let mut s = TcpStream::connect(addr(&dec)).await.unwrap();
+    let hello = Message::Hello(Hello {
+        version: 1,
+        peer_id: PeerId::new("prefill-0").unwrap(),
+        incarnation: kvbridge::proto::Incarnation(1),
+        compat: Compat {
+            hash: 0,
+            description: "x".repeat(100_000),
+        },
+        auth: None,
+        unacked_notify: false,
+        host_after_proof: false,
+        data_proof: false,
+        data_connections: 0,
+    });
+    send_frame(&mut s, &hello).await;
+    match recv_frame(&mut s).await {
+        Some(Message::Reject(r)) => assert_eq!(r.code, ErrorCode::LimitExceeded, "{}", r.message),
+        m => panic!("{m:?}"),
+    }
+    assert_eq!(dec.stats().await.unwrap().sessions, 0);
+    // Real peers still get in.
+    let (pre, _) = initiator("prefill-0", |_| {}, PAGE, PAGE).await;
+    pre.connect(&addr(&dec)).await.unwrap();
+}
+
+/// Opens a control connection from `source` (a loopback address of its own) and sends a
+/// `Hello` as `name`, then nothing more: a handshake that holds its slot until the step
+/// deadline. Returns the connection once the listener answered with a `Welcome`.
+async fn stalled_hello_from(target: &str, source: &str, name: &str) -> TcpStream {
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.bind(format!("{source}:0").parse().unwrap()).unwrap();
+    let mut s = sock.connect(target.parse().unwrap()).await.unwrap();
+    send_frame(
+        &mut s,
+        &Message::Hello(Hello {
+            version: 1,
+            peer_id: PeerId::new(name).unwrap(),
+            incarnation: kvbridge::proto::Incarnation(1),
+            compat: Compat::default(),
+            auth: None,
+            unacked_notify: false,
+            host_after_proof: false,
+            data_proof: false,
+            data_connections: 0,
+        }),
+    )
+    .await;
+    s
+}
+
+/// Handshake slots are shared fairly between sources: Hellos that never finish, all from
+/// one host, fill that host's quota and no more, so a peer on another host still gets in
+/// at once (`Stats::handshakes_refused` counts the refused ones).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_hellos_from_one_host_do_not_lock_out_another() {
+    let (dec, _kv) = listener(
+        "decode-0",
+        |c| {
+            c.limits.max_concurrent_handshakes = 8;
+            c.limits.max_handshakes_per_source = 4;
+            c.deadlines.handshake_step = Duration::from_secs(60);
+        },
+        PAGE,
+        PAGE,
+    )
+    .await;
+    let a = addr(&dec);
+    let mut stalled = Vec::new();
+    for i in 0..12 {
+        stalled.push(stalled_hello_from(&a, "127.0.0.2", &format!("flood-{i}")).await);
+    }
+    // Every Hello was answered (a Welcome or a refusal) before the real peer comes.
+    for s in &mut stalled {
+        assert!(recv_frame(s).await.is_some(), "a Hello was not answered");
+    }
+    let s = dec.stats().await.unwrap();
+    assert_eq!(s.sessions, 4, "{s:?}");
+    assert_eq!(s.handshakes_refused, 8, "{s:?}");
+    let (pre, _) = initiator(
+        "prefill-0",
+        |c| c.deadlines.handshake_step = Duration::from_secs(2),
+        PAGE,
+        PAGE,
+    )
+    .await;
+    tokio::time::timeout(Duration::from_secs(5), pre.connect(&a))
+        .await
+        .expect("the real peer hangs")
+        .expect("the real peer is locked out");
+    drop(stalled);
+}

@@ -125,7 +125,7 @@ per_transport!(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_with_a_pinned_self_signed_certificate_and_the_secret_works() {
     let c = self_signed(&["127.0.0.1"]);
-    let secret = || Secret::new(b"s3cret".to_vec());
+    let secret = || Secret::new(b"s3cret-of-the-cluster".to_vec());
     write_and_notify(
         |cfg| {
             serve_with(&c)(cfg);
@@ -147,7 +147,7 @@ async fn tls_with_a_wrong_secret_is_still_unauthenticated() {
         "decode-0",
         |cfg| {
             serve_with(&c)(cfg);
-            cfg.secret = Secret::new(b"s3cret".to_vec());
+            cfg.secret = Secret::new(b"s3cret-of-the-cluster".to_vec());
         },
         PAGE,
         PAGE,
@@ -157,7 +157,7 @@ async fn tls_with_a_wrong_secret_is_still_unauthenticated() {
         "prefill-0",
         |cfg| {
             trusting(&c.cert)(cfg);
-            cfg.secret = Secret::new(b"wrong".to_vec());
+            cfg.secret = Secret::new(b"not-the-cluster-secret".to_vec());
         },
         PAGE,
         PAGE,
