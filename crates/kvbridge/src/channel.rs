@@ -860,8 +860,22 @@ impl Channel {
         let limit = self.inner.config.deadlines.close;
         // The core answers once every session has said Bye and torn down.
         let _ = tokio::time::timeout(limit, self.ask(|reply| CoreCmd::Close { reply })).await;
-        for t in self.inner.tasks.lock().expect("tasks poisoned").drain(..) {
+        let tasks: Vec<JoinHandle<()>> = self
+            .inner
+            .tasks
+            .lock()
+            .expect("tasks poisoned")
+            .drain(..)
+            .collect();
+        for t in &tasks {
             t.abort();
+        }
+        // The listening sockets belong to the accept tasks: an aborted task drops them only
+        // when the runtime next polls it. Waiting for that frees the port before close
+        // returns, so a restart on the same address can bind it at once.
+        let until = tokio::time::Instant::now() + limit;
+        for t in tasks {
+            let _ = tokio::time::timeout_at(until, t).await;
         }
     }
 }

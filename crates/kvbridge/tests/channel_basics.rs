@@ -2,7 +2,7 @@
 
 mod common;
 use common::*;
-use kvbridge::{Error, Grant, Op, Region, Step, Transport};
+use kvbridge::{Channel, ChannelConfig, Error, Grant, Op, Region, Step, Transport};
 use std::time::Duration;
 
 const PAGE: usize = 16 << 10;
@@ -579,5 +579,22 @@ impl HeldWrites {
             self.kv.id(),
         );
         tokio::spawn(async move { pre.write(&peer, &[Op::page(&src, 0, kv, to, PAGE)]).await })
+    }
+}
+
+/// A listener restarted in the same process binds its old address as soon as `close`
+/// returns (the accept task, which owns the socket, is gone by then).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn close_frees_the_listening_port_before_it_returns() {
+    for _ in 0..20 {
+        let first = Channel::new(ChannelConfig::new("decode-0", Some("127.0.0.1:0")))
+            .await
+            .unwrap();
+        let addr = first.local_addr().expect("listening");
+        first.close().await;
+        let again = Channel::new(ChannelConfig::new("decode-0", Some(&addr.to_string())))
+            .await
+            .unwrap_or_else(|e| panic!("rebinding {addr} right after close: {e}"));
+        again.close().await;
     }
 }
