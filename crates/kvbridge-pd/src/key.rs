@@ -8,7 +8,7 @@
 //!
 //! The hash is SHA-256, fixed by this crate so that every process and build computes the
 //! same keys. The chain carries the full 256-bit digest from chunk to chunk; a key is its
-//! first 64 bits (the width of a key on the wire, [`crate::PdMsg`]). What that buys, against
+//! first 64 bits (the width of a key on the wire, [`crate::msg::PdMsg`]). What that buys, against
 //! someone who chooses prompts (an HTTP client) or keys (a sender):
 //! - making a prompt whose key equals *another* prompt's key (a second preimage) costs
 //!   about 2^64 SHA-256 computations, where the FNV-1a chain used before could be solved

@@ -266,7 +266,7 @@ async fn killed_decoder_fails_its_streams_cleanly_and_the_rest_succeed() {
     let col_url = format!("http://{}/v1/completions", colocated.http_addr());
     // Streamed and non-streamed requests, in pairs: s s n n s s ... 50 tokens at 20 ms:
     // each lasts ~1 s, so the requests A holds are all mid-decode when it is killed.
-    let body = |i: u64| json!({"prompt": model::random_prompt(900 + i, 100), "max_tokens": 50, "stream": (i / 2) % 2 == 0});
+    let body = |i: u64| json!({"prompt": model::random_prompt(900 + i, 100), "max_tokens": 50, "stream": i & 2 == 0});
     let ha = format!("http://127.0.0.1:{}/health", port(&va));
     let hb = format!("http://127.0.0.1:{}/health", port(&vb));
     let requests_at = |h: String| {
