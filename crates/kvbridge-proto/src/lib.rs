@@ -15,6 +15,7 @@
 //! * [`auth`]: the shared secret and HMAC challenge/response proofs.
 
 #![warn(missing_docs)]
+#![forbid(unsafe_code)]
 
 pub mod auth;
 pub mod frame;
