@@ -1,69 +1,109 @@
 #!/usr/bin/env bash
-# The fault-injection suite of docs/reliability.md, by test name: each row of the table is run
-# here, and a test that no longer exists under its name fails the script (0 tests run is an
-# error, not a pass).
-#   scripts/faults.sh          the quick suite (also part of `cargo test --workspace`)
-#   scripts/faults.sh --long   plus the 20,000-seed simulation and a 2-minute chaos soak
+# The fault-injection suite of docs/reliability.md. Its tests come from scripts/faults.tsv
+# (one line per row and test), and the script fails when:
+#   - the table of docs/reliability.md and faults.tsv disagree: a row of the doc with no test
+#     in the tsv, a tsv test its doc row does not name, or a test the doc names that the tsv
+#     does not list;
+#   - a test of the tsv no longer exists under its name (`cargo test -- --list`);
+#   - a test fails, or does not report `ok` under its name.
+# Usage:
+#   scripts/faults.sh           the quick suite (also part of `cargo test --workspace`)
+#   scripts/faults.sh --long    plus the ignored long runs (20,000 simulator seeds) and a
+#                               2-minute chaos soak
+#   scripts/faults.sh --check   only the checks above that run no test: doc <-> tsv, and
+#                               that every named test exists
 set -euo pipefail
 cd "$(dirname "$0")/.."
-LONG=${1:-}
-
-# package  test-target  test names...
-SUITE=(
-  "kvbridge-sim killed killed_prefiller_fails_its_requests_cleanly_and_leaks_no_page killed_decoder_fails_its_streams_cleanly_and_the_rest_succeed"
-  "kvbridge-sim soak chaos_kills_lose_nothing_and_hang_nothing without_chaos_every_request_succeeds"
-  "kvbridge-pd pd_e2e sender_killed_mid_transfer no_three_way_deadlock_when_buffer_nearly_full request_larger_than_buffer_fails_fast_naming_sizes no_page_reuse_while_cancelled_write_in_flight"
-  "kvbridge-pd alloc_failure a_region_larger_than_memory_is_a_typed_error_naming_its_size a_receive_buffer_that_cannot_be_allocated_fails_start_and_frees_its_port"
-  "kvbridge-pd pd_fence"
-  "kvbridge-pd outcome_reconnect"
-  "kvbridge handshake restarted_peer_replaces_its_session_and_old_work_fails_peer_restarted killed_listener_mid_handshake_then_restart_succeeds thirty_two_initiators_are_not_blocked_by_a_stalled_peer"
-  "kvbridge simulation handshake_and_first_write_under_1000_seeds"
-  "kvbridge hostile_peer"
-  "kvbridge bytes_in_flight"
-  "kvbridge shm_peer_death"
-  "kvbridge shm_detach"
-  "kvbridge tls plaintext_initiator_is_refused_by_a_tls_listener_with_a_typed_error tls_initiator_against_a_plaintext_listener_fails_typed untrusted_certificate_fails_typed expired_certificate_fails_typed a_listener_that_never_answers_the_tls_handshake_times_out_typed"
-  "kvbridge-cli processes listener_process_killed_mid_handshake_then_restarted"
-  "kvbridge-proxy e2e kv_outcome_never_arrives_gives_504_within_the_deadline kv_failed_gives_502_at_once decoder_dies_mid_stream_gives_an_sse_error_event"
-  "kvbridge-proxy outcome_faults"
-)
-
+MODE=${1:-quick}
+TSV=scripts/faults.tsv
+DOC=docs/reliability.md
 fail=0
-for row in "${SUITE[@]}"; do
-  read -r pkg target names <<<"$row"
-  log=$(mktemp)
-  if [ -z "$names" ]; then
-    cargo test -q -p "$pkg" --test "$target" >"$log" 2>&1 || fail=1
-    grep -Eq "test result: ok\. [1-9][0-9]* passed" "$log" || { echo "FAIL $pkg/$target"; cat "$log"; fail=1; continue; }
-    echo "ok   $pkg/$target (all)"
-  else
-    # shellcheck disable=SC2086
-    cargo test -p "$pkg" --test "$target" -- --exact $names >"$log" 2>&1 || fail=1
-    for n in $names; do
-      if grep -q "test $n ... ok" "$log"; then echo "ok   $pkg/$target::$n"; else echo "FAIL $pkg/$target::$n"; fail=1; fi
-    done
-    [ $fail -eq 0 ] || tail -40 "$log"
+
+# --- 1. The doc's table and the tsv name the same tests --------------------------------
+# The doc's rows: "| N | scenario | expected | observed | tests |"; the tests column is the last.
+doc_rows=$(grep -E '^\| [0-9]+ \|' "$DOC" | awk -F'|' '{gsub(/ /,"",$2); print $2}')
+tsv_lines=$(grep -Ev '^(#|$)' "$TSV")
+
+doc_tests_col() { # the tests column of doc row $1
+  grep -E "^\| $1 \|" "$DOC" | awk -F'|' '{print $(NF-1)}'
+}
+
+for r in $doc_rows; do
+  if ! awk -F'\t' -v r="$r" '$1==r {found=1} END {exit !found}' <<<"$tsv_lines"; then
+    echo "FAIL doc row $r names no test in $TSV"; fail=1
   fi
-  rm -f "$log"
 done
-
-# A real partition between network namespaces: needs root and iproute2.
-if ip netns add kvb-faults-probe 2>/dev/null; then
-  ip netns del kvb-faults-probe
-  log=$(mktemp)
-  if cargo test -p kvbridge-cli --test netns_partition -- --ignored --exact partition_mid_write_fails_within_the_deadline_and_heals >"$log" 2>&1 \
-     && grep -q "test partition_mid_write_fails_within_the_deadline_and_heals ... ok" "$log"; then
-    echo "ok   kvbridge-cli/netns_partition::partition_mid_write_fails_within_the_deadline_and_heals"
-  else
-    echo "FAIL kvbridge-cli/netns_partition"; tail -40 "$log"; fail=1
+while IFS=$'\t' read -r row pkg target name mode; do
+  col=$(doc_tests_col "$row")
+  if [ -z "$col" ]; then echo "FAIL $TSV: row $row is not in $DOC"; fail=1; continue; fi
+  short=${name##*::}
+  # A test is named in its row either by name or by its whole file (`crate/tests/x.rs`).
+  if ! grep -qE -- "(^|[^a-z0-9_])$short([^a-z0-9_]|\$)" <<<"$col" && ! grep -qF -- "$pkg/tests/$target.rs\`" <<<"$col"; then
+    echo "FAIL $DOC row $row does not name $pkg/$target::$name"; fail=1
   fi
-  rm -f "$log"
-else
-  echo "skip kvbridge-cli/netns_partition (network namespaces need root)"
-fi
+done <<<"$tsv_lines"
+for r in $doc_rows; do
+  # Every backticked test name of the row (not a file, not a command) is in the tsv.
+  for tok in $(doc_tests_col "$r" | grep -oE '`[^` ]+`' | tr -d '`'); do
+    case "$tok" in *.rs) continue ;; esac
+    short=${tok##*::}
+    [[ "$short" =~ ^[a-z][a-z0-9_]+$ ]] || continue
+    if ! awk -F'\t' -v r="$r" -v n="$short" '$1==r && ($4==n || $4 ~ ("::" n "$")) {f=1} END {exit !f}' <<<"$tsv_lines"; then
+      echo "FAIL $DOC row $r names \`$tok\`, which $TSV does not list for that row"; fail=1
+    fi
+  done
+done
+[ $fail -eq 0 ] && echo "ok   $DOC and $TSV agree ($(wc -l <<<"$tsv_lines") entries, $(wc -w <<<"$doc_rows") rows)"
 
-if [ "$LONG" = "--long" ]; then
-  cargo test -p kvbridge --test simulation -- --ignored handshake_and_first_write_under_20000_seeds || fail=1
-  cargo run --release -q -p kvbridge-cli -- demo --duration 2m --chaos || fail=1
+# --- 2. Every test exists under its name ------------------------------------------------
+target_args() { if [ "$2" = lib ]; then echo "-p $1 --lib"; else echo "-p $1 --test $2"; fi; }
+groups=$(awk -F'\t' '{print $2"\t"$3}' <<<"$tsv_lines" | sort -u)
+while IFS=$'\t' read -r pkg target; do
+  # shellcheck disable=SC2046
+  if ! list=$(cargo test -q $(target_args "$pkg" "$target") -- --list 2>&1 </dev/null); then
+    echo "FAIL $pkg/$target does not build:"; tail -30 <<<"$list"; fail=1; continue
+  fi
+  for name in $(awk -F'\t' -v p="$pkg" -v t="$target" '$2==p && $3==t {print $4}' <<<"$tsv_lines" | sort -u); do
+    grep -qx -- "$name: test" <<<"$list" || { echo "FAIL $pkg/$target::$name does not exist"; fail=1; }
+  done
+done <<<"$groups"
+[ $fail -eq 0 ] || { echo "fault suite: FAIL"; exit 1; }
+echo "ok   every test of $TSV exists"
+[ "$MODE" = --check ] && { echo "fault suite: checks PASS (no test run)"; exit 0; }
+
+# --- 3. Run them --------------------------------------------------------------------------
+run_group() { # pkg target mode names...
+  local pkg=$1 target=$2 mode=$3; shift 3
+  local log extra=()
+  log=$(mktemp)
+  [ "$mode" = quick ] || extra=(--ignored)
+  # shellcheck disable=SC2046
+  cargo test $(target_args "$pkg" "$target") -- "${extra[@]}" --exact "$@" >"$log" 2>&1 </dev/null || true
+  local bad=0
+  for n in "$@"; do
+    if grep -q "^test $n \.\.\. ok" "$log"; then echo "ok   $pkg/$target::$n"; else echo "FAIL $pkg/$target::$n"; bad=1; fi
+  done
+  [ $bad -eq 0 ] || { tail -60 "$log"; fail=1; }
+  rm -f "$log"
+}
+
+netns_ok=0
+if ip netns add kvb-faults-probe 2>/dev/null; then ip netns del kvb-faults-probe; netns_ok=1; fi
+
+while IFS=$'\t' read -r pkg target; do
+  for mode in quick long root; do
+    mapfile -t names < <(awk -F'\t' -v p="$pkg" -v t="$target" -v m="$mode" '$2==p && $3==t && $5==m {print $4}' <<<"$tsv_lines" | sort -u)
+    [ ${#names[@]} -gt 0 ] || continue
+    case "$mode" in
+      long) [ "$MODE" = --long ] || { echo "skip $pkg/$target: ${names[*]} (--long)"; continue; } ;;
+      root) [ $netns_ok -eq 1 ] || { echo "skip $pkg/$target: ${names[*]} (network namespaces need root)"; continue; } ;;
+    esac
+    run_group "$pkg" "$target" "$mode" "${names[@]}"
+  done
+done <<<"$groups"
+
+if [ "$MODE" = --long ]; then
+  # Row 16 at a smaller scale (the 30-minute run is `kvbridge demo --duration 30m --chaos`).
+  cargo run --release -q -p kvbridge-cli -- demo --duration 2m --chaos </dev/null || fail=1
 fi
 [ $fail -eq 0 ] && echo "fault suite: PASS" || { echo "fault suite: FAIL"; exit 1; }

@@ -7,6 +7,7 @@
 //! through exactly the code the fuzzer runs. See `fuzz/README.md`.
 
 #![warn(missing_docs)]
+#![forbid(unsafe_code)]
 
 pub mod frame_decoder;
 pub mod handshake;

@@ -1,4 +1,5 @@
 //! The `kvbridge` command.
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 mod bench;
 

@@ -1,7 +1,7 @@
 //! The handshake across real processes: a listener killed with SIGKILL mid-handshake, then
 //! restarted on the same address.
 
-use kvbridge::{Channel, ChannelConfig, Error, Grant, Op, Region};
+use kvbridge::{Channel, ChannelConfig, Error, Grant, Op, Region, Step};
 mod common;
 use common::{spawn_peer, Peer};
 use std::process::Command;
@@ -50,10 +50,15 @@ async fn listener_process_killed_mid_handshake_then_restarted() {
         .expect("connect must end within its deadlines")
         .unwrap()
         .unwrap_err();
-    assert!(
-        matches!(err, Error::ConnectionLost { .. }),
-        "expected a lost connection, got {err}"
-    );
+    // Typed, naming the peer (its address: its id is not known before `Welcome`) and the
+    // step the handshake was at.
+    match &err {
+        Error::ConnectionLost { peer, step, .. } => {
+            assert_eq!(peer, &addr, "{err}");
+            assert_eq!(*step, Step::Welcome, "{err}");
+        }
+        _ => panic!("expected a lost connection, got {err}"),
+    }
     let s = ch.stats().await.unwrap();
     assert_eq!((s.sessions, s.dialing, s.established), (0, 0, 0), "{s:?}");
 

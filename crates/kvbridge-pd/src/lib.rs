@@ -39,6 +39,7 @@
 //! ```
 
 #![warn(missing_docs)]
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod alloc;
 pub mod bench;
@@ -55,7 +56,7 @@ mod zmtp_push;
 pub use alloc::Counters;
 pub use config::{PdConfig, PdConfigArgs, Role, TransferMode};
 pub use error::{PdError, PdStep, Result};
-pub use key::{chunk_keys, ChunkKey};
+pub use key::{chunk_keys, with_key_scheme, ChunkKey, KEY_SCHEME};
 pub use layout::{Dtype, KvLayout, KvSpec, DEFAULT_CHUNK_TOKENS};
 pub use outcome::{Outcome, OutcomeSink, ZmqPusher};
 pub use receiver::{ChunkRef, GrantedRequest, PdReceiver, ReceiverConfig};

@@ -174,7 +174,10 @@ impl PdReceiver {
         // The buffer first: when it cannot be had, nothing is bound yet (no port to release).
         let region =
             Region::alloc(len, page_bytes as usize).map_err(|e| PdError::Config(e.to_string()))?;
-        let channel = Channel::new(cfg.channel.clone())
+        let mut channel_cfg = cfg.channel.clone();
+        // Peers whose chunk keys differ refuse each other at the handshake.
+        channel_cfg.compat = crate::key::with_key_scheme(&channel_cfg.compat);
+        let channel = Channel::new(channel_cfg)
             .await
             .map_err(|e| PdError::Config(e.to_string()))?;
         // Subscribe before anyone can connect: no session change is missed.
@@ -517,6 +520,9 @@ impl std::ops::Deref for ChunkRef {
         // page, checked when borrowed), which lives as long as `inner`. The page is pinned
         // for as long as `self` lives: the allocator hands it to no other request and starts
         // no read into it, and the chunk had landed (no write of the protocol is pending).
+        // This trusts the peers: the buffer is granted to every authenticated peer, read
+        // and write, so a peer that writes this page anyway (outside the protocol) races
+        // this borrow (docs/threat-model.md).
         unsafe { std::slice::from_raw_parts(self.inner.region.as_ptr().add(off), self.len) }
     }
 }

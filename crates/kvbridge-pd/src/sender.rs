@@ -174,7 +174,10 @@ impl PdSender {
         }
         let page = cfg.spec.page_bytes() as usize;
         let n = cfg.staging_chunks.max(1);
-        let channel = Channel::new(cfg.channel.clone())
+        let mut channel_cfg = cfg.channel.clone();
+        // Peers whose chunk keys differ refuse each other at the handshake.
+        channel_cfg.compat = crate::key::with_key_scheme(&channel_cfg.compat);
+        let channel = Channel::new(channel_cfg)
             .await
             .map_err(|e| PdError::Config(e.to_string()))?;
         let staging = Region::alloc(page * n, page).map_err(|e| PdError::Config(e.to_string()))?;

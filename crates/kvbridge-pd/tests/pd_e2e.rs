@@ -192,14 +192,25 @@ async fn no_three_way_deadlock_when_buffer_nearly_full() {
     }
 }
 
-/// Test 3: the sender is killed mid-transfer. Its pages on the receiver return within the
-/// TTL, and the proxy side gets `KvFailed` (the receiver reports for the dead sender) or,
-/// when the receiver does not report, the proxy's own deadline fires.
+/// The environment variable that makes [`sender_child_process`] the killed sender of
+/// [`sender_killed_mid_transfer`]: the receiver's port.
+const CHILD_RX_PORT: &str = "KVBRIDGE_PD_TEST_CHILD_RX_PORT";
+/// The line the child prints once its two chunks have landed.
+const CHILD_SENT: &str = "kvbridge-pd-test-child: 2 chunks sent";
+
+/// Test 3: the sender is killed mid-transfer: a child process (this test binary, running
+/// [`sender_child_process`]) sends 2 of 4 chunks and is killed with SIGKILL, so no `Bye`,
+/// no cancel and no cleanup of its own reach the receiver, only what the kernel does with
+/// a dead process's sockets. Its pages on the receiver return within the TTL, and the
+/// proxy side gets `KvFailed` naming the sender (the receiver reports for the dead sender);
+/// when the receiver does not report, no outcome arrives at all (the proxy's own deadline
+/// answers: `kvbridge-proxy/tests/e2e.rs::kv_outcome_never_arrives_gives_504_within_the_deadline`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sender_killed_mid_transfer() {
+    use tokio::io::{AsyncBufReadExt, BufReader};
     for receiver_reports in [true, false] {
         let (mut proxy, ep) = pull().await;
-        let ttl = 2 * S;
+        let ttl = 4 * S;
         let rx = receiver(8, |c| {
             c.ttl = ttl;
             if receiver_reports {
@@ -207,30 +218,46 @@ async fn sender_killed_mid_transfer() {
             }
         })
         .await;
-        // A killed process reports nothing itself.
-        let tx = sender("prefill-0", OutcomeSink::None).await;
-        let mut t = tx
-            .begin(&disagg("doomed", &rx), &tokens(3, 64))
-            .await
-            .unwrap();
-        for i in 0..2 {
-            let d = kv(3, i, t.chunk_bytes(i) as usize);
-            t.send_chunk(i, &d).await.unwrap();
-        }
+        let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "sender_child_process",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD_RX_PORT, rx.local_addr().unwrap().port().to_string())
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("the sender process starts");
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let sent = tokio::time::timeout(20 * S, async {
+            while let Some(l) = lines.next_line().await.unwrap() {
+                if l.contains(CHILD_SENT) {
+                    return true;
+                }
+            }
+            false
+        })
+        .await;
+        assert_eq!(sent, Ok(true), "the sender process sent its 2 chunks");
         assert_eq!(rx.counters().reserved, 4);
+        child.start_kill().expect("SIGKILL");
         let killed = Instant::now();
-        tx.close().await; // the process dies: its sessions end
-        std::mem::forget(t); // ...without running any of its cleanup
+        let status = child.wait().await.unwrap();
+        assert!(!status.success(), "killed, not exited: {status}");
+        // The death is noticed well before the TTL would return the pages (the request
+        // began a few milliseconds before the kill).
+        let noticed = ttl / 2;
         assert!(
-            eventually(ttl, || rx.counters().free == 8).await,
-            "pages not back within the TTL: {:?}",
+            eventually(noticed, || rx.counters().free == 8).await,
+            "pages not back within {noticed:?} of the death: {:?}",
             rx.counters()
         );
         assert_eq!(rx.counters().leaked, 0);
-        let proxy_deadline = ttl;
-        let got = next_outcome(&mut proxy, proxy_deadline).await;
         if receiver_reports {
-            match got {
+            match next_outcome(&mut proxy, ttl).await {
                 Some(Outcome::KvFailed {
                     req_id,
                     rank,
@@ -241,13 +268,39 @@ async fn sender_killed_mid_transfer() {
                 }
                 o => panic!("expected KvFailed, got {o:?}"),
             }
-            assert!(killed.elapsed() < ttl + S);
+            // Reported on the sender's death, not at the TTL.
+            assert!(killed.elapsed() < noticed, "took {:?}", killed.elapsed());
         } else {
-            assert_eq!(got, None, "nothing arrives; the proxy's deadline answers");
-            assert!(killed.elapsed() >= proxy_deadline);
+            assert_eq!(next_outcome(&mut proxy, S).await, None, "no outcome at all");
         }
         rx.close().await;
     }
+}
+
+/// The killed sender of [`sender_killed_mid_transfer`], run as a child process of it (and
+/// skipped otherwise): begins request "doomed" of 4 chunks, sends 2, says so, and waits to
+/// be killed (at most 30 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the child process of sender_killed_mid_transfer"]
+async fn sender_child_process() {
+    let Ok(port) = std::env::var(CHILD_RX_PORT) else {
+        return;
+    };
+    let tx = sender("prefill-0", OutcomeSink::None).await;
+    let spec = kvbridge_pd::DisaggSpec {
+        req_id: "doomed".into(),
+        receiver_host: "127.0.0.1".into(),
+        receiver_init_port: vec![port.parse().unwrap()],
+        receiver_alloc_port: vec![],
+    };
+    let mut t = tx.begin(&spec, &tokens(3, 64)).await.unwrap();
+    for i in 0..2 {
+        let d = kv(3, i, t.chunk_bytes(i) as usize);
+        t.send_chunk(i, &d).await.unwrap();
+    }
+    println!("{CHILD_SENT}");
+    tokio::time::sleep(30 * S).await;
+    panic!("not killed within 30 s");
 }
 
 /// Test 5: a page is never handed to a new request while a write of a cancelled request into

@@ -17,6 +17,7 @@
 //! * [`outcome_tag`]: the HMAC tag that authenticates a KV outcome.
 
 #![warn(missing_docs)]
+#![forbid(unsafe_code)]
 
 pub mod auth;
 pub mod frame;

@@ -4,6 +4,7 @@
 //! Start it with [`cli::run`] (`kvbridge proxy`) or, in-process, with [`server::start`].
 
 #![warn(missing_docs)]
+#![forbid(unsafe_code)]
 
 mod body;
 mod busy_poll;

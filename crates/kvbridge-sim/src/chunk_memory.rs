@@ -119,7 +119,9 @@ impl ChunkSlot {
     pub fn bytes(&self) -> &[u8] {
         // SAFETY: `offset + len` lies inside the region (`take` checked `len <= slot_bytes`,
         // `idx < slots`); the region lives as long as `mem`, which we hold; the slot is ours
-        // alone, and no transfer writes into the sender's own memory.
+        // alone, and no transfer of the protocol writes into the sender's own memory (pull
+        // receivers only read it). This trusts the peers: the memory is granted to every
+        // authenticated peer, read and write (docs/threat-model.md).
         unsafe { std::slice::from_raw_parts(self.mem.region.as_ptr().add(self.offset()), self.len) }
     }
 

@@ -16,6 +16,7 @@
 //! - [`timeline`]: per-request step marks (`kvbridge demo --timeline`).
 
 #![warn(missing_docs)]
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod announce;
 pub mod background;

@@ -207,6 +207,35 @@ pub struct SoakSummary {
     pub errors: Vec<String>,
     /// What ran.
     pub setup: String,
+    /// The git commit the binary was built from (`-dirty`: with uncommitted changes to
+    /// tracked files; `unknown`: built outside a git checkout).
+    pub commit: String,
+    /// The security and transport settings the workers ran with: whether `KVBRIDGE_SECRET`
+    /// was set, whether TLS certificates were given, and `KVBRIDGE_TRANSPORT`.
+    pub environment: String,
+}
+
+/// The commit this binary was built from (see `build.rs`).
+pub const BUILD_COMMIT: &str = env!("KVBRIDGE_GIT_COMMIT");
+
+/// The security and transport settings a soak's workers inherit from its environment (never
+/// the secret itself).
+pub fn environment() -> String {
+    let set = |v: &str| std::env::var_os(v).is_some_and(|s| !s.is_empty());
+    format!(
+        "secret {}, TLS {}, transport {}",
+        if set("KVBRIDGE_SECRET") {
+            "set"
+        } else {
+            "unset"
+        },
+        if set("KVBRIDGE_TLS_CERT") || set("KVBRIDGE_TLS_CA") {
+            "on"
+        } else {
+            "off"
+        },
+        std::env::var("KVBRIDGE_TRANSPORT").unwrap_or_else(|_| "default".into())
+    )
 }
 
 impl SoakSummary {
@@ -228,6 +257,7 @@ impl SoakSummary {
         let yes = |b: bool| if b { "yes" } else { "NO" };
         let mut s = format!(
             "kvbridge soak: {}\n\
+             commit              {} ({})\n\
              requests            {} ok {} failed {} (clean errors)  hangs {}\n\
              failures by kind    {:?}\n\
              first of each kind  {:?}\n\
@@ -238,6 +268,8 @@ impl SoakSummary {
              recovery            {}/{} ok after the chaos\n\
              memory flat         {}\n",
             self.setup,
+            self.commit,
+            self.environment,
             self.requests,
             self.ok,
             self.failed,
@@ -1102,6 +1134,8 @@ pub async fn run(o: SoakOptions) -> anyhow::Result<SoakSummary> {
             memory,
             memory_flat,
             errors,
+            commit: BUILD_COMMIT.to_string(),
+            environment: environment(),
             setup: format!(
             "{}P{}D as processes, {} for {}, chaos {} (every ~{:.1} s{}), {} in flight, model {}",
             o.prefillers,

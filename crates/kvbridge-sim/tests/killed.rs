@@ -264,30 +264,54 @@ async fn killed_decoder_fails_its_streams_cleanly_and_the_rest_succeed() {
     let client = Client::new();
     let url = format!("http://{}/v1/completions", proxy.http_addr());
     let col_url = format!("http://{}/v1/completions", colocated.http_addr());
-    let body = |i: u64| json!({"prompt": model::random_prompt(900 + i, 100), "max_tokens": 30, "stream": true});
-    // 30 tokens at 20 ms: each stream lasts ~600 ms, so A is killed mid-stream.
-    let batch: Vec<_> = (0..6u64)
-        .map(|i| {
-            let (client, url, body) = (client.clone(), url.clone(), body(i));
-            tokio::spawn(async move {
-                let t = Instant::now();
-                (i, client.generate(&url, &body, DEADLINE).await, t.elapsed())
-            })
-        })
-        .collect();
-    let health = format!("http://127.0.0.1:{}/health", port(&va));
-    let until = Instant::now() + DEADLINE;
-    loop {
-        let v = client
-            .get_json(&health, DEADLINE)
-            .await
-            .expect("A is healthy");
-        if v["stats"]["generated_tokens"].as_u64().unwrap_or(0) >= 2 {
+    // Streamed and non-streamed requests, in pairs: s s n n s s ... 50 tokens at 20 ms:
+    // each lasts ~1 s, so the requests A holds are all mid-decode when it is killed.
+    let body = |i: u64| json!({"prompt": model::random_prompt(900 + i, 100), "max_tokens": 50, "stream": i & 2 == 0});
+    let ha = format!("http://127.0.0.1:{}/health", port(&va));
+    let hb = format!("http://127.0.0.1:{}/health", port(&vb));
+    let requests_at = |h: String| {
+        let client = client.clone();
+        async move {
+            let v = client.get_json(&h, DEADLINE).await.expect("decoder health");
+            v["stats"]["requests"].as_u64().expect("requests")
+        }
+    };
+    // One request at a time, each sent once the previous one reached its decoder (so we
+    // know which), until A holds a streamed and a non-streamed one.
+    let mut batch = Vec::new();
+    let mut on_a = Vec::new();
+    let (mut seen_a, mut seen_b) = (requests_at(ha.clone()).await, requests_at(hb.clone()).await);
+    for i in 0..8u64 {
+        let (client, url, b) = (client.clone(), url.clone(), body(i));
+        batch.push(tokio::spawn(async move {
+            let t = Instant::now();
+            (i, client.generate(&url, &b, DEADLINE).await, t.elapsed())
+        }));
+        let until = Instant::now() + DEADLINE;
+        loop {
+            let (a_now, b_now) = (requests_at(ha.clone()).await, requests_at(hb.clone()).await);
+            if a_now > seen_a {
+                on_a.push(i);
+                (seen_a, seen_b) = (a_now, b_now);
+                break;
+            }
+            if b_now > seen_b {
+                (seen_a, seen_b) = (a_now, b_now);
+                break;
+            }
+            assert!(Instant::now() < until, "request {i} reached no decoder");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let streamed = |i: &u64| body(*i)["stream"] == true;
+        if on_a.iter().any(streamed) && !on_a.iter().all(streamed) {
             break;
         }
-        assert!(Instant::now() < until, "decoder A got no stream");
-        tokio::task::yield_now().await;
     }
+    let streamed = |i: u64| body(i)["stream"] == true;
+    assert!(
+        on_a.iter().any(|&i| streamed(i)) && !on_a.iter().all(|&i| streamed(i)),
+        "A got no mix of streamed and non-streamed requests: {on_a:?}"
+    );
     a.start_kill().expect("kill A");
     let _ = a.wait().await;
     let (mut ok, mut failed) = (0, 0);
@@ -296,6 +320,7 @@ async fn killed_decoder_fails_its_streams_cleanly_and_the_rest_succeed() {
         assert!(took < DEADLINE, "request {i} took {took:?}");
         match r {
             Ok(ans) => {
+                assert!(!on_a.contains(&i), "request {i} on the killed A succeeded");
                 let want = client
                     .generate(&col_url, &body(i), DEADLINE)
                     .await
@@ -304,8 +329,9 @@ async fn killed_decoder_fails_its_streams_cleanly_and_the_rest_succeed() {
                 ok += 1;
             }
             Err(ClientError::Answer { detail, .. }) => {
-                // Mid-stream: the decoder's stream broke, or (a completion whose first
-                // token went out on `KvReady`) the decoder failed before it answered.
+                // A stream that broke: an SSE `error` event, mid-stream or (a completion
+                // whose first token went out on `KvReady`) before the decoder answered.
+                assert!(streamed(i), "request {i} is not streamed: {detail}");
                 assert!(
                     ["decoder_stream_failed", "decode_failed", "decode_timeout"]
                         .iter()
@@ -314,14 +340,16 @@ async fn killed_decoder_fails_its_streams_cleanly_and_the_rest_succeed() {
                 );
                 failed += 1;
             }
-            Err(ClientError::Status { status, body, .. }) => {
-                assert!(matches!(status, 502..=504), "request {i}: {status} {body}");
+            Err(ClientError::Status { status, body, .. }) if !streamed(i) => {
+                // Non-streamed: a 502 naming the decode failure.
+                assert_eq!(status, 502, "request {i}: {body}");
+                assert!(body.contains("decode_failed"), "request {i}: {body}");
                 failed += 1;
             }
             Err(e) => panic!("request {i}: {e}"),
         }
     }
-    assert!(failed >= 1, "A was killed mid-stream ({ok} ok)");
+    assert_eq!(failed, on_a.len(), "every request A held failed ({ok} ok)");
     // Once the proxy has ejected A (a condition with a deadline), requests succeed on B.
     let metrics = format!("http://{}/metrics", proxy.http_addr());
     let until = Instant::now() + DEADLINE;

@@ -582,6 +582,57 @@ mod tests {
         assert_eq!(int_sockopt(&r, libc::SO_RCVLOWAT), Some(1));
     }
 
+    /// Row 24's failure, as the reader sees it: the bytes queued stop short of the mark
+    /// and more come only once the reader has acted (as with a receive window clamped
+    /// below the mark, where the sender sends no more until the reader takes what is
+    /// queued). The writer here sends more only once the reader has dropped its mark to 1
+    /// (watched from a clone of the socket), so the read completes only through that
+    /// fallback; without it the writer waits 5 s and the read misses its bound. (This
+    /// kernel no longer stalls a blocking read behind a clamped window by itself: it wakes
+    /// the reader when the window is used up, so the clamp is played by the writer.)
+    #[test]
+    fn a_gathered_read_short_of_the_mark_drops_it_before_more_bytes_come() {
+        let (mut r, mut w) = pair();
+        let watch = r.try_clone().unwrap();
+        let data = pattern(600 << 10);
+        let sent = data.clone();
+        let t = std::thread::spawn(move || {
+            w.write_all(&sent[..100 << 10]).unwrap();
+            let until = Instant::now() + Duration::from_secs(5);
+            let mut raised = false;
+            while Instant::now() < until {
+                if raised && int_sockopt(&watch, libc::SO_RCVLOWAT) == Some(1) {
+                    break;
+                }
+                // The mark goes up first (the read starts), then back to 1.
+                raised |= int_sockopt(&watch, libc::SO_RCVLOWAT) > Some(1);
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let fell_back = Instant::now() < until;
+            w.write_all(&sent[100 << 10..]).unwrap();
+            (w, fell_back)
+        });
+        let mut got = vec![0u8; data.len()];
+        let start = Instant::now();
+        let mut iov = [IoSliceMut::new(&mut got)];
+        ReadHalf::blocking_read_exact(
+            &mut r,
+            &mut iov,
+            Some((start, Duration::from_secs(20))),
+            512 << 10,
+        )
+        .unwrap();
+        let took = start.elapsed();
+        let (w, fell_back) = t.join().unwrap();
+        assert!(
+            fell_back,
+            "the mark stayed up while the bytes were short of it"
+        );
+        assert!(got == data, "bytes differ");
+        assert!(took < Duration::from_secs(3), "took {took:?}");
+        drop(w);
+    }
+
     /// A payload that stops short still fails at its deadline, with `TimedOut`.
     #[test]
     fn a_gathered_read_of_bytes_that_never_come_times_out() {

@@ -43,13 +43,15 @@ pub async fn run(opts: PeerOptions) -> Result<()> {
     let sink_addr = sink.local_addr()?;
     // The ceiling lands in memory of the same size and kind as the channel's region, so
     // both pay the same cache and TLB misses.
-    let sink_region = Region::alloc(region_bytes, page)?;
+    // One region per connection: each sink thread writes into its own.
     std::thread::spawn(move || {
         for s in sink.incoming().flatten() {
-            let r = sink_region.clone();
             std::thread::spawn(move || match echo {
                 true => serve_echo(s),
-                false => serve_sink(s, r),
+                false => match Region::alloc(region_bytes, page) {
+                    Ok(r) => serve_sink(s, r),
+                    Err(e) => eprintln!("bench peer: no sink region: {e}"),
+                },
             });
         }
     });
@@ -79,7 +81,8 @@ pub async fn run(opts: PeerOptions) -> Result<()> {
 /// back when all arrived.
 fn serve_sink(mut s: std::net::TcpStream, region: Region) {
     let _ = s.set_nodelay(true);
-    // SAFETY: this thread is the only user of the sink region's bytes.
+    // SAFETY: the region is this connection's own (allocated for it, registered nowhere):
+    // this thread is the only user of its bytes.
     let buf = unsafe { std::slice::from_raw_parts_mut(region.as_ptr(), region.len()) };
     let mut h = [0u8; 16];
     while s.read_exact(&mut h).is_ok() {

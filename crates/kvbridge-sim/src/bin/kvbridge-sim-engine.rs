@@ -1,5 +1,6 @@
 //! `kvbridge-sim-engine`: the reference engine alone (the same as `kvbridge engine`), so this
 //! crate's tests can run engines as real processes.
+#![forbid(unsafe_code)]
 
 use clap::Parser;
 

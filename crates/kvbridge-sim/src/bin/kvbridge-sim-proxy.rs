@@ -1,5 +1,6 @@
 //! `kvbridge-sim-proxy`: the proxy alone (the same as `kvbridge proxy`), so this crate's tests
 //! can run it as a real process next to the engines (the soak kills and restarts it).
+#![forbid(unsafe_code)]
 
 use clap::Parser;
 
