@@ -1,0 +1,187 @@
+"""One side of LMCache's PD backend (``PDBackendAsync``, unmodified) in its own process.
+
+The test wires LMCache and kvbridge together exactly as a user does: an LMCache YAML file with
+``transfer_channel: "kvbridge"`` and ``pd_buffer_device: "cpu"``, and ``kvbridge.lmcache``'s
+``install()``. Everything else is LMCache's code. The process answers commands, one JSON
+object per line on stdin, with one JSON object per line on stdout prefixed ``@@ ``:
+
+* sender: ``{"op": "put", "req_id", "chunks", "last_chunk_toks", "seed"}`` fills ``chunks``
+  chunks with a pattern derived from (seed, rank, chunk) and submits them in one batch, as
+  LMCache's connector does; ``{"op": "free"}`` reports the free/total pages of the arena.
+* receiver: ``{"op": "check", "req_id", "chunks", "last_chunk_toks", "seed"}`` compares the
+  received chunks with the pattern byte for byte; ``{"op": "free"}``;
+  ``{"op": "die_when_bytes_land", "seed"}`` kills the process (SIGKILL) as soon as the first
+  bytes of that pattern appear in its arena, i.e. in the middle of the sender's write.
+
+LMCache's ``close()`` hangs when nothing is mocked (its ZMQ contexts never terminate), so the
+process ends with ``os._exit`` on ``{"op": "exit"}`` or end of input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+
+def emit(**kw) -> None:
+    sys.stdout.write("@@ " + json.dumps(kw) + "\n")
+    sys.stdout.flush()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("role", choices=["sender", "receiver"])
+    ap.add_argument("--config", required=True, help="LMCache YAML file")
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--world-size", type=int, default=1)
+    ap.add_argument("--kv-shape", default="2,2,16,4,64")
+    ap.add_argument("--receiver-host", default="127.0.0.1")
+    ap.add_argument("--receiver-init-ports", default="")
+    ap.add_argument("--receiver-alloc-ports", default="")
+    args = ap.parse_args()
+
+    import torch
+
+    import kvbridge.lmcache
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.memory_management import MemoryFormat
+    from lmcache.v1.metadata import LMCacheMetadata
+    from lmcache.v1.storage_backend.pd_backend_async import PDBackendAsync
+
+    kvbridge.lmcache.install()
+    kv_shape = tuple(int(x) for x in args.kv_shape.split(","))
+    config = LMCacheEngineConfig.from_file(args.config)
+    md = LMCacheMetadata(
+        model_name="kvbridge-test",
+        world_size=args.world_size,
+        local_world_size=args.world_size,
+        worker_id=args.rank,
+        local_worker_id=args.rank,
+        kv_dtype=torch.bfloat16,
+        kv_shape=kv_shape,
+        chunk_size=kv_shape[2],
+    )
+    backend = PDBackendAsync(config, md)
+    channel = backend.transfer_channel
+    alloc = backend.memory_allocator.cpu_allocator
+    emit(
+        event="ready",
+        channel=type(channel).__module__ + "." + type(channel).__name__,
+        total=backend._get_total_chunks(),
+    )
+
+    def key(req_id: str, i: int) -> CacheEngineKey:
+        return CacheEngineKey(
+            model_name="kvbridge-test",
+            world_size=args.world_size,
+            worker_id=args.rank,
+            chunk_hash=hash((req_id, i)) & 0x7FFFFFFF,
+            dtype=torch.bfloat16,
+        )
+
+    def shape_of(i: int, n: int, last_toks: int) -> torch.Size:
+        s = list(kv_shape)
+        if i == n - 1:
+            s[2] = last_toks
+        return torch.Size(s)
+
+    def pattern(seed: int, i: int, shape: torch.Size) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + args.rank * 1009 + i)
+        raw = torch.randint(-32768, 32767, shape, generator=g, dtype=torch.int16)
+        return raw.view(torch.bfloat16)
+
+    def first_word(seed: int) -> int:
+        n_toks = kv_shape[2]
+        return int(pattern(seed, 0, shape_of(0, 2, n_toks)).view(torch.int16).flatten()[:4].view(torch.int64)[0])
+
+    def free() -> dict:
+        return {"free": backend._get_free_chunks(), "total": backend._get_total_chunks()}
+
+    def die_when_bytes_land(seed: int) -> None:
+        want = first_word(seed)
+        base, size, page = alloc.buffer_ptr, alloc.buffer_size, alloc.align_bytes
+
+        def watch() -> None:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                for off in range(0, size, page):
+                    if ctypes.c_int64.from_address(base + off).value == want:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(0.0005)
+
+        threading.Thread(target=watch, daemon=True).start()
+
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        cmd = json.loads(line)
+        op = cmd["op"]
+        try:
+            if op == "exit":
+                break
+            if op == "free":
+                emit(event="free", **free())
+            elif op == "die_when_bytes_land":
+                die_when_bytes_land(cmd["seed"])
+                emit(event="armed")
+            elif op == "put":
+                n, last, seed, req = cmd["chunks"], cmd["last_chunk_toks"], cmd["seed"], cmd["req_id"]
+                keys, objs = [], []
+                for i in range(n):
+                    shape = shape_of(i, n, last)
+                    obj = backend.allocate(shape, torch.bfloat16, fmt=MemoryFormat.KV_2LTD)
+                    assert obj is not None, "sender arena full"
+                    obj.tensor.copy_(pattern(seed, i, shape))
+                    keys.append(key(req, i))
+                    objs.append(obj)
+                spec = SimpleNamespace(
+                    req_id=req,
+                    receiver_host=args.receiver_host,
+                    receiver_init_port=[int(p) for p in args.receiver_init_ports.split(",")],
+                    receiver_alloc_port=[int(p) for p in args.receiver_alloc_ports.split(",")],
+                    is_last_prefill=True,
+                    num_transferred_tokens=0,
+                    total_chunks=n,
+                )
+                t0 = time.monotonic()
+                try:
+                    backend.batched_submit_put_task(keys, objs, transfer_spec=spec)
+                    emit(event="submitted", req_id=req, secs=time.monotonic() - t0)
+                except Exception as e:  # noqa: BLE001 - reported to the test
+                    emit(event="submit_failed", req_id=req, secs=time.monotonic() - t0,
+                         error=f"{type(e).__name__}: {e}")
+                finally:
+                    # The backend holds its own references while it transfers.
+                    for o in objs:
+                        o.ref_count_down()
+            elif op == "check":
+                n, last, seed, req = cmd["chunks"], cmd["last_chunk_toks"], cmd["seed"], cmd["req_id"]
+                bad = []
+                for i in range(n):
+                    obj = backend.get_blocking(key(req, i))
+                    want = pattern(seed, i, shape_of(i, n, last))
+                    got = obj.tensor
+                    if got.shape != want.shape or not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+                        bad.append(i)
+                emit(event="checked", req_id=req, bad=bad, chunks=n)
+                for i in range(n):
+                    backend.remove(key(req, i))
+            else:
+                emit(event="error", error=f"unknown op {op!r}")
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            emit(event="error", op=op, error=f"{type(e).__name__}: {e}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
