@@ -24,7 +24,7 @@ done
 TORCH_VERSION=2.13.0
 LMCACHE_VERSION=0.5.6
 PY_TOOLS=(pytest pytest-asyncio pyzmq msgspec numpy)
-VENV="$ROOT/.venv"
+VENV="${KVBRIDGE_VENV:-$ROOT/.venv}"  # KVBRIDGE_VENV: another place (measuring a fresh install)
 PY="$VENV/bin/python"
 
 if [ "$RUST" = 1 ]; then

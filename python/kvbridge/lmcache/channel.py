@@ -227,6 +227,7 @@ class KvbridgeChannel(BaseTransferChannel):
         addr = _resolve(peer_init_url)
         deadline = time.monotonic() + self.connect_timeout
         kb_peer = self._dial_until(addr, deadline, peer_id)
+        region = self._arena_of(kb_peer, peer_id)
         hello, fut = self._hello(local_id, init_side_msg)
         self._ch.notify(kb_peer, hello)
         try:
@@ -235,7 +236,7 @@ class KvbridgeChannel(BaseTransferChannel):
             raise self._hello_timeout(peer_id, addr) from None
         finally:
             self._forget_ack(fut)
-        return self._adopt(peer_id, kb_peer, addr, ack)
+        return self._adopt(peer_id, kb_peer, region, addr, ack)
 
     async def async_lazy_init_peer_connection(
         self,
@@ -247,6 +248,7 @@ class KvbridgeChannel(BaseTransferChannel):
         addr = _resolve(peer_init_url)
         deadline = time.monotonic() + self.connect_timeout
         kb_peer = await self._async_dial_until(addr, deadline, peer_id)
+        region = self._arena_of(kb_peer, peer_id)
         hello, fut = self._hello(local_id, init_side_msg)
         await self._ch.notify_async(kb_peer, hello)
         try:
@@ -255,7 +257,7 @@ class KvbridgeChannel(BaseTransferChannel):
             raise self._hello_timeout(peer_id, addr) from None
         finally:
             self._forget_ack(fut)
-        return self._adopt(peer_id, kb_peer, addr, ack)
+        return self._adopt(peer_id, kb_peer, region, addr, ack)
 
     def remote_xfer_handler_exists(self, receiver_or_sender_id: str) -> bool:
         with self._lock:
@@ -317,15 +319,21 @@ class KvbridgeChannel(BaseTransferChannel):
     def _hello_timeout(self, peer_id: str, addr: str) -> Exception:
         return kvbridge.Timeout(
             f"kvbridge.lmcache: LMCache peer {peer_id!r} at {addr} did not acknowledge our "
-            f"announcement within {self.hello_timeout:g} s (is it a kvbridge channel?)"
+            f"announcement within {self.hello_timeout:g} s (is it a kvbridge channel?)",
+            peer=addr,
+            step="lmcache-init",
         )
 
     def _adopt(
-        self, peer_id: str, kb_peer: str, addr: str, ack: _HelloAck
+        self, peer_id: str, kb_peer: str, region: int, addr: str, ack: _HelloAck
     ) -> Optional[InitSideRetMsgBase]:
         if ack.error:
-            raise RuntimeError(f"kvbridge.lmcache: LMCache peer {peer_id!r} at {addr}: {ack.error}")
-        region = self._arena_of(kb_peer, peer_id)
+            raise kvbridge.Rejected(
+                f"kvbridge.lmcache: LMCache peer {peer_id!r} at {addr} refused our "
+                f"announcement: {ack.error}",
+                peer=kb_peer,
+                step="lmcache-init",
+            )
         with self._lock:
             self._peers[peer_id] = _Peer(kb_peer=kb_peer, region=region, addr=addr)
         logger.info("kvbridge: LMCache peer %s is %s at %s (region %d)", peer_id, kb_peer, addr, region)
@@ -435,7 +443,9 @@ class KvbridgeChannel(BaseTransferChannel):
         if p.addr is None:
             raise kvbridge.UnknownPeer(
                 f"kvbridge.lmcache: LMCache peer {lmc_peer!r} dialed us and its session ended; "
-                "it must dial again"
+                "it must dial again",
+                peer=p.kb_peer,
+                step="connect",
             )
         kb_peer = self._ch.connect(p.addr)
         return self._readopt(lmc_peer, p, kb_peer)
@@ -444,7 +454,9 @@ class KvbridgeChannel(BaseTransferChannel):
         if p.addr is None:
             raise kvbridge.UnknownPeer(
                 f"kvbridge.lmcache: LMCache peer {lmc_peer!r} dialed us and its session ended; "
-                "it must dial again"
+                "it must dial again",
+                peer=p.kb_peer,
+                step="connect",
             )
         kb_peer = await self._ch.connect_async(p.addr)
         return self._readopt(lmc_peer, p, kb_peer)

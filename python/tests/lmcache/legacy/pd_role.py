@@ -27,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+import zlib
 from types import SimpleNamespace
 
 
@@ -83,7 +84,7 @@ def main() -> None:
             model_name="kvbridge-test",
             world_size=args.world_size,
             worker_id=args.rank,
-            chunk_hash=hash((req_id, i)) & 0x7FFFFFFF,
+            chunk_hash=zlib.crc32(f"{req_id}/{i}".encode()),
             dtype=torch.bfloat16,
         )
 

@@ -168,6 +168,8 @@ def test_receiver_killed_mid_transfer_fails_the_write_frees_pages_and_a_restart_
     log = sender.output()
     assert "Async transfer task failed" in log, log
     assert "kvbridge.lmcache: write of LMCache peer" in log, log
+    failure = [l for l in log.splitlines() if "Async transfer task failed" in l or l.startswith("kvbridge.")]
+    print("prefiller saw:", *failure, sep="\n  ")
     assert proxy.collect({"doomed": 1}, timeout=2) == {}, "a failed transfer was reported done"
 
     # The receiver comes back on the same ports: the next request reaches the new one.
