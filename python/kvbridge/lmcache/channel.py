@@ -23,6 +23,7 @@ incarnation answers, uses it (LMCache never re-runs ``lazy_init_peer_connection`
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import dataclasses
 import ipaddress
@@ -33,6 +34,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from typing import Any, Optional, Union
 
 import msgspec
@@ -66,6 +68,19 @@ _SESSION_ENDED = (
     kvbridge.UnknownPeer,
 )
 _NOTIF_MAGIC = b"kvbridge.lmcache/1\0"
+
+# Channels still open at interpreter exit are closed first: their notification thread must
+# not be inside kvbridge when Python ends daemon threads (the process would abort).
+_open_channels: "weakref.WeakSet[KvbridgeChannel]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_channels() -> None:
+    for ch in list(_open_channels):
+        try:
+            ch.close()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
 
 
 class _Hello(msgspec.Struct, tag=True):
@@ -199,6 +214,7 @@ class KvbridgeChannel(BaseTransferChannel):
             target=self._dispatch_loop, name=f"kvbridge-lmcache-tp{tp_rank}", daemon=True
         )
         self._dispatcher.start()
+        _open_channels.add(self)
         logger.info(
             "kvbridge channel %s (%s) registered %d bytes in pages of %d%s",
             peer_id,

@@ -13,6 +13,12 @@ object per line on stdin, with one JSON object per line on stdout prefixed ``@@ 
   ``{"op": "die_when_bytes_land", "seed"}`` kills the process (SIGKILL) as soon as the first
   bytes of that pattern appear in its arena, i.e. in the middle of the sender's write.
 
+With ``--http-port`` the process is also an OpenAI-style worker for ``kvbridge proxy`` (flow
+``lmcache``): the sender answers a prefill by putting the request's chunks for the
+``disagg_spec`` it carries (chunk count and pattern derived from the request id), the receiver
+answers a decode by checking those chunks byte for byte (``kv-verified`` in its answer, or a
+500), and both answer ``GET /health``.
+
 LMCache's ``close()`` hangs when nothing is mocked (its ZMQ contexts never terminate), so the
 process ends with ``os._exit`` on ``{"op": "exit"}`` or end of input.
 """
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import http.server
 import json
 import os
 import signal
@@ -46,6 +53,7 @@ def main() -> None:
     ap.add_argument("--receiver-host", default="127.0.0.1")
     ap.add_argument("--receiver-init-ports", default="")
     ap.add_argument("--receiver-alloc-ports", default="")
+    ap.add_argument("--http-port", type=int, default=0)
     args = ap.parse_args()
 
     import torch
@@ -120,6 +128,52 @@ def main() -> None:
 
         threading.Thread(target=watch, daemon=True).start()
 
+    def put(req: str, n: int, last: int, seed: int, host: str, init_ports, alloc_ports) -> dict:
+        keys, objs = [], []
+        for i in range(n):
+            shape = shape_of(i, n, last)
+            obj = backend.allocate(shape, torch.bfloat16, fmt=MemoryFormat.KV_2LTD)
+            assert obj is not None, "sender arena full"
+            obj.tensor.copy_(pattern(seed, i, shape))
+            keys.append(key(req, i))
+            objs.append(obj)
+        spec = SimpleNamespace(
+            req_id=req,
+            receiver_host=host,
+            receiver_init_port=[int(p) for p in str(init_ports).split(",")] if isinstance(init_ports, str) else list(init_ports),
+            receiver_alloc_port=[int(p) for p in str(alloc_ports).split(",")] if isinstance(alloc_ports, str) else list(alloc_ports),
+            is_last_prefill=True,
+            num_transferred_tokens=0,
+            total_chunks=n,
+        )
+        t0 = time.monotonic()
+        try:
+            backend.batched_submit_put_task(keys, objs, transfer_spec=spec)
+            return dict(event="submitted", req_id=req, secs=time.monotonic() - t0)
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            return dict(event="submit_failed", req_id=req, secs=time.monotonic() - t0,
+                        error=f"{type(e).__name__}: {e}")
+        finally:
+            # The backend holds its own references while it transfers.
+            for o in objs:
+                o.ref_count_down()
+
+    def check(req: str, n: int, last: int, seed: int) -> dict:
+        bad = []
+        for i in range(n):
+            obj = backend.get_blocking(key(req, i))
+            want = pattern(seed, i, shape_of(i, n, last))
+            got = obj.tensor
+            if got.shape != want.shape or not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+                bad.append(i)
+        for i in range(n):
+            backend.remove(key(req, i))
+        return dict(event="checked", req_id=req, bad=bad, chunks=n)
+
+    if args.http_port:
+        serve_http(args, put, check)
+        emit(event="http", port=args.http_port)
+
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -134,47 +188,10 @@ def main() -> None:
                 die_when_bytes_land(cmd["seed"])
                 emit(event="armed")
             elif op == "put":
-                n, last, seed, req = cmd["chunks"], cmd["last_chunk_toks"], cmd["seed"], cmd["req_id"]
-                keys, objs = [], []
-                for i in range(n):
-                    shape = shape_of(i, n, last)
-                    obj = backend.allocate(shape, torch.bfloat16, fmt=MemoryFormat.KV_2LTD)
-                    assert obj is not None, "sender arena full"
-                    obj.tensor.copy_(pattern(seed, i, shape))
-                    keys.append(key(req, i))
-                    objs.append(obj)
-                spec = SimpleNamespace(
-                    req_id=req,
-                    receiver_host=args.receiver_host,
-                    receiver_init_port=[int(p) for p in args.receiver_init_ports.split(",")],
-                    receiver_alloc_port=[int(p) for p in args.receiver_alloc_ports.split(",")],
-                    is_last_prefill=True,
-                    num_transferred_tokens=0,
-                    total_chunks=n,
-                )
-                t0 = time.monotonic()
-                try:
-                    backend.batched_submit_put_task(keys, objs, transfer_spec=spec)
-                    emit(event="submitted", req_id=req, secs=time.monotonic() - t0)
-                except Exception as e:  # noqa: BLE001 - reported to the test
-                    emit(event="submit_failed", req_id=req, secs=time.monotonic() - t0,
-                         error=f"{type(e).__name__}: {e}")
-                finally:
-                    # The backend holds its own references while it transfers.
-                    for o in objs:
-                        o.ref_count_down()
+                emit(**put(cmd["req_id"], cmd["chunks"], cmd["last_chunk_toks"], cmd["seed"],
+                            args.receiver_host, args.receiver_init_ports, args.receiver_alloc_ports))
             elif op == "check":
-                n, last, seed, req = cmd["chunks"], cmd["last_chunk_toks"], cmd["seed"], cmd["req_id"]
-                bad = []
-                for i in range(n):
-                    obj = backend.get_blocking(key(req, i))
-                    want = pattern(seed, i, shape_of(i, n, last))
-                    got = obj.tensor
-                    if got.shape != want.shape or not torch.equal(got.view(torch.int16), want.view(torch.int16)):
-                        bad.append(i)
-                emit(event="checked", req_id=req, bad=bad, chunks=n)
-                for i in range(n):
-                    backend.remove(key(req, i))
+                emit(**check(cmd["req_id"], cmd["chunks"], cmd["last_chunk_toks"], cmd["seed"]))
             else:
                 emit(event="error", error=f"unknown op {op!r}")
         except Exception as e:  # noqa: BLE001 - reported to the test
@@ -182,6 +199,64 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def request_shape(req_id: str) -> tuple[int, int, int]:
+    """(chunks, last chunk's tokens, seed) of a proxied request, derived from its id."""
+    h = zlib.crc32(req_id.encode())
+    return 2 + h % 3, 1 + (h >> 8) % 16, h % 100_000
+
+
+def serve_http(args, put, check) -> None:
+    role = args.role
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):  # the test reads stdout
+            pass
+
+        def answer(self, status: int, doc: dict) -> None:
+            body = json.dumps(doc).encode()
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            self.answer(200, {"ok": True}) if self.path == "/health" else self.answer(404, {})
+
+        def do_POST(self):
+            doc = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
+            params = doc.get("kv_transfer_params") or {}
+            try:
+                if role == "sender":
+                    spec = params["disagg_spec"]
+                    req = spec["req_id"]
+                    n, last, seed = request_shape(req)
+                    res = put(req, n, last, seed, spec["receiver_host"],
+                              spec["receiver_init_port"], spec["receiver_alloc_port"])
+                    if res["event"] != "submitted":
+                        return self.answer(500, {"error": {"message": res["error"]}})
+                    text = " first"
+                else:
+                    req = params["lmcache.pd_handoff_id"]
+                    n, last, seed = request_shape(req)
+                    res = check(req, n, last, seed)
+                    if res["bad"]:
+                        return self.answer(500, {"error": {"message": f"chunks {res['bad']} differ"}})
+                    text = f" kv-verified {req} {n} chunks"
+                emit(event="http", req_id=req, role=role)
+            except Exception as e:  # noqa: BLE001 - the proxy gets the reason
+                return self.answer(500, {"error": {"message": f"{type(e).__name__}: {e}"}})
+            self.answer(200, {
+                "id": "cmpl-" + req, "object": "text_completion", "created": int(time.time()),
+                "model": doc.get("model", "m"),
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            })
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", args.http_port), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
 
 
 if __name__ == "__main__":
