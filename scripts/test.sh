@@ -62,6 +62,11 @@ EOF
   echo "test.sh: .venv ready in $(( $(date +%s) - t0 )) s, $(du -sh "$VENV" | cut -f1)"
 fi
 
+# The LMCache tests drive `kvbridge proxy` (target/debug/kvbridge unless KVBRIDGE_BIN is set).
+if [ -z "${KVBRIDGE_BIN:-}" ] && command -v cargo >/dev/null; then
+  cargo build --quiet -p kvbridge-cli
+fi
+
 # The package is tested as installed (python/ is not on the path; the tests import kvbridge
 # from .venv).
 status=0

@@ -147,11 +147,17 @@ def installed() -> list[str]:
 
 
 def _register_distributed() -> None:
-    # The distributed layer's context is an optional part of this package; when it is there,
-    # its failures are real and propagate.
+    # The distributed layer's context is a separate part of this package: when it cannot
+    # register (an LMCache without that layer), the legacy channel still works, and the
+    # reason is logged loudly.
     if importlib.util.find_spec("kvbridge.lmcache.distributed") is None:
         return
-    distributed = importlib.import_module("kvbridge.lmcache.distributed")
-    register = getattr(distributed, "register", None)
-    if register is not None:
-        register()
+    try:
+        distributed = importlib.import_module("kvbridge.lmcache.distributed")
+        register = getattr(distributed, "register", None)
+        if register is not None:
+            register()
+    except Exception:  # noqa: BLE001 - see above
+        logger.warning(
+            "kvbridge: not registered in LMCache's distributed channel registry", exc_info=True
+        )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -131,3 +132,13 @@ def test_vllm_connector_module_subclasses_lmcaches_connector_and_installs():
     import kvbridge.lmcache as kl
 
     assert "lmcache.v1.storage_backend.pd_backend_async" in kl.installed()
+
+
+def test_install_registers_kvbridge_in_lmcaches_distributed_registry():
+    if importlib.util.find_spec("kvbridge.lmcache.distributed") is None:
+        pytest.skip("this build has no distributed channel context")
+    import kvbridge.lmcache as kl
+    from lmcache.v1.distributed.transfer_channel import factory
+
+    kl.install()
+    assert "kvbridge" in factory._TRANSFER_CHANNEL_FACTORY_REGISTRY
