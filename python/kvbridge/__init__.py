@@ -1,0 +1,73 @@
+"""kvbridge: moves KV cache between the prefill and decode workers of a disaggregated LLM
+deployment.
+
+A ``Channel`` registers caller memory (raw pointers, numpy arrays, bytearrays, CPU tensors),
+connects to peers, and moves pages with one-sided batched writes and reads (blocking,
+asyncio and submit-then-poll forms, all releasing the GIL), plus ordered notifications.
+Every failure raises a ``KvbridgeError`` subclass naming the peer and the step.
+
+    import numpy as np, kvbridge
+
+    decoder = kvbridge.Channel("decode-0", "127.0.0.1:0")
+    kv = np.zeros(64 << 20, dtype=np.uint8)
+    kv_region = decoder.register_buffer(kv, page_size=256 << 10)
+
+    prefiller = kvbridge.Channel("prefill-0")
+    staging = np.full(256 << 10, 7, dtype=np.uint8)
+    src = prefiller.register_buffer(staging, page_size=256 << 10)
+    peer = prefiller.connect(decoder.local_addr)
+    prefiller.write_pages(peer, src, [0], kv_region, [3])
+    prefiller.notify(peer, b"request 42 ready")
+    print(decoder.recv_notification(timeout=5))   # ('prefill-0', b'request 42 ready')
+"""
+
+from ._errors import (
+    Closed,
+    ConnectionLost,
+    Disconnected,
+    Incompatible,
+    InvalidOp,
+    KvbridgeError,
+    LimitExceeded,
+    LocalError,
+    NetworkError,
+    PeerClosed,
+    PeerError,
+    PeerMisbehaved,
+    PeerRestarted,
+    Rejected,
+    SessionReplaced,
+    Timeout,
+    UnknownPeer,
+    UnmapTimeout,
+    Unauthenticated,
+    UsageError,
+)
+from ._native import Channel, RegionInfo, Transfer, __version__
+
+__all__ = [
+    "Channel",
+    "RegionInfo",
+    "Transfer",
+    "__version__",
+    "KvbridgeError",
+    "PeerError",
+    "PeerMisbehaved",
+    "Incompatible",
+    "Unauthenticated",
+    "Rejected",
+    "PeerClosed",
+    "NetworkError",
+    "Timeout",
+    "UnmapTimeout",
+    "ConnectionLost",
+    "PeerRestarted",
+    "SessionReplaced",
+    "UsageError",
+    "InvalidOp",
+    "UnknownPeer",
+    "Closed",
+    "Disconnected",
+    "LimitExceeded",
+    "LocalError",
+]

@@ -1,0 +1,152 @@
+"""Type stubs of kvbridge's native module (PyO3). Import ``kvbridge``, not this."""
+
+from collections.abc import Awaitable, Sequence
+from os import PathLike
+from typing import Any, Literal, final
+
+__version__: str
+
+# (local_region, local_offset, remote_region, remote_offset, length)
+_Op = tuple[int, int, int, int, int]
+
+@final
+class RegionInfo:
+    """A region a peer grants us."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def length(self) -> int: ...
+    @property
+    def page_size(self) -> int: ...
+
+@final
+class Transfer:
+    """A batch submitted with ``Channel.submit_*``."""
+
+    def poll(self) -> Literal["PROC", "DONE", "ERR"]: ...
+    def wait(self, timeout: float | None = None) -> None: ...
+    @property
+    def error(self) -> Exception | None: ...
+    @property
+    def done(self) -> bool: ...
+    def cancel(self) -> None: ...
+
+@final
+class Channel:
+    """A kvbridge endpoint (see ``help(kvbridge.Channel)``)."""
+
+    def __init__(
+        self,
+        peer_id: str,
+        listen: str | None = None,
+        *,
+        secret: bytes | str | None = None,
+        transport: Literal["auto", "tcp", "shm"] | None = None,
+        tls_cert: str | PathLike[str] | None = None,
+        tls_key: str | PathLike[str] | None = None,
+        tls_ca: str | PathLike[str] | None = None,
+        tls_server_name: str | None = None,
+        compat: str | None = None,
+        use_env: bool = True,
+        deadlines: dict[str, float] | None = None,
+    ) -> None: ...
+    @property
+    def peer_id(self) -> str: ...
+    @property
+    def local_addr(self) -> str | None: ...
+    @property
+    def closed(self) -> bool: ...
+
+    # memory
+    def register(
+        self, ptr: int, length: int, page_size: int, *, peers: list[str] | None = None
+    ) -> int: ...
+    def register_buffer(
+        self, obj: Any, page_size: int, *, peers: list[str] | None = None
+    ) -> int: ...
+    def deregister(self, region: int) -> None: ...
+
+    # peers
+    def connect(self, addr: str) -> str: ...
+    def connect_async(self, addr: str) -> Awaitable[str]: ...
+    def peer_regions(self, peer: str) -> list[RegionInfo]: ...
+    def disconnect(self, peer: str, reason: str = "disconnect") -> None: ...
+
+    # transfers by page
+    def write_pages(
+        self,
+        peer: str,
+        local_region: int,
+        local_pages: Sequence[int],
+        remote_region: int,
+        remote_pages: Sequence[int],
+        page_len: int | None = None,
+    ) -> None: ...
+    def read_pages(
+        self,
+        peer: str,
+        local_region: int,
+        local_pages: Sequence[int],
+        remote_region: int,
+        remote_pages: Sequence[int],
+        page_len: int | None = None,
+    ) -> None: ...
+    def write_pages_async(
+        self,
+        peer: str,
+        local_region: int,
+        local_pages: Sequence[int],
+        remote_region: int,
+        remote_pages: Sequence[int],
+        page_len: int | None = None,
+    ) -> Awaitable[None]: ...
+    def read_pages_async(
+        self,
+        peer: str,
+        local_region: int,
+        local_pages: Sequence[int],
+        remote_region: int,
+        remote_pages: Sequence[int],
+        page_len: int | None = None,
+    ) -> Awaitable[None]: ...
+    def submit_write_pages(
+        self,
+        peer: str,
+        local_region: int,
+        local_pages: Sequence[int],
+        remote_region: int,
+        remote_pages: Sequence[int],
+        page_len: int | None = None,
+    ) -> Transfer: ...
+    def submit_read_pages(
+        self,
+        peer: str,
+        local_region: int,
+        local_pages: Sequence[int],
+        remote_region: int,
+        remote_pages: Sequence[int],
+        page_len: int | None = None,
+    ) -> Transfer: ...
+
+    # transfers by byte ranges
+    def write(self, peer: str, ops: Sequence[_Op]) -> None: ...
+    def read(self, peer: str, ops: Sequence[_Op]) -> None: ...
+    def write_async(self, peer: str, ops: Sequence[_Op]) -> Awaitable[None]: ...
+    def read_async(self, peer: str, ops: Sequence[_Op]) -> Awaitable[None]: ...
+    def submit_write(self, peer: str, ops: Sequence[_Op]) -> Transfer: ...
+    def submit_read(self, peer: str, ops: Sequence[_Op]) -> Transfer: ...
+
+    # notifications
+    def notify(self, peer: str, data: bytes) -> None: ...
+    def notify_async(self, peer: str, data: bytes) -> Awaitable[None]: ...
+    def recv_notification(self, timeout: float | None = None) -> tuple[str, bytes] | None: ...
+    def recv_notification_async(
+        self, timeout: float | None = None
+    ) -> Awaitable[tuple[str, bytes] | None]: ...
+    def get_new_notifs(self) -> dict[str, list[bytes]]: ...
+
+    def stats(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> Channel: ...
+    def __exit__(self, *exc: object) -> bool: ...

@@ -1,0 +1,1227 @@
+//! `Channel`: the Python face of `kvbridge::Channel`.
+//!
+//! Every op is checked here before the engine sees it (which checks again), so bad input is
+//! an `InvalidOp` before any byte moves. The channel holds what keeps registered Python
+//! memory alive until the region is deregistered, or for good when a peer may still write it.
+
+use crate::buffer::{self, Keep, Memory};
+use crate::call::{self, EngineResult, Outcome};
+use crate::errors;
+use crate::transfer::{Slot, Transfer};
+use kvbridge::config::DEFAULT_DATA_CONNECTIONS;
+use kvbridge::proto::auth::Secret;
+use kvbridge::proto::msg::Compat;
+use kvbridge::{Channel, ChannelConfig, Grant, Op, PeerId, Pem, Region, RegionId, Transport};
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyInt, PyList, PyString};
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// A batch ready to run on the runtime.
+type Batch = Pin<Box<dyn Future<Output = EngineResult<()>> + Send>>;
+
+/// Memory whose peer may still write it after its channel let go of it (a peer that knew its
+/// address never confirmed it stopped): kept alive until the process ends.
+static KEPT_FOREVER: Mutex<Vec<Keep>> = Mutex::new(Vec::new());
+
+fn keep_forever(keep: Option<Keep>) {
+    if let Some(k) = keep {
+        KEPT_FOREVER
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(k);
+    }
+}
+
+/// A region registered through this binding.
+struct Registered {
+    region: Region,
+    /// The memory may not be written (a read-only buffer): no read lands in it.
+    readonly: bool,
+    /// What keeps the memory valid (none for raw pointers: the caller does).
+    keep: Option<Keep>,
+}
+
+/// An open channel.
+struct Open {
+    channel: Channel,
+    regions: Mutex<HashMap<u128, Registered>>,
+    /// Notifications a cancelled or interrupted receive took from the engine before it
+    /// could hand them over: the next receive returns them first.
+    returned: Returned,
+}
+
+/// Notifications handed back by receives that could not deliver them, oldest first; a
+/// receive waiting on the engine wakes when one is handed back.
+#[derive(Default)]
+struct ReturnedQueue {
+    queue: Mutex<VecDeque<(String, Vec<u8>)>>,
+    added: tokio::sync::Notify,
+}
+
+type Returned = Arc<ReturnedQueue>;
+
+fn give_back(returned: &Returned, got: Option<(String, Vec<u8>)>) {
+    if let Some(n) = got {
+        returned
+            .queue
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push_front(n);
+        returned.added.notify_waiters();
+    }
+}
+
+fn take_returned(returned: &Returned) -> Option<(String, Vec<u8>)> {
+    returned
+        .queue
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .pop_front()
+}
+
+impl Open {
+    fn regions(&self) -> std::sync::MutexGuard<'_, HashMap<u128, Registered>> {
+        self.regions.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Dir {
+    Write,
+    Read,
+}
+
+impl Dir {
+    fn name(self) -> &'static str {
+        match self {
+            Dir::Write => "write",
+            Dir::Read => "read",
+        }
+    }
+}
+
+fn region_key(id: RegionId) -> u128 {
+    u128::from_be_bytes(id.0)
+}
+
+fn region_id(key: u128) -> RegionId {
+    RegionId(key.to_be_bytes())
+}
+
+/// A non-negative integer argument that fits `u64`; `InvalidOp` when it is an integer out of
+/// range, `TypeError` when it is not an integer.
+fn index_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
+    match obj.extract::<u64>() {
+        Ok(v) => Ok(v),
+        Err(_) if obj.is_instance_of::<PyInt>() || obj.hasattr("__index__")? => Err(
+            errors::invalid(py, format!("{what} {obj} is out of range (0..2^64)")),
+        ),
+        Err(_) => Err(PyTypeError::new_err(format!(
+            "{what} must be an int, not {}",
+            obj.get_type().name()?
+        ))),
+    }
+}
+
+fn usize_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
+    let v = index_arg(py, obj, what)?;
+    usize::try_from(v).map_err(|_| errors::invalid(py, format!("{what} {v} is out of range")))
+}
+
+fn region_arg(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<u128> {
+    match obj.extract::<u128>() {
+        Ok(v) => Ok(v),
+        Err(_) if obj.is_instance_of::<PyInt>() || obj.hasattr("__index__")? => Err(
+            errors::invalid(py, format!("region id {obj} is out of range")),
+        ),
+        Err(_) => Err(PyTypeError::new_err(format!(
+            "a region id must be an int, not {}",
+            obj.get_type().name()?
+        ))),
+    }
+}
+
+fn indices(py: Python<'_>, seq: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u64>> {
+    if seq.is_instance_of::<PyString>() || seq.is_instance_of::<PyBytes>() {
+        return Err(PyTypeError::new_err(format!(
+            "{what} must be a sequence of ints"
+        )));
+    }
+    let mut out = Vec::with_capacity(seq.len().unwrap_or(0));
+    for item in seq.try_iter()? {
+        out.push(index_arg(py, &item?, what)?);
+    }
+    Ok(out)
+}
+
+fn peer_arg(py: Python<'_>, peer: &str) -> PyResult<PeerId> {
+    PeerId::new(peer).ok_or_else(|| errors::invalid(py, format!("{peer:?} is not a valid peer id")))
+}
+
+fn bytes_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
+    if let Ok(b) = obj.downcast::<PyBytes>() {
+        return Ok(b.as_bytes().to_vec());
+    }
+    if let Ok(b) = obj.downcast::<PyByteArray>() {
+        return Ok(b.to_vec());
+    }
+    if obj.is_instance_of::<PyString>() {
+        return Err(PyTypeError::new_err("data must be bytes, not str"));
+    }
+    let b = obj
+        .py()
+        .import("builtins")?
+        .getattr("bytes")?
+        .call1((obj,))?;
+    Ok(b.downcast::<PyBytes>()?.as_bytes().to_vec())
+}
+
+fn none(py: Python<'_>, _: ()) -> PyResult<PyObject> {
+    Ok(py.None())
+}
+
+/// FNV-1a: the compatibility hash of a description (peers compare hashes).
+fn compat_hash(description: &str) -> u64 {
+    description.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// The regions a peer grants, as ``Channel.peer_regions`` lists them.
+#[pyclass(frozen, get_all, module = "kvbridge._native", name = "RegionInfo")]
+pub(crate) struct PyRegionInfo {
+    /// The region's id (pass it as ``remote_region``).
+    id: u128,
+    /// Its size in bytes.
+    length: u64,
+    /// Its page size in bytes (remote pages are counted in it).
+    page_size: u64,
+}
+
+#[pymethods]
+impl PyRegionInfo {
+    fn __repr__(&self) -> String {
+        format!(
+            "RegionInfo(id={}, length={}, page_size={})",
+            self.id, self.length, self.page_size
+        )
+    }
+}
+
+/// A kvbridge endpoint: it listens for peers (when ``listen`` is set), connects to peers
+/// lazily, and moves bytes between registered memory regions with one-sided batched writes
+/// and reads, plus ordered notifications.
+///
+/// ``Channel(peer_id, listen=None, *, secret=None, transport=None, tls_cert=None,
+/// tls_key=None, tls_ca=None, tls_server_name=None, compat=None, use_env=True,
+/// deadlines=None)``
+///
+/// - ``peer_id``: this side's stable id, e.g. ``"prefill-0/rank0"``.
+/// - ``listen``: ``"127.0.0.1:0"`` listens (port 0 picks one; see ``local_addr``); ``None``
+///   makes an initiator-only channel.
+/// - ``secret``: shared secret (bytes or str); peers that cannot prove they know it are
+///   refused (``Unauthenticated``). Default: ``KVBRIDGE_SECRET``.
+/// - ``transport``: ``"auto"`` (shared memory with a peer on this host, else TCP), ``"tcp"``
+///   or ``"shm"``. Default: ``KVBRIDGE_TRANSPORT``, else auto.
+/// - ``tls_cert``/``tls_key``: PEM files, for a listener with TLS on its control connection;
+///   ``tls_ca``/``tls_server_name``: what an initiator trusts. Default: ``KVBRIDGE_TLS_*``.
+/// - ``compat``: a description of what peers must match (KV layout, dtype...); peers with
+///   different ones refuse each other (``Incompatible``).
+/// - ``use_env``: read the ``KVBRIDGE_*`` environment variables as the Rust API does.
+/// - ``deadlines``: seconds per step, by name: ``connect``, ``handshake_step``, ``op`` (a
+///   whole batch or notification), ``first_frame``, ``control_write``, ``keepalive``,
+///   ``peer_silence``, ``close``. Every wait has one; a passed deadline raises ``Timeout``.
+///
+/// Blocking methods release the GIL and wake every 100 ms to let Python handle signals
+/// (Ctrl-C raises ``KeyboardInterrupt`` and abandons the call; the channel stays usable).
+/// ``*_async`` methods return awaitables of the running asyncio loop; ``submit_*`` methods
+/// return a ``Transfer`` to poll. Errors are ``kvbridge.KvbridgeError`` subclasses with
+/// ``.peer`` and ``.step``. After ``close()`` every call raises ``kvbridge.Closed``.
+#[pyclass(frozen, module = "kvbridge._native", name = "Channel")]
+pub(crate) struct PyChannel {
+    open: Mutex<Option<Arc<Open>>>,
+    peer_id: String,
+    local_addr: Option<String>,
+}
+
+impl PyChannel {
+    fn open(&self, py: Python<'_>) -> PyResult<Arc<Open>> {
+        self.open
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or_else(|| errors::closed(py))
+    }
+
+    /// The local side of a batch by pages: checked, before the peer's regions are known.
+    #[allow(clippy::too_many_arguments)]
+    fn pages_batch(
+        &self,
+        py: Python<'_>,
+        dir: Dir,
+        peer: &str,
+        local_region: &Bound<'_, PyAny>,
+        local_pages: &Bound<'_, PyAny>,
+        remote_region: &Bound<'_, PyAny>,
+        remote_pages: &Bound<'_, PyAny>,
+        page_len: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<(Batch, String)> {
+        let open = self.open(py)?;
+        let peer_id = peer_arg(py, peer)?;
+        let local_key = region_arg(py, local_region)?;
+        let remote = region_id(region_arg(py, remote_region)?);
+        let local_pages = indices(py, local_pages, "local page")?;
+        let remote_pages = indices(py, remote_pages, "remote page")?;
+        let bad = |msg: String| {
+            errors::make(
+                py,
+                "InvalidOp",
+                format!("invalid op for peer {peer}: {msg}"),
+                Some(peer),
+                None,
+                None,
+            )
+        };
+        if local_pages.len() != remote_pages.len() {
+            return Err(bad(format!(
+                "{} local pages but {} remote pages",
+                local_pages.len(),
+                remote_pages.len()
+            )));
+        }
+        let local = {
+            let regions = open.regions();
+            let reg = regions
+                .get(&local_key)
+                .ok_or_else(|| bad(format!("local region {local_key} is not registered")))?;
+            if dir == Dir::Read && reg.readonly {
+                return Err(bad(format!(
+                    "local region {local_key} is a read-only buffer: nothing may be read into it"
+                )));
+            }
+            reg.region.clone()
+        };
+        let page_len = match page_len {
+            Some(p) => usize_arg(py, p, "page_len")?,
+            None => local.page_size(),
+        };
+        if page_len == 0 {
+            return Err(bad("page_len is 0".into()));
+        }
+        let mut local_offsets = Vec::with_capacity(local_pages.len());
+        for (i, &p) in local_pages.iter().enumerate() {
+            let off = usize::try_from(p)
+                .ok()
+                .and_then(|p| p.checked_mul(local.page_size()))
+                .filter(|off| off.checked_add(page_len).is_some_and(|end| end <= local.len()))
+                .ok_or_else(|| {
+                    bad(format!(
+                        "local page {p} (op {i}) with page_len {page_len} is outside local region {local_key} ({} pages of {} bytes)",
+                        local.pages(),
+                        local.page_size()
+                    ))
+                })?;
+            local_offsets.push(off);
+        }
+        let channel = open.channel.clone();
+        let what = format!(
+            "{} of {} pages with peer {peer}",
+            dir.name(),
+            local_offsets.len()
+        );
+        let peer = peer.to_string();
+        let batch = async move {
+            let regions = channel.peer_regions(&peer_id).await?;
+            let info = regions
+                .iter()
+                .find(|r| r.id == remote)
+                .ok_or_else(|| Outcome::Invalid {
+                    peer: peer.clone(),
+                    message: format!("the peer grants no region {}", region_key(remote)),
+                })?;
+            let len = page_len as u64;
+            let mut ops = Vec::with_capacity(local_offsets.len());
+            for (i, (&lo, &rp)) in local_offsets.iter().zip(&remote_pages).enumerate() {
+                let ro = rp
+                    .checked_mul(info.page_size)
+                    .filter(|off| off.checked_add(len).is_some_and(|end| end <= info.len))
+                    .ok_or_else(|| Outcome::Invalid {
+                        peer: peer.clone(),
+                        message: format!(
+                            "remote page {rp} (op {i}) with page_len {page_len} is outside the peer's region {} ({} bytes, pages of {})",
+                            region_key(remote),
+                            info.len,
+                            info.page_size
+                        ),
+                    })?;
+                ops.push(Op {
+                    local: local.clone(),
+                    local_offset: lo,
+                    remote,
+                    remote_offset: ro,
+                    len: page_len,
+                });
+            }
+            if ops.is_empty() {
+                return Ok(());
+            }
+            match dir {
+                Dir::Write => channel.write(&peer_id, &ops).await?,
+                Dir::Read => channel.read(&peer_id, &ops).await?,
+            }
+            Ok(())
+        };
+        Ok((Box::pin(batch), what))
+    }
+
+    /// A batch of `(local_region, local_offset, remote_region, remote_offset, length)` ops,
+    /// its local side checked (the engine checks the remote side before any byte moves).
+    fn ops_batch(
+        &self,
+        py: Python<'_>,
+        dir: Dir,
+        peer: &str,
+        ops: &Bound<'_, PyAny>,
+    ) -> PyResult<(Batch, String)> {
+        let open = self.open(py)?;
+        let peer_id = peer_arg(py, peer)?;
+        let bad = |msg: String| {
+            errors::make(
+                py,
+                "InvalidOp",
+                format!("invalid op for peer {peer}: {msg}"),
+                Some(peer),
+                None,
+                None,
+            )
+        };
+        let mut batch = Vec::with_capacity(ops.len().unwrap_or(0));
+        {
+            let regions = open.regions();
+            for (i, op) in ops.try_iter()?.enumerate() {
+                let op = op?;
+                let n = op.len()?;
+                if n != 5 {
+                    return Err(bad(format!(
+                        "op {i} has {n} fields, not (local_region, local_offset, remote_region, remote_offset, length)"
+                    )));
+                }
+                let local_key = region_arg(py, &op.get_item(0)?)?;
+                let local_offset = usize_arg(py, &op.get_item(1)?, "local offset")?;
+                let remote = region_id(region_arg(py, &op.get_item(2)?)?);
+                let remote_offset = index_arg(py, &op.get_item(3)?, "remote offset")?;
+                let len = usize_arg(py, &op.get_item(4)?, "length")?;
+                let reg = regions.get(&local_key).ok_or_else(|| {
+                    bad(format!(
+                        "op {i}: local region {local_key} is not registered"
+                    ))
+                })?;
+                if dir == Dir::Read && reg.readonly {
+                    return Err(bad(format!("op {i}: local region {local_key} is a read-only buffer: nothing may be read into it")));
+                }
+                if len == 0 {
+                    return Err(bad(format!("op {i} has length 0")));
+                }
+                if local_offset
+                    .checked_add(len)
+                    .is_none_or(|end| end > reg.region.len())
+                {
+                    return Err(bad(format!(
+                        "op {i}: local bytes {local_offset}+{len} are outside local region {local_key} ({} bytes)",
+                        reg.region.len()
+                    )));
+                }
+                if remote_offset.checked_add(len as u64).is_none() {
+                    return Err(bad(format!(
+                        "op {i}: remote offset {remote_offset}+{len} overflows"
+                    )));
+                }
+                batch.push(Op {
+                    local: reg.region.clone(),
+                    local_offset,
+                    remote,
+                    remote_offset,
+                    len,
+                });
+            }
+        }
+        let channel = open.channel.clone();
+        let what = format!("{} of {} ops with peer {peer}", dir.name(), batch.len());
+        let fut = async move {
+            if batch.is_empty() {
+                return Ok(());
+            }
+            match dir {
+                Dir::Write => channel.write(&peer_id, &batch).await?,
+                Dir::Read => channel.read(&peer_id, &batch).await?,
+            }
+            Ok(())
+        };
+        Ok((Box::pin(fut), what))
+    }
+
+    fn submit(py: Python<'_>, batch: Batch, what: String) -> PyResult<Transfer> {
+        let slot = Arc::new(Slot::default());
+        let filled = slot.clone();
+        let abort = call::spawn(py, async move { filled.finish(batch.await) })?;
+        Ok(Transfer::new(slot, abort, what))
+    }
+
+    fn register_memory(
+        &self,
+        py: Python<'_>,
+        mem: Memory,
+        page_size: usize,
+        peers: Option<Vec<String>>,
+    ) -> PyResult<u128> {
+        let open = self.open(py)?;
+        let Memory {
+            ptr,
+            len: length,
+            readonly,
+            keep,
+        } = mem;
+        if ptr == 0 {
+            return Err(errors::invalid(py, "null pointer"));
+        }
+        if length == 0 {
+            return Err(errors::invalid(py, "length is 0"));
+        }
+        if page_size == 0 {
+            return Err(errors::invalid(py, "page size is 0"));
+        }
+        if length % page_size != 0 {
+            return Err(errors::invalid(
+                py,
+                format!("page size {page_size} does not divide length {length}"),
+            ));
+        }
+        if ptr.checked_add(length).is_none() {
+            return Err(errors::invalid(
+                py,
+                format!("pointer {ptr:#x} + length {length} overflows the address space"),
+            ));
+        }
+        let grant = match peers {
+            None => Grant::AllPeers,
+            Some(p) => Grant::Peers(p.iter().map(|s| peer_arg(py, s)).collect::<PyResult<_>>()?),
+        };
+        if readonly && grant != Grant::Peers(Vec::new()) {
+            return Err(errors::invalid(
+                py,
+                "a read-only buffer can only be registered with peers=[] (a peer granted the region may write it)",
+            ));
+        }
+        // SAFETY: the caller vouches for raw pointers (Channel.register's contract); for
+        // Python objects `keep` holds the export or the object until the region is
+        // deregistered and no transfer touches it, or for good.
+        let region = unsafe { Region::from_raw(ptr as *mut u8, length, page_size) }
+            .map_err(|e| errors::to_py(py, &e))?;
+        open.channel
+            .register(&region, grant)
+            .map_err(|e| errors::to_py(py, &e))?;
+        let key = region_key(region.id());
+        open.regions().insert(
+            key,
+            Registered {
+                region,
+                readonly,
+                keep,
+            },
+        );
+        Ok(key)
+    }
+
+    /// Closes the engine's channel, then lets go of registered memory no peer can still
+    /// reach.
+    fn shut(py: Python<'_>, open: Arc<Open>) -> PyResult<()> {
+        let channel = open.channel.clone();
+        let r = call::block_on_uninterrupted(py, async move { channel.close().await });
+        let regions: Vec<Registered> = open.regions().drain().map(|(_, r)| r).collect();
+        for r in regions {
+            if r.region.is_tainted() || r.region.in_use() > 0 || r.region.cma_exports() > 0 {
+                keep_forever(r.keep);
+            }
+        }
+        r
+    }
+}
+
+#[pymethods]
+impl PyChannel {
+    #[new]
+    #[pyo3(signature = (peer_id, listen=None, *, secret=None, transport=None, tls_cert=None, tls_key=None, tls_ca=None, tls_server_name=None, compat=None, use_env=true, deadlines=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        peer_id: &str,
+        listen: Option<&str>,
+        secret: Option<&Bound<'_, PyAny>>,
+        transport: Option<&str>,
+        tls_cert: Option<PathBuf>,
+        tls_key: Option<PathBuf>,
+        tls_ca: Option<PathBuf>,
+        tls_server_name: Option<String>,
+        compat: Option<&str>,
+        use_env: bool,
+        deadlines: Option<HashMap<String, f64>>,
+    ) -> PyResult<Self> {
+        peer_arg(py, peer_id)?;
+        let mut config = ChannelConfig::new(peer_id, listen);
+        if !use_env {
+            config.secret = None;
+            config.tls = None;
+            config.data_threads = true;
+            config.transport = Transport::Auto;
+            config.cma = true;
+            config.data_connections = DEFAULT_DATA_CONNECTIONS;
+        }
+        if let Some(s) = secret {
+            let bytes = if let Ok(s) = s.downcast::<PyString>() {
+                s.to_str()?.as_bytes().to_vec()
+            } else {
+                bytes_arg(s)?
+            };
+            config.secret =
+                Some(Secret::new(bytes).ok_or_else(|| errors::invalid(py, "the secret is empty"))?);
+        }
+        if let Some(t) = transport {
+            config.transport = Transport::parse(t).ok_or_else(|| {
+                errors::invalid(py, format!("transport {t:?}: expected auto, tcp or shm"))
+            })?;
+        }
+        if tls_cert.is_some() || tls_key.is_some() || tls_ca.is_some() || tls_server_name.is_some()
+        {
+            let mut tls = config.tls.take().unwrap_or_default();
+            if let Some(p) = tls_cert {
+                tls.cert_chain = Some(Pem::File(p));
+            }
+            if let Some(p) = tls_key {
+                tls.private_key = Some(Pem::File(p));
+            }
+            if let Some(p) = tls_ca {
+                tls.trusted = Some(Pem::File(p));
+            }
+            if tls_server_name.is_some() {
+                tls.server_name = tls_server_name;
+            }
+            config.tls = Some(tls);
+        }
+        if let Some(c) = compat {
+            config.compat = Compat {
+                hash: compat_hash(c),
+                description: c.to_string(),
+            };
+        }
+        for (name, secs) in deadlines.unwrap_or_default() {
+            if !(secs.is_finite() && secs > 0.0 && secs < 1e9) {
+                return Err(errors::invalid(
+                    py,
+                    format!("deadline {name}={secs}: expected seconds > 0"),
+                ));
+            }
+            let d = Duration::from_secs_f64(secs);
+            let slot = match name.as_str() {
+                "connect" => &mut config.deadlines.connect,
+                "handshake_step" => &mut config.deadlines.handshake_step,
+                "op" => &mut config.deadlines.op,
+                "first_frame" => &mut config.deadlines.first_frame,
+                "control_write" => &mut config.deadlines.control_write,
+                "keepalive" => &mut config.deadlines.keepalive,
+                "peer_silence" => &mut config.deadlines.peer_silence,
+                "close" => &mut config.deadlines.close,
+                _ => {
+                    return Err(errors::invalid(
+                        py,
+                        format!("unknown deadline {name:?}: expected connect, handshake_step, op, first_frame, control_write, keepalive, peer_silence or close"),
+                    ))
+                }
+            };
+            *slot = d;
+        }
+        let channel = call::block_on(py, async move { Ok(Channel::new(config).await?) })?;
+        let local_addr = channel.local_addr().map(|a| a.to_string());
+        Ok(Self {
+            open: Mutex::new(Some(Arc::new(Open {
+                channel,
+                regions: Mutex::new(HashMap::new()),
+                returned: Returned::default(),
+            }))),
+            peer_id: peer_id.to_string(),
+            local_addr,
+        })
+    }
+
+    /// This side's peer id.
+    #[getter]
+    fn peer_id(&self) -> &str {
+        &self.peer_id
+    }
+
+    /// ``"host:port"`` the channel listens on, or ``None`` for an initiator-only channel.
+    #[getter]
+    fn local_addr(&self) -> Option<&str> {
+        self.local_addr.as_deref()
+    }
+
+    /// Whether ``close()`` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.open
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_none()
+    }
+
+    /// Registers caller memory ``ptr .. ptr+length`` in pages of ``page_size`` bytes (which
+    /// must divide ``length``) and returns its region id. ``peers``: the peer ids that may
+    /// write and read it (default: every peer). The memory must stay valid until
+    /// ``deregister`` (or ``close``) returns; kvbridge does not own it.
+    #[pyo3(signature = (ptr, length, page_size, *, peers=None))]
+    fn register(
+        &self,
+        py: Python<'_>,
+        ptr: &Bound<'_, PyAny>,
+        length: &Bound<'_, PyAny>,
+        page_size: &Bound<'_, PyAny>,
+        peers: Option<Vec<String>>,
+    ) -> PyResult<u128> {
+        let ptr = usize_arg(py, ptr, "pointer")?;
+        let length = usize_arg(py, length, "length")?;
+        let page_size = usize_arg(py, page_size, "page size")?;
+        self.register_memory(
+            py,
+            Memory {
+                ptr,
+                len: length,
+                readonly: false,
+                keep: None,
+            },
+            page_size,
+            peers,
+        )
+    }
+
+    /// Registers the memory of ``obj`` and returns its region id: a C-contiguous
+    /// buffer-protocol object (bytearray, numpy array, memoryview) or a contiguous CPU
+    /// tensor (``data_ptr()`` and ``nbytes``). The channel keeps ``obj`` (and its buffer
+    /// export, so a bytearray cannot be resized) until ``deregister``/``close``. A read-only
+    /// buffer is refused unless ``peers=[]`` (then it can only be the source of writes).
+    #[pyo3(signature = (obj, page_size, *, peers=None))]
+    fn register_buffer(
+        &self,
+        py: Python<'_>,
+        obj: &Bound<'_, PyAny>,
+        page_size: &Bound<'_, PyAny>,
+        peers: Option<Vec<String>>,
+    ) -> PyResult<u128> {
+        self.open(py)?;
+        let page_size = usize_arg(py, page_size, "page size")?;
+        let mem = buffer::memory_of(obj)?;
+        self.register_memory(py, mem, page_size, peers)
+    }
+
+    /// Removes a region: new transfers cannot find it; waits (within the op deadline) until
+    /// no transfer touches it, then lets go of its memory. When a peer may still write it,
+    /// raises and keeps the memory alive for good.
+    fn deregister(&self, py: Python<'_>, region: &Bound<'_, PyAny>) -> PyResult<()> {
+        let open = self.open(py)?;
+        let key = region_arg(py, region)?;
+        let reg = open
+            .regions()
+            .remove(&key)
+            .ok_or_else(|| errors::invalid(py, format!("region {key} is not registered")))?;
+        let channel = open.channel.clone();
+        let r = call::block_on(
+            py,
+            async move { Ok(channel.deregister(region_id(key)).await?) },
+        );
+        if r.is_err() || reg.region.is_tainted() {
+            keep_forever(reg.keep);
+        }
+        r
+    }
+
+    /// Connects to the listener at ``addr`` (``"host:port"``) and returns its peer id.
+    /// Idempotent: an established session is reused.
+    fn connect(&self, py: Python<'_>, addr: String) -> PyResult<String> {
+        let channel = self.open(py)?.channel.clone();
+        call::block_on(
+            py,
+            async move { Ok(channel.connect(&addr).await?.to_string()) },
+        )
+    }
+
+    /// ``connect`` as an awaitable.
+    fn connect_async<'py>(&self, py: Python<'py>, addr: String) -> PyResult<Bound<'py, PyAny>> {
+        let channel = self.open(py)?.channel.clone();
+        call::awaitable(
+            py,
+            async move { Ok(channel.connect(&addr).await?.to_string()) },
+            |py, s: String| Ok(PyString::new(py, &s).into_any().unbind()),
+        )
+    }
+
+    /// The regions a connected peer grants us, as ``RegionInfo`` (``.id``, ``.length``,
+    /// ``.page_size``).
+    fn peer_regions(&self, py: Python<'_>, peer: &str) -> PyResult<Vec<PyRegionInfo>> {
+        let channel = self.open(py)?.channel.clone();
+        let peer = peer_arg(py, peer)?;
+        let infos = call::block_on(py, async move { Ok(channel.peer_regions(&peer).await?) })?;
+        Ok(infos
+            .into_iter()
+            .map(|r| PyRegionInfo {
+                id: region_key(r.id),
+                length: r.len,
+                page_size: r.page_size,
+            })
+            .collect())
+    }
+
+    /// Writes local pages into the peer's pages: ``local_pages[i]`` of ``local_region``
+    /// into ``remote_pages[i]`` of the peer's ``remote_region``, ``page_len`` bytes each
+    /// (default: the local page size; page indices count in each region's own page size).
+    /// Every op is checked before any byte moves; returns once every byte is in the peer's
+    /// memory.
+    #[pyo3(signature = (peer, local_region, local_pages, remote_region, remote_pages, page_len=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn write_pages(
+        &self,
+        py: Python<'_>,
+        peer: &str,
+        local_region: &Bound<'_, PyAny>,
+        local_pages: &Bound<'_, PyAny>,
+        remote_region: &Bound<'_, PyAny>,
+        remote_pages: &Bound<'_, PyAny>,
+        page_len: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let (batch, _) = self.pages_batch(
+            py,
+            Dir::Write,
+            peer,
+            local_region,
+            local_pages,
+            remote_region,
+            remote_pages,
+            page_len,
+        )?;
+        call::block_on(py, batch)
+    }
+
+    /// Reads the peer's pages into local pages (the mirror of ``write_pages``); returns once
+    /// every byte is in local memory.
+    #[pyo3(signature = (peer, local_region, local_pages, remote_region, remote_pages, page_len=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn read_pages(
+        &self,
+        py: Python<'_>,
+        peer: &str,
+        local_region: &Bound<'_, PyAny>,
+        local_pages: &Bound<'_, PyAny>,
+        remote_region: &Bound<'_, PyAny>,
+        remote_pages: &Bound<'_, PyAny>,
+        page_len: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let (batch, _) = self.pages_batch(
+            py,
+            Dir::Read,
+            peer,
+            local_region,
+            local_pages,
+            remote_region,
+            remote_pages,
+            page_len,
+        )?;
+        call::block_on(py, batch)
+    }
+
+    /// ``write_pages`` as an awaitable.
+    #[pyo3(signature = (peer, local_region, local_pages, remote_region, remote_pages, page_len=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn write_pages_async<'py>(
+        &self,
+        py: Python<'py>,
+        peer: &str,
+        local_region: &Bound<'py, PyAny>,
+        local_pages: &Bound<'py, PyAny>,
+        remote_region: &Bound<'py, PyAny>,
+        remote_pages: &Bound<'py, PyAny>,
+        page_len: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let (batch, _) = self.pages_batch(
+            py,
+            Dir::Write,
+            peer,
+            local_region,
+            local_pages,
+            remote_region,
+            remote_pages,
+            page_len,
+        )?;
+        call::awaitable(py, batch, none)
+    }
+
+    /// ``read_pages`` as an awaitable.
+    #[pyo3(signature = (peer, local_region, local_pages, remote_region, remote_pages, page_len=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn read_pages_async<'py>(
+        &self,
+        py: Python<'py>,
+        peer: &str,
+        local_region: &Bound<'py, PyAny>,
+        local_pages: &Bound<'py, PyAny>,
+        remote_region: &Bound<'py, PyAny>,
+        remote_pages: &Bound<'py, PyAny>,
+        page_len: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let (batch, _) = self.pages_batch(
+            py,
+            Dir::Read,
+            peer,
+            local_region,
+            local_pages,
+            remote_region,
+            remote_pages,
+            page_len,
+        )?;
+        call::awaitable(py, batch, none)
+    }
+
+    /// ``write_pages`` without waiting: returns a ``Transfer`` to ``poll()`` or ``wait()``.
+    #[pyo3(signature = (peer, local_region, local_pages, remote_region, remote_pages, page_len=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn submit_write_pages(
+        &self,
+        py: Python<'_>,
+        peer: &str,
+        local_region: &Bound<'_, PyAny>,
+        local_pages: &Bound<'_, PyAny>,
+        remote_region: &Bound<'_, PyAny>,
+        remote_pages: &Bound<'_, PyAny>,
+        page_len: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Transfer> {
+        let (batch, what) = self.pages_batch(
+            py,
+            Dir::Write,
+            peer,
+            local_region,
+            local_pages,
+            remote_region,
+            remote_pages,
+            page_len,
+        )?;
+        Self::submit(py, batch, what)
+    }
+
+    /// ``read_pages`` without waiting: returns a ``Transfer`` to ``poll()`` or ``wait()``.
+    #[pyo3(signature = (peer, local_region, local_pages, remote_region, remote_pages, page_len=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn submit_read_pages(
+        &self,
+        py: Python<'_>,
+        peer: &str,
+        local_region: &Bound<'_, PyAny>,
+        local_pages: &Bound<'_, PyAny>,
+        remote_region: &Bound<'_, PyAny>,
+        remote_pages: &Bound<'_, PyAny>,
+        page_len: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Transfer> {
+        let (batch, what) = self.pages_batch(
+            py,
+            Dir::Read,
+            peer,
+            local_region,
+            local_pages,
+            remote_region,
+            remote_pages,
+            page_len,
+        )?;
+        Self::submit(py, batch, what)
+    }
+
+    /// Writes a batch of ops, each ``(local_region, local_offset, remote_region,
+    /// remote_offset, length)`` in bytes; returns once every byte is in the peer's memory.
+    fn write(&self, py: Python<'_>, peer: &str, ops: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (batch, _) = self.ops_batch(py, Dir::Write, peer, ops)?;
+        call::block_on(py, batch)
+    }
+
+    /// Reads a batch of ops (see ``write``) from the peer's regions into local ones.
+    fn read(&self, py: Python<'_>, peer: &str, ops: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (batch, _) = self.ops_batch(py, Dir::Read, peer, ops)?;
+        call::block_on(py, batch)
+    }
+
+    /// ``write`` as an awaitable.
+    fn write_async<'py>(
+        &self,
+        py: Python<'py>,
+        peer: &str,
+        ops: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let (batch, _) = self.ops_batch(py, Dir::Write, peer, ops)?;
+        call::awaitable(py, batch, none)
+    }
+
+    /// ``read`` as an awaitable.
+    fn read_async<'py>(
+        &self,
+        py: Python<'py>,
+        peer: &str,
+        ops: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let (batch, _) = self.ops_batch(py, Dir::Read, peer, ops)?;
+        call::awaitable(py, batch, none)
+    }
+
+    /// ``write`` without waiting: returns a ``Transfer``.
+    fn submit_write(
+        &self,
+        py: Python<'_>,
+        peer: &str,
+        ops: &Bound<'_, PyAny>,
+    ) -> PyResult<Transfer> {
+        let (batch, what) = self.ops_batch(py, Dir::Write, peer, ops)?;
+        Self::submit(py, batch, what)
+    }
+
+    /// ``read`` without waiting: returns a ``Transfer``.
+    fn submit_read(
+        &self,
+        py: Python<'_>,
+        peer: &str,
+        ops: &Bound<'_, PyAny>,
+    ) -> PyResult<Transfer> {
+        let (batch, what) = self.ops_batch(py, Dir::Read, peer, ops)?;
+        Self::submit(py, batch, what)
+    }
+
+    /// Sends ``data`` (bytes) to the peer's application; it is delivered after every write
+    /// issued to that peer before it. Returns once the peer received it.
+    fn notify(&self, py: Python<'_>, peer: &str, data: &Bound<'_, PyAny>) -> PyResult<()> {
+        let channel = self.open(py)?.channel.clone();
+        let peer = peer_arg(py, peer)?;
+        let data = bytes_arg(data)?;
+        call::block_on(py, async move { Ok(channel.notify(&peer, &data).await?) })
+    }
+
+    /// ``notify`` as an awaitable.
+    fn notify_async<'py>(
+        &self,
+        py: Python<'py>,
+        peer: &str,
+        data: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let channel = self.open(py)?.channel.clone();
+        let peer = peer_arg(py, peer)?;
+        let data = bytes_arg(data)?;
+        call::awaitable(
+            py,
+            async move { Ok(channel.notify(&peer, &data).await?) },
+            none,
+        )
+    }
+
+    /// The next notification from any peer as ``(peer_id, data)``, waiting at most
+    /// ``timeout`` seconds (``None``: until one comes); ``None`` when the timeout passed.
+    #[pyo3(signature = (timeout=None))]
+    fn recv_notification(
+        &self,
+        py: Python<'_>,
+        timeout: Option<f64>,
+    ) -> PyResult<Option<(String, Py<PyBytes>)>> {
+        let open = self.open(py)?;
+        let limit = timeout_arg(py, timeout)?;
+        let returned = open.returned.clone();
+        let fut = recv(open.channel.clone(), open.returned.clone(), limit);
+        let got = call::block_on_with(py, fut, move |got| give_back(&returned, got))?;
+        Ok(got.map(|(p, d)| (p, PyBytes::new(py, &d).unbind())))
+    }
+
+    /// ``recv_notification`` as an awaitable.
+    #[pyo3(signature = (timeout=None))]
+    fn recv_notification_async<'py>(
+        &self,
+        py: Python<'py>,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let open = self.open(py)?;
+        let limit = timeout_arg(py, timeout)?;
+        let returned = open.returned.clone();
+        let fut = recv(open.channel.clone(), open.returned.clone(), limit);
+        call::awaitable_with(
+            py,
+            fut,
+            |py, got: Option<(String, Vec<u8>)>| {
+                Ok(match got {
+                    Some((p, d)) => (p, PyBytes::new(py, &d))
+                        .into_pyobject(py)?
+                        .into_any()
+                        .unbind(),
+                    None => py.None(),
+                })
+            },
+            move |got| give_back(&returned, got),
+        )
+    }
+
+    /// Every notification already received, by peer: ``{peer_id: [data, ...]}`` (NIXL's
+    /// ``get_new_notifs``). Never blocks.
+    fn get_new_notifs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let open = self.open(py)?;
+        let out = PyDict::new(py);
+        let returned = std::iter::from_fn(|| take_returned(&open.returned));
+        let fresh =
+            std::iter::from_fn(|| try_recv(&open.channel).map(|n| (n.peer.to_string(), n.data)));
+        for (peer, data) in returned.chain(fresh) {
+            let data = PyBytes::new(py, &data);
+            match out.get_item(&peer)? {
+                Some(list) => list.downcast::<PyList>()?.append(data)?,
+                None => out.set_item(&peer, PyList::new(py, [data])?)?,
+            }
+        }
+        Ok(out)
+    }
+
+    /// What the channel holds right now (sessions, batches and bytes in flight, counters).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let channel = self.open(py)?.channel.clone();
+        let s = call::block_on(py, async move { Ok(channel.stats().await?) })?;
+        let d = PyDict::new(py);
+        d.set_item("sessions", s.sessions)?;
+        d.set_item("established", s.established)?;
+        d.set_item("dialing", s.dialing)?;
+        d.set_item("tokens", s.tokens)?;
+        d.set_item("batches_in_flight", s.batches_in_flight)?;
+        d.set_item("bytes_in_flight", s.bytes_in_flight)?;
+        d.set_item("batches_waiting_for_room", s.batches_waiting_for_room)?;
+        d.set_item("in_flight_refused", s.in_flight_refused)?;
+        d.set_item("sessions_ended", s.sessions_ended)?;
+        d.set_item("handshakes_refused", s.handshakes_refused)?;
+        d.set_item("tls_refused", s.tls_refused)?;
+        d.set_item("shm_batches", s.shm_batches)?;
+        d.set_item("cma_batches", s.cma_batches)?;
+        d.set_item("frames_direct", s.frames_direct)?;
+        let regions = self.open(py)?.regions().len();
+        d.set_item("regions", regions)?;
+        Ok(d)
+    }
+
+    /// Ends the session with ``peer`` from this side (the peer hears ``reason``); batches in
+    /// flight on it fail with ``Disconnected``.
+    #[pyo3(signature = (peer, reason="disconnect".to_string()))]
+    fn disconnect(&self, py: Python<'_>, peer: &str, reason: String) -> PyResult<()> {
+        let channel = self.open(py)?.channel.clone();
+        let peer = peer_arg(py, peer)?;
+        call::block_on(
+            py,
+            async move { Ok(channel.disconnect(&peer, &reason).await?) },
+        )
+    }
+
+    /// Closes every session (work in flight fails with ``Closed``), stops listening and
+    /// lets go of registered memory. Idempotent; bounded by the close deadline.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let open = self.open.lock().unwrap_or_else(|p| p.into_inner()).take();
+        match open {
+            Some(open) => Self::shut(py, open),
+            None => Ok(()),
+        }
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
+        self.close(py)?;
+        Ok(false)
+    }
+
+    fn __repr__(&self) -> String {
+        let state = if self.closed() { "closed" } else { "open" };
+        match &self.local_addr {
+            Some(a) => format!(
+                "<kvbridge.Channel {} listening on {a}, {state}>",
+                self.peer_id
+            ),
+            None => format!("<kvbridge.Channel {}, {state}>", self.peer_id),
+        }
+    }
+}
+
+impl Drop for PyChannel {
+    fn drop(&mut self) {
+        let open = self
+            .open
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(open) = open {
+            Python::with_gil(|py| {
+                let _ = Self::shut(py, open);
+            });
+        }
+    }
+}
+
+fn timeout_arg(py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Duration>> {
+    match timeout {
+        None => Ok(None),
+        Some(t) if t.is_finite() && t >= 0.0 => Ok(Some(Duration::from_secs_f64(t.min(1e9)))),
+        Some(t) => Err(errors::invalid(py, format!("timeout {t} is not >= 0"))),
+    }
+}
+
+/// The next notification, or `None` once `limit` passed; `Closed` once the channel closed.
+async fn recv(
+    channel: Channel,
+    returned: Returned,
+    limit: Option<Duration>,
+) -> EngineResult<Option<(String, Vec<u8>)>> {
+    let next = async {
+        loop {
+            let added = returned.added.notified();
+            let mut added = std::pin::pin!(added);
+            added.as_mut().enable();
+            if let Some(n) = take_returned(&returned) {
+                return Some(n);
+            }
+            tokio::select! {
+                n = channel.recv_notification() => {
+                    return n.map(|n| (n.peer.to_string(), n.data));
+                }
+                () = &mut added => {}
+            }
+        }
+    };
+    let got = match limit {
+        Some(d) => match tokio::time::timeout(d, next).await {
+            Ok(n) => n,
+            Err(_) => return Ok(None),
+        },
+        None => next.await,
+    };
+    match got {
+        Some(n) => Ok(Some(n)),
+        None => Err(Outcome::Engine(kvbridge::Error::Closed)),
+    }
+}
+
+/// A notification that is already there, without waiting.
+fn try_recv(channel: &Channel) -> Option<kvbridge::Notification> {
+    let fut = channel.recv_notification();
+    let mut fut = std::pin::pin!(fut);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    match fut.as_mut().poll(&mut cx) {
+        std::task::Poll::Ready(n) => n,
+        std::task::Poll::Pending => None,
+    }
+}

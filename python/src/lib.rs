@@ -1,0 +1,25 @@
+//! `kvbridge._native`: the Python binding of the kvbridge engine (PyO3, abi3).
+//!
+//! One tokio runtime per process runs every channel's tasks ([`runtime`]); Python threads
+//! submit futures to it and wait with the GIL released ([`call`]), either blocking (waking
+//! every 100 ms to let Python handle signals), as an asyncio future, or as a [`Transfer`]
+//! to poll.
+
+mod buffer;
+mod call;
+mod channel;
+mod errors;
+mod runtime;
+mod transfer;
+
+use pyo3::prelude::*;
+
+/// The native part of the `kvbridge` package; import `kvbridge` instead.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<channel::PyChannel>()?;
+    m.add_class::<channel::PyRegionInfo>()?;
+    m.add_class::<transfer::Transfer>()?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,152 @@
+"""A peer in another process; Ctrl-C during blocking calls."""
+
+import hashlib
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import kvbridge
+from conftest import channel
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PAGE = 64 << 10
+PAGES = 16
+
+
+def spawn(*args):
+    return subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "peer_process.py"), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        bufsize=0,
+    )
+
+
+def readline(proc, timeout=15.0):
+    """The child's next stdout line, failing the test when none comes within `timeout`."""
+    deadline = time.monotonic() + timeout
+    line = b""
+    while not line.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([proc.stdout], [], [], left)[0]:
+            proc.kill()
+            pytest.fail("no line from the child within %.0f s (got %r)" % (timeout, line))
+        b = proc.stdout.read(1)
+        if not b:
+            break
+        line += b
+    return line.decode()
+
+
+def finish(proc, timeout=20):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail("peer process did not exit: %s %s" % (out, err))
+    return out, err
+
+
+def test_peer_in_another_process_byte_exact():
+    proc = spawn("listen")
+    try:
+        addr, region = readline(proc).split()
+        region = int(region)
+        with channel("prefill-main") as ch:
+            peer = ch.connect(addr)
+            assert peer == "decode-sub"
+            # Read the peer's pattern: page i holds byte i.
+            back = np.zeros(PAGES * PAGE, dtype=np.uint8)
+            back_region = ch.register_buffer(back, PAGE)
+            ch.read_pages(peer, back_region, list(range(PAGES)), region, list(reversed(range(PAGES))))
+            for i in range(PAGES):
+                assert (back[i * PAGE : (i + 1) * PAGE] == PAGES - 1 - i).all()
+            # Write random pages, then check the peer's digest of its whole buffer.
+            src = np.random.default_rng(3).integers(0, 256, 4 * PAGE, dtype=np.uint8)
+            src_region = ch.register_buffer(src, PAGE)
+            ch.write_pages(peer, src_region, [0, 1, 2, 3], region, [15, 2, 7, 0])
+            expected = np.repeat(np.arange(PAGES, dtype=np.uint8), PAGE)
+            for local, remote in [(0, 15), (1, 2), (2, 7), (3, 0)]:
+                expected[remote * PAGE : (remote + 1) * PAGE] = src[local * PAGE : (local + 1) * PAGE]
+            ch.notify(peer, b"digest")
+            got = ch.recv_notification(timeout=10)
+            assert got == ("decode-sub", hashlib.sha256(expected.tobytes()).hexdigest().encode())
+            try:
+                ch.notify(peer, b"bye")
+            except kvbridge.PeerClosed:
+                pass  # the peer may close on reading it before its acknowledgement is out
+        out, err = finish(proc)
+        assert proc.returncode == 0, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_killed_peer_fails_the_next_write_typed():
+    proc = spawn("listen")
+    try:
+        addr, region = readline(proc).split()
+        with channel("prefill-main", deadlines={"op": 2.0, "connect": 1.0, "handshake_step": 1.0}) as ch:
+            peer = ch.connect(addr)
+            src = np.ones(PAGE, dtype=np.uint8)
+            src_region = ch.register_buffer(src, PAGE)
+            ch.write_pages(peer, src_region, [0], int(region), [1])
+            proc.kill()
+            proc.wait()
+            t0 = time.monotonic()
+            with pytest.raises(kvbridge.KvbridgeError) as e:
+                for _ in range(50):  # the session ends once the socket's end is seen
+                    ch.write_pages(peer, src_region, [0], int(region), [1])
+            assert time.monotonic() - t0 < 5
+            assert e.value.peer in ("decode-sub", addr)
+            assert not isinstance(e.value, kvbridge.Closed)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def interrupt_while(args, accept_from=None):
+    proc = spawn(*args)
+    try:
+        assert readline(proc).strip() == "blocking"
+        if accept_from is not None:
+            # The child is inside connect() once its TCP connection arrives.
+            conn, _ = accept_from.accept()
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        line = readline(proc).split()
+        assert line and line[0] == "interrupted", line
+        assert float(line[1]) - sent < 1.0, "KeyboardInterrupt took %.3f s" % (float(line[1]) - sent)
+        assert readline(proc).strip() == "usable"
+        out, err = finish(proc)
+        assert proc.returncode == 0, err
+        if accept_from is not None:
+            conn.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_ctrl_c_interrupts_a_blocked_connect():
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        interrupt_while(["block-connect", "127.0.0.1:%d" % silent.getsockname()[1]], silent)
+    finally:
+        silent.close()
+
+
+def test_ctrl_c_interrupts_a_blocked_receive():
+    interrupt_while(["block-recv"])
