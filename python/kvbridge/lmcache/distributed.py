@@ -26,10 +26,12 @@ factory's keyword arguments of the same names.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
 import uuid
+import weakref
 from typing import Any, Optional
 
 import kvbridge
@@ -59,6 +61,10 @@ HANDSHAKE_TIMEOUT_S = 30.0
 
 _NOTIFICATION_POLL_S = 0.2
 """How often the server's loop wakes to see whether it should stop."""
+
+_open_contexts: "weakref.WeakSet[KvbridgeTransferChannelContext]" = weakref.WeakSet()
+"""Contexts not closed yet; closed at interpreter exit, because a kvbridge thread still
+blocked in the channel while the interpreter finalizes aborts the process."""
 
 _CHANNEL_OPTIONS = ("secret", "transport", "tls_cert", "tls_key", "tls_ca", "tls_server_name")
 """Factory keyword arguments forwarded to ``kvbridge.Channel``."""
@@ -272,6 +278,7 @@ class KvbridgeTransferChannelContext(TransferChannelContext):
         except BaseException:
             self.channel.close()
             raise
+        _open_contexts.add(self)
 
     def _arena_info(self) -> handshake.ArenaInfo:
         return handshake.ArenaInfo.of(self.arena.region, self.arena.length, self.arena.page_size)
@@ -415,6 +422,7 @@ class KvbridgeTransferChannelContext(TransferChannelContext):
             self._closed = True
             clients = list(self._clients.values())
             self._clients.clear()
+        _open_contexts.discard(self)
         self._server.close()
         self.pending.fail_all()
         for client in clients:
@@ -446,6 +454,15 @@ def create_kvbridge_transfer_channel_context(
         advertise_url=advertise_url,
         **kwargs,
     )
+
+
+@atexit.register
+def _close_open_contexts() -> None:
+    for ctx in list(_open_contexts):
+        try:
+            ctx.close()
+        except Exception:  # noqa: BLE001 - the process is exiting
+            logger.exception("closing a kvbridge transfer channel context at exit")
 
 
 _register_lock = threading.Lock()
