@@ -55,8 +55,10 @@ EOF
   fi
   want=$(stamp)
   if [ "$(cat "$VENV/.kvbridge-src" 2>/dev/null)" != "$want" ] || ! "$PY" -c "import kvbridge._native" 2>/dev/null; then
-    echo "test.sh: installing the kvbridge package (pip install ./python)"
-    "$PY" -m pip install --quiet ./python
+    # A developer's editable install (pip install -e ./python) stays editable.
+    editable=$("$PY" -c 'import importlib.metadata as m; print("-e" if "\"editable\": true" in (m.distribution("kvbridge").read_text("direct_url.json") or "") else "")' 2>/dev/null || true)
+    echo "test.sh: installing the kvbridge package (pip install $editable ./python)"
+    "$PY" -m pip install --quiet $editable ./python
     echo "$want" >"$VENV/.kvbridge-src"
   fi
   echo "test.sh: .venv ready in $(( $(date +%s) - t0 )) s, $(du -sh "$VENV" | cut -f1)"
