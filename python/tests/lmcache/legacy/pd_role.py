@@ -63,6 +63,7 @@ def main() -> None:
     from lmcache.v1.config import LMCacheEngineConfig
     from lmcache.v1.memory_management import MemoryFormat
     from lmcache.v1.metadata import LMCacheMetadata
+    from lmcache.v1.storage_backend.pd_backend import PDBackend
     from lmcache.v1.storage_backend.pd_backend_async import PDBackendAsync
 
     kvbridge.lmcache.install()
@@ -78,13 +79,16 @@ def main() -> None:
         kv_shape=kv_shape,
         chunk_size=kv_shape[2],
     )
-    backend = PDBackendAsync(config, md)
+    # As LMCache's storage manager chooses: `pd_backend_mode` (default async).
+    backend_cls = PDBackend if config.pd_backend_mode == "sync" else PDBackendAsync
+    backend = backend_cls(config, md)
     channel = backend.transfer_channel
     alloc = backend.memory_allocator.cpu_allocator
     emit(
         event="ready",
         channel=type(channel).__module__ + "." + type(channel).__name__,
-        total=backend._get_total_chunks(),
+        backend=type(backend).__name__,
+        total=alloc.buffer_size // alloc.align_bytes,
     )
 
     def key(req_id: str, i: int) -> CacheEngineKey:
@@ -112,7 +116,7 @@ def main() -> None:
         return int(pattern(seed, 0, shape_of(0, 2, n_toks)).view(torch.int16).flatten()[:4].view(torch.int64)[0])
 
     def free() -> dict:
-        return {"free": backend._get_free_chunks(), "total": backend._get_total_chunks()}
+        return {"free": len(alloc.free_blocks), "total": alloc.buffer_size // alloc.align_bytes}
 
     def die_when_bytes_land(seed: int) -> None:
         want = first_word(seed)

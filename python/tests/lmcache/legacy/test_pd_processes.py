@@ -17,9 +17,10 @@ KV_SMALL = "2,2,16,4,64"  # 32 KiB chunks
 BUF = 64 << 20
 
 
-def _receiver(tmp_path, rank, world, init_ports, alloc_ports, env=None, kv=KV_SMALL, buf=BUF):
+def _receiver(tmp_path, rank, world, init_ports, alloc_ports, env=None, kv=KV_SMALL, buf=BUF, mode="async"):
     cfg = write_config(
         tmp_path / f"recv{rank}.yaml",
+        pd_backend_mode=mode,
         pd_role="receiver",
         pd_buffer_size=buf,
         pd_peer_host="127.0.0.1",
@@ -30,9 +31,10 @@ def _receiver(tmp_path, rank, world, init_ports, alloc_ports, env=None, kv=KV_SM
     return Role("receiver", cfg, env, "--rank", str(rank), "--world-size", str(world), "--kv-shape", kv)
 
 
-def _sender(tmp_path, rank, world, proxy_port, init_ports, alloc_ports, env=None, kv=KV_SMALL, buf=BUF):
+def _sender(tmp_path, rank, world, proxy_port, init_ports, alloc_ports, env=None, kv=KV_SMALL, buf=BUF, mode="async"):
     cfg = write_config(
         tmp_path / f"send{rank}.yaml",
+        pd_backend_mode=mode,
         pd_role="sender",
         pd_buffer_size=buf,
         pd_proxy_host="127.0.0.1",
@@ -72,18 +74,19 @@ def _expect_all_free(role: Role, timeout: float = 20.0) -> dict:
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_kv_chunks_arrive_byte_exact_and_each_request_notifies_the_proxy(tmp_path, procs, tp):
+@pytest.mark.parametrize("tp,mode", [(1, "async"), (2, "async"), (1, "sync")])
+def test_kv_chunks_arrive_byte_exact_and_each_request_notifies_the_proxy(tmp_path, procs, tp, mode):
     ports = free_ports(2 * tp + 1)
     init_ports, alloc_ports, proxy_port = ports[:tp], ports[tp : 2 * tp], ports[-1]
     proxy = ProxySocket(proxy_port)
     procs.append(proxy)
-    receivers = [_receiver(tmp_path, r, tp, init_ports, alloc_ports) for r in range(tp)]
-    senders = [_sender(tmp_path, r, tp, proxy_port, init_ports, alloc_ports) for r in range(tp)]
+    receivers = [_receiver(tmp_path, r, tp, init_ports, alloc_ports, mode=mode) for r in range(tp)]
+    senders = [_sender(tmp_path, r, tp, proxy_port, init_ports, alloc_ports, mode=mode) for r in range(tp)]
     procs.extend(receivers + senders)
     for p in receivers + senders:
         ready = p.expect("ready", timeout=120)
         assert ready["channel"] == "kvbridge.lmcache.channel.KvbridgeChannel"
+        assert ready["backend"] == ("PDBackend" if mode == "sync" else "PDBackendAsync")
 
     # Full chunks, a partial last chunk, a one-chunk request: all in flight at once.
     reqs = [("r-full", 4, 16, 11), ("r-partial", 3, 5, 12), ("r-one", 1, 7, 13)]
