@@ -371,11 +371,20 @@ class KvbridgeTransferChannelContext(TransferChannelContext):
                 existing = None
         if existing is not None:
             existing.close()
-        self.register_client(hello.advertise_url, client)
+        kept = self.register_client(hello.advertise_url, client)
         welcome = handshake.Welcome(
             nonce=hello.nonce, advertise_url=self.advertise_url, arena=self._arena_info()
         )
-        self.channel.notify(peer, handshake.encode(welcome))
+        try:
+            self.channel.notify(peer, handshake.encode(welcome))
+        except BaseException:
+            # the dialer never learns of this client: do not keep one it did not get
+            if kept is client:
+                with self._lock:
+                    if self._clients.get(hello.advertise_url) is client:
+                        del self._clients[hello.advertise_url]
+                client.close()
+            raise
 
     def _connect(self, peer_advertise_url: str) -> KvbridgeTransferChannelClient:
         peer = self.channel.connect(_host_port(peer_advertise_url))

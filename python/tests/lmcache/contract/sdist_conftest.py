@@ -1,7 +1,8 @@
 """Runs LMCache's own transfer-channel tests against kvbridge's context.
 
-``lmcache_sdist.py`` copies this file, as ``conftest.py``, to the root of a copy of the ``tests/`` of LMCache's sdist
-(next to its ``pytest.ini``), so pytest loads it before any test module. It
+``contract_sdist.py`` copies this file, as ``conftest.py``, to the root of a copy of the
+``tests/`` of LMCache's sdist (next to its ``pytest.ini``), so pytest loads it before any
+test module. It
 
 * registers ``"kvbridge"`` with LMCache's factory (so ``test_factory.py``,
   ``test_context_lifecycle.py`` and ``test_api.py`` run with it registered);

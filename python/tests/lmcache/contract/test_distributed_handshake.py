@@ -76,7 +76,8 @@ def test_a_late_welcome_finds_nobody():
     pending = hs.PendingWelcomes()
     nonce = pending.open("peer-b")
     assert pending.wait(nonce, time.monotonic()) is None
-    assert pending.deliver("peer-b", hs.Welcome(nonce=nonce, advertise_url="b:1", arena=ARENA)) is False
+    late = hs.Welcome(nonce=nonce, advertise_url="b:1", arena=ARENA)
+    assert pending.deliver("peer-b", late) is False
 
 
 def test_closing_wakes_every_waiter_empty_handed():

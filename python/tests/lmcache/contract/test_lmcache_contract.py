@@ -41,7 +41,8 @@ def outcome(request):
         if os.environ.get("CI"):
             raise
         pytest.skip(f"cannot fetch lmcache-{contract_sdist.VERSION}.tar.gz: {err}")
-    return contract_sdist.run((contract_sdist.SUBSTITUTED, *contract_sdist.WITH_KVBRIDGE_REGISTERED))
+    files = (contract_sdist.SUBSTITUTED, *contract_sdist.WITH_KVBRIDGE_REGISTERED)
+    return contract_sdist.run(files)
 
 
 def _tail(out: contract_sdist.Outcome) -> str:
