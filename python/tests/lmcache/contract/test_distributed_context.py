@@ -64,7 +64,7 @@ class _Context:
 
 @pytest.fixture
 def peer_process():
-    """A context in another process; yields (url, ask) where ask(line) -> reply line."""
+    """A context in another process; yields (url, ask, proc) where ask(line) -> reply."""
     url = _free_url()
     proc = subprocess.Popen(
         [sys.executable, str(PEER), url, str(PAGES), str(PAGE), "7"],
@@ -79,7 +79,7 @@ def peer_process():
 
     try:
         assert proc.stdout.readline().strip() == "ready"
-        yield url, ask
+        yield url, ask, proc
     finally:
         try:
             proc.stdin.write("exit\n")
@@ -113,7 +113,7 @@ def test_register_is_idempotent_and_lmcache_builds_kvbridge_contexts():
 
 
 def test_reads_both_ways_between_processes_over_one_session(peer_process):
-    peer_url, ask = peer_process
+    peer_url, ask, _ = peer_process
     me = _Context(fill=3)
     try:
         result = me.read(peer_url, local=2 * PAGE, remote=5 * PAGE, size=3 * PAGE)
@@ -227,3 +227,22 @@ def test_use_after_close_is_refused_and_close_is_idempotent():
 def test_unknown_options_are_refused():
     with pytest.raises(TypeError, match="unknown kvbridge transfer channel options"):
         _Context(fill=0, backend="UCX")
+
+
+def test_a_killed_peer_fails_the_read_with_a_typed_error_not_a_hang(peer_process):
+    import kvbridge
+
+    peer_url, _, proc = peer_process
+    me = _Context(fill=3)
+    try:
+        assert me.read(peer_url, 0, 0, PAGE).succeeded_mask == [True]
+        proc.kill()
+        proc.wait(timeout=30)
+        try:
+            result = me.read(peer_url, 0, 0, PAGE, timeout_s=60)
+        except kvbridge.KvbridgeError as err:  # refused at submit: the session is gone
+            assert err.peer is not None
+        else:
+            assert result.is_finished() and result.succeeded_mask == [False]
+    finally:
+        me.close()
