@@ -151,10 +151,14 @@ class KvbridgeTransferChannelClient(TransferChannelClient):
         return TransferChannelReadResult(finished=True, succeeded_mask=[False] * count)
 
     def close(self) -> None:
-        """Forget the pending tasks; the session stays (the context owns it)."""
+        """Cancel and forget the pending tasks; the session stays (the context owns it)."""
         with self._lock:
             self._closed = True
+            tasks = list(self._tasks.values())
             self._tasks.clear()
+        for transfer, _ in tasks:
+            if transfer is not None:
+                transfer.cancel()
 
 
 ############################################################
