@@ -227,3 +227,18 @@ def test_peers_with_different_chunk_sizes_are_refused_at_connect(make):
     send = make("sender")
     with pytest.raises(ValueError, match="same KV chunk shape"):
         send.lazy_init_peer_connection("S", "R", url)
+
+
+def test_receiver_restarted_while_idle_gets_the_next_write(make):
+    url = _url()
+    first = make("receiver", url)
+    send = make("sender")
+    send.lazy_init_peer_connection("S", "R", url)
+    old_peer = send._peers["R"].kb_peer
+    first.close()
+    second = make("receiver", url)
+    send.arena.fill(6, seed=6)
+    # The old incarnation's session is gone: the write dials once and reaches the new one.
+    send.batched_write(_objs([6]), {"receiver_id": "R", "remote_indexes": [1]})
+    assert second.arena.page_bytes(1) == send.arena.page_bytes(6)
+    assert send._peers["R"].kb_peer != old_peer
