@@ -218,10 +218,6 @@ impl PyRegionInfo {
 /// lazily, and moves bytes between registered memory regions with one-sided batched writes
 /// and reads, plus ordered notifications.
 ///
-/// ``Channel(peer_id, listen=None, *, secret=None, transport=None, tls_cert=None,
-/// tls_key=None, tls_ca=None, tls_server_name=None, compat=None, use_env=True,
-/// deadlines=None)``
-///
 /// - ``peer_id``: this side's stable id, e.g. ``"prefill-0/rank0"``.
 /// - ``listen``: ``"127.0.0.1:0"`` listens (port 0 picks one; see ``local_addr``); ``None``
 ///   makes an initiator-only channel.
@@ -248,15 +244,43 @@ pub(crate) struct PyChannel {
     open: Mutex<Option<Arc<Open>>>,
     peer_id: String,
     local_addr: Option<String>,
+    /// The process the channel was created in: its tasks run on that process's runtime, so
+    /// in a child made by `fork` the channel cannot work (a call would wait for a task that
+    /// does not exist there).
+    pid: u32,
 }
 
 impl PyChannel {
     fn open(&self, py: Python<'_>) -> PyResult<Arc<Open>> {
+        if self.forked() {
+            return Err(errors::local(
+                py,
+                format!(
+                    "channel {} was created in process {}, before a fork: create channels in the process that uses them",
+                    self.peer_id, self.pid
+                ),
+            ));
+        }
         self.open
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
             .ok_or_else(|| errors::closed(py))
+    }
+
+    fn forked(&self) -> bool {
+        std::process::id() != self.pid
+    }
+
+    /// Lets go of an open channel: closes it in the process that created it; in a forked
+    /// child, where its tasks do not exist, leaves it untouched (dropping it would wait on
+    /// them, and its memory belongs to the parent's sessions).
+    fn release(&self, py: Python<'_>, open: Arc<Open>) -> PyResult<()> {
+        if self.forked() {
+            std::mem::forget(open);
+            return Ok(());
+        }
+        Self::shut(py, open)
     }
 
     /// The local side of a batch by pages: checked, before the peer's regions are known.
@@ -654,6 +678,7 @@ impl PyChannel {
                 returned: Returned::default(),
             }))),
             peer_id: peer_id.to_string(),
+            pid: std::process::id(),
             local_addr,
         })
     }
@@ -711,8 +736,9 @@ impl PyChannel {
     /// Registers the memory of ``obj`` and returns its region id: a C-contiguous
     /// buffer-protocol object (bytearray, numpy array, memoryview) or a contiguous CPU
     /// tensor (``data_ptr()`` and ``nbytes``). The channel keeps ``obj`` (and its buffer
-    /// export, so a bytearray cannot be resized) until ``deregister``/``close``. A read-only
-    /// buffer is refused unless ``peers=[]`` (then it can only be the source of writes).
+    /// export, so a bytearray cannot be resized) until ``deregister``/``close``; do not
+    /// resize a registered tensor in place (``resize_``) meanwhile. A read-only buffer is
+    /// refused unless ``peers=[]`` (then it can only be the source of writes).
     #[pyo3(signature = (obj, page_size, *, peers=None))]
     fn register_buffer(
         &self,
@@ -1115,7 +1141,7 @@ impl PyChannel {
 
     /// Ends the session with ``peer`` from this side (the peer hears ``reason``); batches in
     /// flight on it fail with ``Disconnected``.
-    #[pyo3(signature = (peer, reason="disconnect".to_string()))]
+    #[pyo3(signature = (peer, reason="disconnect".to_string()), text_signature = "($self, peer, reason='disconnect')")]
     fn disconnect(&self, py: Python<'_>, peer: &str, reason: String) -> PyResult<()> {
         let channel = self.open(py)?.channel.clone();
         let peer = peer_arg(py, peer)?;
@@ -1130,7 +1156,7 @@ impl PyChannel {
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         let open = self.open.lock().unwrap_or_else(|p| p.into_inner()).take();
         match open {
-            Some(open) => Self::shut(py, open),
+            Some(open) => self.release(py, open),
             None => Ok(()),
         }
     }
@@ -1166,7 +1192,7 @@ impl Drop for PyChannel {
             .take();
         if let Some(open) = open {
             Python::with_gil(|py| {
-                let _ = Self::shut(py, open);
+                let _ = self.release(py, open);
             });
         }
     }

@@ -1,9 +1,9 @@
 //! `kvbridge._native`: the Python binding of the kvbridge engine (PyO3, abi3).
 //!
-//! One tokio runtime per process runs every channel's tasks ([`runtime`]); Python threads
-//! submit futures to it and wait with the GIL released ([`call`]), either blocking (waking
-//! every 100 ms to let Python handle signals), as an asyncio future, or as a [`Transfer`]
-//! to poll.
+//! One tokio runtime per process runs every channel's tasks (`runtime`); Python threads
+//! submit futures to it and wait with the GIL released (`call`), either blocking (waking
+//! every 100 ms to let Python handle signals), as an asyncio future, or as a `Transfer` to
+//! poll.
 
 mod buffer;
 mod call;

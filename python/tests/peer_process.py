@@ -1,6 +1,6 @@
 """A kvbridge peer in its own process, driven by the tests.
 
-`listen`: listens with a KV buffer of PAGES pages, each page i filled with byte i; prints
+`listen [PORT]`: listens (on PORT, default any) with a KV buffer of PAGES pages, each page i filled with byte i; prints
 "ADDR REGION" and answers notifications: b"digest" -> the sha256 of its buffer, b"bye" ->
 closes and exits.
 
@@ -23,8 +23,8 @@ PAGE = 64 << 10
 PAGES = 16
 
 
-def listen():
-    with kvbridge.Channel("decode-sub", "127.0.0.1:0", use_env=False) as ch:
+def listen(port=0):
+    with kvbridge.Channel("decode-sub", "127.0.0.1:%d" % port, use_env=False) as ch:
         kv = np.repeat(np.arange(PAGES, dtype=np.uint8), PAGE)
         rid = ch.register_buffer(kv, PAGE)
         print(ch.local_addr, rid, flush=True)
@@ -87,7 +87,7 @@ def block(kind, addr=None):
 
 if __name__ == "__main__":
     if sys.argv[1] == "listen":
-        listen()
+        listen(int(sys.argv[2]) if len(sys.argv) > 2 else 0)
     elif sys.argv[1] == "block-connect":
         block("connect", sys.argv[2])
     elif sys.argv[1] == "block-recv":

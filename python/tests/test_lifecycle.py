@@ -132,3 +132,82 @@ def test_exceptions_pickle_with_peer_and_step():
         obj = getattr(kvbridge, name)
         if isinstance(obj, type) and issubclass(obj, Exception):
             assert issubclass(obj, kvbridge.KvbridgeError)
+
+
+def test_a_forked_child_refuses_the_parents_channel_and_makes_its_own(pair):
+    """A channel's tasks live in the process that made it: in a fork child a call fails
+    typed (instead of waiting for ever), exit does not hang, and new channels work."""
+    import os
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report through the pipe, never return into pytest
+        code = 1
+        try:
+            try:
+                pair.prefiller.stats()
+                msg = b"no error"
+            except kvbridge.LocalError as e:
+                msg = b"ok" if b"fork" in str(e).encode() else str(e).encode()
+            if msg == b"ok":
+                with channel("child-listener", "127.0.0.1:0") as d:
+                    kv = np.zeros(PAGE, dtype=np.uint8)
+                    kr = d.register_buffer(kv, PAGE)
+                    with channel("child") as c:
+                        src = np.full(PAGE, 3, dtype=np.uint8)
+                        sr = c.register_buffer(src, PAGE)
+                        c.write_pages(c.connect(d.local_addr), sr, [0], kr, [0])
+                    msg = b"ok" if (kv == 3).all() else b"bad bytes"
+                pair.prefiller.close()  # leaves the parent's sessions alone
+            os.write(w, msg)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    import select
+
+    if not select.select([r], [], [], 30)[0]:  # the child writes, or exits, within 30 s
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung")
+    _, status = os.waitpid(pid, 0)
+    msg = os.read(r, 1000)
+    os.close(r)
+    assert msg == b"ok" and os.WEXITSTATUS(status) == 0
+    # The parent's channel is untouched.
+    pair.prefiller.write_pages(pair.peer, pair.staging_region, [0], pair.kv_region, [0])
+    assert np.array_equal(pair.kv_page(0), pair.staging_page(0))
+
+
+def test_tls_on_the_control_connection(tmp_path):
+    """A listener with a certificate, an initiator that pins it; a plaintext initiator is
+    refused typed."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+         "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "2",
+         "-subj", "/CN=kvbridge-test", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-addext", "basicConstraints=critical,CA:FALSE"],
+        check=True, capture_output=True,
+    )
+    with channel("decode-0", "127.0.0.1:0", tls_cert=str(cert), tls_key=str(key)) as d:
+        kv = np.zeros(PAGE, dtype=np.uint8)
+        kr = d.register_buffer(kv, PAGE)
+        with channel("prefill-0", tls_ca=str(cert)) as p:
+            src = np.full(PAGE, 8, dtype=np.uint8)
+            sr = p.register_buffer(src, PAGE)
+            peer = p.connect(d.local_addr)
+            p.write_pages(peer, sr, [0], kr, [0])
+            assert (kv == 8).all()
+        with channel("prefill-1") as plain:
+            with pytest.raises(kvbridge.Incompatible, match="TLS"):
+                plain.connect(d.local_addr)
+        with channel("prefill-2", tls_ca=str(cert), tls_server_name="other.example") as wrong:
+            with pytest.raises(kvbridge.KvbridgeError) as e:
+                wrong.connect(d.local_addr)
+            assert e.value.step == "tls-handshake"

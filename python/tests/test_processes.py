@@ -150,3 +150,42 @@ def test_ctrl_c_interrupts_a_blocked_connect():
 
 def test_ctrl_c_interrupts_a_blocked_receive():
     interrupt_while(["block-recv"])
+
+
+def test_listener_late_then_restarted_on_the_same_port():
+    """The seed's orderings from the sender's side: the listener is not up yet (a typed,
+    prompt refusal), comes up (connect works), dies (the next write fails typed within its
+    deadline), and comes back on the same port (connect again, the write lands)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    addr = "127.0.0.1:%d" % port
+    deadlines = {"connect": 1.0, "handshake_step": 1.0, "op": 2.0}
+    with channel("prefill-main", deadlines=deadlines) as ch:
+        src = np.full(PAGE, 5, dtype=np.uint8)
+        src_region = ch.register_buffer(src, PAGE)
+        with pytest.raises(kvbridge.ConnectionLost) as e:
+            ch.connect(addr)
+        assert e.value.step == "connect"
+        for attempt in range(2):
+            proc = spawn("listen", str(port))
+            try:
+                got_addr, region = readline(proc).split()
+                assert got_addr == addr
+                assert ch.connect(addr) == "decode-sub"
+                ch.write_pages("decode-sub", src_region, [0], int(region), [attempt])
+                ch.notify("decode-sub", b"digest")
+                _, digest = ch.recv_notification(timeout=10)
+                expected = np.repeat(np.arange(PAGES, dtype=np.uint8), PAGE)
+                expected[attempt * PAGE : (attempt + 1) * PAGE] = 5
+                assert digest == hashlib.sha256(expected.tobytes()).hexdigest().encode()
+            finally:
+                proc.kill()
+                proc.wait()
+            t0 = time.monotonic()
+            with pytest.raises(kvbridge.KvbridgeError) as e:
+                for _ in range(50):  # until the session's end is seen
+                    ch.write_pages("decode-sub", src_region, [0], int(region), [0])
+            assert time.monotonic() - t0 < 5
+            assert not isinstance(e.value, kvbridge.Closed)

@@ -164,3 +164,52 @@ def test_gil_is_released_while_bytes_move(pair):
     finally:
         stop.set()
         t.join()
+
+
+class FakeTensor:
+    """What register_buffer asks of a CPU tensor: data_ptr(), nbytes, device, is_contiguous()."""
+
+    class device:
+        type = "cpu"
+
+    def __init__(self, array, contiguous=True):
+        self.array = array
+        self.contiguous = contiguous
+
+    def data_ptr(self):
+        return self.array.__array_interface__["data"][0]
+
+    @property
+    def nbytes(self):
+        return self.array.nbytes
+
+    def is_contiguous(self):
+        return self.contiguous
+
+
+def test_tensor_like_objects_register_by_data_ptr(pair):
+    backing = np.zeros(2 * PAGE, dtype=np.uint8)
+    tensor = FakeTensor(backing)
+    rid = pair.prefiller.register_buffer(tensor, PAGE)
+    pair.kv[3 * PAGE : 4 * PAGE] = 9
+    pair.prefiller.read_pages(pair.peer, rid, [1], pair.kv_region, [3])
+    assert (backing[PAGE:] == 9).all()
+    with pytest.raises(kvbridge.InvalidOp, match="not contiguous"):
+        pair.prefiller.register_buffer(FakeTensor(backing, contiguous=False), PAGE)
+    gpu = FakeTensor(backing)
+    gpu.device = type("device", (), {"type": "cuda"})
+    with pytest.raises(kvbridge.InvalidOp, match="cuda"):
+        pair.prefiller.register_buffer(gpu, PAGE)
+
+
+def test_cpu_torch_tensor_registers(pair):
+    """A real CPU tensor, where torch is installed (the LMCache environment has it)."""
+    torch = pytest.importorskip("torch")
+    t = torch.zeros(2 * PAGE, dtype=torch.uint8)
+    rid = pair.prefiller.register_buffer(t, PAGE)
+    pair.kv[5 * PAGE : 6 * PAGE] = 77
+    pair.prefiller.read_pages(pair.peer, rid, [1], pair.kv_region, [5])
+    assert bool((t[PAGE:] == 77).all()) and not bool(t[:PAGE].any())
+    rid16 = pair.prefiller.register_buffer(torch.ones(PAGE // 2, dtype=torch.float16), PAGE)
+    pair.prefiller.write_pages(pair.peer, rid16, [0], pair.kv_region, [6])
+    assert pair.kv_page(6).view(np.float16).tolist() == [1.0] * (PAGE // 2)
