@@ -40,7 +40,8 @@ def test_lmcache_pd_backend_tests_pass_with_kvbridge_installed():
     tail = (out.stdout + out.stderr)[-4000:]
     assert "kvbridge.lmcache hooks installed in:" in out.stdout, tail
     assert out.returncode == 0, tail
+    # LMCache 0.5.6's three files hold 48 tests; none may be skipped.
     m = re.search(r"(\d+) passed", out.stdout)
-    assert m and int(m.group(1)) >= 40, tail
-    assert not re.search(r"\d+ (failed|error)", out.stdout), tail
+    assert m and int(m.group(1)) == 48, tail
+    assert not re.search(r"\d+ (failed|error|skipped)", out.stdout), tail
     print(out.stdout.strip().splitlines()[-1])
