@@ -80,6 +80,25 @@ def _url():
     return f"127.0.0.1:{free_ports(1)[0]}"
 
 
+def _relisten(make, url):
+    """A new listener on the address a closed channel of this process listened on.
+
+    kvbridge's ``Channel.close()`` aborts its listener task and returns without waiting for
+    the socket to be dropped, so binding the same port at once can fail with EADDRINUSE for a
+    moment (a restarted *process* does not meet this: the kernel closed the old socket).
+    """
+    import kvbridge
+
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            return make("receiver", url)
+        except kvbridge.LocalError as e:
+            if "Address already in use" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
 def test_write_returns_once_the_bytes_landed_in_the_receivers_pages(make):
     url = _url()
     recv = make("receiver", url)
@@ -187,7 +206,7 @@ def test_restarted_receiver_is_reached_and_the_old_incarnation_never(make):
     assert isinstance(e.value, kvbridge.KvbridgeError), repr(e.value)
     assert time.monotonic() - t0 < 10
     # It comes back on the same address: the next write reaches the new incarnation.
-    second = make("receiver", url)
+    second = _relisten(make, url)
     send.batched_write(_objs([2]), {"receiver_id": "R", "remote_indexes": [4]})
     assert second.arena.page_bytes(4) == send.arena.page_bytes(2)
     assert send._peers["R"].kb_peer != old_peer
@@ -236,7 +255,7 @@ def test_receiver_restarted_while_idle_gets_the_next_write(make):
     send.lazy_init_peer_connection("S", "R", url)
     old_peer = send._peers["R"].kb_peer
     first.close()
-    second = make("receiver", url)
+    second = _relisten(make, url)
     send.arena.fill(6, seed=6)
     # The old incarnation's session is gone: the write dials once and reaches the new one.
     send.batched_write(_objs([6]), {"receiver_id": "R", "remote_indexes": [1]})
