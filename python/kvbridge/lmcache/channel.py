@@ -15,9 +15,12 @@ back (``role: both`` and P2P reads); the announcement is acknowledged by the lis
 the call returns both sides know each other.
 
 A peer's restart: kvbridge peer ids carry a random per-channel suffix, so a write addressed to
-one incarnation of a peer can never land in the next one. A write to a peer whose session has
-ended fails with kvbridge's typed error; the next write to it dials once more and, if a new
-incarnation answers, uses it (LMCache never re-runs ``lazy_init_peer_connection``).
+one incarnation of a peer can never land in the next one. A write that fails while bytes move
+raises kvbridge's typed error and marks the peer lost; a write that finds the peer lost, or
+its session gone before any byte moved, dials once and, if a new incarnation answers, writes
+there (LMCache never re-runs ``lazy_init_peer_connection``). LMCache allocates the peer's
+pages over its own ZMQ socket, so which incarnation allocated them is not ours to see:
+docs/lmcache.md, *Failures*.
 """
 
 from __future__ import annotations
