@@ -41,7 +41,7 @@ die() { echo "bench/lmcache.sh: FAILED: $*" >&2; exit 1; }
 "$PY" -c "import kvbridge, lmcache" || die "$PY cannot import kvbridge and lmcache"
 
 commit=$(git rev-parse --short=12 HEAD)
-git diff --quiet HEAD -- python crates bench || commit="$commit-dirty"
+git diff --quiet HEAD -- python/kvbridge python/src crates bench || commit="$commit-dirty"
 LOGS=$(mktemp -d)
 server_pid=""
 cleanup() {
@@ -165,19 +165,18 @@ out.append(f"{meta['num_objects']} objects/read, {meta['source_objects']} source
            f"{meta['iters']} iters + {meta['warmup']} warmup, {meta['reps']} reps, every run --verify OK")
 out.append("GB/s (decimal): median over reps of each run's median [min-max of run medians]")
 chans = meta["channels"]
-out.append("object   " + "".join(f"{c:>24}" for c in chans) + "".join(
-    f"{'kvb/' + c:>16}" for c in chans if not c.startswith("kvbridge")))
+ours = [c for c in chans if c.startswith("kvbridge")]
+refs = [c for c in chans if not c.startswith("kvbridge")]
+pairs = [(k, r) for k in ours for r in refs]
+out.append("object   " + "".join(f"{c:>24}" for c in chans)
+           + "".join(f"{k + '/' + r:>26}" for k, r in pairs))
 for s in meta["sizes"]:
     cells = []
     for c in chans:
         m = summary[f"{s}|{c}"]
         cells.append(f"{m['median_gbps']:7.2f} [{m['min_gbps']:.2f}-{m['max_gbps']:.2f}]".rjust(24))
-    ratios = []
-    k = summary[f"{s}|kvbridge"]["median_gbps"] if f"{s}|kvbridge" in summary else None
-    for c in chans:
-        if c.startswith("kvbridge"):
-            continue
-        ratios.append((f"{k / summary[f'{s}|{c}']['median_gbps']:.2f}x" if k else "n/a").rjust(16))
+    ratios = [f"{summary[f'{s}|{k}']['median_gbps'] / summary[f'{s}|{r}']['median_gbps']:.2f}x"
+              .rjust(26) for k, r in pairs]
     out.append(f"{s:<9}" + "".join(cells) + "".join(ratios))
 open(txt_path, "w").write("\n".join(out) + "\n")
 print("\n".join(out))

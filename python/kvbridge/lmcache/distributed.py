@@ -59,6 +59,12 @@ CHANNEL_TYPE = "kvbridge"
 HANDSHAKE_TIMEOUT_S = 30.0
 """How long a dialer waits for the peer's ``Welcome`` after the session is up."""
 
+QUERY_WAIT_S = 0.001
+"""How long ``query_read_status`` waits (GIL released) for a read in flight to end before
+it reports it unfinished. Callers poll in a tight loop (LMCache's benchmark does); parked
+here instead of spinning, they leave the CPU to kvbridge's data threads, and a read that
+ends wakes them at once. 0 never waits."""
+
 _NOTIFICATION_POLL_S = 0.2
 """How often the server's loop wakes to see whether it should stop."""
 
@@ -139,6 +145,12 @@ class KvbridgeTransferChannelClient(TransferChannelClient):
                 raise KeyError(f"Unknown read task id: {task_id}")
             transfer, count = self._tasks[task_id]
         state = "DONE" if transfer is None else transfer.poll()
+        if state == "PROC" and self._ctx.query_wait_s > 0:
+            try:
+                transfer.wait(self._ctx.query_wait_s)
+            except (TimeoutError, kvbridge.KvbridgeError):
+                pass  # still in flight, or failed: poll() tells which
+            state = transfer.poll()
         if state == "PROC":
             return TransferChannelReadResult(finished=False, succeeded_mask=[])
         with self._lock:
@@ -235,8 +247,8 @@ class KvbridgeTransferChannelContext(TransferChannelContext):
 
     The constructor matches NIXL's context (``l1_memory_desc, listen_url,
     advertise_url, backends``); ``backends`` is NIXL's and ignored. The other keyword
-    arguments are ``kvbridge.Channel``'s (``secret``, ``transport``, ``tls_*``) and
-    ``handshake_timeout`` (seconds).
+    arguments are ``kvbridge.Channel``'s (``secret``, ``transport``, ``tls_*``),
+    ``handshake_timeout`` and ``query_wait`` (seconds; see ``QUERY_WAIT_S``).
     """
 
     def __init__(
@@ -247,6 +259,7 @@ class KvbridgeTransferChannelContext(TransferChannelContext):
         backends: Optional[list[str]] = None,
         *,
         handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
+        query_wait: float = QUERY_WAIT_S,
         **channel_options: Any,
     ) -> None:
         unknown = set(channel_options) - set(_CHANNEL_OPTIONS)
@@ -257,6 +270,9 @@ class KvbridgeTransferChannelContext(TransferChannelContext):
         self.advertise_url = advertise_url
         self._l1_memory_desc = l1_memory_desc
         self._handshake_timeout = handshake_timeout
+        if not query_wait >= 0:
+            raise ValueError(f"query_wait must be >= 0 seconds, got {query_wait}")
+        self.query_wait_s = query_wait
         self._lock = threading.Lock()
         self._clients: dict[str, TransferChannelClient] = {}
         self._closed = False
@@ -460,7 +476,7 @@ def create_kvbridge_transfer_channel_context(
     **kwargs: Any,
 ) -> KvbridgeTransferChannelContext:
     """LMCache's factory for ``"kvbridge"``: ``backends`` (NIXL's) is ignored, the
-    ``kvbridge.Channel`` options and ``handshake_timeout`` are passed on."""
+    ``kvbridge.Channel`` options, ``handshake_timeout`` and ``query_wait`` are passed on."""
     return KvbridgeTransferChannelContext(
         l1_memory_desc=l1_memory_desc,
         listen_url=listen_url,
