@@ -74,14 +74,17 @@ def _expect_all_free(role: Role, timeout: float = 20.0) -> dict:
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("tp,mode", [(1, "async"), (2, "async"), (1, "sync")])
-def test_kv_chunks_arrive_byte_exact_and_each_request_notifies_the_proxy(tmp_path, procs, tp, mode):
+@pytest.mark.parametrize(
+    "tp,mode,transport", [(1, "async", "auto"), (2, "async", "auto"), (1, "sync", "auto"), (2, "async", "tcp")]
+)
+def test_kv_chunks_arrive_byte_exact_and_each_request_notifies_the_proxy(tmp_path, procs, tp, mode, transport):
     ports = free_ports(2 * tp + 1)
     init_ports, alloc_ports, proxy_port = ports[:tp], ports[tp : 2 * tp], ports[-1]
     proxy = ProxySocket(proxy_port)
     procs.append(proxy)
-    receivers = [_receiver(tmp_path, r, tp, init_ports, alloc_ports, mode=mode) for r in range(tp)]
-    senders = [_sender(tmp_path, r, tp, proxy_port, init_ports, alloc_ports, mode=mode) for r in range(tp)]
+    env = {"KVBRIDGE_TRANSPORT": transport}
+    receivers = [_receiver(tmp_path, r, tp, init_ports, alloc_ports, env, mode=mode) for r in range(tp)]
+    senders = [_sender(tmp_path, r, tp, proxy_port, init_ports, alloc_ports, env, mode=mode) for r in range(tp)]
     procs.extend(receivers + senders)
     for p in receivers + senders:
         ready = p.expect("ready", timeout=120)
