@@ -192,7 +192,7 @@ def test_a_restarted_peer_replaces_its_stale_reverse_client():
         assert first.read(me.url, PAGE, 0, PAGE).succeeded_mask == [True]
         stale = me.ctx.get_transfer_channel_client(url)
         first.close()
-        again = _Context(fill=2, url=url)
+        again = _relisten(fill=2, url=url)
         try:
             assert again.read(me.url, PAGE, 0, PAGE).succeeded_mask == [True]
             fresh = me.ctx.get_transfer_channel_client(url)
@@ -204,6 +204,21 @@ def test_a_restarted_peer_replaces_its_stale_reverse_client():
     finally:
         first.close()
         me.close()
+
+
+def _relisten(fill: int, url: str, timeout_s: float = 10.0) -> _Context:
+    """A context on ``url`` that a closed one just left; the old listening socket may
+    linger for a moment after ``close()`` (EADDRINUSE), as after a process restart."""
+    import kvbridge
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return _Context(fill=fill, url=url)
+        except kvbridge.LocalError as err:
+            if "in use" not in str(err) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def test_use_after_close_is_refused_and_close_is_idempotent():
