@@ -1,0 +1,581 @@
+"""kvbridge as a transfer channel of LMCache's legacy layer (the PD and P2P backends).
+
+LMCache's PD backend hands its channel one arena (``buffer_ptr``, ``buffer_size``,
+``align_bytes``: one page is one KV chunk) and then writes pages named by index:
+``transfer_spec = {"receiver_id", "remote_indexes"}`` for a write, ``{"sender_id",
+"remote_indexes"}`` for a read. ``KvbridgeChannel`` registers that arena with a
+``kvbridge.Channel``, listens on ``peer_init_url`` (kvbridge's handshake replaces NIXL's ZMQ
+init socket) and moves pages one-sided. LMCache's own control plane (ZMQ alloc requests,
+``ProxyNotif``) is untouched.
+
+Peers: ``lazy_init_peer_connection`` dials the listener (retrying a refused or lost dial until
+``connect_timeout``, so a receiver that comes up late is waited for), learns the arena the
+peer granted, and announces LMCache's ``local_id`` so that the listener can address the dialer
+back (``role: both`` and P2P reads); the announcement is acknowledged by the listener, so when
+the call returns both sides know each other.
+
+A peer's restart: kvbridge peer ids carry a random per-channel suffix, so a write addressed to
+one incarnation of a peer can never land in the next one. A write that fails while bytes move
+raises kvbridge's typed error and marks the peer lost; a write that finds the peer lost, or
+its session gone before any byte moved, dials once and, if a new incarnation answers, writes
+there (LMCache never re-runs ``lazy_init_peer_connection``). LMCache allocates the peer's
+pages over its own ZMQ socket, so which incarnation allocated them is not ours to see:
+docs/lmcache.md, *Failures*.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import dataclasses
+import ipaddress
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+import weakref
+from typing import Any, Optional, Union
+
+import msgspec
+
+import kvbridge
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.transfer_channel.abstract import BaseTransferChannel
+from lmcache.v1.transfer_channel.transfer_utils import (
+    InitSideMsgBase,
+    InitSideRetMsgBase,
+    SideMsg,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a first dial to a peer keeps retrying while the peer's listener is not up yet.
+DEFAULT_CONNECT_TIMEOUT = 30.0
+#: Seconds the dialer waits for the listener to acknowledge its announcement.
+DEFAULT_HELLO_TIMEOUT = 10.0
+_CONNECT_TIMEOUT_ENV = "KVBRIDGE_LMCACHE_CONNECT_TIMEOUT"
+# A dial refused or cut short is retried; a peer that is incompatible, unauthenticated or
+# refuses us is not (waiting would not change its answer).
+_RETRYABLE = (kvbridge.ConnectionLost, kvbridge.Timeout, kvbridge.PeerClosed)
+# After these a session is gone: the next write to the peer dials again.
+_SESSION_ENDED = (
+    kvbridge.ConnectionLost,
+    kvbridge.Timeout,
+    kvbridge.PeerClosed,
+    kvbridge.PeerRestarted,
+    kvbridge.Disconnected,
+    kvbridge.UnknownPeer,
+)
+_NOTIF_MAGIC = b"kvbridge.lmcache/1\0"
+
+# Channels still open at interpreter exit are closed first: their notification thread must
+# not be inside kvbridge when Python ends daemon threads (the process would abort).
+_open_channels: "weakref.WeakSet[KvbridgeChannel]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_channels() -> None:
+    for ch in list(_open_channels):
+        try:
+            ch.close()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+
+
+class _Hello(msgspec.Struct, tag=True):
+    """The dialer's announcement: its LMCache id and an optional LMCache side message."""
+
+    nonce: int
+    local_id: str
+    side_msg: bytes = b""
+
+
+class _HelloAck(msgspec.Struct, tag=True):
+    """The listener's answer: the side message's reply, or why it failed."""
+
+    nonce: int
+    side_ret: bytes = b""
+    error: str = ""
+
+
+_Notif = Union[_Hello, _HelloAck]
+
+
+@dataclasses.dataclass
+class _Peer:
+    """One LMCache peer as this channel reaches it."""
+
+    kb_peer: str  # kvbridge peer id (names one incarnation of the peer)
+    region: int  # the peer's arena region id
+    addr: Optional[str]  # where to dial it again; None for a peer that dialed us
+    lost: bool = False  # its session ended; the next write dials again
+
+
+def _resolve(url: str) -> str:
+    """``host:port`` with the host resolved to an IP address (kvbridge takes addresses)."""
+    host, sep, port = url.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"kvbridge: peer url {url!r} is not host:port")
+    host = host.strip("[]")
+    try:
+        ipaddress.ip_address(host)
+        ip = host
+    except ValueError:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        if not infos:
+            raise ValueError(f"kvbridge: cannot resolve {host!r} of {url!r}") from None
+        ip = infos[0][4][0]
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+def _connect_timeout(explicit: Optional[float]) -> float:
+    if explicit is not None:
+        return float(explicit)
+    env = os.environ.get(_CONNECT_TIMEOUT_ENV)
+    if env:
+        try:
+            return float(env)
+        except ValueError:
+            raise ValueError(f"{_CONNECT_TIMEOUT_ENV}={env!r} is not a number of seconds") from None
+    return DEFAULT_CONNECT_TIMEOUT
+
+
+def _note(err: BaseException, text: str) -> None:
+    if hasattr(err, "add_note"):
+        err.add_note(text)
+
+
+class KvbridgeChannel(BaseTransferChannel):
+    """LMCache transfer channel over kvbridge (``transfer_channel: "kvbridge"``).
+
+    Takes LMCache's constructor keywords (``async_mode, role, buffer_ptr, buffer_size,
+    align_bytes, tp_rank, peer_init_url, device, event_loop, backends, peer_lookup_url``);
+    ``backends`` (NIXL's) is ignored. kvbridge moves host memory: ``device`` must be ``cpu``
+    (``pd_buffer_device: cpu``; LMCache copies between GPU and that arena itself). kvbridge's
+    own settings (secret, TLS, transport) come from the ``KVBRIDGE_*`` environment variables;
+    ``connect_timeout`` (or ``KVBRIDGE_LMCACHE_CONNECT_TIMEOUT``, default 30 s) bounds how long
+    a first dial waits for a peer's listener.
+    """
+
+    def __init__(
+        self,
+        async_mode: bool = False,
+        device: Optional[str] = None,
+        *,
+        role: str,
+        buffer_ptr: int,
+        buffer_size: int,
+        align_bytes: int,
+        tp_rank: int,
+        peer_init_url: Optional[str],
+        event_loop: Optional[asyncio.AbstractEventLoop] = None,
+        peer_lookup_url: Optional[str] = None,
+        connect_timeout: Optional[float] = None,
+        **_ignored: Any,
+    ):
+        if device is not None and str(device).split(":")[0] != "cpu":
+            raise ValueError(
+                f"kvbridge moves host memory only, but LMCache gave it a {device!r} buffer: "
+                "set `pd_buffer_device: cpu` (LMCache then copies between the GPU and a "
+                "host arena itself)"
+            )
+        if align_bytes <= 0 or buffer_size < align_bytes:
+            raise ValueError(
+                f"kvbridge: arena of {buffer_size} bytes cannot hold pages of {align_bytes} bytes"
+            )
+        self.async_mode = async_mode
+        self.role = role
+        self.tp_rank = tp_rank
+        self.peer_init_url = peer_init_url
+        self.peer_lookup_url = peer_lookup_url  # P2P: handed to dialers in a side message
+        self.event_loop = event_loop
+        self.page_size = int(align_bytes)
+        self.connect_timeout = _connect_timeout(connect_timeout)
+        self.hello_timeout = DEFAULT_HELLO_TIMEOUT
+
+        listen = _resolve(peer_init_url) if peer_init_url else None
+        peer_id = f"lmcache-{role}-tp{tp_rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._ch = kvbridge.Channel(peer_id, listen)
+        try:
+            # Pages past the last whole page are never named by LMCache.
+            length = buffer_size // self.page_size * self.page_size
+            self._region = self._ch.register(int(buffer_ptr), length, self.page_size)
+        except BaseException:
+            self._ch.close()
+            raise
+
+        self._lock = threading.Lock()
+        self._peers: dict[str, _Peer] = {}
+        self._acks: dict[int, concurrent.futures.Future] = {}
+        self._nonces = itertools.count(1)
+        self._closed = threading.Event()
+        self._dispatcher = threading.Thread(
+            target=self._dispatch_loop, name=f"kvbridge-lmcache-tp{tp_rank}", daemon=True
+        )
+        self._dispatcher.start()
+        _open_channels.add(self)
+        logger.info(
+            "kvbridge channel %s (%s) registered %d bytes in pages of %d%s",
+            peer_id,
+            role,
+            length,
+            self.page_size,
+            f", listening on {self._ch.local_addr}" if listen else "",
+        )
+
+    @property
+    def kvbridge_channel(self) -> "kvbridge.Channel":
+        """The underlying ``kvbridge.Channel`` (for stats and tests)."""
+        return self._ch
+
+    ############################################################
+    # Peers
+    ############################################################
+
+    def lazy_init_peer_connection(
+        self,
+        local_id: str,
+        peer_id: str,
+        peer_init_url: str,
+        init_side_msg: Optional[InitSideMsgBase] = None,
+    ) -> Optional[InitSideRetMsgBase]:
+        addr = _resolve(peer_init_url)
+        deadline = time.monotonic() + self.connect_timeout
+        kb_peer = self._dial_until(addr, deadline, peer_id)
+        region = self._arena_of(kb_peer, peer_id)
+        hello, fut = self._hello(local_id, init_side_msg)
+        self._ch.notify(kb_peer, hello)
+        try:
+            ack = fut.result(timeout=self.hello_timeout)
+        except concurrent.futures.TimeoutError:
+            raise self._hello_timeout(peer_id, addr) from None
+        finally:
+            self._forget_ack(fut)
+        return self._adopt(peer_id, kb_peer, region, addr, ack)
+
+    async def async_lazy_init_peer_connection(
+        self,
+        local_id: str,
+        peer_id: str,
+        peer_init_url: str,
+        init_side_msg: Optional[InitSideMsgBase] = None,
+    ) -> Optional[InitSideRetMsgBase]:
+        addr = _resolve(peer_init_url)
+        deadline = time.monotonic() + self.connect_timeout
+        kb_peer = await self._async_dial_until(addr, deadline, peer_id)
+        region = self._arena_of(kb_peer, peer_id)
+        hello, fut = self._hello(local_id, init_side_msg)
+        await self._ch.notify_async(kb_peer, hello)
+        try:
+            ack = await asyncio.wait_for(asyncio.wrap_future(fut), self.hello_timeout)
+        except asyncio.TimeoutError:
+            raise self._hello_timeout(peer_id, addr) from None
+        finally:
+            self._forget_ack(fut)
+        return self._adopt(peer_id, kb_peer, region, addr, ack)
+
+    def remote_xfer_handler_exists(self, receiver_or_sender_id: str) -> bool:
+        with self._lock:
+            return receiver_or_sender_id in self._peers
+
+    def _dial_until(self, addr: str, deadline: float, peer_id: str) -> str:
+        attempt, backoff = 0, 0.05
+        while True:
+            attempt += 1
+            try:
+                return self._ch.connect(addr)
+            except _RETRYABLE as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._give_up(e, addr, peer_id, attempt)
+                    raise
+                time.sleep(min(backoff, left))
+                backoff = min(backoff * 2, 1.0)
+
+    async def _async_dial_until(self, addr: str, deadline: float, peer_id: str) -> str:
+        attempt, backoff = 0, 0.05
+        while True:
+            attempt += 1
+            try:
+                return await self._ch.connect_async(addr)
+            except _RETRYABLE as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._give_up(e, addr, peer_id, attempt)
+                    raise
+                await asyncio.sleep(min(backoff, left))
+                backoff = min(backoff * 2, 1.0)
+
+    def _give_up(self, e: BaseException, addr: str, peer_id: str, attempts: int) -> None:
+        _note(
+            e,
+            f"kvbridge.lmcache: LMCache peer {peer_id!r} at {addr} did not answer within "
+            f"{self.connect_timeout:g} s ({attempts} dials; {_CONNECT_TIMEOUT_ENV})",
+        )
+        logger.error("kvbridge: giving up on %s at %s: %s", peer_id, addr, e)
+
+    def _hello(
+        self, local_id: str, side: Optional[InitSideMsgBase]
+    ) -> tuple[bytes, concurrent.futures.Future]:
+        nonce = next(self._nonces)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._acks[nonce] = fut
+        side_bytes = msgspec.msgpack.encode(side) if side is not None else b""
+        msg = _Hello(nonce=nonce, local_id=local_id, side_msg=side_bytes)
+        return _NOTIF_MAGIC + msgspec.msgpack.encode(msg), fut
+
+    def _forget_ack(self, fut: concurrent.futures.Future) -> None:
+        with self._lock:
+            for k, v in list(self._acks.items()):
+                if v is fut:
+                    del self._acks[k]
+
+    def _hello_timeout(self, peer_id: str, addr: str) -> Exception:
+        return kvbridge.Timeout(
+            f"kvbridge.lmcache: LMCache peer {peer_id!r} at {addr} did not acknowledge our "
+            f"announcement within {self.hello_timeout:g} s (is it a kvbridge channel?)",
+            peer=addr,
+            step="lmcache-init",
+        )
+
+    def _adopt(
+        self, peer_id: str, kb_peer: str, region: int, addr: str, ack: _HelloAck
+    ) -> Optional[InitSideRetMsgBase]:
+        if ack.error:
+            raise kvbridge.Rejected(
+                f"kvbridge.lmcache: LMCache peer {peer_id!r} at {addr} refused our "
+                f"announcement: {ack.error}",
+                peer=kb_peer,
+                step="lmcache-init",
+            )
+        with self._lock:
+            self._peers[peer_id] = _Peer(kb_peer=kb_peer, region=region, addr=addr)
+        logger.info("kvbridge: LMCache peer %s is %s at %s (region %d)", peer_id, kb_peer, addr, region)
+        if ack.side_ret:
+            return msgspec.msgpack.decode(ack.side_ret, type=SideMsg)
+        return None
+
+    def _arena_of(self, kb_peer: str, peer_id: str) -> int:
+        regions = self._ch.peer_regions(kb_peer)
+        same = [r for r in regions if r.page_size == self.page_size]
+        if not same:
+            seen = ", ".join(f"{r.id}: {r.length} B in pages of {r.page_size}" for r in regions)
+            raise ValueError(
+                f"kvbridge.lmcache: LMCache peer {peer_id!r} ({kb_peer}) grants no arena with "
+                f"pages of {self.page_size} bytes (it grants: {seen or 'nothing'}); both sides "
+                "must use the same KV chunk shape"
+            )
+        return same[0].id
+
+    ############################################################
+    # Notifications: the listener side of the announcement
+    ############################################################
+
+    def _dispatch_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                got = self._ch.recv_notification(timeout=0.2)
+            except kvbridge.Closed:
+                return
+            except Exception as e:  # noqa: BLE001 - one bad read must not stop the loop
+                if self._closed.is_set():
+                    return
+                logger.warning("kvbridge: notification receive failed: %s", e)
+                time.sleep(0.05)
+                continue
+            if got is None:
+                continue
+            kb_peer, data = got
+            try:
+                self._on_notification(kb_peer, data)
+            except Exception as e:  # noqa: BLE001
+                logger.warning("kvbridge: notification from %s not handled: %s", kb_peer, e)
+
+    def _on_notification(self, kb_peer: str, data: bytes) -> None:
+        if not data.startswith(_NOTIF_MAGIC):
+            logger.warning("kvbridge: ignoring a foreign notification from %s", kb_peer)
+            return
+        msg = msgspec.msgpack.decode(data[len(_NOTIF_MAGIC) :], type=_Notif)
+        if isinstance(msg, _HelloAck):
+            with self._lock:
+                fut = self._acks.pop(msg.nonce, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+            return
+        ack = _HelloAck(nonce=msg.nonce)
+        try:
+            region = self._arena_of(kb_peer, msg.local_id)
+            with self._lock:
+                self._peers[msg.local_id] = _Peer(kb_peer=kb_peer, region=region, addr=None)
+            if msg.side_msg:
+                side = msgspec.msgpack.decode(msg.side_msg, type=SideMsg)
+                ack.side_ret = msgspec.msgpack.encode(self.handle_init_side_msg(side))
+        except Exception as e:  # noqa: BLE001 - the dialer gets the reason
+            ack.error = f"{type(e).__name__}: {e}"
+        self._ch.notify(kb_peer, _NOTIF_MAGIC + msgspec.msgpack.encode(ack))
+
+    ############################################################
+    # Pages
+    ############################################################
+
+    def get_local_mem_indices(self, objects: Union[list[bytes], list[MemoryObj]]) -> list[int]:
+        indices = []
+        for obj in objects:
+            if not isinstance(obj, MemoryObj):
+                raise NotImplementedError(
+                    "kvbridge channel moves pages of its arena (MemoryObj), not raw bytes"
+                )
+            indices.append(obj.meta.address)
+        return indices
+
+    def _plan(
+        self, objects: list, transfer_spec: Optional[dict], id_key: str
+    ) -> tuple[str, list[int], list[int]]:
+        if transfer_spec is None or id_key not in transfer_spec:
+            raise ValueError(f"kvbridge: transfer_spec must name {id_key!r} and 'remote_indexes'")
+        remote = [int(i) for i in transfer_spec["remote_indexes"]]
+        local = self.get_local_mem_indices(objects)
+        if len(remote) != len(local):
+            raise ValueError(
+                f"kvbridge: {len(local)} objects but {len(remote)} remote_indexes "
+                f"for {transfer_spec[id_key]!r}"
+            )
+        return transfer_spec[id_key], local, remote
+
+    def _peer_for(self, lmc_peer: str) -> _Peer:
+        with self._lock:
+            p = self._peers.get(lmc_peer)
+        if p is None:
+            raise KeyError(
+                f"kvbridge: no connection to LMCache peer {lmc_peer!r} "
+                "(lazy_init_peer_connection was not called for it)"
+            )
+        return p
+
+    def _redial(self, lmc_peer: str, p: _Peer) -> _Peer:
+        """One dial to a peer whose session ended; a new incarnation is adopted."""
+        if p.addr is None:
+            raise kvbridge.UnknownPeer(
+                f"kvbridge.lmcache: LMCache peer {lmc_peer!r} dialed us and its session ended; "
+                "it must dial again",
+                peer=p.kb_peer,
+                step="connect",
+            )
+        kb_peer = self._ch.connect(p.addr)
+        return self._readopt(lmc_peer, p, kb_peer)
+
+    async def _async_redial(self, lmc_peer: str, p: _Peer) -> _Peer:
+        if p.addr is None:
+            raise kvbridge.UnknownPeer(
+                f"kvbridge.lmcache: LMCache peer {lmc_peer!r} dialed us and its session ended; "
+                "it must dial again",
+                peer=p.kb_peer,
+                step="connect",
+            )
+        kb_peer = await self._ch.connect_async(p.addr)
+        return self._readopt(lmc_peer, p, kb_peer)
+
+    def _readopt(self, lmc_peer: str, p: _Peer, kb_peer: str) -> _Peer:
+        fresh = _Peer(kb_peer=kb_peer, region=self._arena_of(kb_peer, lmc_peer), addr=p.addr)
+        with self._lock:
+            self._peers[lmc_peer] = fresh
+        logger.info("kvbridge: LMCache peer %s redialed: %s -> %s", lmc_peer, p.kb_peer, kb_peer)
+        return fresh
+
+    def _failed(self, lmc_peer: str, p: _Peer, e: BaseException, step: str) -> None:
+        if isinstance(e, _SESSION_ENDED):
+            p.lost = True
+        _note(e, f"kvbridge.lmcache: {step} of LMCache peer {lmc_peer!r} ({p.kb_peer}) failed")
+
+    def _xfer(self, objects: list, transfer_spec: Optional[dict], id_key: str, write: bool) -> int:
+        if not objects:
+            return 0
+        lmc_peer, local, remote = self._plan(objects, transfer_spec, id_key)
+        p = self._peer_for(lmc_peer)
+        step = "write" if write else "read"
+        op = self._ch.write_pages if write else self._ch.read_pages
+        try:
+            if p.lost:
+                p = self._redial(lmc_peer, p)
+            try:
+                op(p.kb_peer, self._region, local, p.region, remote)
+            except kvbridge.UnknownPeer:
+                # No session to that incarnation any more (nothing of this batch moved):
+                # dial once; a peer that answers again is a new incarnation.
+                p = self._redial(lmc_peer, p)
+                op(p.kb_peer, self._region, local, p.region, remote)
+        except kvbridge.KvbridgeError as e:
+            self._failed(lmc_peer, p, e, step)
+            raise
+        return len(objects)
+
+    async def _async_xfer(
+        self, objects: list, transfer_spec: Optional[dict], id_key: str, write: bool
+    ) -> int:
+        if not objects:
+            return 0
+        lmc_peer, local, remote = self._plan(objects, transfer_spec, id_key)
+        p = self._peer_for(lmc_peer)
+        step = "write" if write else "read"
+        op = self._ch.write_pages_async if write else self._ch.read_pages_async
+        try:
+            if p.lost:
+                p = await self._async_redial(lmc_peer, p)
+            try:
+                await op(p.kb_peer, self._region, local, p.region, remote)
+            except kvbridge.UnknownPeer:
+                p = await self._async_redial(lmc_peer, p)
+                await op(p.kb_peer, self._region, local, p.region, remote)
+        except kvbridge.KvbridgeError as e:
+            self._failed(lmc_peer, p, e, step)
+            raise
+        return len(objects)
+
+    def batched_write(self, objects, transfer_spec: Optional[dict] = None) -> int:
+        """Writes the objects' pages into the receiver's pages; returns once they landed."""
+        return self._xfer(objects, transfer_spec, "receiver_id", write=True)
+
+    def batched_read(self, buffers, transfer_spec: Optional[dict] = None) -> int:
+        """Reads the sender's pages into the buffers' pages; returns once they landed."""
+        return self._xfer(buffers, transfer_spec, "sender_id", write=False)
+
+    async def async_batched_write(self, objects, transfer_spec: Optional[dict] = None) -> int:
+        return await self._async_xfer(objects, transfer_spec, "receiver_id", write=True)
+
+    async def async_batched_read(self, buffers, transfer_spec: Optional[dict] = None) -> int:
+        return await self._async_xfer(buffers, transfer_spec, "sender_id", write=False)
+
+    # Two-sided send/recv is not part of LMCache's PD protocol (NIXL does not offer it either).
+    def batched_send(self, objects, transfer_spec: Optional[dict] = None) -> int:
+        raise NotImplementedError("kvbridge channel: use batched_write (one-sided)")
+
+    def batched_recv(self, buffers, transfer_spec: Optional[dict] = None) -> int:
+        raise NotImplementedError("kvbridge channel: use batched_read (one-sided)")
+
+    async def async_batched_send(self, objects, transfer_spec: Optional[dict] = None) -> int:
+        raise NotImplementedError("kvbridge channel: use async_batched_write (one-sided)")
+
+    async def async_batched_recv(self, buffers, transfer_spec: Optional[dict] = None) -> int:
+        raise NotImplementedError("kvbridge channel: use async_batched_read (one-sided)")
+
+    ############################################################
+    # Cleanup
+    ############################################################
+
+    def close(self) -> None:
+        """Stops the listener and the notification thread, deregisters the arena. Idempotent."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._ch.close()
+        self._dispatcher.join(timeout=2.0)
+        with self._lock:
+            for fut in self._acks.values():
+                if not fut.done():
+                    fut.cancel()
+            self._acks.clear()

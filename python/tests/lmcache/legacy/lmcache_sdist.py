@@ -1,0 +1,78 @@
+"""LMCache's own tests, fetched from PyPI at test time (never committed).
+
+The sdist ``lmcache-<version>.tar.gz`` carries ``tests/`` and ``pytest.ini``. They are unpacked
+into a cache directory *outside* any copy of the sdist's ``lmcache/`` source tree, which would
+otherwise shadow the installed package and its compiled extensions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import tarfile
+import urllib.request
+from pathlib import Path
+
+VERSION = "0.5.6"
+SHA256 = "d6951e60ce8818a76aa42d0866a4ba85f1c95cd919355fff30ff24dcc3243f1e"
+INDEX = os.environ.get("KVBRIDGE_PYPI_SIMPLE", "https://pypi.org/simple")
+
+
+def cache_dir() -> Path:
+    """``$KVBRIDGE_TEST_CACHE`` or ``<repo>/.cache`` (ignored by git)."""
+    env = os.environ.get("KVBRIDGE_TEST_CACHE")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[4] / ".cache"
+
+
+def _sdist_url() -> str:
+    req = urllib.request.Request(
+        f"{INDEX}/lmcache/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        files = json.load(r)["files"]
+    for f in files:
+        if f["filename"] == f"lmcache-{VERSION}.tar.gz":
+            return f["url"]
+    raise FileNotFoundError(f"lmcache-{VERSION}.tar.gz is not on {INDEX}")
+
+
+def sdist() -> Path:
+    """The verified sdist tarball, downloaded once."""
+    path = cache_dir() / f"lmcache-{VERSION}.tar.gz"
+    if not path.exists() or hashlib.sha256(path.read_bytes()).hexdigest() != SHA256:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with urllib.request.urlopen(_sdist_url(), timeout=300) as r:
+            data = r.read()
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != SHA256:
+            raise ValueError(f"lmcache-{VERSION}.tar.gz: sha256 {digest}, expected {SHA256}")
+        tmp = path.with_suffix(".part")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    return path
+
+
+def tests_root() -> Path:
+    """A directory holding the sdist's ``tests/`` and ``pytest.ini`` (and nothing else)."""
+    root = cache_dir() / f"lmcache-{VERSION}-tests"
+    stamp = root / ".complete"
+    if stamp.exists():
+        return root
+    if root.exists():
+        shutil.rmtree(root)
+    prefix = f"lmcache-{VERSION}/"
+    with tarfile.open(fileobj=io.BytesIO(sdist().read_bytes())) as tar:
+        members = [
+            m for m in tar.getmembers()
+            if m.name.startswith(prefix + "tests/") or m.name == prefix + "pytest.ini"
+        ]
+        for m in members:
+            m.name = m.name[len(prefix):]
+        tar.extractall(root, members=members, filter="data")
+    stamp.write_text(SHA256)
+    return root
