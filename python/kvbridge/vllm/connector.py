@@ -1,0 +1,106 @@
+"""``KvbridgeConnector``: vLLM's KV connector interface, one instance per role and process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from .config import settings_from
+from .metadata import KvbridgeConnectorMetadata
+from .scheduler import KvbridgeScheduler
+from .worker import KvbridgeWorker
+
+
+class KvbridgeConnector(KVConnectorBase_V1):
+    """Prefill/decode KV transfer over kvbridge, speaking NixlConnector's ``kv_transfer_params``.
+
+    Load it with ``--kv-transfer-config '{"kv_connector": "KvbridgeConnector",
+    "kv_connector_module_path": "kvbridge.vllm", "kv_role": "kv_producer"|"kv_consumer"}'``.
+    """
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.settings = settings_from(vllm_config)
+        self.connector_scheduler: KvbridgeScheduler | None = None
+        self.connector_worker: KvbridgeWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = KvbridgeScheduler(vllm_config, self.settings)
+        else:
+            self.connector_worker = KvbridgeWorker(vllm_config, self.settings)
+
+    # ---- scheduler side ---------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self.connector_scheduler is not None
+        self.connector_scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self.connector_scheduler is not None
+        self.connector_scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler.request_finished(request, block_ids)
+
+    # ---- worker side ------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self.connector_worker is not None
+        self.connector_worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self.connector_worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvbridgeConnectorMetadata)
+        self.connector_worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # loads complete between steps (the request waits in WAITING_FOR_REMOTE_KVS)
+        pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        # pull: the decoder reads the prefiller's blocks in place
+        pass
+
+    def wait_for_save(self) -> None:
+        pass
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self.connector_worker is not None
+        return self.connector_worker.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self.connector_worker is not None
+        sending, recving = self.connector_worker.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()),
+            failed_recving=self.connector_worker.take_failed_recving(),
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self.connector_worker is None:
+            return set()
+        return self.connector_worker.get_block_ids_with_load_errors()
+
+    def kvbridge_stats(self) -> dict[str, int]:
+        """Counters of loads and of how prefilled blocks were freed (by cause)."""
+        return dict(self.connector_worker.stats) if self.connector_worker is not None else {}
+
+    def shutdown(self) -> None:
+        if self.connector_worker is not None:
+            self.connector_worker.shutdown()

@@ -1,0 +1,46 @@
+"""What the scheduler tells the workers each step (vLLM pickles it across processes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class RecvJob:
+    """One decoder request whose prompt KV lives on a prefiller."""
+
+    local_block_ids: list[int]  # empty: nothing to read, only tell the prefiller to free
+    remote_block_ids: list[int]
+    remote_engine_id: str
+    remote_request_id: str
+    remote_host: str
+    remote_port: int
+
+
+@dataclass
+class KvbridgeConnectorMetadata(KVConnectorMetadata):
+    reqs_to_recv: dict[str, RecvJob] = field(default_factory=dict)
+    # prefiller: request id -> lease in seconds (the worker starts the clock on receipt)
+    reqs_to_send: dict[str, float] = field(default_factory=dict)
+
+
+def first_group(block_ids) -> list[int]:
+    """The block ids of the one KV-cache group this connector moves.
+
+    vLLM passes per-group tuples; NixlConnector's ``remote_block_ids`` is a list of groups.
+    A flat list of ints is accepted as one group.
+    """
+    if block_ids is None:
+        return []
+    seq = list(block_ids)
+    if not seq:
+        return []
+    if all(isinstance(b, int) for b in seq):
+        return [int(b) for b in seq]
+    if len(seq) != 1:
+        raise ValueError(
+            f"kvbridge connector moves one KV-cache group, got {len(seq)} (hybrid models are not supported yet)"
+        )
+    return [int(b) for b in seq[0]]

@@ -1,0 +1,332 @@
+"""Worker side: each layer's KV tensor is a kvbridge region whose page is one block.
+
+Prefiller: listens, publishes a directory (layer name -> region id) in a small region of
+its own, keeps finished requests' blocks until the decoder's "read done" notification or
+the lease's end. Decoder: connects (the handshake refuses a peer whose block layout
+differs), reads the directory once per peer, reads every layer's blocks with a deadline,
+then notifies the prefiller, on failure as on success.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import kvbridge
+
+from .config import ConnectorSettings, numeric_host
+from .metadata import KvbridgeConnectorMetadata, RecvJob
+
+log = logging.getLogger(__name__)
+
+#: Notification a decoder sends a prefiller once it is done with a request's blocks.
+DONE_PREFIX = b"kvbridge-vllm/1 done "
+#: Size of the directory region; a prime, so no KV layer region (an even number of bytes)
+#: can be mistaken for it.
+DIRECTORY_LEN = 65521
+DIRECTORY_MAGIC = b"kvbridge-vllm/1 directory\n"
+#: Decoder loads run here, off vLLM's step, so a slow peer never stalls a forward pass.
+LOAD_THREADS = 4
+
+
+class LayoutError(ValueError):
+    """The KV cache's memory layout cannot be moved page-per-block (names the layer)."""
+
+
+class LoadError(RuntimeError):
+    """A request's blocks could not be loaded (names the peer and the step)."""
+
+
+@dataclass
+class _Layer:
+    name: str
+    region: int
+    page_bytes: int
+
+
+@dataclass
+class _Peer:
+    peer_id: str
+    regions: dict[str, int]  # layer name -> remote region id
+
+
+@dataclass
+class _Load:
+    req_id: str
+    job: RecvJob
+    future: Future | None = None
+    transfers: list = field(default_factory=list)
+
+
+def layout_description(layers: list[tuple[str, tuple, str, int]], block_size: int, model: str, tp: int) -> str:
+    """The ``compat`` string: equal on two engines exactly when their blocks line up."""
+    detail = json.dumps([list(x) for x in layers], separators=(",", ":"))
+    digest = hashlib.sha256(detail.encode()).hexdigest()[:16]
+    page_bytes = sorted({x[3] for x in layers})
+    return (
+        f"kvbridge-vllm/1 model={model} block_size={block_size} tp={tp} layers={len(layers)} "
+        f"page_bytes={page_bytes} layout={digest}"
+    )
+
+
+class KvbridgeWorker:
+    def __init__(self, vllm_config: Any, settings: ConnectorSettings):
+        self.vllm_config = vllm_config
+        self.settings = settings
+        self.block_size = vllm_config.cache_config.block_size
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        try:
+            self.tp_rank = get_tensor_model_parallel_rank()
+        except Exception:  # not initialised (unit tests)
+            self.tp_rank = 0
+        self.tp_size = max(1, vllm_config.parallel_config.tensor_parallel_size)
+        self.channel: kvbridge.Channel | None = None
+        self.listen_addr: str | None = None
+        self._tensors: list = []
+        self.layers: list[_Layer] = []
+        self._directory = bytearray(DIRECTORY_LEN)
+        self._directory_region: int | None = None
+        # where a decoder reads a prefiller's directory; one byte longer so that peers
+        # never take it for a directory
+        self._scratch = bytearray(DIRECTORY_LEN + 1)
+        self._scratch_region: int | None = None
+        self._peers: dict[str, _Peer] = {}
+        self._peers_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kvbridge-load")
+        self._loads: dict[str, _Load] = {}
+        self._load_errors: set[int] = set()
+        self._failed_recving: set[str] = set()
+        # prefiller: request id -> monotonic deadline of its lease
+        self._leases: dict[str, float] = {}
+        # "done" notifications that came before the request's lease was known
+        self._early_done: dict[str, float] = {}
+        self.stats: dict[str, int] = {
+            "loads_ok": 0,
+            "loads_failed": 0,
+            "blocks_freed_on_notify": 0,
+            "leases_expired": 0,
+        }
+
+    # ---- registration -------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        import torch
+
+        by_ptr: dict[int, _Layer] = {}
+        described = []
+        pending = []
+        for name, t in kv_caches.items():
+            if not isinstance(t, torch.Tensor):
+                raise LayoutError(f"layer {name}: KV cache is a {type(t).__name__}, not one tensor")
+            if t.device.type != "cpu":
+                raise LayoutError(
+                    f"layer {name}: KV cache on {t.device}; this connector moves host memory only"
+                )
+            if t.dim() < 2 or not t[0].is_contiguous():
+                raise LayoutError(
+                    f"layer {name}: shape {tuple(t.shape)} strides {t.stride()}: one block is not one contiguous page"
+                )
+            page = t.stride(0) * t.element_size()
+            if page < t[0].numel() * t.element_size():
+                raise LayoutError(f"layer {name}: blocks overlap (stride {t.stride(0)})")
+            described.append((name, tuple(t.shape[1:]), str(t.dtype), page))
+            pending.append((name, t, page))
+        model = getattr(self.vllm_config.model_config, "model", "?")
+        compat = layout_description(described, self.block_size, model, self.tp_size)
+        listen = None
+        if self.settings.is_producer:
+            listen = f"{numeric_host(self.settings.host)}:{self.settings.base_port + self.tp_rank}"
+        self.channel = kvbridge.Channel(
+            f"vllm-{self.settings.engine_id}-tp{self.tp_rank}",
+            listen,
+            secret=self.settings.secret,
+            transport=self.settings.transport,
+            compat=compat,
+        )
+        # registered memory must outlive the registration: vLLM keeps its KV cache for the
+        # process's life, but a reference here makes that a property of this class
+        self._tensors = [t for _, t, _ in pending]
+        try:
+            for name, t, page in pending:
+                ptr = t.data_ptr()
+                if ptr in by_ptr:  # layers sharing one cache
+                    self.layers.append(_Layer(name, by_ptr[ptr].region, page))
+                    continue
+                rid = self.channel.register(ptr, t.shape[0] * page, page)
+                by_ptr[ptr] = _Layer(name, rid, page)
+                self.layers.append(by_ptr[ptr])
+            entries = {layer.name: str(layer.region) for layer in self.layers}
+            body = DIRECTORY_MAGIC + json.dumps({"compat": compat, "layers": entries}).encode()
+            if len(body) > DIRECTORY_LEN:
+                raise LayoutError(f"{len(self.layers)} layers do not fit the {DIRECTORY_LEN}-byte directory")
+            self._directory[: len(body)] = body
+            self._directory_region = self.channel.register_buffer(self._directory, DIRECTORY_LEN)
+            self._scratch_region = self.channel.register_buffer(self._scratch, DIRECTORY_LEN + 1, peers=[])
+        except BaseException:
+            self.channel.close()
+            self.channel = None
+            self.layers = []
+            self._tensors = []
+            raise
+        self.listen_addr = self.channel.local_addr
+        log.info("kvbridge: %d KV layers registered, listening on %s (%s)", len(self.layers), listen, compat)
+
+    # ---- decoder: loads ---------------------------------------------------------------------
+
+    def start_load_kv(self, meta: KvbridgeConnectorMetadata) -> None:
+        now = time.monotonic()
+        for req_id, lease_s in meta.reqs_to_send.items():
+            self._leases[req_id] = now + lease_s
+        for req_id, job in meta.reqs_to_recv.items():
+            load = _Load(req_id, job)
+            self._loads[req_id] = load
+            load.future = self._pool.submit(self._load, load)
+
+    def _peer(self, job: RecvJob, deadline: float) -> _Peer:
+        addr = f"{numeric_host(job.remote_host)}:{job.remote_port + self.tp_rank}"
+        with self._peers_lock:
+            known = self._peers.get(addr)
+            if known is not None:
+                return known
+            ch = self.channel
+            assert ch is not None
+            try:
+                peer_id = ch.connect(addr)
+            except kvbridge.KvbridgeError as e:
+                raise LoadError(f"connect to prefiller {addr}: {type(e).__name__}: {e}") from e
+            regions = ch.peer_regions(peer_id)
+            directory = [r for r in regions if r.length == DIRECTORY_LEN and r.page_size == DIRECTORY_LEN]
+            if len(directory) != 1:
+                raise LoadError(f"prefiller {peer_id} ({addr}) publishes no layer directory")
+            self._scratch[:] = bytes(len(self._scratch))
+            t = ch.submit_read_pages(peer_id, self._scratch_region, [0], directory[0].id, [0], DIRECTORY_LEN)
+            t.wait(max(0.0, deadline - time.monotonic()))
+            theirs = bytes(self._scratch[:DIRECTORY_LEN])
+            if not theirs.startswith(DIRECTORY_MAGIC):
+                raise LoadError(f"prefiller {peer_id} ({addr}): bad layer directory")
+            doc = json.loads(theirs[len(DIRECTORY_MAGIC) :].rstrip(b"\0"))
+            remote = {name: int(rid) for name, rid in doc["layers"].items()}
+            missing = [l.name for l in self.layers if l.name not in remote]
+            if missing:
+                raise LoadError(f"prefiller {peer_id} ({addr}) lacks layers {missing[:4]}")
+            peer = _Peer(peer_id, remote)
+            self._peers[addr] = peer
+            return peer
+
+    def _load(self, load: _Load) -> None:
+        job = load.job
+        deadline = time.monotonic() + self.settings.read_timeout_s
+        ch = self.channel
+        assert ch is not None
+        peer = self._peer(job, deadline)
+        try:
+            local = job.local_block_ids
+            if local:
+                if len(job.remote_block_ids) < len(local):
+                    raise LoadError(
+                        f"prefiller {peer.peer_id} offers {len(job.remote_block_ids)} blocks for "
+                        f"{len(local)} local ones (request {job.remote_request_id})"
+                    )
+                # a decoder's prefix-cache hit covers the head; read the tail
+                remote = job.remote_block_ids[len(job.remote_block_ids) - len(local) :]
+                for layer in self.layers:
+                    load.transfers.append(
+                        ch.submit_read_pages(peer.peer_id, layer.region, local, peer.regions[layer.name], remote)
+                    )
+                for t in load.transfers:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError
+                    t.wait(left)
+        except TimeoutError:
+            for t in load.transfers:
+                t.cancel()
+            raise LoadError(
+                f"reading request {job.remote_request_id} from prefiller {peer.peer_id}: "
+                f"deadline kvbridge_read_timeout_s={self.settings.read_timeout_s} passed"
+            ) from None
+        finally:
+            try:
+                ch.notify(peer.peer_id, DONE_PREFIX + job.remote_request_id.encode())
+            except kvbridge.KvbridgeError as e:
+                log.warning("kvbridge: cannot tell prefiller %s that %s is read: %s", peer.peer_id, job.remote_request_id, e)
+
+    # ---- completion -------------------------------------------------------------------------
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        recving: set[str] = set()
+        for req_id, load in list(self._loads.items()):
+            fut = load.future
+            if fut is None or not fut.done():
+                continue
+            # blocks are reported only once no read can still land in them
+            if any(not t.done for t in load.transfers):
+                continue
+            del self._loads[req_id]
+            recving.add(req_id)
+            err = fut.exception()
+            if err is None:
+                self.stats["loads_ok"] += 1
+            else:
+                self.stats["loads_failed"] += 1
+                self._failed_recving.add(req_id)
+                self._load_errors.update(load.job.local_block_ids)
+                log.warning("kvbridge: load of %s failed: %s", req_id, err)
+        sending = self._finished_sending()
+        return (sending or None), (recving or None)
+
+    def _finished_sending(self) -> set[str]:
+        if self.channel is None:
+            return set()
+        now = time.monotonic()
+        done: set[str] = set()
+        for _peer, msgs in self.channel.get_new_notifs().items():
+            for msg in msgs:
+                if not msg.startswith(DONE_PREFIX):
+                    continue
+                req_id = msg[len(DONE_PREFIX) :].decode(errors="replace")
+                if self._leases.pop(req_id, None) is not None:
+                    done.add(req_id)
+                    self.stats["blocks_freed_on_notify"] += 1
+                else:
+                    self._early_done[req_id] = now + self.settings.lease_s
+        for req_id in [r for r in self._leases if r in self._early_done]:
+            del self._leases[req_id]
+            del self._early_done[req_id]
+            done.add(req_id)
+            self.stats["blocks_freed_on_notify"] += 1
+        for req_id, until in list(self._leases.items()):
+            if until <= now:
+                del self._leases[req_id]
+                done.add(req_id)
+                self.stats["leases_expired"] += 1
+                log.warning(
+                    "kvbridge: no decoder read request %s within kvbridge_lease_s=%s; blocks freed",
+                    req_id,
+                    self.settings.lease_s,
+                )
+        for req_id, until in list(self._early_done.items()):
+            if until <= now:
+                del self._early_done[req_id]
+        return done
+
+    def take_failed_recving(self) -> set[str]:
+        out, self._failed_recving = self._failed_recving, set()
+        return out
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None

@@ -1,0 +1,121 @@
+"""The worker side with real kvbridge channels: a decoder reads a prefiller's blocks and
+every request ends, on both sides, whatever happens to the transfer."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import torch
+
+from kvbridge.vllm.metadata import KvbridgeConnectorMetadata, RecvJob
+
+from vllm_helpers import LAYERS, kv_caches, poll
+
+
+def job(prefiller, local, remote, req="p-1", port=None):
+    host, p = (prefiller.listen_addr or "127.0.0.1:1").rsplit(":", 1)
+    return RecvJob(
+        local_block_ids=list(local),
+        remote_block_ids=list(remote),
+        remote_engine_id="P",
+        remote_request_id=req,
+        remote_host=host,
+        remote_port=int(p) if port is None else port,
+    )
+
+
+def test_decoder_reads_prefiller_blocks_then_prefiller_frees_them(workers):
+    p_cache = kv_caches(seed=1)
+    d_cache = kv_caches(seed=None)
+    p = workers("kv_producer", p_cache)
+    d = workers("kv_consumer", d_cache)
+    # the prefiller's scheduler handed its worker the finished request's lease
+    p.start_load_kv(KvbridgeConnectorMetadata(reqs_to_send={"p-1": 30.0}))
+    d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job(p, [5, 9, 2], [1, 3, 7])}))
+    _, recving = poll(d, want_recving={"d-1"})
+    assert recving == {"d-1"}
+    assert d.get_block_ids_with_load_errors() == set()
+    assert d.take_failed_recving() == set()
+    for name in LAYERS:
+        for local, remote in ((5, 1), (9, 3), (2, 7)):
+            assert torch.equal(d_cache[name][local], p_cache[name][remote]), (name, local)
+        # blocks nobody asked for stay untouched
+        assert not d_cache[name][0].any()
+    sending, _ = poll(p, want_sending={"p-1"})
+    assert sending == {"p-1"}
+    assert p.stats["blocks_freed_on_notify"] == 1 and p.stats["leases_expired"] == 0
+    assert d.stats["loads_ok"] == 1
+
+
+def test_prefix_hit_on_decoder_reads_only_the_tail(workers):
+    p_cache = kv_caches(seed=2)
+    d_cache = kv_caches(seed=None)
+    p = workers("kv_producer", p_cache)
+    d = workers("kv_consumer", d_cache)
+    d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job(p, [4], [1, 2, 3])}))
+    poll(d, want_recving={"d-1"})
+    for name in LAYERS:
+        assert torch.equal(d_cache[name][4], p_cache[name][3])
+
+
+def test_notification_before_lease_is_known_still_frees(workers):
+    p = workers("kv_producer", kv_caches(seed=3))
+    d = workers("kv_consumer", kv_caches(seed=None))
+    d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job(p, [0], [0], req="p-7")}))
+    poll(d, want_recving={"d-1"})
+    deadline = time.monotonic() + 5
+    while not p._early_done and time.monotonic() < deadline:
+        p.get_finished(set())
+        time.sleep(0.01)
+    p.start_load_kv(KvbridgeConnectorMetadata(reqs_to_send={"p-7": 30.0}))
+    sending, _ = poll(p, want_sending={"p-7"}, timeout=2)
+    assert sending == {"p-7"}
+
+
+def test_lease_frees_blocks_nobody_read(workers):
+    p = workers("kv_producer", kv_caches(seed=4), extra={"kvbridge_lease_s": 0.3})
+    p.start_load_kv(KvbridgeConnectorMetadata(reqs_to_send={"p-1": 0.3}))
+    t0 = time.monotonic()
+    sending, _ = poll(p, want_sending={"p-1"}, timeout=5)
+    assert time.monotonic() - t0 >= 0.3
+    assert p.stats["leases_expired"] == 1
+
+
+def test_unreachable_prefiller_fails_the_load_with_its_blocks(workers):
+    d = workers("kv_consumer", kv_caches(seed=None), extra={"kvbridge_lease_s": 3, "kvbridge_read_timeout_s": 2})
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    bad = RecvJob([3, 4], [0, 1], "P", "p-1", "127.0.0.1", port)
+    d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": bad}))
+    _, recving = poll(d, want_recving={"d-1"})
+    assert recving == {"d-1"}
+    assert d.take_failed_recving() == {"d-1"}
+    assert d.get_block_ids_with_load_errors() == {3, 4}
+    assert d.stats["loads_failed"] == 1
+
+
+def test_out_of_range_remote_blocks_fail_the_load_and_still_free_the_prefiller(workers):
+    p = workers("kv_producer", kv_caches(seed=5))
+    d = workers("kv_consumer", kv_caches(seed=None))
+    p.start_load_kv(KvbridgeConnectorMetadata(reqs_to_send={"p-1": 30.0}))
+    d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job(p, [1], [10_000])}))
+    poll(d, want_recving={"d-1"})
+    assert d.take_failed_recving() == {"d-1"}
+    assert d.get_block_ids_with_load_errors() == {1}
+    sending, _ = poll(p, want_sending={"p-1"})
+    assert p.stats["blocks_freed_on_notify"] == 1
+
+
+@pytest.mark.parametrize("heads", [1, 4])
+def test_heterogeneous_layout_is_refused_at_handshake(workers, heads, caplog):
+    p = workers("kv_producer", kv_caches(seed=6, heads=2))
+    d = workers("kv_consumer", kv_caches(seed=None, heads=heads))
+    d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job(p, [1], [1])}))
+    poll(d, want_recving={"d-1"})
+    assert d.take_failed_recving() == {"d-1"}
+    assert d.get_block_ids_with_load_errors() == {1}
+    assert "Incompatible" in caplog.text

