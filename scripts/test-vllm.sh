@@ -24,7 +24,6 @@ done
 # Pinned: the connector is written and tested against exactly these.
 TORCH_VERSION=2.13.0
 VLLM_VERSION=0.32.0
-VLLM_SDIST_URL=https://files.pythonhosted.org/packages/d5/df/5471312c76e335eaa2b8333e87ea39f0d37bfe24f10a582620e34ff12e33/vllm-0.32.0.tar.gz
 VLLM_SDIST_SHA256=d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad
 VENV="${KVBRIDGE_VENV:-$ROOT/.venv}"
 PY="$VENV/bin/python"
@@ -76,11 +75,12 @@ PYEOF
   fi
   # vLLM's own tests, from the sdist (other projects' code is fetched, never committed).
   # pip prepares an sdist's metadata before saving it: VLLM_TARGET_DEVICE=empty makes that
-  # need no compiler, and the pinned URL (PyPI's, with its hash) skips the version check
-  # that the resulting "0.32.0+empty" would fail.
+  # need no compiler, and naming the file's URL on pip's index (with its pinned hash) skips
+  # the version check that the resulting "0.32.0+empty" would fail.
   if [ ! -d "$CACHE/vllm-$VLLM_VERSION/tests" ]; then
     echo "test-vllm.sh: fetching the vllm $VLLM_VERSION sdist's tests"
     "$PY" -m pip install --quiet setuptools-rust setuptools-scm
+    VLLM_SDIST_URL=$("$PY" python/tests/package_index.py vllm "vllm-$VLLM_VERSION.tar.gz")
     VLLM_TARGET_DEVICE=empty "$PY" -m pip download --quiet --no-deps --no-build-isolation \
       "vllm @ $VLLM_SDIST_URL#sha256=$VLLM_SDIST_SHA256" -d "$CACHE"
     tar -xzf "$CACHE/vllm-$VLLM_VERSION.tar.gz" -C "$CACHE" "vllm-$VLLM_VERSION/tests"

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import os
 import shutil
+import sys
 import tarfile
 import urllib.request
 from pathlib import Path
 
 VERSION = "0.5.6"
 SHA256 = "d6951e60ce8818a76aa42d0866a4ba85f1c95cd919355fff30ff24dcc3243f1e"
-INDEX = os.environ.get("KVBRIDGE_PYPI_SIMPLE", "https://pypi.org/simple")
 
 
 def cache_dir() -> Path:
@@ -30,15 +29,10 @@ def cache_dir() -> Path:
 
 
 def _sdist_url() -> str:
-    req = urllib.request.Request(
-        f"{INDEX}/lmcache/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
-    )
-    with urllib.request.urlopen(req, timeout=60) as r:
-        files = json.load(r)["files"]
-    for f in files:
-        if f["filename"] == f"lmcache-{VERSION}.tar.gz":
-            return f["url"]
-    raise FileNotFoundError(f"lmcache-{VERSION}.tar.gz is not on {INDEX}")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from package_index import file_url
+
+    return file_url("lmcache", f"lmcache-{VERSION}.tar.gz")
 
 
 def sdist() -> Path:
