@@ -9,10 +9,12 @@ default, so the project names no index of its own; ``KVBRIDGE_PYPI_SIMPLE`` over
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
 import urllib.request
+from pathlib import Path
 
 
 def simple_index() -> str:
@@ -45,6 +47,24 @@ def file_url(project: str, filename: str, timeout: float = 60.0) -> str:
         if f["filename"] == filename:
             return f["url"]
     raise FileNotFoundError(f"{filename} is not on {index}")
+
+
+def fetch(project: str, filename: str, sha256: str, cache: Path) -> Path:
+    """``cache/filename``, downloaded from the index on first use and checked against its
+    pinned ``sha256`` (a file that does not match is fetched again, then refused)."""
+    path = cache / filename
+    if path.exists() and hashlib.sha256(path.read_bytes()).hexdigest() == sha256:
+        return path
+    cache.mkdir(parents=True, exist_ok=True)
+    with urllib.request.urlopen(file_url(project, filename), timeout=300) as resp:
+        data = resp.read()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != sha256:
+        raise ValueError(f"{filename}: sha256 {digest}, expected {sha256}")
+    part = path.with_suffix(".part")
+    part.write_bytes(data)
+    part.replace(path)
+    return path
 
 
 if __name__ == "__main__":

@@ -8,13 +8,11 @@ directory's ``conftest.py``. Nothing of LMCache's is committed to kvbridge.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
 import sys
 import tarfile
-import urllib.request
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,31 +38,12 @@ def cache_dir() -> Path:
     return Path(env) if env else HERE.parents[3] / ".cache"
 
 
-def _sdist_url() -> str:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from package_index import file_url
-
-    return file_url("lmcache", f"lmcache-{VERSION}.tar.gz")
-
-
-def _verified(path: Path) -> bool:
-    return path.exists() and hashlib.sha256(path.read_bytes()).hexdigest() == SHA256
-
-
 def sdist() -> Path:
     """The verified sdist tarball in the cache, downloaded on first use."""
-    path = cache_dir() / f"lmcache-{VERSION}.tar.gz"
-    if not _verified(path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with urllib.request.urlopen(_sdist_url(), timeout=300) as resp:
-            data = resp.read()
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != SHA256:
-            raise ValueError(f"lmcache-{VERSION}.tar.gz: sha256 {digest}, expected {SHA256}")
-        part = path.with_suffix(".part")
-        part.write_bytes(data)
-        part.replace(path)
-    return path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from package_index import fetch
+
+    return fetch("lmcache", f"lmcache-{VERSION}.tar.gz", SHA256, cache_dir())
 
 
 def run_dir() -> Path:

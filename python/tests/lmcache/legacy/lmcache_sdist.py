@@ -7,13 +7,11 @@ otherwise shadow the installed package and its compiled extensions.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import shutil
 import sys
 import tarfile
-import urllib.request
 from pathlib import Path
 
 VERSION = "0.5.6"
@@ -28,27 +26,12 @@ def cache_dir() -> Path:
     return Path(__file__).resolve().parents[4] / ".cache"
 
 
-def _sdist_url() -> str:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from package_index import file_url
-
-    return file_url("lmcache", f"lmcache-{VERSION}.tar.gz")
-
-
 def sdist() -> Path:
-    """The verified sdist tarball, downloaded once."""
-    path = cache_dir() / f"lmcache-{VERSION}.tar.gz"
-    if not path.exists() or hashlib.sha256(path.read_bytes()).hexdigest() != SHA256:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with urllib.request.urlopen(_sdist_url(), timeout=300) as r:
-            data = r.read()
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != SHA256:
-            raise ValueError(f"lmcache-{VERSION}.tar.gz: sha256 {digest}, expected {SHA256}")
-        tmp = path.with_suffix(".part")
-        tmp.write_bytes(data)
-        tmp.replace(path)
-    return path
+    """The verified sdist tarball in the cache, downloaded on first use."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from package_index import fetch
+
+    return fetch("lmcache", f"lmcache-{VERSION}.tar.gz", SHA256, cache_dir())
 
 
 def tests_root() -> Path:
