@@ -88,9 +88,13 @@ def test_silent_peer_times_out_within_its_deadline():
         silent.close()
 
 
+RIGHT = b"the right secret, 32 bytes long."
+WRONG = "a wrong secret of 32 bytes, too."
+
+
 def test_secret_mismatch_is_unauthenticated():
-    with channel("decode-0", "127.0.0.1:0", secret=b"right") as d:
-        with channel("prefill-0", secret="wrong") as p:
+    with channel("decode-0", "127.0.0.1:0", secret=RIGHT) as d:
+        with channel("prefill-0", secret=WRONG) as p:
             with pytest.raises(kvbridge.Unauthenticated) as e:
                 p.connect(d.local_addr)
             assert e.value.step is not None and e.value.peer is not None
@@ -98,8 +102,13 @@ def test_secret_mismatch_is_unauthenticated():
         with channel("prefill-1") as p:
             with pytest.raises(kvbridge.Unauthenticated):
                 p.connect(d.local_addr)
-        with channel("prefill-2", secret=b"right") as p:
+        with channel("prefill-2", secret=RIGHT) as p:
             assert p.connect(d.local_addr) == "decode-0"
+
+
+def test_a_short_secret_is_refused_naming_its_length():
+    with pytest.raises(kvbridge.LocalError, match="5 bytes; at least 16"):
+        channel("decode-0", "127.0.0.1:0", secret=b"right")
 
 
 def test_compat_mismatch_is_incompatible():
