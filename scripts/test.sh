@@ -90,7 +90,8 @@ run_suite() { # NAME DIR [pytest args...]
     status=1
   fi
 }
-run_suite "binding" python/tests --ignore=python/tests/lmcache
+# python/tests/vllm is scripts/test-vllm.sh's (it needs vLLM).
+run_suite "binding" python/tests --ignore=python/tests/lmcache --ignore=python/tests/vllm
 run_suite "LMCache legacy channel" python/tests/lmcache/legacy
 run_suite "LMCache distributed channel" python/tests/lmcache/contract
 exit $status
