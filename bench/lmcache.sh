@@ -93,10 +93,19 @@ run_one() {  # channel size rep
     --buffer-size "$buffer" --server-timeout "$RUN_TIMEOUT" >"$LOGS/$tag.server" 2>&1 &
   server_pid=$!
   # the client's catalog request waits (ZMQ) until the server is ready: no sleep needed
-  local rc=0
+  local rc=0 client_pid
   env "${env[@]}" timeout -s KILL "$RUN_TIMEOUT" "${launch[@]}" --role client "${common[@]}" \
     --listen-url "$lis" --num-objects "$NUM_OBJECTS" --iters "$ITERS" --warmup "$WARMUP" \
-    --verify >"$LOGS/$tag.client" 2>&1 || rc=$?
+    --verify >"$LOGS/$tag.client" 2>&1 &
+  client_pid=$!
+  # a server that dies first (bad flag, out of memory) would leave the client waiting for its
+  # catalog until RUN_TIMEOUT: whichever ends first decides
+  wait -n "$client_pid" "$server_pid" || true
+  if kill -0 "$client_pid" 2>/dev/null; then
+    echo "---- $tag: the server exited before the client finished" >&2
+    kill -KILL "$client_pid" 2>/dev/null || true
+  fi
+  wait "$client_pid" || rc=$?
   # the server serves until its timeout; SIGINT ends its loop and closes its context
   kill -INT "$server_pid" 2>/dev/null || true
   timeout 30 tail --pid="$server_pid" -f /dev/null || kill -KILL "$server_pid" 2>/dev/null || true
