@@ -246,16 +246,20 @@ class KvbridgeChannel(BaseTransferChannel):
         addr = _resolve(peer_init_url)
         deadline = time.monotonic() + self.connect_timeout
         kb_peer = self._dial_until(addr, deadline, peer_id)
-        region = self._arena_of(kb_peer, peer_id)
-        hello, fut = self._hello(local_id, init_side_msg)
-        self._ch.notify(kb_peer, hello)
         try:
-            ack = fut.result(timeout=self.hello_timeout)
-        except concurrent.futures.TimeoutError:
-            raise self._hello_timeout(peer_id, addr) from None
-        finally:
-            self._forget_ack(fut)
-        return self._adopt(peer_id, kb_peer, region, addr, ack)
+            region = self._arena_of(kb_peer, peer_id)
+            hello, fut = self._hello(local_id, init_side_msg)
+            self._ch.notify(kb_peer, hello)
+            try:
+                ack = fut.result(timeout=self.hello_timeout)
+            except concurrent.futures.TimeoutError:
+                raise self._hello_timeout(peer_id, addr) from None
+            finally:
+                self._forget_ack(fut)
+            return self._adopt(peer_id, kb_peer, region, addr, ack)
+        except BaseException:
+            self._drop_session(kb_peer, peer_id)
+            raise
 
     async def async_lazy_init_peer_connection(
         self,
@@ -267,16 +271,20 @@ class KvbridgeChannel(BaseTransferChannel):
         addr = _resolve(peer_init_url)
         deadline = time.monotonic() + self.connect_timeout
         kb_peer = await self._async_dial_until(addr, deadline, peer_id)
-        region = self._arena_of(kb_peer, peer_id)
-        hello, fut = self._hello(local_id, init_side_msg)
-        await self._ch.notify_async(kb_peer, hello)
         try:
-            ack = await asyncio.wait_for(asyncio.wrap_future(fut), self.hello_timeout)
-        except asyncio.TimeoutError:
-            raise self._hello_timeout(peer_id, addr) from None
-        finally:
-            self._forget_ack(fut)
-        return self._adopt(peer_id, kb_peer, region, addr, ack)
+            region = self._arena_of(kb_peer, peer_id)
+            hello, fut = self._hello(local_id, init_side_msg)
+            await self._ch.notify_async(kb_peer, hello)
+            try:
+                ack = await asyncio.wait_for(asyncio.wrap_future(fut), self.hello_timeout)
+            except asyncio.TimeoutError:
+                raise self._hello_timeout(peer_id, addr) from None
+            finally:
+                self._forget_ack(fut)
+            return self._adopt(peer_id, kb_peer, region, addr, ack)
+        except BaseException:
+            self._drop_session(kb_peer, peer_id)
+            raise
 
     def remote_xfer_handler_exists(self, receiver_or_sender_id: str) -> bool:
         with self._lock:
@@ -309,6 +317,17 @@ class KvbridgeChannel(BaseTransferChannel):
                     raise
                 await asyncio.sleep(min(backoff, left))
                 backoff = min(backoff * 2, 1.0)
+
+    def _drop_session(self, kb_peer: str, peer_id: str) -> None:
+        """Ends the kvbridge session of an LMCache handshake that failed half-way.
+
+        Without this a peer that never acknowledged (or refused) our announcement would keep
+        a connected session, with its data streams and memory mappings, that nothing uses.
+        """
+        try:
+            self._ch.disconnect(kb_peer, "lmcache-init failed")
+        except kvbridge.KvbridgeError as e:
+            logger.warning("kvbridge: ending the half-built session with %s: %s", peer_id, e)
 
     def _give_up(self, e: BaseException, addr: str, peer_id: str, attempts: int) -> None:
         _note(

@@ -83,9 +83,8 @@ def _url():
 def _relisten(make, url):
     """A new listener on the address a closed channel of this process listened on.
 
-    kvbridge's ``Channel.close()`` aborts its listener task and returns without waiting for
-    the socket to be dropped, so binding the same port at once can fail with EADDRINUSE for a
-    moment (a restarted *process* does not meet this: the kernel closed the old socket).
+    ``Channel.close()`` returns once its listening socket is dropped; the short retry only
+    guards against another process taking the freed port in between.
     """
     import kvbridge
 
@@ -261,3 +260,30 @@ def test_receiver_restarted_while_idle_gets_the_next_write(make):
     send.batched_write(_objs([6]), {"receiver_id": "R", "remote_indexes": [1]})
     assert second.arena.page_bytes(1) == send.arena.page_bytes(6)
     assert send._peers["R"].kb_peer != old_peer
+
+
+@pytest.mark.parametrize("mode", ["blocking", "asyncio"])
+def test_an_unacknowledged_announcement_leaves_no_session(make, mode):
+    """A peer that takes the kvbridge connection but never answers LMCache's announcement
+    (a plain kvbridge channel, not an LMCache one) fails the init with ``Timeout`` and the
+    half-built session is ended on both sides, not left connected with nothing using it."""
+    import kvbridge
+
+    url = _url()
+    buf = bytearray(PAGES * PAGE)
+    with kvbridge.Channel("not-lmcache", url, use_env=False) as other:
+        other.register_buffer(buf, PAGE)
+        send = make("sender")
+        send.hello_timeout = 0.3
+        with pytest.raises(kvbridge.Timeout) as err:
+            if mode == "blocking":
+                send.lazy_init_peer_connection("S", "R", url)
+            else:
+                asyncio.run(send.async_lazy_init_peer_connection("S", "R", url))
+        assert err.value.step == "lmcache-init"
+        assert send.kvbridge_channel.stats()["established"] == 0
+        assert not send.remote_xfer_handler_exists("R")
+        deadline = time.monotonic() + 5
+        while other.stats()["established"] != 0:
+            assert time.monotonic() < deadline, "the listener kept the abandoned session"
+            time.sleep(0.02)
