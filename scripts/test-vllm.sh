@@ -4,20 +4,26 @@
 # pytest and the kvbridge package; fetches the vllm sdist's tests into .venv/cache (never
 # committed) and runs
 #   1. our tests (python/tests/vllm),
-#   2. vLLM's own scheduler lifecycle tests pointed at kvbridge.vllm.KvbridgeConnector.
+#   2. vLLM's own scheduler lifecycle tests pointed at kvbridge.vllm.KvbridgeConnector,
+#   3. a real 1P1D (python/tests/vllm_e2e): vLLM CPU servers with the connector behind
+#      `kvbridge proxy --flow vllm` (target/debug/kvbridge unless KVBRIDGE_BIN is set; built
+#      when missing), against a single server (about 3-5 minutes on 2 cores).
 # Reruns skip what is installed.
 #   --no-install   use .venv as it is
 #   --setup-only   install, fetch, run nothing
+#   --no-e2e       skip 3
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 INSTALL=1
 RUN=1
+E2E=1
 for a in "$@"; do
   case "$a" in
     --no-install) INSTALL=0 ;;
     --setup-only) RUN=0 ;;
-    *) echo "usage: scripts/test-vllm.sh [--no-install] [--setup-only]" >&2; exit 2 ;;
+    --no-e2e) E2E=0 ;;
+    *) echo "usage: scripts/test-vllm.sh [--no-install] [--setup-only] [--no-e2e]" >&2; exit 2 ;;
   esac
 done
 
@@ -103,4 +109,14 @@ cp "$UNIT/__init__.py" "$UNIT/conftest.py" "$UNIT/utils.py" \
   "$UNIT/test_remote_prefill_lifecycle.py" "$UNIT/test_remote_decode_lifecycle.py" "$RUNDIR/unit/"
 cp python/tests/vllm/upstream_conftest.py "$RUNDIR/conftest.py"
 (cd "$RUNDIR" && "$PY" -m pytest -p no:cacheprovider -q -rxX unit) || status=1
+
+# 3. a real 1P1D with vLLM CPU servers behind the proxy
+if [ "$E2E" = 1 ]; then
+  if [ -z "${KVBRIDGE_BIN:-}" ] && [ ! -x target/release/kvbridge ] && command -v cargo >/dev/null; then
+    cargo build --quiet -p kvbridge-cli
+  fi
+  t0=$(date +%s)
+  "$PY" -m pytest -p no:cacheprovider -q -s python/tests/vllm_e2e || status=1
+  echo "test-vllm.sh: 1P1D suite took $(( $(date +%s) - t0 )) s"
+fi
 exit $status

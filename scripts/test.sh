@@ -90,8 +90,8 @@ run_suite() { # NAME DIR [pytest args...]
     status=1
   fi
 }
-# python/tests/vllm is scripts/test-vllm.sh's (it needs vLLM).
-run_suite "binding" python/tests --ignore=python/tests/lmcache --ignore=python/tests/vllm
+# python/tests/vllm and python/tests/vllm_e2e are scripts/test-vllm.sh's (they need vLLM).
+run_suite "binding" python/tests --ignore=python/tests/lmcache --ignore=python/tests/vllm --ignore=python/tests/vllm_e2e
 run_suite "LMCache legacy channel" python/tests/lmcache/legacy
 run_suite "LMCache distributed channel" python/tests/lmcache/contract
 exit $status

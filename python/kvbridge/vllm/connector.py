@@ -14,6 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from .config import settings_from
 from .metadata import KvbridgeConnectorMetadata
 from .scheduler import KvbridgeScheduler
+from .stats import KvbridgeConnectorStats
 from .worker import KvbridgeWorker
 
 
@@ -97,8 +98,19 @@ class KvbridgeConnector(KVConnectorBase_V1):
             return set()
         return self.connector_worker.get_block_ids_with_load_errors()
 
-    def kvbridge_stats(self) -> dict[str, int]:
-        """Counters of loads and of how prefilled blocks were freed (by cause)."""
+    def get_kv_connector_stats(self) -> KvbridgeConnectorStats | None:
+        if self.connector_worker is None:
+            return None
+        delta = self.connector_worker.stats_since_last_report()
+        return None if delta is None else KvbridgeConnectorStats(data=delta)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvbridgeConnectorStats:
+        return KvbridgeConnectorStats(data=dict(data or {}))
+
+    def kvbridge_stats(self) -> dict[str, int | float]:
+        """Cumulative counters of loads (failures by cause), bytes read and how prefilled
+        blocks were freed."""
         return dict(self.connector_worker.stats) if self.connector_worker is not None else {}
 
     def shutdown(self) -> None:

@@ -17,6 +17,10 @@ class RecvJob:
     remote_request_id: str
     remote_host: str
     remote_port: int
+    # vLLM waits for this load (the request sits in WAITING_FOR_REMOTE_KVS) and must hear
+    # when it ends; False: only the prefiller is told (a finished request, or a full prefix
+    # hit), and vLLM, which asserts it knows every request reported, is told nothing
+    awaited: bool = True
 
 
 @dataclass

@@ -28,6 +28,8 @@ class KvbridgeScheduler:
         self.tp_size = max(1, vllm_config.parallel_config.tensor_parallel_size)
         self._reqs_need_recv: dict[str, RecvJob] = {}
         self._reqs_need_send: dict[str, float] = {}
+        # requests whose prefiller already gets a notification from a load job
+        self._recv_issued: set[str] = set()
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
@@ -44,7 +46,8 @@ class KvbridgeScheduler:
         if params.get("remote_block_ids"):
             if all(params.get(k) is not None for k in REQUIRED_REMOTE_KEYS):
                 local = first_group(blocks.get_unhashed_block_ids_all_groups()) if num_external_tokens > 0 else []
-                self._reqs_need_recv[request.request_id] = self._job(params, local)
+                self._reqs_need_recv[request.request_id] = self._job(params, local, awaited=num_external_tokens > 0)
+                self._recv_issued.add(request.request_id)
             else:
                 log.warning(
                     "kvbridge: request %s has do_remote_prefill but lacks %s; it will be computed locally",
@@ -57,7 +60,7 @@ class KvbridgeScheduler:
         params["do_remote_prefill"] = False
 
     @staticmethod
-    def _job(params: dict[str, Any], local: list[int]) -> RecvJob:
+    def _job(params: dict[str, Any], local: list[int], *, awaited: bool) -> RecvJob:
         return RecvJob(
             local_block_ids=local,
             remote_block_ids=first_group(params.get("remote_block_ids")),
@@ -65,6 +68,7 @@ class KvbridgeScheduler:
             remote_request_id=str(params["remote_request_id"]),
             remote_host=str(params["remote_host"]),
             remote_port=int(params["remote_port"]),
+            awaited=awaited,
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> KvbridgeConnectorMetadata:
@@ -80,13 +84,18 @@ class KvbridgeScheduler:
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
+        issued = request.request_id in self._recv_issued
+        self._recv_issued.discard(request.request_id)
         if not params:
             return False, None
-        if params.get("do_remote_prefill"):
+        if params.get("do_remote_prefill") and not issued:
             # Finished before it was ever scheduled (aborted): the prefiller still holds
             # the blocks, so the worker only sends it the "read done" notification.
             if params.get("remote_block_ids") and all(params.get(k) is not None for k in REQUIRED_REMOTE_KEYS):
-                self._reqs_need_recv[request.request_id] = self._job(params, [])
+                self._reqs_need_recv[request.request_id] = self._job(params, [], awaited=False)
+            params["do_remote_prefill"] = False
+            return False, None
+        if params.get("do_remote_prefill"):
             params["do_remote_prefill"] = False
             return False, None
         if not params.get("do_remote_decode"):

@@ -9,8 +9,10 @@ then notifies the prefiller, on failure as on success.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import logging
 import threading
 import time
@@ -22,6 +24,7 @@ import kvbridge
 
 from .config import ConnectorSettings, numeric_host
 from .metadata import KvbridgeConnectorMetadata, RecvJob
+from .stats import zero as zero_stats
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +36,8 @@ DIRECTORY_LEN = 65521
 DIRECTORY_MAGIC = b"kvbridge-vllm/1 directory\n"
 #: Decoder loads run here, off vLLM's step, so a slow peer never stalls a forward pass.
 LOAD_THREADS = 4
+#: "Read done" notifications are sent here, so a prefiller slow to take one delays no load.
+NOTIFY_THREADS = 2
 
 
 class LayoutError(ValueError):
@@ -40,7 +45,34 @@ class LayoutError(ValueError):
 
 
 class LoadError(RuntimeError):
-    """A request's blocks could not be loaded (names the peer and the step)."""
+    """A request's blocks could not be loaded (names the peer and the step).
+
+    ``cause`` is one of ``stats.FAILURE_CAUSES``."""
+
+    def __init__(self, message: str, cause: str = "other"):
+        super().__init__(message)
+        self.cause = cause
+
+
+#: kvbridge errors after which the session to a prefiller is gone: the next load reconnects.
+SESSION_ENDED = (
+    kvbridge.ConnectionLost,
+    kvbridge.PeerClosed,
+    kvbridge.PeerRestarted,
+    kvbridge.SessionReplaced,
+    kvbridge.UnknownPeer,
+    kvbridge.Disconnected,
+)
+
+
+def failure_cause(err: BaseException) -> str:
+    if isinstance(err, LoadError):
+        return err.cause
+    if isinstance(err, TimeoutError):
+        return "timeout"
+    if isinstance(err, SESSION_ENDED):
+        return "peer_lost"
+    return "other"
 
 
 @dataclass
@@ -62,6 +94,9 @@ class _Load:
     job: RecvJob
     future: Future | None = None
     transfers: list = field(default_factory=list)
+    started: float = 0.0
+    finished: float = 0.0
+    bytes: int = 0
 
 
 def layout_description(layers: list[tuple[str, tuple, str, int]], block_size: int, model: str, tp: int) -> str:
@@ -73,6 +108,38 @@ def layout_description(layers: list[tuple[str, tuple, str, int]], block_size: in
         f"kvbridge-vllm/1 model={model} block_size={block_size} tp={tp} layers={len(layers)} "
         f"page_bytes={page_bytes} layout={digest}"
     )
+
+
+@contextlib.contextmanager
+def transfer_cores():
+    """Runs the block with the calling thread on the cores vLLM CPU keeps for KV transfer.
+
+    vLLM CPU binds the worker's thread (and its OpenMP threads) to the compute cores and
+    leaves the last core of each NUMA node free for transfers (NixlConnector puts its
+    threads there too). kvbridge's I/O threads, started by the channel, inherit the
+    affinity of the thread that creates it; on the compute cores, a prefiller whose engine
+    loop spins (it steps while blocks await a decoder) would starve them, and a decoder's
+    read over TCP would wait for it.
+    """
+    cores: set[int] = set()
+    try:
+        from vllm.platforms import current_platform
+
+        if current_platform.device_type == "cpu":
+            cores = {max(node) for node in current_platform.discover_numa_topology() if node}
+    except Exception as e:  # no topology: leave the affinity as it is
+        log.info("kvbridge: no NUMA topology (%s); transfer threads keep the worker's cores", e)
+    old = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    cores &= set(range(os.cpu_count() or 1))
+    if not cores or old is None:
+        yield
+        return
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, old)
+    log.info("kvbridge: transfer threads on cores %s (worker thread on %s)", sorted(cores), sorted(old))
 
 
 class KvbridgeWorker:
@@ -100,6 +167,7 @@ class KvbridgeWorker:
         self._peers: dict[str, _Peer] = {}
         self._peers_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kvbridge-load")
+        self._notifier = ThreadPoolExecutor(NOTIFY_THREADS, thread_name_prefix="kvbridge-notify")
         self._loads: dict[str, _Load] = {}
         self._load_errors: set[int] = set()
         self._failed_recving: set[str] = set()
@@ -107,12 +175,9 @@ class KvbridgeWorker:
         self._leases: dict[str, float] = {}
         # "done" notifications that came before the request's lease was known
         self._early_done: dict[str, float] = {}
-        self.stats: dict[str, int] = {
-            "loads_ok": 0,
-            "loads_failed": 0,
-            "blocks_freed_on_notify": 0,
-            "leases_expired": 0,
-        }
+        # cumulative counters (stats.COUNTERS); vLLM gets the change since its last report
+        self.stats: dict[str, int | float] = zero_stats()
+        self._reported: dict[str, int | float] = zero_stats()
 
     # ---- registration -------------------------------------------------------------------
 
@@ -143,13 +208,14 @@ class KvbridgeWorker:
         listen = None
         if self.settings.is_producer:
             listen = f"{numeric_host(self.settings.host)}:{self.settings.base_port + self.tp_rank}"
-        self.channel = kvbridge.Channel(
-            f"vllm-{self.settings.engine_id}-tp{self.tp_rank}",
-            listen,
-            secret=self.settings.secret,
-            transport=self.settings.transport,
-            compat=compat,
-        )
+        with transfer_cores():
+            self.channel = kvbridge.Channel(
+                f"vllm-{self.settings.engine_id}-tp{self.tp_rank}",
+                listen,
+                secret=self.settings.secret,
+                transport=self.settings.transport,
+                compat=compat,
+            )
         # registered memory must outlive the registration: vLLM keeps its KV cache for the
         # process's life, but a reference here makes that a property of this class
         self._tensors = [t for _, t, _ in pending]
@@ -185,7 +251,7 @@ class KvbridgeWorker:
         for req_id, lease_s in meta.reqs_to_send.items():
             self._leases[req_id] = now + lease_s
         for req_id, job in meta.reqs_to_recv.items():
-            load = _Load(req_id, job)
+            load = _Load(req_id, job, started=now)
             self._loads[req_id] = load
             load.future = self._pool.submit(self._load, load)
 
@@ -194,13 +260,18 @@ class KvbridgeWorker:
         with self._peers_lock:
             known = self._peers.get(addr)
             if known is not None:
-                return known
+                try:
+                    self.channel.peer_regions(known.peer_id)  # raises once its session ended
+                    return known
+                except SESSION_ENDED:
+                    del self._peers[addr]  # the prefiller restarted: connect to the new one
             ch = self.channel
             assert ch is not None
             try:
                 peer_id = ch.connect(addr)
             except kvbridge.KvbridgeError as e:
-                raise LoadError(f"connect to prefiller {addr}: {type(e).__name__}: {e}") from e
+                cause = "refused" if isinstance(e, (kvbridge.PeerError, kvbridge.Rejected)) else "unreachable"
+                raise LoadError(f"connect to prefiller {addr}: {type(e).__name__}: {e}", cause) from e
             regions = ch.peer_regions(peer_id)
             directory = [r for r in regions if r.length == DIRECTORY_LEN and r.page_size == DIRECTORY_LEN]
             if len(directory) != 1:
@@ -226,6 +297,7 @@ class KvbridgeWorker:
         ch = self.channel
         assert ch is not None
         peer = self._peer(job, deadline)
+        addr = f"{numeric_host(job.remote_host)}:{job.remote_port + self.tp_rank}"
         try:
             local = job.local_block_ids
             if local:
@@ -240,23 +312,45 @@ class KvbridgeWorker:
                     load.transfers.append(
                         ch.submit_read_pages(peer.peer_id, layer.region, local, peer.regions[layer.name], remote)
                     )
+                    load.bytes += len(local) * layer.page_bytes
                 for t in load.transfers:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise TimeoutError
                     t.wait(left)
+            load.finished = time.monotonic()
         except TimeoutError:
             for t in load.transfers:
                 t.cancel()
             raise LoadError(
                 f"reading request {job.remote_request_id} from prefiller {peer.peer_id}: "
-                f"deadline kvbridge_read_timeout_s={self.settings.read_timeout_s} passed"
+                f"deadline kvbridge_read_timeout_s={self.settings.read_timeout_s} passed",
+                "timeout",
             ) from None
+        except SESSION_ENDED as e:
+            # the prefiller is gone (killed, restarted): forget it, so that the next request
+            # for this address connects to whatever listens there now
+            with self._peers_lock:
+                if self._peers.get(addr) is peer:
+                    del self._peers[addr]
+            raise LoadError(
+                f"reading request {job.remote_request_id} from prefiller {peer.peer_id} ({addr}): "
+                f"session ended: {type(e).__name__}: {e}",
+                "peer_lost",
+            ) from e
         finally:
-            try:
-                ch.notify(peer.peer_id, DONE_PREFIX + job.remote_request_id.encode())
-            except kvbridge.KvbridgeError as e:
-                log.warning("kvbridge: cannot tell prefiller %s that %s is read: %s", peer.peer_id, job.remote_request_id, e)
+            # off the load's path: the blocks are usable now, whether or not (or however
+            # slowly) the prefiller takes the notification
+            self._notifier.submit(self._notify_done, peer.peer_id, job.remote_request_id)
+
+    def _notify_done(self, peer_id: str, remote_request_id: str) -> None:
+        ch = self.channel
+        if ch is None:
+            return
+        try:
+            ch.notify(peer_id, DONE_PREFIX + remote_request_id.encode())
+        except kvbridge.KvbridgeError as e:
+            log.warning("kvbridge: cannot tell prefiller %s that %s is read: %s", peer_id, remote_request_id, e)
 
     # ---- completion -------------------------------------------------------------------------
 
@@ -270,12 +364,19 @@ class KvbridgeWorker:
             if any(not t.done for t in load.transfers):
                 continue
             del self._loads[req_id]
-            recving.add(req_id)
             err = fut.exception()
+            if not load.job.awaited:
+                if err is not None:
+                    log.warning("kvbridge: telling prefiller of finished request %s failed: %s", req_id, err)
+                continue
+            recving.add(req_id)
             if err is None:
                 self.stats["loads_ok"] += 1
+                self.stats["bytes_read"] += load.bytes
+                self.stats["load_seconds"] += max(0.0, load.finished - load.started)
             else:
                 self.stats["loads_failed"] += 1
+                self.stats[f"loads_failed_{failure_cause(err)}"] += 1
                 self._failed_recving.add(req_id)
                 self._load_errors.update(load.job.local_block_ids)
                 log.warning("kvbridge: load of %s failed: %s", req_id, err)
@@ -317,6 +418,14 @@ class KvbridgeWorker:
                 del self._early_done[req_id]
         return done
 
+    def stats_since_last_report(self) -> dict[str, int | float] | None:
+        """The counters' change since the previous call; None when nothing changed."""
+        delta = {k: v - self._reported.get(k, 0) for k, v in self.stats.items()}
+        if not any(delta.values()):
+            return None
+        self._reported = dict(self.stats)
+        return delta
+
     def take_failed_recving(self) -> set[str]:
         out, self._failed_recving = self._failed_recving, set()
         return out
@@ -327,6 +436,7 @@ class KvbridgeWorker:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._notifier.shutdown(wait=False, cancel_futures=True)
         if self.channel is not None:
             self.channel.close()
             self.channel = None

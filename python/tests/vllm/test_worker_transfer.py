@@ -119,3 +119,58 @@ def test_heterogeneous_layout_is_refused_at_handshake(workers, heads, caplog):
     assert d.take_failed_recving() == {"d-1"}
     assert d.get_block_ids_with_load_errors() == {1}
     assert "Incompatible" in caplog.text
+
+
+def test_notify_only_job_frees_the_prefiller_and_is_never_reported_to_vllm(workers):
+    # vLLM's scheduler asserts that every finished_recving id is a live request; a job for a
+    # request that already finished (or a full prefix hit) only tells the prefiller.
+    p = workers("kv_producer", kv_caches(seed=5))
+    d = workers("kv_consumer", kv_caches(seed=None))
+    p.start_load_kv(KvbridgeConnectorMetadata(reqs_to_send={"p-1": 30.0}))
+    only = job(p, [], [1, 2])
+    only.awaited = False
+    d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"gone": only}))
+    poll(p, want_sending={"p-1"})
+    deadline = time.monotonic() + 5
+    while d._loads and time.monotonic() < deadline:
+        _, recving = d.get_finished(set())
+        assert not recving, recving
+        time.sleep(0.01)
+    assert not d._loads
+    assert d.get_finished(set()) == (None, None)
+    assert d.take_failed_recving() == set()
+
+
+def test_decoder_reconnects_to_a_prefiller_restarted_on_the_same_address(workers):
+    first = workers("kv_producer", kv_caches(seed=6))
+    d = workers("kv_consumer", kv_caches(seed=None))
+    d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job(first, [0], [0])}))
+    poll(d, want_recving={"d-1"})
+    port = int(first.listen_addr.rsplit(":", 1)[1])
+    first.shutdown()
+    p_cache = kv_caches(seed=7)
+    second = workers("kv_producer", p_cache, extra={"kvbridge_port": port})
+    d_cache = d._tensors
+    d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-2": job(second, [3], [2], req="p-2")}))
+    _, recving = poll(d, want_recving={"d-2"})
+    assert d.take_failed_recving() == set()
+    for name, t in zip(LAYERS, d_cache):
+        assert torch.equal(t[3], p_cache[name][2]), name
+
+
+def test_counters_reach_vllm_as_the_change_since_the_last_report(workers):
+    from kvbridge.vllm.stats import KvbridgeConnectorStats
+
+    p = workers("kv_producer", kv_caches(seed=8))
+    d = workers("kv_consumer", kv_caches(seed=None))
+    assert d.stats_since_last_report() is None
+    d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job(p, [1, 2], [1, 2])}))
+    poll(d, want_recving={"d-1"})
+    delta = d.stats_since_last_report()
+    assert delta["loads_ok"] == 1 and delta["bytes_read"] == 2 * sum(t[0].nbytes for t in d._tensors)
+    assert d.stats_since_last_report() is None
+    other = KvbridgeConnectorStats(data=dict(delta, loads_failed=1, loads_failed_timeout=1))
+    total = KvbridgeConnectorStats(data=delta).aggregate(other)
+    out = total.reduce()
+    assert out["loads_ok"] == 2 and out["loads_failed_timeout"] == 1 and out["load_GiB_per_s"] > 0
+    assert KvbridgeConnectorStats().is_empty()

@@ -1,0 +1,58 @@
+"""The connector's counters in vLLM's ``KVConnectorStats`` form.
+
+The worker hands vLLM the counts since its previous report each step; vLLM sums them across
+workers and steps and logs them with its other stats (``KV Transfer metrics: ...``) every
+logging interval. Load failures are counted by cause.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+#: Why a decoder's load failed (``loads_failed_<cause>``).
+FAILURE_CAUSES = ("timeout", "unreachable", "refused", "peer_lost", "other")
+
+#: Every counter, in the order they are logged.
+COUNTERS = (
+    "loads_ok",
+    "loads_failed",
+    *(f"loads_failed_{c}" for c in FAILURE_CAUSES),
+    "bytes_read",
+    "blocks_freed_on_notify",
+    "leases_expired",
+)
+
+
+def zero() -> dict[str, Any]:
+    return {**{k: 0 for k in COUNTERS}, "load_seconds": 0.0}
+
+
+@dataclass
+class KvbridgeConnectorStats(KVConnectorStats):
+    """Counts since the last report (``data``: counter name -> int, ``load_seconds`` float)."""
+
+    def __post_init__(self) -> None:
+        self.data = {**zero(), **(self.data or {})}
+
+    def reset(self) -> None:
+        self.data = zero()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in (other.data or {}).items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {k: int(self.data.get(k, 0)) for k in COUNTERS if self.data.get(k)}
+        secs = float(self.data.get("load_seconds", 0.0))
+        if self.data.get("loads_ok"):
+            out["avg_load_ms"] = round(secs * 1e3 / self.data["loads_ok"], 3)
+            if secs > 0:
+                out["load_GiB_per_s"] = round(self.data.get("bytes_read", 0) / secs / 2**30, 4)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(k) for k in COUNTERS)
