@@ -9,8 +9,9 @@
 use crate::config::ChannelConfig;
 use crate::datapath::{DataPath, LocalSlice};
 use crate::error::{Error, Result};
+use crate::grant::{Permission, RegionTable};
 use crate::net::{Listener, Stream};
-use crate::region::{Grant, Region, RegionTable};
+use crate::region::Region;
 use crate::session::{
     refuse, refuse_lingering, run_initiator, run_listener, SessionCmd, SessionEnv,
 };
@@ -475,8 +476,11 @@ impl Channel {
     }
 
     /// Registers a region and grants it to peers; established peers learn of it at once.
-    pub fn register(&self, region: &Region, grant: Grant) -> Result<()> {
-        self.inner.table.insert(region.clone(), grant)?;
+    /// `grant` is a [`Grant`](crate::Grant) (read-write) or a [`Permission`] with an access
+    /// mode (`Grant::AllPeers.read_only()`); a mode other than read-write keeps the region
+    /// off shared memory and cross-memory attach (crate::grant explains why).
+    pub fn register(&self, region: &Region, grant: impl Into<Permission>) -> Result<()> {
+        self.inner.table.insert(region.clone(), grant.into())?;
         let _ = self.inner.core.send(CoreCmd::MemChanged);
         Ok(())
     }
