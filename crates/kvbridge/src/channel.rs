@@ -900,7 +900,7 @@ fn exposure_warning(addr: SocketAddr, secret: bool) -> Option<String> {
 
 /// The largest first frame a connection may send (`Limits::max_first_frame_len`, never more
 /// than `max_frame_len`).
-fn first_frame_limit(config: &ChannelConfig) -> u32 {
+pub(crate) fn first_frame_limit(config: &ChannelConfig) -> u32 {
     config
         .limits
         .max_first_frame_len

@@ -663,3 +663,52 @@ async fn an_observer_with_the_token_cannot_open_a_data_connection() {
     assert_eq!((s.sessions, s.established), (1, 1), "{s:?}");
     drop(ctl);
 }
+
+/// Before its proof a peer gets no larger frame than its first one: a frame header that
+/// announces 1 MiB after the `Hello` (under `max_frame_len`, over the first-frame limit) is
+/// refused at once, without waiting for its body, and the session ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_frame_before_the_proof_is_refused_at_once() {
+    let (dec, _kv) = listener(
+        "decode-0",
+        |c| {
+            c.secret = secret("s3cret-of-the-cluster");
+            // Long enough that waiting for the body would be seen.
+            c.deadlines.handshake_step = Duration::from_secs(30);
+        },
+        PAGE,
+        PAGE,
+    )
+    .await;
+    let (mut ctl, _w) = hello_without_proof(&dec).await;
+    let started = std::time::Instant::now();
+    ctl.write_all(&kvbridge::proto::frame::FrameHeader::encode(1 << 20))
+        .await
+        .unwrap();
+    ctl.write_all(&[0u8; 64]).await.unwrap();
+    // The listener answers (a Reject naming the limit) or closes, well before the step's
+    // deadline; it never reads the megabyte.
+    let mut b = [0u8; 256];
+    let ended = loop {
+        match tokio::time::timeout(
+            Duration::from_secs(5),
+            tokio::io::AsyncReadExt::read(&mut ctl, &mut b),
+        )
+        .await
+        {
+            Ok(Ok(0)) | Ok(Err(_)) => break true,
+            Ok(Ok(_)) => continue,
+            Err(_) => break false,
+        }
+    };
+    assert!(
+        ended,
+        "the listener waited for the body of a pre-proof frame"
+    );
+    assert!(started.elapsed() < Duration::from_secs(5));
+    let t = std::time::Instant::now();
+    while dec.stats().await.unwrap().sessions > 0 && t.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(dec.stats().await.unwrap().sessions, 0);
+}
