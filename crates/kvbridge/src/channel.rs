@@ -17,7 +17,7 @@ use crate::session::{
 };
 use crate::tls::Tls;
 use crate::wire::{read_frame, ReadError};
-use kvbridge_proto::auth::Secret;
+use kvbridge_proto::auth::{Keyring, Secret};
 use kvbridge_proto::handshake::{LocalIdentity, Step};
 use kvbridge_proto::msg::{ErrorCode, Message, OpDesc, RegionInfo};
 use kvbridge_proto::{Incarnation, PeerId, RegionId, SessionToken};
@@ -342,11 +342,33 @@ impl Channel {
                 )));
             }
         }
+        let peer_keys = match (&config.peer_keys, std::env::var_os("KVBRIDGE_PEER_KEYS")) {
+            (Some(k), _) => Some(k.clone()),
+            (None, Some(path)) => {
+                let text = std::fs::read_to_string(&path)
+                    .map_err(|e| Error::Local(format!("KVBRIDGE_PEER_KEYS={path:?}: {e}")))?;
+                Some(
+                    Keyring::parse(&text)
+                        .map_err(|e| Error::Local(format!("KVBRIDGE_PEER_KEYS={path:?}: {e}")))?,
+                )
+            }
+            (None, None) => None,
+        };
+        if let Some((id, len)) = peer_keys.as_ref().and_then(Keyring::shortest) {
+            if len < Secret::MIN_LEN {
+                return Err(Error::Local(format!(
+                    "the key of peer {id} (ChannelConfig::peer_keys / KVBRIDGE_PEER_KEYS) is \
+                     {len} bytes; at least {} are required",
+                    Secret::MIN_LEN
+                )));
+            }
+        }
         let local = LocalIdentity {
             peer_id,
             incarnation: Incarnation(crate::rand_u64()),
             compat: config.compat.clone(),
             secret: config.secret.clone(),
+            peer_keys,
         };
         let tls = match &config.tls {
             Some(t) => {
@@ -369,7 +391,8 @@ impl Channel {
             None => None,
         };
         let local_addr = listener.as_ref().and_then(|l| l.local_addr().ok());
-        if let Some(w) = local_addr.and_then(|a| exposure_warning(a, config.secret.is_some())) {
+        let authenticates = local.authenticates();
+        if let Some(w) = local_addr.and_then(|a| exposure_warning(a, authenticates)) {
             tracing::warn!("{w}");
         }
         let (core_tx, core_rx) = mpsc::unbounded_channel();

@@ -524,7 +524,7 @@ impl Session {
         cmd_tx: mpsc::UnboundedSender<SessionCmd>,
     ) -> Self {
         let (r, w) = stream.into_split();
-        let until_proof = env.local.secret.is_some().then(|| {
+        let until_proof = env.local.authenticates().then(|| {
             let proves: fn(&Message) -> bool = match &machine {
                 Machine::Listen(_) => |m| matches!(m, Message::Proof(_)),
                 Machine::Init(_) => |m| matches!(m, Message::Welcome(_)),
@@ -623,7 +623,7 @@ impl Session {
                     }
                 }
                 c = self.cmds.recv() => match c {
-                    Some(SessionCmd::DataConn(s, peer, stream)) if self.env.local.secret.is_some() => {
+                    Some(SessionCmd::DataConn(s, peer, stream)) if self.env.local.authenticates() => {
                         // Bound only once it answers a fresh challenge under the session's
                         // key: its token alone (seen in the clear) proves nothing.
                         if stream >= self.machine.data_connection_cap() || Some(&peer) != self.peer_id.as_ref() {

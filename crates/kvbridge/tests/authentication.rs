@@ -537,6 +537,7 @@ async fn authenticated_by_hand(
         incarnation: Incarnation(7),
         compat: Compat::default(),
         secret: secret(key),
+        peer_keys: None,
     };
     let now = std::time::Instant::now;
     let mut m = Initiator::declaring(local, Duration::from_secs(10), now(), [3; 32], streams);
@@ -711,4 +712,54 @@ async fn a_large_frame_before_the_proof_is_refused_at_once() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     assert_eq!(dec.stats().await.unwrap().sessions, 0);
+}
+
+/// A listener with per-peer keys (real sockets): "prefill-0" connects with its own key, and
+/// a peer holding prefill-1's key (or the shared secret) cannot claim "prefill-0".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_key_binds_the_id_it_claims() {
+    let mut ring = kvbridge::proto::auth::Keyring::new();
+    ring.insert(
+        PeerId::new("prefill-0").unwrap(),
+        secret("key-of-prefill-0-xxxx").unwrap(),
+    );
+    ring.insert(
+        PeerId::new("prefill-1").unwrap(),
+        secret("key-of-prefill-1-xxxx").unwrap(),
+    );
+    let (dec, kv) = listener(
+        "decode-0",
+        |c| {
+            c.secret = secret("the-shared-secret-xx");
+            c.peer_keys = Some(ring);
+        },
+        PAGE,
+        PAGE,
+    )
+    .await;
+    for wrong in ["key-of-prefill-1-xxxx", "the-shared-secret-xx"] {
+        let (pre, _) = initiator("prefill-0", |c| c.secret = secret(wrong), PAGE, PAGE).await;
+        let e = pre.connect(&addr(&dec)).await.unwrap_err();
+        assert!(matches!(e, Error::Unauthenticated { .. }), "{e}");
+    }
+    let (pre, src) = initiator(
+        "prefill-0",
+        |c| c.secret = secret("key-of-prefill-0-xxxx"),
+        PAGE,
+        PAGE,
+    )
+    .await;
+    let peer = pre.connect(&addr(&dec)).await.unwrap();
+    pre.write(&peer, &[Op::page(&src, 0, kv.id(), 0, PAGE)])
+        .await
+        .unwrap();
+    // An id the ring does not hold still authenticates with the shared secret.
+    let (other, _) = initiator(
+        "prefill-7",
+        |c| c.secret = secret("the-shared-secret-xx"),
+        PAGE,
+        PAGE,
+    )
+    .await;
+    other.connect(&addr(&dec)).await.unwrap();
 }
