@@ -9,7 +9,7 @@
 use crate::config::ChannelConfig;
 use crate::datapath::{DataPath, LocalSlice};
 use crate::error::{Error, Result};
-use crate::grant::{Permission, RegionTable};
+use crate::grant::{Permission, RegionTable, WindowDrain, WindowId};
 use crate::net::{Listener, Stream};
 use crate::region::Region;
 use crate::session::{
@@ -506,6 +506,27 @@ impl Channel {
         self.inner.table.insert(region.clone(), grant.into())?;
         let _ = self.inner.core.send(CoreCmd::MemChanged);
         Ok(())
+    }
+
+    /// Opens `len` bytes at `offset` of a region registered with
+    /// [`Permission::writes_in_windows`] to `peer`'s writes (crate::grant explains where
+    /// windows hold). Cheap: a table insert, no message to the peer.
+    pub fn open_window(
+        &self,
+        region: RegionId,
+        peer: &PeerId,
+        offset: u64,
+        len: u64,
+    ) -> Result<WindowId> {
+        self.inner.table.open_window(&region, peer, offset, len)
+    }
+
+    /// Closes a window: no write of its peer passes it from now on. The returned
+    /// [`WindowDrain`] waits for the writes that passed it before and may still be landing;
+    /// give the bytes to anyone else only once it is drained. `None` when the window is not
+    /// open (closed before, or its region deregistered).
+    pub fn close_window(&self, id: WindowId) -> Option<WindowDrain> {
+        self.inner.table.close_window(id)
     }
 
     /// Removes a region. New transfers can no longer find it; this waits (within the op

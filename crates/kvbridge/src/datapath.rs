@@ -1182,12 +1182,16 @@ impl ReaderCtx {
         }
         let mut out = Vec::with_capacity(b.ops.len());
         for (i, op) in b.ops.iter().enumerate() {
-            let region = match self.table.use_for(&self.path.peer, &op.region, writes) {
-                Ok(r) => r,
-                Err(denied) => {
-                    return Err(reject(denied.code(), denied.message(i, &op.region, writes)))
-                }
-            };
+            let region =
+                match self
+                    .table
+                    .use_for(&self.path.peer, &op.region, op.offset, op.len, writes)
+                {
+                    Ok(r) => r,
+                    Err(denied) => {
+                        return Err(reject(denied.code(), denied.message(i, &op.region, writes)))
+                    }
+                };
             if !region.region().contains(op.offset, op.len) {
                 return Err(reject(
                     ErrorCode::OutOfBounds,

@@ -13,14 +13,25 @@
 //! access is not [`Access::ReadWrite`] is therefore never offered over shared memory or
 //! cross-memory attach: its batches go over TCP, where the mode holds.
 //!
+//! A grant may also confine a peer's writes to *windows*
+//! ([`Permission::writes_in_windows`]): byte ranges the owner opens for one peer
+//! (`Channel::open_window`) and closes again (`Channel::close_window`); a write that is not
+//! wholly inside that peer's open windows is refused with `AccessDenied`. Closing a window
+//! stops new writes at once and returns a [`WindowDrain`] that waits for the writes that had
+//! already passed it, so the owner can hand the bytes to someone else only when nothing of
+//! the old holder can land. Windows hold where the receiver does the copy (TCP); a region
+//! with windows is still offered over shared memory and cross-memory attach, whose peers
+//! reach all of it (see `docs/threat-model.md`).
+//!
 //! [`ErrorCode::AccessDenied`]: kvbridge_proto::msg::ErrorCode::AccessDenied
 
 use crate::error::{Error, Result};
 use crate::region::{Region, RegionUse};
 use kvbridge_proto::msg::{ErrorCode, MemInfo, RegionInfo};
 use kvbridge_proto::{PeerId, RegionId};
-use std::collections::HashMap;
-use std::sync::RwLock;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
 
 /// Which peers may address a region.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -55,6 +66,7 @@ impl Grant {
         Permission {
             peers: self,
             access,
+            windowed: false,
         }
     }
 }
@@ -92,6 +104,8 @@ pub struct Permission {
     pub peers: Grant,
     /// What they may do.
     pub access: Access,
+    /// Writes land only inside windows opened for the writing peer (see the module doc).
+    pub windowed: bool,
 }
 
 impl From<Grant> for Permission {
@@ -99,6 +113,7 @@ impl From<Grant> for Permission {
         Permission {
             peers,
             access: Access::ReadWrite,
+            windowed: false,
         }
     }
 }
@@ -107,6 +122,127 @@ impl Permission {
     fn allows(&self, peer: &PeerId) -> bool {
         self.peers.allows(peer)
     }
+
+    /// A peer's writes land only inside the windows opened for it with
+    /// `Channel::open_window` (enforced where the receiver copies: TCP).
+    pub fn writes_in_windows(mut self) -> Permission {
+        self.windowed = true;
+        self
+    }
+}
+
+/// An open write window ([`Permission::writes_in_windows`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct WindowId(u64);
+
+/// How many writes that passed a window are still landing.
+#[derive(Default)]
+struct WindowUses {
+    count: AtomicUsize,
+    idle: tokio::sync::Notify,
+}
+
+/// One write counted in a window until it ends.
+pub(crate) struct WindowHold(Arc<WindowUses>);
+
+impl WindowHold {
+    fn new(u: &Arc<WindowUses>) -> Self {
+        u.count.fetch_add(1, Ordering::AcqRel);
+        WindowHold(u.clone())
+    }
+}
+
+impl Clone for WindowHold {
+    fn clone(&self) -> Self {
+        WindowHold::new(&self.0)
+    }
+}
+
+impl Drop for WindowHold {
+    fn drop(&mut self) {
+        if self.0.count.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
+}
+
+/// The writes still landing through a closed window: no new one can pass it.
+pub struct WindowDrain(Arc<WindowUses>);
+
+impl WindowDrain {
+    /// Whether no write through the window is landing any more.
+    pub fn is_drained(&self) -> bool {
+        self.0.count.load(Ordering::Acquire) == 0
+    }
+
+    /// Waits until no write through the window is landing. Each write is bounded by the
+    /// channel's payload deadline (past it the writer's session ends and its write with it),
+    /// so this returns within about the op deadline; callers still bound it.
+    pub async fn drained(&self) {
+        loop {
+            let n = self.0.idle.notified();
+            tokio::pin!(n);
+            n.as_mut().enable();
+            if self.is_drained() {
+                return;
+            }
+            n.await;
+        }
+    }
+}
+
+impl std::fmt::Debug for WindowDrain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "WindowDrain({} landing)",
+            self.0.count.load(Ordering::Acquire)
+        )
+    }
+}
+
+struct Window {
+    id: WindowId,
+    end: u64,
+    uses: Arc<WindowUses>,
+}
+
+struct Entry {
+    region: Region,
+    permission: Permission,
+    /// Per peer, its open windows by start offset.
+    windows: HashMap<PeerId, BTreeMap<u64, Window>>,
+}
+
+impl Entry {
+    /// Holds on every window of `peer` that `offset..offset+len` passes through, when they
+    /// cover it without a gap.
+    fn cover(&self, peer: &PeerId, offset: u64, len: u64) -> Option<Vec<WindowHold>> {
+        let end = offset.checked_add(len)?;
+        let mut holds = Vec::new();
+        if len == 0 {
+            return Some(holds);
+        }
+        let ws = self.windows.get(peer)?;
+        let mut pos = offset;
+        while pos < end {
+            let (_, w) = ws.range(..=pos).next_back()?;
+            if w.end <= pos {
+                return None;
+            }
+            holds.push(WindowHold::new(&w.uses));
+            pos = w.end;
+        }
+        Some(holds)
+    }
+}
+
+#[derive(Default)]
+struct Tables {
+    regions: HashMap<RegionId, Entry>,
+    /// Where each open window is: region, peer, start.
+    windows: HashMap<WindowId, (RegionId, PeerId, u64)>,
+    next_window: u64,
 }
 
 /// Why a peer's op on a region is refused, for its `Reject`.
@@ -116,13 +252,20 @@ pub(crate) enum Denied {
     NotGranted,
     /// Granted, but not for this direction.
     Mode(Access),
+    /// A write outside the windows open for this peer.
+    OutsideWindows {
+        /// First byte.
+        offset: u64,
+        /// Length.
+        len: u64,
+    },
 }
 
 impl Denied {
     pub(crate) fn code(&self) -> ErrorCode {
         match self {
             Denied::NotGranted => ErrorCode::UnknownRegion,
-            Denied::Mode(_) => ErrorCode::AccessDenied,
+            Denied::Mode(_) | Denied::OutsideWindows { .. } => ErrorCode::AccessDenied,
         }
     }
 
@@ -138,82 +281,170 @@ impl Denied {
                 },
                 if writes { "writes" } else { "reads" }
             ),
+            Denied::OutsideWindows { offset, len } => format!(
+                "op {op}: {len} bytes at offset {offset} of region {region} are outside the \
+                 ranges open to this peer for writing"
+            ),
         }
     }
 }
 
-/// The channel's local regions and who may address them. Written by `register` and
-/// `deregister` only; a region is in the table before any peer can learn its id.
+/// The channel's local regions, who may address them, and the write windows open on them.
+/// Written by `register`, `deregister` and the window calls only; a region is in the table
+/// before any peer can learn its id.
 #[derive(Default)]
 pub(crate) struct RegionTable {
-    map: RwLock<HashMap<RegionId, (Region, Permission)>>,
+    map: RwLock<Tables>,
 }
 
 impl RegionTable {
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Tables> {
+        self.map.read().expect("region table poisoned")
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Tables> {
+        self.map.write().expect("region table poisoned")
+    }
+
     pub(crate) fn insert(&self, r: Region, p: Permission) -> Result<()> {
-        let mut m = self.map.write().expect("region table poisoned");
-        if m.contains_key(&r.id()) {
+        let mut t = self.write();
+        if t.regions.contains_key(&r.id()) {
             return Err(Error::Local(format!(
                 "region {} already registered",
                 r.id()
             )));
         }
-        m.insert(r.id(), (r, p));
+        t.regions.insert(
+            r.id(),
+            Entry {
+                region: r,
+                permission: p,
+                windows: HashMap::new(),
+            },
+        );
         Ok(())
     }
 
     pub(crate) fn remove(&self, id: &RegionId) -> Option<Region> {
-        self.map
-            .write()
-            .expect("region table poisoned")
-            .remove(id)
-            .map(|(r, _)| r)
+        let mut t = self.write();
+        let e = t.regions.remove(id)?;
+        t.windows.retain(|_, (r, _, _)| r != id);
+        Some(e.region)
     }
 
-    /// Looks a region up for a transfer by `peer` and marks it in use (`writes`: the
-    /// transfer writes into it), atomically with respect to `remove`.
+    /// Opens a window of `len` bytes at `offset` of region `id` for `peer`'s writes.
+    pub(crate) fn open_window(
+        &self,
+        id: &RegionId,
+        peer: &PeerId,
+        offset: u64,
+        len: u64,
+    ) -> Result<WindowId> {
+        let mut t = self.write();
+        let wid = WindowId(t.next_window);
+        let e = t
+            .regions
+            .get_mut(id)
+            .ok_or_else(|| Error::Local(format!("region {id} is not registered")))?;
+        if !e.permission.windowed {
+            return Err(Error::Local(format!(
+                "region {id} was not registered with writes_in_windows"
+            )));
+        }
+        if len == 0 || !e.region.contains(offset, len) {
+            return Err(Error::Local(format!(
+                "window of {len} bytes at offset {offset} is not inside region {id} of {} bytes",
+                e.region.len()
+            )));
+        }
+        e.windows.entry(peer.clone()).or_default().insert(
+            offset,
+            Window {
+                id: wid,
+                end: offset + len,
+                uses: Arc::default(),
+            },
+        );
+        t.next_window += 1;
+        t.windows.insert(wid, (*id, peer.clone(), offset));
+        Ok(wid)
+    }
+
+    /// Closes a window: no write passes it from now on. `None` when it is not open.
+    pub(crate) fn close_window(&self, wid: WindowId) -> Option<WindowDrain> {
+        let mut t = self.write();
+        let (id, peer, start) = t.windows.remove(&wid)?;
+        let e = t.regions.get_mut(&id)?;
+        let ws = e.windows.get_mut(&peer)?;
+        let w = ws.remove(&start).filter(|w| w.id == wid)?;
+        if ws.is_empty() {
+            e.windows.remove(&peer);
+        }
+        Some(WindowDrain(w.uses))
+    }
+
+    /// Looks a region up for a transfer by `peer` of `len` bytes at `offset` and marks it in
+    /// use (`writes`: the transfer writes into it), atomically with respect to `remove` and
+    /// `close_window`.
     pub(crate) fn use_for(
         &self,
         peer: &PeerId,
         id: &RegionId,
+        offset: u64,
+        len: u64,
         writes: bool,
     ) -> std::result::Result<RegionUse, Denied> {
-        let m = self.map.read().expect("region table poisoned");
-        match m.get(id) {
-            Some((_, p)) if p.allows(peer) && !p.access.allows(writes) => {
-                Err(Denied::Mode(p.access))
-            }
-            Some((r, p)) if p.allows(peer) && writes => Ok(r.begin_write()),
-            Some((r, p)) if p.allows(peer) => Ok(r.begin_use()),
-            _ => Err(Denied::NotGranted),
+        let t = self.read();
+        let e = match t.regions.get(id) {
+            Some(e) if e.permission.allows(peer) => e,
+            _ => return Err(Denied::NotGranted),
+        };
+        let p = &e.permission;
+        if !p.access.allows(writes) {
+            return Err(Denied::Mode(p.access));
         }
+        if !writes {
+            return Ok(e.region.begin_use());
+        }
+        if !p.windowed {
+            return Ok(e.region.begin_write());
+        }
+        let holds = e
+            .cover(peer, offset, len)
+            .ok_or(Denied::OutsideWindows { offset, len })?;
+        Ok(e.region.begin_write().within(holds))
     }
 
     /// The regions granted to `peer` that it may reach directly: the shared ones, and with
     /// `cma` those that cross-memory attach carries too. Only read-write grants: the peer
     /// copies by itself there, so no mode could be enforced (see the module doc).
     pub(crate) fn direct_for(&self, peer: &PeerId, cma: bool) -> Vec<Region> {
-        let m = self.map.read().expect("region table poisoned");
-        m.values()
-            .filter(|(r, p)| p.allows(peer) && (r.is_shared() || (cma && r.wants_cma())))
-            .filter(|(r, p)| {
-                let direct = p.access == Access::ReadWrite;
+        let t = self.read();
+        t.regions
+            .values()
+            .filter(|e| {
+                let r = &e.region;
+                e.permission.allows(peer) && (r.is_shared() || (cma && r.wants_cma()))
+            })
+            .filter(|e| {
+                let direct = e.permission.access == Access::ReadWrite;
                 if !direct {
-                    tracing::debug!(%peer, region = %r.id(), access = ?p.access, "region not offered over shared memory or cross-memory attach: the peer would copy by itself and its access mode could not be enforced; it is served over TCP");
+                    tracing::debug!(%peer, region = %e.region.id(), access = ?e.permission.access, "region not offered over shared memory or cross-memory attach: the peer would copy by itself and its access mode could not be enforced; it is served over TCP");
                 }
                 direct
             })
-            .map(|(r, _)| r.clone())
+            .map(|e| e.region.clone())
             .collect()
     }
 
     /// What this side grants to `peer`.
     pub(crate) fn granted_to(&self, peer: &PeerId) -> MemInfo {
-        let m = self.map.read().expect("region table poisoned");
-        let mut regions: Vec<RegionInfo> = m
+        let t = self.read();
+        let mut regions: Vec<RegionInfo> = t
+            .regions
             .values()
-            .filter(|(_, p)| p.allows(peer))
-            .map(|(r, _)| r.info())
+            .filter(|e| e.permission.allows(peer))
+            .map(|e| e.region.info())
             .collect();
         regions.sort_by_key(|r| r.id);
         MemInfo { regions }
@@ -267,20 +498,70 @@ mod tests {
         t.insert(ro.clone(), Grant::AllPeers.read_only()).unwrap();
         t.insert(wo.clone(), Grant::AllPeers.write_only()).unwrap();
         t.insert(rw.clone(), Grant::AllPeers.into()).unwrap();
-        assert!(t.use_for(&me, &ro.id(), false).is_ok());
+        let use_for = |id: &RegionId, writes| t.use_for(&me, id, 0, 8, writes);
+        assert!(use_for(&ro.id(), false).is_ok());
         assert_eq!(
-            t.use_for(&me, &ro.id(), true).err(),
+            use_for(&ro.id(), true).err(),
             Some(Denied::Mode(Access::ReadOnly))
         );
-        assert!(t.use_for(&me, &wo.id(), true).is_ok());
+        assert!(use_for(&wo.id(), true).is_ok());
         assert_eq!(
-            t.use_for(&me, &wo.id(), false).err(),
+            use_for(&wo.id(), false).err(),
             Some(Denied::Mode(Access::WriteOnly))
         );
-        assert!(t.use_for(&me, &rw.id(), true).is_ok());
-        assert!(t.use_for(&me, &rw.id(), false).is_ok());
+        assert!(use_for(&rw.id(), true).is_ok());
+        assert!(use_for(&rw.id(), false).is_ok());
         // Only the read-write region is offered for direct copies.
         let direct: Vec<_> = t.direct_for(&me, true).iter().map(|r| r.id()).collect();
         assert_eq!(direct, vec![rw.id()]);
+    }
+
+    #[tokio::test]
+    async fn windows_confine_writes_and_closing_one_waits_for_what_passed_it() {
+        let t = RegionTable::default();
+        let (a, b) = (PeerId::new("a").unwrap(), PeerId::new("b").unwrap());
+        let r = Region::alloc(4 * 4096, 4096).unwrap();
+        t.insert(r.clone(), Grant::AllPeers.write_only().writes_in_windows())
+            .unwrap();
+        let w1 = t.open_window(&r.id(), &a, 0, 4096).unwrap();
+        let w2 = t.open_window(&r.id(), &a, 4096, 4096).unwrap();
+        // Inside, and across two adjacent windows of the same peer.
+        assert!(t.use_for(&a, &r.id(), 100, 8, true).is_ok());
+        assert!(t.use_for(&a, &r.id(), 4000, 200, true).is_ok());
+        // Outside, past the end of the last window, or another peer's.
+        for (p, off, len) in [
+            (&a, 8192, 8),
+            (&a, 8000, 400),
+            (&b, 0, 8),
+            (&a, u64::MAX, 2),
+        ] {
+            assert!(
+                matches!(
+                    t.use_for(p, &r.id(), off, len, true),
+                    Err(Denied::OutsideWindows { .. })
+                ),
+                "{p} {off} {len}"
+            );
+        }
+        // A write in flight through w1 holds its drain.
+        let landing = t.use_for(&a, &r.id(), 0, 8, true).unwrap();
+        let again = landing.again();
+        let d = t.close_window(w1).unwrap();
+        assert!(t.close_window(w1).is_none());
+        assert!(
+            t.use_for(&a, &r.id(), 0, 8, true).is_err(),
+            "closed window passed a write"
+        );
+        assert!(!d.is_drained());
+        drop(landing);
+        assert!(!d.is_drained(), "the split part still lands");
+        let waiter = tokio::spawn(async move { d.drained().await });
+        drop(again);
+        tokio::time::timeout(std::time::Duration::from_secs(5), waiter)
+            .await
+            .expect("drained")
+            .unwrap();
+        assert!(t.close_window(w2).unwrap().is_drained());
+        assert!(t.open_window(&r.id(), &a, 4 * 4096, 1).is_err());
     }
 }

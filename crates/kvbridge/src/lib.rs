@@ -49,7 +49,7 @@ pub use channel::{Channel, Notification, Op, PeerEvent, PeerLink, QueuedNotify, 
 pub use cma::{cma_available, CmaStatus};
 pub use config::{ChannelConfig, Deadlines, Limits, Pem, TestHooks, TlsConfig, Transport};
 pub use error::{Error, Result};
-pub use grant::{Access, Grant, Permission};
+pub use grant::{Access, Grant, Permission, WindowDrain, WindowId};
 pub use kvbridge_proto as proto;
 pub use kvbridge_proto::handshake::Step;
 pub use kvbridge_proto::{Incarnation, PeerId, RegionId};

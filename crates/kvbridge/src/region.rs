@@ -579,6 +579,7 @@ impl Region {
         RegionUse {
             region: self.clone(),
             writes: false,
+            windows: Vec::new(),
         }
     }
 
@@ -591,6 +592,7 @@ impl Region {
         RegionUse {
             region: self.clone(),
             writes: true,
+            windows: Vec::new(),
         }
     }
 
@@ -742,6 +744,9 @@ pub(crate) struct RegionUse {
     region: Region,
     /// Whether the transfer writes into the region (counted in `writing`).
     writes: bool,
+    /// The write windows the transfer lands in (`crate::grant`): each counts it until the
+    /// guard drops, so closing a window can wait for the writes that passed it.
+    windows: Vec<crate::grant::WindowHold>,
 }
 
 impl RegionUse {
@@ -751,11 +756,19 @@ impl RegionUse {
 
     /// Another guard of the same kind on the same region (a batch split in parts).
     pub(crate) fn again(&self) -> RegionUse {
-        if self.writes {
+        let mut u = if self.writes {
             self.region.begin_write()
         } else {
             self.region.begin_use()
-        }
+        };
+        u.windows = self.windows.clone();
+        u
+    }
+
+    /// Counts this transfer in `windows` until it ends.
+    pub(crate) fn within(mut self, windows: Vec<crate::grant::WindowHold>) -> RegionUse {
+        self.windows = windows;
+        self
     }
 }
 
