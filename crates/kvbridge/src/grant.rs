@@ -19,9 +19,11 @@
 //! wholly inside that peer's open windows is refused with `AccessDenied`. Closing a window
 //! stops new writes at once and returns a [`WindowDrain`] that waits for the writes that had
 //! already passed it, so the owner can hand the bytes to someone else only when nothing of
-//! the old holder can land. Windows hold where the receiver does the copy (TCP); a region
-//! with windows is still offered over shared memory and cross-memory attach, whose peers
-//! reach all of it (see `docs/threat-model.md`).
+//! the old holder can land. Windows hold where the receiver does the copy (TCP), so a
+//! region with windows, like one with a mode, stays off shared memory and cross-memory
+//! attach, unless its grant says [`Permission::with_direct_copies`]: then same-host peers
+//! map it (or copy by address) and reach all of it, and the mode and windows hold for TCP
+//! peers only (`docs/threat-model.md`).
 //!
 //! [`ErrorCode::AccessDenied`]: kvbridge_proto::msg::ErrorCode::AccessDenied
 
@@ -67,6 +69,7 @@ impl Grant {
             peers: self,
             access,
             windowed: false,
+            direct: false,
         }
     }
 }
@@ -106,6 +109,9 @@ pub struct Permission {
     pub access: Access,
     /// Writes land only inside windows opened for the writing peer (see the module doc).
     pub windowed: bool,
+    /// Offered over shared memory and cross-memory attach even with a mode or windows,
+    /// which then hold for TCP peers only.
+    pub direct: bool,
 }
 
 impl From<Grant> for Permission {
@@ -114,6 +120,7 @@ impl From<Grant> for Permission {
             peers,
             access: Access::ReadWrite,
             windowed: false,
+            direct: false,
         }
     }
 }
@@ -128,6 +135,20 @@ impl Permission {
     pub fn writes_in_windows(mut self) -> Permission {
         self.windowed = true;
         self
+    }
+
+    /// Offers the region over shared memory and cross-memory attach despite a mode or
+    /// windows: same-host peers then reach all of it, and the restriction holds for TCP
+    /// peers only. For a hot path where a same-host peer is trusted as much as a process of
+    /// the same user already is (it could ptrace us where the host allows that).
+    pub fn with_direct_copies(mut self) -> Permission {
+        self.direct = true;
+        self
+    }
+
+    /// Whether a peer may copy by itself (shared memory, cross-memory attach).
+    fn direct_allowed(&self) -> bool {
+        self.direct || (self.access == Access::ReadWrite && !self.windowed)
     }
 }
 
@@ -416,8 +437,9 @@ impl RegionTable {
     }
 
     /// The regions granted to `peer` that it may reach directly: the shared ones, and with
-    /// `cma` those that cross-memory attach carries too. Only read-write grants: the peer
-    /// copies by itself there, so no mode could be enforced (see the module doc).
+    /// `cma` those that cross-memory attach carries too. Only unrestricted grants (or those
+    /// that ask for it): the peer copies by itself there, so no mode or window could be
+    /// enforced (see the module doc).
     pub(crate) fn direct_for(&self, peer: &PeerId, cma: bool) -> Vec<Region> {
         let t = self.read();
         t.regions
@@ -427,9 +449,9 @@ impl RegionTable {
                 e.permission.allows(peer) && (r.is_shared() || (cma && r.wants_cma()))
             })
             .filter(|e| {
-                let direct = e.permission.access == Access::ReadWrite;
+                let direct = e.permission.direct_allowed();
                 if !direct {
-                    tracing::debug!(%peer, region = %e.region.id(), access = ?e.permission.access, "region not offered over shared memory or cross-memory attach: the peer would copy by itself and its access mode could not be enforced; it is served over TCP");
+                    tracing::debug!(%peer, region = %e.region.id(), access = ?e.permission.access, windowed = e.permission.windowed, "region not offered over shared memory or cross-memory attach: the peer would copy by itself and its access mode or write windows could not be enforced; it is served over TCP");
                 }
                 direct
             })
