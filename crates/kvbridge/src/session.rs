@@ -367,6 +367,9 @@ async fn sleep_until_opt(at: Option<Instant>) {
     }
 }
 
+/// The frame limit before the peer's proof, and the test for the frame that carries it.
+type UntilProof = (u32, fn(&Message) -> bool);
+
 /// The control connection's frames, read by their own task. With `until_proof` (a secret is
 /// set) frames are held to the pre-authentication limit until the frame that carries the
 /// peer's proof has passed (`Proof` from an initiator, `Welcome` from a listener): a peer
@@ -375,7 +378,7 @@ async fn sleep_until_opt(at: Option<Instant>) {
 fn spawn_control_reader(
     mut r: ReadHalf,
     max: u32,
-    mut until_proof: Option<(u32, fn(&Message) -> bool)>,
+    mut until_proof: Option<UntilProof>,
 ) -> (
     mpsc::Receiver<std::result::Result<Message, ReadError>>,
     JoinHandle<()>,
