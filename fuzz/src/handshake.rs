@@ -279,6 +279,7 @@ fn identity(name: &str, inc: u64, hash: u64, secret: Option<bool>) -> LocalIdent
             description: format!("layout-{hash}"),
         },
         secret: secret.map(|s| Secret::new(SECRETS[usize::from(s)].as_bytes().to_vec()).unwrap()),
+        peer_keys: None,
     }
 }
 

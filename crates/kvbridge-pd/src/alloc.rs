@@ -560,6 +560,11 @@ impl PageAllocator {
         self.reqs.get(req_id).map(|r| &r.owner)
     }
 
+    /// Whether a live request is pulled (the receiver reads it; its sender writes nothing).
+    pub fn is_pull(&self, req_id: &str) -> Option<bool> {
+        self.reqs.get(req_id).map(|r| r.pull)
+    }
+
     /// The slots of a live request.
     pub fn slots(&self, req_id: &str) -> Option<&[Slot]> {
         self.reqs.get(req_id).map(|r| r.slots.as_slice())

@@ -51,6 +51,7 @@ pub mod msg;
 pub mod outcome;
 pub mod receiver;
 pub mod sender;
+mod windows;
 mod zmtp_push;
 
 pub use alloc::Counters;

@@ -9,6 +9,7 @@ use crate::error::{PdError, PdStep, Result};
 use crate::layout::KvSpec;
 use crate::msg::PdMsg;
 use crate::outcome::{Outcome, OutcomeSink};
+use crate::windows::{Landing, PageWindows};
 use kvbridge::{Channel, ChannelConfig, Grant, Op, PeerEvent, PeerId, PeerLink, Region, RegionId};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -36,6 +37,11 @@ pub struct ReceiverConfig {
     /// sender's behalf). Off ([`OutcomeSink::None`]) by default: a live sender reports its
     /// own failures, and the proxy takes the first outcome per rank.
     pub failure_outcomes: OutcomeSink,
+    /// Whether same-host senders may map the buffer (shared memory) or copy into it by
+    /// address (cross-memory attach). On (the default), they are as fast as the host
+    /// allows, and they reach the whole buffer: only senders over TCP are held to the pages
+    /// reserved for their requests. Off, every sender goes over TCP and is held to them.
+    pub direct_copies: bool,
     /// How long a sender may take to acknowledge a fence. A sender whose session is up but
     /// that does not answer (stuck, or broken) is then disconnected: once
     /// [`Channel::disconnect`] returns none of its writes can land, so its quarantined pages
@@ -55,6 +61,7 @@ impl ReceiverConfig {
             alloc_timeout: Duration::from_secs(10),
             ttl: Duration::from_secs(60),
             failure_outcomes: OutcomeSink::None,
+            direct_copies: true,
             fence_timeout: Duration::from_secs(10),
         }
     }
@@ -83,6 +90,8 @@ struct Inner {
     /// [`ENDED_KEPT`]), with why: a reader waiting for one of their chunks fails at once
     /// instead of at its deadline. Written only by [`apply`], under no other lock.
     ended: Mutex<EndedLog>,
+    /// Which pages each sender may write (crate::windows).
+    windows: Mutex<PageWindows>,
 }
 
 /// How many ended requests [`PdReceiver::wait_chunk`] remembers. A reader starts waiting
@@ -182,7 +191,15 @@ impl PdReceiver {
             .map_err(|e| PdError::Config(e.to_string()))?;
         // Subscribe before anyone can connect: no session change is missed.
         let events = channel.peer_events();
-        if let Err(e) = channel.register(&region, Grant::AllPeers) {
+        // Senders write only the pages reserved for their live push requests, and read
+        // nothing (pull mode reads *their* memory).
+        let grant = Grant::AllPeers.write_only().writes_in_windows();
+        let grant = if cfg.direct_copies {
+            grant.with_direct_copies()
+        } else {
+            grant
+        };
+        if let Err(e) = channel.register(&region, grant) {
             channel.close().await;
             return Err(PdError::Config(e.to_string()));
         }
@@ -202,6 +219,7 @@ impl PdReceiver {
             deferred: Mutex::new(Vec::new()),
             granted: broadcast::channel(1024).0,
             ended: Mutex::new(EndedLog::default()),
+            windows: Mutex::new(PageWindows::default()),
         });
         let task = tokio::spawn(drive(inner.clone(), events));
         Ok(PdReceiver { inner, task })
@@ -630,6 +648,7 @@ fn apply(inner: &Arc<Inner>, events: Vec<Event>) {
                         chunks: g.slots.len() as u64,
                     });
                 }
+                let landing = open_windows(inner, &g, &peer);
                 let msg = PdMsg::AllocOk {
                     call: g.call,
                     req_id: g.req_id,
@@ -638,7 +657,11 @@ fn apply(inner: &Arc<Inner>, events: Vec<Event>) {
                     pages: g.slots.iter().map(|s| s.page).collect(),
                     held: g.slots.iter().map(|s| s.held).collect(),
                 };
-                send(inner, &peer, &msg);
+                if landing.is_empty() {
+                    send(inner, &peer, &msg);
+                } else {
+                    tokio::spawn(grant_after_landing(inner.clone(), peer, msg, landing));
+                }
             }
             Event::Refused {
                 req_id,
@@ -709,8 +732,13 @@ fn apply(inner: &Arc<Inner>, events: Vec<Event>) {
                 req_id,
                 owner,
                 call,
+            } => {
+                lock(&inner.windows).completed(&inner.channel, &req_id);
+                if let Some(peer) = PeerId::new(owner.peer.clone()) {
+                    send(inner, &peer, &PdMsg::FinishOk { call, req_id });
+                }
             }
-            | Event::Accepted {
+            Event::Accepted {
                 req_id,
                 owner,
                 call,
@@ -753,6 +781,46 @@ fn apply(inner: &Arc<Inner>, events: Vec<Event>) {
     }
     inner.changed.notify_waiters();
     inner.wake.notify_one();
+}
+
+/// Opens the write windows of a granted push request for its sender (a pull request's
+/// sender writes nothing); returns the previous holders' writes still landing on its pages.
+fn open_windows(inner: &Arc<Inner>, g: &crate::alloc::Grant, peer: &PeerId) -> Landing {
+    if lock(&inner.alloc).is_pull(&g.req_id) != Some(false) {
+        return Vec::new();
+    }
+    let pages: Vec<u32> = g.slots.iter().filter(|s| !s.held).map(|s| s.page).collect();
+    let claimed = lock(&inner.windows).claim(
+        &inner.channel,
+        inner.region.id(),
+        inner.page_bytes,
+        &g.req_id,
+        peer,
+        &pages,
+    );
+    claimed.unwrap_or_else(|e| {
+        // Cannot happen (the buffer is registered with windows and the pages are in it);
+        // the sender's writes are then refused, and its request fails, loudly.
+        tracing::error!(%peer, req_id = %g.req_id, error = %e, "write windows not opened");
+        Vec::new()
+    })
+}
+
+/// Sends a grant once the writes of the pages' previous holders ended. Each is bounded by
+/// the channel's payload deadline; a holder still landing past the op deadline is
+/// disconnected, which returns only once none of its writes can land.
+async fn grant_after_landing(inner: Arc<Inner>, peer: PeerId, msg: PdMsg, landing: Landing) {
+    let limit = inner.channel.config().deadlines.op;
+    for (holder, d) in landing {
+        if tokio::time::timeout(limit, d.drained()).await.is_err() {
+            tracing::warn!(%holder, "writes into pages being granted to another request did not end in time; disconnecting their sender");
+            let _ = inner
+                .channel
+                .disconnect(&holder, "its writes into released pages did not end")
+                .await;
+        }
+    }
+    send(&inner, &peer, &msg);
 }
 
 /// Disconnects a sender that has not acknowledged a fence within `fence_timeout` (and is
@@ -912,11 +980,27 @@ async fn handle(inner: &Arc<Inner>, peer: PeerId, session_incarnation: u64, data
             index,
         } => {
             tracing::debug!(target: crate::TIMELINE, stage = "receiver.written", id = %req_id, chunk = index);
-            if let Err(e) =
-                lock(&inner.alloc).chunk_written(now, &req_id, &owner(&peer, incarnation), index)
-            {
+            let mut alloc = lock(&inner.alloc);
+            match alloc.chunk_written(now, &req_id, &owner(&peer, incarnation), index) {
+                Ok(()) => {
+                    // Its sender writes that page no more; a request it completed, none.
+                    let page = alloc
+                        .slots(&req_id)
+                        .and_then(|s| s.get(index as usize))
+                        .map(|s| s.page);
+                    let complete = alloc.state(&req_id) == Some(ReqState::Complete);
+                    drop(alloc);
+                    let mut w = lock(&inner.windows);
+                    if complete {
+                        w.completed(&inner.channel, &req_id);
+                    } else if let Some(page) = page {
+                        w.landed(&inner.channel, &req_id, page);
+                    }
+                }
                 // Late (the request ended) or confused: nothing becomes readable.
-                tracing::debug!(%peer, %req_id, index, error = %e, "chunk-written note ignored");
+                Err(e) => {
+                    tracing::debug!(%peer, %req_id, index, error = %e, "chunk-written note ignored")
+                }
             }
             Vec::new()
         }

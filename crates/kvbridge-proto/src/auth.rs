@@ -46,6 +46,95 @@ impl fmt::Debug for Secret {
     }
 }
 
+/// Per-peer keys: a listener with a keyring checks a `Hello` that claims an id of the ring
+/// against that id's key only (and proves itself with it), so a peer that holds another
+/// id's key, or the shared secret, cannot claim that id. Ids not in the ring fall back to
+/// the shared secret when one is set; without one they get a decoy key derived from the
+/// ring, so the exchange fails exactly as with a wrong key and tells nobody which ids the
+/// ring holds. `Debug` never shows a key.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Keyring {
+    keys: std::collections::BTreeMap<PeerId, Secret>,
+}
+
+impl fmt::Debug for Keyring {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Keyring({} keys, <redacted>)", self.keys.len())
+    }
+}
+
+impl Keyring {
+    /// An empty ring.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds (or replaces) `peer`'s key.
+    pub fn insert(&mut self, peer: PeerId, key: Secret) {
+        self.keys.insert(peer, key);
+    }
+
+    /// How many ids have a key.
+    pub fn len(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// Whether no id has a key.
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+
+    /// The shortest key in the ring (for the channel's minimum-length check).
+    pub fn shortest(&self) -> Option<(&PeerId, usize)> {
+        self.keys
+            .iter()
+            .map(|(p, k)| (p, k.len()))
+            .min_by_key(|(_, l)| *l)
+    }
+
+    /// Parses `peer-id key` lines (blank lines and `#` comments skipped); the error names
+    /// the line, never a key.
+    pub fn parse(text: &str) -> Result<Keyring, String> {
+        let mut ring = Keyring::new();
+        for (n, line) in text.lines().enumerate() {
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let (id, key) = line
+                .split_once(char::is_whitespace)
+                .ok_or_else(|| format!("line {}: expected `peer-id key`", n + 1))?;
+            let id = PeerId::new(id)
+                .ok_or_else(|| format!("line {}: {id:?} is not a valid peer id", n + 1))?;
+            let key = Secret::new(key.trim().as_bytes().to_vec())
+                .ok_or_else(|| format!("line {}: empty key", n + 1))?;
+            ring.insert(id, key);
+        }
+        Ok(ring)
+    }
+
+    /// The key a peer claiming `claimed` must prove: its own, else `shared`, else a decoy.
+    pub fn key_for(&self, claimed: &PeerId, shared: Option<&Secret>) -> Secret {
+        if let Some(k) = self.keys.get(claimed) {
+            return k.clone();
+        }
+        if let Some(s) = shared {
+            return s.clone();
+        }
+        // Unguessable while any key of the ring is secret, and stable per id.
+        let mut m = <Hmac<Sha256> as Mac>::new_from_slice(b"kvbridge/1 keyring decoy")
+            .expect("any key length");
+        for (p, k) in &self.keys {
+            m.update(p.as_str().as_bytes());
+            m.update(&[0]);
+            m.update(&k.0);
+            m.update(&[0]);
+        }
+        m.update(claimed.as_str().as_bytes());
+        Secret(m.finalize().into_bytes().to_vec())
+    }
+}
+
 /// Which side a proof is for (or the session's data-connection key).
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Role {

@@ -26,7 +26,7 @@
 //! `handle_timeout(now)` when it passes. A failed machine emits exactly one `Failed` output
 //! and nothing after it; the driver then drops all state of that session (rollback).
 
-use crate::auth::{self, DataKey, Role, Secret, CHALLENGE_LEN};
+use crate::auth::{self, DataKey, Keyring, Role, Secret, CHALLENGE_LEN};
 use crate::ids::{Blob, Incarnation, PeerId, SessionToken};
 use crate::msg::{
     Auth, Compat, ErrorCode, Hello, HostOffer, MemInfo, Message, Ping, Ready, Reject, ShmOffer,
@@ -51,8 +51,28 @@ pub struct LocalIdentity {
     pub incarnation: Incarnation,
     /// What the other side must match.
     pub compat: Compat,
-    /// Shared secret; when set, the peer must prove it knows it (and so must we).
+    /// Shared secret; when set, the peer must prove it knows it (and so must we). An
+    /// initiator proves itself with it.
     pub secret: Option<Secret>,
+    /// (Listener) Per-peer keys: a peer claiming an id of the ring must prove that id's
+    /// key, not the shared secret ([`Keyring`]). Set, the listener always requires
+    /// authentication.
+    pub peer_keys: Option<Keyring>,
+}
+
+impl LocalIdentity {
+    /// Whether a listener with this identity requires peers to authenticate.
+    pub fn authenticates(&self) -> bool {
+        self.secret.is_some() || self.peer_keys.is_some()
+    }
+
+    /// The key a peer claiming `claimed` must prove (`None`: no authentication).
+    fn key_for(&self, claimed: &PeerId) -> Option<Secret> {
+        match &self.peer_keys {
+            Some(ring) => Some(ring.key_for(claimed, self.secret.as_ref())),
+            None => self.secret.clone(),
+        }
+    }
 }
 
 /// The steps of the handshake, named in errors.
@@ -714,6 +734,8 @@ pub struct ListenerSession {
     /// The `HostOffer` to send once the initiator's proof checks out (a listener with a
     /// secret says nothing about its host before that).
     host_offer: Option<HostOffer>,
+    /// A keyring is configured: failures do not say which key was tried.
+    keyed: bool,
     /// The session's data-connection key, once the initiator's proof checked out (with a
     /// secret): every data connection must answer a challenge with it.
     data_key: Option<DataKey>,
@@ -761,9 +783,10 @@ impl ListenerSession {
     ) -> Self {
         let mut core = Core::new(step_timeout, now);
         let mut auth_state = None;
+        let key = local.key_for(&hello.peer_id);
         // With a secret the offer (host identity, pid, socket name) waits for the proof; an
         // initiator that cannot take it then (an older one) gets none.
-        let (shm, host_offer) = match (&local.secret, hello.host_after_proof) {
+        let (shm, host_offer) = match (&key, hello.host_after_proof) {
             (None, _) => (shm, None),
             (Some(_), true) => (None, Some(HostOffer { shm })),
             (Some(_), false) => (None, None),
@@ -775,7 +798,7 @@ impl ListenerSession {
             &hello.peer_id,
             Step::Hello,
         )
-        .and_then(|()| match &local.secret {
+        .and_then(|()| match &key {
             None => Ok(None),
             Some(secret) => match &hello.auth {
                 Some(Auth {
@@ -810,7 +833,7 @@ impl ListenerSession {
         })
         .and_then(|auth| {
             // Its data connections would be bound by a token seen in the clear: refused.
-            if local.secret.is_some() && !hello.data_proof {
+            if key.is_some() && !hello.data_proof {
                 return Err(HandshakeError::Unauthenticated {
                     step: Step::Hello,
                     detail: "this listener authenticates every data connection (data_proof); \
@@ -831,7 +854,7 @@ impl ListenerSession {
                 shm,
                 unacked_notify: true,
                 host_after_proof: host_offer.is_some(),
-                data_proof: local.secret.is_some(),
+                data_proof: key.is_some(),
             })),
             Err(e) => core.fail(e),
         }
@@ -846,6 +869,7 @@ impl ListenerSession {
             unacked_notify: hello.unacked_notify,
             granted,
             host_offer,
+            keyed: local.peer_keys.is_some(),
             data_key: None,
             data_connections: hello.data_connections,
         }
@@ -972,10 +996,18 @@ impl ListenerSession {
                         self.core.send(Message::HostOffer(h));
                     }
                 } else {
-                    self.core.fail(HandshakeError::Unauthenticated {
-                        step,
-                        detail: "the peer could not prove it knows the shared secret".into(),
-                    });
+                    // With a keyring the same words whether or not the id has a key of
+                    // its own: no oracle for which ids the ring holds.
+                    let detail = if self.keyed {
+                        format!(
+                            "the peer could not prove it holds the key of the id it claims ({})",
+                            self.peer_id
+                        )
+                    } else {
+                        "the peer could not prove it knows the shared secret".into()
+                    };
+                    self.core
+                        .fail(HandshakeError::Unauthenticated { step, detail });
                 }
             }
             (ListenState::AwaitMem, Message::MemInfo(_)) if !self.authenticated => {

@@ -347,6 +347,10 @@ pub enum ErrorCode {
     ShuttingDown,
     /// Anything else.
     Internal,
+    /// The op names a region granted to this peer, but not in that direction (a write to a
+    /// read-only grant, a read of a write-only one). A peer that predates access modes
+    /// cannot decode this code: it ends the session with a malformed-frame error.
+    AccessDenied,
 }
 
 impl fmt::Display for ErrorCode {

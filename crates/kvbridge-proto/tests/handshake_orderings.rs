@@ -2,7 +2,7 @@
 //! message deliveries and data-connection bindings (exhaustively), and under arbitrary event
 //! sequences (property test).
 
-use kvbridge_proto::auth::Secret;
+use kvbridge_proto::auth::{Keyring, Secret};
 use kvbridge_proto::handshake::{
     Established, HandshakeError, Initiator, ListenerSession, LocalIdentity, Output, Step,
 };
@@ -26,6 +26,7 @@ fn ident(name: &str, inc: u64, hash: u64) -> LocalIdentity {
             description: format!("layout-{hash}"),
         },
         secret: None,
+        peer_keys: None,
     }
 }
 
@@ -60,6 +61,7 @@ struct Pair {
     failures: Vec<HandshakeError>,
     now: Instant,
     listener_secret: Option<&'static str>,
+    listener_keys: Option<Keyring>,
 }
 
 impl Pair {
@@ -90,8 +92,21 @@ impl Pair {
             failures: vec![],
             now,
             listener_secret,
+            listener_keys: None,
         };
         p.drain();
+        p
+    }
+
+    /// A listener with a keyring (and optionally the shared secret).
+    fn with_keys(
+        now: Instant,
+        initiator_secret: Option<&'static str>,
+        listener_secret: Option<&'static str>,
+        keys: Keyring,
+    ) -> Self {
+        let mut p = Self::with_secrets(now, initiator_secret, listener_secret);
+        p.listener_keys = Some(keys);
         p
     }
 
@@ -150,9 +165,11 @@ impl Pair {
                 let m = self.to_listener.pop_front().unwrap();
                 match (&mut self.listen, m) {
                     (None, Message::Hello(h)) => {
+                        let mut me = with_secret(ident("decode-0", 2, 42), self.listener_secret);
+                        me.peer_keys = self.listener_keys.clone();
                         self.listen = Some(ListenerSession::accept(
                             h,
-                            &with_secret(ident("decode-0", 2, 42), self.listener_secret),
+                            &me,
                             SessionToken([9; 16]),
                             mem(2),
                             STEP,
@@ -265,6 +282,122 @@ fn wrong_or_missing_secret_never_establishes_nor_binds() {
         );
         assert!(terminals >= 1, "{i:?}/{l:?}");
     }
+}
+
+fn ring(ids: &[(&str, &str)]) -> Keyring {
+    let mut k = Keyring::new();
+    for (id, key) in ids {
+        k.insert(
+            PeerId::new(*id).unwrap(),
+            Secret::new(key.as_bytes().to_vec()).unwrap(),
+        );
+    }
+    k
+}
+
+/// With a keyring, "prefill-0" establishes with its own key only (under every ordering), the
+/// shared secret keeps working for ids the ring does not hold, and neither another id's key
+/// nor the shared secret lets a peer claim an id of the ring.
+#[test]
+fn per_peer_keys_bind_the_claimed_id_under_every_ordering() {
+    let keys = || {
+        ring(&[
+            ("prefill-0", "key-of-prefill-0"),
+            ("prefill-1", "key-of-prefill-1"),
+        ])
+    };
+    for shared in [None, Some("shared-secret")] {
+        let mut terminals = 0;
+        explore(
+            Pair::with_keys(Instant::now(), Some("key-of-prefill-0"), shared, keys()),
+            &mut terminals,
+        );
+        assert!(terminals >= 10);
+    }
+    for (claim_with, shared) in [
+        (Some("key-of-prefill-1"), None),
+        (Some("key-of-prefill-1"), Some("shared-secret")),
+        (Some("shared-secret"), Some("shared-secret")),
+        (None, Some("shared-secret")),
+    ] {
+        let mut terminals = 0;
+        explore_expecting(
+            Pair::with_keys(Instant::now(), claim_with, shared, keys()),
+            &mut terminals,
+            false,
+        );
+        assert!(terminals >= 1, "{claim_with:?}/{shared:?}");
+    }
+    // An id outside the ring: the shared secret does for it; without one nothing does.
+    let others = || ring(&[("prefill-1", "key-of-prefill-1")]);
+    let mut terminals = 0;
+    explore(
+        Pair::with_keys(
+            Instant::now(),
+            Some("shared-secret"),
+            Some("shared-secret"),
+            others(),
+        ),
+        &mut terminals,
+    );
+    for claim_with in [Some("key-of-prefill-1"), Some("anything-at-all"), None] {
+        explore_expecting(
+            Pair::with_keys(Instant::now(), claim_with, None, others()),
+            &mut terminals,
+            false,
+        );
+    }
+}
+
+/// The listener's answers to a peer claiming an id of the ring with a wrong key, and to one
+/// claiming an id it has no key for, look alike (a `Welcome` with a proof of the same size,
+/// then the same words naming the claimed id): the ring is no oracle for which ids exist.
+#[test]
+fn a_keyring_does_not_tell_which_ids_it_holds() {
+    let words = |name: &str| {
+        let mut me = ident("decode-0", 2, 42);
+        me.peer_keys = Some(ring(&[("prefill-0", "key-of-prefill-0")]));
+        let mut init = Initiator::new(
+            with_secret(ident(name, 1, 42), Some("a-wrong-key")),
+            STEP,
+            Instant::now(),
+            [1; 32],
+        );
+        let Some(Output::Send(Message::Hello(h))) = init.poll_output() else {
+            panic!("no hello")
+        };
+        let now = Instant::now();
+        let mut l =
+            ListenerSession::accept(h, &me, SessionToken([9; 16]), mem(2), STEP, now, [2; 32]);
+        let Some(Output::Send(Message::Welcome(w))) = l.poll_output() else {
+            panic!("no welcome")
+        };
+        let proof_len = w.auth.and_then(|a| a.response).map(|r| r.0.len());
+        l.handle_message(
+            Message::Proof(kvbridge_proto::msg::Auth {
+                challenge: None,
+                response: Some(kvbridge_proto::ids::Blob(vec![7; 32])),
+            }),
+            now,
+        );
+        let failed = std::iter::from_fn(|| l.poll_output()).find_map(|o| match o {
+            Output::Failed(HandshakeError::Unauthenticated { step, detail }) => {
+                Some((step, detail))
+            }
+            _ => None,
+        });
+        let (step, detail) = failed.expect("the wrong proof was not refused");
+        (proof_len, step, detail.replace(name, "<id>"))
+    };
+    let known = words("prefill-0");
+    let unknown = words("prefill-9");
+    assert_eq!(known, unknown);
+    assert_eq!(known.0, Some(32));
+    assert!(
+        known.2.contains("<id>"),
+        "the error names the claimed id: {}",
+        known.2
+    );
 }
 
 #[test]

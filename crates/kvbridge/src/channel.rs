@@ -9,14 +9,15 @@
 use crate::config::ChannelConfig;
 use crate::datapath::{DataPath, LocalSlice};
 use crate::error::{Error, Result};
+use crate::grant::{Permission, RegionTable, WindowDrain, WindowId};
 use crate::net::{Listener, Stream};
-use crate::region::{Grant, Region, RegionTable};
+use crate::region::Region;
 use crate::session::{
     refuse, refuse_lingering, run_initiator, run_listener, SessionCmd, SessionEnv,
 };
 use crate::tls::Tls;
 use crate::wire::{read_frame, ReadError};
-use kvbridge_proto::auth::Secret;
+use kvbridge_proto::auth::{Keyring, Secret};
 use kvbridge_proto::handshake::{LocalIdentity, Step};
 use kvbridge_proto::msg::{ErrorCode, Message, OpDesc, RegionInfo};
 use kvbridge_proto::{Incarnation, PeerId, RegionId, SessionToken};
@@ -341,11 +342,33 @@ impl Channel {
                 )));
             }
         }
+        let peer_keys = match (&config.peer_keys, std::env::var_os("KVBRIDGE_PEER_KEYS")) {
+            (Some(k), _) => Some(k.clone()),
+            (None, Some(path)) => {
+                let text = std::fs::read_to_string(&path)
+                    .map_err(|e| Error::Local(format!("KVBRIDGE_PEER_KEYS={path:?}: {e}")))?;
+                Some(
+                    Keyring::parse(&text)
+                        .map_err(|e| Error::Local(format!("KVBRIDGE_PEER_KEYS={path:?}: {e}")))?,
+                )
+            }
+            (None, None) => None,
+        };
+        if let Some((id, len)) = peer_keys.as_ref().and_then(Keyring::shortest) {
+            if len < Secret::MIN_LEN {
+                return Err(Error::Local(format!(
+                    "the key of peer {id} (ChannelConfig::peer_keys / KVBRIDGE_PEER_KEYS) is \
+                     {len} bytes; at least {} are required",
+                    Secret::MIN_LEN
+                )));
+            }
+        }
         let local = LocalIdentity {
             peer_id,
             incarnation: Incarnation(crate::rand_u64()),
             compat: config.compat.clone(),
             secret: config.secret.clone(),
+            peer_keys,
         };
         let tls = match &config.tls {
             Some(t) => {
@@ -368,7 +391,8 @@ impl Channel {
             None => None,
         };
         let local_addr = listener.as_ref().and_then(|l| l.local_addr().ok());
-        if let Some(w) = local_addr.and_then(|a| exposure_warning(a, config.secret.is_some())) {
+        let authenticates = local.authenticates();
+        if let Some(w) = local_addr.and_then(|a| exposure_warning(a, authenticates)) {
             tracing::warn!("{w}");
         }
         let (core_tx, core_rx) = mpsc::unbounded_channel();
@@ -475,10 +499,34 @@ impl Channel {
     }
 
     /// Registers a region and grants it to peers; established peers learn of it at once.
-    pub fn register(&self, region: &Region, grant: Grant) -> Result<()> {
-        self.inner.table.insert(region.clone(), grant)?;
+    /// `grant` is a [`Grant`](crate::Grant) (read-write) or a [`Permission`] with an access
+    /// mode (`Grant::AllPeers.read_only()`); a mode other than read-write keeps the region
+    /// off shared memory and cross-memory attach (crate::grant explains why).
+    pub fn register(&self, region: &Region, grant: impl Into<Permission>) -> Result<()> {
+        self.inner.table.insert(region.clone(), grant.into())?;
         let _ = self.inner.core.send(CoreCmd::MemChanged);
         Ok(())
+    }
+
+    /// Opens `len` bytes at `offset` of a region registered with
+    /// [`Permission::writes_in_windows`] to `peer`'s writes (crate::grant explains where
+    /// windows hold). Cheap: a table insert, no message to the peer.
+    pub fn open_window(
+        &self,
+        region: RegionId,
+        peer: &PeerId,
+        offset: u64,
+        len: u64,
+    ) -> Result<WindowId> {
+        self.inner.table.open_window(&region, peer, offset, len)
+    }
+
+    /// Closes a window: no write of its peer passes it from now on. The returned
+    /// [`WindowDrain`] waits for the writes that passed it before and may still be landing;
+    /// give the bytes to anyone else only once it is drained. `None` when the window is not
+    /// open (closed before, or its region deregistered).
+    pub fn close_window(&self, id: WindowId) -> Option<WindowDrain> {
+        self.inner.table.close_window(id)
     }
 
     /// Removes a region. New transfers can no longer find it; this waits (within the op
@@ -896,7 +944,7 @@ fn exposure_warning(addr: SocketAddr, secret: bool) -> Option<String> {
 
 /// The largest first frame a connection may send (`Limits::max_first_frame_len`, never more
 /// than `max_frame_len`).
-fn first_frame_limit(config: &ChannelConfig) -> u32 {
+pub(crate) fn first_frame_limit(config: &ChannelConfig) -> u32 {
     config
         .limits
         .max_first_frame_len

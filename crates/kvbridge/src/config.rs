@@ -1,7 +1,7 @@
 //! Channel configuration.
 
 use crate::net::Net;
-use kvbridge_proto::auth::Secret;
+use kvbridge_proto::auth::{Keyring, Secret};
 use kvbridge_proto::frame::DEFAULT_MAX_FRAME_LEN;
 use kvbridge_proto::msg::Compat;
 use std::path::PathBuf;
@@ -238,6 +238,13 @@ pub struct ChannelConfig {
     /// that cannot prove it knows the secret is granted no region and no operation. Read
     /// from `KVBRIDGE_SECRET` by [`ChannelConfig::new`]; never logged.
     pub secret: Option<Secret>,
+    /// (Listener) Per-peer keys: a peer that claims an id of the ring must prove that id's
+    /// key (the shared secret does not do for it), so holding one key does not make a peer
+    /// any other. Ids not in the ring fall back to `secret`, or are refused without one.
+    /// When `None`, [`Channel::new`](crate::Channel::new) loads the file named by
+    /// `KVBRIDGE_PEER_KEYS` (lines `peer-id key`) if set, and fails if it cannot; never
+    /// logged.
+    pub peer_keys: Option<Keyring>,
     /// TLS on the control connection; `None` (the default, unless `KVBRIDGE_TLS_*` is set)
     /// for plaintext. See [`TlsConfig`].
     pub tls: Option<TlsConfig>,
@@ -278,6 +285,7 @@ impl ChannelConfig {
             secret: std::env::var("KVBRIDGE_SECRET")
                 .ok()
                 .and_then(|s| Secret::new(s.into_bytes())),
+            peer_keys: None,
             tls: TlsConfig::from_env(),
             deadlines: Deadlines::default(),
             limits: Limits::default(),

@@ -14,7 +14,8 @@
 use crate::cma::CopyError;
 use crate::config::{Limits, TestHooks};
 use crate::error::{Error, Result};
-use crate::region::{RegionTable, RegionUse};
+use crate::grant::RegionTable;
+use crate::region::RegionUse;
 use crate::shm::{Dir, ShmFail, ShmPeer};
 use crate::wire::{read_data_frame, write_all_vectored, write_msg, ReadError};
 use crate::writer_queue::{self, Direct, WriterQueue, WriterRx};
@@ -1181,12 +1182,16 @@ impl ReaderCtx {
         }
         let mut out = Vec::with_capacity(b.ops.len());
         for (i, op) in b.ops.iter().enumerate() {
-            let Some(region) = self.table.use_for(&self.path.peer, &op.region, writes) else {
-                return Err(reject(
-                    ErrorCode::UnknownRegion,
-                    format!("op {i}: region {} is not granted to this peer", op.region),
-                ));
-            };
+            let region =
+                match self
+                    .table
+                    .use_for(&self.path.peer, &op.region, op.offset, op.len, writes)
+                {
+                    Ok(r) => r,
+                    Err(denied) => {
+                        return Err(reject(denied.code(), denied.message(i, &op.region, writes)))
+                    }
+                };
             if !region.region().contains(op.offset, op.len) {
                 return Err(reject(
                     ErrorCode::OutOfBounds,

@@ -3,7 +3,8 @@
 
 use crate::config::{Limits, TestHooks};
 use crate::datapath::{DataPath, ReaderCtx};
-use crate::region::{Grant, Region, RegionTable};
+use crate::grant::{Grant, RegionTable};
+use crate::region::Region;
 use kvbridge_proto::msg::{Batch, Reject};
 use kvbridge_proto::{Incarnation, PeerId, RegionId};
 use std::sync::Arc;
@@ -36,7 +37,7 @@ pub fn validate_batch(
     let table = Arc::new(RegionTable::default());
     for (r, g) in regions {
         // A duplicate id is refused by the table; the fuzz target never builds one.
-        let _ = table.insert(r.clone(), g.clone());
+        let _ = table.insert(r.clone(), g.clone().into());
     }
     let (abort, _abort_rx) = mpsc::unbounded_channel();
     let (path, _out_rx) = DataPath::new(

@@ -33,6 +33,7 @@ mod datapath;
 mod error;
 #[doc(hidden)]
 pub mod fuzzing;
+mod grant;
 pub mod net;
 mod refusals;
 mod region;
@@ -48,10 +49,11 @@ pub use channel::{Channel, Notification, Op, PeerEvent, PeerLink, QueuedNotify, 
 pub use cma::{cma_available, CmaStatus};
 pub use config::{ChannelConfig, Deadlines, Limits, Pem, TestHooks, TlsConfig, Transport};
 pub use error::{Error, Result};
+pub use grant::{Access, Grant, Permission, WindowDrain, WindowId};
 pub use kvbridge_proto as proto;
 pub use kvbridge_proto::handshake::Step;
 pub use kvbridge_proto::{Incarnation, PeerId, RegionId};
-pub use region::{shared_huge_pages, Grant, Region};
+pub use region::{shared_huge_pages, Region};
 pub use shm::host_id;
 
 /// Fills `buf` from the operating system's random source.

@@ -20,15 +20,14 @@
 //! be detached under it (see `Channel::deregister`).
 
 use crate::error::{Error, Result};
-use kvbridge_proto::msg::{MemInfo, MemKind, RegionInfo};
-use kvbridge_proto::{PeerId, RegionId};
+use kvbridge_proto::msg::{MemKind, RegionInfo};
+use kvbridge_proto::RegionId;
 use std::alloc::Layout;
-use std::collections::HashMap;
 use std::fmt;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::Notify;
 
@@ -580,6 +579,7 @@ impl Region {
         RegionUse {
             region: self.clone(),
             writes: false,
+            windows: Vec::new(),
         }
     }
 
@@ -592,6 +592,7 @@ impl Region {
         RegionUse {
             region: self.clone(),
             writes: true,
+            windows: Vec::new(),
         }
     }
 
@@ -743,6 +744,9 @@ pub(crate) struct RegionUse {
     region: Region,
     /// Whether the transfer writes into the region (counted in `writing`).
     writes: bool,
+    /// The write windows the transfer lands in (`crate::grant`): each counts it until the
+    /// guard drops, so closing a window can wait for the writes that passed it.
+    windows: Vec<crate::grant::WindowHold>,
 }
 
 impl RegionUse {
@@ -752,11 +756,19 @@ impl RegionUse {
 
     /// Another guard of the same kind on the same region (a batch split in parts).
     pub(crate) fn again(&self) -> RegionUse {
-        if self.writes {
+        let mut u = if self.writes {
             self.region.begin_write()
         } else {
             self.region.begin_use()
-        }
+        };
+        u.windows = self.windows.clone();
+        u
+    }
+
+    /// Counts this transfer in `windows` until it ends.
+    pub(crate) fn within(mut self, windows: Vec<crate::grant::WindowHold>) -> RegionUse {
+        self.windows = windows;
+        self
     }
 }
 
@@ -770,87 +782,6 @@ impl Drop for RegionUse {
         if idle {
             self.region.inner.idle.notify_waiters();
         }
-    }
-}
-
-/// Which peers may address a region.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub enum Grant {
-    /// Every peer of the channel.
-    #[default]
-    AllPeers,
-    /// Only these peers.
-    Peers(Vec<PeerId>),
-}
-
-impl Grant {
-    fn allows(&self, peer: &PeerId) -> bool {
-        match self {
-            Grant::AllPeers => true,
-            Grant::Peers(p) => p.contains(peer),
-        }
-    }
-}
-
-/// The channel's local regions and who may address them. Written by `register` and
-/// `deregister` only; a region is in the table before any peer can learn its id.
-#[derive(Default)]
-pub(crate) struct RegionTable {
-    map: RwLock<HashMap<RegionId, (Region, Grant)>>,
-}
-
-impl RegionTable {
-    pub(crate) fn insert(&self, r: Region, g: Grant) -> Result<()> {
-        let mut m = self.map.write().expect("region table poisoned");
-        if m.contains_key(&r.id()) {
-            return Err(Error::Local(format!(
-                "region {} already registered",
-                r.id()
-            )));
-        }
-        m.insert(r.id(), (r, g));
-        Ok(())
-    }
-
-    pub(crate) fn remove(&self, id: &RegionId) -> Option<Region> {
-        self.map
-            .write()
-            .expect("region table poisoned")
-            .remove(id)
-            .map(|(r, _)| r)
-    }
-
-    /// Looks a region up for a transfer by `peer` and marks it in use (`writes`: the
-    /// transfer writes into it), atomically with respect to `remove`.
-    pub(crate) fn use_for(&self, peer: &PeerId, id: &RegionId, writes: bool) -> Option<RegionUse> {
-        let m = self.map.read().expect("region table poisoned");
-        match m.get(id) {
-            Some((r, g)) if g.allows(peer) && writes => Some(r.begin_write()),
-            Some((r, g)) if g.allows(peer) => Some(r.begin_use()),
-            _ => None,
-        }
-    }
-
-    /// The regions granted to `peer` that it may reach directly: the shared ones, and with
-    /// `cma` those that cross-memory attach carries too.
-    pub(crate) fn direct_for(&self, peer: &PeerId, cma: bool) -> Vec<Region> {
-        let m = self.map.read().expect("region table poisoned");
-        m.values()
-            .filter(|(r, g)| g.allows(peer) && (r.is_shared() || (cma && r.wants_cma())))
-            .map(|(r, _)| r.clone())
-            .collect()
-    }
-
-    /// What this side grants to `peer`.
-    pub(crate) fn granted_to(&self, peer: &PeerId) -> MemInfo {
-        let m = self.map.read().expect("region table poisoned");
-        let mut regions: Vec<RegionInfo> = m
-            .values()
-            .filter(|(_, g)| g.allows(peer))
-            .map(|(r, _)| r.info())
-            .collect();
-        regions.sort_by_key(|r| r.id);
-        MemInfo { regions }
     }
 }
 

@@ -11,8 +11,8 @@ use crate::config::ChannelConfig;
 use crate::config::Transport;
 use crate::datapath::{run_reader, run_writer, DataPath, Outgoing, ReaderCtx};
 use crate::error::{Error, Result};
+use crate::grant::RegionTable;
 use crate::net::{ReadHalf, Stream, WriteHalf};
-use crate::region::RegionTable;
 use crate::region::{AbandonedExport, Region, RegionExport};
 use crate::shm::{FdReader, Mapping, ShmPeer};
 use crate::wire::{read_frame, write_msg, ReadError};
@@ -367,9 +367,18 @@ async fn sleep_until_opt(at: Option<Instant>) {
     }
 }
 
+/// The frame limit before the peer's proof, and the test for the frame that carries it.
+type UntilProof = (u32, fn(&Message) -> bool);
+
+/// The control connection's frames, read by their own task. With `until_proof` (a secret is
+/// set) frames are held to the pre-authentication limit until the frame that carries the
+/// peer's proof has passed (`Proof` from an initiator, `Welcome` from a listener): a peer
+/// that has not proved itself gets no more than its first frame did. A proof that turns out
+/// wrong ends the session, and this task with it.
 fn spawn_control_reader(
     mut r: ReadHalf,
     max: u32,
+    mut until_proof: Option<UntilProof>,
 ) -> (
     mpsc::Receiver<std::result::Result<Message, ReadError>>,
     JoinHandle<()>,
@@ -378,7 +387,13 @@ fn spawn_control_reader(
     let h = tokio::spawn(async move {
         let mut buf = Vec::new();
         loop {
-            let r = read_frame(&mut r, max, &mut buf).await;
+            let limit = until_proof.map_or(max, |(pre_proof, _)| pre_proof);
+            let r = read_frame(&mut r, limit, &mut buf).await;
+            if let (Some((_, proves)), Ok(m)) = (until_proof, &r) {
+                if proves(m) {
+                    until_proof = None;
+                }
+            }
             let stop = r.is_err();
             if tx.send(r).await.is_err() || stop {
                 return;
@@ -512,7 +527,15 @@ impl Session {
         cmd_tx: mpsc::UnboundedSender<SessionCmd>,
     ) -> Self {
         let (r, w) = stream.into_split();
-        let (ctl_rx, ctl_reader) = spawn_control_reader(r, env.config.limits.max_frame_len);
+        let until_proof = env.local.authenticates().then(|| {
+            let proves: fn(&Message) -> bool = match &machine {
+                Machine::Listen(_) => |m| matches!(m, Message::Proof(_)),
+                Machine::Init(_) => |m| matches!(m, Message::Welcome(_)),
+            };
+            (crate::channel::first_frame_limit(&env.config), proves)
+        });
+        let (ctl_rx, ctl_reader) =
+            spawn_control_reader(r, env.config.limits.max_frame_len, until_proof);
         let peer_unacked_notify = match &machine {
             Machine::Listen(m) => m.peer_unacked_notify(),
             // Learnt from the `Welcome`.
@@ -603,7 +626,7 @@ impl Session {
                     }
                 }
                 c = self.cmds.recv() => match c {
-                    Some(SessionCmd::DataConn(s, peer, stream)) if self.env.local.secret.is_some() => {
+                    Some(SessionCmd::DataConn(s, peer, stream)) if self.env.local.authenticates() => {
                         // Bound only once it answers a fresh challenge under the session's
                         // key: its token alone (seen in the clear) proves nothing.
                         if stream >= self.machine.data_connection_cap() || Some(&peer) != self.peer_id.as_ref() {

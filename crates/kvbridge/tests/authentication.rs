@@ -537,6 +537,7 @@ async fn authenticated_by_hand(
         incarnation: Incarnation(7),
         compat: Compat::default(),
         secret: secret(key),
+        peer_keys: None,
     };
     let now = std::time::Instant::now;
     let mut m = Initiator::declaring(local, Duration::from_secs(10), now(), [3; 32], streams);
@@ -662,4 +663,103 @@ async fn an_observer_with_the_token_cannot_open_a_data_connection() {
     let s = dec.stats().await.unwrap();
     assert_eq!((s.sessions, s.established), (1, 1), "{s:?}");
     drop(ctl);
+}
+
+/// Before its proof a peer gets no larger frame than its first one: a frame header that
+/// announces 1 MiB after the `Hello` (under `max_frame_len`, over the first-frame limit) is
+/// refused at once, without waiting for its body, and the session ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_frame_before_the_proof_is_refused_at_once() {
+    let (dec, _kv) = listener(
+        "decode-0",
+        |c| {
+            c.secret = secret("s3cret-of-the-cluster");
+            // Long enough that waiting for the body would be seen.
+            c.deadlines.handshake_step = Duration::from_secs(30);
+        },
+        PAGE,
+        PAGE,
+    )
+    .await;
+    let (mut ctl, _w) = hello_without_proof(&dec).await;
+    let started = std::time::Instant::now();
+    ctl.write_all(&kvbridge::proto::frame::FrameHeader::encode(1 << 20))
+        .await
+        .unwrap();
+    ctl.write_all(&[0u8; 64]).await.unwrap();
+    // The listener answers (a Reject naming the limit) or closes, well before the step's
+    // deadline; it never reads the megabyte.
+    let mut b = [0u8; 256];
+    let ended = loop {
+        match tokio::time::timeout(
+            Duration::from_secs(5),
+            tokio::io::AsyncReadExt::read(&mut ctl, &mut b),
+        )
+        .await
+        {
+            Ok(Ok(0)) | Ok(Err(_)) => break true,
+            Ok(Ok(_)) => continue,
+            Err(_) => break false,
+        }
+    };
+    assert!(
+        ended,
+        "the listener waited for the body of a pre-proof frame"
+    );
+    assert!(started.elapsed() < Duration::from_secs(5));
+    let t = std::time::Instant::now();
+    while dec.stats().await.unwrap().sessions > 0 && t.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(dec.stats().await.unwrap().sessions, 0);
+}
+
+/// A listener with per-peer keys (real sockets): "prefill-0" connects with its own key, and
+/// a peer holding prefill-1's key (or the shared secret) cannot claim "prefill-0".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_key_binds_the_id_it_claims() {
+    let mut ring = kvbridge::proto::auth::Keyring::new();
+    ring.insert(
+        PeerId::new("prefill-0").unwrap(),
+        secret("key-of-prefill-0-xxxx").unwrap(),
+    );
+    ring.insert(
+        PeerId::new("prefill-1").unwrap(),
+        secret("key-of-prefill-1-xxxx").unwrap(),
+    );
+    let (dec, kv) = listener(
+        "decode-0",
+        |c| {
+            c.secret = secret("the-shared-secret-xx");
+            c.peer_keys = Some(ring);
+        },
+        PAGE,
+        PAGE,
+    )
+    .await;
+    for wrong in ["key-of-prefill-1-xxxx", "the-shared-secret-xx"] {
+        let (pre, _) = initiator("prefill-0", |c| c.secret = secret(wrong), PAGE, PAGE).await;
+        let e = pre.connect(&addr(&dec)).await.unwrap_err();
+        assert!(matches!(e, Error::Unauthenticated { .. }), "{e}");
+    }
+    let (pre, src) = initiator(
+        "prefill-0",
+        |c| c.secret = secret("key-of-prefill-0-xxxx"),
+        PAGE,
+        PAGE,
+    )
+    .await;
+    let peer = pre.connect(&addr(&dec)).await.unwrap();
+    pre.write(&peer, &[Op::page(&src, 0, kv.id(), 0, PAGE)])
+        .await
+        .unwrap();
+    // An id the ring does not hold still authenticates with the shared secret.
+    let (other, _) = initiator(
+        "prefill-7",
+        |c| c.secret = secret("the-shared-secret-xx"),
+        PAGE,
+        PAGE,
+    )
+    .await;
+    other.connect(&addr(&dec)).await.unwrap();
 }

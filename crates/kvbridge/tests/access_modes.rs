@@ -1,0 +1,101 @@
+//! Grants with an access mode: a peer reads a read-only region and writes a write-only one,
+//! and the other direction is refused with a typed error naming the peer and the step, on
+//! every transport (restricted regions are never offered for direct copies, so the
+//! receiver does the copy and checks the mode).
+
+mod common;
+use common::*;
+use kvbridge::proto::msg::ErrorCode;
+use kvbridge::{Error, Grant, Op, Region, Step};
+
+const PAGE: usize = 4096;
+
+fn region(t: Carrier) -> Region {
+    if t.raw {
+        raw_region(2 * PAGE, PAGE)
+    } else {
+        Region::alloc(2 * PAGE, PAGE).unwrap()
+    }
+}
+
+fn assert_denied(r: kvbridge::Result<()>, step: Step) {
+    match r {
+        Err(Error::Rejected {
+            peer,
+            step: s,
+            code: ErrorCode::AccessDenied,
+            message,
+        }) => {
+            assert_eq!(peer, "decode-0");
+            assert_eq!(s, step);
+            assert!(message.contains("granted"), "{message}");
+        }
+        other => panic!("expected AccessDenied at {step}, got {other:?}"),
+    }
+}
+
+async fn modes_hold(t: Carrier) {
+    let cfg = |c: &mut kvbridge::ChannelConfig| t.apply(c);
+    let (dec, _rw) = listener("decode-0", cfg, 2 * PAGE, PAGE).await;
+    let (ro, wo) = (region(t), region(t));
+    fill(&ro, 7);
+    dec.register(&ro, Grant::AllPeers.read_only()).unwrap();
+    dec.register(&wo, Grant::AllPeers.write_only()).unwrap();
+    let (pre, src) = initiator("prefill-0", cfg, 2 * PAGE, PAGE).await;
+    fill(&src, 1);
+    let peer = pre.connect(&addr(&dec)).await.unwrap();
+    assert_transport(&pre, &peer, t).await;
+
+    // The granted direction works.
+    let back = Region::alloc(2 * PAGE, PAGE).unwrap();
+    pre.register(&back, Grant::AllPeers).unwrap();
+    pre.read(&peer, &[Op::page(&back, 0, ro.id(), 1, PAGE)])
+        .await
+        .unwrap();
+    let (mut a, mut b) = (vec![0u8; PAGE], vec![0u8; PAGE]);
+    ro.read_at(PAGE, &mut a).unwrap();
+    back.read_at(0, &mut b).unwrap();
+    assert!(a == b, "read of the read-only region differs");
+    pre.write(&peer, &[Op::page(&src, 0, wo.id(), 1, PAGE)])
+        .await
+        .unwrap();
+    src.read_at(0, &mut a).unwrap();
+    wo.read_at(PAGE, &mut b).unwrap();
+    assert!(a == b, "write into the write-only region differs");
+
+    // The other direction is refused, and nothing lands.
+    let mut before = vec![0u8; 2 * PAGE];
+    ro.read_at(0, &mut before).unwrap();
+    assert_denied(
+        pre.write(&peer, &[Op::page(&src, 0, ro.id(), 0, PAGE)])
+            .await,
+        Step::Write,
+    );
+    let mut after = vec![0u8; 2 * PAGE];
+    ro.read_at(0, &mut after).unwrap();
+    assert!(before == after, "a write landed in the read-only region");
+
+    // The refusal ended that session (like any op outside a grant); a new one is refused a
+    // read of the write-only region.
+    let peer = reconnect(&pre, &dec).await;
+    assert_denied(
+        pre.read(&peer, &[Op::page(&back, 1, wo.id(), 1, PAGE)])
+            .await,
+        Step::Read,
+    );
+}
+
+/// Connects again once both sides have dropped the session that broke the grant.
+async fn reconnect(pre: &kvbridge::Channel, dec: &kvbridge::Channel) -> kvbridge::PeerId {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let (d, p) = (dec.stats().await.unwrap(), pre.stats().await.unwrap());
+        if (d.established == 0 && p.established == 0) || std::time::Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    pre.connect(&addr(dec)).await.unwrap()
+}
+
+per_transport!(access_modes_hold_per_transport, super::modes_hold);
