@@ -34,6 +34,7 @@ mod error;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod net;
+pub mod peer_memory;
 mod refusals;
 mod region;
 mod session;
