@@ -187,8 +187,9 @@ impl WriteHalf {
     /// ([`crate::peer_memory`] says why).
     pub async fn write_ranges(&mut self, bufs: &[PeerRange<'_>]) -> io::Result<usize> {
         use std::os::fd::AsRawFd;
-        /// The most bytes copied per write where a copy is needed.
-        const BOUNCE: usize = 256 << 10;
+        /// The most bytes copied per write where a copy is needed: about what a TLS stream
+        /// takes in one write, so no byte is copied twice.
+        const BOUNCE: usize = 64 << 10;
         match self {
             WriteHalf::Blocking(w) => peer_memory::writev(w.as_raw_fd(), bufs),
             WriteHalf::Tokio(w) => {

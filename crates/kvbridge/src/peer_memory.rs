@@ -19,7 +19,14 @@ use std::os::fd::RawFd;
 pub(crate) const IOV_MAX: usize = 1024;
 
 /// A byte range that another party may write at any time, valid for `'a`: a raw `iovec`,
-/// so a slice of ranges is passed to `readv`/`writev` as it is.
+/// so a slice of ranges is passed to `readv`/`writev` as it is. Its API yields no reference
+/// to the bytes, only copies:
+///
+/// ```compile_fail
+/// fn lend<'a>(r: &'a kvbridge::peer_memory::PeerRange<'a>) -> &'a [u8] {
+///     r
+/// }
+/// ```
 #[repr(transparent)]
 #[derive(Clone, Copy)]
 pub struct PeerRange<'a> {
