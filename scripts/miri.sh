@@ -18,6 +18,10 @@ if ! rustup run nightly cargo miri --version >/dev/null 2>&1; then
 fi
 # Its own target directory: miri's build artefacts never mix with the normal build's.
 export CARGO_TARGET_DIR="${MIRI_TARGET_DIR:-target/miri}"
+# proptest looks up the working directory (for its regression files), which miri's isolation
+# refuses; and each case costs ~1000x under miri, so the property tests run 16 cases each.
+export MIRIFLAGS="${MIRIFLAGS:--Zmiri-disable-isolation}"
+export PROPTEST_CASES="${PROPTEST_CASES:-16}"
 cargo +nightly miri setup >/dev/null
 cargo +nightly miri test -p kvbridge-proto --lib
 cargo +nightly miri test -p kvbridge-pd --lib -- alloc:: key:: layout::
