@@ -39,7 +39,7 @@
 //! ```
 
 #![warn(missing_docs)]
-#![deny(clippy::undocumented_unsafe_blocks)]
+#![forbid(unsafe_code)]
 
 pub mod alloc;
 pub mod bench;

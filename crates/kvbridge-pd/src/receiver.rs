@@ -436,7 +436,7 @@ impl PdReceiver {
     }
 
     /// Borrows chunk `index` of `req_id` in place, without copying: the returned
-    /// [`ChunkRef`] derefs to exactly the chunk's bytes. The chunk must have landed (see
+    /// [`ChunkRef`] holds exactly the chunk's bytes. The chunk must have landed (see
     /// [`PdReceiver::wait_chunk`]); the request need not be complete. Its page is pinned
     /// until the `ChunkRef` is dropped: whatever happens to the request meanwhile (release,
     /// cancel, TTL, sender failure), the page is not handed out again under the reader.
@@ -461,11 +461,11 @@ impl PdReceiver {
         self.borrow_chunk(req_id, index)
     }
 
-    /// Runs `f` over chunk `index` of `req_id` in place (no copy); see
-    /// [`PdReceiver::borrow_chunk`].
+    /// Runs `f` over a copy of chunk `index` of `req_id`; see [`PdReceiver::borrow_chunk`]
+    /// (and [`ChunkRef`] for why it is a copy).
     pub fn with_chunk<R>(&self, req_id: &str, index: u64, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
         let c = self.borrow_chunk(req_id, index)?;
-        Ok(f(&c))
+        Ok(f(&c.to_vec()))
     }
 
     /// Borrows the chunk whose key hash is `key` (see [`crate::chunk_keys`]) if the buffer
@@ -503,15 +503,25 @@ impl PdReceiver {
     }
 }
 
-/// A chunk borrowed in place from the receive buffer ([`PdReceiver::borrow_chunk`]): derefs
-/// to the chunk's bytes. Its page is pinned while the `ChunkRef` lives, so it is never
-/// handed to another request (nor read into) under the reader; dropping it unpins the page
-/// (a page whose request ended meanwhile returns then). It may be sent to another thread and
-/// outlive the [`PdReceiver`].
+/// A chunk held in place in the receive buffer ([`PdReceiver::borrow_chunk`]). Its page is
+/// pinned while the `ChunkRef` lives, so it is never handed to another request (nor read
+/// into) under the reader; dropping it unpins the page (a page whose request ended
+/// meanwhile returns then). It may be sent to another thread and outlive the
+/// [`PdReceiver`].
 ///
 /// The guarantee covers the PD protocol: senders only write pages granted to them, and a
 /// chunk is borrowable only once its write (or read) landed. A peer that writes into the
-/// buffer outside its grant is misbehaving and not prevented by the PD layer.
+/// buffer anyway is not prevented by the PD layer, so a `ChunkRef` never lends the bytes as
+/// a `&[u8]` (which a racing write would make undefined behaviour): they are copied out
+/// ([`ChunkRef::copy_into`], [`ChunkRef::to_vec`]), or taken as a raw pointer
+/// ([`ChunkRef::as_ptr`]) by code that copies them itself (a DMA to the accelerator).
+///
+/// ```compile_fail
+/// // A `ChunkRef` lends no reference to the receive buffer.
+/// fn lend(c: &kvbridge_pd::ChunkRef) -> &[u8] {
+///     c
+/// }
+/// ```
 pub struct ChunkRef {
     inner: Arc<Inner>,
     page: u32,
@@ -527,27 +537,49 @@ impl ChunkRef {
     pub fn page(&self) -> u32 {
         self.page
     }
-}
 
-impl std::ops::Deref for ChunkRef {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        let off = self.page as usize * self.inner.page_bytes as usize;
-        debug_assert!(self.inner.region.contains(off as u64, self.len as u64));
-        // SAFETY: `off + len` lies inside the region (pages are whole, `len` is at most one
-        // page, checked when borrowed), which lives as long as `inner`. The page is pinned
-        // for as long as `self` lives: the allocator hands it to no other request and starts
-        // no read into it, and the chunk had landed (no write of the protocol is pending).
-        // This trusts the peers: the buffer is granted to every authenticated peer, read
-        // and write, so a peer that writes this page anyway (outside the protocol) races
-        // this borrow (docs/threat-model.md).
-        unsafe { std::slice::from_raw_parts(self.inner.region.as_ptr().add(off), self.len) }
+    /// The chunk's length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
     }
-}
 
-impl AsRef<[u8]> for ChunkRef {
-    fn as_ref(&self) -> &[u8] {
-        self
+    /// Whether the chunk is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn offset(&self) -> usize {
+        self.page as usize * self.inner.page_bytes as usize
+    }
+
+    /// Replaces the contents of `out` with a copy of the chunk's bytes (keeping its
+    /// capacity: a buffer reused across chunks allocates once).
+    pub fn copy_into(&self, out: &mut Vec<u8>) {
+        out.clear();
+        out.resize(self.len, 0);
+        self.inner
+            .region
+            .read_at(self.offset(), out)
+            .expect("a pinned chunk lies inside the buffer (checked when borrowed)");
+    }
+
+    /// A copy of the chunk's bytes.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut v = Vec::new();
+        self.copy_into(&mut v);
+        v
+    }
+
+    /// The address of the chunk's first byte, valid (for [`ChunkRef::len`] bytes) while
+    /// `self` lives. Read it only with raw copies (`ptr::copy_nonoverlapping`, a DMA): a
+    /// peer may write the page meanwhile (see the type's docs), so a `&[u8]` made from it
+    /// would be unsound.
+    pub fn as_ptr(&self) -> *const u8 {
+        self.inner
+            .region
+            .as_ptr()
+            .wrapping_add(self.offset())
+            .cast_const()
     }
 }
 

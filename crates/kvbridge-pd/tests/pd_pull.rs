@@ -78,7 +78,7 @@ async fn push_chunks_are_borrowed_as_they_land_and_pinned_until_dropped() {
     t.send_chunk(0, &d0).await.unwrap();
     // Chunk 0 has landed (the sender's note is ordered after its write); chunk 1 has not.
     let c0 = rx.chunk("r", 0, S).await.unwrap();
-    assert_eq!(&*c0, d0.as_slice());
+    assert_eq!(c0.to_vec(), d0);
     assert_eq!(rx.chunks_landed("r"), Some(vec![true, false, false]));
     assert!(!rx.is_complete("r"));
     assert!(matches!(
@@ -112,7 +112,7 @@ async fn push_chunks_are_borrowed_as_they_land_and_pinned_until_dropped() {
         t.map(|t| t.chunks())
     });
     assert!(eventually(5 * S, || rx.counters().waiting == 1).await);
-    assert_eq!(&*c0, d0.as_slice(), "the borrowed bytes are untouched");
+    assert_eq!(c0.to_vec(), d0, "the borrowed bytes are untouched");
     drop(c0);
     assert_eq!(next.await.unwrap().unwrap(), 3);
     assert_eq!(rx.counters().leaked, 0);

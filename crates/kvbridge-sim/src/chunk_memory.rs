@@ -15,6 +15,8 @@ use std::time::Duration;
 
 use kvbridge::Region;
 
+use crate::model::KvSink;
+
 /// One rank's chunk memory: `slots` slots of one chunk each, in one registered region.
 pub struct ChunkMemory {
     region: Region,
@@ -115,23 +117,73 @@ impl ChunkSlot {
         self.idx * self.mem.slot_bytes
     }
 
-    /// The chunk's bytes.
-    pub fn bytes(&self) -> &[u8] {
-        // SAFETY: `offset + len` lies inside the region (`take` checked `len <= slot_bytes`,
-        // `idx < slots`); the region lives as long as `mem`, which we hold; the slot is ours
-        // alone, and no transfer of the protocol writes into the sender's own memory (pull
-        // receivers only read it). This trusts the peers: the memory is granted to every
-        // authenticated peer, read and write (docs/threat-model.md).
-        unsafe { std::slice::from_raw_parts(self.mem.region.as_ptr().add(self.offset()), self.len) }
+    /// The chunk's length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
     }
 
-    /// The chunk's bytes, to compute into.
-    pub fn bytes_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as in `bytes`; and no transfer reads the slot now: it is handed to a sender
-        // only once filled, and comes back (is dropped) only once that transfer returned.
-        unsafe {
-            std::slice::from_raw_parts_mut(self.mem.region.as_ptr().add(self.offset()), self.len)
-        }
+    /// Whether the chunk is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Copies `data` into the chunk at `offset`.
+    ///
+    /// # Panics
+    /// When `offset + data.len()` exceeds the chunk (a bug of the caller).
+    pub fn write_at(&self, offset: usize, data: &[u8]) {
+        assert!(
+            offset
+                .checked_add(data.len())
+                .is_some_and(|e| e <= self.len),
+            "{} bytes at {offset} past a chunk of {}",
+            data.len(),
+            self.len
+        );
+        self.mem
+            .region
+            .write_at(self.offset() + offset, data)
+            .expect("a slot lies inside the region");
+    }
+
+    /// A copy of the chunk's bytes.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut v = vec![0u8; self.len];
+        self.mem
+            .region
+            .read_at(self.offset(), &mut v)
+            .expect("a slot lies inside the region");
+        v
+    }
+
+    /// The slot as a [`KvSink`] that computes each row into `row` and copies it in.
+    pub fn sink<'a>(&'a self, row: &'a mut Vec<u8>) -> SlotSink<'a> {
+        SlotSink { slot: self, row }
+    }
+}
+
+/// A [`ChunkSlot`] computed into row by row ([`ChunkSlot::sink`]): each row is filled in an
+/// owned buffer and copied into the registered memory, never touched through a reference
+/// there (a peer granted the region may write it at any time; `kvbridge::peer_memory`).
+pub struct SlotSink<'a> {
+    slot: &'a ChunkSlot,
+    row: &'a mut Vec<u8>,
+}
+
+impl KvSink for SlotSink<'_> {
+    fn kv_len(&self) -> usize {
+        self.slot.len
+    }
+    fn fill_row(
+        &mut self,
+        offset: usize,
+        len: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> u64,
+    ) -> u64 {
+        self.row.resize(len, 0);
+        let d = fill(&mut self.row[..]);
+        self.slot.write_at(offset, &self.row[..]);
+        d
     }
 }
 
@@ -152,12 +204,12 @@ mod tests {
     #[tokio::test]
     async fn slots_are_exclusive_reused_and_bounded() {
         let mem = ChunkMemory::new(4096, 2).unwrap();
-        let mut a = mem.take(4096, Duration::from_secs(1)).await.unwrap();
+        let a = mem.take(4096, Duration::from_secs(1)).await.unwrap();
         let b = mem.take(100, Duration::from_secs(1)).await.unwrap();
         assert_ne!(a.offset(), b.offset());
-        a.bytes_mut().fill(7);
-        assert!(a.bytes().iter().all(|&x| x == 7));
-        assert_eq!(b.bytes().len(), 100);
+        a.write_at(0, &[7; 4096]);
+        assert!(a.to_vec().iter().all(|&x| x == 7));
+        assert_eq!(b.to_vec().len(), 100);
         // Both taken: a third waits, and gives up at its deadline.
         assert!(matches!(
             mem.take(10, Duration::from_millis(20)).await,

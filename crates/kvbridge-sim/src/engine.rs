@@ -929,7 +929,12 @@ async fn prefill(
             if slots.is_empty() {
                 m.compute_and_absorb(&mut st, &p);
             } else {
-                let mut outs: Vec<&mut [u8]> = slots.iter_mut().map(ChunkSlot::bytes_mut).collect();
+                let mut rows: Vec<Vec<u8>> = vec![Vec::new(); slots.len()];
+                let mut outs: Vec<_> = slots
+                    .iter()
+                    .zip(rows.iter_mut())
+                    .map(|(s, r)| s.sink(r))
+                    .collect();
                 m.fill_and_absorb(&mut st, &mut outs, &p);
             }
             (st, slots)
@@ -1401,10 +1406,22 @@ async fn consume(s: Arc<Inner>, id: String, tokens: u64) -> Result<Consumed, Sim
         // The simulated accelerator's work: at the lowest priority, as the prefill's.
         let (st, d, b) = crate::background::run("kvb-absorb", move || {
             let mut st = state;
+            // The bytes are copied out of the receive buffer before they are hashed: a peer
+            // may write the pages meanwhile (`ChunkRef` says why). Into pooled buffers, so a
+            // chunk allocates nothing once the pool is warm.
+            let mut copies = crate::model::scratch_take();
+            copies.resize_with(copies.len().max(held.len()), Vec::new);
+            for (c, out) in held.iter().zip(copies.iter_mut()) {
+                c.copy_into(out);
+            }
+            let k = held.len();
+            drop(held);
             // MLA send-once: rank 0's copy stands for every rank (the KV is identical).
-            let refs: Vec<&[u8]> = (0..ws).map(|r| &*held[r.min(held.len() - 1)]).collect();
+            let refs: Vec<&[u8]> = (0..ws).map(|r| copies[r.min(k - 1)].as_slice()).collect();
             let b = refs.iter().map(|c| c.len() as u64).sum::<u64>();
             let d = m.absorb_kv_par(&mut st, &refs, t, threads);
+            drop(refs);
+            crate::model::scratch_give_back(copies);
             (st, d, b)
         })
         .await

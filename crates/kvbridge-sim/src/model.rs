@@ -241,20 +241,26 @@ impl Model {
     /// filled, in one pass: each row is digested while its words are still in registers
     /// instead of read back from memory (the same values; a pass over the chunk less, which
     /// on a small host is memory bandwidth the transfer then has).
-    pub fn fill_and_absorb(&self, state: &mut SeqState, out: &mut [&mut [u8]], prefixes: &[u64]) {
+    pub fn fill_and_absorb<S: KvSink>(
+        &self,
+        state: &mut SeqState,
+        out: &mut [S],
+        prefixes: &[u64],
+    ) {
         let (planes, row) = self.planes_and_row();
         let t = prefixes.len();
         let per_rank: Vec<Vec<u64>> = out
             .iter_mut()
             .enumerate()
             .map(|(rank, out)| {
-                debug_assert_eq!(out.len(), planes * t * row);
+                debug_assert_eq!(out.kv_len(), planes * t * row);
                 let mut h = vec![POSITION_SEED; t];
                 for plane in 0..planes {
                     for (j, (&p, d)) in prefixes.iter().zip(h.iter_mut()).enumerate() {
                         let off = (plane * t + j) * row;
                         let seed = self.row_seed(p, rank as u32, plane);
-                        *d = fill_and_digest_row(seed, &mut out[off..off + row], *d);
+                        let h = *d;
+                        *d = out.fill_row(off, row, &mut |b| fill_and_digest_row(seed, b, h));
                     }
                 }
                 h
@@ -552,13 +558,41 @@ fn row_matches(seed: u64, got: &[u8]) -> bool {
     same && (rest.is_empty() || rest == &r.next_u64().to_le_bytes()[..rest.len()])
 }
 
+/// Where [`Model::fill_and_absorb`] computes one rank's chunk to, row by row.
+pub trait KvSink {
+    /// The chunk's length in bytes.
+    fn kv_len(&self) -> usize;
+    /// Fills the `len` bytes at `offset` with `fill`, and returns what `fill` returned.
+    fn fill_row(
+        &mut self,
+        offset: usize,
+        len: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> u64,
+    ) -> u64;
+}
+
+/// A buffer this process owns: filled in place.
+impl KvSink for &mut [u8] {
+    fn kv_len(&self) -> usize {
+        self.len()
+    }
+    fn fill_row(
+        &mut self,
+        offset: usize,
+        len: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> u64,
+    ) -> u64 {
+        fill(&mut self[offset..offset + len])
+    }
+}
+
 /// Most scratch sets [`Model::compute_and_absorb`] keeps between calls (one set: a chunk per rank).
 /// Concurrent calls beyond it allocate their own and drop them after.
 pub const SCRATCH_KEPT: usize = 4;
 
 static SCRATCH: std::sync::Mutex<Vec<Vec<Vec<u8>>>> = std::sync::Mutex::new(Vec::new());
 
-fn scratch_take() -> Vec<Vec<u8>> {
+pub(crate) fn scratch_take() -> Vec<Vec<u8>> {
     SCRATCH
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -566,7 +600,7 @@ fn scratch_take() -> Vec<Vec<u8>> {
         .unwrap_or_default()
 }
 
-fn scratch_give_back(bufs: Vec<Vec<u8>>) {
+pub(crate) fn scratch_give_back(bufs: Vec<Vec<u8>>) {
     let mut pool = SCRATCH.lock().unwrap_or_else(|p| p.into_inner());
     if pool.len() < SCRATCH_KEPT {
         pool.push(bufs);

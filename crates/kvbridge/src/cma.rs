@@ -149,11 +149,16 @@ impl DirectCopy for MemCopy {
     unsafe fn copy(&self, dir: Dir, pieces: &[Piece]) -> Result<(), CopyError> {
         for p in pieces {
             let remote = p.remote as *mut u8;
-            match dir {
-                // Streaming stores for large pieces: the other side reads them later,
-                // this thread never does (`stream_copy`).
-                Dir::Write => crate::stream_copy::copy(p.local, remote, p.len),
-                Dir::Read => crate::stream_copy::copy(remote, p.local, p.len),
+            // SAFETY: by the caller's contract both ranges are `len` bytes of live memory (the
+            // peer's region mapped here, under its read lock; a local region held in use),
+            // and disjoint (a local region is never a peer's mapping of it in this process).
+            unsafe {
+                match dir {
+                    // Streaming stores for large pieces: the other side reads them later,
+                    // this thread never does (`stream_copy`).
+                    Dir::Write => crate::stream_copy::copy(p.local, remote, p.len),
+                    Dir::Read => crate::stream_copy::copy(remote, p.local, p.len),
+                }
             }
         }
         Ok(())
@@ -203,7 +208,8 @@ impl DirectCopy for CmaCopy {
             return Err(CopyError::PeerGone);
         }
         for chunk in pieces.chunks(IOV_MAX) {
-            vm_copy(self.pid, dir, chunk)?;
+            // SAFETY: the caller's contract is `vm_copy`'s.
+            unsafe { vm_copy(self.pid, dir, chunk)? };
         }
         Ok(())
     }
@@ -239,14 +245,19 @@ unsafe fn vm_copy(pid: libc::pid_t, dir: Dir, pieces: &[Piece]) -> Result<(), Co
     };
     while done < total {
         let (l, r) = (&local[first..], &remote[first..]);
-        let n = call(
-            pid,
-            l.as_ptr(),
-            l.len() as libc::c_ulong,
-            r.as_ptr(),
-            r.len() as libc::c_ulong,
-            0,
-        );
+        // SAFETY: both iovec arrays live through the call and hold the counts given; the
+        // local ranges are live memory by the caller's contract, and the kernel checks the
+        // remote ones (a range the peer does not have fails with EFAULT, no write lands).
+        let n = unsafe {
+            call(
+                pid,
+                l.as_ptr(),
+                l.len() as libc::c_ulong,
+                r.as_ptr(),
+                r.len() as libc::c_ulong,
+                0,
+            )
+        };
         if n < 0 {
             let error = io::Error::last_os_error();
             if error.kind() == io::ErrorKind::Interrupted {
@@ -271,9 +282,11 @@ unsafe fn vm_copy(pid: libc::pid_t, dir: Dir, pieces: &[Piece]) -> Result<(), Co
                 n -= left;
                 first += 1;
             } else {
-                local[first].iov_base = local[first].iov_base.cast::<u8>().add(n).cast();
+                // Address arithmetic only (the remote address is not ours to dereference):
+                // `n` is less than the piece's length, so both stay inside their pieces.
+                local[first].iov_base = local[first].iov_base.cast::<u8>().wrapping_add(n).cast();
                 local[first].iov_len -= n;
-                remote[first].iov_base = remote[first].iov_base.cast::<u8>().add(n).cast();
+                remote[first].iov_base = remote[first].iov_base.cast::<u8>().wrapping_add(n).cast();
                 remote[first].iov_len -= n;
                 n = 0;
             }

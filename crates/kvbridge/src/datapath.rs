@@ -25,7 +25,6 @@ use kvbridge_proto::ids::Blob;
 use kvbridge_proto::msg::{Ack, Batch, ErrorCode, Message, Notify, OpDesc, Reject};
 use kvbridge_proto::PeerId;
 use std::collections::HashMap;
-use std::io::{IoSlice, IoSliceMut};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -33,6 +32,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::net::{ReadHalf, WriteHalf};
+use crate::peer_memory::PeerRange;
 
 /// A local range touched by a transfer; holds the region in use until dropped.
 pub(crate) struct LocalSlice {
@@ -44,26 +44,19 @@ pub(crate) struct LocalSlice {
 impl LocalSlice {
     /// Start of the range.
     pub(crate) fn ptr(&self) -> *mut u8 {
-        // SAFETY: offset was checked against the region when the slice was made.
+        // SAFETY: `offset + len` was checked against the region when the slice was made (in
+        // `resolve`, or by the channel for local ranges), and the region stays allocated
+        // while `self.region` holds it in use.
         unsafe { self.region.region().as_ptr().add(self.offset) }
     }
 
-    fn as_io(&self) -> IoSlice<'_> {
-        // SAFETY: bounds were checked when the slice was made; the region stays alive and
-        // registered-or-in-use while the guard exists.
-        IoSlice::new(unsafe {
-            std::slice::from_raw_parts(self.region.region().as_ptr().add(self.offset), self.len)
-        })
-    }
-
-    /// The destination bytes of a read or an incoming write.
-    ///
-    /// # Safety
-    /// Concurrent access to the same range is excluded by the transfer contract (see
-    /// `region` module docs).
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn as_mut(&self) -> &mut [u8] {
-        std::slice::from_raw_parts_mut(self.region.region().as_ptr().add(self.offset), self.len)
+    /// The bytes, as a raw range: a peer may write them at the same time
+    /// ([`crate::peer_memory`]).
+    fn as_range(&self) -> PeerRange<'_> {
+        // SAFETY: `offset + len` was checked against the region when the slice was made; the
+        // region stays allocated (registered or in use) while `self` is borrowed; and no
+        // reference to registered memory is ever formed (`peer_memory`).
+        unsafe { PeerRange::new(self.ptr(), self.len) }
     }
 }
 
@@ -1004,12 +997,12 @@ pub(crate) async fn run_writer(
                 else {
                     continue;
                 };
-                let frame = Message::WriteBatch(Batch { id, ops: descs })
+                let mut frame = Message::WriteBatch(Batch { id, ops: descs })
                     .to_frame()
                     .map_err(|e| Error::Local(e.to_string()))?;
                 let mut slices = Vec::with_capacity(sources.len() + 1);
-                slices.push(IoSlice::new(&frame));
-                slices.extend(sources.iter().map(LocalSlice::as_io));
+                slices.push(PeerRange::owned(&mut frame));
+                slices.extend(sources.iter().map(LocalSlice::as_range));
                 write_all_vectored(&mut w, &mut slices, limit)
                     .await
                     .map_err(|e| lost(Step::Write, e))?;
@@ -1036,12 +1029,12 @@ pub(crate) async fn run_writer(
             Outgoing::Wake => {}
             Outgoing::ReadResp { id, result } => match result {
                 Ok(sources) => {
-                    let frame = Message::ReadResp(Ack { id, error: None })
+                    let mut frame = Message::ReadResp(Ack { id, error: None })
                         .to_frame()
                         .map_err(|e| Error::Local(e.to_string()))?;
                     let mut slices = Vec::with_capacity(sources.len() + 1);
-                    slices.push(IoSlice::new(&frame));
-                    slices.extend(sources.iter().map(LocalSlice::as_io));
+                    slices.push(PeerRange::owned(&mut frame));
+                    slices.extend(sources.iter().map(LocalSlice::as_range));
                     write_all_vectored(&mut w, &mut slices, limit)
                         .await
                         .map_err(|e| lost(Step::Read, e))?;
@@ -1318,12 +1311,7 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
                 if let Some(d) = ctx.hooks.write_apply_delay {
                     tokio::time::sleep(d).await;
                 }
-                // SAFETY: validated in bounds of regions granted to this peer and held in
-                // use; the transfer contract excludes concurrent local access.
-                let mut iov: Vec<IoSliceMut<'_>> = dests
-                    .iter()
-                    .map(|d| IoSliceMut::new(unsafe { d.as_mut() }))
-                    .collect();
+                let mut iov: Vec<PeerRange<'_>> = dests.iter().map(LocalSlice::as_range).collect();
                 r.read_exact_vectored_within(&mut iov, ctx.payload_deadline)
                     .await
                     .map_err(|e| ctx.payload_error(Step::Write, e))?;
@@ -1434,11 +1422,7 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
                     }));
                     continue;
                 }
-                // SAFETY: local destinations validated at submission and held in use.
-                let mut iov: Vec<IoSliceMut<'_>> = dests
-                    .iter()
-                    .map(|d| IoSliceMut::new(unsafe { d.as_mut() }))
-                    .collect();
+                let mut iov: Vec<PeerRange<'_>> = dests.iter().map(LocalSlice::as_range).collect();
                 let result = r
                     .read_exact_vectored_within(&mut iov, ctx.payload_deadline)
                     .await

@@ -24,6 +24,9 @@
 //! ```
 
 #![warn(missing_docs)]
+// Every unsafe block says what makes it sound; registered memory is never lent as a reference
+// (`peer_memory`).
+#![deny(clippy::undocumented_unsafe_blocks, unsafe_op_in_unsafe_fn)]
 
 mod channel;
 mod cma;
@@ -35,6 +38,7 @@ mod error;
 pub mod fuzzing;
 mod grant;
 pub mod net;
+pub mod peer_memory;
 mod refusals;
 mod region;
 mod session;

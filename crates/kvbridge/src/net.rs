@@ -5,7 +5,8 @@
 //! turmoil's deterministic network simulator (random latency, held messages, partitions,
 //! simulated time). Enum dispatch keeps the data path free of dynamic calls.
 
-use std::io::{self, IoSlice, IoSliceMut};
+use crate::peer_memory::{self, PeerRange};
+use std::io::{self, IoSlice};
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -181,6 +182,40 @@ impl Stream {
 }
 
 impl WriteHalf {
+    /// Writes some of `bufs` (one `writev` on a real socket) and returns how many bytes
+    /// went. Streams that write only from a `&[u8]` (TLS, simulated) send a copy
+    /// ([`crate::peer_memory`] says why).
+    pub async fn write_ranges(&mut self, bufs: &[PeerRange<'_>]) -> io::Result<usize> {
+        use std::os::fd::AsRawFd;
+        /// The most bytes copied per write where a copy is needed: about what a TLS stream
+        /// takes in one write, so no byte is copied twice.
+        const BOUNCE: usize = 64 << 10;
+        match self {
+            WriteHalf::Blocking(w) => peer_memory::writev(w.as_raw_fd(), bufs),
+            WriteHalf::Tokio(w) => {
+                let s: &tokio::net::TcpStream = w.as_ref();
+                let fd = s.as_raw_fd();
+                loop {
+                    match s.try_io(tokio::io::Interest::WRITABLE, || {
+                        peer_memory::writev(fd, bufs)
+                    }) {
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => s.writable().await?,
+                        r => return r,
+                    }
+                }
+            }
+            WriteHalf::Tls(w) => {
+                use tokio::io::AsyncWriteExt;
+                w.write(&peer_memory::gather(bufs, BOUNCE)).await
+            }
+            #[cfg(feature = "sim")]
+            WriteHalf::Sim(w) => {
+                use tokio::io::AsyncWriteExt;
+                w.write(&peer_memory::gather(bufs, BOUNCE)).await
+            }
+        }
+    }
+
     /// Bounds each blocking system call on this half (`SO_SNDTIMEO`): a peer that stops
     /// reading cannot block the writing thread past `limit`. A no-op for non-blocking
     /// halves, which callers bound with timers.
@@ -207,7 +242,7 @@ impl ReadHalf {
     /// (and this task) forever.
     pub async fn read_exact_vectored_within(
         &mut self,
-        bufs: &mut [IoSliceMut<'_>],
+        bufs: &mut [PeerRange<'_>],
         limit: std::time::Duration,
     ) -> io::Result<()> {
         match self {
@@ -241,19 +276,17 @@ impl ReadHalf {
     /// every byte; the read's deadline is unchanged.
     fn blocking_read_exact(
         r: &mut std::net::TcpStream,
-        mut bufs: &mut [IoSliceMut<'_>],
+        mut bufs: &mut [PeerRange<'_>],
         deadline: Option<(std::time::Instant, std::time::Duration)>,
         mut lowat: usize,
     ) -> io::Result<()> {
-        use std::io::Read;
-        /// Linux refuses `readv` with more than this many buffers.
-        const IOV_MAX: usize = 1024;
+        use std::os::fd::AsRawFd;
         if lowat > 1 {
             set_rcvlowat(r, lowat);
             let wait = deadline.map_or(LOWAT_PATIENCE, |(_, limit)| limit.min(LOWAT_PATIENCE));
             r.set_read_timeout(Some(wait))?;
         }
-        IoSliceMut::advance_slices(&mut bufs, 0);
+        peer_memory::advance(&mut bufs, 0);
         let res = loop {
             if bufs.is_empty() {
                 break Ok(());
@@ -270,10 +303,9 @@ impl ReadHalf {
                     break Err(io::ErrorKind::TimedOut.into());
                 }
             }
-            let end = bufs.len().min(IOV_MAX);
-            match r.read_vectored(&mut bufs[..end]) {
+            match peer_memory::readv(r.as_raw_fd(), bufs) {
                 Ok(0) => break Err(io::ErrorKind::UnexpectedEof.into()),
-                Ok(n) => IoSliceMut::advance_slices(&mut bufs, n),
+                Ok(n) => peer_memory::advance(&mut bufs, n),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock && lowat > 1 => {
                     tracing::debug!(lowat, "no wake-up with SO_RCVLOWAT; reading as bytes come");
@@ -299,41 +331,57 @@ impl ReadHalf {
 
     /// Fills every buffer completely, with as few `readv` calls as the kernel allows: a
     /// batch of small pages lands with a handful of system calls instead of one per page.
-    pub async fn read_exact_vectored(&mut self, mut bufs: &mut [IoSliceMut<'_>]) -> io::Result<()> {
-        /// Linux refuses `readv` with more than this many buffers.
-        const IOV_MAX: usize = 1024;
-        IoSliceMut::advance_slices(&mut bufs, 0);
+    /// Streams that need a `&mut [u8]` (TLS, simulated) read through a bounce buffer
+    /// ([`crate::peer_memory`] says why).
+    pub async fn read_exact_vectored(&mut self, mut bufs: &mut [PeerRange<'_>]) -> io::Result<()> {
+        peer_memory::advance(&mut bufs, 0);
         match self {
             ReadHalf::Blocking(r) => Self::blocking_read_exact(r, bufs, None, 1),
             ReadHalf::Tokio(r) => {
+                use std::os::fd::AsRawFd;
+                let s: &tokio::net::TcpStream = r.as_ref();
                 while !bufs.is_empty() {
-                    let end = bufs.len().min(IOV_MAX);
-                    match r.try_read_vectored(&mut bufs[..end]) {
+                    let fd = s.as_raw_fd();
+                    let batch = &*bufs;
+                    match s.try_io(tokio::io::Interest::READABLE, || {
+                        peer_memory::readv(fd, batch)
+                    }) {
                         Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-                        Ok(n) => IoSliceMut::advance_slices(&mut bufs, n),
-                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => r.readable().await?,
+                        Ok(n) => peer_memory::advance(&mut bufs, n),
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => s.readable().await?,
                         Err(e) => return Err(e),
                     }
                 }
                 Ok(())
             }
-            ReadHalf::Tls(r) => {
-                use tokio::io::AsyncReadExt;
-                for b in bufs.iter_mut() {
-                    r.read_exact(b).await?;
-                }
-                Ok(())
-            }
+            ReadHalf::Tls(r) => read_through_bounce(r, bufs).await,
             #[cfg(feature = "sim")]
-            ReadHalf::Sim(r) => {
-                use tokio::io::AsyncReadExt;
-                for b in bufs.iter_mut() {
-                    r.read_exact(b).await?;
-                }
-                Ok(())
-            }
+            ReadHalf::Sim(r) => read_through_bounce(r, bufs).await,
         }
     }
+}
+
+/// Fills `bufs` from a stream that reads only into a `&mut [u8]`: through an owned buffer
+/// and a copy, so no reference is ever formed over registered memory.
+async fn read_through_bounce<R: AsyncRead + Unpin>(
+    r: &mut R,
+    bufs: &[PeerRange<'_>],
+) -> io::Result<()> {
+    use tokio::io::AsyncReadExt;
+    /// The bounce buffer's size: big enough for a TLS record or a few.
+    const BOUNCE: usize = 64 << 10;
+    let total: usize = bufs.iter().map(PeerRange::len).sum();
+    let mut tmp = vec![0u8; total.min(BOUNCE)];
+    for b in bufs {
+        let mut off = 0;
+        while off < b.len() {
+            let n = (b.len() - off).min(tmp.len());
+            r.read_exact(&mut tmp[..n]).await?;
+            b.copy_from(off, &tmp[..n]);
+            off += n;
+        }
+    }
+    Ok(())
 }
 
 impl AsyncRead for ReadHalf {
@@ -573,7 +621,7 @@ mod tests {
         let mut got = vec![0u8; data.len()];
         let start = Instant::now();
         let limit = Duration::from_secs(20);
-        let mut iov = [IoSliceMut::new(&mut got)];
+        let mut iov = [PeerRange::owned(&mut got)];
         ReadHalf::blocking_read_exact(&mut r, &mut iov, Some((start, limit)), 512 << 10).unwrap();
         assert!(got == data, "bytes differ");
         assert!(start.elapsed() < Duration::from_secs(10));
@@ -614,7 +662,7 @@ mod tests {
         });
         let mut got = vec![0u8; data.len()];
         let start = Instant::now();
-        let mut iov = [IoSliceMut::new(&mut got)];
+        let mut iov = [PeerRange::owned(&mut got)];
         ReadHalf::blocking_read_exact(
             &mut r,
             &mut iov,
@@ -640,7 +688,7 @@ mod tests {
         w.write_all(&pattern(64 << 10)).unwrap();
         let mut got = vec![0u8; 512 << 10];
         let start = Instant::now();
-        let mut iov = [IoSliceMut::new(&mut got)];
+        let mut iov = [PeerRange::owned(&mut got)];
         let e = ReadHalf::blocking_read_exact(
             &mut r,
             &mut iov,

@@ -18,6 +18,10 @@
 //! back, waits for those running, and only then copies. Local application writes are not
 //! counted; as with transfers, the application must not write a range while the region may
 //! be detached under it (see `Channel::deregister`).
+//!
+//! A peer may break that contract, so the engine never lends a region's bytes as a
+//! reference: every access is a raw copy or a system call ([`crate::peer_memory`]), and a
+//! racing peer can make the bytes wrong, never the program's behaviour undefined.
 
 use crate::error::{Error, Result};
 use kvbridge_proto::msg::{MemKind, RegionInfo};
@@ -98,10 +102,12 @@ enum Backing {
     Caller,
 }
 
-// SAFETY: the region is a raw byte buffer; concurrent access to disjoint ranges is the
-// contract (see the module docs), and all bookkeeping fields are atomics.
+// SAFETY: the region is a raw byte buffer that this crate touches only through raw copies
+// and system calls, never through a reference (`crate::peer_memory`), so access from any
+// thread, racing or not, is no undefined behaviour; the bookkeeping fields are atomics or
+// behind locks; and the memory stays allocated until the last handle drops (`Drop`).
 unsafe impl Send for RegionInner {}
-// SAFETY: as above.
+// SAFETY: as for `Send`: a shared `RegionInner` offers nothing beyond raw access and atomics.
 unsafe impl Sync for RegionInner {}
 
 impl Drop for RegionInner {
@@ -538,8 +544,11 @@ impl Region {
                 self.len()
             )));
         }
-        // SAFETY: bounds checked; concurrent transfers into this range are the caller's
-        // responsibility (module docs).
+        // SAFETY: the range is inside the region (checked above), which stays allocated while
+        // `self` lives. A raw copy, so a transfer racing it (against the module's contract)
+        // leaves wrong bytes, not undefined behaviour. `data` is a live reference, and no
+        // reference to a region's memory is ever formed (`crate::peer_memory`), so the two
+        // do not overlap.
         unsafe {
             std::ptr::copy_nonoverlapping(data.as_ptr(), self.as_ptr().add(offset), data.len())
         };
@@ -556,7 +565,8 @@ impl Region {
                 self.len()
             )));
         }
-        // SAFETY: bounds checked.
+        // SAFETY: as in `write_at`, with the roles swapped: a peer writing the range meanwhile
+        // leaves `out` with wrong bytes, never with a reference over memory it writes.
         unsafe {
             std::ptr::copy_nonoverlapping(self.as_ptr().add(offset), out.as_mut_ptr(), out.len())
         };

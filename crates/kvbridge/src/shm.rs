@@ -826,10 +826,8 @@ mod tests {
         let len = 1usize << 20;
         let fd = memfd(len).unwrap();
         // SAFETY: fd is open; the range is the file's.
-        assert_eq!(
-            unsafe { libc::fallocate(fd.as_raw_fd(), 0, 0, len as i64) },
-            0
-        );
+        let rc = unsafe { libc::fallocate(fd.as_raw_fd(), 0, 0, len as i64) };
+        assert_eq!(rc, 0);
         Mapping::map(&fd, len as u64).unwrap();
     }
 

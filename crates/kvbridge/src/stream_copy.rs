@@ -51,8 +51,9 @@ pub(crate) unsafe fn copy(src: *const u8, dst: *mut u8, len: usize) {
 unsafe fn stream_avx2(src: *const u8, dst: *mut u8, len: usize) {
     use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_stream_si256, _mm_sfence};
     let head = dst.align_offset(32).min(len);
-    // SAFETY (whole function): every pointer below stays inside the two ranges the caller
-    // vouched for (offsets only grow up to `len`); stores through `d` are 32-byte aligned.
+    // SAFETY: every pointer below stays inside the two ranges the caller vouched for
+    // (offsets only grow up to `len`); stores through `d` are 32-byte aligned; AVX2 is
+    // there (the caller's contract).
     unsafe {
         std::ptr::copy_nonoverlapping(src, dst, head);
         let (mut s, mut d, mut n) = (src.add(head), dst.add(head), len - head);

@@ -1,12 +1,11 @@
 //! Reading and writing frames on async streams (check the header, then parse the body).
 
+use crate::net::WriteHalf;
+use crate::peer_memory::{self, PeerRange, IOV_MAX};
 use kvbridge_proto::frame::{FrameError, FrameHeader, FRAME_HEADER_LEN};
 use kvbridge_proto::msg::Message;
-use std::io::{self, IoSlice};
+use std::io;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-
-/// Linux refuses `writev` with more than this many buffers.
-const IOV_MAX: usize = 1024;
 
 /// Why reading a frame failed.
 #[derive(Debug)]
@@ -138,30 +137,30 @@ fn write_chunk() -> usize {
 /// the writer (and the memory it sends from) forever. A blocking socket cannot be raced
 /// against a timer: its owner bounds each call with `SO_SNDTIMEO`
 /// ([`crate::net::WriteHalf::set_stall_timeout`]), and the clock is checked between calls.
-pub(crate) async fn write_all_vectored<W: AsyncWrite + Unpin>(
-    w: &mut W,
-    mut bufs: &mut [IoSlice<'_>],
+pub(crate) async fn write_all_vectored(
+    w: &mut WriteHalf,
+    mut bufs: &mut [PeerRange<'_>],
     limit: std::time::Duration,
 ) -> io::Result<()> {
     let until = tokio::time::Instant::now() + limit;
     let chunk = write_chunk();
-    IoSlice::advance_slices(&mut bufs, 0);
+    peer_memory::advance(&mut bufs, 0);
     while !bufs.is_empty() {
         // Gather up to `chunk` bytes, cutting the last buffer if needed.
-        let mut call: Vec<IoSlice<'_>> = Vec::with_capacity(64);
+        let mut call: Vec<PeerRange<'_>> = Vec::with_capacity(64);
         let mut bytes = 0;
         for b in bufs.iter() {
             if bytes >= chunk || call.len() == IOV_MAX {
                 break;
             }
             let take = b.len().min(chunk - bytes);
-            call.push(IoSlice::new(&b[..take]));
+            call.push(b.prefix(take));
             bytes += take;
         }
         if tokio::time::Instant::now() >= until {
             return Err(io::ErrorKind::TimedOut.into());
         }
-        let n = match tokio::time::timeout_at(until, w.write_vectored(&call)).await {
+        let n = match tokio::time::timeout_at(until, w.write_ranges(&call)).await {
             Ok(Ok(n)) => n,
             // SO_SNDTIMEO expired on a blocking socket.
             Ok(Err(e)) if e.kind() == io::ErrorKind::WouldBlock => {
@@ -174,7 +173,7 @@ pub(crate) async fn write_all_vectored<W: AsyncWrite + Unpin>(
         if n == 0 {
             return Err(io::ErrorKind::WriteZero.into());
         }
-        IoSlice::advance_slices(&mut bufs, n);
+        peer_memory::advance(&mut bufs, n);
     }
     Ok(())
 }
