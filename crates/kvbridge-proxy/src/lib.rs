@@ -12,6 +12,7 @@ pub mod cli;
 pub mod config;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod kv_events_sub;
 pub mod kv_index;
 pub mod kvwait;
 mod listener;
