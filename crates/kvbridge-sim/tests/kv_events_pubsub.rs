@@ -232,3 +232,85 @@ async fn a_garbage_publisher_is_refused() {
     assert_eq!(index.blocks(0), 0);
     server.abort();
 }
+
+fn pyzmq_ready() -> bool {
+    std::process::Command::new("python3")
+        .args(["-c", "import zmq, msgspec"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+fn pyzmq_peer(args: &[&str]) -> Option<tokio::process::Child> {
+    if !pyzmq_ready() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "python3 with pyzmq and msgspec is required in CI (scripts/setup.sh installs them)"
+        );
+        eprintln!("SKIPPED: python3 with pyzmq and msgspec not found");
+        return None;
+    }
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/python/kv_events_zmq_peer.py"
+    );
+    Some(
+        tokio::process::Command::new("python3")
+            .arg(script)
+            .args(args)
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("python3 starts"),
+    )
+}
+
+async fn first_line(child: &mut tokio::process::Child) -> String {
+    use tokio::io::AsyncBufReadExt;
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    tokio::time::timeout(T, lines.next_line())
+        .await
+        .expect("the peer prints within the deadline")
+        .unwrap()
+        .expect("a line")
+}
+
+/// libzmq's PUB (pyzmq) publishing msgspec batches reaches our SUB and the index.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pyzmq_pub_to_our_sub() {
+    let Some(mut child) = pyzmq_peer(&["pub"]) else {
+        return;
+    };
+    let port = first_line(&mut child).await;
+    let index = Arc::new(KvIndex::new(1, 1000));
+    let subs = kv_events_sub::spawn(
+        vec![(0, format!("tcp://127.0.0.1:{}", port.trim()))],
+        b"kv".to_vec(),
+        index.clone(),
+        limits(),
+    );
+    until(&subs.stats, "pyzmq's block", || {
+        index.matched_tokens(0, &[1, 2]) == 2
+    })
+    .await;
+}
+
+/// Our PUB reaches libzmq's SUB (pyzmq), which reads the batch with msgspec.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn our_pub_to_pyzmq_sub() {
+    let p = publisher("127.0.0.1:0").await;
+    let port = p.local_addr().port().to_string();
+    let Some(mut child) = pyzmq_peer(&["sub", &port]) else {
+        return;
+    };
+    assert!(p.wait_subscribed(1, T).await, "pyzmq subscribed");
+    p.publish(&stored(7, None, &[1, 2]));
+    let line = first_line(&mut child).await;
+    let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(v[0], "kv");
+    assert_eq!(v[1], 0);
+    assert_eq!(v[2][1][0]["type"], "BlockStored");
+    assert_eq!(v[2][1][0]["block_hashes"][0], 7);
+    assert_eq!(v[2][1][0]["token_ids"], serde_json::json!([1, 2]));
+}
