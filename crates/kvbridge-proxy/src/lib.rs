@@ -22,5 +22,6 @@ pub mod outcome_port;
 pub mod pool;
 pub mod prefix_tree;
 mod request;
+pub mod router;
 pub mod routing;
 pub mod server;
