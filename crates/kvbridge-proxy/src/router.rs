@@ -3,8 +3,10 @@
 
 use std::sync::Arc;
 
-use crate::kv_events_sub::KvEventsSubscribers;
+use crate::config::Config;
+use crate::kv_events_sub::{KvEventsSubscribers, SubLimits};
 use crate::kv_index::KvIndex;
+use crate::pool::Role;
 use crate::prefix_tree::{pieces, PrefixTrees};
 use crate::routing::{
     cache_aware, kv_events, least_loaded, CacheAwareParams, Candidate, KvEventsWeights,
@@ -33,6 +35,46 @@ impl PromptKey {
             pieces: pieces(raw.as_bytes()),
         }
     }
+}
+
+/// The router of the `role` pool under `cfg`: its trees (`cache-aware`), or its index and
+/// the subscribers that feed it (`kv-events`, when the pool's endpoints are configured;
+/// least-loaded without). Spawns the subscribers: call within the runtime.
+pub fn for_pool(cfg: &Config, role: Role) -> PoolRouter {
+    let (workers, endpoints) = match role {
+        Role::Prefill => (cfg.prefillers.len(), &cfg.kv_events.prefiller_endpoints),
+        Role::Decode => (cfg.decoders.len(), &cfg.kv_events.decoder_endpoints),
+    };
+    let mut r = PoolRouter {
+        policy: cfg.routing,
+        weights: cfg.kv_events.weights(),
+        params: cfg.cache_aware,
+        ..Default::default()
+    };
+    match cfg.routing {
+        RoutingPolicy::LeastLoaded => {}
+        RoutingPolicy::CacheAware => {
+            r.trees = Some(PrefixTrees::new(workers, cfg.cache_aware.max_tree_pieces));
+        }
+        RoutingPolicy::KvEvents if endpoints.is_empty() => {
+            tracing::warn!(
+                role = role.as_str(),
+                "--routing kv-events without KV-events endpoints: this pool routes least-loaded"
+            );
+            r.policy = RoutingPolicy::LeastLoaded;
+        }
+        RoutingPolicy::KvEvents => {
+            let index = Arc::new(KvIndex::new(workers, cfg.kv_events.max_blocks_per_worker));
+            r.subscribers = Some(crate::kv_events_sub::spawn(
+                endpoints.iter().cloned().enumerate().collect(),
+                cfg.kv_events.topic.as_bytes().to_vec(),
+                index.clone(),
+                SubLimits::default(),
+            ));
+            r.index = Some(index);
+        }
+    }
+    r
 }
 
 /// A pool's policy and cache knowledge.
