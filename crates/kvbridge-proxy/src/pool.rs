@@ -430,6 +430,72 @@ impl Pool {
                 );
             }
         }
+        self.render_kv_events(out);
+    }
+
+    /// The KV-events subscribers' counters and each worker's indexed blocks (`kv-events`
+    /// pools only; HELP and TYPE with the prefill pool's lines, as for the lines above).
+    fn render_kv_events(&self, out: &mut String) {
+        use std::fmt::Write as _;
+        let (Some(subs), Some(index)) = (&self.router.subscribers, &self.router.index) else {
+            return;
+        };
+        let role = self.role.as_str();
+        let st = &subs.stats;
+        for (name, help, v) in [
+            (
+                "connects",
+                "Connections made to workers' KV-events endpoints.",
+                &st.connects,
+            ),
+            ("batches", "KV-events batches applied.", &st.batches),
+            (
+                "gaps",
+                "Batches after a sequence gap (the worker's view was dropped first).",
+                &st.gaps,
+            ),
+            (
+                "restarts",
+                "Batches whose sequence went back: a restarted worker (view dropped).",
+                &st.restarts,
+            ),
+            (
+                "bad",
+                "Messages that were not a decodable batch (view dropped).",
+                &st.bad,
+            ),
+            (
+                "disconnects",
+                "KV-events connections that failed or ended (view dropped).",
+                &st.disconnects,
+            ),
+        ] {
+            if self.role == Role::Prefill {
+                let _ = writeln!(
+                    out,
+                    "# HELP kvbridge_proxy_kv_events_{name}_total {help}\n# TYPE kvbridge_proxy_kv_events_{name}_total counter"
+                );
+            }
+            let _ = writeln!(
+                out,
+                "kvbridge_proxy_kv_events_{name}_total{{role=\"{role}\"}} {}",
+                v.load(Relaxed)
+            );
+        }
+        if self.role == Role::Prefill {
+            let _ = writeln!(
+                out,
+                "# HELP kvbridge_proxy_kv_events_blocks Blocks the proxy knows the worker holds.\n# TYPE kvbridge_proxy_kv_events_blocks gauge"
+            );
+        }
+        for (i, w) in self.workers.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "kvbridge_proxy_kv_events_blocks{{role=\"{role}\",worker=\"{}\"}} {}",
+                w.label,
+                index.blocks(i)
+            );
+        }
     }
 }
 

@@ -314,3 +314,44 @@ async fn our_pub_to_pyzmq_sub() {
     assert_eq!(v[2][1][0]["block_hashes"][0], 7);
     assert_eq!(v[2][1][0]["token_ids"], serde_json::json!([1, 2]));
 }
+
+/// A `kv-events` pool renders its subscribers' counters and each worker's blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kv_events_pool_renders_its_counters() {
+    use kvbridge_proxy::pool::{Pool, Role};
+    use kvbridge_proxy::router::PoolRouter;
+    let p = publisher("127.0.0.1:0").await;
+    let index = Arc::new(KvIndex::new(1, 1000));
+    let subs = kv_events_sub::spawn(
+        vec![(0, p.local_addr().to_string())],
+        vec![],
+        index.clone(),
+        limits(),
+    );
+    assert!(p.wait_subscribed(1, T).await);
+    p.publish(&stored(7, None, &[1, 2]));
+    until(&subs.stats, "block 7", || index.blocks(0) == 1).await;
+    let pool = Pool::routed(
+        Role::Prefill,
+        [("h".to_string(), 1, 0, 0)],
+        2,
+        1,
+        PoolRouter {
+            policy: kvbridge_proxy::routing::RoutingPolicy::KvEvents,
+            index: Some(index),
+            subscribers: Some(subs),
+            ..Default::default()
+        },
+    );
+    let mut out = String::new();
+    pool.render(&mut out);
+    for line in [
+        "kvbridge_proxy_kv_events_batches_total{role=\"prefill\"} 1",
+        "kvbridge_proxy_kv_events_connects_total{role=\"prefill\"} 1",
+        "kvbridge_proxy_kv_events_gaps_total{role=\"prefill\"} 0",
+        "kvbridge_proxy_kv_events_blocks{role=\"prefill\",worker=\"h:1\"} 1",
+        "# TYPE kvbridge_proxy_kv_events_gaps_total counter",
+    ] {
+        assert!(out.lines().any(|l| l == line), "{line} in\n{out}");
+    }
+}
