@@ -13,7 +13,8 @@
 //! * [`handshake`]: the initiator and listener state machines.
 //! * [`ids`]: peer, region, session and incarnation identifiers.
 //! * [`auth`]: the shared secret and HMAC challenge/response proofs.
-//! * [`zmtp`]: ZMTP 3.0 NULL framing and the PULL side of the KV outcome channel.
+//! * [`zmtp`]: ZMTP 3.0 NULL framing and the receiving side of a PULL or SUB/PUB connection.
+//! * [`kv_events`]: vLLM's KV-events batches (what an engine stored and evicted), bounded.
 //! * [`outcome_tag`]: the HMAC tag that authenticates a KV outcome.
 
 #![warn(missing_docs)]
@@ -23,6 +24,7 @@ pub mod auth;
 pub mod frame;
 pub mod handshake;
 pub mod ids;
+pub mod kv_events;
 pub mod msg;
 pub mod outcome_tag;
 pub mod zmtp;

@@ -228,7 +228,8 @@ enum Phase {
     Traffic,
 }
 
-/// The receiving side of one PULL connection, sans-IO. The caller writes [`PullSession::start`]'s
+/// The receiving side of one PULL connection (or, with [`PullSession::with_socket_types`],
+/// of a SUB or PUB connection: the side that reads messages), sans-IO. The caller writes [`PullSession::start`]'s
 /// bytes, then hands over whatever it reads; [`PullSession::feed`] returns what to write and
 /// the messages completed. It buffers at most one frame (header plus at most
 /// [`PullLimits::max_frame`] bytes) and one message (at most `max_frames` frames); any
@@ -236,6 +237,10 @@ enum Phase {
 #[derive(Debug)]
 pub struct PullSession {
     limits: PullLimits,
+    /// Our socket type, announced in our `READY`.
+    own: &'static str,
+    /// The socket type the peer must announce.
+    peer: &'static [u8],
     phase: Phase,
     buf: Vec<u8>,
     message: Vec<Vec<u8>>,
@@ -244,8 +249,18 @@ pub struct PullSession {
 impl PullSession {
     /// A session that enforces `limits`.
     pub fn new(limits: PullLimits) -> Self {
+        Self::with_socket_types(limits, "PULL", b"PUSH")
+    }
+
+    /// A session that announces `own` and accepts only a peer that announces `peer`
+    /// (`SUB` with `PUB`, `PUB` with `SUB`). Commands after `READY` are skipped, so a
+    /// ZMTP 3.1 `SUBSCRIBE` command is not seen; ZMTP 3.0 peers, which this greeting makes
+    /// of every peer, subscribe with messages.
+    pub fn with_socket_types(limits: PullLimits, own: &'static str, peer: &'static [u8]) -> Self {
         PullSession {
             limits,
+            own,
+            peer,
             phase: Phase::Greeting,
             buf: Vec::new(),
             message: Vec::new(),
@@ -321,7 +336,7 @@ impl PullSession {
             check_greeting(&g)?;
             self.buf.clear();
             self.phase = Phase::Ready;
-            out.push(PullEvent::Send(ready_command("PULL")));
+            out.push(PullEvent::Send(ready_command(self.own)));
             return Ok(());
         }
         let Some(h) = parse_frame_header(&self.buf, self.max_body() as u64)? else {
@@ -340,7 +355,7 @@ impl PullSession {
                     return Err(ZmtpError::NotReady);
                 }
                 let props = ready_properties(&body)?;
-                if !socket_type_is(props, b"PUSH") {
+                if !socket_type_is(props, self.peer) {
                     return Err(ZmtpError::SocketType);
                 }
                 self.phase = Phase::Traffic;

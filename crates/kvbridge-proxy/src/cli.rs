@@ -107,6 +107,37 @@ pub struct ProxyArgs {
     /// [default: 0].
     #[arg(long)]
     pub decoder_kv_capacity: Option<u64>,
+    /// How each pool chooses among the workers that admit a request (docs/proxy.md,
+    /// "Routing") [default: least-loaded].
+    #[arg(long, value_enum)]
+    pub routing: Option<crate::routing::RoutingPolicy>,
+    /// KV-events PUB endpoint of each prefiller, in order (`tcp://host:port`, vLLM's
+    /// `--kv-events-config` `endpoint`); with `--routing kv-events`.
+    #[arg(long, value_delimiter = ',', num_args = 1..)]
+    pub prefiller_kv_events_endpoint: Option<Vec<String>>,
+    /// KV-events PUB endpoint of each decoder, in order.
+    #[arg(long, value_delimiter = ',', num_args = 1..)]
+    pub decoder_kv_events_endpoint: Option<Vec<String>>,
+    /// KV-events topic to subscribe to [default: "" (every topic)].
+    #[arg(long)]
+    pub kv_events_topic: Option<String>,
+    /// `kv-events` cost of a prompt token to prefill [default: 1].
+    #[arg(long)]
+    pub kv_events_prefill_weight: Option<f64>,
+    /// `kv-events` cost of a token of load [default: 1].
+    #[arg(long)]
+    pub kv_events_load_weight: Option<f64>,
+    /// `cache-aware`: fraction of the prompt a prefix match must exceed [default: 0.3].
+    #[arg(long)]
+    pub cache_threshold: Option<f64>,
+    /// `cache-aware`: requests in flight by which the busiest worker must exceed the idlest
+    /// to route by load [default: 64].
+    #[arg(long)]
+    pub balance_abs_threshold: Option<u64>,
+    /// `cache-aware`: ratio by which the busiest worker must exceed the idlest to route by
+    /// load [default: 1.5].
+    #[arg(long)]
+    pub balance_rel_threshold: Option<f64>,
     /// Most requests waiting for admission; more get 429 at once [default: 1024].
     #[arg(long)]
     pub max_queue: Option<usize>,

@@ -7,6 +7,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::cli::ProxyArgs;
+use crate::routing::{CacheAwareParams, KvEventsWeights, RoutingPolicy};
 
 /// How a request crosses from prefill to decode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]
@@ -211,6 +212,56 @@ pub struct Config {
     /// then does not wait for the decoder's first step over the KV; a decoder failure after
     /// that first token is an SSE `error` event, as any failure mid-stream.
     pub first_token_on_kv_ready: bool,
+    /// How each pool chooses among the workers that admit a request.
+    pub routing: RoutingPolicy,
+    /// `kv-events`: where the workers publish and the cost's weights.
+    pub kv_events: KvEventsConfig,
+    /// `cache-aware`: SGLang router's thresholds.
+    pub cache_aware: CacheAwareParams,
+}
+
+/// `[kv_events]`: the workers' KV-events endpoints (vLLM `--kv-events-config` `endpoint`,
+/// the reference engine's `--kv-events-endpoint`) and the `kv-events` cost's weights.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KvEventsConfig {
+    /// One PUB endpoint per prefiller (`tcp://host:port`), in order; none: the prefill
+    /// pool routes least-loaded.
+    pub prefiller_endpoints: Vec<String>,
+    /// One PUB endpoint per decoder; none: the decode pool routes least-loaded.
+    pub decoder_endpoints: Vec<String>,
+    /// The topic subscribed to (vLLM's `topic`, empty by default: every topic).
+    pub topic: String,
+    /// Cost of a prompt token to prefill.
+    pub prefill_weight: f64,
+    /// Cost of a token of load.
+    pub load_weight: f64,
+    /// Most blocks the index keeps per worker.
+    pub max_blocks_per_worker: usize,
+}
+
+impl Default for KvEventsConfig {
+    fn default() -> Self {
+        let w = KvEventsWeights::default();
+        KvEventsConfig {
+            prefiller_endpoints: Vec::new(),
+            decoder_endpoints: Vec::new(),
+            topic: String::new(),
+            prefill_weight: w.prefill_weight,
+            load_weight: w.load_weight,
+            max_blocks_per_worker: 1 << 22,
+        }
+    }
+}
+
+impl KvEventsConfig {
+    /// The cost's weights.
+    pub fn weights(&self) -> KvEventsWeights {
+        KvEventsWeights {
+            prefill_weight: self.prefill_weight,
+            load_weight: self.load_weight,
+        }
+    }
 }
 
 impl Default for Config {
@@ -241,6 +292,9 @@ impl Default for Config {
             busy_poll: Duration::from_micros(100),
             decode_after_kv_ready: true,
             first_token_on_kv_ready: true,
+            routing: RoutingPolicy::default(),
+            kv_events: KvEventsConfig::default(),
+            cache_aware: CacheAwareParams::default(),
         }
     }
 }
@@ -272,6 +326,9 @@ struct FileConfig {
     busy_poll_us: Option<u64>,
     decode_after_kv_ready: Option<bool>,
     first_token_on_kv_ready: Option<bool>,
+    routing: Option<RoutingPolicy>,
+    kv_events: Option<KvEventsConfig>,
+    cache_aware: Option<CacheAwareParams>,
     #[serde(default, rename = "prefiller")]
     prefillers: Vec<WorkerAddr>,
     #[serde(default, rename = "decoder")]
@@ -500,6 +557,31 @@ impl Config {
                 .first_token_on_kv_ready
                 .or(file.first_token_on_kv_ready)
                 .unwrap_or(d.first_token_on_kv_ready),
+            routing: a.routing.or(file.routing).unwrap_or(d.routing),
+            kv_events: {
+                let mut k = file.kv_events.unwrap_or_default();
+                if let Some(e) = &a.prefiller_kv_events_endpoint {
+                    k.prefiller_endpoints = e.clone();
+                }
+                if let Some(e) = &a.decoder_kv_events_endpoint {
+                    k.decoder_endpoints = e.clone();
+                }
+                if let Some(t) = &a.kv_events_topic {
+                    k.topic = t.clone();
+                }
+                k.prefill_weight = a.kv_events_prefill_weight.unwrap_or(k.prefill_weight);
+                k.load_weight = a.kv_events_load_weight.unwrap_or(k.load_weight);
+                k
+            },
+            cache_aware: {
+                let mut c = file.cache_aware.unwrap_or_default();
+                c.cache_threshold = a.cache_threshold.unwrap_or(c.cache_threshold);
+                c.balance_abs_threshold =
+                    a.balance_abs_threshold.unwrap_or(c.balance_abs_threshold);
+                c.balance_rel_threshold =
+                    a.balance_rel_threshold.unwrap_or(c.balance_rel_threshold);
+                c
+            },
         };
         cfg.validate()?;
         Ok(cfg)
@@ -516,6 +598,36 @@ impl Config {
     pub fn validate(&self) -> anyhow::Result<()> {
         if self.prefillers.is_empty() {
             anyhow::bail!("no prefiller configured");
+        }
+        for (what, eps, n) in [
+            (
+                "prefiller",
+                &self.kv_events.prefiller_endpoints,
+                self.prefillers.len(),
+            ),
+            (
+                "decoder",
+                &self.kv_events.decoder_endpoints,
+                self.decoders.len(),
+            ),
+        ] {
+            if !eps.is_empty() && eps.len() != n {
+                anyhow::bail!(
+                    "{} KV-events endpoints for {n} {what}s: give one per {what}, in order (--{what}-kv-events-endpoint)",
+                    eps.len()
+                );
+            }
+        }
+        let (k, c) = (&self.kv_events, &self.cache_aware);
+        for (name, v) in [
+            ("kv_events.prefill_weight", k.prefill_weight),
+            ("kv_events.load_weight", k.load_weight),
+            ("cache_aware.cache_threshold", c.cache_threshold),
+            ("cache_aware.balance_rel_threshold", c.balance_rel_threshold),
+        ] {
+            if !v.is_finite() || v < 0.0 {
+                anyhow::bail!("{name} must be a finite number of at least 0, not {v}");
+            }
         }
         if self.decoders.is_empty() {
             anyhow::bail!("no decoder configured");
@@ -716,6 +828,66 @@ kv_capacity_tokens = 100000
         std::fs::write(&p, "bogus_key = 1\n").unwrap();
         let e = parse(&["--config", ps]).unwrap_err();
         assert!(e.to_string().contains("bogus_key"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn routing_from_flags_and_toml() {
+        assert_eq!(parse(&[]).unwrap().routing, RoutingPolicy::LeastLoaded);
+        let c = parse(&[
+            "--routing",
+            "kv-events",
+            "--prefiller-port",
+            "1,2",
+            "--prefiller-kv-events-endpoint",
+            "tcp://a:5557,tcp://b:5557",
+            "--kv-events-prefill-weight",
+            "2",
+            "--balance-abs-threshold",
+            "8",
+        ])
+        .unwrap();
+        assert_eq!(c.routing, RoutingPolicy::KvEvents);
+        assert_eq!(
+            c.kv_events.prefiller_endpoints,
+            ["tcp://a:5557", "tcp://b:5557"]
+        );
+        assert_eq!(c.kv_events.weights().prefill_weight, 2.0);
+        assert_eq!(c.kv_events.load_weight, 1.0);
+        assert_eq!(c.cache_aware.balance_abs_threshold, 8);
+        assert_eq!(c.cache_aware.cache_threshold, 0.3);
+        let e = parse(&[
+            "--prefiller-port",
+            "1,2",
+            "--prefiller-kv-events-endpoint",
+            "x:1",
+        ])
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("1 KV-events endpoints for 2 prefillers"),
+            "{e}"
+        );
+        let e = parse(&["--cache-threshold", "NaN"]).unwrap_err();
+        assert!(e.to_string().contains("cache_aware.cache_threshold"), "{e}");
+
+        let dir =
+            std::env::temp_dir().join(format!("kvbridge-proxy-routing-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("r.toml");
+        std::fs::write(
+            &p,
+            "routing = \"cache-aware\"\n[cache_aware]\ncache_threshold = 0.5\n[kv_events]\ndecoder_endpoints = [\"tcp://d:1\"]\nload_weight = 0.5\n",
+        )
+        .unwrap();
+        let c = parse(&["--config", p.to_str().unwrap()]).unwrap();
+        assert_eq!(c.routing, RoutingPolicy::CacheAware);
+        assert_eq!(c.cache_aware.cache_threshold, 0.5);
+        assert_eq!(c.cache_aware.balance_rel_threshold, 1.5);
+        assert_eq!(c.kv_events.decoder_endpoints, ["tcp://d:1"]);
+        assert_eq!(c.kv_events.load_weight, 0.5);
+        let c = parse(&["--config", p.to_str().unwrap(), "--routing", "least-loaded"]).unwrap();
+        assert_eq!(c.routing, RoutingPolicy::LeastLoaded, "the flag wins");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

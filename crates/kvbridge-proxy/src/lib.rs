@@ -12,11 +12,16 @@ pub mod cli;
 pub mod config;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod kv_events_sub;
+pub mod kv_index;
 pub mod kvwait;
 mod listener;
 pub mod metrics;
 pub mod notif;
 pub mod outcome_port;
 pub mod pool;
+pub mod prefix_tree;
 mod request;
+pub mod router;
+pub mod routing;
 pub mod server;

@@ -1,4 +1,5 @@
-//! Worker pools: least-loaded choice, per-decoder admission, and health state.
+//! Worker pools: the choice among admitting workers (by the pool's routing policy,
+//! [`crate::router`]), per-decoder admission, and health state.
 
 use std::sync::atomic::{
     AtomicBool, AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Ordering::Relaxed,
@@ -6,6 +7,9 @@ use std::sync::atomic::{
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
+
+use crate::router::{PoolRouter, PromptKey};
+use crate::routing::Candidate;
 
 /// Whether a pool serves prefill or decode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,6 +97,8 @@ pub struct Pool {
     pub queued: AtomicI64,
     /// Health checks thresholds: failures that eject, successes that re-admit.
     thresholds: (u32, u32),
+    /// The routing policy and what it knows of the workers' caches.
+    pub router: PoolRouter,
 }
 
 /// A request's slot on one worker; dropping it frees the slot exactly once.
@@ -126,12 +132,30 @@ impl Drop for Slot {
 }
 
 impl Pool {
-    /// Builds a pool; `workers` are `(host, port, max_requests, kv_capacity_tokens)`.
+    /// Builds a least-loaded pool; `workers` are `(host, port, max_requests,
+    /// kv_capacity_tokens)`.
     pub fn new(
         role: Role,
         workers: impl IntoIterator<Item = (String, u16, u32, u64)>,
         unhealthy_after: u32,
         healthy_after: u32,
+    ) -> Arc<Pool> {
+        Self::routed(
+            role,
+            workers,
+            unhealthy_after,
+            healthy_after,
+            PoolRouter::default(),
+        )
+    }
+
+    /// Builds a pool that routes with `router`.
+    pub fn routed(
+        role: Role,
+        workers: impl IntoIterator<Item = (String, u16, u32, u64)>,
+        unhealthy_after: u32,
+        healthy_after: u32,
+        router: PoolRouter,
     ) -> Arc<Pool> {
         Arc::new(Pool {
             role,
@@ -156,16 +180,29 @@ impl Pool {
             rr: AtomicUsize::new(0),
             queued: AtomicI64::new(0),
             thresholds: (unhealthy_after.max(1), healthy_after.max(1)),
+            router,
         })
     }
 
     /// Takes a slot on the least loaded healthy worker that admits `tokens` more, skipping
-    /// the workers in `exclude` (indexes).
+    /// the workers in `exclude` (indexes), whatever the pool's policy.
     pub fn try_pick(self: &Arc<Self>, tokens: u64, exclude: &[usize]) -> Result<Slot, PickError> {
+        self.try_pick_for(tokens, exclude, None)
+    }
+
+    /// Takes a slot on the healthy worker that admits `tokens` more, skipping the workers in
+    /// `exclude` (indexes), that the pool's policy chooses for `prompt` (least loaded
+    /// without one).
+    pub fn try_pick_for(
+        self: &Arc<Self>,
+        tokens: u64,
+        exclude: &[usize],
+        prompt: Option<&PromptKey>,
+    ) -> Result<Slot, PickError> {
         let _g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
         let n = self.workers.len();
         let start = self.rr.fetch_add(1, Relaxed);
-        let mut best: Option<(u64, usize)> = None;
+        let mut cands = Vec::with_capacity(n);
         let mut any_healthy = false;
         let mut max_cap = 0u64;
         let mut too_large = true;
@@ -192,14 +229,23 @@ impl Pool {
             if w.kv_capacity_tokens > 0 && tokens > w.kv_capacity_tokens {
                 continue;
             }
-            // Score: prompt tokens in flight plus a fixed cost per request.
-            let score = used + inflight * 256;
-            if best.is_none_or(|(s, _)| score < s) {
-                best = Some((score, i));
-            }
+            cands.push(Candidate {
+                index: i,
+                inflight,
+                tokens: used,
+                matched: 0,
+                cached: 0,
+            });
         }
+        let best = match prompt {
+            Some(p) => self.router.choose(&cands, p),
+            None => crate::routing::least_loaded(&cands),
+        };
         match best {
-            Some((_, i)) => {
+            Some(i) => {
+                if let Some(p) = prompt {
+                    self.router.routed(i, p);
+                }
                 let w = &self.workers[i];
                 w.inflight.fetch_add(1, Relaxed);
                 w.tokens.fetch_add(tokens, Relaxed);
@@ -229,7 +275,20 @@ impl Pool {
         timeout: std::time::Duration,
         queue_gauge: &AtomicI64,
     ) -> Result<Slot, PickError> {
-        match self.try_pick(tokens, &[]) {
+        self.pick_for(tokens, max_queue, timeout, queue_gauge, None)
+            .await
+    }
+
+    /// [`Pool::pick`] by the pool's policy for `prompt` ([`Pool::try_pick_for`]).
+    pub async fn pick_for(
+        self: &Arc<Self>,
+        tokens: u64,
+        max_queue: usize,
+        timeout: std::time::Duration,
+        queue_gauge: &AtomicI64,
+        prompt: Option<&PromptKey>,
+    ) -> Result<Slot, PickError> {
+        match self.try_pick_for(tokens, &[], prompt) {
             Err(PickError::Full) => {}
             other => return other,
         }
@@ -251,12 +310,12 @@ impl Pool {
             let notified = self.freed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            match self.try_pick(tokens, &[]) {
+            match self.try_pick_for(tokens, &[], prompt) {
                 Err(PickError::Full) => {}
                 other => return other,
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                return self.try_pick(tokens, &[]);
+                return self.try_pick_for(tokens, &[], prompt);
             }
         }
     }
@@ -315,6 +374,8 @@ impl Pool {
             };
             if w.is_healthy() && fails >= down_after {
                 w.healthy.store(false, Relaxed);
+                // It may come back restarted, its cache empty.
+                self.router.forget(idx);
                 tracing::warn!(role = self.role.as_str(), worker = %w.label, passive, "worker ejected");
                 return true;
             }
@@ -368,6 +429,72 @@ impl Pool {
                     w.label
                 );
             }
+        }
+        self.render_kv_events(out);
+    }
+
+    /// The KV-events subscribers' counters and each worker's indexed blocks (`kv-events`
+    /// pools only; HELP and TYPE with the prefill pool's lines, as for the lines above).
+    fn render_kv_events(&self, out: &mut String) {
+        use std::fmt::Write as _;
+        let (Some(subs), Some(index)) = (&self.router.subscribers, &self.router.index) else {
+            return;
+        };
+        let role = self.role.as_str();
+        let st = &subs.stats;
+        for (name, help, v) in [
+            (
+                "connects",
+                "Connections made to workers' KV-events endpoints.",
+                &st.connects,
+            ),
+            ("batches", "KV-events batches applied.", &st.batches),
+            (
+                "gaps",
+                "Batches after a sequence gap (the worker's view was dropped first).",
+                &st.gaps,
+            ),
+            (
+                "restarts",
+                "Batches whose sequence went back: a restarted worker (view dropped).",
+                &st.restarts,
+            ),
+            (
+                "bad",
+                "Messages that were not a decodable batch (view dropped).",
+                &st.bad,
+            ),
+            (
+                "disconnects",
+                "KV-events connections that failed or ended (view dropped).",
+                &st.disconnects,
+            ),
+        ] {
+            if self.role == Role::Prefill {
+                let _ = writeln!(
+                    out,
+                    "# HELP kvbridge_proxy_kv_events_{name}_total {help}\n# TYPE kvbridge_proxy_kv_events_{name}_total counter"
+                );
+            }
+            let _ = writeln!(
+                out,
+                "kvbridge_proxy_kv_events_{name}_total{{role=\"{role}\"}} {}",
+                v.load(Relaxed)
+            );
+        }
+        if self.role == Role::Prefill {
+            let _ = writeln!(
+                out,
+                "# HELP kvbridge_proxy_kv_events_blocks Blocks the proxy knows the worker holds.\n# TYPE kvbridge_proxy_kv_events_blocks gauge"
+            );
+        }
+        for (i, w) in self.workers.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "kvbridge_proxy_kv_events_blocks{{role=\"{role}\",worker=\"{}\"}} {}",
+                w.label,
+                index.blocks(i)
+            );
         }
     }
 }
@@ -489,5 +616,84 @@ mod tests {
         );
         assert_eq!(p.queued.load(Relaxed), 0);
         assert_eq!(g.load(Relaxed), 0);
+    }
+
+    fn routed_pool(router: PoolRouter) -> Arc<Pool> {
+        Pool::routed(
+            Role::Prefill,
+            (0..3).map(|i| ("h".to_string(), i as u16, 0, 0)),
+            2,
+            1,
+            router,
+        )
+    }
+
+    #[test]
+    fn kv_events_routes_to_the_holder_and_forgets_an_ejected_worker() {
+        use crate::kv_index::KvIndex;
+        use kvbridge_proto::kv_events::{BlockHash, BlockStored, KvEvent, KvEventBatch};
+        let index = Arc::new(KvIndex::new(3, 100));
+        let p = routed_pool(PoolRouter {
+            policy: crate::routing::RoutingPolicy::KvEvents,
+            index: Some(index.clone()),
+            ..Default::default()
+        });
+        let tokens: Vec<u32> = (0..64).collect();
+        let batch = KvEventBatch {
+            ts: 0.0,
+            events: vec![KvEvent::BlockStored(BlockStored {
+                block_hashes: (0..4).map(BlockHash::Int).collect(),
+                parent_block_hash: None,
+                token_ids: tokens.clone(),
+                block_size: 16,
+                lora_id: None,
+                medium: None,
+                lora_name: None,
+                group_idx: None,
+            })],
+            data_parallel_rank: None,
+        };
+        index.apply(2, 0, &batch);
+        let key = PromptKey {
+            tokens: Some(tokens.clone()),
+            pieces: vec![],
+        };
+        for _ in 0..3 {
+            let s = p.try_pick_for(64, &[], Some(&key)).unwrap();
+            assert_eq!(s.index(), 2, "the worker holding the prefix");
+        }
+        // Loaded enough, it loses to an idle worker: 0 + 1024 + 256 > 64.
+        let busy = p.try_pick_for(1024, &[], Some(&key)).unwrap();
+        assert_eq!(busy.index(), 2);
+        assert_ne!(p.try_pick_for(64, &[], Some(&key)).unwrap().index(), 2);
+        drop(busy);
+        assert!(p.report(2, false, true), "ejected");
+        assert_eq!(index.blocks(2), 0, "its blocks are not trusted after");
+        assert!(p.report(2, true, false));
+        assert_eq!(index.matched_tokens(2, &tokens), 0);
+    }
+
+    #[test]
+    fn cache_aware_sends_a_repeated_prefix_to_the_same_worker() {
+        let p = routed_pool(PoolRouter {
+            policy: crate::routing::RoutingPolicy::CacheAware,
+            trees: Some(crate::prefix_tree::PrefixTrees::new(3, 1000)),
+            ..Default::default()
+        });
+        let doc =
+            |tail: &str| PromptKey::from_raw(Some(&format!("{}{tail}", "shared ".repeat(40))));
+        let first = p.try_pick_for(10, &[], Some(&doc("a"))).unwrap().index();
+        for t in ["b", "c", "d"] {
+            assert_eq!(
+                p.try_pick_for(10, &[], Some(&doc(t))).unwrap().index(),
+                first
+            );
+        }
+        // Another document goes to the worker with the smallest tree, not `first`.
+        let other = PromptKey::from_raw(Some(&"other ".repeat(40)));
+        assert_ne!(
+            p.try_pick_for(10, &[], Some(&other)).unwrap().index(),
+            first
+        );
     }
 }

@@ -136,6 +136,11 @@ impl<'a> ReqDoc<'a> {
         self.fields.iter().find(|(k, _)| k == key).map(|(_, v)| *v)
     }
 
+    /// The prompt as sent: a chat's `messages`, else a completion's `prompt` (raw JSON).
+    pub(crate) fn prompt_raw(&self) -> Option<&'a str> {
+        self.raw("messages").or_else(|| self.raw("prompt"))
+    }
+
     fn raw(&self, key: &str) -> Option<&'a str> {
         self.get(key).map(RawValue::get)
     }

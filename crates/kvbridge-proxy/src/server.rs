@@ -165,21 +165,23 @@ pub async fn start(cfg: Config) -> anyhow::Result<RunningProxy> {
         .pool_timer(TokioTimer::new())
         .build(conn);
     let (ua, ha) = (cfg.unhealthy_after, cfg.healthy_after);
-    let prefill = Pool::new(
+    let prefill = Pool::routed(
         Role::Prefill,
         cfg.prefillers
             .iter()
             .map(|w| (w.host.clone(), w.port, 0, 0)),
         ua,
         ha,
+        crate::router::for_pool(&cfg, Role::Prefill),
     );
-    let decode = Pool::new(
+    let decode = Pool::routed(
         Role::Decode,
         cfg.decoders
             .iter()
             .map(|d| (d.host.clone(), d.port, d.max_requests, d.kv_capacity_tokens)),
         ua,
         ha,
+        crate::router::for_pool(&cfg, Role::Decode),
     );
     let (prefill_uris, decode_uris) = (api_uris(&prefill)?, api_uris(&decode)?);
     let one_thread = tokio::runtime::Handle::current().runtime_flavor()
@@ -876,14 +878,17 @@ impl App {
         })?;
         let doc = ReqDoc::parse(api, &body).map_err(ApiError::bad_request)?;
         let tokens = (body.len() as u64 / 4).max(1);
+        let prompt = (self.cfg.routing != crate::routing::RoutingPolicy::LeastLoaded)
+            .then(|| crate::router::PromptKey::from_raw(doc.prompt_raw()));
         // The decoder is admitted first: its KV buffer is the scarce resource.
         let dslot = self
             .decode
-            .pick(
+            .pick_for(
                 tokens,
                 self.cfg.max_queue,
                 self.cfg.queue_timeout,
                 &self.metrics.admission_queue,
+                prompt.as_ref(),
             )
             .await
             .map_err(|e| pick_error(Role::Decode, e))?;
@@ -895,6 +900,7 @@ impl App {
             tokens,
             stream: doc.stream,
             t0: track.t0,
+            prompt,
         };
         match self.cfg.flow {
             Flow::Vllm => self.vllm(&ctx, &doc, dslot).await,
@@ -1203,14 +1209,14 @@ impl App {
         }
     }
 
-    /// Sends the prefill to the least loaded healthy prefiller; a refused connection ejects
+    /// Sends the prefill to the healthy prefiller the routing policy chooses; a refused connection ejects
     /// that prefiller and tries the next. Returns the prefiller's whole answer.
     async fn prefill(&self, ctx: &Ctx<'_>, body: Bytes) -> Result<Bytes, ApiError> {
         let mut tried = Vec::new();
         loop {
             let slot = self
                 .prefill
-                .try_pick(ctx.tokens, &tried)
+                .try_pick_for(ctx.tokens, &tried, ctx.prompt.as_ref())
                 .map_err(|e| pick_error(Role::Prefill, e))?;
             let w = slot.worker();
             let t = Instant::now();
@@ -1536,6 +1542,8 @@ struct Ctx<'a> {
     stream: bool,
     #[allow(dead_code)]
     t0: Instant,
+    /// What the routing policy matches (none under `least-loaded`).
+    prompt: Option<crate::router::PromptKey>,
 }
 
 impl Ctx<'_> {
@@ -1574,6 +1582,8 @@ impl OwnedCtx {
             tokens: self.tokens,
             stream: self.stream,
             t0: self.t0,
+            // Only decodes run from an owned context, on a decoder already chosen.
+            prompt: None,
         }
     }
 }

@@ -1818,3 +1818,31 @@ async fn request_ids_are_128_random_bits() {
     }
     e.settled().await;
 }
+
+/// Under `cache-aware`, requests sharing a long prefix go to one prefiller and one decoder
+/// (the pools are balanced, so the prefix match decides), and every request succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_aware_keeps_a_shared_prefix_on_one_worker() {
+    use kvbridge_proxy::routing::RoutingPolicy;
+    let e = env(Flow::Lmcache, 2, 2, |c| {
+        c.routing = RoutingPolicy::CacheAware
+    })
+    .await;
+    let doc = "a shared document ".repeat(20);
+    for i in 0..6 {
+        let a = e
+            .send(
+                "POST",
+                "/v1/completions",
+                Bytes::from(completion(&format!("{doc} question {i}"), false).to_string()),
+                None,
+            )
+            .await;
+        assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    }
+    let calls =
+        |ds: &[Double]| -> Vec<u64> { ds.iter().map(|d| d.st.calls.load(Relaxed)).collect() };
+    let (p, d) = (calls(&e.p), calls(&e.d));
+    assert!(p.contains(&6) && p.contains(&0), "prefillers {p:?}");
+    assert!(d.contains(&6) && d.contains(&0), "decoders {d:?}");
+}

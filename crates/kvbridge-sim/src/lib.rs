@@ -26,6 +26,7 @@ pub mod client;
 pub mod cost;
 pub mod demo;
 pub mod engine;
+pub mod kv_events_pub;
 pub mod model;
 pub mod soak;
 pub mod timeline;

@@ -1,0 +1,218 @@
+//! Routing policies: which of the workers that admit a request gets it.
+//!
+//! * `least-loaded`: the lowest load, `load(w) = inflight_tokens(w) + 256 * inflight(w)`
+//!   (estimated prompt tokens on the worker plus a fixed cost per request).
+//! * `kv-events`: the lowest cost
+//!   `cost(w) = prefill_weight * (prompt_tokens - cached_tokens(w)) + load_weight * load(w)`,
+//!   where `cached_tokens(w)` is the prompt's leading tokens that worker `w` reported holding
+//!   in its KV events ([`crate::kv_index`]). Both terms are in tokens: a token to prefill and
+//!   a token already queued cost the same with the default weights (1, 1). With
+//!   `prefill_weight = 0` it is `least-loaded`.
+//! * `cache-aware`: SGLang router's `cache_aware` rule over an approximate tree of the
+//!   prompts routed ([`crate::prefix_tree`]). When the pool is imbalanced (the most and the
+//!   fewest requests in flight differ by more than `balance_abs_threshold` *and* the most is
+//!   over `balance_rel_threshold` times the fewest), the worker with the fewest requests;
+//!   else, when the best prefix match covers more than `cache_threshold` of the prompt, the
+//!   worker with that match; else the worker whose tree is smallest (the most room).
+//!
+//! Ties go to the first candidate, in the pool's rotating order.
+
+use serde::Deserialize;
+
+/// A routing policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum RoutingPolicy {
+    /// The lowest load.
+    #[default]
+    LeastLoaded,
+    /// Approximate prefix match of the routed prompts, with a load-balance guard.
+    CacheAware,
+    /// Blocks the workers report holding (vLLM KV events) against their load.
+    KvEvents,
+}
+
+impl RoutingPolicy {
+    /// The name used in flags, TOML and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RoutingPolicy::LeastLoaded => "least-loaded",
+            RoutingPolicy::CacheAware => "cache-aware",
+            RoutingPolicy::KvEvents => "kv-events",
+        }
+    }
+}
+
+/// Weights of the `kv-events` cost.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KvEventsWeights {
+    /// Cost of a prompt token the worker must prefill.
+    pub prefill_weight: f64,
+    /// Cost of a token of load on the worker.
+    pub load_weight: f64,
+}
+
+impl Default for KvEventsWeights {
+    fn default() -> Self {
+        KvEventsWeights {
+            prefill_weight: 1.0,
+            load_weight: 1.0,
+        }
+    }
+}
+
+/// Thresholds of the `cache-aware` rule (SGLang router's names and defaults).
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CacheAwareParams {
+    /// Fraction of the prompt a match must exceed to decide.
+    pub cache_threshold: f64,
+    /// Requests in flight by which the busiest worker must exceed the idlest to be
+    /// imbalanced.
+    pub balance_abs_threshold: u64,
+    /// Ratio by which the busiest worker must exceed the idlest to be imbalanced.
+    pub balance_rel_threshold: f64,
+    /// Pieces of routed prompts kept per worker.
+    pub max_tree_pieces: usize,
+}
+
+impl Default for CacheAwareParams {
+    fn default() -> Self {
+        CacheAwareParams {
+            cache_threshold: 0.3,
+            balance_abs_threshold: 64,
+            balance_rel_threshold: 1.5,
+            max_tree_pieces: 1 << 20,
+        }
+    }
+}
+
+/// A worker that admits the request, as a policy sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Candidate {
+    /// The worker's index in its pool.
+    pub index: usize,
+    /// Requests on it now.
+    pub inflight: u64,
+    /// Estimated prompt tokens on it now.
+    pub tokens: u64,
+    /// The prompt's leading tokens (`kv-events`) or pieces (`cache-aware`) it holds.
+    pub matched: u64,
+    /// What it holds in all (`cache-aware`: pieces in its tree).
+    pub cached: u64,
+}
+
+impl Candidate {
+    /// `inflight_tokens + 256 * inflight`.
+    pub fn load(&self) -> u64 {
+        self.tokens
+            .saturating_add(self.inflight.saturating_mul(256))
+    }
+}
+
+fn first_min_by<F: Fn(&Candidate) -> f64>(cands: &[Candidate], f: F) -> Option<usize> {
+    let mut best: Option<(f64, usize)> = None;
+    for c in cands {
+        let v = f(c);
+        if best.is_none_or(|(b, _)| v < b) {
+            best = Some((v, c.index));
+        }
+    }
+    best.map(|(_, i)| i)
+}
+
+/// `least-loaded`.
+pub fn least_loaded(cands: &[Candidate]) -> Option<usize> {
+    first_min_by(cands, |c| c.load() as f64)
+}
+
+/// `kv-events` for a prompt of `prompt_tokens` tokens.
+pub fn kv_events(cands: &[Candidate], prompt_tokens: u64, w: &KvEventsWeights) -> Option<usize> {
+    first_min_by(cands, |c| {
+        w.prefill_weight * prompt_tokens.saturating_sub(c.matched) as f64
+            + w.load_weight * c.load() as f64
+    })
+}
+
+/// `cache-aware` for a prompt of `prompt_pieces` pieces.
+pub fn cache_aware(cands: &[Candidate], prompt_pieces: u64, p: &CacheAwareParams) -> Option<usize> {
+    let max = cands.iter().map(|c| c.inflight).max()?;
+    let min = cands.iter().map(|c| c.inflight).min()?;
+    if max - min > p.balance_abs_threshold && max as f64 > min as f64 * p.balance_rel_threshold {
+        return first_min_by(cands, |c| c.inflight as f64);
+    }
+    let best = first_min_by(cands, |c| -(c.matched as f64))?;
+    let matched = cands
+        .iter()
+        .find(|c| c.index == best)
+        .map_or(0, |c| c.matched);
+    if prompt_pieces > 0 && matched as f64 / prompt_pieces as f64 > p.cache_threshold {
+        return Some(best);
+    }
+    first_min_by(cands, |c| c.cached as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn c(index: usize, inflight: u64, tokens: u64, matched: u64, cached: u64) -> Candidate {
+        Candidate {
+            index,
+            inflight,
+            tokens,
+            matched,
+            cached,
+        }
+    }
+
+    #[test]
+    fn kv_events_trades_cached_tokens_against_load() {
+        let w = KvEventsWeights::default();
+        // Worker 1 holds 900 of 1000 tokens but has 500 tokens queued: 100 + 756 < 1000 + 0.
+        let cands = [c(0, 0, 0, 0, 0), c(1, 1, 500, 900, 0)];
+        assert_eq!(kv_events(&cands, 1000, &w), Some(1));
+        // With 2000 queued it is not worth it: 100 + 2256 > 1000.
+        let cands = [c(0, 0, 0, 0, 0), c(1, 1, 2000, 900, 0)];
+        assert_eq!(kv_events(&cands, 1000, &w), Some(0));
+        // Prefill weight 0 is least-loaded.
+        let ll = KvEventsWeights {
+            prefill_weight: 0.0,
+            load_weight: 1.0,
+        };
+        let cands = [c(0, 1, 10, 0, 0), c(1, 1, 20, 1000, 0)];
+        assert_eq!(kv_events(&cands, 1000, &ll), least_loaded(&cands));
+        assert_eq!(least_loaded(&cands), Some(0));
+        assert_eq!(kv_events(&[], 10, &w), None);
+        // Ties: the first candidate.
+        let cands = [c(3, 0, 0, 0, 0), c(1, 0, 0, 0, 0)];
+        assert_eq!(kv_events(&cands, 10, &w), Some(3));
+    }
+
+    #[test]
+    fn cache_aware_follows_sglangs_rule() {
+        let p = CacheAwareParams {
+            cache_threshold: 0.5,
+            balance_abs_threshold: 4,
+            balance_rel_threshold: 2.0,
+            ..Default::default()
+        };
+        // Balanced, a match over the threshold: the match.
+        let cands = [c(0, 1, 0, 0, 0), c(1, 2, 0, 6, 50)];
+        assert_eq!(cache_aware(&cands, 10, &p), Some(1));
+        // A match at the threshold does not decide: the smallest tree.
+        let cands = [c(0, 1, 0, 5, 50), c(1, 2, 0, 0, 10)];
+        assert_eq!(cache_aware(&cands, 10, &p), Some(1));
+        // Imbalanced (10 - 1 > 4 and 10 > 2 * 1): the fewest requests, match or not.
+        let cands = [c(0, 1, 0, 0, 0), c(1, 10, 0, 10, 0)];
+        assert_eq!(cache_aware(&cands, 10, &p), Some(0));
+        // Over the absolute threshold but not the relative one: still balanced.
+        let cands = [c(0, 6, 0, 0, 0), c(1, 11, 0, 10, 0)];
+        assert_eq!(cache_aware(&cands, 10, &p), Some(1));
+        // A prompt shorter than a piece matches nothing: the smallest tree.
+        let cands = [c(0, 0, 0, 0, 9), c(1, 0, 0, 0, 3)];
+        assert_eq!(cache_aware(&cands, 0, &p), Some(1));
+        assert_eq!(cache_aware(&[], 10, &p), None);
+    }
+}
