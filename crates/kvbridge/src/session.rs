@@ -286,7 +286,7 @@ struct Session {
     proving: Vec<JoinHandle<()>>,
     /// (Listener) The session's token.
     token: Option<SessionToken>,
-    data_connect: Option<JoinHandle<std::io::Result<Vec<Stream>>>>,
+    data_connect: Option<JoinHandle<Result<Vec<Stream>>>>,
     remote: Arc<RwLock<HashMap<RegionId, RegionInfo>>>,
     established: bool,
     last_heard: Instant,
@@ -346,6 +346,101 @@ fn challenge() -> [u8; kvbridge_proto::auth::CHALLENGE_LEN] {
     let mut c = [0u8; kvbridge_proto::auth::CHALLENGE_LEN];
     crate::rand_bytes(&mut c);
     c
+}
+
+/// (Initiator) What it takes to open a session's data connections.
+struct DataDial {
+    net: crate::net::Net,
+    /// The listener's address.
+    addr: String,
+    /// The listener's name in errors.
+    peer: String,
+    /// Bounds each TCP connect.
+    connect: Duration,
+    /// Bounds the TLS handshake and the challenge on each connection.
+    step: Duration,
+    me: PeerId,
+    token: SessionToken,
+    /// With a secret: the session's key, to answer each connection's challenge.
+    data_key: Option<kvbridge_proto::auth::DataKey>,
+    /// TLS on data connections ([`crate::TlsConfig::data`]).
+    tls: Option<Arc<crate::tls::Tls>>,
+}
+
+impl DataDial {
+    /// Opens data connections `0..n`, in order. Every wait is bounded; every failure is
+    /// typed and names the listener and [`Step::DataBind`].
+    async fn all(self, n: u32) -> Result<Vec<Stream>> {
+        let mut all = Vec::with_capacity(n as usize);
+        for stream in 0..n {
+            all.push(self.one(stream).await?);
+        }
+        Ok(all)
+    }
+
+    async fn one(&self, stream: u32) -> Result<Stream> {
+        let step = Step::DataBind;
+        let timeout = |after| Error::Timeout {
+            peer: self.peer.clone(),
+            step,
+            after,
+        };
+        let lost = |e: std::io::Error| Error::lost(&self.peer, step, e);
+        let mut s = tokio::time::timeout(self.connect, self.net.connect(&self.addr))
+            .await
+            .map_err(|_| timeout(self.connect))?
+            .map_err(lost)?;
+        if let Some(tls) = &self.tls {
+            // TLS from the first byte: the token below is then never seen on the path.
+            s = tls
+                .connect_data(s, &self.addr, &self.peer, self.step)
+                .await?;
+        }
+        let hello = Message::DataHello(DataHello {
+            token: self.token,
+            peer_id: self.me.clone(),
+            stream,
+        });
+        write_msg(&mut s, &hello).await.map_err(lost)?;
+        if let Some(key) = &self.data_key {
+            // The listener binds it only once we answer its challenge.
+            let mut buf = Vec::new();
+            let nonce = match tokio::time::timeout(self.step, read_frame(&mut s, 1024, &mut buf))
+                .await
+                .map_err(|_| timeout(self.step))?
+            {
+                Ok(Message::DataChallenge(c)) => c.nonce.0,
+                Ok(Message::Reject(r)) => {
+                    return Err(Error::Rejected {
+                        peer: self.peer.clone(),
+                        step,
+                        code: r.code,
+                        message: format!("data connection {stream}: {}", r.message),
+                    })
+                }
+                Ok(m) => {
+                    return Err(Error::PeerMisbehaved {
+                        peer: self.peer.clone(),
+                        step,
+                        detail: format!("{} instead of DataChallenge", m.name()),
+                    })
+                }
+                Err(ReadError::Frame(e)) => {
+                    return Err(Error::PeerMisbehaved {
+                        peer: self.peer.clone(),
+                        step,
+                        detail: e.to_string(),
+                    })
+                }
+                Err(e) => return Err(Error::lost(&self.peer, step, e)),
+            };
+            let proof = Message::DataProof(kvbridge_proto::msg::DataProof {
+                response: Blob(key.prove(&nonce, &self.token, stream)),
+            });
+            write_msg(&mut s, &proof).await.map_err(lost)?;
+        }
+        Ok(s)
+    }
 }
 
 fn std_now() -> std::time::Instant {
@@ -684,7 +779,7 @@ impl Session {
                             let delay = self.env.config.hooks.initiator_bind_delay;
                             self.bind_after(delay, s);
                         }
-                        Ok(Err(e)) => return Error::lost(&self.peer_name, Step::DataBind, e),
+                        Ok(Err(e)) => return e,
                         Err(e) => return Error::lost(&self.peer_name, Step::DataBind, e),
                     }
                 }
@@ -787,11 +882,6 @@ impl Session {
                     }
                     let mem = self.env.table.granted_to(&peer_id);
                     self.machine.update_mem(mem, std_now());
-                    let net = self.env.config.net;
-                    let addr = self.addr.clone().unwrap_or_default();
-                    let limit = self.env.config.deadlines.connect;
-                    let step = self.env.config.deadlines.handshake_step;
-                    let me = self.env.local.peer_id.clone();
                     // Shared memory carries the data itself: no striping beside it.
                     let n = if self.shm.peer.is_some() {
                         1
@@ -801,53 +891,18 @@ impl Session {
                             .data_connections
                             .clamp(1, crate::config::MAX_DATA_CONNECTIONS)
                     };
-                    self.data_connect = Some(tokio::spawn(async move {
-                        let mut all = Vec::with_capacity(n);
-                        for stream in 0..n as u32 {
-                            let mut s = tokio::time::timeout(limit, net.connect(&addr))
-                                .await
-                                .map_err(|_| {
-                                    std::io::Error::from(std::io::ErrorKind::TimedOut)
-                                })??;
-                            let hello = Message::DataHello(DataHello {
-                                token,
-                                peer_id: me.clone(),
-                                stream,
-                            });
-                            write_msg(&mut s, &hello).await?;
-                            if let Some(key) = &data_key {
-                                // The listener binds it only once we answer its challenge.
-                                let nonce = tokio::time::timeout(step, async {
-                                    let mut buf = Vec::new();
-                                    match read_frame(&mut s, 1024, &mut buf).await {
-                                        Ok(Message::DataChallenge(c)) => Ok(c.nonce.0),
-                                        Ok(Message::Reject(r)) => Err(std::io::Error::new(
-                                            std::io::ErrorKind::PermissionDenied,
-                                            format!(
-                                                "data connection {stream} refused: {}: {}",
-                                                r.code, r.message
-                                            ),
-                                        )),
-                                        Ok(m) => Err(std::io::Error::new(
-                                            std::io::ErrorKind::InvalidData,
-                                            format!("{} instead of DataChallenge", m.name()),
-                                        )),
-                                        Err(e) => Err(std::io::Error::other(e.to_string())),
-                                    }
-                                })
-                                .await
-                                .map_err(|_| {
-                                    std::io::Error::from(std::io::ErrorKind::TimedOut)
-                                })??;
-                                let proof = Message::DataProof(kvbridge_proto::msg::DataProof {
-                                    response: Blob(key.prove(&nonce, &token, stream)),
-                                });
-                                write_msg(&mut s, &proof).await?;
-                            }
-                            all.push(s);
-                        }
-                        Ok(all)
-                    }));
+                    let dial = DataDial {
+                        net: self.env.config.net,
+                        addr: self.addr.clone().unwrap_or_default(),
+                        peer: self.peer_name.clone(),
+                        connect: self.env.config.deadlines.connect,
+                        step: self.env.config.deadlines.handshake_step,
+                        me: self.env.local.peer_id.clone(),
+                        token,
+                        data_key,
+                        tls: self.env.tls.clone().filter(|t| t.on_data()),
+                    };
+                    self.data_connect = Some(tokio::spawn(dial.all(n as u32)));
                 }
                 Output::Ready(est) => {
                     let waiting = self.shm.synced.as_ref().is_some_and(|w| !*w.borrow());
