@@ -75,7 +75,17 @@ pub struct Limits {
     /// peer's batch that would pass it is refused with `LimitExceeded` and ends its session
     /// (`Stats::in_flight_refused`). Keep the initiator's value at most the listener's.
     pub max_bytes_in_flight_per_peer: u64,
+    /// (Initiator) Most bytes of one listener's regions mapped at once over shared memory
+    /// (default [`DEFAULT_MAX_SHM_MAPPED_PER_PEER`]). A region that would pass it, or that
+    /// the listener offers for mapping before announcing it in a `MemInfo`, goes over TCP;
+    /// one offered longer than announced ends the use of that listener's shared memory
+    /// (docs/protocol.md, *Shared memory*).
+    pub max_shm_mapped_per_peer: u64,
 }
+
+/// Default [`Limits::max_shm_mapped_per_peer`] (256 GiB): above any one listener's KV
+/// buffer we know of, far below what would exhaust an initiator's page tables.
+pub const DEFAULT_MAX_SHM_MAPPED_PER_PEER: u64 = 256 << 30;
 
 impl Default for Limits {
     fn default() -> Self {
@@ -89,6 +99,7 @@ impl Default for Limits {
             max_unidentified_connections: 512,
             max_first_frame_len: MAX_FIRST_FRAME_LEN,
             max_bytes_in_flight_per_peer: 64 << 30,
+            max_shm_mapped_per_peer: DEFAULT_MAX_SHM_MAPPED_PER_PEER,
         }
     }
 }

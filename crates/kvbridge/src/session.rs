@@ -905,6 +905,10 @@ impl Session {
                     self.data_connect = Some(tokio::spawn(dial.all(n as u32)));
                 }
                 Output::Ready(est) => {
+                    // The offers being synced are checked against these lengths.
+                    if let Some(p) = &self.shm.peer {
+                        p.announce(est.regions.regions.iter().map(|r| (r.id, r.len)));
+                    }
                     let waiting = self.shm.synced.as_ref().is_some_and(|w| !*w.borrow());
                     if waiting {
                         let at = Instant::now() + self.env.config.deadlines.handshake_step;
@@ -1119,6 +1123,16 @@ impl Session {
         for r in mem.regions {
             map.insert(r.id, r);
         }
+        drop(map);
+        if let Some(p) = &self.shm.peer {
+            p.announce(self.remote_lengths());
+        }
+    }
+
+    /// The lengths of the peer's regions, as its latest `MemInfo` announced them.
+    fn remote_lengths(&self) -> Vec<(RegionId, u64)> {
+        let map = self.remote.read().expect("remote regions poisoned");
+        map.values().map(|r| (r.id, r.len)).collect()
     }
 
     fn on_established(&mut self, est: Established) {
@@ -1312,6 +1326,9 @@ impl Session {
         let ask = self.env.config.cma && offer.cma;
         let deny = self.env.config.hooks.cma_deny;
         let peer = Arc::new(ShmPeer::new(self.env.direct.clone(), cma_status));
+        peer.set_max_mapped(self.env.config.limits.max_shm_mapped_per_peer);
+        peer.announce(self.remote_lengths());
+        let wait = self.env.config.deadlines.handshake_step;
         let (synced_tx, synced_rx) = tokio::sync::watch::channel(false);
         self.shm.peer = Some(peer.clone());
         self.shm.synced = Some(synced_rx);
@@ -1330,7 +1347,7 @@ impl Session {
                     deny,
                     peer: name.clone(),
                 });
-                initiator_shm(s, max, &peer, synced_tx, cma).await
+                initiator_shm(s, max, wait, &peer, synced_tx, cma).await
             }
             .await;
             if let Err(e) = r {
@@ -1684,6 +1701,7 @@ struct CmaAsk {
 async fn initiator_shm(
     s: &tokio::net::UnixStream,
     max: u32,
+    wait: Duration,
     peer: &Arc<ShmPeer>,
     synced: tokio::sync::watch::Sender<bool>,
     cma: Option<CmaAsk>,
@@ -1751,12 +1769,21 @@ async fn initiator_shm(
                         "ShmMap without a descriptor",
                     )
                 })?;
-                match Mapping::map(&fd, r.len) {
-                    Ok(m) => peer.insert(r.id, m),
-                    // Not fatal: this region goes over TCP.
-                    Err(e) => {
-                        tracing::warn!(region = %r.id, error = %e, "cannot map region; TCP carries it")
+                match peer.admit_map(r.id, r.len, wait).await {
+                    Ok(()) => match Mapping::map(&fd, r.len) {
+                        Ok(m) => peer.insert(r.id, m),
+                        // Not fatal: this region goes over TCP.
+                        Err(e) => {
+                            tracing::warn!(region = %r.id, error = %e, "cannot map region; TCP carries it")
+                        }
+                    },
+                    Err(e @ crate::shm::MapRefused::LongerThanAnnounced { .. }) => {
+                        return Err(std::io::Error::new(
+                            std::io::ErrorKind::InvalidData,
+                            e.to_string(),
+                        ))
                     }
+                    Err(e) => tracing::warn!(region = %r.id, error = %e, "TCP carries the region"),
                 }
             }
             Message::ShmUnmap(ShmRevoke { id }) => {
