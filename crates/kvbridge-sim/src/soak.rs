@@ -229,10 +229,13 @@ pub fn environment() -> String {
         } else {
             "unset"
         },
-        if set("KVBRIDGE_TLS_CERT") || set("KVBRIDGE_TLS_CA") {
-            "on"
-        } else {
-            "off"
+        match (
+            set("KVBRIDGE_TLS_CERT") || set("KVBRIDGE_TLS_CA"),
+            std::env::var("KVBRIDGE_TLS_DATA").is_ok_and(|v| !v.is_empty() && v != "0"),
+        ) {
+            (true, true) => "on (control and data)",
+            (true, false) => "on (control)",
+            (false, _) => "off",
         },
         std::env::var("KVBRIDGE_TRANSPORT").unwrap_or_else(|_| "default".into())
     )

@@ -116,7 +116,7 @@ pub(crate) enum CoreCmd {
         except: Option<u64>,
         after: std::time::Duration,
     },
-    /// A control connection refused on TLS grounds (counted in [`Stats::tls_refused`]).
+    /// A connection refused on TLS grounds (counted in [`Stats::tls_refused`]).
     TlsRefused,
     Disconnect {
         peer: PeerId,
@@ -162,8 +162,9 @@ pub struct Stats {
     /// requiring authentication that the other does not do. Each is logged at WARN with the
     /// peer's address (rate-limited).
     pub auth_failed: u64,
-    /// Control connections refused on TLS grounds: a failed TLS handshake, a plaintext
-    /// `Hello` on a listener that requires TLS, a TLS ClientHello on one that does not.
+    /// Connections refused on TLS grounds: a failed TLS handshake, a plaintext `Hello` on a
+    /// listener that requires TLS, a plaintext `DataHello` on one that requires it on data
+    /// connections too, a TLS ClientHello on one that does not speak TLS.
     pub tls_refused: u64,
     /// Our batches copied into (or out of) mapped shared memory instead of going over TCP.
     pub shm_batches: u64,
@@ -1113,6 +1114,21 @@ async fn classify(
             }
             let msg = "this listener requires TLS on the control connection \
                        (KVBRIDGE_TLS_CA on the initiator); the Hello came in plaintext";
+            refuse(stream, ErrorCode::Incompatible, msg).await
+        }
+        Ok(Ok(Message::DataHello(_))) if tls.as_ref().is_some_and(|t| t.on_data()) && !over_tls => {
+            // Refused before its token is looked at: a token seen on the path opens nothing,
+            // and the refusal says nothing about the sessions here.
+            let _ = core.send(CoreCmd::TlsRefused);
+            if let Some(suppressed) = crate::refusals::TLS_REFUSED.allow() {
+                tracing::warn!(
+                    %from,
+                    suppressed,
+                    "plaintext DataHello on a listener that requires TLS on data connections; refused"
+                );
+            }
+            let msg = "this listener requires TLS on data connections \
+                       (KVBRIDGE_TLS_DATA=1 on the initiator); the DataHello came in plaintext";
             refuse(stream, ErrorCode::Incompatible, msg).await
         }
         Ok(Ok(m @ (Message::Hello(_) | Message::DataHello(_)))) => {

@@ -75,7 +75,17 @@ pub struct Limits {
     /// peer's batch that would pass it is refused with `LimitExceeded` and ends its session
     /// (`Stats::in_flight_refused`). Keep the initiator's value at most the listener's.
     pub max_bytes_in_flight_per_peer: u64,
+    /// (Initiator) Most bytes of one listener's regions mapped at once over shared memory
+    /// (default [`DEFAULT_MAX_SHM_MAPPED_PER_PEER`]). A region that would pass it, or that
+    /// the listener offers for mapping before announcing it in a `MemInfo`, goes over TCP;
+    /// one offered longer than announced ends the use of that listener's shared memory
+    /// (docs/protocol.md, *Shared memory*).
+    pub max_shm_mapped_per_peer: u64,
 }
+
+/// Default [`Limits::max_shm_mapped_per_peer`] (256 GiB): above any one listener's KV
+/// buffer we know of, far below what would exhaust an initiator's page tables.
+pub const DEFAULT_MAX_SHM_MAPPED_PER_PEER: u64 = 256 << 30;
 
 impl Default for Limits {
     fn default() -> Self {
@@ -89,6 +99,7 @@ impl Default for Limits {
             max_unidentified_connections: 512,
             max_first_frame_len: MAX_FIRST_FRAME_LEN,
             max_bytes_in_flight_per_peer: 64 << 30,
+            max_shm_mapped_per_peer: DEFAULT_MAX_SHM_MAPPED_PER_PEER,
         }
     }
 }
@@ -177,13 +188,13 @@ impl std::fmt::Display for Pem {
     }
 }
 
-/// TLS (1.3, rustls with the ring provider) on the control connection. With it set, a
-/// listener accepts control connections only over TLS and an initiator dials only over TLS.
-/// The data connection and shared memory are not covered (docs/protocol.md, *TLS*):
-/// TLS protects the handshake and region lists. The session token is not among them: it
-/// travels in the clear on every data connection, and with a secret each data connection
-/// is bound by a challenge under a session key instead (docs/protocol.md,
-/// *Authentication*).
+/// TLS (1.3, rustls with the ring provider) on the control connection, and with
+/// [`TlsConfig::data`] on the TCP data connections too. With it set, a listener accepts
+/// control connections only over TLS and an initiator dials only over TLS. Without `data`,
+/// data connections stay plaintext (docs/protocol.md, *TLS*): their bytes and the session
+/// token in each `DataHello` are readable on the path; with a secret each data connection
+/// is still bound by a challenge under a session key (docs/protocol.md, *Authentication*).
+/// Shared memory never leaves the host and is not covered either way.
 ///
 /// TLS authenticates the listener to the initiator; the initiator is authenticated to the
 /// listener by the shared secret ([`ChannelConfig::secret`]).
@@ -202,12 +213,18 @@ pub struct TlsConfig {
     /// (`KVBRIDGE_TLS_SERVER_NAME`); by default the host part of the address dialled, a DNS
     /// name or an IP address.
     pub server_name: Option<String>,
+    /// TLS on every TCP data connection too (`KVBRIDGE_TLS_DATA=1`), with the same
+    /// certificates and trust as the control connection. An initiator with it on dials its
+    /// data connections over TLS; a listener with it on refuses a plaintext `DataHello`
+    /// with `Reject{Incompatible}` (docs/protocol.md, *TLS*). Costs throughput on large
+    /// transfers: the measured cost is in docs/protocol.md.
+    pub data: bool,
 }
 
 impl TlsConfig {
     /// The settings of `KVBRIDGE_TLS_CERT`, `KVBRIDGE_TLS_KEY`, `KVBRIDGE_TLS_CA` (paths to
-    /// PEM files) and `KVBRIDGE_TLS_SERVER_NAME`; `None` (TLS off) when none of the first
-    /// three is set.
+    /// PEM files), `KVBRIDGE_TLS_SERVER_NAME` and `KVBRIDGE_TLS_DATA`; `None` (TLS off)
+    /// when none of the first three is set.
     pub fn from_env() -> Option<TlsConfig> {
         Self::from_vars(|k| std::env::var(k).ok().filter(|v| !v.is_empty()))
     }
@@ -219,6 +236,7 @@ impl TlsConfig {
             private_key: file("KVBRIDGE_TLS_KEY"),
             trusted: file("KVBRIDGE_TLS_CA"),
             server_name: var("KVBRIDGE_TLS_SERVER_NAME"),
+            data: var("KVBRIDGE_TLS_DATA").is_some_and(|v| v != "0"),
         };
         (c.cert_chain.is_some() || c.private_key.is_some() || c.trusted.is_some()).then_some(c)
     }
@@ -333,6 +351,19 @@ mod tests {
         let c = TlsConfig::from_vars(ca).expect("a CA turns TLS on");
         assert_eq!(c.trusted, Some(Pem::File("/etc/ca.pem".into())));
         assert_eq!(c.cert_chain, None);
+        assert!(!c.data, "data TLS is off unless asked for");
+        let data = |k: &str| match k {
+            "KVBRIDGE_TLS_CA" => Some("/etc/ca.pem".to_string()),
+            "KVBRIDGE_TLS_DATA" => Some("1".to_string()),
+            _ => None,
+        };
+        assert!(TlsConfig::from_vars(data).expect("TLS on").data);
+        let only_data = |k: &str| (k == "KVBRIDGE_TLS_DATA").then(|| "1".to_string());
+        assert_eq!(
+            TlsConfig::from_vars(only_data),
+            None,
+            "data TLS alone is no TLS"
+        );
     }
 
     #[test]

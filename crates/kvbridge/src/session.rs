@@ -286,7 +286,7 @@ struct Session {
     proving: Vec<JoinHandle<()>>,
     /// (Listener) The session's token.
     token: Option<SessionToken>,
-    data_connect: Option<JoinHandle<std::io::Result<Vec<Stream>>>>,
+    data_connect: Option<JoinHandle<Result<Vec<Stream>>>>,
     remote: Arc<RwLock<HashMap<RegionId, RegionInfo>>>,
     established: bool,
     last_heard: Instant,
@@ -346,6 +346,101 @@ fn challenge() -> [u8; kvbridge_proto::auth::CHALLENGE_LEN] {
     let mut c = [0u8; kvbridge_proto::auth::CHALLENGE_LEN];
     crate::rand_bytes(&mut c);
     c
+}
+
+/// (Initiator) What it takes to open a session's data connections.
+struct DataDial {
+    net: crate::net::Net,
+    /// The listener's address.
+    addr: String,
+    /// The listener's name in errors.
+    peer: String,
+    /// Bounds each TCP connect.
+    connect: Duration,
+    /// Bounds the TLS handshake and the challenge on each connection.
+    step: Duration,
+    me: PeerId,
+    token: SessionToken,
+    /// With a secret: the session's key, to answer each connection's challenge.
+    data_key: Option<kvbridge_proto::auth::DataKey>,
+    /// TLS on data connections ([`crate::TlsConfig::data`]).
+    tls: Option<Arc<crate::tls::Tls>>,
+}
+
+impl DataDial {
+    /// Opens data connections `0..n`, in order. Every wait is bounded; every failure is
+    /// typed and names the listener and [`Step::DataBind`].
+    async fn all(self, n: u32) -> Result<Vec<Stream>> {
+        let mut all = Vec::with_capacity(n as usize);
+        for stream in 0..n {
+            all.push(self.one(stream).await?);
+        }
+        Ok(all)
+    }
+
+    async fn one(&self, stream: u32) -> Result<Stream> {
+        let step = Step::DataBind;
+        let timeout = |after| Error::Timeout {
+            peer: self.peer.clone(),
+            step,
+            after,
+        };
+        let lost = |e: std::io::Error| Error::lost(&self.peer, step, e);
+        let mut s = tokio::time::timeout(self.connect, self.net.connect(&self.addr))
+            .await
+            .map_err(|_| timeout(self.connect))?
+            .map_err(lost)?;
+        if let Some(tls) = &self.tls {
+            // TLS from the first byte: the token below is then never seen on the path.
+            s = tls
+                .connect_data(s, &self.addr, &self.peer, self.step)
+                .await?;
+        }
+        let hello = Message::DataHello(DataHello {
+            token: self.token,
+            peer_id: self.me.clone(),
+            stream,
+        });
+        write_msg(&mut s, &hello).await.map_err(lost)?;
+        if let Some(key) = &self.data_key {
+            // The listener binds it only once we answer its challenge.
+            let mut buf = Vec::new();
+            let nonce = match tokio::time::timeout(self.step, read_frame(&mut s, 1024, &mut buf))
+                .await
+                .map_err(|_| timeout(self.step))?
+            {
+                Ok(Message::DataChallenge(c)) => c.nonce.0,
+                Ok(Message::Reject(r)) => {
+                    return Err(Error::Rejected {
+                        peer: self.peer.clone(),
+                        step,
+                        code: r.code,
+                        message: format!("data connection {stream}: {}", r.message),
+                    })
+                }
+                Ok(m) => {
+                    return Err(Error::PeerMisbehaved {
+                        peer: self.peer.clone(),
+                        step,
+                        detail: format!("{} instead of DataChallenge", m.name()),
+                    })
+                }
+                Err(ReadError::Frame(e)) => {
+                    return Err(Error::PeerMisbehaved {
+                        peer: self.peer.clone(),
+                        step,
+                        detail: e.to_string(),
+                    })
+                }
+                Err(e) => return Err(Error::lost(&self.peer, step, e)),
+            };
+            let proof = Message::DataProof(kvbridge_proto::msg::DataProof {
+                response: Blob(key.prove(&nonce, &self.token, stream)),
+            });
+            write_msg(&mut s, &proof).await.map_err(lost)?;
+        }
+        Ok(s)
+    }
 }
 
 fn std_now() -> std::time::Instant {
@@ -707,7 +802,7 @@ impl Session {
                             let delay = self.env.config.hooks.initiator_bind_delay;
                             self.bind_after(delay, s);
                         }
-                        Ok(Err(e)) => return Error::lost(&self.peer_name, Step::DataBind, e),
+                        Ok(Err(e)) => return e,
                         Err(e) => return Error::lost(&self.peer_name, Step::DataBind, e),
                     }
                 }
@@ -810,11 +905,6 @@ impl Session {
                     }
                     let mem = self.env.table.granted_to(&peer_id);
                     self.machine.update_mem(mem, std_now());
-                    let net = self.env.config.net;
-                    let addr = self.addr.clone().unwrap_or_default();
-                    let limit = self.env.config.deadlines.connect;
-                    let step = self.env.config.deadlines.handshake_step;
-                    let me = self.env.local.peer_id.clone();
                     // Shared memory carries the data itself: no striping beside it.
                     let n = if self.shm.peer.is_some() {
                         1
@@ -824,55 +914,24 @@ impl Session {
                             .data_connections
                             .clamp(1, crate::config::MAX_DATA_CONNECTIONS)
                     };
-                    self.data_connect = Some(tokio::spawn(async move {
-                        let mut all = Vec::with_capacity(n);
-                        for stream in 0..n as u32 {
-                            let mut s = tokio::time::timeout(limit, net.connect(&addr))
-                                .await
-                                .map_err(|_| {
-                                    std::io::Error::from(std::io::ErrorKind::TimedOut)
-                                })??;
-                            let hello = Message::DataHello(DataHello {
-                                token,
-                                peer_id: me.clone(),
-                                stream,
-                            });
-                            write_msg(&mut s, &hello).await?;
-                            if let Some(key) = &data_key {
-                                // The listener binds it only once we answer its challenge.
-                                let nonce = tokio::time::timeout(step, async {
-                                    let mut buf = Vec::new();
-                                    match read_frame(&mut s, 1024, &mut buf).await {
-                                        Ok(Message::DataChallenge(c)) => Ok(c.nonce.0),
-                                        Ok(Message::Reject(r)) => Err(std::io::Error::new(
-                                            std::io::ErrorKind::PermissionDenied,
-                                            format!(
-                                                "data connection {stream} refused: {}: {}",
-                                                r.code, r.message
-                                            ),
-                                        )),
-                                        Ok(m) => Err(std::io::Error::new(
-                                            std::io::ErrorKind::InvalidData,
-                                            format!("{} instead of DataChallenge", m.name()),
-                                        )),
-                                        Err(e) => Err(std::io::Error::other(e.to_string())),
-                                    }
-                                })
-                                .await
-                                .map_err(|_| {
-                                    std::io::Error::from(std::io::ErrorKind::TimedOut)
-                                })??;
-                                let proof = Message::DataProof(kvbridge_proto::msg::DataProof {
-                                    response: Blob(key.prove(&nonce, &token, stream)),
-                                });
-                                write_msg(&mut s, &proof).await?;
-                            }
-                            all.push(s);
-                        }
-                        Ok(all)
-                    }));
+                    let dial = DataDial {
+                        net: self.env.config.net,
+                        addr: self.addr.clone().unwrap_or_default(),
+                        peer: self.peer_name.clone(),
+                        connect: self.env.config.deadlines.connect,
+                        step: self.env.config.deadlines.handshake_step,
+                        me: self.env.local.peer_id.clone(),
+                        token,
+                        data_key,
+                        tls: self.env.tls.clone().filter(|t| t.on_data()),
+                    };
+                    self.data_connect = Some(tokio::spawn(dial.all(n as u32)));
                 }
                 Output::Ready(est) => {
+                    // The offers being synced are checked against these lengths.
+                    if let Some(p) = &self.shm.peer {
+                        p.announce(est.regions.regions.iter().map(|r| (r.id, r.len)));
+                    }
                     let waiting = self.shm.synced.as_ref().is_some_and(|w| !*w.borrow());
                     if waiting {
                         let at = Instant::now() + self.env.config.deadlines.handshake_step;
@@ -1087,6 +1146,16 @@ impl Session {
         for r in mem.regions {
             map.insert(r.id, r);
         }
+        drop(map);
+        if let Some(p) = &self.shm.peer {
+            p.announce(self.remote_lengths());
+        }
+    }
+
+    /// The lengths of the peer's regions, as its latest `MemInfo` announced them.
+    fn remote_lengths(&self) -> Vec<(RegionId, u64)> {
+        let map = self.remote.read().expect("remote regions poisoned");
+        map.values().map(|r| (r.id, r.len)).collect()
     }
 
     fn on_established(&mut self, est: Established) {
@@ -1280,6 +1349,9 @@ impl Session {
         let ask = self.env.config.cma && offer.cma;
         let deny = self.env.config.hooks.cma_deny;
         let peer = Arc::new(ShmPeer::new(self.env.direct.clone(), cma_status));
+        peer.set_max_mapped(self.env.config.limits.max_shm_mapped_per_peer);
+        peer.announce(self.remote_lengths());
+        let wait = self.env.config.deadlines.handshake_step;
         let (synced_tx, synced_rx) = tokio::sync::watch::channel(false);
         self.shm.peer = Some(peer.clone());
         self.shm.synced = Some(synced_rx);
@@ -1298,7 +1370,7 @@ impl Session {
                     deny,
                     peer: name.clone(),
                 });
-                initiator_shm(s, max, &peer, synced_tx, cma).await
+                initiator_shm(s, max, wait, &peer, synced_tx, cma).await
             }
             .await;
             if let Err(e) = r {
@@ -1652,6 +1724,7 @@ struct CmaAsk {
 async fn initiator_shm(
     s: &tokio::net::UnixStream,
     max: u32,
+    wait: Duration,
     peer: &Arc<ShmPeer>,
     synced: tokio::sync::watch::Sender<bool>,
     cma: Option<CmaAsk>,
@@ -1719,12 +1792,21 @@ async fn initiator_shm(
                         "ShmMap without a descriptor",
                     )
                 })?;
-                match Mapping::map(&fd, r.len) {
-                    Ok(m) => peer.insert(r.id, m),
-                    // Not fatal: this region goes over TCP.
-                    Err(e) => {
-                        tracing::warn!(region = %r.id, error = %e, "cannot map region; TCP carries it")
+                match peer.admit_map(r.id, r.len, wait).await {
+                    Ok(()) => match Mapping::map(&fd, r.len) {
+                        Ok(m) => peer.insert(r.id, m),
+                        // Not fatal: this region goes over TCP.
+                        Err(e) => {
+                            tracing::warn!(region = %r.id, error = %e, "cannot map region; TCP carries it")
+                        }
+                    },
+                    Err(e @ crate::shm::MapRefused::LongerThanAnnounced { .. }) => {
+                        return Err(std::io::Error::new(
+                            std::io::ErrorKind::InvalidData,
+                            e.to_string(),
+                        ))
                     }
+                    Err(e) => tracing::warn!(region = %r.id, error = %e, "TCP carries the region"),
                 }
             }
             Message::ShmUnmap(ShmRevoke { id }) => {

@@ -587,6 +587,73 @@ pub(crate) struct ShmPeer {
     counters: Arc<DirectCounters>,
     /// Set by [`ShmPeer::revoke_all`]: the session is ending.
     ended: std::sync::atomic::AtomicBool,
+    /// Region lengths the listener announced in its `MemInfo`: no mapping may be longer.
+    announced: tokio::sync::watch::Sender<HashMap<RegionId, u64>>,
+    /// Most bytes mapped from this peer at once ([`crate::Limits::max_shm_mapped_per_peer`]).
+    max_mapped: AtomicU64,
+}
+
+/// Why a region the listener offers for mapping (`ShmMap`) is not mapped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub(crate) enum MapRefused {
+    /// Longer than the listener announced the region in its `MemInfo`: the listener
+    /// contradicts itself, and its shared memory is not used any more.
+    LongerThanAnnounced {
+        /// The region.
+        region: RegionId,
+        /// Bytes offered for mapping.
+        len: u64,
+        /// Bytes announced.
+        announced: u64,
+    },
+    /// Not announced in a `MemInfo` within the wait: TCP carries it.
+    NotAnnounced {
+        /// The region.
+        region: RegionId,
+        /// How long the announcement was waited for.
+        after: std::time::Duration,
+    },
+    /// Mapping it would pass the per-peer cap: TCP carries it.
+    OverCap {
+        /// The region.
+        region: RegionId,
+        /// Bytes offered for mapping.
+        len: u64,
+        /// Bytes already mapped from this peer.
+        mapped: u64,
+        /// The cap.
+        cap: u64,
+    },
+}
+
+impl std::fmt::Display for MapRefused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MapRefused::LongerThanAnnounced {
+                region,
+                len,
+                announced,
+            } => write!(
+                f,
+                "ShmMap of {len} bytes for region {region}, announced with {announced}: refused"
+            ),
+            MapRefused::NotAnnounced { region, after } => write!(
+                f,
+                "ShmMap for region {region}, not announced in a MemInfo within {after:?}: not mapped"
+            ),
+            MapRefused::OverCap {
+                region,
+                len,
+                mapped,
+                cap,
+            } => write!(
+                f,
+                "ShmMap of {len} bytes for region {region} with {mapped} bytes mapped from this \
+                 peer would pass the cap of {cap} (max_shm_mapped_per_peer): not mapped"
+            ),
+        }
+    }
 }
 
 impl ShmPeer {
@@ -597,7 +664,66 @@ impl ShmPeer {
             cma_status: Mutex::new(cma_status),
             counters,
             ended: Default::default(),
+            announced: tokio::sync::watch::channel(HashMap::new()).0,
+            max_mapped: AtomicU64::new(u64::MAX),
         }
+    }
+
+    /// Records the region lengths of the listener's latest `MemInfo`.
+    pub(crate) fn announce(&self, regions: impl IntoIterator<Item = (RegionId, u64)>) {
+        self.announced.send_replace(regions.into_iter().collect());
+    }
+
+    /// Caps the bytes mapped from this peer at once.
+    pub(crate) fn set_max_mapped(&self, cap: u64) {
+        self.max_mapped.store(cap, Ordering::Relaxed);
+    }
+
+    /// Whether region `id` may be mapped with `len` bytes: no longer than the listener
+    /// announced it (its `MemInfo` travels on the control connection, so it may come after
+    /// the offer: waited for up to `wait`), and within the per-peer cap of mapped bytes.
+    pub(crate) async fn admit_map(
+        &self,
+        id: RegionId,
+        len: u64,
+        wait: std::time::Duration,
+    ) -> std::result::Result<(), MapRefused> {
+        let mut rx = self.announced.subscribe();
+        let announced = match tokio::time::timeout(wait, rx.wait_for(|m| m.contains_key(&id))).await
+        {
+            Ok(Ok(m)) => m[&id],
+            _ => {
+                return Err(MapRefused::NotAnnounced {
+                    region: id,
+                    after: wait,
+                })
+            }
+        };
+        if len > announced {
+            return Err(MapRefused::LongerThanAnnounced {
+                region: id,
+                len,
+                announced,
+            });
+        }
+        let mapped: u64 = self
+            .maps
+            .read()
+            .expect("shm maps poisoned")
+            .iter()
+            .filter(|(k, r)| **k != id && matches!(r.via, Via::Mapped(_)))
+            .map(|(_, r)| r.len as u64)
+            .sum();
+        let cap = self.max_mapped.load(Ordering::Relaxed);
+        if mapped.saturating_add(len) > cap {
+            return Err(MapRefused::OverCap {
+                region: id,
+                len,
+                mapped,
+                cap,
+            });
+        }
+        Ok(())
     }
 
     pub(crate) fn insert(&self, id: RegionId, m: Mapping) {
@@ -985,5 +1111,62 @@ mod tests {
         assert!(matches!(r, Err(ShmFail::Revoked(_))), "{r:?}");
         assert!(target[..4096].iter().all(|&b| b == 7));
         assert!(peer.resolve(&[d]).is_none(), "gone from the map");
+    }
+
+    /// A region offered for mapping is admitted only within what the listener announced
+    /// in its `MemInfo` (waiting for a `MemInfo` that comes after the offer) and within the
+    /// per-peer cap of mapped bytes.
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_mapping_is_bounded_by_the_announced_region_and_the_cap() {
+        let peer = Arc::new(ShmPeer::new(
+            Default::default(),
+            CmaStatus::Off(String::new()),
+        ));
+        let (a, b) = (RegionId([1; 16]), RegionId([2; 16]));
+        let wait = std::time::Duration::from_secs(1);
+        assert_eq!(
+            peer.admit_map(a, 8192, wait).await,
+            Err(MapRefused::NotAnnounced {
+                region: a,
+                after: wait
+            })
+        );
+        // Announced while the offer waits.
+        let p = peer.clone();
+        let late = tokio::spawn(async move { p.admit_map(a, 8192, wait).await });
+        tokio::task::yield_now().await;
+        peer.announce([(a, 8192), (b, 8192)]);
+        assert_eq!(late.await.unwrap(), Ok(()));
+        assert_eq!(
+            peer.admit_map(a, 1 << 40, wait).await,
+            Err(MapRefused::LongerThanAnnounced {
+                region: a,
+                len: 1 << 40,
+                announced: 8192
+            })
+        );
+        // The cap counts what is mapped already, not the region being replaced.
+        peer.set_max_mapped(12288);
+        let fd = memfd(8192).unwrap();
+        touch(&fd, 8192);
+        peer.insert(a, Mapping::map(&fd, 8192).unwrap());
+        assert_eq!(peer.admit_map(a, 8192, wait).await, Ok(()));
+        assert_eq!(
+            peer.admit_map(b, 8192, wait).await,
+            Err(MapRefused::OverCap {
+                region: b,
+                len: 8192,
+                mapped: 8192,
+                cap: 12288
+            })
+        );
+        peer.set_max_mapped(16384);
+        assert_eq!(peer.admit_map(b, 8192, wait).await, Ok(()));
+    }
+
+    /// Allocates every page of a fresh memfd, as a region's owner does.
+    fn touch(fd: &OwnedFd, len: usize) {
+        let f = std::fs::File::from(fd.try_clone().unwrap());
+        std::os::unix::fs::FileExt::write_all_at(&f, &vec![1u8; len], 0).unwrap();
     }
 }

@@ -1,7 +1,7 @@
-//! TLS on the control connection: rustls (TLS 1.3 only, ring provider) below the sans-IO
-//! protocol. The listener's acceptor and the initiator's connector are built once, when the
-//! channel starts, so that a missing file or a bad PEM is a typed error at
-//! [`crate::Channel::new`], not at the first handshake.
+//! TLS on the control connection, and optionally on the TCP data connections: rustls (TLS
+//! 1.3 only, ring provider) below the sans-IO protocol. The listener's acceptor and the
+//! initiator's connector are built once, when the channel starts, so that a missing file or
+//! a bad PEM is a typed error at [`crate::Channel::new`], not at the first handshake.
 
 use crate::config::{Pem, TlsConfig};
 use crate::error::{Error, Result};
@@ -23,6 +23,8 @@ pub(crate) struct Tls {
     acceptor: Option<tokio_rustls::TlsAcceptor>,
     connector: Option<tokio_rustls::TlsConnector>,
     server_name: Option<ServerName<'static>>,
+    /// TLS on the data connections too ([`TlsConfig::data`]).
+    data: bool,
 }
 
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
@@ -117,6 +119,7 @@ impl Tls {
             acceptor,
             connector,
             server_name,
+            data: config.data,
         })
     }
 
@@ -125,9 +128,37 @@ impl Tls {
         self.acceptor.is_some()
     }
 
+    /// Whether data connections run over TLS too: an initiator dials them over TLS, a
+    /// listener refuses them in plaintext.
+    pub(crate) fn on_data(&self) -> bool {
+        self.data
+    }
+
     /// Runs the initiator's TLS handshake on a fresh control connection to `addr`, within
     /// `limit`. Every failure is typed and names the peer (its address) and [`Step::Tls`].
     pub(crate) async fn connect(&self, s: Stream, addr: &str, limit: Duration) -> Result<Stream> {
+        self.connect_at(s, addr, addr, limit, Step::Tls).await
+    }
+
+    /// [`Tls::connect`] for a data connection: failures name `peer` and [`Step::DataBind`].
+    pub(crate) async fn connect_data(
+        &self,
+        s: Stream,
+        addr: &str,
+        peer: &str,
+        limit: Duration,
+    ) -> Result<Stream> {
+        self.connect_at(s, addr, peer, limit, Step::DataBind).await
+    }
+
+    async fn connect_at(
+        &self,
+        s: Stream,
+        addr: &str,
+        peer: &str,
+        limit: Duration,
+        step: Step,
+    ) -> Result<Stream> {
         let Some(connector) = &self.connector else {
             return Err(Error::Local(format!(
                 "TLS is on but no certificate to trust is set (KVBRIDGE_TLS_CA): cannot dial {addr}"
@@ -142,10 +173,10 @@ impl Tls {
         };
         match tokio::time::timeout(limit, connector.connect(name, tcp)).await {
             Ok(Ok(s)) => Ok(Stream::Tls(Box::new(tokio_rustls::TlsStream::Client(s)))),
-            Ok(Err(e)) => Err(tls_error(addr, e)),
+            Ok(Err(e)) => Err(tls_error(peer, step, e)),
             Err(_) => Err(Error::Timeout {
-                peer: addr.to_string(),
-                step: Step::Tls,
+                peer: peer.to_string(),
+                step,
                 after: limit,
             }),
         }
@@ -159,7 +190,7 @@ impl Tls {
         };
         match tokio::time::timeout_at(deadline, acceptor.accept(tcp)).await {
             Ok(Ok(s)) => Ok(Stream::Tls(Box::new(tokio_rustls::TlsStream::Server(s)))),
-            Ok(Err(e)) => Err(tls_error(from, e)),
+            Ok(Err(e)) => Err(tls_error(from, Step::Tls, e)),
             Err(_) => Err(Error::Timeout {
                 peer: from.to_string(),
                 step: Step::Tls,
@@ -185,22 +216,27 @@ fn host_name(addr: &str) -> Result<ServerName<'static>> {
 /// Sorts a failed TLS handshake by cause, like the rest of [`Error`]: the peer's
 /// certificate was not acceptable (`Unauthenticated`), the peer does not speak TLS or not
 /// our TLS (`Incompatible`), it broke TLS (`PeerMisbehaved`), or the connection broke.
-pub(crate) fn tls_error(peer: &str, e: std::io::Error) -> Error {
+/// `step` is [`Step::Tls`] on a control connection, [`Step::DataBind`] on a data one.
+pub(crate) fn tls_error(peer: &str, step: Step, e: std::io::Error) -> Error {
     use rustls::Error as R;
     let peer_s = peer.to_string();
     let Some(r) = e.get_ref().and_then(|i| i.downcast_ref::<R>()) else {
-        return Error::lost(peer, Step::Tls, e);
+        return Error::lost(peer, step, e);
     };
-    let ours = "TLS 1.3 on the control connection".to_string();
+    let ours = match step {
+        Step::Tls => "TLS 1.3 on the control connection",
+        _ => "TLS 1.3 on the data connection",
+    }
+    .to_string();
     match r {
         R::InvalidCertificate(c) => Error::Unauthenticated {
             peer: peer_s,
-            step: Step::Tls,
+            step,
             detail: format!("its TLS certificate is not acceptable: {c}"),
         },
         R::NoCertificatesPresented => Error::Unauthenticated {
             peer: peer_s,
-            step: Step::Tls,
+            step,
             detail: "it presented no TLS certificate".into(),
         },
         R::AlertReceived(a) => {
@@ -214,12 +250,12 @@ pub(crate) fn tls_error(peer: &str, e: std::io::Error) -> Error {
                 | A::UnsupportedCertificate
                 | A::AccessDenied => Error::Unauthenticated {
                     peer: peer_s,
-                    step: Step::Tls,
+                    step,
                     detail: format!("it refused our TLS certificate (alert {a:?})"),
                 },
                 _ => Error::Incompatible {
                     peer: peer_s,
-                    step: Step::Tls,
+                    step,
                     ours,
                     theirs: format!("refused the TLS handshake (alert {a:?})"),
                 },
@@ -229,19 +265,19 @@ pub(crate) fn tls_error(peer: &str, e: std::io::Error) -> Error {
         | R::InappropriateMessage { .. }
         | R::InappropriateHandshakeMessage { .. } => Error::Incompatible {
             peer: peer_s,
-            step: Step::Tls,
+            step,
             ours,
             theirs: format!("not TLS ({r}): a plaintext kvbridge peer?"),
         },
         R::PeerIncompatible(x) => Error::Incompatible {
             peer: peer_s,
-            step: Step::Tls,
+            step,
             ours,
             theirs: format!("{x:?}"),
         },
         other => Error::PeerMisbehaved {
             peer: peer_s,
-            step: Step::Tls,
+            step,
             detail: format!("TLS: {other}"),
         },
     }

@@ -132,8 +132,8 @@ fn write_chunk() -> usize {
     })
 }
 
-/// Writes every byte of `bufs`, in `writev` calls of about [`write_chunk`] bytes, and
-/// fails with `TimedOut` once `limit` has passed: a peer that stops reading must not hold
+/// Writes every byte of `bufs`, in `writev` calls of about [`write_chunk`] bytes, then
+/// flushes, and fails with `TimedOut` once `limit` has passed: a peer that stops reading must not hold
 /// the writer (and the memory it sends from) forever. A blocking socket cannot be raced
 /// against a timer: its owner bounds each call with `SO_SNDTIMEO`
 /// ([`crate::net::WriteHalf::set_stall_timeout`]), and the clock is checked between calls.
@@ -175,5 +175,10 @@ pub(crate) async fn write_all_vectored(
         }
         peer_memory::advance(&mut bufs, n);
     }
-    Ok(())
+    // TLS may hold the last records back until flushed (a no-op on a socket): without it
+    // a batch's tail could wait for the next frame, and its acknowledgement with it.
+    match tokio::time::timeout_at(until, w.flush()).await {
+        Ok(r) => r,
+        Err(_) => Err(io::ErrorKind::TimedOut.into()),
+    }
 }

@@ -123,6 +123,38 @@ pub struct Carrier {
     /// The listener's region is caller memory (`Region::from_raw`), which cross-memory
     /// attach carries where the kernel permits it (TCP otherwise).
     pub raw: bool,
+    /// TLS on the control and the data connections (one CA-signed certificate for
+    /// 127.0.0.1 per test process, trusted by both sides).
+    pub tls: bool,
+}
+
+/// A CA and a leaf for 127.0.0.1 that it signed: (CA certificate PEM, leaf certificate
+/// PEM, leaf key PEM), made once per test process.
+pub fn test_ca_and_leaf() -> &'static (String, String, String) {
+    static CERTS: std::sync::OnceLock<(String, String, String)> = std::sync::OnceLock::new();
+    CERTS.get_or_init(|| {
+        let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let ca_key = rcgen::KeyPair::generate().unwrap();
+        let ca_cert = ca.self_signed(&ca_key).unwrap();
+        let leaf = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()]).unwrap();
+        let leaf_key = rcgen::KeyPair::generate().unwrap();
+        let leaf_cert = leaf.signed_by(&leaf_key, &ca_cert, &ca_key).unwrap();
+        (ca_cert.pem(), leaf_cert.pem(), leaf_key.serialize_pem())
+    })
+}
+
+/// TLS on the control and data connections with [`test_ca_and_leaf`]: a listener serves
+/// the leaf, an initiator trusts the CA (one configuration fits both roles).
+pub fn tls_everywhere() -> kvbridge::TlsConfig {
+    let (ca, cert, key) = test_ca_and_leaf();
+    kvbridge::TlsConfig {
+        cert_chain: Some(kvbridge::Pem::Text(cert.clone())),
+        private_key: Some(kvbridge::Pem::Text(key.clone())),
+        trusted: Some(kvbridge::Pem::Text(ca.clone())),
+        data: true,
+        ..kvbridge::TlsConfig::default()
+    }
 }
 
 impl Carrier {
@@ -131,6 +163,9 @@ impl Carrier {
     pub fn apply(self, c: &mut ChannelConfig) {
         c.transport = self.transport;
         c.data_connections = self.data_connections;
+        if self.tls {
+            c.tls = Some(tls_everywhere());
+        }
         RAW_MEMORY.set(self.raw);
     }
 
@@ -140,6 +175,17 @@ impl Carrier {
             transport: kvbridge::Transport::Auto,
             data_connections: 1,
             raw: true,
+            tls: false,
+        }
+    }
+
+    /// TCP with TLS on the control and data connections, striped over 2 data connections.
+    pub fn tcp_tls() -> Carrier {
+        Carrier {
+            transport: kvbridge::Transport::Tcp,
+            data_connections: 2,
+            raw: false,
+            tls: true,
         }
     }
 }
@@ -150,12 +196,14 @@ impl From<kvbridge::Transport> for Carrier {
             transport,
             data_connections: 1,
             raw: false,
+            tls: false,
         }
     }
 }
 
 /// Declares one `#[tokio::test]` per carrier, named `<name>::tcp`, `<name>::tcp_striped`
-/// (TCP, 3 data connections), `<name>::shm` and `<name>::cma` (the listener's region in
+/// (TCP, 3 data connections), `<name>::tcp_tls` (TLS on control and data connections, 2
+/// data connections), `<name>::shm` and `<name>::cma` (the listener's region in
 /// caller memory, carried by cross-memory attach where permitted), that runs
 /// `body(carrier)`: the suite is parametrized, not copied.
 #[macro_export]
@@ -172,8 +220,13 @@ macro_rules! per_transport {
                     transport: kvbridge::Transport::Tcp,
                     data_connections: 3,
                     raw: false,
+                    tls: false,
                 })
                 .await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn tcp_tls() {
+                $body($crate::common::Carrier::tcp_tls()).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn shm() {

@@ -80,13 +80,13 @@ impl Report {
 }
 
 /// A self-signed certificate for 127.0.0.1 in a private temporary folder, removed on drop.
-struct TempCert {
-    dir: PathBuf,
-    cert_pem: String,
+pub(super) struct TempCert {
+    pub(super) dir: PathBuf,
+    pub(super) cert_pem: String,
 }
 
 impl TempCert {
-    fn new() -> Result<TempCert> {
+    pub(super) fn new() -> Result<TempCert> {
         use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
         let c = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_string()])?;
         let dir = std::env::temp_dir().join(format!(

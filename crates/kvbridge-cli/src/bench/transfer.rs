@@ -1,5 +1,7 @@
 //! `kvbridge bench transfer`: kvbridge writes against the same-run ceiling of their
 //! transport: a plain loopback socket stream for tcp, an in-process memcpy for shm and cma.
+//! With `--data-tls` (tcp only) the same writes run over TLS on the control and data
+//! connections too, side by side with plaintext in the same run.
 
 use super::peer::PeerProcess;
 use super::{median, parse_size};
@@ -46,6 +48,12 @@ pub struct TransferArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// tcp only: also measure with TLS on the control and data connections
+    /// (`TlsConfig::data`), against a second peer process serving a fresh self-signed
+    /// certificate. Per block size and repetition the socket ceiling, plaintext kvbridge
+    /// and TLS kvbridge alternate.
+    #[arg(long)]
+    pub data_tls: bool,
 }
 
 /// One row of the result.
@@ -60,6 +68,14 @@ pub struct Row {
     pub ceiling_gib_per_s: f64,
     /// `gib_per_s / ceiling_gib_per_s`.
     pub ratio: f64,
+    /// kvbridge write throughput, lowest and highest repetition.
+    pub gib_per_s_range: [f64; 2],
+    /// With `--data-tls`: throughput with TLS on the data connections, median.
+    pub tls_gib_per_s: Option<f64>,
+    /// With `--data-tls`: lowest and highest repetition with TLS.
+    pub tls_gib_per_s_range: Option<[f64; 2]>,
+    /// With `--data-tls`: `tls_gib_per_s / gib_per_s`.
+    pub tls_ratio: Option<f64>,
 }
 
 /// The whole result.
@@ -157,6 +173,7 @@ pub async fn at_page_size(page: u64, reps: usize) -> Result<f64> {
         sessions: 1,
         reps,
         json: true,
+        data_tls: false,
     })
     .await?;
     r.results
@@ -231,36 +248,56 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
         }
         local.write_at(at, piece)?;
     }
-    // One channel per session: a channel holds one session per peer.
-    let mut links = Vec::with_capacity(sessions);
-    for i in 0..sessions {
-        let name = if sessions == 1 {
-            "bench-initiator".to_string()
-        } else {
-            format!("bench-initiator-{i}")
-        };
-        let mut cfg = ChannelConfig::new(&name, None);
-        cfg.transport = transport;
-        let ch = Channel::new(cfg).await?;
-        ch.register(&local, Grant::AllPeers)?;
-        let target = ch.connect(&peer.addr).await?;
-        if cma {
-            match ch.peer_cma(&target).await? {
-                kvbridge::CmaStatus::Active => {}
-                kvbridge::CmaStatus::Off(why) => {
-                    anyhow::bail!("the session does not use cma: {why}")
-                }
-            }
-        } else {
-            anyhow::ensure!(
-                ch.peer_transport(&target).await? == transport,
-                "the session does not use {}",
-                args.transport
-            );
+    let links = std::sync::Arc::new(
+        connect_sessions(
+            sessions,
+            transport,
+            cma,
+            &args.transport,
+            &local,
+            &peer.addr,
+            None,
+        )
+        .await?,
+    );
+    // With --data-tls: a second peer serving a certificate, sessions that trust it.
+    let tls_cert = if args.data_tls {
+        anyhow::ensure!(
+            transport == kvbridge::Transport::Tcp && !cma,
+            "--data-tls measures TLS on TCP data connections: use --transport tcp"
+        );
+        Some(super::handshake::TempCert::new()?)
+    } else {
+        None
+    };
+    let tls_peer = match &tls_cert {
+        Some(cert) => {
+            let (c, k) = (cert.dir.join("cert.pem"), cert.dir.join("key.pem"));
+            let env = [
+                ("KVBRIDGE_TLS_CERT", c.as_os_str()),
+                ("KVBRIDGE_TLS_KEY", k.as_os_str()),
+                ("KVBRIDGE_TLS_DATA", std::ffi::OsStr::new("1")),
+            ];
+            let p = PeerProcess::start_with(window, page, &env, &["KVBRIDGE_TLS_CA"])?;
+            let config = kvbridge::TlsConfig {
+                trusted: Some(kvbridge::Pem::Text(cert.cert_pem.clone())),
+                data: true,
+                ..kvbridge::TlsConfig::default()
+            };
+            let l = connect_sessions(
+                sessions,
+                transport,
+                false,
+                &args.transport,
+                &local,
+                &p.addr,
+                Some(config),
+            )
+            .await?;
+            Some((p, std::sync::Arc::new(l)))
         }
-        links.push((ch, target));
-    }
-    let links = std::sync::Arc::new(links);
+        None => None,
+    };
 
     let mut rows = Vec::new();
     for &block in &blocks {
@@ -271,6 +308,7 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
             (window / block_us).max(1)
         };
         let mut ours = Vec::new();
+        let mut with_tls = Vec::new();
         let mut ceil = Vec::new();
         for _ in 0..args.reps.max(1) {
             // Ceiling first and ours second, alternating per repetition, side by side.
@@ -292,65 +330,42 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
                     .await??,
                 );
             }
-            let batches = total.div_ceil(block * args.batch as u64) as usize;
-            let t = Instant::now();
-            let mut next = 0usize;
-            let mut slot = 0usize;
-            let mut joins = tokio::task::JoinSet::new();
-            while next < batches || !joins.is_empty() {
-                while next < batches && joins.len() < inflight {
-                    let ops: Vec<Op> = (0..args.batch)
-                        .map(|_| {
-                            let i = slot % per_window;
-                            slot += 1;
-                            Op {
-                                local: local.clone(),
-                                local_offset: i * block_us,
-                                remote: peer.region,
-                                remote_offset: (i * block_us) as u64,
-                                len: block_us,
-                            }
-                        })
-                        .collect();
-                    let links = links.clone();
-                    joins.spawn(async move {
-                        if let [(ch, target)] = &links[..] {
-                            return Ok(ch.write(target, &ops).await?);
-                        }
-                        // Contiguous parts, one per session, written concurrently.
-                        let part = ops.len().div_ceil(links.len());
-                        let mut parts = tokio::task::JoinSet::new();
-                        for (i, ops) in ops.chunks(part).enumerate() {
-                            let (links, ops) = (links.clone(), ops.to_vec());
-                            parts.spawn(async move {
-                                let (ch, target) = &links[i];
-                                ch.write(target, &ops).await
-                            });
-                        }
-                        while let Some(r) = parts.join_next().await {
-                            r.map_err(|e| anyhow::anyhow!("write task: {e}"))??;
-                        }
-                        anyhow::Ok(())
-                    });
-                    next += 1;
-                }
-                if let Some(r) = joins.join_next().await {
-                    r??;
-                }
+            let shape = Shape {
+                block,
+                batch: args.batch,
+                per_window,
+                inflight,
+                total,
+            };
+            ours.push(write_all(&links, &local, peer.region, &shape).await?);
+            if let Some((p, tls_links)) = &tls_peer {
+                with_tls.push(write_all(tls_links, &local, p.region, &shape).await?);
             }
-            let bytes = batches as u64 * block * args.batch as u64;
-            ours.push(bytes as f64 / GIB / t.elapsed().as_secs_f64());
         }
-        let (g, c) = (median(ours), median(ceil));
+        let range = |v: &[f64]| {
+            let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+            [lo, v.iter().copied().fold(lo, f64::max)]
+        };
+        let (g, g_range, c) = (median(ours.clone()), range(&ours), median(ceil));
+        let t = (!with_tls.is_empty()).then(|| median(with_tls.clone()));
         rows.push(Row {
             block_size: block,
             gib_per_s: g,
             ceiling_gib_per_s: c,
             ratio: g / c,
+            gib_per_s_range: g_range,
+            tls_gib_per_s: t,
+            tls_gib_per_s_range: t.map(|_| range(&with_tls)),
+            tls_ratio: t.map(|t| t / g),
         });
     }
     for (ch, _) in links.iter() {
         ch.close().await;
+    }
+    if let Some((_, l)) = &tls_peer {
+        for (ch, _) in l.iter() {
+            ch.close().await;
+        }
     }
     Ok(Report {
         transport: args.transport,
@@ -366,20 +381,150 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
     })
 }
 
+/// One channel per session (a channel holds one session per peer), each connected to the
+/// peer at `addr` over `transport`, with `tls` when set.
+async fn connect_sessions(
+    sessions: usize,
+    transport: kvbridge::Transport,
+    cma: bool,
+    name: &str,
+    local: &Region,
+    addr: &str,
+    tls: Option<kvbridge::TlsConfig>,
+) -> Result<Vec<(Channel, kvbridge::PeerId)>> {
+    let mut links = Vec::with_capacity(sessions);
+    for i in 0..sessions {
+        let id = if sessions == 1 {
+            "bench-initiator".to_string()
+        } else {
+            format!("bench-initiator-{i}")
+        };
+        let mut cfg = ChannelConfig::new(&id, None);
+        cfg.transport = transport;
+        cfg.tls = tls.clone();
+        let ch = Channel::new(cfg).await?;
+        ch.register(local, Grant::AllPeers)?;
+        let target = ch.connect(addr).await?;
+        if cma {
+            match ch.peer_cma(&target).await? {
+                kvbridge::CmaStatus::Active => {}
+                kvbridge::CmaStatus::Off(why) => {
+                    anyhow::bail!("the session does not use cma: {why}")
+                }
+            }
+        } else {
+            anyhow::ensure!(
+                ch.peer_transport(&target).await? == transport,
+                "the session does not use {name}"
+            );
+        }
+        links.push((ch, target));
+    }
+    Ok(links)
+}
+
+/// What one measurement writes.
+struct Shape {
+    block: u64,
+    batch: usize,
+    /// Distinct block slots the ops cycle through.
+    per_window: usize,
+    inflight: usize,
+    total: u64,
+}
+
+/// Writes `shape.total` bytes to `region` of the peer behind `links`, `inflight` batches
+/// at a time (each split over the sessions); GiB/s. Any failed write fails the run.
+async fn write_all(
+    links: &std::sync::Arc<Vec<(Channel, kvbridge::PeerId)>>,
+    local: &Region,
+    region: kvbridge::RegionId,
+    shape: &Shape,
+) -> Result<f64> {
+    let block_us = shape.block as usize;
+    let batches = shape.total.div_ceil(shape.block * shape.batch as u64) as usize;
+    let t = Instant::now();
+    let mut next = 0usize;
+    let mut slot = 0usize;
+    let mut joins = tokio::task::JoinSet::new();
+    while next < batches || !joins.is_empty() {
+        while next < batches && joins.len() < shape.inflight {
+            let ops: Vec<Op> = (0..shape.batch)
+                .map(|_| {
+                    let i = slot % shape.per_window;
+                    slot += 1;
+                    Op {
+                        local: local.clone(),
+                        local_offset: i * block_us,
+                        remote: region,
+                        remote_offset: (i * block_us) as u64,
+                        len: block_us,
+                    }
+                })
+                .collect();
+            let links = links.clone();
+            joins.spawn(async move {
+                if let [(ch, target)] = &links[..] {
+                    return Ok(ch.write(target, &ops).await?);
+                }
+                // Contiguous parts, one per session, written concurrently.
+                let part = ops.len().div_ceil(links.len());
+                let mut parts = tokio::task::JoinSet::new();
+                for (i, ops) in ops.chunks(part).enumerate() {
+                    let (links, ops) = (links.clone(), ops.to_vec());
+                    parts.spawn(async move {
+                        let (ch, target) = &links[i];
+                        ch.write(target, &ops).await
+                    });
+                }
+                while let Some(r) = parts.join_next().await {
+                    r.map_err(|e| anyhow::anyhow!("write task: {e}"))??;
+                }
+                anyhow::Ok(())
+            });
+            next += 1;
+        }
+        if let Some(r) = joins.join_next().await {
+            r??;
+        }
+    }
+    let bytes = batches as u64 * shape.block * shape.batch as u64;
+    Ok(bytes as f64 / GIB / t.elapsed().as_secs_f64())
+}
+
 /// Prints the report as a table.
 pub fn print_table(r: &Report, batch: usize) {
     println!(
-        "kvbridge bench transfer ({}, {} pattern, {} session(s), ceiling {}), batch {batch}, medians",
+        "kvbridge bench transfer ({}, {} pattern, {} session(s), ceiling {}), batch {batch}, medians (min-max)",
         r.transport, r.pattern, r.sessions, r.ceiling
     );
-    println!(
-        "{:>10} {:>12} {:>14} {:>7}",
-        "block", "GiB/s", "ceiling GiB/s", "ratio"
+    let tls = r.results.iter().any(|row| row.tls_gib_per_s.is_some());
+    print!(
+        "{:>10} {:>12} {:>13} {:>14} {:>7}",
+        "block", "GiB/s", "(min-max)", "ceiling GiB/s", "ratio"
     );
-    for row in &r.results {
-        println!(
-            "{:>10} {:>12.2} {:>14.2} {:>7.2}",
-            row.block_size, row.gib_per_s, row.ceiling_gib_per_s, row.ratio
+    if tls {
+        print!(
+            " {:>12} {:>13} {:>9}",
+            "TLS GiB/s", "(min-max)", "TLS/plain"
         );
+    }
+    println!();
+    for row in &r.results {
+        let [lo, hi] = row.gib_per_s_range;
+        print!(
+            "{:>10} {:>12.2} {:>13} {:>14.2} {:>7.2}",
+            row.block_size,
+            row.gib_per_s,
+            format!("({lo:.2}-{hi:.2})"),
+            row.ceiling_gib_per_s,
+            row.ratio
+        );
+        if let (Some(t), Some([lo, hi]), Some(q)) =
+            (row.tls_gib_per_s, row.tls_gib_per_s_range, row.tls_ratio)
+        {
+            print!(" {t:>12.2} {:>13} {q:>9.2}", format!("({lo:.2}-{hi:.2})"));
+        }
+        println!();
     }
 }
