@@ -11,6 +11,7 @@ channel is still usable by writing a page to a channel of its own and prints "us
 
 import hashlib
 import inspect
+import signal
 import sys
 import threading
 import time
@@ -69,6 +70,10 @@ def announce_when_main_thread_reaches(line):
 
 
 def block(kind, addr=None):
+    # A process started from a non-interactive shell's background job inherits SIGINT as
+    # ignored, and Python then installs no KeyboardInterrupt handler: this child is about
+    # Ctrl-C, so it puts the handler back.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     deadlines = {"connect": 60.0, "handshake_step": 60.0, "op": 60.0}
     ch = kvbridge.Channel("blocked", use_env=False, deadlines=deadlines)
     try:
