@@ -21,6 +21,7 @@ Every failure raises a ``KvbridgeError`` subclass naming the peer and the step.
     print(decoder.recv_notification(timeout=5))   # ('prefill-0', b'request 42 ready')
 """
 
+from . import _errors
 from ._errors import (
     Closed,
     ConnectionLost,
@@ -51,29 +52,4 @@ from ._native import Channel, RegionInfo, Transfer, __version__, _at_exit
 # finalizes (one ended by finalization itself aborts the process).
 _atexit.register(_at_exit)
 
-__all__ = [
-    "Channel",
-    "RegionInfo",
-    "Transfer",
-    "__version__",
-    "KvbridgeError",
-    "PeerError",
-    "PeerMisbehaved",
-    "Incompatible",
-    "Unauthenticated",
-    "Rejected",
-    "PeerClosed",
-    "NetworkError",
-    "Timeout",
-    "UnmapTimeout",
-    "ConnectionLost",
-    "PeerRestarted",
-    "SessionReplaced",
-    "UsageError",
-    "InvalidOp",
-    "UnknownPeer",
-    "Closed",
-    "Disconnected",
-    "LimitExceeded",
-    "LocalError",
-]
+__all__ = ["Channel", "RegionInfo", "Transfer", "__version__", *_errors.__all__]
