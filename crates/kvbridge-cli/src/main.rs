@@ -58,7 +58,7 @@ enum BenchCmd {
         #[arg(long, default_value = "127.0.0.1:0")]
         listen: String,
         /// Test hook: stall this long before answering a Hello (a listener killed
-        /// mid-handshake).
+        /// mid-handshake); prints `HELLO` once one has arrived.
         #[arg(long)]
         welcome_delay_ms: Option<u64>,
         /// Echo notifications and sink bytes back (`bench notify`).

@@ -23,7 +23,7 @@ fn start_peer(listen: &str, extra: &[&str]) -> Peer {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn listener_process_killed_mid_handshake_then_restarted() {
-    let stalled = start_peer("127.0.0.1:0", &["--welcome-delay-ms", "60000"]);
+    let mut stalled = start_peer("127.0.0.1:0", &["--welcome-delay-ms", "60000"]);
     let addr = stalled.addr.clone();
     let ch = Channel::new(ChannelConfig::new("prefill-0", None))
         .await
@@ -37,13 +37,10 @@ async fn listener_process_killed_mid_handshake_then_restarted() {
     let c2 = ch.clone();
     let a2 = addr.clone();
     let connecting = tokio::spawn(async move { c2.connect(&a2).await });
-    // Wait until the dial is under way, then kill the listener process outright.
-    for _ in 0..2000 {
-        if ch.stats().await.unwrap().sessions == 1 {
-            break;
-        }
-        tokio::task::yield_now().await;
-    }
+    // Wait until the listener holds our Hello (it says so on stdout), so the handshake is
+    // past the TCP connect and waiting for `Welcome`; then kill the listener outright.
+    let said = tokio::task::block_in_place(|| stalled.next_line());
+    assert_eq!(said, "HELLO", "the stalled peer's next line");
     drop(stalled); // SIGKILL + wait
     let err = tokio::time::timeout(Duration::from_secs(15), connecting)
         .await

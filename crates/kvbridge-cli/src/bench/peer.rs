@@ -65,6 +65,9 @@ pub async fn run(opts: PeerOptions) -> Result<()> {
         sink_addr
     );
     std::io::stdout().flush()?;
+    if let Some(delay) = welcome_delay {
+        tokio::spawn(say_hello_received(ch.clone(), delay));
+    }
     // Serve until the parent closes our stdin (or dies).
     tokio::task::spawn_blocking(|| {
         let mut b = [0u8; 64];
@@ -107,6 +110,25 @@ fn serve_sink(mut s: std::net::TcpStream, region: Region) {
 }
 
 /// Sends every notification back to its sender, on that sender's session.
+/// With a Welcome delay (a listener stalled mid-handshake), prints `HELLO` once a `Hello`
+/// has arrived: a test that kills this process then knows the initiator is past its TCP
+/// connect and waiting for `Welcome`. A listener's session exists from its `Hello` on, so
+/// the channel's stats show it; they are polled for no longer than the delay itself.
+async fn say_hello_received(ch: Channel, delay: std::time::Duration) {
+    let until = tokio::time::Instant::now() + delay;
+    while tokio::time::Instant::now() < until {
+        match ch.stats().await {
+            Ok(s) if s.sessions > 0 => {
+                println!("HELLO");
+                let _ = std::io::stdout().flush();
+                return;
+            }
+            Ok(_) => tokio::time::sleep(std::time::Duration::from_millis(1)).await,
+            Err(_) => return,
+        }
+    }
+}
+
 async fn echo_notifications(ch: Channel) {
     let mut links = std::collections::HashMap::new();
     while let Some(n) = ch.recv_notification().await {

@@ -2,7 +2,7 @@
 #![allow(dead_code)]
 
 use std::io::Read;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, ChildStdout, Command, Stdio};
 
 /// A `kvbridge bench peer` process: its channel address and registered region. Killed on
 /// drop.
@@ -10,6 +10,25 @@ pub struct Peer {
     pub child: Child,
     pub addr: String,
     pub region: kvbridge::RegionId,
+    /// The rest of its stdout (kept open: a peer that prints after `READY` must not meet a
+    /// closed pipe).
+    pub stdout: ChildStdout,
+}
+
+impl Peer {
+    /// Reads the peer's next stdout line (blocking; the peer prints nothing else unasked).
+    pub fn next_line(&mut self) -> String {
+        read_line(&mut self.stdout)
+    }
+}
+
+fn read_line(out: &mut ChildStdout) -> String {
+    let mut line = Vec::new();
+    let mut b = [0u8; 1];
+    while out.read(&mut b).expect("read a line of the peer's stdout") == 1 && b[0] != b'\n' {
+        line.push(b[0]);
+    }
+    String::from_utf8(line).expect("utf8")
 }
 
 impl Drop for Peer {
@@ -28,12 +47,7 @@ pub fn spawn_peer(mut cmd: Command) -> Peer {
         .spawn()
         .expect("start kvbridge bench peer");
     let mut out = child.stdout.take().expect("stdout piped");
-    let mut line = Vec::new();
-    let mut b = [0u8; 1];
-    while out.read(&mut b).expect("read the READY line") == 1 && b[0] != b'\n' {
-        line.push(b[0]);
-    }
-    let line = String::from_utf8(line).expect("utf8");
+    let line = read_line(&mut out);
     let parts: Vec<&str> = line.split_whitespace().collect();
     assert_eq!(parts.first(), Some(&"READY"), "{line}");
     let mut id = [0u8; 16];
@@ -44,6 +58,7 @@ pub fn spawn_peer(mut cmd: Command) -> Peer {
         child,
         addr: parts[1].to_string(),
         region: kvbridge::RegionId(id),
+        stdout: out,
     }
 }
 
