@@ -31,7 +31,6 @@ ALLOWED_LOOPS = {
     "crates/kvbridge-proxy": {
         "body", "cli", "config", "listener", "outcome_port", "pool", "router", "server",
     },
-    "crates/kvbridge-proto": {"frame", "msg"},
 }
 
 PATH_RE = re.compile(r"\bcrate::(?:\{([^}]*)\}|([A-Za-z_][A-Za-z0-9_]*))")

@@ -13,8 +13,8 @@
 //!   pieces of the chosen size) yields the same messages and ends the same way.
 
 use kvbridge::fuzzing::{read_frames, StreamEnd};
-use kvbridge_proto::frame::{FrameDecoder, DEFAULT_MAX_FRAME_LEN, MAGIC};
-use kvbridge_proto::msg::Message;
+use kvbridge_proto::frame::{DEFAULT_MAX_FRAME_LEN, MAGIC};
+use kvbridge_proto::msg::{FrameDecoder, Message};
 use kvbridge_proto::{FrameError, FRAME_HEADER_LEN, PROTOCOL_VERSION};
 
 /// Most frames decoded from one input (inputs are small; this bounds the loop anyway).

@@ -4,7 +4,7 @@
 //! the message name to a map of its fields (`{"Hello": {"version": 1, "peer_id": ...}}`).
 //! `docs/protocol.md` lists who sends each message and in which state.
 
-use crate::frame::{FrameError, FrameHeader, FRAME_HEADER_LEN, PROTOCOL_VERSION};
+use crate::frame::{FrameError, FrameHeader, FRAME_HEADER_LEN, MAGIC, PROTOCOL_VERSION};
 use crate::ids::{Blob, Incarnation, PeerId, RegionId, SessionToken};
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -500,6 +500,45 @@ pub struct Notify {
 /// The version a `Hello` must carry.
 pub const fn current_version() -> u8 {
     PROTOCOL_VERSION
+}
+
+/// Incremental decoder over a byte buffer, for callers that read in arbitrary pieces (tests,
+/// fuzzing, a future non-tokio driver). The tokio driver reads header and body directly.
+#[derive(Debug)]
+pub struct FrameDecoder {
+    max_body: u32,
+}
+
+impl FrameDecoder {
+    /// A decoder that refuses bodies over `max_body` bytes.
+    pub fn new(max_body: u32) -> Self {
+        Self { max_body }
+    }
+
+    /// Tries to take one whole frame off the front of `buf`.
+    ///
+    /// Returns `Ok(None)` when more bytes are needed, `Ok(Some((message, consumed)))` when a
+    /// frame was decoded, and an error when the bytes can never become a valid frame.
+    pub fn decode(&self, buf: &[u8]) -> Result<Option<(Message, usize)>, FrameError> {
+        if buf.len() < FRAME_HEADER_LEN {
+            // Reject a bad magic or version as early as possible.
+            if buf.len() >= 2 && buf[0..2] != MAGIC {
+                return Err(FrameError::BadMagic {
+                    got: [buf[0], buf[1]],
+                });
+            }
+            return Ok(None);
+        }
+        let mut h = [0u8; FRAME_HEADER_LEN];
+        h.copy_from_slice(&buf[..FRAME_HEADER_LEN]);
+        let header = FrameHeader::decode(&h, self.max_body)?;
+        let end = FRAME_HEADER_LEN + header.body_len as usize;
+        if buf.len() < end {
+            return Ok(None);
+        }
+        let msg = Message::decode(&buf[FRAME_HEADER_LEN..end])?;
+        Ok(Some((msg, end)))
+    }
 }
 
 #[cfg(test)]
