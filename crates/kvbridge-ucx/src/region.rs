@@ -33,9 +33,15 @@ impl Drop for RegionInner {
         // `worker::InFlight`), so none can still be running.
         unsafe { sys::ucp_mem_unmap(self.ctx.handle, self.memh) };
         if self.owned {
-            // SAFETY: `ptr`/`len` are the anonymous mapping `alloc` made; UCX no longer
-            // refers to it.
-            unsafe { libc::munmap(self.ptr.cast(), self.len) };
+            // Quarantine, not `munmap`: UCX 1.13's tcp and shared-memory transports do not
+            // check a remote key against the target's registrations, so a peer's write
+            // through a stale key still lands at this address (on an unmapped range the
+            // target process dies of SIGSEGV; on reused memory it corrupts it). The range
+            // stays reserved for the life of the process and its pages are dropped: a late
+            // write lands in fresh zero pages that nothing else uses.
+            // SAFETY: `ptr`/`len` are the private anonymous mapping `alloc` made; dropping its
+            // pages affects no other memory.
+            unsafe { libc::madvise(self.ptr.cast(), self.len, libc::MADV_DONTNEED) };
         }
     }
 }
@@ -62,6 +68,11 @@ impl std::fmt::Debug for MemRegion {
 
 impl MemRegion {
     /// Allocates `len` zeroed bytes (an anonymous private mapping) and registers them.
+    ///
+    /// When the region is unmapped its address range is not returned to the system but kept
+    /// reserved, its pages dropped: UCX's tcp and shared-memory transports do not refuse a
+    /// write through a stale remote key (RDMA hardware does), so the range must never hold
+    /// other data or be unmapped. Revoking a region from peers is the protocol's job.
     pub fn alloc(ctx: &Context, len: usize) -> Result<Self> {
         if len == 0 {
             return Err(Error::OutOfRange {

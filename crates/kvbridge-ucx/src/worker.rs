@@ -487,9 +487,10 @@ impl Worker {
         self.wait(op, deadline)
     }
 
-    /// Closes endpoint `ep` without waiting for the peer (`UCP_EP_CLOSE_FLAG_FORCE`: its
-    /// pending operations end as cancelled), and destroys the remote keys unpacked through it.
-    /// Flush first for a clean end.
+    /// Closes endpoint `ep` and destroys the remote keys unpacked through it. Where UCX
+    /// detects peer failure the close does not wait for the peer (`UCP_EP_CLOSE_FLAG_FORCE`:
+    /// pending operations end as cancelled; flush first for a clean end); elsewhere it flushes,
+    /// at most until `deadline`.
     pub fn close(&mut self, ep: EpId, deadline: Instant) -> Result<()> {
         let e = self.eps.remove(&ep.0).ok_or(Error::NotOpen {
             step: Step::EpClose,
@@ -511,11 +512,18 @@ impl Worker {
 
     fn start_close(&mut self, e: Endpoint) -> Result<OpId> {
         let slot = Slot::new();
+        // UCX accepts a forced close only on endpoints with peer-failure handling; the others
+        // close by flushing, bounded by the caller's deadline.
+        let flags = if e.detects {
+            sys::UCP_EP_CLOSE_FLAG_FORCE as u32
+        } else {
+            0
+        };
         let mut param = sys::ucp_request_param_t {
             op_attr_mask: (sys::UCP_OP_ATTR_FIELD_CALLBACK
                 | sys::UCP_OP_ATTR_FIELD_USER_DATA
                 | sys::UCP_OP_ATTR_FIELD_FLAGS) as u32,
-            flags: sys::UCP_EP_CLOSE_FLAG_FORCE as u32,
+            flags,
             user_data: ptr::from_ref::<Slot>(&slot).cast_mut().cast(),
             ..Default::default()
         };
@@ -635,8 +643,9 @@ impl Worker {
 
 fn free_request(req: *mut c_void) {
     if !req.is_null() {
-        // SAFETY: a request UCX returned from a `*_nbx` call, freed once, after completion
-        // (or from `Drop` before the worker is destroyed).
+        // SAFETY: a request UCX returned from a `*_nbx` call, freed once: after completion, or
+        // from `Drop` before the worker is destroyed (UCX then frees it when it ends; its
+        // callback's slot is kept alive until the worker is gone).
         unsafe { sys::ucp_request_free(req) };
     }
 }
@@ -681,11 +690,12 @@ impl Drop for Worker {
         }
         let mut running = Vec::new();
         for (_, f) in self.ops.drain() {
-            if f.slot.get().is_some() {
-                free_request(f.req);
-            } else {
-                // UCX releases a request still running with its worker; the slot and memory it
-                // may touch are dropped only after `ucp_worker_destroy` below.
+            // UCX insists that every request be released before its endpoint goes; a request
+            // still running is freed by UCX when it ends (here: with the worker).
+            free_request(f.req);
+            if f.slot.get().is_none() {
+                // Its slot and the memory it may touch are dropped only after
+                // `ucp_worker_destroy` below, so a late callback or transfer finds them alive.
                 running.push(f);
             }
         }

@@ -68,6 +68,8 @@ fn serve(tls: &str, rx: Receiver<String>, out: &mut dyn FnMut(String)) {
     ));
     // (flag offset, checked offset, checked length) of a pending WATCH.
     let mut watch: Option<(usize, usize, usize)> = None;
+    // A region allocated after the first was unmapped (`ALLOC2`).
+    let mut second: Option<MemRegion> = None;
     loop {
         worker
             .wait_events(Duration::from_millis(10))
@@ -119,6 +121,17 @@ fn serve(tls: &str, rx: Receiver<String>, out: &mut dyn FnMut(String)) {
             "UNMAP" => {
                 region = None;
                 out("OK".into());
+            }
+            "ALLOC2" => {
+                let r = MemRegion::alloc(&ctx, REGION_LEN).expect("second region");
+                r.write(0, &pattern(num(1) as u64, REGION_LEN)).unwrap();
+                second = Some(r);
+                out("OK".into());
+            }
+            "SUM2" => {
+                let mut body = vec![0u8; num(2)];
+                second.as_ref().unwrap().read(num(1), &mut body).unwrap();
+                out(format!("SUM {}", fnv(&body)));
             }
             "EXIT" => break,
             other => panic!("target: unknown command {other}"),
