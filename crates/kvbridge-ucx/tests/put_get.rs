@@ -66,10 +66,13 @@ fn put_get_two_processes() {
     }
 }
 
-/// A 16 MiB write, flushed, then an 8-byte "notification" write: when the target sees the
-/// notification, the 16 MiB are already all there.
+/// A 16 MiB write, flushed, then an 8-byte "notification" write over a second endpoint (no
+/// order between endpoints, as between UCX and kvbridge's control connection): when the
+/// target sees the notification, the 16 MiB are already all there.
 fn flushed_write_lands_before_the_notification(tls: &str, mut target: Target) {
     let mut me = Initiator::to(tls, &target);
+    let notify_ep = me.worker.connect("target-notify", &target.address).unwrap();
+    let notify_key = me.worker.unpack_rkey(notify_ep, &target.region).unwrap();
     let size = 16 << 20;
     let flag = REGION_LEN - 8;
     for round in 0..3u64 {
@@ -80,9 +83,7 @@ fn flushed_write_lands_before_the_notification(tls: &str, mut target: Target) {
         me.local.write(flag, &(round + 1).to_le_bytes()).unwrap();
         let big = me.worker.post_put(me.rkey, 0, &me.local, 0, size).unwrap();
         me.worker.flush(me.ep, deadline(20)).unwrap();
-        me.worker
-            .put(me.rkey, flag as u64, &me.local, flag, 8, deadline(20))
-            .unwrap();
+        me.worker.put(notify_key, flag as u64, &me.local, flag, 8, deadline(20)).unwrap();
         me.worker.wait(big, deadline(20)).unwrap();
         assert_eq!(
             target.answer(),
