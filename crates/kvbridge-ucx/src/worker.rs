@@ -22,6 +22,11 @@ use crate::wire::{self, Kind, RegionDescriptor};
 /// How long dropping a worker waits for its endpoints to close.
 const DROP_CLOSE_DEADLINE: Duration = Duration::from_secs(2);
 
+/// Rounds of "events pending, none handled" before `wait_events` sleeps between them.
+const BUSY_SPINS_BEFORE_SLEEP: u32 = 64;
+/// The sleep between such rounds.
+const BUSY_SLEEP: Duration = Duration::from_millis(1);
+
 /// A connected peer (an endpoint of this worker).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct EpId(u64);
@@ -113,6 +118,8 @@ pub struct Worker {
     rkeys: HashMap<u64, RemoteKey>,
     ops: HashMap<u64, InFlight>,
     next_id: u64,
+    /// Consecutive `wait_events` rounds in which UCX reported pending events but handled none.
+    busy_spins: u32,
     /// Dropped after the worker is destroyed (field order is irrelevant: `Drop` destroys it
     /// explicitly before the fields go).
     _ctx: Arc<ContextInner>,
@@ -163,6 +170,7 @@ impl Worker {
             rkeys: HashMap::new(),
             ops: HashMap::new(),
             next_id: 1,
+            busy_spins: 0,
             _ctx: ctx.inner.clone(),
             _not_sync: PhantomData,
         };
@@ -237,10 +245,23 @@ impl Worker {
     /// A peer that only receives puts and gets (UCX's tcp transport needs the target to
     /// progress) runs this in a loop.
     pub fn wait_events(&mut self, timeout: Duration) -> Result<()> {
-        if self.progress() > 0 || !self.arm()? {
+        if self.progress() > 0 {
+            self.busy_spins = 0;
             return Ok(());
         }
-        poll_fd(self.efd, timeout)
+        if self.arm()? {
+            self.busy_spins = 0;
+            return poll_fd(self.efd, timeout);
+        }
+        // UCX says events are pending but progress handled none: an operation retrying on a
+        // resource that does not free up (seen: writes to a killed peer over shared memory).
+        // The event fd stays readable then, so after a few such rounds sleep in short steps
+        // (without the fd) instead of spinning until the deadline.
+        self.busy_spins = self.busy_spins.saturating_add(1);
+        if self.busy_spins > BUSY_SPINS_BEFORE_SLEEP {
+            std::thread::sleep(timeout.min(BUSY_SLEEP));
+        }
+        Ok(())
     }
 
     /// Opens an endpoint to the peer whose worker address (the bytes of its
@@ -487,10 +508,9 @@ impl Worker {
         self.wait(op, deadline)
     }
 
-    /// Closes endpoint `ep` and destroys the remote keys unpacked through it. Where UCX
-    /// detects peer failure the close does not wait for the peer (`UCP_EP_CLOSE_FLAG_FORCE`:
-    /// pending operations end as cancelled; flush first for a clean end); elsewhere it flushes,
-    /// at most until `deadline`.
+    /// Closes endpoint `ep` and destroys the remote keys unpacked through it: flushes what
+    /// was posted on it and tells the peer, at most until `deadline`. An endpoint whose peer
+    /// failed is released without waiting (`UCP_EP_CLOSE_FLAG_FORCE`).
     pub fn close(&mut self, ep: EpId, deadline: Instant) -> Result<()> {
         let e = self.eps.remove(&ep.0).ok_or(Error::NotOpen {
             step: Step::EpClose,
@@ -512,9 +532,13 @@ impl Worker {
 
     fn start_close(&mut self, e: Endpoint) -> Result<OpId> {
         let slot = Slot::new();
-        // UCX accepts a forced close only on endpoints with peer-failure handling; the others
-        // close by flushing, bounded by the caller's deadline.
-        let flags = if e.detects {
+        // A live endpoint closes by flushing and telling the peer, bounded by the caller's
+        // deadline: dropping a worker while the peer's reverse connection was still being
+        // wired up made UCX 1.13 abort the *peer* ("unexpected error: Endpoint timeout"). A
+        // failed endpoint is released at once (UCX accepts that only with peer-failure
+        // handling, which a failed endpoint has).
+        let failed = e.failed.get().is_some();
+        let flags = if failed && e.detects {
             sys::UCP_EP_CLOSE_FLAG_FORCE as u32
         } else {
             0

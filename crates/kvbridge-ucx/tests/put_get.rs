@@ -83,7 +83,9 @@ fn flushed_write_lands_before_the_notification(tls: &str, mut target: Target) {
         me.local.write(flag, &(round + 1).to_le_bytes()).unwrap();
         let big = me.worker.post_put(me.rkey, 0, &me.local, 0, size).unwrap();
         me.worker.flush(me.ep, deadline(20)).unwrap();
-        me.worker.put(notify_key, flag as u64, &me.local, flag, 8, deadline(20)).unwrap();
+        me.worker
+            .put(notify_key, flag as u64, &me.local, flag, 8, deadline(20))
+            .unwrap();
         me.worker.wait(big, deadline(20)).unwrap();
         assert_eq!(
             target.answer(),
