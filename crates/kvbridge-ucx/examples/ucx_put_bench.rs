@@ -2,9 +2,9 @@
 //! measured in the same run.
 //!
 //! `cargo run --release -p kvbridge-ucx --features ucx --example ucx_put_bench -- [--reps 5]
-//! [--mib 256] [--sizes 64K,256K,1M,4M]`
+//! [--mib 256] [--sizes 64K,256K,1M,4M] [--tls 'tcp|sm,self']`
 //!
-//! Each transport gets a target process (this binary with `--serve TLS`) that registers a
+//! `--tls` lists the `UCX_TLS` values to compare, separated by `|`. Each gets a target process (this binary with `--serve TLS`) that registers a
 //! 64 MiB region and progresses its worker. For every repetition and size, memcpy, tcp and sm
 //! are measured in turn, each moving `--mib` MiB in puts of that size (up to 16 in flight,
 //! then a flush). Prints the median of the repetitions and the spread (min-max) in GiB/s. Any
@@ -21,7 +21,6 @@ use kvbridge_ucx::{Context, ContextConfig, EpId, MemRegion, OpId, RkeyId, Worker
 const REGION: usize = 64 << 20;
 const WINDOW: usize = 16;
 const OP_DEADLINE: Duration = Duration::from_secs(30);
-const TRANSPORTS: [&str; 2] = ["tcp", "sm,self"];
 
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
@@ -97,7 +96,12 @@ fn start(tls: &str) -> Result<Peer, Box<dyn std::error::Error>> {
 }
 
 /// Moves `total` bytes in puts of `size`, at most `WINDOW` in flight, then flushes. GiB/s.
-fn put_run(p: &mut Peer, size: usize, total: usize) -> Result<f64, kvbridge_ucx::Error> {
+fn put_run(
+    p: &mut Peer,
+    size: usize,
+    total: usize,
+    spin: bool,
+) -> Result<f64, kvbridge_ucx::Error> {
     let n = total / size;
     let slots = REGION / size;
     let mut inflight: std::collections::VecDeque<OpId> = Default::default();
@@ -105,7 +109,17 @@ fn put_run(p: &mut Peer, size: usize, total: usize) -> Result<f64, kvbridge_ucx:
     for i in 0..n {
         if inflight.len() == WINDOW {
             let op = inflight.pop_front().unwrap();
-            p.worker.wait(op, Instant::now() + OP_DEADLINE)?;
+            if spin {
+                let deadline = Instant::now() + OP_DEADLINE;
+                while !p.worker.test(op)? {
+                    p.worker.progress();
+                    if Instant::now() > deadline {
+                        return p.worker.wait(op, deadline).map(|_| 0.0);
+                    }
+                }
+            } else {
+                p.worker.wait(op, Instant::now() + OP_DEADLINE)?;
+            }
         }
         let off = (i % slots) * size;
         inflight.push_back(p.worker.post_put(p.rkey, off as u64, &p.local, off, size)?);
@@ -138,9 +152,11 @@ fn parse_size(s: &str) -> usize {
     num.parse::<usize>().expect("size") * mul
 }
 
-fn stats(v: &mut [f64]) -> String {
+/// Median [min-max].
+fn stats(v: &[f64]) -> String {
+    let mut v = v.to_vec();
     v.sort_by(|a, b| a.total_cmp(b));
-    format!("{:6.2} [{:.2}-{:.2}]", v[v.len() / 2], v[0], v[v.len() - 1])
+    format!("{:.2} [{:.2}-{:.2}]", v[v.len() / 2], v[0], v[v.len() - 1])
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -154,36 +170,47 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .iter()
         .map(|s| parse_size(s))
         .collect();
+    let mut transports: Vec<String> = vec!["tcp".into(), "sm,self".into()];
+    let mut spin = false;
     let mut i = 1;
-    while i + 1 < args.len() {
+    while i < args.len() {
+        if args[i] == "--spin" {
+            spin = true;
+            i += 1;
+            continue;
+        }
+        if i + 1 == args.len() {
+            return Err(format!("{} needs a value", args[i]).into());
+        }
         match args[i].as_str() {
             "--reps" => reps = args[i + 1].parse()?,
             "--mib" => mib = args[i + 1].parse()?,
             "--sizes" => sizes = args[i + 1].split(',').map(parse_size).collect(),
+            "--tls" => transports = args[i + 1].split('|').map(String::from).collect(),
             other => return Err(format!("unknown argument {other}").into()),
         }
         i += 2;
     }
     let total = mib << 20;
     let mut peers = Vec::new();
-    for tls in TRANSPORTS {
+    for tls in &transports {
         peers.push(start(tls)?);
     }
     let src = vec![0x5au8; REGION];
     let mut dst = vec![0u8; REGION];
     // [size][0 = memcpy, 1.. = transports][rep]
-    let mut results = vec![vec![Vec::new(); 1 + TRANSPORTS.len()]; sizes.len()];
+    let mut results = vec![vec![Vec::new(); 1 + transports.len()]; sizes.len()];
     // Warm-up: connects the endpoints and faults in both sides' pages.
     for p in peers.iter_mut() {
-        put_run(p, 1 << 20, REGION).map_err(|e| format!("warm-up failed: {e}"))?;
+        put_run(p, 1 << 20, REGION, spin).map_err(|e| format!("warm-up failed: {e}"))?;
     }
     memcpy_run(&src, &mut dst, 1 << 20, REGION);
     for _ in 0..reps {
         for (si, &size) in sizes.iter().enumerate() {
             results[si][0].push(memcpy_run(&src, &mut dst, size, total));
             for (ti, p) in peers.iter_mut().enumerate() {
-                let gib =
-                    put_run(p, size, total).map_err(|e| format!("FAILED, no figures: {e}"))?;
+                let gib = put_run(p, size, total, spin)
+                    .map_err(|e| format!("FAILED, no figures: {e}"))?;
                 results[si][1 + ti].push(gib);
             }
         }
@@ -191,31 +218,35 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!(
         "put throughput, GiB/s: median of {reps} [min-max], {mib} MiB per run, {WINDOW} puts in flight, target in another process"
     );
-    println!(
-        "{:>6} | {:>20} | {:>20} | {:>20} | tcp/memcpy | sm/memcpy",
-        "size", "memcpy", "ucx tcp", "ucx sm"
-    );
+    let mut header = format!("{:>6} | {:>20}", "size", "memcpy");
+    for tls in &transports {
+        header += &format!(" | {:>20}", format!("ucx {tls}"));
+    }
+    for tls in &transports {
+        header += &format!(" | {tls}/memcpy");
+    }
+    println!("{header}");
     for (si, &size) in sizes.iter().enumerate() {
-        let med = |v: &Vec<f64>| {
-            let mut c = v.clone();
+        let median = |v: &[f64]| {
+            let mut c = v.to_vec();
             c.sort_by(|a, b| a.total_cmp(b));
             c[c.len() / 2]
         };
-        let m = med(&results[si][0]);
-        let (t, s) = (med(&results[si][1]), med(&results[si][2]));
+        let m = median(&results[si][0]);
         let label = if size >= 1 << 20 {
             format!("{}M", size >> 20)
         } else {
             format!("{}K", size >> 10)
         };
-        println!(
-            "{label:>6} | {} | {} | {} | {:10.3} | {:9.3}",
-            stats(&mut results[si][0].clone()),
-            stats(&mut results[si][1].clone()),
-            stats(&mut results[si][2].clone()),
-            t / m,
-            s / m
-        );
+        let mut row = format!("{label:>6} | {:>20}", stats(&results[si][0]));
+        for r in &results[si][1..] {
+            row += &format!(" | {:>20}", stats(r));
+        }
+        for (ti, tls) in transports.iter().enumerate() {
+            let w = tls.len() + 7;
+            row += &format!(" | {:>w$.3}", median(&results[si][1 + ti]) / m);
+        }
+        println!("{row}");
     }
     for mut p in peers {
         drop(p.child.stdin.take());

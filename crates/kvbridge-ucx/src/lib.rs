@@ -40,6 +40,8 @@
 //! ```
 
 #![warn(missing_docs)]
+// The overview above names the API of the `ucx` feature; without it only `wire` exists.
+#![cfg_attr(not(feature = "ucx"), allow(rustdoc::broken_intra_doc_links))]
 // Every unsafe block says what makes it sound; registered memory is never lent as a reference.
 #![deny(clippy::undocumented_unsafe_blocks, unsafe_op_in_unsafe_fn)]
 

@@ -466,7 +466,7 @@ impl Worker {
         let mut param = sys::ucp_request_param_t {
             op_attr_mask: (sys::UCP_OP_ATTR_FIELD_CALLBACK
                 | sys::UCP_OP_ATTR_FIELD_USER_DATA
-                | sys::UCP_OP_ATTR_FIELD_MEMH) as u32,
+                | sys::UCP_OP_ATTR_FIELD_MEMH),
             user_data: ptr::from_ref::<Slot>(&slot).cast_mut().cast(),
             memh: local.inner.memh,
             ..Default::default()
@@ -496,8 +496,7 @@ impl Worker {
         let (handle, peer) = (e.handle, e.peer.clone());
         let slot = Slot::new();
         let mut param = sys::ucp_request_param_t {
-            op_attr_mask: (sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA)
-                as u32,
+            op_attr_mask: (sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA),
             user_data: ptr::from_ref::<Slot>(&slot).cast_mut().cast(),
             ..Default::default()
         };
@@ -539,14 +538,14 @@ impl Worker {
         // handling, which a failed endpoint has).
         let failed = e.failed.get().is_some();
         let flags = if failed && e.detects {
-            sys::UCP_EP_CLOSE_FLAG_FORCE as u32
+            sys::UCP_EP_CLOSE_FLAG_FORCE
         } else {
             0
         };
         let mut param = sys::ucp_request_param_t {
             op_attr_mask: (sys::UCP_OP_ATTR_FIELD_CALLBACK
                 | sys::UCP_OP_ATTR_FIELD_USER_DATA
-                | sys::UCP_OP_ATTR_FIELD_FLAGS) as u32,
+                | sys::UCP_OP_ATTR_FIELD_FLAGS),
             flags,
             user_data: ptr::from_ref::<Slot>(&slot).cast_mut().cast(),
             ..Default::default()
@@ -588,6 +587,28 @@ impl Worker {
             }
             self.wait_events(deadline - now)?;
         }
+    }
+
+    /// Checks operation `op` without waiting (NIXL's `checkXfer`): `Ok(true)` once it
+    /// completed (the operation is then gone), `Ok(false)` while it runs, its error if it
+    /// failed. Call [`Worker::progress`] to advance it, e.g. when the event fd is readable.
+    pub fn test(&mut self, op: OpId) -> Result<bool> {
+        let f = self.ops.get(&op.0).ok_or(Error::NotOpen {
+            step: Step::Wait,
+            what: "operation",
+            id: op.0,
+        })?;
+        let Some(code) = f.slot.get() else {
+            return Ok(false);
+        };
+        let f = self.ops.remove(&op.0).expect("present above");
+        free_request(f.req);
+        check(code).map_err(|status| Error::Peer {
+            peer: f.peer,
+            step: f.step,
+            status,
+        })?;
+        Ok(true)
     }
 
     /// How many operations UCX has not ended yet, including abandoned ones.
