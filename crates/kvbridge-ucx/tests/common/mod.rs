@@ -57,8 +57,8 @@ pub fn unhex(s: &str) -> Vec<u8> {
 
 /// The target's loop: announce address and region, then serve commands until `EXIT` or the
 /// command source closes.
-fn serve(tls: &str, rx: Receiver<String>, out: &mut dyn FnMut(String)) {
-    let ctx = Context::new(&ContextConfig::with_tls(tls)).expect("target context");
+fn serve(config: ContextConfig, rx: Receiver<String>, out: &mut dyn FnMut(String)) {
+    let ctx = Context::new(&config).expect("target context");
     let mut worker = Worker::new(&ctx).expect("target worker");
     let mut region = Some(MemRegion::alloc(&ctx, REGION_LEN).expect("target region"));
     out(format!("ADDR {}", hex(worker.address())));
@@ -159,7 +159,7 @@ impl Target {
         let (ans_tx, ans_rx) = mpsc::channel();
         let tls = tls.to_string();
         let thread = std::thread::spawn(move || {
-            serve(&tls, cmd_rx, &mut |l| {
+            serve(ContextConfig::with_tls(&tls), cmd_rx, &mut |l| {
                 let _ = ans_tx.send(l);
             })
         });
@@ -174,12 +174,15 @@ impl Target {
         })
     }
 
-    /// A target in a child process: this test binary, running only `child_test`.
+    /// A target in a child process: this test binary, running only `child_test`, with
+    /// `UCX_TLS=tls` in its environment.
     pub fn process(tls: &str, child_test: &str) -> Target {
         let exe = std::env::current_exe().expect("test binary path");
         let mut child = Command::new(exe)
             .args([child_test, "--exact", "--nocapture", "--test-threads", "1"])
-            .env("KVB_UCX_CHILD", tls)
+            // The child takes its transports from UCX's own environment, as a user sets them.
+            .env("KVB_UCX_CHILD", "1")
+            .env("UCX_TLS", tls)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -276,9 +279,9 @@ impl Target {
 /// The body of the child-process test: serves when this binary was started as a target,
 /// returns at once otherwise.
 pub fn child_entry() {
-    let Ok(tls) = std::env::var("KVB_UCX_CHILD") else {
+    if std::env::var_os("KVB_UCX_CHILD").is_none() {
         return;
-    };
+    }
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         for line in std::io::stdin().lock().lines() {
@@ -289,7 +292,7 @@ pub fn child_entry() {
         }
     });
     let stdout = std::io::stdout();
-    serve(&tls, rx, &mut |l| {
+    serve(ContextConfig::default(), rx, &mut |l| {
         let mut o = stdout.lock();
         let _ = writeln!(o, "{PREFIX}{l}");
         let _ = o.flush();
