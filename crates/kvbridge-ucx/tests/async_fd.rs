@@ -30,7 +30,11 @@ async fn puts_complete_on_tokio_async_fd_wakeups() {
     for tls in TLS_VARIANTS {
         let mut target = Target::thread(tls);
         let mut me = Initiator::to(tls, &target);
-        let fd = AsyncFd::with_interest(me.worker.event_fd(), Interest::READABLE).unwrap();
+        // SAFETY: the worker owns the fd and outlives `fd`, which is dropped below, before
+        // `me` (and with it the worker) goes.
+        let fd =
+            unsafe { AsyncFd::register_with_interest(me.worker.event_fd(), Interest::READABLE) }
+                .unwrap();
         for (round, size) in [4096usize, 1 << 20, 16 << 20].into_iter().enumerate() {
             let data = pattern(round as u64 + 40, size);
             me.local.write(0, &data).unwrap();
