@@ -15,6 +15,11 @@ fn ucx_child() {
     child_entry();
 }
 
+/// What a wait may overrun its deadline by on a loaded host: a 1 ms sleep took 4 s here at a
+/// load average of 56 on 2 cores. A wait that ignores its deadline overruns by far more (a
+/// broken deadline made this test take 44 s).
+const SLACK: Duration = Duration::from_secs(10);
+
 /// After the peer is SIGKILLed, a write and its flush end with an error well within the
 /// deadline: UCX's tcp transport sees the reset; over shared memory the copy into the dead
 /// process fails.
@@ -63,25 +68,34 @@ fn killed_peer_fails_put_and_flush_within_deadline() {
                 "{tls}: expected a failure or the deadline, got {err:?}"
             );
         }
-        assert!(
-            took < 2 * limit + Duration::from_secs(1),
-            "{tls}: took {took:?}"
-        );
+        assert!(took < 2 * limit + SLACK, "{tls}: took {took:?}");
         // Waiting for a peer that will never answer sleeps (seen before the fix: a spin, 2.7 s
         // of CPU in 4 s, UCX reporting pending events that its progress never handled).
         assert!(
             cpu <= took / 4,
             "{tls}: {cpu:?} of CPU while waiting {took:?}"
         );
-        // Later operations on the dead endpoint fail too, at once or within their deadline.
+        // Later operations on the dead endpoint end within their deadlines too. Where UCX
+        // detects the failure they fail at once; over shared memory they end at the deadline
+        // (asserted only in time: nothing there knows that the peer is gone).
         let again = Instant::now();
+        let put = me
+            .worker
+            .put(me.rkey, 0, &me.local, 0, 4096, Instant::now() + limit);
+        let flush = me.worker.flush(me.ep, Instant::now() + limit);
+        let took = again.elapsed();
+        eprintln!("{tls}: later: put {put:?}, flush {flush:?}, in {took:?}");
+        if detects {
+            assert!(
+                put.is_err() && flush.is_err(),
+                "{tls}: put {put:?}, flush {flush:?}"
+            );
+        }
+        // The slack covers scheduling on a loaded host, not a wait past the deadline.
         assert!(
-            me.worker
-                .put(me.rkey, 0, &me.local, 0, 4096, Instant::now() + limit)
-                .is_err()
-                || me.worker.flush(me.ep, Instant::now() + limit).is_err()
+            took < 2 * limit + SLACK,
+            "{tls}: later put and flush took {took:?}"
         );
-        assert!(again.elapsed() < 2 * limit + Duration::from_secs(1));
         let closed = me.worker.close(me.ep, Instant::now() + limit);
         assert!(
             detects || closed.is_err() || closed.is_ok(),
