@@ -108,3 +108,39 @@ fn flush_orders_the_notification_two_processes() {
         flushed_write_lands_before_the_notification(tls, Target::process(tls, "ucx_child"));
     }
 }
+
+/// Memory the caller owns (as the engine's regions are), registered with `map_existing`,
+/// written from and read into byte-exact.
+#[test]
+fn put_get_with_existing_memory() {
+    for tls in TLS_VARIANTS {
+        let mut target = Target::thread(tls);
+        let mut me = Initiator::to(tls, &target);
+        let size = 1 << 20;
+        let mut buf = pattern(123, size);
+        // SAFETY: `buf` is neither moved nor dropped until after `region` and every
+        // operation on it: the operations are waited for and the region dropped below.
+        let region =
+            unsafe { kvbridge_ucx::MemRegion::map_existing(&me.ctx, buf.as_mut_ptr(), size) }
+                .unwrap();
+        me.worker
+            .put(me.rkey, 0, &region, 0, size, deadline(20))
+            .unwrap();
+        me.worker.flush(me.ep, deadline(20)).unwrap();
+        assert_eq!(
+            target.ask(&format!("SUM 0 {size}")),
+            format!("SUM {}", fnv(&pattern(123, size))),
+            "{tls}"
+        );
+        assert_eq!(target.ask(&format!("FILL 0 {size} 321")), "OK");
+        me.worker
+            .get(me.rkey, 0, &region, 0, size, deadline(20))
+            .unwrap();
+        assert_eq!(me.worker.in_flight(), 0);
+        drop(region);
+        assert!(
+            buf == pattern(321, size),
+            "{tls}: get into existing memory not byte-exact"
+        );
+    }
+}
