@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # fails.
 ALLOWED_LOOPS = {
     "crates/kvbridge": {
-        "channel", "cma", "datapath", "grant", "region", "session", "shm", "writer_queue",
+        "channel", "cma", "datapath", "session", "shm", "writer_queue",
     },
     "crates/kvbridge-proxy": {
         "body", "cli", "config", "listener", "outcome_port", "pool", "router", "server",

@@ -28,11 +28,11 @@
 //! [`ErrorCode::AccessDenied`]: kvbridge_proto::msg::ErrorCode::AccessDenied
 
 use crate::error::{Error, Result};
+use crate::landing::{Landing, LandingHold};
 use crate::region::{Region, RegionUse};
 use kvbridge_proto::msg::{ErrorCode, MemInfo, RegionInfo};
 use kvbridge_proto::{PeerId, RegionId};
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 
 /// Which peers may address a region.
@@ -156,76 +156,33 @@ impl Permission {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct WindowId(u64);
 
-/// How many writes that passed a window are still landing.
-#[derive(Default)]
-struct WindowUses {
-    count: AtomicUsize,
-    idle: tokio::sync::Notify,
-}
-
-/// One write counted in a window until it ends.
-pub(crate) struct WindowHold(Arc<WindowUses>);
-
-impl WindowHold {
-    fn new(u: &Arc<WindowUses>) -> Self {
-        u.count.fetch_add(1, Ordering::AcqRel);
-        WindowHold(u.clone())
-    }
-}
-
-impl Clone for WindowHold {
-    fn clone(&self) -> Self {
-        WindowHold::new(&self.0)
-    }
-}
-
-impl Drop for WindowHold {
-    fn drop(&mut self) {
-        if self.0.count.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.0.idle.notify_waiters();
-        }
-    }
-}
-
 /// The writes still landing through a closed window: no new one can pass it.
-pub struct WindowDrain(Arc<WindowUses>);
+pub struct WindowDrain(Arc<Landing>);
 
 impl WindowDrain {
     /// Whether no write through the window is landing any more.
     pub fn is_drained(&self) -> bool {
-        self.0.count.load(Ordering::Acquire) == 0
+        self.0.count() == 0
     }
 
     /// Waits until no write through the window is landing. Each write is bounded by the
     /// channel's payload deadline (past it the writer's session ends and its write with it),
     /// so this returns within about the op deadline; callers still bound it.
     pub async fn drained(&self) {
-        loop {
-            let n = self.0.idle.notified();
-            tokio::pin!(n);
-            n.as_mut().enable();
-            if self.is_drained() {
-                return;
-            }
-            n.await;
-        }
+        self.0.drained().await
     }
 }
 
 impl std::fmt::Debug for WindowDrain {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "WindowDrain({} landing)",
-            self.0.count.load(Ordering::Acquire)
-        )
+        write!(f, "WindowDrain({} landing)", self.0.count())
     }
 }
 
 struct Window {
     id: WindowId,
     end: u64,
-    uses: Arc<WindowUses>,
+    uses: Arc<Landing>,
 }
 
 struct Entry {
@@ -238,7 +195,7 @@ struct Entry {
 impl Entry {
     /// Holds on every window of `peer` that `offset..offset+len` passes through, when they
     /// cover it without a gap.
-    fn cover(&self, peer: &PeerId, offset: u64, len: u64) -> Option<Vec<WindowHold>> {
+    fn cover(&self, peer: &PeerId, offset: u64, len: u64) -> Option<Vec<LandingHold>> {
         let end = offset.checked_add(len)?;
         let mut holds = Vec::new();
         if len == 0 {
@@ -251,7 +208,7 @@ impl Entry {
             if w.end <= pos {
                 return None;
             }
-            holds.push(WindowHold::new(&w.uses));
+            holds.push(LandingHold::new(&w.uses));
             pos = w.end;
         }
         Some(holds)
@@ -483,7 +440,7 @@ mod tests {
     /// reopens it read-write through `/proc/self/fd`, and can then map it writable.
     #[test]
     fn a_read_only_memfd_descriptor_reopens_read_write() {
-        let fd = crate::shm::memfd(4096).expect("memfd");
+        let fd = crate::region::memfd(4096).expect("memfd");
         let open = |path: String, flags| {
             let p = CString::new(path).unwrap();
             // SAFETY: p is a valid C string; open has no other argument here.

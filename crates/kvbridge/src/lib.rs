@@ -37,6 +37,7 @@ mod error;
 #[doc(hidden)]
 pub mod fuzzing;
 mod grant;
+mod landing;
 pub mod net;
 pub mod peer_memory;
 mod refusals;

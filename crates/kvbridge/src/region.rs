@@ -28,7 +28,8 @@ use kvbridge_proto::msg::{MemKind, RegionInfo};
 use kvbridge_proto::RegionId;
 use std::alloc::Layout;
 use std::fmt;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -170,7 +171,7 @@ impl Region {
         if std::env::var("KVBRIDGE_REGION_MEMFD").is_ok_and(|v| v == "0") {
             return Self::alloc_private(len, page_size);
         }
-        match crate::shm::memfd(len) {
+        match memfd(len) {
             Ok(fd) => Self::alloc_memfd(fd, len, page_size),
             Err(e) => {
                 tracing::debug!(error = %e, "memfd unavailable; region in private memory");
@@ -749,6 +750,30 @@ impl Region {
     }
 }
 
+/// Creates a sealed memfd of `len` bytes, a region's memory (it can neither shrink nor grow,
+/// so a peer that maps it cannot be made to fault).
+pub(crate) fn memfd(len: usize) -> io::Result<OwnedFd> {
+    let name = c"kvbridge-region";
+    // SAFETY: a valid C string; flags are constants.
+    let fd =
+        unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: fd is open; len fits off_t on 64-bit Linux.
+    if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // SAFETY: fd is an open memfd created with MFD_ALLOW_SEALING.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(fd)
+}
+
 /// Guard of one transfer touching a region.
 pub(crate) struct RegionUse {
     region: Region,
@@ -756,7 +781,7 @@ pub(crate) struct RegionUse {
     writes: bool,
     /// The write windows the transfer lands in (`crate::grant`): each counts it until the
     /// guard drops, so closing a window can wait for the writes that passed it.
-    windows: Vec<crate::grant::WindowHold>,
+    windows: Vec<crate::landing::LandingHold>,
 }
 
 impl RegionUse {
@@ -776,7 +801,7 @@ impl RegionUse {
     }
 
     /// Counts this transfer in `windows` until it ends.
-    pub(crate) fn within(mut self, windows: Vec<crate::grant::WindowHold>) -> RegionUse {
+    pub(crate) fn within(mut self, windows: Vec<crate::landing::LandingHold>) -> RegionUse {
         self.windows = windows;
         self
     }

@@ -96,30 +96,6 @@ pub fn host_id() -> Option<String> {
     .clone()
 }
 
-/// Creates a sealed memfd of `len` bytes (it can neither shrink nor grow, so a peer that
-/// maps it cannot be made to fault).
-pub(crate) fn memfd(len: usize) -> io::Result<OwnedFd> {
-    let name = c"kvbridge-region";
-    // SAFETY: a valid C string; flags are constants.
-    let fd =
-        unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a fresh descriptor that nothing else owns.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    // SAFETY: fd is open; len fits off_t on 64-bit Linux.
-    if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
-    // SAFETY: fd is an open memfd created with MFD_ALLOW_SEALING.
-    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(fd)
-}
-
 /// The process id of the other end of a unix socket.
 fn peer_pid(s: &UnixStream) -> io::Result<u32> {
     Ok(peer_cred(s)?.pid as u32)
@@ -915,7 +891,7 @@ pub(crate) fn cma_map_msg(id: RegionId, len: u64, addr: u64) -> Message {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::region::Region;
+    use crate::region::{memfd, Region};
 
     fn op(id: RegionId, offset: u64, len: u64, local: &Region) -> (OpDesc, LocalSlice) {
         (
