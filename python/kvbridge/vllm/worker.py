@@ -529,5 +529,15 @@ class _NoticeLoop:
             loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
         if loop is None or thread is None:
             return
+
+        async def cancel_pending() -> None:
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    task.cancel()
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(cancel_pending(), loop).result(5.0)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5.0)
+        if not thread.is_alive():
+            loop.close()

@@ -184,4 +184,6 @@ def test_notices_to_a_silent_prefiller_hold_up_no_notice_to_another_and_its_deat
     took = wait_reported(decoder, "d-after")
     assert decoder.take_failed_recving() == {"d-after"}
     assert took < PROMPT_S, f"a load from a dead prefiller failed only after {took:.2f} s"
+    lost = ("loads_failed_unreachable", "loads_failed_peer_lost")
+    assert sum(decoder.stats[k] - before[k] for k in lost) == 1, decoder.stats
     assert decoder.stats["loads_failed_timeout"] == before["loads_failed_timeout"]
