@@ -23,6 +23,7 @@ COUNTERS = (
     "bytes_read",
     "blocks_freed_on_notify",
     "leases_expired",
+    "notices_failed",
 )
 
 

@@ -9,6 +9,7 @@ then notifies the prefiller, on failure as on success.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -36,8 +37,6 @@ DIRECTORY_LEN = 65521
 DIRECTORY_MAGIC = b"kvbridge-vllm/1 directory\n"
 #: Decoder loads run here, off vLLM's step, so a slow peer never stalls a forward pass.
 LOAD_THREADS = 4
-#: "Read done" notifications are sent here, so a prefiller slow to take one delays no load.
-NOTIFY_THREADS = 2
 
 
 class LayoutError(ValueError):
@@ -86,6 +85,20 @@ class _Layer:
 class _Peer:
     peer_id: str
     regions: dict[str, int]  # layer name -> remote region id
+
+
+@dataclass
+class _Prefiller:
+    """What the decoder holds per prefiller address. Its lock serialises connecting to that
+    address only: a prefiller that is slow, hung or dying holds up loads from itself, never
+    loads from another prefiller."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    peer: _Peer | None = None
+    # where its directory is read (granted to no peer; one byte longer than a directory,
+    # so that peers never take it for one)
+    scratch: bytearray = field(default_factory=lambda: bytearray(DIRECTORY_LEN + 1))
+    scratch_region: int | None = None
 
 
 @dataclass
@@ -160,14 +173,14 @@ class KvbridgeWorker:
         self.layers: list[_Layer] = []
         self._directory = bytearray(DIRECTORY_LEN)
         self._directory_region: int | None = None
-        # where a decoder reads a prefiller's directory; one byte longer so that peers
-        # never take it for a directory
-        self._scratch = bytearray(DIRECTORY_LEN + 1)
-        self._scratch_region: int | None = None
-        self._peers: dict[str, _Peer] = {}
-        self._peers_lock = threading.Lock()
+        # prefiller address -> its session and directory; the lock guards the dict only
+        self._prefillers: dict[str, _Prefiller] = {}
+        self._prefillers_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kvbridge-load")
-        self._notifier = ThreadPoolExecutor(NOTIFY_THREADS, thread_name_prefix="kvbridge-notify")
+        # "read done" notices: each its own task on this loop, bounded by the channel's op
+        # deadline, so a notice to a prefiller that is gone (or not answering) never waits
+        # in a queue ahead of notices to other prefillers
+        self._notices = _NoticeLoop()
         self._loads: dict[str, _Load] = {}
         self._load_errors: set[int] = set()
         self._failed_recving: set[str] = set()
@@ -234,7 +247,6 @@ class KvbridgeWorker:
                 raise LayoutError(f"{len(self.layers)} layers do not fit the {DIRECTORY_LEN}-byte directory")
             self._directory[: len(body)] = body
             self._directory_region = self.channel.register_buffer(self._directory, DIRECTORY_LEN)
-            self._scratch_region = self.channel.register_buffer(self._scratch, DIRECTORY_LEN + 1, peers=[])
         except BaseException:
             self.channel.close()
             self.channel = None
@@ -253,43 +265,82 @@ class KvbridgeWorker:
         for req_id, job in meta.reqs_to_recv.items():
             load = _Load(req_id, job, started=now)
             self._loads[req_id] = load
-            load.future = self._pool.submit(self._load, load)
+            if job.local_block_ids:
+                load.future = self._pool.submit(self._load, load)
+            else:
+                # nothing to read (a request that ended before it was scheduled): only the
+                # prefiller's notice, which takes neither a load thread nor a connect slot
+                load.future = Future()
+                load.future.set_result(None)
+                self._notify_done(self._addr(job), None, job.remote_request_id)
+
+    def _addr(self, job: RecvJob) -> str:
+        return f"{numeric_host(job.remote_host)}:{job.remote_port + self.tp_rank}"
+
+    def _prefiller(self, addr: str) -> _Prefiller:
+        with self._prefillers_lock:
+            return self._prefillers.setdefault(addr, _Prefiller())
 
     def _peer(self, job: RecvJob, deadline: float) -> _Peer:
-        addr = f"{numeric_host(job.remote_host)}:{job.remote_port + self.tp_rank}"
-        with self._peers_lock:
-            known = self._peers.get(addr)
-            if known is not None:
-                try:
-                    self.channel.peer_regions(known.peer_id)  # raises once its session ended
-                    return known
-                except SESSION_ENDED:
-                    del self._peers[addr]  # the prefiller restarted: connect to the new one
-            ch = self.channel
-            assert ch is not None
+        addr = self._addr(job)
+        pf = self._prefiller(addr)
+        if not pf.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise LoadError(
+                f"connect to prefiller {addr}: an earlier connection attempt to it was still under way "
+                f"at the deadline kvbridge_read_timeout_s={self.settings.read_timeout_s}",
+                "timeout",
+            )
+        try:
+            return self._peer_locked(addr, pf, deadline)
+        finally:
+            pf.lock.release()
+
+    def _peer_locked(self, addr: str, pf: _Prefiller, deadline: float) -> _Peer:
+        ch = self.channel
+        assert ch is not None
+        if pf.peer is not None:
             try:
-                peer_id = ch.connect(addr)
-            except kvbridge.KvbridgeError as e:
-                cause = "refused" if isinstance(e, (kvbridge.PeerError, kvbridge.Rejected)) else "unreachable"
-                raise LoadError(f"connect to prefiller {addr}: {type(e).__name__}: {e}", cause) from e
-            regions = ch.peer_regions(peer_id)
-            directory = [r for r in regions if r.length == DIRECTORY_LEN and r.page_size == DIRECTORY_LEN]
-            if len(directory) != 1:
-                raise LoadError(f"prefiller {peer_id} ({addr}) publishes no layer directory")
-            self._scratch[:] = bytes(len(self._scratch))
-            t = ch.submit_read_pages(peer_id, self._scratch_region, [0], directory[0].id, [0], DIRECTORY_LEN)
+                ch.peer_regions(pf.peer.peer_id)  # raises once its session ended
+                return pf.peer
+            except SESSION_ENDED:
+                pf.peer = None  # the prefiller restarted: connect to the new one
+        try:
+            peer_id = ch.connect(addr)
+        except kvbridge.KvbridgeError as e:
+            cause = "refused" if isinstance(e, (kvbridge.PeerError, kvbridge.Rejected)) else "unreachable"
+            raise LoadError(f"connect to prefiller {addr}: {type(e).__name__}: {e}", cause) from e
+        regions = ch.peer_regions(peer_id)
+        directory = [r for r in regions if r.length == DIRECTORY_LEN and r.page_size == DIRECTORY_LEN]
+        if len(directory) != 1:
+            raise LoadError(f"prefiller {peer_id} ({addr}) publishes no layer directory")
+        if pf.scratch_region is None:
+            pf.scratch_region = ch.register_buffer(pf.scratch, DIRECTORY_LEN + 1, peers=[])
+        pf.scratch[:] = bytes(len(pf.scratch))
+        t = ch.submit_read_pages(peer_id, pf.scratch_region, [0], directory[0].id, [0], DIRECTORY_LEN)
+        try:
             t.wait(max(0.0, deadline - time.monotonic()))
-            theirs = bytes(self._scratch[:DIRECTORY_LEN])
-            if not theirs.startswith(DIRECTORY_MAGIC):
-                raise LoadError(f"prefiller {peer_id} ({addr}): bad layer directory")
-            doc = json.loads(theirs[len(DIRECTORY_MAGIC) :].rstrip(b"\0"))
-            remote = {name: int(rid) for name, rid in doc["layers"].items()}
-            missing = [l.name for l in self.layers if l.name not in remote]
-            if missing:
-                raise LoadError(f"prefiller {peer_id} ({addr}) lacks layers {missing[:4]}")
-            peer = _Peer(peer_id, remote)
-            self._peers[addr] = peer
-            return peer
+        except TimeoutError:
+            t.cancel()
+            raise LoadError(
+                f"reading the layer directory of prefiller {peer_id} ({addr}): "
+                f"deadline kvbridge_read_timeout_s={self.settings.read_timeout_s} passed",
+                "timeout",
+            ) from None
+        except SESSION_ENDED as e:
+            raise LoadError(
+                f"reading the layer directory of prefiller {peer_id} ({addr}): session ended: {type(e).__name__}: {e}",
+                "peer_lost",
+            ) from e
+        theirs = bytes(pf.scratch[:DIRECTORY_LEN])
+        if not theirs.startswith(DIRECTORY_MAGIC):
+            raise LoadError(f"prefiller {peer_id} ({addr}): bad layer directory")
+        doc = json.loads(theirs[len(DIRECTORY_MAGIC) :].rstrip(b"\0"))
+        remote = {name: int(rid) for name, rid in doc["layers"].items()}
+        missing = [l.name for l in self.layers if l.name not in remote]
+        if missing:
+            raise LoadError(f"prefiller {peer_id} ({addr}) lacks layers {missing[:4]}")
+        pf.peer = _Peer(peer_id, remote)
+        return pf.peer
 
     def _load(self, load: _Load) -> None:
         job = load.job
@@ -297,7 +348,7 @@ class KvbridgeWorker:
         ch = self.channel
         assert ch is not None
         peer = self._peer(job, deadline)
-        addr = f"{numeric_host(job.remote_host)}:{job.remote_port + self.tp_rank}"
+        addr = self._addr(job)
         try:
             local = job.local_block_ids
             if local:
@@ -330,9 +381,10 @@ class KvbridgeWorker:
         except SESSION_ENDED as e:
             # the prefiller is gone (killed, restarted): forget it, so that the next request
             # for this address connects to whatever listens there now
-            with self._peers_lock:
-                if self._peers.get(addr) is peer:
-                    del self._peers[addr]
+            pf = self._prefiller(addr)
+            with pf.lock:
+                if pf.peer is peer:
+                    pf.peer = None
             raise LoadError(
                 f"reading request {job.remote_request_id} from prefiller {peer.peer_id} ({addr}): "
                 f"session ended: {type(e).__name__}: {e}",
@@ -341,16 +393,26 @@ class KvbridgeWorker:
         finally:
             # off the load's path: the blocks are usable now, whether or not (or however
             # slowly) the prefiller takes the notification
-            self._notifier.submit(self._notify_done, peer.peer_id, job.remote_request_id)
+            self._notify_done(addr, peer.peer_id, job.remote_request_id)
 
-    def _notify_done(self, peer_id: str, remote_request_id: str) -> None:
+    def _notify_done(self, addr: str, peer_id: str | None, remote_request_id: str) -> None:
+        """Tells the prefiller that the request's blocks are read, without waiting: on the
+        session ``peer_id`` when given, else connecting to ``addr``. A failure is logged; the
+        prefiller's lease frees the blocks anyway."""
         ch = self.channel
         if ch is None:
             return
-        try:
-            ch.notify(peer_id, DONE_PREFIX + remote_request_id.encode())
-        except kvbridge.KvbridgeError as e:
-            log.warning("kvbridge: cannot tell prefiller %s that %s is read: %s", peer_id, remote_request_id, e)
+
+        async def notice() -> None:
+            to = peer_id or addr
+            try:
+                to = peer_id or await ch.connect_async(addr)
+                await ch.notify_async(to, DONE_PREFIX + remote_request_id.encode())
+            except kvbridge.KvbridgeError as e:
+                self.stats["notices_failed"] += 1
+                log.warning("kvbridge: cannot tell prefiller %s that %s is read: %s", to, remote_request_id, e)
+
+        self._notices.submit(notice())
 
     # ---- completion -------------------------------------------------------------------------
 
@@ -436,7 +498,46 @@ class KvbridgeWorker:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._notifier.shutdown(wait=False, cancel_futures=True)
+        self._notices.stop()
         if self.channel is not None:
             self.channel.close()
             self.channel = None
+
+
+class _NoticeLoop:
+    """An asyncio loop on a thread of its own, started on first use, where notices run
+    side by side (each bounded by the channel's deadlines)."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, coro) -> None:
+        with self._lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                self._thread = threading.Thread(
+                    target=self._loop.run_forever, name="kvbridge-notices", daemon=True
+                )
+                self._thread.start()
+            loop = self._loop
+        asyncio.run_coroutine_threadsafe(coro, loop)
+
+    def stop(self) -> None:
+        with self._lock:
+            loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
+        if loop is None or thread is None:
+            return
+
+        async def cancel_pending() -> None:
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    task.cancel()
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(cancel_pending(), loop).result(5.0)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5.0)
+        if not thread.is_alive():
+            loop.close()

@@ -278,24 +278,16 @@ def test_prefiller_killed_mid_transfer_ends_the_request_and_the_decoder_recovers
 
     # The proxy's pair still answers, and a new prefiller on the killed one's ports serves
     # the decoder (which forgets the dead session and connects to the new one).
-    # Known defect, open in docs/vllm.md ("Not yet"): the decoder's first load after the
-    # kill, even from the other prefiller, has been seen to pass its read deadline while its
-    # notice to the dead prefiller waits out the 20 s handshake step. Until that is fixed
-    # this part reports an expected failure instead of failing the suite; the kill's own
-    # properties above stay hard assertions.
-    try:
-        text = prompt(41)
-        want = tokens("completions", cluster.ref.url, text, False)
-        assert_same(tokens("completions", cluster.proxy.url, text, False), want)
-        started_in = cluster.restart_victim()
-        print(f"new prefiller healthy in {started_in:.1f} s")
-        text = prompt(42)
-        want = tokens("completions", cluster.ref.url, text, False)
-        path, doc = request("completions", text, False)
-        params = prefill(cluster.victim, path, doc)
-        status, body = post(cluster.decoder.url + path, dict(doc, kv_transfer_params=params))
-        assert status == 200, body
-        lp = body["choices"][0]["logprobs"]
-        assert_same([(t, dict(top)) for t, top in zip(lp["tokens"], lp["top_logprobs"])], want)
-    except AssertionError as e:
-        pytest.xfail(f"known defect: the decoder's first loads after a prefiller's death fail: {e}")
+    text = prompt(41)
+    want = tokens("completions", cluster.ref.url, text, False)
+    assert_same(tokens("completions", cluster.proxy.url, text, False), want)
+    started_in = cluster.restart_victim()
+    print(f"new prefiller healthy in {started_in:.1f} s")
+    text = prompt(42)
+    want = tokens("completions", cluster.ref.url, text, False)
+    path, doc = request("completions", text, False)
+    params = prefill(cluster.victim, path, doc)
+    status, body = post(cluster.decoder.url + path, dict(doc, kv_transfer_params=params))
+    assert status == 200, body
+    lp = body["choices"][0]["logprobs"]
+    assert_same([(t, dict(top)) for t, top in zip(lp["tokens"], lp["top_logprobs"])], want)
