@@ -121,13 +121,45 @@ struct PullState {
     cancel_acked: bool,
 }
 
+/// A call waiting for its answer. Only the peer it went to, answering for its request, may
+/// complete it: call ids restart with every sender process, so an answer meant for another
+/// (a grant a receiver deferred for this sender's previous incarnation, say) must not pass
+/// for ours.
+struct Call {
+    peer: PeerId,
+    req_id: String,
+    answer: oneshot::Sender<PdMsg>,
+}
+
+/// The waiter of call `call` when `peer` may answer it for `req_id`; a mismatch leaves the
+/// call waiting.
+fn take_call(
+    inner: &Inner,
+    call: u64,
+    peer: &PeerId,
+    req_id: &str,
+) -> Option<oneshot::Sender<PdMsg>> {
+    let mut calls = lock(&inner.calls);
+    match calls.get(&call) {
+        Some(c) if c.peer == *peer && c.req_id == req_id => calls.remove(&call).map(|c| c.answer),
+        Some(c) => {
+            tracing::warn!(
+                %peer, call, req_id, expected_peer = %c.peer, expected_req = %c.req_id,
+                "dropping an answer to a call that is not this peer's or this request's"
+            );
+            None
+        }
+        None => None,
+    }
+}
+
 struct Inner {
     channel: Channel,
     cfg: SenderConfig,
     staging: Region,
     free_slots: Mutex<Vec<usize>>,
     slots: Semaphore,
-    calls: Mutex<HashMap<u64, oneshot::Sender<PdMsg>>>,
+    calls: Mutex<HashMap<u64, Call>>,
     transfers: Mutex<HashMap<(PeerId, String), Arc<Shared>>>,
     next_call: AtomicU64,
 }
@@ -524,7 +556,14 @@ impl Transfer {
             _ => {}
         }
         let (tx, rx) = oneshot::channel();
-        lock(&inner.calls).insert(call, tx);
+        lock(&inner.calls).insert(
+            call,
+            Call {
+                peer: peer.clone(),
+                req_id: self.req_id.clone(),
+                answer: tx,
+            },
+        );
         let run = async {
             link.notify(&msg.encode())
                 .await
@@ -892,7 +931,14 @@ impl Transfer {
         };
         let link = self.link(PdStep::Finish)?;
         let (tx, answer) = oneshot::channel();
-        lock(&self.inner.calls).insert(call, tx);
+        lock(&self.inner.calls).insert(
+            call,
+            Call {
+                peer: peer.clone(),
+                req_id: self.req_id.clone(),
+                answer: tx,
+            },
+        );
         let queued = link.notify_queued(&msg.encode()).await;
         match queued {
             Ok(queued) => {
@@ -1199,7 +1245,7 @@ async fn dispatch(inner: Arc<Inner>) {
             PdMsg::AllocOk {
                 call, ref req_id, ..
             } => {
-                let waiter = lock(&inner.calls).remove(&call);
+                let waiter = take_call(&inner, call, &n.peer, req_id);
                 let orphan = match waiter {
                     Some(w) => w.send(msg.clone()).is_err(),
                     None => true,
@@ -1219,10 +1265,16 @@ async fn dispatch(inner: Arc<Inner>) {
                     });
                 }
             }
-            PdMsg::AllocErr { call, .. }
-            | PdMsg::FinishOk { call, .. }
-            | PdMsg::FinishErr { call, .. } => {
-                if let Some(w) = lock(&inner.calls).remove(&call) {
+            PdMsg::AllocErr {
+                call, ref req_id, ..
+            }
+            | PdMsg::FinishOk {
+                call, ref req_id, ..
+            }
+            | PdMsg::FinishErr {
+                call, ref req_id, ..
+            } => {
+                if let Some(w) = take_call(&inner, call, &n.peer, req_id) {
                     let _ = w.send(msg);
                 }
             }
