@@ -224,7 +224,7 @@ mod loom_models {
 
     /// The frames on the wire, each whole (its two bytes adjacent), in order.
     fn frames(wire: &[u8]) -> Vec<u8> {
-        assert!(wire.len() % 2 == 0, "a frame was torn: {wire:?}");
+        assert!(wire.len().is_multiple_of(2), "a frame was torn: {wire:?}");
         wire.chunks(2)
             .map(|f| {
                 assert_eq!(f[0], f[1], "a frame was torn: {wire:?}");
