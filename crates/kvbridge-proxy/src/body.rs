@@ -53,6 +53,7 @@ pub(crate) fn public_message(code: &str) -> &'static str {
         "prefill_timeout" => "the prefill did not finish in time",
         "kv_transfer_failed" => "the KV cache transfer failed",
         "kv_ready_timeout" => "the KV cache did not arrive in time",
+        "prefiller_lost" => "the prefiller holding the KV cache was lost",
         "decode_failed" | "decoder_stream_failed" => "the decode failed",
         "decode_timeout" => "the decoder did not answer in time",
         "upstream_failed" => "a worker failed",

@@ -4,6 +4,14 @@
 //! owner task. A request registers *before* its prefill is sent, so its registration is always
 //! ahead of any outcome the prefill can cause: an outcome can never arrive before its waiter.
 //! Outcomes for ids nobody waits for (late, duplicate or foreign) are counted and dropped.
+//!
+//! A wait is bound to the prefiller its prefill went to. The KV sits on that prefiller until
+//! every rank reported, so when the proxy learns the prefiller is gone (ejected, or an
+//! outcome connection of it closed) its waits fail at once with
+//! [`KvOutcome::PrefillerLost`] instead of waiting out `kv_ready_timeout`. Which prefiller
+//! an outcome connection belongs to is learnt from the success outcomes it delivers (only a
+//! sender reports success; a decoder's receiver may report failures on a connection of its
+//! own); a connection that delivered for two prefillers tells nothing.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
@@ -29,6 +37,22 @@ pub enum KvOutcome {
         /// Its reason.
         reason: String,
     },
+    /// The prefiller holding the KV is gone before every rank reported.
+    PrefillerLost {
+        /// The prefiller's index in its pool.
+        prefiller: usize,
+        /// How the proxy learnt it.
+        how: Loss,
+    },
+}
+
+/// How the proxy learnt that a prefiller is gone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Loss {
+    /// Its health checks failed, or it refused a connection: it was ejected.
+    Ejected,
+    /// An outcome connection of one of its ranks closed.
+    OutcomeConnClosed,
 }
 
 enum Event {
@@ -38,13 +62,34 @@ enum Event {
         tx: oneshot::Sender<KvOutcome>,
     },
     Forget(Arc<str>),
-    Outcome(Notif),
+    /// The prefill of `id` goes to a prefiller: its index, and its ejection count when it
+    /// was picked (`None`: to none, for now).
+    Bind {
+        id: Arc<str>,
+        prefiller: Option<(usize, u64)>,
+    },
+    Outcome {
+        msg: Notif,
+        conn: Option<u64>,
+    },
+    /// `prefiller` was ejected, for the `ejections`-th time.
+    Ejected {
+        prefiller: usize,
+        ejections: u64,
+    },
+    /// An outcome connection ended; `lost`: by the peer (not closed by the proxy).
+    ConnEnded {
+        conn: u64,
+        lost: bool,
+    },
 }
 
 struct Entry {
     ranks: u32,
     seen: u64,
     anonymous: u32,
+    /// The prefiller and its ejection count when it was picked.
+    prefiller: Option<(usize, u64)>,
     tx: oneshot::Sender<KvOutcome>,
 }
 
@@ -71,6 +116,40 @@ impl KvWait {
     /// The request id this wait is registered under.
     pub fn id(&self) -> &str {
         &self.id
+    }
+
+    /// What binds this wait to the prefiller its prefill goes to.
+    pub fn binding(&self) -> Binding {
+        Binding {
+            id: self.id.clone(),
+            tx: self.tx.clone(),
+        }
+    }
+}
+
+/// Binds a wait to the prefiller its prefill goes to ([`KvWait::binding`]).
+pub struct Binding {
+    id: Arc<str>,
+    tx: mpsc::UnboundedSender<Event>,
+}
+
+impl Binding {
+    /// The prefill goes to prefiller `prefiller` (its index in its pool), ejected
+    /// `ejections` times when it was picked. Call it before sending the prefill.
+    pub fn bind(&self, prefiller: usize, ejections: u64) {
+        let _ = self.tx.send(Event::Bind {
+            id: self.id.clone(),
+            prefiller: Some((prefiller, ejections)),
+        });
+    }
+
+    /// The prefill did not reach the prefiller bound last (it goes to another one next):
+    /// losing that one no longer concerns the wait. Call it before the ejection it causes.
+    pub fn unbind(&self) {
+        let _ = self.tx.send(Event::Bind {
+            id: self.id.clone(),
+            prefiller: None,
+        });
     }
 }
 
@@ -106,12 +185,68 @@ impl KvWaiters {
 
     /// Hands one received outcome message to the owner task.
     pub fn deliver(&self, msg: Notif) {
-        let _ = self.tx.send(Event::Outcome(msg));
+        let _ = self.tx.send(Event::Outcome { msg, conn: None });
+    }
+
+    /// Hands one outcome message received on outcome connection `conn` to the owner task.
+    pub fn deliver_on(&self, conn: u64, msg: Notif) {
+        let _ = self.tx.send(Event::Outcome {
+            msg,
+            conn: Some(conn),
+        });
+    }
+
+    /// Prefiller `prefiller` was ejected, for the `ejections`-th time: the waits bound to it
+    /// before that fail.
+    pub fn prefiller_ejected(&self, prefiller: usize, ejections: u64) {
+        let _ = self.tx.send(Event::Ejected {
+            prefiller,
+            ejections,
+        });
+    }
+
+    /// Outcome connection `conn` ended; `by_peer`: the peer closed it or it broke (not the
+    /// proxy's eviction). The waits bound to the prefiller it belonged to then fail.
+    pub fn conn_ended(&self, conn: u64, by_peer: bool) {
+        let _ = self.tx.send(Event::ConnEnded {
+            conn,
+            lost: by_peer,
+        });
+    }
+}
+
+/// Fails every wait bound to `prefiller` (at an ejection count below `before`, if given).
+fn lose(
+    map: &mut HashMap<Arc<str>, Entry>,
+    metrics: &Metrics,
+    prefiller: usize,
+    before: Option<u64>,
+    how: Loss,
+) {
+    let lost: Vec<Arc<str>> = map
+        .iter()
+        .filter(|(_, e)| {
+            e.prefiller
+                .is_some_and(|(p, n)| p == prefiller && before.is_none_or(|b| n < b))
+        })
+        .map(|(id, _)| id.clone())
+        .collect();
+    for id in lost {
+        if let Some(e) = map.remove(&id) {
+            metrics.kv_waits_prefiller_lost.fetch_add(1, Relaxed);
+            tracing::warn!(req_id = %id, prefiller, ?how, "KV wait failed: its prefiller is gone");
+            let _ = e.tx.send(KvOutcome::PrefillerLost { prefiller, how });
+        }
     }
 }
 
 async fn own(mut rx: mpsc::UnboundedReceiver<Event>, metrics: Arc<Metrics>) {
     let mut map: HashMap<Arc<str>, Entry> = HashMap::new();
+    // The latest ejection count of each prefiller, and the prefiller of each outcome
+    // connection (learnt from the waits its outcomes resolved).
+    let mut ejected: HashMap<usize, u64> = HashMap::new();
+    // `None`: it delivered for more than one prefiller.
+    let mut conns: HashMap<u64, Option<usize>> = HashMap::new();
     while let Some(ev) = rx.recv().await {
         match ev {
             Event::Register { id, ranks, tx } => {
@@ -122,6 +257,7 @@ async fn own(mut rx: mpsc::UnboundedReceiver<Event>, metrics: Arc<Metrics>) {
                         ranks,
                         seen: 0,
                         anonymous: 0,
+                        prefiller: None,
                         tx,
                     },
                 );
@@ -129,7 +265,37 @@ async fn own(mut rx: mpsc::UnboundedReceiver<Event>, metrics: Arc<Metrics>) {
             Event::Forget(id) => {
                 map.remove(&id);
             }
-            Event::Outcome(msg) => {
+            Event::Bind { id, prefiller } => {
+                if let Some(e) = map.get_mut(&id) {
+                    e.prefiller = prefiller;
+                }
+                // Ejected between its pick and this: lost already.
+                if let Some((p, n)) = prefiller {
+                    if let Some(&latest) = ejected.get(&p).filter(|&&l| l > n) {
+                        lose(&mut map, &metrics, p, Some(latest), Loss::Ejected);
+                    }
+                }
+            }
+            Event::Ejected {
+                prefiller,
+                ejections,
+            } => {
+                let n = ejected.entry(prefiller).or_default();
+                *n = (*n).max(ejections);
+                lose(
+                    &mut map,
+                    &metrics,
+                    prefiller,
+                    Some(ejections),
+                    Loss::Ejected,
+                );
+            }
+            Event::ConnEnded { conn, lost } => {
+                if let (Some(Some(p)), true) = (conns.remove(&conn), lost) {
+                    lose(&mut map, &metrics, p, None, Loss::OutcomeConnClosed);
+                }
+            }
+            Event::Outcome { msg, conn } => {
                 let k = match &msg {
                     Notif::ProxyNotif { .. } => 0,
                     Notif::KvReady { .. } => 1,
@@ -146,6 +312,13 @@ async fn own(mut rx: mpsc::UnboundedReceiver<Event>, metrics: Arc<Metrics>) {
                     );
                     continue;
                 };
+                let success = !matches!(msg, Notif::KvFailed { .. });
+                if let (Some(c), Some((p, _)), true) = (conn, e.prefiller, success) {
+                    let whose = conns.entry(c).or_insert(Some(p));
+                    if *whose != Some(p) {
+                        *whose = None;
+                    }
+                }
                 let done = match msg {
                     Notif::ProxyNotif { .. } => {
                         e.anonymous += 1;

@@ -23,6 +23,8 @@ pub enum Outcome {
     KvFailed,
     /// No KV-ready outcome arrived before `--kv-ready-timeout` (504).
     KvTimeout,
+    /// The prefiller holding the KV was lost before every rank reported (502).
+    PrefillerLost,
     /// The decoder failed before or while answering (502/504 or an SSE error event).
     DecodeError,
     /// The client went away before the answer was complete.
@@ -31,7 +33,7 @@ pub enum Outcome {
 
 impl Outcome {
     /// Every outcome, in the order used for rendering.
-    pub const ALL: [Outcome; 10] = [
+    pub const ALL: [Outcome; 11] = [
         Outcome::Ok,
         Outcome::BadRequest,
         Outcome::Rejected,
@@ -40,6 +42,7 @@ impl Outcome {
         Outcome::PrefillError,
         Outcome::KvFailed,
         Outcome::KvTimeout,
+        Outcome::PrefillerLost,
         Outcome::DecodeError,
         Outcome::Cancelled,
     ];
@@ -55,6 +58,7 @@ impl Outcome {
             Outcome::PrefillError => "prefill_error",
             Outcome::KvFailed => "kv_failed",
             Outcome::KvTimeout => "kv_timeout",
+            Outcome::PrefillerLost => "prefiller_lost",
             Outcome::DecodeError => "decode_error",
             Outcome::Cancelled => "cancelled",
         }
@@ -117,6 +121,9 @@ pub struct Metrics {
     pub kv_waits_pending: AtomicI64,
     /// Outcome messages received, by type: ProxyNotif, KvReady, KvFailed.
     pub kv_outcomes: [AtomicU64; 3],
+    /// KV waits failed because their prefiller was lost (ejected, or an outcome connection
+    /// of it closed) before every rank reported.
+    pub kv_waits_prefiller_lost: AtomicU64,
     /// Outcome messages for request ids nobody waits for (late or foreign); dropped.
     pub kv_outcomes_unknown: AtomicU64,
     /// Messages on the notification socket that could not be decoded.
@@ -240,6 +247,11 @@ impl Metrics {
                 "body_too_large_total",
                 "Requests refused because their body exceeded --max-body-bytes.",
                 &self.body_too_large,
+            ),
+            (
+                "kv_waits_prefiller_lost_total",
+                "KV waits failed at once because their prefiller was lost (ejected, or an outcome connection of it closed).",
+                &self.kv_waits_prefiller_lost,
             ),
             (
                 "decoder_retries_total",

@@ -14,6 +14,10 @@
 //! With a secret, an outcome counts only with a valid `tag` ([`crate::notif::authentic`]);
 //! others are refused and counted (`kv_outcomes_unauthenticated_total`). Without one, any
 //! well-formed outcome counts, LMCache's untagged `ProxyNotif` included.
+//!
+//! Each connection has an id; the KV waits learn from its outcomes which prefiller it
+//! belongs to, and a connection the peer closes or breaks (a killed prefiller's) fails the
+//! waits of that prefiller at once ([`crate::kvwait`]). One the proxy evicts does not.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -43,6 +47,8 @@ struct Ctx {
 
 /// One served connection, as the accept loop sees it.
 struct Conn {
+    /// Its id for [`KvWaiters::deliver_on`].
+    id: u64,
     /// When it was accepted, in ms since `epoch`.
     accepted_at: u64,
     /// When it last delivered an accepted outcome, in ms since `epoch` plus 1; 0: never.
@@ -61,12 +67,13 @@ impl Conn {
 }
 
 /// The served connections; dropping it (the accept loop ended or was aborted) closes them.
-struct Conns(Vec<Conn>);
+struct Conns(Vec<Conn>, KvWaiters);
 
 impl Drop for Conns {
     fn drop(&mut self) {
         for c in &self.0 {
             c.task.abort();
+            self.1.conn_ended(c.id, false);
         }
     }
 }
@@ -97,7 +104,8 @@ pub async fn bind(
 }
 
 async fn accept_loop(listener: TcpListener, ctx: Arc<Ctx>) {
-    let mut conns = Conns(Vec::new());
+    let mut conns = Conns(Vec::new(), ctx.waiters.clone());
+    let mut next_id = 0u64;
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(c) => c,
@@ -113,20 +121,27 @@ async fn accept_loop(listener: TcpListener, ctx: Arc<Ctx>) {
             let stalest = (0..conns.0.len())
                 .min_by_key(|&i| conns.0[i].staleness())
                 .unwrap_or(0);
-            conns.0.swap_remove(stalest).task.abort();
+            let evicted = conns.0.swap_remove(stalest);
+            evicted.task.abort();
+            ctx.waiters.conn_ended(evicted.id, false);
             ctx.metrics.outcome_conns_evicted.fetch_add(1, Relaxed);
             tracing::debug!(%peer, cap = ctx.limits.max_conns, "outcome port full: the stalest connection was closed");
         }
         let delivered = Arc::new(AtomicU64::new(0));
         let c = ctx.clone();
         let stamp = delivered.clone();
+        let id = next_id;
+        next_id += 1;
         let task = tokio::spawn(async move {
-            if let Err(why) = serve(stream, &c, &stamp).await {
+            if let Err(why) = serve(stream, id, &c, &stamp).await {
                 c.metrics.outcome_conns_refused.fetch_add(1, Relaxed);
                 tracing::debug!(%peer, "outcome connection closed: {why}");
             }
+            // Closed or broken by the peer: a killed prefiller's connection ends so.
+            c.waiters.conn_ended(id, true);
         });
         conns.0.push(Conn {
+            id,
             accepted_at: ctx.epoch.elapsed().as_millis() as u64,
             delivered,
             task,
@@ -135,7 +150,12 @@ async fn accept_loop(listener: TcpListener, ctx: Arc<Ctx>) {
 }
 
 /// Serves one connection until the peer closes it (`Ok`) or breaks a rule (`Err`, why).
-async fn serve(mut s: TcpStream, ctx: &Ctx, delivered: &AtomicU64) -> Result<(), String> {
+async fn serve(
+    mut s: TcpStream,
+    conn: u64,
+    ctx: &Ctx,
+    delivered: &AtomicU64,
+) -> Result<(), String> {
     let _ = s.set_nodelay(true);
     let limits = ctx.limits;
     let mut session = PullSession::new(PullLimits {
@@ -172,7 +192,7 @@ async fn serve(mut s: TcpStream, ctx: &Ctx, delivered: &AtomicU64) -> Result<(),
                 PullEvent::Send(b) => write(&mut s, &b, handshake_until).await?,
                 PullEvent::Message(frames) => {
                     for f in frames {
-                        if accept(ctx, &f) {
+                        if accept(ctx, conn, &f) {
                             delivered.store(ctx.epoch.elapsed().as_millis() as u64 + 1, Relaxed);
                         }
                     }
@@ -195,7 +215,7 @@ async fn write(s: &mut TcpStream, b: &[u8], until: Instant) -> Result<(), String
 }
 
 /// Decodes and checks one outcome message; hands it on when it counts. Whether it did.
-fn accept(ctx: &Ctx, frame: &[u8]) -> bool {
+fn accept(ctx: &Ctx, conn: u64, frame: &[u8]) -> bool {
     let (msg, tag) = match notif::decode_tagged(frame) {
         Ok(m) => m,
         Err(e) => {
@@ -224,6 +244,6 @@ fn accept(ctx: &Ctx, frame: &[u8]) -> bool {
         }
     }
     tracing::debug!(target: "kvbridge::timeline", stage = "proxy.outcome_received", id = msg.req_id());
-    ctx.waiters.deliver(msg);
+    ctx.waiters.deliver_on(conn, msg);
     true
 }

@@ -50,9 +50,16 @@ pub struct Worker {
     /// Passive ejections so far: a health check that started before the latest one is
     /// older than the evidence that ejected the worker, so it cannot re-admit it.
     passive_ejections: AtomicU64,
+    /// Ejections so far, of any kind.
+    ejections: AtomicU64,
 }
 
 impl Worker {
+    /// Times the worker was ejected so far: a request picked it at some count, and an
+    /// ejection since then means what it holds for that request may be gone.
+    pub fn ejections(&self) -> u64 {
+        self.ejections.load(Relaxed)
+    }
     /// Whether the worker takes requests now.
     pub fn is_healthy(&self) -> bool {
         self.healthy.load(Relaxed)
@@ -107,6 +114,8 @@ pub struct Slot {
     pool: Arc<Pool>,
     idx: usize,
     tokens: u64,
+    /// The worker's ejection count when it was picked.
+    ejections: u64,
 }
 
 impl Slot {
@@ -117,6 +126,11 @@ impl Slot {
     /// Index of the worker in its pool.
     pub fn index(&self) -> usize {
         self.idx
+    }
+    /// The worker's [`Worker::ejections`] when it was picked (read under the pool's lock,
+    /// so no ejection falls between the pick and this count).
+    pub fn ejections_at_pick(&self) -> u64 {
+        self.ejections
     }
 }
 
@@ -173,6 +187,7 @@ impl Pool {
                     tokens: AtomicU64::new(0),
                     served: AtomicU64::new(0),
                     passive_ejections: AtomicU64::new(0),
+                    ejections: AtomicU64::new(0),
                 })
                 .collect(),
             lock: Mutex::new(()),
@@ -254,6 +269,7 @@ impl Pool {
                     pool: self.clone(),
                     idx: i,
                     tokens,
+                    ejections: w.ejections(),
                 })
             }
             None if !any_healthy => Err(PickError::NoHealthy),
@@ -374,6 +390,7 @@ impl Pool {
             };
             if w.is_healthy() && fails >= down_after {
                 w.healthy.store(false, Relaxed);
+                w.ejections.fetch_add(1, Relaxed);
                 // It may come back restarted, its cache empty.
                 self.router.forget(idx);
                 tracing::warn!(role = self.role.as_str(), worker = %w.label, passive, "worker ejected");

@@ -27,7 +27,7 @@ use tokio::task::JoinHandle;
 use crate::body::{Finish, ProxyBody};
 use crate::busy_poll::{Awaiting, BusyPoll};
 use crate::config::{Config, Flow};
-use crate::kvwait::{KvOutcome, KvWait, KvWaiters};
+use crate::kvwait::{Binding, KvOutcome, KvWait, KvWaiters, Loss};
 use crate::metrics::{Metrics, Outcome};
 use crate::pool::{PickError, Pool, Role, Slot};
 use crate::request::{Api, PrefillAnswer, ReqDoc};
@@ -286,6 +286,9 @@ async fn health_loop(app: Arc<App>, pool: Arc<Pool>, idx: usize, kv: Vec<String>
             Err(_) => Err(format!("no answer within {:?}", app.cfg.health_timeout)),
         };
         let changed = pool.report_check(idx, r.is_ok(), started);
+        if changed && r.is_err() && pool.role == Role::Prefill {
+            app.prefiller_ejected(idx);
+        }
         let worker = &pool.workers[idx].label;
         match r {
             Err(why) if changed => {
@@ -911,7 +914,7 @@ impl App {
     /// vLLM NIXL flow: the prefill answer's `kv_transfer_params` go into the decode request.
     async fn vllm(&self, ctx: &Ctx<'_>, doc: &ReqDoc<'_>, dslot: Slot) -> Result<Reply, ApiError> {
         let pbody = Bytes::from(prefill_body(doc, VLLM_PREFILL_KV));
-        let answer = self.prefill(ctx, pbody).await?;
+        let answer = self.prefill(ctx, pbody, None).await?;
         let kv = serde_json::from_slice::<PrefillAnswer>(&answer).map_err(|e| {
             ApiError::new(
                 StatusCode::BAD_GATEWAY,
@@ -982,7 +985,7 @@ impl App {
         let spec = serde_json::to_vec(&spec).unwrap_or_default();
         let pbody = Bytes::from(prefill_body(doc, &spec));
         tracing::debug!(target: TL, stage = "proxy.prefill_sent", id = %id);
-        let prefill = self.prefill(ctx, pbody);
+        let prefill = self.prefill(ctx, pbody, Some(wait.binding()));
         tokio::pin!(prefill);
         let mut ready = false;
         let kv_failed = |rank: u32, reason: String| {
@@ -1014,6 +1017,9 @@ impl App {
                     Some(KvOutcome::Ready) => {
                         tracing::debug!(target: TL, stage = "proxy.kv_ready", id = %id);
                         ready = true
+                    }
+                    Some(KvOutcome::PrefillerLost { prefiller, how }) => {
+                        return Err(self.prefiller_lost(&id, prefiller, how).into())
                     }
                     Some(KvOutcome::Failed { rank, reason }) => {
                         // A prefiller that cannot reach the decoder reports KvFailed and
@@ -1058,6 +1064,9 @@ impl App {
                     Ok(())
                 }
                 Ok(Some(KvOutcome::Failed { rank, reason })) => Err(kv_failed(rank, reason)),
+                Ok(Some(KvOutcome::PrefillerLost { prefiller, how })) => {
+                    Err(self.prefiller_lost(&id, prefiller, how))
+                }
                 Ok(None) => Err(gone()),
                 Err(_) => Err(kv_timeout()),
             }
@@ -1209,9 +1218,43 @@ impl App {
         }
     }
 
+    /// A prefiller was ejected: the KV waits bound to it fail now.
+    fn prefiller_ejected(&self, idx: usize) {
+        if let (Some(w), Some(p)) = (&self.waiters, self.prefill.workers.get(idx)) {
+            w.prefiller_ejected(idx, p.ejections());
+        }
+    }
+
+    /// The error of a request whose prefiller was lost while its KV waited there.
+    fn prefiller_lost(&self, id: &str, prefiller: usize, how: Loss) -> ApiError {
+        let label = self
+            .prefill
+            .workers
+            .get(prefiller)
+            .map_or("?", |w| w.label.as_str());
+        let how = match how {
+            Loss::Ejected => "it was ejected",
+            Loss::OutcomeConnClosed => "its outcome connection closed",
+        };
+        ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            "prefiller_lost",
+            Outcome::PrefillerLost,
+            format!(
+                "KV of request {id}: prefiller {label} was lost ({how}) before every rank reported"
+            ),
+        )
+    }
+
     /// Sends the prefill to the healthy prefiller the routing policy chooses; a refused connection ejects
-    /// that prefiller and tries the next. Returns the prefiller's whole answer.
-    async fn prefill(&self, ctx: &Ctx<'_>, body: Bytes) -> Result<Bytes, ApiError> {
+    /// that prefiller and tries the next. Returns the prefiller's whole answer. `bind`: the
+    /// KV wait learns which prefiller it depends on before the prefill is sent.
+    async fn prefill(
+        &self,
+        ctx: &Ctx<'_>,
+        body: Bytes,
+        bind: Option<Binding>,
+    ) -> Result<Bytes, ApiError> {
         let mut tried = Vec::new();
         loop {
             let slot = self
@@ -1219,6 +1262,9 @@ impl App {
                 .try_pick_for(ctx.tokens, &tried, ctx.prompt.as_ref())
                 .map_err(|e| pick_error(Role::Prefill, e))?;
             let w = slot.worker();
+            if let Some(b) = &bind {
+                b.bind(slot.index(), slot.ejections_at_pick());
+            }
             let t = Instant::now();
             let uri = self.uri(Role::Prefill, slot.index(), ctx.api);
             let r =
@@ -1237,7 +1283,12 @@ impl App {
                     ))
                 }
                 Ok(Err(CallError::Connect(e))) => {
-                    self.prefill.report(slot.index(), false, true);
+                    if let Some(b) = &bind {
+                        b.unbind();
+                    }
+                    if self.prefill.report(slot.index(), false, true) {
+                        self.prefiller_ejected(slot.index());
+                    }
                     tracing::warn!(request_id = ctx.rid(), worker = %w.label, "prefiller unreachable: {e}");
                     tried.push(slot.index());
                 }

@@ -7,7 +7,7 @@
 //! deterministically: a probe wait registered and completed after the events in question
 //! proves every earlier event was handled.
 
-use kvbridge_proxy::kvwait::{KvOutcome, KvWait, KvWaiters};
+use kvbridge_proxy::kvwait::{KvOutcome, KvWait, KvWaiters, Loss};
 use kvbridge_proxy::metrics::Metrics;
 use kvbridge_proxy::notif::Notif;
 use std::sync::atomic::Ordering::Relaxed;
@@ -127,4 +127,124 @@ async fn outcomes_for_forgotten_or_foreign_ids_and_bad_ranks_are_counted_not_app
         0,
         "no request id waits any more"
     );
+}
+
+fn lost(prefiller: usize, how: Loss) -> Option<KvOutcome> {
+    Some(KvOutcome::PrefillerLost { prefiller, how })
+}
+
+#[tokio::test]
+async fn an_ejected_prefiller_fails_the_waits_bound_to_it_and_no_others() {
+    let (w, m) = setup();
+    let mut a = w.register("a", 2);
+    a.binding().bind(0, 0);
+    let mut b = w.register("b", 1);
+    b.binding().bind(1, 0);
+    let mut unbound = w.register("u", 1);
+    w.deliver(ready("a", 0));
+    w.prefiller_ejected(0, 1);
+    barrier(&w).await;
+    assert_eq!(now(&mut a).await, lost(0, Loss::Ejected));
+    assert_eq!(now(&mut b).await, None, "another prefiller's wait");
+    assert_eq!(now(&mut unbound).await, None, "a wait bound to none");
+    assert_eq!(m.kv_waits_prefiller_lost.load(Relaxed), 1);
+    // Its last rank's outcome, if it ever comes, is a stray.
+    w.deliver(ready("a", 1));
+    barrier(&w).await;
+    assert_eq!(m.kv_outcomes_unknown.load(Relaxed), 1);
+}
+
+#[tokio::test]
+async fn an_ejection_between_the_pick_and_the_binding_still_fails_the_wait() {
+    let (w, _) = setup();
+    let mut a = w.register("a", 1);
+    // Picked at 0 ejections; the ejection is handled before the binding.
+    w.prefiller_ejected(0, 1);
+    a.binding().bind(0, 0);
+    // Picked after that ejection (re-admitted since): not lost.
+    let mut b = w.register("b", 1);
+    b.binding().bind(0, 1);
+    barrier(&w).await;
+    assert_eq!(now(&mut a).await, lost(0, Loss::Ejected));
+    assert_eq!(now(&mut b).await, None);
+}
+
+#[tokio::test]
+async fn a_wait_that_moved_on_from_a_refusing_prefiller_survives_its_ejection() {
+    let (w, _) = setup();
+    let mut a = w.register("a", 1);
+    let bind = a.binding();
+    bind.bind(0, 0);
+    // The prefiller refused the connection: unbound before the ejection it causes.
+    bind.unbind();
+    w.prefiller_ejected(0, 1);
+    bind.bind(1, 0);
+    barrier(&w).await;
+    assert_eq!(now(&mut a).await, None);
+    w.prefiller_ejected(1, 1);
+    barrier(&w).await;
+    assert_eq!(now(&mut a).await, lost(1, Loss::Ejected));
+}
+
+#[tokio::test]
+async fn an_outcome_connection_closed_by_its_peer_fails_its_prefillers_waits() {
+    let (w, m) = setup();
+    // Connection 7 delivers an outcome for a wait on prefiller 0: it is prefiller 0's.
+    let mut first = w.register("first", 1);
+    first.binding().bind(0, 0);
+    w.deliver_on(7, ready("first", 0));
+    barrier(&w).await;
+    assert_eq!(now(&mut first).await, Some(KvOutcome::Ready));
+    let mut a = w.register("a", 1);
+    a.binding().bind(0, 0);
+    let mut b = w.register("b", 1);
+    b.binding().bind(1, 0);
+    // A connection that never delivered anything closing tells nothing.
+    w.conn_ended(8, true);
+    barrier(&w).await;
+    assert_eq!(now(&mut a).await, None);
+    w.conn_ended(7, true);
+    barrier(&w).await;
+    assert_eq!(now(&mut a).await, lost(0, Loss::OutcomeConnClosed));
+    assert_eq!(now(&mut b).await, None, "another prefiller's wait");
+    assert_eq!(m.kv_waits_prefiller_lost.load(Relaxed), 1);
+}
+
+#[tokio::test]
+async fn an_outcome_connection_the_proxy_evicts_fails_nothing() {
+    let (w, _) = setup();
+    let first = w.register("first", 1);
+    first.binding().bind(0, 0);
+    w.deliver_on(7, ready("first", 0));
+    let mut a = w.register("a", 1);
+    a.binding().bind(0, 0);
+    w.conn_ended(7, false);
+    // Forgotten with the eviction: a later end of the same id tells nothing either.
+    w.conn_ended(7, true);
+    barrier(&w).await;
+    assert_eq!(now(&mut a).await, None);
+}
+
+#[tokio::test]
+async fn a_connection_that_reports_only_failures_or_for_two_prefillers_tells_nothing() {
+    let (w, _) = setup();
+    // Connection 5 (a decoder's receiver, say) reports a failure of prefiller 0's request.
+    let f = w.register("f", 2);
+    f.binding().bind(0, 0);
+    w.deliver_on(5, failed("f", 1));
+    // Connection 6 delivers successes for prefillers 0 and 1.
+    for (id, p) in [("x", 0), ("y", 1)] {
+        let mut x = w.register(id, 1);
+        x.binding().bind(p, 0);
+        w.deliver_on(6, ready(id, 0));
+        barrier(&w).await;
+        assert_eq!(now(&mut x).await, Some(KvOutcome::Ready));
+    }
+    let mut a = w.register("a", 1);
+    a.binding().bind(0, 0);
+    w.conn_ended(5, true);
+    w.conn_ended(6, true);
+    barrier(&w).await;
+    assert_eq!(now(&mut a).await, None);
+    drop(f);
 }

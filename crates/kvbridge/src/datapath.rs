@@ -15,6 +15,7 @@ use crate::cma::CopyError;
 use crate::config::{Limits, TestHooks};
 use crate::error::{Error, Result};
 use crate::grant::RegionTable;
+use crate::in_flight::{InFlight, Refused, Reservation};
 use crate::region::RegionUse;
 use crate::shm::{Dir, ShmFail, ShmPeer};
 use crate::wire::{read_data_frame, write_all_vectored, write_msg, ReadError};
@@ -119,6 +120,9 @@ pub(crate) enum Outgoing {
     ReadResp {
         id: u64,
         result: std::result::Result<Vec<LocalSlice>, Reject>,
+        /// The batch's bytes under the per-peer limit, released once the response is sent
+        /// (or dropped unsent).
+        held: Option<Reservation>,
     },
     /// Flush what is queued, then stop.
     Shutdown,
@@ -152,14 +156,12 @@ pub(crate) struct DataPath {
     /// Room for our own batches under `Limits::max_bytes_in_flight_per_peer` (FIFO: a
     /// large batch is not starved by small ones). Closed when the session ends.
     room: Arc<tokio::sync::Semaphore>,
-    /// The limit, in bytes.
-    max_in_flight: u64,
     /// Our batches waiting for room under the limit (backpressure, visible in stats).
     waiting_for_room: std::sync::atomic::AtomicUsize,
     /// Payload bytes of the peer's batches this side accepted and has not completed yet:
     /// the write being read in, read responses not yet sent. Added by the reader, released
     /// by the reader (writes) and the writer (read responses).
-    incoming: AtomicU64,
+    incoming: Arc<InFlight>,
     /// The peer's regions this side reaches directly (shared memory, cross-memory attach):
     /// a write into them is copied by its caller ([`DataPath::write_direct`]).
     direct: Option<Arc<ShmPeer>>,
@@ -218,9 +220,8 @@ impl DataPath {
                 order_changed: tokio::sync::Notify::new(),
                 abort,
                 room: Arc::new(tokio::sync::Semaphore::new(units)),
-                max_in_flight,
                 waiting_for_room: Default::default(),
-                incoming: AtomicU64::new(0),
+                incoming: InFlight::new(max_in_flight),
                 direct,
                 peer_unacked_notify,
             }),
@@ -530,26 +531,16 @@ impl DataPath {
         self.pending.lock().expect("pending poisoned").bytes
     }
 
-    /// Counts `n` more bytes of the peer's batches as held here, or refuses the batch when
-    /// that would pass the per-peer limit.
-    fn admit_incoming(&self, n: u64) -> std::result::Result<(), Reject> {
-        let held = self.incoming.load(Ordering::Acquire);
-        if held.saturating_add(n) > self.max_in_flight {
-            return Err(Reject {
-                code: ErrorCode::LimitExceeded,
-                message: format!(
-                    "a batch of {n} bytes with {held} bytes of this peer's already in flight \
-                     passes the limit of {} bytes in flight per peer",
-                    self.max_in_flight
-                ),
-            });
-        }
-        self.incoming.fetch_add(n, Ordering::AcqRel);
-        Ok(())
-    }
-
-    fn release_incoming(&self, n: u64) {
-        self.incoming.fetch_sub(n, Ordering::AcqRel);
+    /// Holds `n` more bytes of the peer's batches here until the reservation drops, or
+    /// refuses the batch when that would pass the per-peer limit.
+    fn admit_incoming(&self, n: u64) -> std::result::Result<Reservation, Reject> {
+        InFlight::try_reserve(&self.incoming, n).map_err(|Refused { held, max }| Reject {
+            code: ErrorCode::LimitExceeded,
+            message: format!(
+                "a batch of {n} bytes with {held} bytes of this peer's already in flight \
+                 passes the limit of {max} bytes in flight per peer"
+            ),
+        })
     }
 
     /// Fails every waiting batch and refuses new ones. Called by the session only after the
@@ -1027,7 +1018,7 @@ pub(crate) async fn run_writer(
             .await
             .map_err(|e| lost(Step::Notify, e))?,
             Outgoing::Wake => {}
-            Outgoing::ReadResp { id, result } => match result {
+            Outgoing::ReadResp { id, result, held } => match result {
                 Ok(sources) => {
                     let mut frame = Message::ReadResp(Ack { id, error: None })
                         .to_frame()
@@ -1039,7 +1030,7 @@ pub(crate) async fn run_writer(
                         .await
                         .map_err(|e| lost(Step::Read, e))?;
                     drop(slices);
-                    path.release_incoming(sources.iter().map(|s| s.len as u64).sum());
+                    drop(held);
                 }
                 Err(reject) => within(
                     limit,
@@ -1131,10 +1122,10 @@ impl ReaderCtx {
         &self,
         b: &Batch,
         dests: Vec<LocalSlice>,
-    ) -> std::result::Result<Vec<LocalSlice>, Reject> {
+    ) -> std::result::Result<(Vec<LocalSlice>, Reservation), Reject> {
         let n = b.payload_len().unwrap_or(u64::MAX);
         match self.path.admit_incoming(n) {
-            Ok(()) => Ok(dests),
+            Ok(held) => Ok((dests, held)),
             Err(r) => {
                 self.in_flight_refused.fetch_add(1, Ordering::Relaxed);
                 Err(r)
@@ -1289,7 +1280,7 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
         };
         match msg {
             Message::WriteBatch(b) => {
-                let dests = match ctx
+                let (dests, held) = match ctx
                     .resolve_write(&b)
                     .await
                     .and_then(|d| disjoint(d, &b))
@@ -1317,7 +1308,7 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
                     .map_err(|e| ctx.payload_error(Step::Write, e))?;
                 drop(iov);
                 drop(dests);
-                ctx.path.release_incoming(b.payload_len().unwrap_or(0));
+                drop(held);
                 let ack = Message::WriteAck(Ack {
                     id: b.id,
                     error: None,
@@ -1327,7 +1318,10 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
                 }
             }
             Message::ReadBatch(b) => {
-                let result = ctx.resolve(&b, false).and_then(|d| ctx.admit(&b, d));
+                let (result, held) = match ctx.resolve(&b, false).and_then(|d| ctx.admit(&b, d)) {
+                    Ok((d, held)) => (Ok(d), Some(held)),
+                    Err(r) => (Err(r), None),
+                };
                 if let (Some(d), Ok(_)) = (ctx.hooks.read_serve_delay, &result) {
                     // Held without holding up the connection: the frames after it (the
                     // acknowledgements of our own notifications among them) are still read,
@@ -1335,14 +1329,24 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
                     let out = ctx.out.clone();
                     tokio::spawn(async move {
                         tokio::time::sleep(d).await;
-                        let _ = out.send(Outgoing::ReadResp { id: b.id, result }).await;
+                        let _ = out
+                            .send(Outgoing::ReadResp {
+                                id: b.id,
+                                result,
+                                held,
+                            })
+                            .await;
                     });
                     continue;
                 }
                 let bad = result.as_ref().err().map(|r| r.message.clone());
                 if ctx
                     .out
-                    .send(Outgoing::ReadResp { id: b.id, result })
+                    .send(Outgoing::ReadResp {
+                        id: b.id,
+                        result,
+                        held,
+                    })
                     .await
                     .is_err()
                 {

@@ -34,9 +34,11 @@ pub mod config;
 mod data_threads;
 mod datapath;
 mod error;
+mod fast_lane;
 #[doc(hidden)]
 pub mod fuzzing;
 mod grant;
+mod in_flight;
 mod landing;
 pub mod net;
 pub mod peer_memory;

@@ -8,22 +8,24 @@
 //!
 //! So a small frame skips the queue when the connection is idle: its caller writes it to
 //! the socket itself, without blocking (`MSG_DONTWAIT`). Order is kept by one rule: a frame
-//! goes direct only while nothing is queued or being written ([`Lane::queued`] is 0 under
-//! the lane's lock, which the writer holds for each item it sends and releases only after
-//! counting it done). Anything queued before the frame was issued is thus on the wire
-//! before it; anything issued after it either finds the lock taken or queues behind it.
+//! goes direct only while nothing is queued or being written (the count of queued items is
+//! 0 while the lane is held, and the writer holds it for each item it sends and lets go only
+//! after counting it done: [`crate::fast_lane`], with its loom models). Anything queued
+//! before the frame was issued is thus on the wire before it; anything issued after it
+//! either finds the lane held or queues behind it.
 //!
 //! The caller never waits on the socket. A frame the socket took only part of has its tail
 //! handed to the writer, which sends it before anything else (and until it has, every
 //! later frame queues), so a frame is never torn.
 
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use tokio::sync::mpsc;
 
 use crate::datapath::Outgoing;
+use crate::fast_lane::{FastLane, WriterTurn};
 
 /// Items a writer queue holds before `send` waits.
 pub(crate) const QUEUE_DEPTH: usize = 1024;
@@ -35,17 +37,12 @@ pub(crate) const DIRECT_FRAME_MAX: usize = 16 << 10;
 /// What the queue's senders and its writer share.
 #[derive(Debug)]
 pub(crate) struct Lane {
-    /// Items sent to the queue and not yet written out (counted before they enter it,
-    /// uncounted once on the wire).
-    queued: AtomicUsize,
+    /// Who may write to the socket next (the rules are [`crate::fast_lane`]'s).
+    fast: Arc<FastLane>,
     /// The connection's socket (a duplicate of the writer's) while its writer runs on a data
     /// thread; closed when the writer ends, so a handle that outlives its session holds no
     /// descriptor.
     sock: std::sync::Mutex<Option<std::net::TcpStream>>,
-    /// Held by whoever writes to the socket: the writer for each item, or a direct frame.
-    busy: Arc<tokio::sync::Mutex<()>>,
-    /// The rest of a direct frame the socket took only part of: the writer's next bytes.
-    tail: std::sync::Mutex<Option<Vec<u8>>>,
     /// The channel's count of frames written direct (`Stats::frames_direct`).
     direct: Arc<AtomicU64>,
 }
@@ -67,16 +64,7 @@ pub(crate) struct WriterRx {
 /// The writer's right to the socket for one item: the item counts as queued until this is
 /// dropped, and no direct frame is written meanwhile.
 pub(crate) struct Turn {
-    lane: Arc<Lane>,
-    _busy: tokio::sync::OwnedMutexGuard<()>,
-}
-
-impl Drop for Turn {
-    fn drop(&mut self) {
-        // Before the lock goes (fields drop after this body): a direct frame that gets the
-        // lock next sees this item done.
-        self.lane.queued.fetch_sub(1, Ordering::SeqCst);
-    }
+    turn: WriterTurn,
 }
 
 /// How [`WriterQueue::send_direct`] ended.
@@ -103,15 +91,11 @@ fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn lock_tail(lane: &Lane) -> std::sync::MutexGuard<'_, Option<Vec<u8>>> {
-    lock(&lane.tail)
-}
-
 impl Turn {
     /// The rest of a frame sent in part on the fast lane: it goes out before this turn's
     /// item.
     pub(crate) fn tail(&self) -> Option<Vec<u8>> {
-        lock_tail(&self.lane).take()
+        self.turn.take_tail()
     }
 }
 
@@ -119,10 +103,8 @@ impl Turn {
 pub(crate) fn channel(direct: Arc<AtomicU64>) -> (WriterQueue, WriterRx) {
     let (tx, rx) = mpsc::channel(QUEUE_DEPTH);
     let lane = Arc::new(Lane {
-        queued: AtomicUsize::new(0),
+        fast: Default::default(),
         sock: std::sync::Mutex::new(None),
-        busy: Default::default(),
-        tail: Default::default(),
         direct,
     });
     (
@@ -137,20 +119,20 @@ pub(crate) fn channel(direct: Arc<AtomicU64>) -> (WriterQueue, WriterRx) {
 impl WriterQueue {
     /// Queues `o` (waits while the queue is full). Fails when the writer is gone.
     pub(crate) async fn send(&self, o: Outgoing) -> Result<(), mpsc::error::SendError<Outgoing>> {
-        self.lane.queued.fetch_add(1, Ordering::SeqCst);
+        self.lane.fast.enqueue();
         let r = self.tx.send(o).await;
         if r.is_err() {
-            self.lane.queued.fetch_sub(1, Ordering::SeqCst);
+            self.lane.fast.unqueue();
         }
         r
     }
 
     /// Queues `o` if there is room now; whether it did.
     pub(crate) fn try_send(&self, o: Outgoing) -> bool {
-        self.lane.queued.fetch_add(1, Ordering::SeqCst);
+        self.lane.fast.enqueue();
         let queued = self.tx.try_send(o).is_ok();
         if !queued {
-            self.lane.queued.fetch_sub(1, Ordering::SeqCst);
+            self.lane.fast.unqueue();
         }
         queued
     }
@@ -161,15 +143,12 @@ impl WriterQueue {
     /// the socket took only part of is finished by the writer.
     pub(crate) fn send_direct(&self, frame: &[u8]) -> Direct {
         let lane = &self.lane;
-        if frame.len() > DIRECT_FRAME_MAX || lane.queued.load(Ordering::SeqCst) != 0 {
+        if frame.len() > DIRECT_FRAME_MAX {
             return Direct::Queue;
         }
-        let Ok(_busy) = lane.busy.try_lock() else {
+        let Some(turn) = lane.fast.try_direct() else {
             return Direct::Queue;
         };
-        if lane.queued.load(Ordering::SeqCst) != 0 {
-            return Direct::Queue;
-        }
         // Held for one non-blocking send at most.
         let sock = lock(&lane.sock);
         let Some(sock) = sock.as_ref() else {
@@ -186,9 +165,9 @@ impl WriterQueue {
                 Direct::Sent
             }
             Ok(n) => {
-                // Still under the lock, so nothing got between the part sent and the tail:
-                // the writer sends the tail first at its next turn, which this wakes it for.
-                *lock_tail(lane) = Some(frame[n..].to_vec());
+                // Still in our turn, so nothing got between the part sent and the tail: the
+                // writer sends the tail first at its next turn, which this wakes it for.
+                turn.leave_tail(frame[n..].to_vec());
                 if self.try_send(Outgoing::Wake) {
                     lane.direct.fetch_add(1, Ordering::Relaxed);
                     Direct::Sent
@@ -215,14 +194,16 @@ impl WriterRx {
     /// [`Turn::tail`].
     pub(crate) async fn recv(&mut self) -> Option<(Outgoing, Turn)> {
         let o = self.rx.recv().await?;
-        let busy = self.lane.busy.clone().lock_owned().await;
-        Some((
-            o,
-            Turn {
-                lane: self.lane.clone(),
-                _busy: busy,
-            },
-        ))
+        let turn = loop {
+            if let Some(turn) = FastLane::try_writer_turn(&self.lane.fast) {
+                break turn;
+            }
+            // A direct frame holds the socket for one send that never waits: let its
+            // thread finish it.
+            std::thread::yield_now();
+            tokio::task::yield_now().await;
+        };
+        Some((o, Turn { turn }))
     }
 }
 
