@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
 
-use crate::router::{PoolRouter, PromptKey};
+use crate::router::{Chosen, PoolRouter, PromptKey};
 use crate::routing::Candidate;
 
 /// Whether a pool serves prefill or decode.
@@ -107,6 +107,7 @@ pub struct Slot {
     pool: Arc<Pool>,
     idx: usize,
     tokens: u64,
+    cached_tokens: u64,
 }
 
 impl Slot {
@@ -117,6 +118,11 @@ impl Slot {
     /// Index of the worker in its pool.
     pub fn index(&self) -> usize {
         self.idx
+    }
+    /// The prompt's leading tokens the worker held when it was chosen, as the pool's policy
+    /// knows ([`Chosen::cached_tokens`]; 0 without a prompt key).
+    pub fn cached_tokens(&self) -> u64 {
+        self.cached_tokens
     }
 }
 
@@ -238,11 +244,17 @@ impl Pool {
             });
         }
         let best = match prompt {
-            Some(p) => self.router.choose(&cands, p),
-            None => crate::routing::least_loaded(&cands),
+            Some(p) => self.router.choose_scored(&cands, p),
+            None => crate::routing::least_loaded(&cands).map(|index| Chosen {
+                index,
+                cached_tokens: 0,
+            }),
         };
         match best {
-            Some(i) => {
+            Some(Chosen {
+                index: i,
+                cached_tokens,
+            }) => {
                 if let Some(p) = prompt {
                     self.router.routed(i, p);
                 }
@@ -254,6 +266,7 @@ impl Pool {
                     pool: self.clone(),
                     idx: i,
                     tokens,
+                    cached_tokens,
                 })
             }
             None if !any_healthy => Err(PickError::NoHealthy),
