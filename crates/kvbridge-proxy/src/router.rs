@@ -186,7 +186,10 @@ impl PoolRouter {
                 (
                     best.map(|i| Chosen {
                         index: i,
-                        cached_tokens: scored.iter().find(|c| c.index == i).map_or(0, |c| c.matched),
+                        cached_tokens: scored
+                            .iter()
+                            .find(|c| c.index == i)
+                            .map_or(0, |c| c.matched),
                     }),
                     RoutingPolicy::KvEvents,
                 )

@@ -493,7 +493,10 @@ async fn metrics_text(State(app): State<Arc<App>>) -> Response {
     app.decider.render(&mut s);
     crate::router::render_decisions(
         &mut s,
-        &[("prefill", &app.prefill.router), ("decode", &app.decode.router)],
+        &[
+            ("prefill", &app.prefill.router),
+            ("decode", &app.decode.router),
+        ],
     );
     let spun = app.busy_poll.as_ref().map_or(0.0, |b| b.spun_secs());
     let _ = writeln!(

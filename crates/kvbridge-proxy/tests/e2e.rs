@@ -1888,10 +1888,7 @@ async fn the_decider_sends_short_or_cached_prompts_to_the_decoder_alone() {
     // 512 of about 630 tokens, over 75%.
     send(format!("{doc} {}", "second question ".repeat(30))).await;
     assert_eq!((calls(&e.p), calls(&e.d)), (1, 3), "decoder alone again");
-    let m = e
-        .send("GET", "/metrics", Bytes::new(), None)
-        .await
-        .text();
+    let m = e.send("GET", "/metrics", Bytes::new(), None).await.text();
     for line in [
         "kvbridge_proxy_disaggregation_decisions_total{decision=\"decode_only\",reason=\"uncached_below_threshold\"} 1\n",
         "kvbridge_proxy_disaggregation_decisions_total{decision=\"disaggregate\",reason=\"uncached_above_threshold\"} 1\n",

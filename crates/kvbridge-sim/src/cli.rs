@@ -190,10 +190,7 @@ impl EngineArgs {
         if let Some(t) = self.prefix_cache_tokens.or(file.prefix_cache_tokens) {
             c.prefix_cache_tokens = t;
         }
-        c.kv_events_endpoint = self
-            .kv_events_endpoint
-            .clone()
-            .or(file.kv_events_endpoint);
+        c.kv_events_endpoint = self.kv_events_endpoint.clone().or(file.kv_events_endpoint);
         if let Some(t) = self.kv_events_topic.clone().or(file.kv_events_topic) {
             c.kv_events_topic = t;
         }

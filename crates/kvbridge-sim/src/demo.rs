@@ -969,9 +969,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
             min_uncached_tokens: args.disaggregate_min_uncached_tokens,
             decoder_cached_fraction: args.disaggregate_decoder_cached_fraction,
         },
-        prefix_cache_tokens: args
-            .prefix_cache_tokens
-            .or((!shared).then_some(0)),
+        prefix_cache_tokens: args.prefix_cache_tokens.or((!shared).then_some(0)),
     };
     let cluster = Cluster::start_routed(
         prefillers,

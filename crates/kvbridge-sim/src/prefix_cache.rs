@@ -257,7 +257,11 @@ mod tests {
                 state: Some(st(2))
             }
         );
-        assert_eq!(c.lookup(&[2]).chunks, 1, "keys are chained: the caller's to give");
+        assert_eq!(
+            c.lookup(&[2]).chunks,
+            1,
+            "keys are chained: the caller's to give"
+        );
         assert_eq!(c.lookup(&[9, 1]).chunks, 0, "a prefix only");
         let ev = c.take_events();
         assert_eq!(ev.len(), 1, "one run, one event: {ev:?}");

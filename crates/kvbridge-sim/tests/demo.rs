@@ -147,7 +147,10 @@ async fn shared_prefix_routed_by_kv_events_computes_fewer_prefill_tokens() {
         assert!(s.prefill_tokens_computed > 0 && s.prompt_tokens > s.prefill_tokens_computed);
     }
     assert_eq!(ll.decode_only, 0, "least-loaded always disaggregates");
-    assert!(kv.decode_only > 0, "the decider sent some to a decoder alone");
+    assert!(
+        kv.decode_only > 0,
+        "the decider sent some to a decoder alone"
+    );
     assert!(
         kv.prefill_tokens_computed < ll.prefill_tokens_computed,
         "kv-events {} vs least-loaded {} prefill tokens",

@@ -7,7 +7,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvbridge::proto::kv_events::{decode_batch, split_message, DecodeLimits, KvEvent, KvEventBatch};
+use kvbridge::proto::kv_events::{
+    decode_batch, split_message, DecodeLimits, KvEvent, KvEventBatch,
+};
 use kvbridge::proto::zmtp::{frame, PullEvent, PullLimits, PullSession};
 use kvbridge_pd::{Dtype, KvLayout, KvSpec};
 use kvbridge_proxy::kv_events_sub::{self, SubLimits, SubStats};
@@ -52,7 +54,9 @@ async fn engine_at(role: Role, cache_tokens: u64, events: &str) -> RunningEngine
 }
 
 fn prompt(seed: u32, n: usize) -> Vec<u32> {
-    (0..n as u32).map(|i| (seed * 7919 + i * 31) % 4900).collect()
+    (0..n as u32)
+        .map(|i| (seed * 7919 + i * 31) % 4900)
+        .collect()
 }
 
 async fn complete(e: &RunningEngine, tokens: &[u32]) {
@@ -176,9 +180,11 @@ async fn stored_chunks_reach_the_proxy_and_cached_ones_are_not_charged() {
     assert_eq!(s.block_hashes.len(), 2, "whole chunks only");
     assert_eq!(s.token_ids, p[..2 * CHUNK]);
     assert_eq!(s.block_size, CHUNK as u32);
-    until(&subs.stats, "the proxy's index holds the prompt's chunks", || {
-        index.matched_tokens(0, &p) == 2 * CHUNK
-    })
+    until(
+        &subs.stats,
+        "the proxy's index holds the prompt's chunks",
+        || index.matched_tokens(0, &p) == 2 * CHUNK,
+    )
     .await;
     let before = e.stats();
     assert_eq!(before.prefill_tokens_computed, p.len() as u64);
@@ -239,7 +245,10 @@ async fn eviction_publishes_block_removed_and_a_restart_a_fresh_sequence() {
     let KvEvent::BlockStored(sa) = &stored_a.events[1] else {
         panic!("{stored_a:?}");
     };
-    until(&subs.stats, "a held", || index.matched_tokens(0, &a) == 2 * CHUNK).await;
+    until(&subs.stats, "a held", || {
+        index.matched_tokens(0, &a) == 2 * CHUNK
+    })
+    .await;
     complete(&e, &b).await;
     let (seq, evicted) = raw.next().await;
     assert_eq!(seq, 1);
@@ -266,7 +275,10 @@ async fn eviction_publishes_block_removed_and_a_restart_a_fresh_sequence() {
     assert_eq!(r, 200);
     let (seq, cleared) = raw.next().await;
     assert_eq!((seq, cleared.events), (2, vec![KvEvent::AllBlocksCleared]));
-    until(&subs.stats, "b cleared", || index.matched_tokens(0, &b) == 0).await;
+    until(&subs.stats, "b cleared", || {
+        index.matched_tokens(0, &b) == 0
+    })
+    .await;
     // A restart on the same port: the sequence starts over with AllBlocksCleared.
     e.shutdown().await;
     drop(raw);
@@ -343,20 +355,30 @@ async fn a_decoder_that_received_a_prefix_prefills_over_it_locally() {
     c.quiesce(T).await.unwrap();
     let d = &c.decoders[0];
     let s = d.stats();
-    assert_eq!(s.kv_requests_received, 1, "the KV came through the PD layer");
+    assert_eq!(
+        s.kv_requests_received, 1,
+        "the KV came through the PD layer"
+    );
     assert_eq!(s.prefix_cache_chunks, 3, "and is cached");
     assert_eq!(s.prefill_tokens_computed, 0);
     let longer = [p.clone(), prompt(6, 10)].concat();
     let body = json!({"model": "sim-test", "prompt": longer, "max_tokens": 2});
     let alone = client
-        .generate(&format!("http://{}/v1/completions", d.http_addr()), &body, T)
+        .generate(
+            &format!("http://{}/v1/completions", d.http_addr()),
+            &body,
+            T,
+        )
         .await
         .unwrap();
     let reference = client
         .generate(&format!("{}/v1/completions", c.colocated_url()), &body, T)
         .await
         .unwrap();
-    assert_eq!(alone.text, reference.text, "the cached state is the prompt's");
+    assert_eq!(
+        alone.text, reference.text,
+        "the cached state is the prompt's"
+    );
     let s = d.stats();
     assert_eq!(s.local_prefills, 1);
     assert_eq!(s.prefill_tokens_computed, 10, "only the uncached tail");
