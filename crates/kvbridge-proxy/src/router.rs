@@ -31,7 +31,7 @@ const BYTES_PER_TOKEN: u64 = 4;
 
 impl PromptKey {
     /// The prompt's tokens: exact when the request gives token ids, else estimated from
-    /// its text (whole pieces, [`BYTES_PER_TOKEN`] bytes a token).
+    /// its text (whole pieces, 4 bytes a token).
     pub fn estimated_tokens(&self) -> u64 {
         match &self.tokens {
             Some(t) => t.len() as u64,
