@@ -899,7 +899,7 @@ pub fn shared_prefix_workload(
     (0..n)
         .map(|_| {
             let mut prompt = system.clone();
-            if r.next_u64() % 2 == 0 {
+            if r.next_u64().is_multiple_of(2) {
                 let d = (r.next_u64() % DOCUMENTS as u64) as usize;
                 prompt.extend_from_slice(&docs[d]);
                 let q = draw(&mut r, QUESTION_TOKENS);

@@ -17,6 +17,7 @@
 //!
 //! Sans-IO: no clock, no lock, no socket; the engine owns one behind a mutex.
 
+use std::collections::hash_map::Entry as Held;
 use std::collections::{BTreeMap, HashMap};
 
 use kvbridge::proto::kv_events::{BlockHash, BlockRemoved, BlockStored, KvEvent};
@@ -143,30 +144,30 @@ impl PrefixCache {
         let mut prev = parent;
         let mut run: Option<BlockStored> = None;
         for c in chunks {
-            if self.entries.contains_key(&c.key) {
-                if let Some(r) = run.take() {
-                    self.events.push(KvEvent::BlockStored(r));
+            match self.entries.entry(c.key) {
+                Held::Occupied(_) => {
+                    if let Some(r) = run.take() {
+                        self.events.push(KvEvent::BlockStored(r));
+                    }
                 }
-            } else {
-                self.entries.insert(
-                    c.key,
-                    Entry {
+                Held::Vacant(v) => {
+                    v.insert(Entry {
                         state: c.state,
                         tick: 0,
-                    },
-                );
-                let r = run.get_or_insert_with(|| BlockStored {
-                    block_hashes: Vec::new(),
-                    parent_block_hash: prev.map(hash),
-                    token_ids: Vec::new(),
-                    block_size: self.chunk_tokens,
-                    lora_id: None,
-                    medium: Some(MEDIUM.into()),
-                    lora_name: None,
-                    group_idx: None,
-                });
-                r.block_hashes.push(hash(c.key));
-                r.token_ids.extend_from_slice(c.tokens);
+                    });
+                    let r = run.get_or_insert_with(|| BlockStored {
+                        block_hashes: Vec::new(),
+                        parent_block_hash: prev.map(hash),
+                        token_ids: Vec::new(),
+                        block_size: self.chunk_tokens,
+                        lora_id: None,
+                        medium: Some(MEDIUM.into()),
+                        lora_name: None,
+                        group_idx: None,
+                    });
+                    r.block_hashes.push(hash(c.key));
+                    r.token_ids.extend_from_slice(c.tokens);
+                }
             }
             prev = Some(c.key);
         }
