@@ -138,6 +138,16 @@ pub struct ProxyArgs {
     /// load [default: 1.5].
     #[arg(long)]
     pub balance_rel_threshold: Option<f64>,
+    /// Decider: a prompt with fewer tokens than this not held by its decoder goes to the
+    /// decoder alone, which prefills it (docs/proxy.md, "Disaggregation decider")
+    /// [default: 512 under cache-aware and kv-events; least-loaded always disaggregates
+    /// unless a decider flag is given].
+    #[arg(long)]
+    pub disaggregate_min_uncached_tokens: Option<u64>,
+    /// Decider: a decoder that holds at least this fraction of the prompt prefills it
+    /// (above 1: never) [default: 0.8].
+    #[arg(long)]
+    pub disaggregate_decoder_cached_fraction: Option<f64>,
     /// Most requests waiting for admission; more get 429 at once [default: 1024].
     #[arg(long)]
     pub max_queue: Option<usize>,

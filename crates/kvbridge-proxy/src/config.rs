@@ -7,6 +7,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::cli::ProxyArgs;
+use crate::decider::DeciderParams;
 use crate::routing::{CacheAwareParams, KvEventsWeights, RoutingPolicy};
 
 /// How a request crosses from prefill to decode.
@@ -218,6 +219,20 @@ pub struct Config {
     pub kv_events: KvEventsConfig,
     /// `cache-aware`: SGLang router's thresholds.
     pub cache_aware: CacheAwareParams,
+    /// The disaggregation decider's thresholds as given (flags or `[disaggregation]`);
+    /// see [`Config::decider`].
+    pub disaggregation: DisaggregationConfig,
+}
+
+/// `[disaggregation]`: the decider's thresholds ([`crate::decider`]); unset ones take
+/// their defaults.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DisaggregationConfig {
+    /// Prompts with fewer uncached tokens go to their decoder alone.
+    pub min_uncached_tokens: Option<u64>,
+    /// A decoder holding at least this fraction of the prompt prefills it.
+    pub decoder_cached_fraction: Option<f64>,
 }
 
 /// `[kv_events]`: the workers' KV-events endpoints (vLLM `--kv-events-config` `endpoint`,
@@ -295,7 +310,30 @@ impl Default for Config {
             routing: RoutingPolicy::default(),
             kv_events: KvEventsConfig::default(),
             cache_aware: CacheAwareParams::default(),
+            disaggregation: DisaggregationConfig::default(),
         }
+    }
+}
+
+impl Config {
+    /// The decider's parameters: those given, the rest defaulted; `None` (always
+    /// disaggregate) under `least-loaded` routing when none is given, since that policy
+    /// has no view of the decoders' caches.
+    pub fn decider(&self) -> Option<DeciderParams> {
+        let g = &self.disaggregation;
+        if self.routing == RoutingPolicy::LeastLoaded
+            && g.min_uncached_tokens.is_none()
+            && g.decoder_cached_fraction.is_none()
+        {
+            return None;
+        }
+        let d = DeciderParams::default();
+        Some(DeciderParams {
+            min_uncached_tokens: g.min_uncached_tokens.unwrap_or(d.min_uncached_tokens),
+            decoder_cached_fraction: g
+                .decoder_cached_fraction
+                .unwrap_or(d.decoder_cached_fraction),
+        })
     }
 }
 
@@ -329,6 +367,7 @@ struct FileConfig {
     routing: Option<RoutingPolicy>,
     kv_events: Option<KvEventsConfig>,
     cache_aware: Option<CacheAwareParams>,
+    disaggregation: Option<DisaggregationConfig>,
     #[serde(default, rename = "prefiller")]
     prefillers: Vec<WorkerAddr>,
     #[serde(default, rename = "decoder")]
@@ -582,6 +621,16 @@ impl Config {
                     a.balance_rel_threshold.unwrap_or(c.balance_rel_threshold);
                 c
             },
+            disaggregation: {
+                let mut g = file.disaggregation.unwrap_or_default();
+                if a.disaggregate_min_uncached_tokens.is_some() {
+                    g.min_uncached_tokens = a.disaggregate_min_uncached_tokens;
+                }
+                if a.disaggregate_decoder_cached_fraction.is_some() {
+                    g.decoder_cached_fraction = a.disaggregate_decoder_cached_fraction;
+                }
+                g
+            },
         };
         cfg.validate()?;
         Ok(cfg)
@@ -624,6 +673,10 @@ impl Config {
             ("kv_events.load_weight", k.load_weight),
             ("cache_aware.cache_threshold", c.cache_threshold),
             ("cache_aware.balance_rel_threshold", c.balance_rel_threshold),
+            (
+                "disaggregation.decoder_cached_fraction",
+                self.disaggregation.decoder_cached_fraction.unwrap_or(0.0),
+            ),
         ] {
             if !v.is_finite() || v < 0.0 {
                 anyhow::bail!("{name} must be a finite number of at least 0, not {v}");

@@ -10,6 +10,7 @@ mod body;
 mod busy_poll;
 pub mod cli;
 pub mod config;
+pub mod decider;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod kv_events_sub;

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
 
-use crate::router::{PoolRouter, PromptKey};
+use crate::router::{Chosen, PoolRouter, PromptKey};
 use crate::routing::Candidate;
 
 /// Whether a pool serves prefill or decode.
@@ -116,6 +116,7 @@ pub struct Slot {
     tokens: u64,
     /// The worker's ejection count when it was picked.
     ejections: u64,
+    cached_tokens: u64,
 }
 
 impl Slot {
@@ -131,6 +132,11 @@ impl Slot {
     /// so no ejection falls between the pick and this count).
     pub fn ejections_at_pick(&self) -> u64 {
         self.ejections
+    }
+    /// The prompt's leading tokens the worker held when it was chosen, as the pool's policy
+    /// knows ([`Chosen::cached_tokens`]; 0 without a prompt key).
+    pub fn cached_tokens(&self) -> u64 {
+        self.cached_tokens
     }
 }
 
@@ -253,11 +259,17 @@ impl Pool {
             });
         }
         let best = match prompt {
-            Some(p) => self.router.choose(&cands, p),
-            None => crate::routing::least_loaded(&cands),
+            Some(p) => self.router.choose_scored(&cands, p),
+            None => crate::routing::least_loaded(&cands).map(|index| Chosen {
+                index,
+                cached_tokens: 0,
+            }),
         };
         match best {
-            Some(i) => {
+            Some(Chosen {
+                index: i,
+                cached_tokens,
+            }) => {
                 if let Some(p) = prompt {
                     self.router.routed(i, p);
                 }
@@ -270,6 +282,7 @@ impl Pool {
                     idx: i,
                     tokens,
                     ejections: w.ejections(),
+                    cached_tokens,
                 })
             }
             None if !any_healthy => Err(PickError::NoHealthy),

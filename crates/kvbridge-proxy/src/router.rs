@@ -1,13 +1,15 @@
 //! A pool's routing state: its policy ([`crate::routing`]) and what the policy knows of the
 //! workers' caches (the KV-events index and its subscribers, or the approximate trees).
 
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 use crate::config::Config;
 use crate::kv_events_sub::{KvEventsSubscribers, SubLimits};
 use crate::kv_index::KvIndex;
 use crate::pool::Role;
-use crate::prefix_tree::{pieces, PrefixTrees};
+use crate::prefix_tree::{pieces, PrefixTrees, CHUNK_BYTES};
 use crate::routing::{
     cache_aware, kv_events, least_loaded, CacheAwareParams, Candidate, KvEventsWeights,
     RoutingPolicy,
@@ -24,7 +26,19 @@ pub struct PromptKey {
     pub pieces: Vec<u64>,
 }
 
+/// Bytes of prompt text per token, as the proxy estimates (it has no tokenizer).
+const BYTES_PER_TOKEN: u64 = 4;
+
 impl PromptKey {
+    /// The prompt's tokens: exact when the request gives token ids, else estimated from
+    /// its text (whole pieces, 4 bytes a token).
+    pub fn estimated_tokens(&self) -> u64 {
+        match &self.tokens {
+            Some(t) => t.len() as u64,
+            None => self.pieces.len() as u64 * CHUNK_BYTES as u64 / BYTES_PER_TOKEN,
+        }
+    }
+
     /// The key of a prompt given as raw JSON (`messages` or `prompt`).
     pub fn from_raw(raw: Option<&str>) -> PromptKey {
         let Some(raw) = raw else {
@@ -92,16 +106,74 @@ pub struct PoolRouter {
     pub trees: Option<PrefixTrees>,
     /// The KV-events subscribers feeding `index` (stopped when dropped).
     pub subscribers: Option<KvEventsSubscribers>,
+    /// Routing decisions made: `[policy][matched]`, where `matched` is whether the chosen
+    /// worker held part of the prompt.
+    pub decisions: [[AtomicU64; 2]; 3],
+}
+
+/// A worker chosen by a pool's policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Chosen {
+    /// Its index in the pool.
+    pub index: usize,
+    /// The prompt's leading tokens it holds, as the policy knows (`kv-events`: exact, whole
+    /// blocks; `cache-aware`: whole pieces of the prompt as sent, in estimated tokens;
+    /// `least-loaded`: 0), measured before this request is noted as routed to it.
+    pub cached_tokens: u64,
+}
+
+const POLICIES: [RoutingPolicy; 3] = [
+    RoutingPolicy::LeastLoaded,
+    RoutingPolicy::CacheAware,
+    RoutingPolicy::KvEvents,
+];
+
+/// Appends `kvbridge_proxy_routing_decisions_total{role,policy,matched}` of `pools`
+/// (`(role, router)`).
+pub fn render_decisions(out: &mut String, pools: &[(&str, &PoolRouter)]) {
+    out.push_str(
+        "# HELP kvbridge_proxy_routing_decisions_total Workers chosen, by pool, policy and          whether the chosen worker held part of the prompt.
+         # TYPE kvbridge_proxy_routing_decisions_total counter
+",
+    );
+    for (role, r) in pools {
+        for (p, row) in POLICIES.iter().zip(&r.decisions) {
+            for (m, v) in ["false", "true"].iter().zip(row) {
+                let _ = writeln!(
+                    out,
+                    "kvbridge_proxy_routing_decisions_total{{role=\"{role}\",policy=\"{}\",matched=\"{m}\"}} {}",
+                    p.as_str(),
+                    v.load(Relaxed)
+                );
+            }
+        }
+    }
 }
 
 impl PoolRouter {
     /// Chooses among `cands` (workers that admit the request) for `prompt`.
     pub fn choose(&self, cands: &[Candidate], prompt: &PromptKey) -> Option<usize> {
-        match self.policy {
-            RoutingPolicy::LeastLoaded => least_loaded(cands),
+        self.choose_scored(cands, prompt).map(|c| c.index)
+    }
+
+    /// [`PoolRouter::choose`], with what the chosen worker holds of the prompt; counts the
+    /// decision.
+    pub fn choose_scored(&self, cands: &[Candidate], prompt: &PromptKey) -> Option<Chosen> {
+        let (chosen, policy) = match self.policy {
+            RoutingPolicy::LeastLoaded => (
+                least_loaded(cands).map(|index| Chosen {
+                    index,
+                    cached_tokens: 0,
+                }),
+                RoutingPolicy::LeastLoaded,
+            ),
             RoutingPolicy::KvEvents => {
                 let (Some(index), Some(tokens)) = (&self.index, &prompt.tokens) else {
-                    return least_loaded(cands);
+                    let c = least_loaded(cands).map(|index| Chosen {
+                        index,
+                        cached_tokens: 0,
+                    });
+                    return self.count(c, RoutingPolicy::KvEvents);
                 };
                 let scored: Vec<Candidate> = cands
                     .iter()
@@ -110,11 +182,25 @@ impl PoolRouter {
                         ..*c
                     })
                     .collect();
-                kv_events(&scored, tokens.len() as u64, &self.weights)
+                let best = kv_events(&scored, tokens.len() as u64, &self.weights);
+                (
+                    best.map(|i| Chosen {
+                        index: i,
+                        cached_tokens: scored
+                            .iter()
+                            .find(|c| c.index == i)
+                            .map_or(0, |c| c.matched),
+                    }),
+                    RoutingPolicy::KvEvents,
+                )
             }
             RoutingPolicy::CacheAware => {
                 let Some(trees) = &self.trees else {
-                    return least_loaded(cands);
+                    let c = least_loaded(cands).map(|index| Chosen {
+                        index,
+                        cached_tokens: 0,
+                    });
+                    return self.count(c, RoutingPolicy::CacheAware);
                 };
                 let scored: Vec<Candidate> = cands
                     .iter()
@@ -124,9 +210,34 @@ impl PoolRouter {
                         ..*c
                     })
                     .collect();
-                cache_aware(&scored, prompt.pieces.len() as u64, &self.params)
+                let best = cache_aware(&scored, prompt.pieces.len() as u64, &self.params);
+                (
+                    best.map(|i| Chosen {
+                        index: i,
+                        cached_tokens: scored
+                            .iter()
+                            .find(|c| c.index == i)
+                            .map_or(0, |c| c.matched * CHUNK_BYTES as u64 / BYTES_PER_TOKEN),
+                    }),
+                    RoutingPolicy::CacheAware,
+                )
             }
+        };
+        self.count(chosen, policy)
+    }
+
+    fn count(&self, c: Option<Chosen>, policy: RoutingPolicy) -> Option<Chosen> {
+        if let Some(c) = &c {
+            let p = POLICIES.iter().position(|x| *x == policy).unwrap_or(0);
+            self.decisions[p][(c.cached_tokens > 0) as usize].fetch_add(1, Relaxed);
         }
+        c
+    }
+
+    /// Routing decisions counted under `policy`, `matched` or not.
+    pub fn decisions(&self, policy: RoutingPolicy, matched: bool) -> u64 {
+        let p = POLICIES.iter().position(|x| *x == policy).unwrap_or(0);
+        self.decisions[p][matched as usize].load(Relaxed)
     }
 
     /// Notes that `prompt` went to worker `w`.

@@ -74,6 +74,11 @@ impl RunningProxy {
         &self.app.metrics
     }
 
+    /// The disaggregation decider and its counts.
+    pub fn decider(&self) -> &crate::decider::Decider {
+        &self.app.decider
+    }
+
     /// Stops accepting, lets requests in flight finish (at most 30 s), then stops every task.
     pub async fn shutdown(mut self) {
         if let Some(s) = self.stop.take() {
@@ -114,6 +119,8 @@ pub(crate) struct App {
     decode_uris: Vec<[Uri; 2]>,
     /// Polls for backend answers at low load (one-thread runtime only).
     busy_poll: Option<Arc<BusyPoll>>,
+    /// Whether a request goes to its decoder alone or the PD way.
+    decider: crate::decider::Decider,
 }
 
 fn api_uris(pool: &Pool) -> anyhow::Result<Vec<[Uri; 2]>> {
@@ -190,7 +197,9 @@ pub async fn start(cfg: Config) -> anyhow::Result<RunningProxy> {
     if let Some(bp) = &busy_poll {
         tasks.push(tokio::spawn(bp.clone().run()));
     }
+    let decider = crate::decider::Decider::new(cfg.decider());
     let app = Arc::new(App {
+        decider,
         cfg,
         client,
         prefill,
@@ -484,6 +493,14 @@ async fn metrics_text(State(app): State<Arc<App>>) -> Response {
     let slots: u64 = app.decode.workers.iter().map(|w| w.inflight()).sum();
     let pslots: u64 = app.prefill.workers.iter().map(|w| w.inflight()).sum();
     use std::fmt::Write as _;
+    app.decider.render(&mut s);
+    crate::router::render_decisions(
+        &mut s,
+        &[
+            ("prefill", &app.prefill.router),
+            ("decode", &app.decode.router),
+        ],
+    );
     let spun = app.busy_poll.as_ref().map_or(0.0, |b| b.spun_secs());
     let _ = writeln!(
         s,
@@ -881,8 +898,9 @@ impl App {
         })?;
         let doc = ReqDoc::parse(api, &body).map_err(ApiError::bad_request)?;
         let tokens = (body.len() as u64 / 4).max(1);
-        let prompt = (self.cfg.routing != crate::routing::RoutingPolicy::LeastLoaded)
-            .then(|| crate::router::PromptKey::from_raw(doc.prompt_raw()));
+        let prompt = (self.cfg.routing != crate::routing::RoutingPolicy::LeastLoaded
+            || self.decider.active())
+        .then(|| crate::router::PromptKey::from_raw(doc.prompt_raw()));
         // The decoder is admitted first: its KV buffer is the scarce resource.
         let dslot = self
             .decode
@@ -905,6 +923,18 @@ impl App {
             t0: track.t0,
             prompt,
         };
+        let prompt_tokens = ctx
+            .prompt
+            .as_ref()
+            .map_or(tokens, crate::router::PromptKey::estimated_tokens);
+        if self.decider.decide(prompt_tokens, dslot.cached_tokens())
+            == crate::decider::Decision::DecodeOnly
+        {
+            // The decoder prefills the prompt itself: the request goes to it as it came.
+            tracing::debug!(target: TL, stage = "proxy.decode_only", id = track.rid());
+            let dbody = Bytes::from(vllm_decode_body(&doc, None));
+            return self.decode(&ctx, dbody, dslot, true).await;
+        }
         match self.cfg.flow {
             Flow::Vllm => self.vllm(&ctx, &doc, dslot).await,
             Flow::Lmcache => self.lmcache(&ctx, &doc, dslot).await,

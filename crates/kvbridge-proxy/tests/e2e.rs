@@ -1825,7 +1825,10 @@ async fn request_ids_are_128_random_bits() {
 async fn cache_aware_keeps_a_shared_prefix_on_one_worker() {
     use kvbridge_proxy::routing::RoutingPolicy;
     let e = env(Flow::Lmcache, 2, 2, |c| {
-        c.routing = RoutingPolicy::CacheAware
+        c.routing = RoutingPolicy::CacheAware;
+        // Every request the PD way, so that both pools route it.
+        c.disaggregation.min_uncached_tokens = Some(0);
+        c.disaggregation.decoder_cached_fraction = Some(2.0);
     })
     .await;
     let doc = "a shared document ".repeat(20);
@@ -1845,4 +1848,56 @@ async fn cache_aware_keeps_a_shared_prefix_on_one_worker() {
     let (p, d) = (calls(&e.p), calls(&e.d));
     assert!(p.contains(&6) && p.contains(&0), "prefillers {p:?}");
     assert!(d.contains(&6) && d.contains(&0), "decoders {d:?}");
+}
+
+/// The decider: under `cache-aware` a short prompt goes to a decoder alone (no prefill),
+/// a long one the PD way, a long one whose prefix the decoder was sent before alone again;
+/// each decision is counted in `/metrics` with its reason, and routing decisions per policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_decider_sends_short_or_cached_prompts_to_the_decoder_alone() {
+    use kvbridge_proxy::routing::RoutingPolicy;
+    let e = env(Flow::Lmcache, 1, 1, |c| {
+        c.routing = RoutingPolicy::CacheAware;
+        c.disaggregation.min_uncached_tokens = Some(100);
+        c.disaggregation.decoder_cached_fraction = Some(0.75);
+    })
+    .await;
+    let calls = |ds: &[Double]| -> u64 { ds.iter().map(|d| d.st.calls.load(Relaxed)).sum() };
+    let send = |text: String| {
+        let e = &e;
+        async move {
+            let a = e
+                .send(
+                    "POST",
+                    "/v1/completions",
+                    Bytes::from(completion(&text, false).to_string()),
+                    None,
+                )
+                .await;
+            assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+        }
+    };
+    // About 10 tokens (bytes / 4): below 100 uncached.
+    send("a short question".into()).await;
+    assert_eq!((calls(&e.p), calls(&e.d)), (0, 1), "decoder alone");
+    // About 500 tokens, none cached: the PD way.
+    let doc = "a long shared document ".repeat(90);
+    send(format!("{doc} first")).await;
+    assert_eq!((calls(&e.p), calls(&e.d)), (1, 2), "prefill and decode");
+    // The same document and a longer question (about 120 tokens): the decoder's tree holds
+    // 512 of about 630 tokens, over 75%.
+    send(format!("{doc} {}", "second question ".repeat(30))).await;
+    assert_eq!((calls(&e.p), calls(&e.d)), (1, 3), "decoder alone again");
+    let m = e.send("GET", "/metrics", Bytes::new(), None).await.text();
+    for line in [
+        "kvbridge_proxy_disaggregation_decisions_total{decision=\"decode_only\",reason=\"uncached_below_threshold\"} 1\n",
+        "kvbridge_proxy_disaggregation_decisions_total{decision=\"disaggregate\",reason=\"uncached_above_threshold\"} 1\n",
+        "kvbridge_proxy_disaggregation_decisions_total{decision=\"decode_only\",reason=\"decoder_holds_prefix\"} 1\n",
+        "kvbridge_proxy_routing_decisions_total{role=\"decode\",policy=\"cache-aware\",matched=\"true\"} 1\n",
+        "kvbridge_proxy_routing_decisions_total{role=\"decode\",policy=\"cache-aware\",matched=\"false\"} 2\n",
+        "kvbridge_proxy_routing_decisions_total{role=\"prefill\",policy=\"cache-aware\",matched=\"false\"} 1\n",
+    ] {
+        assert!(m.contains(line), "{line} in\n{m}");
+    }
+    e.settled().await;
 }

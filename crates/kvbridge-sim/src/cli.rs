@@ -137,6 +137,31 @@ pub struct EngineArgs {
     /// PD settings passed to the PD layer (`--pd-set pd_transfer_mode=pull`, ...).
     #[command(flatten)]
     pub pd: kvbridge_pd::PdConfigArgs,
+    /// The engine's own settings file (TOML: `prefix_cache_tokens`, `kv_events_endpoint`,
+    /// `kv_events_topic`); flags win over it.
+    #[arg(long)]
+    pub config: Option<std::path::PathBuf>,
+    /// Tokens the prefix cache keeps, whole chunks, least recently used evicted (0: no
+    /// cache) [default: 131072].
+    #[arg(long)]
+    pub prefix_cache_tokens: Option<u64>,
+    /// Publish the prefix cache's KV events (vLLM's format) on this ZMQ PUB endpoint,
+    /// `tcp://*:5557` as vLLM's `--kv-events-config` `endpoint` (port 0 picks a free one;
+    /// the address is printed as `kv_events`).
+    #[arg(long)]
+    pub kv_events_endpoint: Option<String>,
+    /// The KV events' topic (vLLM's `topic`) [default: empty].
+    #[arg(long)]
+    pub kv_events_topic: Option<String>,
+}
+
+/// The engine's settings file (`--config`).
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EngineFile {
+    prefix_cache_tokens: Option<u64>,
+    kv_events_endpoint: Option<String>,
+    kv_events_topic: Option<String>,
 }
 
 impl EngineArgs {
@@ -153,6 +178,22 @@ impl EngineArgs {
             anyhow::bail!("--kv-ttl-sec must be a positive number of seconds");
         }
         c.kv_ttl = Duration::from_secs_f64(self.kv_ttl_sec);
+        let file = match &self.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| anyhow::anyhow!("reading {}: {e}", path.display()))?;
+                toml::from_str::<EngineFile>(&text)
+                    .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?
+            }
+            None => EngineFile::default(),
+        };
+        if let Some(t) = self.prefix_cache_tokens.or(file.prefix_cache_tokens) {
+            c.prefix_cache_tokens = t;
+        }
+        c.kv_events_endpoint = self.kv_events_endpoint.clone().or(file.kv_events_endpoint);
+        if let Some(t) = self.kv_events_topic.clone().or(file.kv_events_topic) {
+            c.kv_events_topic = t;
+        }
         c.proxy_endpoint = match (&self.proxy_host, self.proxy_port) {
             (Some(h), Some(p)) => Some(format!("tcp://{h}:{p}")),
             (None, None) => None,
@@ -199,7 +240,8 @@ pub async fn run_engine(args: EngineArgs) -> anyhow::Result<()> {
         println!(
             "{}",
             serde_json::json!({"http": e.http_addr().to_string(), "role": args.role,
-                "init_ports": e.init_ports(), "alloc_ports": e.alloc_ports()})
+                "init_ports": e.init_ports(), "alloc_ports": e.alloc_ports(),
+                "kv_events": e.kv_events_addr().map(|a| format!("tcp://{a}"))})
         );
         e
     };

@@ -13,22 +13,57 @@ use crate::model::{self, SplitMix};
 use crate::timeline::{self, Mark, Step};
 use futures_util::StreamExt;
 use kvbridge_pd::TransferMode;
-use kvbridge_proxy::config::{Config as ProxyConfig, DecoderConfig, WorkerAddr};
+use kvbridge_proxy::config::{
+    Config as ProxyConfig, DecoderConfig, DisaggregationConfig, KvEventsConfig, WorkerAddr,
+};
+use kvbridge_proxy::decider::{Decision, Reason};
+use kvbridge_proxy::routing::RoutingPolicy;
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::io::Write;
 use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 
+/// The demo's workloads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Workload {
+    /// Seeded prompt and output lengths, random words ([`workload`]).
+    #[default]
+    Random,
+    /// Multi-turn chats and documents shared across requests ([`shared_prefix_workload`]).
+    SharedPrefix,
+}
+
 /// `kvbridge demo` flags. Defaults finish in well under a minute on 2 cores.
 #[derive(Debug, Clone, clap::Args)]
 pub struct DemoArgs {
-    /// Prefill engines (default 1; 2 with `--duration`).
+    /// Prefill engines (default 1; 2 with `--duration` or `--workload shared-prefix`).
     #[arg(long)]
     pub prefillers: Option<u32>,
-    /// Decode engines (default 1; 2 with `--duration`).
+    /// Decode engines (default 1; 2 with `--duration` or `--workload shared-prefix`).
     #[arg(long)]
     pub decoders: Option<u32>,
+    /// The workload: `random` (prompt lengths from `--prompt-tokens`) or `shared-prefix`
+    /// (multi-turn chats and documents shared across requests, drawn from `--seed`; see
+    /// docs/proxy.md).
+    #[arg(long, value_enum, default_value = "random")]
+    pub workload: Workload,
+    /// The proxy's routing policy; with `kv-events` every engine publishes its prefix
+    /// cache's KV events and the proxy subscribes to them.
+    #[arg(long, value_enum, default_value = "least-loaded")]
+    pub routing: RoutingPolicy,
+    /// The proxy's `--disaggregate-min-uncached-tokens` (default: the proxy's).
+    #[arg(long)]
+    pub disaggregate_min_uncached_tokens: Option<u64>,
+    /// The proxy's `--disaggregate-decoder-cached-fraction` (default: the proxy's).
+    #[arg(long)]
+    pub disaggregate_decoder_cached_fraction: Option<f64>,
+    /// Prefix cache of every engine, tokens. Default: 0 under `--workload random`, whose
+    /// one-at-a-time replays re-send the workload's prompts to measure the PD path (with a
+    /// cache they would measure cache hits); the engine's default under `shared-prefix`.
+    #[arg(long)]
+    pub prefix_cache_tokens: Option<u64>,
     /// Requests of the workload.
     #[arg(long, default_value_t = 48)]
     pub requests: u32,
@@ -133,6 +168,19 @@ pub struct TimelineReport {
 pub struct DemoSummary {
     /// Workload requests sent.
     pub requests: u64,
+    /// The workload (`--workload`).
+    pub workload: Workload,
+    /// The proxy's routing policy (`--routing`).
+    pub routing: String,
+    /// Prompt tokens of the workload's requests, summed.
+    pub prompt_tokens: u64,
+    /// Prompt tokens the engines (prefillers and decoders) computed during the workload:
+    /// those their prefix caches did not hold.
+    pub prefill_tokens_computed: u64,
+    /// KV bytes the prefillers moved to decoders during the workload.
+    pub kv_bytes_moved: u64,
+    /// Requests the proxy sent to a decoder alone (its decider), over the whole run.
+    pub decode_only: u64,
     /// Answered in full.
     pub ok: u64,
     /// Failed (error status, SSE error, timeout).
@@ -141,7 +189,8 @@ pub struct DemoSummary {
     pub errors: Vec<String>,
     /// Received KV chunks that differ from the expected KV (must be 0).
     pub kv_mismatches: u64,
-    /// Decode requests that found no transferred KV and prefilled locally (must be 0).
+    /// Decode requests that found no transferred KV and prefilled locally, beyond those the
+    /// proxy sent to a decoder alone (must be 0).
     pub kv_missing: u64,
     /// Whether every compared disaggregated output equals the colocated one.
     pub outputs_match_colocated: bool,
@@ -404,6 +453,17 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
     v[i.min(v.len() - 1)]
 }
 
+/// How the demo's proxy routes and decides, and the engines' prefix cache.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RouteOpts {
+    /// The proxy's routing policy.
+    pub policy: RoutingPolicy,
+    /// The proxy's decider thresholds as given.
+    pub decider: DisaggregationConfig,
+    /// Every engine's prefix cache, tokens (`None`: the engine's default).
+    pub prefix_cache_tokens: Option<u64>,
+}
+
 /// Everything the demo started.
 pub struct Cluster {
     /// The proxy.
@@ -446,6 +506,7 @@ impl Cluster {
             buffer_bytes,
             None,
             false,
+            &RouteOpts::default(),
         )
         .await
     }
@@ -470,6 +531,34 @@ impl Cluster {
             buffer_bytes,
             Some(mode),
             decode_after_kv_ready,
+            &RouteOpts::default(),
+        )
+        .await
+    }
+
+    /// Like [`Cluster::start_with`], routed by `route` (with `kv-events`, every engine
+    /// publishes its KV events and the proxy subscribes to each prefiller's and decoder's).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn start_routed(
+        prefillers: u32,
+        decoders: u32,
+        model: &model::Model,
+        cost: crate::cost::CostModel,
+        buffer_bytes: u64,
+        mode: TransferMode,
+        decode_after_kv_ready: bool,
+        route: &RouteOpts,
+    ) -> anyhow::Result<Cluster> {
+        Self::start_full(
+            prefillers,
+            decoders,
+            model,
+            model,
+            cost,
+            buffer_bytes,
+            Some(mode),
+            decode_after_kv_ready,
+            route,
         )
         .await
     }
@@ -493,6 +582,7 @@ impl Cluster {
             buffer_bytes,
             None,
             false,
+            &RouteOpts::default(),
         )
         .await
     }
@@ -507,16 +597,24 @@ impl Cluster {
         buffer_bytes: u64,
         mode: Option<TransferMode>,
         decode_after_kv_ready: bool,
+        route: &RouteOpts,
     ) -> anyhow::Result<Cluster> {
         if prefillers == 0 || decoders == 0 {
             anyhow::bail!("at least one prefiller and one decoder are needed");
         }
+        let events = route.policy == RoutingPolicy::KvEvents;
         let mk = |role| {
             let mut c = EngineConfig::new(role, model.clone());
             c.cost = cost;
             c.buffer_bytes = buffer_bytes;
             if let Some(m) = mode {
                 c.transfer_mode = m;
+            }
+            if let Some(t) = route.prefix_cache_tokens {
+                c.prefix_cache_tokens = t;
+            }
+            if events {
+                c.kv_events_endpoint = Some("tcp://127.0.0.1:0".into());
             }
             c
         };
@@ -526,9 +624,37 @@ impl Cluster {
             ds.push(engine::start(mk(Role::Decode), l).await?);
         }
         let mut pls = Vec::new();
+        // The prefillers start after the proxy (they need its outcome port), so their KV
+        // events publishers are bound now, for the proxy to subscribe to.
+        let mut pubs = Vec::new();
         for _ in 0..prefillers {
             pls.push(TcpListener::bind("127.0.0.1:0").await?);
+            if events {
+                pubs.push(
+                    crate::kv_events_pub::KvEventsPublisher::bind(
+                        "127.0.0.1:0",
+                        "",
+                        crate::kv_events_pub::PubLimits::default(),
+                    )
+                    .await?,
+                );
+            }
         }
+        let kv_events = if events {
+            KvEventsConfig {
+                prefiller_endpoints: pubs
+                    .iter()
+                    .map(|p| format!("tcp://{}", p.local_addr()))
+                    .collect(),
+                decoder_endpoints: ds
+                    .iter()
+                    .filter_map(|d| d.kv_events_addr().map(|a| format!("tcp://{a}")))
+                    .collect(),
+                ..KvEventsConfig::default()
+            }
+        } else {
+            KvEventsConfig::default()
+        };
         let cfg = ProxyConfig {
             host: "127.0.0.1".into(),
             port: 0,
@@ -558,6 +684,9 @@ impl Cluster {
                     kv_capacity_tokens: 0,
                 })
                 .collect(),
+            routing: route.policy,
+            kv_events,
+            disaggregation: route.decider,
             ..ProxyConfig::default()
         };
         let proxy = kvbridge_proxy::server::start(cfg).await?;
@@ -565,14 +694,17 @@ impl Cluster {
             .notify_addr()
             .ok_or_else(|| anyhow::anyhow!("the proxy has no notification socket"))?;
         let mut ps = Vec::new();
+        let mut pubs = pubs.into_iter();
         for l in pls {
             let mut c = mk(Role::Prefill);
             c.model = prefill_model.clone();
             c.proxy_endpoint = Some(format!("tcp://{notify}"));
-            ps.push(engine::start(c, l).await?);
+            ps.push(engine::start_with_publisher(c, l, pubs.next()).await?);
         }
         let l = TcpListener::bind("127.0.0.1:0").await?;
-        let colocated = engine::start(mk(Role::Both), l).await?;
+        let mut c = mk(Role::Both);
+        c.kv_events_endpoint = None;
+        let colocated = engine::start(c, l).await?;
         // The handshakes now, measured, rather than inside the first requests.
         let mut handshakes = Vec::new();
         for p in &ps {
@@ -622,6 +754,9 @@ impl Cluster {
             s.kv_mismatches += x.kv_mismatches;
             s.kv_retrieve_failed += x.kv_retrieve_failed;
             s.local_prefills += x.local_prefills;
+            s.prefill_tokens_computed += x.prefill_tokens_computed;
+            s.prefix_cache_hit_tokens += x.prefix_cache_hit_tokens;
+            s.prefix_cache_chunks += x.prefix_cache_chunks;
             s.pages_total += x.pages_total;
             s.pages_free += x.pages_free;
             s.pages_leaked += x.pages_leaked;
@@ -713,6 +848,96 @@ pub fn work_item(
     }
 }
 
+/// Shape of the `shared-prefix` workload (token counts are ranges, drawn uniformly).
+const SYSTEM_TOKENS: usize = 512;
+const DOCUMENTS: usize = 4;
+const DOCUMENT_TOKENS: (u32, u32) = (1536, 2560);
+const QUESTION_TOKENS: (u32, u32) = (32, 128);
+const CHATS: usize = 6;
+const USER_TOKENS: (u32, u32) = (64, 192);
+const REPLY_TOKENS: (u32, u32) = (32, 96);
+
+fn draw(r: &mut SplitMix, (lo, hi): (u32, u32)) -> u32 {
+    lo + (r.next_u64() % (hi - lo + 1) as u64) as u32
+}
+
+fn words(r: &mut SplitMix, n: u32) -> Vec<u32> {
+    (0..n)
+        .map(|_| (r.next_u64() % model::VOCAB_SIZE as u64) as u32)
+        .collect()
+}
+
+/// The `shared-prefix` workload of `n` requests, all drawn from `seed`:
+/// - one system prompt of 512 tokens starts every request;
+/// - 4 documents of 1536..2560 tokens: a document request is the system prompt, a document
+///   and a question of 32..128 tokens;
+/// - 6 chats: turn `t` of a chat is the system prompt, the chat's `t` earlier turns (each a
+///   user message of 64..192 tokens and a reply of 32..96 tokens, drawn here rather than
+///   generated, so the workload is fixed before it runs) and a new user message;
+/// - each request is a document request (1 in 2, a document drawn at random) or the next
+///   turn of a chat drawn at random;
+/// - every request is a streamed completion whose prompt is token ids (the proxy has no
+///   tokenizer; `kv-events` matches ids), with `output` tokens (uniform, at least 2).
+///
+/// Token ids are words of the reference model's vocabulary, so the prompts' text is what
+/// `model::tokenize` would give these ids.
+pub fn shared_prefix_workload(
+    n: u32,
+    seed: u64,
+    output: (u32, u32),
+    model_name: &str,
+) -> Vec<WorkItem> {
+    let mut r = SplitMix(seed ^ 0x5a4e_d0c5);
+    let system = words(&mut r, SYSTEM_TOKENS as u32);
+    let docs: Vec<Vec<u32>> = (0..DOCUMENTS)
+        .map(|_| {
+            let k = draw(&mut r, DOCUMENT_TOKENS);
+            words(&mut r, k)
+        })
+        .collect();
+    let mut chats: Vec<Vec<u32>> = vec![Vec::new(); CHATS];
+    (0..n)
+        .map(|_| {
+            let mut prompt = system.clone();
+            if r.next_u64().is_multiple_of(2) {
+                let d = (r.next_u64() % DOCUMENTS as u64) as usize;
+                prompt.extend_from_slice(&docs[d]);
+                let q = draw(&mut r, QUESTION_TOKENS);
+                prompt.extend(words(&mut r, q));
+            } else {
+                let c = (r.next_u64() % CHATS as u64) as usize;
+                let u = draw(&mut r, USER_TOKENS);
+                let user = words(&mut r, u);
+                prompt.extend_from_slice(&chats[c]);
+                prompt.extend_from_slice(&user);
+                // The next turn holds this one and its reply.
+                chats[c].extend_from_slice(&user);
+                let k = draw(&mut r, REPLY_TOKENS);
+                chats[c].extend(words(&mut r, k));
+            }
+            let o = draw(&mut r, output).max(2);
+            WorkItem {
+                path: "/v1/completions",
+                body: json!({"model": model_name, "prompt": prompt, "max_tokens": o,
+                    "stream": true}),
+            }
+        })
+        .collect()
+}
+
+/// Prompt tokens of a workload request (token ids, or words of its text).
+fn prompt_len(w: &WorkItem) -> u64 {
+    match w.body.get("prompt") {
+        Some(Value::Array(a)) => a.len() as u64,
+        Some(Value::String(t)) => model::tokenize(t).len() as u64,
+        _ => w
+            .body
+            .pointer("/messages/0/content")
+            .and_then(Value::as_str)
+            .map_or(0, |t| model::tokenize(t).len() as u64),
+    }
+}
+
 /// The size of the demo's KV pages (one chunk), in bytes: the page size its references are
 /// measured at.
 pub fn page_bytes(args: &DemoArgs) -> anyhow::Result<u64> {
@@ -729,11 +954,24 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
         anyhow::bail!("--request-timeout must be a positive number of seconds");
     }
     let deadline = Duration::from_secs_f64(args.request_timeout);
-    let (prefillers, decoders) = (args.prefillers.unwrap_or(1), args.decoders.unwrap_or(1));
+    let shared = args.workload == Workload::SharedPrefix;
+    let pool = if shared { 2 } else { 1 };
+    let (prefillers, decoders) = (
+        args.prefillers.unwrap_or(pool),
+        args.decoders.unwrap_or(pool),
+    );
     let mode = args
         .transfer_mode
         .unwrap_or(EngineConfig::new(Role::Prefill, model.clone()).transfer_mode);
-    let cluster = Cluster::start_with(
+    let route = RouteOpts {
+        policy: args.routing,
+        decider: DisaggregationConfig {
+            min_uncached_tokens: args.disaggregate_min_uncached_tokens,
+            decoder_cached_fraction: args.disaggregate_decoder_cached_fraction,
+        },
+        prefix_cache_tokens: args.prefix_cache_tokens.or((!shared).then_some(0)),
+    };
+    let cluster = Cluster::start_routed(
         prefillers,
         decoders,
         &model,
@@ -741,6 +979,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
         args.buffer_mib.saturating_mul(1 << 20),
         mode,
         args.decode_after_kv_ready,
+        &route,
     )
     .await?;
     let ceiling = if args.ceiling_reps > 0 {
@@ -750,14 +989,19 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
     };
     let client = Client::new();
     let base = cluster.proxy_url();
-    let work = workload(
-        args.requests,
-        args.seed,
-        prompt,
-        output,
-        args.shared_prefix_tokens,
-        &model.name,
-    );
+    let work = if shared {
+        shared_prefix_workload(args.requests, args.seed, output, &model.name)
+    } else {
+        workload(
+            args.requests,
+            args.seed,
+            prompt,
+            output,
+            args.shared_prefix_tokens,
+            &model.name,
+        )
+    };
+    let prompt_tokens: u64 = work.iter().map(prompt_len).sum();
     let n = work.len();
     let t0 = Instant::now();
     let mut done = 0usize;
@@ -963,13 +1207,22 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
                 .to_string(),
         );
     }
+    let decider = cluster.proxy.decider();
+    let decode_only = decider.count(Decision::DecodeOnly, Reason::UncachedBelowThreshold)
+        + decider.count(Decision::DecodeOnly, Reason::DecoderHoldsPrefix);
     let mut summary = DemoSummary {
         requests: n as u64,
+        workload: args.workload,
+        routing: args.routing.as_str().to_string(),
+        prompt_tokens,
+        prefill_tokens_computed: loaded.prefill_tokens_computed,
+        kv_bytes_moved: loaded.kv_bytes_sent,
+        decode_only,
         ok,
         failed: n as u64 - ok,
         errors,
         kv_mismatches: st.kv_mismatches,
-        kv_missing: st.local_prefills + st.kv_retrieve_failed,
+        kv_missing: st.local_prefills.saturating_sub(decode_only) + st.kv_retrieve_failed,
         outputs_match_colocated: matched && k > 0,
         compared: k as u64,
         ttft_p50_ms: pct(&mut ttft, 0.5),
@@ -1031,7 +1284,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
         kv_vs_bench_transfer: 0.0,
         shmem_huge_pages: kvbridge::shared_huge_pages().unwrap_or_else(|| "unknown".into()),
         setup: format!(
-            "{}P{}D, TP={}, {}, {} bytes/token, {} tokens/chunk, {} tokens/prefill step, {mode}, in-process on loopback",
+            "{}P{}D, TP={}, {}, {} bytes/token, {} tokens/chunk, {} tokens/prefill step, {mode}, {} routing, in-process on loopback",
             prefillers,
             decoders,
             model.world_size,
@@ -1039,6 +1292,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
             model.spec.bytes_per_token(),
             model.spec.chunk_tokens,
             model.spec.chunk_tokens as usize * cost.pages_per_step(model.spec.chunk_tokens),
+            args.routing.as_str(),
         ),
         timeline: (!td.is_empty()).then(|| TimelineReport {
             replays: td.len() as u64,

@@ -15,7 +15,9 @@
 use crate::announce::{self, Announced, Announcement};
 use crate::chunk_memory::{ChunkMemory, ChunkSlot};
 use crate::cost::CostModel;
+use crate::kv_events_pub::{KvEventsPublisher, PubLimits};
 use crate::model::{self, Model, SeqState};
+use crate::prefix_cache::{NewChunk, PrefixCache, DEFAULT_PREFIX_CACHE_TOKENS};
 use crate::timeline::TARGET as TL;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -103,6 +105,14 @@ pub struct EngineConfig {
     /// Prefill: push (write into the decoder's pages) or pull (the decoder reads)
     /// (`pd_transfer_mode`).
     pub transfer_mode: TransferMode,
+    /// Tokens the prefix cache keeps (whole chunks; 0: no cache). See
+    /// [`crate::prefix_cache`].
+    pub prefix_cache_tokens: u64,
+    /// Where to publish KV events (vLLM's `--kv-events-config` `endpoint`:
+    /// `tcp://*:5557`, `tcp://127.0.0.1:0`); `None`: not published.
+    pub kv_events_endpoint: Option<String>,
+    /// The KV events' topic (vLLM's `topic`, empty by default).
+    pub kv_events_topic: String,
 }
 
 impl EngineConfig {
@@ -124,6 +134,9 @@ impl EngineConfig {
             mla_send_once: false,
             fence_timeout: Duration::from_secs(10),
             transfer_mode: TransferMode::Push,
+            prefix_cache_tokens: DEFAULT_PREFIX_CACHE_TOKENS,
+            kv_events_endpoint: None,
+            kv_events_topic: String::new(),
         }
         .with_pd_env()
     }
@@ -179,6 +192,8 @@ struct Counts {
     kv_mismatches: AtomicU64,
     kv_retrieve_failed: AtomicU64,
     local_prefills: AtomicU64,
+    prefill_tokens_computed: AtomicU64,
+    prefix_cache_hit_tokens: AtomicU64,
     /// Rank transfers not yet finished, plus received KV not yet verified.
     in_flight: AtomicU64,
     kv_load_ns: AtomicU64,
@@ -256,6 +271,13 @@ pub struct EngineStats {
     pub kv_retrieve_failed: u64,
     /// Decode: requests prefilled locally because no KV was announced for them.
     pub local_prefills: u64,
+    /// Prompt tokens prefilled here that the prefix cache did not hold (what the cost
+    /// model charged).
+    pub prefill_tokens_computed: u64,
+    /// Prompt tokens of prefills here that the prefix cache held (not charged).
+    pub prefix_cache_hit_tokens: u64,
+    /// Chunks in the prefix cache now.
+    pub prefix_cache_chunks: u64,
     /// Decode: pages of the receive buffers (all ranks).
     pub pages_total: u64,
     /// Decode: free pages.
@@ -298,6 +320,11 @@ struct Inner {
     /// Decode: PD requests taken by a decode request, until their pages are released (so
     /// two decode requests naming one id cannot both read, and release, its pages).
     claimed: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// Prompt chunks computed or received, and the events they make (one owner: this lock;
+    /// events are published under it, so batches leave in the order of the changes).
+    prefix_cache: std::sync::Mutex<PrefixCache>,
+    /// Where the prefix cache's events go.
+    kv_events: Option<KvEventsPublisher>,
 }
 
 impl Inner {
@@ -307,6 +334,61 @@ impl Inner {
     fn work_done(&self) {
         self.counts.in_flight.fetch_sub(1, Relaxed);
         self.settled.notify_waiters();
+    }
+}
+
+impl Inner {
+    /// The chain keys of the whole chunks of `tokens` (rank 0's PD chunk keys).
+    fn cache_keys(&self, tokens: &[u32]) -> Vec<u64> {
+        let c = self.model.spec.chunk_tokens.max(1) as usize;
+        let whole = tokens.len() / c * c;
+        kvbridge_pd::chunk_keys(
+            &self.model.name,
+            self.model.world_size,
+            0,
+            &self.model.spec,
+            &tokens[..whole],
+        )
+        .into_iter()
+        .map(|k| k.hash)
+        .collect()
+    }
+
+    /// Changes the prefix cache with `f` and publishes what changed, as one batch.
+    fn update_cache(&self, f: impl FnOnce(&mut PrefixCache)) {
+        let mut cache = lock(&self.prefix_cache);
+        f(&mut cache);
+        let events = cache.take_events();
+        if let (Some(p), false) = (&self.kv_events, events.is_empty()) {
+            let ts = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64());
+            p.publish(&kvbridge::proto::kv_events::KvEventBatch {
+                ts,
+                events,
+                data_parallel_rank: None,
+            });
+        }
+    }
+
+    /// Stores the whole chunks of `tokens` after the first `from` (whose keys are `keys`),
+    /// with `states[i]` the state after chunk `from + i`.
+    fn cache_chunks(&self, tokens: &[u32], keys: &[u64], from: usize, states: &[SeqState]) {
+        let c = self.model.spec.chunk_tokens.max(1) as usize;
+        let chunks: Vec<NewChunk<'_>> = states
+            .iter()
+            .enumerate()
+            .filter_map(|(i, st)| {
+                let k = from + i;
+                Some(NewChunk {
+                    key: *keys.get(k)?,
+                    tokens: tokens.get(k * c..(k + 1) * c)?,
+                    state: *st,
+                })
+            })
+            .collect();
+        let parent = from.checked_sub(1).and_then(|i| keys.get(i).copied());
+        self.update_cache(|cache| cache.insert(parent, &chunks));
     }
 }
 
@@ -339,6 +421,9 @@ impl Inner {
             kv_mismatches: c.kv_mismatches.load(Relaxed),
             kv_retrieve_failed: c.kv_retrieve_failed.load(Relaxed),
             local_prefills: c.local_prefills.load(Relaxed),
+            prefill_tokens_computed: c.prefill_tokens_computed.load(Relaxed),
+            prefix_cache_hit_tokens: c.prefix_cache_hit_tokens.load(Relaxed),
+            prefix_cache_chunks: lock(&self.prefix_cache).len() as u64,
             pages_total: pages.total,
             pages_free: pages.free,
             pages_leaked: pages.leaked,
@@ -450,6 +535,23 @@ impl RunningEngine {
     pub fn stats(&self) -> EngineStats {
         self.inner.stats()
     }
+    /// Where KV events are published, when they are.
+    pub fn kv_events_addr(&self) -> Option<SocketAddr> {
+        self.inner.kv_events.as_ref().map(|p| p.local_addr())
+    }
+    /// Waits until `n` connections subscribed to the KV events, up to `timeout`; false when
+    /// they did not (or nothing is published).
+    pub async fn wait_kv_subscribers(&self, n: usize, timeout: Duration) -> bool {
+        match &self.inner.kv_events {
+            Some(p) => p.wait_subscribed(n, timeout).await,
+            None => false,
+        }
+    }
+    /// Empties the prefix cache (vLLM's `POST /reset_prefix_cache`): publishes
+    /// `AllBlocksCleared`.
+    pub fn reset_prefix_cache(&self) {
+        self.inner.update_cache(PrefixCache::clear);
+    }
     /// Waits until no KV transfer is in flight and all received KV is verified, up to
     /// `deadline` (read the counters after this).
     pub async fn quiesce(&self, deadline: Duration) -> Result<(), SimError> {
@@ -526,6 +628,17 @@ impl RunningEngine {
 /// receivers and announce listeners bind their own ports from the config). Everything is
 /// bound when this returns.
 pub async fn start(cfg: EngineConfig, listener: TcpListener) -> Result<RunningEngine, SimError> {
+    start_with_publisher(cfg, listener, None).await
+}
+
+/// [`start`], publishing KV events on `publisher` (bound by the caller, so that its address
+/// can be given to a proxy before the engine starts) instead of binding
+/// [`EngineConfig::kv_events_endpoint`].
+pub async fn start_with_publisher(
+    cfg: EngineConfig,
+    listener: TcpListener,
+    publisher: Option<KvEventsPublisher>,
+) -> Result<RunningEngine, SimError> {
     cfg.model
         .spec
         .validate()
@@ -603,7 +716,21 @@ pub async fn start(cfg: EngineConfig, listener: TcpListener) -> Result<RunningEn
         }
         Role::Both => {}
     }
+    let kv_events = match (publisher, &cfg.kv_events_endpoint) {
+        (Some(p), _) => Some(p),
+        (None, Some(ep)) => Some(
+            KvEventsPublisher::bind(ep, &cfg.kv_events_topic, PubLimits::default())
+                .await
+                .map_err(|e| SimError::Start(format!("KV events endpoint {ep}: {e}")))?,
+        ),
+        (None, None) => None,
+    };
+    let mut prefix_cache = PrefixCache::new(cfg.model.spec.chunk_tokens, cfg.prefix_cache_tokens);
+    // A new engine's first batch says that whatever an earlier one reported is gone.
+    prefix_cache.clear();
     let inner = Arc::new(Inner {
+        prefix_cache: std::sync::Mutex::new(prefix_cache),
+        kv_events,
         model: Arc::new(cfg.model.clone()),
         cfg,
         senders,
@@ -643,6 +770,7 @@ pub async fn start(cfg: EngineConfig, listener: TcpListener) -> Result<RunningEn
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/tokenize", post(tokenize))
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
         .with_state(inner.clone());
     let (stop, stopped) = oneshot::channel::<()>();
     use axum::serve::ListenerExt;
@@ -887,6 +1015,11 @@ async fn prompt_state(s: &Arc<Inner>, req: &GenRequest) -> Result<SeqState, SimE
 
 /// Prefills `tokens` on the simulated accelerator, one step (of whole pages) at a time; the
 /// pages of every rank go to `send[rank]` as soon as their step ends.
+///
+/// The leading chunks the prefix cache holds cost nothing in the cost model: a local
+/// prefill starts after them; a prefill that sends its KV still produces their bytes (a
+/// real engine copies them out of its cache) but they are ready at once. The chunks
+/// computed are stored in the cache.
 async fn prefill(
     s: &Arc<Inner>,
     tokens: &[u32],
@@ -895,16 +1028,32 @@ async fn prefill(
     let _accel = s.accel.lock().await;
     let start = tokio::time::Instant::now();
     let model = s.model.clone();
-    let mut state = model.start();
     let c = model.spec.chunk_tokens.max(1) as usize;
+    let keys = s.cache_keys(tokens);
+    let hit = lock(&s.prefix_cache).lookup(&keys);
+    let cached = hit.chunks * c;
+    s.counts
+        .prefill_tokens_computed
+        .fetch_add((tokens.len() - cached) as u64, Relaxed);
+    s.counts
+        .prefix_cache_hit_tokens
+        .fetch_add(cached as u64, Relaxed);
+    // Without a transfer, the cached chunks need not be produced at all.
+    let (skip, mut state) = match (send, hit.state) {
+        (None, Some(st)) => (cached, st),
+        _ => (0, model.start()),
+    };
     let pages = tokens.len().div_ceil(c);
     let per_step = s.cfg.cost.pages_per_step(model.spec.chunk_tokens);
-    let mut done = 0u64;
+    let mut done = skip as u64;
+    // The state after each whole chunk computed past the cached ones, for the cache.
+    let mut computed: Vec<SeqState> = Vec::new();
     // This step's pages, computed but not yet existing for the cost model: one slot per rank.
     let mut step: Vec<(u64, Vec<ChunkSlot>)> = Vec::with_capacity(per_step);
-    for (i, part) in tokens.chunks(c).enumerate() {
+    for (j, part) in tokens[skip..].chunks(c).enumerate() {
+        let i = skip / c + j;
         if step.is_empty() {
-            jit_wait(s, start, tokens.len(), i, c, per_step).await;
+            jit_wait(s, start, (tokens.len(), cached), i, c, per_step).await;
         }
         let (m, part_v) = (model.clone(), part.to_vec());
         // Sending: every rank's KV is computed straight into its registered chunk memory,
@@ -945,6 +1094,9 @@ async fn prefill(
         s.fill_ps_per_token.store(per_token as u64, Relaxed);
         state = st;
         done += part.len() as u64;
+        if i >= hit.chunks && part.len() == c {
+            computed.push(state);
+        }
         let stage = if send.is_some() {
             "prefill.chunk_computed"
         } else {
@@ -956,7 +1108,8 @@ async fn prefill(
             continue;
         }
         // The cost model: this step's KV exists no earlier than the accelerator would have it.
-        tokio::time::sleep_until(start + s.cfg.cost.prefill_time(done)).await;
+        let charged = done.saturating_sub(cached as u64);
+        tokio::time::sleep_until(start + s.cfg.cost.prefill_time(charged)).await;
         for (i, chunks) in step.drain(..) {
             let stage = if send.is_some() {
                 "prefill.chunk_ready"
@@ -972,6 +1125,7 @@ async fn prefill(
             }
         }
     }
+    s.cache_chunks(tokens, &keys, hit.chunks, &computed);
     Ok(state)
 }
 
@@ -986,17 +1140,19 @@ async fn prefill(
 /// cost model's wait instead. Both the disaggregated and the colocated prefill wait the
 /// same, and the step's KV exists no later than before unless a compute runs more than a
 /// quarter over the last one's.
+/// `tokens` is the prompt's length and how many of its leading tokens were cached (not
+/// charged).
 async fn jit_wait(
     s: &Inner,
     start: tokio::time::Instant,
-    tokens: usize,
+    (tokens, cached): (usize, usize),
     first: usize,
     chunk_tokens: usize,
     per_step: usize,
 ) {
     let end = ((first + per_step) * chunk_tokens).min(tokens);
     let step_tokens = (end - first * chunk_tokens) as u64;
-    let ready = start + s.cfg.cost.prefill_time(end as u64);
+    let ready = start + s.cfg.cost.prefill_time(end.saturating_sub(cached) as u64);
     let at = compute_start(ready, s.fill_ps_per_token.load(Relaxed), step_tokens);
     // Only a wait in the future: a zero-length timer still waits for the next tick.
     if let Some(at) = at.filter(|at| *at > tokio::time::Instant::now()) {
@@ -1511,6 +1667,7 @@ async fn receive(
     // ended instead has had its pages returned by the receiver.
     s.work_started();
     let (s2, id2) = (s.clone(), id.to_string());
+    let received: Vec<u32> = tokens[..m].to_vec();
     tokio::spawn(async move {
         for rx in &s2.receivers[..ranks] {
             let r = match rx.wait_complete(&id2, s2.cfg.retrieve_timeout).await {
@@ -1543,11 +1700,28 @@ async fn receive(
                     }
                 }
             }
-            (chunks, mismatches)
+            // KV received whole and right is KV held: the state after each whole chunk,
+            // from the digests already taken, for the prefix cache.
+            let mut states = Vec::new();
+            if mismatches == 0 {
+                let mut st = model.start();
+                for (p, d) in prefixes.chunks_exact(c).zip(&digests) {
+                    model.chain_digests(&mut st, d, c);
+                    if let Some(&last) = p.last() {
+                        st.prefix = last;
+                    }
+                    states.push(st);
+                }
+            }
+            (chunks, mismatches, states)
         })
         .await;
         match r {
-            Ok((chunks, mismatches)) => {
+            Ok((chunks, mismatches, states)) => {
+                if !states.is_empty() {
+                    let keys = s2.cache_keys(&received);
+                    s2.cache_chunks(&received, &keys, 0, &states);
+                }
                 s2.counts.kv_chunks_received.fetch_add(chunks, Relaxed);
                 s2.counts.kv_bytes_received.fetch_add(bytes, Relaxed);
                 if mismatches > 0 {
@@ -1725,6 +1899,11 @@ async fn metrics(State(s): State<Arc<Inner>>) -> Response {
         HeaderValue::from_static("text/plain; version=0.0.4"),
     );
     (h, out).into_response()
+}
+
+async fn reset_prefix_cache(State(s): State<Arc<Inner>>) -> Response {
+    s.update_cache(PrefixCache::clear);
+    StatusCode::OK.into_response()
 }
 
 async fn tokenize(State(s): State<Arc<Inner>>, body: Bytes) -> Response {

@@ -7,6 +7,7 @@
 //!
 //! - [`model`]: tokenizer, KV of every position, next token from the KV held.
 //! - [`cost`]: prefill and decode speed.
+//! - [`prefix_cache`]: the engine's cache of prompt chunks (LRU), reported as KV events.
 //! - [`engine`]: the server (`--role prefill|decode|both`).
 //! - [`announce`]: how a decoder learns which PD request holds a prompt's KV.
 //! - [`client`]: a small OpenAI client (demo, tests).
@@ -28,5 +29,6 @@ pub mod demo;
 pub mod engine;
 pub mod kv_events_pub;
 pub mod model;
+pub mod prefix_cache;
 pub mod soak;
 pub mod timeline;

@@ -369,6 +369,13 @@ impl Model {
         per_rank
     }
 
+    /// Advances `state` over `t` positions whose per-rank digests (`per_rank[rank][j]`) were
+    /// returned by [`Model::absorb_kv`]: the state after them, without the KV bytes (how a
+    /// decoder keeps the state after each chunk it received and verified).
+    pub fn chain_digests(&self, state: &mut SeqState, per_rank: &[Vec<u64>], t: usize) {
+        Self::chain(state, per_rank, t);
+    }
+
     /// Chains per-rank position digests (`per_rank[rank][j]`) into `state`, position by
     /// position, rank by rank within a position.
     fn chain(state: &mut SeqState, per_rank: &[Vec<u64>], t: usize) {
