@@ -10,6 +10,9 @@ to its last read, connect included; NixlConnector: its "Throughput (MB/s)", tota
 summed transfer time as NIXL's telemetry measures it).
 
 Any failed request (non-200, an error event, no token) fails the run: no figures printed.
+So does a request whose decoder did not read its KV (the servers' logs tell: the
+kvbridge decoder's `loads_ok` short of the requests sent, a prefill's blocks freed at
+their lease, NixlConnector's expired or invalid blocks).
 """
 
 from __future__ import annotations
@@ -146,6 +149,21 @@ def main() -> int:
         for p in procs:
             p.kill()
 
+    # A request whose decoder did not read its KV (recomputed it, or read blocks its
+    # prefiller had already freed) is a failed request for this benchmark, though HTTP said 200.
+    sent = 3 + a.runs * a.requests
+    problems = []
+    for name in names:
+        p, d, _ = pairs[name]
+        problems += kv_not_moved(
+            name, p.log_path.read_text(errors="replace"), d.log_path.read_text(errors="replace"), sent
+        )
+    if problems:
+        for msg in problems:
+            print(f"FAILED: {msg}", file=sys.stderr)
+        print("FAILED: some requests did not move their KV; no figures", file=sys.stderr)
+        return 1
+
     print(f"\nprompt {a.prompt_tokens} tokens, KV {kv_bytes_per_token * a.prompt_tokens / 2**20:.2f} MiB per request "
           f"({a.layers} layers x {a.kv_heads} KV heads x head_dim {a.head_dim}, bf16), max_tokens {a.max_tokens}, "
           f"{a.runs} runs x {a.requests} requests, sequential")  # fmt: skip
@@ -156,6 +174,24 @@ def main() -> int:
         log = pairs[name][1].log_path.read_text(errors="replace")
         print(f"| {name} | {statistics.median(runs) * 1e3:.1f} | {min(runs) * 1e3:.1f}-{max(runs) * 1e3:.1f} | {gib_per_s(name, log)} |")
     return 0
+
+
+def kv_not_moved(name: str, prefill_log: str, decode_log: str, sent: int) -> list[str]:
+    """What the servers' logs say about requests that answered 200 without moving their KV."""
+    out = []
+    if name == "kvbridge":
+        loads = sum(int(x) for x in re.findall(r"KV Transfer metrics: .*?loads_ok=(\d+)", decode_log))
+        if loads < sent:
+            out.append(f"kvbridge: the decoder loaded KV for {loads} of {sent} requests")
+        expired = len(re.findall(r"no decoder read request .* within kvbridge_lease_s", prefill_log))
+        if expired:
+            out.append(f"kvbridge: {expired} prefills' blocks were freed at their lease, unread")
+    else:
+        expired = len(re.findall(r"Releasing expired KV blocks", prefill_log))
+        invalid = len(re.findall(r"Potentially invalid KV blocks", prefill_log))
+        if expired or invalid:
+            out.append(f"nixl: {expired} prefills' blocks freed at their lease, {invalid} reads of freed blocks")
+    return out
 
 
 def gib_per_s(name: str, log: str) -> str:
