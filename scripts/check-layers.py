@@ -28,9 +28,6 @@ ALLOWED_LOOPS = {
     "crates/kvbridge": {
         "channel", "cma", "datapath", "session", "shm", "writer_queue",
     },
-    "crates/kvbridge-proxy": {
-        "body", "cli", "config", "listener", "outcome_port", "pool", "router", "server",
-    },
 }
 
 PATH_RE = re.compile(r"\bcrate::(?:\{([^}]*)\}|([A-Za-z_][A-Za-z0-9_]*))")

@@ -18,10 +18,7 @@ use tokio::time::Sleep;
 
 use crate::metrics::Outcome;
 use crate::pool::Slot;
-use crate::server::{ApiError, Reply, Track};
-
-/// A decode request still out: resolves to the decoder's answer (a stream) or its failure.
-pub(crate) type PendingDecode = Pin<Box<dyn Future<Output = Result<Reply, ApiError>> + Send>>;
+use crate::reply::{public_message, PendingDecode, Reply, Track};
 
 /// What a finished stream releases and records.
 pub(crate) struct Finish {
@@ -40,27 +37,6 @@ pub(crate) struct ProxyBody {
     timer: Pin<Box<Sleep>>,
     first: bool,
     fin: Option<Finish>,
-}
-
-/// What a client is told of a server-side failure with error code `code`. The detail (which
-/// worker, its address, its error text) names internal parts of the deployment: it goes to
-/// the proxy's log under the request id, not to the client.
-pub(crate) fn public_message(code: &str) -> &'static str {
-    match code {
-        "no_healthy_worker" => "no healthy worker can take this request now",
-        "decoder_unavailable" => "no decoder could be reached for this request",
-        "prefill_failed" => "the prefill failed",
-        "prefill_timeout" => "the prefill did not finish in time",
-        "kv_transfer_failed" => "the KV cache transfer failed",
-        "kv_ready_timeout" => "the KV cache did not arrive in time",
-        "prefiller_lost" => "the prefiller holding the KV cache was lost",
-        "decode_failed" | "decoder_stream_failed" => "the decode failed",
-        "decode_timeout" => "the decoder did not answer in time",
-        "upstream_failed" => "a worker failed",
-        "upstream_timeout" => "a worker did not answer in time",
-        "shutting_down" => "the proxy is shutting down",
-        _ => "the request failed inside the proxy",
-    }
 }
 
 /// Formats an SSE `error` event with an OpenAI-shaped error object.

@@ -11,6 +11,7 @@ mod busy_poll;
 pub mod cli;
 pub mod config;
 pub mod decider;
+mod from_args;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod kv_events_sub;
@@ -22,6 +23,7 @@ pub mod notif;
 pub mod outcome_port;
 pub mod pool;
 pub mod prefix_tree;
+mod reply;
 mod request;
 pub mod router;
 pub mod routing;

@@ -11,24 +11,7 @@ use tokio::sync::Notify;
 use crate::router::{Chosen, PoolRouter, PromptKey};
 use crate::routing::Candidate;
 
-/// Whether a pool serves prefill or decode.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Role {
-    /// Prefill workers.
-    Prefill,
-    /// Decode workers.
-    Decode,
-}
-
-impl Role {
-    /// Label value used in metrics and logs.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-        }
-    }
-}
+pub use crate::routing::Role;
 
 /// One worker and its live state.
 #[derive(Debug)]

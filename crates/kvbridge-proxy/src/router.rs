@@ -8,8 +8,8 @@ use std::sync::Arc;
 use crate::config::Config;
 use crate::kv_events_sub::{KvEventsSubscribers, SubLimits};
 use crate::kv_index::KvIndex;
-use crate::pool::Role;
 use crate::prefix_tree::{pieces, PrefixTrees, CHUNK_BYTES};
+use crate::routing::Role;
 use crate::routing::{
     cache_aware, kv_events, least_loaded, CacheAwareParams, Candidate, KvEventsWeights,
     RoutingPolicy,

@@ -19,6 +19,25 @@
 
 use serde::Deserialize;
 
+/// Whether a pool serves prefill or decode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Prefill workers.
+    Prefill,
+    /// Decode workers.
+    Decode,
+}
+
+impl Role {
+    /// Label value used in metrics and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
 /// A routing policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]

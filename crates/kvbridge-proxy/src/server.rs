@@ -10,13 +10,12 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::http::header::{AUTHORIZATION, CACHE_CONTROL, CONTENT_TYPE};
 use axum::http::Uri;
-use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode};
+use axum::http::{HeaderMap, HeaderValue, Method, Request, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
-use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
@@ -30,9 +29,8 @@ use crate::config::{Config, Flow};
 use crate::kvwait::{Binding, KvOutcome, KvWait, KvWaiters, Loss};
 use crate::metrics::{Metrics, Outcome};
 use crate::pool::{PickError, Pool, Role, Slot};
+use crate::reply::{ApiError, Reply, Track, X_REQUEST_ID};
 use crate::request::{Api, PrefillAnswer, ReqDoc};
-
-const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 /// lmcache flow, decode before `KvReady`: how long a decoder's error waits for the KV's
 /// outcome, so that a decoder failing because its transfer did is reported as the transfer's
@@ -312,118 +310,6 @@ async fn health_loop(app: Arc<App>, pool: Arc<Pool>, idx: usize, kv: Vec<String>
     }
 }
 
-/// Counts one request: in flight while alive, its outcome and duration when dropped.
-pub(crate) struct Track {
-    pub metrics: Arc<Metrics>,
-    pub outcome: Outcome,
-    pub t0: Instant,
-    pub rid: HeaderValue,
-}
-
-impl Track {
-    fn new(metrics: Arc<Metrics>, rid: HeaderValue) -> Track {
-        metrics.in_flight.fetch_add(1, Relaxed);
-        Track {
-            metrics,
-            outcome: Outcome::Cancelled,
-            t0: Instant::now(),
-            rid,
-        }
-    }
-
-    /// The request id as text, for logs.
-    pub fn rid(&self) -> &str {
-        self.rid.to_str().unwrap_or("?")
-    }
-}
-
-impl Drop for Track {
-    fn drop(&mut self) {
-        self.metrics.count_request(self.outcome);
-        self.metrics.request.observe(self.t0.elapsed());
-        self.metrics.in_flight.fetch_sub(1, Relaxed);
-    }
-}
-
-/// An answer in OpenAI's error shape.
-#[derive(Debug)]
-pub(crate) struct ApiError {
-    status: StatusCode,
-    kind: &'static str,
-    code: &'static str,
-    message: String,
-    outcome: Outcome,
-    /// A worker's 4xx body passed on as it was.
-    raw: Option<Box<(Bytes, Option<HeaderValue>)>>,
-}
-
-impl ApiError {
-    /// Message, code and outcome: what an SSE `error` event says of it.
-    pub(crate) fn parts(self) -> (String, &'static str, Outcome) {
-        (self.message, self.code, self.outcome)
-    }
-
-    fn new(
-        status: StatusCode,
-        code: &'static str,
-        outcome: Outcome,
-        message: impl Into<String>,
-    ) -> Self {
-        let kind = if status.is_client_error() {
-            "invalid_request_error"
-        } else {
-            "server_error"
-        };
-        ApiError {
-            status,
-            kind,
-            code,
-            message: message.into(),
-            outcome,
-            raw: None,
-        }
-    }
-
-    fn bad_request(message: impl Into<String>) -> Self {
-        Self::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_request",
-            Outcome::BadRequest,
-            message,
-        )
-    }
-
-    fn into_response(self, rid: &HeaderValue) -> Response {
-        let mut resp = match self.raw {
-            Some(raw) => {
-                let (body, ct) = *raw;
-                let mut r = Response::new(Body::from(body));
-                if let Some(ct) = ct {
-                    r.headers_mut().insert(CONTENT_TYPE, ct);
-                }
-                r
-            }
-            None => {
-                // A server error's detail names internal parts (worker addresses, their
-                // error text): the client gets a generic message, the log the detail.
-                let message = if self.status.is_server_error() {
-                    crate::body::public_message(self.code)
-                } else {
-                    self.message.as_str()
-                };
-                let v = json!({"error": {"message": message, "type": self.kind, "param": null, "code": self.code}});
-                let mut r = Response::new(Body::from(v.to_string()));
-                r.headers_mut()
-                    .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-                r
-            }
-        };
-        *resp.status_mut() = self.status;
-        resp.headers_mut().insert(X_REQUEST_ID, rid.clone());
-        resp
-    }
-}
-
 fn pick_error(role: Role, e: PickError) -> ApiError {
     match e {
         PickError::NoHealthy => ApiError::new(
@@ -575,29 +461,6 @@ async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
         )
         .into_response(&rid),
     }
-}
-
-/// What a flow produced.
-pub(crate) enum Reply {
-    /// A whole body, ready to send.
-    Full {
-        content_type: HeaderValue,
-        body: Bytes,
-    },
-    /// The first token, sent now, and the decode still to answer (its stream follows the
-    /// first token; see `first_token_on_kv_ready`).
-    Pending {
-        first: Bytes,
-        decode: crate::body::PendingDecode,
-    },
-    /// The decoder's stream, with an optional first chunk in front.
-    Stream {
-        content_type: HeaderValue,
-        body: Incoming,
-        prefix: Option<Bytes>,
-        slot: Slot,
-        decode_start: Instant,
-    },
 }
 
 /// Failure of one call to a worker.
@@ -1570,9 +1433,8 @@ fn upstream_status(
         Outcome::DecodeError
     };
     if status.is_client_error() {
-        let mut e = ApiError::new(status, "rejected", Outcome::Rejected, excerpt(&b));
-        e.raw = Some(Box::new((b, ct)));
-        return e;
+        let e = ApiError::new(status, "rejected", Outcome::Rejected, excerpt(&b));
+        return e.with_raw(b, ct);
     }
     let code = if role == Role::Prefill {
         "prefill_failed"
