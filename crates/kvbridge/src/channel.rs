@@ -7,10 +7,11 @@
 //! arrive for a session the directory does not know yet.
 
 use crate::config::ChannelConfig;
-use crate::datapath::{DataPath, LocalSlice};
+use crate::datapath::DataPath;
 use crate::error::{Error, Result};
 use crate::grant::{Permission, RegionTable, WindowDrain, WindowId};
 use crate::net::{Listener, Stream};
+use crate::region::LocalSlice;
 use crate::region::Region;
 use crate::session::{
     refuse, refuse_lingering, run_initiator, run_listener, SessionCmd, SessionEnv,
@@ -710,7 +711,7 @@ impl Channel {
         let (descs, sources, _) = self.prepare(h, ops, false)?;
         h.data
             .transfer(
-                crate::shm::Dir::Write,
+                crate::dir::Dir::Write,
                 self.inner.config.deadlines.op,
                 descs,
                 sources,
@@ -745,7 +746,7 @@ impl Channel {
         };
         h.data
             .transfer(
-                crate::shm::Dir::Read,
+                crate::dir::Dir::Read,
                 self.inner.config.deadlines.op,
                 descs,
                 dests,

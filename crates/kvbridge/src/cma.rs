@@ -84,7 +84,7 @@
 //! `process_vm_writev` into us could as well `ptrace` us, so nothing here protects against
 //! a hostile peer with that right; what is protected is memory the owner deregistered.
 
-use crate::shm::Dir;
+use crate::dir::Dir;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -13,12 +13,14 @@
 
 use crate::cma::CopyError;
 use crate::config::{Limits, TestHooks};
+use crate::dir::Dir;
 use crate::error::{Error, Result};
 use crate::grant::RegionTable;
 use crate::in_flight::{InFlight, Refused, Reservation};
-use crate::region::RegionUse;
-use crate::shm::{Dir, ShmFail, ShmPeer};
+use crate::region::LocalSlice;
+use crate::shm::{ShmFail, ShmPeer};
 use crate::wire::{read_data_frame, write_all_vectored, write_msg, ReadError};
+use crate::writer_queue::Outgoing;
 use crate::writer_queue::{self, Direct, WriterQueue, WriterRx};
 use crate::Notification;
 use kvbridge_proto::handshake::Step;
@@ -34,32 +36,6 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::net::{ReadHalf, WriteHalf};
 use crate::peer_memory::PeerRange;
-
-/// A local range touched by a transfer; holds the region in use until dropped.
-pub(crate) struct LocalSlice {
-    pub(crate) region: RegionUse,
-    pub(crate) offset: usize,
-    pub(crate) len: usize,
-}
-
-impl LocalSlice {
-    /// Start of the range.
-    pub(crate) fn ptr(&self) -> *mut u8 {
-        // SAFETY: `offset + len` was checked against the region when the slice was made (in
-        // `resolve`, or by the channel for local ranges), and the region stays allocated
-        // while `self.region` holds it in use.
-        unsafe { self.region.region().as_ptr().add(self.offset) }
-    }
-
-    /// The bytes, as a raw range: a peer may write them at the same time
-    /// ([`crate::peer_memory`]).
-    fn as_range(&self) -> PeerRange<'_> {
-        // SAFETY: `offset + len` was checked against the region when the slice was made; the
-        // region stays allocated (registered or in use) while `self` is borrowed; and no
-        // reference to registered memory is ever formed (`peer_memory`).
-        unsafe { PeerRange::new(self.ptr(), self.len) }
-    }
-}
 
 pub(crate) enum Waiting {
     Write(oneshot::Sender<Result<()>>),
@@ -98,34 +74,6 @@ const ROOM_UNIT: u64 = 1024;
 
 fn room_units(bytes: u64) -> u32 {
     u32::try_from(bytes.div_ceil(ROOM_UNIT)).unwrap_or(u32::MAX)
-}
-
-/// What the writer task sends, in order.
-pub(crate) enum Outgoing {
-    Write {
-        id: u64,
-        descs: Vec<OpDesc>,
-        sources: Vec<LocalSlice>,
-    },
-    Read {
-        id: u64,
-        descs: Vec<OpDesc>,
-    },
-    /// An encoded notification or acknowledgement, queued when it could not take the fast
-    /// lane ([`WriterQueue::send_direct`]).
-    Frame(Vec<u8>),
-    /// Nothing to send: wakes the writer for the tail of a frame the fast lane sent in part
-    /// (`Turn::tail`).
-    Wake,
-    ReadResp {
-        id: u64,
-        result: std::result::Result<Vec<LocalSlice>, Reject>,
-        /// The batch's bytes under the per-peer limit, released once the response is sent
-        /// (or dropped unsent).
-        held: Option<Reservation>,
-    },
-    /// Flush what is queued, then stop.
-    Shutdown,
 }
 
 /// Largest direct write copied in the calling task without lending its thread first

@@ -33,6 +33,7 @@ mod cma;
 pub mod config;
 mod data_threads;
 mod datapath;
+mod dir;
 mod error;
 mod fast_lane;
 #[doc(hidden)]

@@ -24,6 +24,7 @@
 //! racing peer can make the bytes wrong, never the program's behaviour undefined.
 
 use crate::error::{Error, Result};
+use crate::peer_memory::PeerRange;
 use kvbridge_proto::msg::{MemKind, RegionInfo};
 use kvbridge_proto::RegionId;
 use std::alloc::Layout;
@@ -772,6 +773,32 @@ pub(crate) fn memfd(len: usize) -> io::Result<OwnedFd> {
         return Err(io::Error::last_os_error());
     }
     Ok(fd)
+}
+
+/// A local range touched by a transfer; holds the region in use until dropped.
+pub(crate) struct LocalSlice {
+    pub(crate) region: RegionUse,
+    pub(crate) offset: usize,
+    pub(crate) len: usize,
+}
+
+impl LocalSlice {
+    /// Start of the range.
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        // SAFETY: `offset + len` was checked against the region when the slice was made (in
+        // `resolve`, or by the channel for local ranges), and the region stays allocated
+        // while `self.region` holds it in use.
+        unsafe { self.region.region().as_ptr().add(self.offset) }
+    }
+
+    /// The bytes, as a raw range: a peer may write them at the same time
+    /// ([`crate::peer_memory`]).
+    pub(crate) fn as_range(&self) -> PeerRange<'_> {
+        // SAFETY: `offset + len` was checked against the region when the slice was made; the
+        // region stays allocated (registered or in use) while `self` is borrowed; and no
+        // reference to registered memory is ever formed (`peer_memory`).
+        unsafe { PeerRange::new(self.ptr(), self.len) }
+    }
 }
 
 /// Guard of one transfer touching a region.

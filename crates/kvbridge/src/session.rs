@@ -9,13 +9,14 @@
 use crate::channel::{CoreCmd, PeerHandle};
 use crate::config::ChannelConfig;
 use crate::config::Transport;
-use crate::datapath::{run_reader, run_writer, DataPath, Outgoing, ReaderCtx};
+use crate::datapath::{run_reader, run_writer, DataPath, ReaderCtx};
 use crate::error::{Error, Result};
 use crate::grant::RegionTable;
 use crate::net::{ReadHalf, Stream, WriteHalf};
 use crate::region::{AbandonedExport, Region, RegionExport};
 use crate::shm::{FdReader, Mapping, ShmPeer};
 use crate::wire::{read_frame, write_msg, ReadError};
+use crate::writer_queue::Outgoing;
 use crate::writer_queue::{WriterQueue, WriterRx};
 use crate::Notification;
 use kvbridge_proto::handshake::{

@@ -64,7 +64,8 @@
 //! number of them, and no descriptor a frame may not carry.
 
 use crate::cma::{CmaCopy, CmaStatus, CopyError, DirectCopy, MemCopy, Piece};
-use crate::datapath::LocalSlice;
+use crate::dir::Dir;
+use crate::region::LocalSlice;
 use kvbridge_proto::frame::{FrameHeader, FRAME_HEADER_LEN};
 use kvbridge_proto::msg::{Message, OpDesc, ShmRegion, ShmRevoke};
 use kvbridge_proto::RegionId;
@@ -532,15 +533,6 @@ pub(crate) enum ShmFail {
     OutOfBounds(RegionId),
     /// The kernel refused or failed a cross-memory-attach copy for this region.
     Cma(RegionId, CopyError),
-}
-
-/// Direction of a copy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Dir {
-    /// Local → peer.
-    Write,
-    /// Peer → local.
-    Read,
 }
 
 /// Batches this channel copied directly instead of sending them over TCP, by way.

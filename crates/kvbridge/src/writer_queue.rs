@@ -24,8 +24,38 @@ use std::sync::Arc;
 
 use tokio::sync::mpsc;
 
-use crate::datapath::Outgoing;
 use crate::fast_lane::{FastLane, WriterTurn};
+use crate::in_flight::Reservation;
+use crate::region::LocalSlice;
+use kvbridge_proto::msg::{OpDesc, Reject};
+
+/// What the writer task sends, in order.
+pub(crate) enum Outgoing {
+    Write {
+        id: u64,
+        descs: Vec<OpDesc>,
+        sources: Vec<LocalSlice>,
+    },
+    Read {
+        id: u64,
+        descs: Vec<OpDesc>,
+    },
+    /// An encoded notification or acknowledgement, queued when it could not take the fast
+    /// lane ([`WriterQueue::send_direct`]).
+    Frame(Vec<u8>),
+    /// Nothing to send: wakes the writer for the tail of a frame the fast lane sent in part
+    /// (`Turn::tail`).
+    Wake,
+    ReadResp {
+        id: u64,
+        result: std::result::Result<Vec<LocalSlice>, Reject>,
+        /// The batch's bytes under the per-peer limit, released once the response is sent
+        /// (or dropped unsent).
+        held: Option<Reservation>,
+    },
+    /// Flush what is queued, then stop.
+    Shutdown,
+}
 
 /// Items a writer queue holds before `send` waits.
 pub(crate) const QUEUE_DEPTH: usize = 1024;
