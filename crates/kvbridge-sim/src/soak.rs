@@ -382,10 +382,14 @@ async fn spawn(program: &[OsString], args: &[String]) -> anyhow::Result<(Child, 
         .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(Stdio::piped())
         .kill_on_drop(true)
         .spawn()
         .map_err(|e| anyhow::anyhow!("cannot start {exe:?}: {e}"))?;
+    let mut err = child
+        .stderr
+        .take()
+        .ok_or_else(|| anyhow::anyhow!("no stderr"))?;
     let out = child
         .stdout
         .take()
@@ -394,12 +398,28 @@ async fn spawn(program: &[OsString], args: &[String]) -> anyhow::Result<(Child, 
     let mut line = String::new();
     match tokio::time::timeout(START_DEADLINE, out.read_line(&mut line)).await {
         Ok(Ok(n)) if n > 0 => {}
-        Ok(Ok(_)) => anyhow::bail!("{exe:?} {args:?} exited before printing its addresses"),
+        Ok(Ok(_)) => {
+            // Why it exited (a port taken in the meantime, say) is on its stderr.
+            let mut why = Vec::new();
+            let _ = tokio::time::timeout(
+                Duration::from_secs(1),
+                tokio::io::AsyncReadExt::read_to_end(&mut err, &mut why),
+            )
+            .await;
+            let why = String::from_utf8_lossy(&why[why.len().saturating_sub(600)..]).into_owned();
+            anyhow::bail!(
+                "{exe:?} {args:?} exited before printing its addresses: {}",
+                why.trim()
+            )
+        }
         Ok(Err(e)) => anyhow::bail!("reading {exe:?}'s addresses: {e}"),
         Err(_) => anyhow::bail!("{exe:?} printed no addresses within {START_DEADLINE:?}"),
     }
     tokio::spawn(async move {
         let _ = tokio::io::copy(&mut out, &mut tokio::io::sink()).await;
+    });
+    tokio::spawn(async move {
+        let _ = tokio::io::copy(&mut err, &mut tokio::io::sink()).await;
     });
     let v: Value = serde_json::from_str(line.trim())
         .map_err(|e| anyhow::anyhow!("{exe:?} printed {line:?}, not its addresses: {e}"))?;
