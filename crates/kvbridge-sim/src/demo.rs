@@ -522,14 +522,13 @@ impl Cluster {
         mode: TransferMode,
         decode_after_kv_ready: bool,
     ) -> anyhow::Result<Cluster> {
-        Self::start_full(
+        Self::start_routed(
             prefillers,
             decoders,
             model,
-            model,
             cost,
             buffer_bytes,
-            Some(mode),
+            mode,
             decode_after_kv_ready,
             &RouteOpts::default(),
         )
