@@ -13,6 +13,7 @@
 //! - [`client`]: a small OpenAI client (demo, tests).
 //! - [`demo`]: `kvbridge demo`.
 //! - [`soak`]: `kvbridge demo --duration D --chaos` (real processes, real `kill -9`).
+//! - [`stable_ports`]: ports a killed worker can be restarted on.
 //! - [`cli`]: `kvbridge engine` flags.
 //! - [`timeline`]: per-request step marks (`kvbridge demo --timeline`).
 
@@ -31,4 +32,5 @@ pub mod kv_events_pub;
 pub mod model;
 pub mod prefix_cache;
 pub mod soak;
+pub mod stable_ports;
 pub mod timeline;

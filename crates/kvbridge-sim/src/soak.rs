@@ -25,6 +25,7 @@ use crate::cost::CostModel;
 use crate::demo::{range, work_item, DemoArgs, WorkItem};
 use crate::engine::{self, EngineConfig, Role};
 use crate::model::{Model, SplitMix};
+use crate::stable_ports::StablePorts;
 use serde::Serialize;
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -199,6 +200,8 @@ pub struct SoakSummary {
     pub quiesced: bool,
     /// Requests after the chaos stopped, and how many succeeded (must be all).
     pub recovery_ok: u64,
+    /// The HTTP address of every process, by name; each keeps its ports across restarts.
+    pub addresses: BTreeMap<String, String>,
     /// Memory of every process.
     pub memory: Vec<MemoryTrack>,
     /// Whether every process that lived through the run kept a flat memory.
@@ -769,32 +772,36 @@ fn track(m: &mut Option<MemoryTrack>, name: &str, mib: f64, warm: bool) {
 }
 
 /// Starts the decoders, the prefillers and the proxy as child processes (in that order: each
-/// prints the ports the next needs).
+/// prints the addresses the next needs), each on ports it can be restarted on (see
+/// [`StablePorts`]).
 async fn start_processes(o: &SoakOptions, flags: &[String]) -> anyhow::Result<Vec<Proc>> {
+    let mut ports = StablePorts::new(o.seed ^ u64::from(std::process::id()));
     let mut procs = Vec::new();
     let base = |role: &str| {
         let mut a = vec!["--role".to_string(), role.to_string()];
         a.extend(flags.iter().cloned());
         a
     };
+    // Every rank may receive, so a decoder gets one init and one alloc port per rank.
+    let ranks = o.model.tp.max(1) as usize;
     for d in 0..o.decoders {
-        let mut args = base("decode");
-        args.extend([
-            "--buffer-mib".into(),
-            o.buffer_mib.to_string(),
-            "--kv-ttl-sec".into(),
-            o.kv_ttl.as_secs_f64().to_string(),
-        ]);
-        let (child, v) = spawn(&o.engine_cmd, &args).await?;
-        let (init, alloc) = (ports_of(&v["init_ports"]), ports_of(&v["alloc_ports"]));
-        args.extend([
-            "--port".into(),
-            port_of(&v["http"])?.to_string(),
-            "--init-port".into(),
-            join(&init),
-            "--alloc-port".into(),
-            join(&alloc),
-        ]);
+        let (child, v, args) = spawn_on(&o.engine_cmd, &mut ports, 1 + 2 * ranks, |p| {
+            let mut args = base("decode");
+            args.extend([
+                "--buffer-mib".into(),
+                o.buffer_mib.to_string(),
+                "--kv-ttl-sec".into(),
+                o.kv_ttl.as_secs_f64().to_string(),
+                "--port".into(),
+                p[0].to_string(),
+                "--init-port".into(),
+                join(&p[1..1 + ranks]),
+                "--alloc-port".into(),
+                join(&p[1 + ranks..]),
+            ]);
+            (args, Vec::new())
+        })
+        .await?;
         procs.push(Proc::started(
             format!("decoder-{d}"),
             Kind::Decode,
@@ -805,11 +812,14 @@ async fn start_processes(o: &SoakOptions, flags: &[String]) -> anyhow::Result<Ve
         ));
     }
     for p in 0..o.prefillers {
-        let mut args = base("prefill");
-        args.push("--proxy-endpoint-from-stdin".into());
-        let (child, v) = spawn(&o.engine_cmd, &args).await?;
-        args.pop();
-        args.extend(["--port".into(), port_of(&v["http"])?.to_string()]);
+        let (child, v, args) = spawn_on(&o.engine_cmd, &mut ports, 1, |p| {
+            let mut args = base("prefill");
+            args.extend(["--port".into(), p[0].to_string()]);
+            // The proxy's address is not known yet: it comes on stdin at the first start,
+            // and as flags at every restart.
+            (args, vec!["--proxy-endpoint-from-stdin".into()])
+        })
+        .await?;
         procs.push(Proc::started(
             format!("prefiller-{p}"),
             Kind::Prefill,
@@ -823,15 +833,19 @@ async fn start_processes(o: &SoakOptions, flags: &[String]) -> anyhow::Result<Ve
     let path = config_path();
     std::fs::write(&path, toml)
         .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
-    let mut args = vec!["--config".to_string(), path.display().to_string()];
-    let (child, v) = spawn(&o.proxy_cmd, &args).await?;
+    let (child, v, args) = spawn_on(&o.proxy_cmd, &mut ports, 2, |p| {
+        let args = vec![
+            "--config".to_string(),
+            path.display().to_string(),
+            "--port".into(),
+            p[0].to_string(),
+            "--proxy-port".into(),
+            p[1].to_string(),
+        ];
+        (args, Vec::new())
+    })
+    .await?;
     let notify = port_of(&v["notify"])?;
-    args.extend([
-        "--port".into(),
-        port_of(&v["http"])?.to_string(),
-        "--proxy-port".into(),
-        notify.to_string(),
-    ]);
     let endpoint = format!("tcp://127.0.0.1:{notify}\n");
     for p in procs.iter_mut().filter(|p| p.kind == Kind::Prefill) {
         if let Some(mut stdin) = p.child.as_mut().and_then(|c| c.stdin.take()) {
@@ -854,6 +868,32 @@ async fn start_processes(o: &SoakOptions, flags: &[String]) -> anyhow::Result<Ve
         &v,
     ));
     Ok(procs)
+}
+
+/// Starts a process on `n` ports from `ports`; `args_for` gives, for those ports, the arguments
+/// that start it again and those needed at the first start only. Another process on the host
+/// may bind a port between the probe and the start, so a start that fails is tried again on
+/// new ports, a few times. Returns the child, its addresses and its restart arguments.
+async fn spawn_on(
+    program: &[OsString],
+    ports: &mut StablePorts,
+    n: usize,
+    args_for: impl Fn(&[u16]) -> (Vec<String>, Vec<String>),
+) -> anyhow::Result<(Child, Value, Vec<String>)> {
+    let mut last = None;
+    for _ in 0..5 {
+        let p = ports
+            .take_n(n)
+            .ok_or_else(|| anyhow::anyhow!("no {n} free ports below the ephemeral range"))?;
+        let (restart, first_only) = args_for(&p);
+        let mut args = restart.clone();
+        args.extend(first_only);
+        match spawn(program, &args).await {
+            Ok((child, v)) => return Ok((child, v, restart)),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| anyhow::anyhow!("no start attempted")))
 }
 
 fn config_path() -> PathBuf {
@@ -1133,6 +1173,11 @@ pub async fn run(o: SoakOptions) -> anyhow::Result<SoakSummary> {
     let mut memory: Vec<MemoryTrack> = sup.own.iter().cloned().collect();
     memory.extend(sup.procs.iter().filter_map(|p| p.mem.clone()));
     let memory_flat = memory.iter().all(MemoryTrack::flat);
+    let addresses = sup
+        .procs
+        .iter()
+        .map(|p| (p.name.clone(), p.http.clone()))
+        .collect();
     let mut errors = tally.errors.clone();
     errors.extend(sup.errors.iter().cloned());
     errors.truncate(8);
@@ -1154,6 +1199,7 @@ pub async fn run(o: SoakOptions) -> anyhow::Result<SoakSummary> {
             pages_leaked,
             quiesced,
             recovery_ok,
+            addresses,
             memory,
             memory_flat,
             errors,

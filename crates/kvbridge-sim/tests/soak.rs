@@ -35,6 +35,23 @@ async fn chaos_kills_lose_nothing_and_hang_nothing() {
     assert_eq!(s.restarts, s.kills, "{s:#?}");
     assert!(s.ok > 0 && s.outputs_compared > 0, "{s:#?}");
     assert!(s.passed(), "{}", s.table());
+    // A port in the kernel's ephemeral range can be taken by any outgoing connection while its
+    // worker is down, and the restart then fails for as long as that connection lives.
+    let ephemeral_low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768);
+    assert_eq!(s.addresses.len(), 5, "{s:#?}");
+    for (name, addr) in &s.addresses {
+        let port = addr
+            .parse::<std::net::SocketAddr>()
+            .expect("an address")
+            .port();
+        assert!(
+            port < ephemeral_low,
+            "{name} listens on {addr}, in the ephemeral range (from {ephemeral_low})"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
