@@ -775,7 +775,13 @@ fn track(m: &mut Option<MemoryTrack>, name: &str, mib: f64, warm: bool) {
 /// prints the addresses the next needs), each on ports it can be restarted on (see
 /// [`StablePorts`]).
 async fn start_processes(o: &SoakOptions, flags: &[String]) -> anyhow::Result<Vec<Proc>> {
-    let mut ports = StablePorts::new(o.seed ^ u64::from(std::process::id()));
+    // Soaks running at once (tests in one process, or several processes) start at different
+    // points of the range, so they rarely probe the same ports.
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    let mut ports = StablePorts::new(o.seed ^ u64::from(std::process::id()) ^ now);
     let mut procs = Vec::new();
     let base = |role: &str| {
         let mut a = vec!["--role".to_string(), role.to_string()];
