@@ -203,6 +203,7 @@ fn message(spec: MsgSpec, hash: u64) -> Option<Message> {
             host_after_proof: incarnation % 3 != 0,
             data_proof: incarnation % 5 != 0,
             data_connections: 0,
+            ucx: false,
         }),
         MsgSpec::Welcome {
             version,

@@ -208,6 +208,7 @@ mod props {
                     host_after_proof: false,
                     data_proof: false,
                     data_connections: 0,
+                    ucx: false,
                 })
             }),
             (any::<u64>(), proptest::collection::vec(op(), 0..50))

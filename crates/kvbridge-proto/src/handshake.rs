@@ -474,6 +474,7 @@ impl Initiator {
             // Only a secret gives a key to answer with.
             data_proof: local.secret.is_some(),
             data_connections,
+            ucx: false,
         }));
         Self {
             local,
@@ -487,6 +488,18 @@ impl Initiator {
             welcomed: None,
             data_key: None,
         }
+    }
+
+    /// Says in the `Hello` that this initiator takes a UCX offer once the session is
+    /// established ([`Hello::ucx`]). Call it right after construction, before the first
+    /// output is polled; later it changes nothing.
+    pub fn with_ucx(mut self) -> Self {
+        for o in self.core.out.iter_mut() {
+            if let Output::Send(Message::Hello(h)) = o {
+                h.ucx = true;
+            }
+        }
+        self
     }
 
     /// The step the handshake is waiting on.
@@ -741,6 +754,8 @@ pub struct ListenerSession {
     data_key: Option<DataKey>,
     /// Data connections the initiator declared (0: not said).
     data_connections: u32,
+    /// The initiator takes a UCX offer ([`Hello::ucx`]).
+    ucx: bool,
 }
 
 impl ListenerSession {
@@ -872,6 +887,7 @@ impl ListenerSession {
             keyed: local.peer_keys.is_some(),
             data_key: None,
             data_connections: hello.data_connections,
+            ucx: hello.ucx,
         }
     }
 
@@ -892,6 +908,12 @@ impl ListenerSession {
     /// as initiators that predate the field).
     pub fn declared_data_connections(&self) -> Option<u32> {
         (self.data_connections > 0).then_some(self.data_connections)
+    }
+
+    /// Whether the initiator said it takes a UCX offer once the session is established
+    /// ([`Hello::ucx`]); the listener then starts a [`crate::ucx_link::UcxExport`].
+    pub fn peer_takes_ucx(&self) -> bool {
+        self.ucx
     }
 
     /// The peer this session serves.

@@ -16,6 +16,7 @@
 //! * [`zmtp`]: ZMTP 3.0 NULL framing and the receiving side of a PULL or SUB/PUB connection.
 //! * [`kv_events`]: vLLM's KV-events batches (what an engine stored and evicted), bounded.
 //! * [`outcome_tag`]: the HMAC tag that authenticates a KV outcome.
+//! * [`ucx_link`]: the UCX negotiation of a session (worker address and remote keys).
 
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
@@ -27,6 +28,7 @@ pub mod ids;
 pub mod kv_events;
 pub mod msg;
 pub mod outcome_tag;
+pub mod ucx_link;
 pub mod zmtp;
 
 pub use frame::{FrameError, FrameHeader, FRAME_HEADER_LEN, PROTOCOL_VERSION};

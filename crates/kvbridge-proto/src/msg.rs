@@ -76,6 +76,26 @@ pub enum Message {
     CmaProbe(CmaCanary),
     /// Initiator → listener: the canary's bytes as read, or why they could not be.
     CmaProbed(CmaEcho),
+
+    // ---- UCX negotiation (control connection, after the session is established) ----
+    /// Listener → initiator: its UCX worker address, sent only to an initiator that said
+    /// [`Hello::ucx`] and only once the session is established (so after its proof).
+    UcxOffer(UcxAddress),
+    /// Initiator → listener: it connected to the offered address and takes keys. (UCX wires
+    /// the endpoint up through the listener's worker; the listener needs no address back.)
+    UcxAccept(Ready),
+    /// Initiator → listener: it will not use UCX in this session (the reason is logged on
+    /// both sides); the session goes on over TCP.
+    UcxDecline(UcxDecline),
+    /// Listener → initiator: a region granted to the initiator, reachable with this remote
+    /// key. Sent only after [`Message::UcxAccept`].
+    UcxMap(UcxRegion),
+    /// Listener → initiator: every region granted so far has been sent (`UcxMap`).
+    UcxSync(Ready),
+    /// Listener → initiator: stop every operation on this region and drop its remote key.
+    UcxUnmap(ShmRevoke),
+    /// Initiator → listener: no operation on the region runs or will start; its key is gone.
+    UcxUnmapped(ShmRevoke),
 }
 
 impl Message {
@@ -108,6 +128,13 @@ impl Message {
             Message::CmaAsk(_) => "CmaAsk",
             Message::CmaProbe(_) => "CmaProbe",
             Message::CmaProbed(_) => "CmaProbed",
+            Message::UcxOffer(_) => "UcxOffer",
+            Message::UcxAccept(_) => "UcxAccept",
+            Message::UcxDecline(_) => "UcxDecline",
+            Message::UcxMap(_) => "UcxMap",
+            Message::UcxSync(_) => "UcxSync",
+            Message::UcxUnmap(_) => "UcxUnmap",
+            Message::UcxUnmapped(_) => "UcxUnmapped",
         }
     }
 
@@ -205,6 +232,11 @@ pub struct Hello {
     /// initiators: then up to the listener's maximum.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub data_connections: u32,
+    /// The initiator can reach the listener's regions through UCX, and takes a
+    /// [`Message::UcxOffer`] once the session is established. Absent (false) from older
+    /// initiators and builds without UCX: they are offered nothing and use TCP.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub ucx: bool,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -307,6 +339,47 @@ pub struct CmaEcho {
     pub data: Blob,
     /// Why the read failed (`None` when it worked).
     pub error: Option<String>,
+}
+
+/// Most bytes of a UCX worker address or packed remote key, envelope included (UCX's own
+/// blobs are a few hundred bytes; `kvbridge-ucx` caps its envelope payload at 64 KiB).
+pub const MAX_UCX_BLOB: usize = 64 << 10;
+
+/// A UCX worker address, in `kvbridge-ucx`'s checked envelope ([`Message::UcxOffer`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UcxAddress {
+    /// The enveloped address (at most [`MAX_UCX_BLOB`] bytes).
+    pub address: Blob,
+}
+
+/// Why an initiator does not use UCX in a session ([`Message::UcxDecline`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UcxDecline {
+    /// What went wrong or what is missing (at most [`MAX_UCX_REASON_LEN`] bytes).
+    #[serde(deserialize_with = "bounded_reason")]
+    pub reason: String,
+}
+
+/// Most bytes of a [`UcxDecline::reason`].
+pub const MAX_UCX_REASON_LEN: usize = 1024;
+
+fn bounded_reason<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    crate::ids::bounded_string(d, MAX_UCX_REASON_LEN)
+}
+
+/// A region a listener grants to the initiator over UCX ([`Message::UcxMap`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UcxRegion {
+    /// Region id (as in [`MemInfo`]).
+    pub id: RegionId,
+    /// The region's base address in the listener's address space (UCX addresses remote
+    /// memory by it).
+    pub base: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// The packed remote key, in `kvbridge-ucx`'s checked envelope (at most
+    /// [`MAX_UCX_BLOB`] bytes).
+    pub rkey: Blob,
 }
 
 /// Names a region to unmap, or one that was unmapped.
@@ -741,6 +814,7 @@ mod tests {
             host_after_proof: false,
             data_proof: false,
             data_connections: 0,
+            ucx: false,
         };
         // Absent when false: byte for byte what an older peer sends.
         let old = Message::Hello(hello.clone()).encode_body().unwrap();

@@ -699,6 +699,7 @@ fn version_mismatch_names_both_versions() {
         host_after_proof: false,
         data_proof: false,
         data_connections: 0,
+        ucx: false,
     };
     let mut l = ListenerSession::accept(
         h,
@@ -778,6 +779,7 @@ fn any_message() -> impl Strategy<Value = Message> {
             host_after_proof: false,
             data_proof: false,
             data_connections: 0,
+            ucx: false,
         })),
         Just(Message::MemInfo(mem(5))),
         Just(Message::HostOffer(HostOffer::default())),
@@ -832,7 +834,7 @@ proptest! {
         let mut l = ListenerSession::accept(
             Hello { version: 1, peer_id: PeerId::new("p").unwrap(), incarnation: Incarnation(1),
                     compat: Compat { hash: 42, description: String::new() }, auth: None,
-                    unacked_notify: true, host_after_proof: true, data_proof: false, data_connections: 0 },
+                    unacked_notify: true, host_after_proof: true, data_proof: false, data_connections: 0, ucx: false },
             &ident("d", 2, 42), SessionToken([1; 16]), mem(2), STEP, t0, [0; 32]);
         let (mut io, mut lo) = (vec![], vec![]);
         let mut now = t0;

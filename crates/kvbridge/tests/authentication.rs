@@ -237,6 +237,7 @@ async fn hello_without_proof(dec: &kvbridge::Channel) -> (TcpStream, Welcome) {
             host_after_proof: true,
             data_proof: true,
             data_connections: 0,
+            ucx: false,
         })
         .to_frame()
         .unwrap(),
@@ -271,6 +272,7 @@ async fn intrude_as(
         host_after_proof: true,
         data_proof: true,
         data_connections: 0,
+        ucx: false,
     };
     tweak(&mut hello);
     send_frame(&mut ctl, &Message::Hello(hello)).await;

@@ -304,6 +304,7 @@ pub async fn hello_saying(
             host_after_proof: false,
             data_proof: false,
             data_connections: 0,
+            ucx: false,
         }),
     )
     .await;

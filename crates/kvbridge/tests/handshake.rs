@@ -105,6 +105,7 @@ async fn thirty_two_initiators_are_not_blocked_by_a_stalled_peer() {
         host_after_proof: false,
         data_proof: false,
         data_connections: 0,
+        ucx: false,
     })
     .to_frame()
     .unwrap();

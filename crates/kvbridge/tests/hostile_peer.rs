@@ -418,6 +418,7 @@ async fn a_first_frame_larger_than_a_hello_needs_is_refused() {
         host_after_proof: false,
         data_proof: false,
         data_connections: 0,
+        ucx: false,
     });
     send_frame(&mut s, &hello).await;
     match recv_frame(&mut s).await {
@@ -449,6 +450,7 @@ async fn stalled_hello_from(target: &str, source: &str, name: &str) -> TcpStream
             host_after_proof: false,
             data_proof: false,
             data_connections: 0,
+            ucx: false,
         }),
     )
     .await;

@@ -1,0 +1,353 @@
+//! Drives the UCX negotiation's two machines against each other under every interleaving of
+//! message deliveries, the listener's grants and revokes, and the initiator driver's answers
+//! (endpoint created or not, keys unpacked or not, releases finished), exhaustively; and
+//! under arbitrary peer messages (property test).
+//!
+//! What must hold in every ordering: no machine fails; the listener revokes a region (unmaps
+//! its key) only when the initiator's driver no longer holds that key; every region handed to
+//! `export` comes back exactly once as `Revoked`; and once everything is delivered, the
+//! initiator holds the key of every region the listener still grants (or UCX is off).
+
+use kvbridge_proto::ids::Blob;
+use kvbridge_proto::msg::{Message, Ready, ShmRevoke, UcxAddress, UcxDecline, UcxRegion};
+use kvbridge_proto::ucx_link::{Output, UcxExport, UcxImport};
+use kvbridge_proto::RegionId;
+use proptest::prelude::*;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::{Duration, Instant};
+
+const DEADLINE: Duration = Duration::from_secs(10);
+
+fn region(tag: u8) -> UcxRegion {
+    UcxRegion {
+        id: RegionId([tag; 16]),
+        base: 0x10_0000 * u64::from(tag),
+        len: 1 << 16,
+        rkey: Blob(vec![tag; 24]),
+    }
+}
+
+/// What the listener's driver does, in this order, interleaved with everything else.
+#[derive(Debug, Clone, Copy)]
+enum Grant {
+    Export(u8),
+    Revoke(u8),
+}
+
+/// Both machines, their drivers' state, and the messages in flight.
+#[derive(Clone)]
+struct Pair {
+    imp: UcxImport,
+    exp: UcxExport,
+    to_listener: VecDeque<Message>,
+    to_initiator: VecDeque<Message>,
+    script: VecDeque<Grant>,
+    /// The initiator's driver is creating an endpoint.
+    connecting: bool,
+    /// Keys the initiator's driver holds (unpacked, not dropped).
+    keys: BTreeSet<RegionId>,
+    /// Releases asked of the initiator's driver and not finished.
+    releasing: BTreeSet<RegionId>,
+    /// `Revoked` outputs per region.
+    revoked: BTreeMap<RegionId, u32>,
+    exported: BTreeSet<RegionId>,
+    fell_back: bool,
+    /// One unpack may fail in this run (a branch).
+    unpack_failure_left: bool,
+    now: Instant,
+    violations: Vec<String>,
+}
+
+impl Pair {
+    fn new(script: &[Grant]) -> Pair {
+        let now = Instant::now();
+        let mut p = Pair {
+            imp: UcxImport::new(),
+            exp: UcxExport::new(Blob(vec![7; 40]), DEADLINE, now),
+            to_listener: VecDeque::new(),
+            to_initiator: VecDeque::new(),
+            script: script.iter().copied().collect(),
+            connecting: false,
+            keys: BTreeSet::new(),
+            releasing: BTreeSet::new(),
+            revoked: BTreeMap::new(),
+            exported: BTreeSet::new(),
+            fell_back: false,
+            unpack_failure_left: true,
+            now,
+            violations: Vec::new(),
+        };
+        p.pump();
+        p
+    }
+
+    /// Carries out every output: messages into the queues, driver work into its state.
+    fn pump(&mut self) {
+        while let Some(o) = self.exp.poll_output() {
+            match o {
+                Output::Send(m) => self.to_initiator.push_back(m),
+                Output::Revoked { id } => {
+                    if self.keys.contains(&id) {
+                        self.violations
+                            .push(format!("{id:?} revoked while the initiator holds its key"));
+                    }
+                    *self.revoked.entry(id).or_default() += 1;
+                }
+                Output::Fallback { .. } => self.fell_back = true,
+                Output::Failed(e) => self.violations.push(format!("listener failed: {e}")),
+                other => self.violations.push(format!("listener output {other:?}")),
+            }
+        }
+        while let Some(o) = self.imp.poll_output() {
+            match o {
+                Output::Send(m) => self.to_listener.push_back(m),
+                Output::Connect { .. } => self.connecting = true,
+                Output::Import(r) => {
+                    self.keys.insert(r.id);
+                }
+                Output::Release { id } => {
+                    self.releasing.insert(id);
+                }
+                Output::Synced => {}
+                Output::Fallback { .. } => self.fell_back = true,
+                Output::Failed(e) => self.violations.push(format!("initiator failed: {e}")),
+                other => self.violations.push(format!("initiator output {other:?}")),
+            }
+        }
+    }
+
+    /// Every step that can happen next, each applied to its own copy.
+    fn successors(&self) -> Vec<Pair> {
+        let mut next = Vec::new();
+        let mut step = |f: &dyn Fn(&mut Pair)| {
+            let mut p = self.clone();
+            f(&mut p);
+            p.pump();
+            next.push(p);
+        };
+        if !self.to_listener.is_empty() {
+            step(&|p| {
+                let m = p.to_listener.pop_front().unwrap();
+                p.exp.handle_message(m);
+            });
+        }
+        if !self.to_initiator.is_empty() {
+            step(&|p| {
+                let m = p.to_initiator.pop_front().unwrap();
+                p.imp.handle_message(m);
+            });
+        }
+        if let Some(&g) = self.script.front() {
+            step(&|p| {
+                p.script.pop_front();
+                match g {
+                    Grant::Export(t) => {
+                        p.exported.insert(region(t).id);
+                        p.exp.export(region(t));
+                    }
+                    Grant::Revoke(t) => p.exp.revoke(region(t).id, p.now),
+                }
+            });
+        }
+        if self.connecting {
+            step(&|p| {
+                p.connecting = false;
+                p.imp.connected();
+            });
+            step(&|p| {
+                p.connecting = false;
+                p.imp.connect_failed("no transport".into());
+            });
+        }
+        for &id in &self.releasing {
+            step(&|p| {
+                p.releasing.remove(&id);
+                p.keys.remove(&id);
+                p.imp.released(id);
+            });
+        }
+        if self.unpack_failure_left {
+            for &id in self.keys.difference(&self.releasing) {
+                step(&|p| {
+                    p.unpack_failure_left = false;
+                    p.keys.remove(&id);
+                    p.imp.import_failed(id);
+                });
+            }
+        }
+        next
+    }
+
+    /// Checks the end of one ordering: then closes the session and checks the books.
+    fn check_end(mut self) -> Result<(), String> {
+        if let Some(v) = self.violations.first() {
+            return Err(v.clone());
+        }
+        let granted: BTreeSet<RegionId> = self
+            .exported
+            .iter()
+            .filter(|id| !self.revoked.contains_key(id))
+            .copied()
+            .collect();
+        if !self.fell_back {
+            for id in &granted {
+                if !self.keys.contains(id) && self.imp.usable(id) {
+                    return Err(format!("{id:?} usable without a key held"));
+                }
+            }
+            let usable: BTreeSet<RegionId> = granted
+                .iter()
+                .filter(|id| self.imp.usable(id))
+                .copied()
+                .collect();
+            if usable != self.keys {
+                return Err(format!("keys held {:?}, usable {usable:?}", self.keys));
+            }
+        }
+        if self.exp.poll_timeout().is_some() && !self.fell_back {
+            return Err("a deadline is still armed with nothing in flight".into());
+        }
+        // The session ends: the initiator's endpoint goes with it, then every key is revoked.
+        self.keys.clear();
+        self.exp.close();
+        self.pump();
+        for id in &self.exported {
+            if self.revoked.get(id) != Some(&1) {
+                return Err(format!(
+                    "{id:?} revoked {:?} times, not once",
+                    self.revoked.get(id)
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Explores every ordering depth first; returns how many complete orderings there were.
+fn explore(script: &[Grant]) -> u64 {
+    let mut stack = vec![Pair::new(script)];
+    let mut ends = 0u64;
+    while let Some(p) = stack.pop() {
+        if let Some(v) = p.violations.first() {
+            panic!("{v} (script {script:?})");
+        }
+        let next = p.successors();
+        if next.is_empty() {
+            if let Err(e) = p.check_end() {
+                panic!("{e} (script {script:?})");
+            }
+            ends += 1;
+        } else {
+            stack.extend(next);
+        }
+        assert!(ends < 5_000_000, "the exploration is not bounded");
+    }
+    ends
+}
+
+#[test]
+fn every_ordering_of_grants_keys_and_revokes_is_safe() {
+    use Grant::*;
+    let scripts: &[&[Grant]] = &[
+        &[Export(1)],
+        &[Export(1), Revoke(1)],
+        &[Export(1), Export(2), Revoke(1)],
+        &[Export(1), Revoke(1), Export(2), Revoke(2)],
+        &[Revoke(1), Export(1), Revoke(1)],
+    ];
+    let mut total = 0;
+    for s in scripts {
+        total += explore(s);
+    }
+    println!("{total} complete orderings explored");
+    assert!(
+        total > 1000,
+        "only {total} orderings: the exploration is too narrow"
+    );
+}
+
+#[test]
+fn a_listener_without_an_answer_falls_back_and_still_revokes_everything() {
+    let t0 = Instant::now();
+    let mut exp = UcxExport::new(Blob(vec![1; 8]), DEADLINE, t0);
+    exp.export(region(1));
+    exp.handle_timeout(t0 + DEADLINE);
+    exp.close();
+    let out: Vec<_> = std::iter::from_fn(|| exp.poll_output()).collect();
+    assert!(out.iter().any(|o| matches!(o, Output::Fallback { .. })));
+    assert_eq!(
+        out.iter()
+            .filter(|o| matches!(o, Output::Revoked { .. }))
+            .count(),
+        1
+    );
+}
+
+fn any_message() -> impl Strategy<Value = Message> {
+    let id = any::<u8>().prop_map(|t| RegionId([t % 3; 16]));
+    prop_oneof![
+        proptest::collection::vec(any::<u8>(), 0..80)
+            .prop_map(|b| Message::UcxOffer(UcxAddress { address: Blob(b) })),
+        Just(Message::UcxAccept(Ready {})),
+        ".{0,20}".prop_map(|reason| Message::UcxDecline(UcxDecline { reason })),
+        (
+            id.clone(),
+            any::<u64>(),
+            any::<u64>(),
+            proptest::collection::vec(any::<u8>(), 0..40)
+        )
+            .prop_map(|(id, base, len, k)| Message::UcxMap(UcxRegion {
+                id,
+                base,
+                len,
+                rkey: Blob(k),
+            })),
+        Just(Message::UcxSync(Ready {})),
+        id.clone()
+            .prop_map(|id| Message::UcxUnmap(ShmRevoke { id })),
+        id.prop_map(|id| Message::UcxUnmapped(ShmRevoke { id })),
+        Just(Message::Ready(Ready {})),
+    ]
+}
+
+proptest! {
+    /// Whatever a peer sends: no panic, at most one `Failed`, nothing but revokes after it.
+    #[test]
+    fn arbitrary_peer_messages_end_in_at_most_one_failure(
+        to_imp in proptest::collection::vec(any_message(), 0..24),
+        to_exp in proptest::collection::vec(any_message(), 0..24),
+    ) {
+        let t0 = Instant::now();
+        let mut imp = UcxImport::new();
+        let mut exp = UcxExport::new(Blob(vec![1; 8]), DEADLINE, t0);
+        exp.export(region(1));
+        let mut outs = Vec::new();
+        for (i, m) in to_imp.into_iter().enumerate() {
+            imp.handle_message(m);
+            if i % 3 == 0 { imp.connected(); }
+            outs.extend(std::iter::from_fn(|| imp.poll_output()));
+        }
+        let failed = outs.iter().filter(|o| matches!(o, Output::Failed(_))).count();
+        prop_assert!(failed <= 1);
+        if let Some(at) = outs.iter().position(|o| matches!(o, Output::Failed(_))) {
+            prop_assert_eq!(at + 1, outs.len(), "outputs after the failure: {:?}", &outs[at..]);
+        }
+        let mut outs = Vec::new();
+        for (i, m) in to_exp.into_iter().enumerate() {
+            exp.handle_message(m);
+            if i % 4 == 0 { exp.revoke(region(1).id, t0); }
+            exp.handle_timeout(t0 + DEADLINE * (i as u32 % 2));
+            outs.extend(std::iter::from_fn(|| exp.poll_output()));
+        }
+        exp.close();
+        outs.extend(std::iter::from_fn(|| exp.poll_output()));
+        let failed = outs.iter().filter(|o| matches!(o, Output::Failed(_))).count();
+        prop_assert!(failed <= 1);
+        if let Some(at) = outs.iter().position(|o| matches!(o, Output::Failed(_))) {
+            let only_revokes = outs[at + 1..].iter().all(|o| matches!(o, Output::Revoked { .. }));
+            prop_assert!(only_revokes);
+        }
+        let revoked = outs.iter().filter(|o| matches!(o, Output::Revoked { .. })).count();
+        prop_assert_eq!(revoked, 1, "region 1 revoked {} times: {:?}", revoked, outs);
+    }
+}
