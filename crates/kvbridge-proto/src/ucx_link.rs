@@ -379,17 +379,27 @@ impl UcxExport {
             self.close();
         }
     }
-
-    /// The next thing to do.
-    pub fn poll_output(&mut self) -> Option<Output> {
-        self.core.out.pop_front()
-    }
-
-    /// Whether the machine failed (the session must end).
-    pub fn is_failed(&self) -> bool {
-        self.core.failed
-    }
 }
+
+/// The driver-facing calls both machines share, over their `core`.
+macro_rules! machine_io {
+    ($ty:ident) => {
+        impl $ty {
+            /// The next thing to do.
+            pub fn poll_output(&mut self) -> Option<Output> {
+                self.core.out.pop_front()
+            }
+
+            /// Whether the machine failed (the session must end).
+            pub fn is_failed(&self) -> bool {
+                self.core.failed
+            }
+        }
+    };
+}
+
+machine_io!(UcxExport);
+machine_io!(UcxImport);
 
 /// Where the initiator's negotiation is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -556,16 +566,6 @@ impl UcxImport {
             }
             Err(e) => self.core.fail(e),
         }
-    }
-
-    /// The next thing to do.
-    pub fn poll_output(&mut self) -> Option<Output> {
-        self.core.out.pop_front()
-    }
-
-    /// Whether the machine failed (the session must end).
-    pub fn is_failed(&self) -> bool {
-        self.core.failed
     }
 }
 
