@@ -6,16 +6,15 @@
 //! entered before the `Welcome` that reveals it is sent, so a data connection can never
 //! arrive for a session the directory does not know yet.
 
+use crate::cmd::{CoreCmd, PeerHandle, SessionCmd};
 use crate::config::ChannelConfig;
-use crate::datapath::DataPath;
 use crate::error::{Error, Result};
+use crate::events::{Notification, PeerEvent, Stats};
 use crate::grant::{Permission, RegionTable, WindowDrain, WindowId};
 use crate::net::{Listener, Stream};
 use crate::region::LocalSlice;
 use crate::region::Region;
-use crate::session::{
-    refuse, refuse_lingering, run_initiator, run_listener, SessionCmd, SessionEnv,
-};
+use crate::session::{refuse, refuse_lingering, run_initiator, run_listener, SessionEnv};
 use crate::tls::Tls;
 use crate::wire::{read_frame, ReadError};
 use kvbridge_proto::auth::{Keyring, Secret};
@@ -25,7 +24,7 @@ use kvbridge_proto::{Incarnation, PeerId, RegionId, SessionToken};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot, Mutex};
 use tokio::task::JoinHandle;
 
@@ -65,141 +64,6 @@ impl Op {
             len: page_size,
         }
     }
-}
-
-/// A live session, as the core hands it to callers.
-#[derive(Clone)]
-pub(crate) struct PeerHandle {
-    pub(crate) peer_id: PeerId,
-    pub(crate) incarnation: Incarnation,
-    pub(crate) data: Arc<DataPath>,
-    pub(crate) remote: Arc<RwLock<HashMap<RegionId, RegionInfo>>>,
-    /// The peer's regions mapped into this process (shared memory), if any.
-    pub(crate) shm: Option<Arc<crate::shm::ShmPeer>>,
-}
-
-type ConnectReply = oneshot::Sender<Result<PeerHandle>>;
-
-/// Messages to the core task.
-pub(crate) enum CoreCmd {
-    Connect {
-        addr: String,
-        reply: oneshot::Sender<Result<PeerHandle>>,
-    },
-    Lookup {
-        peer: PeerId,
-        reply: oneshot::Sender<Option<PeerHandle>>,
-    },
-    Incoming {
-        stream: Stream,
-        first: Box<Message>,
-        /// Where the connection came from (handshake quotas, logs).
-        from: SocketAddr,
-    },
-    /// A shared-memory connection presenting a session token.
-    ShmIncoming {
-        stream: tokio::net::UnixStream,
-        hello: kvbridge_proto::msg::DataHello,
-    },
-    SessionUp {
-        id: u64,
-        handle: PeerHandle,
-    },
-    SessionDown {
-        id: u64,
-        error: Error,
-    },
-    MemChanged,
-    /// A region is being detached from shared memory: every session but `except` whose
-    /// peer still maps it ends ([`SessionCmd::EndIfMapping`]).
-    EndMappers {
-        region: RegionId,
-        except: Option<u64>,
-        after: std::time::Duration,
-    },
-    /// A connection refused on TLS grounds (counted in [`Stats::tls_refused`]).
-    TlsRefused,
-    Disconnect {
-        peer: PeerId,
-        reason: String,
-        reply: oneshot::Sender<Result<()>>,
-    },
-    Stats {
-        reply: oneshot::Sender<Stats>,
-    },
-    Close {
-        reply: oneshot::Sender<()>,
-    },
-}
-
-/// What the channel holds right now; a failed handshake must leave all of it at zero.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Stats {
-    /// Session tasks alive (handshaking or established).
-    pub sessions: usize,
-    /// Established sessions.
-    pub established: usize,
-    /// Dials waiting for a handshake.
-    pub dialing: usize,
-    /// Data-connection tokens outstanding.
-    pub tokens: usize,
-    /// Batches waiting for completion across all sessions.
-    pub batches_in_flight: usize,
-    /// Payload bytes of those batches (each peer's share is bounded by
-    /// `Limits::max_bytes_in_flight_per_peer`).
-    pub bytes_in_flight: u64,
-    /// Our batches waiting for room under `Limits::max_bytes_in_flight_per_peer` (not sent
-    /// yet: backpressure).
-    pub batches_waiting_for_room: usize,
-    /// Peer batches refused because they would pass `Limits::max_bytes_in_flight_per_peer`
-    /// (each ended its session).
-    pub in_flight_refused: u64,
-    /// Sessions that ended since the channel started.
-    pub sessions_ended: u64,
-    /// Handshakes refused because `max_concurrent_handshakes` were already under way.
-    pub handshakes_refused: u64,
-    /// Sessions that ended because authentication failed: a peer that could not prove it
-    /// knows the shared secret (or sent no proof), a listener that could not, or one side
-    /// requiring authentication that the other does not do. Each is logged at WARN with the
-    /// peer's address (rate-limited).
-    pub auth_failed: u64,
-    /// Connections refused on TLS grounds: a failed TLS handshake, a plaintext `Hello` on a
-    /// listener that requires TLS, a plaintext `DataHello` on one that requires it on data
-    /// connections too, a TLS ClientHello on one that does not speak TLS.
-    pub tls_refused: u64,
-    /// Our batches copied into (or out of) mapped shared memory instead of going over TCP.
-    pub shm_batches: u64,
-    /// Our batches copied with cross-memory attach (at least one op; the others into mapped
-    /// shared memory) instead of going over TCP.
-    pub cma_batches: u64,
-    /// Notifications and acknowledgements written to an idle data connection by the task
-    /// or thread that issued them, skipping the connection's writer (one thread wake-up
-    /// less per message on data threads).
-    pub frames_direct: u64,
-}
-
-/// A change in the set of live sessions, for layers that hold state per peer (the PD
-/// receiver releases a sender's reservations when its session goes down).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum PeerEvent {
-    /// A session is established.
-    Up {
-        /// The peer.
-        peer: PeerId,
-        /// Its incarnation.
-        incarnation: Incarnation,
-    },
-    /// An established session ended. It is sent only after the session's data tasks have
-    /// stopped: no batch of that session, in either direction, can land or be served after
-    /// a subscriber sees this event.
-    Down {
-        /// The peer.
-        peer: PeerId,
-        /// The incarnation that session had.
-        incarnation: Incarnation,
-        /// Why it ended.
-        error: Error,
-    },
 }
 
 /// A notification queued for its peer whose delivery is still to be confirmed
@@ -274,18 +138,6 @@ impl std::fmt::Debug for PeerLink {
             .field("peer", &self.handle.peer_id)
             .finish_non_exhaustive()
     }
-}
-
-/// An application message from a peer, delivered after every write that peer issued before
-/// it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Notification {
-    /// The sender.
-    pub peer: PeerId,
-    /// The sender's incarnation, as its session established it (not as the message claims).
-    pub incarnation: Incarnation,
-    /// The bytes.
-    pub data: Vec<u8>,
 }
 
 struct Inner {
@@ -944,15 +796,6 @@ fn exposure_warning(addr: SocketAddr, secret: bool) -> Option<String> {
 
 // ---- acceptor ------------------------------------------------------------------------------
 
-/// The largest first frame a connection may send (`Limits::max_first_frame_len`, never more
-/// than `max_frame_len`).
-pub(crate) fn first_frame_limit(config: &ChannelConfig) -> u32 {
-    config
-        .limits
-        .max_first_frame_len
-        .min(config.limits.max_frame_len)
-}
-
 async fn accept_loop(
     l: Listener,
     config: Arc<ChannelConfig>,
@@ -1037,7 +880,7 @@ async fn shm_accept_loop(
                 };
                 let core = core.clone();
                 let limit = config.deadlines.first_frame;
-                let max = first_frame_limit(&config);
+                let max = config.limits.first_frame_limit();
                 tokio::spawn(async move {
                     // No descriptor is expected: one closes the connection.
                     let mut fr = crate::shm::FdReader::new(max, 0);
@@ -1100,7 +943,7 @@ async fn classify(
         }
     }
     let mut buf = Vec::new();
-    let read = read_frame(&mut stream, first_frame_limit(&config), &mut buf);
+    let read = read_frame(&mut stream, config.limits.first_frame_limit(), &mut buf);
     let first = tokio::time::timeout_at(deadline, read).await;
     match first {
         Ok(Ok(Message::Hello(_))) if tls.is_some() && !over_tls => {
@@ -1204,7 +1047,7 @@ struct Core {
     up_after: HashMap<u64, Vec<(u64, PeerHandle)>>,
     tokens: HashMap<SessionToken, u64>,
     /// Address → (dialling session, callers waiting for it).
-    dials: HashMap<String, (u64, Vec<ConnectReply>)>,
+    dials: HashMap<String, (u64, Vec<oneshot::Sender<Result<PeerHandle>>>)>,
     by_addr: HashMap<String, u64>,
     ended: u64,
     refused: u64,

@@ -15,6 +15,7 @@ use crate::cma::CopyError;
 use crate::config::{Limits, TestHooks};
 use crate::dir::Dir;
 use crate::error::{Error, Result};
+use crate::events::Notification;
 use crate::grant::RegionTable;
 use crate::in_flight::{InFlight, Refused, Reservation};
 use crate::region::LocalSlice;
@@ -22,7 +23,6 @@ use crate::shm::{ShmFail, ShmPeer};
 use crate::wire::{read_data_frame, write_all_vectored, write_msg, ReadError};
 use crate::writer_queue::Outgoing;
 use crate::writer_queue::{self, Direct, WriterQueue, WriterRx};
-use crate::Notification;
 use kvbridge_proto::handshake::Step;
 use kvbridge_proto::ids::Blob;
 use kvbridge_proto::msg::{Ack, Batch, ErrorCode, Message, Notify, OpDesc, Reject};
@@ -100,7 +100,7 @@ pub(crate) struct DataPath {
     /// Signalled whenever a transfer leaves `order`.
     order_changed: tokio::sync::Notify,
     /// Asks the owning session to tear down (an op passed its deadline).
-    abort: mpsc::UnboundedSender<crate::session::SessionCmd>,
+    abort: mpsc::UnboundedSender<crate::cmd::SessionCmd>,
     /// Room for our own batches under `Limits::max_bytes_in_flight_per_peer` (FIFO: a
     /// large batch is not starved by small ones). Closed when the session ends.
     room: Arc<tokio::sync::Semaphore>,
@@ -141,7 +141,7 @@ impl DataPath {
     /// `peer_unacked_notify`: the peer honours unacknowledged notifications.
     pub(crate) fn new(
         peer: PeerId,
-        abort: mpsc::UnboundedSender<crate::session::SessionCmd>,
+        abort: mpsc::UnboundedSender<crate::cmd::SessionCmd>,
         max_in_flight: u64,
         connections: usize,
         direct: Option<Arc<ShmPeer>>,
@@ -341,9 +341,7 @@ impl DataPath {
         // One part failed or ran late: end the session, then wait until every part has
         // ended (the session stops all data tasks before it drains), so nothing of this
         // batch can land after we return.
-        let _ = self
-            .abort
-            .send(crate::session::SessionCmd::Abort(err.clone()));
+        let _ = self.abort.send(crate::cmd::SessionCmd::Abort(err.clone()));
         let all = async {
             for rx in rxs.iter_mut().skip(resolved) {
                 let _ = rx.await;
@@ -728,7 +726,7 @@ pub(crate) struct Submitted {
     deadline: Duration,
     step: Step,
     peer: PeerId,
-    abort: mpsc::UnboundedSender<crate::session::SessionCmd>,
+    abort: mpsc::UnboundedSender<crate::cmd::SessionCmd>,
 }
 
 impl Submitted {
@@ -751,9 +749,7 @@ impl Submitted {
             step: self.step,
             after: self.deadline,
         };
-        let _ = self
-            .abort
-            .send(crate::session::SessionCmd::Abort(err.clone()));
+        let _ = self.abort.send(crate::cmd::SessionCmd::Abort(err.clone()));
         match tokio::time::timeout(Duration::from_secs(30), self.rx).await {
             Ok(Ok(Err(e))) if e != err => e,
             _ => err,

@@ -30,11 +30,13 @@
 
 mod channel;
 mod cma;
+mod cmd;
 pub mod config;
 mod data_threads;
 mod datapath;
 mod dir;
 mod error;
+mod events;
 mod fast_lane;
 #[doc(hidden)]
 pub mod fuzzing;
@@ -53,10 +55,11 @@ mod tls;
 mod wire;
 mod writer_queue;
 
-pub use channel::{Channel, Notification, Op, PeerEvent, PeerLink, QueuedNotify, Stats};
+pub use channel::{Channel, Op, PeerLink, QueuedNotify};
 pub use cma::{cma_available, CmaStatus};
 pub use config::{ChannelConfig, Deadlines, Limits, Pem, TestHooks, TlsConfig, Transport};
 pub use error::{Error, Result};
+pub use events::{Notification, PeerEvent, Stats};
 pub use grant::{Access, Grant, Permission, WindowDrain, WindowId};
 pub use kvbridge_proto as proto;
 pub use kvbridge_proto::handshake::Step;

@@ -6,11 +6,12 @@
 //! then reports the session gone to the channel core. Other tasks talk to it by message
 //! ([`SessionCmd`]); nothing about the session lives in a map that someone else fills.
 
-use crate::channel::{CoreCmd, PeerHandle};
+use crate::cmd::{CoreCmd, PeerHandle, SessionCmd};
 use crate::config::ChannelConfig;
 use crate::config::Transport;
 use crate::datapath::{run_reader, run_writer, DataPath, ReaderCtx};
 use crate::error::{Error, Result};
+use crate::events::Notification;
 use crate::grant::RegionTable;
 use crate::net::{ReadHalf, Stream, WriteHalf};
 use crate::region::{AbandonedExport, Region, RegionExport};
@@ -18,7 +19,6 @@ use crate::shm::{FdReader, Mapping, ShmPeer};
 use crate::wire::{read_frame, write_msg, ReadError};
 use crate::writer_queue::Outgoing;
 use crate::writer_queue::{WriterQueue, WriterRx};
-use crate::Notification;
 use kvbridge_proto::handshake::{
     ping, Established, Initiator, ListenerSession, LocalIdentity, Output, Step,
 };
@@ -36,39 +36,6 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
-
-/// Messages to a session task.
-pub(crate) enum SessionCmd {
-    /// (Listener) A data connection that presented this session's token, with its stream
-    /// index (`DataHello::stream`).
-    DataConn(Stream, PeerId, u32),
-    /// (Listener) A data connection answered its challenge under the session's key: it
-    /// may be bound as stream `u32` (unless that stream was bound meanwhile).
-    DataProven(Stream, u32),
-    /// (Listener) A data connection did not answer its challenge (it was refused).
-    DataUnproven,
-    /// A newer session of the same peer took over; fail with this error.
-    Replace(Error),
-    /// A batch passed its deadline; tear down with this error.
-    Abort(Error),
-    /// Local regions changed; tell the peer what it may address now.
-    MemChanged,
-    /// (Listener) A shared-memory connection that presented this session's token.
-    ShmConn(tokio::net::UnixStream, PeerId),
-    /// (Listener) A region is being detached from shared memory and peers that map it
-    /// did not confirm unmapping it within `after`: when this session's peer is one of
-    /// them, the session ends (its teardown waits for the peer to close the shared-memory
-    /// connection, its word that no copy into the region runs), so that the region can be
-    /// detached without a write of this peer landing in memory that is cut loose.
-    EndIfMapping {
-        /// The region.
-        region: RegionId,
-        /// How long the peer had to confirm.
-        after: Duration,
-    },
-    /// The channel is closing.
-    Close,
-}
 
 /// What every session task gets from its channel.
 #[derive(Clone)]
@@ -628,7 +595,7 @@ impl Session {
                 Machine::Listen(_) => |m| matches!(m, Message::Proof(_)),
                 Machine::Init(_) => |m| matches!(m, Message::Welcome(_)),
             };
-            (crate::channel::first_frame_limit(&env.config), proves)
+            (env.config.limits.first_frame_limit(), proves)
         });
         let (ctl_rx, ctl_reader) =
             spawn_control_reader(r, env.config.limits.max_frame_len, until_proof);
