@@ -100,7 +100,7 @@ pub(crate) struct DataPath {
     /// Signalled whenever a transfer leaves `order`.
     order_changed: tokio::sync::Notify,
     /// Asks the owning session to tear down (an op passed its deadline).
-    abort: mpsc::UnboundedSender<crate::cmd::SessionCmd>,
+    abort: AbortHandle,
     /// Room for our own batches under `Limits::max_bytes_in_flight_per_peer` (FIFO: a
     /// large batch is not starved by small ones). Closed when the session ends.
     room: Arc<tokio::sync::Semaphore>,
@@ -115,6 +115,24 @@ pub(crate) struct DataPath {
     direct: Option<Arc<ShmPeer>>,
     /// The peer honours unacknowledged notifications ([`DataPath::notify_posted`]).
     peer_unacked_notify: bool,
+}
+
+/// Asks the session that owns a data path to tear down (a batch passed its deadline, or one
+/// part of a striped batch failed). The session makes it; the data path holds nothing else of
+/// the session.
+#[derive(Clone)]
+pub(crate) struct AbortHandle(Arc<dyn Fn(Error) + Send + Sync>);
+
+impl AbortHandle {
+    /// A handle that calls `abort` with the error the session is to end with.
+    pub(crate) fn new(abort: impl Fn(Error) + Send + Sync + 'static) -> Self {
+        Self(Arc::new(abort))
+    }
+
+    /// Asks the session to end with `err` (it may have ended already).
+    pub(crate) fn abort(&self, err: Error) {
+        (self.0)(err)
+    }
 }
 
 /// Removes a transfer's ticket from `order` when it ends, however it ends.
@@ -141,7 +159,7 @@ impl DataPath {
     /// `peer_unacked_notify`: the peer honours unacknowledged notifications.
     pub(crate) fn new(
         peer: PeerId,
-        abort: mpsc::UnboundedSender<crate::cmd::SessionCmd>,
+        abort: AbortHandle,
         max_in_flight: u64,
         connections: usize,
         direct: Option<Arc<ShmPeer>>,
@@ -341,7 +359,7 @@ impl DataPath {
         // One part failed or ran late: end the session, then wait until every part has
         // ended (the session stops all data tasks before it drains), so nothing of this
         // batch can land after we return.
-        let _ = self.abort.send(crate::cmd::SessionCmd::Abort(err.clone()));
+        self.abort.abort(err.clone());
         let all = async {
             for rx in rxs.iter_mut().skip(resolved) {
                 let _ = rx.await;
@@ -726,7 +744,7 @@ pub(crate) struct Submitted {
     deadline: Duration,
     step: Step,
     peer: PeerId,
-    abort: mpsc::UnboundedSender<crate::cmd::SessionCmd>,
+    abort: AbortHandle,
 }
 
 impl Submitted {
@@ -749,7 +767,7 @@ impl Submitted {
             step: self.step,
             after: self.deadline,
         };
-        let _ = self.abort.send(crate::cmd::SessionCmd::Abort(err.clone()));
+        self.abort.abort(err.clone());
         match tokio::time::timeout(Duration::from_secs(30), self.rx).await {
             Ok(Ok(Err(e))) if e != err => e,
             _ => err,

@@ -2,7 +2,7 @@
 //! free to change with the code it exposes.
 
 use crate::config::{Limits, TestHooks};
-use crate::datapath::{DataPath, ReaderCtx};
+use crate::datapath::{AbortHandle, DataPath, ReaderCtx};
 use crate::grant::{Grant, RegionTable};
 use crate::region::Region;
 use kvbridge_proto::msg::{Batch, Reject};
@@ -39,7 +39,8 @@ pub fn validate_batch(
         // A duplicate id is refused by the table; the fuzz target never builds one.
         let _ = table.insert(r.clone(), g.clone().into());
     }
-    let (abort, _abort_rx) = mpsc::unbounded_channel();
+    // Nothing here runs past a deadline; a session to end there is not.
+    let abort = AbortHandle::new(|_| {});
     let (path, _out_rx) = DataPath::new(
         peer.clone(),
         abort,

@@ -9,7 +9,7 @@
 use crate::cmd::{CoreCmd, PeerHandle, SessionCmd};
 use crate::config::ChannelConfig;
 use crate::config::Transport;
-use crate::datapath::{run_reader, run_writer, DataPath, ReaderCtx};
+use crate::datapath::{run_reader, run_writer, AbortHandle, DataPath, ReaderCtx};
 use crate::error::{Error, Result};
 use crate::events::Notification;
 use crate::grant::RegionTable;
@@ -985,9 +985,13 @@ impl Session {
             .peer_id
             .clone()
             .expect("bound only after the peer is known");
+        let cmds = self.cmd_tx.clone();
+        let abort = AbortHandle::new(move |e| {
+            let _ = cmds.send(SessionCmd::Abort(e));
+        });
         let (path, rxs) = DataPath::new(
             peer,
-            self.cmd_tx.clone(),
+            abort,
             self.env.config.limits.max_bytes_in_flight_per_peer,
             streams.len(),
             self.shm.peer.clone(),
