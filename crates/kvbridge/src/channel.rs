@@ -1024,6 +1024,9 @@ async fn classify(
 
 // ---- core ----------------------------------------------------------------------------------
 
+/// A caller of `connect` waiting for its session.
+type ConnectReply = oneshot::Sender<Result<PeerHandle>>;
+
 struct SessionEntry {
     peer: Option<PeerId>,
     /// (Listener) The control connection's source address.
@@ -1047,7 +1050,7 @@ struct Core {
     up_after: HashMap<u64, Vec<(u64, PeerHandle)>>,
     tokens: HashMap<SessionToken, u64>,
     /// Address → (dialling session, callers waiting for it).
-    dials: HashMap<String, (u64, Vec<oneshot::Sender<Result<PeerHandle>>>)>,
+    dials: HashMap<String, (u64, Vec<ConnectReply>)>,
     by_addr: HashMap<String, u64>,
     ended: u64,
     refused: u64,

@@ -53,7 +53,9 @@ pub fn validate_batch(
     let (notifications, _notif_rx) = mpsc::channel(1);
     let out = path.out_sender();
     let ctx = ReaderCtx {
-        path,
+        peer: peer.clone(),
+        pending: path.pending(),
+        incoming: path.incoming(),
         incarnation: Incarnation(0),
         table,
         limits: limits.clone(),

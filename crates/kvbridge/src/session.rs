@@ -9,7 +9,7 @@
 use crate::cmd::{CoreCmd, PeerHandle, SessionCmd};
 use crate::config::ChannelConfig;
 use crate::config::Transport;
-use crate::datapath::{run_reader, run_writer, AbortHandle, DataPath, ReaderCtx};
+use crate::datapath::{run_reader, run_writer, AbortHandle, DataPath, DirectRoute, ReaderCtx};
 use crate::error::{Error, Result};
 use crate::events::Notification;
 use crate::grant::RegionTable;
@@ -1000,9 +1000,9 @@ impl Session {
         );
         let mut conns = Vec::with_capacity(streams.len());
         for (i, (s, rx)) in streams.into_iter().zip(rxs).enumerate() {
-            let shm = if i == 0 { self.shm.peer.clone() } else { None };
+            let direct = if i == 0 { path.direct_route() } else { None };
             let out = path.queue_of(i);
-            match self.start_conn(&path, s, i as u32, out, rx, shm) {
+            match self.start_conn(&path, s, i as u32, out, rx, direct) {
                 Ok(c) => conns.push(c),
                 Err(e) => return self.fail_bind(e),
             }
@@ -1032,10 +1032,12 @@ impl Session {
         stream: u32,
         out: WriterQueue,
         out_rx: WriterRx,
-        shm: Option<Arc<ShmPeer>>,
+        direct: Option<DirectRoute>,
     ) -> std::io::Result<DataConn> {
         let ctx = ReaderCtx {
-            path: path.clone(),
+            peer: path.peer.clone(),
+            pending: path.pending(),
+            incoming: path.incoming(),
             incarnation: self
                 .peer_incarnation
                 .expect("bound only after the peer is known"),
@@ -1072,7 +1074,14 @@ impl Session {
                 let writer = spawn_data_thread(
                     "kvb-data-tx",
                     stop_rx.clone(),
-                    run_writer(path.clone(), shm, w, out_rx, self.env.config.deadlines.op),
+                    run_writer(
+                        path.peer.clone(),
+                        path.pending(),
+                        direct,
+                        w,
+                        out_rx,
+                        self.env.config.deadlines.op,
+                    ),
                 );
                 let reader = spawn_data_thread("kvb-data-rx", stop_rx, run_reader(r, ctx));
                 DataConn {
@@ -1091,8 +1100,9 @@ impl Session {
                 DataConn {
                     stream,
                     writer: tokio::spawn(run_writer(
-                        path.clone(),
-                        shm,
+                        path.peer.clone(),
+                        path.pending(),
+                        direct,
                         w,
                         out_rx,
                         self.env.config.deadlines.op,

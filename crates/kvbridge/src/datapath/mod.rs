@@ -11,7 +11,12 @@
 //! batch that passes its deadline therefore ends the whole session — tearing down the
 //! connection is the only way to be sure the peer's late bytes never arrive.
 
-use crate::cma::CopyError;
+mod direct;
+mod pending;
+
+pub(crate) use direct::{Copied, CopyOn, DirectRoute};
+pub(crate) use pending::{AbortHandle, Pending, Submitted, Waiting};
+
 use crate::config::{Limits, TestHooks};
 use crate::dir::Dir;
 use crate::error::{Error, Result};
@@ -19,7 +24,7 @@ use crate::events::Notification;
 use crate::grant::RegionTable;
 use crate::in_flight::{InFlight, Refused, Reservation};
 use crate::region::LocalSlice;
-use crate::shm::{ShmFail, ShmPeer};
+use crate::shm::ShmPeer;
 use crate::wire::{read_data_frame, write_all_vectored, write_msg, ReadError};
 use crate::writer_queue::Outgoing;
 use crate::writer_queue::{self, Direct, WriterQueue, WriterRx};
@@ -27,7 +32,6 @@ use kvbridge_proto::handshake::Step;
 use kvbridge_proto::ids::Blob;
 use kvbridge_proto::msg::{Ack, Batch, ErrorCode, Message, Notify, OpDesc, Reject};
 use kvbridge_proto::PeerId;
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -36,45 +40,6 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::net::{ReadHalf, WriteHalf};
 use crate::peer_memory::PeerRange;
-
-pub(crate) enum Waiting {
-    Write(oneshot::Sender<Result<()>>),
-    Read(Vec<LocalSlice>, oneshot::Sender<Result<()>>),
-    Notify(oneshot::Sender<Result<()>>),
-}
-
-impl Waiting {
-    fn complete(self, r: Result<()>) {
-        let tx = match self {
-            Waiting::Write(tx) | Waiting::Notify(tx) | Waiting::Read(_, tx) => tx,
-        };
-        let _ = tx.send(r);
-    }
-}
-
-/// A batch waiting for completion, with the room it holds under the per-peer limit.
-struct Entry {
-    waiting: Waiting,
-    bytes: u64,
-    _room: Option<tokio::sync::OwnedSemaphorePermit>,
-}
-
-#[derive(Default)]
-struct Pending {
-    map: HashMap<u64, Entry>,
-    /// Payload bytes of the batches in `map`.
-    bytes: u64,
-    /// Set when the session ended: no new batch may wait after that.
-    closed: Option<Error>,
-}
-
-/// The per-peer limit on bytes in flight counts in units of this many bytes (a semaphore
-/// permit each), rounded up per batch: 64 GiB is 2^26 permits.
-const ROOM_UNIT: u64 = 1024;
-
-fn room_units(bytes: u64) -> u32 {
-    u32::try_from(bytes.div_ceil(ROOM_UNIT)).unwrap_or(u32::MAX)
-}
 
 /// Largest direct write copied in the calling task without lending its thread first
 /// ([`DataPath::write_direct`]): about 2 ms of memcpy at 8 GiB/s. Lending the thread costs a
@@ -88,7 +53,8 @@ pub(crate) const MIN_PART: u64 = 256 << 10;
 /// Shared by the session, its data tasks and the callers of write/read/notify.
 pub(crate) struct DataPath {
     pub(crate) peer: PeerId,
-    pending: Mutex<Pending>,
+    /// Our batches waiting for their outcome, and the room they hold.
+    pending: Arc<Pending>,
     next_id: AtomicU64,
     /// Connection 0's writer queue: notifications, acks, unstriped batches.
     out: WriterQueue,
@@ -101,38 +67,15 @@ pub(crate) struct DataPath {
     order_changed: tokio::sync::Notify,
     /// Asks the owning session to tear down (an op passed its deadline).
     abort: AbortHandle,
-    /// Room for our own batches under `Limits::max_bytes_in_flight_per_peer` (FIFO: a
-    /// large batch is not starved by small ones). Closed when the session ends.
-    room: Arc<tokio::sync::Semaphore>,
-    /// Our batches waiting for room under the limit (backpressure, visible in stats).
-    waiting_for_room: std::sync::atomic::AtomicUsize,
     /// Payload bytes of the peer's batches this side accepted and has not completed yet:
     /// the write being read in, read responses not yet sent. Added by the reader, released
     /// by the reader (writes) and the writer (read responses).
     incoming: Arc<InFlight>,
     /// The peer's regions this side reaches directly (shared memory, cross-memory attach):
     /// a write into them is copied by its caller ([`DataPath::write_direct`]).
-    direct: Option<Arc<ShmPeer>>,
+    direct: Option<DirectRoute>,
     /// The peer honours unacknowledged notifications ([`DataPath::notify_posted`]).
     peer_unacked_notify: bool,
-}
-
-/// Asks the session that owns a data path to tear down (a batch passed its deadline, or one
-/// part of a striped batch failed). The session makes it; the data path holds nothing else of
-/// the session.
-#[derive(Clone)]
-pub(crate) struct AbortHandle(Arc<dyn Fn(Error) + Send + Sync>);
-
-impl AbortHandle {
-    /// A handle that calls `abort` with the error the session is to end with.
-    pub(crate) fn new(abort: impl Fn(Error) + Send + Sync + 'static) -> Self {
-        Self(Arc::new(abort))
-    }
-
-    /// Asks the session to end with `err` (it may have ended already).
-    pub(crate) fn abort(&self, err: Error) {
-        (self.0)(err)
-    }
 }
 
 /// Removes a transfer's ticket from `order` when it ends, however it ends.
@@ -167,7 +110,6 @@ impl DataPath {
         peer_unacked_notify: bool,
     ) -> (Arc<Self>, Vec<WriterRx>) {
         let (out, rx) = writer_queue::channel(frames_direct.clone());
-        let units = (room_units(max_in_flight) as usize).min(tokio::sync::Semaphore::MAX_PERMITS);
         let mut rxs = vec![rx];
         let mut stripes = Vec::new();
         for _ in 1..connections.max(1) {
@@ -177,18 +119,16 @@ impl DataPath {
         }
         (
             Arc::new(Self {
+                pending: Arc::new(Pending::new(peer.clone(), max_in_flight)),
+                direct: direct.map(|shm| DirectRoute::new(peer.clone(), shm)),
                 peer,
-                pending: Mutex::new(Pending::default()),
                 next_id: AtomicU64::new(1),
                 out,
                 stripes,
                 order: Mutex::new(Default::default()),
                 order_changed: tokio::sync::Notify::new(),
                 abort,
-                room: Arc::new(tokio::sync::Semaphore::new(units)),
-                waiting_for_room: Default::default(),
                 incoming: InFlight::new(max_in_flight),
-                direct,
                 peer_unacked_notify,
             }),
             rxs,
@@ -266,7 +206,10 @@ impl DataPath {
         let until = tokio::time::Instant::now() + deadline;
         // Room for the whole batch under the per-peer limit first, as for one connection;
         // each part then holds its share, released when it completes.
-        let mut room = self.acquire_room(step, deadline, until, bytes).await?;
+        let mut room = self
+            .pending
+            .acquire_room(step, deadline, until, bytes)
+            .await?;
         let parts = split(descs, locals, self.connections());
         // Ticket taken and entered under one lock: a notification that draws a later ticket
         // finds this transfer in `order`.
@@ -284,48 +227,36 @@ impl DataPath {
         };
         let mut rxs = Vec::with_capacity(parts.len());
         let mut sends = Vec::with_capacity(parts.len());
-        {
-            let mut p = self.pending.lock().expect("pending poisoned");
-            if let Some(e) = &p.closed {
-                return Err(e.clone());
-            }
-            // Every part is entered before any frame is queued.
-            let last = parts.len() - 1;
-            for (i, (descs, locals)) in parts.into_iter().enumerate() {
-                let id = first + i as u64;
-                let part_bytes: u64 = descs.iter().map(|d| d.len).sum();
-                let part_room = if i == last {
-                    room.take()
-                } else {
-                    let units = (room_units(part_bytes) as usize)
-                        .min(room.as_ref().map_or(0, |r| r.num_permits()));
-                    room.as_mut().and_then(|r| r.split(units))
-                };
-                let (tx, rx) = oneshot::channel();
-                let (w, o) = match dir {
-                    Dir::Write => (
-                        Waiting::Write(tx),
-                        Outgoing::Write {
-                            id,
-                            descs,
-                            sources: locals,
-                        },
-                    ),
-                    Dir::Read => (Waiting::Read(locals, tx), Outgoing::Read { id, descs }),
-                };
-                p.bytes += part_bytes;
-                p.map.insert(
-                    id,
-                    Entry {
-                        waiting: w,
-                        bytes: part_bytes,
-                        _room: part_room,
+        let mut entries = Vec::with_capacity(parts.len());
+        let last = parts.len() - 1;
+        for (i, (descs, locals)) in parts.into_iter().enumerate() {
+            let id = first + i as u64;
+            let part_bytes: u64 = descs.iter().map(|d| d.len).sum();
+            let part_room = if i == last {
+                room.take()
+            } else {
+                let units = (pending::room_units(part_bytes) as usize)
+                    .min(room.as_ref().map_or(0, |r| r.num_permits()));
+                room.as_mut().and_then(|r| r.split(units))
+            };
+            let (tx, rx) = oneshot::channel();
+            let (w, o) = match dir {
+                Dir::Write => (
+                    Waiting::Write(tx),
+                    Outgoing::Write {
+                        id,
+                        descs,
+                        sources: locals,
                     },
-                );
-                rxs.push(rx);
-                sends.push((i, o));
-            }
+                ),
+                Dir::Read => (Waiting::Read(locals, tx), Outgoing::Read { id, descs }),
+            };
+            entries.push((id, w, part_bytes, part_room));
+            rxs.push(rx);
+            sends.push((i, o));
         }
+        // Every part is entered before any frame is queued.
+        self.pending.enter_all(entries)?;
         let mut rxs = rxs;
         // Receivers that returned: a oneshot must not be polled again after that.
         let mut resolved = 0usize;
@@ -430,18 +361,17 @@ impl DataPath {
             tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()),
             Ok(tokio::runtime::RuntimeFlavor::MultiThread)
         );
-        let Some(shm) = self.direct.as_deref().filter(|_| multi_thread) else {
+        let Some(direct) = self.direct.as_ref().filter(|_| multi_thread) else {
             return Err((descs, sources));
         };
         let until = tokio::time::Instant::now() + deadline;
-        let room = match self.acquire_room(Step::Write, deadline, until, bytes).await {
+        let room = match self
+            .pending
+            .acquire_room(Step::Write, deadline, until, bytes)
+            .await
+        {
             Ok(r) => r,
             Err(e) => return Ok(Err(e)),
-        };
-        // Resolved after the wait for room, with no await before the copy, as the writer
-        // thread does: a region revoked meanwhile (detached, say) goes over TCP instead.
-        let Some(maps) = shm.resolve(&descs) else {
-            return Err((descs, sources));
         };
         let id = {
             let mut order = self.order.lock().expect("order poisoned");
@@ -450,120 +380,75 @@ impl DataPath {
             id
         };
         let _ticket = Ticket { path: self, id };
-        let closed = || {
-            self.pending
-                .lock()
-                .expect("pending poisoned")
-                .closed
-                .clone()
-        };
-        if let Some(e) = closed() {
+        if let Some(e) = self.pending.closed() {
             return Ok(Err(e));
         }
-        let copy = || shm.copy_batch(Dir::Write, &descs, &maps, &sources);
-        let r = if bytes <= INLINE_COPY_MAX {
-            copy()
+        // No await from here to the copy, as on the writer thread: a region revoked
+        // meanwhile (detached, say) sends the batch over TCP instead.
+        let on = if bytes <= INLINE_COPY_MAX {
+            CopyOn::ThisThread
         } else {
-            tokio::task::block_in_place(copy)
+            CopyOn::LentThread
         };
-        drop(sources);
+        let mut sources = Some(sources);
+        let copied = direct.try_copy(
+            Dir::Write,
+            &descs,
+            || sources.take(),
+            on,
+            || {
+                // Revoked because the session is ending, not by the peer's choice.
+                Some(self.pending.closed().unwrap_or_else(|| {
+                    Error::lost(self.peer.as_str(), Step::Write, "session ended")
+                }))
+            },
+        );
         drop(room);
-        Ok(match r {
-            Ok(()) => Ok(()),
-            // Revoked because the session is ending, not by the peer's choice.
-            Err(ShmFail::Revoked(_)) if shm.ended() => Err(closed()
-                .unwrap_or_else(|| Error::lost(self.peer.as_str(), Step::Write, "session ended"))),
-            Err(f) => Err(direct_error(&self.peer, Dir::Write, f)),
-        })
-    }
-
-    /// Removes a waiting batch; its room under the per-peer limit is released.
-    fn take(&self, id: u64) -> Option<Waiting> {
-        let mut p = self.pending.lock().expect("pending poisoned");
-        let e = p.map.remove(&id)?;
-        p.bytes -= e.bytes;
-        Some(e.waiting)
+        match copied {
+            Copied::Done(r) => Ok(r),
+            Copied::NotDirect | Copied::AlreadyEnded => Err((
+                descs,
+                sources.expect("given back when the batch does not go direct"),
+            )),
+        }
     }
 
     /// Our batches waiting for room under the per-peer limit (not sent yet).
     pub(crate) fn waiting_for_room(&self) -> usize {
-        self.waiting_for_room.load(Ordering::Relaxed)
+        self.pending.waiting_for_room()
     }
 
     /// Payload bytes of our batches waiting for completion.
     pub(crate) fn bytes_in_flight(&self) -> u64 {
-        self.pending.lock().expect("pending poisoned").bytes
-    }
-
-    /// Holds `n` more bytes of the peer's batches here until the reservation drops, or
-    /// refuses the batch when that would pass the per-peer limit.
-    fn admit_incoming(&self, n: u64) -> std::result::Result<Reservation, Reject> {
-        InFlight::try_reserve(&self.incoming, n).map_err(|Refused { held, max }| Reject {
-            code: ErrorCode::LimitExceeded,
-            message: format!(
-                "a batch of {n} bytes with {held} bytes of this peer's already in flight \
-                 passes the limit of {max} bytes in flight per peer"
-            ),
-        })
+        self.pending.bytes()
     }
 
     /// Fails every waiting batch and refuses new ones. Called by the session only after the
     /// reader and writer tasks have stopped.
     pub(crate) fn drain(&self, err: &Error) {
-        let waiting: Vec<Waiting> = {
-            let mut p = self.pending.lock().expect("pending poisoned");
-            p.closed.get_or_insert_with(|| err.clone());
-            p.bytes = 0;
-            p.map.drain().map(|(_, e)| e.waiting).collect()
-        };
-        // Callers waiting for room wake up and find the session closed.
-        self.room.close();
-        for w in waiting {
-            w.complete(Err(err.clone()));
-        }
+        self.pending.drain(err)
     }
 
     /// Batches waiting for completion.
     pub(crate) fn in_flight(&self) -> usize {
-        self.pending.lock().expect("pending poisoned").map.len()
+        self.pending.len()
     }
 
-    /// Waits (until `until`, in submission order) for room for `bytes` payload bytes under
-    /// the per-peer limit on bytes in flight. `None` when `bytes` is 0, or when the session
-    /// ended (the caller finds out why when it enters its batch).
-    async fn acquire_room(
-        &self,
-        step: Step,
-        deadline: Duration,
-        until: tokio::time::Instant,
-        bytes: u64,
-    ) -> Result<Option<tokio::sync::OwnedSemaphorePermit>> {
-        if bytes == 0 {
-            return Ok(None);
-        }
-        let units = room_units(bytes);
-        let acquire = self.room.clone().acquire_many_owned(units);
-        // Counted while waiting, also when the caller drops this future.
-        struct Counted<'a>(&'a std::sync::atomic::AtomicUsize);
-        impl Drop for Counted<'_> {
-            fn drop(&mut self) {
-                self.0.fetch_sub(1, Ordering::Relaxed);
-            }
-        }
-        self.waiting_for_room.fetch_add(1, Ordering::Relaxed);
-        let counted = Counted(&self.waiting_for_room);
-        let got = tokio::time::timeout_at(until, acquire).await;
-        drop(counted);
-        match got {
-            Ok(Ok(p)) => Ok(Some(p)),
-            // Closed: the session ended; `closed` says why when the batch is entered.
-            Ok(Err(_)) => Ok(None),
-            Err(_) => Err(Error::Timeout {
-                peer: self.peer.to_string(),
-                step,
-                after: deadline,
-            }),
-        }
+    /// The table of this session's waiting batches (its TCP readers and writers complete
+    /// them there).
+    pub(crate) fn pending(&self) -> Arc<Pending> {
+        self.pending.clone()
+    }
+
+    /// The peer's batches this side accepted and has not completed yet (its TCP readers
+    /// admit them there).
+    pub(crate) fn incoming(&self) -> Arc<InFlight> {
+        self.incoming.clone()
+    }
+
+    /// The direct route to the peer's regions, when this side reaches some.
+    pub(crate) fn direct_route(&self) -> Option<DirectRoute> {
+        self.direct.clone()
     }
 
     /// Runs one batch of `bytes` payload bytes to completion under `deadline`. The batch
@@ -631,8 +516,8 @@ impl DataPath {
             drop(self.notify(deadline, data).await?);
             return Ok(());
         }
-        if let Some(e) = &self.pending.lock().expect("pending poisoned").closed {
-            return Err(e.clone());
+        if let Some(e) = self.pending.closed() {
+            return Err(e);
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let frame = Message::Notify(Notify {
@@ -673,26 +558,15 @@ impl DataPath {
         outgoing: impl FnOnce(u64) -> Result<Outgoing>,
     ) -> Result<Submitted> {
         let until = tokio::time::Instant::now() + deadline;
-        let room = self.acquire_room(step, deadline, until, bytes).await?;
+        let room = self
+            .pending
+            .acquire_room(step, deadline, until, bytes)
+            .await?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let o = outgoing(id)?;
         let (tx, rx) = oneshot::channel();
-        {
-            let mut p = self.pending.lock().expect("pending poisoned");
-            if let Some(e) = &p.closed {
-                return Err(e.clone());
-            }
-            // Inserted before the frame is queued: no completion can precede its waiter.
-            p.bytes += bytes;
-            p.map.insert(
-                id,
-                Entry {
-                    waiting: waiting(tx),
-                    bytes,
-                    _room: room,
-                },
-            );
-        }
+        // Entered before the frame is queued: no completion can precede its waiter.
+        self.pending.enter(id, waiting(tx), bytes, room)?;
         let submitted = Submitted {
             rx,
             until,
@@ -733,45 +607,6 @@ impl DataPath {
 
     pub(crate) fn out_sender(&self) -> WriterQueue {
         self.out.clone()
-    }
-}
-
-/// A batch queued on its connection whose outcome is still to come
-/// ([`DataPath::submit`]).
-pub(crate) struct Submitted {
-    rx: oneshot::Receiver<Result<()>>,
-    until: tokio::time::Instant,
-    deadline: Duration,
-    step: Step,
-    peer: PeerId,
-    abort: AbortHandle,
-}
-
-impl Submitted {
-    /// The batch's outcome, within the deadline it was submitted under. Past it, the
-    /// session is torn down (so nothing of the batch can land later) and the outcome is
-    /// `Timeout`.
-    pub(crate) async fn outcome(mut self) -> Result<()> {
-        match tokio::time::timeout_at(self.until, &mut self.rx).await {
-            Ok(Ok(r)) => r,
-            Ok(Err(_)) => Err(Error::lost(self.peer.as_str(), self.step, "session ended")),
-            Err(_) => Err(self.abort_after_timeout().await),
-        }
-    }
-
-    /// Past the deadline: asks the session to tear down, and returns once it drained us
-    /// (after that nothing of this batch can land any more).
-    async fn abort_after_timeout(self) -> Error {
-        let err = Error::Timeout {
-            peer: self.peer.to_string(),
-            step: self.step,
-            after: self.deadline,
-        };
-        self.abort.abort(err.clone());
-        match tokio::time::timeout(Duration::from_secs(30), self.rx).await {
-            Ok(Ok(Err(e))) if e != err => e,
-            _ => err,
-        }
     }
 }
 
@@ -835,89 +670,65 @@ pub(crate) fn split(
     parts
 }
 
-/// The error of a direct copy that failed.
-fn direct_error(peer: &PeerId, dir: Dir, f: ShmFail) -> Error {
-    let step = match dir {
-        Dir::Write => Step::Write,
-        Dir::Read => Step::Read,
-    };
-    let (code, region, what) = match f {
-        ShmFail::Revoked(r) => (
-            ErrorCode::UnknownRegion,
-            r,
-            "was revoked by the peer (direct copy)".to_string(),
-        ),
-        ShmFail::OutOfBounds(r) => (
-            ErrorCode::OutOfBounds,
-            r,
-            "does not fit what the peer announced (direct copy)".to_string(),
-        ),
-        ShmFail::Cma(r, CopyError::PeerGone) => {
-            return Error::lost(
-                peer.as_str(),
-                step,
-                format!("region {r}: the peer process exited (cross-memory attach)"),
-            )
-        }
-        ShmFail::Cma(r, e) => (
-            ErrorCode::Internal,
-            r,
-            format!("could not be copied with cross-memory attach: {e}"),
-        ),
-    };
-    Error::Rejected {
-        peer: peer.to_string(),
-        step,
-        code,
-        message: format!("region {region} {what}"),
-    }
-}
-
-/// Runs a batch by direct copies when every region it names is reachable directly (a
-/// mapped memfd, or the peer's memory by cross-memory attach once the probe passed for
-/// this peer, `cma.rs`); gives the batch back otherwise (it then goes over TCP).
-fn try_shm(
-    path: &DataPath,
-    shm: Option<&ShmPeer>,
+/// Runs a batch queued on a connection by direct copies when every region it names is
+/// reachable directly ([`DirectRoute::try_copy`]), completing it in `pending`; gives the
+/// batch back otherwise (it then goes over TCP).
+fn try_direct(
+    pending: &Pending,
+    direct: Option<&DirectRoute>,
     dir: Dir,
     id: u64,
     descs: Vec<OpDesc>,
     sources: Vec<LocalSlice>,
 ) -> Option<(Vec<OpDesc>, Vec<LocalSlice>)> {
-    let Some((shm, maps)) = shm.and_then(|s| Some((s, s.resolve(&descs)?))) else {
+    let Some(direct) = direct else {
         return Some((descs, sources));
     };
-    let fail = |f: ShmFail| direct_error(&path.peer, dir, f);
-    match (dir, path.take(id)) {
-        (Dir::Write, Some(w)) => {
-            let r = shm.copy_batch(dir, &descs, &maps, &sources).map_err(fail);
-            drop(sources);
-            w.complete(r);
+    let mut sources = Some(sources);
+    let mut done = None;
+    let copied = direct.try_copy(
+        dir,
+        &descs,
+        || {
+            // Gone when the batch already ended (the session is tearing down).
+            let (dests, tx) = pending.take(id)?.into_parts();
+            done = Some(tx);
+            match dir {
+                Dir::Write => sources.take(),
+                Dir::Read => dests,
+            }
+        },
+        CopyOn::ThisThread,
+        || None,
+    );
+    match copied {
+        Copied::NotDirect => Some((
+            descs,
+            sources.expect("given back when the batch does not go direct"),
+        )),
+        Copied::AlreadyEnded => None,
+        Copied::Done(r) => {
+            if let Some(tx) = done {
+                let _ = tx.send(r);
+            }
+            None
         }
-        (Dir::Read, Some(Waiting::Read(dests, tx))) => {
-            let r = shm.copy_batch(dir, &descs, &maps, &dests).map_err(fail);
-            drop(dests);
-            let _ = tx.send(r);
-        }
-        // The batch already ended (the session is tearing down): nothing to copy.
-        _ => {}
     }
-    None
 }
 
 /// The writer task: sends queued frames and payloads until `Shutdown` or a socket error.
-/// Batches whose regions the peer mapped for us (`shm`) are copied here instead, in order
+/// Batches whose regions the peer mapped for us (`direct`) are copied here instead, in order
 /// with the frames. Each payload (a write batch, a read response) must be on the wire
 /// within `limit` (the op deadline): a peer that stops reading ends the session with
 /// `Timeout` instead of holding the writer and the regions it sends from.
 pub(crate) async fn run_writer(
-    path: Arc<DataPath>,
-    shm: Option<Arc<ShmPeer>>,
+    peer: PeerId,
+    pending: Arc<Pending>,
+    direct: Option<DirectRoute>,
     mut w: WriteHalf,
     mut rx: WriterRx,
     limit: Duration,
 ) -> Result<()> {
-    let peer = path.peer.clone();
     let lost = |step, e: std::io::Error| {
         // WouldBlock: SO_SNDTIMEO expired on a blocking socket.
         if matches!(
@@ -946,7 +757,7 @@ pub(crate) async fn run_writer(
         match o {
             Outgoing::Write { id, descs, sources } => {
                 let Some((descs, sources)) =
-                    try_shm(&path, shm.as_deref(), Dir::Write, id, descs, sources)
+                    try_direct(&pending, direct.as_ref(), Dir::Write, id, descs, sources)
                 else {
                     continue;
                 };
@@ -962,7 +773,7 @@ pub(crate) async fn run_writer(
             }
             Outgoing::Read { id, descs } => {
                 let Some((descs, _)) =
-                    try_shm(&path, shm.as_deref(), Dir::Read, id, descs, Vec::new())
+                    try_direct(&pending, direct.as_ref(), Dir::Read, id, descs, Vec::new())
                 else {
                     continue;
                 };
@@ -1026,7 +837,11 @@ async fn within(
 
 /// Everything the reader task needs.
 pub(crate) struct ReaderCtx {
-    pub(crate) path: Arc<DataPath>,
+    pub(crate) peer: PeerId,
+    /// Our batches waiting for their outcome: the peer's acknowledgements complete them.
+    pub(crate) pending: Arc<Pending>,
+    /// The peer's batches accepted here and not completed yet.
+    pub(crate) incoming: Arc<InFlight>,
     /// The peer's incarnation, as the handshake established it.
     pub(crate) incarnation: kvbridge_proto::Incarnation,
     pub(crate) table: Arc<RegionTable>,
@@ -1049,7 +864,7 @@ impl ReaderCtx {
         let frame = m.to_frame().map_err(|e| Error::Local(e.to_string()))?;
         match self.out.send_direct(&frame) {
             Direct::Sent => Ok(true),
-            Direct::Broken(e) => Err(Error::lost(self.path.peer.as_str(), step, e)),
+            Direct::Broken(e) => Err(Error::lost(self.peer.as_str(), step, e)),
             Direct::Queue => Ok(self.out.send(Outgoing::Frame(frame)).await.is_ok()),
         }
     }
@@ -1061,21 +876,33 @@ impl ReaderCtx {
             std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
         ) {
             Error::Timeout {
-                peer: self.path.peer.to_string(),
+                peer: self.peer.to_string(),
                 step,
                 after: self.payload_deadline,
             }
         } else {
-            Error::lost(self.path.peer.as_str(), step, e)
+            Error::lost(self.peer.as_str(), step, e)
         }
     }
 
     fn misbehaved(&self, step: Step, detail: impl Into<String>) -> Error {
         Error::PeerMisbehaved {
-            peer: self.path.peer.to_string(),
+            peer: self.peer.to_string(),
             step,
             detail: detail.into(),
         }
+    }
+
+    /// Holds `n` more bytes of the peer's batches here until the reservation drops, or
+    /// refuses the batch when that would pass the per-peer limit.
+    fn admit_incoming(&self, n: u64) -> std::result::Result<Reservation, Reject> {
+        InFlight::try_reserve(&self.incoming, n).map_err(|Refused { held, max }| Reject {
+            code: ErrorCode::LimitExceeded,
+            message: format!(
+                "a batch of {n} bytes with {held} bytes of this peer's already in flight \
+                 passes the limit of {max} bytes in flight per peer"
+            ),
+        })
     }
 
     /// Admits a validated batch under the per-peer limit on bytes in flight (counting a
@@ -1086,7 +913,7 @@ impl ReaderCtx {
         dests: Vec<LocalSlice>,
     ) -> std::result::Result<(Vec<LocalSlice>, Reservation), Reject> {
         let n = b.payload_len().unwrap_or(u64::MAX);
-        match self.path.admit_incoming(n) {
+        match self.admit_incoming(n) {
             Ok(held) => Ok((dests, held)),
             Err(r) => {
                 self.in_flight_refused.fetch_add(1, Ordering::Relaxed);
@@ -1128,16 +955,15 @@ impl ReaderCtx {
         }
         let mut out = Vec::with_capacity(b.ops.len());
         for (i, op) in b.ops.iter().enumerate() {
-            let region =
-                match self
-                    .table
-                    .use_for(&self.path.peer, &op.region, op.offset, op.len, writes)
-                {
-                    Ok(r) => r,
-                    Err(denied) => {
-                        return Err(reject(denied.code(), denied.message(i, &op.region, writes)))
-                    }
-                };
+            let region = match self
+                .table
+                .use_for(&self.peer, &op.region, op.offset, op.len, writes)
+            {
+                Ok(r) => r,
+                Err(denied) => {
+                    return Err(reject(denied.code(), denied.message(i, &op.region, writes)))
+                }
+            };
             if !region.region().contains(op.offset, op.len) {
                 return Err(reject(
                     ErrorCode::OutOfBounds,
@@ -1209,7 +1035,7 @@ fn disjoint(dests: Vec<LocalSlice>, b: &Batch) -> std::result::Result<Vec<LocalS
 
 /// The reader task: serves the peer's batches and completes ours, until the connection ends.
 pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
-    let peer = ctx.path.peer.clone();
+    let peer = ctx.peer.clone();
     let mut buf = Vec::new();
     loop {
         let msg = match read_data_frame(
@@ -1351,7 +1177,7 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
                 }
             }
             Message::WriteAck(a) | Message::NotifyAck(a) => {
-                let Some(w) = ctx.path.take(a.id) else {
+                let Some(w) = ctx.pending.take(a.id) else {
                     return Err(ctx.misbehaved(
                         Step::Write,
                         format!("completion for unknown batch {}", a.id),
@@ -1373,7 +1199,7 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
                 });
             }
             Message::ReadResp(a) => {
-                let Some(Waiting::Read(dests, done)) = ctx.path.take(a.id) else {
+                let Some(Waiting::Read(dests, done)) = ctx.pending.take(a.id) else {
                     return Err(ctx.misbehaved(
                         Step::Read,
                         format!("read response for unknown batch {}", a.id),
