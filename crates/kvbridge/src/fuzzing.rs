@@ -2,9 +2,10 @@
 //! free to change with the code it exposes.
 
 use crate::config::{Limits, TestHooks};
-use crate::datapath::{AbortHandle, DataPath, ReaderCtx};
+use crate::datapath::{AbortHandle, DataPath};
 use crate::grant::{Grant, RegionTable};
 use crate::region::Region;
+use crate::transport::tcp::reader::ReaderCtx;
 use kvbridge_proto::msg::{Batch, Reject};
 use kvbridge_proto::{Incarnation, PeerId, RegionId};
 use std::sync::Arc;

@@ -28,10 +28,12 @@
 // (`peer_memory`).
 #![deny(clippy::undocumented_unsafe_blocks, unsafe_op_in_unsafe_fn)]
 
+mod accept;
 mod channel;
 mod cma;
 mod cmd;
 pub mod config;
+mod core;
 mod data_threads;
 mod datapath;
 mod dir;
@@ -52,6 +54,7 @@ mod shm;
 mod stream_copy;
 pub mod thread_pool;
 mod tls;
+mod transport;
 mod wire;
 mod writer_queue;
 
