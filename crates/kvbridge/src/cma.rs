@@ -18,9 +18,9 @@
 //! place), while both direct copies are one-sided (this side checks bounds against what the
 //! listener announced and the kernel does the rest). Forcing TCP behind the same trait would
 //! hide that difference in who validates. And `Transport` is already the name of the
-//! setting users choose ([`crate::Transport`]). `datapath.rs` picks per batch: every region
-//! reachable directly (mapped, else cross-memory attach when the probe passed for this
-//! peer) → direct copy; else TCP.
+//! setting users choose ([`crate::Transport`]). `datapath/direct.rs` picks per batch: every
+//! region reachable directly (mapped, else cross-memory attach when the probe passed for
+//! this peer) → direct copy; else TCP.
 //!
 //! # When cross-memory attach is used
 //! The kernel allows `process_vm_writev` into another process only with ptrace-attach

@@ -87,6 +87,14 @@ pub struct Limits {
 /// buffer we know of, far below what would exhaust an initiator's page tables.
 pub const DEFAULT_MAX_SHM_MAPPED_PER_PEER: u64 = 256 << 30;
 
+impl Limits {
+    /// The largest first frame a connection may send (`max_first_frame_len`, never more
+    /// than `max_frame_len`).
+    pub(crate) fn first_frame_limit(&self) -> u32 {
+        self.max_first_frame_len.min(self.max_frame_len)
+    }
+}
+
 impl Default for Limits {
     fn default() -> Self {
         Self {

@@ -2,9 +2,10 @@
 //! free to change with the code it exposes.
 
 use crate::config::{Limits, TestHooks};
-use crate::datapath::{DataPath, ReaderCtx};
+use crate::datapath::{AbortHandle, DataPath};
 use crate::grant::{Grant, RegionTable};
 use crate::region::Region;
+use crate::transport::tcp::reader::ReaderCtx;
 use kvbridge_proto::msg::{Batch, Reject};
 use kvbridge_proto::{Incarnation, PeerId, RegionId};
 use std::sync::Arc;
@@ -39,7 +40,8 @@ pub fn validate_batch(
         // A duplicate id is refused by the table; the fuzz target never builds one.
         let _ = table.insert(r.clone(), g.clone().into());
     }
-    let (abort, _abort_rx) = mpsc::unbounded_channel();
+    // Nothing here runs past a deadline; a session to end there is not.
+    let abort = AbortHandle::new(|_| {});
     let (path, _out_rx) = DataPath::new(
         peer.clone(),
         abort,
@@ -52,7 +54,9 @@ pub fn validate_batch(
     let (notifications, _notif_rx) = mpsc::channel(1);
     let out = path.out_sender();
     let ctx = ReaderCtx {
-        path,
+        peer: peer.clone(),
+        pending: path.pending(),
+        incoming: path.incoming(),
         incarnation: Incarnation(0),
         table,
         limits: limits.clone(),

@@ -28,13 +28,17 @@
 // (`peer_memory`).
 #![deny(clippy::undocumented_unsafe_blocks, unsafe_op_in_unsafe_fn)]
 
+mod accept;
 mod channel;
 mod cma;
+mod cmd;
 pub mod config;
+mod core;
 mod data_threads;
 mod datapath;
 mod dir;
 mod error;
+mod events;
 mod fast_lane;
 #[doc(hidden)]
 pub mod fuzzing;
@@ -50,13 +54,15 @@ mod shm;
 mod stream_copy;
 pub mod thread_pool;
 mod tls;
+mod transport;
 mod wire;
 mod writer_queue;
 
-pub use channel::{Channel, Notification, Op, PeerEvent, PeerLink, QueuedNotify, Stats};
+pub use channel::{Channel, Op, PeerLink, QueuedNotify};
 pub use cma::{cma_available, CmaStatus};
 pub use config::{ChannelConfig, Deadlines, Limits, Pem, TestHooks, TlsConfig, Transport};
 pub use error::{Error, Result};
+pub use events::{Notification, PeerEvent, Stats};
 pub use grant::{Access, Grant, Permission, WindowDrain, WindowId};
 pub use kvbridge_proto as proto;
 pub use kvbridge_proto::handshake::Step;

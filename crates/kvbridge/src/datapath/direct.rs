@@ -1,0 +1,127 @@
+//! The one place that decides whether a batch is copied directly (shared memory, or
+//! cross-memory attach once the probe passed for this peer, `cma.rs`) instead of going over
+//! TCP, and that copies it. Both callers go through [`DirectRoute::try_copy`]: the data path,
+//! for a write copied by the task that issued it, and the TCP writer, for a batch queued on
+//! its connection (reads, and writes on a current-thread runtime), in order with its frames.
+
+use crate::cma::CopyError;
+use crate::dir::Dir;
+use crate::error::Error;
+use crate::region::LocalSlice;
+use crate::shm::{ShmFail, ShmPeer};
+use kvbridge_proto::handshake::Step;
+use kvbridge_proto::msg::{ErrorCode, OpDesc};
+use kvbridge_proto::PeerId;
+use std::sync::Arc;
+
+/// A session's way to the peer's regions that this side reaches directly.
+#[derive(Clone)]
+pub(crate) struct DirectRoute {
+    peer: PeerId,
+    shm: Arc<ShmPeer>,
+}
+
+/// How a direct copy runs on the calling thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CopyOn {
+    /// Right here.
+    ThisThread,
+    /// After lending the thread to the runtime (`block_in_place`), so the runtime's other
+    /// tasks move on meanwhile.
+    LentThread,
+}
+
+/// What [`DirectRoute::try_copy`] did.
+pub(crate) enum Copied {
+    /// A region of the batch is not reachable directly: nothing was done, the batch goes
+    /// over TCP.
+    NotDirect,
+    /// The batch had already ended (the session is tearing down): nothing to copy.
+    AlreadyEnded,
+    /// The batch was copied, with this outcome.
+    Done(crate::error::Result<()>),
+}
+
+impl DirectRoute {
+    /// The route to `peer`'s regions that `shm` reaches.
+    pub(crate) fn new(peer: PeerId, shm: Arc<ShmPeer>) -> Self {
+        Self { peer, shm }
+    }
+
+    /// Copies a batch when every region `descs` names is reachable directly; `NotDirect`
+    /// (and nothing done) when one is not, so the batch goes over TCP. `locals` gives the local
+    /// ranges once the batch is known to go direct (`None`: the batch already ended). A
+    /// region revoked because the session is ending fails with `ended()`'s error when that
+    /// gives one.
+    ///
+    /// The regions are resolved with no await before the copy, so a region revoked in
+    /// between (detached, say) is either still copied under its read lock (the revocation
+    /// waits for the copy) or sends the batch over TCP.
+    pub(crate) fn try_copy(
+        &self,
+        dir: Dir,
+        descs: &[OpDesc],
+        locals: impl FnOnce() -> Option<Vec<LocalSlice>>,
+        on: CopyOn,
+        ended: impl FnOnce() -> Option<Error>,
+    ) -> Copied {
+        let Some(maps) = self.shm.resolve(descs) else {
+            return Copied::NotDirect;
+        };
+        let Some(locals) = locals() else {
+            return Copied::AlreadyEnded;
+        };
+        let copy = || self.shm.copy_batch(dir, descs, &maps, &locals);
+        let r = match on {
+            CopyOn::ThisThread => copy(),
+            CopyOn::LentThread => tokio::task::block_in_place(copy),
+        };
+        drop(locals);
+        Copied::Done(match r {
+            Ok(()) => Ok(()),
+            Err(ShmFail::Revoked(r)) if self.shm.ended() => match ended() {
+                Some(e) => Err(e),
+                None => Err(direct_error(&self.peer, dir, ShmFail::Revoked(r))),
+            },
+            Err(f) => Err(direct_error(&self.peer, dir, f)),
+        })
+    }
+}
+
+/// The error of a direct copy that failed.
+fn direct_error(peer: &PeerId, dir: Dir, f: ShmFail) -> Error {
+    let step = match dir {
+        Dir::Write => Step::Write,
+        Dir::Read => Step::Read,
+    };
+    let (code, region, what) = match f {
+        ShmFail::Revoked(r) => (
+            ErrorCode::UnknownRegion,
+            r,
+            "was revoked by the peer (direct copy)".to_string(),
+        ),
+        ShmFail::OutOfBounds(r) => (
+            ErrorCode::OutOfBounds,
+            r,
+            "does not fit what the peer announced (direct copy)".to_string(),
+        ),
+        ShmFail::Cma(r, CopyError::PeerGone) => {
+            return Error::lost(
+                peer.as_str(),
+                step,
+                format!("region {r}: the peer process exited (cross-memory attach)"),
+            )
+        }
+        ShmFail::Cma(r, e) => (
+            ErrorCode::Internal,
+            r,
+            format!("could not be copied with cross-memory attach: {e}"),
+        ),
+    };
+    Error::Rejected {
+        peer: peer.to_string(),
+        step,
+        code,
+        message: format!("region {region} {what}"),
+    }
+}

@@ -1,0 +1,604 @@
+//! The data path of one session, the callers' side of one-sided writes and reads and of
+//! notifications. A batch waits for room under the per-peer limit, is entered in the table
+//! of waiting batches (`pending.rs`), and is then either copied directly (`direct.rs`, the one
+//! place that decides it) or queued on a data connection's writer (`transport/tcp`), cut
+//! over several connections when it is large (`stripe.rs`). Ordering tickets keep a
+//! notification behind every transfer issued before it.
+//!
+//! A completion is signalled only by the connection's reader or writer, or by the direct copy
+//! (or by the session after the data tasks have stopped): when a caller learns that its
+//! batch ended, no byte of it can still land. A batch that passes its deadline therefore
+//! ends the whole session — tearing down the connection is the only way to be sure the
+//! peer's late bytes never arrive.
+
+pub(crate) mod direct;
+pub(crate) mod pending;
+mod stripe;
+
+pub(crate) use direct::DirectRoute;
+pub(crate) use pending::{AbortHandle, Submitted};
+
+use crate::dir::Dir;
+use crate::error::{Error, Result};
+use crate::in_flight::InFlight;
+use crate::region::LocalSlice;
+use crate::shm::ShmPeer;
+use crate::writer_queue::Outgoing;
+use crate::writer_queue::{self, Direct, WriterQueue, WriterRx};
+use direct::{Copied, CopyOn};
+use kvbridge_proto::handshake::Step;
+use kvbridge_proto::ids::Blob;
+use kvbridge_proto::msg::{Message, Notify, OpDesc};
+use kvbridge_proto::PeerId;
+use pending::{Pending, Waiting};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use stripe::split;
+use tokio::sync::oneshot;
+
+/// Largest direct write copied in the calling task without lending its thread first
+/// ([`DataPath::write_direct`]): about 2 ms of memcpy at 8 GiB/s. Lending the thread costs a
+/// thread wake-up (measured: a default demo's KV rate fell from 5.2 to 4.3 GiB/s, medians of
+/// 4 runs each, when its 8 MiB chunks were copied with `block_in_place`).
+pub(crate) const INLINE_COPY_MAX: u64 = 16 << 20;
+
+/// Shared by the session, its data tasks and the callers of write/read/notify.
+pub(crate) struct DataPath {
+    pub(crate) peer: PeerId,
+    /// Our batches waiting for their outcome, and the room they hold.
+    pending: Arc<Pending>,
+    next_id: AtomicU64,
+    /// Connection 0's writer queue: notifications, acks, unstriped batches.
+    out: WriterQueue,
+    /// (Striped initiator) The writer queues of connections 1..N.
+    stripes: Vec<WriterQueue>,
+    /// (Striped) Transfers entered and not yet ended, by ticket: a notification waits until
+    /// none older than it is left, so it still follows every write issued before it.
+    order: Mutex<std::collections::BTreeSet<u64>>,
+    /// Signalled whenever a transfer leaves `order`.
+    order_changed: tokio::sync::Notify,
+    /// Asks the owning session to tear down (an op passed its deadline).
+    abort: AbortHandle,
+    /// Payload bytes of the peer's batches this side accepted and has not completed yet:
+    /// the write being read in, read responses not yet sent. Added by the reader, released
+    /// by the reader (writes) and the writer (read responses).
+    incoming: Arc<InFlight>,
+    /// The peer's regions this side reaches directly (shared memory, cross-memory attach):
+    /// a write into them is copied by its caller ([`DataPath::write_direct`]).
+    direct: Option<DirectRoute>,
+    /// The peer honours unacknowledged notifications ([`DataPath::notify_posted`]).
+    peer_unacked_notify: bool,
+}
+
+/// Removes a transfer's ticket from `order` when it ends, however it ends.
+struct Ticket<'a> {
+    path: &'a DataPath,
+    id: u64,
+}
+
+impl Drop for Ticket<'_> {
+    fn drop(&mut self) {
+        self.path
+            .order
+            .lock()
+            .expect("order poisoned")
+            .remove(&self.id);
+        self.path.order_changed.notify_waiters();
+    }
+}
+
+impl DataPath {
+    /// A data path over `connections` (at least 1) connections; returns the writer queue of
+    /// each, connection 0 first. `direct`: the peer's regions reachable directly, if any;
+    /// `frames_direct`: the channel's count of frames that skipped a writer;
+    /// `peer_unacked_notify`: the peer honours unacknowledged notifications.
+    pub(crate) fn new(
+        peer: PeerId,
+        abort: AbortHandle,
+        max_in_flight: u64,
+        connections: usize,
+        direct: Option<Arc<ShmPeer>>,
+        frames_direct: Arc<AtomicU64>,
+        peer_unacked_notify: bool,
+    ) -> (Arc<Self>, Vec<WriterRx>) {
+        let (out, rx) = writer_queue::channel(frames_direct.clone());
+        let mut rxs = vec![rx];
+        let mut stripes = Vec::new();
+        for _ in 1..connections.max(1) {
+            let (tx, rx) = writer_queue::channel(frames_direct.clone());
+            stripes.push(tx);
+            rxs.push(rx);
+        }
+        (
+            Arc::new(Self {
+                pending: Arc::new(Pending::new(peer.clone(), max_in_flight)),
+                direct: direct.map(|shm| DirectRoute::new(peer.clone(), shm)),
+                peer,
+                next_id: AtomicU64::new(1),
+                out,
+                stripes,
+                order: Mutex::new(Default::default()),
+                order_changed: tokio::sync::Notify::new(),
+                abort,
+                incoming: InFlight::new(max_in_flight),
+                peer_unacked_notify,
+            }),
+            rxs,
+        )
+    }
+
+    /// Data connections this side stripes its batches over.
+    pub(crate) fn connections(&self) -> usize {
+        1 + self.stripes.len()
+    }
+
+    /// A sender to the writer queue of connection `i` (of those this path was made with).
+    pub(crate) fn queue_of(&self, i: usize) -> WriterQueue {
+        self.queue(i).clone()
+    }
+
+    /// The writer queue of connection `i`.
+    fn queue(&self, i: usize) -> &WriterQueue {
+        if i == 0 {
+            &self.out
+        } else {
+            &self.stripes[i - 1]
+        }
+    }
+
+    /// Runs a write (`Dir::Write`, `locals` are the sources) or a read (`locals` are the
+    /// destinations) under `deadline`, split by bytes over the data connections when it is
+    /// large enough. It completes when every part is acknowledged; when any part fails the
+    /// session ends (so no byte of the batch lands later) and the batch fails with the first
+    /// part's error.
+    pub(crate) async fn transfer(
+        &self,
+        dir: Dir,
+        deadline: Duration,
+        descs: Vec<OpDesc>,
+        locals: Vec<LocalSlice>,
+    ) -> Result<()> {
+        let step = match dir {
+            Dir::Write => Step::Write,
+            Dir::Read => Step::Read,
+        };
+        let bytes: u64 = descs.iter().map(|d| d.len).sum();
+        let (descs, locals) = if dir == Dir::Write && self.stripes.is_empty() {
+            match self.write_direct(deadline, bytes, descs, locals).await {
+                Ok(r) => return r,
+                Err(batch) => batch,
+            }
+        } else {
+            (descs, locals)
+        };
+        if self.stripes.is_empty() {
+            return match dir {
+                Dir::Write => {
+                    self.run(step, deadline, bytes, DataPath::write_waiting, |id| {
+                        Outgoing::Write {
+                            id,
+                            descs,
+                            sources: locals,
+                        }
+                    })
+                    .await
+                }
+                Dir::Read => {
+                    self.run(
+                        step,
+                        deadline,
+                        bytes,
+                        DataPath::read_waiting(locals),
+                        |id| Outgoing::Read { id, descs },
+                    )
+                    .await
+                }
+            };
+        }
+        let until = tokio::time::Instant::now() + deadline;
+        // Room for the whole batch under the per-peer limit first, as for one connection;
+        // each part then holds its share, released when it completes.
+        let mut room = self
+            .pending
+            .acquire_room(step, deadline, until, bytes)
+            .await?;
+        let parts = split(descs, locals, self.connections());
+        // Ticket taken and entered under one lock: a notification that draws a later ticket
+        // finds this transfer in `order`.
+        let first = {
+            let mut order = self.order.lock().expect("order poisoned");
+            let first = self
+                .next_id
+                .fetch_add(parts.len() as u64, Ordering::Relaxed);
+            order.insert(first);
+            first
+        };
+        let _ticket = Ticket {
+            path: self,
+            id: first,
+        };
+        let mut rxs = Vec::with_capacity(parts.len());
+        let mut sends = Vec::with_capacity(parts.len());
+        let mut entries = Vec::with_capacity(parts.len());
+        let last = parts.len() - 1;
+        for (i, (descs, locals)) in parts.into_iter().enumerate() {
+            let id = first + i as u64;
+            let part_bytes: u64 = descs.iter().map(|d| d.len).sum();
+            let part_room = if i == last {
+                room.take()
+            } else {
+                let units = (pending::room_units(part_bytes) as usize)
+                    .min(room.as_ref().map_or(0, |r| r.num_permits()));
+                room.as_mut().and_then(|r| r.split(units))
+            };
+            let (tx, rx) = oneshot::channel();
+            let (w, o) = match dir {
+                Dir::Write => (
+                    Waiting::Write(tx),
+                    Outgoing::Write {
+                        id,
+                        descs,
+                        sources: locals,
+                    },
+                ),
+                Dir::Read => (Waiting::Read(locals, tx), Outgoing::Read { id, descs }),
+            };
+            entries.push((id, w, part_bytes, part_room));
+            rxs.push(rx);
+            sends.push((i, o));
+        }
+        // Every part is entered before any frame is queued.
+        self.pending.enter_all(entries)?;
+        let mut rxs = rxs;
+        // Receivers that returned: a oneshot must not be polled again after that.
+        let mut resolved = 0usize;
+        let submit_and_wait = async {
+            for (i, o) in sends {
+                // A writer that is gone means the session is tearing down and drains us.
+                let _ = self.queue(i).send(o).await;
+            }
+            let mut first_err = None;
+            for rx in rxs.iter_mut() {
+                let r = rx.await.unwrap_or_else(|_| {
+                    Err(Error::lost(self.peer.as_str(), step, "session ended"))
+                });
+                resolved += 1;
+                if let Err(e) = r {
+                    first_err = Some(e);
+                    break;
+                }
+            }
+            first_err
+        };
+        let err = match tokio::time::timeout_at(until, submit_and_wait).await {
+            Ok(None) => return Ok(()),
+            Ok(Some(e)) => e,
+            Err(_) => Error::Timeout {
+                peer: self.peer.to_string(),
+                step,
+                after: deadline,
+            },
+        };
+        // One part failed or ran late: end the session, then wait until every part has
+        // ended (the session stops all data tasks before it drains), so nothing of this
+        // batch can land after we return.
+        self.abort.abort(err.clone());
+        let all = async {
+            for rx in rxs.iter_mut().skip(resolved) {
+                let _ = rx.await;
+            }
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(30), all).await;
+        Err(err)
+    }
+
+    /// Waits, within `deadline`, until every transfer entered in `order` before now ended
+    /// (striped batches, and writes copied by their callers; a single connection carries
+    /// the rest in order already). A transfer whose caller stopped waiting (its future
+    /// dropped) leaves `order` then, so a notification is ordered only after the transfers
+    /// still being awaited.
+    pub(crate) async fn wait_earlier(&self, deadline: Duration) -> Result<()> {
+        let me = {
+            let _order = self.order.lock().expect("order poisoned");
+            self.next_id.fetch_add(1, Ordering::Relaxed)
+        };
+        let wait = async {
+            loop {
+                let changed = self.order_changed.notified();
+                tokio::pin!(changed);
+                changed.as_mut().enable();
+                let older = self
+                    .order
+                    .lock()
+                    .expect("order poisoned")
+                    .first()
+                    .is_some_and(|t| *t < me);
+                if !older {
+                    return;
+                }
+                changed.await;
+            }
+        };
+        tokio::time::timeout(deadline, wait)
+            .await
+            .map_err(|_| Error::Timeout {
+                peer: self.peer.to_string(),
+                step: Step::Notify,
+                after: deadline,
+            })
+    }
+
+    /// Copies a write of `bytes` into the peer's regions on the calling thread, when every op's region
+    /// is reachable directly and the runtime is a multi-thread one. That spares each write
+    /// two thread hand-offs (to the writer thread and back), each a wake-up of tens of
+    /// microseconds on a loaded host, on the path of every KV chunk. A batch of at most
+    /// [`INLINE_COPY_MAX`] bytes is copied right in the task (a millisecond or two of the
+    /// worker's time, less than lending the thread would cost); a larger one lends the
+    /// thread first (`block_in_place`), so the runtime's other tasks move on meanwhile. Gives
+    /// the batch back when it cannot (it is then queued for the writer thread).
+    ///
+    /// Ordering stays what the writer queue gives: the copy holds a ticket in `order`, so a
+    /// notification issued meanwhile waits for it ([`DataPath::wait_earlier`]); and it
+    /// holds the region's read lock, so a session that ends waits for it before it says
+    /// that nothing of it lands any more (`ShmPeer::revoke_all`).
+    async fn write_direct(
+        &self,
+        deadline: Duration,
+        bytes: u64,
+        descs: Vec<OpDesc>,
+        sources: Vec<LocalSlice>,
+    ) -> std::result::Result<Result<()>, (Vec<OpDesc>, Vec<LocalSlice>)> {
+        // A current-thread runtime has no other thread to run its tasks meanwhile.
+        let multi_thread = matches!(
+            tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()),
+            Ok(tokio::runtime::RuntimeFlavor::MultiThread)
+        );
+        let Some(direct) = self.direct.as_ref().filter(|_| multi_thread) else {
+            return Err((descs, sources));
+        };
+        let until = tokio::time::Instant::now() + deadline;
+        let room = match self
+            .pending
+            .acquire_room(Step::Write, deadline, until, bytes)
+            .await
+        {
+            Ok(r) => r,
+            Err(e) => return Ok(Err(e)),
+        };
+        let id = {
+            let mut order = self.order.lock().expect("order poisoned");
+            let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+            order.insert(id);
+            id
+        };
+        let _ticket = Ticket { path: self, id };
+        if let Some(e) = self.pending.closed() {
+            return Ok(Err(e));
+        }
+        // No await from here to the copy, as on the writer thread: a region revoked
+        // meanwhile (detached, say) sends the batch over TCP instead.
+        let on = if bytes <= INLINE_COPY_MAX {
+            CopyOn::ThisThread
+        } else {
+            CopyOn::LentThread
+        };
+        let mut sources = Some(sources);
+        let copied = direct.try_copy(
+            Dir::Write,
+            &descs,
+            || sources.take(),
+            on,
+            || {
+                // Revoked because the session is ending, not by the peer's choice.
+                Some(self.pending.closed().unwrap_or_else(|| {
+                    Error::lost(self.peer.as_str(), Step::Write, "session ended")
+                }))
+            },
+        );
+        drop(room);
+        match copied {
+            Copied::Done(r) => Ok(r),
+            Copied::NotDirect | Copied::AlreadyEnded => Err((
+                descs,
+                sources.expect("given back when the batch does not go direct"),
+            )),
+        }
+    }
+
+    /// Our batches waiting for room under the per-peer limit (not sent yet).
+    pub(crate) fn waiting_for_room(&self) -> usize {
+        self.pending.waiting_for_room()
+    }
+
+    /// Payload bytes of our batches waiting for completion.
+    pub(crate) fn bytes_in_flight(&self) -> u64 {
+        self.pending.bytes()
+    }
+
+    /// Fails every waiting batch and refuses new ones. Called by the session only after the
+    /// reader and writer tasks have stopped.
+    pub(crate) fn drain(&self, err: &Error) {
+        self.pending.drain(err)
+    }
+
+    /// Batches waiting for completion.
+    pub(crate) fn in_flight(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// The table of this session's waiting batches (its TCP readers and writers complete
+    /// them there).
+    pub(crate) fn pending(&self) -> Arc<Pending> {
+        self.pending.clone()
+    }
+
+    /// The peer's batches this side accepted and has not completed yet (its TCP readers
+    /// admit them there).
+    pub(crate) fn incoming(&self) -> Arc<InFlight> {
+        self.incoming.clone()
+    }
+
+    /// The direct route to the peer's regions, when this side reaches some.
+    pub(crate) fn direct_route(&self) -> Option<DirectRoute> {
+        self.direct.clone()
+    }
+
+    /// Runs one batch of `bytes` payload bytes to completion under `deadline`. The batch
+    /// first waits for room under the per-peer limit on bytes in flight (in submission
+    /// order); one that gets none before its deadline fails with `Timeout` without having
+    /// been sent, and the session goes on.
+    pub(crate) async fn run(
+        &self,
+        step: Step,
+        deadline: Duration,
+        bytes: u64,
+        waiting: impl FnOnce(oneshot::Sender<Result<()>>) -> Waiting,
+        outgoing: impl FnOnce(u64) -> Outgoing,
+    ) -> Result<()> {
+        self.submit(step, deadline, bytes, waiting, outgoing)
+            .await?
+            .outcome()
+            .await
+    }
+
+    /// [`DataPath::run`]'s first half: waits for room, enters the batch and queues it on
+    /// its connection (so it is ordered before anything queued after this returns). The
+    /// outcome is [`Submitted::outcome`]'s, under the same deadline, counted from now.
+    pub(crate) async fn submit(
+        &self,
+        step: Step,
+        deadline: Duration,
+        bytes: u64,
+        waiting: impl FnOnce(oneshot::Sender<Result<()>>) -> Waiting,
+        outgoing: impl FnOnce(u64) -> Outgoing,
+    ) -> Result<Submitted> {
+        self.submit_with(step, deadline, bytes, waiting, |id| Ok(outgoing(id)))
+            .await
+    }
+
+    /// Submits a notification of `data` (its outcome is the peer's acknowledgement); it
+    /// goes on the writer's fast lane when the connection is idle.
+    pub(crate) async fn notify(&self, deadline: Duration, data: Vec<u8>) -> Result<Submitted> {
+        self.submit_with(Step::Notify, deadline, 0, Waiting::Notify, |id| {
+            Message::Notify(Notify {
+                id,
+                data: Blob(data),
+                unacked: false,
+            })
+            .to_frame()
+            .map(Outgoing::Frame)
+            .map_err(|e| Error::Local(e.to_string()))
+        })
+        .await
+    }
+
+    /// Queues a notification of `data` for which the peer sends no acknowledgement: its
+    /// delivery is confirmed by whatever the application answers later on this session
+    /// (frames are handled in order). Returns once it is on the wire or queued behind
+    /// everything queued before it; fails only when the session has ended or the queue
+    /// stays full past `deadline`. A peer that does not honour this (an older build) gets
+    /// an ordinary notification, whose acknowledgement nobody awaits.
+    ///
+    /// It spares the peer a send and this side a wake-up per notification: on a host
+    /// with few cores, a chunk's `Written` note and its acknowledgement cost tens of
+    /// microseconds of the cores that copy the next chunk.
+    pub(crate) async fn notify_posted(&self, deadline: Duration, data: Vec<u8>) -> Result<()> {
+        if !self.peer_unacked_notify {
+            // The entry is completed by the acknowledgement, or drained with the session.
+            drop(self.notify(deadline, data).await?);
+            return Ok(());
+        }
+        if let Some(e) = self.pending.closed() {
+            return Err(e);
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let frame = Message::Notify(Notify {
+            id,
+            data: Blob(data),
+            unacked: true,
+        })
+        .to_frame()
+        .map_err(|e| Error::Local(e.to_string()))?;
+        match self.out.send_direct(&frame) {
+            Direct::Sent => return Ok(()),
+            Direct::Broken(e) => return Err(Error::lost(self.peer.as_str(), Step::Notify, e)),
+            Direct::Queue => {}
+        }
+        match tokio::time::timeout(deadline, self.out.send(Outgoing::Frame(frame))).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(_)) => Err(Error::lost(
+                self.peer.as_str(),
+                Step::Notify,
+                "session ended",
+            )),
+            Err(_) => Err(Error::Timeout {
+                peer: self.peer.to_string(),
+                step: Step::Notify,
+                after: deadline,
+            }),
+        }
+    }
+
+    /// [`DataPath::submit`] with an item that may fail to build (before anything is
+    /// entered). An encoded frame tries the fast lane first.
+    async fn submit_with(
+        &self,
+        step: Step,
+        deadline: Duration,
+        bytes: u64,
+        waiting: impl FnOnce(oneshot::Sender<Result<()>>) -> Waiting,
+        outgoing: impl FnOnce(u64) -> Result<Outgoing>,
+    ) -> Result<Submitted> {
+        let until = tokio::time::Instant::now() + deadline;
+        let room = self
+            .pending
+            .acquire_room(step, deadline, until, bytes)
+            .await?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let o = outgoing(id)?;
+        let (tx, rx) = oneshot::channel();
+        // Entered before the frame is queued: no completion can precede its waiter.
+        self.pending.enter(id, waiting(tx), bytes, room)?;
+        let submitted = Submitted {
+            rx,
+            until,
+            deadline,
+            step,
+            peer: self.peer.clone(),
+            abort: self.abort.clone(),
+        };
+        if let Outgoing::Frame(frame) = &o {
+            match self.out.send_direct(frame) {
+                // On the wire; the outcome comes with the peer's acknowledgement.
+                Direct::Sent => return Ok(submitted),
+                // The session ends on the shut socket, and the outcome says so.
+                Direct::Broken(e) => {
+                    tracing::debug!(peer = %self.peer, error = %e, "frame cut short");
+                    return Ok(submitted);
+                }
+                Direct::Queue => {}
+            }
+        }
+        match tokio::time::timeout_at(until, self.out.send(o)).await {
+            // A closed queue: the writer is gone; the session is tearing down and will
+            // drain us (the outcome says so).
+            Ok(_) => Ok(submitted),
+            Err(_) => Err(submitted.abort_after_timeout().await),
+        }
+    }
+
+    pub(crate) fn write_waiting(tx: oneshot::Sender<Result<()>>) -> Waiting {
+        Waiting::Write(tx)
+    }
+
+    pub(crate) fn read_waiting(
+        dests: Vec<LocalSlice>,
+    ) -> impl FnOnce(oneshot::Sender<Result<()>>) -> Waiting {
+        move |tx| Waiting::Read(dests, tx)
+    }
+
+    pub(crate) fn out_sender(&self) -> WriterQueue {
+        self.out.clone()
+    }
+}

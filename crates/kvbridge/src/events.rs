@@ -1,0 +1,87 @@
+//! What the channel tells its users: notifications from peers, changes in the set of live
+//! sessions, and the counts it keeps. Plain data, below every task that produces it.
+
+use crate::error::Error;
+use kvbridge_proto::{Incarnation, PeerId};
+
+/// What the channel holds right now; a failed handshake must leave all of it at zero.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Session tasks alive (handshaking or established).
+    pub sessions: usize,
+    /// Established sessions.
+    pub established: usize,
+    /// Dials waiting for a handshake.
+    pub dialing: usize,
+    /// Data-connection tokens outstanding.
+    pub tokens: usize,
+    /// Batches waiting for completion across all sessions.
+    pub batches_in_flight: usize,
+    /// Payload bytes of those batches (each peer's share is bounded by
+    /// `Limits::max_bytes_in_flight_per_peer`).
+    pub bytes_in_flight: u64,
+    /// Our batches waiting for room under `Limits::max_bytes_in_flight_per_peer` (not sent
+    /// yet: backpressure).
+    pub batches_waiting_for_room: usize,
+    /// Peer batches refused because they would pass `Limits::max_bytes_in_flight_per_peer`
+    /// (each ended its session).
+    pub in_flight_refused: u64,
+    /// Sessions that ended since the channel started.
+    pub sessions_ended: u64,
+    /// Handshakes refused because `max_concurrent_handshakes` were already under way.
+    pub handshakes_refused: u64,
+    /// Sessions that ended because authentication failed: a peer that could not prove it
+    /// knows the shared secret (or sent no proof), a listener that could not, or one side
+    /// requiring authentication that the other does not do. Each is logged at WARN with the
+    /// peer's address (rate-limited).
+    pub auth_failed: u64,
+    /// Connections refused on TLS grounds: a failed TLS handshake, a plaintext `Hello` on a
+    /// listener that requires TLS, a plaintext `DataHello` on one that requires it on data
+    /// connections too, a TLS ClientHello on one that does not speak TLS.
+    pub tls_refused: u64,
+    /// Our batches copied into (or out of) mapped shared memory instead of going over TCP.
+    pub shm_batches: u64,
+    /// Our batches copied with cross-memory attach (at least one op; the others into mapped
+    /// shared memory) instead of going over TCP.
+    pub cma_batches: u64,
+    /// Notifications and acknowledgements written to an idle data connection by the task
+    /// or thread that issued them, skipping the connection's writer (one thread wake-up
+    /// less per message on data threads).
+    pub frames_direct: u64,
+}
+
+/// A change in the set of live sessions, for layers that hold state per peer (the PD
+/// receiver releases a sender's reservations when its session goes down).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PeerEvent {
+    /// A session is established.
+    Up {
+        /// The peer.
+        peer: PeerId,
+        /// Its incarnation.
+        incarnation: Incarnation,
+    },
+    /// An established session ended. It is sent only after the session's data tasks have
+    /// stopped: no batch of that session, in either direction, can land or be served after
+    /// a subscriber sees this event.
+    Down {
+        /// The peer.
+        peer: PeerId,
+        /// The incarnation that session had.
+        incarnation: Incarnation,
+        /// Why it ended.
+        error: Error,
+    },
+}
+
+/// An application message from a peer, delivered after every write that peer issued before
+/// it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notification {
+    /// The sender.
+    pub peer: PeerId,
+    /// The sender's incarnation, as its session established it (not as the message claims).
+    pub incarnation: Incarnation,
+    /// The bytes.
+    pub data: Vec<u8>,
+}

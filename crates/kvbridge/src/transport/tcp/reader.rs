@@ -1,0 +1,434 @@
+//! The reader of one data connection: serves the peer's batches, validating each op header
+//! (region exists, granted to this peer, in bounds) before it reads a payload byte straight
+//! into place, and completes our own batches when their acknowledgements arrive.
+
+use crate::config::{Limits, TestHooks};
+use crate::datapath::pending::{Pending, Waiting};
+use crate::error::{Error, Result};
+use crate::events::Notification;
+use crate::grant::RegionTable;
+use crate::in_flight::{InFlight, Refused, Reservation};
+use crate::net::ReadHalf;
+use crate::peer_memory::PeerRange;
+use crate::region::LocalSlice;
+use crate::wire::{read_data_frame, ReadError};
+use crate::writer_queue::Outgoing;
+use crate::writer_queue::{Direct, WriterQueue};
+use kvbridge_proto::handshake::Step;
+use kvbridge_proto::msg::{Ack, Batch, ErrorCode, Message, Reject};
+use kvbridge_proto::PeerId;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+/// Everything the reader task needs.
+pub(crate) struct ReaderCtx {
+    pub(crate) peer: PeerId,
+    /// Our batches waiting for their outcome: the peer's acknowledgements complete them.
+    pub(crate) pending: Arc<Pending>,
+    /// The peer's batches accepted here and not completed yet.
+    pub(crate) incoming: Arc<InFlight>,
+    /// The peer's incarnation, as the handshake established it.
+    pub(crate) incarnation: kvbridge_proto::Incarnation,
+    pub(crate) table: Arc<RegionTable>,
+    pub(crate) limits: Limits,
+    /// How long a batch's payload may take to arrive once its header did.
+    pub(crate) payload_deadline: Duration,
+    pub(crate) hooks: TestHooks,
+    pub(crate) notifications: mpsc::Sender<Notification>,
+    pub(crate) out: WriterQueue,
+    /// The channel's count of batches refused for passing the per-peer limit on bytes in
+    /// flight.
+    pub(crate) in_flight_refused: Arc<AtomicU64>,
+}
+
+impl ReaderCtx {
+    /// Sends a successful `WriteAck` or `NotifyAck`: on the fast lane when the connection
+    /// is idle (this thread writes it), else through the writer. `Ok(false)`: the writer is
+    /// gone (the session is ending).
+    async fn ack(&self, m: Message, step: Step) -> Result<bool> {
+        let frame = m.to_frame().map_err(|e| Error::Local(e.to_string()))?;
+        match self.out.send_direct(&frame) {
+            Direct::Sent => Ok(true),
+            Direct::Broken(e) => Err(Error::lost(self.peer.as_str(), step, e)),
+            Direct::Queue => Ok(self.out.send(Outgoing::Frame(frame)).await.is_ok()),
+        }
+    }
+
+    fn payload_error(&self, step: Step, e: std::io::Error) -> Error {
+        // WouldBlock: SO_SNDTIMEO expired on a blocking socket.
+        if matches!(
+            e.kind(),
+            std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
+        ) {
+            Error::Timeout {
+                peer: self.peer.to_string(),
+                step,
+                after: self.payload_deadline,
+            }
+        } else {
+            Error::lost(self.peer.as_str(), step, e)
+        }
+    }
+
+    fn misbehaved(&self, step: Step, detail: impl Into<String>) -> Error {
+        Error::PeerMisbehaved {
+            peer: self.peer.to_string(),
+            step,
+            detail: detail.into(),
+        }
+    }
+
+    /// Holds `n` more bytes of the peer's batches here until the reservation drops, or
+    /// refuses the batch when that would pass the per-peer limit.
+    fn admit_incoming(&self, n: u64) -> std::result::Result<Reservation, Reject> {
+        InFlight::try_reserve(&self.incoming, n).map_err(|Refused { held, max }| Reject {
+            code: ErrorCode::LimitExceeded,
+            message: format!(
+                "a batch of {n} bytes with {held} bytes of this peer's already in flight \
+                 passes the limit of {max} bytes in flight per peer"
+            ),
+        })
+    }
+
+    /// Admits a validated batch under the per-peer limit on bytes in flight (counting a
+    /// refusal).
+    fn admit(
+        &self,
+        b: &Batch,
+        dests: Vec<LocalSlice>,
+    ) -> std::result::Result<(Vec<LocalSlice>, Reservation), Reject> {
+        let n = b.payload_len().unwrap_or(u64::MAX);
+        match self.admit_incoming(n) {
+            Ok(held) => Ok((dests, held)),
+            Err(r) => {
+                self.in_flight_refused.fetch_add(1, Ordering::Relaxed);
+                Err(r)
+            }
+        }
+    }
+
+    /// Validates a peer's batch against our regions: every op in a region granted to the
+    /// peer and inside it, the batch within limits. Returns the ranges, marked in use
+    /// (`writes`: the batch writes into them).
+    pub(crate) fn resolve(
+        &self,
+        b: &Batch,
+        writes: bool,
+    ) -> std::result::Result<Vec<LocalSlice>, Reject> {
+        let reject = |code, message: String| Reject { code, message };
+        if b.ops.len() > self.limits.max_ops_per_batch {
+            return Err(reject(
+                ErrorCode::LimitExceeded,
+                format!(
+                    "{} ops in one batch, limit {}",
+                    b.ops.len(),
+                    self.limits.max_ops_per_batch
+                ),
+            ));
+        }
+        match b.payload_len() {
+            Some(n) if n <= self.limits.max_batch_bytes => {}
+            n => {
+                return Err(reject(
+                    ErrorCode::LimitExceeded,
+                    format!(
+                        "batch of {n:?} bytes, limit {}",
+                        self.limits.max_batch_bytes
+                    ),
+                ))
+            }
+        }
+        let mut out = Vec::with_capacity(b.ops.len());
+        for (i, op) in b.ops.iter().enumerate() {
+            let region = match self
+                .table
+                .use_for(&self.peer, &op.region, op.offset, op.len, writes)
+            {
+                Ok(r) => r,
+                Err(denied) => {
+                    return Err(reject(denied.code(), denied.message(i, &op.region, writes)))
+                }
+            };
+            if !region.region().contains(op.offset, op.len) {
+                return Err(reject(
+                    ErrorCode::OutOfBounds,
+                    format!(
+                        "op {i}: {} bytes at offset {} outside region {} of {} bytes",
+                        op.len,
+                        op.offset,
+                        op.region,
+                        region.region().len()
+                    ),
+                ));
+            }
+            out.push(LocalSlice {
+                region,
+                offset: op.offset as usize,
+                len: op.len as usize,
+            });
+        }
+        Ok(out)
+    }
+
+    /// [`ReaderCtx::resolve`] for a write batch. While one of its regions is being detached
+    /// from shared memory (its bytes copied to fresh memory), the batch waits for the copy
+    /// to end (bounded by the payload deadline) before it takes its ranges: a write during
+    /// the copy would be lost.
+    async fn resolve_write(&self, b: &Batch) -> std::result::Result<Vec<LocalSlice>, Reject> {
+        loop {
+            let dests = self.resolve(b, true)?;
+            let Some(r) = dests
+                .iter()
+                .map(|d| d.region.region())
+                .find(|r| r.detaching())
+                .cloned()
+            else {
+                return Ok(dests);
+            };
+            drop(dests);
+            r.wait_not_detaching(self.payload_deadline).await;
+        }
+    }
+}
+
+/// A write batch's destinations must not overlap: each becomes a `&mut [u8]` that the
+/// payload is read into, and two of those over the same bytes are not allowed (nor is a
+/// batch whose result depends on op order meaningful).
+fn disjoint(dests: Vec<LocalSlice>, b: &Batch) -> std::result::Result<Vec<LocalSlice>, Reject> {
+    let mut by_addr: Vec<(usize, usize, usize)> = dests
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| d.len > 0)
+        .map(|(i, d)| (d.ptr() as usize, d.len, i))
+        .collect();
+    by_addr.sort_unstable();
+    for w in by_addr.windows(2) {
+        let ((a, alen, i), (c, _, j)) = (w[0], w[1]);
+        if a + alen > c {
+            let (i, j) = (i.min(j), i.max(j));
+            return Err(Reject {
+                code: ErrorCode::OutOfBounds,
+                message: format!(
+                    "ops {i} and {j} of write batch {} overlap in region {}",
+                    b.id, b.ops[i].region
+                ),
+            });
+        }
+    }
+    Ok(dests)
+}
+
+/// The reader task: serves the peer's batches and completes ours, until the connection ends.
+pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
+    let peer = ctx.peer.clone();
+    let mut buf = Vec::new();
+    loop {
+        let msg = match read_data_frame(
+            &mut r,
+            ctx.limits.max_frame_len,
+            &mut buf,
+            ctx.payload_deadline,
+        )
+        .await
+        {
+            Ok(m) => m,
+            Err(ReadError::Eof) => {
+                return Err(Error::lost(
+                    peer.as_str(),
+                    Step::Established,
+                    "data connection closed",
+                ))
+            }
+            Err(ReadError::Io(e)) if e.kind() == std::io::ErrorKind::TimedOut => {
+                return Err(Error::Timeout {
+                    peer: peer.to_string(),
+                    step: Step::Established,
+                    after: ctx.payload_deadline,
+                })
+            }
+            Err(ReadError::Io(e)) => return Err(Error::lost(peer.as_str(), Step::Established, e)),
+            Err(ReadError::Frame(e)) => {
+                return Err(ctx.misbehaved(Step::Established, e.to_string()))
+            }
+        };
+        match msg {
+            Message::WriteBatch(b) => {
+                let (dests, held) = match ctx
+                    .resolve_write(&b)
+                    .await
+                    .and_then(|d| disjoint(d, &b))
+                    .and_then(|d| ctx.admit(&b, d))
+                {
+                    Ok(d) => d,
+                    Err(reject) => {
+                        let err = ctx.misbehaved(Step::Write, reject.message.clone());
+                        let ack = Message::WriteAck(Ack {
+                            id: b.id,
+                            error: Some(reject),
+                        });
+                        if let Ok(f) = ack.to_frame() {
+                            let _ = ctx.out.send(Outgoing::Frame(f)).await;
+                        }
+                        return Err(err);
+                    }
+                };
+                if let Some(d) = ctx.hooks.write_apply_delay {
+                    tokio::time::sleep(d).await;
+                }
+                let mut iov: Vec<PeerRange<'_>> = dests.iter().map(LocalSlice::as_range).collect();
+                r.read_exact_vectored_within(&mut iov, ctx.payload_deadline)
+                    .await
+                    .map_err(|e| ctx.payload_error(Step::Write, e))?;
+                drop(iov);
+                drop(dests);
+                drop(held);
+                let ack = Message::WriteAck(Ack {
+                    id: b.id,
+                    error: None,
+                });
+                if !ctx.ack(ack, Step::Write).await? {
+                    return Ok(());
+                }
+            }
+            Message::ReadBatch(b) => {
+                let (result, held) = match ctx.resolve(&b, false).and_then(|d| ctx.admit(&b, d)) {
+                    Ok((d, held)) => (Ok(d), Some(held)),
+                    Err(r) => (Err(r), None),
+                };
+                if let (Some(d), Ok(_)) = (ctx.hooks.read_serve_delay, &result) {
+                    // Held without holding up the connection: the frames after it (the
+                    // acknowledgements of our own notifications among them) are still read,
+                    // as they would be behind a slow read on a real host.
+                    let out = ctx.out.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(d).await;
+                        let _ = out
+                            .send(Outgoing::ReadResp {
+                                id: b.id,
+                                result,
+                                held,
+                            })
+                            .await;
+                    });
+                    continue;
+                }
+                let bad = result.as_ref().err().map(|r| r.message.clone());
+                if ctx
+                    .out
+                    .send(Outgoing::ReadResp {
+                        id: b.id,
+                        result,
+                        held,
+                    })
+                    .await
+                    .is_err()
+                {
+                    return Ok(());
+                }
+                if let Some(detail) = bad {
+                    return Err(ctx.misbehaved(Step::Read, detail));
+                }
+            }
+            Message::Notify(n) => {
+                if n.data.0.len() > ctx.limits.max_notify_len {
+                    return Err(ctx.misbehaved(
+                        Step::Notify,
+                        format!(
+                            "notification of {} bytes, limit {}",
+                            n.data.0.len(),
+                            ctx.limits.max_notify_len
+                        ),
+                    ));
+                }
+                // Delivered only after every write before it was placed: this task handles
+                // the connection's frames strictly in order.
+                let _ = ctx
+                    .notifications
+                    .send(Notification {
+                        peer: peer.clone(),
+                        incarnation: ctx.incarnation,
+                        data: n.data.0,
+                    })
+                    .await;
+                if n.unacked {
+                    continue;
+                }
+                let ack = Message::NotifyAck(Ack {
+                    id: n.id,
+                    error: None,
+                });
+                if !ctx.ack(ack, Step::Notify).await? {
+                    return Ok(());
+                }
+            }
+            Message::WriteAck(a) | Message::NotifyAck(a) => {
+                let Some(w) = ctx.pending.take(a.id) else {
+                    return Err(ctx.misbehaved(
+                        Step::Write,
+                        format!("completion for unknown batch {}", a.id),
+                    ));
+                };
+                let step = if matches!(w, Waiting::Notify(_)) {
+                    Step::Notify
+                } else {
+                    Step::Write
+                };
+                w.complete(match a.error {
+                    None => Ok(()),
+                    Some(rj) => Err(Error::Rejected {
+                        peer: peer.to_string(),
+                        step,
+                        code: rj.code,
+                        message: rj.message,
+                    }),
+                });
+            }
+            Message::ReadResp(a) => {
+                let Some(Waiting::Read(dests, done)) = ctx.pending.take(a.id) else {
+                    return Err(ctx.misbehaved(
+                        Step::Read,
+                        format!("read response for unknown batch {}", a.id),
+                    ));
+                };
+                if let Some(rj) = a.error {
+                    let _ = done.send(Err(Error::Rejected {
+                        peer: peer.to_string(),
+                        step: Step::Read,
+                        code: rj.code,
+                        message: rj.message,
+                    }));
+                    continue;
+                }
+                let mut iov: Vec<PeerRange<'_>> = dests.iter().map(LocalSlice::as_range).collect();
+                let result = r
+                    .read_exact_vectored_within(&mut iov, ctx.payload_deadline)
+                    .await
+                    .map_err(|e| ctx.payload_error(Step::Read, e));
+                drop(iov);
+                drop(dests);
+                let failed = result.clone().err();
+                let _ = done.send(result);
+                if let Some(e) = failed {
+                    return Err(e);
+                }
+            }
+            // The listener refused the data connection (its session ended meanwhile).
+            Message::Reject(rj) | Message::Bye(rj) => {
+                return Err(Error::Rejected {
+                    peer: peer.to_string(),
+                    step: Step::DataBind,
+                    code: rj.code,
+                    message: rj.message,
+                })
+            }
+            other => {
+                return Err(ctx.misbehaved(
+                    Step::Established,
+                    format!("{} on a data connection", other.name()),
+                ))
+            }
+        }
+    }
+}
