@@ -265,14 +265,22 @@ class KvbridgeWorker:
         for req_id, job in meta.reqs_to_recv.items():
             load = _Load(req_id, job, started=now)
             self._loads[req_id] = load
-            if job.local_block_ids:
+            if job.error:
+                # the scheduler found the request's kv_transfer_params unusable: the load
+                # fails here, typed and counted, and vLLM's kv_load_failure_policy applies
+                load.future = Future()
+                load.future.set_exception(LoadError(job.error, "bad_params"))
+                if job.notify:
+                    self._notify_done(self._addr(job), None, job.remote_request_id)
+            elif job.local_block_ids:
                 load.future = self._pool.submit(self._load, load)
             else:
                 # nothing to read (a request that ended before it was scheduled): only the
                 # prefiller's notice, which takes neither a load thread nor a connect slot
                 load.future = Future()
                 load.future.set_result(None)
-                self._notify_done(self._addr(job), None, job.remote_request_id)
+                if job.notify:
+                    self._notify_done(self._addr(job), None, job.remote_request_id)
 
     def _addr(self, job: RecvJob) -> str:
         return f"{numeric_host(job.remote_host)}:{job.remote_port + self.tp_rank}"
@@ -427,6 +435,8 @@ class KvbridgeWorker:
                 continue
             del self._loads[req_id]
             err = fut.exception()
+            if load.job.recomputed:
+                self.stats["loads_recomputed"] += 1
             if not load.job.awaited:
                 if err is not None:
                     log.warning("kvbridge: telling prefiller of finished request %s failed: %s", req_id, err)
