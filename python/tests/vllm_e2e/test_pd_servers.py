@@ -26,6 +26,7 @@ from servers import (
     free_ports,
     http_status,
     kvbridge_binary,
+    kvbridge_counters,
     kvbridge_config,
     post,
     post_stream,
@@ -199,7 +200,7 @@ def test_proxy_keeps_the_decoder_past_the_health_ejection_threshold(cluster):
 def test_transfers_are_counted_in_vllms_connector_stats(cluster):
     # vLLM logs the connector's KVConnectorStats each stats interval (1 s here), and serves
     # them as Prometheus counters on /metrics
-    before = kvbridge_counters(cluster.decoder)
+    before = kvbridge_counters(cluster.decoder.url)
     tokens("completions", cluster.proxy.url, prompt(30), stream=False)
     deadline = time.monotonic() + 30
     pat = re.compile(r"KV Transfer metrics: .*loads_ok=(\d+).*bytes_read=(\d+)")
@@ -210,20 +211,9 @@ def test_transfers_are_counted_in_vllms_connector_stats(cluster):
         assert time.monotonic() < deadline, cluster.decoder.tail()
         time.sleep(0.2)
     assert int(m.group(1)) > 0 and int(m.group(2)) > 0
-    after = kvbridge_counters(cluster.decoder)
+    after = kvbridge_counters(cluster.decoder.url)
     assert after.get("vllm:kvbridge_loads_ok_total", 0) == before.get("vllm:kvbridge_loads_ok_total", 0) + 1
     assert after.get("vllm:kvbridge_bytes_read_total", 0) > before.get("vllm:kvbridge_bytes_read_total", 0)
-
-
-def kvbridge_counters(server: VllmServer) -> dict[str, float]:
-    """The connector's Prometheus counters on ``server``'s /metrics (failures keyed by cause)."""
-    with urllib.request.urlopen(f"{server.url}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for m in re.finditer(r"^(vllm:kvbridge_\w+_total)\{([^}]*)\} ([0-9.e+-]+)$", text, re.M):
-        cause = re.search(r'cause="(\w+)"', m.group(2))
-        out[m.group(1) + (f"[{cause.group(1)}]" if cause else "")] = float(m.group(3))
-    return out
 
 
 def counters_moved(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -269,7 +259,7 @@ def test_prefiller_killed_mid_transfer_ends_the_request_and_the_decoder_recovers
     # The prefiller stops answering: the decoder's read request waits in its socket.
     cluster.victim.signal(signal.SIGSTOP)
     before = tcp_rx_queue(cluster.v_kv_port)
-    counted = kvbridge_counters(cluster.decoder)
+    counted = kvbridge_counters(cluster.decoder.url)
     answer: dict = {}
 
     def decode():
@@ -288,7 +278,7 @@ def test_prefiller_killed_mid_transfer_ends_the_request_and_the_decoder_recovers
             # at debug level). Its answer must still be right, and the connector's own
             # counters must say what happened to the load (docs/vllm.md, "Not yet").
             status, body = answer["result"]
-            moved = counters_moved(counted, kvbridge_counters(cluster.decoder))
+            moved = counters_moved(counted, kvbridge_counters(cluster.decoder.url))
             print(f"\ndecode answered {status} while the prefiller was stopped; counters moved: {moved}")
             assert status == 200, body
             assert_same(choice_tokens("completions", body["choices"]),
@@ -309,7 +299,7 @@ def test_prefiller_killed_mid_transfer_ends_the_request_and_the_decoder_recovers
     # the failure is counted, by cause (the counters reach /metrics with the step's output)
     deadline = time.monotonic() + 10
     while True:
-        moved = counters_moved(counted, kvbridge_counters(cluster.decoder))
+        moved = counters_moved(counted, kvbridge_counters(cluster.decoder.url))
         failures = sum(v for k, v in moved.items() if k.startswith("vllm:kvbridge_load_failures_total["))
         if failures or time.monotonic() > deadline:
             break
