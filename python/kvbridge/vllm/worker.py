@@ -23,7 +23,7 @@ from typing import Any
 
 import kvbridge
 
-from .config import ConnectorSettings, numeric_host
+from .config import ConfigError, ConnectorSettings, numeric_host
 from .metadata import KvbridgeConnectorMetadata, RecvJob
 from .stats import zero as zero_stats
 
@@ -271,7 +271,7 @@ class KvbridgeWorker:
                 load.future = Future()
                 load.future.set_exception(LoadError(job.error, "bad_params"))
                 if job.notify:
-                    self._notify_done(self._addr(job), None, job.remote_request_id)
+                    self._notify_job(job)
             elif job.local_block_ids:
                 load.future = self._pool.submit(self._load, load)
             else:
@@ -280,7 +280,21 @@ class KvbridgeWorker:
                 load.future = Future()
                 load.future.set_result(None)
                 if job.notify:
-                    self._notify_done(self._addr(job), None, job.remote_request_id)
+                    self._notify_job(job)
+
+    def _notify_job(self, job: RecvJob) -> None:
+        """The "read done" notice for a job that reads nothing, from vLLM's step: an address
+        that does not resolve (it came from the client) is a failed notice, not an exception
+        in the step."""
+        try:
+            addr = self._addr(job)
+        except ConfigError as e:
+            self.stats["notices_failed"] += 1
+            log.warning(
+                "kvbridge: cannot tell prefiller %s that %s is read: %s", job.remote_host, job.remote_request_id, e
+            )
+            return
+        self._notify_done(addr, None, job.remote_request_id)
 
     def _addr(self, job: RecvJob) -> str:
         return f"{numeric_host(job.remote_host)}:{job.remote_port + self.tp_rank}"

@@ -181,3 +181,17 @@ def test_remote_blocks_past_the_prompt_are_not_read(model_dir):
     assert not job.error
     assert job.remote_block_ids == [10, 11, 12, 13]
     assert len(job.local_block_ids) == 4
+
+
+def test_a_notice_to_an_address_that_does_not_resolve_is_a_failed_notice(model_dir, workers):
+    """A request vLLM computes itself still tells its prefiller, from vLLM's step: a host that
+    does not resolve (it came from the client) is counted as a failed notice, never an
+    exception in the step."""
+    sched = scheduler(model_dir)
+    worker = workers("kv_consumer", kv_caches(None))
+    req = decode_request({**good_params(3), "remote_host": "999.1.1.1"}, prompt_logprobs=1)
+    sched.add_request(req)
+    out = sched.schedule()
+    worker.start_load_kv(out.kv_connector_metadata)  # before: ConfigError raised here
+    poll(worker, timeout=1)
+    assert worker.stats["notices_failed"] == 1 and worker.stats["loads_recomputed"] == 1
