@@ -10,9 +10,10 @@ to its last read, connect included; NixlConnector: its "Throughput (MB/s)", tota
 summed transfer time as NIXL's telemetry measures it).
 
 Any failed request (non-200, an error event, no token) fails the run: no figures printed.
-So does a request whose decoder did not read its KV (the servers' logs tell: the
-kvbridge decoder's `loads_ok` short of the requests sent, a prefill's blocks freed at
-their lease, NixlConnector's expired or invalid blocks).
+So does a request whose decoder did not read its KV: the kvbridge decoder's
+`vllm:kvbridge_loads_ok_total` (its /metrics; vLLM's log drops idle intervals' counts) short
+of the requests sent, a prefill's blocks freed at their lease, NixlConnector's expired or
+invalid blocks (the servers' logs).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from servers import (  # noqa: E402
     free_ports,
     kvbridge_binary,
     kvbridge_config,
+    kvbridge_counters,
     nixl_config,
     wait_healthy,
 )
@@ -142,6 +144,12 @@ def main() -> int:
                 print(f"run {run + 1} {name}: TTFT p50 {p50 * 1e3:.1f} ms over {len(samples)} requests "
                       f"(min {min(samples) * 1e3:.1f}, max {max(samples) * 1e3:.1f})", flush=True)  # fmt: skip
         time.sleep(2.5)  # one more stats interval, so the last transfers reach the logs
+        # the kvbridge decoder's own count of its loads (vLLM's log drops idle intervals)
+        loads_ok = {
+            name: kvbridge_counters(pairs[name][1].url).get("vllm:kvbridge_loads_ok_total", 0)
+            for name in names
+            if name == "kvbridge"
+        }
     except Failed as e:
         print(f"FAILED: a request failed ({e}); no figures", file=sys.stderr)
         return 1
@@ -156,7 +164,8 @@ def main() -> int:
     for name in names:
         p, d, _ = pairs[name]
         problems += kv_not_moved(
-            name, p.log_path.read_text(errors="replace"), d.log_path.read_text(errors="replace"), sent
+            name, p.log_path.read_text(errors="replace"), d.log_path.read_text(errors="replace"), sent,
+            loads_ok.get(name, 0),
         )
     if problems:
         for msg in problems:
@@ -176,13 +185,13 @@ def main() -> int:
     return 0
 
 
-def kv_not_moved(name: str, prefill_log: str, decode_log: str, sent: int) -> list[str]:
-    """What the servers' logs say about requests that answered 200 without moving their KV."""
+def kv_not_moved(name: str, prefill_log: str, decode_log: str, sent: int, loads: float) -> list[str]:
+    """What the servers say about requests that answered 200 without moving their KV (the
+    kvbridge decoder: its ``vllm:kvbridge_loads_ok_total``, ``loads``)."""
     out = []
     if name == "kvbridge":
-        loads = sum(int(x) for x in re.findall(r"KV Transfer metrics: .*?loads_ok=(\d+)", decode_log))
         if loads < sent:
-            out.append(f"kvbridge: the decoder loaded KV for {loads} of {sent} requests")
+            out.append(f"kvbridge: the decoder loaded KV for {int(loads)} of {sent} requests")
         expired = len(re.findall(r"no decoder read request .* within kvbridge_lease_s", prefill_log))
         if expired:
             out.append(f"kvbridge: {expired} prefills' blocks were freed at their lease, unread")

@@ -13,6 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from .config import settings_from
 from .metadata import KvbridgeConnectorMetadata
+from .prom import KvbridgePromMetrics
 from .scheduler import KvbridgeScheduler
 from .stats import KvbridgeConnectorStats
 from .worker import KvbridgeWorker
@@ -107,6 +108,17 @@ class KvbridgeConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvbridgeConnectorStats:
         return KvbridgeConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvbridgePromMetrics:
+        """The counters as ``vllm:kvbridge_*_total`` series on vLLM's ``/metrics``."""
+        return KvbridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def kvbridge_stats(self) -> dict[str, int | float]:
         """Cumulative counters of loads (failures by cause), bytes read and how prefilled

@@ -21,6 +21,12 @@ class RecvJob:
     # when it ends; False: only the prefiller is told (a finished request, or a full prefix
     # hit), and vLLM, which asserts it knows every request reported, is told nothing
     awaited: bool = True
+    # vLLM computes the prompt itself instead of loading it (counted as loads_recomputed)
+    recomputed: bool = False
+    # the parameters were unusable: the worker fails the load with this (loads_failed_bad_params)
+    error: str = ""
+    # the prefiller's address and request id are usable for its "read done" notice
+    notify: bool = True
 
 
 @dataclass
@@ -41,10 +47,13 @@ def first_group(block_ids) -> list[int]:
     seq = list(block_ids)
     if not seq:
         return []
-    if all(isinstance(b, int) for b in seq):
+    if all(isinstance(b, int) and not isinstance(b, bool) for b in seq):
         return [int(b) for b in seq]
     if len(seq) != 1:
         raise ValueError(
             f"kvbridge connector moves one KV-cache group, got {len(seq)} (hybrid models are not supported yet)"
         )
-    return [int(b) for b in seq[0]]
+    inner = list(seq[0])
+    if not all(isinstance(b, int) and not isinstance(b, bool) for b in inner):
+        raise ValueError("block ids must be integers")
+    return [int(b) for b in inner]

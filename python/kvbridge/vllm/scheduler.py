@@ -21,6 +21,31 @@ REQUIRED_REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", 
 TRANSFER_MODE = "pull"
 
 
+def remote_blocks(params: dict[str, Any]) -> list[int]:
+    return first_group(params.get("remote_block_ids"))
+
+
+def params_problem(params: dict[str, Any]) -> str | None:
+    """Why a decoder cannot load with these ``kv_transfer_params`` (they come from a client
+    through the proxy), or None."""
+    missing = [k for k in REQUIRED_REMOTE_KEYS if params.get(k) is None]
+    if missing:
+        return f"{', '.join(missing)} missing"
+    try:
+        blocks = remote_blocks(params)
+    except (TypeError, ValueError) as e:
+        return f"remote_block_ids: {e}"
+    if not blocks:
+        return "remote_block_ids empty"
+    if any(b < 0 for b in blocks):
+        return "remote_block_ids has a negative id"
+    port = params.get("remote_port")
+    usable = isinstance(port, (int, str)) and not isinstance(port, bool) and str(port).isdigit()
+    if not usable or not 0 < int(port) < 65536:
+        return f"remote_port {port!r} is not a port"
+    return None
+
+
 class KvbridgeScheduler:
     def __init__(self, vllm_config: Any, settings: ConnectorSettings):
         self.vllm_config = vllm_config
@@ -34,6 +59,9 @@ class KvbridgeScheduler:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if params is not None and params.get("do_remote_prefill"):
+            # Unusable parameters still take this path: the load is then failed by the
+            # worker with a typed, counted error (update_state_after_alloc), instead of the
+            # request being computed here unnoticed or waiting for a load nobody starts.
             count = len(request.prompt_token_ids or []) - num_computed_tokens
             if count > 0:
                 return count, True
@@ -43,32 +71,63 @@ class KvbridgeScheduler:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return
-        if params.get("remote_block_ids"):
-            if all(params.get(k) is not None for k in REQUIRED_REMOTE_KEYS):
-                local = first_group(blocks.get_unhashed_block_ids_all_groups()) if num_external_tokens > 0 else []
-                self._reqs_need_recv[request.request_id] = self._job(params, local, awaited=num_external_tokens > 0)
-                self._recv_issued.add(request.request_id)
-            else:
-                log.warning(
-                    "kvbridge: request %s has do_remote_prefill but lacks %s; it will be computed locally",
-                    request.request_id,
-                    [k for k in REQUIRED_REMOTE_KEYS if params.get(k) is None],
-                )
-        else:
-            assert num_external_tokens == 0
         # one transfer per request
         params["do_remote_prefill"] = False
+        problem = params_problem(params)
+        if num_external_tokens == 0:
+            # vLLM computes this prompt here (prompt logprobs skip every cache, or a local
+            # hit covers it): counted as recomputed, and the prefiller told to free
+            reason = "vLLM computes the prompt locally (prompt logprobs, or a local prefix-cache hit)"
+            log.info("kvbridge: request %s: %s instead of loading it", request.request_id, reason)
+            self._reqs_need_recv[request.request_id] = self._job(params, [], awaited=False, recomputed=True)
+            self._recv_issued.add(request.request_id)
+            return
+        group = first_group(blocks.get_block_ids())
+        local = first_group(blocks.get_unhashed_block_ids_all_groups())
+        hit = len(group) - len(local)  # blocks the decoder's own prefix cache holds
+        if problem is None:
+            remote = remote_blocks(params)
+            prompt = len(request.prompt_token_ids or [])
+            sent = params.get("remote_num_tokens")
+            if isinstance(sent, int) and not isinstance(sent, bool) and sent < prompt:
+                # (more is fine: NixlConnector's prefillers count more than the prompt too)
+                problem = (
+                    f"the prefiller computed {sent} tokens, fewer than the {prompt} of the decoder's prompt "
+                    "(the proxy sent the decoder another prompt than the prefiller's)"
+                )
+            elif len(remote) < len(group):
+                problem = (
+                    f"the prefiller offers {len(remote)} blocks, the prompt's {prompt} tokens take "
+                    f"{len(group)} blocks of {self.vllm_config.cache_config.block_size} here"
+                )
+        if problem is not None:
+            # a usable address still gets the prefiller's "read done" notice
+            job = self._job(params, local, awaited=True)
+            job.local_block_ids, job.awaited = local, True
+            job.error = f"request {request.request_id}: kv_transfer_params unusable: {problem}"
+            self._reqs_need_recv[request.request_id] = job
+        else:
+            # remote block i holds the prompt's block i; a longer list (the prefiller's
+            # lookahead slots) is cut to the prompt, and the worker reads its tail past the hit
+            job = self._job(params, local, awaited=True)
+            job.remote_block_ids = job.remote_block_ids[: hit + len(local)]
+            self._reqs_need_recv[request.request_id] = job
+        self._recv_issued.add(request.request_id)
 
     @staticmethod
-    def _job(params: dict[str, Any], local: list[int], *, awaited: bool) -> RecvJob:
+    def _job(params: dict[str, Any], local: list[int], *, awaited: bool, recomputed: bool = False) -> RecvJob:
+        if params_problem(params) is not None:
+            # nothing usable to tell the prefiller: its lease frees its blocks
+            return RecvJob([], [], "", "", "", 0, awaited=False, recomputed=recomputed, notify=False)
         return RecvJob(
             local_block_ids=local,
-            remote_block_ids=first_group(params.get("remote_block_ids")),
+            remote_block_ids=remote_blocks(params),
             remote_engine_id=str(params["remote_engine_id"]),
             remote_request_id=str(params["remote_request_id"]),
             remote_host=str(params["remote_host"]),
             remote_port=int(params["remote_port"]),
             awaited=awaited,
+            recomputed=recomputed,
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> KvbridgeConnectorMetadata:
@@ -91,7 +150,7 @@ class KvbridgeScheduler:
         if params.get("do_remote_prefill") and not issued:
             # Finished before it was ever scheduled (aborted): the prefiller still holds
             # the blocks, so the worker only sends it the "read done" notification.
-            if params.get("remote_block_ids") and all(params.get(k) is not None for k in REQUIRED_REMOTE_KEYS):
+            if params_problem(params) is None:
                 self._reqs_need_recv[request.request_id] = self._job(params, [], awaited=False)
             params["do_remote_prefill"] = False
             return False, None

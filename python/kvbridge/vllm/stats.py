@@ -13,13 +13,14 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 #: Why a decoder's load failed (``loads_failed_<cause>``).
-FAILURE_CAUSES = ("timeout", "unreachable", "refused", "peer_lost", "other")
+FAILURE_CAUSES = ("timeout", "unreachable", "refused", "peer_lost", "bad_params", "other")
 
 #: Every counter, in the order they are logged.
 COUNTERS = (
     "loads_ok",
     "loads_failed",
     *(f"loads_failed_{c}" for c in FAILURE_CAUSES),
+    "loads_recomputed",
     "bytes_read",
     "blocks_freed_on_notify",
     "leases_expired",

@@ -23,7 +23,7 @@ from typing import Any
 
 import kvbridge
 
-from .config import ConnectorSettings, numeric_host
+from .config import ConfigError, ConnectorSettings, numeric_host
 from .metadata import KvbridgeConnectorMetadata, RecvJob
 from .stats import zero as zero_stats
 
@@ -265,14 +265,36 @@ class KvbridgeWorker:
         for req_id, job in meta.reqs_to_recv.items():
             load = _Load(req_id, job, started=now)
             self._loads[req_id] = load
-            if job.local_block_ids:
+            if job.error:
+                # the scheduler found the request's kv_transfer_params unusable: the load
+                # fails here, typed and counted, and vLLM's kv_load_failure_policy applies
+                load.future = Future()
+                load.future.set_exception(LoadError(job.error, "bad_params"))
+                if job.notify:
+                    self._notify_job(job)
+            elif job.local_block_ids:
                 load.future = self._pool.submit(self._load, load)
             else:
                 # nothing to read (a request that ended before it was scheduled): only the
                 # prefiller's notice, which takes neither a load thread nor a connect slot
                 load.future = Future()
                 load.future.set_result(None)
-                self._notify_done(self._addr(job), None, job.remote_request_id)
+                if job.notify:
+                    self._notify_job(job)
+
+    def _notify_job(self, job: RecvJob) -> None:
+        """The "read done" notice for a job that reads nothing, from vLLM's step: an address
+        that does not resolve (it came from the client) is a failed notice, not an exception
+        in the step."""
+        try:
+            addr = self._addr(job)
+        except ConfigError as e:
+            self.stats["notices_failed"] += 1
+            log.warning(
+                "kvbridge: cannot tell prefiller %s that %s is read: %s", job.remote_host, job.remote_request_id, e
+            )
+            return
+        self._notify_done(addr, None, job.remote_request_id)
 
     def _addr(self, job: RecvJob) -> str:
         return f"{numeric_host(job.remote_host)}:{job.remote_port + self.tp_rank}"
@@ -427,6 +449,8 @@ class KvbridgeWorker:
                 continue
             del self._loads[req_id]
             err = fut.exception()
+            if load.job.recomputed:
+                self.stats["loads_recomputed"] += 1
             if not load.job.awaited:
                 if err is not None:
                     log.warning("kvbridge: telling prefiller of finished request %s failed: %s", req_id, err)

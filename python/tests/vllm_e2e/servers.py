@@ -228,6 +228,21 @@ def nixl_config(role: str) -> dict:
     return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
 
 
+def kvbridge_counters(url: str) -> dict[str, float]:
+    """KvbridgeConnector's Prometheus counters on the vLLM server at ``url`` (its /metrics),
+    failures keyed as ``vllm:kvbridge_load_failures_total[cause]``. vLLM's log drops an idle
+    interval's counts; these series do not."""
+    import re
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for m in re.finditer(r"^(vllm:kvbridge_\w+_total)\{([^}]*)\} ([0-9.e+-]+)$", text, re.M):
+        cause = re.search(r'cause="(\w+)"', m.group(2))
+        out[m.group(1) + (f"[{cause.group(1)}]" if cause else "")] = float(m.group(3))
+    return out
+
+
 def tcp_rx_queue(port: int) -> int:
     """Bytes waiting unread in the receive queues of the TCP sockets whose local port is
     ``port`` (a stopped listener's accepted connections)."""

@@ -1,0 +1,68 @@
+"""The connector's counters as Prometheus series on vLLM's ``/metrics``.
+
+vLLM builds this once per API server (``KvbridgeConnector.build_prom_metrics``) and hands it,
+every step that reported any, the counts since the previous report, summed over workers (the
+``KvbridgeConnectorStats`` data). Each counter becomes a Prometheus counter with vLLM's
+engine labels; load failures are one series with a ``cause`` label.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+from .stats import FAILURE_CAUSES
+
+#: stats counter -> (series name without the ``_total`` Prometheus adds, help text)
+SERIES = {
+    "loads_ok": ("vllm:kvbridge_loads_ok", "Decoder loads of a prompt's KV from a prefiller that completed."),
+    "loads_recomputed": (
+        "vllm:kvbridge_loads_recomputed",
+        "Decoder requests with KV on a prefiller whose prompt vLLM computed itself instead of loading it "
+        "(prompt logprobs, or a local prefix-cache hit).",
+    ),
+    "bytes_read": ("vllm:kvbridge_bytes_read", "KV bytes a decoder read from prefillers."),
+    "load_seconds": ("vllm:kvbridge_load_seconds", "Seconds decoder loads took, summed over completed loads."),
+    "blocks_freed_on_notify": (
+        "vllm:kvbridge_freed_on_notify",
+        "Prefiller requests whose blocks were freed on the decoder's read-done notice.",
+    ),
+    "leases_expired": (
+        "vllm:kvbridge_leases_expired",
+        "Prefiller requests whose blocks were freed at kvbridge_lease_s without a read-done notice.",
+    ),
+    "notices_failed": ("vllm:kvbridge_notices_failed", "Read-done notices a decoder could not deliver."),
+}
+FAILURES = ("vllm:kvbridge_load_failures", "Decoder loads that failed, by cause.")
+
+
+class KvbridgePromMetrics(KVConnectorPromMetrics):
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, dict[int, Any]] = {}
+        for key, (name, doc) in SERIES.items():
+            metric = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            self._counters[key] = create_metric_per_engine(metric, per_engine_labelvalues)
+        failures = self._counter_cls(name=FAILURES[0], documentation=FAILURES[1], labelnames=[*labelnames, "cause"])
+        self._failures: dict[str, dict[int, Any]] = {
+            cause: {idx: failures.labels(*values, cause) for idx, values in per_engine_labelvalues.items()}
+            for cause in FAILURE_CAUSES
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, per_engine in self._counters.items():
+            value = transfer_stats_data.get(key) or 0
+            if value > 0 and engine_idx in per_engine:
+                per_engine[engine_idx].inc(value)
+        for cause, per_engine in self._failures.items():
+            value = transfer_stats_data.get(f"loads_failed_{cause}") or 0
+            if value > 0 and engine_idx in per_engine:
+                per_engine[engine_idx].inc(value)
