@@ -29,6 +29,7 @@ pub struct Worker {
     oks: AtomicU32,
     inflight: AtomicU64,
     tokens: AtomicU64,
+    pending_prefill: AtomicU64,
     served: AtomicU64,
     /// Passive ejections so far: a health check that started before the latest one is
     /// older than the evidence that ejected the worker, so it cannot re-admit it.
@@ -54,6 +55,12 @@ impl Worker {
     /// Estimated prompt tokens on this worker now.
     pub fn tokens(&self) -> u64 {
         self.tokens.load(Relaxed)
+    }
+    /// Prompt tokens this worker has to prefill for the requests on it now: each one's
+    /// estimated prompt tokens less the leading tokens the policy knew it held when it was
+    /// chosen (the routing load, [`crate::routing`]).
+    pub fn pending_prefill(&self) -> u64 {
+        self.pending_prefill.load(Relaxed)
     }
 }
 
@@ -97,6 +104,7 @@ pub struct Slot {
     pool: Arc<Pool>,
     idx: usize,
     tokens: u64,
+    pending_prefill: u64,
     /// The worker's ejection count when it was picked.
     ejections: u64,
     cached_tokens: u64,
@@ -128,6 +136,7 @@ impl Drop for Slot {
         let w = &self.pool.workers[self.idx];
         w.inflight.fetch_sub(1, Relaxed);
         w.tokens.fetch_sub(self.tokens, Relaxed);
+        w.pending_prefill.fetch_sub(self.pending_prefill, Relaxed);
         if self.pool.queued.load(Relaxed) > 0 {
             self.pool.freed.notify_waiters();
         }
@@ -174,6 +183,7 @@ impl Pool {
                     oks: AtomicU32::new(0),
                     inflight: AtomicU64::new(0),
                     tokens: AtomicU64::new(0),
+                    pending_prefill: AtomicU64::new(0),
                     served: AtomicU64::new(0),
                     passive_ejections: AtomicU64::new(0),
                     ejections: AtomicU64::new(0),
@@ -236,7 +246,7 @@ impl Pool {
             cands.push(Candidate {
                 index: i,
                 inflight,
-                tokens: used,
+                pending_prefill: w.pending_prefill(),
                 matched: 0,
                 cached: 0,
             });
@@ -259,11 +269,14 @@ impl Pool {
                 let w = &self.workers[i];
                 w.inflight.fetch_add(1, Relaxed);
                 w.tokens.fetch_add(tokens, Relaxed);
+                let pending_prefill = tokens.saturating_sub(cached_tokens);
+                w.pending_prefill.fetch_add(pending_prefill, Relaxed);
                 w.served.fetch_add(1, Relaxed);
                 Ok(Slot {
                     pool: self.clone(),
                     idx: i,
                     tokens,
+                    pending_prefill,
                     ejections: w.ejections(),
                     cached_tokens,
                 })
@@ -418,6 +431,11 @@ impl Pool {
                 "gauge",
             ),
             (
+                "worker_pending_prefill_tokens",
+                "Prompt tokens the worker has to prefill for its requests now, as the routing policy knows (its load).",
+                "gauge",
+            ),
+            (
                 "worker_requests_total",
                 "Requests routed to the worker.",
                 "counter",
@@ -434,6 +452,7 @@ impl Pool {
                     "worker_healthy" => w.is_healthy() as u64,
                     "worker_inflight" => w.inflight(),
                     "worker_inflight_tokens" => w.tokens(),
+                    "worker_pending_prefill_tokens" => w.pending_prefill(),
                     _ => w.served.load(Relaxed),
                 };
                 let _ = writeln!(

@@ -12,6 +12,7 @@
 //! - [`announce`]: how a decoder learns which PD request holds a prompt's KV.
 //! - [`client`]: a small OpenAI client (demo, tests).
 //! - [`demo`]: `kvbridge demo`.
+//! - [`peer_router`]: `kvbridge demo --peer-router CMD` (another router, same workload).
 //! - [`soak`]: `kvbridge demo --duration D --chaos` (real processes, real `kill -9`).
 //! - [`cli`]: `kvbridge engine` flags.
 //! - [`timeline`]: per-request step marks (`kvbridge demo --timeline`).
@@ -29,6 +30,7 @@ pub mod demo;
 pub mod engine;
 pub mod kv_events_pub;
 pub mod model;
+pub mod peer_router;
 pub mod prefix_cache;
 pub mod soak;
 pub mod timeline;
