@@ -706,6 +706,49 @@ mod tests {
     }
 
     #[test]
+    fn a_held_prefix_is_not_load_so_its_holder_keeps_the_requests_that_share_it() {
+        use crate::kv_index::KvIndex;
+        use kvbridge_proto::kv_events::{BlockHash, BlockStored, KvEvent, KvEventBatch};
+        let index = Arc::new(KvIndex::new(3, 1000));
+        let p = routed_pool(PoolRouter {
+            policy: crate::routing::RoutingPolicy::KvEvents,
+            index: Some(index.clone()),
+            ..Default::default()
+        });
+        // Worker 1 holds the first 960 tokens of a 1000-token prompt.
+        let tokens: Vec<u32> = (0..1000).collect();
+        let batch = KvEventBatch {
+            ts: 0.0,
+            events: vec![KvEvent::BlockStored(BlockStored {
+                block_hashes: (0..60).map(BlockHash::Int).collect(),
+                parent_block_hash: None,
+                token_ids: tokens[..960].to_vec(),
+                block_size: 16,
+                lora_id: None,
+                medium: None,
+                lora_name: None,
+                group_idx: None,
+            })],
+            data_parallel_rank: None,
+        };
+        index.apply(1, 0, &batch);
+        let key = PromptKey {
+            tokens: Some(tokens),
+            pieces: vec![],
+        };
+        // With two in flight, the third costs it 40 + 2 * (40 + 256) = 632 < 1000 on an idle
+        // worker. Counting their whole prompts as load sent the second away (40 + 1256).
+        let held: Vec<Slot> = (0..3)
+            .map(|_| p.try_pick_for(1000, &[], Some(&key)).unwrap())
+            .collect();
+        assert!(held.iter().all(|s| s.index() == 1), "the holder");
+        assert_eq!(p.workers[1].pending_prefill(), 3 * 40);
+        assert_eq!(p.workers[1].tokens(), 3 * 1000, "admission still counts the prompt");
+        drop(held);
+        assert_eq!(p.workers[1].pending_prefill(), 0);
+    }
+
+    #[test]
     fn cache_aware_sends_a_repeated_prefix_to_the_same_worker() {
         let p = routed_pool(PoolRouter {
             policy: crate::routing::RoutingPolicy::CacheAware,

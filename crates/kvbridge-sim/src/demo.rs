@@ -194,6 +194,9 @@ pub struct DemoSummary {
     /// Prompt tokens the engines (prefillers and decoders) computed during the workload:
     /// those their prefix caches did not hold.
     pub prefill_tokens_computed: u64,
+    /// Of `prefill_tokens_computed`, what the decoders computed (requests the decider sent
+    /// to them alone).
+    pub decoder_prefill_tokens_computed: u64,
     /// KV bytes the prefillers moved to decoders during the workload.
     pub kv_bytes_moved: u64,
     /// Requests the proxy sent to a decoder alone (its decider), over the whole run.
@@ -1112,6 +1115,11 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
     let wall = t0.elapsed().as_secs_f64();
     // The workload's KV figures, apart from the one-at-a-time replays' below.
     let loaded = cluster.stats();
+    let decoders_computed: u64 = cluster
+        .decoders
+        .iter()
+        .map(|d| d.stats().prefill_tokens_computed)
+        .sum();
     let (mut ttft, mut tpot, mut errors) = (Vec::new(), Vec::new(), Vec::new());
     let (mut ok, mut tokens) = (0u64, 0u64);
     for (i, r) in &results {
@@ -1306,6 +1314,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
         shared_chunk_tokens,
         prefix_cache_tokens: route.prefix_cache_tokens.unwrap_or(0),
         prefill_tokens_computed: loaded.prefill_tokens_computed,
+        decoder_prefill_tokens_computed: decoders_computed,
         kv_bytes_moved: loaded.kv_bytes_sent,
         decode_only,
         ok,

@@ -4,6 +4,8 @@
 //! others. Cache-aware policies prefer the worker that holds a prompt's prefix, so the dead
 //! workers are the ones the policy wants most.
 
+// Shared with the other proxied tests; this one starts its engines as processes.
+#[allow(dead_code)]
 mod proxied;
 
 use kvbridge_proxy::config::{Config as ProxyConfig, KvEventsConfig};
@@ -234,6 +236,7 @@ async fn kill_mid_load(policy: RoutingPolicy) {
                 assert!(
                     [
                         "prefill_failed",
+                        "prefiller_lost",
                         "kv_transfer_failed",
                         "kv_ready_timeout",
                         "kv_receiver_unreachable",
@@ -253,6 +256,7 @@ async fn kill_mid_load(policy: RoutingPolicy) {
                         "decoder_stream_failed",
                         "decode_failed",
                         "decode_timeout",
+                        "prefiller_lost",
                         "kv_transfer_failed",
                         "kv_ready_timeout",
                     ]
