@@ -97,7 +97,7 @@ fn body(i: u64) -> Value {
         .map(|k| (p as u32 * 997 + k * 13) % 4000)
         .chain((0..64u32).map(|k| (i as u32 * 31 + k * 7) % 4000))
         .collect();
-    json!({"prompt": prompt, "max_tokens": 20, "stream": i & 2 == 0})
+    json!({"prompt": prompt, "max_tokens": 60, "stream": i & 2 == 0})
 }
 
 /// Whether the proxy's `/metrics` shows `label` ejected.
@@ -270,6 +270,11 @@ async fn kill_mid_load(policy: RoutingPolicy) {
         }
     }
     assert_eq!(ok + failed, n, "{policy:?}");
+    // 60 tokens at 10 ms: decoder A held a request mid-decode when it was killed.
+    assert!(
+        failed >= 1,
+        "{policy:?}: the kill hit no request in flight ({ok} ok)"
+    );
     // Once both are ejected (health checks every 100 ms), every prefix is served by the
     // survivors, whatever the policy knew of the dead workers' caches.
     let metrics = format!("http://{}/metrics", proxy.http_addr());
