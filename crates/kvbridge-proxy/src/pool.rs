@@ -743,7 +743,11 @@ mod tests {
             .collect();
         assert!(held.iter().all(|s| s.index() == 1), "the holder");
         assert_eq!(p.workers[1].pending_prefill(), 3 * 40);
-        assert_eq!(p.workers[1].tokens(), 3 * 1000, "admission still counts the prompt");
+        assert_eq!(
+            p.workers[1].tokens(),
+            3 * 1000,
+            "admission still counts the prompt"
+        );
         drop(held);
         assert_eq!(p.workers[1].pending_prefill(), 0);
     }
