@@ -1009,7 +1009,8 @@ fn load<'a>(
     .buffer_unordered(concurrency.max(1) as usize)
 }
 
-/// Every answer of the workload sent to `base` ([`load`]), in the order they came.
+/// Every answer of the workload sent to `base`, `concurrency` requests in flight, each
+/// within `deadline`, in the order they came: `(index in work, answer)`.
 pub async fn send_all(
     client: &Client,
     base: &str,
