@@ -100,6 +100,12 @@ fn main() -> Result<()> {
             let s = rt()?.block_on(kvbridge_sim::soak::run(opts))?;
             verdict(args.json, &s, s.table(), s.passed())
         }
+        Cmd::Demo(args) if args.peer_router.is_some() => {
+            let cmd = args.peer_router.clone().unwrap_or_default();
+            let json = args.json;
+            let s = rt()?.block_on(kvbridge_sim::peer_router::run(*args, &cmd))?;
+            verdict(json, &s, s.table(), s.passed())
+        }
         Cmd::Demo(args) => {
             let json = args.json;
             let rt = rt()?;

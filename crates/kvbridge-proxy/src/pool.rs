@@ -29,6 +29,7 @@ pub struct Worker {
     oks: AtomicU32,
     inflight: AtomicU64,
     tokens: AtomicU64,
+    pending_prefill: AtomicU64,
     served: AtomicU64,
     /// Passive ejections so far: a health check that started before the latest one is
     /// older than the evidence that ejected the worker, so it cannot re-admit it.
@@ -54,6 +55,12 @@ impl Worker {
     /// Estimated prompt tokens on this worker now.
     pub fn tokens(&self) -> u64 {
         self.tokens.load(Relaxed)
+    }
+    /// Prompt tokens this worker has to prefill for the requests on it now: each one's
+    /// estimated prompt tokens less the leading tokens the policy knew it held when it was
+    /// chosen (the routing load, [`crate::routing`]).
+    pub fn pending_prefill(&self) -> u64 {
+        self.pending_prefill.load(Relaxed)
     }
 }
 
@@ -97,6 +104,7 @@ pub struct Slot {
     pool: Arc<Pool>,
     idx: usize,
     tokens: u64,
+    pending_prefill: u64,
     /// The worker's ejection count when it was picked.
     ejections: u64,
     cached_tokens: u64,
@@ -128,6 +136,7 @@ impl Drop for Slot {
         let w = &self.pool.workers[self.idx];
         w.inflight.fetch_sub(1, Relaxed);
         w.tokens.fetch_sub(self.tokens, Relaxed);
+        w.pending_prefill.fetch_sub(self.pending_prefill, Relaxed);
         if self.pool.queued.load(Relaxed) > 0 {
             self.pool.freed.notify_waiters();
         }
@@ -174,6 +183,7 @@ impl Pool {
                     oks: AtomicU32::new(0),
                     inflight: AtomicU64::new(0),
                     tokens: AtomicU64::new(0),
+                    pending_prefill: AtomicU64::new(0),
                     served: AtomicU64::new(0),
                     passive_ejections: AtomicU64::new(0),
                     ejections: AtomicU64::new(0),
@@ -236,7 +246,7 @@ impl Pool {
             cands.push(Candidate {
                 index: i,
                 inflight,
-                tokens: used,
+                pending_prefill: w.pending_prefill(),
                 matched: 0,
                 cached: 0,
             });
@@ -259,11 +269,14 @@ impl Pool {
                 let w = &self.workers[i];
                 w.inflight.fetch_add(1, Relaxed);
                 w.tokens.fetch_add(tokens, Relaxed);
+                let pending_prefill = tokens.saturating_sub(cached_tokens);
+                w.pending_prefill.fetch_add(pending_prefill, Relaxed);
                 w.served.fetch_add(1, Relaxed);
                 Ok(Slot {
                     pool: self.clone(),
                     idx: i,
                     tokens,
+                    pending_prefill,
                     ejections: w.ejections(),
                     cached_tokens,
                 })
@@ -418,6 +431,11 @@ impl Pool {
                 "gauge",
             ),
             (
+                "worker_pending_prefill_tokens",
+                "Prompt tokens the worker has to prefill for its requests now, as the routing policy knows (its load).",
+                "gauge",
+            ),
+            (
                 "worker_requests_total",
                 "Requests routed to the worker.",
                 "counter",
@@ -434,6 +452,7 @@ impl Pool {
                     "worker_healthy" => w.is_healthy() as u64,
                     "worker_inflight" => w.inflight(),
                     "worker_inflight_tokens" => w.tokens(),
+                    "worker_pending_prefill_tokens" => w.pending_prefill(),
                     _ => w.served.load(Relaxed),
                 };
                 let _ = writeln!(
@@ -684,6 +703,53 @@ mod tests {
         assert_eq!(index.blocks(2), 0, "its blocks are not trusted after");
         assert!(p.report(2, true, false));
         assert_eq!(index.matched_tokens(2, &tokens), 0);
+    }
+
+    #[test]
+    fn a_held_prefix_is_not_load_so_its_holder_keeps_the_requests_that_share_it() {
+        use crate::kv_index::KvIndex;
+        use kvbridge_proto::kv_events::{BlockHash, BlockStored, KvEvent, KvEventBatch};
+        let index = Arc::new(KvIndex::new(3, 1000));
+        let p = routed_pool(PoolRouter {
+            policy: crate::routing::RoutingPolicy::KvEvents,
+            index: Some(index.clone()),
+            ..Default::default()
+        });
+        // Worker 1 holds the first 960 tokens of a 1000-token prompt.
+        let tokens: Vec<u32> = (0..1000).collect();
+        let batch = KvEventBatch {
+            ts: 0.0,
+            events: vec![KvEvent::BlockStored(BlockStored {
+                block_hashes: (0..60).map(BlockHash::Int).collect(),
+                parent_block_hash: None,
+                token_ids: tokens[..960].to_vec(),
+                block_size: 16,
+                lora_id: None,
+                medium: None,
+                lora_name: None,
+                group_idx: None,
+            })],
+            data_parallel_rank: None,
+        };
+        index.apply(1, 0, &batch);
+        let key = PromptKey {
+            tokens: Some(tokens),
+            pieces: vec![],
+        };
+        // With two in flight, the third costs it 40 + 2 * (40 + 256) = 632 < 1000 on an idle
+        // worker. Counting their whole prompts as load sent the second away (40 + 1256).
+        let held: Vec<Slot> = (0..3)
+            .map(|_| p.try_pick_for(1000, &[], Some(&key)).unwrap())
+            .collect();
+        assert!(held.iter().all(|s| s.index() == 1), "the holder");
+        assert_eq!(p.workers[1].pending_prefill(), 3 * 40);
+        assert_eq!(
+            p.workers[1].tokens(),
+            3 * 1000,
+            "admission still counts the prompt"
+        );
+        drop(held);
+        assert_eq!(p.workers[1].pending_prefill(), 0);
     }
 
     #[test]

@@ -1,7 +1,10 @@
 //! Routing policies: which of the workers that admit a request gets it.
 //!
-//! * `least-loaded`: the lowest load, `load(w) = inflight_tokens(w) + 256 * inflight(w)`
-//!   (estimated prompt tokens on the worker plus a fixed cost per request).
+//! * `least-loaded`: the lowest load, `load(w) = pending_prefill(w) + 256 * inflight(w)`:
+//!   the prompt tokens the worker still has to prefill for the requests on it (each one's
+//!   estimated prompt tokens less the leading tokens the policy knew it held when it was
+//!   chosen) plus a fixed cost per request. A prompt the worker holds is not work: counting
+//!   it made the worker that holds a prefix look busy and lose the requests that share it.
 //! * `kv-events`: the lowest cost
 //!   `cost(w) = prefill_weight * (prompt_tokens - cached_tokens(w)) + load_weight * load(w)`,
 //!   where `cached_tokens(w)` is the prompt's leading tokens that worker `w` reported holding
@@ -114,8 +117,9 @@ pub struct Candidate {
     pub index: usize,
     /// Requests on it now.
     pub inflight: u64,
-    /// Estimated prompt tokens on it now.
-    pub tokens: u64,
+    /// Prompt tokens it has to prefill for the requests on it now (their estimated prompt
+    /// tokens less what it held of each when chosen).
+    pub pending_prefill: u64,
     /// The prompt's leading tokens (`kv-events`) or pieces (`cache-aware`) it holds.
     pub matched: u64,
     /// What it holds in all (`cache-aware`: pieces in its tree).
@@ -123,9 +127,9 @@ pub struct Candidate {
 }
 
 impl Candidate {
-    /// `inflight_tokens + 256 * inflight`.
+    /// `pending_prefill + 256 * inflight`.
     pub fn load(&self) -> u64 {
-        self.tokens
+        self.pending_prefill
             .saturating_add(self.inflight.saturating_mul(256))
     }
 }
@@ -176,11 +180,11 @@ pub fn cache_aware(cands: &[Candidate], prompt_pieces: u64, p: &CacheAwareParams
 mod tests {
     use super::*;
 
-    fn c(index: usize, inflight: u64, tokens: u64, matched: u64, cached: u64) -> Candidate {
+    fn c(index: usize, inflight: u64, pending: u64, matched: u64, cached: u64) -> Candidate {
         Candidate {
             index,
             inflight,
-            tokens,
+            pending_prefill: pending,
             matched,
             cached,
         }

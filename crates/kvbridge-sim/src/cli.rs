@@ -215,11 +215,25 @@ pub async fn run_engine(args: EngineArgs) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("cannot listen on {}:{}: {e}", args.host, args.port))?;
     let http = l.local_addr()?;
     let e = if args.proxy_endpoint_from_stdin {
-        // The HTTP port is bound (requests queue) before the endpoint is known.
+        // The HTTP port and the KV-events publisher are bound (requests queue, subscribers
+        // connect) before the endpoint is known, so a proxy can be given both first.
+        let publisher = match &cfg.kv_events_endpoint {
+            Some(ep) => Some(
+                crate::kv_events_pub::KvEventsPublisher::bind(
+                    ep,
+                    &cfg.kv_events_topic,
+                    crate::kv_events_pub::PubLimits::default(),
+                )
+                .await
+                .map_err(|e| anyhow::anyhow!("KV events endpoint {ep}: {e}"))?,
+            ),
+            None => None,
+        };
         println!(
             "{}",
             serde_json::json!({"http": http.to_string(), "role": args.role,
-                "init_ports": [], "alloc_ports": []})
+                "init_ports": [], "alloc_ports": [],
+                "kv_events": publisher.as_ref().map(|p| format!("tcp://{}", p.local_addr()))})
         );
         let mut line = String::new();
         let mut stdin = tokio::io::BufReader::new(tokio::io::stdin());
@@ -234,7 +248,7 @@ pub async fn run_engine(args: EngineArgs) -> anyhow::Result<()> {
             anyhow::bail!("expected tcp://host:port on stdin, got {ep:?}");
         }
         cfg.proxy_endpoint = Some(ep.to_string());
-        engine::start(cfg, l).await?
+        engine::start_with_publisher(cfg, l, publisher).await?
     } else {
         let e = engine::start(cfg, l).await?;
         println!(

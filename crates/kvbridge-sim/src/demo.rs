@@ -38,10 +38,10 @@ pub enum Workload {
 /// `kvbridge demo` flags. Defaults finish in well under a minute on 2 cores.
 #[derive(Debug, Clone, clap::Args)]
 pub struct DemoArgs {
-    /// Prefill engines (default 1; 2 with `--duration` or `--workload shared-prefix`).
+    /// Prefill engines (default 1; 2 with `--duration`; 4 with `--workload shared-prefix`).
     #[arg(long)]
     pub prefillers: Option<u32>,
-    /// Decode engines (default 1; 2 with `--duration` or `--workload shared-prefix`).
+    /// Decode engines (default 1; 2 with `--duration`; 4 with `--workload shared-prefix`).
     #[arg(long)]
     pub decoders: Option<u32>,
     /// The workload: `random` (prompt lengths from `--prompt-tokens`) or `shared-prefix`
@@ -61,7 +61,8 @@ pub struct DemoArgs {
     pub disaggregate_decoder_cached_fraction: Option<f64>,
     /// Prefix cache of every engine, tokens. Default: 0 under `--workload random`, whose
     /// one-at-a-time replays re-send the workload's prompts to measure the PD path (with a
-    /// cache they would measure cache hits); the engine's default under `shared-prefix`.
+    /// cache they would measure cache hits); [`SHARED_PREFIX_CACHE_TOKENS`] under
+    /// `shared-prefix`, less than the workload's distinct prefixes.
     #[arg(long)]
     pub prefix_cache_tokens: Option<u64>,
     /// Requests of the workload.
@@ -120,6 +121,12 @@ pub struct DemoArgs {
     /// the decode as soon as the prefill answered (the faster order); this compares the two.
     #[arg(long)]
     pub decode_after_kv_ready: bool,
+    /// Instead of the kvbridge proxy and PD engines: `--prefillers + --decoders` colocated
+    /// engines behind the router this shell command starts (`WORKER_URLS`, `ROUTER_PORT`,
+    /// `METRICS_PORT` in its environment), for side-by-side figures
+    /// ([`crate::peer_router`]; `--workload shared-prefix` only).
+    #[arg(long)]
+    pub peer_router: Option<String>,
     /// Soak instead of a fixed workload: run the proxy and every worker as child processes
     /// and send requests for this long (`90s`, `30m`, `1h`); see `--chaos`.
     #[arg(long)]
@@ -174,9 +181,22 @@ pub struct DemoSummary {
     pub routing: String,
     /// Prompt tokens of the workload's requests, summed.
     pub prompt_tokens: u64,
+    /// Prompt tokens that repeat the head of an earlier request's prompt (per request, its
+    /// longest common prefix with any earlier one), summed ([`shared_tokens`]).
+    pub shared_prompt_tokens: u64,
+    /// `shared_prompt_tokens / prompt_tokens`: the most any prefix cache can spare.
+    pub shared_fraction: f64,
+    /// Of those, the tokens in whole chunks (`--chunk-tokens`): the most the engines' prefix
+    /// caches, which keep whole chunks, can spare.
+    pub shared_chunk_tokens: u64,
+    /// Every engine's prefix cache, tokens.
+    pub prefix_cache_tokens: u64,
     /// Prompt tokens the engines (prefillers and decoders) computed during the workload:
     /// those their prefix caches did not hold.
     pub prefill_tokens_computed: u64,
+    /// Of `prefill_tokens_computed`, what the decoders computed (requests the decider sent
+    /// to them alone).
+    pub decoder_prefill_tokens_computed: u64,
     /// KV bytes the prefillers moved to decoders during the workload.
     pub kv_bytes_moved: u64,
     /// Requests the proxy sent to a decoder alone (its decider), over the whole run.
@@ -444,7 +464,8 @@ pub fn range(s: &str, what: &str) -> anyhow::Result<(u32, u32)> {
     Ok((a, b))
 }
 
-fn pct(v: &mut [f64], p: f64) -> f64 {
+/// The `p` quantile of `v` (nearest rank; 0 when empty).
+pub fn pct(v: &mut [f64], p: f64) -> f64 {
     if v.is_empty() {
         return 0.0;
     }
@@ -847,12 +868,16 @@ pub fn work_item(
     }
 }
 
-/// Shape of the `shared-prefix` workload (token counts are ranges, drawn uniformly).
+/// Shape of the `shared-prefix` workload (token counts are ranges, drawn uniformly). Its
+/// distinct prefixes (about 33k tokens of documents, the system prompt and the chats, which
+/// grow) are several times what one engine's cache holds under the workload's default
+/// ([`SHARED_PREFIX_CACHE_TOKENS`]) and about what the 4 prefillers' caches hold together,
+/// so a request finds its prefix cached only where the router sent its predecessors.
 const SYSTEM_TOKENS: usize = 512;
-const DOCUMENTS: usize = 4;
+const DOCUMENTS: usize = 16;
 const DOCUMENT_TOKENS: (u32, u32) = (1536, 2560);
 const QUESTION_TOKENS: (u32, u32) = (32, 128);
-const CHATS: usize = 6;
+const CHATS: usize = 8;
 const USER_TOKENS: (u32, u32) = (64, 192);
 const REPLY_TOKENS: (u32, u32) = (32, 96);
 
@@ -866,11 +891,18 @@ fn words(r: &mut SplitMix, n: u32) -> Vec<u32> {
         .collect()
 }
 
+/// Prefillers and decoders each under `--workload shared-prefix` unless given.
+pub const SHARED_PREFIX_POOL: u32 = 4;
+
+/// Every engine's prefix cache under `--workload shared-prefix` unless given: 48 chunks of
+/// 256 tokens, about 5 of the workload's 16 documents.
+pub const SHARED_PREFIX_CACHE_TOKENS: u64 = 12_288;
+
 /// The `shared-prefix` workload of `n` requests, all drawn from `seed`:
 /// - one system prompt of 512 tokens starts every request;
-/// - 4 documents of 1536..2560 tokens: a document request is the system prompt, a document
+/// - 16 documents of 1536..2560 tokens: a document request is the system prompt, a document
 ///   and a question of 32..128 tokens;
-/// - 6 chats: turn `t` of a chat is the system prompt, the chat's `t` earlier turns (each a
+/// - 8 chats: turn `t` of a chat is the system prompt, the chat's `t` earlier turns (each a
 ///   user message of 64..192 tokens and a reply of 32..96 tokens, drawn here rather than
 ///   generated, so the workload is fixed before it runs) and a new user message;
 /// - each request is a document request (1 in 2, a document drawn at random) or the next
@@ -924,17 +956,71 @@ pub fn shared_prefix_workload(
         .collect()
 }
 
-/// Prompt tokens of a workload request (token ids, or words of its text).
-fn prompt_len(w: &WorkItem) -> u64 {
+/// A workload request's prompt token ids (`prompt` as ids or words; a chat's first
+/// message).
+pub fn prompt_ids(w: &WorkItem) -> Vec<u32> {
     match w.body.get("prompt") {
-        Some(Value::Array(a)) => a.len() as u64,
-        Some(Value::String(t)) => model::tokenize(t).len() as u64,
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| v.as_u64().unwrap_or(u64::MAX) as u32)
+            .collect(),
+        Some(Value::String(t)) => model::tokenize(t),
         _ => w
             .body
             .pointer("/messages/0/content")
             .and_then(Value::as_str)
-            .map_or(0, |t| model::tokenize(t).len() as u64),
+            .map_or_else(Vec::new, model::tokenize),
     }
+}
+
+/// How much of a workload's prompts repeats earlier prompts: per request, the longest
+/// common prefix with any earlier request's prompt, summed as `(tokens, tokens in whole
+/// chunks of chunk_tokens)`. An earlier prompt is in flight or done when a later one starts,
+/// so this is what a cache that kept everything, at one place, would spare.
+pub fn shared_tokens(work: &[WorkItem], chunk_tokens: u32) -> (u64, u64) {
+    let prompts: Vec<Vec<u32>> = work.iter().map(prompt_ids).collect();
+    let chunk = chunk_tokens.max(1) as u64;
+    let (mut tokens, mut chunks) = (0u64, 0u64);
+    for (i, p) in prompts.iter().enumerate() {
+        let lcp = prompts[..i]
+            .iter()
+            .map(|q| p.iter().zip(q).take_while(|(a, b)| a == b).count() as u64)
+            .max()
+            .unwrap_or(0);
+        tokens += lcp;
+        chunks += lcp / chunk * chunk;
+    }
+    (tokens, chunks)
+}
+
+/// The workload's answers as they come, `concurrency` requests in flight to `base`, each
+/// within `deadline`: `(index in work, answer)`.
+fn load<'a>(
+    client: &'a Client,
+    base: &'a str,
+    work: &'a [WorkItem],
+    concurrency: u32,
+    deadline: Duration,
+) -> impl futures_util::Stream<Item = (usize, Result<Answer, crate::client::ClientError>)> + 'a {
+    futures_util::stream::iter(work.iter().enumerate().map(move |(i, w)| {
+        let (client, url) = (client.clone(), format!("{base}{}", w.path));
+        async move { (i, client.generate(&url, &w.body, deadline).await) }
+    }))
+    .buffer_unordered(concurrency.max(1) as usize)
+}
+
+/// Every answer of the workload sent to `base`, `concurrency` requests in flight, each
+/// within `deadline`, in the order they came: `(index in work, answer)`.
+pub async fn send_all(
+    client: &Client,
+    base: &str,
+    work: &[WorkItem],
+    concurrency: u32,
+    deadline: Duration,
+) -> Vec<(usize, Result<Answer, crate::client::ClientError>)> {
+    load(client, base, work, concurrency, deadline)
+        .collect()
+        .await
 }
 
 /// The size of the demo's KV pages (one chunk), in bytes: the page size its references are
@@ -954,7 +1040,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
     }
     let deadline = Duration::from_secs_f64(args.request_timeout);
     let shared = args.workload == Workload::SharedPrefix;
-    let pool = if shared { 2 } else { 1 };
+    let pool = if shared { SHARED_PREFIX_POOL } else { 1 };
     let (prefillers, decoders) = (
         args.prefillers.unwrap_or(pool),
         args.decoders.unwrap_or(pool),
@@ -968,7 +1054,11 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
             min_uncached_tokens: args.disaggregate_min_uncached_tokens,
             decoder_cached_fraction: args.disaggregate_decoder_cached_fraction,
         },
-        prefix_cache_tokens: args.prefix_cache_tokens.or((!shared).then_some(0)),
+        prefix_cache_tokens: Some(args.prefix_cache_tokens.unwrap_or(if shared {
+            SHARED_PREFIX_CACHE_TOKENS
+        } else {
+            0
+        })),
     };
     let cluster = Cluster::start_routed(
         prefillers,
@@ -1000,7 +1090,8 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
             &model.name,
         )
     };
-    let prompt_tokens: u64 = work.iter().map(prompt_len).sum();
+    let prompt_tokens: u64 = work.iter().map(|w| prompt_ids(w).len() as u64).sum();
+    let (shared_prompt_tokens, shared_chunk_tokens) = shared_tokens(&work, model.spec.chunk_tokens);
     let n = work.len();
     let t0 = Instant::now();
     let mut done = 0usize;
@@ -1008,11 +1099,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
     let mut results: Vec<(usize, Result<Answer, crate::client::ClientError>)> =
         Vec::with_capacity(n);
     {
-        let mut s = futures_util::stream::iter(work.iter().enumerate().map(|(i, w)| {
-            let (client, url) = (client.clone(), format!("{base}{}", w.path));
-            async move { (i, client.generate(&url, &w.body, deadline).await) }
-        }))
-        .buffer_unordered(args.concurrency.max(1) as usize);
+        let mut s = load(&client, &base, &work, args.concurrency, deadline);
         while let Some(r) = s.next().await {
             done += 1;
             if show {
@@ -1029,6 +1116,11 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
     let wall = t0.elapsed().as_secs_f64();
     // The workload's KV figures, apart from the one-at-a-time replays' below.
     let loaded = cluster.stats();
+    let decoders_computed: u64 = cluster
+        .decoders
+        .iter()
+        .map(|d| d.stats().prefill_tokens_computed)
+        .sum();
     let (mut ttft, mut tpot, mut errors) = (Vec::new(), Vec::new(), Vec::new());
     let (mut ok, mut tokens) = (0u64, 0u64);
     for (i, r) in &results {
@@ -1214,7 +1306,16 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
         workload: args.workload,
         routing: args.routing.as_str().to_string(),
         prompt_tokens,
+        shared_prompt_tokens,
+        shared_fraction: if prompt_tokens > 0 {
+            shared_prompt_tokens as f64 / prompt_tokens as f64
+        } else {
+            0.0
+        },
+        shared_chunk_tokens,
+        prefix_cache_tokens: route.prefix_cache_tokens.unwrap_or(0),
         prefill_tokens_computed: loaded.prefill_tokens_computed,
+        decoder_prefill_tokens_computed: decoders_computed,
         kv_bytes_moved: loaded.kv_bytes_sent,
         decode_only,
         ok,

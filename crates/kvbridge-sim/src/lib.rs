@@ -12,6 +12,7 @@
 //! - [`announce`]: how a decoder learns which PD request holds a prompt's KV.
 //! - [`client`]: a small OpenAI client (demo, tests).
 //! - [`demo`]: `kvbridge demo`.
+//! - [`peer_router`]: `kvbridge demo --peer-router CMD` (another router, same workload).
 //! - [`soak`]: `kvbridge demo --duration D --chaos` (real processes, real `kill -9`).
 //! - [`stable_ports`]: ports a killed worker can be restarted on.
 //! - [`cli`]: `kvbridge engine` flags.
@@ -30,6 +31,7 @@ pub mod demo;
 pub mod engine;
 pub mod kv_events_pub;
 pub mod model;
+pub mod peer_router;
 pub mod prefix_cache;
 pub mod soak;
 pub mod stable_ports;
