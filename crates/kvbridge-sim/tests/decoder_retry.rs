@@ -3,6 +3,8 @@
 //! `kv_receiver_unreachable` before any KV moves, and the proxy ejects that decoder and
 //! starts the request over on another one. Real engines and a real proxy, in process.
 
+// Its engines run in process: the process helpers go unused here.
+#[allow(dead_code)]
 mod proxied;
 
 use kvbridge_proxy::config::Config as ProxyConfig;

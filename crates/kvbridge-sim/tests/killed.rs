@@ -9,12 +9,14 @@ use kvbridge_sim::client::{Client, ClientError};
 use kvbridge_sim::cost::CostModel;
 use kvbridge_sim::engine::{self, EngineConfig, Role};
 use kvbridge_sim::model::{self, Model};
-use proxied::{decoder_at, decoder_of, prefiller_at, prefiller_for, small_model};
+use proxied::{
+    decoder_at, decoder_of, engine_process, http_port as port, ports, prefiller_at, prefiller_for,
+    small_model,
+};
 use serde_json::{json, Value};
-use std::process::Stdio;
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-use tokio::process::{Child, Command};
+use tokio::io::AsyncWriteExt;
+use tokio::process::Child;
 
 const DEADLINE: Duration = Duration::from_secs(15);
 
@@ -31,57 +33,10 @@ async fn prefiller() -> (Child, u16) {
     (c, port(&v))
 }
 
-fn port(v: &Value) -> u16 {
-    let http: std::net::SocketAddr = v["http"].as_str().expect("http").parse().expect("addr");
-    http.port()
-}
-
-fn ports(v: &Value, key: &str) -> Vec<u16> {
-    v[key]
-        .as_array()
-        .expect("ports")
-        .iter()
-        .map(|p| p.as_u64().expect("port") as u16)
-        .collect()
-}
-
 /// Starts an engine process with the test model and `extra` flags; returns it and its
 /// address line.
 async fn worker(extra: &[&str], decode_ms: u64) -> (Child, Value) {
-    let decode_ms = decode_ms.to_string();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvbridge-sim-engine"))
-        .args(extra)
-        .args([
-            "--buffer-mib",
-            "64",
-            "--model",
-            "sim-kill",
-            "--layers",
-            "4",
-            "--kv-heads",
-            "2",
-            "--head-dim",
-            "64",
-            "--chunk-tokens",
-            "32",
-            "--decode-ms-per-token",
-            &decode_ms,
-            "--prefill-tokens-per-s",
-            &PREFILL_TOKENS_PER_S.to_string(),
-        ])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("engine binary starts");
-    let out = child.stdout.take().expect("stdout piped");
-    let mut line = String::new();
-    tokio::time::timeout(DEADLINE, BufReader::new(out).read_line(&mut line))
-        .await
-        .expect("engine prints its addresses in time")
-        .expect("reads stdout");
-    let v: Value = serde_json::from_str(&line).expect("one JSON line");
-    (child, v)
+    engine_process("sim-kill", decode_ms, PREFILL_TOKENS_PER_S, extra, DEADLINE).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

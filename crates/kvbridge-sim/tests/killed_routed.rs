@@ -13,14 +13,13 @@ use kvbridge_proxy::routing::RoutingPolicy;
 use kvbridge_sim::client::{Client, ClientError};
 use kvbridge_sim::cost::CostModel;
 use kvbridge_sim::engine::{self, EngineConfig, Role};
-use proxied::{decoder_at, prefiller_at, small_model};
+use proxied::{decoder_at, engine_process, http_port as port, ports, prefiller_at, small_model};
 use serde_json::{json, Value};
-use std::process::Stdio;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-use tokio::process::{Child, Command};
+use tokio::io::AsyncWriteExt;
+use tokio::process::Child;
 
 const DEADLINE: Duration = Duration::from_secs(15);
 const PREFILL_TOKENS_PER_S: f64 = 8000.0;
@@ -29,55 +28,18 @@ const DECODE_MS: u64 = 10;
 /// An engine process of the test model with `extra` flags, publishing its KV events when
 /// `events`; returns it and its address line.
 async fn worker(extra: &[&str], events: bool) -> (Child, Value) {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvbridge-sim-engine"));
-    cmd.args(extra).args([
-        "--buffer-mib",
-        "64",
-        "--model",
-        "sim-kill-routed",
-        "--layers",
-        "4",
-        "--kv-heads",
-        "2",
-        "--head-dim",
-        "64",
-        "--chunk-tokens",
-        "32",
-        "--decode-ms-per-token",
-        &DECODE_MS.to_string(),
-        "--prefill-tokens-per-s",
-        &PREFILL_TOKENS_PER_S.to_string(),
-    ]);
+    let mut flags = extra.to_vec();
     if events {
-        cmd.args(["--kv-events-endpoint", "tcp://127.0.0.1:0"]);
+        flags.extend(["--kv-events-endpoint", "tcp://127.0.0.1:0"]);
     }
-    let mut child = cmd
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("engine binary starts");
-    let out = child.stdout.take().expect("stdout piped");
-    let mut line = String::new();
-    tokio::time::timeout(DEADLINE, BufReader::new(out).read_line(&mut line))
-        .await
-        .expect("engine prints its addresses in time")
-        .expect("reads stdout");
-    (child, serde_json::from_str(&line).expect("one JSON line"))
-}
-
-fn port(v: &Value) -> u16 {
-    let a: std::net::SocketAddr = v["http"].as_str().expect("http").parse().expect("addr");
-    a.port()
-}
-
-fn ports(v: &Value, key: &str) -> Vec<u16> {
-    v[key]
-        .as_array()
-        .expect("ports")
-        .iter()
-        .map(|p| p.as_u64().expect("port") as u16)
-        .collect()
+    engine_process(
+        "sim-kill-routed",
+        DECODE_MS,
+        PREFILL_TOKENS_PER_S,
+        &flags,
+        DEADLINE,
+    )
+    .await
 }
 
 fn events_endpoint(v: &Value) -> String {

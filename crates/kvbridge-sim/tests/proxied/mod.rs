@@ -1,10 +1,16 @@
-//! What the tests that put real engines behind a real proxy share: the proxy's view of them.
+//! What the tests that put real engines behind a real proxy share: the proxy's view of them,
+//! and engines as processes of their own (for tests that `kill -9` them).
 
 use kvbridge_pd::{Dtype, KvLayout, KvSpec};
 use kvbridge_proxy::config::{DecoderConfig, WorkerAddr};
 use kvbridge_proxy::server::RunningProxy;
 use kvbridge_sim::engine::{self, EngineConfig, RunningEngine};
 use kvbridge_sim::model::Model;
+use serde_json::Value;
+use std::process::Stdio;
+use std::time::Duration;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
 
 /// A small model named `name`: 4 layers, 2 KV heads of 64, bf16, 32-token chunks, TP=1
 /// (the engine binary's `--layers 4 --kv-heads 2 --head-dim 64 --chunk-tokens 32`).
@@ -67,4 +73,51 @@ pub async fn prefiller_for(
         proxy.notify_addr().expect("lmcache flow")
     ));
     engine::start(c, l).await.expect("prefiller starts")
+}
+
+/// An engine process (`kvbridge-sim-engine`) of [`small_model`] named `name`, decoding a token
+/// every `decode_ms`, prefilling `prefill_tokens_per_s`, with `extra` flags; returns it and
+/// the JSON line of its addresses, which it must print within `deadline`.
+pub async fn engine_process(
+    name: &str,
+    decode_ms: u64,
+    prefill_tokens_per_s: f64,
+    extra: &[&str],
+    deadline: Duration,
+) -> (Child, Value) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvbridge-sim-engine"))
+        .args(extra)
+        .args(["--buffer-mib", "64", "--model", name])
+        .args(["--layers", "4", "--kv-heads", "2", "--head-dim", "64"])
+        .args(["--chunk-tokens", "32"])
+        .args(["--decode-ms-per-token", &decode_ms.to_string()])
+        .args(["--prefill-tokens-per-s", &prefill_tokens_per_s.to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("engine binary starts");
+    let out = child.stdout.take().expect("stdout piped");
+    let mut line = String::new();
+    tokio::time::timeout(deadline, BufReader::new(out).read_line(&mut line))
+        .await
+        .expect("engine prints its addresses in time")
+        .expect("reads stdout");
+    (child, serde_json::from_str(&line).expect("one JSON line"))
+}
+
+/// The HTTP port in an engine's address line.
+pub fn http_port(v: &Value) -> u16 {
+    let a: std::net::SocketAddr = v["http"].as_str().expect("http").parse().expect("addr");
+    a.port()
+}
+
+/// The ports listed under `key` (`init_ports`, `alloc_ports`) in an engine's address line.
+pub fn ports(v: &Value, key: &str) -> Vec<u16> {
+    v[key]
+        .as_array()
+        .expect("ports")
+        .iter()
+        .map(|p| p.as_u64().expect("port") as u16)
+        .collect()
 }
