@@ -10,8 +10,8 @@ use kvbridge_sim::cost::CostModel;
 use kvbridge_sim::engine::{self, EngineConfig, Role};
 use kvbridge_sim::model::{self, Model};
 use proxied::{
-    decoder_at, decoder_of, engine_process, http_port as port, ports, prefiller_at, prefiller_for,
-    small_model,
+    answers_equal_colocated, decoder_at, decoder_of, engine_process, http_port as port, ports,
+    prefiller_at, prefiller_for, small_model, wait_ejected,
 };
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
@@ -307,32 +307,22 @@ async fn killed_decoder_fails_its_streams_cleanly_and_the_rest_succeed() {
     assert_eq!(failed, on_a.len(), "every request A held failed ({ok} ok)");
     // Once the proxy has ejected A (a condition with a deadline), requests succeed on B.
     let metrics = format!("http://{}/metrics", proxy.http_addr());
-    let until = Instant::now() + DEADLINE;
-    loop {
-        let text = metrics_text(&client, &metrics).await;
-        let a_label = format!("127.0.0.1:{}", port(&va));
-        let down = text.lines().any(|l| {
-            l.starts_with("kvbridge_proxy_worker_healthy")
-                && l.contains(&a_label)
-                && l.ends_with(" 0")
-        });
-        if down {
-            break;
-        }
-        assert!(Instant::now() < until, "the proxy never ejected A:\n{text}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    for i in 100..104u64 {
-        let ans = client
-            .generate(&url, &body(i), DEADLINE)
-            .await
-            .unwrap_or_else(|e| panic!("after the kill, request {i}: {e}"));
-        let want = client
-            .generate(&col_url, &body(i), DEADLINE)
-            .await
-            .expect("colocated");
-        assert_eq!(ans.text, want.text, "request {i}");
-    }
+    wait_ejected(
+        &client,
+        &metrics,
+        &[format!("127.0.0.1:{}", port(&va))],
+        DEADLINE,
+    )
+    .await;
+    answers_equal_colocated(
+        &client,
+        &url,
+        &col_url,
+        (100..104u64).map(body),
+        DEADLINE,
+        "after the kill",
+    )
+    .await;
     // B returned every page and saw no mismatch.
     let hb = format!("http://127.0.0.1:{}/health", port(&vb));
     let until = Instant::now() + DEADLINE;
@@ -347,9 +337,4 @@ async fn killed_decoder_fails_its_streams_cleanly_and_the_rest_succeed() {
         assert!(Instant::now() < until, "B's pages not returned: {st}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-}
-
-/// The proxy's Prometheus text.
-async fn metrics_text(client: &Client, url: &str) -> String {
-    client.get_text(url, DEADLINE).await.expect("metrics")
 }

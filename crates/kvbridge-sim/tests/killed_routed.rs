@@ -13,7 +13,10 @@ use kvbridge_proxy::routing::RoutingPolicy;
 use kvbridge_sim::client::{Client, ClientError};
 use kvbridge_sim::cost::CostModel;
 use kvbridge_sim::engine::{self, EngineConfig, Role};
-use proxied::{decoder_at, engine_process, http_port as port, ports, prefiller_at, small_model};
+use proxied::{
+    answers_equal_colocated, decoder_at, engine_process, http_port as port, ports, prefiller_at,
+    small_model, wait_ejected,
+};
 use serde_json::{json, Value};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -63,12 +66,6 @@ fn body(i: u64) -> Value {
 }
 
 /// Whether the proxy's `/metrics` shows `label` ejected.
-fn ejected(metrics: &str, label: &str) -> bool {
-    metrics.lines().any(|l| {
-        l.starts_with("kvbridge_proxy_worker_healthy{") && l.contains(label) && l.ends_with(" 0")
-    })
-}
-
 async fn kill_mid_load(policy: RoutingPolicy) {
     let events = policy == RoutingPolicy::KvEvents;
     let m = small_model("sim-kill-routed");
@@ -240,28 +237,20 @@ async fn kill_mid_load(policy: RoutingPolicy) {
     // Once both are ejected (health checks every 100 ms), every prefix is served by the
     // survivors, whatever the policy knew of the dead workers' caches.
     let metrics = format!("http://{}/metrics", proxy.http_addr());
-    let until = Instant::now() + DEADLINE;
-    loop {
-        let text = client.get_text(&metrics, DEADLINE).await.expect("metrics");
-        if ejected(&text, &format!("worker=\"127.0.0.1:{}\"", port(&vpa)))
-            && ejected(&text, &format!("worker=\"127.0.0.1:{}\"", port(&vda)))
-        {
-            break;
-        }
-        assert!(Instant::now() < until, "{policy:?}: not ejected:\n{text}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    for i in 100..108u64 {
-        let ans = client
-            .generate(&url, &body(i), DEADLINE)
-            .await
-            .unwrap_or_else(|e| panic!("{policy:?}: after the kill, request {i}: {e}"));
-        let want = client
-            .generate(&col_url, &body(i), DEADLINE)
-            .await
-            .expect("colocated");
-        assert_eq!(ans.text, want.text, "{policy:?}: request {i}");
-    }
+    let dead = [
+        format!("127.0.0.1:{}", port(&vpa)),
+        format!("127.0.0.1:{}", port(&vda)),
+    ];
+    wait_ejected(&client, &metrics, &dead, DEADLINE).await;
+    answers_equal_colocated(
+        &client,
+        &url,
+        &col_url,
+        (100..108u64).map(body),
+        DEADLINE,
+        &format!("{policy:?}, after the kill"),
+    )
+    .await;
     let _ = pb.start_kill();
 }
 

@@ -4,11 +4,12 @@
 use kvbridge_pd::{Dtype, KvLayout, KvSpec};
 use kvbridge_proxy::config::{DecoderConfig, WorkerAddr};
 use kvbridge_proxy::server::RunningProxy;
+use kvbridge_sim::client::Client;
 use kvbridge_sim::engine::{self, EngineConfig, RunningEngine};
 use kvbridge_sim::model::Model;
 use serde_json::Value;
 use std::process::Stdio;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
@@ -120,4 +121,57 @@ pub fn ports(v: &Value, key: &str) -> Vec<u16> {
         .iter()
         .map(|p| p.as_u64().expect("port") as u16)
         .collect()
+}
+
+/// Waits until the proxy's `/metrics` at `metrics_url` shows every worker of `workers`
+/// (`host:port`) unhealthy, for at most `deadline`.
+pub async fn wait_ejected(
+    client: &Client,
+    metrics_url: &str,
+    workers: &[String],
+    deadline: Duration,
+) {
+    let until = Instant::now() + deadline;
+    loop {
+        let text = client
+            .get_text(metrics_url, deadline)
+            .await
+            .expect("metrics");
+        let ejected = |w: &String| {
+            let label = format!("worker=\"{w}\"");
+            text.lines().any(|l| {
+                l.starts_with("kvbridge_proxy_worker_healthy{")
+                    && l.contains(&label)
+                    && l.ends_with(" 0")
+            })
+        };
+        if workers.iter().all(ejected) {
+            return;
+        }
+        assert!(Instant::now() < until, "{workers:?} not ejected:\n{text}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Sends each body through the proxy at `url` and to the colocated engine at `colocated`;
+/// every answer must succeed and equal the colocated one. `what` names the case in failures.
+pub async fn answers_equal_colocated(
+    client: &Client,
+    url: &str,
+    colocated: &str,
+    bodies: impl IntoIterator<Item = Value>,
+    deadline: Duration,
+    what: &str,
+) {
+    for (i, body) in bodies.into_iter().enumerate() {
+        let ans = client
+            .generate(url, &body, deadline)
+            .await
+            .unwrap_or_else(|e| panic!("{what}: request {i}: {e}"));
+        let want = client
+            .generate(colocated, &body, deadline)
+            .await
+            .expect("colocated");
+        assert_eq!(ans.text, want.text, "{what}: request {i}");
+    }
 }
