@@ -402,14 +402,18 @@ async fn spawn(program: &[OsString], args: &[String]) -> anyhow::Result<(Child, 
     match tokio::time::timeout(START_DEADLINE, out.read_line(&mut line)).await {
         Ok(Ok(n)) if n > 0 => {}
         Ok(Ok(_)) => {
-            // Why it exited (a port taken in the meantime, say) is on its stderr.
+            // Why it exited (a port taken in the meantime, say) is on its stderr: a panic's
+            // message comes first and its backtrace after it, so both ends are kept.
             let mut why = Vec::new();
             let _ = tokio::time::timeout(
                 Duration::from_secs(1),
-                tokio::io::AsyncReadExt::read_to_end(&mut err, &mut why),
+                tokio::io::AsyncReadExt::read_to_end(
+                    &mut tokio::io::AsyncReadExt::take(&mut err, 256 << 10),
+                    &mut why,
+                ),
             )
             .await;
-            let why = String::from_utf8_lossy(&why[why.len().saturating_sub(600)..]).into_owned();
+            let why = ends_of(&why, 1200, 300);
             anyhow::bail!(
                 "{exe:?} {args:?} exited before printing its addresses: {}",
                 why.trim()
@@ -427,6 +431,18 @@ async fn spawn(program: &[OsString], args: &[String]) -> anyhow::Result<(Child, 
     let v: Value = serde_json::from_str(line.trim())
         .map_err(|e| anyhow::anyhow!("{exe:?} printed {line:?}, not its addresses: {e}"))?;
     Ok((child, v))
+}
+
+/// The first `head` and the last `tail` bytes of `text` (all of it when short), as text.
+fn ends_of(text: &[u8], head: usize, tail: usize) -> String {
+    if text.len() <= head + tail {
+        return String::from_utf8_lossy(text).into_owned();
+    }
+    format!(
+        "{} [...] {}",
+        String::from_utf8_lossy(&text[..head]),
+        String::from_utf8_lossy(&text[text.len() - tail..])
+    )
 }
 
 fn port_of(addr: &Value) -> anyhow::Result<u16> {
@@ -709,10 +725,11 @@ impl Supervisor {
     }
 
     /// Starts process `i` again on its ports; retries a few times (a port can be briefly
-    /// held by a connection of the killed process).
-    async fn restart(&mut self, i: usize) {
+    /// held by a connection of the killed process). Returns whether it runs; a failure is
+    /// counted and logged, and the caller tries again later.
+    async fn restart(&mut self, i: usize) -> bool {
         if self.procs[i].child.is_some() {
-            return;
+            return true;
         }
         let mut last = String::new();
         for attempt in 0..10u32 {
@@ -721,7 +738,7 @@ impl Supervisor {
                 Ok((c, _)) => {
                     self.procs[i].child = Some(c);
                     self.restarts += 1;
-                    return;
+                    return true;
                 }
                 Err(e) => last = e.to_string(),
             }
@@ -730,6 +747,7 @@ impl Supervisor {
         self.restart_failures += 1;
         let name = self.procs[i].name.clone();
         self.error(format!("{name} did not restart: {last}"));
+        false
     }
 
     fn decoders(&self) -> impl Iterator<Item = &Proc> {
@@ -1074,9 +1092,14 @@ pub async fn run(o: SoakOptions) -> anyhow::Result<SoakSummary> {
         }
         if let Some((i, at)) = down {
             if now >= at {
-                sup.restart(i).await;
-                down = None;
-                next_kill = Instant::now() + jitter(&mut rng, o.chaos_interval);
+                if sup.restart(i).await {
+                    down = None;
+                    next_kill = Instant::now() + jitter(&mut rng, o.chaos_interval);
+                } else {
+                    // Counted as a failed restart; the run goes on, and so do the attempts,
+                    // so one failure does not leave the rest of the run without the process.
+                    down = Some((i, Instant::now() + Duration::from_secs(1)));
+                }
             }
         } else if o.chaos && now >= next_kill {
             // Every process in turn, in a shuffled order: a short run still kills each
@@ -1097,7 +1120,11 @@ pub async fn run(o: SoakOptions) -> anyhow::Result<SoakSummary> {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     if let Some((i, _)) = down {
-        sup.restart(i).await;
+        for _ in 0..5 {
+            if sup.restart(i).await {
+                break;
+            }
+        }
     }
     let mut tally = Tally::default();
     for t in tasks {
@@ -1292,6 +1319,19 @@ mod tests {
         assert!(steps.iter().all(|&d| d == steps[0]), "{:?}", m.samples_mib);
         assert!(*m.samples_mib.last().unwrap() > 1000.0 - steps[0] - 1.0);
         assert_eq!((m.end_mib, m.max_mib), (1000.0, 1000.0));
+    }
+
+    #[test]
+    fn a_long_stderr_keeps_its_first_and_last_bytes() {
+        assert_eq!(ends_of(b"short", 3, 3), "short");
+        let text = [
+            b"thread 'main' panicked at x".as_slice(),
+            &[b'.'; 5000],
+            b"_start",
+        ]
+        .concat();
+        let kept = ends_of(&text, 27, 6);
+        assert_eq!(kept, "thread 'main' panicked at x [...] _start");
     }
 
     #[test]
