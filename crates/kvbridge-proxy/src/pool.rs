@@ -660,23 +660,15 @@ mod tests {
         )
     }
 
-    #[test]
-    fn kv_events_routes_to_the_holder_and_forgets_an_ejected_worker() {
-        use crate::kv_index::KvIndex;
+    /// A worker's KV event: it stored `tokens` in blocks of 16.
+    fn stored(tokens: &[u32]) -> kvbridge_proto::kv_events::KvEventBatch {
         use kvbridge_proto::kv_events::{BlockHash, BlockStored, KvEvent, KvEventBatch};
-        let index = Arc::new(KvIndex::new(3, 100));
-        let p = routed_pool(PoolRouter {
-            policy: crate::routing::RoutingPolicy::KvEvents,
-            index: Some(index.clone()),
-            ..Default::default()
-        });
-        let tokens: Vec<u32> = (0..64).collect();
-        let batch = KvEventBatch {
+        KvEventBatch {
             ts: 0.0,
             events: vec![KvEvent::BlockStored(BlockStored {
-                block_hashes: (0..4).map(BlockHash::Int).collect(),
+                block_hashes: (0..tokens.len() as i128 / 16).map(BlockHash::Int).collect(),
                 parent_block_hash: None,
-                token_ids: tokens.clone(),
+                token_ids: tokens.to_vec(),
                 block_size: 16,
                 lora_id: None,
                 medium: None,
@@ -684,7 +676,20 @@ mod tests {
                 group_idx: None,
             })],
             data_parallel_rank: None,
-        };
+        }
+    }
+
+    #[test]
+    fn kv_events_routes_to_the_holder_and_forgets_an_ejected_worker() {
+        use crate::kv_index::KvIndex;
+        let index = Arc::new(KvIndex::new(3, 100));
+        let p = routed_pool(PoolRouter {
+            policy: crate::routing::RoutingPolicy::KvEvents,
+            index: Some(index.clone()),
+            ..Default::default()
+        });
+        let tokens: Vec<u32> = (0..64).collect();
+        let batch = stored(&tokens);
         index.apply(2, 0, &batch);
         let key = PromptKey {
             tokens: Some(tokens.clone()),
@@ -708,7 +713,6 @@ mod tests {
     #[test]
     fn a_held_prefix_is_not_load_so_its_holder_keeps_the_requests_that_share_it() {
         use crate::kv_index::KvIndex;
-        use kvbridge_proto::kv_events::{BlockHash, BlockStored, KvEvent, KvEventBatch};
         let index = Arc::new(KvIndex::new(3, 1000));
         let p = routed_pool(PoolRouter {
             policy: crate::routing::RoutingPolicy::KvEvents,
@@ -717,20 +721,7 @@ mod tests {
         });
         // Worker 1 holds the first 960 tokens of a 1000-token prompt.
         let tokens: Vec<u32> = (0..1000).collect();
-        let batch = KvEventBatch {
-            ts: 0.0,
-            events: vec![KvEvent::BlockStored(BlockStored {
-                block_hashes: (0..60).map(BlockHash::Int).collect(),
-                parent_block_hash: None,
-                token_ids: tokens[..960].to_vec(),
-                block_size: 16,
-                lora_id: None,
-                medium: None,
-                lora_name: None,
-                group_idx: None,
-            })],
-            data_parallel_rank: None,
-        };
+        let batch = stored(&tokens[..960]);
         index.apply(1, 0, &batch);
         let key = PromptKey {
             tokens: Some(tokens),
