@@ -10,7 +10,7 @@
 #                            POLICIES="least-loaded cache-aware kv-events sglang",
 #                            OUT=raw results file (JSON lines), DEMO_ARGS=extra demo flags)
 # Needs: python3; SGLang's router installs itself on first use into
-# ${PEERS_DIR:-~/.cache/kvbridge-peers}/venv (sglang-router 0.3.2, as ../shared/peers/routers.sh).
+# ${PEERS_DIR:-~/.cache/kvbridge-peers}/venv (sglang-router 0.3.2).
 # Prints a markdown table: medians over the runs, (min-max). A run in which any request
 # failed measured failures, not routing: the script says FAILED on stderr, exits 1 and prints
 # no figure.
