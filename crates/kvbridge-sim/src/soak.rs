@@ -433,6 +433,72 @@ async fn spawn(program: &[OsString], args: &[String]) -> anyhow::Result<(Child, 
     Ok((child, v))
 }
 
+/// The ports named by `--port`, `--init-port` and `--alloc-port` in `args`
+/// (the flags a worker binds).
+fn ports_in(args: &[String]) -> Vec<u16> {
+    args.windows(2)
+        .filter(|w| ["--port", "--init-port", "--alloc-port"].contains(&w[0].as_str()))
+        .flat_map(|w| {
+            w[1].split(',')
+                .filter_map(|p| p.parse().ok())
+                .collect::<Vec<u16>>()
+        })
+        .collect()
+}
+
+/// Sockets on this host whose local port is `port` (Linux `/proc/net/tcp`): their state and
+/// the process holding each (`pid cmd`, where `/proc` lets us see it).
+fn port_holders(port: u16) -> Vec<String> {
+    let mut found = Vec::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else {
+            continue;
+        };
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let (Some(local), Some(state), Some(inode)) = (f.get(1), f.get(3), f.get(9)) else {
+                continue;
+            };
+            let p = local
+                .rsplit(':')
+                .next()
+                .and_then(|h| u16::from_str_radix(h, 16).ok());
+            if p == Some(port) {
+                found.push((state.to_string(), inode.to_string()));
+            }
+        }
+    }
+    found
+        .into_iter()
+        .map(|(state, inode)| {
+            let owner = socket_owner(&inode).unwrap_or_else(|| "no process".into());
+            format!("state {state} ({owner})")
+        })
+        .collect()
+}
+
+/// The process with an open descriptor of socket `inode`.
+fn socket_owner(inode: &str) -> Option<String> {
+    let want = format!("socket:[{inode}]");
+    for proc_dir in std::fs::read_dir("/proc").ok()?.flatten() {
+        let pid = proc_dir.file_name().to_string_lossy().into_owned();
+        if !pid.bytes().all(|b| b.is_ascii_digit()) || inode == "0" {
+            continue;
+        }
+        let Ok(fds) = std::fs::read_dir(proc_dir.path().join("fd")) else {
+            continue;
+        };
+        for fd in fds.flatten() {
+            if std::fs::read_link(fd.path()).is_ok_and(|l| l.to_string_lossy() == want) {
+                let cmd = std::fs::read(proc_dir.path().join("cmdline")).unwrap_or_default();
+                let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+                return Some(format!("pid {pid} {}", cmd.trim()));
+            }
+        }
+    }
+    None
+}
+
 /// The first `head` and the last `tail` bytes of `text` (all of it when short), as text.
 fn ends_of(text: &[u8], head: usize, tail: usize) -> String {
     if text.len() <= head + tail {
@@ -746,7 +812,23 @@ impl Supervisor {
         }
         self.restart_failures += 1;
         let name = self.procs[i].name.clone();
-        self.error(format!("{name} did not restart: {last}"));
+        // Whoever holds a port it could not bind is the cause: name them while they still do.
+        let holders: Vec<String> = ports_in(&self.procs[i].restart_args)
+            .into_iter()
+            .flat_map(|p| {
+                port_holders(p)
+                    .into_iter()
+                    .map(move |h| format!("{p}: {h}"))
+            })
+            .collect();
+        self.error(format!(
+            "{name} did not restart: {last}; holders of its ports now: {}",
+            if holders.is_empty() {
+                "none".into()
+            } else {
+                holders.join("; ")
+            }
+        ));
         false
     }
 
@@ -1319,6 +1401,29 @@ mod tests {
         assert!(steps.iter().all(|&d| d == steps[0]), "{:?}", m.samples_mib);
         assert!(*m.samples_mib.last().unwrap() > 1000.0 - steps[0] - 1.0);
         assert_eq!((m.end_mib, m.max_mib), (1000.0, 1000.0));
+    }
+
+    #[test]
+    fn the_holder_of_a_port_is_named() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let held = port_holders(port);
+        assert_eq!(held.len(), 1, "{held:?}");
+        // State 0A is LISTEN; the holder is this test's process.
+        assert!(held[0].starts_with("state 0A"), "{held:?}");
+        assert!(
+            held[0].contains(&format!("pid {} ", std::process::id())),
+            "{held:?}"
+        );
+        drop(l);
+        assert!(port_holders(port)
+            .iter()
+            .all(|h| !h.starts_with("state 0A")));
+        let args: Vec<String> = ["--role", "decode", "--port", "1", "--init-port", "2,3"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        assert_eq!(ports_in(&args), vec![1, 2, 3]);
     }
 
     #[test]
