@@ -43,6 +43,11 @@ use tokio::process::{Child, Command};
 const START_DEADLINE: Duration = Duration::from_secs(30);
 /// How often the supervisor polls every process's counters and memory.
 const POLL_EVERY: Duration = Duration::from_secs(1);
+/// How long a SIGKILLed process may take to be gone. Linux frees a process's memory before it
+/// closes its files, so on a loaded host a decoder with a large buffer keeps its listening
+/// ports for seconds after the signal; starting it again before it is reaped fails with
+/// `EADDRINUSE`.
+const EXIT_DEADLINE: Duration = Duration::from_secs(60);
 /// Requests sent after the chaos stops; all must succeed.
 const RECOVERY_REQUESTS: u64 = 8;
 /// A workload never sends more than this many requests, whatever the duration.
@@ -187,6 +192,8 @@ pub struct SoakSummary {
     pub restarts: u64,
     /// Restarts that failed (the port was taken, the process did not come up).
     pub restart_failures: u64,
+    /// The longest time from a SIGKILL to the process being reaped, ms: a restart waits for it.
+    pub slowest_exit_ms: u64,
     /// KV chunks that differed from the expected KV, over every decoder incarnation (must be 0).
     pub kv_mismatches: u64,
     /// Answers replayed on the colocated engine.
@@ -267,7 +274,7 @@ impl SoakSummary {
              requests            {} ok {} failed {} (clean errors)  hangs {}\n\
              failures by kind    {:?}\n\
              first of each kind  {:?}\n\
-             chaos               {} kills, {} restarts, {} failed restarts\n\
+             chaos               {} kills, {} restarts, {} failed restarts, slowest exit {} ms\n\
              KV mismatches       {}\n\
              outputs = colocated {} of {} compared\n\
              leaked pages        {} (all returned: {})\n\
@@ -285,6 +292,7 @@ impl SoakSummary {
             self.kills,
             self.restarts,
             self.restart_failures,
+            self.slowest_exit_ms,
             self.kv_mismatches,
             self.outputs_compared - self.outputs_mismatched,
             self.outputs_compared,
@@ -334,6 +342,9 @@ struct Proc {
     /// Arguments that start it again on the same ports.
     restart_args: Vec<String>,
     child: Option<Child>,
+    /// A killed process not reaped within [`EXIT_DEADLINE`]: it may still hold its ports, so
+    /// the slot is not started again while it lives.
+    exiting: Option<Child>,
     /// The HTTP address (engines: `/health` serves the counters).
     http: String,
     /// Mismatches of earlier incarnations.
@@ -361,6 +372,7 @@ impl Proc {
             program: program.to_vec(),
             restart_args,
             child: Some(child),
+            exiting: None,
             http: addrs["http"].as_str().unwrap_or_default().to_string(),
             mismatches_banked: 0,
             mismatches_now: 0,
@@ -725,6 +737,7 @@ struct Supervisor {
     kills: u64,
     restarts: u64,
     restart_failures: u64,
+    slowest_exit: Duration,
     errors: Vec<String>,
     own: Option<MemoryTrack>,
     warm: bool,
@@ -774,12 +787,21 @@ impl Supervisor {
         }
     }
 
-    /// Kills process `i` with SIGKILL and reaps it.
+    /// Kills process `i` with SIGKILL and reaps it (within [`EXIT_DEADLINE`]).
     async fn kill(&mut self, i: usize) {
         let p = &mut self.procs[i];
         if let Some(mut c) = p.child.take() {
             let _ = c.start_kill();
-            let _ = tokio::time::timeout(Duration::from_secs(10), c.wait()).await;
+            let t = Instant::now();
+            match tokio::time::timeout(EXIT_DEADLINE, c.wait()).await {
+                Ok(_) => self.slowest_exit = self.slowest_exit.max(t.elapsed()),
+                Err(_) => {
+                    p.exiting = Some(c);
+                    let e = format!("{} still alive {EXIT_DEADLINE:?} after SIGKILL", p.name);
+                    self.error(e);
+                }
+            }
+            let p = &mut self.procs[i];
             p.mismatches_banked += p.mismatches_now;
             p.mismatches_now = 0;
             p.last = None;
@@ -796,6 +818,18 @@ impl Supervisor {
     async fn restart(&mut self, i: usize) -> bool {
         if self.procs[i].child.is_some() {
             return true;
+        }
+        if let Some(c) = &mut self.procs[i].exiting {
+            if !matches!(c.try_wait(), Ok(Some(_))) {
+                self.restart_failures += 1;
+                let e = format!(
+                    "{} not restarted: its killed process still runs",
+                    self.procs[i].name
+                );
+                self.error(e);
+                return false;
+            }
+            self.procs[i].exiting = None;
         }
         let mut last = String::new();
         for attempt in 0..10u32 {
@@ -1117,6 +1151,7 @@ pub async fn run(o: SoakOptions) -> anyhow::Result<SoakSummary> {
         kills: 0,
         restarts: 0,
         restart_failures: 0,
+        slowest_exit: Duration::ZERO,
         errors: Vec::new(),
         own: None,
         warm: false,
@@ -1308,6 +1343,7 @@ pub async fn run(o: SoakOptions) -> anyhow::Result<SoakSummary> {
             kills: sup.kills,
             restarts: sup.restarts,
             restart_failures: sup.restart_failures,
+            slowest_exit_ms: sup.slowest_exit.as_millis() as u64,
             kv_mismatches,
             outputs_compared: tally.compared,
             outputs_mismatched: tally.mismatched,
