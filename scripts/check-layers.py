@@ -131,7 +131,7 @@ def resolve(mod, segs, mods, reexp):
 
 PATH_ANY_RE = re.compile(
     r"(?<![A-Za-z0-9_:])((?:crate|super|self|[a-z_][a-z0-9_]*)(?:::(?:[A-Za-z_][A-Za-z0-9_]*|\*))+"
-    r"|(?:crate|super|self)(?:::[A-Za-z_][A-Za-z0-9_]*)*::\{[^}]*\})")
+    r"|(?:crate|super|self|[a-z_][a-z0-9_]*)(?:::[A-Za-z_][A-Za-z0-9_]*)*::\{[^}]*\})")
 
 
 def graph(crate_dir):
