@@ -123,16 +123,15 @@ def layout_description(layers: list[tuple[str, tuple, str, int]], block_size: in
     )
 
 
-@contextlib.contextmanager
-def transfer_cores():
-    """Runs the block with the calling thread on the cores vLLM CPU keeps for KV transfer.
+def transfer_core_set() -> set[int]:
+    """The cores vLLM CPU keeps for KV transfer (the last core of each NUMA node); empty off
+    vLLM CPU or without a topology.
 
     vLLM CPU binds the worker's thread (and its OpenMP threads) to the compute cores and
     leaves the last core of each NUMA node free for transfers (NixlConnector puts its
-    threads there too). kvbridge's I/O threads, started by the channel, inherit the
-    affinity of the thread that creates it; on the compute cores, a prefiller whose engine
-    loop spins (it steps while blocks await a decoder) would starve them, and a decoder's
-    read over TCP would wait for it.
+    threads there too). The worker's main thread spins there between steps (it polls for
+    the next step with ``sched_yield``), and so does every other engine's worker on the
+    host: a thread of ours left on the compute cores waits for them.
     """
     cores: set[int] = set()
     try:
@@ -142,8 +141,24 @@ def transfer_cores():
             cores = {max(node) for node in current_platform.discover_numa_topology() if node}
     except Exception as e:  # no topology: leave the affinity as it is
         log.info("kvbridge: no NUMA topology (%s); transfer threads keep the worker's cores", e)
+    if not hasattr(os, "sched_setaffinity"):
+        return set()
+    return cores & set(range(os.cpu_count() or 1))
+
+
+def run_on(cores: set[int]) -> None:
+    """Moves the calling thread to ``cores`` (no change when empty)."""
+    if cores:
+        os.sched_setaffinity(0, cores)
+
+
+@contextlib.contextmanager
+def transfer_cores(cores: set[int]):
+    """Runs the block with the calling thread on ``cores`` (the transfer cores): kvbridge's
+    I/O threads, started by the channel, inherit the affinity of the thread that creates it;
+    on the compute cores, a prefiller whose engine loop spins (it steps while blocks await a
+    decoder) would starve them, and a decoder's read over TCP would wait for it."""
     old = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    cores &= set(range(os.cpu_count() or 1))
     if not cores or old is None:
         yield
         return
@@ -176,11 +191,16 @@ class KvbridgeWorker:
         # prefiller address -> its session and directory; the lock guards the dict only
         self._prefillers: dict[str, _Prefiller] = {}
         self._prefillers_lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kvbridge-load")
+        # Loads and notices run on the transfer cores too: they are created by the worker's
+        # main thread, on the compute cores, where that thread spins between steps.
+        self._cores = transfer_core_set()
+        self._pool = ThreadPoolExecutor(
+            LOAD_THREADS, thread_name_prefix="kvbridge-load", initializer=run_on, initargs=(self._cores,)
+        )
         # "read done" notices: each its own task on this loop, bounded by the channel's op
         # deadline, so a notice to a prefiller that is gone (or not answering) never waits
         # in a queue ahead of notices to other prefillers
-        self._notices = _NoticeLoop()
+        self._notices = _NoticeLoop(self._cores)
         self._loads: dict[str, _Load] = {}
         self._load_errors: set[int] = set()
         self._failed_recving: set[str] = set()
@@ -221,7 +241,7 @@ class KvbridgeWorker:
         listen = None
         if self.settings.is_producer:
             listen = f"{numeric_host(self.settings.host)}:{self.settings.base_port + self.tp_rank}"
-        with transfer_cores():
+        with transfer_cores(self._cores):
             self.channel = kvbridge.Channel(
                 f"vllm-{self.settings.engine_id}-tp{self.tp_rank}",
                 listen,
@@ -532,7 +552,8 @@ class _NoticeLoop:
     """An asyncio loop on a thread of its own, started on first use, where notices run
     side by side (each bounded by the channel's deadlines)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cores: set[int]) -> None:
+        self._cores = cores
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -542,11 +563,15 @@ class _NoticeLoop:
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
                 self._thread = threading.Thread(
-                    target=self._loop.run_forever, name="kvbridge-notices", daemon=True
+                    target=self._run, args=(self._loop,), name="kvbridge-notices", daemon=True
                 )
                 self._thread.start()
             loop = self._loop
         asyncio.run_coroutine_threadsafe(coro, loop)
+
+    def _run(self, loop: asyncio.AbstractEventLoop) -> None:
+        run_on(self._cores)
+        loop.run_forever()
 
     def stop(self) -> None:
         with self._lock:
