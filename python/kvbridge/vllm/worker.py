@@ -37,6 +37,8 @@ DIRECTORY_LEN = 65521
 DIRECTORY_MAGIC = b"kvbridge-vllm/1 directory\n"
 #: Decoder loads run here, off vLLM's step, so a slow peer never stalls a forward pass.
 LOAD_THREADS = 4
+#: A load that took longer is logged with the time of each of its steps.
+SLOW_LOAD_S = 1.0
 
 
 class LayoutError(ValueError):
@@ -110,6 +112,11 @@ class _Load:
     started: float = 0.0
     finished: float = 0.0
     bytes: int = 0
+    # monotonic times of its steps, for the slow-load warning: a load thread took it, the
+    # prefiller's session was ready, every read was submitted
+    took_up: float = 0.0
+    connected: float = 0.0
+    submitted: float = 0.0
 
 
 def layout_description(layers: list[tuple[str, tuple, str, int]], block_size: int, model: str, tp: int) -> str:
@@ -386,10 +393,12 @@ class KvbridgeWorker:
 
     def _load(self, load: _Load) -> None:
         job = load.job
-        deadline = time.monotonic() + self.settings.read_timeout_s
+        load.took_up = time.monotonic()
+        deadline = load.took_up + self.settings.read_timeout_s
         ch = self.channel
         assert ch is not None
         peer = self._peer(job, deadline)
+        load.connected = time.monotonic()
         addr = self._addr(job)
         try:
             local = job.local_block_ids
@@ -406,12 +415,20 @@ class KvbridgeWorker:
                         ch.submit_read_pages(peer.peer_id, layer.region, local, peer.regions[layer.name], remote)
                     )
                     load.bytes += len(local) * layer.page_bytes
+                load.submitted = time.monotonic()
                 for t in load.transfers:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise TimeoutError
                     t.wait(left)
             load.finished = time.monotonic()
+            if load.finished - load.started > SLOW_LOAD_S:
+                log.warning(
+                    "kvbridge: slow load of %s (%d bytes from %s): %.3f s waiting for a load thread, "
+                    "%.3f s for the prefiller's session, %.3f s submitting, %.3f s reading",
+                    load.req_id, load.bytes, addr, load.took_up - load.started, load.connected - load.took_up,
+                    load.submitted - load.connected, load.finished - load.submitted,
+                )  # fmt: skip
         except TimeoutError:
             for t in load.transfers:
                 t.cancel()
