@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # TTFT and KV GiB/s of a real 1P1D vLLM CPU deployment behind `kvbridge proxy --flow vllm`:
-# KvbridgeConnector against vLLM's NixlConnector, both pairs of servers up in the same run, on
-# the same locally made random-weight Llama and the same prompts (bench/vllm_pd.py).
+# KvbridgeConnector against vLLM's NixlConnector in the same run, on the same locally made
+# random-weight Llama and the same prompts (bench/vllm_pd.py). One pair of servers is up at a
+# time: each run starts a pair, measures it, stops it, then does the same with the other.
 #
 # Usage: bench/vllm-pd.sh [bench/vllm_pd.py flags: --runs 3 --requests 10 --prompt-tokens 900
 #                          --layers 8 --kv-heads 4 --head-dim 64 --connectors kvbridge,nixl]

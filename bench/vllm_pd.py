@@ -1,6 +1,8 @@
 """TTFT of 1P1D vLLM CPU through ``kvbridge proxy --flow vllm``: KvbridgeConnector against
-NixlConnector, both pairs of servers up at once (same model, prompts and proxy build), runs
-alternated between them so drift on a shared host hits both. Driven by bench/vllm-pd.sh.
+NixlConnector (same model, prompts and proxy build), one pair of servers up at a time: each
+run starts a pair, measures it and stops it, then the other pair; the pairs alternate which
+goes first, so drift on a shared host hits both and neither pair's threads compete with the
+other's. Driven by bench/vllm-pd.sh.
 
 TTFT: from sending a streamed completion to the proxy to its first content chunk (the proxy
 prefills on the prefiller, the decoder pulls the KV, then makes the first token). KV GiB/s:
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import statistics
@@ -52,6 +55,17 @@ def ttft(url: str, text: str, max_tokens: int) -> float:
     req = urllib.request.Request(url + "/v1/completions", json.dumps(doc).encode(), {"content-type": "application/json"})
     t0 = time.perf_counter()
     first = None
+    try:
+        first = _first_token(req, t0)
+    except (OSError, ValueError) as e:  # HTTP errors, refused, timeouts, a bad event
+        raise Failed(f"{type(e).__name__}: {e}") from e
+    if first is None:
+        raise Failed("no token")
+    return first
+
+
+def _first_token(req: urllib.request.Request, t0: float) -> float | None:
+    first = None
     with urllib.request.urlopen(req, timeout=120) as r:
         if r.status != 200:
             raise Failed(f"HTTP {r.status}")
@@ -67,9 +81,103 @@ def ttft(url: str, text: str, max_tokens: int) -> float:
                     raise Failed(f"finish_reason error: {ev}")
                 if c.get("text") and first is None:
                     first = time.perf_counter() - t0
-    if first is None:
-        raise Failed("no token")
     return first
+
+
+def load_average() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def threads(pgid: int) -> list[tuple[str, str, float]]:
+    """Every thread of the processes in group ``pgid`` (a server and its engine process) as
+    (name, allowed cores, CPU seconds so far)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                base = f"/proc/{pid}/task/{tid}"
+                name = Path(f"{base}/comm").read_text().strip()
+                cores = next(
+                    line.split()[1] for line in Path(f"{base}/status").read_text().splitlines()
+                    if line.startswith("Cpus_allowed_list")
+                )  # fmt: skip
+                fields = Path(f"{base}/stat").read_text().rsplit(")", 1)[1].split()
+                out.append((name, cores, (int(fields[11]) + int(fields[12])) / tick))
+        except (OSError, ValueError, IndexError, StopIteration):
+            continue  # a thread or process that ended meanwhile
+    return out
+
+
+def placement(server) -> str:
+    """Where a server's kvbridge threads and its busiest threads run: `name@cores cpu_s`."""
+    ts = threads(server.p.pid)
+    kvb = sorted((t for t in ts if t[0].startswith("kvb")), key=lambda t: -t[2])
+    busiest = sorted(ts, key=lambda t: -t[2])[:3]
+    fmt = lambda t: f"{t[0]}@{t[1]} {t[2]:.1f}s"  # noqa: E731
+    return f"busiest: {', '.join(map(fmt, busiest))}; kvbridge: {', '.join(map(fmt, kvb)) or 'none'}"
+
+
+def run_pair(name: str, run: int, a, model: Path, binary: Path, prompts: list[str]) -> dict:
+    """Starts one connector's pair of servers and its proxy, sends the warm-up and the timed
+    requests, stops them all; what the run measured. Raises Failed on any failed request or
+    any request whose KV did not move."""
+    logs = a.work / "logs" / f"run{run}-{name}"
+    logs.mkdir(parents=True, exist_ok=True)
+    pp, dp, kvp, nixl_p, nixl_d = free_ports(5)
+    if name == "kvbridge":
+        pcfg, dcfg = kvbridge_config("kv_producer", kvp), kvbridge_config("kv_consumer", 0)
+        penv, denv = {}, {}
+    elif name == "nixl":
+        pcfg, dcfg = nixl_config("kv_producer"), nixl_config("kv_consumer")
+        penv = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(nixl_p)}
+        denv = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(nixl_d)}
+    else:
+        raise SystemExit(f"unknown connector {name}")
+    stats = {"VLLM_LOG_STATS_INTERVAL": "1"}
+    mml = a.prompt_tokens + a.max_tokens + 64
+    load_at_start = load_average()
+    procs: list = []
+    try:
+        p = VllmServer(f"{name}-prefill", model, pp, logs, pcfg, {**penv, **stats}, max_model_len=mml)
+        procs.append(p)
+        d = VllmServer(f"{name}-decode", model, dp, logs, dcfg, {**denv, **stats}, max_model_len=mml)
+        procs.append(d)
+        started = wait_healthy([p, d])
+        proxy = Proxy(binary, [p.port], [d.port], logs)
+        procs.append(proxy)
+        proxy.wait_healthy()
+        for text in prompts[:WARM_UP]:  # connect, first-request compilation
+            ttft(proxy.url, text, a.max_tokens)
+        samples = [ttft(proxy.url, text, a.max_tokens) for text in prompts[WARM_UP:]]
+        time.sleep(2.5)  # one more stats interval, so the last transfers reach the log
+        # the kvbridge decoder's own count of its loads (vLLM's log drops idle intervals)
+        loads_ok = kvbridge_counters(d.url).get("vllm:kvbridge_loads_ok_total", 0) if name == "kvbridge" else 0
+        where = {"prefill": placement(p), "decode": placement(d)}
+    finally:
+        for proc in reversed(procs):
+            proc.kill()
+    # A request whose decoder did not read its KV (recomputed it, or read blocks its
+    # prefiller had already freed) is a failed request for this benchmark, though HTTP said 200.
+    problems = kv_not_moved(
+        name, p.log_path.read_text(errors="replace"), d.log_path.read_text(errors="replace"), len(prompts), loads_ok
+    )
+    if problems:
+        raise Failed(f"run {run} {name}: " + "; ".join(problems))
+    return {
+        "samples": samples,
+        "gib_per_s": gib_per_s_values(name, d.log_path.read_text(errors="replace")),
+        "healthy_s": started,
+        "load": load_at_start,
+        "threads": where,
+    }
+
+
+#: Requests sent to each pair before the timed ones: the first connect, first-request
+#: compilation.
+WARM_UP = 3
 
 
 def main() -> int:
@@ -85,103 +193,44 @@ def main() -> int:
     ap.add_argument("--connectors", default="kvbridge,nixl")
     a = ap.parse_args()
 
-    work = a.work
-    (work / "logs").mkdir(parents=True, exist_ok=True)
-    model = build(work / "model", layers=a.layers, kv_heads=a.kv_heads, head_dim=a.head_dim)
+    (a.work / "logs").mkdir(parents=True, exist_ok=True)
+    model = build(a.work / "model", layers=a.layers, kv_heads=a.kv_heads, head_dim=a.head_dim)
     kv_bytes_per_token = a.layers * a.kv_heads * a.head_dim * 2 * 2  # K and V, bf16
     binary = kvbridge_binary()
     if binary is None:
         print("FAILED: no kvbridge binary", file=sys.stderr)
         return 1
     names = a.connectors.split(",")
-    procs: list = []
-    pairs: dict[str, tuple[VllmServer, VllmServer, Proxy]] = {}
-    mml = a.prompt_tokens + a.max_tokens + 64
+    results: dict[str, list[dict]] = {n: [] for n in names}
     try:
-        servers = []
-        for name in names:
-            pp, dp, kvp, nixl_p, nixl_d = free_ports(5)
-            if name == "kvbridge":
-                pcfg, dcfg = kvbridge_config("kv_producer", kvp), kvbridge_config("kv_consumer", 0)
-                penv, denv = {}, {}
-            elif name == "nixl":
-                pcfg, dcfg = nixl_config("kv_producer"), nixl_config("kv_consumer")
-                penv = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(nixl_p)}
-                denv = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(nixl_d)}
-            else:
-                raise SystemExit(f"unknown connector {name}")
-            stats = {"VLLM_LOG_STATS_INTERVAL": "1"}
-            p = VllmServer(f"{name}-prefill", model, pp, work / "logs", pcfg, {**penv, **stats}, max_model_len=mml)
-            d = VllmServer(f"{name}-decode", model, dp, work / "logs", dcfg, {**denv, **stats}, max_model_len=mml)
-            procs += [p, d]
-            servers += [p, d]
-            pairs[name] = (p, d, None)  # type: ignore[assignment]
-        started = wait_healthy(servers)
-        print(f"# {len(servers)} vLLM servers healthy in {started:.0f} s", flush=True)
-        for name in names:
-            p, d, _ = pairs[name]
-            logdir = work / "logs" / f"proxy-{name}"
-            logdir.mkdir(exist_ok=True)
-            proxy = Proxy(binary, [p.port], [d.port], logdir)
-            procs.append(proxy)
-            proxy.wait_healthy()
-            pairs[name] = (p, d, proxy)
-
-        rng = random.Random(0)
-
-        def text() -> str:
-            return " ".join(rng.choice(WORDS) for _ in range(a.prompt_tokens))
-
-        for name in names:  # warm-up: connect, first-request compilation
-            for _ in range(3):
-                ttft(pairs[name][2].url, text(), a.max_tokens)
-        results: dict[str, list[float]] = {n: [] for n in names}
-        for run in range(a.runs):
-            for name in names if run % 2 == 0 else list(reversed(names)):
-                samples = [ttft(pairs[name][2].url, text(), a.max_tokens) for _ in range(a.requests)]
-                p50 = statistics.median(samples)
-                results[name].append(p50)
-                print(f"run {run + 1} {name}: TTFT p50 {p50 * 1e3:.1f} ms over {len(samples)} requests "
-                      f"(min {min(samples) * 1e3:.1f}, max {max(samples) * 1e3:.1f})", flush=True)  # fmt: skip
-        time.sleep(2.5)  # one more stats interval, so the last transfers reach the logs
-        # the kvbridge decoder's own count of its loads (vLLM's log drops idle intervals)
-        loads_ok = {
-            name: kvbridge_counters(pairs[name][1].url).get("vllm:kvbridge_loads_ok_total", 0)
-            for name in names
-            if name == "kvbridge"
-        }
+        for run in range(1, a.runs + 1):
+            # the same prompts for every pair in a run; alternate which pair goes first
+            rng = random.Random(run)
+            prompts = [" ".join(rng.choice(WORDS) for _ in range(a.prompt_tokens)) for _ in range(WARM_UP + a.requests)]
+            for name in names if run % 2 == 1 else list(reversed(names)):
+                r = run_pair(name, run, a, model, binary, prompts)
+                results[name].append(r)
+                s = r["samples"]
+                print(f"run {run} {name}: TTFT p50 {statistics.median(s) * 1e3:.1f} ms over {len(s)} requests "
+                      f"(min {min(s) * 1e3:.1f}, max {max(s) * 1e3:.1f}); servers healthy in {r['healthy_s']:.0f} s; "
+                      f"load average at start {r['load']}", flush=True)  # fmt: skip
+                for role, line in r["threads"].items():
+                    print(f"#   {name} {role} threads (name@cores CPU s): {line}", flush=True)
     except Failed as e:
-        print(f"FAILED: a request failed ({e}); no figures", file=sys.stderr)
-        return 1
-    finally:
-        for p in procs:
-            p.kill()
-
-    # A request whose decoder did not read its KV (recomputed it, or read blocks its
-    # prefiller had already freed) is a failed request for this benchmark, though HTTP said 200.
-    sent = 3 + a.runs * a.requests
-    problems = []
-    for name in names:
-        p, d, _ = pairs[name]
-        problems += kv_not_moved(
-            name, p.log_path.read_text(errors="replace"), d.log_path.read_text(errors="replace"), sent,
-            loads_ok.get(name, 0),
-        )
-    if problems:
-        for msg in problems:
-            print(f"FAILED: {msg}", file=sys.stderr)
-        print("FAILED: some requests did not move their KV; no figures", file=sys.stderr)
+        print(f"FAILED: {e}; no figures", file=sys.stderr)
         return 1
 
     print(f"\nprompt {a.prompt_tokens} tokens, KV {kv_bytes_per_token * a.prompt_tokens / 2**20:.2f} MiB per request "
-          f"({a.layers} layers x {a.kv_heads} KV heads x head_dim {a.head_dim}, bf16), max_tokens {a.max_tokens}, "
-          f"{a.runs} runs x {a.requests} requests, sequential")  # fmt: skip
-    print("| connector | TTFT p50, median of runs (ms) | runs' p50 min-max (ms) | KV GiB/s (decoder's stats) |")
+          f"({a.layers} layers x {a.kv_heads} KV heads x head_dim {a.head_dim}, bf16), max_tokens {a.max_tokens}; "
+          f"{a.runs} runs per connector, one pair of servers up at a time, pairs alternating; "
+          f"{WARM_UP} warm-up + {a.requests} timed requests per run, sequential")  # fmt: skip
+    print("| connector | TTFT p50, median of runs (ms) | runs' p50 min-max (ms) | KV GiB/s, median of intervals (min-max) |")
     print("|---|---|---|---|")
     for name in names:
-        runs = results[name]
-        log = pairs[name][1].log_path.read_text(errors="replace")
-        print(f"| {name} | {statistics.median(runs) * 1e3:.1f} | {min(runs) * 1e3:.1f}-{max(runs) * 1e3:.1f} | {gib_per_s(name, log)} |")
+        p50s = [statistics.median(r["samples"]) for r in results[name]]
+        vals = [v for r in results[name] for v in r["gib_per_s"]]
+        gib = f"{statistics.median(vals):.3f} ({len(vals)} intervals, {min(vals):.3f}-{max(vals):.3f})" if vals else "n/a"
+        print(f"| {name} | {statistics.median(p50s) * 1e3:.1f} | {min(p50s) * 1e3:.1f}-{max(p50s) * 1e3:.1f} | {gib} |")
     return 0
 
 
@@ -203,16 +252,12 @@ def kv_not_moved(name: str, prefill_log: str, decode_log: str, sent: int, loads:
     return out
 
 
-def gib_per_s(name: str, log: str) -> str:
-    vals = []
+def gib_per_s_values(name: str, log: str) -> list[float]:
+    """The decoder's per-interval KV GiB/s as vLLM logged them."""
     if name == "kvbridge":
-        vals = [float(x) for x in re.findall(r"KV Transfer metrics: .*load_GiB_per_s=([0-9.]+)", log)]
-    else:
-        # NixlConnector's "MB" are MiB; its throughput is total MiB over summed transfer time
-        vals = [float(x) / 1024 for x in re.findall(r"Throughput \(MB/s\)=([0-9.]+)", log) if float(x) > 0]
-    if not vals:
-        return "n/a"
-    return f"{statistics.median(vals):.3f} (median of {len(vals)} intervals, {min(vals):.3f}-{max(vals):.3f})"
+        return [float(x) for x in re.findall(r"KV Transfer metrics: .*load_GiB_per_s=([0-9.]+)", log)]
+    # NixlConnector's "MB" are MiB; its throughput is total MiB over summed transfer time
+    return [float(x) / 1024 for x in re.findall(r"Throughput \(MB/s\)=([0-9.]+)", log) if float(x) > 0]
 
 
 if __name__ == "__main__":

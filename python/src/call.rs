@@ -1,6 +1,7 @@
 //! Running engine futures on the runtime for Python callers: blocking (GIL released, woken
 //! every [`SIGNAL_POLL`] to let Python run its signal handlers), or as an asyncio future.
 
+use crate::completer;
 use crate::errors;
 use crate::runtime;
 use pyo3::prelude::*;
@@ -158,6 +159,7 @@ fn exiting(py: Python<'_>) -> PyErr {
 #[pyo3(signature = (timeout=2.0))]
 pub(crate) fn _at_exit(py: Python<'_>, timeout: f64) {
     EXITING.store(true, Ordering::SeqCst);
+    completer::stop();
     let until = Instant::now() + Duration::from_secs_f64(timeout.clamp(0.0, 60.0));
     py.allow_threads(|| {
         while WAITING.load(Ordering::SeqCst) > 0 && Instant::now() < until {
@@ -221,7 +223,8 @@ where
     let future_ref = py_future.clone().unbind();
     let task = runtime(py)?.spawn(async move {
         let result = fut.await;
-        Python::with_gil(|py| {
+        // never on this (runtime) thread: see `completer`
+        completer::run(Box::new(move |py| {
             let pending = Mutex::new(Some((result, undelivered)));
             // Runs on the loop's thread, where the future's state cannot change under it.
             let complete = PyCFunction::new_closure(py, None, None, move |args, _| {
@@ -257,7 +260,7 @@ where
                 }
                 Err(e) => e.write_unraisable(py, None),
             }
-        });
+        }));
     });
     let abort = task.abort_handle();
     let on_done = PyCFunction::new_closure(py, None, None, move |args, _kwargs| -> PyResult<()> {

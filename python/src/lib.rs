@@ -3,11 +3,13 @@
 //! One tokio runtime per process runs every channel's tasks (`runtime`); Python threads
 //! submit futures to it and wait with the GIL released (`call`), either blocking (waking
 //! every 100 ms to let Python handle signals), as an asyncio future, or as a `Transfer` to
-//! poll.
+//! poll. The runtime's threads never take the GIL: asyncio futures are completed by one
+//! thread of their own (`completer`).
 
 mod buffer;
 mod call;
 mod channel;
+mod completer;
 mod errors;
 mod runtime;
 mod transfer;

@@ -37,6 +37,8 @@ DIRECTORY_LEN = 65521
 DIRECTORY_MAGIC = b"kvbridge-vllm/1 directory\n"
 #: Decoder loads run here, off vLLM's step, so a slow peer never stalls a forward pass.
 LOAD_THREADS = 4
+#: A load that took longer is logged with the time of each of its steps.
+SLOW_LOAD_S = 1.0
 
 
 class LayoutError(ValueError):
@@ -110,6 +112,11 @@ class _Load:
     started: float = 0.0
     finished: float = 0.0
     bytes: int = 0
+    # monotonic times of its steps, for the slow-load warning: a load thread took it, the
+    # prefiller's session was ready, every read was submitted
+    took_up: float = 0.0
+    connected: float = 0.0
+    submitted: float = 0.0
 
 
 def layout_description(layers: list[tuple[str, tuple, str, int]], block_size: int, model: str, tp: int) -> str:
@@ -123,16 +130,15 @@ def layout_description(layers: list[tuple[str, tuple, str, int]], block_size: in
     )
 
 
-@contextlib.contextmanager
-def transfer_cores():
-    """Runs the block with the calling thread on the cores vLLM CPU keeps for KV transfer.
+def transfer_core_set() -> set[int]:
+    """The cores vLLM CPU keeps for KV transfer (the last core of each NUMA node); empty off
+    vLLM CPU or without a topology.
 
     vLLM CPU binds the worker's thread (and its OpenMP threads) to the compute cores and
     leaves the last core of each NUMA node free for transfers (NixlConnector puts its
-    threads there too). kvbridge's I/O threads, started by the channel, inherit the
-    affinity of the thread that creates it; on the compute cores, a prefiller whose engine
-    loop spins (it steps while blocks await a decoder) would starve them, and a decoder's
-    read over TCP would wait for it.
+    threads there too). The worker's main thread spins there between steps (it polls for
+    the next step with ``sched_yield``), and so does every other engine's worker on the
+    host: a thread of ours left on the compute cores waits for them.
     """
     cores: set[int] = set()
     try:
@@ -142,8 +148,24 @@ def transfer_cores():
             cores = {max(node) for node in current_platform.discover_numa_topology() if node}
     except Exception as e:  # no topology: leave the affinity as it is
         log.info("kvbridge: no NUMA topology (%s); transfer threads keep the worker's cores", e)
+    if not hasattr(os, "sched_setaffinity"):
+        return set()
+    return cores & set(range(os.cpu_count() or 1))
+
+
+def run_on(cores: set[int]) -> None:
+    """Moves the calling thread to ``cores`` (no change when empty)."""
+    if cores:
+        os.sched_setaffinity(0, cores)
+
+
+@contextlib.contextmanager
+def transfer_cores(cores: set[int]):
+    """Runs the block with the calling thread on ``cores`` (the transfer cores): kvbridge's
+    I/O threads, started by the channel, inherit the affinity of the thread that creates it;
+    on the compute cores, a prefiller whose engine loop spins (it steps while blocks await a
+    decoder) would starve them, and a decoder's read over TCP would wait for it."""
     old = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    cores &= set(range(os.cpu_count() or 1))
     if not cores or old is None:
         yield
         return
@@ -176,11 +198,16 @@ class KvbridgeWorker:
         # prefiller address -> its session and directory; the lock guards the dict only
         self._prefillers: dict[str, _Prefiller] = {}
         self._prefillers_lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kvbridge-load")
+        # Loads and notices run on the transfer cores too: they are created by the worker's
+        # main thread, on the compute cores, where that thread spins between steps.
+        self._cores = transfer_core_set()
+        self._pool = ThreadPoolExecutor(
+            LOAD_THREADS, thread_name_prefix="kvbridge-load", initializer=run_on, initargs=(self._cores,)
+        )
         # "read done" notices: each its own task on this loop, bounded by the channel's op
         # deadline, so a notice to a prefiller that is gone (or not answering) never waits
         # in a queue ahead of notices to other prefillers
-        self._notices = _NoticeLoop()
+        self._notices = _NoticeLoop(self._cores)
         self._loads: dict[str, _Load] = {}
         self._load_errors: set[int] = set()
         self._failed_recving: set[str] = set()
@@ -221,7 +248,7 @@ class KvbridgeWorker:
         listen = None
         if self.settings.is_producer:
             listen = f"{numeric_host(self.settings.host)}:{self.settings.base_port + self.tp_rank}"
-        with transfer_cores():
+        with transfer_cores(self._cores):
             self.channel = kvbridge.Channel(
                 f"vllm-{self.settings.engine_id}-tp{self.tp_rank}",
                 listen,
@@ -366,10 +393,12 @@ class KvbridgeWorker:
 
     def _load(self, load: _Load) -> None:
         job = load.job
-        deadline = time.monotonic() + self.settings.read_timeout_s
+        load.took_up = time.monotonic()
+        deadline = load.took_up + self.settings.read_timeout_s
         ch = self.channel
         assert ch is not None
         peer = self._peer(job, deadline)
+        load.connected = time.monotonic()
         addr = self._addr(job)
         try:
             local = job.local_block_ids
@@ -386,12 +415,20 @@ class KvbridgeWorker:
                         ch.submit_read_pages(peer.peer_id, layer.region, local, peer.regions[layer.name], remote)
                     )
                     load.bytes += len(local) * layer.page_bytes
+                load.submitted = time.monotonic()
                 for t in load.transfers:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise TimeoutError
                     t.wait(left)
             load.finished = time.monotonic()
+            if load.finished - load.started > SLOW_LOAD_S:
+                log.warning(
+                    "kvbridge: slow load of %s (%d bytes from %s): %.3f s waiting for a load thread, "
+                    "%.3f s for the prefiller's session, %.3f s submitting, %.3f s reading",
+                    load.req_id, load.bytes, addr, load.took_up - load.started, load.connected - load.took_up,
+                    load.submitted - load.connected, load.finished - load.submitted,
+                )  # fmt: skip
         except TimeoutError:
             for t in load.transfers:
                 t.cancel()
@@ -532,7 +569,8 @@ class _NoticeLoop:
     """An asyncio loop on a thread of its own, started on first use, where notices run
     side by side (each bounded by the channel's deadlines)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cores: set[int]) -> None:
+        self._cores = cores
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -542,11 +580,15 @@ class _NoticeLoop:
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
                 self._thread = threading.Thread(
-                    target=self._loop.run_forever, name="kvbridge-notices", daemon=True
+                    target=self._run, args=(self._loop,), name="kvbridge-notices", daemon=True
                 )
                 self._thread.start()
             loop = self._loop
         asyncio.run_coroutine_threadsafe(coro, loop)
+
+    def _run(self, loop: asyncio.AbstractEventLoop) -> None:
+        run_on(self._cores)
+        loop.run_forever()
 
     def stop(self) -> None:
         with self._lock:

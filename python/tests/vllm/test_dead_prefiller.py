@@ -8,6 +8,7 @@ stopped and killed; the decoder is a worker in this process."""
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import signal
@@ -187,3 +188,27 @@ def test_notices_to_a_silent_prefiller_hold_up_no_notice_to_another_and_its_deat
     lost = ("loads_failed_unreachable", "loads_failed_peer_lost")
     assert sum(decoder.stats[k] - before[k] for k in lost) == 1, decoder.stats
     assert decoder.stats["loads_failed_timeout"] == before["loads_failed_timeout"]
+
+
+def test_a_slow_load_is_logged_with_the_time_of_each_step(decoder, prefillers):
+    slow = prefillers(31)
+    load(decoder, "d-0", slow.job([0], [0], "r0"))  # the session exists from here on
+    wait_reported(decoder, "d-0")
+    seen: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("kvbridge.vllm.worker").addHandler(handler)
+    try:
+        slow.signal(signal.SIGSTOP)
+        load(decoder, "d-1", slow.job([1], [1], "r1"))
+        time.sleep(1.5)  # the stall under test: the read waits on the stopped prefiller
+        slow.signal(signal.SIGCONT)
+        wait_reported(decoder, "d-1")
+    finally:
+        logging.getLogger("kvbridge.vllm.worker").removeHandler(handler)
+    assert decoder.take_failed_recving() == set()
+    assert_read(decoder, 1, slow, 1)
+    slow_logs = [m for m in seen if "slow load of d-1" in m]
+    assert len(slow_logs) == 1, seen
+    reading = float(slow_logs[0].rsplit(", ", 1)[1].split()[0])
+    assert reading >= 1.0, slow_logs[0]

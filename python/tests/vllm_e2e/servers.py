@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,11 +27,32 @@ START_DEADLINE_S = float(os.environ.get("KVBRIDGE_VLLM_START_DEADLINE_S", "900")
 
 
 def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
+    """``n`` ports free now, below the kernel's ephemeral range when there is room: a port
+    there is taken only by an explicit bind, never by some process's outgoing connection
+    in the time between this probe and the server's own bind (which failed a benchmark run:
+    a NixlConnector prefiller's side channel found its port taken)."""
+    low = 32768
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    candidates = list(range(max(1024, low // 2), low))
+    random.shuffle(candidates)
+    out: list[int] = []
+    for port in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        out.append(port)
+        if len(out) == n:
+            return out
+    socks = [socket.socket() for _ in range(n - len(out))]  # no room below the range
     try:
         for s in socks:
             s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
+        return out + [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
             s.close()
