@@ -12,3 +12,6 @@ pub(crate) mod tcp;
 #[cfg(feature = "ucx")]
 #[allow(dead_code)]
 pub(crate) mod ucx;
+#[cfg(feature = "ucx")]
+#[allow(dead_code)]
+pub(crate) mod ucx_thread;
