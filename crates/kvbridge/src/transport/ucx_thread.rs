@@ -40,9 +40,10 @@ struct Running {
 /// the loop sleeps 1 ms per round (UCX 1.13 over shared memory, writing to a dead peer).
 const BUSY_ROUNDS_BEFORE_SLEEP: u32 = 64;
 
-/// The longest sleep, a bound in case UCX's event fd misses a wake-up: then the thread
-/// progresses once a second, a cheap call.
-const MAX_SLEEP: Duration = Duration::from_secs(1);
+/// The longest sleep. UCX 1.13's event fd missed a wake-up over tcp (eight batches took
+/// 1.001 s with a 1 s bound here, 21 ms in other runs), so the thread progresses at least
+/// this often: ten cheap calls a second when idle, and a missed wake-up costs 100 ms.
+const MAX_SLEEP: Duration = Duration::from_millis(100);
 
 /// The handle tasks use; dropping it stops the thread (after it answered what is running,
 /// failed at their deadlines at the latest).
@@ -573,5 +574,88 @@ mod tests {
             Err(OneSidedError::UnknownRegion { .. })
         ));
         bounded(p.initiator.revoke(p.local.id())).await.unwrap();
+    }
+
+    /// Set in the child process of `a_write_to_a_killed_peer_process_fails_within_its_deadline`.
+    const CHILD_ENV: &str = "KVBRIDGE_UCX_CHILD_TLS";
+
+    fn hex(b: &[u8]) -> String {
+        b.iter().map(|x| format!("{x:02x}")).collect()
+    }
+
+    fn unhex(s: &str) -> Vec<u8> {
+        (0..s.len() / 2)
+            .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap())
+            .collect()
+    }
+
+    /// The target process: this test re-run with `CHILD_ENV` set. It exports a region,
+    /// prints its address and descriptor, and serves until it is killed (or 60 s pass).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn child_target_process() {
+        let Ok(tls) = std::env::var(CHILD_ENV) else {
+            return;
+        };
+        let t = UcxThread::start("child", Some(&tls)).unwrap();
+        let r = Region::alloc(LEN, 4096).unwrap();
+        let d = bounded(t.export(&r)).await.unwrap();
+        println!("KVBX {} {} {}", hex(t.address()), hex(&d), hex(&r.id().0));
+        std::thread::sleep(Duration::from_secs(60));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_write_to_a_killed_peer_process_fails_within_its_deadline() {
+        use std::io::BufRead;
+        for tls in ["tcp", "sm,self"] {
+            let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "transport::ucx_thread::tests::child_target_process",
+                    "--exact",
+                    "--nocapture",
+                ])
+                .env(CHILD_ENV, tls)
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .unwrap();
+            let out = child.stdout.take().unwrap();
+            let line = std::io::BufReader::new(out)
+                .lines()
+                .map(|l| l.unwrap())
+                .find(|l| l.starts_with("KVBX "))
+                .expect("the child's address line");
+            let f: Vec<&str> = line.split(' ').collect();
+            let (address, descriptor) = (unhex(f[1]), unhex(f[2]));
+            let id = RegionId(unhex(f[3]).try_into().unwrap());
+            let ini = UcxThread::start("initiator", Some(tls)).unwrap();
+            let local = Region::alloc(LEN, 4096).unwrap();
+            bounded(ini.export(&local)).await.unwrap();
+            bounded(ini.connect("child", &address)).await.unwrap();
+            bounded(ini.import("child", id, &descriptor)).await.unwrap();
+            let ops = vec![RangeOp {
+                local: local.id(),
+                local_offset: 0,
+                remote: id,
+                remote_offset: 0,
+                len: 1 << 20,
+            }];
+            bounded(ini.transfer("child", Dir::Write, ops.clone(), Instant::now() + BOUND))
+                .await
+                .unwrap();
+            child.kill().unwrap();
+            child.wait().unwrap();
+            let started = Instant::now();
+            let r = bounded(ini.transfer(
+                "child",
+                Dir::Write,
+                ops,
+                Instant::now() + Duration::from_secs(3),
+            ))
+            .await;
+            let took = started.elapsed();
+            assert!(r.is_err(), "{tls}: a write to a killed peer succeeded");
+            // The deadline plus room for a loaded host's scheduling.
+            assert!(took < Duration::from_secs(13), "{tls}: took {took:?}");
+            eprintln!("{tls}: write to the killed peer: {r:?} after {took:?}");
+        }
     }
 }
