@@ -3,7 +3,7 @@
 # project's virtual environment .venv (ignored by git), which it creates when missing and
 # fills with the kvbridge package, LMCache and the test tools. Reruns skip what is installed
 # and reuse the LMCache sdist cached in .cache/.
-#   --python-only   skip `cargo test --workspace --features kvbridge-ucx/ucx`
+#   --python-only   skip `cargo test --workspace --features kvbridge-ucx/ucx,kvbridge/ucx`
 #   --no-install    use .venv as it is
 # Under CI (any non-empty value) the LMCache interop tests fail rather than skip when LMCache
 # is missing, and a Python suite that collects no test fails.
@@ -29,7 +29,7 @@ PY="$VENV/bin/python"
 
 if [ "$RUST" = 1 ]; then
   # The UCX crate's tests need libucx-dev (scripts/setup.sh installs it).
-  cargo test --workspace --features kvbridge-ucx/ucx
+  cargo test --workspace --features kvbridge-ucx/ucx,kvbridge/ucx
 fi
 
 stamp() { # what the installed kvbridge package was built from

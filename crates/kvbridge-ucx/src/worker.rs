@@ -492,6 +492,14 @@ impl Worker {
     /// peer (`ucp_ep_flush_nbx`), at most until `deadline`. A write posted after a flush
     /// returned lands after everything flushed.
     pub fn flush(&mut self, ep: EpId, deadline: Instant) -> Result<()> {
+        let op = self.post_flush(ep)?;
+        self.wait(op, deadline)
+    }
+
+    /// Posts a flush of endpoint `ep` (see [`Worker::flush`]) without waiting: it completes,
+    /// through [`Worker::test`] or [`Worker::wait`], once every write and read posted on `ep`
+    /// before it has completed at the peer.
+    pub fn post_flush(&mut self, ep: EpId) -> Result<OpId> {
         let e = self.ep(Step::Flush, ep)?;
         let (handle, peer) = (e.handle, e.peer.clone());
         let slot = Slot::new();
@@ -503,8 +511,7 @@ impl Worker {
         param.cb.send = Some(on_done);
         // SAFETY: live endpoint; the slot outlives the request (kept in `InFlight`).
         let ret = unsafe { sys::ucp_ep_flush_nbx(handle, &param) };
-        let op = self.track(ret, slot, Step::Flush, peer, None, None)?;
-        self.wait(op, deadline)
+        self.track(ret, slot, Step::Flush, peer, None, None)
     }
 
     /// Closes endpoint `ep` and destroys the remote keys unpacked through it: flushes what
