@@ -86,6 +86,8 @@ impl ProxyBody {
             self.first = false;
             if let Some(f) = &self.fin {
                 f.track.metrics.ttft.observe(f.track.t0.elapsed());
+                // The timeline's end of the TTFT (`kvbridge demo --timeline`, `RUST_LOG`).
+                tracing::debug!(target: "kvbridge::timeline", stage = "proxy.first_byte", id = f.track.rid());
             }
         }
     }

@@ -76,7 +76,10 @@ impl App {
             let err = self.decoder_down(index, &label, format!("from the prefiller: {detail}"));
             tried.push(index);
             dslot = match self.decode.try_pick(ctx.tokens, &tried) {
-                Ok(s) => s,
+                Ok(mut s) => {
+                    s.prefilled_elsewhere();
+                    s
+                }
                 Err(_) => return Err(err),
             };
             self.metrics.decoder_retries.fetch_add(1, Relaxed);

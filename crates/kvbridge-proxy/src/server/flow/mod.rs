@@ -17,6 +17,7 @@ use bytes::Bytes;
 use super::app::{App, TL};
 use super::ctx::Ctx;
 use crate::config::Flow;
+use crate::decider::{Decision, Facts, PrefillerView};
 use crate::metrics::Outcome;
 use crate::pool::Role;
 use crate::reply::{pick_error, ApiError, Reply, Track};
@@ -70,7 +71,7 @@ impl App {
             || self.decider.active())
         .then(|| crate::router::PromptKey::from_raw(doc.prompt_raw()));
         // The decoder is admitted first: its KV buffer is the scarce resource.
-        let dslot = self
+        let mut dslot = self
             .decode
             .pick_for(
                 tokens,
@@ -95,14 +96,30 @@ impl App {
             .prompt
             .as_ref()
             .map_or(tokens, crate::router::PromptKey::estimated_tokens);
-        if self.decider.decide(prompt_tokens, dslot.cached_tokens())
-            == crate::decider::Decision::DecodeOnly
-        {
+        // Where the PD path would prefill, for a decider that weighs the queues.
+        let prefiller = if self.decider.compares_queues() {
+            self.prefill
+                .peek_for(tokens, ctx.prompt.as_ref())
+                .map(|p| PrefillerView {
+                    cached: p.cached_tokens,
+                    load: p.load,
+                })
+        } else {
+            None
+        };
+        let facts = Facts {
+            prompt: prompt_tokens,
+            decoder_cached: dslot.cached_tokens(),
+            decoder_load: dslot.load_of_others(),
+            prefiller,
+        };
+        if self.decider.decide(&facts) == Decision::DecodeOnly {
             // The decoder prefills the prompt itself: the request goes to it as it came.
             tracing::debug!(target: TL, stage = "proxy.decode_only", id = track.rid());
             let dbody = Bytes::from(vllm_decode_body(&doc, None));
             return self.decode(&ctx, dbody, dslot, true).await;
         }
+        dslot.prefilled_elsewhere();
         match self.cfg.flow {
             Flow::Vllm => self.vllm(&ctx, &doc, dslot).await,
             Flow::Lmcache => self.lmcache(&ctx, &doc, dslot).await,
