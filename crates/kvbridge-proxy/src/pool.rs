@@ -142,9 +142,9 @@ impl Slot {
         }
         .load()
     }
-    /// The request's prompt is prefilled elsewhere (a decoder on the PD path receives its
-    /// KV): it is no prefill work of this worker's.
-    pub fn prefilled_elsewhere(&mut self) {
+    /// The request's prompt is no prefill work of this worker's (any more): a decoder on
+    /// the PD path receives its KV; a worker that answers has prefilled it.
+    pub fn no_prefill_left(&mut self) {
         let w = &self.pool.workers[self.idx];
         w.pending_prefill.fetch_sub(self.pending_prefill, Relaxed);
         self.pending_prefill = 0;
@@ -860,7 +860,7 @@ mod tests {
         assert_ne!(peek.index, 1);
         assert_eq!((peek.load, peek.cached_tokens), (0, 0));
         // A decoder on the PD path receives the KV: no prefill work of its own.
-        s.prefilled_elsewhere();
+        s.no_prefill_left();
         assert_eq!(p.workers[1].pending_prefill(), 0);
         drop(s);
         assert_eq!(p.workers[1].pending_prefill(), 0);

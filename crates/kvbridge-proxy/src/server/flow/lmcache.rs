@@ -77,7 +77,7 @@ impl App {
             tried.push(index);
             dslot = match self.decode.try_pick(ctx.tokens, &tried) {
                 Ok(mut s) => {
-                    s.prefilled_elsewhere();
+                    s.no_prefill_left();
                     s
                 }
                 Err(_) => return Err(err),

@@ -119,7 +119,7 @@ impl App {
             let dbody = Bytes::from(vllm_decode_body(&doc, None));
             return self.decode(&ctx, dbody, dslot, true).await;
         }
-        dslot.prefilled_elsewhere();
+        dslot.no_prefill_left();
         match self.cfg.flow {
             Flow::Vllm => self.vllm(&ctx, &doc, dslot).await,
             Flow::Lmcache => self.lmcache(&ctx, &doc, dslot).await,
