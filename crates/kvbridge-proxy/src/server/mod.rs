@@ -1,10 +1,10 @@
 //! The HTTP front: [`start`] binds the proxy and runs it; [`RunningProxy`] stops it.
 //!
-//! Below this module, in layers: `routes` (the HTTP routes, and the [`crate::reply::Reply`]
-//! a flow gives becoming the response), `flow` (one request's way through the workers: the
-//! decider, then the vLLM or LMCache flow), `prefill` and `decode` (one step on a worker,
-//! with its retries), `upstream` (a call to a worker), `health` (the health checks), and at
-//! the bottom `ctx` and `app` (the request's facts and the state every request shares).
+//! Below this module, in layers: `routes` (the HTTP routes, and the reply a flow gives
+//! becoming the response), `flow` (one request's way through the workers: the decider, then
+//! the vLLM or LMCache flow), `prefill` and `decode` (one step on a worker, with its
+//! retries), `upstream` (a call to a worker), `health` (the health checks), and at the
+//! bottom `ctx` and `app` (the request's facts and the state every request shares).
 
 mod app;
 mod ctx;
