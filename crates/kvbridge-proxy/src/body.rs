@@ -84,8 +84,16 @@ impl ProxyBody {
     fn on_data(&mut self) {
         if self.first {
             self.first = false;
-            if let Some(f) = &self.fin {
+            if let Some(f) = &mut self.fin {
                 f.track.metrics.ttft.observe(f.track.t0.elapsed());
+                // Its first token out, the decoder has prefilled the prompt: counted as
+                // load until the stream ended, it made a decoder that prefills requests
+                // alone look busy for as long as they decode.
+                if let Some(s) = f.slot.as_mut() {
+                    s.no_prefill_left();
+                }
+                // The timeline's end of the TTFT (`kvbridge demo --timeline`, `RUST_LOG`).
+                tracing::debug!(target: "kvbridge::timeline", stage = "proxy.first_byte", id = f.track.rid());
             }
         }
     }

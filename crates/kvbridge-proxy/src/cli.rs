@@ -148,6 +148,10 @@ pub struct ProxyArgs {
     /// (above 1: never) [default: 0.8].
     #[arg(long)]
     pub disaggregate_decoder_cached_fraction: Option<f64>,
+    /// Decider: a decoder that would finish the prompt's prefill before the prefiller's
+    /// queue lets it start prefills it (`true`/`false`) [default: true].
+    #[arg(long)]
+    pub disaggregate_compare_queues: Option<bool>,
     /// Most requests waiting for admission; more get 429 at once [default: 1024].
     #[arg(long)]
     pub max_queue: Option<usize>,

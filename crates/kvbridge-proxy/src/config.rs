@@ -231,6 +231,9 @@ pub struct DisaggregationConfig {
     pub min_uncached_tokens: Option<u64>,
     /// A decoder holding at least this fraction of the prompt prefills it.
     pub decoder_cached_fraction: Option<f64>,
+    /// Whether a decoder that would finish the prefill before the prefiller's queue lets
+    /// it start prefills it.
+    pub compare_queues: Option<bool>,
 }
 
 /// `[kv_events]`: the workers' KV-events endpoints (vLLM `--kv-events-config` `endpoint`,
@@ -322,6 +325,7 @@ impl Config {
         if self.routing == RoutingPolicy::LeastLoaded
             && g.min_uncached_tokens.is_none()
             && g.decoder_cached_fraction.is_none()
+            && g.compare_queues.is_none()
         {
             return None;
         }
@@ -331,6 +335,7 @@ impl Config {
             decoder_cached_fraction: g
                 .decoder_cached_fraction
                 .unwrap_or(d.decoder_cached_fraction),
+            compare_queues: g.compare_queues.unwrap_or(d.compare_queues),
         })
     }
 }

@@ -304,6 +304,9 @@ impl Config {
                 if a.disaggregate_decoder_cached_fraction.is_some() {
                     g.decoder_cached_fraction = a.disaggregate_decoder_cached_fraction;
                 }
+                if a.disaggregate_compare_queues.is_some() {
+                    g.compare_queues = a.disaggregate_compare_queues;
+                }
                 g
             },
         };

@@ -2,7 +2,7 @@
 //! server. Not a stable API.
 
 use crate::request::{Api, ReqDoc};
-use crate::server;
+use crate::rewrite;
 
 /// What [`parse_request`] made of a body: the facts the proxy acts on and every body it
 /// would send on, so a fuzz target can check that each is a JSON object.
@@ -30,22 +30,22 @@ pub fn parse_request(path: &str, body: &[u8]) -> Result<Parsed, String> {
     let spec = br#"{"ret_first_tok":true,"disagg_spec":{"req_id":"kvb-fuzz-0","receiver_host":"127.0.0.1","receiver_init_port":[8300],"receiver_alloc_port":[8400]}}"#;
     let first = match api {
         Api::Completions => doc.prompt_text().is_some(),
-        Api::Chat => server::chat_continues(&doc),
+        Api::Chat => rewrite::chat_continues(&doc),
     }
     .then_some(" tok");
     Ok(Parsed {
         stream: doc.stream,
         max_tokens: doc.max_tokens,
         vllm: [
-            server::prefill_body(&doc, server::VLLM_PREFILL_KV),
-            server::vllm_decode_body(
+            rewrite::prefill_body(&doc, rewrite::VLLM_PREFILL_KV),
+            rewrite::vllm_decode_body(
                 &doc,
                 Some(br#"{"remote_engine_id":"e","remote_block_ids":[1]}"#),
             ),
         ],
         lmcache: [
-            server::prefill_body(&doc, spec),
-            server::lmcache_decode_body(&doc, api, first, "kvb-fuzz-0"),
+            rewrite::prefill_body(&doc, spec),
+            rewrite::lmcache_decode_body(&doc, api, first, "kvb-fuzz-0"),
         ],
     })
 }

@@ -25,6 +25,7 @@ pub mod pool;
 pub mod prefix_tree;
 mod reply;
 mod request;
+mod rewrite;
 pub mod router;
 pub mod routing;
 pub mod server;

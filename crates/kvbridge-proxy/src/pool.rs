@@ -129,6 +129,45 @@ impl Slot {
     pub fn cached_tokens(&self) -> u64 {
         self.cached_tokens
     }
+    /// The worker's routing load ([`Candidate::load`]) less this request's part of it.
+    pub fn load_of_others(&self) -> u64 {
+        let w = self.worker();
+        let pending = w.pending_prefill().saturating_sub(self.pending_prefill);
+        Candidate {
+            index: self.idx,
+            inflight: w.inflight().saturating_sub(1),
+            pending_prefill: pending,
+            matched: 0,
+            cached: 0,
+        }
+        .load()
+    }
+    /// The request's prompt is no prefill work of this worker's (any more): a decoder on
+    /// the PD path receives its KV; a worker that answers has prefilled it.
+    pub fn no_prefill_left(&mut self) {
+        let w = &self.pool.workers[self.idx];
+        w.pending_prefill.fetch_sub(self.pending_prefill, Relaxed);
+        self.pending_prefill = 0;
+    }
+}
+
+/// The worker a pool's policy would choose now, and its state, without a slot taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Peek {
+    /// Its index in the pool.
+    pub index: usize,
+    /// Its routing load ([`Candidate::load`]).
+    pub load: u64,
+    /// The prompt's leading tokens it holds, as the policy knows.
+    pub cached_tokens: u64,
+}
+
+/// The workers of a pool that admit a request, and why none might.
+struct Admitting {
+    cands: Vec<Candidate>,
+    any_healthy: bool,
+    too_large: bool,
+    max_cap: u64,
 }
 
 impl Drop for Slot {
@@ -214,8 +253,82 @@ impl Pool {
         prompt: Option<&PromptKey>,
     ) -> Result<Slot, PickError> {
         let _g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        let Admitting {
+            cands,
+            any_healthy,
+            too_large,
+            max_cap,
+        } = self.admitting(tokens, exclude, self.rr.fetch_add(1, Relaxed));
+        let best = match prompt {
+            Some(p) => self.router.choose_scored(&cands, p),
+            None => crate::routing::least_loaded(&cands).map(|index| Chosen {
+                index,
+                cached_tokens: 0,
+            }),
+        };
+        match best {
+            Some(Chosen {
+                index: i,
+                cached_tokens,
+            }) => {
+                if let Some(p) = prompt {
+                    self.router.routed(i, p);
+                }
+                let w = &self.workers[i];
+                w.inflight.fetch_add(1, Relaxed);
+                w.tokens.fetch_add(tokens, Relaxed);
+                // In the unit of `cached_tokens`: the prompt's tokens as its key counts
+                // them (`tokens`, the body's bytes / 4, is well above a token-id prompt's).
+                let prompt_tokens = prompt
+                    .map(PromptKey::estimated_tokens)
+                    .filter(|t| *t > 0)
+                    .unwrap_or(tokens);
+                let pending_prefill = prompt_tokens.saturating_sub(cached_tokens);
+                w.pending_prefill.fetch_add(pending_prefill, Relaxed);
+                w.served.fetch_add(1, Relaxed);
+                Ok(Slot {
+                    pool: self.clone(),
+                    idx: i,
+                    tokens,
+                    pending_prefill,
+                    ejections: w.ejections(),
+                    cached_tokens,
+                })
+            }
+            None if !any_healthy => Err(PickError::NoHealthy),
+            None if too_large => Err(PickError::TooLarge {
+                tokens,
+                capacity: max_cap,
+            }),
+            None => Err(PickError::Full),
+        }
+    }
+
+    /// The worker [`Pool::try_pick_for`] would choose now for `prompt`, with its load,
+    /// without taking a slot or counting a routing decision.
+    pub fn peek_for(&self, tokens: u64, prompt: Option<&PromptKey>) -> Option<Peek> {
+        let _g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        // The rotation where the next pick starts, not advanced: a peek is no pick.
+        let cands = self.admitting(tokens, &[], self.rr.load(Relaxed)).cands;
+        let chosen = match prompt {
+            Some(p) => self.router.score(&cands, p).0,
+            None => crate::routing::least_loaded(&cands).map(|index| Chosen {
+                index,
+                cached_tokens: 0,
+            }),
+        }?;
+        let c = cands.iter().find(|c| c.index == chosen.index)?;
+        Some(Peek {
+            index: chosen.index,
+            load: c.load(),
+            cached_tokens: chosen.cached_tokens,
+        })
+    }
+
+    /// The healthy workers outside `exclude` that admit `tokens` more, in the pool's
+    /// rotating order from `start`. Called under the pool's lock.
+    fn admitting(&self, tokens: u64, exclude: &[usize], start: usize) -> Admitting {
         let n = self.workers.len();
-        let start = self.rr.fetch_add(1, Relaxed);
         let mut cands = Vec::with_capacity(n);
         let mut any_healthy = false;
         let mut max_cap = 0u64;
@@ -251,42 +364,11 @@ impl Pool {
                 cached: 0,
             });
         }
-        let best = match prompt {
-            Some(p) => self.router.choose_scored(&cands, p),
-            None => crate::routing::least_loaded(&cands).map(|index| Chosen {
-                index,
-                cached_tokens: 0,
-            }),
-        };
-        match best {
-            Some(Chosen {
-                index: i,
-                cached_tokens,
-            }) => {
-                if let Some(p) = prompt {
-                    self.router.routed(i, p);
-                }
-                let w = &self.workers[i];
-                w.inflight.fetch_add(1, Relaxed);
-                w.tokens.fetch_add(tokens, Relaxed);
-                let pending_prefill = tokens.saturating_sub(cached_tokens);
-                w.pending_prefill.fetch_add(pending_prefill, Relaxed);
-                w.served.fetch_add(1, Relaxed);
-                Ok(Slot {
-                    pool: self.clone(),
-                    idx: i,
-                    tokens,
-                    pending_prefill,
-                    ejections: w.ejections(),
-                    cached_tokens,
-                })
-            }
-            None if !any_healthy => Err(PickError::NoHealthy),
-            None if too_large => Err(PickError::TooLarge {
-                tokens,
-                capacity: max_cap,
-            }),
-            None => Err(PickError::Full),
+        Admitting {
+            cands,
+            any_healthy,
+            too_large,
+            max_cap,
         }
     }
 
@@ -741,6 +823,59 @@ mod tests {
         );
         drop(held);
         assert_eq!(p.workers[1].pending_prefill(), 0);
+    }
+
+    #[test]
+    fn a_peek_is_the_next_pick_and_pending_prefill_is_the_prompts_uncached_tokens() {
+        use crate::kv_index::KvIndex;
+        use crate::routing::RoutingPolicy::KvEvents;
+        let index = Arc::new(KvIndex::new(3, 1000));
+        let p = routed_pool(PoolRouter {
+            policy: KvEvents,
+            index: Some(index.clone()),
+            ..Default::default()
+        });
+        let tokens: Vec<u32> = (0..1000).collect();
+        index.apply(1, 0, &stored(&tokens[..512]));
+        let key = PromptKey {
+            tokens: Some(tokens),
+            pieces: vec![],
+        };
+        // The body of a 1000-token prompt of ids is some 5000 bytes, 1250 `tokens`; the
+        // work left on the holder is 1000 - 512 tokens, not 1250 - 512.
+        let peek = p.peek_for(1250, Some(&key)).unwrap();
+        assert_eq!((peek.index, peek.load, peek.cached_tokens), (1, 0, 512));
+        assert_eq!(
+            p.router.decisions(KvEvents, true),
+            0,
+            "a peek is not counted"
+        );
+        let mut s = p.try_pick_for(1250, &[], Some(&key)).unwrap();
+        assert_eq!(s.index(), peek.index);
+        assert_eq!(p.workers[1].pending_prefill(), 488);
+        assert_eq!(p.workers[1].tokens(), 1250, "admission counts the body");
+        assert_eq!(s.load_of_others(), 0);
+        // Loaded (488 + 256 + 488 > 1000), the holder loses the next one to an idle worker.
+        let peek = p.peek_for(1250, Some(&key)).unwrap();
+        assert_ne!(peek.index, 1);
+        assert_eq!((peek.load, peek.cached_tokens), (0, 0));
+        // A decoder on the PD path receives the KV: no prefill work of its own.
+        s.no_prefill_left();
+        assert_eq!(p.workers[1].pending_prefill(), 0);
+        drop(s);
+        assert_eq!(p.workers[1].pending_prefill(), 0);
+        // Ties: the peek starts where the next pick does, and does not move it.
+        let none = PromptKey {
+            tokens: Some(vec![7; 300]),
+            pieces: vec![],
+        };
+        for _ in 0..4 {
+            let peek = p.peek_for(10, Some(&none)).unwrap();
+            assert_eq!(
+                p.try_pick_for(10, &[], Some(&none)).unwrap().index(),
+                peek.index
+            );
+        }
     }
 
     #[test]

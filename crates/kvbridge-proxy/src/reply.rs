@@ -18,7 +18,7 @@ use hyper::body::Incoming;
 use serde_json::json;
 
 use crate::metrics::{Metrics, Outcome};
-use crate::pool::Slot;
+use crate::pool::{PickError, Role, Slot};
 
 /// The header that carries a request's id, to the workers and back to the client.
 pub(crate) const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
@@ -183,4 +183,28 @@ pub(crate) enum Reply {
         slot: Slot,
         decode_start: Instant,
     },
+}
+
+/// The error of a request no worker of `role` could be picked for.
+pub(crate) fn pick_error(role: Role, e: PickError) -> ApiError {
+    match e {
+        PickError::NoHealthy => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no_healthy_worker",
+            Outcome::NoWorker,
+            format!("no healthy {} worker", role.as_str()),
+        ),
+        PickError::Full => ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "admission_full",
+            Outcome::AdmissionFull,
+            format!("every {} worker is at its admission limit; retry later", role.as_str()),
+        ),
+        PickError::TooLarge { tokens, capacity } => ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "prompt_exceeds_kv_capacity",
+            Outcome::BadRequest,
+            format!("the prompt (about {tokens} tokens) exceeds the KV capacity of every decoder ({capacity} tokens)"),
+        ),
+    }
 }

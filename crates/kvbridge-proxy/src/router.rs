@@ -159,7 +159,18 @@ impl PoolRouter {
     /// [`PoolRouter::choose`], with what the chosen worker holds of the prompt; counts the
     /// decision.
     pub fn choose_scored(&self, cands: &[Candidate], prompt: &PromptKey) -> Option<Chosen> {
-        let (chosen, policy) = match self.policy {
+        let (chosen, policy) = self.score(cands, prompt);
+        self.count(chosen, policy)
+    }
+
+    /// The choice [`PoolRouter::choose_scored`] makes, and the policy that made it (a pool
+    /// without a view of the caches falls back to least-loaded), without counting it.
+    pub fn score(
+        &self,
+        cands: &[Candidate],
+        prompt: &PromptKey,
+    ) -> (Option<Chosen>, RoutingPolicy) {
+        match self.policy {
             RoutingPolicy::LeastLoaded => (
                 least_loaded(cands).map(|index| Chosen {
                     index,
@@ -173,7 +184,7 @@ impl PoolRouter {
                         index,
                         cached_tokens: 0,
                     });
-                    return self.count(c, RoutingPolicy::KvEvents);
+                    return (c, RoutingPolicy::KvEvents);
                 };
                 let scored: Vec<Candidate> = cands
                     .iter()
@@ -200,7 +211,7 @@ impl PoolRouter {
                         index,
                         cached_tokens: 0,
                     });
-                    return self.count(c, RoutingPolicy::CacheAware);
+                    return (c, RoutingPolicy::CacheAware);
                 };
                 let scored: Vec<Candidate> = cands
                     .iter()
@@ -222,8 +233,7 @@ impl PoolRouter {
                     RoutingPolicy::CacheAware,
                 )
             }
-        };
-        self.count(chosen, policy)
+        }
     }
 
     fn count(&self, c: Option<Chosen>, policy: RoutingPolicy) -> Option<Chosen> {

@@ -16,7 +16,6 @@ use kvbridge_pd::TransferMode;
 use kvbridge_proxy::config::{
     Config as ProxyConfig, DecoderConfig, DisaggregationConfig, KvEventsConfig, WorkerAddr,
 };
-use kvbridge_proxy::decider::{Decision, Reason};
 use kvbridge_proxy::routing::RoutingPolicy;
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -59,6 +58,9 @@ pub struct DemoArgs {
     /// The proxy's `--disaggregate-decoder-cached-fraction` (default: the proxy's).
     #[arg(long)]
     pub disaggregate_decoder_cached_fraction: Option<f64>,
+    /// The proxy's `--disaggregate-compare-queues` (default: the proxy's).
+    #[arg(long)]
+    pub disaggregate_compare_queues: Option<bool>,
     /// Prefix cache of every engine, tokens. Default: 0 under `--workload random`, whose
     /// one-at-a-time replays re-send the workload's prompts to measure the PD path (with a
     /// cache they would measure cache hits); [`SHARED_PREFIX_CACHE_TOKENS`] under
@@ -1053,6 +1055,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
         decider: DisaggregationConfig {
             min_uncached_tokens: args.disaggregate_min_uncached_tokens,
             decoder_cached_fraction: args.disaggregate_decoder_cached_fraction,
+            compare_queues: args.disaggregate_compare_queues,
         },
         prefix_cache_tokens: Some(args.prefix_cache_tokens.unwrap_or(if shared {
             SHARED_PREFIX_CACHE_TOKENS
@@ -1299,8 +1302,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
         );
     }
     let decider = cluster.proxy.decider();
-    let decode_only = decider.count(Decision::DecodeOnly, Reason::UncachedBelowThreshold)
-        + decider.count(Decision::DecodeOnly, Reason::DecoderHoldsPrefix);
+    let decode_only = decider.decode_only_total();
     let mut summary = DemoSummary {
         requests: n as u64,
         workload: args.workload,
