@@ -563,7 +563,7 @@ impl Session {
         cmd_tx: mpsc::UnboundedSender<SessionCmd>,
     ) -> Self {
         #[cfg(feature = "ucx")]
-        let (env_ucx, initiator) = (env.ucx.is_some(), matches!(machine, Machine::Init(_)));
+        let (env_ucx, initiator) = (env.ucx.clone(), matches!(machine, Machine::Init(_)));
         let (r, w) = stream.into_split();
         let until_proof = env.local.authenticates().then(|| {
             let proves: fn(&Message) -> bool = match &machine {
@@ -669,7 +669,7 @@ impl Session {
                     self.last_heard = Instant::now();
                     match m {
                         #[cfg(feature = "ucx")]
-                        Some(Ok(m)) if self.ucx_takes(&m) => self.ucx_message(m),
+                        Some(Ok(m)) if self.ucx.takes(&m) => self.ucx.handle_message(m),
                         Some(Ok(m)) => self.machine.handle_message(m, std_now()),
                         Some(Err(ReadError::Frame(e))) => return Error::PeerMisbehaved {
                             peer: self.peer_name.clone(), step: self.machine.step(), detail: e.to_string() },
@@ -730,7 +730,7 @@ impl Session {
                             self.machine.update_mem(mem, std_now());
                         }
                         #[cfg(feature = "ucx")]
-                        self.ucx_grants_changed();
+                        self.ucx.grants_changed();
                         if let Err(e) = self.sync_exports().await {
                             return e;
                         }
@@ -803,6 +803,26 @@ impl Session {
                 }
             }
         }
+    }
+
+    /// Carries out what the UCX negotiation asked for; returns an error when the session
+    /// must end.
+    #[cfg(feature = "ucx")]
+    async fn ucx_pump(&mut self) -> Option<Error> {
+        let round = ucx::Round {
+            peer: &self.peer_name,
+            peer_id: self.peer_id.as_ref(),
+            table: &self.env.table,
+            data: self.data.as_ref().map(|d| &d.path),
+            op: self.env.config.deadlines.op,
+        };
+        let (send, err) = self.ucx.pump(&round).await;
+        for m in send {
+            if let Err(e) = self.send(&m).await {
+                return Some(e);
+            }
+        }
+        err
     }
 
     async fn send(&mut self, m: &Message) -> Result<()> {
@@ -1157,7 +1177,10 @@ impl Session {
             handle,
         });
         #[cfg(feature = "ucx")]
-        self.ucx_established();
+        if let Machine::Listen(m) = &self.machine {
+            let step = self.env.config.deadlines.handshake_step;
+            self.ucx.established(m.peer_takes_ucx(), step);
+        }
     }
 
     /// Rollback: tell the peer, stop the data tasks, fail waiting batches, report to the
@@ -1185,7 +1208,9 @@ impl Session {
             h.abort();
         }
         #[cfg(feature = "ucx")]
-        self.ucx_close().await;
+        self.ucx
+            .close(&self.peer_name, self.env.config.deadlines.close)
+            .await;
         if let Some(mut d) = self.data.take() {
             // Let the writers flush what is queued (an error ack for the peer), briefly.
             for c in &d.conns {

@@ -16,19 +16,21 @@
 //!
 //! A fallback is logged with its reason on both sides; a failed machine ends the session.
 
-use super::{std_now, Machine, Session};
 use crate::config::{ChannelConfig, Transport};
+use crate::datapath::DataPath;
 use crate::error::{Error, Result};
+use crate::grant::RegionTable;
 use crate::region::RegionExport;
 use crate::transport::ucx_route::{UcxChannel, UcxRoute};
 use kvbridge_proto::handshake::Step;
 use kvbridge_proto::ids::Blob;
 use kvbridge_proto::msg::{Message, UcxRegion};
 use kvbridge_proto::ucx_link::{Output, UcxError, UcxExport, UcxImport};
+use kvbridge_proto::PeerId;
 use kvbridge_proto::RegionId;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Starts the channel's UCX worker when its transport is UCX.
 pub(crate) fn start_thread(config: &ChannelConfig, name: &str) -> Result<Option<Arc<UcxChannel>>> {
@@ -60,9 +62,23 @@ enum Link {
     Import(UcxImport),
 }
 
+/// What the UCX negotiation needs of its session for one round.
+pub(super) struct Round<'a> {
+    /// The peer's name, for errors and for the worker's endpoint.
+    pub(super) peer: &'a str,
+    /// The peer, once known.
+    pub(super) peer_id: Option<&'a PeerId>,
+    /// The channel's grants.
+    pub(super) table: &'a RegionTable,
+    /// The session's data path, once bound.
+    pub(super) data: Option<&'a Arc<DataPath>>,
+    /// Bounds a release's flush.
+    pub(super) op: Duration,
+}
+
 /// A session's UCX state.
-#[derive(Default)]
 pub(super) struct UcxLink {
+    channel: Option<Arc<UcxChannel>>,
     link: Option<Link>,
     /// (Listener) Regions exported to the peer and not yet revoked, each counted as an
     /// export of the region until the peer answered its unmap (so `Channel::deregister`
@@ -75,12 +91,16 @@ pub(super) struct UcxLink {
 }
 
 impl UcxLink {
-    /// An initiator on a UCX channel waits for an offer; a listener starts its machine once
-    /// the session is established.
-    pub(super) fn new(ucx: bool, initiator: bool) -> Self {
+    /// The UCX state of a session on a channel with (`channel`) or without a worker. An
+    /// initiator on a UCX channel waits for an offer from the start; a listener starts its
+    /// machine once the session is established ([`UcxLink::established`]).
+    pub(super) fn new(channel: Option<Arc<UcxChannel>>, initiator: bool) -> Self {
         Self {
-            link: (ucx && initiator).then(|| Link::Import(UcxImport::new())),
-            ..Self::default()
+            link: (channel.is_some() && initiator).then(|| Link::Import(UcxImport::new())),
+            channel,
+            exported: HashMap::new(),
+            grants_changed: false,
+            route: None,
         }
     }
 
@@ -105,86 +125,93 @@ impl UcxLink {
             m.handle_timeout(now);
         }
     }
-}
 
-impl Session {
-    /// (Listener) The session is established: offer UCX to an initiator that takes it.
-    pub(super) fn ucx_established(&mut self) {
-        let Some(ch) = self.env.ucx.as_ref() else {
+    /// (Listener) The session is established: offer UCX when the initiator takes it
+    /// (`peer_takes_ucx`), answers bounded by `timeout`.
+    pub(super) fn established(&mut self, peer_takes_ucx: bool, timeout: Duration) {
+        let Some(ch) = self.channel.as_ref() else {
             return;
         };
-        let Machine::Listen(m) = &self.machine else {
-            return;
-        };
-        if !m.peer_takes_ucx() || self.ucx.link.is_some() {
+        if !peer_takes_ucx || self.link.is_some() {
             return;
         }
         let address = Blob(ch.thread().address().to_vec());
-        let timeout = self.env.config.deadlines.handshake_step;
-        self.ucx.link = Some(Link::Export(UcxExport::new(address, timeout, std_now())));
-        self.ucx.grants_changed = true;
+        self.link = Some(Link::Export(UcxExport::new(
+            address,
+            timeout,
+            Instant::now(),
+        )));
+        self.grants_changed = true;
     }
 
     /// The regions granted to the peer changed.
-    pub(super) fn ucx_grants_changed(&mut self) {
-        if matches!(self.ucx.link, Some(Link::Export(_))) {
-            self.ucx.grants_changed = true;
+    pub(super) fn grants_changed(&mut self) {
+        if matches!(self.link, Some(Link::Export(_))) {
+            self.grants_changed = true;
         }
     }
 
     /// Whether `m` is for this session's UCX machine (a UCX message in a session without
     /// one goes to the handshake machine, which refuses it as unexpected).
-    pub(super) fn ucx_takes(&self, m: &Message) -> bool {
-        self.ucx.link.is_some() && is_ucx(m)
+    pub(super) fn takes(&self, m: &Message) -> bool {
+        self.link.is_some() && is_ucx(m)
     }
 
     /// A UCX message from the peer.
-    pub(super) fn ucx_message(&mut self, m: Message) {
-        match self.ucx.link.as_mut() {
+    pub(super) fn handle_message(&mut self, m: Message) {
+        match self.link.as_mut() {
             Some(Link::Export(x)) => x.handle_message(m),
             Some(Link::Import(x)) => x.handle_message(m),
             None => {}
         }
     }
 
-    /// Carries out what the machine asked for; returns an error when the session must end.
-    pub(super) async fn ucx_pump(&mut self) -> Option<Error> {
-        if std::mem::take(&mut self.ucx.grants_changed) {
-            self.ucx_sync_grants().await;
+    /// Carries out what the machine asked for. Returns the messages to send to the peer, in
+    /// order, and the error that ends the session, if any (send the messages first: a
+    /// failed machine's last one says why).
+    pub(super) async fn pump(&mut self, s: &Round<'_>) -> (Vec<Message>, Option<Error>) {
+        let mut send = Vec::new();
+        let Some(ch) = self.channel.clone() else {
+            return (send, None);
+        };
+        if std::mem::take(&mut self.grants_changed) {
+            self.sync_grants(&ch, s).await;
         }
-        while let Some(o) = self.ucx.poll_output() {
-            if let Some(e) = self.ucx_do(o).await {
-                return Some(e);
+        while let Some(o) = self.poll_output() {
+            match o {
+                Output::Send(m) => send.push(m),
+                Output::Failed(e) => return (send, Some(ucx_error(s.peer, e))),
+                o => self.carry_out(&ch, s, o).await,
             }
         }
-        None
+        (send, None)
     }
 
     /// (Listener) Exports the regions newly granted to the peer, revokes those withdrawn.
-    async fn ucx_sync_grants(&mut self) {
-        let (Some(ch), Some(peer)) = (self.env.ucx.clone(), self.peer_id.clone()) else {
+    async fn sync_grants(&mut self, ch: &Arc<UcxChannel>, s: &Round<'_>) {
+        let Some(peer) = s.peer_id else {
             return;
         };
-        let granted = self.env.table.ucx_for(&peer);
-        let now = std_now();
+        let granted = s.table.ucx_for(peer);
+        let now = Instant::now();
         let live: HashSet<RegionId> = granted.iter().map(|r| r.id()).collect();
-        let gone: Vec<RegionId> = (self.ucx.exported.keys())
+        let gone: Vec<RegionId> = (self.exported.keys())
             .filter(|id| !live.contains(id))
             .copied()
             .collect();
         for id in gone {
-            if let Some(Link::Export(x)) = self.ucx.link.as_mut() {
+            if let Some(Link::Export(x)) = self.link.as_mut() {
                 x.revoke(id, now);
             }
         }
         for r in granted {
-            if self.ucx.exported.contains_key(&r.id()) || r.is_detached() {
+            if self.exported.contains_key(&r.id()) || r.is_detached() {
                 continue;
             }
             match ch.export_for_session(&r).await {
                 Ok(rkey) => {
-                    self.ucx.exported.insert(r.id(), r.begin_export());
-                    if let Some(Link::Export(x)) = self.ucx.link.as_mut() {
+                    self.exported.insert(r.id(), r.begin_export());
+                    if let Some(Link::Export(x)) = self.link.as_mut() {
                         x.export(UcxRegion {
                             id: r.id(),
                             base: r.as_ptr() as u64,
@@ -194,134 +221,123 @@ impl Session {
                     }
                 }
                 Err(e) => {
-                    tracing::warn!(peer = %self.peer_name, region = %r.id(), error = %e,
+                    tracing::warn!(peer = %s.peer, region = %r.id(), error = %e,
                         "region not registered with UCX; the peer reaches it over TCP");
                 }
             }
         }
     }
 
-    async fn ucx_do(&mut self, o: Output) -> Option<Error> {
-        let ch = self.env.ucx.clone()?;
-        let deadline = Instant::now() + self.env.config.deadlines.op;
+    async fn carry_out(&mut self, ch: &Arc<UcxChannel>, s: &Round<'_>, o: Output) {
         match o {
-            Output::Send(m) => {
-                if let Err(e) = self.send(&m).await {
-                    return Some(e);
-                }
-            }
             Output::Connect { address } => {
-                let peer = self.peer_name.clone();
-                let r = ch.thread().connect(&peer, &address.0).await;
-                let Some(Link::Import(x)) = self.ucx.link.as_mut() else {
-                    return None;
+                let r = ch.thread().connect(s.peer, &address.0).await;
+                let Some(Link::Import(x)) = self.link.as_mut() else {
+                    return;
                 };
                 match r {
                     Ok(()) => {
-                        let route = Arc::new(UcxRoute::new(ch.clone(), peer));
-                        if let Some(d) = &self.data {
-                            d.path.set_ucx(route.clone());
+                        let route = Arc::new(UcxRoute::new(ch.clone(), s.peer.to_string()));
+                        if let Some(d) = s.data {
+                            d.set_ucx(route.clone());
                         }
-                        self.ucx.route = Some(route);
+                        self.route = Some(route);
                         x.connected();
                     }
                     Err(e) => x.connect_failed(e.to_string()),
                 }
             }
-            Output::Import(r) => {
-                let peer = self.peer_name.clone();
-                let res = ch.thread().import(&peer, r.id, &r.rkey.0).await;
-                match res {
-                    Ok(()) => {
-                        if let Some(route) = &self.ucx.route {
-                            route.add(r.id, r.len);
-                        }
-                    }
-                    Err(e) => {
-                        tracing::warn!(peer = %self.peer_name, region = %r.id, error = %e,
-                            "UCX key not usable; the region goes over TCP");
-                        if let Some(Link::Import(x)) = self.ucx.link.as_mut() {
-                            x.import_failed(r.id);
-                        }
+            Output::Import(r) => match ch.thread().import(s.peer, r.id, &r.rkey.0).await {
+                Ok(()) => {
+                    if let Some(route) = &self.route {
+                        route.add(r.id, r.len);
                     }
                 }
-            }
-            Output::Synced => {}
+                Err(e) => {
+                    tracing::warn!(peer = %s.peer, region = %r.id, error = %e,
+                        "UCX key not usable; the region goes over TCP");
+                    if let Some(Link::Import(x)) = self.link.as_mut() {
+                        x.import_failed(r.id);
+                    }
+                }
+            },
             Output::Release { id } => {
-                if let Some(route) = &self.ucx.route {
+                if let Some(route) = &self.route {
                     route.remove(id);
                 }
-                let peer = self.peer_name.clone();
-                if let Err(e) = ch.thread().release(&peer, id, deadline).await {
-                    // The key stays unusable here; the listener unmaps once we answer.
-                    tracing::warn!(peer = %self.peer_name, region = %id, error = %e, "UCX release");
+                let deadline = Instant::now() + s.op;
+                if let Err(e) = ch.thread().release(s.peer, id, deadline).await {
+                    // The key is unusable here either way; the listener unmaps once we answer.
+                    tracing::warn!(peer = %s.peer, region = %id, error = %e, "UCX release");
                 }
-                if let Some(Link::Import(x)) = self.ucx.link.as_mut() {
+                if let Some(Link::Import(x)) = self.link.as_mut() {
                     x.released(id);
                 }
             }
-            Output::Revoked { id } => {
-                ch.unexport_for_session(id).await;
-                if let Some(e) = self.ucx.exported.remove(&id) {
-                    e.confirmed();
-                }
-            }
+            Output::Revoked { id } => self.revoked(ch, id).await,
             Output::Fallback { reason } => {
-                tracing::warn!(peer = %self.peer_name, %reason, "UCX not used with this peer; using TCP");
+                tracing::warn!(peer = %s.peer, %reason, "UCX not used with this peer; using TCP");
             }
-            Output::Failed(e) => return Some(self.ucx_error(e)),
+            Output::Synced | Output::Send(_) | Output::Failed(_) => {}
         }
-        None
     }
 
-    fn ucx_error(&self, e: UcxError) -> Error {
-        match e {
-            UcxError::UnmapTimeout { region, after } => Error::UnmapTimeout {
-                peer: self.peer_name.clone(),
-                step: Step::Established,
-                region,
-                after,
-            },
-            e => Error::PeerMisbehaved {
-                peer: self.peer_name.clone(),
-                step: Step::Established,
-                detail: format!("UCX negotiation: {e}"),
-            },
+    /// (Listener) The peer can no longer reach region `id` through this session.
+    async fn revoked(&mut self, ch: &Arc<UcxChannel>, id: RegionId) {
+        ch.unexport_for_session(id).await;
+        if let Some(e) = self.exported.remove(&id) {
+            e.confirmed();
         }
     }
 
     /// The session ends: the listener lets every registration of it go, the initiator
-    /// closes its endpoint (within the close deadline).
-    pub(super) async fn ucx_close(&mut self) {
-        let Some(ch) = self.env.ucx.clone() else {
+    /// closes its endpoint (within `close`).
+    pub(super) async fn close(&mut self, peer: &str, close: Duration) {
+        let Some(ch) = self.channel.clone() else {
             return;
         };
-        match self.ucx.link.as_mut() {
+        match self.link.as_mut() {
             Some(Link::Export(x)) => {
                 x.close();
+                let mut revoked = Vec::new();
                 while let Some(o) = x.poll_output() {
                     if let Output::Revoked { id } = o {
-                        ch.unexport_for_session(id).await;
-                        if let Some(e) = self.ucx.exported.remove(&id) {
-                            e.confirmed();
-                        }
+                        revoked.push(id);
                     }
                 }
+                for id in revoked {
+                    self.revoked(&ch, id).await;
+                }
             }
-            Some(Link::Import(_)) if self.ucx.route.is_some() => {
-                let deadline = Instant::now() + self.env.config.deadlines.close;
-                let peer = self.peer_name.clone();
-                if let Err(e) = ch.thread().disconnect(&peer, deadline).await {
-                    tracing::debug!(peer = %self.peer_name, error = %e, "UCX disconnect");
+            Some(Link::Import(_)) if self.route.is_some() => {
+                let deadline = Instant::now() + close;
+                if let Err(e) = ch.thread().disconnect(peer, deadline).await {
+                    tracing::debug!(%peer, error = %e, "UCX disconnect");
                 }
             }
             _ => {}
         }
         // Every export came back as `Revoked` above; the peer's endpoint is gone with the
         // session.
-        for (_, e) in self.ucx.exported.drain() {
+        for (_, e) in self.exported.drain() {
             e.confirmed();
         }
-        self.ucx.link = None;
+        self.link = None;
+    }
+}
+
+fn ucx_error(peer: &str, e: UcxError) -> Error {
+    match e {
+        UcxError::UnmapTimeout { region, after } => Error::UnmapTimeout {
+            peer: peer.to_string(),
+            step: Step::Established,
+            region,
+            after,
+        },
+        e => Error::PeerMisbehaved {
+            peer: peer.to_string(),
+            step: Step::Established,
+            detail: format!("UCX negotiation: {e}"),
+        },
     }
 }
