@@ -300,7 +300,7 @@ pub async fn assert_transport(ch: &Channel, peer: &kvbridge::PeerId, t: impl Int
     if t == kvbridge::Transport::Ucx {
         // The UCX negotiation follows the session's establishment: its keys arrive within
         // a handshake step.
-        let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
         while ch.peer_transport(peer).await.unwrap() != t && std::time::Instant::now() < until {
             tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         }

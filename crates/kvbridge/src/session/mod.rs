@@ -811,6 +811,7 @@ impl Session {
     async fn ucx_pump(&mut self) -> Option<Error> {
         let round = ucx::Round {
             peer: &self.peer_name,
+            session: self.id,
             peer_id: self.peer_id.as_ref(),
             table: &self.env.table,
             data: self.data.as_ref().map(|d| &d.path),
@@ -1208,9 +1209,18 @@ impl Session {
             h.abort();
         }
         #[cfg(feature = "ucx")]
-        self.ucx
-            .close(&self.peer_name, self.env.config.deadlines.close)
-            .await;
+        {
+            let round = ucx::Round {
+                peer: &self.peer_name,
+                session: self.id,
+                peer_id: self.peer_id.as_ref(),
+                table: &self.env.table,
+                data: None,
+                op: self.env.config.deadlines.op,
+            };
+            let close = self.env.config.deadlines.close;
+            self.ucx.close(&round, close).await;
+        }
         if let Some(mut d) = self.data.take() {
             // Let the writers flush what is queued (an error ack for the peer), briefly.
             for c in &d.conns {

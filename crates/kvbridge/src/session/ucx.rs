@@ -64,8 +64,11 @@ enum Link {
 
 /// What the UCX negotiation needs of its session for one round.
 pub(super) struct Round<'a> {
-    /// The peer's name, for errors and for the worker's endpoint.
+    /// The peer's name, for errors.
     pub(super) peer: &'a str,
+    /// This session's id: with the peer's name, the key of its endpoint on the worker (a
+    /// session that replaces another may connect before the old one closed its endpoint).
+    pub(super) session: u64,
     /// The peer, once known.
     pub(super) peer_id: Option<&'a PeerId>,
     /// The channel's grants.
@@ -74,6 +77,12 @@ pub(super) struct Round<'a> {
     pub(super) data: Option<&'a Arc<DataPath>>,
     /// Bounds a release's flush.
     pub(super) op: Duration,
+}
+
+impl Round<'_> {
+    fn endpoint(&self) -> String {
+        format!("{}#{}", self.peer, self.session)
+    }
 }
 
 /// A session's UCX state.
@@ -231,13 +240,13 @@ impl UcxLink {
     async fn carry_out(&mut self, ch: &Arc<UcxChannel>, s: &Round<'_>, o: Output) {
         match o {
             Output::Connect { address } => {
-                let r = ch.thread().connect(s.peer, &address.0).await;
+                let r = ch.thread().connect(&s.endpoint(), &address.0).await;
                 let Some(Link::Import(x)) = self.link.as_mut() else {
                     return;
                 };
                 match r {
                     Ok(()) => {
-                        let route = Arc::new(UcxRoute::new(ch.clone(), s.peer.to_string()));
+                        let route = Arc::new(UcxRoute::new(ch.clone(), s.endpoint()));
                         if let Some(d) = s.data {
                             d.set_ucx(route.clone());
                         }
@@ -247,7 +256,7 @@ impl UcxLink {
                     Err(e) => x.connect_failed(e.to_string()),
                 }
             }
-            Output::Import(r) => match ch.thread().import(s.peer, r.id, &r.rkey.0).await {
+            Output::Import(r) => match ch.thread().import(&s.endpoint(), r.id, &r.rkey.0).await {
                 Ok(()) => {
                     if let Some(route) = &self.route {
                         route.add(r.id, r.len);
@@ -266,7 +275,7 @@ impl UcxLink {
                     route.remove(id);
                 }
                 let deadline = Instant::now() + s.op;
-                if let Err(e) = ch.thread().release(s.peer, id, deadline).await {
+                if let Err(e) = ch.thread().release(&s.endpoint(), id, deadline).await {
                     // The key is unusable here either way; the listener unmaps once we answer.
                     tracing::warn!(peer = %s.peer, region = %id, error = %e, "UCX release");
                 }
@@ -292,7 +301,7 @@ impl UcxLink {
 
     /// The session ends: the listener lets every registration of it go, the initiator
     /// closes its endpoint (within `close`).
-    pub(super) async fn close(&mut self, peer: &str, close: Duration) {
+    pub(super) async fn close(&mut self, s: &Round<'_>, close: Duration) {
         let Some(ch) = self.channel.clone() else {
             return;
         };
@@ -311,8 +320,8 @@ impl UcxLink {
             }
             Some(Link::Import(_)) if self.route.is_some() => {
                 let deadline = Instant::now() + close;
-                if let Err(e) = ch.thread().disconnect(peer, deadline).await {
-                    tracing::debug!(%peer, error = %e, "UCX disconnect");
+                if let Err(e) = ch.thread().disconnect(&s.endpoint(), deadline).await {
+                    tracing::debug!(peer = %s.peer, error = %e, "UCX disconnect");
                 }
             }
             _ => {}
