@@ -226,7 +226,7 @@ impl Channel {
             ));
         }
         #[cfg(feature = "ucx")]
-        let ucx = crate::session::ucx::start_thread(&config, peer_id.as_str())?;
+        let ucx = crate::session::ucx::start_thread(&config, peer_id.as_str()).await?;
         let local = LocalIdentity {
             peer_id,
             incarnation: Incarnation(crate::rand_u64()),

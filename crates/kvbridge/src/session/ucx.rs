@@ -32,12 +32,20 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Starts the channel's UCX worker when its transport is UCX.
-pub(crate) fn start_thread(config: &ChannelConfig, name: &str) -> Result<Option<Arc<UcxChannel>>> {
+/// Starts the channel's UCX worker when its transport is UCX, off the runtime's threads
+/// (UCX's initialization takes milliseconds to seconds on a loaded host).
+pub(crate) async fn start_thread(
+    config: &ChannelConfig,
+    name: &str,
+) -> Result<Option<Arc<UcxChannel>>> {
     if config.transport != Transport::Ucx {
         return Ok(None);
     }
-    UcxChannel::start(name, config.hooks.ucx_tls.as_deref())
+    let (name, tls) = (name.to_string(), config.hooks.ucx_tls.clone());
+    let started = tokio::task::spawn_blocking(move || UcxChannel::start(&name, tls.as_deref()))
+        .await
+        .map_err(|e| Error::Local(format!("transport ucx: starting the UCX worker: {e}")))?;
+    started
         .map(|c| Some(Arc::new(c)))
         .map_err(|e| Error::Local(format!("transport ucx: cannot start a UCX worker: {e}")))
 }
