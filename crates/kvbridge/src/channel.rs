@@ -148,6 +148,9 @@ struct Inner {
     events: tokio::sync::broadcast::Sender<PeerEvent>,
     /// The name of our unix socket, when we offer shared memory.
     shm_socket: Option<String>,
+    /// The channel's UCX worker, when the transport is UCX.
+    #[cfg(feature = "ucx")]
+    ucx: Option<Arc<crate::transport::ucx_route::UcxChannel>>,
 }
 
 impl Drop for Inner {
@@ -214,6 +217,16 @@ impl Channel {
                 )));
             }
         }
+        #[cfg(not(feature = "ucx"))]
+        if config.transport == crate::config::Transport::Ucx {
+            return Err(Error::Local(
+                "transport ucx (KVBRIDGE_TRANSPORT=ucx): this build has no UCX (build the \
+                 kvbridge crate with its `ucx` feature)"
+                    .into(),
+            ));
+        }
+        #[cfg(feature = "ucx")]
+        let ucx = crate::session::ucx::start_thread(&config, peer_id.as_str()).await?;
         let local = LocalIdentity {
             peer_id,
             incarnation: Incarnation(crate::rand_u64()),
@@ -256,7 +269,10 @@ impl Channel {
             config.hooks.write_apply_delay.is_some() || config.hooks.read_serve_delay.is_some();
         let shm = match (&listener, config.transport, crate::shm::host_id()) {
             (Some(Listener::Tokio(_)), t, Some(host))
-                if t != crate::config::Transport::Tcp && !tcp_hooks =>
+                if matches!(
+                    t,
+                    crate::config::Transport::Auto | crate::config::Transport::Shm
+                ) && !tcp_hooks =>
             {
                 let name = crate::shm::socket_name();
                 match crate::shm::bind(&name) {
@@ -289,6 +305,8 @@ impl Channel {
             in_flight_refused: Arc::new(AtomicU64::new(0)),
             direct: Default::default(),
             frames_direct: Default::default(),
+            #[cfg(feature = "ucx")]
+            ucx: ucx.clone(),
         };
         let mut tasks = vec![tokio::spawn(Core::new(env, events.clone()).run(core_rx))];
         if let Some((l, _)) = shm {
@@ -317,6 +335,8 @@ impl Channel {
                 tasks: std::sync::Mutex::new(tasks),
                 events,
                 shm_socket,
+                #[cfg(feature = "ucx")]
+                ucx,
             }),
         })
     }
@@ -407,6 +427,12 @@ impl Channel {
             return Ok(());
         }
         if region.exports() > 0 && !region.is_detached() {
+            // Its pages are about to be replaced at the same address: no UCX operation may
+            // start on the old registration.
+            #[cfg(feature = "ucx")]
+            if let Some(u) = &self.inner.ucx {
+                u.revoke_now(id).await;
+            }
             // Peers that mapped the region did not confirm unmapping it in time: end their
             // sessions, then cut the region loose from the memory they can still reach.
             crate::session::detach_region(
@@ -722,9 +748,14 @@ impl Channel {
 
     /// Which transport carries our batches to a connected peer: [`crate::Transport::Shm`]
     /// when it mapped at least one of the peer's regions for us (batches naming only mapped
-    /// regions are copied; others go over TCP), else [`crate::Transport::Tcp`].
+    /// regions are copied; others go over TCP), [`crate::Transport::Ucx`] when it imported
+    /// at least one of the peer's regions over UCX, else [`crate::Transport::Tcp`].
     pub async fn peer_transport(&self, peer: &PeerId) -> Result<crate::Transport> {
         let h = self.handle(peer).await?;
+        #[cfg(feature = "ucx")]
+        if h.data.over_ucx() {
+            return Ok(crate::Transport::Ucx);
+        }
         Ok(match &h.shm {
             Some(s) if s.len() > 0 => crate::Transport::Shm,
             _ => crate::Transport::Tcp,

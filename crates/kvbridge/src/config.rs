@@ -131,6 +131,10 @@ pub struct TestHooks {
     /// Initiator: the cross-memory-attach probe fails with `EPERM`, as where the kernel
     /// does not permit it (tests the fallback to TCP on hosts where it would work).
     pub cma_deny: bool,
+    /// The UCX transports of this channel's worker, instead of what `UCX_TLS` says (tests
+    /// run UCX over tcp and over shared memory side by side in one process).
+    #[cfg(feature = "ucx")]
+    pub ucx_tls: Option<String>,
 }
 
 /// Which transport carries the bytes of a session.
@@ -145,15 +149,21 @@ pub enum Transport {
     /// Shared memory required: a session whose peer offers none on this host fails with
     /// [`crate::Error::Incompatible`]. Regions that cannot be mapped still go over TCP.
     Shm,
+    /// UCX (one-sided puts and gets between registered regions) with a peer that offers it,
+    /// TCP with the reason logged otherwise. Which UCX transports run is UCX's choice under
+    /// its own `UCX_TLS` and `UCX_NET_DEVICES`. Needs a build with the `kvbridge` crate's
+    /// `ucx` feature: without it [`crate::Channel::new`] refuses this setting.
+    Ucx,
 }
 
 impl Transport {
-    /// Parses `auto`, `tcp` or `shm`.
+    /// Parses `auto`, `tcp`, `shm` or `ucx`.
     pub fn parse(s: &str) -> Option<Transport> {
         match s {
             "auto" => Some(Transport::Auto),
             "tcp" => Some(Transport::Tcp),
             "shm" => Some(Transport::Shm),
+            "ucx" => Some(Transport::Ucx),
             _ => None,
         }
     }
@@ -164,6 +174,7 @@ impl Transport {
             Transport::Auto => "auto",
             Transport::Tcp => "tcp",
             Transport::Shm => "shm",
+            Transport::Ucx => "ucx",
         }
     }
 }
@@ -283,7 +294,7 @@ pub struct ChannelConfig {
     /// Drive each data connection with two dedicated threads doing blocking I/O (faster for
     /// bulk transfers; two threads per peer). When false, data connections are tokio tasks.
     pub data_threads: bool,
-    /// Transport selection (`KVBRIDGE_TRANSPORT=auto|tcp|shm`, default auto).
+    /// Transport selection (`KVBRIDGE_TRANSPORT=auto|tcp|shm|ucx`, default auto).
     pub transport: Transport,
     /// Cross-memory attach (`process_vm_writev`/`readv`) for the regions of a same-host
     /// peer that cannot be mapped (caller memory, `Region::from_raw`), where the kernel

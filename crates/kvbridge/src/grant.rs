@@ -416,6 +416,19 @@ impl RegionTable {
             .collect()
     }
 
+    /// The regions granted to `peer` that it may reach over UCX: the unrestricted grants (or
+    /// those that ask for direct copies), since the peer then writes and reads by itself, as
+    /// over shared memory.
+    #[cfg(feature = "ucx")]
+    pub(crate) fn ucx_for(&self, peer: &PeerId) -> Vec<Region> {
+        let t = self.read();
+        t.regions
+            .values()
+            .filter(|e| e.permission.allows(peer) && e.permission.direct_allowed())
+            .map(|e| e.region.clone())
+            .collect()
+    }
+
     /// What this side grants to `peer`.
     pub(crate) fn granted_to(&self, peer: &PeerId) -> MemInfo {
         let t = self.read();

@@ -598,3 +598,20 @@ async fn close_frees_the_listening_port_before_it_returns() {
         again.close().await;
     }
 }
+
+/// A build without the `ucx` feature refuses `Transport::Ucx` with an error that says so,
+/// instead of running over another transport.
+#[cfg(not(feature = "ucx"))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ucx_without_the_feature_is_a_typed_configuration_error() {
+    let mut c = ChannelConfig::new("prefill-0", None);
+    c.transport = Transport::Ucx;
+    match Channel::new(c).await {
+        Err(Error::Local(m)) => assert!(m.contains("no UCX"), "{m}"),
+        other => panic!(
+            "expected a configuration error, got {:?}",
+            other.map(|_| ())
+        ),
+    }
+    assert_eq!(Transport::parse("ucx"), Some(Transport::Ucx));
+}

@@ -126,6 +126,8 @@ pub struct Carrier {
     /// TLS on the control and the data connections (one CA-signed certificate for
     /// 127.0.0.1 per test process, trusted by both sides).
     pub tls: bool,
+    /// The UCX transports (`UCX_TLS`) of both channels' workers, for `Transport::Ucx`.
+    pub ucx_tls: Option<&'static str>,
 }
 
 /// A CA and a leaf for 127.0.0.1 that it signed: (CA certificate PEM, leaf certificate
@@ -167,6 +169,10 @@ impl Carrier {
             c.tls = Some(tls_everywhere());
         }
         RAW_MEMORY.set(self.raw);
+        #[cfg(feature = "ucx")]
+        {
+            c.hooks.ucx_tls = self.ucx_tls.map(str::to_string);
+        }
     }
 
     /// Cross-memory attach: caller memory on a same-host listener.
@@ -176,6 +182,7 @@ impl Carrier {
             data_connections: 1,
             raw: true,
             tls: false,
+            ucx_tls: None,
         }
     }
 
@@ -186,6 +193,7 @@ impl Carrier {
             data_connections: 2,
             raw: false,
             tls: true,
+            ucx_tls: None,
         }
     }
 }
@@ -197,14 +205,27 @@ impl From<kvbridge::Transport> for Carrier {
             data_connections: 1,
             raw: false,
             tls: false,
+            ucx_tls: None,
+        }
+    }
+}
+
+impl Carrier {
+    /// UCX between the two channels, its worker limited to `tls` (`UCX_TLS`).
+    pub fn ucx(tls: &'static str) -> Carrier {
+        Carrier {
+            ucx_tls: Some(tls),
+            ..Carrier::from(kvbridge::Transport::Ucx)
         }
     }
 }
 
 /// Declares one `#[tokio::test]` per carrier, named `<name>::tcp`, `<name>::tcp_striped`
 /// (TCP, 3 data connections), `<name>::tcp_tls` (TLS on control and data connections, 2
-/// data connections), `<name>::shm` and `<name>::cma` (the listener's region in
-/// caller memory, carried by cross-memory attach where permitted), that runs
+/// data connections), `<name>::shm`, `<name>::cma` (the listener's region in
+/// caller memory, carried by cross-memory attach where permitted) and, with the `ucx`
+/// feature, `<name>::ucx_tcp` and `<name>::ucx_sm` (UCX over `UCX_TLS=tcp` and `sm,self`),
+/// that runs
 /// `body(carrier)`: the suite is parametrized, not copied.
 #[macro_export]
 macro_rules! per_transport {
@@ -221,6 +242,7 @@ macro_rules! per_transport {
                     data_connections: 3,
                     raw: false,
                     tls: false,
+                    ucx_tls: None,
                 })
                 .await
             }
@@ -235,6 +257,16 @@ macro_rules! per_transport {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn cma() {
                 $body($crate::common::Carrier::cma()).await
+            }
+            #[cfg(feature = "ucx")]
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn ucx_tcp() {
+                $body($crate::common::Carrier::ucx("tcp")).await
+            }
+            #[cfg(feature = "ucx")]
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn ucx_sm() {
+                $body($crate::common::Carrier::ucx("sm,self")).await
             }
         }
     };
@@ -265,6 +297,14 @@ pub async fn assert_transport(ch: &Channel, peer: &kvbridge::PeerId, t: impl Int
         return;
     }
     let t = c.transport;
+    if t == kvbridge::Transport::Ucx {
+        // The UCX negotiation follows the session's establishment: its keys arrive within
+        // a handshake step.
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while ch.peer_transport(peer).await.unwrap() != t && std::time::Instant::now() < until {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    }
     assert_eq!(
         ch.peer_transport(peer).await.unwrap(),
         t,

@@ -96,6 +96,20 @@ async fn a_notification_issued_during_a_direct_write_follows_it_cma() {
     a_notification_issued_during_a_write_follows_it(Carrier::cma(), LEN).await
 }
 
+/// Over UCX the write is posted on the channel's worker; the notification goes over the
+/// control path and must wait until the worker's flush said every byte is in place.
+#[cfg(feature = "ucx")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_notification_issued_during_a_ucx_write_follows_it_tcp() {
+    a_notification_issued_during_a_write_follows_it(Carrier::ucx("tcp"), LEN).await
+}
+
+#[cfg(feature = "ucx")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_notification_issued_during_a_ucx_write_follows_it_sm() {
+    a_notification_issued_during_a_write_follows_it(Carrier::ucx("sm,self"), LEN).await
+}
+
 /// `disconnect` during a direct copy returns only once the copy is over: nothing of it
 /// lands afterwards. The write itself either completed before the session ended or fails
 /// typed, naming the peer.

@@ -14,6 +14,8 @@
 pub(crate) mod direct;
 pub(crate) mod pending;
 mod stripe;
+#[cfg(feature = "ucx")]
+mod ucx;
 
 pub(crate) use direct::DirectRoute;
 pub(crate) use pending::{AbortHandle, Submitted};
@@ -69,6 +71,9 @@ pub(crate) struct DataPath {
     direct: Option<DirectRoute>,
     /// The peer honours unacknowledged notifications ([`DataPath::notify_posted`]).
     peer_unacked_notify: bool,
+    /// The peer's regions this side reaches over UCX, once the session negotiated it.
+    #[cfg(feature = "ucx")]
+    ucx: std::sync::OnceLock<Arc<crate::transport::ucx_route::UcxRoute>>,
 }
 
 /// Removes a transfer's ticket from `order` when it ends, however it ends.
@@ -123,6 +128,8 @@ impl DataPath {
                 abort,
                 incoming: InFlight::new(max_in_flight),
                 peer_unacked_notify,
+                #[cfg(feature = "ucx")]
+                ucx: std::sync::OnceLock::new(),
             }),
             rxs,
         )
@@ -164,6 +171,11 @@ impl DataPath {
             Dir::Read => Step::Read,
         };
         let bytes: u64 = descs.iter().map(|d| d.len).sum();
+        #[cfg(feature = "ucx")]
+        let (descs, locals) = match self.transfer_ucx(dir, deadline, bytes, descs, locals).await {
+            Ok(r) => return r,
+            Err(batch) => batch,
+        };
         let (descs, locals) = if dir == Dir::Write && self.stripes.is_empty() {
             match self.write_direct(deadline, bytes, descs, locals).await {
                 Ok(r) => return r,

@@ -62,7 +62,9 @@ impl Session {
     /// be had.
     pub(super) fn start_shm(&mut self, offer: Option<ShmOffer>, token: SessionToken) -> Result<()> {
         let want = self.env.config.transport;
-        if want == Transport::Tcp || !matches!(self.env.config.net, crate::net::Net::Tokio) {
+        if matches!(want, Transport::Tcp | Transport::Ucx)
+            || !matches!(self.env.config.net, crate::net::Net::Tokio)
+        {
             return Ok(());
         }
         let ours = crate::shm::host_id();

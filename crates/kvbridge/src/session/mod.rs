@@ -40,6 +40,8 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 mod direct;
+#[cfg(feature = "ucx")]
+pub(crate) mod ucx;
 
 pub(crate) use direct::detach_region;
 use direct::ShmState;
@@ -62,6 +64,9 @@ pub(crate) struct SessionEnv {
     pub(crate) direct: Arc<crate::shm::DirectCounters>,
     /// The channel's count of frames written past the writers (`Stats::frames_direct`).
     pub(crate) frames_direct: Arc<std::sync::atomic::AtomicU64>,
+    /// The channel's UCX worker and its owner thread, when the transport is UCX.
+    #[cfg(feature = "ucx")]
+    pub(crate) ucx: Option<Arc<crate::transport::ucx_route::UcxChannel>>,
 }
 
 enum Machine {
@@ -267,6 +272,9 @@ struct Session {
     last_heard: Instant,
     /// Shared memory, either role.
     shm: ShmState,
+    /// UCX, either role.
+    #[cfg(feature = "ucx")]
+    ucx: ucx::UcxLink,
 }
 
 /// A fresh authentication challenge.
@@ -476,6 +484,11 @@ pub(crate) async fn run_initiator(
         challenge(),
         streams,
     ));
+    #[cfg(feature = "ucx")]
+    let machine = match machine {
+        Machine::Init(m) if env.ucx.is_some() => Machine::Init(m.with_ucx()),
+        m => m,
+    };
     Session::start(
         env,
         id,
@@ -549,6 +562,8 @@ impl Session {
         cmds: mpsc::UnboundedReceiver<SessionCmd>,
         cmd_tx: mpsc::UnboundedSender<SessionCmd>,
     ) -> Self {
+        #[cfg(feature = "ucx")]
+        let (env_ucx, initiator) = (env.ucx.clone(), matches!(machine, Machine::Init(_)));
         let (r, w) = stream.into_split();
         let until_proof = env.local.authenticates().then(|| {
             let proves: fn(&Message) -> bool = match &machine {
@@ -590,6 +605,8 @@ impl Session {
             established: false,
             last_heard: Instant::now(),
             shm: ShmState::default(),
+            #[cfg(feature = "ucx")]
+            ucx: ucx::UcxLink::new(env_ucx, initiator),
         }
     }
 
@@ -604,6 +621,10 @@ impl Session {
         let mut tick = tokio::time::interval_at(Instant::now() + keepalive, keepalive);
         loop {
             if let Some(e) = self.process_outputs().await {
+                return e;
+            }
+            #[cfg(feature = "ucx")]
+            if let Some(e) = self.ucx_pump().await {
                 return e;
             }
             if !self.unproven.is_empty() {
@@ -635,12 +656,20 @@ impl Session {
                 continue;
             }
             let ready_at = self.shm.pending_ready.as_ref().map(|(_, at)| *at);
-            let deadline = self.machine.poll_timeout().map(Instant::from_std);
+            let deadline = self.machine.poll_timeout();
+            #[cfg(feature = "ucx")]
+            let deadline = match (deadline, self.ucx.poll_timeout()) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            let deadline = deadline.map(Instant::from_std);
             let bind_at = self.pending_bind.as_ref().map(|(at, _)| *at);
             tokio::select! {
                 m = self.ctl_rx.recv() => {
                     self.last_heard = Instant::now();
                     match m {
+                        #[cfg(feature = "ucx")]
+                        Some(Ok(m)) if self.ucx.takes(&m) => self.ucx.handle_message(m),
                         Some(Ok(m)) => self.machine.handle_message(m, std_now()),
                         Some(Err(ReadError::Frame(e))) => return Error::PeerMisbehaved {
                             peer: self.peer_name.clone(), step: self.machine.step(), detail: e.to_string() },
@@ -700,6 +729,8 @@ impl Session {
                             let mem = self.env.table.granted_to(p);
                             self.machine.update_mem(mem, std_now());
                         }
+                        #[cfg(feature = "ucx")]
+                        self.ucx.grants_changed();
                         if let Err(e) = self.sync_exports().await {
                             return e;
                         }
@@ -718,7 +749,11 @@ impl Session {
                     }
                     Some(SessionCmd::Close) | None => return Error::Closed,
                 },
-                _ = sleep_until_opt(deadline) => self.machine.handle_timeout(std_now()),
+                _ = sleep_until_opt(deadline) => {
+                    self.machine.handle_timeout(std_now());
+                    #[cfg(feature = "ucx")]
+                    self.ucx.handle_timeout(std_now());
+                }
                 _ = sleep_until_opt(bind_at) => {
                     let (_, s) = self.pending_bind.take().expect("bind_at implies pending_bind");
                     self.bind(s);
@@ -768,6 +803,27 @@ impl Session {
                 }
             }
         }
+    }
+
+    /// Carries out what the UCX negotiation asked for; returns an error when the session
+    /// must end.
+    #[cfg(feature = "ucx")]
+    async fn ucx_pump(&mut self) -> Option<Error> {
+        let round = ucx::Round {
+            peer: &self.peer_name,
+            session: self.id,
+            peer_id: self.peer_id.as_ref(),
+            table: &self.env.table,
+            data: self.data.as_ref().map(|d| &d.path),
+            op: self.env.config.deadlines.op,
+        };
+        let (send, err) = self.ucx.pump(&round).await;
+        for m in send {
+            if let Err(e) = self.send(&m).await {
+                return Some(e);
+            }
+        }
+        err
     }
 
     async fn send(&mut self, m: &Message) -> Result<()> {
@@ -1121,6 +1177,11 @@ impl Session {
             id: self.id,
             handle,
         });
+        #[cfg(feature = "ucx")]
+        if let Machine::Listen(m) = &self.machine {
+            let step = self.env.config.deadlines.handshake_step;
+            self.ucx.established(m.peer_takes_ucx(), step);
+        }
     }
 
     /// Rollback: tell the peer, stop the data tasks, fail waiting batches, report to the
@@ -1146,6 +1207,19 @@ impl Session {
         }
         if let Some(h) = self.data_connect.take() {
             h.abort();
+        }
+        #[cfg(feature = "ucx")]
+        {
+            let round = ucx::Round {
+                peer: &self.peer_name,
+                session: self.id,
+                peer_id: self.peer_id.as_ref(),
+                table: &self.env.table,
+                data: None,
+                op: self.env.config.deadlines.op,
+            };
+            let close = self.env.config.deadlines.close;
+            self.ucx.close(&round, close).await;
         }
         if let Some(mut d) = self.data.take() {
             // Let the writers flush what is queued (an error ack for the peer), briefly.

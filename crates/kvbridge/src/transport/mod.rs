@@ -8,10 +8,12 @@
 #[allow(dead_code)]
 pub(crate) mod one_sided;
 pub(crate) mod tcp;
-// The engine does not drive it yet: the seam and the backend are tested on their own.
+// Parts of the seam (wait, test, wakeups) serve the backend's own tests only.
 #[cfg(feature = "ucx")]
 #[allow(dead_code)]
 pub(crate) mod ucx;
+#[cfg(feature = "ucx")]
+pub(crate) mod ucx_route;
 #[cfg(feature = "ucx")]
 #[allow(dead_code)]
 pub(crate) mod ucx_thread;

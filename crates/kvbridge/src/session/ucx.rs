@@ -1,0 +1,360 @@
+//! A session's UCX negotiation: drives the sans-IO machines of `kvbridge_proto::ucx_link`
+//! (the listener's [`UcxExport`], the initiator's [`UcxImport`]) over the control
+//! connection, once the session is established, and carries out what they ask of the
+//! channel's worker ([`UcxChannel`]).
+//!
+//! - Listener: once the handshake established the session (after the proof, with a secret)
+//!   and the initiator said `ucx` in its `Hello`, it offers its worker address; the keys of
+//!   the regions granted to the peer go out only after the peer accepted (the machine holds
+//!   them). A grant withdrawn (deregistration, `Region::detach`) unmaps the peer's key; its
+//!   registration is let go once the peer answered `UcxUnmapped`, or the session ended.
+//! - Initiator: connects its worker's endpoint to the offered address (or declines, and
+//!   the session goes on over TCP), unpacks each key, and hands the data path a
+//!   [`UcxRoute`] that names the regions its batches may reach over UCX. An unmap removes
+//!   the region from the route, flushes what was posted on it and destroys the key before
+//!   answering.
+//!
+//! A fallback is logged with its reason on both sides; a failed machine ends the session.
+
+use crate::config::{ChannelConfig, Transport};
+use crate::datapath::DataPath;
+use crate::error::{Error, Result};
+use crate::grant::RegionTable;
+use crate::region::RegionExport;
+use crate::transport::ucx_route::{UcxChannel, UcxRoute};
+use kvbridge_proto::handshake::Step;
+use kvbridge_proto::ids::Blob;
+use kvbridge_proto::msg::{Message, UcxRegion};
+use kvbridge_proto::ucx_link::{Output, UcxError, UcxExport, UcxImport};
+use kvbridge_proto::PeerId;
+use kvbridge_proto::RegionId;
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Starts the channel's UCX worker when its transport is UCX, off the runtime's threads
+/// (UCX's initialization takes milliseconds to seconds on a loaded host).
+pub(crate) async fn start_thread(
+    config: &ChannelConfig,
+    name: &str,
+) -> Result<Option<Arc<UcxChannel>>> {
+    if config.transport != Transport::Ucx {
+        return Ok(None);
+    }
+    let (name, tls) = (name.to_string(), config.hooks.ucx_tls.clone());
+    let started = tokio::task::spawn_blocking(move || UcxChannel::start(&name, tls.as_deref()))
+        .await
+        .map_err(|e| Error::Local(format!("transport ucx: starting the UCX worker: {e}")))?;
+    started
+        .map(|c| Some(Arc::new(c)))
+        .map_err(|e| Error::Local(format!("transport ucx: cannot start a UCX worker: {e}")))
+}
+
+/// Whether a control message belongs to the UCX negotiation.
+fn is_ucx(m: &Message) -> bool {
+    matches!(
+        m,
+        Message::UcxOffer(_)
+            | Message::UcxAccept(_)
+            | Message::UcxDecline(_)
+            | Message::UcxMap(_)
+            | Message::UcxSync(_)
+            | Message::UcxUnmap(_)
+            | Message::UcxUnmapped(_)
+    )
+}
+
+/// The machine of this session's role.
+enum Link {
+    Export(UcxExport),
+    Import(UcxImport),
+}
+
+/// What the UCX negotiation needs of its session for one round.
+pub(super) struct Round<'a> {
+    /// The peer's name, for errors.
+    pub(super) peer: &'a str,
+    /// This session's id: with the peer's name, the key of its endpoint on the worker (a
+    /// session that replaces another may connect before the old one closed its endpoint).
+    pub(super) session: u64,
+    /// The peer, once known.
+    pub(super) peer_id: Option<&'a PeerId>,
+    /// The channel's grants.
+    pub(super) table: &'a RegionTable,
+    /// The session's data path, once bound.
+    pub(super) data: Option<&'a Arc<DataPath>>,
+    /// Bounds a release's flush.
+    pub(super) op: Duration,
+}
+
+impl Round<'_> {
+    fn endpoint(&self) -> String {
+        format!("{}#{}", self.peer, self.session)
+    }
+}
+
+/// A session's UCX state.
+pub(super) struct UcxLink {
+    channel: Option<Arc<UcxChannel>>,
+    link: Option<Link>,
+    /// (Listener) Regions exported to the peer and not yet revoked, each counted as an
+    /// export of the region until the peer answered its unmap (so `Channel::deregister`
+    /// waits for it) or the session ended.
+    exported: HashMap<RegionId, RegionExport>,
+    /// (Listener) The grants changed (or the session was just established): compare.
+    grants_changed: bool,
+    /// (Initiator) The route the data path uses.
+    route: Option<Arc<UcxRoute>>,
+}
+
+impl UcxLink {
+    /// The UCX state of a session on a channel with (`channel`) or without a worker. An
+    /// initiator on a UCX channel waits for an offer from the start; a listener starts its
+    /// machine once the session is established ([`UcxLink::established`]).
+    pub(super) fn new(channel: Option<Arc<UcxChannel>>, initiator: bool) -> Self {
+        Self {
+            link: (channel.is_some() && initiator).then(|| Link::Import(UcxImport::new())),
+            channel,
+            exported: HashMap::new(),
+            grants_changed: false,
+            route: None,
+        }
+    }
+
+    fn poll_output(&mut self) -> Option<Output> {
+        match self.link.as_mut()? {
+            Link::Export(m) => m.poll_output(),
+            Link::Import(m) => m.poll_output(),
+        }
+    }
+
+    /// The earliest deadline of the machine.
+    pub(super) fn poll_timeout(&self) -> Option<Instant> {
+        match self.link.as_ref()? {
+            Link::Export(m) => m.poll_timeout(),
+            Link::Import(_) => None,
+        }
+    }
+
+    /// Time passed.
+    pub(super) fn handle_timeout(&mut self, now: Instant) {
+        if let Some(Link::Export(m)) = self.link.as_mut() {
+            m.handle_timeout(now);
+        }
+    }
+
+    /// (Listener) The session is established: offer UCX when the initiator takes it
+    /// (`peer_takes_ucx`), answers bounded by `timeout`.
+    pub(super) fn established(&mut self, peer_takes_ucx: bool, timeout: Duration) {
+        let Some(ch) = self.channel.as_ref() else {
+            return;
+        };
+        if !peer_takes_ucx || self.link.is_some() {
+            return;
+        }
+        let address = Blob(ch.thread().address().to_vec());
+        self.link = Some(Link::Export(UcxExport::new(
+            address,
+            timeout,
+            Instant::now(),
+        )));
+        self.grants_changed = true;
+    }
+
+    /// The regions granted to the peer changed.
+    pub(super) fn grants_changed(&mut self) {
+        if matches!(self.link, Some(Link::Export(_))) {
+            self.grants_changed = true;
+        }
+    }
+
+    /// Whether `m` is for this session's UCX machine (a UCX message in a session without
+    /// one goes to the handshake machine, which refuses it as unexpected).
+    pub(super) fn takes(&self, m: &Message) -> bool {
+        self.link.is_some() && is_ucx(m)
+    }
+
+    /// A UCX message from the peer.
+    pub(super) fn handle_message(&mut self, m: Message) {
+        match self.link.as_mut() {
+            Some(Link::Export(x)) => x.handle_message(m),
+            Some(Link::Import(x)) => x.handle_message(m),
+            None => {}
+        }
+    }
+
+    /// Carries out what the machine asked for. Returns the messages to send to the peer, in
+    /// order, and the error that ends the session, if any (send the messages first: a
+    /// failed machine's last one says why).
+    pub(super) async fn pump(&mut self, s: &Round<'_>) -> (Vec<Message>, Option<Error>) {
+        let mut send = Vec::new();
+        let Some(ch) = self.channel.clone() else {
+            return (send, None);
+        };
+        if std::mem::take(&mut self.grants_changed) {
+            self.sync_grants(&ch, s).await;
+        }
+        while let Some(o) = self.poll_output() {
+            match o {
+                Output::Send(m) => send.push(m),
+                Output::Failed(e) => return (send, Some(ucx_error(s.peer, e))),
+                o => self.carry_out(&ch, s, o).await,
+            }
+        }
+        (send, None)
+    }
+
+    /// (Listener) Exports the regions newly granted to the peer, revokes those withdrawn.
+    async fn sync_grants(&mut self, ch: &Arc<UcxChannel>, s: &Round<'_>) {
+        let Some(peer) = s.peer_id else {
+            return;
+        };
+        let granted = s.table.ucx_for(peer);
+        let now = Instant::now();
+        let live: HashSet<RegionId> = granted.iter().map(|r| r.id()).collect();
+        let gone: Vec<RegionId> = (self.exported.keys())
+            .filter(|id| !live.contains(id))
+            .copied()
+            .collect();
+        for id in gone {
+            if let Some(Link::Export(x)) = self.link.as_mut() {
+                x.revoke(id, now);
+            }
+        }
+        for r in granted {
+            if self.exported.contains_key(&r.id()) || r.is_detached() {
+                continue;
+            }
+            match ch.export_for_session(&r).await {
+                Ok(rkey) => {
+                    self.exported.insert(r.id(), r.begin_export());
+                    if let Some(Link::Export(x)) = self.link.as_mut() {
+                        x.export(UcxRegion {
+                            id: r.id(),
+                            base: r.as_ptr() as u64,
+                            len: r.len() as u64,
+                            rkey: Blob(rkey),
+                        });
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(peer = %s.peer, region = %r.id(), error = %e,
+                        "region not registered with UCX; the peer reaches it over TCP");
+                }
+            }
+        }
+    }
+
+    async fn carry_out(&mut self, ch: &Arc<UcxChannel>, s: &Round<'_>, o: Output) {
+        match o {
+            Output::Connect { address } => {
+                let r = ch.thread().connect(&s.endpoint(), &address.0).await;
+                let Some(Link::Import(x)) = self.link.as_mut() else {
+                    return;
+                };
+                match r {
+                    Ok(()) => {
+                        let route = Arc::new(UcxRoute::new(ch.clone(), s.endpoint()));
+                        if let Some(d) = s.data {
+                            d.set_ucx(route.clone());
+                        }
+                        self.route = Some(route);
+                        x.connected();
+                    }
+                    Err(e) => x.connect_failed(e.to_string()),
+                }
+            }
+            Output::Import(r) => match ch.thread().import(&s.endpoint(), r.id, &r.rkey.0).await {
+                Ok(()) => {
+                    if let Some(route) = &self.route {
+                        route.add(r.id, r.len);
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(peer = %s.peer, region = %r.id, error = %e,
+                        "UCX key not usable; the region goes over TCP");
+                    if let Some(Link::Import(x)) = self.link.as_mut() {
+                        x.import_failed(r.id);
+                    }
+                }
+            },
+            Output::Release { id } => {
+                if let Some(route) = &self.route {
+                    route.remove(id);
+                }
+                let deadline = Instant::now() + s.op;
+                if let Err(e) = ch.thread().release(&s.endpoint(), id, deadline).await {
+                    // The key is unusable here either way; the listener unmaps once we answer.
+                    tracing::warn!(peer = %s.peer, region = %id, error = %e, "UCX release");
+                }
+                if let Some(Link::Import(x)) = self.link.as_mut() {
+                    x.released(id);
+                }
+            }
+            Output::Revoked { id } => self.revoked(ch, id).await,
+            Output::Fallback { reason } => {
+                tracing::warn!(peer = %s.peer, %reason, "UCX not used with this peer; using TCP");
+            }
+            Output::Synced | Output::Send(_) | Output::Failed(_) => {}
+        }
+    }
+
+    /// (Listener) The peer can no longer reach region `id` through this session.
+    async fn revoked(&mut self, ch: &Arc<UcxChannel>, id: RegionId) {
+        ch.unexport_for_session(id).await;
+        if let Some(e) = self.exported.remove(&id) {
+            e.confirmed();
+        }
+    }
+
+    /// The session ends: the listener lets every registration of it go, the initiator
+    /// closes its endpoint (within `close`).
+    pub(super) async fn close(&mut self, s: &Round<'_>, close: Duration) {
+        let Some(ch) = self.channel.clone() else {
+            return;
+        };
+        match self.link.as_mut() {
+            Some(Link::Export(x)) => {
+                x.close();
+                let mut revoked = Vec::new();
+                while let Some(o) = x.poll_output() {
+                    if let Output::Revoked { id } = o {
+                        revoked.push(id);
+                    }
+                }
+                for id in revoked {
+                    self.revoked(&ch, id).await;
+                }
+            }
+            Some(Link::Import(_)) if self.route.is_some() => {
+                let deadline = Instant::now() + close;
+                if let Err(e) = ch.thread().disconnect(&s.endpoint(), deadline).await {
+                    tracing::debug!(peer = %s.peer, error = %e, "UCX disconnect");
+                }
+            }
+            _ => {}
+        }
+        // Every export came back as `Revoked` above; the peer's endpoint is gone with the
+        // session.
+        for (_, e) in self.exported.drain() {
+            e.confirmed();
+        }
+        self.link = None;
+    }
+}
+
+fn ucx_error(peer: &str, e: UcxError) -> Error {
+    match e {
+        UcxError::UnmapTimeout { region, after } => Error::UnmapTimeout {
+            peer: peer.to_string(),
+            step: Step::Established,
+            region,
+            after,
+        },
+        e => Error::PeerMisbehaved {
+            peer: peer.to_string(),
+            step: Step::Established,
+            detail: format!("UCX negotiation: {e}"),
+        },
+    }
+}

@@ -1,0 +1,193 @@
+//! A channel's UCX worker as its sessions and data paths use it: the owner thread
+//! ([`UcxThread`]), the local regions registered with it, and per session the peer's regions
+//! imported through its endpoint ([`UcxRoute`]).
+//!
+//! A local region is registered once per channel (UCX keys a registration by memory, and the
+//! backend by region id) and counted: once per session that granted it to its peer, and once
+//! when it served as the source or destination of our own batches. It is revoked when the
+//! last session let it go and it never served our batches, or when it is detached
+//! ([`UcxChannel::revoke_now`]).
+
+use crate::dir::Dir;
+use crate::region::{LocalSlice, Region};
+use crate::transport::one_sided::{OneSidedError, RangeOp};
+use crate::transport::ucx_thread::UcxThread;
+use kvbridge_proto::msg::OpDesc;
+use kvbridge_proto::RegionId;
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+use std::time::Instant;
+
+/// One local region registered with the worker.
+struct Registered {
+    descriptor: Vec<u8>,
+    /// Sessions that granted it to their peer over UCX.
+    sessions: usize,
+    /// It served our own batches (kept until detached or the channel ends).
+    local_use: bool,
+}
+
+/// The channel's worker and the local regions registered with it.
+#[derive(Debug)]
+pub(crate) struct UcxChannel {
+    thread: UcxThread,
+    registered: tokio::sync::Mutex<HashMap<RegionId, Registered>>,
+}
+
+impl std::fmt::Debug for Registered {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registered")
+            .field("sessions", &self.sessions)
+            .field("local_use", &self.local_use)
+            .finish_non_exhaustive()
+    }
+}
+
+impl UcxChannel {
+    /// Starts the channel's worker thread; UCX reads `UCX_TLS` and `UCX_NET_DEVICES` itself
+    /// unless `tls` pins the transports.
+    pub(crate) fn start(name: &str, tls: Option<&str>) -> Result<Self, OneSidedError> {
+        Ok(Self {
+            thread: UcxThread::start(name, tls)?,
+            registered: Default::default(),
+        })
+    }
+
+    /// The thread that owns the worker.
+    pub(crate) fn thread(&self) -> &UcxThread {
+        &self.thread
+    }
+
+    async fn register(&self, region: &Region, session: bool) -> Result<Vec<u8>, OneSidedError> {
+        let mut reg = self.registered.lock().await;
+        if let Some(r) = reg.get_mut(&region.id()) {
+            if session {
+                r.sessions += 1;
+            } else {
+                r.local_use = true;
+            }
+            return Ok(r.descriptor.clone());
+        }
+        let descriptor = self.thread.export(region).await?;
+        reg.insert(
+            region.id(),
+            Registered {
+                descriptor: descriptor.clone(),
+                sessions: usize::from(session),
+                local_use: !session,
+            },
+        );
+        Ok(descriptor)
+    }
+
+    /// Registers `region` for one session's peer; returns its packed key.
+    pub(crate) async fn export_for_session(
+        &self,
+        region: &Region,
+    ) -> Result<Vec<u8>, OneSidedError> {
+        self.register(region, true).await
+    }
+
+    /// One session no longer grants region `id` over UCX (its peer released the key, or the
+    /// session ended).
+    pub(crate) async fn unexport_for_session(&self, id: RegionId) {
+        let mut reg = self.registered.lock().await;
+        let Some(r) = reg.get_mut(&id) else {
+            return;
+        };
+        r.sessions = r.sessions.saturating_sub(1);
+        if r.sessions == 0 && !r.local_use {
+            reg.remove(&id);
+            if let Err(e) = self.thread.revoke(id).await {
+                tracing::warn!(region = %id, error = %e, "UCX revoke failed");
+            }
+        }
+    }
+
+    /// Revokes region `id`'s registration whatever uses it: its pages are about to be
+    /// replaced (`Region::detach`). The worker keeps the registration until the operations
+    /// still running on it ended.
+    pub(crate) async fn revoke_now(&self, id: RegionId) {
+        let mut reg = self.registered.lock().await;
+        if reg.remove(&id).is_some() {
+            if let Err(e) = self.thread.revoke(id).await {
+                tracing::warn!(region = %id, error = %e, "UCX revoke failed");
+            }
+        }
+    }
+}
+
+/// One session's way to its peer's regions over UCX (initiator side): the regions whose key
+/// was unpacked on the endpoint, with their lengths.
+#[derive(Debug)]
+pub(crate) struct UcxRoute {
+    channel: Arc<UcxChannel>,
+    peer: String,
+    regions: RwLock<HashMap<RegionId, u64>>,
+}
+
+impl UcxRoute {
+    /// The route to `peer` through `channel`'s worker; no region yet.
+    pub(crate) fn new(channel: Arc<UcxChannel>, peer: String) -> Self {
+        Self {
+            channel,
+            peer,
+            regions: Default::default(),
+        }
+    }
+
+    /// Region `id` (of `len` bytes) is imported: batches on it may use UCX.
+    pub(crate) fn add(&self, id: RegionId, len: u64) {
+        self.regions
+            .write()
+            .expect("ucx regions poisoned")
+            .insert(id, len);
+    }
+
+    /// Later batches on region `id` go over TCP.
+    pub(crate) fn remove(&self, id: RegionId) {
+        self.regions
+            .write()
+            .expect("ucx regions poisoned")
+            .remove(&id);
+    }
+
+    /// How many of the peer's regions are imported.
+    pub(crate) fn regions(&self) -> usize {
+        self.regions.read().expect("ucx regions poisoned").len()
+    }
+
+    /// Whether every region `descs` names is imported (and the batch not empty).
+    pub(crate) fn covers(&self, descs: &[OpDesc]) -> bool {
+        let regions = self.regions.read().expect("ucx regions poisoned");
+        !descs.is_empty() && descs.iter().all(|d| regions.contains_key(&d.region))
+    }
+
+    /// Moves a batch over UCX: registers its local regions (once per channel), then posts it
+    /// and waits until its bytes are in place at the peer (writes end with a flush), it
+    /// failed, or `deadline` passed.
+    pub(crate) async fn transfer(
+        &self,
+        dir: Dir,
+        descs: &[OpDesc],
+        locals: &[LocalSlice],
+        deadline: Instant,
+    ) -> Result<(), OneSidedError> {
+        let mut ops = Vec::with_capacity(descs.len());
+        for (d, l) in descs.iter().zip(locals) {
+            let region = l.region.region();
+            self.channel.register(region, false).await?;
+            ops.push(RangeOp {
+                local: region.id(),
+                local_offset: l.offset as u64,
+                remote: d.region,
+                remote_offset: d.offset,
+                len: d.len,
+            });
+        }
+        self.channel
+            .thread
+            .transfer(&self.peer, dir, ops, deadline)
+            .await
+    }
+}
