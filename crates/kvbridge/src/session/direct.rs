@@ -5,9 +5,60 @@
 //! them and copies into them directly, and (when both allow it) first reads a canary by
 //! cross-memory attach so that regions without a memfd are reached by address. Revoking a
 //! region waits for the peer's word that no copy into it runs. The session task owns all of
-//! this state ([`ShmState`]); these are its methods for it.
+//! this state ([`ShmState`]) and lends it what it needs of the session for each step
+//! ([`ShmRound`]).
 
-use super::*;
+use crate::cmd::CoreCmd;
+use crate::config::{ChannelConfig, Transport};
+use crate::error::{Error, Result};
+use crate::grant::RegionTable;
+use crate::region::{AbandonedExport, Region, RegionExport};
+use crate::shm::{DirectCounters, FdReader, Mapping, ShmPeer};
+use kvbridge_proto::handshake::{Established, Step};
+use kvbridge_proto::ids::Blob;
+use kvbridge_proto::msg::{
+    CmaCanary, CmaEcho, DataHello, Message, Ready, RegionInfo, ShmOffer, ShmRegion, ShmRevoke,
+};
+use kvbridge_proto::{PeerId, RegionId, SessionToken};
+use std::collections::HashMap;
+use std::os::fd::AsRawFd;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+/// What the same-host sub-protocol needs of its session for one step: the session lends
+/// these for the call, and [`ShmState`] keeps none of them.
+pub(super) struct ShmRound<'a> {
+    /// This session's id (`SessionCmd::EndIfMapping` spares the calling session).
+    pub(super) session: u64,
+    /// The peer's name, for errors and logs.
+    pub(super) peer: &'a str,
+    /// The peer, once known.
+    pub(super) peer_id: Option<&'a PeerId>,
+    /// This side's peer id (presented on the shared-memory connection).
+    pub(super) me: &'a PeerId,
+    /// (Listener) Whether the peer authenticated, so that its connections may be served.
+    pub(super) may_bind: bool,
+    pub(super) config: &'a ChannelConfig,
+    /// The channel's grants.
+    pub(super) table: &'a RegionTable,
+    /// The channel core (a detach asks it to end the sessions that still map a region).
+    pub(super) core: &'a mpsc::UnboundedSender<CoreCmd>,
+    /// The channel's counts of direct copies.
+    pub(super) counters: &'a Arc<DirectCounters>,
+    /// The peer's regions, as its latest `MemInfo` announced them.
+    pub(super) remote: &'a RwLock<HashMap<RegionId, RegionInfo>>,
+}
+
+impl ShmRound<'_> {
+    /// The lengths of the peer's regions (every offer is checked against them).
+    fn remote_lengths(&self) -> Vec<(RegionId, u64)> {
+        let map = self.remote.read().expect("remote regions poisoned");
+        map.values().map(|r| (r.id, r.len)).collect()
+    }
+}
 
 /// A session's shared-memory state.
 #[derive(Default)]
@@ -56,14 +107,19 @@ pub(super) enum CmaListen {
     Refused,
 }
 
-impl Session {
+impl ShmState {
     /// (Initiator) Uses the listener's shared-memory offer when the configuration allows it
     /// and the listener is on this host; fails the session when shm is required and cannot
     /// be had.
-    pub(super) fn start_shm(&mut self, offer: Option<ShmOffer>, token: SessionToken) -> Result<()> {
-        let want = self.env.config.transport;
+    pub(super) fn start(
+        &mut self,
+        cx: &ShmRound<'_>,
+        offer: Option<ShmOffer>,
+        token: SessionToken,
+    ) -> Result<()> {
+        let want = cx.config.transport;
         if matches!(want, Transport::Tcp | Transport::Ucx)
-            || !matches!(self.env.config.net, crate::net::Net::Tokio)
+            || !matches!(cx.config.net, crate::net::Net::Tokio)
         {
             return Ok(());
         }
@@ -77,18 +133,18 @@ impl Session {
             Ok(o) => o,
             Err(why) if want == Transport::Shm => {
                 return Err(Error::Incompatible {
-                    peer: self.peer_name.clone(),
+                    peer: cx.peer.to_string(),
                     step: Step::Welcome,
                     ours: format!("transport shm on host {}", ours.unwrap_or_default()),
                     theirs: why,
                 })
             }
             Err(why) => {
-                tracing::debug!(peer = %self.peer_name, "shared memory not used: {why}");
+                tracing::debug!(peer = %cx.peer, "shared memory not used: {why}");
                 return Ok(());
             }
         };
-        let cma_status = if !self.env.config.cma {
+        let cma_status = if !cx.config.cma {
             crate::CmaStatus::Off("disabled by configuration (KVBRIDGE_CMA=0)".into())
         } else if !offer.cma {
             crate::CmaStatus::Off(
@@ -98,20 +154,20 @@ impl Session {
         } else {
             crate::CmaStatus::Off("the probe has not completed".into())
         };
-        let ask = self.env.config.cma && offer.cma;
-        let deny = self.env.config.hooks.cma_deny;
-        let peer = Arc::new(ShmPeer::new(self.env.direct.clone(), cma_status));
-        peer.set_max_mapped(self.env.config.limits.max_shm_mapped_per_peer);
-        peer.announce(self.remote_lengths());
-        let wait = self.env.config.deadlines.handshake_step;
+        let ask = cx.config.cma && offer.cma;
+        let deny = cx.config.hooks.cma_deny;
+        let peer = Arc::new(ShmPeer::new(cx.counters.clone(), cma_status));
+        peer.set_max_mapped(cx.config.limits.max_shm_mapped_per_peer);
+        peer.announce(cx.remote_lengths());
+        let wait = cx.config.deadlines.handshake_step;
         let (synced_tx, synced_rx) = tokio::sync::watch::channel(false);
-        self.shm.peer = Some(peer.clone());
-        self.shm.synced = Some(synced_rx);
-        let me = self.env.local.peer_id.clone();
-        let limit = self.env.config.deadlines.connect;
-        let max = self.env.config.limits.max_frame_len;
-        let name = self.peer_name.clone();
-        self.shm.reader = Some(tokio::spawn(async move {
+        self.peer = Some(peer.clone());
+        self.synced = Some(synced_rx);
+        let me = cx.me.clone();
+        let limit = cx.config.deadlines.connect;
+        let max = cx.config.limits.max_frame_len;
+        let name = cx.peer.to_string();
+        self.reader = Some(tokio::spawn(async move {
             let mut conn = None;
             let r = async {
                 let pid = offer.pid;
@@ -139,12 +195,12 @@ impl Session {
     }
 
     /// (Listener) Binds an authenticated shared-memory connection.
-    pub(super) fn bind_shm(&mut self, s: tokio::net::UnixStream) {
+    pub(super) fn bind(&mut self, cx: &ShmRound<'_>, s: tokio::net::UnixStream) {
         let s = Arc::new(s);
         let (tx, rx) = mpsc::channel(64);
         let r = s.clone();
-        let max = self.env.config.limits.max_frame_len;
-        self.shm.reader = Some(tokio::spawn(async move {
+        let max = cx.config.limits.max_frame_len;
+        self.reader = Some(tokio::spawn(async move {
             // The initiator passes no descriptor.
             let mut fr = FdReader::new(max, 0);
             loop {
@@ -155,38 +211,37 @@ impl Session {
                 }
             }
         }));
-        self.shm.conn = Some(s);
-        self.shm.rx = Some(rx);
+        self.conn = Some(s);
+        self.rx = Some(rx);
     }
 
     /// (Listener) Offers the peer every shared region granted to it that it has not mapped,
     /// and asks it to unmap those no longer granted.
-    pub(super) async fn sync_exports(&mut self) -> Result<()> {
-        let (Some(conn), Some(peer)) = (self.shm.conn.clone(), self.peer_id.clone()) else {
+    pub(super) async fn sync_exports(&mut self, cx: &ShmRound<'_>) -> Result<()> {
+        let (Some(conn), Some(peer)) = (self.conn.clone(), cx.peer_id) else {
             return Ok(());
         };
-        if !self.machine.may_bind() {
+        if !cx.may_bind {
             return Ok(());
         }
-        let cma = self.shm.cma == CmaListen::On;
-        let granted = self.env.table.direct_for(&peer, cma);
-        let lost = |e| Error::lost(&self.peer_name, Step::Established, e);
+        let cma = self.cma == CmaListen::On;
+        let granted = cx.table.direct_for(&peer, cma);
+        let lost = |e| Error::lost(&cx.peer, Step::Established, e);
         let gone: Vec<RegionId> = self
-            .shm
             .exports
             .keys()
             .filter(|id| !granted.iter().any(|r| r.id() == **id))
             .copied()
             .collect();
         for id in gone {
-            let ex = self.shm.exports.remove(&id).expect("listed");
-            self.shm.revoking.insert(id, ex);
+            let ex = self.exports.remove(&id).expect("listed");
+            self.revoking.insert(id, ex);
             crate::shm::send_frame(&conn, &Message::ShmUnmap(ShmRevoke { id }), None)
                 .await
                 .map_err(lost)?;
         }
         for r in granted {
-            if self.shm.exports.contains_key(&r.id()) || self.shm.revoking.contains_key(&r.id()) {
+            if self.exports.contains_key(&r.id()) || self.revoking.contains_key(&r.id()) {
                 continue;
             }
             let m = crate::shm::map_msg(r.id(), r.len() as u64);
@@ -199,17 +254,17 @@ impl Session {
                     let ex = r.begin_cma_export();
                     let m = crate::shm::cma_map_msg(r.id(), r.len() as u64, r.as_ptr() as u64);
                     let sent = crate::shm::send_frame(&conn, &m, None).await;
-                    self.shm.exports.insert(r.id(), ex);
+                    self.exports.insert(r.id(), ex);
                     sent.map_err(lost)?;
                 }
                 continue;
             };
             let sent = crate::shm::send_frame(&conn, &m, Some(fd.as_raw_fd())).await;
             drop(fd);
-            self.shm.exports.insert(r.id(), ex);
+            self.exports.insert(r.id(), ex);
             sent.map_err(lost)?;
         }
-        if self.shm.cma == CmaListen::Probing {
+        if self.cma == CmaListen::Probing {
             return Ok(());
         }
         crate::shm::send_frame(&conn, &Message::ShmSync(Ready {}), None)
@@ -218,13 +273,13 @@ impl Session {
     }
 
     /// (Listener) The peer asks for cross-memory attach: send it the canary's address.
-    pub(super) async fn on_cma_ask(&mut self) -> Result<()> {
-        let Some(conn) = self.shm.conn.clone() else {
+    async fn on_cma_ask(&mut self, cx: &ShmRound<'_>) -> Result<()> {
+        let Some(conn) = self.conn.clone() else {
             return Ok(());
         };
-        if !self.env.config.cma || self.shm.cma != CmaListen::Idle {
+        if !cx.config.cma || self.cma != CmaListen::Idle {
             return Err(Error::PeerMisbehaved {
-                peer: self.peer_name.clone(),
+                peer: cx.peer.to_string(),
                 step: Step::Established,
                 detail: "CmaAsk not offered, or asked twice".into(),
             });
@@ -235,57 +290,58 @@ impl Session {
             addr: c.as_ptr() as u64,
             len: CANARY_LEN as u32,
         });
-        self.shm.canary = Some(c);
-        self.shm.cma = CmaListen::Probing;
+        self.canary = Some(c);
+        self.cma = CmaListen::Probing;
         crate::shm::send_frame(&conn, &m, None)
             .await
-            .map_err(|e| Error::lost(&self.peer_name, Step::Established, e))
+            .map_err(|e| Error::lost(&cx.peer, Step::Established, e))
     }
 
     /// (Listener) The peer's answer to the canary: offer regions by address only when it
     /// read exactly the canary's bytes.
-    pub(super) async fn on_cma_probed(&mut self, echo: CmaEcho) -> Result<()> {
-        if self.shm.cma != CmaListen::Probing {
+    async fn on_cma_probed(&mut self, cx: &ShmRound<'_>, echo: CmaEcho) -> Result<()> {
+        if self.cma != CmaListen::Probing {
             return Err(Error::PeerMisbehaved {
-                peer: self.peer_name.clone(),
+                peer: cx.peer.to_string(),
                 step: Step::Established,
                 detail: "CmaProbed without a CmaProbe".into(),
             });
         }
-        let want = self.shm.canary.as_deref().map(|c| &c[..]);
-        self.shm.cma = match (echo.error, want) {
+        let want = self.canary.as_deref().map(|c| &c[..]);
+        self.cma = match (echo.error, want) {
             (None, Some(want)) if echo.data.0 == want => CmaListen::On,
             (Some(why), _) => {
                 crate::cma::log_refused(
-                    &self.peer_name,
+                    &cx.peer,
                     &format!("the peer could not read our memory: {why}"),
                 );
                 CmaListen::Refused
             }
             _ => {
-                tracing::warn!(peer = %self.peer_name, "cross-memory attach not used: the peer read other bytes than our canary (a different process with our pid?)");
+                tracing::warn!(peer = %cx.peer, "cross-memory attach not used: the peer read other bytes than our canary (a different process with our pid?)");
                 CmaListen::Refused
             }
         };
-        self.sync_exports().await
+        self.sync_exports(cx).await
     }
 
     /// (Listener) A frame on the shared-memory connection.
-    pub(super) async fn on_shm_frame(
+    pub(super) async fn on_frame(
         &mut self,
+        cx: &ShmRound<'_>,
         m: Option<std::io::Result<Option<Message>>>,
     ) -> Result<()> {
         match m {
-            Some(Ok(Some(Message::CmaAsk(_)))) => self.on_cma_ask().await,
-            Some(Ok(Some(Message::CmaProbed(echo)))) => self.on_cma_probed(echo).await,
+            Some(Ok(Some(Message::CmaAsk(_)))) => self.on_cma_ask(cx).await,
+            Some(Ok(Some(Message::CmaProbed(echo)))) => self.on_cma_probed(cx, echo).await,
             Some(Ok(Some(Message::ShmUnmapped(ShmRevoke { id })))) => {
-                if let Some(ex) = self.shm.revoking.remove(&id) {
+                if let Some(ex) = self.revoking.remove(&id) {
                     ex.confirmed();
                 }
                 Ok(())
             }
             Some(Ok(Some(other))) => Err(Error::PeerMisbehaved {
-                peer: self.peer_name.clone(),
+                peer: cx.peer.to_string(),
                 step: Step::Established,
                 detail: format!("{} on the shared-memory connection", other.name()),
             }),
@@ -294,26 +350,26 @@ impl Session {
             // process killed between our ShmSync and its read gives that).
             Some(Err(e)) if closed_by_peer(&e) => {
                 self.confirm_all();
-                self.shm.rx = None;
-                self.shm.conn = None;
+                self.rx = None;
+                self.conn = None;
                 Ok(())
             }
             Some(Ok(None)) => {
                 self.confirm_all();
-                self.shm.rx = None;
-                self.shm.conn = None;
+                self.rx = None;
+                self.conn = None;
                 Ok(())
             }
-            Some(Err(e)) => Err(Error::lost(&self.peer_name, Step::Established, e)),
+            Some(Err(e)) => Err(Error::lost(&cx.peer, Step::Established, e)),
             None => {
-                self.shm.rx = None;
+                self.rx = None;
                 Ok(())
             }
         }
     }
 
     pub(super) fn confirm_all(&mut self) {
-        for (_, ex) in self.shm.exports.drain().chain(self.shm.revoking.drain()) {
+        for (_, ex) in self.exports.drain().chain(self.revoking.drain()) {
             ex.confirmed();
         }
     }
@@ -325,17 +381,17 @@ impl Session {
     /// mapping, which waits for the direct copies still running (callers copy their writes
     /// themselves, `DataPath::write_direct`) and refuses new ones, then ends the connection
     /// task; our mappings go with the last handle.
-    pub(super) async fn end_shm(&mut self) {
-        if let Some(p) = self.shm.peer.clone() {
+    pub(super) async fn end(&mut self, cx: &ShmRound<'_>) {
+        if let Some(p) = self.peer.clone() {
             let _ = tokio::task::spawn_blocking(move || p.revoke_all()).await;
         }
-        if let Some(mut rx) = self.shm.rx.take() {
-            let limit = self.env.config.deadlines.close;
+        if let Some(mut rx) = self.rx.take() {
+            let limit = cx.config.deadlines.close;
             let wait = async {
                 loop {
                     match rx.recv().await {
                         Some(Ok(Some(Message::ShmUnmapped(ShmRevoke { id })))) => {
-                            if let Some(ex) = self.shm.revoking.remove(&id) {
+                            if let Some(ex) = self.revoking.remove(&id) {
                                 ex.confirmed();
                             }
                         }
@@ -350,39 +406,30 @@ impl Session {
                 self.confirm_all();
             }
         }
-        if self.shm.exports.is_empty() && self.shm.revoking.is_empty() {
+        if self.exports.is_empty() && self.revoking.is_empty() {
             self.confirm_all();
         }
         // Whatever is left was not confirmed: the peer may still copy into those regions.
         // Every one is abandoned first, so that no detach below waits for another of ours.
         let left: Vec<AbandonedExport> = self
-            .shm
             .exports
             .drain()
-            .chain(self.shm.revoking.drain())
+            .chain(self.revoking.drain())
             .filter_map(|(_, ex)| ex.abandon())
             .collect();
         for ab in left {
-            tracing::warn!(peer = %self.peer_name, region = %ab.region().id(),
+            tracing::warn!(peer = %cx.peer, region = %ab.region().id(),
                 "the peer did not confirm unmapping a region before its session ended; detaching the region");
-            match detach_region(
-                ab.region(),
-                &self.env.core,
-                &self.env.config,
-                Some(self.id),
-                true,
-            )
-            .await
-            {
+            match detach_region(ab.region(), cx.core, cx.config, Some(cx.session), true).await {
                 Ok(()) => ab.finish(),
                 // Dropping it tries the bare detach once more.
                 Err(e) => {
-                    tracing::error!(peer = %self.peer_name, error = %e, "region not detached")
+                    tracing::error!(peer = %cx.peer, error = %e, "region not detached")
                 }
             }
         }
-        self.shm.conn = None;
-        if let Some(h) = self.shm.reader.take() {
+        self.conn = None;
+        if let Some(h) = self.reader.take() {
             h.abort();
             let _ = h.await;
         }
