@@ -13,7 +13,8 @@ use crate::config::{ChannelConfig, Transport};
 use crate::error::{Error, Result};
 use crate::grant::RegionTable;
 use crate::region::{AbandonedExport, Region, RegionExport};
-use crate::shm::{DirectCounters, FdReader, Mapping, ShmPeer};
+use crate::transport::cma::CmaStatus;
+use crate::transport::shm::{DirectCounters, FdReader, Mapping, ShmPeer};
 use kvbridge_proto::handshake::{Established, Step};
 use kvbridge_proto::ids::Blob;
 use kvbridge_proto::msg::{
@@ -123,7 +124,7 @@ impl ShmState {
         {
             return Ok(());
         }
-        let ours = crate::shm::host_id();
+        let ours = crate::transport::shm::host_id();
         let usable = match (&offer, &ours) {
             (Some(o), Some(h)) if &o.host == h => Ok(o.clone()),
             (None, _) => Err("the listener offers no shared memory".to_string()),
@@ -145,14 +146,14 @@ impl ShmState {
             }
         };
         let cma_status = if !cx.config.cma {
-            crate::CmaStatus::Off("disabled by configuration (KVBRIDGE_CMA=0)".into())
+            CmaStatus::Off("disabled by configuration (KVBRIDGE_CMA=0)".into())
         } else if !offer.cma {
-            crate::CmaStatus::Off(
+            CmaStatus::Off(
                 "the listener offers no cross-memory attach (off there, or an older version)"
                     .into(),
             )
         } else {
-            crate::CmaStatus::Off("the probe has not completed".into())
+            CmaStatus::Off("the probe has not completed".into())
         };
         let ask = cx.config.cma && offer.cma;
         let deny = cx.config.hooks.cma_deny;
@@ -174,7 +175,7 @@ impl ShmState {
                 let s = conn.insert(connect_shm(offer, token, me, limit).await?);
                 let cma = ask.then(|| CmaAsk {
                     pid,
-                    uid: crate::shm::peer_uid(s),
+                    uid: crate::transport::shm::peer_uid(s),
                     deny,
                     peer: name.clone(),
                 });
@@ -236,7 +237,7 @@ impl ShmState {
         for id in gone {
             let ex = self.exports.remove(&id).expect("listed");
             self.revoking.insert(id, ex);
-            crate::shm::send_frame(&conn, &Message::ShmUnmap(ShmRevoke { id }), None)
+            crate::transport::shm::send_frame(&conn, &Message::ShmUnmap(ShmRevoke { id }), None)
                 .await
                 .map_err(lost)?;
         }
@@ -244,7 +245,7 @@ impl ShmState {
             if self.exports.contains_key(&r.id()) || self.revoking.contains_key(&r.id()) {
                 continue;
             }
-            let m = crate::shm::map_msg(r.id(), r.len() as u64);
+            let m = crate::transport::shm::map_msg(r.id(), r.len() as u64);
             // The export is counted before the descriptor leaves.
             let ex = r.begin_export();
             let Some(fd) = r.memfd() else {
@@ -252,14 +253,18 @@ impl ShmState {
                 if cma && r.wants_cma() {
                     // Counted before the address leaves (cma.rs, *Safety of unmapping*).
                     let ex = r.begin_cma_export();
-                    let m = crate::shm::cma_map_msg(r.id(), r.len() as u64, r.as_ptr() as u64);
-                    let sent = crate::shm::send_frame(&conn, &m, None).await;
+                    let m = crate::transport::shm::cma_map_msg(
+                        r.id(),
+                        r.len() as u64,
+                        r.as_ptr() as u64,
+                    );
+                    let sent = crate::transport::shm::send_frame(&conn, &m, None).await;
                     self.exports.insert(r.id(), ex);
                     sent.map_err(lost)?;
                 }
                 continue;
             };
-            let sent = crate::shm::send_frame(&conn, &m, Some(fd.as_raw_fd())).await;
+            let sent = crate::transport::shm::send_frame(&conn, &m, Some(fd.as_raw_fd())).await;
             drop(fd);
             self.exports.insert(r.id(), ex);
             sent.map_err(lost)?;
@@ -267,7 +272,7 @@ impl ShmState {
         if self.cma == CmaListen::Probing {
             return Ok(());
         }
-        crate::shm::send_frame(&conn, &Message::ShmSync(Ready {}), None)
+        crate::transport::shm::send_frame(&conn, &Message::ShmSync(Ready {}), None)
             .await
             .map_err(lost)
     }
@@ -292,7 +297,7 @@ impl ShmState {
         });
         self.canary = Some(c);
         self.cma = CmaListen::Probing;
-        crate::shm::send_frame(&conn, &m, None)
+        crate::transport::shm::send_frame(&conn, &m, None)
             .await
             .map_err(|e| Error::lost(&cx.peer, Step::Established, e))
     }
@@ -311,7 +316,7 @@ impl ShmState {
         self.cma = match (echo.error, want) {
             (None, Some(want)) if echo.data.0 == want => CmaListen::On,
             (Some(why), _) => {
-                crate::cma::log_refused(
+                crate::transport::cma::log_refused(
                     &cx.peer,
                     &format!("the peer could not read our memory: {why}"),
                 );
@@ -497,15 +502,18 @@ async fn connect_shm(
     me: PeerId,
     limit: Duration,
 ) -> std::io::Result<tokio::net::UnixStream> {
-    let s = tokio::time::timeout(limit, crate::shm::connect(&offer.socket, offer.pid))
-        .await
-        .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
+    let s = tokio::time::timeout(
+        limit,
+        crate::transport::shm::connect(&offer.socket, offer.pid),
+    )
+    .await
+    .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
     let hello = Message::DataHello(DataHello {
         token,
         peer_id: me,
         stream: 0,
     });
-    crate::shm::send_frame(&s, &hello, None).await?;
+    crate::transport::shm::send_frame(&s, &hello, None).await?;
     Ok(s)
 }
 
@@ -552,12 +560,12 @@ async fn initiator_shm(
                 probing = false;
                 let len = (c.len as usize).min(4096);
                 let read = if ask.deny {
-                    Err(crate::cma::describe(
+                    Err(crate::transport::cma::describe(
                         &std::io::Error::from_raw_os_error(libc::EPERM),
                         ask.uid,
                     ))
                 } else {
-                    crate::cma::probe(ask.pid, c.addr, len, ask.uid)
+                    crate::transport::cma::probe(ask.pid, c.addr, len, ask.uid)
                 };
                 let echo = match read {
                     Ok(data) => {
@@ -568,15 +576,15 @@ async fn initiator_shm(
                         }
                     }
                     Err(why) => {
-                        crate::cma::log_refused(&ask.peer, &why);
-                        peer.set_cma_status(crate::CmaStatus::Off(why.clone()));
+                        crate::transport::cma::log_refused(&ask.peer, &why);
+                        peer.set_cma_status(CmaStatus::Off(why.clone()));
                         CmaEcho {
                             data: Blob(Vec::new()),
                             error: Some(why),
                         }
                     }
                 };
-                crate::shm::send_frame(s, &Message::CmaProbed(echo), None).await?;
+                crate::transport::shm::send_frame(s, &Message::CmaProbed(echo), None).await?;
             }
             Message::ShmMap(ShmRegion {
                 id,
@@ -602,7 +610,7 @@ async fn initiator_shm(
                             tracing::warn!(region = %r.id, error = %e, "cannot map region; TCP carries it")
                         }
                     },
-                    Err(e @ crate::shm::MapRefused::LongerThanAnnounced { .. }) => {
+                    Err(e @ crate::transport::shm::MapRefused::LongerThanAnnounced { .. }) => {
                         return Err(std::io::Error::new(
                             std::io::ErrorKind::InvalidData,
                             e.to_string(),
@@ -615,14 +623,15 @@ async fn initiator_shm(
                 let p = peer.clone();
                 // Waits for a copy in progress (bounded by one op's memcpy).
                 let _ = tokio::task::spawn_blocking(move || p.revoke(&id)).await;
-                crate::shm::send_frame(s, &crate::shm::unmapped(id), None).await?;
+                crate::transport::shm::send_frame(s, &crate::transport::shm::unmapped(id), None)
+                    .await?;
             }
             Message::ShmSync(_) => {
                 if !probing {
                     let _ = synced.send(true);
                 } else if !asked {
                     asked = true;
-                    crate::shm::send_frame(s, &Message::CmaAsk(Ready {}), None).await?;
+                    crate::transport::shm::send_frame(s, &Message::CmaAsk(Ready {}), None).await?;
                 }
             }
             Message::Reject(rj) => {

@@ -55,7 +55,7 @@ pub(crate) struct SessionEnv {
     /// The channel's count of peer batches refused for bytes in flight.
     pub(crate) in_flight_refused: Arc<std::sync::atomic::AtomicU64>,
     /// The channel's counts of batches copied directly (shared memory, cross-memory attach).
-    pub(crate) direct: Arc<crate::shm::DirectCounters>,
+    pub(crate) direct: Arc<crate::transport::shm::DirectCounters>,
     /// The channel's count of frames written past the writers (`Stats::frames_direct`).
     pub(crate) frames_direct: Arc<std::sync::atomic::AtomicU64>,
     /// The channel's UCX worker and its owner thread, when the transport is UCX.
