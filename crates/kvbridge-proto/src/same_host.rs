@@ -81,6 +81,9 @@ pub enum OfferOutput {
         on: bool,
         /// Why not, when it is not.
         why: Option<String>,
+        /// The peer said its read failed (a refusal of its kernel), rather than sending
+        /// bytes that are not our canary (which names another process: suspicious).
+        read_failed: bool,
     },
     /// The machine failed; nothing follows.
     Failed(ProbeError),
@@ -148,6 +151,7 @@ impl CmaOffer {
                 self.fail("CmaProbed", "no probe is open")
             }
             Message::CmaProbed(echo) => {
+                let read_failed = echo.error.is_some();
                 let (on, why) = match (echo.error, &self.canary) {
                     (None, Some(c)) if &echo.data.0 == c => (true, None),
                     (Some(why), _) => (false, Some(format!("the peer could not read our memory: {why}"))),
@@ -157,7 +161,11 @@ impl CmaOffer {
                     ),
                 };
                 self.state = if on { CmaState::On } else { CmaState::Refused };
-                self.out.push_back(OfferOutput::Verdict { on, why });
+                self.out.push_back(OfferOutput::Verdict {
+                    on,
+                    why,
+                    read_failed,
+                });
             }
             _ => {}
         }

@@ -16,10 +16,8 @@ use crate::region::{AbandonedExport, Region, RegionExport};
 use crate::transport::cma::CmaStatus;
 use crate::transport::shm::{DirectCounters, FdReader, Mapping, ShmPeer};
 use kvbridge_proto::handshake::{Established, Step};
-use kvbridge_proto::ids::Blob;
-use kvbridge_proto::msg::{
-    CmaCanary, CmaEcho, DataHello, Message, Ready, RegionInfo, ShmOffer, ShmRegion, ShmRevoke,
-};
+use kvbridge_proto::msg::{DataHello, Message, Ready, RegionInfo, ShmOffer, ShmRegion, ShmRevoke};
+use kvbridge_proto::same_host::{CmaOffer, CmaProber, OfferOutput, ProberOutput};
 use kvbridge_proto::{PeerId, RegionId, SessionToken};
 use std::collections::HashMap;
 use std::os::fd::AsRawFd;
@@ -83,8 +81,9 @@ pub(super) struct ShmState {
     /// (Initiator) The established session, held until shared memory is synced (or its
     /// deadline passed).
     pub(super) pending_ready: Option<(Established, Instant)>,
-    /// (Listener) Where cross-memory attach stands with the peer.
-    pub(super) cma: CmaListen,
+    /// (Listener) Where cross-memory attach stands with the peer (the probe's machine,
+    /// made when the connection is bound).
+    pub(super) cma: Option<CmaOffer>,
     /// (Listener) The canary the peer is asked to read; kept for the whole session, so
     /// its address never names freed memory while the peer may still read it.
     pub(super) canary: Option<Box<[u8; CANARY_LEN]>>,
@@ -92,21 +91,6 @@ pub(super) struct ShmState {
 
 /// Bytes of the cross-memory-attach canary.
 const CANARY_LEN: usize = 32;
-
-/// (Listener) Cross-memory attach with one peer.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub(super) enum CmaListen {
-    /// Not asked for.
-    #[default]
-    Idle,
-    /// Canary sent, answer awaited: no `ShmSync` until then, so the initiator's first
-    /// sync after its answer already covers the regions offered by address.
-    Probing,
-    /// The peer read the canary: regions that cannot be mapped are offered by address.
-    On,
-    /// The probe failed: those regions go over TCP.
-    Refused,
-}
 
 impl ShmState {
     /// (Initiator) Uses the listener's shared-memory offer when the configuration allows it
@@ -225,7 +209,7 @@ impl ShmState {
         if !cx.may_bind {
             return Ok(());
         }
-        let cma = self.cma == CmaListen::On;
+        let cma = self.cma.as_ref().is_some_and(CmaOffer::cma_on);
         let granted = cx.table.direct_for(&peer, cma);
         let lost = |e| Error::lost(&cx.peer, Step::Established, e);
         let gone: Vec<RegionId> = self
@@ -269,7 +253,9 @@ impl ShmState {
             self.exports.insert(r.id(), ex);
             sent.map_err(lost)?;
         }
-        if self.cma == CmaListen::Probing {
+        // No sync while the probe is open: the one after its verdict covers the regions
+        // offered by address (`kvbridge_proto::same_host`).
+        if self.cma.as_ref().is_some_and(|c| !c.may_sync()) {
             return Ok(());
         }
         crate::transport::shm::send_frame(&conn, &Message::ShmSync(Ready {}), None)
@@ -277,57 +263,56 @@ impl ShmState {
             .map_err(lost)
     }
 
-    /// (Listener) The peer asks for cross-memory attach: send it the canary's address.
-    async fn on_cma_ask(&mut self, cx: &ShmRound<'_>) -> Result<()> {
+    /// (Listener) A message of the cross-memory-attach probe (`CmaAsk`, `CmaProbed`): the
+    /// machine decides, this carries out what it asks (a canary, its address to the peer,
+    /// the verdict logged and the exports synced again).
+    async fn on_probe(&mut self, cx: &ShmRound<'_>, m: Message) -> Result<()> {
         let Some(conn) = self.conn.clone() else {
             return Ok(());
         };
-        if !cx.config.cma || self.cma != CmaListen::Idle {
-            return Err(Error::PeerMisbehaved {
-                peer: cx.peer.to_string(),
-                step: Step::Established,
-                detail: "CmaAsk not offered, or asked twice".into(),
-            });
-        }
-        let mut c = Box::new([0u8; CANARY_LEN]);
-        crate::rand_bytes(&mut c[..]);
-        let m = Message::CmaProbe(CmaCanary {
-            addr: c.as_ptr() as u64,
-            len: CANARY_LEN as u32,
-        });
-        self.canary = Some(c);
-        self.cma = CmaListen::Probing;
-        crate::transport::shm::send_frame(&conn, &m, None)
-            .await
-            .map_err(|e| Error::lost(&cx.peer, Step::Established, e))
-    }
-
-    /// (Listener) The peer's answer to the canary: offer regions by address only when it
-    /// read exactly the canary's bytes.
-    async fn on_cma_probed(&mut self, cx: &ShmRound<'_>, echo: CmaEcho) -> Result<()> {
-        if self.cma != CmaListen::Probing {
-            return Err(Error::PeerMisbehaved {
-                peer: cx.peer.to_string(),
-                step: Step::Established,
-                detail: "CmaProbed without a CmaProbe".into(),
-            });
-        }
-        let want = self.canary.as_deref().map(|c| &c[..]);
-        self.cma = match (echo.error, want) {
-            (None, Some(want)) if echo.data.0 == want => CmaListen::On,
-            (Some(why), _) => {
-                crate::transport::cma::log_refused(
-                    &cx.peer,
-                    &format!("the peer could not read our memory: {why}"),
-                );
-                CmaListen::Refused
+        let offer = self.cma.get_or_insert_with(|| CmaOffer::new(cx.config.cma));
+        offer.handle_message(m);
+        let mut resync = false;
+        while let Some(o) = offer.poll_output() {
+            match o {
+                OfferOutput::MakeCanary => {
+                    let mut c = Box::new([0u8; CANARY_LEN]);
+                    crate::rand_bytes(&mut c[..]);
+                    offer.canary(c.as_ptr() as u64, c.to_vec());
+                    self.canary = Some(c);
+                }
+                OfferOutput::Send(m) => crate::transport::shm::send_frame(&conn, &m, None)
+                    .await
+                    .map_err(|e| Error::lost(cx.peer, Step::Established, e))?,
+                OfferOutput::Verdict {
+                    on,
+                    why,
+                    read_failed,
+                } => {
+                    match (on, why) {
+                        (false, Some(why)) if read_failed => {
+                            crate::transport::cma::log_refused(cx.peer, &why)
+                        }
+                        (false, why) => {
+                            tracing::warn!(peer = %cx.peer, "cross-memory attach not used: {}", why.unwrap_or_default())
+                        }
+                        (true, _) => {}
+                    }
+                    resync = true;
+                }
+                OfferOutput::Failed(e) => {
+                    return Err(Error::PeerMisbehaved {
+                        peer: cx.peer.to_string(),
+                        step: Step::Established,
+                        detail: e.to_string(),
+                    })
+                }
             }
-            _ => {
-                tracing::warn!(peer = %cx.peer, "cross-memory attach not used: the peer read other bytes than our canary (a different process with our pid?)");
-                CmaListen::Refused
-            }
-        };
-        self.sync_exports(cx).await
+        }
+        if resync {
+            self.sync_exports(cx).await?;
+        }
+        Ok(())
     }
 
     /// (Listener) A frame on the shared-memory connection.
@@ -337,8 +322,9 @@ impl ShmState {
         m: Option<std::io::Result<Option<Message>>>,
     ) -> Result<()> {
         match m {
-            Some(Ok(Some(Message::CmaAsk(_)))) => self.on_cma_ask(cx).await,
-            Some(Ok(Some(Message::CmaProbed(echo)))) => self.on_cma_probed(cx, echo).await,
+            Some(Ok(Some(m @ (Message::CmaAsk(_) | Message::CmaProbed(_))))) => {
+                self.on_probe(cx, m).await
+            }
             Some(Ok(Some(Message::ShmUnmapped(ShmRevoke { id })))) => {
                 if let Some(ex) = self.revoking.remove(&id) {
                     ex.confirmed();
@@ -546,45 +532,35 @@ async fn initiator_shm(
     // `CmaAsk`, and the probe must be answered before a `ShmSync` is the last word: the
     // listener sends none between its canary and our answer, and the one after covers the
     // regions it offers by address.
-    let mut probing = cma.is_some();
-    let mut asked = false;
+    let mut prober = CmaProber::new(cma.is_some());
     while let Some(m) = fr.next(s).await? {
         match m {
-            Message::CmaProbe(c) => {
-                let Some(ask) = cma.as_ref().filter(|_| probing && asked) else {
-                    return Err(std::io::Error::new(
-                        std::io::ErrorKind::InvalidData,
-                        "CmaProbe not asked for",
-                    ));
-                };
-                probing = false;
-                let len = (c.len as usize).min(4096);
-                let read = if ask.deny {
-                    Err(crate::transport::cma::describe(
-                        &std::io::Error::from_raw_os_error(libc::EPERM),
-                        ask.uid,
-                    ))
-                } else {
-                    crate::transport::cma::probe(ask.pid, c.addr, len, ask.uid)
-                };
-                let echo = match read {
-                    Ok(data) => {
-                        peer.enable_cma(ask.pid);
-                        CmaEcho {
-                            data: Blob(data),
-                            error: None,
+            m @ (Message::CmaProbe(_) | Message::ShmSync(_)) => {
+                prober.handle_message(m);
+                while let Some(o) = prober.poll_output() {
+                    match o {
+                        ProberOutput::Send(m) => {
+                            crate::transport::shm::send_frame(s, &m, None).await?
+                        }
+                        ProberOutput::ReadCanary { addr, len } => {
+                            // The machine asks only with `cma` set.
+                            let read = match &cma {
+                                Some(ask) => read_canary(ask, peer, addr, len as usize),
+                                None => Err("cross-memory attach not asked for".into()),
+                            };
+                            prober.probed(read);
+                        }
+                        ProberOutput::Synced => {
+                            let _ = synced.send(true);
+                        }
+                        ProberOutput::Failed(e) => {
+                            return Err(std::io::Error::new(
+                                std::io::ErrorKind::InvalidData,
+                                e.to_string(),
+                            ))
                         }
                     }
-                    Err(why) => {
-                        crate::transport::cma::log_refused(&ask.peer, &why);
-                        peer.set_cma_status(CmaStatus::Off(why.clone()));
-                        CmaEcho {
-                            data: Blob(Vec::new()),
-                            error: Some(why),
-                        }
-                    }
-                };
-                crate::transport::shm::send_frame(s, &Message::CmaProbed(echo), None).await?;
+                }
             }
             Message::ShmMap(ShmRegion {
                 id,
@@ -626,14 +602,6 @@ async fn initiator_shm(
                 crate::transport::shm::send_frame(s, &crate::transport::shm::unmapped(id), None)
                     .await?;
             }
-            Message::ShmSync(_) => {
-                if !probing {
-                    let _ = synced.send(true);
-                } else if !asked {
-                    asked = true;
-                    crate::transport::shm::send_frame(s, &Message::CmaAsk(Ready {}), None).await?;
-                }
-            }
             Message::Reject(rj) => {
                 return Err(std::io::Error::new(
                     std::io::ErrorKind::PermissionDenied,
@@ -649,6 +617,32 @@ async fn initiator_shm(
         }
     }
     Ok(())
+}
+
+/// (Initiator) Reads the listener's canary by cross-memory attach, and records what that
+/// means for the copies into its regions.
+fn read_canary(
+    ask: &CmaAsk,
+    peer: &ShmPeer,
+    addr: u64,
+    len: usize,
+) -> std::result::Result<Vec<u8>, String> {
+    let read = if ask.deny {
+        Err(crate::transport::cma::describe(
+            &std::io::Error::from_raw_os_error(libc::EPERM),
+            ask.uid,
+        ))
+    } else {
+        crate::transport::cma::probe(ask.pid, addr, len, ask.uid)
+    };
+    match &read {
+        Ok(_) => peer.enable_cma(ask.pid),
+        Err(why) => {
+            crate::transport::cma::log_refused(&ask.peer, why);
+            peer.set_cma_status(CmaStatus::Off(why.clone()));
+        }
+    }
+    read
 }
 
 /// Whether an error on the shared-memory connection means the peer closed its end (which it
