@@ -3,7 +3,8 @@
 //! The listener offers its regions over a unix socket (`ShmOffer` in the handshake, then
 //! `ShmMap`/`ShmSync`/`ShmUnmap` with the memfd passed by `SCM_RIGHTS`); the initiator maps
 //! them and copies into them directly, and (when both allow it) first reads a canary by
-//! cross-memory attach so that regions without a memfd are reached by address. Revoking a
+//! cross-memory attach so that regions without a memfd are reached by address (the probe's
+//! rules are `kvbridge_proto::same_host`'s machines, driven here). Revoking a
 //! region waits for the peer's word that no copy into it runs. The session task owns all of
 //! this state ([`ShmState`]) and lends it what it needs of the session for each step
 //! ([`ShmRound`]).
@@ -210,8 +211,8 @@ impl ShmState {
             return Ok(());
         }
         let cma = self.cma.as_ref().is_some_and(CmaOffer::cma_on);
-        let granted = cx.table.direct_for(&peer, cma);
-        let lost = |e| Error::lost(&cx.peer, Step::Established, e);
+        let granted = cx.table.direct_for(peer, cma);
+        let lost = |e| Error::lost(cx.peer, Step::Established, e);
         let gone: Vec<RegionId> = self
             .exports
             .keys()
@@ -351,7 +352,7 @@ impl ShmState {
                 self.conn = None;
                 Ok(())
             }
-            Some(Err(e)) => Err(Error::lost(&cx.peer, Step::Established, e)),
+            Some(Err(e)) => Err(Error::lost(cx.peer, Step::Established, e)),
             None => {
                 self.rx = None;
                 Ok(())
@@ -439,7 +440,7 @@ impl ShmState {
 /// 2. (`ask_first`) Every session re-syncs its exports, which asks each peer that maps the
 ///    region to unmap it (`ShmUnmap`); a peer confirms only once no copy of its runs or can
 ///    start (its later batches on that region go over TCP). This waits for the op deadline.
-/// 3. Sessions whose peer still did not confirm are ended ([`SessionCmd::EndIfMapping`],
+/// 3. Sessions whose peer still did not confirm are ended ([`SessionCmd::EndIfMapping`](crate::cmd::SessionCmd::EndIfMapping),
 ///    [`Error::UnmapTimeout`]); each session's teardown waits for its peer to close the
 ///    shared-memory connection, and abandons the export when it does not. This waits for
 ///    as long as such a teardown takes.
