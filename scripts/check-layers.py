@@ -27,11 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # crate dir -> the modules of the one loop it is allowed to have while it is being cut; any
 # other loop, or this one grown, fails.
-ALLOWED_LOOPS = {
-    # The same-host sub-protocol is a second `impl Session` over the session's fields
-    # (`use super::*`); it goes once `ShmState` has an impl of its own.
-    "crates/kvbridge": {"session", "session::direct"},
-}
+ALLOWED_LOOPS = {}
 
 CFG_TEST_RE = re.compile(r"#\[cfg\(test\)\]\s*(?:pub(?:\([^)]*\))?\s+)?mod\s+\w+\s*\{")
 

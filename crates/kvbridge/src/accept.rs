@@ -74,7 +74,7 @@ pub(crate) async fn shm_accept_loop(
             Ok((stream, _)) => {
                 // The abstract socket is reachable by every user of the network namespace;
                 // only our own user's processes may map our memory.
-                let uid = crate::shm::peer_uid(&stream);
+                let uid = crate::transport::shm::peer_uid(&stream);
                 if uid != Some(me) {
                     if let Some(suppressed) = crate::refusals::UNIX_REFUSED.allow() {
                         tracing::warn!(
@@ -101,7 +101,7 @@ pub(crate) async fn shm_accept_loop(
                 let max = config.limits.first_frame_limit();
                 tokio::spawn(async move {
                     // No descriptor is expected: one closes the connection.
-                    let mut fr = crate::shm::FdReader::new(max, 0);
+                    let mut fr = crate::transport::shm::FdReader::new(max, 0);
                     // Anything but a DataHello in time gets nothing: the connection drops.
                     if let Ok(Ok(Some(Message::DataHello(hello)))) =
                         tokio::time::timeout(limit, fr.next(&stream)).await

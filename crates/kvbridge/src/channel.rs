@@ -267,15 +267,19 @@ impl Channel {
         // test hooks hold the batches this listener applies (they exist on TCP only).
         let tcp_hooks =
             config.hooks.write_apply_delay.is_some() || config.hooks.read_serve_delay.is_some();
-        let shm = match (&listener, config.transport, crate::shm::host_id()) {
+        let shm = match (
+            &listener,
+            config.transport,
+            crate::transport::shm::host_id(),
+        ) {
             (Some(Listener::Tokio(_)), t, Some(host))
                 if matches!(
                     t,
                     crate::config::Transport::Auto | crate::config::Transport::Shm
                 ) && !tcp_hooks =>
             {
-                let name = crate::shm::socket_name();
-                match crate::shm::bind(&name) {
+                let name = crate::transport::shm::socket_name();
+                match crate::transport::shm::bind(&name) {
                     Ok(l) => Some((
                         l,
                         kvbridge_proto::msg::ShmOffer {

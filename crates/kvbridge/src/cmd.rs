@@ -7,7 +7,7 @@ use crate::datapath::DataPath;
 use crate::error::{Error, Result};
 use crate::events::Stats;
 use crate::net::Stream;
-use crate::shm::ShmPeer;
+use crate::transport::shm::ShmPeer;
 use kvbridge_proto::msg::{DataHello, Message, RegionInfo};
 use kvbridge_proto::{Incarnation, PeerId, RegionId};
 use std::collections::HashMap;

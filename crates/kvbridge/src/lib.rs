@@ -30,7 +30,6 @@
 
 mod accept;
 mod channel;
-mod cma;
 mod cmd;
 pub mod config;
 mod core;
@@ -50,7 +49,6 @@ pub mod peer_memory;
 mod refusals;
 mod region;
 mod session;
-mod shm;
 mod stream_copy;
 pub mod thread_pool;
 mod tls;
@@ -59,7 +57,6 @@ mod wire;
 mod writer_queue;
 
 pub use channel::{Channel, Op, PeerLink, QueuedNotify};
-pub use cma::{cma_available, CmaStatus};
 pub use config::{ChannelConfig, Deadlines, Limits, Pem, TestHooks, TlsConfig, Transport};
 pub use error::{Error, Result};
 pub use events::{Notification, PeerEvent, Stats};
@@ -68,7 +65,8 @@ pub use kvbridge_proto as proto;
 pub use kvbridge_proto::handshake::Step;
 pub use kvbridge_proto::{Incarnation, PeerId, RegionId};
 pub use region::{shared_huge_pages, Region};
-pub use shm::host_id;
+pub use transport::cma::{cma_available, CmaStatus};
+pub use transport::shm::host_id;
 
 /// Fills `buf` from the operating system's random source.
 pub(crate) fn rand_bytes(buf: &mut [u8]) {

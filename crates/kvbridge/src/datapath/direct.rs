@@ -4,11 +4,11 @@
 //! for a write copied by the task that issued it, and the TCP writer, for a batch queued on
 //! its connection (reads, and writes on a current-thread runtime), in order with its frames.
 
-use crate::cma::CopyError;
 use crate::dir::Dir;
 use crate::error::Error;
 use crate::region::LocalSlice;
-use crate::shm::{ShmFail, ShmPeer};
+use crate::transport::cma::CopyError;
+use crate::transport::shm::{ShmFail, ShmPeer};
 use kvbridge_proto::handshake::Step;
 use kvbridge_proto::msg::{ErrorCode, OpDesc};
 use kvbridge_proto::PeerId;

@@ -24,7 +24,7 @@ use crate::dir::Dir;
 use crate::error::{Error, Result};
 use crate::in_flight::InFlight;
 use crate::region::LocalSlice;
-use crate::shm::ShmPeer;
+use crate::transport::shm::ShmPeer;
 use crate::writer_queue::Outgoing;
 use crate::writer_queue::{self, Direct, WriterQueue, WriterRx};
 use direct::{Copied, CopyOn};

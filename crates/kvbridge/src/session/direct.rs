@@ -3,11 +3,62 @@
 //! The listener offers its regions over a unix socket (`ShmOffer` in the handshake, then
 //! `ShmMap`/`ShmSync`/`ShmUnmap` with the memfd passed by `SCM_RIGHTS`); the initiator maps
 //! them and copies into them directly, and (when both allow it) first reads a canary by
-//! cross-memory attach so that regions without a memfd are reached by address. Revoking a
+//! cross-memory attach so that regions without a memfd are reached by address (the probe's
+//! rules are `kvbridge_proto::same_host`'s machines, driven here). Revoking a
 //! region waits for the peer's word that no copy into it runs. The session task owns all of
-//! this state ([`ShmState`]); these are its methods for it.
+//! this state ([`ShmState`]) and lends it what it needs of the session for each step
+//! ([`ShmRound`]).
 
-use super::*;
+use crate::cmd::CoreCmd;
+use crate::config::{ChannelConfig, Transport};
+use crate::error::{Error, Result};
+use crate::grant::RegionTable;
+use crate::region::{AbandonedExport, Region, RegionExport};
+use crate::transport::cma::CmaStatus;
+use crate::transport::shm::{DirectCounters, FdReader, Mapping, ShmPeer};
+use kvbridge_proto::handshake::{Established, Step};
+use kvbridge_proto::msg::{DataHello, Message, Ready, RegionInfo, ShmOffer, ShmRegion, ShmRevoke};
+use kvbridge_proto::same_host::{CmaOffer, CmaProber, OfferOutput, ProberOutput};
+use kvbridge_proto::{PeerId, RegionId, SessionToken};
+use std::collections::HashMap;
+use std::os::fd::AsRawFd;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+/// What the same-host sub-protocol needs of its session for one step: the session lends
+/// these for the call, and [`ShmState`] keeps none of them.
+pub(super) struct ShmRound<'a> {
+    /// This session's id (`SessionCmd::EndIfMapping` spares the calling session).
+    pub(super) session: u64,
+    /// The peer's name, for errors and logs.
+    pub(super) peer: &'a str,
+    /// The peer, once known.
+    pub(super) peer_id: Option<&'a PeerId>,
+    /// This side's peer id (presented on the shared-memory connection).
+    pub(super) me: &'a PeerId,
+    /// (Listener) Whether the peer authenticated, so that its connections may be served.
+    pub(super) may_bind: bool,
+    pub(super) config: &'a ChannelConfig,
+    /// The channel's grants.
+    pub(super) table: &'a RegionTable,
+    /// The channel core (a detach asks it to end the sessions that still map a region).
+    pub(super) core: &'a mpsc::UnboundedSender<CoreCmd>,
+    /// The channel's counts of direct copies.
+    pub(super) counters: &'a Arc<DirectCounters>,
+    /// The peer's regions, as its latest `MemInfo` announced them.
+    pub(super) remote: &'a RwLock<HashMap<RegionId, RegionInfo>>,
+}
+
+impl ShmRound<'_> {
+    /// The lengths of the peer's regions (every offer is checked against them).
+    fn remote_lengths(&self) -> Vec<(RegionId, u64)> {
+        let map = self.remote.read().expect("remote regions poisoned");
+        map.values().map(|r| (r.id, r.len)).collect()
+    }
+}
 
 /// A session's shared-memory state.
 #[derive(Default)]
@@ -31,8 +82,9 @@ pub(super) struct ShmState {
     /// (Initiator) The established session, held until shared memory is synced (or its
     /// deadline passed).
     pub(super) pending_ready: Option<(Established, Instant)>,
-    /// (Listener) Where cross-memory attach stands with the peer.
-    pub(super) cma: CmaListen,
+    /// (Listener) Where cross-memory attach stands with the peer (the probe's machine,
+    /// made when the connection is bound).
+    pub(super) cma: Option<CmaOffer>,
     /// (Listener) The canary the peer is asked to read; kept for the whole session, so
     /// its address never names freed memory while the peer may still read it.
     pub(super) canary: Option<Box<[u8; CANARY_LEN]>>,
@@ -41,33 +93,23 @@ pub(super) struct ShmState {
 /// Bytes of the cross-memory-attach canary.
 const CANARY_LEN: usize = 32;
 
-/// (Listener) Cross-memory attach with one peer.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub(super) enum CmaListen {
-    /// Not asked for.
-    #[default]
-    Idle,
-    /// Canary sent, answer awaited: no `ShmSync` until then, so the initiator's first
-    /// sync after its answer already covers the regions offered by address.
-    Probing,
-    /// The peer read the canary: regions that cannot be mapped are offered by address.
-    On,
-    /// The probe failed: those regions go over TCP.
-    Refused,
-}
-
-impl Session {
+impl ShmState {
     /// (Initiator) Uses the listener's shared-memory offer when the configuration allows it
     /// and the listener is on this host; fails the session when shm is required and cannot
     /// be had.
-    pub(super) fn start_shm(&mut self, offer: Option<ShmOffer>, token: SessionToken) -> Result<()> {
-        let want = self.env.config.transport;
+    pub(super) fn start(
+        &mut self,
+        cx: &ShmRound<'_>,
+        offer: Option<ShmOffer>,
+        token: SessionToken,
+    ) -> Result<()> {
+        let want = cx.config.transport;
         if matches!(want, Transport::Tcp | Transport::Ucx)
-            || !matches!(self.env.config.net, crate::net::Net::Tokio)
+            || !matches!(cx.config.net, crate::net::Net::Tokio)
         {
             return Ok(());
         }
-        let ours = crate::shm::host_id();
+        let ours = crate::transport::shm::host_id();
         let usable = match (&offer, &ours) {
             (Some(o), Some(h)) if &o.host == h => Ok(o.clone()),
             (None, _) => Err("the listener offers no shared memory".to_string()),
@@ -77,48 +119,48 @@ impl Session {
             Ok(o) => o,
             Err(why) if want == Transport::Shm => {
                 return Err(Error::Incompatible {
-                    peer: self.peer_name.clone(),
+                    peer: cx.peer.to_string(),
                     step: Step::Welcome,
                     ours: format!("transport shm on host {}", ours.unwrap_or_default()),
                     theirs: why,
                 })
             }
             Err(why) => {
-                tracing::debug!(peer = %self.peer_name, "shared memory not used: {why}");
+                tracing::debug!(peer = %cx.peer, "shared memory not used: {why}");
                 return Ok(());
             }
         };
-        let cma_status = if !self.env.config.cma {
-            crate::CmaStatus::Off("disabled by configuration (KVBRIDGE_CMA=0)".into())
+        let cma_status = if !cx.config.cma {
+            CmaStatus::Off("disabled by configuration (KVBRIDGE_CMA=0)".into())
         } else if !offer.cma {
-            crate::CmaStatus::Off(
+            CmaStatus::Off(
                 "the listener offers no cross-memory attach (off there, or an older version)"
                     .into(),
             )
         } else {
-            crate::CmaStatus::Off("the probe has not completed".into())
+            CmaStatus::Off("the probe has not completed".into())
         };
-        let ask = self.env.config.cma && offer.cma;
-        let deny = self.env.config.hooks.cma_deny;
-        let peer = Arc::new(ShmPeer::new(self.env.direct.clone(), cma_status));
-        peer.set_max_mapped(self.env.config.limits.max_shm_mapped_per_peer);
-        peer.announce(self.remote_lengths());
-        let wait = self.env.config.deadlines.handshake_step;
+        let ask = cx.config.cma && offer.cma;
+        let deny = cx.config.hooks.cma_deny;
+        let peer = Arc::new(ShmPeer::new(cx.counters.clone(), cma_status));
+        peer.set_max_mapped(cx.config.limits.max_shm_mapped_per_peer);
+        peer.announce(cx.remote_lengths());
+        let wait = cx.config.deadlines.handshake_step;
         let (synced_tx, synced_rx) = tokio::sync::watch::channel(false);
-        self.shm.peer = Some(peer.clone());
-        self.shm.synced = Some(synced_rx);
-        let me = self.env.local.peer_id.clone();
-        let limit = self.env.config.deadlines.connect;
-        let max = self.env.config.limits.max_frame_len;
-        let name = self.peer_name.clone();
-        self.shm.reader = Some(tokio::spawn(async move {
+        self.peer = Some(peer.clone());
+        self.synced = Some(synced_rx);
+        let me = cx.me.clone();
+        let limit = cx.config.deadlines.connect;
+        let max = cx.config.limits.max_frame_len;
+        let name = cx.peer.to_string();
+        self.reader = Some(tokio::spawn(async move {
             let mut conn = None;
             let r = async {
                 let pid = offer.pid;
                 let s = conn.insert(connect_shm(offer, token, me, limit).await?);
                 let cma = ask.then(|| CmaAsk {
                     pid,
-                    uid: crate::shm::peer_uid(s),
+                    uid: crate::transport::shm::peer_uid(s),
                     deny,
                     peer: name.clone(),
                 });
@@ -139,12 +181,12 @@ impl Session {
     }
 
     /// (Listener) Binds an authenticated shared-memory connection.
-    pub(super) fn bind_shm(&mut self, s: tokio::net::UnixStream) {
+    pub(super) fn bind(&mut self, cx: &ShmRound<'_>, s: tokio::net::UnixStream) {
         let s = Arc::new(s);
         let (tx, rx) = mpsc::channel(64);
         let r = s.clone();
-        let max = self.env.config.limits.max_frame_len;
-        self.shm.reader = Some(tokio::spawn(async move {
+        let max = cx.config.limits.max_frame_len;
+        self.reader = Some(tokio::spawn(async move {
             // The initiator passes no descriptor.
             let mut fr = FdReader::new(max, 0);
             loop {
@@ -155,41 +197,40 @@ impl Session {
                 }
             }
         }));
-        self.shm.conn = Some(s);
-        self.shm.rx = Some(rx);
+        self.conn = Some(s);
+        self.rx = Some(rx);
     }
 
     /// (Listener) Offers the peer every shared region granted to it that it has not mapped,
     /// and asks it to unmap those no longer granted.
-    pub(super) async fn sync_exports(&mut self) -> Result<()> {
-        let (Some(conn), Some(peer)) = (self.shm.conn.clone(), self.peer_id.clone()) else {
+    pub(super) async fn sync_exports(&mut self, cx: &ShmRound<'_>) -> Result<()> {
+        let (Some(conn), Some(peer)) = (self.conn.clone(), cx.peer_id) else {
             return Ok(());
         };
-        if !self.machine.may_bind() {
+        if !cx.may_bind {
             return Ok(());
         }
-        let cma = self.shm.cma == CmaListen::On;
-        let granted = self.env.table.direct_for(&peer, cma);
-        let lost = |e| Error::lost(&self.peer_name, Step::Established, e);
+        let cma = self.cma.as_ref().is_some_and(CmaOffer::cma_on);
+        let granted = cx.table.direct_for(peer, cma);
+        let lost = |e| Error::lost(cx.peer, Step::Established, e);
         let gone: Vec<RegionId> = self
-            .shm
             .exports
             .keys()
             .filter(|id| !granted.iter().any(|r| r.id() == **id))
             .copied()
             .collect();
         for id in gone {
-            let ex = self.shm.exports.remove(&id).expect("listed");
-            self.shm.revoking.insert(id, ex);
-            crate::shm::send_frame(&conn, &Message::ShmUnmap(ShmRevoke { id }), None)
+            let ex = self.exports.remove(&id).expect("listed");
+            self.revoking.insert(id, ex);
+            crate::transport::shm::send_frame(&conn, &Message::ShmUnmap(ShmRevoke { id }), None)
                 .await
                 .map_err(lost)?;
         }
         for r in granted {
-            if self.shm.exports.contains_key(&r.id()) || self.shm.revoking.contains_key(&r.id()) {
+            if self.exports.contains_key(&r.id()) || self.revoking.contains_key(&r.id()) {
                 continue;
             }
-            let m = crate::shm::map_msg(r.id(), r.len() as u64);
+            let m = crate::transport::shm::map_msg(r.id(), r.len() as u64);
             // The export is counted before the descriptor leaves.
             let ex = r.begin_export();
             let Some(fd) = r.memfd() else {
@@ -197,95 +238,102 @@ impl Session {
                 if cma && r.wants_cma() {
                     // Counted before the address leaves (cma.rs, *Safety of unmapping*).
                     let ex = r.begin_cma_export();
-                    let m = crate::shm::cma_map_msg(r.id(), r.len() as u64, r.as_ptr() as u64);
-                    let sent = crate::shm::send_frame(&conn, &m, None).await;
-                    self.shm.exports.insert(r.id(), ex);
+                    let m = crate::transport::shm::cma_map_msg(
+                        r.id(),
+                        r.len() as u64,
+                        r.as_ptr() as u64,
+                    );
+                    let sent = crate::transport::shm::send_frame(&conn, &m, None).await;
+                    self.exports.insert(r.id(), ex);
                     sent.map_err(lost)?;
                 }
                 continue;
             };
-            let sent = crate::shm::send_frame(&conn, &m, Some(fd.as_raw_fd())).await;
+            let sent = crate::transport::shm::send_frame(&conn, &m, Some(fd.as_raw_fd())).await;
             drop(fd);
-            self.shm.exports.insert(r.id(), ex);
+            self.exports.insert(r.id(), ex);
             sent.map_err(lost)?;
         }
-        if self.shm.cma == CmaListen::Probing {
+        // No sync while the probe is open: the one after its verdict covers the regions
+        // offered by address (`kvbridge_proto::same_host`).
+        if self.cma.as_ref().is_some_and(|c| !c.may_sync()) {
             return Ok(());
         }
-        crate::shm::send_frame(&conn, &Message::ShmSync(Ready {}), None)
+        crate::transport::shm::send_frame(&conn, &Message::ShmSync(Ready {}), None)
             .await
             .map_err(lost)
     }
 
-    /// (Listener) The peer asks for cross-memory attach: send it the canary's address.
-    pub(super) async fn on_cma_ask(&mut self) -> Result<()> {
-        let Some(conn) = self.shm.conn.clone() else {
+    /// (Listener) A message of the cross-memory-attach probe (`CmaAsk`, `CmaProbed`): the
+    /// machine decides, this carries out what it asks (a canary, its address to the peer,
+    /// the verdict logged and the exports synced again).
+    async fn on_probe(&mut self, cx: &ShmRound<'_>, m: Message) -> Result<()> {
+        let Some(conn) = self.conn.clone() else {
             return Ok(());
         };
-        if !self.env.config.cma || self.shm.cma != CmaListen::Idle {
-            return Err(Error::PeerMisbehaved {
-                peer: self.peer_name.clone(),
-                step: Step::Established,
-                detail: "CmaAsk not offered, or asked twice".into(),
-            });
-        }
-        let mut c = Box::new([0u8; CANARY_LEN]);
-        crate::rand_bytes(&mut c[..]);
-        let m = Message::CmaProbe(CmaCanary {
-            addr: c.as_ptr() as u64,
-            len: CANARY_LEN as u32,
-        });
-        self.shm.canary = Some(c);
-        self.shm.cma = CmaListen::Probing;
-        crate::shm::send_frame(&conn, &m, None)
-            .await
-            .map_err(|e| Error::lost(&self.peer_name, Step::Established, e))
-    }
-
-    /// (Listener) The peer's answer to the canary: offer regions by address only when it
-    /// read exactly the canary's bytes.
-    pub(super) async fn on_cma_probed(&mut self, echo: CmaEcho) -> Result<()> {
-        if self.shm.cma != CmaListen::Probing {
-            return Err(Error::PeerMisbehaved {
-                peer: self.peer_name.clone(),
-                step: Step::Established,
-                detail: "CmaProbed without a CmaProbe".into(),
-            });
-        }
-        let want = self.shm.canary.as_deref().map(|c| &c[..]);
-        self.shm.cma = match (echo.error, want) {
-            (None, Some(want)) if echo.data.0 == want => CmaListen::On,
-            (Some(why), _) => {
-                crate::cma::log_refused(
-                    &self.peer_name,
-                    &format!("the peer could not read our memory: {why}"),
-                );
-                CmaListen::Refused
+        let offer = self.cma.get_or_insert_with(|| CmaOffer::new(cx.config.cma));
+        offer.handle_message(m);
+        let mut resync = false;
+        while let Some(o) = offer.poll_output() {
+            match o {
+                OfferOutput::MakeCanary => {
+                    let mut c = Box::new([0u8; CANARY_LEN]);
+                    crate::rand_bytes(&mut c[..]);
+                    offer.canary(c.as_ptr() as u64, c.to_vec());
+                    self.canary = Some(c);
+                }
+                OfferOutput::Send(m) => crate::transport::shm::send_frame(&conn, &m, None)
+                    .await
+                    .map_err(|e| Error::lost(cx.peer, Step::Established, e))?,
+                OfferOutput::Verdict {
+                    on,
+                    why,
+                    read_failed,
+                } => {
+                    match (on, why) {
+                        (false, Some(why)) if read_failed => {
+                            crate::transport::cma::log_refused(cx.peer, &why)
+                        }
+                        (false, why) => {
+                            tracing::warn!(peer = %cx.peer, "cross-memory attach not used: {}", why.unwrap_or_default())
+                        }
+                        (true, _) => {}
+                    }
+                    resync = true;
+                }
+                OfferOutput::Failed(e) => {
+                    return Err(Error::PeerMisbehaved {
+                        peer: cx.peer.to_string(),
+                        step: Step::Established,
+                        detail: e.to_string(),
+                    })
+                }
             }
-            _ => {
-                tracing::warn!(peer = %self.peer_name, "cross-memory attach not used: the peer read other bytes than our canary (a different process with our pid?)");
-                CmaListen::Refused
-            }
-        };
-        self.sync_exports().await
+        }
+        if resync {
+            self.sync_exports(cx).await?;
+        }
+        Ok(())
     }
 
     /// (Listener) A frame on the shared-memory connection.
-    pub(super) async fn on_shm_frame(
+    pub(super) async fn on_frame(
         &mut self,
+        cx: &ShmRound<'_>,
         m: Option<std::io::Result<Option<Message>>>,
     ) -> Result<()> {
         match m {
-            Some(Ok(Some(Message::CmaAsk(_)))) => self.on_cma_ask().await,
-            Some(Ok(Some(Message::CmaProbed(echo)))) => self.on_cma_probed(echo).await,
+            Some(Ok(Some(m @ (Message::CmaAsk(_) | Message::CmaProbed(_))))) => {
+                self.on_probe(cx, m).await
+            }
             Some(Ok(Some(Message::ShmUnmapped(ShmRevoke { id })))) => {
-                if let Some(ex) = self.shm.revoking.remove(&id) {
+                if let Some(ex) = self.revoking.remove(&id) {
                     ex.confirmed();
                 }
                 Ok(())
             }
             Some(Ok(Some(other))) => Err(Error::PeerMisbehaved {
-                peer: self.peer_name.clone(),
+                peer: cx.peer.to_string(),
                 step: Step::Established,
                 detail: format!("{} on the shared-memory connection", other.name()),
             }),
@@ -294,26 +342,26 @@ impl Session {
             // process killed between our ShmSync and its read gives that).
             Some(Err(e)) if closed_by_peer(&e) => {
                 self.confirm_all();
-                self.shm.rx = None;
-                self.shm.conn = None;
+                self.rx = None;
+                self.conn = None;
                 Ok(())
             }
             Some(Ok(None)) => {
                 self.confirm_all();
-                self.shm.rx = None;
-                self.shm.conn = None;
+                self.rx = None;
+                self.conn = None;
                 Ok(())
             }
-            Some(Err(e)) => Err(Error::lost(&self.peer_name, Step::Established, e)),
+            Some(Err(e)) => Err(Error::lost(cx.peer, Step::Established, e)),
             None => {
-                self.shm.rx = None;
+                self.rx = None;
                 Ok(())
             }
         }
     }
 
     pub(super) fn confirm_all(&mut self) {
-        for (_, ex) in self.shm.exports.drain().chain(self.shm.revoking.drain()) {
+        for (_, ex) in self.exports.drain().chain(self.revoking.drain()) {
             ex.confirmed();
         }
     }
@@ -325,17 +373,17 @@ impl Session {
     /// mapping, which waits for the direct copies still running (callers copy their writes
     /// themselves, `DataPath::write_direct`) and refuses new ones, then ends the connection
     /// task; our mappings go with the last handle.
-    pub(super) async fn end_shm(&mut self) {
-        if let Some(p) = self.shm.peer.clone() {
+    pub(super) async fn end(&mut self, cx: &ShmRound<'_>) {
+        if let Some(p) = self.peer.clone() {
             let _ = tokio::task::spawn_blocking(move || p.revoke_all()).await;
         }
-        if let Some(mut rx) = self.shm.rx.take() {
-            let limit = self.env.config.deadlines.close;
+        if let Some(mut rx) = self.rx.take() {
+            let limit = cx.config.deadlines.close;
             let wait = async {
                 loop {
                     match rx.recv().await {
                         Some(Ok(Some(Message::ShmUnmapped(ShmRevoke { id })))) => {
-                            if let Some(ex) = self.shm.revoking.remove(&id) {
+                            if let Some(ex) = self.revoking.remove(&id) {
                                 ex.confirmed();
                             }
                         }
@@ -350,39 +398,30 @@ impl Session {
                 self.confirm_all();
             }
         }
-        if self.shm.exports.is_empty() && self.shm.revoking.is_empty() {
+        if self.exports.is_empty() && self.revoking.is_empty() {
             self.confirm_all();
         }
         // Whatever is left was not confirmed: the peer may still copy into those regions.
         // Every one is abandoned first, so that no detach below waits for another of ours.
         let left: Vec<AbandonedExport> = self
-            .shm
             .exports
             .drain()
-            .chain(self.shm.revoking.drain())
+            .chain(self.revoking.drain())
             .filter_map(|(_, ex)| ex.abandon())
             .collect();
         for ab in left {
-            tracing::warn!(peer = %self.peer_name, region = %ab.region().id(),
+            tracing::warn!(peer = %cx.peer, region = %ab.region().id(),
                 "the peer did not confirm unmapping a region before its session ended; detaching the region");
-            match detach_region(
-                ab.region(),
-                &self.env.core,
-                &self.env.config,
-                Some(self.id),
-                true,
-            )
-            .await
-            {
+            match detach_region(ab.region(), cx.core, cx.config, Some(cx.session), true).await {
                 Ok(()) => ab.finish(),
                 // Dropping it tries the bare detach once more.
                 Err(e) => {
-                    tracing::error!(peer = %self.peer_name, error = %e, "region not detached")
+                    tracing::error!(peer = %cx.peer, error = %e, "region not detached")
                 }
             }
         }
-        self.shm.conn = None;
-        if let Some(h) = self.shm.reader.take() {
+        self.conn = None;
+        if let Some(h) = self.reader.take() {
             h.abort();
             let _ = h.await;
         }
@@ -401,7 +440,7 @@ impl Session {
 /// 2. (`ask_first`) Every session re-syncs its exports, which asks each peer that maps the
 ///    region to unmap it (`ShmUnmap`); a peer confirms only once no copy of its runs or can
 ///    start (its later batches on that region go over TCP). This waits for the op deadline.
-/// 3. Sessions whose peer still did not confirm are ended ([`SessionCmd::EndIfMapping`],
+/// 3. Sessions whose peer still did not confirm are ended ([`SessionCmd::EndIfMapping`](crate::cmd::SessionCmd::EndIfMapping),
 ///    [`Error::UnmapTimeout`]); each session's teardown waits for its peer to close the
 ///    shared-memory connection, and abandons the export when it does not. This waits for
 ///    as long as such a teardown takes.
@@ -450,15 +489,18 @@ async fn connect_shm(
     me: PeerId,
     limit: Duration,
 ) -> std::io::Result<tokio::net::UnixStream> {
-    let s = tokio::time::timeout(limit, crate::shm::connect(&offer.socket, offer.pid))
-        .await
-        .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
+    let s = tokio::time::timeout(
+        limit,
+        crate::transport::shm::connect(&offer.socket, offer.pid),
+    )
+    .await
+    .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
     let hello = Message::DataHello(DataHello {
         token,
         peer_id: me,
         stream: 0,
     });
-    crate::shm::send_frame(&s, &hello, None).await?;
+    crate::transport::shm::send_frame(&s, &hello, None).await?;
     Ok(s)
 }
 
@@ -491,45 +533,35 @@ async fn initiator_shm(
     // `CmaAsk`, and the probe must be answered before a `ShmSync` is the last word: the
     // listener sends none between its canary and our answer, and the one after covers the
     // regions it offers by address.
-    let mut probing = cma.is_some();
-    let mut asked = false;
+    let mut prober = CmaProber::new(cma.is_some());
     while let Some(m) = fr.next(s).await? {
         match m {
-            Message::CmaProbe(c) => {
-                let Some(ask) = cma.as_ref().filter(|_| probing && asked) else {
-                    return Err(std::io::Error::new(
-                        std::io::ErrorKind::InvalidData,
-                        "CmaProbe not asked for",
-                    ));
-                };
-                probing = false;
-                let len = (c.len as usize).min(4096);
-                let read = if ask.deny {
-                    Err(crate::cma::describe(
-                        &std::io::Error::from_raw_os_error(libc::EPERM),
-                        ask.uid,
-                    ))
-                } else {
-                    crate::cma::probe(ask.pid, c.addr, len, ask.uid)
-                };
-                let echo = match read {
-                    Ok(data) => {
-                        peer.enable_cma(ask.pid);
-                        CmaEcho {
-                            data: Blob(data),
-                            error: None,
+            m @ (Message::CmaProbe(_) | Message::ShmSync(_)) => {
+                prober.handle_message(m);
+                while let Some(o) = prober.poll_output() {
+                    match o {
+                        ProberOutput::Send(m) => {
+                            crate::transport::shm::send_frame(s, &m, None).await?
+                        }
+                        ProberOutput::ReadCanary { addr, len } => {
+                            // The machine asks only with `cma` set.
+                            let read = match &cma {
+                                Some(ask) => read_canary(ask, peer, addr, len as usize),
+                                None => Err("cross-memory attach not asked for".into()),
+                            };
+                            prober.probed(read);
+                        }
+                        ProberOutput::Synced => {
+                            let _ = synced.send(true);
+                        }
+                        ProberOutput::Failed(e) => {
+                            return Err(std::io::Error::new(
+                                std::io::ErrorKind::InvalidData,
+                                e.to_string(),
+                            ))
                         }
                     }
-                    Err(why) => {
-                        crate::cma::log_refused(&ask.peer, &why);
-                        peer.set_cma_status(crate::CmaStatus::Off(why.clone()));
-                        CmaEcho {
-                            data: Blob(Vec::new()),
-                            error: Some(why),
-                        }
-                    }
-                };
-                crate::shm::send_frame(s, &Message::CmaProbed(echo), None).await?;
+                }
             }
             Message::ShmMap(ShmRegion {
                 id,
@@ -555,7 +587,7 @@ async fn initiator_shm(
                             tracing::warn!(region = %r.id, error = %e, "cannot map region; TCP carries it")
                         }
                     },
-                    Err(e @ crate::shm::MapRefused::LongerThanAnnounced { .. }) => {
+                    Err(e @ crate::transport::shm::MapRefused::LongerThanAnnounced { .. }) => {
                         return Err(std::io::Error::new(
                             std::io::ErrorKind::InvalidData,
                             e.to_string(),
@@ -568,15 +600,8 @@ async fn initiator_shm(
                 let p = peer.clone();
                 // Waits for a copy in progress (bounded by one op's memcpy).
                 let _ = tokio::task::spawn_blocking(move || p.revoke(&id)).await;
-                crate::shm::send_frame(s, &crate::shm::unmapped(id), None).await?;
-            }
-            Message::ShmSync(_) => {
-                if !probing {
-                    let _ = synced.send(true);
-                } else if !asked {
-                    asked = true;
-                    crate::shm::send_frame(s, &Message::CmaAsk(Ready {}), None).await?;
-                }
+                crate::transport::shm::send_frame(s, &crate::transport::shm::unmapped(id), None)
+                    .await?;
             }
             Message::Reject(rj) => {
                 return Err(std::io::Error::new(
@@ -593,6 +618,32 @@ async fn initiator_shm(
         }
     }
     Ok(())
+}
+
+/// (Initiator) Reads the listener's canary by cross-memory attach, and records what that
+/// means for the copies into its regions.
+fn read_canary(
+    ask: &CmaAsk,
+    peer: &ShmPeer,
+    addr: u64,
+    len: usize,
+) -> std::result::Result<Vec<u8>, String> {
+    let read = if ask.deny {
+        Err(crate::transport::cma::describe(
+            &std::io::Error::from_raw_os_error(libc::EPERM),
+            ask.uid,
+        ))
+    } else {
+        crate::transport::cma::probe(ask.pid, addr, len, ask.uid)
+    };
+    match &read {
+        Ok(_) => peer.enable_cma(ask.pid),
+        Err(why) => {
+            crate::transport::cma::log_refused(&ask.peer, why);
+            peer.set_cma_status(CmaStatus::Off(why.clone()));
+        }
+    }
+    read
 }
 
 /// Whether an error on the shared-memory connection means the peer closed its end (which it

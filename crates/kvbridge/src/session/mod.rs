@@ -14,8 +14,6 @@ use crate::error::{Error, Result};
 use crate::events::Notification;
 use crate::grant::RegionTable;
 use crate::net::{ReadHalf, Stream, WriteHalf};
-use crate::region::{AbandonedExport, Region, RegionExport};
-use crate::shm::{FdReader, Mapping, ShmPeer};
 use crate::transport::tcp::reader::{run_reader, ReaderCtx};
 use crate::transport::tcp::writer::run_writer;
 use crate::wire::{read_frame, write_msg, ReadError};
@@ -25,14 +23,10 @@ use kvbridge_proto::handshake::{
     ping, Established, Initiator, ListenerSession, LocalIdentity, Output, Step,
 };
 use kvbridge_proto::ids::Blob;
-use kvbridge_proto::msg::{
-    CmaCanary, CmaEcho, DataHello, ErrorCode, Hello, MemInfo, Message, Ready, RegionInfo, ShmOffer,
-    ShmRegion, ShmRevoke,
-};
+use kvbridge_proto::msg::{DataHello, ErrorCode, Hello, MemInfo, Message, RegionInfo, ShmOffer};
 use kvbridge_proto::{Incarnation, PeerId, RegionId, SessionToken};
 use std::collections::HashMap;
 use std::future::Future;
-use std::os::fd::AsRawFd;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -44,7 +38,7 @@ mod direct;
 pub(crate) mod ucx;
 
 pub(crate) use direct::detach_region;
-use direct::ShmState;
+use direct::{ShmRound, ShmState};
 
 /// What every session task gets from its channel.
 #[derive(Clone)]
@@ -61,7 +55,7 @@ pub(crate) struct SessionEnv {
     /// The channel's count of peer batches refused for bytes in flight.
     pub(crate) in_flight_refused: Arc<std::sync::atomic::AtomicU64>,
     /// The channel's counts of batches copied directly (shared memory, cross-memory attach).
-    pub(crate) direct: Arc<crate::shm::DirectCounters>,
+    pub(crate) direct: Arc<crate::transport::shm::DirectCounters>,
     /// The channel's count of frames written past the writers (`Stats::frames_direct`).
     pub(crate) frames_direct: Arc<std::sync::atomic::AtomicU64>,
     /// The channel's UCX worker and its owner thread, when the transport is UCX.
@@ -649,7 +643,8 @@ impl Session {
             }
             if self.shm.parked.is_some() && self.machine.may_bind() {
                 let s = self.shm.parked.take().expect("checked");
-                self.bind_shm(s);
+                let (shm, cx) = self.shm_round();
+                shm.bind(&cx, s);
                 if let Err(e) = self.sync_exports().await {
                     return e;
                 }
@@ -770,7 +765,8 @@ impl Session {
                     }
                 }
                 m = recv_opt(self.shm.rx.as_mut()) => {
-                    if let Err(e) = self.on_shm_frame(m).await {
+                    let (shm, cx) = self.shm_round();
+                    if let Err(e) = shm.on_frame(&cx, m).await {
                         return e;
                     }
                 }
@@ -884,7 +880,8 @@ impl Session {
                     self.peer_unacked_notify = unacked_notify;
                     self.peer_name = peer_id.to_string();
                     self.peer_id = Some(peer_id.clone());
-                    if let Err(e) = self.start_shm(shm, token) {
+                    let (state, cx) = self.shm_round();
+                    if let Err(e) = state.start(&cx, shm, token) {
                         return Some(e);
                     }
                     let mem = self.env.table.granted_to(&peer_id);
@@ -1136,6 +1133,35 @@ impl Session {
     fn fail_bind(&mut self, e: std::io::Error) {
         let err = Error::lost(&self.peer_name, Step::DataBind, e);
         let _ = self.cmd_tx.send(SessionCmd::Abort(err));
+    }
+
+    /// The session's same-host state, with what it needs of the session for one step.
+    fn shm_round(&mut self) -> (&mut ShmState, ShmRound<'_>) {
+        let cx = ShmRound {
+            session: self.id,
+            peer: &self.peer_name,
+            peer_id: self.peer_id.as_ref(),
+            me: &self.env.local.peer_id,
+            may_bind: self.machine.may_bind(),
+            config: &self.env.config,
+            table: &self.env.table,
+            core: &self.env.core,
+            counters: &self.env.direct,
+            remote: &self.remote,
+        };
+        (&mut self.shm, cx)
+    }
+
+    /// (Listener) See [`ShmState::sync_exports`].
+    async fn sync_exports(&mut self) -> Result<()> {
+        let (shm, cx) = self.shm_round();
+        shm.sync_exports(&cx).await
+    }
+
+    /// See [`ShmState::end`].
+    async fn end_shm(&mut self) {
+        let (shm, cx) = self.shm_round();
+        shm.end(&cx).await
     }
 
     fn set_remote(&mut self, mem: MemInfo) {

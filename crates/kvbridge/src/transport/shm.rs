@@ -63,9 +63,9 @@
 //! in the initiator); the unix socket takes connections of our own user only, a bounded
 //! number of them, and no descriptor a frame may not carry.
 
-use crate::cma::{CmaCopy, CmaStatus, CopyError, DirectCopy, MemCopy, Piece};
 use crate::dir::Dir;
 use crate::region::LocalSlice;
+use crate::transport::cma::{CmaCopy, CmaStatus, CopyError, DirectCopy, MemCopy, Piece};
 use kvbridge_proto::frame::{FrameHeader, FRAME_HEADER_LEN};
 use kvbridge_proto::msg::{Message, OpDesc, ShmRegion, ShmRevoke};
 use kvbridge_proto::RegionId;
@@ -515,6 +515,11 @@ impl Remote {
         *self.revoked.write().unwrap_or_else(|e| e.into_inner()) = true;
     }
 
+    /// Bytes of the region, as the listener announced them.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
     /// Where byte 0 of the region is, for the copier that reaches it.
     fn base(&self) -> usize {
         match &self.via {
@@ -742,12 +747,14 @@ impl ShmPeer {
         self.cma_status.lock().expect("cma status poisoned").clone()
     }
 
-    /// Removes and revokes a region; returns once no copy into it runs. Blocking.
-    pub(crate) fn revoke(&self, id: &RegionId) {
+    /// Removes and revokes a region; returns once no copy into it runs. Blocking. Whether
+    /// the region was reachable.
+    pub(crate) fn revoke(&self, id: &RegionId) -> bool {
         let m = self.maps.write().expect("shm maps poisoned").remove(id);
-        if let Some(m) = m {
+        if let Some(m) = &m {
             m.revoke();
         }
+        m.is_some()
     }
 
     /// Revokes every region (the connection that could revoke them is ending). Blocking.
@@ -792,7 +799,7 @@ impl ShmPeer {
 
     /// Executes a batch by direct copies: each run of consecutive ops into one region is
     /// one call of that region's [`DirectCopy`] (one `memcpy` per op for a mapping; up to
-    /// [`crate::cma::IOV_MAX`] ops per system call for cross-memory attach). Runs on the
+    /// [`crate::transport::cma::IOV_MAX`] ops per system call for cross-memory attach). Runs on the
     /// data writer thread (reads, and writes on a current-thread runtime) or on the thread of
     /// the task that issued the write.
     pub(crate) fn copy_batch(
@@ -1042,7 +1049,7 @@ mod tests {
     /// announced end is refused before any byte moves, and once revoked nothing is copied.
     #[test]
     fn cma_ops_are_bounded_and_revocable() {
-        if crate::cma::cma_available().is_err() {
+        if crate::transport::cma::cma_available().is_err() {
             return;
         }
         let mut target = vec![0u8; 8192];

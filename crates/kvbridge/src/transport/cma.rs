@@ -13,14 +13,14 @@
 //!   as iovecs, up to [`IOV_MAX`] per `process_vm_writev`/`process_vm_readv` call, and a
 //!   partial transfer is continued where it stopped.
 //!
-//! The trait is deliberately *not* the issue's `Transport` and does not cover TCP: a TCP
-//! batch is two-sided (the listener validates every op header and reads the payload into
-//! place), while both direct copies are one-sided (this side checks bounds against what the
-//! listener announced and the kernel does the rest). Forcing TCP behind the same trait would
-//! hide that difference in who validates. And `Transport` is already the name of the
-//! setting users choose ([`crate::Transport`]). `datapath/direct.rs` picks per batch: every
-//! region reachable directly (mapped, else cross-memory attach when the probe passed for
-//! this peer) → direct copy; else TCP.
+//! [`DirectCopy`] is the copy alone, below the one-sided seam
+//! ([`crate::transport::one_sided::OneSided`]), which `shm_one_sided.rs` and
+//! `cma_one_sided.rs` implement over the same copies. Neither covers TCP: a TCP batch is
+//! two-sided (the listener validates every op header and reads the payload into place),
+//! while both direct copies are one-sided (this side checks bounds against what the
+//! listener announced and the kernel does the rest). `datapath/direct.rs` picks per batch:
+//! every region reachable directly (mapped, else cross-memory attach when the probe passed
+//! for this peer) → direct copy; else TCP.
 //!
 //! # When cross-memory attach is used
 //! The kernel allows `process_vm_writev` into another process only with ptrace-attach
@@ -129,8 +129,7 @@ impl std::fmt::Display for CopyError {
     }
 }
 
-/// A same-host one-sided copy (module docs: why this is not the `Transport` setting and
-/// does not cover TCP).
+/// A same-host one-sided copy (module docs: why it does not cover TCP).
 pub(crate) trait DirectCopy {
     /// Copies every piece (`Write`: local → remote; `Read`: remote → local), in order, and
     /// returns once all bytes are in place or on the first failure.
