@@ -33,6 +33,11 @@ SERIES = {
         "vllm:kvbridge_leases_expired",
         "Prefiller requests whose blocks were freed at kvbridge_lease_s without a read-done notice.",
     ),
+    "leases_unmarked": (
+        "vllm:kvbridge_leases_unmarked",
+        "Prefiller requests left out of the lease table (every slot of their group held): their "
+        "decoders' loads fail at their deadline.",
+    ),
     "notices_failed": ("vllm:kvbridge_notices_failed", "Read-done notices a decoder could not deliver."),
 }
 FAILURES = ("vllm:kvbridge_load_failures", "Decoder loads that failed, by cause.")
