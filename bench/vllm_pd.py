@@ -137,6 +137,11 @@ def run_pair(name: str, run: int, a, model: Path, binary: Path, prompts: list[st
     else:
         raise SystemExit(f"unknown connector {name}")
     stats = {"VLLM_LOG_STATS_INTERVAL": "1"}
+    # each server computes on a core of its own, as on two hosts (vLLM CPU would otherwise
+    # put both servers' compute threads on the same core: on a 2-core host, core 0)
+    if (os.cpu_count() or 1) >= 2:
+        penv = {**penv, "VLLM_CPU_OMP_THREADS_BIND": "0"}
+        denv = {**denv, "VLLM_CPU_OMP_THREADS_BIND": "1"}
     mml = a.prompt_tokens + a.max_tokens + 64
     load_at_start = load_average()
     procs: list = []
