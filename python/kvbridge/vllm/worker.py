@@ -274,17 +274,20 @@ class KvbridgeWorker:
                 if ptr in by_ptr:  # layers sharing one cache
                     self.layers.append(_Layer(name, by_ptr[ptr].region, page))
                     continue
-                rid = self.channel.register(ptr, t.shape[0] * page, page)
+                # decoders read a prefiller's blocks and never write them: over TCP the
+                # prefiller refuses a write; a same-host decoder that copies by itself
+                # (cross-memory attach) is trusted as a process of the same user is
+                rid = self.channel.register(ptr, t.shape[0] * page, page, access="read", direct_copies=True)
                 by_ptr[ptr] = _Layer(name, rid, page)
                 self.layers.append(by_ptr[ptr])
             entries = {layer.name: str(layer.region) for layer in self.layers}
-            leases = self.channel.register_buffer(self._lease_table.memory, LEASE_PAGE_BYTES)
+            leases = self.channel.register_buffer(self._lease_table.memory, LEASE_PAGE_BYTES, access="read")
             doc = {"compat": compat, "layers": entries, "leases": str(leases), "engine_id": self.settings.engine_id}
             body = DIRECTORY_MAGIC + json.dumps(doc).encode()
             if len(body) > DIRECTORY_LEN:
                 raise LayoutError(f"{len(self.layers)} layers do not fit the {DIRECTORY_LEN}-byte directory")
             self._directory[: len(body)] = body
-            self._directory_region = self.channel.register_buffer(self._directory, DIRECTORY_LEN)
+            self._directory_region = self.channel.register_buffer(self._directory, DIRECTORY_LEN, access="read")
         except BaseException:
             self.channel.close()
             self.channel = None

@@ -245,3 +245,21 @@ def test_a_request_of_another_engine_on_the_address_fails_at_once(workers):
     assert time.monotonic() - t0 < 5
     assert d.take_failed_recving() == {"d-1"}
     assert d.stats["loads_failed_peer_lost"] == 1
+
+
+def test_a_decoder_cannot_write_into_the_prefillers_kv_cache(workers, monkeypatch):
+    # over TCP the prefiller does every copy and refuses a peer's write into its blocks
+    # (a same-host decoder on cross-memory attach copies by itself: docs/vllm.md)
+    import kvbridge
+
+    monkeypatch.setenv("KVBRIDGE_CMA", "0")
+    p_cache = kv_caches(seed=13)
+    before = {name: t.clone() for name, t in p_cache.items()}
+    p = workers("kv_producer", p_cache)
+    d = workers("kv_consumer", kv_caches(seed=14), extra={"kvbridge_transport": "tcp"})
+    peer = d._peer(job(p, [1], [1]), time.monotonic() + 10)
+    layer = d.layers[0]
+    with pytest.raises(kvbridge.KvbridgeError):
+        d.channel.write_pages(peer.peer_id, layer.region, [1], peer.regions[layer.name], [1])
+    for name in LAYERS:
+        assert torch.equal(p_cache[name], before[name]), name
