@@ -25,6 +25,10 @@ SERIES = {
     ),
     "bytes_read": ("vllm:kvbridge_bytes_read", "KV bytes a decoder read from prefillers."),
     "load_seconds": ("vllm:kvbridge_load_seconds", "Seconds decoder loads took, summed over completed loads."),
+    "read_seconds": (
+        "vllm:kvbridge_read_seconds",
+        "Seconds from posting a completed load's reads to its end (reads and lease check), summed.",
+    ),
     "blocks_freed_on_notify": (
         "vllm:kvbridge_freed_on_notify",
         "Prefiller requests whose blocks were freed on the decoder's read-done notice.",

@@ -121,6 +121,7 @@ class _Load:
     # prefiller's session was ready, every read was submitted
     took_up: float = 0.0
     connected: float = 0.0
+    posting: float = 0.0
     submitted: float = 0.0
 
 
@@ -483,6 +484,7 @@ class KvbridgeWorker:
                     )
                 # a decoder's prefix-cache hit covers the head; read the tail
                 remote = job.remote_block_ids[len(job.remote_block_ids) - len(local) :]
+                load.posting = time.monotonic()
                 for layer in self.layers:
                     load.transfers.append(
                         ch.submit_read_pages(peer.peer_id, layer.region, local, peer.regions[layer.name], remote)
@@ -571,6 +573,8 @@ class KvbridgeWorker:
                 self.stats["loads_ok"] += 1
                 self.stats["bytes_read"] += load.bytes
                 self.stats["load_seconds"] += max(0.0, load.finished - load.started)
+                if load.posting:
+                    self.stats["read_seconds"] += max(0.0, load.finished - load.posting)
             else:
                 self.stats["loads_failed"] += 1
                 self.stats[f"loads_failed_{failure_cause(err)}"] += 1

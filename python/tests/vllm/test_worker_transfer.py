@@ -182,6 +182,7 @@ def test_counters_reach_vllm_as_the_change_since_the_last_report(workers):
     total = KvbridgeConnectorStats(data=delta).aggregate(other)
     out = total.reduce()
     assert out["loads_ok"] == 2 and out["loads_failed_timeout"] == 1 and out["load_GiB_per_s"] > 0
+    assert delta["read_seconds"] <= delta["load_seconds"] and out["read_GiB_per_s"] >= out["load_GiB_per_s"]
     assert KvbridgeConnectorStats().is_empty()
 
 
