@@ -7,9 +7,11 @@ other's. Driven by bench/vllm-pd.sh.
 TTFT: from sending a streamed completion to the proxy to its first content chunk (the proxy
 prefills on the prefiller, the decoder pulls the KV, then makes the first token). KV GiB/s:
 the decoder's own transfer stats as vLLM logs them each second, median over the intervals
-that moved KV (KvbridgeConnector: bytes_read over summed load time, from the load's start
-to its last read, connect included; NixlConnector: its "Throughput (MB/s)", total bytes over
-summed transfer time as NIXL's telemetry measures it).
+that moved KV, both as bytes over the time from posting the reads to their completion
+(KvbridgeConnector: `read_GiB_per_s`, the reads and the lease check after them;
+NixlConnector: its "Throughput (MB/s)", total bytes over summed transfer time as NIXL's
+telemetry measures it). KvbridgeConnector's `load_GiB_per_s` counts from the load's start
+(load thread, connect, directory) and is not the column.
 
 Any failed request (non-200, an error event, no token) fails the run: no figures printed.
 So does a request whose decoder did not read its KV: the kvbridge decoder's
@@ -137,6 +139,11 @@ def run_pair(name: str, run: int, a, model: Path, binary: Path, prompts: list[st
     else:
         raise SystemExit(f"unknown connector {name}")
     stats = {"VLLM_LOG_STATS_INTERVAL": "1"}
+    # each server computes on a core of its own, as on two hosts (vLLM CPU would otherwise
+    # put both servers' compute threads on the same core: on a 2-core host, core 0)
+    if (os.cpu_count() or 1) >= 2:
+        penv = {**penv, "VLLM_CPU_OMP_THREADS_BIND": "0"}
+        denv = {**denv, "VLLM_CPU_OMP_THREADS_BIND": "1"}
     mml = a.prompt_tokens + a.max_tokens + 64
     load_at_start = load_average()
     procs: list = []
@@ -253,9 +260,11 @@ def kv_not_moved(name: str, prefill_log: str, decode_log: str, sent: int, loads:
 
 
 def gib_per_s_values(name: str, log: str) -> list[float]:
-    """The decoder's per-interval KV GiB/s as vLLM logged them."""
+    """The decoder's per-interval KV GiB/s as vLLM logged them: bytes over the time from
+    posting the reads to their completion (kvbridge: and the lease check after them), as
+    NixlConnector measures its transfers."""
     if name == "kvbridge":
-        return [float(x) for x in re.findall(r"KV Transfer metrics: .*load_GiB_per_s=([0-9.]+)", log)]
+        return [float(x) for x in re.findall(r"KV Transfer metrics: .*read_GiB_per_s=([0-9.]+)", log)]
     # NixlConnector's "MB" are MiB; its throughput is total MiB over summed transfer time
     return [float(x) / 1024 for x in re.findall(r"Throughput \(MB/s\)=([0-9.]+)", log) if float(x) > 0]
 

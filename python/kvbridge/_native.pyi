@@ -63,10 +63,23 @@ class Channel:
 
     # memory
     def register(
-        self, ptr: int, length: int, page_size: int, *, peers: list[str] | None = None
+        self,
+        ptr: int,
+        length: int,
+        page_size: int,
+        *,
+        peers: list[str] | None = None,
+        access: Literal["readwrite", "read", "write"] = "readwrite",
+        direct_copies: bool = False,
     ) -> int: ...
     def register_buffer(
-        self, obj: Any, page_size: int, *, peers: list[str] | None = None
+        self,
+        obj: Any,
+        page_size: int,
+        *,
+        peers: list[str] | None = None,
+        access: Literal["readwrite", "read", "write"] = "readwrite",
+        direct_copies: bool = False,
     ) -> int: ...
     def deregister(self, region: int) -> None: ...
 

@@ -11,7 +11,9 @@ use crate::transfer::{Slot, Transfer};
 use kvbridge::config::DEFAULT_DATA_CONNECTIONS;
 use kvbridge::proto::auth::Secret;
 use kvbridge::proto::msg::Compat;
-use kvbridge::{Channel, ChannelConfig, Grant, Op, PeerId, Pem, Region, RegionId, Transport};
+use kvbridge::{
+    Access, Channel, ChannelConfig, Grant, Op, PeerId, Pem, Region, RegionId, Transport,
+};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyInt, PyList, PyString};
@@ -503,6 +505,8 @@ impl PyChannel {
         mem: Memory,
         page_size: usize,
         peers: Option<Vec<String>>,
+        access: &str,
+        direct_copies: bool,
     ) -> PyResult<u128> {
         let open = self.open(py)?;
         let Memory {
@@ -536,11 +540,31 @@ impl PyChannel {
             None => Grant::AllPeers,
             Some(p) => Grant::Peers(p.iter().map(|s| peer_arg(py, s)).collect::<PyResult<_>>()?),
         };
-        if readonly && grant != Grant::Peers(Vec::new()) {
+        let access = match access {
+            "readwrite" => Access::ReadWrite,
+            "read" => Access::ReadOnly,
+            "write" => Access::WriteOnly,
+            other => {
+                return Err(errors::invalid(
+                    py,
+                    format!("access {other:?}: \"readwrite\", \"read\" or \"write\""),
+                ))
+            }
+        };
+        // Where a peer copies by itself (shared memory, cross-memory attach) no mode holds,
+        // so only a region no peer can write over any transport may be read-only memory.
+        let peers_cannot_write =
+            grant == Grant::Peers(Vec::new()) || (access == Access::ReadOnly && !direct_copies);
+        if readonly && !peers_cannot_write {
             return Err(errors::invalid(
                 py,
-                "a read-only buffer can only be registered with peers=[] (a peer granted the region may write it)",
+                "a read-only buffer can only be registered with peers=[] or access=\"read\" without \
+                 direct_copies (a peer that may write the region would write it)",
             ));
+        }
+        let mut permission = grant.with_access(access);
+        if direct_copies {
+            permission = permission.with_direct_copies();
         }
         // SAFETY: the caller vouches for raw pointers (Channel.register's contract); for
         // Python objects `keep` holds the export or the object until the region is
@@ -548,7 +572,7 @@ impl PyChannel {
         let region = unsafe { Region::from_raw(ptr as *mut u8, length, page_size) }
             .map_err(|e| errors::to_py(py, &e))?;
         open.channel
-            .register(&region, grant)
+            .register(&region, permission)
             .map_err(|e| errors::to_py(py, &e))?;
         let key = region_key(region.id());
         open.regions().insert(
@@ -706,9 +730,14 @@ impl PyChannel {
 
     /// Registers caller memory ``ptr .. ptr+length`` in pages of ``page_size`` bytes (which
     /// must divide ``length``) and returns its region id. ``peers``: the peer ids that may
-    /// write and read it (default: every peer). The memory must stay valid until
-    /// ``deregister`` (or ``close``) returns; kvbridge does not own it.
-    #[pyo3(signature = (ptr, length, page_size, *, peers=None))]
+    /// address it (default: every peer). ``access``: what they may do, ``"readwrite"``
+    /// (default), ``"read"`` or ``"write"``; a region with a mode is carried over TCP only,
+    /// where the owner does the copy and refuses the rest, unless ``direct_copies=True``:
+    /// then same-host peers map it or copy by address and reach all of it, and the mode
+    /// holds for peers over TCP. The memory must stay valid until ``deregister`` (or
+    /// ``close``) returns; kvbridge does not own it.
+    #[pyo3(signature = (ptr, length, page_size, *, peers=None, access="readwrite", direct_copies=false))]
+    #[allow(clippy::too_many_arguments)]
     fn register(
         &self,
         py: Python<'_>,
@@ -716,6 +745,8 @@ impl PyChannel {
         length: &Bound<'_, PyAny>,
         page_size: &Bound<'_, PyAny>,
         peers: Option<Vec<String>>,
+        access: &str,
+        direct_copies: bool,
     ) -> PyResult<u128> {
         let ptr = usize_arg(py, ptr, "pointer")?;
         let length = usize_arg(py, length, "length")?;
@@ -730,6 +761,8 @@ impl PyChannel {
             },
             page_size,
             peers,
+            access,
+            direct_copies,
         )
     }
 
@@ -737,20 +770,24 @@ impl PyChannel {
     /// buffer-protocol object (bytearray, numpy array, memoryview) or a contiguous CPU
     /// tensor (``data_ptr()`` and ``nbytes``). The channel keeps ``obj`` (and its buffer
     /// export, so a bytearray cannot be resized) until ``deregister``/``close``; do not
-    /// resize a registered tensor in place (``resize_``) meanwhile. A read-only buffer is
-    /// refused unless ``peers=[]`` (then it can only be the source of writes).
-    #[pyo3(signature = (obj, page_size, *, peers=None))]
+    /// resize a registered tensor in place (``resize_``) meanwhile. ``peers``, ``access``
+    /// and ``direct_copies`` as for ``register``. A read-only buffer is refused unless no
+    /// peer can write it: ``peers=[]`` (then it can only be the source of writes), or
+    /// ``access="read"`` without ``direct_copies``.
+    #[pyo3(signature = (obj, page_size, *, peers=None, access="readwrite", direct_copies=false))]
     fn register_buffer(
         &self,
         py: Python<'_>,
         obj: &Bound<'_, PyAny>,
         page_size: &Bound<'_, PyAny>,
         peers: Option<Vec<String>>,
+        access: &str,
+        direct_copies: bool,
     ) -> PyResult<u128> {
         self.open(py)?;
         let page_size = usize_arg(py, page_size, "page size")?;
         let mem = buffer::memory_of(obj)?;
-        self.register_memory(py, mem, page_size, peers)
+        self.register_memory(py, mem, page_size, peers, access, direct_copies)
     }
 
     /// Removes a region: new transfers cannot find it; waits (within the op deadline) until

@@ -25,6 +25,10 @@ SERIES = {
     ),
     "bytes_read": ("vllm:kvbridge_bytes_read", "KV bytes a decoder read from prefillers."),
     "load_seconds": ("vllm:kvbridge_load_seconds", "Seconds decoder loads took, summed over completed loads."),
+    "read_seconds": (
+        "vllm:kvbridge_read_seconds",
+        "Seconds from posting a completed load's reads to its end (reads and lease check), summed.",
+    ),
     "blocks_freed_on_notify": (
         "vllm:kvbridge_freed_on_notify",
         "Prefiller requests whose blocks were freed on the decoder's read-done notice.",
@@ -32,6 +36,11 @@ SERIES = {
     "leases_expired": (
         "vllm:kvbridge_leases_expired",
         "Prefiller requests whose blocks were freed at kvbridge_lease_s without a read-done notice.",
+    ),
+    "leases_unmarked": (
+        "vllm:kvbridge_leases_unmarked",
+        "Prefiller requests left out of the lease table (every slot of their group held): their "
+        "decoders' loads fail at their deadline.",
     ),
     "notices_failed": ("vllm:kvbridge_notices_failed", "Read-done notices a decoder could not deliver."),
 }

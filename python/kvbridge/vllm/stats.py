@@ -13,7 +13,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 #: Why a decoder's load failed (``loads_failed_<cause>``).
-FAILURE_CAUSES = ("timeout", "unreachable", "refused", "peer_lost", "bad_params", "other")
+FAILURE_CAUSES = ("timeout", "unreachable", "refused", "peer_lost", "bad_params", "lease_ended", "other")
 
 #: Every counter, in the order they are logged.
 COUNTERS = (
@@ -24,17 +24,19 @@ COUNTERS = (
     "bytes_read",
     "blocks_freed_on_notify",
     "leases_expired",
+    "leases_unmarked",
     "notices_failed",
 )
 
 
 def zero() -> dict[str, Any]:
-    return {**{k: 0 for k in COUNTERS}, "load_seconds": 0.0}
+    return {**{k: 0 for k in COUNTERS}, "load_seconds": 0.0, "read_seconds": 0.0}
 
 
 @dataclass
 class KvbridgeConnectorStats(KVConnectorStats):
-    """Counts since the last report (``data``: counter name -> int, ``load_seconds`` float)."""
+    """Counts since the last report (``data``: counter name -> int; ``load_seconds``, from a
+    load's start to its end, and ``read_seconds``, from posting its reads to the end, float)."""
 
     def __post_init__(self) -> None:
         self.data = {**zero(), **(self.data or {})}
@@ -54,6 +56,11 @@ class KvbridgeConnectorStats(KVConnectorStats):
             out["avg_load_ms"] = round(secs * 1e3 / self.data["loads_ok"], 3)
             if secs > 0:
                 out["load_GiB_per_s"] = round(self.data.get("bytes_read", 0) / secs / 2**30, 4)
+            # what NixlConnector reports as its throughput: bytes over the transfer time only
+            # (here the reads and the lease check after them)
+            reading = float(self.data.get("read_seconds", 0.0))
+            if reading > 0:
+                out["read_GiB_per_s"] = round(self.data.get("bytes_read", 0) / reading / 2**30, 4)
         return out
 
     def is_empty(self) -> bool:

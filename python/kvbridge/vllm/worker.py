@@ -24,6 +24,9 @@ from typing import Any
 import kvbridge
 
 from .config import ConfigError, ConnectorSettings, numeric_host
+from .lease_table import PAGE_BYTES as LEASE_PAGE_BYTES
+from .lease_table import LeaseState, LeaseTable, where
+from .lease_table import state as lease_state
 from .metadata import KvbridgeConnectorMetadata, RecvJob
 from .stats import zero as zero_stats
 
@@ -87,6 +90,8 @@ class _Layer:
 class _Peer:
     peer_id: str
     regions: dict[str, int]  # layer name -> remote region id
+    leases: int  # remote region id of its lease table
+    engine_id: str  # the vLLM engine it serves (kv_transfer_params' remote_engine_id)
 
 
 @dataclass
@@ -116,6 +121,7 @@ class _Load:
     # prefiller's session was ready, every read was submitted
     took_up: float = 0.0
     connected: float = 0.0
+    posting: float = 0.0
     submitted: float = 0.0
 
 
@@ -195,6 +201,10 @@ class KvbridgeWorker:
         self.layers: list[_Layer] = []
         self._directory = bytearray(DIRECTORY_LEN)
         self._directory_region: int | None = None
+        # prefiller: which finished requests it holds, for decoders to check after a read
+        self._lease_table = LeaseTable()
+        # decoder: per load thread, where a lease table page is read
+        self._lease_scratch = threading.local()
         # prefiller address -> its session and directory; the lock guards the dict only
         self._prefillers: dict[str, _Prefiller] = {}
         self._prefillers_lock = threading.Lock()
@@ -265,15 +275,20 @@ class KvbridgeWorker:
                 if ptr in by_ptr:  # layers sharing one cache
                     self.layers.append(_Layer(name, by_ptr[ptr].region, page))
                     continue
-                rid = self.channel.register(ptr, t.shape[0] * page, page)
+                # decoders read a prefiller's blocks and never write them: over TCP the
+                # prefiller refuses a write; a same-host decoder that copies by itself
+                # (cross-memory attach) is trusted as a process of the same user is
+                rid = self.channel.register(ptr, t.shape[0] * page, page, access="read", direct_copies=True)
                 by_ptr[ptr] = _Layer(name, rid, page)
                 self.layers.append(by_ptr[ptr])
             entries = {layer.name: str(layer.region) for layer in self.layers}
-            body = DIRECTORY_MAGIC + json.dumps({"compat": compat, "layers": entries}).encode()
+            leases = self.channel.register_buffer(self._lease_table.memory, LEASE_PAGE_BYTES, access="read")
+            doc = {"compat": compat, "layers": entries, "leases": str(leases), "engine_id": self.settings.engine_id}
+            body = DIRECTORY_MAGIC + json.dumps(doc).encode()
             if len(body) > DIRECTORY_LEN:
                 raise LayoutError(f"{len(self.layers)} layers do not fit the {DIRECTORY_LEN}-byte directory")
             self._directory[: len(body)] = body
-            self._directory_region = self.channel.register_buffer(self._directory, DIRECTORY_LEN)
+            self._directory_region = self.channel.register_buffer(self._directory, DIRECTORY_LEN, access="read")
         except BaseException:
             self.channel.close()
             self.channel = None
@@ -289,6 +304,12 @@ class KvbridgeWorker:
         now = time.monotonic()
         for req_id, lease_s in meta.reqs_to_send.items():
             self._leases[req_id] = now + lease_s
+            if not self._lease_table.hold(req_id):
+                self.stats["leases_unmarked"] += 1
+                log.warning(
+                    "kvbridge: lease table group of %s is full (%d requests held): its decoder's load "
+                    "will fail at its deadline", req_id, self._lease_table.held(),
+                )  # fmt: skip
         for req_id, job in meta.reqs_to_recv.items():
             load = _Load(req_id, job, started=now)
             self._loads[req_id] = load
@@ -384,12 +405,59 @@ class KvbridgeWorker:
         if not theirs.startswith(DIRECTORY_MAGIC):
             raise LoadError(f"prefiller {peer_id} ({addr}): bad layer directory")
         doc = json.loads(theirs[len(DIRECTORY_MAGIC) :].rstrip(b"\0"))
-        remote = {name: int(rid) for name, rid in doc["layers"].items()}
+        try:
+            remote = {name: int(rid) for name, rid in doc["layers"].items()}
+            leases, engine_id = int(doc["leases"]), str(doc["engine_id"])
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise LoadError(f"prefiller {peer_id} ({addr}): bad layer directory ({type(e).__name__}: {e})") from None
         missing = [l.name for l in self.layers if l.name not in remote]
         if missing:
             raise LoadError(f"prefiller {peer_id} ({addr}) lacks layers {missing[:4]}")
-        pf.peer = _Peer(peer_id, remote)
+        pf.peer = _Peer(peer_id, remote, leases, engine_id)
         return pf.peer
+
+    def _check_lease(self, peer: _Peer, job: RecvJob, addr: str, deadline: float) -> None:
+        """After the request's blocks are read: fails the load unless the prefiller still
+        held them (lease_table.py says why this order makes the read safe)."""
+        ch = self.channel
+        assert ch is not None
+        scratch = getattr(self._lease_scratch, "buf", None)
+        if scratch is None:
+            scratch = bytearray(LEASE_PAGE_BYTES)
+            self._lease_scratch.region = ch.register_buffer(scratch, LEASE_PAGE_BYTES, peers=[])
+            self._lease_scratch.buf = scratch
+        req = job.remote_request_id
+        pause = 0.002
+        while True:
+            t = ch.submit_read_pages(peer.peer_id, self._lease_scratch.region, [0], peer.leases, [where(req)])
+            try:
+                t.wait(max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                t.cancel()
+                raise LoadError(
+                    f"reading the lease of request {req} from prefiller {peer.peer_id} ({addr}): "
+                    f"deadline kvbridge_read_timeout_s={self.settings.read_timeout_s} passed",
+                    "timeout",
+                ) from None
+            found = lease_state(req, bytes(scratch))
+            if found is LeaseState.HELD:
+                return
+            if found is LeaseState.ENDED:
+                raise LoadError(
+                    f"request {req} on prefiller {peer.peer_id} ({addr}): its lease ended (or its blocks were "
+                    "freed) before the read was checked; the blocks read may belong to another request",
+                    "lease_ended",
+                )
+            # not marked yet: the prefiller marks finished requests one engine step later
+            if time.monotonic() + pause > deadline:
+                raise LoadError(
+                    f"request {req} on prefiller {peer.peer_id} ({addr}): not in its lease table by the deadline "
+                    f"kvbridge_read_timeout_s={self.settings.read_timeout_s} (restarted prefiller, or its table "
+                    "group full)",
+                    "timeout",
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
 
     def _load(self, load: _Load) -> None:
         job = load.job
@@ -401,6 +469,12 @@ class KvbridgeWorker:
         load.connected = time.monotonic()
         addr = self._addr(job)
         try:
+            if job.remote_engine_id != peer.engine_id:
+                raise LoadError(
+                    f"prefiller {peer.peer_id} ({addr}) serves engine {peer.engine_id}, not {job.remote_engine_id} "
+                    f"that computed request {job.remote_request_id} (restarted, or another engine on its address)",
+                    "peer_lost",
+                )
             local = job.local_block_ids
             if local:
                 if len(job.remote_block_ids) < len(local):
@@ -410,6 +484,7 @@ class KvbridgeWorker:
                     )
                 # a decoder's prefix-cache hit covers the head; read the tail
                 remote = job.remote_block_ids[len(job.remote_block_ids) - len(local) :]
+                load.posting = time.monotonic()
                 for layer in self.layers:
                     load.transfers.append(
                         ch.submit_read_pages(peer.peer_id, layer.region, local, peer.regions[layer.name], remote)
@@ -421,6 +496,7 @@ class KvbridgeWorker:
                     if left <= 0:
                         raise TimeoutError
                     t.wait(left)
+                self._check_lease(peer, job, addr, deadline)
             load.finished = time.monotonic()
             if load.finished - load.started > SLOW_LOAD_S:
                 log.warning(
@@ -497,6 +573,8 @@ class KvbridgeWorker:
                 self.stats["loads_ok"] += 1
                 self.stats["bytes_read"] += load.bytes
                 self.stats["load_seconds"] += max(0.0, load.finished - load.started)
+                if load.posting:
+                    self.stats["read_seconds"] += max(0.0, load.finished - load.posting)
             else:
                 self.stats["loads_failed"] += 1
                 self.stats[f"loads_failed_{failure_cause(err)}"] += 1
@@ -539,6 +617,10 @@ class KvbridgeWorker:
         for req_id, until in list(self._early_done.items()):
             if until <= now:
                 del self._early_done[req_id]
+        # before vLLM gets the blocks back: a decoder that checks the table after reading
+        # them must not find the request held once they can be reused
+        for req_id in done:
+            self._lease_table.end(req_id)
         return done
 
     def stats_since_last_report(self) -> dict[str, int | float] | None:

@@ -19,7 +19,7 @@ def job(prefiller, local, remote, req="p-1", port=None):
     return RecvJob(
         local_block_ids=list(local),
         remote_block_ids=list(remote),
-        remote_engine_id="P",
+        remote_engine_id=prefiller.settings.engine_id,
         remote_request_id=req,
         remote_host=host,
         remote_port=int(p) if port is None else port,
@@ -49,11 +49,17 @@ def test_decoder_reads_prefiller_blocks_then_prefiller_frees_them(workers):
     assert d.stats["loads_ok"] == 1
 
 
+def hold(prefiller, *reqs):
+    """The prefiller's scheduler hands its worker finished requests to hold for a decoder."""
+    prefiller.start_load_kv(KvbridgeConnectorMetadata(reqs_to_send={r: 30.0 for r in reqs}))
+
+
 def test_prefix_hit_on_decoder_reads_only_the_tail(workers):
     p_cache = kv_caches(seed=2)
     d_cache = kv_caches(seed=None)
     p = workers("kv_producer", p_cache)
     d = workers("kv_consumer", d_cache)
+    hold(p, "p-1")
     d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job(p, [4], [1, 2, 3])}))
     poll(d, want_recving={"d-1"})
     for name in LAYERS:
@@ -61,10 +67,10 @@ def test_prefix_hit_on_decoder_reads_only_the_tail(workers):
 
 
 def test_notification_before_lease_is_known_still_frees(workers):
+    # a decoder's notice can overtake the prefiller's next step (after a failed load, say)
     p = workers("kv_producer", kv_caches(seed=3))
     d = workers("kv_consumer", kv_caches(seed=None))
-    d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job(p, [0], [0], req="p-7")}))
-    poll(d, want_recving={"d-1"})
+    d._notify_done(p.listen_addr, None, "p-7")
     deadline = time.monotonic() + 5
     while not p._early_done and time.monotonic() < deadline:
         p.get_finished(set())
@@ -144,12 +150,14 @@ def test_notify_only_job_frees_the_prefiller_and_is_never_reported_to_vllm(worke
 def test_decoder_reconnects_to_a_prefiller_restarted_on_the_same_address(workers):
     first = workers("kv_producer", kv_caches(seed=6))
     d = workers("kv_consumer", kv_caches(seed=None))
+    hold(first, "p-1")
     d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job(first, [0], [0])}))
     poll(d, want_recving={"d-1"})
     port = int(first.listen_addr.rsplit(":", 1)[1])
     first.shutdown()
     p_cache = kv_caches(seed=7)
     second = workers("kv_producer", p_cache, extra={"kvbridge_port": port})
+    hold(second, "p-2")
     d_cache = d._tensors
     d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-2": job(second, [3], [2], req="p-2")}))
     _, recving = poll(d, want_recving={"d-2"})
@@ -164,6 +172,7 @@ def test_counters_reach_vllm_as_the_change_since_the_last_report(workers):
     p = workers("kv_producer", kv_caches(seed=8))
     d = workers("kv_consumer", kv_caches(seed=None))
     assert d.stats_since_last_report() is None
+    hold(p, "p-1")
     d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job(p, [1, 2], [1, 2])}))
     poll(d, want_recving={"d-1"})
     delta = d.stats_since_last_report()
@@ -173,4 +182,85 @@ def test_counters_reach_vllm_as_the_change_since_the_last_report(workers):
     total = KvbridgeConnectorStats(data=delta).aggregate(other)
     out = total.reduce()
     assert out["loads_ok"] == 2 and out["loads_failed_timeout"] == 1 and out["load_GiB_per_s"] > 0
+    assert delta["read_seconds"] <= delta["load_seconds"] and out["read_GiB_per_s"] >= out["load_GiB_per_s"]
     assert KvbridgeConnectorStats().is_empty()
+
+
+def test_a_read_after_the_lease_ended_fails_the_load(workers):
+    # the prefiller gave the blocks back to vLLM (its lease ended): the bytes a late read
+    # gets may be another request's, so the load fails instead of decoding on them
+    p = workers("kv_producer", kv_caches(seed=9), extra={"kvbridge_lease_s": 0.2})
+    d = workers("kv_consumer", kv_caches(seed=None))
+    p.start_load_kv(KvbridgeConnectorMetadata(reqs_to_send={"p-1": 0.2}))
+    poll(p, want_sending={"p-1"}, timeout=5)
+    assert p.stats["leases_expired"] == 1
+    d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job(p, [2, 3], [4, 5])}))
+    poll(d, want_recving={"d-1"})
+    assert d.take_failed_recving() == {"d-1"}
+    assert d.get_block_ids_with_load_errors() == {2, 3}
+    assert d.stats["loads_failed_lease_ended"] == 1 and d.stats["loads_ok"] == 0
+
+
+def test_a_read_after_the_blocks_were_freed_on_notice_fails_the_load(workers):
+    p = workers("kv_producer", kv_caches(seed=10))
+    d = workers("kv_consumer", kv_caches(seed=None))
+    hold(p, "p-1")
+    d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job(p, [1], [1])}))
+    poll(d, want_recving={"d-1"})
+    poll(p, want_sending={"p-1"})
+    # a second decoder request for the same prefill (a retried decode) comes too late
+    d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-2": job(p, [2], [1])}))
+    poll(d, want_recving={"d-2"})
+    assert d.take_failed_recving() == {"d-2"}
+    assert d.stats["loads_failed_lease_ended"] == 1 and d.stats["loads_ok"] == 1
+
+
+def test_a_read_before_the_prefiller_knows_the_lease_waits_for_it(workers):
+    # the prefiller learns of a finished request one engine step after its answer left
+    p_cache = kv_caches(seed=11)
+    d_cache = kv_caches(seed=None)
+    p = workers("kv_producer", p_cache)
+    d = workers("kv_consumer", d_cache)
+    d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job(p, [6], [3])}))
+    time.sleep(0.3)
+    _, recving = d.get_finished(set())
+    assert not recving, "the load ended before the prefiller held the request"
+    hold(p, "p-1")
+    poll(d, want_recving={"d-1"})
+    assert d.take_failed_recving() == set()
+    for name in LAYERS:
+        assert torch.equal(d_cache[name][6], p_cache[name][3]), name
+
+
+def test_a_request_of_another_engine_on_the_address_fails_at_once(workers):
+    # a prefiller restarted on the same address (a new engine id) has none of the old
+    # engine's blocks: the load fails before it reads anything
+    p = workers("kv_producer", kv_caches(seed=12))
+    d = workers("kv_consumer", kv_caches(seed=None), extra={"kvbridge_read_timeout_s": 20})
+    hold(p, "p-1")
+    stale = job(p, [1], [1])
+    stale.remote_engine_id = "an-engine-that-is-gone"
+    t0 = time.monotonic()
+    d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": stale}))
+    poll(d, want_recving={"d-1"})
+    assert time.monotonic() - t0 < 5
+    assert d.take_failed_recving() == {"d-1"}
+    assert d.stats["loads_failed_peer_lost"] == 1
+
+
+def test_a_decoder_cannot_write_into_the_prefillers_kv_cache(workers, monkeypatch):
+    # over TCP the prefiller does every copy and refuses a peer's write into its blocks
+    # (a same-host decoder on cross-memory attach copies by itself: docs/vllm.md)
+    import kvbridge
+
+    monkeypatch.setenv("KVBRIDGE_CMA", "0")
+    p_cache = kv_caches(seed=13)
+    before = {name: t.clone() for name, t in p_cache.items()}
+    p = workers("kv_producer", p_cache)
+    d = workers("kv_consumer", kv_caches(seed=14), extra={"kvbridge_transport": "tcp"})
+    peer = d._peer(job(p, [1], [1]), time.monotonic() + 10)
+    layer = d.layers[0]
+    with pytest.raises(kvbridge.KvbridgeError):
+        d.channel.write_pages(peer.peer_id, layer.region, [1], peer.regions[layer.name], [1])
+    for name in LAYERS:
+        assert torch.equal(p_cache[name], before[name]), name

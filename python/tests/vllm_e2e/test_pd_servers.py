@@ -83,7 +83,13 @@ class Cluster:
 
     def _server(self, name: str, port: int, ktc: dict | None, env: dict | None = None) -> VllmServer:
         # stats every second, so the connector's counters reach the log within a test
-        s = VllmServer(name, self.model, port, self.logs, ktc, env={"VLLM_LOG_STATS_INTERVAL": "1", **(env or {})})
+        env = {"VLLM_LOG_STATS_INTERVAL": "1", **(env or {})}
+        if (os.cpu_count() or 1) >= 2:
+            # the decoder computes on a core of its own, as on another host: on the core
+            # where a prefiller's worker spins while it holds blocks, the decoder's worker
+            # was seen to wait for its next step until that prefiller went idle
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "1" if name == "decoder" else "0")
+        s = VllmServer(name, self.model, port, self.logs, ktc, env=env)
         self.procs.append(s)
         return s
 
