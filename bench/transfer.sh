@@ -8,10 +8,13 @@
 # size, 2 batches in flight, TOTAL bytes per size): kvbridge over tcp and shm, kvbridge over
 # UCX (when the binary was built with UCX) with UCX_TLS=tcp and with UCX_TLS=sm,self,tcp, and
 # NIXL's UCX backend (bench/nixl_transfer.py, the `nixl` wheel) with the same two UCX_TLS.
-# Then connect plus first write: `kvbridge bench handshake` against NIXL's metadata exchange
-# plus first write. Prints medians over the runs with the lowest and highest run; raw lines go
-# to $OUT (default target/bench-transfer.jsonl). Any failed run fails the script, loudly, and no
-# figure is printed. NIXL is installed into .venv without dependencies on first use (a
+# Then connect plus first write: `kvbridge bench handshake` (over tcp, and with
+# `--transport ucx` over UCX with both UCX_TLS: connect, the UCX negotiation, the first write
+# over UCX) against NIXL's metadata exchange plus first write. Both sides read back and compare
+# every byte they wrote. Prints medians over the runs with the lowest and highest run, and the
+# load average at the start and end of each run; raw lines go to $OUT (default
+# target/bench-transfer.jsonl). Any failed run fails the script, loudly, and no figure is
+# printed. NIXL is installed into .venv without dependencies on first use (a
 # benchmark-time install, as bench/vllm-pd.sh does).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,15 +32,20 @@ if ! "$PY" -c "import nixl._api" 2>/dev/null; then
   echo "bench/transfer.sh: installing nixl $NIXL_VERSION (benchmark only)" >&2
   "$PY" -m pip install --quiet --no-deps "nixl==$NIXL_VERSION" "nixl-cu13==$NIXL_VERSION"
 fi
+fail() { echo "bench/transfer.sh: FAILED: $*" >&2; exit 1; }
 UCX=0
-if "$KVB" bench transfer --transport ucx --block-sizes 65536 --batch 1 --total 64K --reps 1 --json \
-    >/dev/null 2>&1; then
+if probe=$(UCX_TLS=tcp timeout 120 "$KVB" bench transfer --transport ucx --block-sizes 65536 --batch 1 \
+    --total 64K --reps 1 --json 2>&1); then
   UCX=1
-else
+elif grep -q "this build has no UCX" <<<"$probe"; then
   echo "bench/transfer.sh: this kvbridge has no UCX transport: measuring NIXL, tcp and shm only" >&2
+else
+  fail "kvbridge over UCX does not run: $probe"
 fi
 : > "$OUT"
-fail() { echo "bench/transfer.sh: FAILED: $*" >&2; exit 1; }
+load() { # the host's load average, a row of its own
+  echo "{\"run\": $run, \"label\": \"load $1\", \"load\": \"$(cut -d' ' -f1-3 /proc/loadavg)\"}" >> "$OUT"
+}
 kvb() { # label, then env assignments and flags
   local label=$1; shift
   local line
@@ -54,6 +62,7 @@ nixl() { # UCX_TLS
 }
 for run in $(seq 1 "$RUNS"); do
   echo "run $run of $RUNS" >&2
+  load start
   kvb "tcp" "$KVB" bench transfer --transport tcp
   kvb "shm" "$KVB" bench transfer --transport shm
   if [ "$UCX" = 1 ]; then
@@ -64,18 +73,23 @@ for run in $(seq 1 "$RUNS"); do
   nixl sm,self,tcp
   hs=$("$KVB" bench handshake --peers 50 --json) || fail "kvbridge handshake (run $run)"
   echo "{\"run\": $run, \"label\": \"handshake tcp\", \"handshake\": $hs}" >> "$OUT"
-  if [ "$UCX" = 1 ] && "$KVB" bench handshake --help | grep -q -- '--transport'; then
-    hs=$(UCX_TLS=tcp "$KVB" bench handshake --transport ucx --peers 50 --json) \
-      || fail "kvbridge ucx handshake (run $run)"
-    echo "{\"run\": $run, \"label\": \"handshake ucx tcp\", \"handshake\": $hs}" >> "$OUT"
+  if [ "$UCX" = 1 ]; then
+    for tls in tcp sm,self,tcp; do
+      hs=$(UCX_TLS=$tls "$KVB" bench handshake --transport ucx --peers 50 --json) \
+        || fail "kvbridge ucx handshake UCX_TLS=$tls (run $run)"
+      echo "{\"run\": $run, \"label\": \"handshake ucx $tls\", \"handshake\": $hs}" >> "$OUT"
+    done
   fi
+  load end
 done
 "$PY" - "$OUT" <<'EOF'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
-tput, hs = {}, {}
+tput, hs, loads = {}, {}, []
 for r in rows:
-    if "kvbridge" in r:
+    if "load" in r:
+        loads.append(f"{r['label']} {r['run']}: {r['load']}")
+    elif "kvbridge" in r:
         for x in r["kvbridge"]["results"]:
             tput.setdefault((r["label"], x["block_size"]), []).append(x["gib_per_s"])
     elif "nixl" in r:
@@ -93,6 +107,8 @@ print("| block | " + " | ".join(labels) + " |")
 print("|---" * (len(labels) + 1) + "|")
 for s in sizes:
     print(f"| {s >> 10} KiB | " + " | ".join(fmt(tput[(l, s)]) if (l, s) in tput else "-" for l in labels) + " |")
+print()
+print("load average (1, 5, 15 min): " + "; ".join(loads))
 print()
 print("connect + first write, ms (kvbridge: p50 of 50 initiators per run; NIXL: one per run)")
 for l, v in sorted(hs.items()):

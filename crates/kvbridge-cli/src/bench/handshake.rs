@@ -1,7 +1,10 @@
 //! `kvbridge bench handshake`: connect plus the first 4 KiB write, over fresh initiators;
 //! with `--tls`, the same against a second listener process that requires TLS on the control
 //! connection (a self-signed certificate generated for the run), samples interleaved so both
-//! see the same machine.
+//! see the same machine. With `--transport ucx` both sides run UCX (`UCX_TLS` passes
+//! through) and a sample is connect, the UCX negotiation until the peer's region is imported,
+//! and the first 4 KiB write over UCX: what NIXL's metadata exchange plus first write is.
+//! Each sample's page is read back and compared outside the timing.
 
 use super::peer::PeerProcess;
 use super::{median, quantile};
@@ -20,6 +23,10 @@ pub struct HandshakeArgs {
     /// Also measure with TLS on the control connection, side by side in the same run.
     #[arg(long)]
     pub tls: bool,
+    /// Transport of both sides: auto, tcp or ucx (the write waits for UCX to carry the
+    /// session). Unset: what `KVBRIDGE_TRANSPORT` says, as for any channel.
+    #[arg(long)]
+    pub transport: Option<String>,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -120,19 +127,53 @@ impl Drop for TempCert {
     }
 }
 
-/// One sample: a fresh initiator connects and writes its first page.
-async fn sample(i: usize, peer: &PeerProcess, tls: Option<TlsConfig>) -> Result<f64> {
+/// How long the UCX negotiation of one sample may take before the run fails.
+const UCX_READY_BOUND: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// One sample: a fresh initiator connects and writes its first page (over UCX, once UCX
+/// carries the session, with `transport` ucx). The page is read back and checked after the
+/// timing.
+async fn sample(
+    i: usize,
+    peer: &PeerProcess,
+    tls: Option<TlsConfig>,
+    transport: Option<kvbridge::Transport>,
+) -> Result<f64> {
     let mut cfg = ChannelConfig::new(format!("bench-initiator-{i}"), None);
     cfg.tls = tls;
+    if let Some(t) = transport {
+        cfg.transport = t;
+    }
+    let transport = cfg.transport;
     let ch = Channel::new(cfg).await?;
-    let r = Region::alloc(4096, 4096)?;
-    r.write_at(0, &[i as u8; 4096])?;
+    let r = Region::alloc(2 * 4096, 4096)?;
+    let page: Vec<u8> = (0..4096).map(|k| (k * 13 + i * 7 + 1) as u8).collect();
+    r.write_at(0, &page)?;
     ch.register(&r, Grant::AllPeers)?;
+    let remote_page = (i % 256) as u64;
     let t = Instant::now();
     let p = ch.connect(&peer.addr).await?;
-    ch.write(&p, &[Op::page(&r, 0, peer.region, (i % 256) as u64, 4096)])
+    if transport == kvbridge::Transport::Ucx {
+        // The UCX negotiation follows the session's establishment; poll without sleeping
+        // (a timer tick is a millisecond), giving the CPU away between looks.
+        let until = Instant::now() + UCX_READY_BOUND;
+        while ch.peer_transport(&p).await? != transport {
+            anyhow::ensure!(
+                Instant::now() < until,
+                "sample {i}: UCX did not carry the session within {UCX_READY_BOUND:?}"
+            );
+            std::thread::yield_now();
+            tokio::task::yield_now().await;
+        }
+    }
+    ch.write(&p, &[Op::page(&r, 0, peer.region, remote_page, 4096)])
         .await?;
     let ms = t.elapsed().as_secs_f64() * 1e3;
+    ch.read(&p, &[Op::page(&r, 1, peer.region, remote_page, 4096)])
+        .await?;
+    let mut back = vec![0u8; 4096];
+    r.read_at(4096, &mut back)?;
+    anyhow::ensure!(back == page, "sample {i}: the page read back differs");
     ch.close().await;
     Ok(ms)
 }
@@ -145,15 +186,29 @@ pub async fn run(args: HandshakeArgs) -> Result<Report> {
         "KVBRIDGE_TLS_CA",
         "KVBRIDGE_TLS_SERVER_NAME",
     ];
-    let plain_peer = PeerProcess::start_with(1 << 20, 4096, &[], &NO_TLS)?;
+    let transport = match &args.transport {
+        None => None,
+        Some(name) => Some(
+            kvbridge::Transport::parse(name)
+                .filter(|t| *t != kvbridge::Transport::Shm)
+                .ok_or_else(|| anyhow::anyhow!("transport {name:?}: auto, tcp or ucx"))?,
+        ),
+    };
+    // The listener's channel takes its transport from the environment.
+    let transport_env: Vec<(&str, &std::ffi::OsStr)> = transport
+        .map(|t| ("KVBRIDGE_TRANSPORT", std::ffi::OsStr::new(t.name())))
+        .into_iter()
+        .collect();
+    let plain_peer = PeerProcess::start_with(1 << 20, 4096, &transport_env, &NO_TLS)?;
     let tls = match args.tls {
         true => {
             let cert = TempCert::new().context("cannot write the bench certificate")?;
             let (c, k) = (cert.dir.join("cert.pem"), cert.dir.join("key.pem"));
-            let env = [
+            let mut env = vec![
                 ("KVBRIDGE_TLS_CERT", c.as_os_str()),
                 ("KVBRIDGE_TLS_KEY", k.as_os_str()),
             ];
+            env.extend(transport_env.iter().copied());
             let peer = PeerProcess::start_with(1 << 20, 4096, &env, &NO_TLS[2..])?;
             let config = TlsConfig {
                 trusted: Some(Pem::Text(cert.cert_pem.clone())),
@@ -166,9 +221,9 @@ pub async fn run(args: HandshakeArgs) -> Result<Report> {
     let n = args.peers.max(1);
     let (mut plain, mut with_tls) = (Vec::with_capacity(n), Vec::with_capacity(n));
     for i in 0..n {
-        plain.push(sample(i, &plain_peer, None).await?);
+        plain.push(sample(i, &plain_peer, None, transport).await?);
         if let Some((peer, config, _)) = &tls {
-            with_tls.push(sample(i, peer, Some(config.clone())).await?);
+            with_tls.push(sample(i, peer, Some(config.clone()), transport).await?);
         }
     }
     Ok(Report {

@@ -173,18 +173,13 @@ pub struct PeerProcess {
 }
 
 impl PeerProcess {
-    /// Starts `kvbridge bench peer` and waits for its READY line.
-    pub fn start(region_bytes: usize, page: usize) -> Result<Self> {
-        Self::start_with(region_bytes, page, &[], &[])
-    }
-
     /// A peer that echoes notifications and sink bytes (`kvbridge bench notify`).
     pub fn start_echo() -> Result<Self> {
         Self::spawn(1 << 20, 4096, &[], &[], &["--echo"])
     }
 
-    /// [`PeerProcess::start`] with environment variables set (`env`) and removed (`unset`)
-    /// for the child (e.g. `KVBRIDGE_TLS_*`).
+    /// Starts `kvbridge bench peer` with environment variables set (`env`) and removed
+    /// (`unset`) for the child (e.g. `KVBRIDGE_TLS_*`), and waits for its READY line.
     pub fn start_with(
         region_bytes: usize,
         page: usize,

@@ -1,7 +1,9 @@
 //! `kvbridge bench transfer`: kvbridge writes against the same-run ceiling of their
-//! transport: a plain loopback socket stream for tcp, an in-process memcpy for shm and cma.
-//! With `--data-tls` (tcp only) the same writes run over TLS on the control and data
-//! connections too, side by side with plaintext in the same run.
+//! transport: a plain loopback socket stream for tcp and ucx, an in-process memcpy for shm
+//! and cma. With `--data-tls` (tcp only) the same writes run over TLS on the control and data
+//! connections too, side by side with plaintext in the same run. After every measurement the
+//! span it wrote is read back from the peer and compared byte by byte (outside the timing);
+//! a mismatch fails the run.
 
 use super::peer::PeerProcess;
 use super::{median, parse_size};
@@ -14,9 +16,11 @@ use std::time::Instant;
 /// Flags of `kvbridge bench transfer`.
 #[derive(Debug, clap::Args)]
 pub struct TransferArgs {
-    /// Transport to measure: tcp; shm (the peer's region mapped into this process); or cma
+    /// Transport to measure: tcp; shm (the peer's region mapped into this process); cma
     /// (the peer's region in memory that cannot be mapped — private memory, as
-    /// `Region::from_raw` memory is — copied with process_vm_writev).
+    /// `Region::from_raw` memory is — copied with process_vm_writev); or ucx (both processes
+    /// with `KVBRIDGE_TRANSPORT=ucx`, UCX's transports as `UCX_TLS` says; needs a build with
+    /// the `kvbridge` crate's `ucx` feature).
     #[arg(long, default_value = "tcp")]
     pub transport: String,
     /// Write every batch to the same `batch` offsets (Mooncake's `transfer_engine_bench`
@@ -87,6 +91,9 @@ pub struct Report {
     pub sessions: usize,
     /// What the ceiling is: `socket` or `memcpy`.
     pub ceiling: String,
+    /// ucx only: the `UCX_TLS` both processes ran with (`(default)` when unset).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ucx_tls: Option<String>,
     /// `scatter` (cycling through the region) or `same-offsets`.
     pub pattern: String,
     /// One row per block size.
@@ -190,9 +197,12 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
     } else {
         kvbridge::Transport::parse(&args.transport)
             .filter(|t| *t != kvbridge::Transport::Auto)
-            .ok_or_else(|| anyhow::anyhow!("transport {:?}: tcp, shm or cma", args.transport))?
+            .ok_or_else(|| {
+                anyhow::anyhow!("transport {:?}: tcp, shm, cma or ucx", args.transport)
+            })?
     };
     let shm = transport == kvbridge::Transport::Shm;
+    let ucx = transport == kvbridge::Transport::Ucx;
     let blocks: Vec<u64> = args
         .block_sizes
         .iter()
@@ -217,12 +227,18 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
     let page = 4096;
     // For cma the peer's region is private memory: like caller memory, no peer can map it.
     let memfd_off = [("KVBRIDGE_REGION_MEMFD", std::ffi::OsStr::new("0"))];
+    // The peer's channel offers UCX only with the transport set; UCX_TLS passes through.
+    let ucx_on = [("KVBRIDGE_TRANSPORT", std::ffi::OsStr::new("ucx"))];
     let peer = if cma {
         PeerProcess::start_with(window, page, &memfd_off, &[])?
+    } else if ucx {
+        PeerProcess::start_with(window, page, &ucx_on, &[])?
     } else {
-        PeerProcess::start(window, page)?
+        PeerProcess::start_with(window, page, &[], &["KVBRIDGE_TRANSPORT"])?
     };
     let local = Region::alloc(window, page)?;
+    // Where the read-back of each measurement lands.
+    let check = Region::alloc(window, page)?;
     // The memcpy ceiling's destination: memory of the same kind as the peer's region
     // (for cma plain heap memory, kept alive by `_raw_dst` for the whole run).
     let mut _raw_dst: Vec<u8> = Vec::new();
@@ -236,18 +252,7 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
     } else {
         None
     };
-    // Non-zero payload, so no layer can take a shortcut on zero pages. Written a piece at
-    // a time: a copy of the whole window would be one more gigabyte of fresh memory, which
-    // on a virtual machine that hands free memory back to its host costs seconds to fault.
-    const PIECE: usize = 4 << 20;
-    let mut pattern = vec![0u8; PIECE.min(window)];
-    for at in (0..window).step_by(PIECE) {
-        let piece = &mut pattern[..PIECE.min(window - at)];
-        for (k, b) in piece.iter_mut().enumerate() {
-            *b = ((at + k) * 31 + 7) as u8;
-        }
-        local.write_at(at, piece)?;
-    }
+    fill(&local, window, 0)?;
     let links = std::sync::Arc::new(
         connect_sessions(
             sessions,
@@ -255,6 +260,7 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
             cma,
             &args.transport,
             &local,
+            &check,
             &peer.addr,
             None,
         )
@@ -290,6 +296,7 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
                 false,
                 &args.transport,
                 &local,
+                &check,
                 &p.addr,
                 Some(config),
             )
@@ -300,6 +307,7 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
     };
 
     let mut rows = Vec::new();
+    let mut measurement = 0u64;
     for &block in &blocks {
         let block_us = block as usize;
         let per_window = if args.same_offsets {
@@ -311,6 +319,9 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
         let mut with_tls = Vec::new();
         let mut ceil = Vec::new();
         for _ in 0..args.reps.max(1) {
+            // A payload of its own per measurement, so a write that did not land is seen.
+            measurement += 1;
+            fill(&local, window, measurement)?;
             // Ceiling first and ours second, alternating per repetition, side by side.
             let l = local.clone();
             if let Some(dst) = &memcpy_dst {
@@ -338,8 +349,10 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
                 total,
             };
             ours.push(write_all(&links, &local, peer.region, &shape).await?);
+            verify(&links, &local, &check, peer.region, &shape).await?;
             if let Some((p, tls_links)) = &tls_peer {
                 with_tls.push(write_all(tls_links, &local, p.region, &shape).await?);
+                verify(tls_links, &local, &check, p.region, &shape).await?;
             }
         }
         let range = |v: &[f64]| {
@@ -371,6 +384,7 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
         transport: args.transport,
         sessions,
         ceiling: if shm || cma { "memcpy" } else { "socket" }.into(),
+        ucx_tls: ucx.then(|| std::env::var("UCX_TLS").unwrap_or_else(|_| "(default)".into())),
         pattern: if args.same_offsets {
             "same-offsets"
         } else {
@@ -383,12 +397,14 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
 
 /// One channel per session (a channel holds one session per peer), each connected to the
 /// peer at `addr` over `transport`, with `tls` when set.
+#[allow(clippy::too_many_arguments)]
 async fn connect_sessions(
     sessions: usize,
     transport: kvbridge::Transport,
     cma: bool,
     name: &str,
     local: &Region,
+    check: &Region,
     addr: &str,
     tls: Option<kvbridge::TlsConfig>,
 ) -> Result<Vec<(Channel, kvbridge::PeerId)>> {
@@ -404,6 +420,7 @@ async fn connect_sessions(
         cfg.tls = tls.clone();
         let ch = Channel::new(cfg).await?;
         ch.register(local, Grant::AllPeers)?;
+        ch.register(check, Grant::AllPeers)?;
         let target = ch.connect(addr).await?;
         if cma {
             match ch.peer_cma(&target).await? {
@@ -413,6 +430,13 @@ async fn connect_sessions(
                 }
             }
         } else {
+            if transport == kvbridge::Transport::Ucx {
+                // The UCX negotiation follows the session's establishment.
+                let until = Instant::now() + UCX_READY_BOUND;
+                while ch.peer_transport(&target).await? != transport && Instant::now() < until {
+                    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                }
+            }
             anyhow::ensure!(
                 ch.peer_transport(&target).await? == transport,
                 "the session does not use {name}"
@@ -421,6 +445,82 @@ async fn connect_sessions(
         links.push((ch, target));
     }
     Ok(links)
+}
+
+/// How long a UCX session may take to import the peer's regions before the run fails.
+const UCX_READY_BOUND: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Byte `at` of measurement `seed`'s payload: non-zero and different per measurement, so no
+/// layer can take a shortcut on zero pages and a write that did not land is seen.
+fn payload_byte(at: usize, seed: u64) -> u8 {
+    (at.wrapping_mul(31) as u64 + 7 + seed.wrapping_mul(101)) as u8
+}
+
+/// Writes measurement `seed`'s payload into the first `len` bytes of `region`, a piece at a
+/// time: a copy of the whole window would be one more gigabyte of fresh memory, which on a
+/// virtual machine that hands free memory back to its host costs seconds to fault.
+fn fill(region: &Region, len: usize, seed: u64) -> Result<()> {
+    const PIECE: usize = 4 << 20;
+    let mut piece = vec![0u8; PIECE.min(len)];
+    for at in (0..len).step_by(PIECE) {
+        let p = &mut piece[..PIECE.min(len - at)];
+        for (k, b) in p.iter_mut().enumerate() {
+            *b = payload_byte(at + k, seed);
+        }
+        region.write_at(at, p)?;
+    }
+    Ok(())
+}
+
+/// Reads back, over the first session, the span of the peer's region that `shape`'s writes
+/// covered, into `check` (zeroed first), and compares every byte with `local`'s payload.
+async fn verify(
+    links: &[(Channel, kvbridge::PeerId)],
+    local: &Region,
+    check: &Region,
+    region: kvbridge::RegionId,
+    shape: &Shape,
+) -> Result<()> {
+    let block = shape.block as usize;
+    let written_blocks = (shape.total.div_ceil(shape.block * shape.batch as u64) as usize
+        * shape.batch)
+        .min(shape.per_window);
+    let span = written_blocks * block;
+    const PIECE: usize = 4 << 20;
+    let zero = vec![0u8; PIECE.min(span.max(1))];
+    for at in (0..span).step_by(PIECE) {
+        check.write_at(at, &zero[..PIECE.min(span - at)])?;
+    }
+    let (ch, peer) = &links[0];
+    let ops: Vec<Op> = (0..span)
+        .step_by(PIECE)
+        .map(|at| Op {
+            local: check.clone(),
+            local_offset: at,
+            remote: region,
+            remote_offset: at as u64,
+            len: PIECE.min(span - at),
+        })
+        .collect();
+    for batch in ops.chunks(16) {
+        ch.read(peer, batch).await?;
+    }
+    let (mut want, mut got) = (vec![0u8; PIECE], vec![0u8; PIECE]);
+    for at in (0..span).step_by(PIECE) {
+        let n = PIECE.min(span - at);
+        local.read_at(at, &mut want[..n])?;
+        check.read_at(at, &mut got[..n])?;
+        if let Some(k) = (0..n).find(|&k| want[k] != got[k]) {
+            anyhow::bail!(
+                "byte {} of the peer's region differs after {} B blocks: wrote {}, read back {}",
+                at + k,
+                shape.block,
+                want[k],
+                got[k]
+            );
+        }
+    }
+    Ok(())
 }
 
 /// What one measurement writes.

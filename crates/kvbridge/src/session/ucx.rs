@@ -191,6 +191,11 @@ impl UcxLink {
         let Some(ch) = self.channel.clone() else {
             return (send, None);
         };
+        // The offer may be carried out before this side's data path is bound: hand the
+        // route over once it is (the data path keeps the first one it gets).
+        if let (Some(route), Some(d)) = (&self.route, s.data) {
+            d.set_ucx(route.clone());
+        }
         if std::mem::take(&mut self.grants_changed) {
             self.sync_grants(&ch, s).await;
         }
