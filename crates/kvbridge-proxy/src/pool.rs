@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
 
+use crate::routed_prefixes::RoutedPrompt;
 use crate::router::{Chosen, PoolRouter, PromptKey};
 use crate::routing::Candidate;
 
@@ -108,6 +109,8 @@ pub struct Slot {
     /// The worker's ejection count when it was picked.
     ejections: u64,
     cached_tokens: u64,
+    /// The prompt's blocks, counted as the worker's while the request is on it (`kv-events`).
+    _routed: Option<RoutedPrompt>,
 }
 
 impl Slot {
@@ -271,9 +274,7 @@ impl Pool {
                 index: i,
                 cached_tokens,
             }) => {
-                if let Some(p) = prompt {
-                    self.router.routed(i, p);
-                }
+                let routed = prompt.and_then(|p| self.router.routed(i, p));
                 let w = &self.workers[i];
                 w.inflight.fetch_add(1, Relaxed);
                 w.tokens.fetch_add(tokens, Relaxed);
@@ -293,6 +294,7 @@ impl Pool {
                     pending_prefill,
                     ejections: w.ejections(),
                     cached_tokens,
+                    _routed: routed,
                 })
             }
             None if !any_healthy => Err(PickError::NoHealthy),
@@ -876,6 +878,51 @@ mod tests {
                 peek.index
             );
         }
+    }
+
+    #[test]
+    fn a_prompt_on_a_worker_counts_as_held_there_until_its_slot_is_released() {
+        use crate::kv_index::KvIndex;
+        use crate::routed_prefixes::RoutedPrefixes;
+        use crate::routing::RoutingPolicy::KvEvents;
+        let index = Arc::new(KvIndex::new(3, 1000));
+        let p = routed_pool(PoolRouter {
+            policy: KvEvents,
+            index: Some(index.clone()),
+            routed: Some(Arc::new(RoutedPrefixes::new(3))),
+            ..Default::default()
+        });
+        // Every worker reported the 32-token system prompt (blocks of 16).
+        let system: Vec<u32> = (0..32).collect();
+        for w in 0..3 {
+            index.apply(w, 0, &stored(&system));
+        }
+        // A document after it, asked about twice; no worker has reported the document yet.
+        let ask = |q: u32| PromptKey {
+            tokens: Some((0..2000).chain([q; 10]).collect()),
+            pieces: vec![],
+        };
+        let mut first = p.try_pick_for(10, &[], Some(&ask(1))).unwrap();
+        // A decoder on the PD path: the KV comes to it, no prefill of its own.
+        first.no_prefill_left();
+        let peek = p.peek_for(10, Some(&ask(2))).unwrap();
+        assert_eq!(
+            (peek.index, peek.cached_tokens),
+            (first.index(), 2000),
+            "the worker the first question went to will hold the document"
+        );
+        let second = p.try_pick_for(10, &[], Some(&ask(2))).unwrap();
+        assert_eq!(second.index(), first.index());
+        assert_eq!(p.workers[second.index()].pending_prefill(), 10);
+        let w = first.index();
+        drop((first, second));
+        // Released without the worker reporting the document: only the system prompt.
+        assert_eq!(p.peek_for(10, Some(&ask(3))).unwrap().cached_tokens, 32);
+        // Forgotten with the worker's view (an ejection).
+        let again = p.try_pick_for(10, &[], Some(&ask(4))).unwrap();
+        p.router.forget(again.index());
+        assert_eq!(p.router.routed.as_ref().unwrap().blocks(again.index()), 0);
+        let _ = w;
     }
 
     #[test]
