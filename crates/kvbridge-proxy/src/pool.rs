@@ -926,6 +926,43 @@ mod tests {
     }
 
     #[test]
+    fn a_cold_worker_is_counted_as_holding_the_prefix_every_prompt_shares() {
+        use crate::kv_index::KvIndex;
+        use crate::routing::RoutingPolicy::KvEvents;
+        let index = Arc::new(KvIndex::new(3, 1000));
+        let p = routed_pool(PoolRouter {
+            policy: KvEvents,
+            index: Some(index.clone()),
+            ..Default::default()
+        });
+        // Worker 0 holds the system prompt (32 tokens) and document A; 1 and 2 are cold.
+        let system: Vec<u32> = (0..32).collect();
+        let doc = |d: u32| -> Vec<u32> { system.iter().copied().chain([d; 32]).collect() };
+        index.apply(0, 0, &stored(&doc(100)));
+        let ask = |d: u32| PromptKey {
+            tokens: Some(doc(d).into_iter().chain([7; 16]).collect()),
+            pieces: vec![],
+        };
+        // A question on A goes to its holder, asked twice (a repeated prompt is no common
+        // prefix).
+        for _ in 0..2 {
+            assert_eq!(p.try_pick_for(10, &[], Some(&ask(100))).unwrap().index(), 0);
+        }
+        // Document B, idle workers: all three hold the system prompt as far as cost goes,
+        // and a cold one has the most room.
+        let b = p.try_pick_for(10, &[], Some(&ask(200))).unwrap();
+        assert_ne!(b.index(), 0, "a cold worker, not the one holding A");
+        assert_eq!(
+            b.cached_tokens(),
+            0,
+            "it computes the system prompt this once"
+        );
+        drop(b);
+        // A still goes to its holder.
+        assert_eq!(p.try_pick_for(10, &[], Some(&ask(100))).unwrap().index(), 0);
+    }
+
+    #[test]
     fn cache_aware_sends_a_repeated_prefix_to_the_same_worker() {
         let p = routed_pool(PoolRouter {
             policy: crate::routing::RoutingPolicy::CacheAware,

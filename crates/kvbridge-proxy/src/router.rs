@@ -109,9 +109,10 @@ pub struct PoolRouter {
     /// The prompts routed to each worker and still on it (`kv-events`): what it will hold
     /// before its events say so.
     pub routed: Option<Arc<RoutedPrefixes>>,
-    /// The leading tokens every token-id prompt routed in this pool started with (`kv-events`:
-    /// what a cold worker is counted as holding, [`kv_events`]); `None` before the first.
-    pub common: std::sync::Mutex<Option<Vec<u32>>>,
+    /// The leading tokens every token-id prompt routed in this pool started with, and
+    /// whether two of them differed (`kv-events`: what a cold worker is counted as holding,
+    /// [`kv_events`]); `None` before the first.
+    pub common: std::sync::Mutex<Option<(Vec<u32>, bool)>>,
     /// The KV-events subscribers feeding `index` (stopped when dropped).
     pub subscribers: Option<KvEventsSubscribers>,
     /// Routing decisions made: `[policy][matched]`, where `matched` is whether the chosen
@@ -269,16 +270,21 @@ impl PoolRouter {
     }
 
     /// The leading tokens of `tokens` (whole blocks of `block_size`) that every prompt
-    /// routed so far started with; 0 before any.
+    /// routed so far started with; 0 before any, and while every prompt was this same one
+    /// (a prompt repeated is no prefix that all prompts share: counted as held by a cold
+    /// worker, it sent the repeats away from the worker holding them).
     fn common_prefix(&self, tokens: &[u32], block_size: u32) -> u64 {
         let common = self.common.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(c) = common.as_ref() else {
+        let Some((c, differed)) = common.as_ref() else {
             return 0;
         };
-        let n = c.iter().zip(tokens).take_while(|(a, b)| a == b).count() as u64;
-        match block_size as u64 {
+        let n = c.iter().zip(tokens).take_while(|(a, b)| a == b).count();
+        if !differed && n == c.len() && n == tokens.len() {
+            return 0;
+        }
+        match block_size as usize {
             0 => 0,
-            b => n / b * b,
+            b => (n / b * b) as u64,
         }
     }
 
@@ -291,9 +297,10 @@ impl PoolRouter {
         if let (Some(_), Some(tokens)) = (&self.index, &prompt.tokens) {
             let mut common = self.common.lock().unwrap_or_else(|p| p.into_inner());
             match common.as_mut() {
-                None => *common = Some(tokens.clone()),
-                Some(c) => {
+                None => *common = Some((tokens.clone(), false)),
+                Some((c, differed)) => {
                     let n = c.iter().zip(tokens).take_while(|(a, b)| a == b).count();
+                    *differed |= n < c.len() || n < tokens.len();
                     c.truncate(n);
                 }
             }
