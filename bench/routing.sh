@@ -82,6 +82,19 @@ for r in rows:
 first = rows[0]
 print(f"prompt tokens {first['prompt_tokens']}, shared {first['shared_prompt_tokens']} "
       f"({100*first['shared_fraction']:.1f}%), prefix cache {first['prefix_cache_tokens']} tokens per engine")
+# The fraction routing can act on: the shared tokens beyond the prefix every prompt starts
+# with (each engine caches it under any router), over the prompt tokens beyond it.
+if "routable_shared_fraction" in first:
+    rf = first["routable_shared_fraction"]
+    print(f"common prefix {first['common_prefix_tokens']} tokens; routable shared "
+          f"{first['routable_shared_tokens']} ({100*rf:.1f}%): goal, a cut of at least "
+          f"{100*rf-10:.1f}% against least-loaded")
+    ll = [r["prefill_tokens_computed"] for r in rows if r["policy"] == "least-loaded"]
+    if ll:
+        o = first["oracle_prefill_tokens"]
+        print(f"oracle (every request where its longest earlier prompt is cached, one cache, "
+              f"no eviction): {o/1000:.1f}k computed, a cut of "
+              f"{100*(1-o/statistics.median(ll)):.0f}% against least-loaded's median")
 print()
 print("| routing | TTFT p50 ms | TTFT p99 ms | prefill tokens computed | cut vs least-loaded | KV moved MiB | decoder alone | load avg |")
 print("|---|---|---|---|---|---|---|---|")

@@ -25,7 +25,7 @@ use std::sync::Mutex;
 use kvbridge_proto::kv_events::{BlockHash, KvEvent, KvEventBatch};
 
 /// Content hash of the empty prefix without a LoRA.
-const ROOT: u64 = 0x6b76_6272_6964_6765;
+pub(crate) const ROOT: u64 = 0x6b76_6272_6964_6765;
 
 /// The content hash of a block: its parent's and its tokens.
 pub fn chain(parent: u64, tokens: &[u32]) -> u64 {
@@ -216,6 +216,11 @@ impl KvIndex {
     /// Blocks held by worker `w` now.
     pub fn blocks(&self, w: usize) -> usize {
         self.worker(w).map_or(0, |b| b.by_engine.len())
+    }
+
+    /// The block size the workers report (the first worker's that has published one).
+    pub fn block_size(&self) -> Option<u32> {
+        (0..self.workers.len()).find_map(|w| self.worker(w).and_then(|b| b.block_size))
     }
 
     /// How many tokens at the start of `tokens` worker `w` holds (whole blocks; 0 when the

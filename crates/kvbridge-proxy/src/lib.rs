@@ -26,6 +26,7 @@ pub mod prefix_tree;
 mod reply;
 mod request;
 mod rewrite;
+pub mod routed_prefixes;
 pub mod router;
 pub mod routing;
 pub mod server;

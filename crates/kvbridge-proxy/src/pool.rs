@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
 
+use crate::routed_prefixes::RoutedPrompt;
 use crate::router::{Chosen, PoolRouter, PromptKey};
 use crate::routing::Candidate;
 
@@ -108,6 +109,8 @@ pub struct Slot {
     /// The worker's ejection count when it was picked.
     ejections: u64,
     cached_tokens: u64,
+    /// The prompt's blocks, counted as the worker's while the request is on it (`kv-events`).
+    _routed: Option<RoutedPrompt>,
 }
 
 impl Slot {
@@ -271,9 +274,7 @@ impl Pool {
                 index: i,
                 cached_tokens,
             }) => {
-                if let Some(p) = prompt {
-                    self.router.routed(i, p);
-                }
+                let routed = prompt.and_then(|p| self.router.routed(i, p));
                 let w = &self.workers[i];
                 w.inflight.fetch_add(1, Relaxed);
                 w.tokens.fetch_add(tokens, Relaxed);
@@ -293,6 +294,7 @@ impl Pool {
                     pending_prefill,
                     ejections: w.ejections(),
                     cached_tokens,
+                    _routed: routed,
                 })
             }
             None if !any_healthy => Err(PickError::NoHealthy),
@@ -876,6 +878,88 @@ mod tests {
                 peek.index
             );
         }
+    }
+
+    #[test]
+    fn a_prompt_on_a_worker_counts_as_held_there_until_its_slot_is_released() {
+        use crate::kv_index::KvIndex;
+        use crate::routed_prefixes::RoutedPrefixes;
+        use crate::routing::RoutingPolicy::KvEvents;
+        let index = Arc::new(KvIndex::new(3, 1000));
+        let p = routed_pool(PoolRouter {
+            policy: KvEvents,
+            index: Some(index.clone()),
+            routed: Some(Arc::new(RoutedPrefixes::new(3))),
+            ..Default::default()
+        });
+        // Every worker reported the 32-token system prompt (blocks of 16).
+        let system: Vec<u32> = (0..32).collect();
+        for w in 0..3 {
+            index.apply(w, 0, &stored(&system));
+        }
+        // A document after it, asked about twice; no worker has reported the document yet.
+        let ask = |q: u32| PromptKey {
+            tokens: Some((0..2000).chain([q; 10]).collect()),
+            pieces: vec![],
+        };
+        let mut first = p.try_pick_for(10, &[], Some(&ask(1))).unwrap();
+        // A decoder on the PD path: the KV comes to it, no prefill of its own.
+        first.no_prefill_left();
+        let peek = p.peek_for(10, Some(&ask(2))).unwrap();
+        assert_eq!(
+            (peek.index, peek.cached_tokens),
+            (first.index(), 2000),
+            "the worker the first question went to will hold the document"
+        );
+        let second = p.try_pick_for(10, &[], Some(&ask(2))).unwrap();
+        assert_eq!(second.index(), first.index());
+        assert_eq!(p.workers[second.index()].pending_prefill(), 10);
+        let w = first.index();
+        drop((first, second));
+        // Released without the worker reporting the document: only the system prompt.
+        assert_eq!(p.peek_for(10, Some(&ask(3))).unwrap().cached_tokens, 32);
+        // Forgotten with the worker's view (an ejection).
+        let again = p.try_pick_for(10, &[], Some(&ask(4))).unwrap();
+        p.router.forget(again.index());
+        assert_eq!(p.router.routed.as_ref().unwrap().blocks(again.index()), 0);
+        let _ = w;
+    }
+
+    #[test]
+    fn a_cold_worker_is_counted_as_holding_the_prefix_every_prompt_shares() {
+        use crate::kv_index::KvIndex;
+        use crate::routing::RoutingPolicy::KvEvents;
+        let index = Arc::new(KvIndex::new(3, 1000));
+        let p = routed_pool(PoolRouter {
+            policy: KvEvents,
+            index: Some(index.clone()),
+            ..Default::default()
+        });
+        // Worker 0 holds the system prompt (32 tokens) and document A; 1 and 2 are cold.
+        let system: Vec<u32> = (0..32).collect();
+        let doc = |d: u32| -> Vec<u32> { system.iter().copied().chain([d; 32]).collect() };
+        index.apply(0, 0, &stored(&doc(100)));
+        let ask = |d: u32| PromptKey {
+            tokens: Some(doc(d).into_iter().chain([7; 16]).collect()),
+            pieces: vec![],
+        };
+        // A question on A goes to its holder, asked twice (a repeated prompt is no common
+        // prefix).
+        for _ in 0..2 {
+            assert_eq!(p.try_pick_for(10, &[], Some(&ask(100))).unwrap().index(), 0);
+        }
+        // Document B, idle workers: all three hold the system prompt as far as cost goes,
+        // and a cold one has the most room.
+        let b = p.try_pick_for(10, &[], Some(&ask(200))).unwrap();
+        assert_ne!(b.index(), 0, "a cold worker, not the one holding A");
+        assert_eq!(
+            b.cached_tokens(),
+            0,
+            "it computes the system prompt this once"
+        );
+        drop(b);
+        // A still goes to its holder.
+        assert_eq!(p.try_pick_for(10, &[], Some(&ask(100))).unwrap().index(), 0);
     }
 
     #[test]

@@ -134,6 +134,16 @@ impl ApiError {
         )
     }
 
+    /// The prefiller's answer is not the JSON it should be (`why`: the parser's error).
+    pub(crate) fn prefill_invalid_json(why: impl std::fmt::Display) -> Self {
+        Self::new(
+            StatusCode::BAD_GATEWAY,
+            "prefill_failed",
+            Outcome::PrefillError,
+            format!("the prefiller answered invalid JSON: {why}"),
+        )
+    }
+
     pub(crate) fn into_response(self, rid: &HeaderValue) -> Response {
         let mut resp = match self.raw {
             Some(raw) => {

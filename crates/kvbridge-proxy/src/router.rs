@@ -9,6 +9,7 @@ use crate::config::Config;
 use crate::kv_events_sub::{KvEventsSubscribers, SubLimits};
 use crate::kv_index::KvIndex;
 use crate::prefix_tree::{pieces, PrefixTrees, CHUNK_BYTES};
+use crate::routed_prefixes::{RoutedPrefixes, RoutedPrompt};
 use crate::routing::Role;
 use crate::routing::{
     cache_aware, kv_events, least_loaded, CacheAwareParams, Candidate, KvEventsWeights,
@@ -86,6 +87,7 @@ pub fn for_pool(cfg: &Config, role: Role) -> PoolRouter {
                 SubLimits::default(),
             ));
             r.index = Some(index);
+            r.routed = Some(Arc::new(RoutedPrefixes::new(workers)));
         }
     }
     r
@@ -104,6 +106,13 @@ pub struct PoolRouter {
     pub index: Option<Arc<KvIndex>>,
     /// The routed prompts (`cache-aware`).
     pub trees: Option<PrefixTrees>,
+    /// The prompts routed to each worker and still on it (`kv-events`): what it will hold
+    /// before its events say so.
+    pub routed: Option<Arc<RoutedPrefixes>>,
+    /// The leading tokens every token-id prompt routed in this pool started with, and
+    /// whether two of them differed (`kv-events`: what a cold worker is counted as holding,
+    /// [`kv_events`]); `None` before the first.
+    pub common: std::sync::Mutex<Option<(Vec<u32>, bool)>>,
     /// The KV-events subscribers feeding `index` (stopped when dropped).
     pub subscribers: Option<KvEventsSubscribers>,
     /// Routing decisions made: `[policy][matched]`, where `matched` is whether the chosen
@@ -186,14 +195,24 @@ impl PoolRouter {
                     });
                     return (c, RoutingPolicy::KvEvents);
                 };
+                let block_size = index.block_size().unwrap_or(0);
                 let scored: Vec<Candidate> = cands
                     .iter()
-                    .map(|c| Candidate {
-                        matched: index.matched_tokens(c.index, tokens) as u64,
-                        ..*c
+                    .map(|c| {
+                        let reported = index.matched_tokens(c.index, tokens);
+                        let queued = self
+                            .routed
+                            .as_ref()
+                            .map_or(0, |r| r.matched_tokens(c.index, tokens, block_size));
+                        Candidate {
+                            matched: reported.max(queued) as u64,
+                            cached: index.blocks(c.index) as u64,
+                            ..*c
+                        }
                     })
                     .collect();
-                let best = kv_events(&scored, tokens.len() as u64, &self.weights);
+                let common = self.common_prefix(tokens, block_size);
+                let best = kv_events(&scored, tokens.len() as u64, common, &self.weights);
                 (
                     best.map(|i| Chosen {
                         index: i,
@@ -250,17 +269,57 @@ impl PoolRouter {
         self.decisions[p][matched as usize].load(Relaxed)
     }
 
-    /// Notes that `prompt` went to worker `w`.
-    pub fn routed(&self, w: usize, prompt: &PromptKey) {
+    /// The leading tokens of `tokens` (whole blocks of `block_size`) that every prompt
+    /// routed so far started with; 0 before any, and while every prompt was this same one
+    /// (a prompt repeated is no prefix that all prompts share: counted as held by a cold
+    /// worker, it sent the repeats away from the worker holding them).
+    fn common_prefix(&self, tokens: &[u32], block_size: u32) -> u64 {
+        let common = self.common.lock().unwrap_or_else(|p| p.into_inner());
+        let Some((c, differed)) = common.as_ref() else {
+            return 0;
+        };
+        let n = c.iter().zip(tokens).take_while(|(a, b)| a == b).count();
+        if !differed && n == c.len() && n == tokens.len() {
+            return 0;
+        }
+        match block_size as usize {
+            0 => 0,
+            b => (n / b * b) as u64,
+        }
+    }
+
+    /// Notes that `prompt` went to worker `w`; under `kv-events`, its whole blocks count as
+    /// `w`'s until the returned handle is dropped (with the request's slot).
+    pub fn routed(&self, w: usize, prompt: &PromptKey) -> Option<RoutedPrompt> {
         if let Some(t) = &self.trees {
             t.insert(w, &prompt.pieces);
         }
+        if let (Some(_), Some(tokens)) = (&self.index, &prompt.tokens) {
+            let mut common = self.common.lock().unwrap_or_else(|p| p.into_inner());
+            match common.as_mut() {
+                None => *common = Some((tokens.clone(), false)),
+                Some((c, differed)) => {
+                    let n = c.iter().zip(tokens).take_while(|(a, b)| a == b).count();
+                    *differed |= n < c.len() || n < tokens.len();
+                    c.truncate(n);
+                }
+            }
+        }
+        let (routed, index, tokens) = (
+            self.routed.as_ref()?,
+            self.index.as_ref()?,
+            prompt.tokens.as_ref()?,
+        );
+        routed.add(w, tokens, index.block_size()?)
     }
 
     /// Forgets what is known of worker `w`'s cache (it was ejected: it may restart empty).
     pub fn forget(&self, w: usize) {
         if let Some(i) = &self.index {
             i.forget(w);
+        }
+        if let Some(r) = &self.routed {
+            r.forget(w);
         }
         if let Some(t) = &self.trees {
             t.forget(w);

@@ -10,7 +10,9 @@
 //!   where `cached_tokens(w)` is the prompt's leading tokens that worker `w` reported holding
 //!   in its KV events ([`crate::kv_index`]). Both terms are in tokens: a token to prefill and
 //!   a token already queued cost the same with the default weights (1, 1). With
-//!   `prefill_weight = 0` it is `least-loaded`.
+//!   `prefill_weight = 0` it is `least-loaded`. A worker that has reported no block (cold)
+//!   is counted as holding the prefix every routed prompt shares; equal costs go to the
+//!   worker holding the fewest blocks ([`kv_events`]).
 //! * `cache-aware`: SGLang router's `cache_aware` rule over an approximate tree of the
 //!   prompts routed ([`crate::prefix_tree`]). When the pool is imbalanced (the most and the
 //!   fewest requests in flight differ by more than `balance_abs_threshold` *and* the most is
@@ -150,12 +152,40 @@ pub fn least_loaded(cands: &[Candidate]) -> Option<usize> {
     first_min_by(cands, |c| c.load() as f64)
 }
 
-/// `kv-events` for a prompt of `prompt_tokens` tokens.
-pub fn kv_events(cands: &[Candidate], prompt_tokens: u64, w: &KvEventsWeights) -> Option<usize> {
-    first_min_by(cands, |c| {
-        w.prefill_weight * prompt_tokens.saturating_sub(c.matched) as f64
+/// `kv-events` for a prompt of `prompt_tokens` tokens: `matched` is the prompt's leading
+/// tokens each candidate holds, `cached` the blocks it holds in all, and `common` the
+/// leading tokens of the prompt that every prompt this pool routed starts with (whole
+/// blocks: a system prompt).
+///
+/// A cold worker (no block reported) is counted as holding `common`: it computes that once,
+/// on its first request, and holds it after. Counted against it every time, it made every
+/// warm worker cheaper by that prefix whenever loads were equal, so with requests one at a
+/// time the first worker of a pool got all of them while the others stayed cold, their
+/// caches unused and its own evicting. Equal costs go to the candidate holding the fewest
+/// blocks (the most room), then to the first.
+pub fn kv_events(
+    cands: &[Candidate],
+    prompt_tokens: u64,
+    common: u64,
+    w: &KvEventsWeights,
+) -> Option<usize> {
+    let cost = |c: &Candidate| {
+        let matched = if c.cached == 0 {
+            c.matched.max(common)
+        } else {
+            c.matched
+        };
+        w.prefill_weight * prompt_tokens.saturating_sub(matched) as f64
             + w.load_weight * c.load() as f64
-    })
+    };
+    let mut best: Option<(f64, u64, usize)> = None;
+    for c in cands {
+        let (v, room) = (cost(c), c.cached);
+        if best.is_none_or(|(b, r, _)| v < b || (v == b && room < r)) {
+            best = Some((v, room, c.index));
+        }
+    }
+    best.map(|(_, _, i)| i)
 }
 
 /// `cache-aware` for a prompt of `prompt_pieces` pieces.
@@ -195,22 +225,45 @@ mod tests {
         let w = KvEventsWeights::default();
         // Worker 1 holds 900 of 1000 tokens but has 500 tokens queued: 100 + 756 < 1000 + 0.
         let cands = [c(0, 0, 0, 0, 0), c(1, 1, 500, 900, 0)];
-        assert_eq!(kv_events(&cands, 1000, &w), Some(1));
+        assert_eq!(kv_events(&cands, 1000, 0, &w), Some(1));
         // With 2000 queued it is not worth it: 100 + 2256 > 1000.
         let cands = [c(0, 0, 0, 0, 0), c(1, 1, 2000, 900, 0)];
-        assert_eq!(kv_events(&cands, 1000, &w), Some(0));
+        assert_eq!(kv_events(&cands, 1000, 0, &w), Some(0));
         // Prefill weight 0 is least-loaded.
         let ll = KvEventsWeights {
             prefill_weight: 0.0,
             load_weight: 1.0,
         };
         let cands = [c(0, 1, 10, 0, 0), c(1, 1, 20, 1000, 0)];
-        assert_eq!(kv_events(&cands, 1000, &ll), least_loaded(&cands));
+        assert_eq!(kv_events(&cands, 1000, 0, &ll), least_loaded(&cands));
         assert_eq!(least_loaded(&cands), Some(0));
-        assert_eq!(kv_events(&[], 10, &w), None);
-        // Ties: the first candidate.
+        assert_eq!(kv_events(&[], 10, 0, &w), None);
+        // Ties: the fewest blocks, then the first candidate.
         let cands = [c(3, 0, 0, 0, 0), c(1, 0, 0, 0, 0)];
-        assert_eq!(kv_events(&cands, 10, &w), Some(3));
+        assert_eq!(kv_events(&cands, 10, 0, &w), Some(3));
+        let cands = [c(3, 0, 0, 4, 9), c(1, 0, 0, 4, 5)];
+        assert_eq!(kv_events(&cands, 10, 0, &w), Some(1));
+    }
+
+    #[test]
+    fn kv_events_counts_a_cold_worker_as_holding_the_common_prefix() {
+        let w = KvEventsWeights::default();
+        // Worker 0 holds the 512-token system prompt every prompt starts with (40 blocks in
+        // all); worker 1 has reported nothing. Both idle: the cold one gets the new prompt
+        // (it computes the system prompt once), not the warm one, every time.
+        let cands = [c(0, 0, 0, 512, 40), c(1, 0, 0, 0, 0)];
+        assert_eq!(kv_events(&cands, 3000, 512, &w), Some(1));
+        assert_eq!(
+            kv_events(&cands, 3000, 0, &w),
+            Some(0),
+            "without a common prefix the warm one is cheaper"
+        );
+        // A prefix beyond the common one still wins: worker 0 holds a document too.
+        let cands = [c(0, 0, 0, 2560, 40), c(1, 0, 0, 0, 0)];
+        assert_eq!(kv_events(&cands, 3000, 512, &w), Some(0));
+        // Load still counts against a cold worker.
+        let cands = [c(0, 0, 0, 512, 40), c(1, 1, 100, 0, 0)];
+        assert_eq!(kv_events(&cands, 3000, 512, &w), Some(0));
     }
 
     #[test]

@@ -191,6 +191,19 @@ pub struct DemoSummary {
     /// Of those, the tokens in whole chunks (`--chunk-tokens`): the most the engines' prefix
     /// caches, which keep whole chunks, can spare.
     pub shared_chunk_tokens: u64,
+    /// `prompt_tokens - shared_chunk_tokens`: what the engines compute when every request
+    /// goes where its longest earlier prefix is cached and no cache evicts (an oracle router).
+    pub oracle_prefill_tokens: u64,
+    /// Tokens, in whole chunks, that every prompt starts with (the system prompt): every
+    /// engine caches them after its first request, under any router ([`Routable`]).
+    pub common_prefix_tokens: u64,
+    /// `shared_chunk_tokens` less `common_prefix_tokens` per request: the reuse only a
+    /// router can give ([`Routable::shared_tokens`]).
+    pub routable_shared_tokens: u64,
+    /// `routable_shared_tokens` over the prompt tokens less `common_prefix_tokens` per
+    /// request: the fraction of what a cache-blind router computes that routing can spare
+    /// ([`Routable::fraction`]).
+    pub routable_shared_fraction: f64,
     /// Every engine's prefix cache, tokens.
     pub prefix_cache_tokens: u64,
     /// Prompt tokens the engines (prefillers and decoders) computed during the workload:
@@ -983,16 +996,94 @@ pub fn shared_tokens(work: &[WorkItem], chunk_tokens: u32) -> (u64, u64) {
     let prompts: Vec<Vec<u32>> = work.iter().map(prompt_ids).collect();
     let chunk = chunk_tokens.max(1) as u64;
     let (mut tokens, mut chunks) = (0u64, 0u64);
-    for (i, p) in prompts.iter().enumerate() {
-        let lcp = prompts[..i]
-            .iter()
-            .map(|q| p.iter().zip(q).take_while(|(a, b)| a == b).count() as u64)
-            .max()
-            .unwrap_or(0);
+    for i in 0..prompts.len() {
+        let lcp = longest_earlier_prefix(&prompts, i).1 as u64;
         tokens += lcp;
         chunks += lcp / chunk * chunk;
     }
     (tokens, chunks)
+}
+
+/// The part of a workload's reuse that depends on where requests go.
+///
+/// Every prompt of the `shared-prefix` workload opens with the same system prompt, and every
+/// engine's cache keeps it after its first request whatever the router does: a router that
+/// ignores caches spares it too. [`shared_tokens`] counts it in every request, so its
+/// fraction overstates what routing can win. Here the whole chunks common to every prompt
+/// are taken out of both sides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Routable {
+    /// Tokens, in whole chunks, that every prompt of the workload starts with.
+    pub common_prefix_tokens: u64,
+    /// Per request, its longest common prefix with an earlier prompt in whole chunks, less
+    /// `common_prefix_tokens`, summed: the reuse only a router can give.
+    pub shared_tokens: u64,
+    /// Per request, its prompt tokens less `common_prefix_tokens`, summed: what an engine
+    /// holding the common prefix computes without a router's help.
+    pub prompt_tokens: u64,
+}
+
+impl Routable {
+    /// `shared_tokens / prompt_tokens` (0 for an empty workload).
+    pub fn fraction(&self) -> f64 {
+        if self.prompt_tokens > 0 {
+            self.shared_tokens as f64 / self.prompt_tokens as f64
+        } else {
+            0.0
+        }
+    }
+}
+
+/// [`Routable`] of `work` with chunks of `chunk_tokens`.
+pub fn routable_tokens(work: &[WorkItem], chunk_tokens: u32) -> Routable {
+    let prompts: Vec<Vec<u32>> = work.iter().map(prompt_ids).collect();
+    let chunk = chunk_tokens.max(1) as u64;
+    let common = match prompts.split_first() {
+        Some((first, rest)) if !rest.is_empty() => {
+            let lcp = rest
+                .iter()
+                .map(|q| first.iter().zip(q).take_while(|(a, b)| a == b).count())
+                .min()
+                .unwrap_or(0) as u64;
+            lcp / chunk * chunk
+        }
+        _ => 0,
+    };
+    let mut r = Routable {
+        common_prefix_tokens: common,
+        ..Routable::default()
+    };
+    for (i, p) in prompts.iter().enumerate() {
+        let lcp = longest_earlier_prefix(&prompts, i).1 as u64 / chunk * chunk;
+        r.shared_tokens += lcp.saturating_sub(common);
+        r.prompt_tokens += (p.len() as u64).saturating_sub(common);
+    }
+    r
+}
+
+/// Prompt `i`'s longest common prefix with an earlier prompt: `(that prompt's index, tokens)`
+/// (`(i, 0)` when none shares a token).
+fn longest_earlier_prefix(prompts: &[Vec<u32>], i: usize) -> (usize, usize) {
+    let p = &prompts[i];
+    prompts[..i]
+        .iter()
+        .enumerate()
+        .map(|(j, q)| (j, p.iter().zip(q).take_while(|(a, b)| a == b).count()))
+        .fold((i, 0), |best, c| if c.1 > best.1 { c } else { best })
+}
+
+/// Short chain hashes of `p`'s whole chunks, `.`-separated: two prompts share their first
+/// `k` chunks when their first `k` hashes are equal (for the `kvbridge::prefix` log).
+fn chunk_chain(p: &[u32], chunk_tokens: u32) -> String {
+    use std::hash::{DefaultHasher, Hash, Hasher};
+    let mut h = DefaultHasher::new();
+    p.chunks_exact(chunk_tokens.max(1) as usize)
+        .map(|c| {
+            c.hash(&mut h);
+            format!("{:08x}", h.finish() as u32)
+        })
+        .collect::<Vec<_>>()
+        .join(".")
 }
 
 /// The workload's answers as they come, `concurrency` requests in flight to `base`, each
@@ -1095,6 +1186,16 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
     };
     let prompt_tokens: u64 = work.iter().map(|w| prompt_ids(w).len() as u64).sum();
     let (shared_prompt_tokens, shared_chunk_tokens) = shared_tokens(&work, model.spec.chunk_tokens);
+    let routable = routable_tokens(&work, model.spec.chunk_tokens);
+    if tracing::enabled!(target: "kvbridge::prefix", tracing::Level::DEBUG) {
+        let prompts: Vec<Vec<u32>> = work.iter().map(prompt_ids).collect();
+        for (i, p) in prompts.iter().enumerate() {
+            let (from, lcp) = longest_earlier_prefix(&prompts, i);
+            let chunks = chunk_chain(p, model.spec.chunk_tokens);
+            tracing::debug!(target: "kvbridge::prefix", request = i, tokens = p.len(),
+                last = p.last().copied(), lcp, from, chunks = %chunks, "workload");
+        }
+    }
     let n = work.len();
     let t0 = Instant::now();
     let mut done = 0usize;
@@ -1315,6 +1416,10 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
             0.0
         },
         shared_chunk_tokens,
+        oracle_prefill_tokens: prompt_tokens.saturating_sub(shared_chunk_tokens),
+        common_prefix_tokens: routable.common_prefix_tokens,
+        routable_shared_tokens: routable.shared_tokens,
+        routable_shared_fraction: routable.fraction(),
         prefix_cache_tokens: route.prefix_cache_tokens.unwrap_or(0),
         prefill_tokens_computed: loaded.prefill_tokens_computed,
         decoder_prefill_tokens_computed: decoders_computed,
@@ -1518,4 +1623,56 @@ async fn traced<T>(
 
 fn excerpt(s: &str) -> String {
     s.chars().take(60).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn item(prompt: &[u32]) -> WorkItem {
+        WorkItem {
+            path: "/v1/completions",
+            body: json!({"model": "m", "prompt": prompt, "max_tokens": 2}),
+        }
+    }
+
+    #[test]
+    fn routable_reuse_leaves_out_the_prefix_every_prompt_shares() {
+        // Chunks of 2: every prompt opens with [1, 2] (the system prompt); the third repeats
+        // the first's [3, 4] after it, the second shares only [1, 2].
+        let work = [
+            item(&[1, 2, 3, 4, 5]),
+            item(&[1, 2, 6, 6]),
+            item(&[1, 2, 3, 4, 7, 7]),
+        ];
+        assert_eq!(shared_tokens(&work, 2), (2 + 4, 2 + 4));
+        let r = routable_tokens(&work, 2);
+        assert_eq!(r.common_prefix_tokens, 2);
+        assert_eq!(
+            r.shared_tokens, 2,
+            "only the third's [3, 4] depends on routing"
+        );
+        assert_eq!(r.prompt_tokens, 3 + 2 + 4);
+        assert!((r.fraction() - 2.0 / 9.0).abs() < 1e-9);
+        // A common prefix is counted in whole chunks only.
+        assert_eq!(routable_tokens(&work, 4).common_prefix_tokens, 0);
+        // Nothing in common, or a single prompt: nothing left out.
+        let one = [item(&[1, 2, 3])];
+        assert_eq!(routable_tokens(&one, 2).common_prefix_tokens, 0);
+        assert_eq!(routable_tokens(&[], 2), Routable::default());
+        assert_eq!(Routable::default().fraction(), 0.0);
+    }
+
+    #[test]
+    fn the_longest_earlier_prefix_names_the_prompt_it_comes_from() {
+        let p = vec![vec![1, 2, 3], vec![1, 9], vec![1, 2, 3, 4], vec![5]];
+        assert_eq!(longest_earlier_prefix(&p, 0), (0, 0));
+        assert_eq!(longest_earlier_prefix(&p, 2), (0, 3));
+        assert_eq!(longest_earlier_prefix(&p, 3), (3, 0));
+        assert_eq!(chunk_chain(&[1, 2, 3, 4, 5], 2).split('.').count(), 2);
+        assert_eq!(
+            chunk_chain(&[1, 2, 3, 4], 2).split('.').next(),
+            chunk_chain(&[1, 2, 9, 9], 2).split('.').next()
+        );
+    }
 }

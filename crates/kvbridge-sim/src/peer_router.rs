@@ -45,6 +45,8 @@ pub struct PeerSummary {
     pub shared_prompt_tokens: u64,
     /// [`demo::DemoSummary::shared_fraction`].
     pub shared_fraction: f64,
+    /// [`demo::DemoSummary::routable_shared_fraction`].
+    pub routable_shared_fraction: f64,
     /// Prompt tokens the engines computed (past their prefix caches).
     pub prefill_tokens_computed: u64,
     /// KV bytes moved between engines: none, they are colocated.
@@ -287,6 +289,7 @@ async fn drive(
             .collect();
     let prompt_tokens: u64 = work.iter().map(|w| demo::prompt_ids(w).len() as u64).sum();
     let (shared, _) = demo::shared_tokens(&work, model.spec.chunk_tokens);
+    let routable = demo::routable_tokens(&work, model.spec.chunk_tokens);
     let t = Instant::now();
     let results = demo::send_all(&client, &base, &work, args.concurrency, deadline).await;
     let wall_s = t.elapsed().as_secs_f64();
@@ -317,6 +320,7 @@ async fn drive(
         } else {
             0.0
         },
+        routable_shared_fraction: routable.fraction(),
         prefill_tokens_computed: 0,
         kv_bytes_moved: 0,
         ttft_p50_ms: demo::pct(&mut ttft, 0.5),

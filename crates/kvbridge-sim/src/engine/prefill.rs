@@ -47,6 +47,9 @@ pub(super) async fn prefill(
     s.counts
         .prefix_cache_hit_tokens
         .fetch_add(cached as u64, Relaxed);
+    // Per prefill, for attributing prefill tokens to routing (`RUST_LOG=kvbridge::prefix=debug`).
+    tracing::debug!(target: "kvbridge::prefix", engine = Arc::as_ptr(s) as usize,
+        role = ?s.cfg.role, tokens = tokens.len(), last = tokens.last().copied(), cached, sending = send.is_some(), "prefill");
     // Without a transfer, the cached chunks need not be produced at all.
     let (skip, mut state) = match (send, hit.state) {
         (None, Some(st)) => (cached, st),

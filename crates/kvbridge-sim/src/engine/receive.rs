@@ -209,6 +209,8 @@ pub(super) async fn receive(
                 if !states.is_empty() {
                     let keys = s2.cache_keys(&received);
                     s2.cache_chunks(&received, &keys, 0, &states);
+                    tracing::debug!(target: "kvbridge::prefix", engine = Arc::as_ptr(&s2) as usize,
+                        tokens = received.len(), last = received.last().copied(), chunks = states.len(), "received");
                 }
                 s2.counts.kv_chunks_received.fetch_add(chunks, Relaxed);
                 s2.counts.kv_bytes_received.fetch_add(bytes, Relaxed);

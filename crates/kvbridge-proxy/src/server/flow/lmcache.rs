@@ -222,14 +222,8 @@ impl App {
             prefix = first.filter(|(f, _)| !f.is_empty());
         }
         if ctx.api == Api::Completions && doc.prompt_text().is_some() {
-            let pv: Value = serde_json::from_slice(&answer).map_err(|e| {
-                ApiError::new(
-                    StatusCode::BAD_GATEWAY,
-                    "prefill_failed",
-                    Outcome::PrefillError,
-                    format!("the prefiller answered invalid JSON: {e}"),
-                )
-            })?;
+            let pv: Value =
+                serde_json::from_slice(&answer).map_err(ApiError::prefill_invalid_json)?;
             if let Some(first) = pv.pointer("/choices/0/text").and_then(Value::as_str) {
                 if doc.max_tokens == Some(1) {
                     if !ready {

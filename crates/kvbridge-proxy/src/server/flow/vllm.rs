@@ -1,10 +1,8 @@
 //! The vLLM (NIXL) flow: prefill, then the decode request carrying the prefill answer's
 //! `kv_transfer_params`, from which the decoder pulls the KV.
 
-use axum::http::StatusCode;
 use bytes::Bytes;
 
-use crate::metrics::Outcome;
 use crate::pool::Slot;
 use crate::reply::{ApiError, Reply};
 use crate::request::{PrefillAnswer, ReqDoc};
@@ -22,14 +20,8 @@ impl App {
     ) -> Result<Reply, ApiError> {
         let pbody = Bytes::from(prefill_body(doc, VLLM_PREFILL_KV));
         let answer = self.prefill(ctx, pbody, None).await?;
-        let kv = serde_json::from_slice::<PrefillAnswer>(&answer).map_err(|e| {
-            ApiError::new(
-                StatusCode::BAD_GATEWAY,
-                "prefill_failed",
-                Outcome::PrefillError,
-                format!("the prefiller answered invalid JSON: {e}"),
-            )
-        })?;
+        let kv = serde_json::from_slice::<PrefillAnswer>(&answer)
+            .map_err(ApiError::prefill_invalid_json)?;
         let kv = kv.kv_transfer_params.map(|r| r.get().as_bytes());
         let dbody = Bytes::from(vllm_decode_body(doc, kv));
         // The KV waits on the prefiller until a decoder reads it: any decoder will do, so a
