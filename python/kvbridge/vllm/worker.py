@@ -125,6 +125,20 @@ class _Load:
     submitted: float = 0.0
 
 
+def block_runs(local: list[int], remote: list[int]) -> list[tuple[int, int, int]]:
+    """``(local, remote, count)`` runs of blocks that follow each other on both sides, in
+    order: ``local[i]`` is read from ``remote[i]``."""
+    runs: list[tuple[int, int, int]] = []
+    for lo, ro in zip(local, remote):
+        if runs:
+            l0, r0, n = runs[-1]
+            if lo == l0 + n and ro == r0 + n:
+                runs[-1] = (l0, r0, n + 1)
+                continue
+        runs.append((lo, ro, 1))
+    return runs
+
+
 def layout_description(layers: list[tuple[str, tuple, str, int]], block_size: int, model: str, tp: int) -> str:
     """The ``compat`` string: equal on two engines exactly when their blocks line up."""
     detail = json.dumps([list(x) for x in layers], separators=(",", ":"))
@@ -485,11 +499,15 @@ class KvbridgeWorker:
                 # a decoder's prefix-cache hit covers the head; read the tail
                 remote = job.remote_block_ids[len(job.remote_block_ids) - len(local) :]
                 load.posting = time.monotonic()
+                # one batch for every layer, blocks adjacent on both sides in one range: the
+                # engine checks and moves it as one transfer (one completion, not one a layer)
+                ops = []
                 for layer in self.layers:
-                    load.transfers.append(
-                        ch.submit_read_pages(peer.peer_id, layer.region, local, peer.regions[layer.name], remote)
-                    )
+                    for lo, ro, n in block_runs(local, remote):
+                        pb = layer.page_bytes
+                        ops.append((layer.region, lo * pb, peer.regions[layer.name], ro * pb, n * pb))
                     load.bytes += len(local) * layer.page_bytes
+                load.transfers.append(ch.submit_read(peer.peer_id, ops))
                 load.submitted = time.monotonic()
                 for t in load.transfers:
                     left = deadline - time.monotonic()

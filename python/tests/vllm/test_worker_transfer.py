@@ -264,3 +264,28 @@ def test_a_decoder_cannot_write_into_the_prefillers_kv_cache(workers, monkeypatc
         d.channel.write_pages(peer.peer_id, layer.region, [1], peer.regions[layer.name], [1])
     for name in LAYERS:
         assert torch.equal(p_cache[name], before[name]), name
+
+
+def test_block_runs_join_blocks_adjacent_on_both_sides():
+    from kvbridge.vllm.worker import block_runs
+
+    assert block_runs([5, 6, 7, 2, 3], [1, 2, 3, 9, 11]) == [(5, 1, 3), (2, 9, 1), (3, 11, 1)]
+    assert block_runs([4, 3], [0, 1]) == [(4, 0, 1), (3, 1, 1)]
+    assert block_runs([], []) == []
+
+
+def test_contiguous_and_scattered_blocks_arrive_byte_exact_in_one_transfer(workers):
+    p_cache = kv_caches(seed=15)
+    d_cache = kv_caches(seed=None)
+    p = workers("kv_producer", p_cache)
+    d = workers("kv_consumer", d_cache)
+    hold(p, "p-1")
+    local, remote = [8, 9, 10, 11, 3, 14], [1, 2, 3, 4, 8, 7]
+    d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job(p, local, remote)}))
+    poll(d, want_recving={"d-1"})
+    assert d.take_failed_recving() == set()
+    for name in LAYERS:
+        for lo, ro in zip(local, remote):
+            assert torch.equal(d_cache[name][lo], p_cache[name][ro]), (name, lo)
+        untouched = [i for i in range(d_cache[name].shape[0]) if i not in local]
+        assert not d_cache[name][untouched].any(), name
