@@ -143,6 +143,12 @@ impl UcxLink {
     /// session up now, or holds it until the UCX negotiation settled
     /// ([`UcxLink::take_released`]).
     pub(super) fn hold_up(&mut self, handle: PeerHandle) -> Option<PeerHandle> {
+        // The offer can come before our side of the data connection is bound (the
+        // handshake machine holds the `Ready`, not the UCX messages): the route joins the
+        // data path here at the latest, before the channel learns of the session.
+        if let Some(route) = &self.route {
+            handle.data.set_ucx(route.clone());
+        }
         match self.link.as_ref() {
             Some(Link::Import(m)) if !m.is_settled() && !m.is_failed() => {
                 self.held = Some(handle);
@@ -154,7 +160,11 @@ impl UcxLink {
 
     /// (Initiator) The handle held until the negotiation settled, once it has.
     pub(super) fn take_released(&mut self) -> Option<PeerHandle> {
-        self.released.take()
+        let handle = self.released.take()?;
+        if let Some(route) = &self.route {
+            handle.data.set_ucx(route.clone());
+        }
+        Some(handle)
     }
 
     fn poll_output(&mut self) -> Option<Output> {
