@@ -223,6 +223,7 @@ fn message(spec: MsgSpec, hash: u64) -> Option<Message> {
             unacked_notify: token[0] % 2 == 0,
             host_after_proof: token[1] % 2 == 0,
             data_proof: token[2] % 2 == 0,
+            ucx: token[3] % 2 == 0,
         }),
         MsgSpec::Reject(c) => Message::Reject(reject(c)),
         MsgSpec::Bye(c) => Message::Bye(reject(c)),

@@ -436,6 +436,19 @@ pub struct Initiator {
     /// The session's data-connection key, once the listener proved itself and said it
     /// challenges data connections.
     data_key: Option<DataKey>,
+    /// What our `Hello` and the listener's `Welcome` said about UCX.
+    ucx: UcxWelcome,
+}
+
+/// An initiator's UCX as its `Hello` and the listener's `Welcome` said it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum UcxWelcome {
+    /// Our `Hello` did not ask for it.
+    NotAsked,
+    /// Asked; no `Welcome` yet, or one that offers none.
+    Asked,
+    /// Asked, and the `Welcome` said an offer follows.
+    Offered,
 }
 
 impl Initiator {
@@ -487,6 +500,7 @@ impl Initiator {
             mem_update: None,
             welcomed: None,
             data_key: None,
+            ucx: UcxWelcome::NotAsked,
         }
     }
 
@@ -494,12 +508,19 @@ impl Initiator {
     /// established ([`Hello::ucx`]). Call it right after construction, before the first
     /// output is polled; later it changes nothing.
     pub fn with_ucx(mut self) -> Self {
+        self.ucx = UcxWelcome::Asked;
         for o in self.core.out.iter_mut() {
             if let Output::Send(Message::Hello(h)) = o {
                 h.ucx = true;
             }
         }
         self
+    }
+
+    /// Whether the listener's `Welcome` said a UCX offer follows the session's establishment
+    /// ([`Welcome::ucx`]; only when our `Hello` asked for one).
+    pub fn peer_offers_ucx(&self) -> bool {
+        self.ucx == UcxWelcome::Offered
     }
 
     /// The step the handshake is waiting on.
@@ -679,6 +700,9 @@ impl Initiator {
             }
         }
         self.peer = Some((w.peer_id.clone(), w.incarnation));
+        if w.ucx && self.ucx == UcxWelcome::Asked {
+            self.ucx = UcxWelcome::Offered;
+        }
         if w.host_after_proof {
             // The listener tells only an authenticated peer about its host.
             self.welcomed = Some((w.token, w.unacked_notify));
@@ -870,6 +894,7 @@ impl ListenerSession {
                 unacked_notify: true,
                 host_after_proof: host_offer.is_some(),
                 data_proof: key.is_some(),
+                ucx: false,
             })),
             Err(e) => core.fail(e),
         }
@@ -914,6 +939,19 @@ impl ListenerSession {
     /// ([`Hello::ucx`]); the listener then starts a [`crate::ucx_link::UcxExport`].
     pub fn peer_takes_ucx(&self) -> bool {
         self.ucx
+    }
+
+    /// Says in the `Welcome` that this listener (which has a UCX worker) offers UCX once the
+    /// session is established ([`Welcome::ucx`]), when the initiator said it takes it. Call it
+    /// right after construction, before the first output is polled; later it changes nothing.
+    pub fn offering_ucx(mut self) -> Self {
+        let takes = self.ucx;
+        for o in self.core.out.iter_mut() {
+            if let Output::Send(Message::Welcome(w)) = o {
+                w.ucx = takes;
+            }
+        }
+        self
     }
 
     /// The peer this session serves.

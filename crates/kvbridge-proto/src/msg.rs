@@ -275,6 +275,12 @@ pub struct Welcome {
     /// older listeners, which bind a data connection by its token.
     #[serde(default, skip_serializing_if = "is_false")]
     pub data_proof: bool,
+    /// The listener offers UCX ([`Message::UcxOffer`]) once the session is established: set
+    /// when the initiator said [`Hello::ucx`] and the listener has a UCX worker. The
+    /// initiator holds its session's start until that negotiation ended. Absent (false)
+    /// from listeners without UCX: no offer follows, and an offer that comes is unexpected.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub ucx: bool,
 }
 
 /// What a listener tells only an authenticated initiator about its host

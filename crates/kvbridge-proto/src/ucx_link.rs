@@ -2,13 +2,17 @@
 //!
 //! ```text
 //! initiator (UcxImport)                          listener (UcxExport)
-//! Hello{ucx: true}  ... handshake, proof, Ready: the session is established ...
+//! Hello{ucx: true}                         --->
+//!                                          <--- Welcome{ucx: true} (the listener has a worker)
+//! welcomed(true): the initiator holds its session's start until the negotiation settles
+//!              ... handshake, proof, Ready: the session is established ...
 //!                                          <--- UcxOffer{address}
 //! Output::Connect{address}: the driver creates its endpoint, then
 //!   connected()      -> UcxAccept          ---> the held UcxMap of every region granted, UcxSync
 //!   connect_failed() -> UcxDecline{reason} ---> Output::Fallback{reason}: TCP for the session
 //!                                          <--- UcxMap{id, base, len, rkey} (now or at any later grant)
 //! Output::Import{region}                   <--- UcxSync (the regions granted so far are all sent)
+//! Output::Synced, Output::Settled: the session starts, every granted region reachable over UCX
 //!                                          <--- UcxUnmap{id}  (the listener deregisters)
 //! Output::Release{id}: the driver ends every operation on the region and drops its key, then
 //!   released(id)     -> UcxUnmapped{id}    ---> Output::Revoked{id}: unmap this session's key
@@ -27,6 +31,11 @@
 //!   peer's access). An `UcxUnmapped` that does not come within the deadline fails the session.
 //! - **No answer is not a hang.** An offer not answered within the deadline falls back to TCP;
 //!   an unmap not acknowledged within it fails the session.
+//! - **A session starts with its transport settled.** The initiator emits [`Output::Settled`]
+//!   exactly once: when the listener's `Welcome` offered no UCX, after the first `UcxSync`
+//!   (every region granted so far is imported), after a fallback, or at its deadline (then
+//!   with the reason, and declining first when no offer came). Its driver reports the session
+//!   up only then, so the first batch already takes the transport the session will keep.
 //! - Every blob a peer sends is bounded ([`MAX_UCX_BLOB`]) and checked before it reaches UCX;
 //!   `kvbridge-ucx` checks its envelope again.
 //!
@@ -120,6 +129,12 @@ pub enum Output {
     /// (Initiator) The regions the listener granted so far have all been offered: one granted
     /// without a key goes over TCP.
     Synced,
+    /// (Initiator) The negotiation settled (emitted once): the driver may report the session
+    /// up. `unfinished` says why it settled before its end (the deadline passed).
+    Settled {
+        /// Why the negotiation settled unfinished, if it did.
+        unfinished: Option<String>,
+    },
     /// (Initiator) End every operation on this region, drop its key, then call
     /// [`UcxImport::released`].
     Release {
@@ -404,6 +419,8 @@ machine_io!(UcxImport);
 /// Where the initiator's negotiation is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum ImportState {
+    /// No `Welcome` yet: any UCX message is unexpected.
+    Unwelcomed,
     /// No offer yet (a listener without UCX never sends one).
     Waiting,
     /// Creating the endpoint.
@@ -412,6 +429,8 @@ enum ImportState {
     Connected,
     /// UCX is off for the session.
     Off,
+    /// We declined before the offer came: the one offer still in flight is dropped.
+    DeclinedEarly,
 }
 
 /// What the initiator holds of a region's key.
@@ -431,6 +450,11 @@ pub struct UcxImport {
     core: Core,
     state: ImportState,
     imports: BTreeMap<RegionId, Import>,
+    /// Until [`Output::Settled`] went out: the deadline by which it goes out anyway, and the
+    /// time it allowed.
+    settle_by: Option<(Instant, Duration)>,
+    /// [`Output::Settled`] went out.
+    settled: bool,
 }
 
 impl Default for UcxImport {
@@ -440,13 +464,78 @@ impl Default for UcxImport {
 }
 
 impl UcxImport {
-    /// The machine of an initiator that said [`crate::msg::Hello::ucx`]; it waits for an
-    /// offer, which may never come.
+    /// The machine of an initiator that said [`crate::msg::Hello::ucx`]; it learns from the
+    /// listener's `Welcome` whether an offer follows ([`UcxImport::welcomed`]).
     pub fn new() -> Self {
         UcxImport {
             core: Core::default(),
-            state: ImportState::Waiting,
+            state: ImportState::Unwelcomed,
             imports: BTreeMap::new(),
+            settle_by: None,
+            settled: false,
+        }
+    }
+
+    /// The listener's `Welcome` said whether it offers UCX ([`crate::msg::Welcome::ucx`]).
+    /// Without an offer the negotiation settles at once (TCP) and any UCX message is
+    /// unexpected; with one it must settle by `now + timeout`.
+    pub fn welcomed(&mut self, offers: bool, timeout: Duration, now: Instant) {
+        if self.core.failed || self.state != ImportState::Unwelcomed {
+            return;
+        }
+        if offers {
+            self.state = ImportState::Waiting;
+            self.settle_by = Some((now + timeout, timeout));
+        } else {
+            self.state = ImportState::Off;
+            self.settle(None);
+        }
+    }
+
+    /// Whether the negotiation settled ([`Output::Settled`] went out).
+    pub fn is_settled(&self) -> bool {
+        self.settled
+    }
+
+    fn settle(&mut self, unfinished: Option<String>) {
+        if !self.settled && !self.core.failed {
+            self.settled = true;
+            self.settle_by = None;
+            self.core.out.push_back(Output::Settled { unfinished });
+        }
+    }
+
+    /// The deadline by which the negotiation settles, if it has not yet.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.settle_by
+            .filter(|_| !self.core.failed)
+            .map(|(at, _)| at)
+    }
+
+    /// Time passed: a negotiation not settled by its deadline settles now; without an offer
+    /// yet (or while the endpoint is being created) it declines and falls back to TCP.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let Some((_, timeout)) = self
+            .settle_by
+            .filter(|(at, _)| now >= *at && !self.core.failed)
+        else {
+            return;
+        };
+        match self.state {
+            ImportState::Waiting | ImportState::Connecting => {
+                let early = self.state == ImportState::Waiting;
+                self.decline(format!(
+                    "the UCX negotiation did not reach an endpoint within {timeout:?}"
+                ));
+                if early {
+                    self.state = ImportState::DeclinedEarly;
+                }
+                self.settle(None);
+            }
+            _ => self.settle(Some(format!(
+                "the listener's UCX keys did not all come within {timeout:?}; regions without \
+                 one go over TCP"
+            ))),
         }
     }
 
@@ -472,6 +561,7 @@ impl UcxImport {
             reason: reason.clone(),
         }));
         self.core.out.push_back(Output::Fallback { reason });
+        self.settle(None);
     }
 
     /// A region's key could not be unpacked: the region goes over TCP.
@@ -511,9 +601,12 @@ impl UcxImport {
                     Err(e) => self.decline(e.to_string()),
                 }
             }
+            // The offer that crossed our early decline: the listener falls back on the decline.
+            (ImportState::DeclinedEarly, Message::UcxOffer(_)) => self.state = ImportState::Off,
             (ImportState::Connected, Message::UcxMap(r)) => self.on_map(r),
             (ImportState::Connected, Message::UcxSync(_)) => {
-                self.core.out.push_back(Output::Synced)
+                self.core.out.push_back(Output::Synced);
+                self.settle(None);
             }
             (_, Message::UcxUnmap(r)) => match self.imports.get(&r.id) {
                 Some(Import::Live) => {
@@ -582,12 +675,19 @@ mod tests {
         }
     }
 
+    /// An initiator whose listener's `Welcome` said an offer follows.
+    fn welcomed_import() -> UcxImport {
+        let mut m = UcxImport::new();
+        m.welcomed(true, Duration::from_secs(5), Instant::now());
+        m
+    }
+
     fn drain_import(m: &mut UcxImport) -> Vec<Output> {
         std::iter::from_fn(|| m.poll_output()).collect()
     }
 
     fn connected_import() -> UcxImport {
-        let mut m = UcxImport::new();
+        let mut m = welcomed_import();
         m.handle_message(Message::UcxOffer(UcxAddress {
             address: Blob(vec![1; 64]),
         }));
@@ -596,9 +696,103 @@ mod tests {
         m
     }
 
+    fn settled(out: &[Output]) -> Vec<Option<String>> {
+        out.iter()
+            .filter_map(|o| match o {
+                Output::Settled { unfinished } => Some(unfinished.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn without_an_offer_in_the_welcome_it_settles_at_once_and_refuses_offers() {
+        let mut m = UcxImport::new();
+        m.welcomed(false, Duration::from_secs(5), Instant::now());
+        assert!(m.is_settled());
+        assert_eq!(settled(&drain_import(&mut m)), vec![None]);
+        assert_eq!(m.poll_timeout(), None);
+        m.handle_message(Message::UcxOffer(UcxAddress {
+            address: Blob(vec![1; 8]),
+        }));
+        assert!(m.is_failed(), "an offer the Welcome did not announce");
+    }
+
+    #[test]
+    fn a_ucx_message_before_the_welcome_fails() {
+        let mut m = UcxImport::new();
+        m.handle_message(Message::UcxOffer(UcxAddress {
+            address: Blob(vec![1; 8]),
+        }));
+        assert!(m.is_failed());
+    }
+
+    #[test]
+    fn it_settles_once_every_key_granted_so_far_is_imported() {
+        let mut m = connected_import();
+        assert!(!m.is_settled());
+        m.handle_message(Message::UcxMap(region(1)));
+        assert!(!m.is_settled(), "settled before the UcxSync");
+        m.handle_message(Message::UcxSync(Ready {}));
+        let out = drain_import(&mut m);
+        assert!(matches!(out[0], Output::Import(_)), "{out:?}");
+        assert_eq!(settled(&out), vec![None]);
+        assert!(m.usable(&RegionId([1; 16])));
+        // A second sync (or a key granted later) does not settle it again.
+        m.handle_message(Message::UcxMap(region(2)));
+        m.handle_message(Message::UcxSync(Ready {}));
+        assert!(settled(&drain_import(&mut m)).is_empty());
+        assert_eq!(m.poll_timeout(), None);
+    }
+
+    #[test]
+    fn no_offer_by_the_deadline_declines_then_drops_the_crossing_offer() {
+        let t0 = Instant::now();
+        let mut m = UcxImport::new();
+        m.welcomed(true, Duration::from_secs(5), t0);
+        assert_eq!(m.poll_timeout(), Some(t0 + Duration::from_secs(5)));
+        m.handle_timeout(t0 + Duration::from_secs(4));
+        assert!(!m.is_settled());
+        m.handle_timeout(t0 + Duration::from_secs(5));
+        let out = drain_import(&mut m);
+        assert!(
+            matches!(&out[0], Output::Send(Message::UcxDecline(d)) if d.reason.contains("5s")),
+            "{out:?}"
+        );
+        assert!(matches!(out[1], Output::Fallback { .. }));
+        assert_eq!(settled(&out), vec![None]);
+        let offer = Message::UcxOffer(UcxAddress {
+            address: Blob(vec![1; 8]),
+        });
+        m.handle_message(offer.clone());
+        assert!(!m.is_failed(), "the offer that crossed the decline");
+        assert!(drain_import(&mut m).is_empty());
+        m.handle_message(offer);
+        assert!(m.is_failed(), "a second offer");
+    }
+
+    #[test]
+    fn keys_late_past_the_deadline_settle_it_unfinished_and_still_import() {
+        let t0 = Instant::now();
+        let mut m = UcxImport::new();
+        m.welcomed(true, Duration::from_secs(5), t0);
+        m.handle_message(Message::UcxOffer(UcxAddress {
+            address: Blob(vec![1; 8]),
+        }));
+        m.connected();
+        drain_import(&mut m);
+        m.handle_timeout(t0 + Duration::from_secs(5));
+        let s = settled(&drain_import(&mut m));
+        assert!(matches!(&s[..], [Some(why)] if why.contains("5s")), "{s:?}");
+        m.handle_message(Message::UcxMap(region(1)));
+        m.handle_message(Message::UcxSync(Ready {}));
+        assert!(settled(&drain_import(&mut m)).is_empty());
+        assert!(m.usable(&RegionId([1; 16])));
+    }
+
     #[test]
     fn a_key_before_the_accept_fails_the_session() {
-        let mut m = UcxImport::new();
+        let mut m = welcomed_import();
         m.handle_message(Message::UcxMap(region(1)));
         let out = drain_import(&mut m);
         assert!(matches!(
@@ -614,7 +808,7 @@ mod tests {
     #[test]
     fn oversized_empty_or_wrapping_blobs_are_refused() {
         // An offer with an oversized address is declined, not handed to UCX.
-        let mut m = UcxImport::new();
+        let mut m = welcomed_import();
         m.handle_message(Message::UcxOffer(UcxAddress {
             address: Blob(vec![0; MAX_UCX_BLOB + 1]),
         }));
@@ -745,7 +939,7 @@ mod tests {
 
     #[test]
     fn a_long_decline_reason_is_cut_to_the_wire_limit() {
-        let mut m = UcxImport::new();
+        let mut m = welcomed_import();
         m.handle_message(Message::UcxOffer(UcxAddress {
             address: Blob(vec![1; 8]),
         }));

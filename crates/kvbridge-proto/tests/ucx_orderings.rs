@@ -5,8 +5,11 @@
 //!
 //! What must hold in every ordering: no machine fails; the listener revokes a region (unmaps
 //! its key) only when the initiator's driver no longer holds that key; every region handed to
-//! `export` comes back exactly once as `Revoked`; and once everything is delivered, the
-//! initiator holds the key of every region the listener still grants (or UCX is off).
+//! `export` comes back exactly once as `Revoked`; once everything is delivered, the initiator
+//! holds the key of every region the listener still grants (or UCX is off); and the
+//! initiator settles (its session starts) exactly once, and when it settles finished and on
+//! UCX, it holds the key of every region the listener had granted when it sent `UcxSync`.
+//! The initiator's settle deadline may pass at any point (one branch per run).
 
 use kvbridge_proto::ids::Blob;
 use kvbridge_proto::msg::{Message, Ready, ShmRevoke, UcxAddress, UcxDecline, UcxRegion};
@@ -54,6 +57,18 @@ struct Pair {
     fell_back: bool,
     /// One unpack may fail in this run (a branch).
     unpack_failure_left: bool,
+    /// The initiator's settle deadline may pass once in this run (a branch).
+    timeout_left: bool,
+    /// Keys whose unpack failed (the region goes over TCP).
+    unusable: BTreeSet<RegionId>,
+    /// The regions the listener had sent keys of when its `UcxSync` went out.
+    at_sync: Option<BTreeSet<RegionId>>,
+    /// The initiator was handed the listener's `UcxSync`.
+    sync_delivered: bool,
+    /// Keys sent by the listener and not revoked.
+    sent_keys: BTreeSet<RegionId>,
+    /// `Settled` outputs: whether each was unfinished.
+    settled: Vec<bool>,
     now: Instant,
     violations: Vec<String>,
 }
@@ -74,9 +89,16 @@ impl Pair {
             exported: BTreeSet::new(),
             fell_back: false,
             unpack_failure_left: true,
+            timeout_left: true,
+            unusable: BTreeSet::new(),
+            at_sync: None,
+            sync_delivered: false,
+            sent_keys: BTreeSet::new(),
+            settled: Vec::new(),
             now,
             violations: Vec::new(),
         };
+        p.imp.welcomed(true, DEADLINE, now);
         p.pump();
         p
     }
@@ -85,8 +107,18 @@ impl Pair {
     fn pump(&mut self) {
         while let Some(o) = self.exp.poll_output() {
             match o {
-                Output::Send(m) => self.to_initiator.push_back(m),
+                Output::Send(m) => {
+                    match &m {
+                        Message::UcxMap(r) => {
+                            self.sent_keys.insert(r.id);
+                        }
+                        Message::UcxSync(_) => self.at_sync = Some(self.sent_keys.clone()),
+                        _ => {}
+                    }
+                    self.to_initiator.push_back(m)
+                }
                 Output::Revoked { id } => {
+                    self.sent_keys.remove(&id);
                     if self.keys.contains(&id) {
                         self.violations
                             .push(format!("{id:?} revoked while the initiator holds its key"));
@@ -109,6 +141,26 @@ impl Pair {
                     self.releasing.insert(id);
                 }
                 Output::Synced => {}
+                Output::Settled { unfinished } => {
+                    self.settled.push(unfinished.is_some());
+                    if !self.fell_back && unfinished.is_none() && !self.sync_delivered {
+                        self.violations
+                            .push("settled on UCX before the listener's UcxSync".into());
+                    }
+                    if let (false, None, Some(at_sync)) =
+                        (self.fell_back, &unfinished, &self.at_sync)
+                    {
+                        // Unmaps follow the `UcxSync` on the wire: none was handled yet.
+                        let missing: Vec<_> = at_sync
+                            .iter()
+                            .filter(|id| !self.keys.contains(id) && !self.unusable.contains(id))
+                            .collect();
+                        if !missing.is_empty() {
+                            self.violations
+                                .push(format!("settled without the keys of {missing:?}"));
+                        }
+                    }
+                }
                 Output::Fallback { .. } => self.fell_back = true,
                 Output::Failed(e) => self.violations.push(format!("initiator failed: {e}")),
                 other => self.violations.push(format!("initiator output {other:?}")),
@@ -134,6 +186,7 @@ impl Pair {
         if !self.to_initiator.is_empty() {
             step(&|p| {
                 let m = p.to_initiator.pop_front().unwrap();
+                p.sync_delivered |= matches!(m, Message::UcxSync(_));
                 p.imp.handle_message(m);
             });
         }
@@ -171,9 +224,16 @@ impl Pair {
                 step(&|p| {
                     p.unpack_failure_left = false;
                     p.keys.remove(&id);
+                    p.unusable.insert(id);
                     p.imp.import_failed(id);
                 });
             }
+        }
+        if let (true, Some(at)) = (self.timeout_left, self.imp.poll_timeout()) {
+            step(&|p| {
+                p.timeout_left = false;
+                p.imp.handle_timeout(at);
+            });
         }
         next
     }
@@ -182,6 +242,9 @@ impl Pair {
     fn check_end(mut self) -> Result<(), String> {
         if let Some(v) = self.violations.first() {
             return Err(v.clone());
+        }
+        if self.settled.len() != 1 {
+            return Err(format!("settled {} times, not once", self.settled.len()));
         }
         let granted: BTreeSet<RegionId> = self
             .exported
@@ -319,16 +382,20 @@ proptest! {
     ) {
         let t0 = Instant::now();
         let mut imp = UcxImport::new();
+        imp.welcomed(true, DEADLINE, t0);
         let mut exp = UcxExport::new(Blob(vec![1; 8]), DEADLINE, t0);
         exp.export(region(1));
         let mut outs = Vec::new();
         for (i, m) in to_imp.into_iter().enumerate() {
             imp.handle_message(m);
             if i % 3 == 0 { imp.connected(); }
+            if i % 5 == 4 { imp.handle_timeout(t0 + DEADLINE); }
             outs.extend(std::iter::from_fn(|| imp.poll_output()));
         }
         let failed = outs.iter().filter(|o| matches!(o, Output::Failed(_))).count();
         prop_assert!(failed <= 1);
+        let settled = outs.iter().filter(|o| matches!(o, Output::Settled { .. })).count();
+        prop_assert!(settled <= 1, "settled {} times: {:?}", settled, outs);
         if let Some(at) = outs.iter().position(|o| matches!(o, Output::Failed(_))) {
             prop_assert_eq!(at + 1, outs.len(), "outputs after the failure: {:?}", &outs[at..]);
         }

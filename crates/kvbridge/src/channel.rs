@@ -426,6 +426,11 @@ impl Channel {
             .remove(&id)
             .ok_or_else(|| Error::Local(format!("region {id} is not registered")))?;
         let _ = self.inner.core.send(CoreCmd::MemChanged);
+        // Its UCX registration goes once no session grants it (after the running operations).
+        #[cfg(feature = "ucx")]
+        if let Some(u) = &self.inner.ucx {
+            u.deregistered(id).await;
+        }
         let limit = self.inner.config.deadlines.op;
         if tokio::time::timeout(limit, region.quiesce()).await.is_ok() {
             return Ok(());

@@ -62,6 +62,7 @@ async fn raw_listener_session(l: &TcpListener, region: RegionId) -> (TcpStream, 
             unacked_notify: false,
             host_after_proof: false,
             data_proof: false,
+            ucx: false,
         }),
     )
     .await;

@@ -135,6 +135,13 @@ pub struct Carrier {
 pub fn test_ca_and_leaf() -> &'static (String, String, String) {
     static CERTS: std::sync::OnceLock<(String, String, String)> = std::sync::OnceLock::new();
     CERTS.get_or_init(|| {
+        // A child process of the test (`ChildListener`) serves its parent's certificate.
+        if let Ok(pems) = std::env::var(CHILD_CERTS) {
+            let mut p = pems.split(PEM_SEPARATOR).map(str::to_string);
+            if let (Some(ca), Some(cert), Some(key)) = (p.next(), p.next(), p.next()) {
+                return (ca, cert, key);
+            }
+        }
         let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
         ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
         let ca_key = rcgen::KeyPair::generate().unwrap();
@@ -296,15 +303,9 @@ pub async fn assert_transport(ch: &Channel, peer: &kvbridge::PeerId, t: impl Int
         }
         return;
     }
+    // No wait: a session is reported up only once its UCX negotiation settled, so the
+    // transport is final from the first batch on.
     let t = c.transport;
-    if t == kvbridge::Transport::Ucx {
-        // The UCX negotiation follows the session's establishment: its keys arrive within
-        // a handshake step.
-        let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while ch.peer_transport(peer).await.unwrap() != t && std::time::Instant::now() < until {
-            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-        }
-    }
     assert_eq!(
         ch.peer_transport(peer).await.unwrap(),
         t,
@@ -455,4 +456,119 @@ pub async fn until_ready(ctl: &mut tokio::net::TcpStream) {
     use kvbridge::proto::msg::Message;
     assert!(matches!(recv_frame(ctl).await, Some(Message::MemInfo(_))));
     assert!(matches!(recv_frame(ctl).await, Some(Message::Ready(_))));
+}
+
+/// The environment variable carrying the parent's test certificates to a [`ChildListener`].
+const CHILD_CERTS: &str = "KVB_TEST_CHILD_CERTS";
+/// The environment variable that makes a test binary a [`ChildListener`] (its carrier).
+pub const CHILD_LISTENER: &str = "KVB_TEST_CHILD_LISTENER";
+const PEM_SEPARATOR: &str = "\n--kvb--\n";
+
+impl Carrier {
+    /// The carrier as one line, for a child process ([`Carrier::decode`]).
+    pub fn encode(&self) -> String {
+        let t = match self.transport {
+            kvbridge::Transport::Auto => "auto",
+            kvbridge::Transport::Tcp => "tcp",
+            kvbridge::Transport::Shm => "shm",
+            kvbridge::Transport::Ucx => "ucx",
+        };
+        format!(
+            "{t};{};{};{};{}",
+            self.data_connections,
+            self.raw,
+            self.tls,
+            self.ucx_tls.unwrap_or("-")
+        )
+    }
+
+    /// The carrier [`Carrier::encode`] wrote.
+    pub fn decode(s: &str) -> Carrier {
+        let f: Vec<&str> = s.split(';').collect();
+        assert_eq!(f.len(), 5, "carrier {s:?}");
+        let ucx_tls = match f[4] {
+            "-" => None,
+            "tcp" => Some("tcp"),
+            "sm,self" => Some("sm,self"),
+            other => panic!("UCX transports {other:?}"),
+        };
+        Carrier {
+            transport: kvbridge::Transport::parse(f[0]).expect("transport"),
+            data_connections: f[1].parse().expect("data connections"),
+            raw: f[2] == "true",
+            tls: f[3] == "true",
+            ucx_tls,
+        }
+    }
+}
+
+/// A listener in a child process: the test binary re-run as `test` (a test that calls
+/// [`ChildListener::serve_if_child`] first) with the carrier in [`CHILD_LISTENER`]. Killed
+/// (SIGKILL) when dropped.
+pub struct ChildListener {
+    child: std::process::Child,
+    /// Its listening address.
+    pub addr: String,
+}
+
+impl ChildListener {
+    /// Starts the child and waits (at most 60 s) for its address.
+    pub async fn start(test: &str, t: Carrier) -> ChildListener {
+        use std::io::BufRead;
+        let (ca, cert, key) = test_ca_and_leaf();
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([test, "--exact", "--nocapture", "--test-threads=1"])
+            .env(CHILD_LISTENER, t.encode())
+            .env(
+                CHILD_CERTS,
+                [ca.as_str(), cert.as_str(), key.as_str()].join(PEM_SEPARATOR),
+            )
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = child.stdout.take().unwrap();
+        let read = tokio::task::spawn_blocking(move || {
+            for line in std::io::BufReader::new(out).lines() {
+                let line = line.ok()?;
+                // libtest's "test NAME ... " precedes it on the same line.
+                if let Some((_, a)) = line.split_once("KVB_CHILD_ADDR ") {
+                    return Some(a.trim().to_string());
+                }
+            }
+            None
+        });
+        let addr = tokio::time::timeout(std::time::Duration::from_secs(60), read).await;
+        let Ok(Ok(Some(addr))) = addr else {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the child listener did not say its address: {addr:?}");
+        };
+        ChildListener { child, addr }
+    }
+
+    /// In the child ([`CHILD_LISTENER`] set): serves a listener named `name` with a region of
+    /// `len` bytes granted to every peer, says its address, and waits to be killed (60 s at
+    /// most, then exits). Returns at once in the parent.
+    pub async fn serve_if_child(name: &str, len: usize, page: usize) {
+        let Ok(spec) = std::env::var(CHILD_LISTENER) else {
+            return;
+        };
+        let t = Carrier::decode(&spec);
+        let (ch, _region) = listener(name, |c| t.apply(c), len, page).await;
+        println!("KVB_CHILD_ADDR {}", addr(&ch));
+        tokio::time::sleep(std::time::Duration::from_secs(60)).await;
+        std::process::exit(0);
+    }
+
+    /// SIGKILL, then reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for ChildListener {
+    fn drop(&mut self) {
+        self.kill();
+    }
 }

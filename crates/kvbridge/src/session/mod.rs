@@ -526,6 +526,11 @@ pub(crate) async fn run_listener(
         challenge(),
         env.shm_offer.clone(),
     ));
+    #[cfg(feature = "ucx")]
+    let machine = match machine {
+        Machine::Listen(m) if env.ucx.is_some() => Machine::Listen(m.offering_ucx()),
+        m => m,
+    };
     let mut session = Session::start(
         env,
         id,
@@ -819,6 +824,14 @@ impl Session {
                 return Some(e);
             }
         }
+        if err.is_none() {
+            if let Some(handle) = self.ucx.take_released() {
+                let _ = self.env.core.send(CoreCmd::SessionUp {
+                    id: self.id,
+                    handle,
+                });
+            }
+        }
         err
     }
 
@@ -883,6 +896,12 @@ impl Session {
                     let (state, cx) = self.shm_round();
                     if let Err(e) = state.start(&cx, shm, token) {
                         return Some(e);
+                    }
+                    #[cfg(feature = "ucx")]
+                    if let Machine::Init(m) = &self.machine {
+                        // Connecting, the offer, its answer and the keys: two steps' time.
+                        let settle = 2 * self.env.config.deadlines.handshake_step;
+                        self.ucx.welcomed(m.peer_offers_ucx(), settle, std_now());
                     }
                     let mem = self.env.table.granted_to(&peer_id);
                     self.machine.update_mem(mem, std_now());
@@ -1198,6 +1217,11 @@ impl Session {
             data,
             remote: self.remote.clone(),
             shm: self.shm.peer.clone(),
+        };
+        // The channel learns of the session once its UCX negotiation settled.
+        #[cfg(feature = "ucx")]
+        let Some(handle) = self.ucx.hold_up(handle) else {
+            return;
         };
         let _ = self.env.core.send(CoreCmd::SessionUp {
             id: self.id,

@@ -12,10 +12,14 @@
 //!   the session goes on over TCP), unpacks each key, and hands the data path a
 //!   [`UcxRoute`] that names the regions its batches may reach over UCX. An unmap removes
 //!   the region from the route, flushes what was posted on it and destroys the key before
-//!   answering.
+//!   answering. When the listener's `Welcome` announced an offer, the session is reported up
+//!   only once the negotiation settled ([`UcxLink::hold_up`]): every region granted by
+//!   then imported, or UCX off with the reason logged, or the deadline passed (logged), so
+//!   the session's first batch already takes the transport it keeps.
 //!
 //! A fallback is logged with its reason on both sides; a failed machine ends the session.
 
+use crate::cmd::PeerHandle;
 use crate::config::{ChannelConfig, Transport};
 use crate::datapath::DataPath;
 use crate::error::{Error, Result};
@@ -105,6 +109,10 @@ pub(super) struct UcxLink {
     grants_changed: bool,
     /// (Initiator) The route the data path uses.
     route: Option<Arc<UcxRoute>>,
+    /// (Initiator) The session's handle for the channel, held until the negotiation settled.
+    held: Option<PeerHandle>,
+    /// (Initiator) The negotiation settled with a handle held: the session reports it now.
+    released: Option<PeerHandle>,
 }
 
 impl UcxLink {
@@ -118,7 +126,45 @@ impl UcxLink {
             exported: HashMap::new(),
             grants_changed: false,
             route: None,
+            held: None,
+            released: None,
         }
+    }
+
+    /// (Initiator) The listener's `Welcome` said whether a UCX offer follows; the
+    /// negotiation must settle within `timeout` of `now`.
+    pub(super) fn welcomed(&mut self, offers: bool, timeout: Duration, now: Instant) {
+        if let Some(Link::Import(m)) = self.link.as_mut() {
+            m.welcomed(offers, timeout, now);
+        }
+    }
+
+    /// (Initiator) The handshake established the session: gives `handle` back to report the
+    /// session up now, or holds it until the UCX negotiation settled
+    /// ([`UcxLink::take_released`]).
+    pub(super) fn hold_up(&mut self, handle: PeerHandle) -> Option<PeerHandle> {
+        // The offer can come before our side of the data connection is bound (the
+        // handshake machine holds the `Ready`, not the UCX messages): the route joins the
+        // data path here at the latest, before the channel learns of the session.
+        if let Some(route) = &self.route {
+            handle.data.set_ucx(route.clone());
+        }
+        match self.link.as_ref() {
+            Some(Link::Import(m)) if !m.is_settled() && !m.is_failed() => {
+                self.held = Some(handle);
+                None
+            }
+            _ => Some(handle),
+        }
+    }
+
+    /// (Initiator) The handle held until the negotiation settled, once it has.
+    pub(super) fn take_released(&mut self) -> Option<PeerHandle> {
+        let handle = self.released.take()?;
+        if let Some(route) = &self.route {
+            handle.data.set_ucx(route.clone());
+        }
+        Some(handle)
     }
 
     fn poll_output(&mut self) -> Option<Output> {
@@ -132,14 +178,16 @@ impl UcxLink {
     pub(super) fn poll_timeout(&self) -> Option<Instant> {
         match self.link.as_ref()? {
             Link::Export(m) => m.poll_timeout(),
-            Link::Import(_) => None,
+            Link::Import(m) => m.poll_timeout(),
         }
     }
 
     /// Time passed.
     pub(super) fn handle_timeout(&mut self, now: Instant) {
-        if let Some(Link::Export(m)) = self.link.as_mut() {
-            m.handle_timeout(now);
+        match self.link.as_mut() {
+            Some(Link::Export(m)) => m.handle_timeout(now),
+            Some(Link::Import(m)) => m.handle_timeout(now),
+            None => {}
         }
     }
 
@@ -299,6 +347,12 @@ impl UcxLink {
             Output::Revoked { id } => self.revoked(ch, id).await,
             Output::Fallback { reason } => {
                 tracing::warn!(peer = %s.peer, %reason, "UCX not used with this peer; using TCP");
+            }
+            Output::Settled { unfinished } => {
+                if let Some(reason) = unfinished {
+                    tracing::warn!(peer = %s.peer, %reason, "UCX negotiation unfinished; the session starts");
+                }
+                self.released = self.held.take();
             }
             Output::Synced | Output::Send(_) | Output::Failed(_) => {}
         }

@@ -5,8 +5,10 @@
 //! A local region is registered once per channel (UCX keys a registration by memory, and the
 //! backend by region id) and counted: once per session that granted it to its peer, and once
 //! when it served as the source or destination of our own batches. It is revoked when the
-//! last session let it go and it never served our batches, or when it is detached
-//! ([`UcxChannel::revoke_now`]).
+//! last session let it go and it serves no batch of ours any longer (it never did, or it was
+//! deregistered: [`UcxChannel::deregistered`]), or when it is detached
+//! ([`UcxChannel::revoke_now`]). The worker unmaps a revoked registration once the
+//! operations still running on it ended.
 
 use crate::dir::Dir;
 use crate::region::{LocalSlice, Region};
@@ -104,6 +106,28 @@ impl UcxChannel {
         }
     }
 
+    /// Region `id` was deregistered: it serves no more batches of ours, and its registration
+    /// goes as soon as no session grants it (at once when none does).
+    pub(crate) async fn deregistered(&self, id: RegionId) {
+        let mut reg = self.registered.lock().await;
+        let Some(r) = reg.get_mut(&id) else {
+            return;
+        };
+        r.local_use = false;
+        if r.sessions == 0 {
+            reg.remove(&id);
+            if let Err(e) = self.thread.revoke(id).await {
+                tracing::warn!(region = %id, error = %e, "UCX revoke failed");
+            }
+        }
+    }
+
+    /// Whether region `id` is registered with the worker (tests).
+    #[cfg(test)]
+    async fn is_registered(&self, id: RegionId) -> bool {
+        self.registered.lock().await.contains_key(&id)
+    }
+
     /// Revokes region `id`'s registration whatever uses it: its pages are about to be
     /// replaced (`Region::detach`). The worker keeps the registration until the operations
     /// still running on it ended.
@@ -189,5 +213,61 @@ impl UcxRoute {
             .thread
             .transfer(&self.peer, dir, ops, deadline)
             .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    async fn bounded<T>(f: impl std::future::Future<Output = T>) -> T {
+        tokio::time::timeout(Duration::from_secs(30), f)
+            .await
+            .expect("no answer within the test's bound")
+    }
+
+    /// The worker still holds a registration of `r` exactly when exporting it again is
+    /// refused ("already exported").
+    async fn worker_holds(ch: &UcxChannel, r: &Region) -> bool {
+        match bounded(ch.thread.export(r)).await {
+            Ok(_) => {
+                bounded(ch.thread.revoke(r.id())).await.unwrap();
+                false
+            }
+            Err(_) => true,
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_registration_goes_when_the_last_session_and_our_own_use_let_it_go() {
+        let ch = UcxChannel::start("route-test", Some("tcp")).unwrap();
+        let r = Region::alloc(1 << 20, 4096).unwrap();
+        // Two sessions grant it, and it served one of our batches.
+        bounded(ch.export_for_session(&r)).await.unwrap();
+        bounded(ch.export_for_session(&r)).await.unwrap();
+        bounded(ch.register(&r, false)).await.unwrap();
+        bounded(ch.unexport_for_session(r.id())).await;
+        bounded(ch.unexport_for_session(r.id())).await;
+        assert!(
+            bounded(ch.is_registered(r.id())).await,
+            "our batches still use it"
+        );
+        assert!(worker_holds(&ch, &r).await);
+        // Deregistered: nothing uses it any longer, the worker lets it go.
+        bounded(ch.deregistered(r.id())).await;
+        assert!(!bounded(ch.is_registered(r.id())).await);
+        assert!(
+            !worker_holds(&ch, &r).await,
+            "deregister left it registered"
+        );
+
+        // Deregistered while a session still grants it: it goes with that session.
+        bounded(ch.export_for_session(&r)).await.unwrap();
+        bounded(ch.register(&r, false)).await.unwrap();
+        bounded(ch.deregistered(r.id())).await;
+        assert!(worker_holds(&ch, &r).await, "a session still grants it");
+        bounded(ch.unexport_for_session(r.id())).await;
+        assert!(!worker_holds(&ch, &r).await);
     }
 }

@@ -1,0 +1,93 @@
+//! A listener process killed (SIGKILL) while the initiator writes into it, over every
+//! transport: every write ends by its deadline, and once the session is gone writes fail
+//! with a typed error naming the peer. Nothing hangs.
+
+mod common;
+use common::*;
+use kvbridge::{Error, Op};
+use std::time::{Duration, Instant};
+
+const PAGE: usize = 64 << 10;
+const NAME: &str = "decode-killed";
+/// The initiator's op deadline: a write to a peer that cannot answer ends by then.
+const OP: Duration = Duration::from_secs(3);
+/// Room for a loaded 2-core host's scheduling on top of a deadline.
+const SLACK: Duration = Duration::from_secs(10);
+
+/// The child process of [`killed_mid_write`]: a listener that waits to be killed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn child_listener() {
+    ChildListener::serve_if_child(NAME, 64 * PAGE, PAGE).await;
+}
+
+async fn killed_mid_write(t: Carrier) {
+    let mut child = ChildListener::start("child_listener", t).await;
+    let (pre, src) = initiator(
+        "prefill-k",
+        |c| {
+            t.apply(c);
+            c.deadlines.op = OP;
+        },
+        16 * PAGE,
+        PAGE,
+    )
+    .await;
+    fill(&src, 3);
+    let peer = pre.connect(&child.addr).await.unwrap();
+    assert_transport(&pre, &peer, t).await;
+    // The listener's region, as its MemInfo announced it.
+    let kv = pre.peer_regions(&peer).await.unwrap()[0].id;
+    let ops: Vec<Op> = (0..16)
+        .map(|i| Op::page(&src, i, kv, 4 * i as u64, PAGE))
+        .collect();
+    let (p2, peer2) = (pre.clone(), peer.clone());
+    let (tx, mut started) = tokio::sync::watch::channel(0usize);
+    // Writes in a loop (bounded in count and time); each one's duration is measured.
+    let w = tokio::spawn(async move {
+        let t0 = Instant::now();
+        let mut longest = Duration::ZERO;
+        for n in 0..100_000usize {
+            let at = Instant::now();
+            let r = p2.write(&peer2, &ops).await;
+            longest = longest.max(at.elapsed());
+            let _ = tx.send(n + 1);
+            if let Err(e) = r {
+                return (Some(e), longest);
+            }
+            if t0.elapsed() > Duration::from_secs(60) {
+                break;
+            }
+        }
+        (None, longest)
+    });
+    tokio::time::timeout(Duration::from_secs(30), started.wait_for(|n| *n >= 3))
+        .await
+        .expect("writes never got going")
+        .unwrap();
+    child.kill();
+    let killed = Instant::now();
+    let (err, longest) = tokio::time::timeout(OP + SLACK + Duration::from_secs(20), w)
+        .await
+        .expect("writes hung after the peer was killed")
+        .unwrap();
+    let e = err.expect("writes to a killed peer kept succeeding");
+    let took = killed.elapsed();
+    eprintln!("{t:?}: failed {took:?} after the kill, longest write {longest:?}: {e}");
+    assert!(took < OP + SLACK, "{took:?} after the kill: {e}");
+    assert!(longest < OP + SLACK, "a write took {longest:?}");
+    assert!(
+        matches!(
+            e,
+            Error::ConnectionLost { .. }
+                | Error::Timeout { .. }
+                | Error::PeerClosed { .. }
+                | Error::UnknownPeer { .. }
+        ),
+        "{e:?}"
+    );
+    assert!(
+        e.to_string().contains(NAME),
+        "the error names the peer: {e}"
+    );
+}
+per_transport!(killed_mid_write_per_transport, super::killed_mid_write);
