@@ -418,16 +418,20 @@ impl Region {
         }
         // SAFETY: both ranges are `len` bytes of live mappings that do not overlap; then
         // the anonymous pages move over the region's address atomically (MREMAP_FIXED
-        // unmaps the shared mapping there), and `tmp` is gone.
+        // unmaps the shared mapping there), and `tmp` is gone. The system call itself, not
+        // libc's `mremap`: in a build with the `ucx` feature, where UCX's memory hooks
+        // (libucm) stand in for that symbol, a move to a fixed address failed with EINVAL
+        // (`transport::shm_one_sided`'s revoke test), and the region stayed shared.
         let moved = unsafe {
             std::ptr::copy_nonoverlapping(self.as_ptr(), tmp.cast::<u8>(), len);
-            libc::mremap(
+            libc::syscall(
+                libc::SYS_mremap,
                 tmp,
                 len,
                 len,
                 libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
                 self.as_ptr().cast::<libc::c_void>(),
-            )
+            ) as *mut libc::c_void
         };
         if moved == libc::MAP_FAILED {
             let e = std::io::Error::last_os_error();
