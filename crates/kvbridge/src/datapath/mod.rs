@@ -76,6 +76,18 @@ pub(crate) struct DataPath {
     ucx: std::sync::OnceLock<Arc<crate::transport::ucx_route::UcxRoute>>,
 }
 
+impl DataPath {
+    /// A transfer's place in the order notifications wait for ([`DataPath::wait_earlier`]):
+    /// `ids` consecutive ids, the first entered in `order`. Drawn and entered under one lock,
+    /// so a notification that draws a later ticket finds this transfer in `order`.
+    fn ticket(&self, ids: u64) -> Ticket<'_> {
+        let mut order = self.order.lock().expect("order poisoned");
+        let id = self.next_id.fetch_add(ids, Ordering::Relaxed);
+        order.insert(id);
+        Ticket { path: self, id }
+    }
+}
+
 /// Removes a transfer's ticket from `order` when it ends, however it ends.
 struct Ticket<'a> {
     path: &'a DataPath,
@@ -216,20 +228,8 @@ impl DataPath {
             .acquire_room(step, deadline, until, bytes)
             .await?;
         let parts = split(descs, locals, self.connections());
-        // Ticket taken and entered under one lock: a notification that draws a later ticket
-        // finds this transfer in `order`.
-        let first = {
-            let mut order = self.order.lock().expect("order poisoned");
-            let first = self
-                .next_id
-                .fetch_add(parts.len() as u64, Ordering::Relaxed);
-            order.insert(first);
-            first
-        };
-        let _ticket = Ticket {
-            path: self,
-            id: first,
-        };
+        let ticket = self.ticket(parts.len() as u64);
+        let first = ticket.id;
         let mut rxs = Vec::with_capacity(parts.len());
         let mut sends = Vec::with_capacity(parts.len());
         let mut entries = Vec::with_capacity(parts.len());
@@ -378,13 +378,7 @@ impl DataPath {
             Ok(r) => r,
             Err(e) => return Ok(Err(e)),
         };
-        let id = {
-            let mut order = self.order.lock().expect("order poisoned");
-            let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-            order.insert(id);
-            id
-        };
-        let _ticket = Ticket { path: self, id };
+        let _ticket = self.ticket(1);
         if let Some(e) = self.pending.closed() {
             return Ok(Err(e));
         }

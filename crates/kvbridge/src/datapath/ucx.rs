@@ -4,7 +4,7 @@
 //! at the peer (a write batch completes only after a flush), so a notification issued
 //! meanwhile waits for it ([`DataPath::wait_earlier`]).
 
-use super::{DataPath, Ticket};
+use super::DataPath;
 use crate::dir::Dir;
 use crate::error::{Error, Result};
 use crate::region::LocalSlice;
@@ -12,7 +12,6 @@ use crate::transport::one_sided::OneSidedError;
 use crate::transport::ucx_route::UcxRoute;
 use kvbridge_proto::handshake::Step;
 use kvbridge_proto::msg::{ErrorCode, OpDesc};
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -54,13 +53,7 @@ impl DataPath {
             Ok(r) => r,
             Err(e) => return Ok(Err(e)),
         };
-        let id = {
-            let mut order = self.order.lock().expect("order poisoned");
-            let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-            order.insert(id);
-            id
-        };
-        let _ticket = Ticket { path: self, id };
+        let _ticket = self.ticket(1);
         if let Some(e) = self.pending.closed() {
             return Ok(Err(e));
         }
