@@ -21,6 +21,10 @@ use crate::wire::{self, Kind, RegionDescriptor};
 
 /// How long dropping a worker waits for its endpoints to close.
 const DROP_CLOSE_DEADLINE: Duration = Duration::from_secs(2);
+/// Rounds of progress with nothing to do, 1 ms apart, that count a dropped worker as quiet.
+const DROP_QUIET_ROUNDS: u32 = 20;
+/// The longest a dropped worker progresses, waiting to be quiet, before it is destroyed.
+const DROP_QUIET_DEADLINE: Duration = Duration::from_millis(200);
 
 /// Rounds of "events pending, none handled" before `wait_events` sleeps between them.
 const BUSY_SPINS_BEFORE_SLEEP: u32 = 64;
@@ -749,6 +753,22 @@ impl Drop for Worker {
                 // Its slot and the memory it may touch are dropped only after
                 // `ucp_worker_destroy` below, so a late callback or transfer finds them alive.
                 running.push(f);
+            }
+        }
+        // Endpoints UCX made by itself for a peer's wireup are not ours to close; one whose
+        // reply still waited in its send queue made UCX 1.13 abort the process in
+        // `ucp_worker_destroy` (an assertion in the pending purge, "got REP message"; about
+        // 1 in 4 runs of `tests/access_modes.rs` over tcp). Progress until the worker is
+        // quiet lets such replies go out first, bounded.
+        let quiet_by = Instant::now() + DROP_QUIET_DEADLINE;
+        let mut quiet = 0;
+        while quiet < DROP_QUIET_ROUNDS && Instant::now() < quiet_by {
+            // SAFETY: live worker, used by this owner only.
+            if unsafe { sys::ucp_worker_progress(self.handle) } == 0 {
+                quiet += 1;
+                std::thread::sleep(Duration::from_millis(1));
+            } else {
+                quiet = 0;
             }
         }
         // SAFETY: live worker, destroyed once; endpoints closed and keys destroyed above.
