@@ -418,8 +418,8 @@ class KvbridgeWorker:
         theirs = bytes(pf.scratch[:DIRECTORY_LEN])
         if not theirs.startswith(DIRECTORY_MAGIC):
             raise LoadError(f"prefiller {peer_id} ({addr}): bad layer directory")
-        doc = json.loads(theirs[len(DIRECTORY_MAGIC) :].rstrip(b"\0"))
         try:
+            doc = json.loads(theirs[len(DIRECTORY_MAGIC) :].rstrip(b"\0"))
             remote = {name: int(rid) for name, rid in doc["layers"].items()}
             leases, engine_id = int(doc["leases"]), str(doc["engine_id"])
         except (KeyError, TypeError, ValueError, AttributeError) as e:

@@ -289,3 +289,18 @@ def test_contiguous_and_scattered_blocks_arrive_byte_exact_in_one_transfer(worke
             assert torch.equal(d_cache[name][lo], p_cache[name][ro]), (name, lo)
         untouched = [i for i in range(d_cache[name].shape[0]) if i not in local]
         assert not d_cache[name][untouched].any(), name
+
+
+def test_a_prefiller_publishing_a_garbled_directory_fails_the_load_by_name(workers, caplog):
+    from kvbridge.vllm.worker import DIRECTORY_MAGIC
+
+    p = workers("kv_producer", kv_caches(seed=16))
+    d = workers("kv_consumer", kv_caches(seed=None))
+    hold(p, "p-1")
+    at = len(DIRECTORY_MAGIC)
+    p._directory[at : at + 4] = b"{{{{"  # a hostile or broken prefiller's directory
+    d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job(p, [1], [1])}))
+    poll(d, want_recving={"d-1"})
+    assert d.take_failed_recving() == {"d-1"}
+    assert d.stats["loads_failed_other"] == 1
+    assert "bad layer directory (JSONDecodeError" in caplog.text, caplog.text
