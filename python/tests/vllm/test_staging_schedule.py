@@ -93,3 +93,73 @@ def test_wait_for_save_hands_the_steps_saves_to_the_worker():
     conn.bind_connector_metadata(KvbridgeConnectorMetadata())
     conn.wait_for_save()
     assert saved == [{"r": [3, 4]}]
+
+
+def test_vllms_scheduler_gets_a_chunked_prompt_saved_whole_in_its_last_chunk(tmp_path):
+    """vLLM's real scheduler (a local OPT config), a prefiller with kv_buffer_device "cpu"
+    and chunks of 64 tokens: the 101-token prompt's four blocks are named once, in the
+    step that schedules its last chunk, before the request finishes."""
+    import torch
+    from transformers import OPTConfig
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from vllm_helpers import BLOCK_SIZE
+
+    OPTConfig(architectures=["OPTForCausalLM"], torch_dtype="float16").to_json_file(tmp_path / "config.json")
+    config = VllmConfig(
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=4, max_num_batched_tokens=64, max_model_len=1024, is_encoder_decoder=False,
+            enable_chunked_prefill=True,
+        ),  # fmt: skip
+        model_config=ModelConfig(model=str(tmp_path), dtype="float16", seed=42),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvbridgeConnector", kv_connector_module_path="kvbridge.vllm", kv_role="kv_producer",
+            kv_buffer_device="cpu",
+        ),  # fmt: skip
+        device_config=DeviceConfig("cpu"),
+    )
+    config.cache_config.num_gpu_blocks = 64
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    kv = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    sched = Scheduler(
+        vllm_config=config, kv_cache_config=kv, log_stats=True,
+        structured_output_manager=StructuredOutputManager(config), block_size=BLOCK_SIZE,
+    )  # fmt: skip
+    init_none_hash(sha256)
+    sp = SamplingParams(max_tokens=1)
+    sp.update_from_generation_config({}, 2)
+    prompt = 3 * BLOCK_SIZE + 5
+    req = Request(
+        request_id="p-1", prompt_token_ids=[(i % 900) + 3 for i in range(prompt)], sampling_params=sp,
+        pooling_params=None, mm_features=None, block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+    )  # fmt: skip
+    req.kv_transfer_params = {"do_remote_decode": True, "do_remote_prefill": False}
+    sched.add_request(req)
+    saves = []
+    for _ in range(4):
+        out = sched.schedule()
+        if not out.num_scheduled_tokens:
+            break
+        saves.append(dict(out.kv_connector_metadata.reqs_to_save))
+        blocks = list(sched.kv_cache_manager.get_block_ids("p-1")[0])
+        done = req.num_computed_tokens >= prompt  # advanced by schedule()
+        ids = list(out.num_scheduled_tokens)
+        sched.update_from_output(
+            out,
+            ModelRunnerOutput(
+                req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                sampled_token_ids=[[5] if done else [] for _ in ids], logprobs=None, prompt_logprobs_dict={},
+                pooler_output=None,
+            ),
+        )  # fmt: skip
+    assert saves == [{}, {"p-1": blocks}], saves
+    assert len(blocks) == 4
