@@ -100,7 +100,10 @@ class HostStaging:
             key = t.data_ptr()
             if key not in shared:  # layers sharing one device cache share one host buffer
                 host = torch.empty(shape, dtype=t.dtype, device="cpu", pin_memory=_pin(t.device))
-                shared[key] = (host.view(shape[0] // r, r, *shape[1:]), host)
+                # one row per block: the tensor itself, so that its layout digest is the
+                # same as a host KV cache of that shape (vLLM CPU's)
+                pages = host if r == 1 else host.view(shape[0] // r, r, *shape[1:])
+                shared[key] = (pages, host)
             self.pages[name], self.host_caches[name] = shared[key]
         if len(rows) > 1:
             raise DeviceMemoryError(f"KV layers with different rows per block {sorted(rows)} are not supported")

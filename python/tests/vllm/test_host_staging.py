@@ -176,3 +176,21 @@ def test_host_kv_is_registered_as_it_is_whatever_kv_buffer_device_says(staged):
 def test_rows_that_are_not_whole_blocks_are_refused():
     with pytest.raises(DeviceMemoryError, match="not a whole number of blocks"):
         HostStaging(device_caches(seed=None, rows=NUM_BLOCKS), num_blocks=NUM_BLOCKS - 1)
+
+
+def test_staged_and_host_kv_caches_of_one_shape_have_one_layout(staged):
+    # a GPU prefiller staging in host memory and a vLLM CPU decoder with equal tensor
+    # shapes and dtypes line up block for block, so the handshake must not refuse them
+    from vllm_helpers import kv_caches
+
+    p_dev = device_caches(seed=8)
+    p = staged("kv_producer", p_dev)
+    d_cache = kv_caches(seed=None)
+    d = staged("kv_consumer", d_cache)
+    assert d.staging is None
+    finish_prefill(p, "p-1", [3])
+    d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job(p, [6], [3])}))
+    poll(d, want_recving={"d-1"})
+    assert d.take_failed_recving() == set()
+    for name in LAYERS:
+        assert torch.equal(d_cache[name][6], plain(p_dev[name])[3]), name
