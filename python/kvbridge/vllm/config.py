@@ -38,6 +38,8 @@ class ConnectorSettings:
     read_timeout_s: float
     secret: str | None
     transport: str | None
+    # kv_transfer_config's kv_buffer_device: "cpu" stages a device KV cache in host memory
+    kv_buffer_device: str | None = None
 
 
 def _number(extra: dict[str, Any], key: str, default: float) -> float:
@@ -95,4 +97,5 @@ def settings_from(vllm_config: Any) -> ConnectorSettings:
         read_timeout_s=read_timeout,
         secret=extra.get("kvbridge_secret"),
         transport=extra.get("kvbridge_transport"),
+        kv_buffer_device=getattr(ktc, "kv_buffer_device", None),
     )

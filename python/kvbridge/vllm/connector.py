@@ -34,7 +34,8 @@ class KvbridgeConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = KvbridgeScheduler(vllm_config, self.settings)
         else:
-            self.connector_worker = KvbridgeWorker(vllm_config, self.settings)
+            num_blocks = getattr(kv_cache_config, "num_blocks", None)
+            self.connector_worker = KvbridgeWorker(vllm_config, self.settings, num_blocks=num_blocks)
 
     # ---- scheduler side ---------------------------------------------------------------------
 
@@ -64,6 +65,11 @@ class KvbridgeConnector(KVConnectorBase_V1):
         assert self.connector_worker is not None
         self.connector_worker.register_kv_caches(kv_caches)
 
+    def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
+        """vLLM's block copy op, for a KV cache staged in host memory (``kv_buffer_device: "cpu"``)."""
+        assert self.connector_worker is not None
+        self.connector_worker.set_host_xfer_buffer_ops(copy_operation)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self.connector_worker is not None
         meta = self._get_connector_metadata()
@@ -75,11 +81,19 @@ class KvbridgeConnector(KVConnectorBase_V1):
         pass
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        # pull: the decoder reads the prefiller's blocks in place
+        # pull: the decoder reads the prefiller's blocks in place (or their host copies)
         pass
 
     def wait_for_save(self) -> None:
-        pass
+        # with host staging: the blocks of prompts this step completed go to host memory
+        # now, before the step's output lets the scheduler return their kv_transfer_params
+        assert self.connector_worker is not None
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvbridgeConnectorMetadata)
+        if meta.reqs_to_save:
+            self.connector_worker.save_to_host(meta.reqs_to_save)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.connector_worker is not None

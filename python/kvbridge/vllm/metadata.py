@@ -34,6 +34,9 @@ class KvbridgeConnectorMetadata(KVConnectorMetadata):
     reqs_to_recv: dict[str, RecvJob] = field(default_factory=dict)
     # prefiller: request id -> lease in seconds (the worker starts the clock on receipt)
     reqs_to_send: dict[str, float] = field(default_factory=dict)
+    # prefiller with host staging: request id -> its blocks, to copy to host memory after
+    # this step's forward pass (the step that completes its prompt)
+    reqs_to_save: dict[str, list[int]] = field(default_factory=dict)
 
 
 def first_group(block_ids) -> list[int]:

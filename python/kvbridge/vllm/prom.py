@@ -43,6 +43,11 @@ SERIES = {
         "decoders' loads fail at their deadline.",
     ),
     "notices_failed": ("vllm:kvbridge_notices_failed", "Read-done notices a decoder could not deliver."),
+    "saves_failed": (
+        "vllm:kvbridge_saves_failed",
+        "Prefiller requests (kv_buffer_device: cpu) whose blocks were not copied to host memory: freed, "
+        "never offered to a decoder.",
+    ),
 }
 FAILURES = ("vllm:kvbridge_load_failures", "Decoder loads that failed, by cause.")
 

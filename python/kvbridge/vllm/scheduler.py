@@ -3,6 +3,10 @@
 The prefiller finishes a ``do_remote_decode`` request, keeps its blocks and returns the
 parameters a decoder needs to read them; the decoder, given those parameters with
 ``do_remote_prefill``, loads the prompt's KV asynchronously and then tells the prefiller.
+
+With ``kv_buffer_device: "cpu"`` the prefiller's workers also learn, in the step that
+completes a ``do_remote_decode`` prompt, every block of it, to copy to host memory after
+that step's forward pass (staging.py).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from typing import Any
 
 from .config import ConnectorSettings
 from .metadata import KvbridgeConnectorMetadata, RecvJob, first_group
+from .staging import HOST
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +60,10 @@ class KvbridgeScheduler:
         self._reqs_need_send: dict[str, float] = {}
         # requests whose prefiller already gets a notification from a load job
         self._recv_issued: set[str] = set()
+        # prefiller with host staging: do_remote_decode requests whose prompt is not fully
+        # scheduled yet -> (the request, its blocks so far)
+        self._stages = settings.is_producer and settings.kv_buffer_device == HOST
+        self._to_save: dict[str, tuple[Any, list[int]]] = {}
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
@@ -69,6 +78,8 @@ class KvbridgeScheduler:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
+        if self._stages and params and params.get("do_remote_decode"):
+            self._to_save[request.request_id] = (request, [])
         if not params or not params.get("do_remote_prefill"):
             return
         # one transfer per request
@@ -134,7 +145,30 @@ class KvbridgeScheduler:
         meta = KvbridgeConnectorMetadata(reqs_to_recv=self._reqs_need_recv, reqs_to_send=self._reqs_need_send)
         self._reqs_need_recv = {}
         self._reqs_need_send = {}
+        if self._to_save:
+            meta.reqs_to_save = self._blocks_to_save(scheduler_output)
         return meta
+
+    def _blocks_to_save(self, scheduler_output: Any) -> dict[str, list[int]]:
+        """The staged requests whose prompt this step completes, with all their blocks (a
+        block a chunk left partial is copied whole once the prompt is done)."""
+        from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
+
+        out: dict[str, list[int]] = {}
+        for req_id, new_blocks, resumed in yield_req_data(scheduler_output):
+            entry = self._to_save.get(req_id)
+            if entry is None:
+                continue
+            request, blocks = entry
+            added = first_group(new_blocks) if new_blocks is not None else []
+            # a request resumed after preemption gets all its blocks anew
+            blocks = added if resumed else blocks + added
+            self._to_save[req_id] = (request, blocks)
+            scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            if request.num_computed_tokens + scheduled >= request.num_prompt_tokens:
+                out[req_id] = blocks
+                del self._to_save[req_id]
+        return out
 
     def update_connector_output(self, connector_output: Any) -> None:
         pass
@@ -145,6 +179,7 @@ class KvbridgeScheduler:
         params = request.kv_transfer_params
         issued = request.request_id in self._recv_issued
         self._recv_issued.discard(request.request_id)
+        self._to_save.pop(request.request_id, None)
         if not params:
             return False, None
         if params.get("do_remote_prefill") and not issued:

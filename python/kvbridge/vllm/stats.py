@@ -13,7 +13,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 #: Why a decoder's load failed (``loads_failed_<cause>``).
-FAILURE_CAUSES = ("timeout", "unreachable", "refused", "peer_lost", "bad_params", "lease_ended", "other")
+FAILURE_CAUSES = ("timeout", "unreachable", "refused", "peer_lost", "bad_params", "lease_ended", "copy", "other")
 
 #: Every counter, in the order they are logged.
 COUNTERS = (
@@ -26,6 +26,7 @@ COUNTERS = (
     "leases_expired",
     "leases_unmarked",
     "notices_failed",
+    "saves_failed",
 )
 
 

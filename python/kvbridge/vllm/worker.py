@@ -5,6 +5,10 @@ its own, keeps finished requests' blocks until the decoder's "read done" notific
 the lease's end. Decoder: connects (the handshake refuses a peer whose block layout
 differs), reads the directory once per peer, reads every layer's blocks with a deadline,
 then notifies the prefiller, on failure as on success.
+
+A KV cache in device memory is staged in host buffers (staging.py): the regions are the
+host buffers, the prefiller copies a request's blocks to them before it holds the request,
+the decoder copies the blocks it read to the device before it reports the load.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from .lease_table import PAGE_BYTES as LEASE_PAGE_BYTES
 from .lease_table import LeaseState, LeaseTable, where
 from .lease_table import state as lease_state
 from .metadata import KvbridgeConnectorMetadata, RecvJob
+from .staging import CopyBlocksOp, HostStaging, StagingError, needs_staging
 from .stats import zero as zero_stats
 
 log = logging.getLogger(__name__)
@@ -198,10 +203,21 @@ def transfer_cores(cores: set[int]):
 
 
 class KvbridgeWorker:
-    def __init__(self, vllm_config: Any, settings: ConnectorSettings):
+    def __init__(self, vllm_config: Any, settings: ConnectorSettings, num_blocks: int | None = None):
         self.vllm_config = vllm_config
         self.settings = settings
         self.block_size = vllm_config.cache_config.block_size
+        if num_blocks is None:
+            num_blocks = getattr(vllm_config.cache_config, "num_gpu_blocks", None)
+        self._num_blocks = num_blocks if isinstance(num_blocks, int) else None
+        # host buffers of a device KV cache (kv_buffer_device: "cpu"), and vLLM's copy op
+        self.staging: HostStaging | None = None
+        self._copy_op: CopyBlocksOp | None = None
+        # prefiller with staging: requests whose blocks were copied to host and not held yet
+        self._saved: set[str] = set()
+        # prefiller: requests finished without being offered (never copied to host): freed
+        # at the next get_finished
+        self._free_now: set[str] = set()
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         try:
@@ -254,10 +270,12 @@ class KvbridgeWorker:
         for name, t in kv_caches.items():
             if not isinstance(t, torch.Tensor):
                 raise LayoutError(f"layer {name}: KV cache is a {type(t).__name__}, not one tensor")
-            if t.device.type != "cpu":
-                raise LayoutError(
-                    f"layer {name}: KV cache on {t.device}; this connector moves host memory only"
-                )
+        if needs_staging(kv_caches, self.settings.kv_buffer_device):
+            self.staging = HostStaging(kv_caches, self._num_blocks)
+            if self._copy_op is not None:
+                self.staging.set_copy_op(self._copy_op)
+            kv_caches = self.staging.pages
+        for name, t in kv_caches.items():
             if t.dim() < 2 or not t[0].is_contiguous():
                 raise LayoutError(
                     f"layer {name}: shape {tuple(t.shape)} strides {t.stride()}: one block is not one contiguous page"
@@ -308,15 +326,49 @@ class KvbridgeWorker:
             self.channel = None
             self.layers = []
             self._tensors = []
+            self.staging = None
             raise
         self.listen_addr = self.channel.local_addr
         log.info("kvbridge: %d KV layers registered, listening on %s (%s)", len(self.layers), listen, compat)
+
+    def set_host_xfer_buffer_ops(self, copy_op: CopyBlocksOp) -> None:
+        """vLLM's block copy op between the KV cache and host buffers (used when staging)."""
+        self._copy_op = copy_op
+        if self.staging is not None:
+            self.staging.set_copy_op(copy_op)
+
+    # ---- prefiller with staging: saves ---------------------------------------------------
+
+    def save_to_host(self, reqs_to_save: dict[str, list[int]]) -> None:
+        """Copies the blocks of requests whose prompt this step computed to the host buffers,
+        from vLLM's ``wait_for_save``: after the forward pass, before the step's output
+        reaches the scheduler (which then returns the requests' ``kv_transfer_params``). A
+        request whose copy failed is never held: its blocks are freed when it finishes and a
+        decoder's load of it fails as ``lease_ended``."""
+        if self.staging is None:
+            return
+        for req_id, blocks in reqs_to_save.items():
+            try:
+                self.staging.to_host(blocks)
+            except StagingError as e:
+                self._saved.discard(req_id)
+                log.error("kvbridge: request %s: %s; its blocks are not offered to decoders", req_id, e)
+            else:
+                self._saved.add(req_id)
 
     # ---- decoder: loads ---------------------------------------------------------------------
 
     def start_load_kv(self, meta: KvbridgeConnectorMetadata) -> None:
         now = time.monotonic()
         for req_id, lease_s in meta.reqs_to_send.items():
+            if self.staging is not None and req_id not in self._saved:
+                # its blocks never reached the host buffers: no decoder may take them
+                self.stats["saves_failed"] += 1
+                self._lease_table.end(req_id)
+                self._free_now.add(req_id)
+                log.warning("kvbridge: request %s finished without its blocks copied to host: freed", req_id)
+                continue
+            self._saved.discard(req_id)
             self._leases[req_id] = now + lease_s
             if not self._lease_table.hold(req_id):
                 self.stats["leases_unmarked"] += 1
@@ -580,6 +632,12 @@ class KvbridgeWorker:
                 continue
             del self._loads[req_id]
             err = fut.exception()
+            if err is None and self.staging is not None and load.job.awaited and load.job.local_block_ids:
+                # read and checked: the blocks go to the device before vLLM hears of them
+                try:
+                    self.staging.to_device(load.job.local_block_ids)
+                except StagingError as e:
+                    err = LoadError(f"request {req_id} (from {load.job.remote_request_id}): {e}", "copy")
             if load.job.recomputed:
                 self.stats["loads_recomputed"] += 1
             if not load.job.awaited:
@@ -600,13 +658,15 @@ class KvbridgeWorker:
                 self._load_errors.update(load.job.local_block_ids)
                 log.warning("kvbridge: load of %s failed: %s", req_id, err)
         sending = self._finished_sending()
+        # finished without a delayed free (aborted, or nothing to send): no hold will come
+        self._saved -= set(finished_req_ids or ())
         return (sending or None), (recving or None)
 
     def _finished_sending(self) -> set[str]:
         if self.channel is None:
             return set()
         now = time.monotonic()
-        done: set[str] = set()
+        done, self._free_now = self._free_now, set()
         for _peer, msgs in self.channel.get_new_notifs().items():
             for msg in msgs:
                 if not msg.startswith(DONE_PREFIX):
