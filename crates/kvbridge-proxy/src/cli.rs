@@ -136,6 +136,10 @@ pub struct ProxyArgs {
     /// Seconds one `/tokenize` call may take, reply read in full [default: 0.25].
     #[arg(long)]
     pub kv_events_tokenize_timeout: Option<f64>,
+    /// Largest `/tokenize` reply read, bytes; a larger one routes by load [default:
+    /// 16777216].
+    #[arg(long)]
+    pub kv_events_tokenize_max_reply_bytes: Option<usize>,
     /// `cache-aware`: fraction of the prompt a prefix match must exceed [default: 0.3].
     #[arg(long)]
     pub cache_threshold: Option<f64>,

@@ -674,4 +674,58 @@ kv_capacity_tokens = 100000
         assert_eq!(c.routing, RoutingPolicy::LeastLoaded, "the flag wins");
         let _ = std::fs::remove_dir_all(&dir);
     }
+
+    #[test]
+    fn tokenize_from_flags_and_toml() {
+        let c = parse(&[]).unwrap();
+        assert_eq!(c.kv_events.tokenize, TokenizeMode::Off, "off by default");
+        assert_eq!(
+            c.kv_events.tokenize_deadline(),
+            crate::tokenize::DEFAULT_TIMEOUT
+        );
+        let c = parse(&[
+            "--kv-events-tokenize",
+            "http",
+            "--kv-events-tokenize-timeout",
+            "0.05",
+            "--kv-events-tokenize-max-reply-bytes",
+            "4096",
+        ])
+        .unwrap();
+        assert_eq!(c.kv_events.tokenize, TokenizeMode::Http);
+        assert_eq!(c.kv_events.tokenize_deadline(), Duration::from_millis(50));
+        assert_eq!(c.kv_events.tokenize_max_reply_bytes, 4096);
+        for (flag, v, want) in [
+            ("--kv-events-tokenize-timeout", "0", "tokenize_timeout"),
+            ("--kv-events-tokenize-timeout", "NaN", "tokenize_timeout"),
+            (
+                "--kv-events-tokenize-max-reply-bytes",
+                "10",
+                "max_reply_bytes",
+            ),
+        ] {
+            let e = parse(&[flag, v]).unwrap_err();
+            assert!(e.to_string().contains(want), "{flag} {v}: {e}");
+        }
+        assert!(parse(&["--kv-events-tokenize", "yes"]).is_err());
+
+        let dir =
+            std::env::temp_dir().join(format!("kvbridge-proxy-tokenize-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("t.toml");
+        std::fs::write(
+            &p,
+            "[kv_events]\ntokenize = \"http\"\ntokenize_timeout = 1.5\n",
+        )
+        .unwrap();
+        let ps = p.to_str().unwrap();
+        let c = parse(&["--config", ps]).unwrap();
+        assert_eq!(c.kv_events.tokenize, TokenizeMode::Http);
+        assert_eq!(c.kv_events.tokenize_deadline(), Duration::from_millis(1500));
+        let c = parse(&["--config", ps, "--kv-events-tokenize", "off"]).unwrap();
+        assert_eq!(c.kv_events.tokenize, TokenizeMode::Off, "the flag wins");
+        std::fs::write(&p, "[kv_events]\ntokenize = \"sometimes\"\n").unwrap();
+        assert!(parse(&["--config", ps]).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
