@@ -61,8 +61,8 @@ impl App {
         }
     }
 
-    /// The next healthy worker to ask, in turn: the decoders, then the prefillers (every
-    /// worker serves the same model).
+    /// The next worker to ask: every healthy decoder and prefiller in turn (every worker
+    /// serves the same model).
     fn tokenize_worker(&self) -> Option<(String, axum::http::Uri)> {
         let all: Vec<_> = self
             .decode
