@@ -137,7 +137,9 @@ def start_proxy(w: Workers, logdir: Path, tokenize: str) -> Proxy:
         kvbridge_binary(), ports[:1], ports, logdir,
         "--routing", "kv-events",
         "--decoder-kv-events-endpoint", ",".join(s.events for s in w.servers),
-        "--kv-events-tokenize", tokenize,
+        # A deadline far above a call's cost: this test is about what the ids route, and a
+        # busy CI host has stretched single calls to 100 ms.
+        "--kv-events-tokenize", tokenize, "--kv-events-tokenize-timeout", "10",
         "--disaggregate-min-uncached-tokens", "1000000000",
         "--health-interval", "0.5", "--prefill-timeout", "120", "--decode-timeout", "120",
     )  # fmt: skip
