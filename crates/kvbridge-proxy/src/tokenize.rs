@@ -294,13 +294,15 @@ pub fn parse_reply(worker: &str, body: &[u8]) -> Result<Vec<u32>, TokenizeError>
 pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
 /// One `/tokenize` call: `body` to `uri` (worker `worker`), with the client's
-/// `Authorization` when given; the token ids of a whole, valid reply within `deadline` and
-/// `max_reply` bytes, else why not.
+/// `Authorization` and the request's id (`x-request-id`, which vLLM logs) when given; the
+/// token ids of a whole, valid reply within `deadline` and `max_reply` bytes, else why not.
+#[allow(clippy::too_many_arguments)]
 pub async fn call(
     client: &HttpClient,
     worker: &str,
     uri: Uri,
     auth: Option<&HeaderValue>,
+    rid: Option<&HeaderValue>,
     body: Vec<u8>,
     deadline: Duration,
     max_reply: usize,
@@ -309,6 +311,9 @@ pub async fn call(
     let mut req = Request::post(uri).header(CONTENT_TYPE, "application/json");
     if let Some(a) = auth {
         req = req.header(AUTHORIZATION, a.clone());
+    }
+    if let Some(r) = rid {
+        req = req.header("x-request-id", r.clone());
     }
     let req = req
         .body(Full::new(Bytes::from(body)))
@@ -377,19 +382,20 @@ pub struct TokenizeStats {
 }
 
 impl TokenizeStats {
-    /// Counts one call's result, `took` from its start.
-    pub fn record<T>(&self, r: &Result<T, TokenizeError>, took: Duration) {
+    /// Counts one call's result, `took` from its start; whether it is the first of its
+    /// result.
+    pub fn record<T>(&self, r: &Result<T, TokenizeError>, took: Duration) -> bool {
         match r {
             Ok(_) => {
-                self.ok.fetch_add(1, Relaxed);
                 self.ok_ns.fetch_add(took.as_nanos() as u64, Relaxed);
+                self.ok.fetch_add(1, Relaxed) == 0
             }
             Err(e) => {
                 let i = TokenizeError::REASONS
                     .iter()
                     .position(|r| *r == e.reason())
                     .unwrap_or(0);
-                self.failed[i].fetch_add(1, Relaxed);
+                self.failed[i].fetch_add(1, Relaxed) == 0
             }
         }
     }
@@ -436,15 +442,16 @@ impl TokenizeStats {
     }
 }
 
-/// Times `f` and counts its result in `stats`.
-pub async fn counted<F>(stats: &TokenizeStats, f: F) -> Result<Vec<u32>, TokenizeError>
+/// Times `f` and counts its result in `stats`; with it, whether it is the first of its
+/// result.
+pub async fn counted<F>(stats: &TokenizeStats, f: F) -> (Result<Vec<u32>, TokenizeError>, bool)
 where
     F: std::future::Future<Output = Result<Vec<u32>, TokenizeError>>,
 {
     let t0 = Instant::now();
     let r = f.await;
-    stats.record(&r, t0.elapsed());
-    r
+    let first = stats.record(&r, t0.elapsed());
+    (r, first)
 }
 
 #[cfg(test)]
@@ -591,8 +598,9 @@ mod tests {
     #[test]
     fn stats_count_each_result_under_its_reason() {
         let s = TokenizeStats::default();
-        s.record(&Ok::<_, TokenizeError>(()), Duration::from_millis(2));
-        s.record::<()>(&Err(TokenizeError::NoWorker), Duration::ZERO);
+        assert!(s.record(&Ok::<_, TokenizeError>(()), Duration::from_millis(2)));
+        assert!(s.record::<()>(&Err(TokenizeError::NoWorker), Duration::ZERO));
+        assert!(!s.record::<()>(&Err(TokenizeError::NoWorker), Duration::ZERO));
         s.record::<()>(
             &Err(TokenizeError::Status {
                 worker: "w".into(),
@@ -602,7 +610,7 @@ mod tests {
         );
         assert_eq!(
             (s.count("ok"), s.count("no_worker"), s.count("status")),
-            (1, 1, 1)
+            (1, 2, 1)
         );
         let mut out = String::new();
         s.render(&mut out);

@@ -142,6 +142,7 @@ async fn ask(addr: SocketAddr) -> (Result<Vec<u32>, TokenizeError>, Duration) {
         "w0",
         format!("http://{addr}/tokenize").parse().unwrap(),
         Some(&auth),
+        Some(&HeaderValue::from_static("req-7")),
         br#"{"model":"m","prompt":"a b"}"#.to_vec(),
         DEADLINE,
         LIMIT,
@@ -163,6 +164,10 @@ async fn a_valid_reply_gives_its_token_ids_and_the_request_carries_body_and_auth
     assert!(req.starts_with("POST /tokenize HTTP/1.1\r\n"), "{req}");
     assert!(
         req.to_ascii_lowercase().contains("authorization: bearer k"),
+        "{req}"
+    );
+    assert!(
+        req.to_ascii_lowercase().contains("x-request-id: req-7"),
         "{req}"
     );
     assert!(req.ends_with(r#"{"model":"m","prompt":"a b"}"#), "{req}");

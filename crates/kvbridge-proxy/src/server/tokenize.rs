@@ -27,14 +27,14 @@ impl App {
         api: Api,
         doc: &ReqDoc<'_>,
         auth: Option<&HeaderValue>,
-        rid: &str,
+        rid: &HeaderValue,
         prompt: &mut PromptKey,
     ) {
         if prompt.tokens.is_some() || !self.tokenizes() {
             return;
         }
         let stats = &self.tokenize_stats;
-        let r = tokenize::counted(stats, async {
+        let (r, first) = tokenize::counted(stats, async {
             let body = tokenize::request_body(api, doc).ok_or(TokenizeError::Unsupported)?;
             let (worker, uri) = self.tokenize_worker().ok_or(TokenizeError::NoWorker)?;
             let k = &self.cfg.kv_events;
@@ -43,6 +43,7 @@ impl App {
                 &worker,
                 uri,
                 auth,
+                Some(rid),
                 body,
                 k.tokenize_deadline(),
                 k.tokenize_max_reply_bytes,
@@ -50,13 +51,19 @@ impl App {
             .await
         })
         .await;
+        let id = rid.to_str().unwrap_or("?");
         match r {
             Ok(tokens) => {
-                tracing::debug!(target: TL, stage = "proxy.tokenized", id = rid, tokens = tokens.len());
+                tracing::debug!(target: TL, stage = "proxy.tokenized", id, tokens = tokens.len());
                 prompt.tokens = Some(tokens);
             }
+            // The first failure of each reason is worth an operator's eye (a worker without
+            // `/tokenize`, a deadline too short); the rest are counted.
+            Err(e) if first => {
+                tracing::warn!(request_id = id, "routed by load alone (first such failure; the rest are counted in kvbridge_proxy_tokenize_total): {e}");
+            }
             Err(e) => {
-                tracing::debug!(request_id = rid, "routed by load alone: {e}");
+                tracing::debug!(request_id = id, "routed by load alone: {e}");
             }
         }
     }

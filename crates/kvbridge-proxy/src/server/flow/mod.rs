@@ -72,7 +72,7 @@ impl App {
         .then(|| crate::router::PromptKey::from_raw(doc.prompt_raw()));
         let auth = headers.get(AUTHORIZATION);
         if let Some(p) = prompt.as_mut() {
-            self.tokenize_prompt(api, &doc, auth, track.rid(), p).await;
+            self.tokenize_prompt(api, &doc, auth, rid, p).await;
         }
         // The decoder is admitted first: its KV buffer is the scarce resource.
         let mut dslot = self
