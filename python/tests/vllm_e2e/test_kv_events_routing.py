@@ -17,6 +17,7 @@ import http.client
 import json
 import os
 import random
+import re
 import statistics
 import time
 from pathlib import Path
@@ -206,7 +207,9 @@ def tokenize_round_trips(url: str, body: dict, n: int = 30) -> list[float]:
     return out
 
 
-def test_tokenized_text_and_chat_follow_ups_go_to_the_worker_holding_their_prefix(workers, tmp_path):
+def test_tokenized_text_and_chat_follow_ups_go_to_the_worker_holding_their_prefix(workers, tmp_path, monkeypatch):
+    # The timeline logs each /tokenize call's time (`proxy.tokenized ... took_us`).
+    monkeypatch.setenv("RUST_LOG", "warn,kvbridge::timeline=debug")
     proxy = start_proxy(workers, tmp_path / "proxy-http", "http")
     r = Router(workers, proxy)
     try:
@@ -248,7 +251,13 @@ def test_tokenized_text_and_chat_follow_ups_go_to_the_worker_holding_their_prefi
         assert ok == 9, metrics_text(proxy.url)
         # The cost of one call: the proxy's mean, and direct round trips (median).
         mean_ms = r.metric("kvbridge_proxy_tokenize_ok_seconds_total") / ok * 1e3
-        print(f"\n/tokenize from the proxy: mean {mean_ms:.2f} ms over {ok:.0f} calls (chats and texts of 300-320 tokens)")
+        log = re.sub(r"\x1b\[[0-9;]*m", "", proxy.tail(1 << 20))
+        took = [int(t) / 1e3 for t in re.findall(r"proxy\.tokenized.*took_us=(\d+)", log)]
+        assert len(took) == ok, log
+        print(
+            f"\n/tokenize from the proxy: mean {mean_ms:.2f} ms over {ok:.0f} calls (chats and texts of 300-320 "
+            f"tokens), median {statistics.median(took):.2f} ms; each, in order: {', '.join(f'{t:.1f}' for t in took)} ms"
+        )
         long_text = " ".join(random.Random(9).choice(WORDS) for _ in range(1000))
         for what, body in [(f"{len(tok['tokens'])}-token chat", tok_body), ("1000-token text", {"model": "tiny", "prompt": long_text})]:
             rt = sorted(tokenize_round_trips(workers.servers[0].url, body, n=50))

@@ -34,6 +34,7 @@ impl App {
             return;
         }
         let stats = &self.tokenize_stats;
+        let t0 = std::time::Instant::now();
         let (r, first) = tokenize::counted(stats, async {
             let body = tokenize::request_body(api, doc).ok_or(TokenizeError::Unsupported)?;
             let (worker, uri) = self.tokenize_worker().ok_or(TokenizeError::NoWorker)?;
@@ -54,7 +55,8 @@ impl App {
         let id = rid.to_str().unwrap_or("?");
         match r {
             Ok(tokens) => {
-                tracing::debug!(target: TL, stage = "proxy.tokenized", id, tokens = tokens.len());
+                let took_us = t0.elapsed().as_micros() as u64;
+                tracing::debug!(target: TL, stage = "proxy.tokenized", id, tokens = tokens.len(), took_us);
                 prompt.tokens = Some(tokens);
             }
             // The first failure of each reason is worth an operator's eye (a worker without
