@@ -127,6 +127,19 @@ pub struct ProxyArgs {
     /// `kv-events` cost of a token of load [default: 1].
     #[arg(long)]
     pub kv_events_load_weight: Option<f64>,
+    /// `kv-events`: where the token ids of a text prompt or a chat's messages come from:
+    /// `http` asks a healthy worker's `POST /tokenize` (vLLM's OpenAI server) before
+    /// routing; `off` ranks such requests by load alone. A failed call routes by load
+    /// (`kvbridge_proxy_tokenize_total{result}`) [default: off].
+    #[arg(long, value_enum)]
+    pub kv_events_tokenize: Option<crate::tokenize::TokenizeMode>,
+    /// Seconds one `/tokenize` call may take, reply read in full [default: 0.25].
+    #[arg(long)]
+    pub kv_events_tokenize_timeout: Option<f64>,
+    /// Largest `/tokenize` reply read, bytes; a larger one routes by load [default:
+    /// 16777216].
+    #[arg(long)]
+    pub kv_events_tokenize_max_reply_bytes: Option<usize>,
     /// `cache-aware`: fraction of the prompt a prefix match must exceed [default: 0.3].
     #[arg(long)]
     pub cache_threshold: Option<f64>,

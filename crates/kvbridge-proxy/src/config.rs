@@ -7,6 +7,7 @@ use serde::Deserialize;
 
 use crate::decider::DeciderParams;
 use crate::routing::{CacheAwareParams, KvEventsWeights, RoutingPolicy};
+use crate::tokenize::TokenizeMode;
 
 /// How a request crosses from prefill to decode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]
@@ -254,6 +255,13 @@ pub struct KvEventsConfig {
     pub load_weight: f64,
     /// Most blocks the index keeps per worker.
     pub max_blocks_per_worker: usize,
+    /// Whether a text prompt or chat's token ids come from a worker's `POST /tokenize`
+    /// (`http`) or are not known (`off`: such requests rank by load alone).
+    pub tokenize: TokenizeMode,
+    /// Deadline of one `/tokenize` call, seconds.
+    pub tokenize_timeout: f64,
+    /// Largest `/tokenize` reply read, bytes.
+    pub tokenize_max_reply_bytes: usize,
 }
 
 impl Default for KvEventsConfig {
@@ -266,11 +274,19 @@ impl Default for KvEventsConfig {
             prefill_weight: w.prefill_weight,
             load_weight: w.load_weight,
             max_blocks_per_worker: 1 << 22,
+            tokenize: TokenizeMode::Off,
+            tokenize_timeout: crate::tokenize::DEFAULT_TIMEOUT.as_secs_f64(),
+            tokenize_max_reply_bytes: crate::tokenize::DEFAULT_MAX_REPLY_BYTES,
         }
     }
 }
 
 impl KvEventsConfig {
+    /// The deadline of one `/tokenize` call.
+    pub fn tokenize_deadline(&self) -> Duration {
+        Duration::try_from_secs_f64(self.tokenize_timeout).unwrap_or(Duration::ZERO)
+    }
+
     /// The cost's weights.
     pub fn weights(&self) -> KvEventsWeights {
         KvEventsWeights {
@@ -386,6 +402,21 @@ impl Config {
             if !v.is_finite() || v < 0.0 {
                 anyhow::bail!("{name} must be a finite number of at least 0, not {v}");
             }
+        }
+        if !k.tokenize_timeout.is_finite()
+            || k.tokenize_timeout <= 0.0
+            || k.tokenize_timeout > 3600.0
+        {
+            anyhow::bail!(
+                "kv_events.tokenize_timeout must be a number of seconds above 0 and at most 3600, not {}",
+                k.tokenize_timeout
+            );
+        }
+        if k.tokenize_max_reply_bytes < 1024 {
+            anyhow::bail!(
+                "kv_events.tokenize_max_reply_bytes must be at least 1024, not {}",
+                k.tokenize_max_reply_bytes
+            );
         }
         if self.decoders.is_empty() {
             anyhow::bail!("no decoder configured");
@@ -641,6 +672,60 @@ kv_capacity_tokens = 100000
         assert_eq!(c.kv_events.load_weight, 0.5);
         let c = parse(&["--config", p.to_str().unwrap(), "--routing", "least-loaded"]).unwrap();
         assert_eq!(c.routing, RoutingPolicy::LeastLoaded, "the flag wins");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn tokenize_from_flags_and_toml() {
+        let c = parse(&[]).unwrap();
+        assert_eq!(c.kv_events.tokenize, TokenizeMode::Off, "off by default");
+        assert_eq!(
+            c.kv_events.tokenize_deadline(),
+            crate::tokenize::DEFAULT_TIMEOUT
+        );
+        let c = parse(&[
+            "--kv-events-tokenize",
+            "http",
+            "--kv-events-tokenize-timeout",
+            "0.05",
+            "--kv-events-tokenize-max-reply-bytes",
+            "4096",
+        ])
+        .unwrap();
+        assert_eq!(c.kv_events.tokenize, TokenizeMode::Http);
+        assert_eq!(c.kv_events.tokenize_deadline(), Duration::from_millis(50));
+        assert_eq!(c.kv_events.tokenize_max_reply_bytes, 4096);
+        for (flag, v, want) in [
+            ("--kv-events-tokenize-timeout", "0", "tokenize_timeout"),
+            ("--kv-events-tokenize-timeout", "NaN", "tokenize_timeout"),
+            (
+                "--kv-events-tokenize-max-reply-bytes",
+                "10",
+                "max_reply_bytes",
+            ),
+        ] {
+            let e = parse(&[flag, v]).unwrap_err();
+            assert!(e.to_string().contains(want), "{flag} {v}: {e}");
+        }
+        assert!(parse(&["--kv-events-tokenize", "yes"]).is_err());
+
+        let dir =
+            std::env::temp_dir().join(format!("kvbridge-proxy-tokenize-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("t.toml");
+        std::fs::write(
+            &p,
+            "[kv_events]\ntokenize = \"http\"\ntokenize_timeout = 1.5\n",
+        )
+        .unwrap();
+        let ps = p.to_str().unwrap();
+        let c = parse(&["--config", ps]).unwrap();
+        assert_eq!(c.kv_events.tokenize, TokenizeMode::Http);
+        assert_eq!(c.kv_events.tokenize_deadline(), Duration::from_millis(1500));
+        let c = parse(&["--config", ps, "--kv-events-tokenize", "off"]).unwrap();
+        assert_eq!(c.kv_events.tokenize, TokenizeMode::Off, "the flag wins");
+        std::fs::write(&p, "[kv_events]\ntokenize = \"sometimes\"\n").unwrap();
+        assert!(parse(&["--config", ps]).is_err());
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

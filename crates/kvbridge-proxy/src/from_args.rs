@@ -285,6 +285,11 @@ impl Config {
                 }
                 k.prefill_weight = a.kv_events_prefill_weight.unwrap_or(k.prefill_weight);
                 k.load_weight = a.kv_events_load_weight.unwrap_or(k.load_weight);
+                k.tokenize = a.kv_events_tokenize.unwrap_or(k.tokenize);
+                k.tokenize_timeout = a.kv_events_tokenize_timeout.unwrap_or(k.tokenize_timeout);
+                k.tokenize_max_reply_bytes = a
+                    .kv_events_tokenize_max_reply_bytes
+                    .unwrap_or(k.tokenize_max_reply_bytes);
                 k
             },
             cache_aware: {

@@ -30,3 +30,4 @@ pub mod routed_prefixes;
 pub mod router;
 pub mod routing;
 pub mod server;
+pub mod tokenize;

@@ -19,15 +19,16 @@ use crate::routing::{
 /// What a policy needs of a request's prompt.
 #[derive(Debug, Clone, Default)]
 pub struct PromptKey {
-    /// The prompt's token ids, when the request gives them (a completion's `prompt` array):
-    /// what `kv-events` matches. Without them, `kv-events` ranks by load alone.
+    /// The prompt's token ids, when the request gives them (a completion's `prompt` array)
+    /// or a worker's `/tokenize` did (`--kv-events-tokenize http`): what `kv-events`
+    /// matches. Without them, `kv-events` ranks by load alone.
     pub tokens: Option<Vec<u32>>,
     /// Pieces of the prompt's text (`messages` or `prompt` as sent): what `cache-aware`
     /// matches.
     pub pieces: Vec<u64>,
 }
 
-/// Bytes of prompt text per token, as the proxy estimates (it has no tokenizer).
+/// Bytes of prompt text per token, as the proxy estimates a prompt it has no token ids of.
 const BYTES_PER_TOKEN: u64 = 4;
 
 impl PromptKey {

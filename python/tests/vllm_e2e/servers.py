@@ -280,3 +280,57 @@ def tcp_rx_queue(port: int) -> int:
             if local_port == port and f[3] == "01":  # ESTABLISHED
                 total += int(f[4].split(":")[1], 16)
     return total
+
+
+class VllmEventsServer(Proc):
+    """A colocated vLLM CPU server started as :class:`VllmServer` starts one (same model
+    flags and environment, no KV connector), with prefix caching on and its KV cache events
+    published on a ZMQ PUB socket on ``events_port`` (vLLM's ``--kv-events-config``): the
+    stream ``kvbridge proxy --routing kv-events`` subscribes to, at ``events``. vLLM 0.32's
+    publisher binds only a wildcard endpoint (``tcp://*:PORT``); to ``tcp://127.0.0.1:PORT``
+    it connects, and no subscriber that connects would ever hear from it."""
+
+    def __init__(
+        self,
+        name: str,
+        model: Path,
+        port: int,
+        events_port: int,
+        logdir: Path,
+        env: dict[str, str] | None = None,
+        max_model_len: int = 1024,
+        block_size: int = 32,
+    ):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.events = f"tcp://127.0.0.1:{events_port}"
+        events_config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}"}
+        argv = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model), "--served-model-name", "tiny",
+            "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--max-num-seqs", "4",
+            "--block-size", str(block_size), "--enforce-eager", "--seed", "0",
+            "--enable-prefix-caching", "--kv-events-config", json.dumps(events_config),
+        ]  # fmt: skip
+        full_env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            **(env or {}),
+        }
+        super().__init__(name, argv, logdir / f"{name}.log", full_env)
+
+
+def prometheus_sum(url: str, name: str) -> float:
+    """The sum of every series of the Prometheus metric ``name`` (any labels) in the
+    ``/metrics`` text at ``url``; 0 when it has none."""
+    import re
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    pat = re.compile(r"^" + re.escape(name) + r"(?:\{[^}]*\})? ([0-9.e+-]+)$", re.M)
+    return sum(float(m.group(1)) for m in pat.finditer(text))

@@ -6,10 +6,6 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 use axum::http::{HeaderMap, HeaderValue, Uri};
-use bytes::Bytes;
-use http_body_util::Full;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
 
 use crate::busy_poll::{Awaiting, BusyPoll};
 use crate::config::Config;
@@ -22,7 +18,7 @@ use crate::request::Api;
 /// `tracing` target of the per-request timeline marks (`kvbridge demo --timeline`).
 pub(crate) const TL: &str = "kvbridge::timeline";
 
-pub(crate) type HttpClient = Client<HttpConnector, Full<Bytes>>;
+pub(crate) type HttpClient = crate::tokenize::HttpClient;
 
 /// Shared state of all requests.
 pub(crate) struct App {
@@ -39,6 +35,10 @@ pub(crate) struct App {
     pub(crate) busy_poll: Option<Arc<BusyPoll>>,
     /// Whether a request goes to its decoder alone or the PD way.
     pub(crate) decider: crate::decider::Decider,
+    /// `/tokenize` calls by result (`--kv-events-tokenize http`).
+    pub(crate) tokenize_stats: crate::tokenize::TokenizeStats,
+    /// The turn of the next worker asked to tokenize.
+    pub(crate) tokenize_turn: AtomicU64,
 }
 
 /// Per worker of `pool`, the URIs of its completions and chat APIs.

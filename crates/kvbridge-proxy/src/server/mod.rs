@@ -13,6 +13,7 @@ mod flow;
 mod health;
 mod prefill;
 mod routes;
+mod tokenize;
 mod upstream;
 
 use std::net::SocketAddr;
@@ -152,6 +153,14 @@ pub async fn start(cfg: Config) -> anyhow::Result<RunningProxy> {
         tasks.push(tokio::spawn(bp.clone().run()));
     }
     let decider = crate::decider::Decider::new(cfg.decider());
+    if cfg.kv_events.tokenize == crate::tokenize::TokenizeMode::Http
+        && cfg.routing != crate::routing::RoutingPolicy::KvEvents
+    {
+        tracing::warn!(
+            "--kv-events-tokenize http has no effect under --routing {}: only kv-events matches token ids",
+            cfg.routing.as_str()
+        );
+    }
     let app = Arc::new(App {
         decider,
         cfg,
@@ -163,6 +172,8 @@ pub async fn start(cfg: Config) -> anyhow::Result<RunningProxy> {
         prefill_uris,
         decode_uris,
         busy_poll,
+        tokenize_stats: Default::default(),
+        tokenize_turn: Default::default(),
     });
     if !app.cfg.health_interval.is_zero() {
         for idx in 0..app.prefill.workers.len() {

@@ -84,6 +84,7 @@ async fn metrics_text(State(app): State<Arc<App>>) -> Response {
     let pslots: u64 = app.prefill.workers.iter().map(|w| w.inflight()).sum();
     use std::fmt::Write as _;
     app.decider.render(&mut s);
+    app.tokenize_stats.render(&mut s);
     crate::router::render_decisions(
         &mut s,
         &[

@@ -67,9 +67,13 @@ impl App {
         })?;
         let doc = ReqDoc::parse(api, &body).map_err(ApiError::bad_request)?;
         let tokens = (body.len() as u64 / 4).max(1);
-        let prompt = (self.cfg.routing != crate::routing::RoutingPolicy::LeastLoaded
+        let mut prompt = (self.cfg.routing != crate::routing::RoutingPolicy::LeastLoaded
             || self.decider.active())
         .then(|| crate::router::PromptKey::from_raw(doc.prompt_raw()));
+        let auth = headers.get(AUTHORIZATION);
+        if let Some(p) = prompt.as_mut() {
+            self.tokenize_prompt(api, &doc, auth, rid, p).await;
+        }
         // The decoder is admitted first: its KV buffer is the scarce resource.
         let mut dslot = self
             .decode
@@ -82,7 +86,6 @@ impl App {
             )
             .await
             .map_err(|e| pick_error(Role::Decode, e))?;
-        let auth = headers.get(AUTHORIZATION);
         let ctx = Ctx {
             api,
             rid,
