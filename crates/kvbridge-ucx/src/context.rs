@@ -21,8 +21,10 @@ use crate::status::{check, status};
 ///   `send` on the initiator and a copy plus a completion message back on the target. With
 ///   8K segments that per-fragment work dominates writes of 64 KiB to 4 MiB; with 1M
 ///   segments a write of up to 1 MiB is one message. The receive segment must hold a whole
-///   send segment. Only the tcp transport has these two settings; its buffer pools grow on
-///   use, so a worker whose endpoints do not run over tcp allocates none of them.
+///   send segment. Only the tcp transport has these two settings. The cost is memory: each
+///   tcp interface a worker uses grows its pools 8 buffers at a time, 1 MiB per send buffer
+///   and 2 MiB per receive buffer (24 MiB per step instead of 1.1 MiB); a worker whose
+///   endpoints do not run over tcp allocates none of them.
 pub(crate) const DEFAULTS: &[(&str, &str, &str)] = &[
     ("UCX_TCP_TX_SEG_SIZE", "TX_SEG_SIZE", "1M"),
     ("UCX_TCP_RX_SEG_SIZE", "RX_SEG_SIZE", "1M"),
