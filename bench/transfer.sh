@@ -14,8 +14,11 @@
 # every byte they wrote. Prints medians over the runs with the lowest and highest run, and the
 # load average at the start and end of each run; raw lines go to $OUT (default
 # target/bench-transfer.jsonl). Any failed run fails the script, loudly, and no figure is
-# printed. NIXL is installed into .venv without dependencies on first use (a
-# benchmark-time install, as bench/vllm-pd.sh does).
+# printed. NIXL is installed into $PY's environment (default .venv) without dependencies on
+# first use (a benchmark-time install, as bench/vllm-pd.sh does); PY=path/to/python picks
+# another environment. NIXL runs with kvbridge's UCX defaults (crates/kvbridge-ucx/src/
+# context.rs: UCX_TCP_TX_SEG_SIZE, UCX_TCP_RX_SEG_SIZE) exported, so both sides start from the
+# same UCX settings; a UCX_* set by the caller wins on both sides.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-5}
@@ -24,7 +27,7 @@ BATCH=${BATCH:-16}
 TOTAL=${TOTAL:-256M}
 OUT=${OUT:-target/bench-transfer.jsonl}
 KVB=${KVB:-target/release/kvbridge}
-PY=.venv/bin/python
+PY=${PY:-.venv/bin/python}
 NIXL_VERSION=1.5.1
 
 [ -x "$KVB" ] || { echo "bench/transfer.sh: build $KVB first (see the header)" >&2; exit 2; }
@@ -55,7 +58,8 @@ kvb() { # label, then env assignments and flags
 }
 nixl() { # UCX_TLS
   local line
-  line=$(UCX_TLS=$1 timeout 600 "$PY" bench/nixl_transfer.py --block-sizes "$SIZES" --batch "$BATCH" \
+  line=$(UCX_TLS=$1 UCX_TCP_TX_SEG_SIZE=${UCX_TCP_TX_SEG_SIZE:-1M} \
+    UCX_TCP_RX_SEG_SIZE=${UCX_TCP_RX_SEG_SIZE:-1M} timeout 600 "$PY" bench/nixl_transfer.py --block-sizes "$SIZES" --batch "$BATCH" \
     --total "$TOTAL" --json 2>/dev/null | tail -1) || fail "NIXL UCX_TLS=$1 (run $run)"
   [ -n "$line" ] || fail "NIXL UCX_TLS=$1 printed nothing (run $run)"
   echo "{\"run\": $run, \"label\": \"nixl $1\", \"nixl\": $line}" >> "$OUT"

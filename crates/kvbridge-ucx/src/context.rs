@@ -9,6 +9,55 @@ use kvbridge_ucx_sys as sys;
 use crate::error::{Error, Result, Step};
 use crate::status::{check, status};
 
+/// UCX settings a [`Context`] starts from where the environment does not set them: a user's
+/// variable always wins. Each entry: the environment variable, the names `ucp_config_modify`
+/// may know it by, the value. A transport's setting goes by its name without the
+/// transport's prefix up to UCX 1.16 (1.13 matches the names it hands to the transports
+/// against their tables as they are) and with it from 1.17; releases after 1.18 (1.23 here)
+/// refuse a name no table has, so the names are tried in turn. A default no name of which
+/// UCX takes is left out: it is tuning, and UCX keeps its own value (1.17 and 1.18 take the
+/// unprefixed name without using it and warn "invalid configuration" at worker creation).
+///
+/// - `UCX_TCP_TX_SEG_SIZE=1M`, `UCX_TCP_RX_SEG_SIZE=1M` (UCX 1.13's defaults: 8K and 64K).
+///   UCX 1.13's tcp transport has no `put_short`/`put_bcopy`, so UCX does not select it as an
+///   RMA lane and emulates every put with active messages (`rma_am(tcp/lo)` in
+///   `UCX_LOG_LEVEL=info`): one message per at most `TX_SEG_SIZE` bytes, each a copy and a
+///   `send` on the initiator and a copy plus a completion message back on the target. With
+///   8K segments that per-fragment work dominates writes of 64 KiB to 4 MiB; with 1M
+///   segments a write of up to 1 MiB is one message. The receive segment must hold a whole
+///   send segment. Only the tcp transport has these two settings. The cost is memory: each
+///   tcp interface a worker uses grows its pools 8 buffers at a time, 1 MiB per send buffer
+///   and 2 MiB per receive buffer (24 MiB per step instead of 1.1 MiB); a worker whose
+///   endpoints do not run over tcp allocates none of them.
+pub(crate) const DEFAULTS: &[(&str, &[&str], &str)] = &[
+    (
+        "UCX_TCP_TX_SEG_SIZE",
+        &["TX_SEG_SIZE", "TCP_TX_SEG_SIZE"],
+        "1M",
+    ),
+    (
+        "UCX_TCP_RX_SEG_SIZE",
+        &["RX_SEG_SIZE", "TCP_RX_SEG_SIZE"],
+        "1M",
+    ),
+];
+
+/// The [`DEFAULTS`] to apply (the names to try, the value), given whether the environment
+/// sets a variable.
+fn unset_defaults(
+    is_set: impl Fn(&str) -> bool,
+) -> impl Iterator<Item = (&'static [&'static str], &'static str)> {
+    DEFAULTS
+        .iter()
+        .filter(move |(var, _, _)| !is_set(var))
+        .map(|&(_, names, value)| (names, value))
+}
+
+/// Sets `value` under the first of `names` UCX takes; whether one did.
+fn modify_any(config: &Config, names: &[&str], value: &str) -> bool {
+    names.iter().any(|name| modify(config, name, value).is_ok())
+}
+
 /// Which UCX transports a context may use. Unset fields fall back to UCX's own environment
 /// (`UCX_TLS`, `UCX_NET_DEVICES`), then to its defaults.
 #[derive(Debug, Clone, Default)]
@@ -87,7 +136,9 @@ fn modify(config: &Config, name: &str, value: &str) -> Result<()> {
 }
 
 impl Context {
-    /// Creates a context. UCX reads its environment (`UCX_*`) first; `config` overrides it.
+    /// Creates a context. UCX reads its environment (`UCX_*`) first; kvbridge's defaults (see
+    /// `DEFAULTS` in this file) fill in what the environment leaves unset; `config` overrides
+    /// both.
     pub fn new(config: &ContextConfig) -> Result<Self> {
         let mut raw: *mut sys::ucp_config_t = ptr::null_mut();
         // SAFETY: null prefix and file name mean "the default `UCX_` environment"; `raw` is a
@@ -98,11 +149,19 @@ impl Context {
             status,
         })?;
         let cfg = Config(raw);
+        for (names, value) in unset_defaults(|var| std::env::var_os(var).is_some()) {
+            let _taken = modify_any(&cfg, names, value);
+        }
+        Self::init(&cfg, config)
+    }
+
+    /// Creates a context from `cfg` with `config`'s overrides.
+    fn init(cfg: &Config, config: &ContextConfig) -> Result<Self> {
         if let Some(tls) = &config.tls {
-            modify(&cfg, "TLS", tls)?;
+            modify(cfg, "TLS", tls)?;
         }
         if let Some(dev) = &config.net_devices {
-            modify(&cfg, "NET_DEVICES", dev)?;
+            modify(cfg, "NET_DEVICES", dev)?;
         }
         let params = sys::ucp_params_t {
             field_mask: (sys::UCP_PARAM_FIELD_FEATURES | sys::UCP_PARAM_FIELD_MT_WORKERS_SHARED)
@@ -130,5 +189,65 @@ impl Context {
         Ok(Self {
             inner: Arc::new(ContextInner { handle }),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Worker;
+
+    #[test]
+    fn a_variable_the_environment_sets_keeps_its_value() {
+        let all: Vec<_> = unset_defaults(|_| false).collect();
+        assert_eq!(all.len(), DEFAULTS.len());
+        let rest: Vec<_> = unset_defaults(|var| var == "UCX_TCP_TX_SEG_SIZE").collect();
+        assert_eq!(rest, vec![(DEFAULTS[1].1, "1M")]);
+        assert_eq!(unset_defaults(|_| true).count(), 0);
+    }
+
+    fn tcp_worker(settings: &[(&[&str], &str)]) -> Result<Worker> {
+        let mut raw: *mut sys::ucp_config_t = ptr::null_mut();
+        // SAFETY: as in `Context::new`.
+        let code = unsafe { sys::ucp_config_read(ptr::null(), ptr::null(), &mut raw) };
+        check(code).expect("ucp_config_read");
+        let cfg = Config(raw);
+        for (names, value) in settings {
+            assert!(modify_any(&cfg, names, value), "UCX took none of {names:?}");
+        }
+        Worker::new(&Context::init(&cfg, &ContextConfig::with_tls("tcp"))?)
+    }
+
+    /// UCX 1.13 keeps names it does not know for the transports' tables and only warns when
+    /// none takes one, so a name the tcp transport does not match would be dropped: an
+    /// inconsistent pair under the same names must fail the tcp transport, the defaults not.
+    #[test]
+    fn the_defaults_reach_the_tcp_transport_and_it_accepts_them() {
+        let defaults: Vec<_> = unset_defaults(|_| false).collect();
+        tcp_worker(&defaults).expect("a tcp worker with the defaults");
+        let inconsistent = [(DEFAULTS[0].1, "2M"), (DEFAULTS[1].1, "1M")];
+        assert!(
+            tcp_worker(&inconsistent).is_err(),
+            "a send segment larger than the receive segment was not refused: the names do \
+             not reach the tcp transport"
+        );
+    }
+
+    /// A name UCX refuses (as releases after 1.18 refuse one no table has) is skipped for
+    /// the next, and a default none of whose names UCX takes is left out.
+    #[test]
+    fn a_refused_name_falls_through_to_the_next() {
+        let mut raw: *mut sys::ucp_config_t = ptr::null_mut();
+        // SAFETY: as in `Context::new`.
+        let code = unsafe { sys::ucp_config_read(ptr::null(), ptr::null(), &mut raw) };
+        check(code).expect("ucp_config_read");
+        let cfg = Config(raw);
+        // `ADDRESS_VERSION` is ucp's own setting ("v1" or "v2"): every release refuses "1M".
+        assert!(!modify_any(&cfg, &["ADDRESS_VERSION"], "1M"));
+        assert!(modify_any(
+            &cfg,
+            &["ADDRESS_VERSION", "TCP_TX_SEG_SIZE"],
+            "1M"
+        ));
     }
 }
