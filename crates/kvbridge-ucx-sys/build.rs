@@ -35,7 +35,7 @@ fn generate() {
         .clang_arg(format!("-I{include}"))
         .allowlist_function("ucp_(init_version|cleanup|config_read|config_release|config_modify)")
         .allowlist_function("ucp_worker_(create|destroy|get_address|release_address|get_efd|arm|progress|signal)")
-        .allowlist_function("ucp_ep_(create|close_nbx|flush_nbx|rkey_unpack)")
+        .allowlist_function("ucp_ep_(create|close_nbx|flush_nbx|rkey_unpack|print_info)")
         .allowlist_function("ucp_(mem_map|mem_unmap|rkey_pack|rkey_buffer_release|rkey_destroy)")
         .allowlist_function("ucp_(put_nbx|get_nbx|request_check_status|request_free)")
         .allowlist_function("ucs_status_string")

@@ -356,6 +356,23 @@ pub const MAX_UCX_BLOB: usize = 64 << 10;
 pub struct UcxAddress {
     /// The enveloped address (at most [`MAX_UCX_BLOB`] bytes).
     pub address: Blob,
+    /// The listener's host identity (boot id and namespace ids, as [`ShmOffer::host`]; at
+    /// most [`MAX_UCX_HOST_LEN`] bytes). An initiator whose own is equal asks UCX for an
+    /// endpoint that may use shared-memory transports; a claim buys nothing else. Absent
+    /// from older listeners and when the listener cannot read its own.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "bounded_host"
+    )]
+    pub host: Option<String>,
+}
+
+/// Most bytes of [`UcxAddress::host`].
+pub const MAX_UCX_HOST_LEN: usize = 256;
+
+fn bounded_host<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    crate::ids::bounded_string(d, MAX_UCX_HOST_LEN).map(Some)
 }
 
 /// Why an initiator does not use UCX in a session ([`Message::UcxDecline`]).

@@ -6,8 +6,8 @@
 //!                                          <--- Welcome{ucx: true} (the listener has a worker)
 //! welcomed(true): the initiator holds its session's start until the negotiation settles
 //!              ... handshake, proof, Ready: the session is established ...
-//!                                          <--- UcxOffer{address}
-//! Output::Connect{address}: the driver creates its endpoint, then
+//!                                          <--- UcxOffer{address, host}
+//! Output::Connect{address, same_host}: the driver creates its endpoint, then
 //!   connected()      -> UcxAccept          ---> the held UcxMap of every region granted, UcxSync
 //!   connect_failed() -> UcxDecline{reason} ---> Output::Fallback{reason}: TCP for the session
 //!                                          <--- UcxMap{id, base, len, rkey} (now or at any later grant)
@@ -38,6 +38,12 @@
 //!   up only then, so the first batch already takes the transport the session will keep.
 //! - Every blob a peer sends is bounded ([`MAX_UCX_BLOB`]) and checked before it reaches UCX;
 //!   `kvbridge-ucx` checks its envelope again.
+//! - **A host claim buys a lane preference, nothing else.** The offer names the listener's
+//!   host identity; [`Output::Connect`] says `same_host` only when the initiator knows its
+//!   own and the two are equal (as the shared-memory offer is checked), and that flag is the
+//!   only output the claim changes. Its driver then asks UCX for an endpoint that may use
+//!   shared-memory transports, which cannot report a dead peer: a peer lying about its host
+//!   gets at worst an endpoint whose failure shows at the operation deadlines.
 //!
 //! A failed machine sends a `Bye` naming the cause, emits exactly one [`Output::Failed`], then
 //! the [`Output::Revoked`] of every region still exported, and nothing after that.
@@ -122,6 +128,9 @@ pub enum Output {
     Connect {
         /// The listener's enveloped worker address.
         address: Blob,
+        /// The listener named this host as its own (equal host identities): the endpoint may
+        /// prefer shared-memory transports over peer-failure detection.
+        same_host: bool,
     },
     /// (Initiator) Unpack this region's key on the endpoint; operations on the region may use
     /// UCX from now on (or TCP, when the unpack fails: [`UcxImport::import_failed`]).
@@ -242,10 +251,11 @@ pub struct UcxExport {
 impl UcxExport {
     /// Starts the negotiation of an established session whose initiator said
     /// [`crate::msg::Hello::ucx`]: the first output sends `address` (this listener's
-    /// enveloped worker address). `timeout` bounds the wait for the answer and for each unmap.
-    pub fn new(address: Blob, timeout: Duration, now: Instant) -> Self {
+    /// enveloped worker address) and `host` (this host's identity, when known). `timeout`
+    /// bounds the wait for the answer and for each unmap.
+    pub fn new(address: Blob, host: Option<String>, timeout: Duration, now: Instant) -> Self {
         let mut core = Core::default();
-        core.send(Message::UcxOffer(UcxAddress { address }));
+        core.send(Message::UcxOffer(UcxAddress { address, host }));
         UcxExport {
             core,
             state: ExportState::Offered(now + timeout),
@@ -455,6 +465,8 @@ pub struct UcxImport {
     settle_by: Option<(Instant, Duration)>,
     /// [`Output::Settled`] went out.
     settled: bool,
+    /// This host's identity, when known: an offer naming it comes from this host.
+    host: Option<String>,
 }
 
 impl Default for UcxImport {
@@ -466,13 +478,22 @@ impl Default for UcxImport {
 impl UcxImport {
     /// The machine of an initiator that said [`crate::msg::Hello::ucx`]; it learns from the
     /// listener's `Welcome` whether an offer follows ([`UcxImport::welcomed`]).
+    /// It knows no host identity of its own, so it never takes a listener for a same-host
+    /// one ([`UcxImport::on_host`]).
     pub fn new() -> Self {
+        Self::on_host(None)
+    }
+
+    /// [`UcxImport::new`] on the host whose identity is `host`: an offer naming the same
+    /// (non-empty) identity gets [`Output::Connect`] with `same_host`.
+    pub fn on_host(host: Option<String>) -> Self {
         UcxImport {
             core: Core::default(),
             state: ImportState::Unwelcomed,
             imports: BTreeMap::new(),
             settle_by: None,
             settled: false,
+            host: host.filter(|h| !h.is_empty()),
         }
     }
 
@@ -594,9 +615,11 @@ impl UcxImport {
                 match check_blob(&o.address, "worker address", UcxStep::Offer) {
                     Ok(()) => {
                         self.state = ImportState::Connecting;
-                        self.core
-                            .out
-                            .push_back(Output::Connect { address: o.address });
+                        let same_host = self.host.is_some() && o.host == self.host;
+                        self.core.out.push_back(Output::Connect {
+                            address: o.address,
+                            same_host,
+                        });
                     }
                     Err(e) => self.decline(e.to_string()),
                 }
@@ -690,6 +713,7 @@ mod tests {
         let mut m = welcomed_import();
         m.handle_message(Message::UcxOffer(UcxAddress {
             address: Blob(vec![1; 64]),
+            host: None,
         }));
         m.connected();
         drain_import(&mut m);
@@ -714,6 +738,7 @@ mod tests {
         assert_eq!(m.poll_timeout(), None);
         m.handle_message(Message::UcxOffer(UcxAddress {
             address: Blob(vec![1; 8]),
+            host: None,
         }));
         assert!(m.is_failed(), "an offer the Welcome did not announce");
     }
@@ -723,6 +748,7 @@ mod tests {
         let mut m = UcxImport::new();
         m.handle_message(Message::UcxOffer(UcxAddress {
             address: Blob(vec![1; 8]),
+            host: None,
         }));
         assert!(m.is_failed());
     }
@@ -763,6 +789,7 @@ mod tests {
         assert_eq!(settled(&out), vec![None]);
         let offer = Message::UcxOffer(UcxAddress {
             address: Blob(vec![1; 8]),
+            host: None,
         });
         m.handle_message(offer.clone());
         assert!(!m.is_failed(), "the offer that crossed the decline");
@@ -778,6 +805,7 @@ mod tests {
         m.welcomed(true, Duration::from_secs(5), t0);
         m.handle_message(Message::UcxOffer(UcxAddress {
             address: Blob(vec![1; 8]),
+            host: None,
         }));
         m.connected();
         drain_import(&mut m);
@@ -811,6 +839,7 @@ mod tests {
         let mut m = welcomed_import();
         m.handle_message(Message::UcxOffer(UcxAddress {
             address: Blob(vec![0; MAX_UCX_BLOB + 1]),
+            host: None,
         }));
         let out = drain_import(&mut m);
         assert!(
@@ -884,7 +913,7 @@ mod tests {
     #[test]
     fn an_unanswered_offer_falls_back_and_a_late_answer_is_ignored() {
         let t0 = Instant::now();
-        let mut m = UcxExport::new(Blob(vec![1; 8]), Duration::from_secs(5), t0);
+        let mut m = UcxExport::new(Blob(vec![1; 8]), None, Duration::from_secs(5), t0);
         m.export(region(1));
         assert_eq!(m.poll_timeout(), Some(t0 + Duration::from_secs(5)));
         m.handle_timeout(t0 + Duration::from_secs(5));
@@ -907,7 +936,7 @@ mod tests {
     #[test]
     fn an_unacknowledged_unmap_fails_the_session_and_revokes_every_key() {
         let t0 = Instant::now();
-        let mut m = UcxExport::new(Blob(vec![1; 8]), Duration::from_secs(5), t0);
+        let mut m = UcxExport::new(Blob(vec![1; 8]), None, Duration::from_secs(5), t0);
         m.export(region(1));
         m.export(region(2));
         m.handle_message(Message::UcxAccept(Ready {}));
@@ -942,6 +971,7 @@ mod tests {
         let mut m = welcomed_import();
         m.handle_message(Message::UcxOffer(UcxAddress {
             address: Blob(vec![1; 8]),
+            host: None,
         }));
         assert!(matches!(m.poll_output(), Some(Output::Connect { .. })));
         m.connect_failed("é".repeat(MAX_UCX_REASON_LEN));

@@ -10,6 +10,10 @@
 //! initiator settles (its session starts) exactly once, and when it settles finished and on
 //! UCX, it holds the key of every region the listener had granted when it sent `UcxSync`.
 //! The initiator's settle deadline may pass at any point (one branch per run).
+//!
+//! The host identities of both sides vary too: the initiator's `Connect` says `same_host`
+//! exactly when it knows its own identity and the listener's offer names the same one, and
+//! a host claim changes nothing else in what the initiator does (property test).
 
 use kvbridge_proto::ids::Blob;
 use kvbridge_proto::msg::{Message, Ready, ShmRevoke, UcxAddress, UcxDecline, UcxRegion};
@@ -69,16 +73,37 @@ struct Pair {
     sent_keys: BTreeSet<RegionId>,
     /// `Settled` outputs: whether each was unfinished.
     settled: Vec<bool>,
+    /// What the initiator's `Connect` must say.
+    same_host: bool,
     now: Instant,
     violations: Vec<String>,
 }
 
+/// Host identities of (the listener, the initiator), and whether they make one host.
+const HOSTS: [(Option<&str>, Option<&str>, bool); 5] = [
+    (Some("boot-a/net/pid"), Some("boot-a/net/pid"), true),
+    (Some("boot-b/net/pid"), Some("boot-a/net/pid"), false),
+    (None, Some("boot-a/net/pid"), false),
+    (Some("boot-a/net/pid"), None, false),
+    (None, None, false),
+];
+
 impl Pair {
     fn new(script: &[Grant]) -> Pair {
+        Pair::on_hosts(script, HOSTS[0])
+    }
+
+    fn on_hosts(script: &[Grant], hosts: (Option<&str>, Option<&str>, bool)) -> Pair {
         let now = Instant::now();
+        let (listener, initiator, same_host) = hosts;
         let mut p = Pair {
-            imp: UcxImport::new(),
-            exp: UcxExport::new(Blob(vec![7; 40]), DEADLINE, now),
+            imp: UcxImport::on_host(initiator.map(str::to_string)),
+            exp: UcxExport::new(
+                Blob(vec![7; 40]),
+                listener.map(str::to_string),
+                DEADLINE,
+                now,
+            ),
             to_listener: VecDeque::new(),
             to_initiator: VecDeque::new(),
             script: script.iter().copied().collect(),
@@ -95,6 +120,7 @@ impl Pair {
             sync_delivered: false,
             sent_keys: BTreeSet::new(),
             settled: Vec::new(),
+            same_host,
             now,
             violations: Vec::new(),
         };
@@ -133,7 +159,15 @@ impl Pair {
         while let Some(o) = self.imp.poll_output() {
             match o {
                 Output::Send(m) => self.to_listener.push_back(m),
-                Output::Connect { .. } => self.connecting = true,
+                Output::Connect { same_host, .. } => {
+                    if same_host != self.same_host {
+                        self.violations.push(format!(
+                            "Connect says same_host {same_host}, the hosts say {}",
+                            self.same_host
+                        ));
+                    }
+                    self.connecting = true
+                }
                 Output::Import(r) => {
                     self.keys.insert(r.id);
                 }
@@ -288,7 +322,11 @@ impl Pair {
 
 /// Explores every ordering depth first; returns how many complete orderings there were.
 fn explore(script: &[Grant]) -> u64 {
-    let mut stack = vec![Pair::new(script)];
+    explore_from(Pair::new(script), script)
+}
+
+fn explore_from(start: Pair, script: &[Grant]) -> u64 {
+    let mut stack = vec![start];
     let mut ends = 0u64;
     while let Some(p) = stack.pop() {
         if let Some(v) = p.violations.first() {
@@ -330,9 +368,19 @@ fn every_ordering_of_grants_keys_and_revokes_is_safe() {
 }
 
 #[test]
+fn every_ordering_connects_same_host_exactly_when_both_name_one_host() {
+    use Grant::*;
+    let script: &[Grant] = &[Export(1), Revoke(1)];
+    for hosts in HOSTS {
+        let ends = explore_from(Pair::on_hosts(script, hosts), script);
+        assert!(ends > 10, "{hosts:?}: only {ends} orderings");
+    }
+}
+
+#[test]
 fn a_listener_without_an_answer_falls_back_and_still_revokes_everything() {
     let t0 = Instant::now();
-    let mut exp = UcxExport::new(Blob(vec![1; 8]), DEADLINE, t0);
+    let mut exp = UcxExport::new(Blob(vec![1; 8]), None, DEADLINE, t0);
     exp.export(region(1));
     exp.handle_timeout(t0 + DEADLINE);
     exp.close();
@@ -349,8 +397,14 @@ fn a_listener_without_an_answer_falls_back_and_still_revokes_everything() {
 fn any_message() -> impl Strategy<Value = Message> {
     let id = any::<u8>().prop_map(|t| RegionId([t % 3; 16]));
     prop_oneof![
-        proptest::collection::vec(any::<u8>(), 0..80)
-            .prop_map(|b| Message::UcxOffer(UcxAddress { address: Blob(b) })),
+        (
+            proptest::collection::vec(any::<u8>(), 0..80),
+            proptest::option::of(prop_oneof![Just(OUR_HOST.to_string()), ".{0,12}"]),
+        )
+            .prop_map(|(b, host)| Message::UcxOffer(UcxAddress {
+                address: Blob(b),
+                host
+            })),
         Just(Message::UcxAccept(Ready {})),
         ".{0,20}".prop_map(|reason| Message::UcxDecline(UcxDecline { reason })),
         (
@@ -383,7 +437,7 @@ proptest! {
         let t0 = Instant::now();
         let mut imp = UcxImport::new();
         imp.welcomed(true, DEADLINE, t0);
-        let mut exp = UcxExport::new(Blob(vec![1; 8]), DEADLINE, t0);
+        let mut exp = UcxExport::new(Blob(vec![1; 8]), None, DEADLINE, t0);
         exp.export(region(1));
         let mut outs = Vec::new();
         for (i, m) in to_imp.into_iter().enumerate() {
@@ -416,5 +470,65 @@ proptest! {
         }
         let revoked = outs.iter().filter(|o| matches!(o, Output::Revoked { .. })).count();
         prop_assert_eq!(revoked, 1, "region 1 revoked {} times: {:?}", revoked, outs);
+    }
+}
+
+/// The initiator's host identity in [`a_host_claim_changes_only_the_connect_preference`].
+const OUR_HOST: &str = "boot-a/net:[1]/pid:[2]";
+
+/// What an initiator's driver sees, with the `same_host` of every `Connect` taken out.
+fn without_host(outs: &[Output]) -> Vec<Output> {
+    outs.iter()
+        .map(|o| match o {
+            Output::Connect { address, .. } => Output::Connect {
+                address: address.clone(),
+                same_host: false,
+            },
+            o => o.clone(),
+        })
+        .collect()
+}
+
+proptest! {
+    /// Whatever a listener sends: an initiator that knows its host and one that does not do
+    /// the same but for `Connect`'s `same_host`, which is true exactly for an offer naming
+    /// the initiator's host.
+    #[test]
+    fn a_host_claim_changes_only_the_connect_preference(
+        to_imp in proptest::collection::vec(any_message(), 0..24),
+    ) {
+        let t0 = Instant::now();
+        let mut ours = UcxImport::on_host(Some(OUR_HOST.to_string()));
+        let mut unknown = UcxImport::new();
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        for (i, m) in to_imp.into_iter().enumerate() {
+            let named = match &m {
+                Message::UcxOffer(o) => o.host.as_deref() == Some(OUR_HOST),
+                _ => false,
+            };
+            let before = a.len();
+            for (imp, outs) in [(&mut ours, &mut a), (&mut unknown, &mut b)] {
+                if i == 0 {
+                    imp.welcomed(true, DEADLINE, t0);
+                }
+                imp.handle_message(m.clone());
+                outs.extend(std::iter::from_fn(|| imp.poll_output()));
+                if i % 3 == 0 { imp.connected(); }
+                if i % 5 == 4 { imp.handle_timeout(t0 + DEADLINE); }
+                outs.extend(std::iter::from_fn(|| imp.poll_output()));
+            }
+            // A `Connect` comes only from the offer just handled.
+            for o in &a[before..] {
+                if let Output::Connect { same_host, .. } = o {
+                    prop_assert_eq!(*same_host, named, "offer {:?}", m);
+                }
+            }
+        }
+        prop_assert_eq!(without_host(&a), without_host(&b));
+        for o in &b {
+            if let Output::Connect { same_host, .. } = o {
+                prop_assert!(!same_host, "same_host without a host of our own");
+            }
+        }
     }
 }

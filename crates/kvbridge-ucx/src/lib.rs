@@ -65,4 +65,4 @@ pub use error::{Error, Result, Status, Step};
 #[cfg(feature = "ucx")]
 pub use region::MemRegion;
 #[cfg(feature = "ucx")]
-pub use worker::{EpId, OpId, RkeyId, Worker};
+pub use worker::{EpId, OpId, Prefer, RkeyId, Worker};

@@ -44,6 +44,21 @@ pub struct RkeyId(u64);
 #[must_use = "an operation must be waited for to learn whether it succeeded"]
 pub struct OpId(u64);
 
+/// What an endpoint asks of UCX first ([`Worker::connect_preferring`]). UCX 1.13 offers
+/// peer-failure detection (`UCP_ERR_HANDLING_MODE_PEER`) only on transports that have it,
+/// which its shared-memory ones lack: the choice is between the two.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Prefer {
+    /// Peer-failure detection: the endpoint fails as soon as UCX sees its peer die. With a
+    /// network transport in `UCX_TLS` the endpoint is built from it alone; with only
+    /// shared-memory transports UCX refuses the mode and the endpoint goes without it.
+    FailureDetection,
+    /// Every transport UCX would pick (`UCP_ERR_HANDLING_MODE_NONE`): shared memory and
+    /// cross-memory attach for a peer on this host. A dead peer then shows as a failed
+    /// operation or a passed deadline. For a peer known to be on this host.
+    SharedMemory,
+}
+
 /// Written by UCX's callbacks, read by the worker's owner.
 struct Slot(AtomicI32);
 
@@ -275,21 +290,38 @@ impl Worker {
     /// (`UCP_ERR_HANDLING_MODE_PEER`): operations on it then fail instead of waiting (see
     /// [`Worker::detects_peer_failure`]).
     pub fn connect(&mut self, peer: &str, address: &[u8]) -> Result<EpId> {
+        self.connect_preferring(peer, address, Prefer::FailureDetection)
+    }
+
+    /// [`Worker::connect`], asking UCX first for what `prefer` says (then for the other, if
+    /// UCX finds the peer unreachable that way).
+    pub fn connect_preferring(
+        &mut self,
+        peer: &str,
+        address: &[u8],
+        prefer: Prefer,
+    ) -> Result<EpId> {
         let raw = wire::open(Kind::WorkerAddress, address).map_err(|reason| Error::Malformed {
             peer: peer.to_string(),
             step: Step::EpCreate,
             reason,
         })?;
         let failed = Slot::new();
-        // Peer-failure handling first; UCX 1.13's shared-memory transports lack it and refuse
-        // such an endpoint as unreachable, so those endpoints go without (see `Endpoint`).
+        // UCX 1.13's shared-memory transports lack peer-failure handling and refuse an
+        // endpoint that asks for it as unreachable (then it goes without, see `Endpoint`);
+        // where a network transport has it, asking for it leaves shared memory out.
+        let (peer_mode, none) = (
+            sys::UCP_ERR_HANDLING_MODE_PEER,
+            sys::UCP_ERR_HANDLING_MODE_NONE,
+        );
+        let modes = match prefer {
+            Prefer::FailureDetection => [peer_mode, none],
+            Prefer::SharedMemory => [none, peer_mode],
+        };
         let mut handle: sys::ucp_ep_h = ptr::null_mut();
         let mut code = sys::UCS_ERR_UNREACHABLE;
         let mut detects = false;
-        for mode in [
-            sys::UCP_ERR_HANDLING_MODE_PEER,
-            sys::UCP_ERR_HANDLING_MODE_NONE,
-        ] {
+        for mode in modes {
             let params = sys::ucp_ep_params_t {
                 field_mask: (sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
                     | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
@@ -333,6 +365,43 @@ impl Worker {
     /// or a passed deadline.
     pub fn detects_peer_failure(&self, ep: EpId) -> Option<bool> {
         self.eps.get(&ep.0).map(|e| e.detects)
+    }
+
+    /// UCX's description of endpoint `ep` (`ucp_ep_print_info`): its configuration and the
+    /// transport and device of each lane, e.g. `posix/memory`, `cma/memory`, `tcp/lo`.
+    pub fn endpoint_info(&self, ep: EpId) -> Result<String> {
+        let e = self.eps.get(&ep.0).ok_or(Error::NotOpen {
+            step: Step::EpCreate,
+            what: "endpoint",
+            id: ep.0,
+        })?;
+        let os = |source| Error::Os {
+            step: Step::EpCreate,
+            source,
+        };
+        // SAFETY: plain call; the stream is closed below.
+        let file = unsafe { libc::tmpfile() };
+        if file.is_null() {
+            return Err(os(std::io::Error::last_os_error()));
+        }
+        // SAFETY: live endpoint of this worker; `file` is an open stream, written to during
+        // the call only.
+        unsafe { sys::ucp_ep_print_info(e.handle, file.cast()) };
+        let mut text = Vec::new();
+        let mut buf = [0u8; 4096];
+        // SAFETY: `file` is open; reads at most `buf.len()` bytes into `buf`.
+        unsafe { libc::rewind(file) };
+        loop {
+            // SAFETY: as above.
+            let n = unsafe { libc::fread(buf.as_mut_ptr().cast(), 1, buf.len(), file) };
+            if n == 0 {
+                break;
+            }
+            text.extend_from_slice(&buf[..n]);
+        }
+        // SAFETY: closed once; nothing uses `file` after.
+        unsafe { libc::fclose(file) };
+        Ok(String::from_utf8_lossy(&text).into_owned())
     }
 
     /// Unpacks a peer's region descriptor (the bytes of its `MemRegion::descriptor`) for use
@@ -522,6 +591,14 @@ impl Worker {
     /// was posted on it and tells the peer, at most until `deadline`. An endpoint whose peer
     /// failed is released without waiting (`UCP_EP_CLOSE_FLAG_FORCE`).
     pub fn close(&mut self, ep: EpId, deadline: Instant) -> Result<()> {
+        let op = self.post_close(ep)?;
+        self.wait(op, deadline)
+    }
+
+    /// Starts closing endpoint `ep` (see [`Worker::close`]) without waiting: the endpoint
+    /// and its keys are gone at once; the close completes through [`Worker::test`] or
+    /// [`Worker::wait`] (a caller that stops waiting leaves it to the worker).
+    pub fn post_close(&mut self, ep: EpId) -> Result<OpId> {
         let e = self.eps.remove(&ep.0).ok_or(Error::NotOpen {
             step: Step::EpClose,
             what: "endpoint",
@@ -536,8 +613,7 @@ impl Worker {
         for id in keys {
             let _ = self.destroy_rkey(RkeyId(id));
         }
-        let op = self.start_close(e)?;
-        self.wait(op, deadline)
+        self.start_close(e)
     }
 
     fn start_close(&mut self, e: Endpoint) -> Result<OpId> {

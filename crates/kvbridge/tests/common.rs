@@ -231,7 +231,8 @@ impl Carrier {
 /// (TCP, 3 data connections), `<name>::tcp_tls` (TLS on control and data connections, 2
 /// data connections), `<name>::shm`, `<name>::cma` (the listener's region in
 /// caller memory, carried by cross-memory attach where permitted) and, with the `ucx`
-/// feature, `<name>::ucx_tcp` and `<name>::ucx_sm` (UCX over `UCX_TLS=tcp` and `sm,self`),
+/// feature, `<name>::ucx_tcp` and `<name>::ucx_sm` (UCX over `UCX_TLS=tcp` and
+/// `sm,self,tcp`: a same-host endpoint takes the shared-memory lanes beside tcp),
 /// that runs
 /// `body(carrier)`: the suite is parametrized, not copied.
 #[macro_export]
@@ -273,7 +274,7 @@ macro_rules! per_transport {
             #[cfg(feature = "ucx")]
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn ucx_sm() {
-                $body($crate::common::Carrier::ucx("sm,self")).await
+                $body($crate::common::Carrier::ucx("sm,self,tcp")).await
             }
         }
     };
@@ -490,6 +491,7 @@ impl Carrier {
             "-" => None,
             "tcp" => Some("tcp"),
             "sm,self" => Some("sm,self"),
+            "sm,self,tcp" => Some("sm,self,tcp"),
             other => panic!("UCX transports {other:?}"),
         };
         Carrier {

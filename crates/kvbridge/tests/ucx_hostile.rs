@@ -1,8 +1,9 @@
 //! Peers that break the UCX negotiation, spoken by hand against a real channel: a hostile
 //! initiator (replayed, misdirected and unknown UCX messages) gets a typed `Bye` and loses
 //! its session; a hostile listener (an offer with garbage bytes, an offer its `Welcome` did
-//! not announce, no offer at all, a key before the accept, keys with garbage bytes) gets a
-//! decline or a typed refusal, and the initiator's `connect` returns by its deadline.
+//! not announce, an oversized host identity, no offer at all, a key before the accept, keys
+//! with garbage bytes) gets a decline or a typed refusal, and the initiator's `connect`
+//! returns by its deadline.
 #![cfg(feature = "ucx")]
 
 mod common;
@@ -225,6 +226,7 @@ async fn an_offer_with_garbage_bytes_is_declined_and_the_session_uses_tcp() {
             &mut ctl,
             &Message::UcxOffer(UcxAddress {
                 address: Blob(garbage),
+                host: None,
             }),
         )
         .await;
@@ -243,6 +245,37 @@ async fn an_offer_with_garbage_bytes_is_declined_and_the_session_uses_tcp() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_offer_with_an_oversized_host_identity_fails_the_connect_by_name() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let at = l.local_addr().unwrap().to_string();
+    let pre = ucx_initiator(Duration::from_secs(10)).await;
+    let hostile = async {
+        let (mut ctl, data) = raw_listener(&l, true).await;
+        send_frame(
+            &mut ctl,
+            &Message::UcxOffer(UcxAddress {
+                address: Blob(vec![1; 64]),
+                host: Some("h".repeat(MAX_UCX_HOST_LEN + 1)),
+            }),
+        )
+        .await;
+        (ctl, data)
+    };
+    let (r, _kept) = tokio::join!(
+        tokio::time::timeout(Duration::from_secs(30), pre.connect(&at)),
+        hostile
+    );
+    let r = r.expect("the connect did not return");
+    match r {
+        Err(e) => {
+            eprintln!("refused: {e}");
+            assert!(e.to_string().contains("raw-decoder"), "names the peer: {e}");
+        }
+        Ok(p) => panic!("a session started after an oversized host identity: {p}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_offer_the_welcome_did_not_announce_ends_the_session() {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let at = l.local_addr().unwrap().to_string();
@@ -257,6 +290,7 @@ async fn an_offer_the_welcome_did_not_announce_ends_the_session() {
         &mut ctl,
         &Message::UcxOffer(UcxAddress {
             address: Blob(vec![1; 64]),
+            host: None,
         }),
     )
     .await;

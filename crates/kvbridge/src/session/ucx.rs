@@ -9,7 +9,8 @@
 //!   them). A grant withdrawn (deregistration, `Region::detach`) unmaps the peer's key; its
 //!   registration is let go once the peer answered `UcxUnmapped`, or the session ended.
 //! - Initiator: connects its worker's endpoint to the offered address (or declines, and
-//!   the session goes on over TCP), unpacks each key, and hands the data path a
+//!   the session goes on over TCP), preferring UCX's shared-memory transports when the offer
+//!   names this host's identity (else peer-failure detection), unpacks each key, and hands the data path a
 //!   [`UcxRoute`] that names the regions its batches may reach over UCX. An unmap removes
 //!   the region from the route, flushes what was posted on it and destroys the key before
 //!   answering. When the listener's `Welcome` announced an offer, the session is reported up
@@ -121,7 +122,8 @@ impl UcxLink {
     /// machine once the session is established ([`UcxLink::established`]).
     pub(super) fn new(channel: Option<Arc<UcxChannel>>, initiator: bool) -> Self {
         Self {
-            link: (channel.is_some() && initiator).then(|| Link::Import(UcxImport::new())),
+            link: (channel.is_some() && initiator)
+                .then(|| Link::Import(UcxImport::on_host(crate::transport::shm::host_id()))),
             channel,
             exported: HashMap::new(),
             grants_changed: false,
@@ -203,6 +205,7 @@ impl UcxLink {
         let address = Blob(ch.thread().address().to_vec());
         self.link = Some(Link::Export(UcxExport::new(
             address,
+            crate::transport::shm::host_id(),
             timeout,
             Instant::now(),
         )));
@@ -300,8 +303,14 @@ impl UcxLink {
 
     async fn carry_out(&mut self, ch: &Arc<UcxChannel>, s: &Round<'_>, o: Output) {
         match o {
-            Output::Connect { address } => {
-                let r = ch.thread().connect(&s.endpoint(), &address.0).await;
+            Output::Connect { address, same_host } => {
+                // A listener on this host: an endpoint that may use UCX's shared-memory and
+                // cross-memory-attach lanes (a dead peer then shows at the op deadline).
+                tracing::debug!(peer = %s.peer, same_host, "UCX endpoint");
+                let r = ch
+                    .thread()
+                    .connect(&s.endpoint(), &address.0, same_host)
+                    .await;
                 let Some(Link::Import(x)) = self.link.as_mut() else {
                     return;
                 };

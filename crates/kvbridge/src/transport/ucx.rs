@@ -13,7 +13,7 @@ use crate::region::Region;
 use crate::transport::one_sided::{OneSided, OneSidedError, OneSidedStep, RangeOp};
 use kvbridge_proto::RegionId;
 use kvbridge_ucx::wire::RegionDescriptor;
-use kvbridge_ucx::{Context, ContextConfig, EpId, MemRegion, OpId, RkeyId, Worker};
+use kvbridge_ucx::{Context, ContextConfig, EpId, MemRegion, OpId, Prefer, RkeyId, Worker};
 use std::collections::HashMap;
 use std::os::fd::RawFd;
 use std::time::{Duration, Instant};
@@ -174,6 +174,119 @@ impl UcxBackend {
         }
     }
 
+    /// [`OneSided::connect`] to a peer that is on this host (`same_host`: its host identity
+    /// equals ours) or may not be. A same-host endpoint asks UCX for its shared-memory and
+    /// cross-memory-attach transports first, which cannot report a dead peer (it shows at
+    /// the operation deadlines); any other asks for peer-failure detection first.
+    pub(crate) fn connect_on_host(
+        &mut self,
+        peer: &str,
+        address: &[u8],
+        same_host: bool,
+    ) -> Result<(), OneSidedError> {
+        if self.peers.contains_key(peer) {
+            return Err(OneSidedError::Failed {
+                peer: peer.to_string(),
+                step: OneSidedStep::Connect,
+                detail: "already connected".to_string(),
+            });
+        }
+        let prefer = if same_host {
+            Prefer::SharedMemory
+        } else {
+            Prefer::FailureDetection
+        };
+        let ep = self
+            .worker
+            .connect_preferring(peer, address, prefer)
+            .map_err(|e| ucx_error(peer, OneSidedStep::Connect, e))?;
+        self.peers.insert(
+            peer.to_string(),
+            UcxPeer {
+                ep,
+                regions: HashMap::new(),
+            },
+        );
+        Ok(())
+    }
+
+    /// UCX's description of the endpoint to `peer` (its lanes' transports).
+    #[cfg(test)]
+    pub(crate) fn endpoint_info(&self, peer: &str) -> Result<String, OneSidedError> {
+        let p = self.peer(peer, OneSidedStep::Connect)?;
+        self.worker
+            .endpoint_info(p.ep)
+            .map_err(|e| ucx_error(peer, OneSidedStep::Connect, e))
+    }
+
+    /// [`OneSided::release`] without waiting: the region is gone from the peer's table and
+    /// its key destroyed at once; the returned flush completes (through
+    /// [`OneSided::test`]) once every operation posted on it before has ended.
+    pub(crate) fn post_release(
+        &mut self,
+        peer: &str,
+        id: RegionId,
+    ) -> Result<UcxPosted, OneSidedError> {
+        let p = self
+            .peers
+            .get_mut(peer)
+            .ok_or_else(|| OneSidedError::NotConnected {
+                peer: peer.to_string(),
+                step: OneSidedStep::Release,
+            })?;
+        let ep = p.ep;
+        let Some(imported) = p.regions.remove(&id) else {
+            return Err(OneSidedError::UnknownRegion {
+                peer: peer.to_string(),
+                step: OneSidedStep::Release,
+                side: "remote",
+                region: id,
+            });
+        };
+        // Later batches no longer resolve the region (removed above); the flush ends every
+        // one posted before, so the peer may unmap once it completed. Operations already
+        // posted keep inside UCX what they need of the key.
+        let flush = self
+            .worker
+            .post_flush(ep)
+            .map_err(|e| ucx_error(peer, OneSidedStep::Release, e));
+        let destroyed = self
+            .worker
+            .destroy_rkey(imported.rkey)
+            .map_err(|e| ucx_error(peer, OneSidedStep::Release, e));
+        let flush = flush?;
+        destroyed?;
+        Ok(UcxPosted {
+            peer: peer.to_string(),
+            ops: Vec::new(),
+            flush: Some(flush),
+        })
+    }
+
+    /// [`OneSided::disconnect`] without waiting: the peer, its endpoint and keys are gone
+    /// at once; the returned close completes (through [`OneSided::test`]) once UCX flushed
+    /// the endpoint and told the peer. Nothing waits on it here, so a close to a dead peer
+    /// holds up no other batch.
+    pub(crate) fn post_disconnect(&mut self, peer: &str) -> Result<UcxPosted, OneSidedError> {
+        let p = self
+            .peers
+            .remove(peer)
+            .ok_or_else(|| OneSidedError::NotConnected {
+                peer: peer.to_string(),
+                step: OneSidedStep::Disconnect,
+            })?;
+        // Closing the endpoint destroys the keys unpacked through it.
+        let close = self
+            .worker
+            .post_close(p.ep)
+            .map_err(|e| ucx_error(peer, OneSidedStep::Disconnect, e))?;
+        Ok(UcxPosted {
+            peer: peer.to_string(),
+            ops: Vec::new(),
+            flush: Some(close),
+        })
+    }
+
     /// Checks one range against its two regions.
     fn check(&self, peer: &UcxPeer, name: &str, op: &RangeOp) -> Result<(), OneSidedError> {
         let out = |side, region, size| OneSidedError::OutOfBounds {
@@ -246,25 +359,7 @@ impl OneSided for UcxBackend {
     }
 
     fn connect(&mut self, peer: &str, address: &[u8]) -> Result<(), OneSidedError> {
-        if self.peers.contains_key(peer) {
-            return Err(OneSidedError::Failed {
-                peer: peer.to_string(),
-                step: OneSidedStep::Connect,
-                detail: "already connected".to_string(),
-            });
-        }
-        let ep = self
-            .worker
-            .connect(peer, address)
-            .map_err(|e| ucx_error(peer, OneSidedStep::Connect, e))?;
-        self.peers.insert(
-            peer.to_string(),
-            UcxPeer {
-                ep,
-                regions: HashMap::new(),
-            },
-        );
-        Ok(())
+        self.connect_on_host(peer, address, false)
     }
 
     fn import(&mut self, peer: &str, id: RegionId, descriptor: &[u8]) -> Result<(), OneSidedError> {
@@ -754,5 +849,117 @@ mod tests {
             "waited {:?}",
             started.elapsed()
         );
+    }
+
+    /// The lanes' transports of an endpoint, as UCX prints them (`posix/memory`, `tcp/lo`).
+    fn lanes(info: &str) -> Vec<String> {
+        let mut out: Vec<String> = info
+            .split(|c: char| c.is_whitespace() || c == '(' || c == ')' || c == ',')
+            .filter(|w| w.contains('/') && !w.starts_with('/'))
+            .map(|w| w.trim_start_matches(|c: char| c.is_ascii_digit() || c == ':'))
+            .map(str::to_string)
+            .collect();
+        out.sort();
+        out.dedup();
+        out
+    }
+
+    fn is_shared_memory(lane: &str) -> bool {
+        ["posix/", "sysv/", "cma/", "xpmem/", "knem/"]
+            .iter()
+            .any(|t| lane.starts_with(t))
+    }
+
+    #[test]
+    fn a_same_host_endpoint_gets_shared_memory_lanes_beside_tcp() {
+        // With a network transport in `UCX_TLS`, asking for peer-failure detection builds
+        // the endpoint from that transport alone; a same-host endpoint asks for every
+        // transport UCX picks, so its lanes include shared memory or cross-memory attach.
+        let tls = "sm,self,tcp";
+        let t = Target::start(tls);
+        let local = Region::alloc(LEN, 4096).unwrap();
+        let mut b = UcxBackend::new(Some(tls)).unwrap();
+        b.export(&local).unwrap();
+        b.connect_on_host("same", &t.address, true).unwrap();
+        b.connect_on_host("other", &t.address, false).unwrap();
+        let same = b.endpoint_info("same").unwrap();
+        let other = b.endpoint_info("other").unwrap();
+        eprintln!("same host:\n{same}\nother:\n{other}");
+        let (same, other) = (lanes(&same), lanes(&other));
+        assert!(
+            same.iter().any(|l| is_shared_memory(l)),
+            "a same-host endpoint without shared-memory lanes: {same:?}"
+        );
+        assert!(
+            !other.iter().any(|l| is_shared_memory(l)),
+            "an endpoint with peer-failure detection over shared memory: {other:?}"
+        );
+        // Both carry bytes.
+        for peer in ["same", "other"] {
+            b.import(peer, t.region.id(), &t.descriptor).unwrap();
+            let data = pattern(11, 1 << 20);
+            local.write_at(0, &data).unwrap();
+            let posted = b
+                .post(peer, Dir::Write, &[op(&local, 0, &t.region, 0, 1 << 20)])
+                .unwrap();
+            b.wait(posted, deadline()).unwrap();
+            let mut got = vec![0u8; 1 << 20];
+            t.region.read_at(0, &mut got).unwrap();
+            assert!(got == data, "{peer}: bytes differ");
+        }
+    }
+
+    #[test]
+    fn a_same_host_claim_over_tcp_alone_still_fails_a_write_to_a_gone_peer_by_its_deadline() {
+        // What a peer lying about its host gets: an endpoint without peer-failure detection
+        // over UCX's network transport. A write to it after its worker is gone ends by the
+        // deadline, with an error, and the process lives on.
+        let tls = "tcp";
+        let mut t = Target::start(tls);
+        let local = Region::alloc(LEN, 4096).unwrap();
+        let mut b = UcxBackend::new(Some(tls)).unwrap();
+        b.export(&local).unwrap();
+        b.connect_on_host("liar", &t.address, true).unwrap();
+        b.import("liar", t.region.id(), &t.descriptor).unwrap();
+        let ops = [op(&local, 0, &t.region, 0, 1 << 20)];
+        let posted = b.post("liar", Dir::Write, &ops).unwrap();
+        b.wait(posted, deadline()).unwrap();
+        drop(t.join());
+        let started = Instant::now();
+        let r = b
+            .post("liar", Dir::Write, &ops)
+            .and_then(|p| b.wait(p, Instant::now() + Duration::from_secs(3)));
+        let took = started.elapsed();
+        eprintln!("write to the gone peer: {r:?} after {took:?}");
+        assert!(r.is_err(), "a write to a gone peer succeeded");
+        assert!(took < Duration::from_secs(13), "waited {took:?}");
+        let closed = b
+            .post_disconnect("liar")
+            .and_then(|p| b.wait(p, Instant::now() + Duration::from_secs(3)));
+        eprintln!("close: {closed:?}");
+    }
+
+    #[test]
+    fn a_disconnect_posted_returns_at_once_and_ends_through_test() {
+        for tls in TLS_VARIANTS {
+            let t = Target::start(tls);
+            let (mut b, local) = initiator(tls, &t);
+            let ops = [op(&local, 0, &t.region, 0, 1 << 20)];
+            let posted = b.post("target", Dir::Write, &ops).unwrap();
+            b.wait(posted, deadline()).unwrap();
+            let mut close = b.post_disconnect("target").unwrap();
+            assert!(
+                matches!(
+                    b.post("target", Dir::Write, &ops),
+                    Err(OneSidedError::NotConnected { .. })
+                ),
+                "{tls}: the peer is gone from the table at once"
+            );
+            let end = deadline();
+            while !b.test(&mut close).unwrap() {
+                assert!(Instant::now() < end, "{tls}: the close never ended");
+                b.wait_events(Duration::from_millis(10)).unwrap();
+            }
+        }
     }
 }

@@ -20,7 +20,7 @@ type Reply<T> = oneshot::Sender<Result<T, OneSidedError>>;
 /// What a task asks of the backend's thread.
 enum Cmd {
     Export(Region, Reply<Vec<u8>>),
-    Connect(String, Vec<u8>, Reply<()>),
+    Connect(String, Vec<u8>, bool, Reply<()>),
     Import(String, RegionId, Vec<u8>, Reply<()>),
     Post(String, Dir, Vec<RangeOp>, Instant, Reply<()>),
     Release(String, RegionId, Instant, Reply<()>),
@@ -28,9 +28,13 @@ enum Cmd {
     Disconnect(String, Instant, Reply<()>),
 }
 
-/// A batch posted and not yet answered.
+/// A batch, a release's flush or a disconnect's close, posted and not yet answered. None
+/// is waited for on its own: the thread completes all of them in its loop, each answered by
+/// its deadline, so one that cannot end (a dead peer) holds up no other.
 struct Running {
     posted: UcxPosted,
+    /// The step a passed deadline names.
+    step: OneSidedStep,
     started: Instant,
     deadline: Instant,
     reply: Reply<()>,
@@ -138,11 +142,18 @@ impl UcxThread {
             .await
     }
 
-    /// See [`OneSided::connect`].
-    pub(crate) async fn connect(&self, peer: &str, address: &[u8]) -> Result<(), OneSidedError> {
+    /// See [`UcxBackend::connect_on_host`].
+    pub(crate) async fn connect(
+        &self,
+        peer: &str,
+        address: &[u8],
+        same_host: bool,
+    ) -> Result<(), OneSidedError> {
         let (p, a) = (peer.to_string(), address.to_vec());
-        self.ask(OneSidedStep::Connect, |tx| Cmd::Connect(p, a, tx))
-            .await
+        self.ask(OneSidedStep::Connect, |tx| {
+            Cmd::Connect(p, a, same_host, tx)
+        })
+        .await
     }
 
     /// See [`OneSided::import`].
@@ -256,7 +267,7 @@ fn run(mut b: UcxBackend, rx: mpsc::Receiver<Cmd>, wake: Arc<OwnedFd>, wakeups: 
                     b.abandon(&mut r.posted);
                     Some(Err(OneSidedError::Deadline {
                         peer: r.posted.peer().to_string(),
-                        step: OneSidedStep::Complete,
+                        step: r.step,
                         waited: now - r.started,
                     }))
                 }
@@ -309,20 +320,52 @@ fn run(mut b: UcxBackend, rx: mpsc::Receiver<Cmd>, wake: Arc<OwnedFd>, wakeups: 
 fn serve(b: &mut UcxBackend, cmd: Cmd, running: &mut Vec<Running>) {
     match cmd {
         Cmd::Export(region, tx) => drop(tx.send(b.export(&region))),
-        Cmd::Connect(peer, address, tx) => drop(tx.send(b.connect(&peer, &address))),
+        Cmd::Connect(peer, address, same_host, tx) => {
+            drop(tx.send(b.connect_on_host(&peer, &address, same_host)))
+        }
         Cmd::Import(peer, id, d, tx) => drop(tx.send(b.import(&peer, id, &d))),
-        Cmd::Post(peer, dir, ops, deadline, reply) => match b.post(&peer, dir, &ops) {
-            Ok(posted) => running.push(Running {
-                posted,
-                started: Instant::now(),
-                deadline,
-                reply,
-            }),
-            Err(e) => drop(reply.send(Err(e))),
-        },
-        Cmd::Release(peer, id, deadline, tx) => drop(tx.send(b.release(&peer, id, deadline))),
+        Cmd::Post(peer, dir, ops, deadline, reply) => track(
+            b.post(&peer, dir, &ops),
+            OneSidedStep::Complete,
+            deadline,
+            reply,
+            running,
+        ),
+        Cmd::Release(peer, id, deadline, reply) => track(
+            b.post_release(&peer, id),
+            OneSidedStep::Release,
+            deadline,
+            reply,
+            running,
+        ),
         Cmd::Revoke(id, tx) => drop(tx.send(b.revoke(id))),
-        Cmd::Disconnect(peer, deadline, tx) => drop(tx.send(b.disconnect(&peer, deadline))),
+        Cmd::Disconnect(peer, deadline, reply) => track(
+            b.post_disconnect(&peer),
+            OneSidedStep::Disconnect,
+            deadline,
+            reply,
+            running,
+        ),
+    }
+}
+
+/// Answers `reply` once `posted` completed, failed, or `deadline` passed.
+fn track(
+    posted: Result<UcxPosted, OneSidedError>,
+    step: OneSidedStep,
+    deadline: Instant,
+    reply: Reply<()>,
+    running: &mut Vec<Running>,
+) {
+    match posted {
+        Ok(posted) => running.push(Running {
+            posted,
+            step,
+            started: Instant::now(),
+            deadline,
+            reply,
+        }),
+        Err(e) => drop(reply.send(Err(e))),
     }
 }
 
@@ -390,7 +433,7 @@ mod tests {
         let local = Region::alloc(LEN, 4096).unwrap();
         let d = bounded(target.export(&remote)).await.unwrap();
         bounded(initiator.export(&local)).await.unwrap();
-        bounded(initiator.connect("target", target.address()))
+        bounded(initiator.connect("target", target.address(), false))
             .await
             .unwrap();
         bounded(initiator.import("target", remote.id(), &d))
@@ -542,7 +585,7 @@ mod tests {
     async fn hostile_bytes_and_bad_ranges_are_refused_through_the_thread() {
         let p = pair("tcp").await;
         assert!(matches!(
-            bounded(p.initiator.connect("evil", &[0xff; 40])).await,
+            bounded(p.initiator.connect("evil", &[0xff; 40], false)).await,
             Err(OneSidedError::Malformed { .. })
         ));
         assert!(matches!(
@@ -603,46 +646,91 @@ mod tests {
         std::thread::sleep(Duration::from_secs(60));
     }
 
+    /// The target process started, an initiator's thread connected to it (on this host when
+    /// `same_host`) with its region imported, a 1 MiB write done, then the target killed.
+    /// Returns the initiator, its region (kept registered) and the write's ranges.
+    async fn killed_target(tls: &str, same_host: bool) -> (UcxThread, Region, Vec<RangeOp>) {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "transport::ucx_thread::tests::child_target_process",
+                "--exact",
+                "--nocapture",
+            ])
+            .env(CHILD_ENV, tls)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = child.stdout.take().unwrap();
+        let line = std::io::BufReader::new(out)
+            .lines()
+            .map(|l| l.unwrap())
+            .find(|l| l.starts_with("KVBX "))
+            .expect("the child's address line");
+        let f: Vec<&str> = line.split(' ').collect();
+        let (address, descriptor) = (unhex(f[1]), unhex(f[2]));
+        let id = RegionId(unhex(f[3]).try_into().unwrap());
+        let ini = UcxThread::start("initiator", Some(tls)).unwrap();
+        let local = Region::alloc(LEN, 4096).unwrap();
+        bounded(ini.export(&local)).await.unwrap();
+        bounded(ini.connect("child", &address, same_host))
+            .await
+            .unwrap();
+        bounded(ini.import("child", id, &descriptor)).await.unwrap();
+        let ops = vec![RangeOp {
+            local: local.id(),
+            local_offset: 0,
+            remote: id,
+            remote_offset: 0,
+            len: 1 << 20,
+        }];
+        bounded(ini.transfer("child", Dir::Write, ops.clone(), Instant::now() + BOUND))
+            .await
+            .unwrap();
+        child.kill().unwrap();
+        child.wait().unwrap();
+        (ini, local, ops)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_disconnect_from_a_killed_peer_holds_up_no_write() {
+        // Over shared memory a dead peer is not detected: a write to it ends at its
+        // deadline, and the endpoint's close (a session's teardown) would run until its own,
+        // longer one. The write must still end by its deadline, not the close's.
+        for tls in ["sm,self", "sm,self,tcp"] {
+            let (ini, _local, ops) = killed_target(tls, true).await;
+            let write = Duration::from_secs(2);
+            let close = Duration::from_secs(14);
+            let started = Instant::now();
+            // The write's command goes first (the first poll sends it), the close's second.
+            let (w, c) = tokio::join!(
+                async {
+                    let r = ini
+                        .transfer("child", Dir::Write, ops, Instant::now() + write)
+                        .await;
+                    (r, started.elapsed())
+                },
+                ini.disconnect("child", Instant::now() + close)
+            );
+            let (r, took) = w;
+            eprintln!(
+                "{tls}: write {r:?} after {took:?}; close {c:?} after {:?}",
+                started.elapsed()
+            );
+            assert!(r.is_err(), "{tls}: a write to a killed peer succeeded");
+            // The write's deadline plus room for a loaded host's scheduling, short of the
+            // close's deadline.
+            assert!(
+                took < write + Duration::from_secs(8),
+                "{tls}: took {took:?}"
+            );
+        }
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_write_to_a_killed_peer_process_fails_within_its_deadline() {
-        use std::io::BufRead;
         for tls in ["tcp", "sm,self"] {
-            let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-                .args([
-                    "transport::ucx_thread::tests::child_target_process",
-                    "--exact",
-                    "--nocapture",
-                ])
-                .env(CHILD_ENV, tls)
-                .stdout(std::process::Stdio::piped())
-                .spawn()
-                .unwrap();
-            let out = child.stdout.take().unwrap();
-            let line = std::io::BufReader::new(out)
-                .lines()
-                .map(|l| l.unwrap())
-                .find(|l| l.starts_with("KVBX "))
-                .expect("the child's address line");
-            let f: Vec<&str> = line.split(' ').collect();
-            let (address, descriptor) = (unhex(f[1]), unhex(f[2]));
-            let id = RegionId(unhex(f[3]).try_into().unwrap());
-            let ini = UcxThread::start("initiator", Some(tls)).unwrap();
-            let local = Region::alloc(LEN, 4096).unwrap();
-            bounded(ini.export(&local)).await.unwrap();
-            bounded(ini.connect("child", &address)).await.unwrap();
-            bounded(ini.import("child", id, &descriptor)).await.unwrap();
-            let ops = vec![RangeOp {
-                local: local.id(),
-                local_offset: 0,
-                remote: id,
-                remote_offset: 0,
-                len: 1 << 20,
-            }];
-            bounded(ini.transfer("child", Dir::Write, ops.clone(), Instant::now() + BOUND))
-                .await
-                .unwrap();
-            child.kill().unwrap();
-            child.wait().unwrap();
+            let (ini, _local, ops) = killed_target(tls, false).await;
             let started = Instant::now();
             let r = bounded(ini.transfer(
                 "child",
