@@ -2,6 +2,7 @@
 
     python kv_events_zmq_peer.py pub        # bind a PUB, print its port, publish a
                                              # BlockStored batch every 20 ms (at most 10 s)
+    python kv_events_zmq_peer.py pub ipc://PATH  # the same on a Unix socket; prints the endpoint
     python kv_events_zmq_peer.py sub PORT   # SUB to 127.0.0.1:PORT, print the first
                                              # message as JSON [topic, seq, batch]
 
@@ -21,8 +22,12 @@ def main():
     ctx = zmq.Context.instance()
     if sys.argv[1] == "pub":
         s = ctx.socket(zmq.PUB)
-        port = s.bind_to_random_port("tcp://127.0.0.1")
-        print(port, flush=True)
+        if len(sys.argv) > 2:
+            s.bind(sys.argv[2])
+            print(sys.argv[2], flush=True)
+        else:
+            port = s.bind_to_random_port("tcp://127.0.0.1")
+            print(port, flush=True)
         batch = [
             0.5,
             [

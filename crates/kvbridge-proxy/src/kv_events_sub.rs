@@ -1,7 +1,10 @@
 //! The SUB side of vLLM's KV-events stream: one connection per worker to the worker's PUB
 //! endpoint (vLLM `--kv-events-config '{"publisher": "zmq", "endpoint": "tcp://*:5557"}'`,
 //! the reference engine `--kv-events-endpoint`), feeding that worker's view in the
-//! [`KvIndex`].
+//! [`KvIndex`]. An endpoint is `tcp://host:port` (or `host:port`), or `ipc://path`, a Unix
+//! socket: vLLM's publisher binds only a wildcard TCP endpoint or an `ipc://` one (to any
+//! other it connects out), so a worker on the proxy's host that should not listen on every
+//! interface publishes on `ipc://`.
 //!
 //! Our own bounded ZMTP 3.0 code (`kvbridge_proto::zmtp`), as on the outcome port: a frame
 //! over [`SubLimits::max_frame`] or a message of more than three frames closes the
@@ -20,8 +23,8 @@ use std::time::Duration;
 
 use kvbridge_proto::kv_events::{decode_batch, split_message, DecodeLimits};
 use kvbridge_proto::zmtp::{frame, PullEvent, PullLimits, PullSession};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpStream, UnixStream};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
@@ -90,8 +93,8 @@ impl Drop for KvEventsSubscribers {
     }
 }
 
-/// Subscribes to `topic` on each `(worker index, endpoint)` (`tcp://host:port` or
-/// `host:port`), feeding `index`.
+/// Subscribes to `topic` on each `(worker index, endpoint)` (`tcp://host:port`,
+/// `host:port` or `ipc://path`), feeding `index`.
 pub fn spawn(
     endpoints: Vec<(usize, String)>,
     topic: Vec<u8>,
@@ -121,6 +124,20 @@ pub fn spawn(
     KvEventsSubscribers { tasks, stats }
 }
 
+/// A connection to a publisher, over TCP or a Unix socket.
+trait Stream: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Stream for T {}
+
+/// Connects to `addr`: `ipc://path` is a Unix socket, anything else `host:port`.
+async fn connect(addr: &str) -> std::io::Result<Box<dyn Stream>> {
+    if let Some(path) = addr.strip_prefix("ipc://") {
+        return Ok(Box::new(UnixStream::connect(path).await?));
+    }
+    let stream = TcpStream::connect(addr).await?;
+    stream.set_nodelay(true)?;
+    Ok(Box::new(stream))
+}
+
 fn bad(detail: impl std::fmt::Display) -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::InvalidData, detail.to_string())
 }
@@ -143,8 +160,7 @@ async fn subscribe_once(
     );
     let mut buf = vec![0u8; 64 * 1024];
     let handshake = async {
-        let mut stream = TcpStream::connect(addr).await?;
-        stream.set_nodelay(true)?;
+        let mut stream = connect(addr).await?;
         stream.write_all(&session.start()).await?;
         while !session.established() {
             let n = stream.read(&mut buf).await?;

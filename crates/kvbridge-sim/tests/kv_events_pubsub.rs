@@ -296,6 +296,27 @@ async fn pyzmq_pub_to_our_sub() {
     .await;
 }
 
+/// libzmq's PUB bound to an `ipc://` endpoint (how a vLLM worker publishes without listening
+/// on every interface) reaches our SUB over the Unix socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pyzmq_pub_on_ipc_to_our_sub() {
+    let dir = std::env::temp_dir().join(format!("kvbridge-kv-events-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ep = format!("ipc://{}", dir.join("pub.sock").display());
+    let Some(mut child) = pyzmq_peer(&["pub", &ep]) else {
+        return;
+    };
+    assert_eq!(first_line(&mut child).await.trim(), ep);
+    let index = Arc::new(KvIndex::new(1, 1000));
+    let subs = kv_events_sub::spawn(vec![(0, ep)], b"kv".to_vec(), index.clone(), limits());
+    until(&subs.stats, "pyzmq's block over ipc", || {
+        index.matched_tokens(0, &[1, 2]) == 2
+    })
+    .await;
+    drop(child);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Our PUB reaches libzmq's SUB (pyzmq), which reads the batch with msgspec.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn our_pub_to_pyzmq_sub() {

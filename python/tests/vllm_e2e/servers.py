@@ -285,17 +285,18 @@ def tcp_rx_queue(port: int) -> int:
 class VllmEventsServer(Proc):
     """A colocated vLLM CPU server started as :class:`VllmServer` starts one (same model
     flags and environment, no KV connector), with prefix caching on and its KV cache events
-    published on a ZMQ PUB socket on ``events_port`` (vLLM's ``--kv-events-config``): the
-    stream ``kvbridge proxy --routing kv-events`` subscribes to, at ``events``. vLLM 0.32's
-    publisher binds only a wildcard endpoint (``tcp://*:PORT``); to ``tcp://127.0.0.1:PORT``
-    it connects, and no subscriber that connects would ever hear from it."""
+    published on a ZMQ PUB socket (vLLM's ``--kv-events-config``): the stream
+    ``kvbridge proxy --routing kv-events`` subscribes to, at ``events``. vLLM 0.32's
+    publisher binds only a wildcard TCP endpoint (``tcp://*:PORT``, every interface) or an
+    ``ipc://`` one; to ``tcp://127.0.0.1:PORT`` it connects out, and no subscriber that
+    connects would hear from it. The server publishes on a Unix socket in ``logdir``, so
+    nothing listens beyond this host."""
 
     def __init__(
         self,
         name: str,
         model: Path,
         port: int,
-        events_port: int,
         logdir: Path,
         env: dict[str, str] | None = None,
         max_model_len: int = 1024,
@@ -303,8 +304,8 @@ class VllmEventsServer(Proc):
     ):
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
-        self.events = f"tcp://127.0.0.1:{events_port}"
-        events_config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}"}
+        self.events = f"ipc://{logdir.resolve() / (name + '-kv-events.sock')}"
+        events_config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.events}
         argv = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model), "--served-model-name", "tiny",

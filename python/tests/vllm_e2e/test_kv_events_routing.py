@@ -82,9 +82,9 @@ class Workers:
         self.model = build(root / "model")
         self.logs = root / "logs"
         self.logs.mkdir()
-        ports = free_ports(4)
+        ports = free_ports(2)
         self.servers = [
-            VllmEventsServer(f"worker{i}", self.model, ports[2 * i], ports[2 * i + 1], self.logs, env=self._env(i))
+            VllmEventsServer(f"worker{i}", self.model, ports[i], self.logs, env=self._env(i))
             for i in range(2)
         ]
         self.startup_s = wait_healthy(self.servers)
