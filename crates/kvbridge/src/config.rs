@@ -302,6 +302,14 @@ pub struct ChannelConfig {
     /// the shared-memory transport: off when `transport` is `tcp`. Default on;
     /// `KVBRIDGE_CMA=0` turns it off. Either side may turn it off for its sessions.
     pub cma: bool,
+    /// Same-host UCX endpoints over UCX's shared-memory lanes
+    /// (`KVBRIDGE_UCX_SHM_LANES=1`; default off). With it, an initiator names its host in the
+    /// UCX negotiation and connects to a listener on the same host without peer-failure
+    /// detection, which UCX 1.13's shared-memory transports lack, so UCX may pick them. Off
+    /// because UCX 1.13's posix/sysv RMA lanes moved 0.16-0.18 GiB/s where its tcp lane
+    /// moved 0.44-0.53 (docs/ucx.md); kvbridge's own shared memory (`KVBRIDGE_TRANSPORT=auto`
+    /// or `shm`) is the same-host path.
+    pub ucx_shm_lanes: bool,
     /// TCP data connections an initiator opens per session (`KVBRIDGE_DATA_CONNECTIONS`,
     /// default [`DEFAULT_DATA_CONNECTIONS`], at most [`MAX_DATA_CONNECTIONS`]). With more
     /// than one, a large write or read batch is split by bytes over them
@@ -334,6 +342,7 @@ impl ChannelConfig {
                 .and_then(|v| Transport::parse(&v))
                 .unwrap_or_default(),
             cma: std::env::var("KVBRIDGE_CMA").map_or(true, |v| v != "0"),
+            ucx_shm_lanes: std::env::var("KVBRIDGE_UCX_SHM_LANES").is_ok_and(|v| v == "1"),
             data_connections: std::env::var("KVBRIDGE_DATA_CONNECTIONS")
                 .ok()
                 .and_then(|v| v.parse::<usize>().ok())

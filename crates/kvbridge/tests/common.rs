@@ -179,6 +179,8 @@ impl Carrier {
         #[cfg(feature = "ucx")]
         {
             c.hooks.ucx_tls = self.ucx_tls.map(str::to_string);
+            // with UCX's shared-memory transports allowed, the same-host endpoint that takes them
+            c.ucx_shm_lanes = self.ucx_tls.is_some_and(|t| t.starts_with("sm"));
         }
     }
 
@@ -232,7 +234,8 @@ impl Carrier {
 /// data connections), `<name>::shm`, `<name>::cma` (the listener's region in
 /// caller memory, carried by cross-memory attach where permitted) and, with the `ucx`
 /// feature, `<name>::ucx_tcp` and `<name>::ucx_sm` (UCX over `UCX_TLS=tcp` and
-/// `sm,self,tcp`: a same-host endpoint takes the shared-memory lanes beside tcp),
+/// `sm,self,tcp` with `ucx_shm_lanes`: a same-host endpoint takes the shared-memory lanes
+/// beside tcp),
 /// that runs
 /// `body(carrier)`: the suite is parametrized, not copied.
 #[macro_export]

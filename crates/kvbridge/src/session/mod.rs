@@ -563,6 +563,8 @@ impl Session {
     ) -> Self {
         #[cfg(feature = "ucx")]
         let (env_ucx, initiator) = (env.ucx.clone(), matches!(machine, Machine::Init(_)));
+        #[cfg(feature = "ucx")]
+        let ucx_shm_lanes = env.config.ucx_shm_lanes;
         let (r, w) = stream.into_split();
         let until_proof = env.local.authenticates().then(|| {
             let proves: fn(&Message) -> bool = match &machine {
@@ -605,7 +607,7 @@ impl Session {
             last_heard: Instant::now(),
             shm: ShmState::default(),
             #[cfg(feature = "ucx")]
-            ucx: ucx::UcxLink::new(env_ucx, initiator),
+            ucx: ucx::UcxLink::new(env_ucx, initiator, ucx_shm_lanes),
         }
     }
 

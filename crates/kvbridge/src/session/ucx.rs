@@ -120,10 +120,15 @@ impl UcxLink {
     /// The UCX state of a session on a channel with (`channel`) or without a worker. An
     /// initiator on a UCX channel waits for an offer from the start; a listener starts its
     /// machine once the session is established ([`UcxLink::established`]).
-    pub(super) fn new(channel: Option<Arc<UcxChannel>>, initiator: bool) -> Self {
+    ///
+    /// An initiator knows its own host only with `shm_lanes` (`ChannelConfig::ucx_shm_lanes`):
+    /// without it no listener counts as on the same host, and every endpoint keeps
+    /// peer-failure detection.
+    pub(super) fn new(channel: Option<Arc<UcxChannel>>, initiator: bool, shm_lanes: bool) -> Self {
+        let own_host = || shm_lanes.then(crate::transport::shm::host_id).flatten();
         Self {
             link: (channel.is_some() && initiator)
-                .then(|| Link::Import(UcxImport::on_host(crate::transport::shm::host_id()))),
+                .then(|| Link::Import(UcxImport::on_host(own_host()))),
             channel,
             exported: HashMap::new(),
             grants_changed: false,
