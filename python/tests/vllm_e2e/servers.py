@@ -149,6 +149,7 @@ class VllmServer(Proc):
         env: dict[str, str] | None = None,
         max_model_len: int = 1024,
         block_size: int = 32,
+        extra_args: list[str] | None = None,
     ):
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
@@ -161,6 +162,7 @@ class VllmServer(Proc):
         ]  # fmt: skip
         if kv_transfer_config is not None:
             argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        argv += extra_args or []
         full_env = {
             **os.environ,
             "HF_HUB_OFFLINE": "1",
@@ -282,7 +284,7 @@ def tcp_rx_queue(port: int) -> int:
     return total
 
 
-class VllmEventsServer(Proc):
+class VllmEventsServer(VllmServer):
     """A colocated vLLM CPU server started as :class:`VllmServer` starts one (same model
     flags and environment, no KV connector), with prefix caching on and its KV cache events
     published on a ZMQ PUB socket (vLLM's ``--kv-events-config``): the stream
@@ -302,28 +304,18 @@ class VllmEventsServer(Proc):
         max_model_len: int = 1024,
         block_size: int = 32,
     ):
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
         self.events = f"ipc://{logdir.resolve() / (name + '-kv-events.sock')}"
         events_config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.events}
-        argv = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model), "--served-model-name", "tiny",
-            "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--max-num-seqs", "4",
-            "--block-size", str(block_size), "--enforce-eager", "--seed", "0",
-            "--enable-prefix-caching", "--kv-events-config", json.dumps(events_config),
-        ]  # fmt: skip
-        full_env = {
-            **os.environ,
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "DO_NOT_TRACK": "1",
-            **(env or {}),
-        }
-        super().__init__(name, argv, logdir / f"{name}.log", full_env)
+        super().__init__(
+            name,
+            model,
+            port,
+            logdir,
+            env=env,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            extra_args=["--enable-prefix-caching", "--kv-events-config", json.dumps(events_config)],
+        )
 
 
 def prometheus_sum(url: str, name: str) -> float:
