@@ -4,7 +4,7 @@
 //! tokenizer of its own).
 //!
 //! The body sent mirrors the request's fields that change the tokens the server computes
-//! ([`request_body`]): a completion's `prompt` and `add_special_tokens`; a chat's
+//! (`request_body`): a completion's `prompt` and `add_special_tokens`; a chat's
 //! `messages`, `add_generation_prompt`, `continue_final_message`, `add_special_tokens`,
 //! `chat_template`, `chat_template_kwargs`, `tools` and `mm_processor_kwargs`, each copied as
 //! the client sent it, so the server applies the same defaults to both requests.
