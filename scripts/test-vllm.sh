@@ -7,7 +7,8 @@
 #   2. vLLM's own scheduler lifecycle tests pointed at kvbridge.vllm.KvbridgeConnector,
 #   3. a real 1P1D (python/tests/vllm_e2e): vLLM CPU servers with the connector behind
 #      `kvbridge proxy --flow vllm` (target/debug/kvbridge unless KVBRIDGE_BIN is set; built
-#      when missing), against a single server (about 3-5 minutes on 2 cores).
+#      when missing), against a single server, and `--routing kv-events` in front of two vLLM
+#      servers publishing KV events (together about 5-7 minutes on 2 cores).
 # Reruns skip what is installed.
 #   --no-install   use .venv as it is
 #   --setup-only   install, fetch, run nothing
