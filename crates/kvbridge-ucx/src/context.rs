@@ -166,15 +166,7 @@ impl Context {
         let params = sys::ucp_params_t {
             field_mask: (sys::UCP_PARAM_FIELD_FEATURES | sys::UCP_PARAM_FIELD_MT_WORKERS_SHARED)
                 as u64,
-            // Measurement toggle (issue 22): `KVBRIDGE_UCX_AM_EXPERIMENT=1` also asks for
-            // active messages, as NIXL's backend does.
-            features: (sys::UCP_FEATURE_RMA
-                | sys::UCP_FEATURE_WAKEUP
-                | if std::env::var_os("KVBRIDGE_UCX_AM_EXPERIMENT").is_some_and(|v| v == "1") {
-                    sys::UCP_FEATURE_AM
-                } else {
-                    0
-                }) as u64,
+            features: (sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_WAKEUP) as u64,
             mt_workers_shared: 1,
             ..Default::default()
         };
