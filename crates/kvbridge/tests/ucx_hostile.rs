@@ -99,7 +99,9 @@ async fn ucx_session(target: &str, name: &str) -> (TcpStream, TcpStream) {
 }
 
 /// The listener still serves a real UCX initiator, byte-exact, after the hostile one.
-async fn still_serves(dec: &kvbridge::Channel, kv: &kvbridge::Region) {
+/// A good initiator's UCX write lands on `dec`; its channel is returned, so that its session
+/// stays up for as long as the caller holds it.
+async fn still_serves(dec: &kvbridge::Channel, kv: &kvbridge::Region) -> kvbridge::Channel {
     let (pre, src) = initiator("prefill-good", ucx, 2 * PAGE, PAGE).await;
     fill(&src, 11);
     let peer = pre.connect(&addr(dec)).await.unwrap();
@@ -111,6 +113,7 @@ async fn still_serves(dec: &kvbridge::Channel, kv: &kvbridge::Region) {
     src.read_at(PAGE, &mut a).unwrap();
     kv.read_at(2 * PAGE, &mut b).unwrap();
     assert!(a == b, "the page differs");
+    pre
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -139,7 +142,8 @@ async fn a_hostile_initiator_s_ucx_messages_end_its_session_with_a_typed_bye() {
     let (mut ctl, _data) = ucx_session(&target, "hostile-3").await;
     send_frame(&mut ctl, &Message::UcxMap(key)).await;
     expect_refusal(&mut ctl, ErrorCode::UnexpectedMessage).await;
-    still_serves(&dec, &kv).await;
+    // Only the good session is left: the hostile ones ended (its own is held up until then).
+    let _good = still_serves(&dec, &kv).await;
     for _ in 0..200 {
         if dec.stats().await.unwrap().sessions == 1 {
             return;
