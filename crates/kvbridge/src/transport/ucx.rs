@@ -139,6 +139,28 @@ impl UcxBackend {
         self.worker.in_flight()
     }
 
+    /// Removes `peer`'s region `id` from its table, so that no later batch resolves it;
+    /// the endpoint it was imported through, and its key, still to be destroyed.
+    fn take_import(&mut self, peer: &str, id: RegionId) -> Result<(EpId, Imported), OneSidedError> {
+        let p = self
+            .peers
+            .get_mut(peer)
+            .ok_or_else(|| OneSidedError::NotConnected {
+                peer: peer.to_string(),
+                step: OneSidedStep::Release,
+            })?;
+        let imported = p
+            .regions
+            .remove(&id)
+            .ok_or_else(|| OneSidedError::UnknownRegion {
+                peer: peer.to_string(),
+                step: OneSidedStep::Release,
+                side: "remote",
+                region: id,
+            })?;
+        Ok((p.ep, imported))
+    }
+
     fn peer(&self, peer: &str, step: OneSidedStep) -> Result<&UcxPeer, OneSidedError> {
         self.peers
             .get(peer)
@@ -227,22 +249,7 @@ impl UcxBackend {
         peer: &str,
         id: RegionId,
     ) -> Result<UcxPosted, OneSidedError> {
-        let p = self
-            .peers
-            .get_mut(peer)
-            .ok_or_else(|| OneSidedError::NotConnected {
-                peer: peer.to_string(),
-                step: OneSidedStep::Release,
-            })?;
-        let ep = p.ep;
-        let Some(imported) = p.regions.remove(&id) else {
-            return Err(OneSidedError::UnknownRegion {
-                peer: peer.to_string(),
-                step: OneSidedStep::Release,
-                side: "remote",
-                region: id,
-            });
-        };
+        let (ep, imported) = self.take_import(peer, id)?;
         // Later batches no longer resolve the region (removed above); the flush ends every
         // one posted before, so the peer may unmap once it completed. Operations already
         // posted keep inside UCX what they need of the key.
@@ -480,22 +487,7 @@ impl OneSided for UcxBackend {
         id: RegionId,
         deadline: Instant,
     ) -> Result<(), OneSidedError> {
-        let p = self
-            .peers
-            .get_mut(peer)
-            .ok_or_else(|| OneSidedError::NotConnected {
-                peer: peer.to_string(),
-                step: OneSidedStep::Release,
-            })?;
-        let ep = p.ep;
-        let Some(imported) = p.regions.remove(&id) else {
-            return Err(OneSidedError::UnknownRegion {
-                peer: peer.to_string(),
-                step: OneSidedStep::Release,
-                side: "remote",
-                region: id,
-            });
-        };
+        let (ep, imported) = self.take_import(peer, id)?;
         // Later batches no longer resolve the region (removed above); the flush ends every
         // one posted before, so the peer may unmap once this returned.
         let flushed = self
