@@ -10,6 +10,7 @@ use crate::cli::{CostArgs, ModelArgs};
 use crate::client::{Answer, Client};
 use crate::engine::{self, EngineConfig, EngineStats, Role, RunningEngine};
 use crate::model::{self, SplitMix};
+use crate::prompt_format::{self, Message, PromptFormat};
 use crate::timeline::{self, Mark, Step};
 use futures_util::StreamExt;
 use kvbridge_pd::TransferMode;
@@ -17,6 +18,7 @@ use kvbridge_proxy::config::{
     Config as ProxyConfig, DecoderConfig, DisaggregationConfig, KvEventsConfig, WorkerAddr,
 };
 use kvbridge_proxy::routing::RoutingPolicy;
+use kvbridge_proxy::tokenize::TokenizeMode;
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::io::Write;
@@ -52,6 +54,17 @@ pub struct DemoArgs {
     /// cache's KV events and the proxy subscribes to them.
     #[arg(long, value_enum, default_value = "least-loaded")]
     pub routing: RoutingPolicy,
+    /// How `--workload shared-prefix` sends its prompts: `ids` (completions of token ids),
+    /// `text` (completions of a string) or `chat` (chat completions: a system message, then
+    /// user and assistant turns), the last two as vLLM's clients send them; the words are
+    /// the same in all three (docs/engine.md).
+    #[arg(long, value_enum, default_value = "ids")]
+    pub prompt_format: PromptFormat,
+    /// The proxy's `--kv-events-tokenize` (`http`: it asks a worker's `POST /tokenize` for
+    /// a text prompt's or a chat's token ids before routing it by KV events). Default:
+    /// `http` with `--prompt-format text` or `chat`, else `off`.
+    #[arg(long, value_enum)]
+    pub kv_events_tokenize: Option<TokenizeMode>,
     /// The proxy's `--disaggregate-min-uncached-tokens` (default: the proxy's).
     #[arg(long)]
     pub disaggregate_min_uncached_tokens: Option<u64>,
@@ -181,6 +194,26 @@ pub struct DemoSummary {
     pub workload: Workload,
     /// The proxy's routing policy (`--routing`).
     pub routing: String,
+    /// How the workload's prompts were sent (`--prompt-format`): `ids`, `text` or `chat`.
+    pub prompt_format: PromptFormat,
+    /// The proxy's `--kv-events-tokenize`: `http` or `off`.
+    pub kv_events_tokenize: String,
+    /// Workload requests whose token ids the proxy got from a worker's `/tokenize` before
+    /// routing them (`kvbridge_proxy_tokenize_total{result="ok"}` after the workload): the
+    /// routing decisions that used tokenized ids.
+    pub tokenized_requests: u64,
+    /// Workload requests the proxy tried to tokenize and routed by load alone (the other
+    /// results of `kvbridge_proxy_tokenize_total`).
+    pub tokenize_failed: u64,
+    /// Mean time of the proxy's successful `/tokenize` calls during the workload, ms
+    /// (`kvbridge_proxy_tokenize_ok_seconds_total` over the successes; 0 without any).
+    pub tokenize_ok_mean_ms: f64,
+    /// The proxy's routing decisions during the workload, both pools
+    /// (`kvbridge_proxy_routing_decisions_total`).
+    pub routing_decisions: u64,
+    /// Of those, where the chosen worker held part of the prompt, as the policy knew
+    /// (`matched="true"`).
+    pub routing_matched: u64,
     /// Prompt tokens of the workload's requests, summed.
     pub prompt_tokens: u64,
     /// Prompt tokens that repeat the head of an earlier request's prompt (per request, its
@@ -387,6 +420,7 @@ impl DemoSummary {
         t + &format!(
             "kvbridge demo: {setup}\n\
              requests            {req} ok {ok} failed {failed}\n\
+             routed              {rm} of {rd} decisions to a worker holding part of the prompt; {fmt} prompts, {tk} tokenized by a worker ({tkf} failed, {tkm:.2} ms each)\n\
              TTFT                p50 {p50:.1} ms  p99 {p99:.1} ms\n\
              time per token      p50 {tpot:.2} ms\n\
              throughput          {rps:.1} req/s  {tps:.0} output tokens/s  ({wall:.1} s)\n\
@@ -403,6 +437,12 @@ impl DemoSummary {
             req = self.requests,
             ok = self.ok,
             failed = self.failed,
+            rm = self.routing_matched,
+            rd = self.routing_decisions,
+            fmt = self.prompt_format.as_str(),
+            tk = self.tokenized_requests,
+            tkf = self.tokenize_failed,
+            tkm = self.tokenize_ok_mean_ms,
             p50 = self.ttft_p50_ms,
             p99 = self.ttft_p99_ms,
             tpot = self.tpot_p50_ms,
@@ -498,6 +538,8 @@ pub struct RouteOpts {
     pub decider: DisaggregationConfig,
     /// Every engine's prefix cache, tokens (`None`: the engine's default).
     pub prefix_cache_tokens: Option<u64>,
+    /// The proxy's `kv_events.tokenize`.
+    pub tokenize: TokenizeMode,
 }
 
 /// Everything the demo started.
@@ -685,10 +727,14 @@ impl Cluster {
                     .iter()
                     .filter_map(|d| d.kv_events_addr().map(|a| format!("tcp://{a}")))
                     .collect(),
+                tokenize: route.tokenize,
                 ..KvEventsConfig::default()
             }
         } else {
-            KvEventsConfig::default()
+            KvEventsConfig {
+                tokenize: route.tokenize,
+                ..KvEventsConfig::default()
+            }
         };
         let cfg = ProxyConfig {
             host: "127.0.0.1".into(),
@@ -913,26 +959,50 @@ pub const SHARED_PREFIX_POOL: u32 = 4;
 /// 256 tokens, about 5 of the workload's 16 documents.
 pub const SHARED_PREFIX_CACHE_TOKENS: u64 = 12_288;
 
-/// The `shared-prefix` workload of `n` requests, all drawn from `seed`:
-/// - one system prompt of 512 tokens starts every request;
-/// - 16 documents of 1536..2560 tokens: a document request is the system prompt, a document
-///   and a question of 32..128 tokens;
-/// - 8 chats: turn `t` of a chat is the system prompt, the chat's `t` earlier turns (each a
-///   user message of 64..192 tokens and a reply of 32..96 tokens, drawn here rather than
-///   generated, so the workload is fixed before it runs) and a new user message;
-/// - each request is a document request (1 in 2, a document drawn at random) or the next
-///   turn of a chat drawn at random;
-/// - every request is a streamed completion whose prompt is token ids (the proxy has no
-///   tokenizer; `kv-events` matches ids), with `output` tokens (uniform, at least 2).
-///
-/// Token ids are words of the reference model's vocabulary, so the prompts' text is what
-/// `model::tokenize` would give these ids.
+/// The `shared-prefix` workload of `n` requests, all drawn from `seed`, as token-id
+/// completions ([`shared_prefix_requests`] in [`PromptFormat::Ids`]).
 pub fn shared_prefix_workload(
     n: u32,
     seed: u64,
     output: (u32, u32),
     model_name: &str,
 ) -> Vec<WorkItem> {
+    shared_prefix_workload_as(n, seed, output, model_name, PromptFormat::Ids)
+}
+
+/// [`shared_prefix_requests`] sent in `format` (`--prompt-format`, [`crate::prompt_format`]).
+pub fn shared_prefix_workload_as(
+    n: u32,
+    seed: u64,
+    output: (u32, u32),
+    model_name: &str,
+    format: PromptFormat,
+) -> Vec<WorkItem> {
+    shared_prefix_requests(n, seed, output)
+        .iter()
+        .map(|(m, o)| {
+            let (path, body) = prompt_format::request(m, *o, format, model_name);
+            WorkItem { path, body }
+        })
+        .collect()
+}
+
+/// The `shared-prefix` workload of `n` requests, all drawn from `seed`, each as its messages
+/// and its output tokens:
+/// - one system prompt of 512 tokens starts every request (a `system` message);
+/// - 16 documents of 1536..2560 tokens: a document request is the system prompt, then a
+///   document and a question of 32..128 tokens (one `user` message);
+/// - 8 chats: turn `t` of a chat is the system prompt, the chat's `t` earlier turns (each a
+///   user message of 64..192 tokens and a reply of 32..96 tokens, drawn here rather than
+///   generated, so the workload is fixed before it runs) and a new user message;
+/// - each request is a document request (1 in 2, a document drawn at random) or the next
+///   turn of a chat drawn at random;
+/// - each answers `output` tokens (uniform, at least 2).
+///
+/// Token ids are words of the reference model's vocabulary, so the prompts' text is what
+/// `model::tokenize` would give these ids. Sent as token ids by default (the proxy has no
+/// tokenizer; `kv-events` matches ids; text and chats need `--kv-events-tokenize http`).
+pub fn shared_prefix_requests(n: u32, seed: u64, output: (u32, u32)) -> Vec<(Vec<Message>, u32)> {
     let mut r = SplitMix(seed ^ 0x5a4e_d0c5);
     let system = words(&mut r, SYSTEM_TOKENS as u32);
     let docs: Vec<Vec<u32>> = (0..DOCUMENTS)
@@ -941,38 +1011,36 @@ pub fn shared_prefix_workload(
             words(&mut r, k)
         })
         .collect();
-    let mut chats: Vec<Vec<u32>> = vec![Vec::new(); CHATS];
+    let msg = |role, ids| Message { role, ids };
+    let mut chats: Vec<Vec<Message>> = vec![Vec::new(); CHATS];
     (0..n)
         .map(|_| {
-            let mut prompt = system.clone();
+            let mut messages = vec![msg("system", system.clone())];
             if r.next_u64().is_multiple_of(2) {
                 let d = (r.next_u64() % DOCUMENTS as u64) as usize;
-                prompt.extend_from_slice(&docs[d]);
+                let mut user = docs[d].clone();
                 let q = draw(&mut r, QUESTION_TOKENS);
-                prompt.extend(words(&mut r, q));
+                user.extend(words(&mut r, q));
+                messages.push(msg("user", user));
             } else {
                 let c = (r.next_u64() % CHATS as u64) as usize;
                 let u = draw(&mut r, USER_TOKENS);
                 let user = words(&mut r, u);
-                prompt.extend_from_slice(&chats[c]);
-                prompt.extend_from_slice(&user);
+                messages.extend_from_slice(&chats[c]);
+                messages.push(msg("user", user.clone()));
                 // The next turn holds this one and its reply.
-                chats[c].extend_from_slice(&user);
+                chats[c].push(msg("user", user));
                 let k = draw(&mut r, REPLY_TOKENS);
-                chats[c].extend(words(&mut r, k));
+                chats[c].push(msg("assistant", words(&mut r, k)));
             }
-            let o = draw(&mut r, output).max(2);
-            WorkItem {
-                path: "/v1/completions",
-                body: json!({"model": model_name, "prompt": prompt, "max_tokens": o,
-                    "stream": true}),
-            }
+            (messages, draw(&mut r, output).max(2))
         })
         .collect()
 }
 
-/// A workload request's prompt token ids (`prompt` as ids or words; a chat's first
-/// message).
+/// A workload request's prompt token ids as the reference engine computes them: `prompt`
+/// as ids or words; a chat's `messages` through the engine's chat template (empty when the
+/// engine would refuse them).
 pub fn prompt_ids(w: &WorkItem) -> Vec<u32> {
     match w.body.get("prompt") {
         Some(Value::Array(a)) => a
@@ -980,11 +1048,7 @@ pub fn prompt_ids(w: &WorkItem) -> Vec<u32> {
             .map(|v| v.as_u64().unwrap_or(u64::MAX) as u32)
             .collect(),
         Some(Value::String(t)) => model::tokenize(t),
-        _ => w
-            .body
-            .pointer("/messages/0/content")
-            .and_then(Value::as_str)
-            .map_or_else(Vec::new, model::tokenize),
+        _ => engine::chat_tokens(w.body.get("messages"), false).unwrap_or_default(),
     }
 }
 
@@ -1122,6 +1186,44 @@ pub fn page_bytes(args: &DemoArgs) -> anyhow::Result<u64> {
     Ok(args.model.build()?.spec.page_bytes())
 }
 
+/// How the proxy routed, from its `/metrics`.
+#[derive(Debug, Clone, Copy, Default)]
+struct RoutedCounts {
+    tokenized: u64,
+    tokenize_failed: u64,
+    tokenize_ok_s: f64,
+    decisions: u64,
+    matched: u64,
+}
+
+impl RoutedCounts {
+    async fn read(client: &Client, base: &str, deadline: Duration) -> anyhow::Result<Self> {
+        use crate::proxy_metrics::sum;
+        let m = client
+            .get_text(&format!("{base}/metrics"), deadline)
+            .await
+            .map_err(|e| anyhow::anyhow!("reading the proxy's /metrics: {e}"))?;
+        let tok = "kvbridge_proxy_tokenize_total";
+        let dec = "kvbridge_proxy_routing_decisions_total";
+        let tokenized = sum(&m, tok, &[("result", "ok")]) as u64;
+        Ok(RoutedCounts {
+            tokenized,
+            tokenize_failed: (sum(&m, tok, &[]) as u64).saturating_sub(tokenized),
+            tokenize_ok_s: sum(&m, "kvbridge_proxy_tokenize_ok_seconds_total", &[]),
+            decisions: sum(&m, dec, &[]) as u64,
+            matched: sum(&m, dec, &[("matched", "true")]) as u64,
+        })
+    }
+
+    fn tokenize_ok_mean_ms(&self) -> f64 {
+        if self.tokenized > 0 {
+            self.tokenize_ok_s * 1e3 / self.tokenized as f64
+        } else {
+            0.0
+        }
+    }
+}
+
 /// Runs the demo and returns its summary (the caller prints it and sets the exit status).
 pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
     let model = args.model.build()?;
@@ -1133,6 +1235,16 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
     }
     let deadline = Duration::from_secs_f64(args.request_timeout);
     let shared = args.workload == Workload::SharedPrefix;
+    if !shared && args.prompt_format != PromptFormat::Ids {
+        anyhow::bail!(
+            "--prompt-format applies to --workload shared-prefix (the random workload sends \
+             text completions and chats already)"
+        );
+    }
+    let tokenize = args.kv_events_tokenize.unwrap_or(match args.prompt_format {
+        PromptFormat::Ids => TokenizeMode::Off,
+        PromptFormat::Text | PromptFormat::Chat => TokenizeMode::Http,
+    });
     let pool = if shared { SHARED_PREFIX_POOL } else { 1 };
     let (prefillers, decoders) = (
         args.prefillers.unwrap_or(pool),
@@ -1153,6 +1265,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
         } else {
             0
         })),
+        tokenize,
     };
     let cluster = Cluster::start_routed(
         prefillers,
@@ -1173,7 +1286,13 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
     let client = Client::new();
     let base = cluster.proxy_url();
     let work = if shared {
-        shared_prefix_workload(args.requests, args.seed, output, &model.name)
+        shared_prefix_workload_as(
+            args.requests,
+            args.seed,
+            output,
+            &model.name,
+            args.prompt_format,
+        )
     } else {
         workload(
             args.requests,
@@ -1220,6 +1339,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
     let wall = t0.elapsed().as_secs_f64();
     // The workload's KV figures, apart from the one-at-a-time replays' below.
     let loaded = cluster.stats();
+    let routed = RoutedCounts::read(&client, &base, deadline).await?;
     let decoders_computed: u64 = cluster
         .decoders
         .iter()
@@ -1408,6 +1528,13 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
         requests: n as u64,
         workload: args.workload,
         routing: args.routing.as_str().to_string(),
+        prompt_format: args.prompt_format,
+        kv_events_tokenize: tokenize.as_str().to_string(),
+        tokenized_requests: routed.tokenized,
+        tokenize_failed: routed.tokenize_failed,
+        tokenize_ok_mean_ms: routed.tokenize_ok_mean_ms(),
+        routing_decisions: routed.decisions,
+        routing_matched: routed.matched,
         prompt_tokens,
         shared_prompt_tokens,
         shared_fraction: if prompt_tokens > 0 {
@@ -1491,7 +1618,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
         kv_vs_bench_transfer: 0.0,
         shmem_huge_pages: kvbridge::shared_huge_pages().unwrap_or_else(|| "unknown".into()),
         setup: format!(
-            "{}P{}D, TP={}, {}, {} bytes/token, {} tokens/chunk, {} tokens/prefill step, {mode}, {} routing, in-process on loopback",
+            "{}P{}D, TP={}, {}, {} bytes/token, {} tokens/chunk, {} tokens/prefill step, {mode}, {} routing, {} prompts (tokenize {}), in-process on loopback",
             prefillers,
             decoders,
             model.world_size,
@@ -1500,6 +1627,8 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
             model.spec.chunk_tokens,
             model.spec.chunk_tokens as usize * cost.pages_per_step(model.spec.chunk_tokens),
             args.routing.as_str(),
+            args.prompt_format.as_str(),
+            tokenize.as_str(),
         ),
         timeline: (!td.is_empty()).then(|| TimelineReport {
             replays: td.len() as u64,

@@ -12,6 +12,8 @@
 //! - [`announce`]: how a decoder learns which PD request holds a prompt's KV.
 //! - [`client`]: a small OpenAI client (demo, tests).
 //! - [`demo`]: `kvbridge demo`.
+//! - [`prompt_format`]: the shared-prefix workload as token ids, text or chats.
+//! - [`proxy_metrics`]: counters read from the proxy's `/metrics`.
 //! - [`peer_router`]: `kvbridge demo --peer-router CMD` (another router, same workload).
 //! - [`soak`]: `kvbridge demo --duration D --chaos` (real processes, real `kill -9`).
 //! - [`stable_ports`]: ports a killed worker can be restarted on.
@@ -33,6 +35,8 @@ pub mod kv_events_pub;
 pub mod model;
 pub mod peer_router;
 pub mod prefix_cache;
+pub mod prompt_format;
+pub mod proxy_metrics;
 pub mod soak;
 pub mod stable_ports;
 pub mod timeline;

@@ -40,7 +40,7 @@ mod stats;
 
 pub use config::{EngineConfig, Role};
 pub use error::SimError;
-pub use request::HANDOFF_KEY;
+pub use request::{chat_tokens, HANDOFF_KEY};
 pub use stats::EngineStats;
 
 use crate::announce::{self, Announced};

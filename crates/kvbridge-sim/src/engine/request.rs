@@ -62,7 +62,7 @@ pub(super) fn prompt_tokens(v: Option<&Value>) -> Result<Vec<u32>, SimError> {
 /// `continue_final` (vLLM's `continue_final_message`), the last message must be the
 /// assistant's, and the prompt ends with its content instead of a turn of its own, so the
 /// answer continues it: the proxy's way to hand a decoder the prefill's first token.
-pub(super) fn chat_tokens(v: Option<&Value>, continue_final: bool) -> Result<Vec<u32>, SimError> {
+pub fn chat_tokens(v: Option<&Value>, continue_final: bool) -> Result<Vec<u32>, SimError> {
     let Some(Value::Array(msgs)) = v else {
         return Err(SimError::BadRequest("`messages` must be an array".into()));
     };
