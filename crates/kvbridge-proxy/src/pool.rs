@@ -264,10 +264,7 @@ impl Pool {
         } = self.admitting(tokens, exclude, self.rr.fetch_add(1, Relaxed));
         let best = match prompt {
             Some(p) => self.router.choose_scored(&cands, p),
-            None => crate::routing::least_loaded(&cands).map(|index| Chosen {
-                index,
-                cached_tokens: 0,
-            }),
+            None => self.router.choose_unkeyed(&cands),
         };
         match best {
             Some(Chosen {
@@ -637,6 +634,12 @@ mod tests {
         assert_ne!(a.index(), b.index());
         let c = p.try_pick(10, &[]).unwrap();
         assert_eq!(c.index(), b.index(), "the worker with fewer tokens");
+        assert_eq!(
+            p.router
+                .decisions(crate::routing::RoutingPolicy::LeastLoaded, false),
+            3,
+            "every choice is counted, also without a prompt"
+        );
         drop((a, b, c));
         assert!(p
             .workers

@@ -173,6 +173,17 @@ impl PoolRouter {
         self.count(chosen, policy)
     }
 
+    /// The least-loaded of `cands`, for a request routed without its prompt (nothing in the
+    /// proxy needed it: least-loaded routing, decider off); counts the decision, unmatched,
+    /// so that every choice shows in `/metrics` whatever the policy.
+    pub fn choose_unkeyed(&self, cands: &[Candidate]) -> Option<Chosen> {
+        let c = least_loaded(cands).map(|index| Chosen {
+            index,
+            cached_tokens: 0,
+        });
+        self.count(c, self.policy)
+    }
+
     /// The choice [`PoolRouter::choose_scored`] makes, and the policy that made it (a pool
     /// without a view of the caches falls back to least-loaded), without counting it.
     pub fn score(
