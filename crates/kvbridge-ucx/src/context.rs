@@ -31,12 +31,13 @@ use crate::status::{check, status};
 ///   endpoints do not run over tcp allocates none of them.
 /// - `UCX_RNDV_THRESH=inf` (UCX's default: `auto`). From UCX 1.14 a put runs as tcp's own
 ///   `put_zcopy` (the target's socket receives straight into place) once the endpoint has a
-///   tcp lane for high-bandwidth remote memory access (`rma_bw`). UCX's wire-up refuses that
-///   lane on an endpoint with peer-failure handling, which kvbridge's endpoints ask for,
-///   whenever rendezvous is enabled in the context, asking then for memory domains that can
-///   invalidate remote access, which tcp's cannot (`ucp_wireup_add_rma_bw_lanes`, UCX 1.23);
-///   and it counts rendezvous as enabled by the threshold alone, whether or not the context
-///   has the tag or active-message API that rendezvous belongs to. kvbridge's contexts ask for
+///   tcp lane for high-bandwidth remote memory access (`rma_bw`). From UCX 1.20 the wire-up
+///   refuses that lane on an endpoint with peer-failure handling, which kvbridge's endpoints
+///   ask for, whenever rendezvous is enabled in the context, asking then for memory domains
+///   that can invalidate remote access, which tcp's cannot (`ucp_wireup_add_rma_bw_lanes`;
+///   1.14-1.19 ask for it on every such endpoint); and it counts rendezvous as enabled by
+///   the threshold alone, whether or not the context has the tag or active-message API that
+///   rendezvous belongs to. kvbridge's contexts ask for
 ///   RMA and wake-up only, so no rendezvous ever runs: `inf` changes nothing else and lets
 ///   the puts over tcp take the zero-copy path (`UCX_PROTO_INFO=y`: "zero-copy, tcp/lo"
 ///   instead of "software emulation, tcp/lo"), as NIXL's context does with the same
