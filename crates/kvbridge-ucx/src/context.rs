@@ -29,6 +29,20 @@ use crate::status::{check, status};
 ///   tcp interface a worker uses grows its pools 8 buffers at a time, 1 MiB per send buffer
 ///   and 2 MiB per receive buffer (24 MiB per step instead of 1.1 MiB); a worker whose
 ///   endpoints do not run over tcp allocates none of them.
+/// - `UCX_RNDV_THRESH=inf` (UCX's default: `auto`). From UCX 1.14 a put runs as tcp's own
+///   `put_zcopy` (the target's socket receives straight into place) once the endpoint has a
+///   tcp lane for high-bandwidth remote memory access (`rma_bw`). From UCX 1.20 the wire-up
+///   refuses that lane on an endpoint with peer-failure handling, which kvbridge's endpoints
+///   ask for, whenever rendezvous is enabled in the context, asking then for memory domains
+///   that can invalidate remote access, which tcp's cannot (`ucp_wireup_add_rma_bw_lanes`;
+///   1.14-1.19 ask for it on every such endpoint); and it counts rendezvous as enabled by
+///   the threshold alone, whether or not the context has the tag or active-message API that
+///   rendezvous belongs to. kvbridge's contexts ask for
+///   RMA and wake-up only, so no rendezvous ever runs: `inf` changes nothing else and lets
+///   the puts over tcp take the zero-copy path (`UCX_PROTO_INFO=y`: "zero-copy, tcp/lo"
+///   instead of "software emulation, tcp/lo"), as NIXL's context does with the same
+///   setting. UCX 1.13 (Debian 12's) accepts the value and still emulates every put: its tcp
+///   transport qualifies for no lane its puts run on (see `UCX_TCP_TX_SEG_SIZE` above).
 pub(crate) const DEFAULTS: &[(&str, &[&str], &str)] = &[
     (
         "UCX_TCP_TX_SEG_SIZE",
@@ -40,6 +54,7 @@ pub(crate) const DEFAULTS: &[(&str, &[&str], &str)] = &[
         &["RX_SEG_SIZE", "TCP_RX_SEG_SIZE"],
         "1M",
     ),
+    ("UCX_RNDV_THRESH", &["RNDV_THRESH"], "inf"),
 ];
 
 /// The [`DEFAULTS`] to apply (the names to try, the value), given whether the environment
@@ -202,7 +217,8 @@ mod tests {
         let all: Vec<_> = unset_defaults(|_| false).collect();
         assert_eq!(all.len(), DEFAULTS.len());
         let rest: Vec<_> = unset_defaults(|var| var == "UCX_TCP_TX_SEG_SIZE").collect();
-        assert_eq!(rest, vec![(DEFAULTS[1].1, "1M")]);
+        let others: Vec<_> = DEFAULTS[1..].iter().map(|&(_, n, v)| (n, v)).collect();
+        assert_eq!(rest, others);
         assert_eq!(unset_defaults(|_| true).count(), 0);
     }
 
