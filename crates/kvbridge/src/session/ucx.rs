@@ -431,3 +431,100 @@ fn ucx_error(peer: &str, e: UcxError) -> Error {
         },
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The initiator's choice of lanes for a listener on its own host, with the channel's
+    //! default configuration and two UCX workers of this process.
+
+    use super::*;
+    use kvbridge_proto::msg::UcxAddress;
+
+    /// The lanes' transports of an endpoint, as UCX prints them (`posix/memory`, `tcp/lo`).
+    fn lane_transports(info: &str) -> Vec<String> {
+        let mut out: Vec<String> = info
+            .split(|c: char| c.is_whitespace() || c == '(' || c == ')' || c == ',')
+            .filter(|w| w.contains('/') && !w.starts_with('/'))
+            .map(|w| w.trim_start_matches(|c: char| c.is_ascii_digit() || c == ':'))
+            .map(str::to_string)
+            .collect();
+        out.sort();
+        out.dedup();
+        out
+    }
+
+    fn is_shared_memory(lane: &str) -> bool {
+        ["posix/", "sysv/", "cma/", "xpmem/", "knem/"]
+            .iter()
+            .any(|t| lane.starts_with(t))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_default_config_keeps_a_same_host_endpoint_on_the_tcp_lane() {
+        // Same-host lanes are a choice (`KVBRIDGE_UCX_SHM_LANES=1`): by default a listener on
+        // this host gets an endpoint with peer-failure detection, which UCX 1.13 builds from
+        // tcp alone even with shared memory in `UCX_TLS`.
+        if std::env::var_os("KVBRIDGE_UCX_SHM_LANES").is_some() {
+            eprintln!("KVBRIDGE_UCX_SHM_LANES is set: the default is not what this run has");
+            return;
+        }
+        let config = ChannelConfig::new("initiator", None);
+        assert!(!config.ucx_shm_lanes, "same-host lanes on by default");
+        let tls = Some("sm,self,tcp");
+        let listener = UcxChannel::start("listener", tls).unwrap();
+        let initiator = Arc::new(UcxChannel::start("initiator", tls).unwrap());
+        let mut link = UcxLink::new(Some(initiator.clone()), true, config.ucx_shm_lanes);
+        let Some(Link::Import(m)) = link.link.as_mut() else {
+            panic!("an initiator on a UCX channel runs the import machine");
+        };
+        m.welcomed(true, Duration::from_secs(5), Instant::now());
+        // The listener names this host, as it does when it is on it.
+        let host = crate::transport::shm::host_id().expect("this host's identity");
+        m.handle_message(Message::UcxOffer(UcxAddress {
+            address: Blob(listener.thread().address().to_vec()),
+            host: Some(host),
+        }));
+        let Some(Output::Connect { address, same_host }) = m.poll_output() else {
+            panic!("the offer was not answered with a connect");
+        };
+        assert!(
+            !same_host,
+            "the default took the listener for a same-host one"
+        );
+        let t = initiator.thread();
+        t.connect("listener", &address.0, same_host).await.unwrap();
+        let info = t.endpoint_info("listener").await.unwrap();
+        let lanes = lane_transports(&info);
+        eprintln!("default config, sm,self,tcp, listener on this host: {lanes:?}");
+        assert!(
+            lanes.iter().any(|l| l.starts_with("tcp/")),
+            "no tcp lane: {info}"
+        );
+        assert!(
+            !lanes.iter().any(|l| is_shared_memory(l)),
+            "shared-memory lanes by default: {lanes:?}"
+        );
+        // The same offer with the option on takes the shared-memory lanes.
+        let shm = UcxChannel::start("initiator-shm", tls).unwrap();
+        let mut on = UcxImport::on_host(crate::transport::shm::host_id());
+        on.welcomed(true, Duration::from_secs(5), Instant::now());
+        on.handle_message(Message::UcxOffer(UcxAddress {
+            address: Blob(listener.thread().address().to_vec()),
+            host: crate::transport::shm::host_id(),
+        }));
+        let Some(Output::Connect { address, same_host }) = on.poll_output() else {
+            panic!("the offer was not answered with a connect");
+        };
+        assert!(same_host);
+        shm.thread()
+            .connect("listener", &address.0, same_host)
+            .await
+            .unwrap();
+        let lanes = lane_transports(&shm.thread().endpoint_info("listener").await.unwrap());
+        eprintln!("KVBRIDGE_UCX_SHM_LANES=1: {lanes:?}");
+        assert!(
+            lanes.iter().any(|l| is_shared_memory(l)),
+            "the option left the endpoint on tcp: {lanes:?}"
+        );
+    }
+}

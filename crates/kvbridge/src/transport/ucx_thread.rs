@@ -27,6 +27,9 @@ enum Cmd {
     Release(String, RegionId, Instant, Reply<()>),
     Revoke(RegionId, Reply<()>),
     Disconnect(String, Instant, Reply<()>),
+    /// UCX's description of the endpoint to a peer (its lanes).
+    #[cfg(test)]
+    EndpointInfo(String, Reply<String>),
 }
 
 /// A batch, a release's flush or a disconnect's close, posted and not yet answered. None
@@ -221,6 +224,14 @@ impl UcxThread {
             .await
     }
 
+    /// UCX's description of the endpoint to `peer`: its lanes' transports.
+    #[cfg(test)]
+    pub(crate) async fn endpoint_info(&self, peer: &str) -> Result<String, OneSidedError> {
+        let p = peer.to_string();
+        self.ask(OneSidedStep::Connect, |tx| Cmd::EndpointInfo(p, tx))
+            .await
+    }
+
     /// See [`OneSided::disconnect`].
     pub(crate) async fn disconnect(
         &self,
@@ -393,6 +404,8 @@ fn serve(b: &mut UcxBackend, cmd: Cmd, running: &mut Vec<Running>) {
             reply,
             running,
         ),
+        #[cfg(test)]
+        Cmd::EndpointInfo(peer, tx) => drop(tx.send(b.endpoint_info(&peer))),
     }
 }
 
