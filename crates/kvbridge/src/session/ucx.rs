@@ -459,21 +459,12 @@ mod tests {
             .any(|t| lane.starts_with(t))
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn the_default_config_keeps_a_same_host_endpoint_on_the_tcp_lane() {
-        // Same-host lanes are a choice (`KVBRIDGE_UCX_SHM_LANES=1`): by default a listener on
-        // this host gets an endpoint with peer-failure detection, which UCX 1.13 builds from
-        // tcp alone even with shared memory in `UCX_TLS`.
-        if std::env::var_os("KVBRIDGE_UCX_SHM_LANES").is_some() {
-            eprintln!("KVBRIDGE_UCX_SHM_LANES is set: the default is not what this run has");
-            return;
-        }
-        let config = ChannelConfig::new("initiator", None);
-        assert!(!config.ucx_shm_lanes, "same-host lanes on by default");
+    /// The lanes of the endpoint the initiator's machine (with or without its host
+    /// identity, `shm_lanes`) connects to a listener that names this host.
+    async fn lanes_to_a_same_host_listener(listener: &UcxChannel, shm_lanes: bool) -> Vec<String> {
         let tls = Some("sm,self,tcp");
-        let listener = UcxChannel::start("listener", tls).unwrap();
         let initiator = Arc::new(UcxChannel::start("initiator", tls).unwrap());
-        let mut link = UcxLink::new(Some(initiator.clone()), true, config.ucx_shm_lanes);
+        let mut link = UcxLink::new(Some(initiator.clone()), true, shm_lanes);
         let Some(Link::Import(m)) = link.link.as_mut() else {
             panic!("an initiator on a UCX channel runs the import machine");
         };
@@ -487,44 +478,44 @@ mod tests {
         let Some(Output::Connect { address, same_host }) = m.poll_output() else {
             panic!("the offer was not answered with a connect");
         };
-        assert!(
-            !same_host,
-            "the default took the listener for a same-host one"
+        assert_eq!(
+            same_host, shm_lanes,
+            "shm_lanes {shm_lanes}: same_host {same_host}"
         );
         let t = initiator.thread();
         t.connect("listener", &address.0, same_host).await.unwrap();
         let info = t.endpoint_info("listener").await.unwrap();
         let lanes = lane_transports(&info);
-        eprintln!("default config, sm,self,tcp, listener on this host: {lanes:?}");
+        eprintln!("shm_lanes {shm_lanes}, sm,self,tcp, listener on this host: {lanes:?}");
+        lanes
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_default_config_takes_shared_memory_lanes_to_a_same_host_listener() {
+        // Same-host lanes are the default (`KVBRIDGE_UCX_SHM_LANES=0` turns them off): a
+        // listener on this host gets an endpoint over UCX's shared memory; without the
+        // option one with peer-failure detection, which UCX 1.13 builds from tcp alone even
+        // with shared memory in `UCX_TLS`.
+        if std::env::var_os("KVBRIDGE_UCX_SHM_LANES").is_some() {
+            eprintln!("KVBRIDGE_UCX_SHM_LANES is set: the default is not what this run has");
+            return;
+        }
+        let config = ChannelConfig::new("initiator", None);
+        assert!(config.ucx_shm_lanes, "same-host lanes off by default");
+        let listener = UcxChannel::start("listener", Some("sm,self,tcp")).unwrap();
+        let lanes = lanes_to_a_same_host_listener(&listener, config.ucx_shm_lanes).await;
+        assert!(
+            lanes.iter().any(|l| is_shared_memory(l)),
+            "the default left a same-host endpoint on tcp: {lanes:?}"
+        );
+        let lanes = lanes_to_a_same_host_listener(&listener, false).await;
         assert!(
             lanes.iter().any(|l| l.starts_with("tcp/")),
-            "no tcp lane: {info}"
+            "no tcp lane with the option off: {lanes:?}"
         );
         assert!(
             !lanes.iter().any(|l| is_shared_memory(l)),
-            "shared-memory lanes by default: {lanes:?}"
-        );
-        // The same offer with the option on takes the shared-memory lanes.
-        let shm = UcxChannel::start("initiator-shm", tls).unwrap();
-        let mut on = UcxImport::on_host(crate::transport::shm::host_id());
-        on.welcomed(true, Duration::from_secs(5), Instant::now());
-        on.handle_message(Message::UcxOffer(UcxAddress {
-            address: Blob(listener.thread().address().to_vec()),
-            host: crate::transport::shm::host_id(),
-        }));
-        let Some(Output::Connect { address, same_host }) = on.poll_output() else {
-            panic!("the offer was not answered with a connect");
-        };
-        assert!(same_host);
-        shm.thread()
-            .connect("listener", &address.0, same_host)
-            .await
-            .unwrap();
-        let lanes = lane_transports(&shm.thread().endpoint_info("listener").await.unwrap());
-        eprintln!("KVBRIDGE_UCX_SHM_LANES=1: {lanes:?}");
-        assert!(
-            lanes.iter().any(|l| is_shared_memory(l)),
-            "the option left the endpoint on tcp: {lanes:?}"
+            "shared-memory lanes with the option off: {lanes:?}"
         );
     }
 }
