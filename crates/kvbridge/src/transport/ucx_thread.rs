@@ -61,7 +61,7 @@ pub(crate) struct UcxThread {
     wake: Arc<OwnedFd>,
     address: Vec<u8>,
     wakeups: Arc<AtomicU64>,
-    /// Microseconds slept in busy rounds ([`UcxThread::napped`]).
+    /// Microseconds slept in busy rounds (`UcxThread::napped`).
     napped: Arc<AtomicU64>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
