@@ -47,6 +47,9 @@
 
 pub mod wire;
 
+mod busy;
+pub use busy::{BusyBackoff, BUSY_FIRST_SLEEP, BUSY_MAX_SLEEP, BUSY_SPINS};
+
 #[cfg(feature = "ucx")]
 mod context;
 #[cfg(feature = "ucx")]

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use kvbridge_ucx_sys as sys;
 
+use crate::busy::BusyBackoff;
 use crate::context::{Context, ContextInner};
 use crate::error::{Error, Result, Step};
 use crate::region::{MemRegion, RegionInner};
@@ -25,11 +26,6 @@ const DROP_CLOSE_DEADLINE: Duration = Duration::from_secs(2);
 const DROP_QUIET_ROUNDS: u32 = 20;
 /// The longest a dropped worker progresses, waiting to be quiet, before it is destroyed.
 const DROP_QUIET_DEADLINE: Duration = Duration::from_millis(200);
-
-/// Rounds of "events pending, none handled" before `wait_events` sleeps between them.
-const BUSY_SPINS_BEFORE_SLEEP: u32 = 64;
-/// The sleep between such rounds.
-const BUSY_SLEEP: Duration = Duration::from_millis(1);
 
 /// A connected peer (an endpoint of this worker).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -137,8 +133,8 @@ pub struct Worker {
     rkeys: HashMap<u64, RemoteKey>,
     ops: HashMap<u64, InFlight>,
     next_id: u64,
-    /// Consecutive `wait_events` rounds in which UCX reported pending events but handled none.
-    busy_spins: u32,
+    /// `wait_events` rounds in a row in which UCX reported pending events but handled none.
+    busy: BusyBackoff,
     /// Dropped after the worker is destroyed (field order is irrelevant: `Drop` destroys it
     /// explicitly before the fields go).
     _ctx: Arc<ContextInner>,
@@ -189,7 +185,7 @@ impl Worker {
             rkeys: HashMap::new(),
             ops: HashMap::new(),
             next_id: 1,
-            busy_spins: 0,
+            busy: BusyBackoff::new(),
             _ctx: ctx.inner.clone(),
             _not_sync: PhantomData,
         };
@@ -265,20 +261,20 @@ impl Worker {
     /// progress) runs this in a loop.
     pub fn wait_events(&mut self, timeout: Duration) -> Result<()> {
         if self.progress() > 0 {
-            self.busy_spins = 0;
+            self.busy.reset();
             return Ok(());
         }
         if self.arm()? {
-            self.busy_spins = 0;
+            self.busy.reset();
             return poll_fd(self.efd, timeout);
         }
-        // UCX says events are pending but progress handled none: an operation retrying on a
-        // resource that does not free up (seen: writes to a killed peer over shared memory).
-        // The event fd stays readable then, so after a few such rounds sleep in short steps
-        // (without the fd) instead of spinning until the deadline.
-        self.busy_spins = self.busy_spins.saturating_add(1);
-        if self.busy_spins > BUSY_SPINS_BEFORE_SLEEP {
-            std::thread::sleep(timeout.min(BUSY_SLEEP));
+        // UCX says events are pending but progress handled none: a send waiting for room at
+        // the peer (a same-host peer not yet scheduled, or one killed: then for ever). The
+        // event fd stays readable meanwhile, so sleep without it, briefly at first, longer
+        // while nothing moves (`BusyBackoff`).
+        let nap = self.busy.idle().min(timeout);
+        if !nap.is_zero() {
+            std::thread::sleep(nap);
         }
         Ok(())
     }

@@ -302,13 +302,13 @@ pub struct ChannelConfig {
     /// the shared-memory transport: off when `transport` is `tcp`. Default on;
     /// `KVBRIDGE_CMA=0` turns it off. Either side may turn it off for its sessions.
     pub cma: bool,
-    /// Same-host UCX endpoints over UCX's shared-memory lanes
-    /// (`KVBRIDGE_UCX_SHM_LANES=1`; default off). With it, an initiator names its host in the
+    /// Same-host UCX endpoints over UCX's shared-memory lanes (default on;
+    /// `KVBRIDGE_UCX_SHM_LANES=0` turns it off). With it, an initiator names its host in the
     /// UCX negotiation and connects to a listener on the same host without peer-failure
-    /// detection, which UCX 1.13's shared-memory transports lack, so UCX may pick them. Off
-    /// because UCX 1.13's posix/sysv RMA lanes moved 0.16-0.18 GiB/s where its tcp lane
-    /// moved 0.44-0.53 (docs/ucx.md); kvbridge's own shared memory (`KVBRIDGE_TRANSPORT=auto`
-    /// or `shm`) is the same-host path.
+    /// detection, which UCX 1.13's shared-memory transports lack, so UCX may pick them: with
+    /// `UCX_TLS=sm,self,tcp` they moved 1.5-2.1x what the tcp lane moved (docs/ucx.md). The
+    /// cost: a killed same-host peer shows at the operation deadline, not at once. Off, every
+    /// endpoint asks for peer-failure detection (tcp alone there).
     pub ucx_shm_lanes: bool,
     /// TCP data connections an initiator opens per session (`KVBRIDGE_DATA_CONNECTIONS`,
     /// default [`DEFAULT_DATA_CONNECTIONS`], at most [`MAX_DATA_CONNECTIONS`]). With more
@@ -342,7 +342,7 @@ impl ChannelConfig {
                 .and_then(|v| Transport::parse(&v))
                 .unwrap_or_default(),
             cma: std::env::var("KVBRIDGE_CMA").map_or(true, |v| v != "0"),
-            ucx_shm_lanes: std::env::var("KVBRIDGE_UCX_SHM_LANES").is_ok_and(|v| v == "1"),
+            ucx_shm_lanes: std::env::var("KVBRIDGE_UCX_SHM_LANES").map_or(true, |v| v != "0"),
             data_connections: std::env::var("KVBRIDGE_DATA_CONNECTIONS")
                 .ok()
                 .and_then(|v| v.parse::<usize>().ok())

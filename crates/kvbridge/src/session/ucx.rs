@@ -431,3 +431,91 @@ fn ucx_error(peer: &str, e: UcxError) -> Error {
         },
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The initiator's choice of lanes for a listener on its own host, with the channel's
+    //! default configuration and two UCX workers of this process.
+
+    use super::*;
+    use kvbridge_proto::msg::UcxAddress;
+
+    /// The lanes' transports of an endpoint, as UCX prints them (`posix/memory`, `tcp/lo`).
+    fn lane_transports(info: &str) -> Vec<String> {
+        let mut out: Vec<String> = info
+            .split(|c: char| c.is_whitespace() || c == '(' || c == ')' || c == ',')
+            .filter(|w| w.contains('/') && !w.starts_with('/'))
+            .map(|w| w.trim_start_matches(|c: char| c.is_ascii_digit() || c == ':'))
+            .map(str::to_string)
+            .collect();
+        out.sort();
+        out.dedup();
+        out
+    }
+
+    fn is_shared_memory(lane: &str) -> bool {
+        ["posix/", "sysv/", "cma/", "xpmem/", "knem/"]
+            .iter()
+            .any(|t| lane.starts_with(t))
+    }
+
+    /// The lanes of the endpoint the initiator's machine (with or without its host
+    /// identity, `shm_lanes`) connects to a listener that names this host.
+    async fn lanes_to_a_same_host_listener(listener: &UcxChannel, shm_lanes: bool) -> Vec<String> {
+        let tls = Some("sm,self,tcp");
+        let initiator = Arc::new(UcxChannel::start("initiator", tls).unwrap());
+        let mut link = UcxLink::new(Some(initiator.clone()), true, shm_lanes);
+        let Some(Link::Import(m)) = link.link.as_mut() else {
+            panic!("an initiator on a UCX channel runs the import machine");
+        };
+        m.welcomed(true, Duration::from_secs(5), Instant::now());
+        // The listener names this host, as it does when it is on it.
+        let host = crate::transport::shm::host_id().expect("this host's identity");
+        m.handle_message(Message::UcxOffer(UcxAddress {
+            address: Blob(listener.thread().address().to_vec()),
+            host: Some(host),
+        }));
+        let Some(Output::Connect { address, same_host }) = m.poll_output() else {
+            panic!("the offer was not answered with a connect");
+        };
+        assert_eq!(
+            same_host, shm_lanes,
+            "shm_lanes {shm_lanes}: same_host {same_host}"
+        );
+        let t = initiator.thread();
+        t.connect("listener", &address.0, same_host).await.unwrap();
+        let info = t.endpoint_info("listener").await.unwrap();
+        let lanes = lane_transports(&info);
+        eprintln!("shm_lanes {shm_lanes}, sm,self,tcp, listener on this host: {lanes:?}");
+        lanes
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_default_config_takes_shared_memory_lanes_to_a_same_host_listener() {
+        // Same-host lanes are the default (`KVBRIDGE_UCX_SHM_LANES=0` turns them off): a
+        // listener on this host gets an endpoint over UCX's shared memory; without the
+        // option one with peer-failure detection, which UCX 1.13 builds from tcp alone even
+        // with shared memory in `UCX_TLS`.
+        if std::env::var_os("KVBRIDGE_UCX_SHM_LANES").is_some() {
+            eprintln!("KVBRIDGE_UCX_SHM_LANES is set: the default is not what this run has");
+            return;
+        }
+        let config = ChannelConfig::new("initiator", None);
+        assert!(config.ucx_shm_lanes, "same-host lanes off by default");
+        let listener = UcxChannel::start("listener", Some("sm,self,tcp")).unwrap();
+        let lanes = lanes_to_a_same_host_listener(&listener, config.ucx_shm_lanes).await;
+        assert!(
+            lanes.iter().any(|l| is_shared_memory(l)),
+            "the default left a same-host endpoint on tcp: {lanes:?}"
+        );
+        let lanes = lanes_to_a_same_host_listener(&listener, false).await;
+        assert!(
+            lanes.iter().any(|l| l.starts_with("tcp/")),
+            "no tcp lane with the option off: {lanes:?}"
+        );
+        assert!(
+            !lanes.iter().any(|l| is_shared_memory(l)),
+            "shared-memory lanes with the option off: {lanes:?}"
+        );
+    }
+}

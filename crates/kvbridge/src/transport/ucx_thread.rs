@@ -9,6 +9,7 @@ use crate::region::Region;
 use crate::transport::one_sided::{OneSided, OneSidedError, OneSidedStep, RangeOp};
 use crate::transport::ucx::{UcxBackend, UcxPosted};
 use kvbridge_proto::RegionId;
+use kvbridge_ucx::BusyBackoff;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
@@ -26,6 +27,9 @@ enum Cmd {
     Release(String, RegionId, Instant, Reply<()>),
     Revoke(RegionId, Reply<()>),
     Disconnect(String, Instant, Reply<()>),
+    /// UCX's description of the endpoint to a peer (its lanes).
+    #[cfg(test)]
+    EndpointInfo(String, Reply<String>),
 }
 
 /// A batch, a release's flush or a disconnect's close, posted and not yet answered. None
@@ -40,14 +44,15 @@ struct Running {
     reply: Reply<()>,
 }
 
-/// Rounds in a row in which UCX said events were pending but progress handled none before
-/// the loop sleeps 1 ms per round (UCX 1.13 over shared memory, writing to a dead peer).
-const BUSY_ROUNDS_BEFORE_SLEEP: u32 = 64;
-
-/// The longest sleep. UCX 1.13's event fd missed a wake-up over tcp (eight batches took
-/// 1.001 s with a 1 s bound here, 21 ms in other runs), so the thread progresses at least
-/// this often: ten cheap calls a second when idle, and a missed wake-up costs 100 ms.
+/// The longest sleep: the thread progresses at least this often, ten cheap calls a second
+/// when idle. It sleeps on the armed fd only after a progress that handled nothing (UCX's
+/// rule for `ucp_worker_arm`); arming after one that handled events left a wake-up unsent
+/// over tcp, and the batch waited for this bound (100 ms, the p99 of the UCX handshake).
 const MAX_SLEEP: Duration = Duration::from_millis(100);
+
+/// Progress rounds in a row that handled events before the loop looks at its commands and
+/// batches again anyway.
+const PROGRESS_BURST: u32 = 64;
 
 /// The handle tasks use; dropping it stops the thread (after it answered what is running,
 /// failed at their deadlines at the latest).
@@ -56,6 +61,8 @@ pub(crate) struct UcxThread {
     wake: Arc<OwnedFd>,
     address: Vec<u8>,
     wakeups: Arc<AtomicU64>,
+    /// Microseconds slept in busy rounds (`UcxThread::napped`).
+    napped: Arc<AtomicU64>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -94,11 +101,16 @@ impl UcxThread {
         let address = backend.address();
         let wake = Arc::new(eventfd()?);
         let wakeups = Arc::new(AtomicU64::new(0));
+        let napped = Arc::new(AtomicU64::new(0));
         let (tx, rx) = mpsc::channel();
-        let (w, n) = (wake.clone(), wakeups.clone());
+        let counters = Counters {
+            wakeups: wakeups.clone(),
+            napped: napped.clone(),
+        };
+        let w = wake.clone();
         let thread = std::thread::Builder::new()
             .name(format!("ucx-{name}"))
-            .spawn(move || run(backend, rx, w, n))
+            .spawn(move || run(backend, rx, w, counters))
             .map_err(|e| OneSidedError::Failed {
                 peer: "local".to_string(),
                 step: OneSidedStep::Export,
@@ -109,6 +121,7 @@ impl UcxThread {
             wake,
             address,
             wakeups,
+            napped,
             thread: Some(thread),
         })
     }
@@ -118,9 +131,17 @@ impl UcxThread {
         &self.address
     }
 
-    /// How often the thread woke from its sleep: a measure of idle cost.
+    /// How many rounds the thread's loop ran (each after a sleep, unless the last round had
+    /// work): a measure of idle cost that a spin cannot hide.
     pub(crate) fn wakeups(&self) -> u64 {
         self.wakeups.load(Ordering::Relaxed)
+    }
+
+    /// How long the thread slept while UCX said events were pending and its progress
+    /// handled none (waiting for room at a peer): time the thread lost to no event.
+    #[cfg(test)]
+    pub(crate) fn napped(&self) -> Duration {
+        Duration::from_micros(self.napped.load(Ordering::Relaxed))
     }
 
     async fn ask<T>(
@@ -203,6 +224,14 @@ impl UcxThread {
             .await
     }
 
+    /// UCX's description of the endpoint to `peer`: its lanes' transports.
+    #[cfg(test)]
+    pub(crate) async fn endpoint_info(&self, peer: &str) -> Result<String, OneSidedError> {
+        let p = peer.to_string();
+        self.ask(OneSidedStep::Connect, |tx| Cmd::EndpointInfo(p, tx))
+            .await
+    }
+
     /// See [`OneSided::disconnect`].
     pub(crate) async fn disconnect(
         &self,
@@ -240,19 +269,36 @@ fn drain(fd: RawFd) {
     unsafe { libc::read(fd, std::ptr::from_mut(&mut v).cast(), 8) };
 }
 
+/// What the thread counts for its handle.
+struct Counters {
+    wakeups: Arc<AtomicU64>,
+    napped: Arc<AtomicU64>,
+}
+
 /// The thread: take commands, complete batches, sleep on both fds when idle.
-fn run(mut b: UcxBackend, rx: mpsc::Receiver<Cmd>, wake: Arc<OwnedFd>, wakeups: Arc<AtomicU64>) {
+fn run(mut b: UcxBackend, rx: mpsc::Receiver<Cmd>, wake: Arc<OwnedFd>, counters: Counters) {
     let mut running: Vec<Running> = Vec::new();
     let mut open = true;
-    let mut busy = 0u32;
+    let mut busy = BusyBackoff::new();
     loop {
+        counters.wakeups.fetch_add(1, Ordering::Relaxed);
         drain(wake.as_raw_fd());
         // Whatever woke the worker's fd is handled only by progress; arming alone would
-        // clear the wake-up and leave the work (a peer's put to serve, say) undone.
-        b.progress();
+        // clear the wake-up and leave the work (a peer's put to serve, say) undone. UCX
+        // wants progress until it handles nothing before the fd is armed.
+        let mut handled = false;
+        for _ in 0..PROGRESS_BURST {
+            if b.progress() == 0 {
+                break;
+            }
+            handled = true;
+        }
         while open {
             match rx.try_recv() {
-                Ok(cmd) => serve(&mut b, cmd, &mut running),
+                Ok(cmd) => {
+                    serve(&mut b, cmd, &mut running);
+                    handled = true;
+                }
                 Err(mpsc::TryRecvError::Empty) => break,
                 Err(mpsc::TryRecvError::Disconnected) => open = false,
             }
@@ -277,6 +323,7 @@ fn run(mut b: UcxBackend, rx: mpsc::Receiver<Cmd>, wake: Arc<OwnedFd>, wakeups: 
             match outcome {
                 None => i += 1,
                 Some(result) => {
+                    handled = true;
                     let _ = running.swap_remove(i).reply.send(result);
                 }
             }
@@ -284,22 +331,33 @@ fn run(mut b: UcxBackend, rx: mpsc::Receiver<Cmd>, wake: Arc<OwnedFd>, wakeups: 
         if !open && running.is_empty() {
             return;
         }
+        if handled {
+            // Posted work, answers sent or events handled: look again before sleeping
+            // (what was posted may have events already, and the fd must be armed only
+            // after a progress that handled nothing).
+            busy.reset();
+            continue;
+        }
         // Sleep until the worker or a command wakes us, or the nearest deadline.
+        let timeout = running
+            .iter()
+            .map(|r| r.deadline.saturating_duration_since(Instant::now()))
+            .fold(MAX_SLEEP, Duration::min);
         match b.arm() {
             Ok(true) => {
-                busy = 0;
-                let timeout = running
-                    .iter()
-                    .map(|r| r.deadline.saturating_duration_since(Instant::now()))
-                    .fold(MAX_SLEEP, Duration::min);
+                busy.reset();
                 poll2(b.event_fd(), wake.as_raw_fd(), timeout);
-                wakeups.fetch_add(1, Ordering::Relaxed);
             }
             Ok(false) => {
-                b.progress();
-                busy = busy.saturating_add(1);
-                if busy > BUSY_ROUNDS_BEFORE_SLEEP {
-                    std::thread::sleep(Duration::from_millis(1));
+                // Events pending that progress did not handle: a send waiting for room at
+                // the peer. The worker's fd stays readable meanwhile, so nap on the command
+                // fd alone, briefly at first (a live same-host peer frees room within
+                // microseconds), up to 1 ms a round while nothing moves (a killed one).
+                let nap = busy.idle().min(timeout);
+                if !nap.is_zero() {
+                    nap_on(wake.as_raw_fd(), nap);
+                    let us = u64::try_from(nap.as_micros()).unwrap_or(u64::MAX);
+                    counters.napped.fetch_add(us, Ordering::Relaxed);
                 }
             }
             Err(e) => {
@@ -346,6 +404,8 @@ fn serve(b: &mut UcxBackend, cmd: Cmd, running: &mut Vec<Running>) {
             reply,
             running,
         ),
+        #[cfg(test)]
+        Cmd::EndpointInfo(peer, tx) => drop(tx.send(b.endpoint_info(&peer))),
     }
 }
 
@@ -367,6 +427,21 @@ fn track(
         }),
         Err(e) => drop(reply.send(Err(e))),
     }
+}
+
+/// Sleeps until `fd` is readable or `timeout`, to the microsecond.
+fn nap_on(fd: RawFd, timeout: Duration) {
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs().min(i64::MAX as u64) as libc::time_t,
+        tv_nsec: libc::c_long::from(timeout.subsec_nanos() as i32),
+    };
+    // SAFETY: one valid pollfd and timespec for the duration of the call; no signal mask.
+    unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) };
 }
 
 /// Sleeps until one of two fds is readable or `timeout`.
@@ -427,13 +502,19 @@ mod tests {
     }
 
     async fn pair(tls: &str) -> Pair {
+        pair_on(tls, false).await
+    }
+
+    /// A pair whose initiator connects as to a peer on its host when `same_host` (UCX's
+    /// shared-memory lanes where `tls` has them).
+    async fn pair_on(tls: &str, same_host: bool) -> Pair {
         let target = UcxThread::start("target", Some(tls)).unwrap();
         let initiator = UcxThread::start("initiator", Some(tls)).unwrap();
         let remote = Region::alloc(LEN, 4096).unwrap();
         let local = Region::alloc(LEN, 4096).unwrap();
         let d = bounded(target.export(&remote)).await.unwrap();
         bounded(initiator.export(&local)).await.unwrap();
-        bounded(initiator.connect("target", target.address(), false))
+        bounded(initiator.connect("target", target.address(), same_host))
             .await
             .unwrap();
         bounded(initiator.import("target", remote.id(), &d))
@@ -525,6 +606,51 @@ mod tests {
         out.into_iter()
             .map(|o| o.expect("every future ended"))
             .collect()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn same_host_writes_keep_their_threads_awake_while_data_moves() {
+        // Over UCX 1.13's shared memory a sender whose FIFO is full is told "busy" by
+        // `ucp_worker_arm` until the target drained it. A thread that slept 1 ms per such
+        // round once it had seen 64 of them (without starting over when events were then
+        // handled) napped through most of a transfer: 0.15 GiB/s. Naps are for a peer that
+        // frees no room, not for one that is draining.
+        let p = pair_on("sm,self,tcp", true).await;
+        let data = pattern(9, LEN);
+        p.local.write_at(0, &data).unwrap();
+        let rounds = 16;
+        let started = Instant::now();
+        for _ in 0..rounds {
+            // Two batches in flight of four 512 KiB ranges each: the whole region.
+            let batches = (0..2u64).map(|b| {
+                let ops = (0..4u64)
+                    .map(|k| {
+                        let off = (b * 4 + k) * (512 << 10);
+                        range(&p, off, off, 512 << 10)
+                    })
+                    .collect();
+                p.initiator
+                    .transfer("target", Dir::Write, ops, Instant::now() + BOUND)
+            });
+            for r in bounded(futures_join(batches)).await {
+                r.unwrap();
+            }
+        }
+        let took = started.elapsed();
+        let napped = p.initiator.napped() + p.target.napped();
+        eprintln!(
+            "{rounds} x {} MiB in {took:?}: initiator napped {:?}, target {:?}",
+            LEN >> 20,
+            p.initiator.napped(),
+            p.target.napped()
+        );
+        let mut got = vec![0u8; LEN];
+        p.remote.read_at(0, &mut got).unwrap();
+        assert!(got == data, "written bytes differ");
+        assert!(
+            napped < took / 4,
+            "the threads napped {napped:?} of a {took:?} transfer"
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
