@@ -438,26 +438,8 @@ mod tests {
     //! default configuration and two UCX workers of this process.
 
     use super::*;
+    use crate::transport::ucx::{is_shared_memory, lane_transports};
     use kvbridge_proto::msg::UcxAddress;
-
-    /// The lanes' transports of an endpoint, as UCX prints them (`posix/memory`, `tcp/lo`).
-    fn lane_transports(info: &str) -> Vec<String> {
-        let mut out: Vec<String> = info
-            .split(|c: char| c.is_whitespace() || c == '(' || c == ')' || c == ',')
-            .filter(|w| w.contains('/') && !w.starts_with('/'))
-            .map(|w| w.trim_start_matches(|c: char| c.is_ascii_digit() || c == ':'))
-            .map(str::to_string)
-            .collect();
-        out.sort();
-        out.dedup();
-        out
-    }
-
-    fn is_shared_memory(lane: &str) -> bool {
-        ["posix/", "sysv/", "cma/", "xpmem/", "knem/"]
-            .iter()
-            .any(|t| lane.starts_with(t))
-    }
 
     /// The lanes of the endpoint the initiator's machine (with or without its host
     /// identity, `shm_lanes`) connects to a listener that names this host.

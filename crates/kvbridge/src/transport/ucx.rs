@@ -534,6 +534,30 @@ impl OneSided for UcxBackend {
     }
 }
 
+/// The transports of an endpoint's lanes, as UCX prints them in [`UcxBackend::endpoint_info`]
+/// (`posix/memory`, `tcp/lo`), sorted and without repeats.
+#[cfg(test)]
+pub(crate) fn lane_transports(info: &str) -> Vec<String> {
+    let mut out: Vec<String> = info
+        .split(|c: char| c.is_whitespace() || c == '(' || c == ')' || c == ',')
+        .filter(|w| w.contains('/') && !w.starts_with('/'))
+        .map(|w| w.trim_start_matches(|c: char| c.is_ascii_digit() || c == ':'))
+        .map(str::to_string)
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// Whether a lane's transport (as [`lane_transports`] names it) is shared memory or
+/// cross-memory attach.
+#[cfg(test)]
+pub(crate) fn is_shared_memory(lane: &str) -> bool {
+    ["posix/", "sysv/", "cma/", "xpmem/", "knem/"]
+        .iter()
+        .any(|t| lane.starts_with(t))
+}
+
 #[cfg(test)]
 mod tests {
     //! Two backends of this process over UCX's tcp and shared-memory transports: the target
@@ -843,25 +867,6 @@ mod tests {
         );
     }
 
-    /// The lanes' transports of an endpoint, as UCX prints them (`posix/memory`, `tcp/lo`).
-    fn lanes(info: &str) -> Vec<String> {
-        let mut out: Vec<String> = info
-            .split(|c: char| c.is_whitespace() || c == '(' || c == ')' || c == ',')
-            .filter(|w| w.contains('/') && !w.starts_with('/'))
-            .map(|w| w.trim_start_matches(|c: char| c.is_ascii_digit() || c == ':'))
-            .map(str::to_string)
-            .collect();
-        out.sort();
-        out.dedup();
-        out
-    }
-
-    fn is_shared_memory(lane: &str) -> bool {
-        ["posix/", "sysv/", "cma/", "xpmem/", "knem/"]
-            .iter()
-            .any(|t| lane.starts_with(t))
-    }
-
     #[test]
     fn a_same_host_endpoint_gets_shared_memory_lanes_beside_tcp() {
         // With a network transport in `UCX_TLS`, asking for peer-failure detection builds
@@ -877,7 +882,7 @@ mod tests {
         let same = b.endpoint_info("same").unwrap();
         let other = b.endpoint_info("other").unwrap();
         eprintln!("same host:\n{same}\nother:\n{other}");
-        let (same, other) = (lanes(&same), lanes(&other));
+        let (same, other) = (lane_transports(&same), lane_transports(&other));
         assert!(
             same.iter().any(|l| is_shared_memory(l)),
             "a same-host endpoint without shared-memory lanes: {same:?}"
