@@ -58,6 +58,9 @@ pub(crate) struct UcxBackend {
     /// Revoked regions whose operations may still run: kept until the worker has none.
     retired: Vec<(MemRegion, Region)>,
     peers: HashMap<String, UcxPeer>,
+    /// Whether the transports allowed (`UCX_TLS`) may include shared memory or cross-memory
+    /// attach: if not, a same-host endpoint has nothing to prefer over failure detection.
+    shared_memory: bool,
     ctx: Context,
 }
 
@@ -68,6 +71,25 @@ impl std::fmt::Debug for UcxBackend {
             .field("peers", &self.peers.len())
             .finish()
     }
+}
+
+/// Whether `UCX_TLS` (`tls`, else the environment's) may let UCX pick a shared-memory or
+/// cross-memory-attach transport: unset, `all`, an exclusion list (`^...`), or a list naming
+/// one of them or one of their aliases. In doubt, yes.
+fn may_use_shared_memory(tls: Option<&str>) -> bool {
+    let env = std::env::var("UCX_TLS").ok();
+    let Some(tls) = tls.or(env.as_deref()).map(str::trim) else {
+        return true;
+    };
+    if tls.is_empty() || tls.starts_with('^') {
+        return true;
+    }
+    const SHARED: [&str; 9] = [
+        "all", "sm", "shm", "mm", "posix", "sysv", "cma", "xpmem", "knem",
+    ];
+    tls.split(',')
+        .map(|t| t.trim().trim_start_matches('\\').to_ascii_lowercase())
+        .any(|t| SHARED.contains(&t.as_str()))
 }
 
 /// A failure of `kvbridge-ucx` as a one-sided error of `step` toward `peer`.
@@ -106,6 +128,7 @@ impl UcxBackend {
             local: HashMap::new(),
             retired: Vec::new(),
             peers: HashMap::new(),
+            shared_memory: may_use_shared_memory(tls),
             ctx,
         })
     }
@@ -199,7 +222,8 @@ impl UcxBackend {
     /// [`OneSided::connect`] to a peer that is on this host (`same_host`: its host identity
     /// equals ours) or may not be. A same-host endpoint asks UCX for its shared-memory and
     /// cross-memory-attach transports first, which cannot report a dead peer (it shows at
-    /// the operation deadlines); any other asks for peer-failure detection first.
+    /// the operation deadlines); any other, and a same-host one where `UCX_TLS` allows none
+    /// of those transports, asks for peer-failure detection first.
     pub(crate) fn connect_on_host(
         &mut self,
         peer: &str,
@@ -213,7 +237,7 @@ impl UcxBackend {
                 detail: "already connected".to_string(),
             });
         }
-        let prefer = if same_host {
+        let prefer = if same_host && self.shared_memory {
             Prefer::SharedMemory
         } else {
             Prefer::FailureDetection
@@ -230,6 +254,12 @@ impl UcxBackend {
             },
         );
         Ok(())
+    }
+
+    /// Whether UCX reports the failure of `peer` on its endpoint.
+    #[cfg(test)]
+    fn detects_peer_failure(&self, peer: &str) -> Option<bool> {
+        self.worker.detects_peer_failure(self.peers.get(peer)?.ep)
     }
 
     /// UCX's description of the endpoint to `peer` (its lanes' transports).
@@ -907,12 +937,44 @@ mod tests {
     }
 
     #[test]
+    fn ucx_tls_lists_that_exclude_shared_memory_are_told_apart() {
+        for tls in ["tcp", "tcp,self", "rc,ud", " TCP "] {
+            assert!(!may_use_shared_memory(Some(tls)), "{tls}");
+        }
+        for tls in [
+            "all",
+            "sm,self,tcp",
+            "tcp,cma",
+            "posix",
+            "^tcp",
+            "",
+            "rc,\\sysv",
+        ] {
+            assert!(may_use_shared_memory(Some(tls)), "{tls}");
+        }
+    }
+
+    #[test]
+    fn a_same_host_endpoint_keeps_failure_detection_where_ucx_tls_has_no_shared_memory() {
+        // With `UCX_TLS=tcp` a same-host endpoint would gain no lane by giving up failure
+        // detection: a killed peer then fails its writes at once instead of at the deadline.
+        let t = Target::start("tcp");
+        let mut b = UcxBackend::new(Some("tcp")).unwrap();
+        b.connect_on_host("same", &t.address, true).unwrap();
+        assert_eq!(b.detects_peer_failure("same"), Some(true));
+        let mut b = UcxBackend::new(Some("sm,self,tcp")).unwrap();
+        b.connect_on_host("same", &t.address, true).unwrap();
+        assert_eq!(b.detects_peer_failure("same"), Some(false));
+    }
+
+    #[test]
     fn a_same_host_claim_over_tcp_alone_still_fails_a_write_to_a_gone_peer_by_its_deadline() {
-        // What a peer lying about its host gets: an endpoint without peer-failure detection
-        // over UCX's network transport. A write to it after its worker is gone ends by the
-        // deadline, with an error, and the process lives on.
-        let tls = "tcp";
-        let mut t = Target::start(tls);
+        // What a peer lying about its host gets where `UCX_TLS` allows shared memory: an
+        // endpoint without peer-failure detection over UCX's network transport. A write to
+        // it after its worker is gone ends by the deadline, with an error, and the process
+        // lives on.
+        let tls = "sm,self,tcp";
+        let mut t = Target::start("tcp");
         let local = Region::alloc(LEN, 4096).unwrap();
         let mut b = UcxBackend::new(Some(tls)).unwrap();
         b.export(&local).unwrap();
