@@ -22,6 +22,7 @@ use crate::client::Client;
 use crate::demo::{self, DemoArgs, WorkItem};
 use crate::engine::{self, EngineConfig, Role, RunningEngine};
 use crate::model;
+use crate::prompt_format;
 
 /// The longest the router may take to answer its first `GET /v1/models`.
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
@@ -171,15 +172,12 @@ fn setup(step: &'static str, e: impl std::fmt::Display) -> PeerError {
 pub fn as_text(w: &WorkItem) -> WorkItem {
     let mut body = w.body.clone();
     if let Some(Value::Array(ids)) = body.get("prompt") {
-        let text: Vec<&str> = ids
+        // A value that is no id has no word (`u32::MAX` is past the vocabulary): "?".
+        let ids: Vec<u32> = ids
             .iter()
-            .map(|v| {
-                v.as_u64()
-                    .and_then(|i| model::word(i as u32))
-                    .unwrap_or("?")
-            })
+            .map(|v| v.as_u64().map_or(u32::MAX, |i| i as u32))
             .collect();
-        body["prompt"] = Value::String(text.join(" "));
+        body["prompt"] = Value::String(prompt_format::words(&ids));
     }
     WorkItem { path: w.path, body }
 }
