@@ -107,7 +107,9 @@ pub(crate) struct Piece {
 /// Why a direct copy failed.
 #[derive(Debug)]
 pub(crate) enum CopyError {
-    /// The peer process exited (its pid may be reused: no call was made).
+    /// The peer process exited: its pidfd said so before the call (its pid may be reused,
+    /// so no call was made), or the call found no such process (`ESRCH`: the process has
+    /// dropped its memory while exiting, before its pidfd turns readable).
     PeerGone,
     /// The kernel refused or failed the copy (errno), after `done` bytes of the call.
     Os {
@@ -208,7 +210,16 @@ impl DirectCopy for CmaCopy {
         }
         for chunk in pieces.chunks(IOV_MAX) {
             // SAFETY: the caller's contract is `vm_copy`'s.
-            unsafe { vm_copy(self.pid, dir, chunk)? };
+            match unsafe { vm_copy(self.pid, dir, chunk) } {
+                Ok(()) => {}
+                // An exiting process releases its memory before its pidfd turns readable;
+                // a copy in that moment fails with ESRCH. Either way the peer is gone, and
+                // that is a lost connection, not an internal error.
+                Err(CopyError::Os { error, .. }) if error.raw_os_error() == Some(libc::ESRCH) => {
+                    return Err(CopyError::PeerGone)
+                }
+                Err(e) => return Err(e),
+            }
         }
         Ok(())
     }
@@ -474,6 +485,42 @@ mod tests {
             other => panic!("{other}"),
         }
         assert_eq!(dst, [1u8; 8]);
+    }
+
+    /// A process that has exited but whose pidfd the copy cannot poll (no `pidfd_open`, or
+    /// the moment between an exiting process dropping its memory and its pidfd turning
+    /// readable) is `PeerGone`, not an OS error: the caller reports a lost peer. A zombie
+    /// child stands in for it: its memory is gone and, unreaped, its pid cannot be reused.
+    #[test]
+    fn a_process_without_memory_is_gone_not_an_os_error() {
+        if cma_available().is_err() {
+            return;
+        }
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id() as libc::pid_t;
+        // Wait for the exit without reaping (WNOWAIT keeps the zombie).
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: a valid pid of our own child and a valid siginfo to fill.
+        let r = unsafe {
+            libc::waitid(
+                libc::P_PID,
+                pid as libc::id_t,
+                &mut info,
+                libc::WEXITED | libc::WNOWAIT,
+            )
+        };
+        assert_eq!(r, 0, "{}", io::Error::last_os_error());
+        let c = CmaCopy { pid, pidfd: None };
+        let src = [1u8; 8];
+        let piece = Piece {
+            remote: 4096,
+            local: src.as_ptr() as *mut u8,
+            len: 8,
+        };
+        // SAFETY: the remote process has no memory left; the local range is our buffer.
+        let e = unsafe { c.copy(Dir::Write, &[piece]) }.unwrap_err();
+        assert!(matches!(e, CopyError::PeerGone), "{e}");
+        child.wait().unwrap();
     }
 
     #[test]
