@@ -1,6 +1,7 @@
-//! A listener process killed (SIGKILL) while the initiator writes into it, over every
-//! transport: every write ends by its deadline, and once the session is gone writes fail
-//! with a typed error naming the peer. Nothing hangs. The session's teardown (its UCX
+//! A listener process killed (SIGKILL) while the initiator writes into it or reads from
+//! it, over every transport: every operation ends by its deadline, and once the session is
+//! gone operations fail with a typed error naming the peer (a lost peer, never an internal
+//! error or a region "revoked by the peer"). Nothing hangs. The session's teardown (its UCX
 //! endpoint's close, bounded by the close deadline, far longer here than the op deadline)
 //! holds up no write: a write in flight ends by its own deadline.
 
@@ -25,7 +26,22 @@ async fn child_listener() {
     ChildListener::serve_if_child(NAME, 64 * PAGE, PAGE).await;
 }
 
+/// Which one-sided operation the initiator loops on while the listener is killed.
+#[derive(Debug, Clone, Copy)]
+enum Doing {
+    Writes,
+    Reads,
+}
+
 async fn killed_mid_write(t: Carrier) {
+    killed_mid(t, Doing::Writes).await
+}
+
+async fn killed_mid_read(t: Carrier) {
+    killed_mid(t, Doing::Reads).await
+}
+
+async fn killed_mid(t: Carrier, doing: Doing) {
     let mut child = ChildListener::start("child_listener", t).await;
     let (pre, src) = initiator(
         "prefill-k",
@@ -48,13 +64,16 @@ async fn killed_mid_write(t: Carrier) {
         .collect();
     let (p2, peer2) = (pre.clone(), peer.clone());
     let (tx, mut started) = tokio::sync::watch::channel(0usize);
-    // Writes in a loop (bounded in count and time); each one's duration is measured.
+    // Operations in a loop (bounded in count and time); each one's duration is measured.
     let w = tokio::spawn(async move {
         let t0 = Instant::now();
         let mut longest = Duration::ZERO;
         for n in 0..100_000usize {
             let at = Instant::now();
-            let r = p2.write(&peer2, &ops).await;
+            let r = match doing {
+                Doing::Writes => p2.write(&peer2, &ops).await,
+                Doing::Reads => p2.read(&peer2, &ops).await,
+            };
             longest = longest.max(at.elapsed());
             let _ = tx.send(n + 1);
             if let Err(e) = r {
@@ -68,19 +87,19 @@ async fn killed_mid_write(t: Carrier) {
     });
     tokio::time::timeout(Duration::from_secs(30), started.wait_for(|n| *n >= 3))
         .await
-        .expect("writes never got going")
+        .expect("operations never got going")
         .unwrap();
     child.kill();
     let killed = Instant::now();
     let (err, longest) = tokio::time::timeout(OP + SLACK + Duration::from_secs(20), w)
         .await
-        .expect("writes hung after the peer was killed")
+        .expect("operations hung after the peer was killed")
         .unwrap();
-    let e = err.expect("writes to a killed peer kept succeeding");
+    let e = err.expect("operations on a killed peer kept succeeding");
     let took = killed.elapsed();
-    eprintln!("{t:?}: failed {took:?} after the kill, longest write {longest:?}: {e}");
+    eprintln!("{t:?} {doing:?}: failed {took:?} after the kill, longest {longest:?}: {e}");
     assert!(took < OP + SLACK, "{took:?} after the kill: {e}");
-    assert!(longest < OP + SLACK, "a write took {longest:?}");
+    assert!(longest < OP + SLACK, "an operation took {longest:?}");
     assert!(
         matches!(
             e,
@@ -97,3 +116,4 @@ async fn killed_mid_write(t: Carrier) {
     );
 }
 per_transport!(killed_mid_write_per_transport, super::killed_mid_write);
+per_transport!(killed_mid_read_per_transport, super::killed_mid_read);

@@ -51,8 +51,8 @@ impl DirectRoute {
     /// Copies a batch when every region `descs` names is reachable directly; `NotDirect`
     /// (and nothing done) when one is not, so the batch goes over TCP. `locals` gives the local
     /// ranges once the batch is known to go direct (`None`: the batch already ended). A
-    /// region revoked because the session is ending fails with `ended()`'s error when that
-    /// gives one.
+    /// region revoked because the session is ending fails with `ended()`'s error, or as a
+    /// lost connection when that gives none.
     ///
     /// The regions are resolved with no await before the copy, so a region revoked in
     /// between (detached, say) is either still copied under its read lock (the revocation
@@ -79,21 +79,31 @@ impl DirectRoute {
         drop(locals);
         Copied::Done(match r {
             Ok(()) => Ok(()),
-            Err(ShmFail::Revoked(r)) if self.shm.ended() => match ended() {
-                Some(e) => Err(e),
-                None => Err(direct_error(&self.peer, dir, ShmFail::Revoked(r))),
-            },
+            // Revoked because the session's shared-memory side ended (the peer closed or
+            // died), not by the peer's choice: a lost connection, whoever asks.
+            Err(ShmFail::Revoked(r)) if self.shm.ended() => Err(ended().unwrap_or_else(|| {
+                Error::lost(
+                    self.peer.as_str(),
+                    step_of(dir),
+                    format!("region {r}: the session's shared-memory connection ended"),
+                )
+            })),
             Err(f) => Err(direct_error(&self.peer, dir, f)),
         })
     }
 }
 
-/// The error of a direct copy that failed.
-fn direct_error(peer: &PeerId, dir: Dir, f: ShmFail) -> Error {
-    let step = match dir {
+/// The step a direct copy in `dir` is part of.
+fn step_of(dir: Dir) -> Step {
+    match dir {
         Dir::Write => Step::Write,
         Dir::Read => Step::Read,
-    };
+    }
+}
+
+/// The error of a direct copy that failed.
+fn direct_error(peer: &PeerId, dir: Dir, f: ShmFail) -> Error {
+    let step = step_of(dir);
     let (code, region, what) = match f {
         ShmFail::Revoked(r) => (
             ErrorCode::UnknownRegion,
