@@ -499,6 +499,7 @@ mod tests {
         let mut child = std::process::Command::new("true").spawn().unwrap();
         let pid = child.id() as libc::pid_t;
         // Wait for the exit without reaping (WNOWAIT keeps the zombie).
+        // SAFETY: siginfo_t is plain data; all zeroes is a valid value.
         let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
         // SAFETY: a valid pid of our own child and a valid siginfo to fill.
         let r = unsafe {
