@@ -1708,6 +1708,68 @@ async fn a_client_dribbling_its_headers_is_dropped_within_the_deadline_while_ano
     e.settled().await;
 }
 
+/// A kept-alive connection left idle after its answer is closed at the header deadline: an
+/// idle client holds its connection no longer than a dribbling one. (A client that reuses
+/// such a connection just as the deadline passes meets the close.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_kept_alive_connection_is_closed_at_the_header_deadline() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let deadline = Duration::from_millis(500);
+    let e = env(Flow::Vllm, 1, 1, |c| {
+        c.http_limits.header_timeout = deadline
+    })
+    .await;
+    let (mut r, mut w) = tokio::net::TcpStream::connect(e.proxy.http_addr())
+        .await
+        .unwrap()
+        .into_split();
+    w.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    // The whole answer: its head, then as many bytes as its Content-Length says.
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let (head, answered) = loop {
+        let n = tokio::time::timeout(T, r.read(&mut buf))
+            .await
+            .expect("no answer")
+            .unwrap();
+        assert!(
+            n > 0,
+            "closed unanswered: {}",
+            String::from_utf8_lossy(&got)
+        );
+        got.extend_from_slice(&buf[..n]);
+        let Some(end) = got.windows(4).position(|x| x == b"\r\n\r\n") else {
+            continue;
+        };
+        let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+        let len: usize = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length:"))
+            .map_or(0, |v| v.trim().parse().unwrap());
+        if got.len() >= end + 4 + len {
+            break (head, Instant::now());
+        }
+    };
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(
+        !head.contains("connection: close"),
+        "not kept alive: {head}"
+    );
+    let rest = tokio::time::timeout(T, read_to_close(r))
+        .await
+        .expect("the idle connection was kept");
+    let idle = answered.elapsed();
+    assert!(rest.is_empty(), "{}", String::from_utf8_lossy(&rest));
+    assert!(
+        idle < deadline + Duration::from_millis(1500),
+        "closed after {idle:?} idle"
+    );
+    drop(w);
+    e.settled().await;
+}
+
 /// A request whose body does not arrive within the body deadline is answered 408.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_dribbled_past_its_deadline_gets_408() {
