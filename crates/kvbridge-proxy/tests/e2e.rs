@@ -503,6 +503,14 @@ async fn env(flow: Flow, np: usize, nd: usize, tweak: impl FnOnce(&mut Config)) 
         })
         .collect();
     tweak(&mut cfg);
+    // The proxy closes a kept-alive connection once it has idled for its header deadline, as
+    // HTTP/1.1 allows; a request sent on that connection at that moment meets the close
+    // (`IncompleteMessage`). Where a test shortens the deadline below its own waits, the
+    // harness opens a connection per request rather than race that close.
+    let mut client = Client::builder(TokioExecutor::new());
+    if cfg.http_limits.header_timeout < T {
+        client.pool_max_idle_per_host(0);
+    }
     let proxy = server::start(cfg).await.unwrap();
     if let Some(n) = proxy.notify_addr() {
         // Decoders too: some doubles report the KV's outcome once the decode request is in.
@@ -510,7 +518,7 @@ async fn env(flow: Flow, np: usize, nd: usize, tweak: impl FnOnce(&mut Config)) 
             x.connect_notify(n).await;
         }
     }
-    let client = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    let client = client.build(HttpConnector::new());
     Env {
         proxy,
         p,
@@ -1674,19 +1682,91 @@ async fn a_client_dribbling_its_headers_is_dropped_within_the_deadline_while_ano
         b"POST /v1/completions HTTP/1.1\r\nX-Slow: ",
         Duration::from_millis(20),
     );
-    let closed = tokio::spawn(read_to_close(r));
+    let closed = tokio::spawn(async move {
+        read_to_close(r).await;
+        t0.elapsed()
+    });
     let a = e.post("/v1/completions", completion("x", false)).await;
+    let served = t0.elapsed();
     assert_eq!(a.status, StatusCode::OK, "{}", a.text());
-    tokio::time::timeout(T, closed)
+    let dropped = tokio::time::timeout(T, closed)
         .await
         .expect("the dribbling client was never dropped")
         .unwrap();
-    let took = t0.elapsed();
+    eprintln!("other client served after {served:?}; dribbler dropped after {dropped:?}");
+    // Answered before the dribbler's deadline: served while the dribbler held its connection,
+    // not after it was dropped.
     assert!(
-        took >= deadline && took < deadline + Duration::from_millis(1500),
-        "dropped after {took:?}"
+        served < deadline,
+        "the other client was answered only after {served:?}"
+    );
+    assert!(
+        dropped >= deadline && dropped < deadline + Duration::from_millis(1500),
+        "dropped after {dropped:?}"
     );
     writer.abort();
+    e.settled().await;
+}
+
+/// A kept-alive connection left idle after its answer is closed at the header deadline: an
+/// idle client holds its connection no longer than a dribbling one. (A client that reuses
+/// such a connection just as the deadline passes meets the close.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_kept_alive_connection_is_closed_at_the_header_deadline() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let deadline = Duration::from_millis(500);
+    let e = env(Flow::Vllm, 1, 1, |c| {
+        c.http_limits.header_timeout = deadline
+    })
+    .await;
+    let (mut r, mut w) = tokio::net::TcpStream::connect(e.proxy.http_addr())
+        .await
+        .unwrap()
+        .into_split();
+    w.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    // The whole answer: its head, then as many bytes as its Content-Length says.
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let (head, answered) = loop {
+        let n = tokio::time::timeout(T, r.read(&mut buf))
+            .await
+            .expect("no answer")
+            .unwrap();
+        assert!(
+            n > 0,
+            "closed unanswered: {}",
+            String::from_utf8_lossy(&got)
+        );
+        got.extend_from_slice(&buf[..n]);
+        let Some(end) = got.windows(4).position(|x| x == b"\r\n\r\n") else {
+            continue;
+        };
+        let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+        let len: usize = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length:"))
+            .map_or(0, |v| v.trim().parse().unwrap());
+        if got.len() >= end + 4 + len {
+            break (head, Instant::now());
+        }
+    };
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(
+        !head.contains("connection: close"),
+        "not kept alive: {head}"
+    );
+    let rest = tokio::time::timeout(T, read_to_close(r))
+        .await
+        .expect("the idle connection was kept");
+    let idle = answered.elapsed();
+    assert!(rest.is_empty(), "{}", String::from_utf8_lossy(&rest));
+    assert!(
+        idle < deadline + Duration::from_millis(1500),
+        "closed after {idle:?} idle"
+    );
+    drop(w);
     e.settled().await;
 }
 
