@@ -120,8 +120,14 @@ struct InFlight {
     _local: Option<Arc<RegionInner>>,
     /// Keeps an endpoint's error slot alive while its close request runs.
     _ep_slot: Option<Box<Slot>>,
+    /// The endpoint it was posted on (its close, for a close).
+    ep: Option<u64>,
     /// The caller stopped waiting (deadline): reaped silently once it ends.
     abandoned: bool,
+    /// Its peer ended its side and UCX cannot report the peer's failure on its endpoint
+    /// ([`Worker::close_peer_gone`]): to a dead peer it never ends, so a dropped worker does
+    /// not wait for it.
+    detached: bool,
 }
 
 /// One UCX worker and what it owns. See the module docs.
@@ -555,6 +561,7 @@ impl Worker {
             }
         };
         self.track(ret, slot, step, peer, Some(local.inner.clone()), None)
+            .map(|op| self.on_ep(op, k_ep))
     }
 
     /// Waits until every write and read posted on `ep` before this call has completed at the
@@ -581,6 +588,7 @@ impl Worker {
         // SAFETY: live endpoint; the slot outlives the request (kept in `InFlight`).
         let ret = unsafe { sys::ucp_ep_flush_nbx(handle, &param) };
         self.track(ret, slot, Step::Flush, peer, None, None)
+            .map(|op| self.on_ep(op, ep.0))
     }
 
     /// Closes endpoint `ep` and destroys the remote keys unpacked through it: flushes what
@@ -609,10 +617,47 @@ impl Worker {
         for id in keys {
             let _ = self.destroy_rkey(RkeyId(id));
         }
-        self.start_close(e)
+        self.start_close(ep.0, e)
     }
 
-    fn start_close(&mut self, e: Endpoint) -> Result<OpId> {
+    /// Closes endpoint `ep` whose peer ended its side of the conversation (the caller's own
+    /// connection to it was closed by the peer or its host: the peer's session is over
+    /// there, or its process died), without waiting where that is sound. UCX 1.13 refuses a
+    /// forced close (`UCP_EP_CLOSE_FLAG_FORCE`) on an endpoint without peer-failure
+    /// detection, and the flushing close of one to a dead same-host peer never ends (the
+    /// peer never drains its shared-memory queue). So where UCX cannot report the peer's
+    /// failure and no read is in flight on the endpoint (nothing that could still land in
+    /// local memory), the close is posted as [`Worker::post_close`] does and left to the
+    /// worker: reaped when it ends (a live peer drains it), never waited for, also not when
+    /// the worker is dropped; the writes still in flight on the endpoint likewise. Returns
+    /// `None` then. Otherwise (UCX detects the peer's failure, or a read is in flight) it is
+    /// [`Worker::post_close`]: the close to wait for.
+    pub fn close_peer_gone(&mut self, ep: EpId) -> Result<Option<OpId>> {
+        let e = self.eps.get(&ep.0).ok_or(Error::NotOpen {
+            step: Step::EpClose,
+            what: "endpoint",
+            id: ep.0,
+        })?;
+        let reading = self
+            .ops
+            .values()
+            .any(|f| f.ep == Some(ep.0) && f.step == Step::Get && f.slot.get().is_none());
+        if e.detects || reading {
+            return self.post_close(ep).map(Some);
+        }
+        let close = self.post_close(ep)?;
+        for f in self.ops.values_mut() {
+            if f.ep == Some(ep.0) {
+                f.abandoned = true;
+                f.detached = true;
+            }
+        }
+        debug_assert!(self.ops.get(&close.0).is_none_or(|f| f.detached));
+        self.reap_abandoned();
+        Ok(None)
+    }
+
+    fn start_close(&mut self, id: u64, e: Endpoint) -> Result<OpId> {
         let slot = Slot::new();
         // A live endpoint closes by flushing and telling the peer, bounded by the caller's
         // deadline: dropping a worker while the peer's reverse connection was still being
@@ -638,6 +683,15 @@ impl Worker {
         // error slot and the request's slot are kept in `InFlight` until the close ends.
         let ret = unsafe { sys::ucp_ep_close_nbx(e.handle, &param) };
         self.track(ret, slot, Step::EpClose, e.peer, None, Some(e.failed))
+            .map(|op| self.on_ep(op, id))
+    }
+
+    /// Records that `op` runs on endpoint `ep`.
+    fn on_ep(&mut self, op: OpId, ep: u64) -> OpId {
+        if let Some(f) = self.ops.get_mut(&op.0) {
+            f.ep = Some(ep);
+        }
+        op
     }
 
     /// Waits for operation `op` until `deadline`. On [`Error::Deadline`] the operation stays
@@ -699,6 +753,15 @@ impl Worker {
         self.ops.values().filter(|f| f.slot.get().is_none()).count()
     }
 
+    /// The operations a dropped worker waits for (bounded): those still running, except
+    /// the ones toward a peer known to be gone.
+    fn awaited_at_drop(&self) -> usize {
+        self.ops
+            .values()
+            .filter(|f| !f.detached && f.slot.get().is_none())
+            .count()
+    }
+
     fn track(
         &mut self,
         ret: sys::ucs_status_ptr_t,
@@ -729,7 +792,9 @@ impl Worker {
                 peer,
                 _local: local,
                 _ep_slot: ep_slot,
+                ep: None,
                 abandoned: false,
+                detached: false,
             },
         );
         Ok(OpId(id))
@@ -806,12 +871,14 @@ impl Drop for Worker {
             // SAFETY: keys unpacked on this worker, destroyed once, before their endpoints.
             unsafe { sys::ucp_rkey_destroy(k.handle) };
         }
-        let eps: Vec<Endpoint> = self.eps.drain().map(|(_, e)| e).collect();
-        for e in eps {
-            let _ = self.start_close(e);
+        let eps: Vec<(u64, Endpoint)> = self.eps.drain().collect();
+        for (id, e) in eps {
+            let _ = self.start_close(id, e);
         }
+        // What runs toward a peer known to be gone (`close_peer_gone`) is not waited for:
+        // it never ends when the peer is dead.
         let deadline = Instant::now() + DROP_CLOSE_DEADLINE;
-        while self.in_flight() > 0 && Instant::now() < deadline {
+        while self.awaited_at_drop() > 0 && Instant::now() < deadline {
             if self.wait_events(deadline - Instant::now()).is_err() {
                 break;
             }

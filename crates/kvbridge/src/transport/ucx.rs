@@ -324,6 +324,37 @@ impl UcxBackend {
         })
     }
 
+    /// [`UcxBackend::post_disconnect`] for a peer that ended its side: the control
+    /// connection to it was closed by the peer (its session is over there, or its process
+    /// died). The peer's endpoint and keys are gone at once. Where UCX cannot report the
+    /// peer's failure on the endpoint (shared memory) and no read is in flight on it, the
+    /// close is left to the worker and `None` returned: the close of an endpoint to a dead
+    /// same-host peer never ends, and UCX 1.13 refuses to force it (`Worker::close_peer_gone`).
+    /// Nothing is cancelled: writes still in flight land if the peer lives, in a session
+    /// the peer itself has already ended. Otherwise the close to complete, as
+    /// `post_disconnect`'s.
+    pub(crate) fn post_disconnect_gone(
+        &mut self,
+        peer: &str,
+    ) -> Result<Option<UcxPosted>, OneSidedError> {
+        let p = self
+            .peers
+            .remove(peer)
+            .ok_or_else(|| OneSidedError::NotConnected {
+                peer: peer.to_string(),
+                step: OneSidedStep::Disconnect,
+            })?;
+        let close = self
+            .worker
+            .close_peer_gone(p.ep)
+            .map_err(|e| ucx_error(peer, OneSidedStep::Disconnect, e))?;
+        Ok(close.map(|close| UcxPosted {
+            peer: peer.to_string(),
+            ops: Vec::new(),
+            flush: Some(close),
+        }))
+    }
+
     /// Checks one range against its two regions.
     fn check(&self, peer: &UcxPeer, name: &str, op: &RangeOp) -> Result<(), OneSidedError> {
         let out = |side, region, size| OneSidedError::OutOfBounds {
