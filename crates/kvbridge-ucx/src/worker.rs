@@ -22,8 +22,14 @@ use crate::wire::{self, Kind, RegionDescriptor};
 
 /// How long dropping a worker waits for its endpoints to close.
 const DROP_CLOSE_DEADLINE: Duration = Duration::from_secs(2);
-/// Rounds of progress with nothing to do, 1 ms apart, that count a dropped worker as quiet.
-const DROP_QUIET_ROUNDS: u32 = 20;
+/// How long a dropped worker, armed with nothing left to progress, waits on its event fd for
+/// an event still under way (a connection UCX opened to send a wireup reply completing)
+/// before it counts as quiet.
+const DROP_QUIET_WAIT: Duration = Duration::from_millis(1);
+/// How long UCX may say events are pending while progress handles none (a send waiting
+/// for room at a peer, for ever if it is dead) before a dropped worker counts as quiet
+/// anyway; it naps by `BusyBackoff` meanwhile.
+const DROP_STUCK_WAIT: Duration = Duration::from_millis(20);
 /// The longest a dropped worker progresses, waiting to be quiet, before it is destroyed.
 const DROP_QUIET_DEADLINE: Duration = Duration::from_millis(200);
 
@@ -865,6 +871,68 @@ fn poll_fd(fd: RawFd, timeout: Duration) -> Result<()> {
     Ok(())
 }
 
+impl Worker {
+    /// Progresses until nothing is left to send, at most until `deadline`: until progress
+    /// handles nothing and the event fd, armed (UCX: no event pending), stays silent for
+    /// [`DROP_QUIET_WAIT`]; a reply waiting for its connection is woken by the connection's
+    /// event. While UCX says events are pending and progress handles none (a send waiting
+    /// for room at a peer, for ever if it is dead) it naps by `BusyBackoff`, and once that
+    /// lasted [`DROP_STUCK_WAIT`] counts as quiet. Returns whether it found the worker quiet
+    /// before `deadline`.
+    fn progress_until_quiet(&mut self, deadline: Instant) -> bool {
+        let mut stuck_since: Option<Instant> = None;
+        let mut busy = BusyBackoff::new();
+        while Instant::now() < deadline {
+            // SAFETY: live worker, used by this owner only.
+            if unsafe { sys::ucp_worker_progress(self.handle) } > 0 {
+                stuck_since = None;
+                busy.reset();
+                continue;
+            }
+            // SAFETY: as above.
+            let code = unsafe { sys::ucp_worker_arm(self.handle) };
+            if code == sys::UCS_ERR_BUSY {
+                let since = *stuck_since.get_or_insert_with(Instant::now);
+                if since.elapsed() >= DROP_STUCK_WAIT {
+                    return true;
+                }
+                let nap = busy
+                    .idle()
+                    .min(deadline.saturating_duration_since(Instant::now()));
+                if !nap.is_zero() {
+                    std::thread::sleep(nap);
+                }
+                continue;
+            }
+            if code != sys::UCS_OK {
+                return false;
+            }
+            stuck_since = None;
+            let wait = DROP_QUIET_WAIT.min(deadline.saturating_duration_since(Instant::now()));
+            if !fd_readable(self.efd, wait) {
+                return true;
+            }
+        }
+        false
+    }
+}
+
+/// Waits until `fd` is readable, at most `timeout` (to the microsecond); whether it is.
+fn fd_readable(fd: RawFd, timeout: Duration) -> bool {
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs().min(i64::MAX as u64) as libc::time_t,
+        tv_nsec: libc::c_long::from(timeout.subsec_nanos() as i32),
+    };
+    // SAFETY: one valid pollfd and timespec for the duration of the call; no signal mask.
+    let n = unsafe { libc::ppoll(&mut pfd, 1, &ts, ptr::null()) };
+    n > 0
+}
+
 impl Drop for Worker {
     fn drop(&mut self) {
         for (_, k) in self.rkeys.drain() {
@@ -899,17 +967,7 @@ impl Drop for Worker {
         // `ucp_worker_destroy` (an assertion in the pending purge, "got REP message"; about
         // 1 in 4 runs of `tests/access_modes.rs` over tcp). Progress until the worker is
         // quiet lets such replies go out first, bounded.
-        let quiet_by = Instant::now() + DROP_QUIET_DEADLINE;
-        let mut quiet = 0;
-        while quiet < DROP_QUIET_ROUNDS && Instant::now() < quiet_by {
-            // SAFETY: live worker, used by this owner only.
-            if unsafe { sys::ucp_worker_progress(self.handle) } == 0 {
-                quiet += 1;
-                std::thread::sleep(Duration::from_millis(1));
-            } else {
-                quiet = 0;
-            }
-        }
+        self.progress_until_quiet(Instant::now() + DROP_QUIET_DEADLINE);
         // SAFETY: live worker, destroyed once; endpoints closed and keys destroyed above.
         unsafe { sys::ucp_worker_destroy(self.handle) };
         drop(running);
