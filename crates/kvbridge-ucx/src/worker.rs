@@ -635,7 +635,8 @@ impl Worker {
     /// failure and no read is in flight on the endpoint (nothing that could still land in
     /// local memory), the close is posted as [`Worker::post_close`] does and left to the
     /// worker: reaped when it ends (a live peer drains it), never waited for, also not when
-    /// the worker is dropped; the writes still in flight on the endpoint likewise. Returns
+    /// the worker is dropped; nor are the writes still in flight on the endpoint when the
+    /// worker is dropped (their callers still complete or abandon them). Returns
     /// `None` then. Otherwise (UCX detects the peer's failure, or a read is in flight) it is
     /// [`Worker::post_close`]: the close to wait for.
     pub fn close_peer_gone(&mut self, ep: EpId) -> Result<Option<OpId>> {
@@ -652,13 +653,16 @@ impl Worker {
             return self.post_close(ep).map(Some);
         }
         let close = self.post_close(ep)?;
+        // The writes keep their callers (who complete or abandon them as before); the close
+        // has none.
         for f in self.ops.values_mut() {
             if f.ep == Some(ep.0) {
-                f.abandoned = true;
                 f.detached = true;
             }
         }
-        debug_assert!(self.ops.get(&close.0).is_none_or(|f| f.detached));
+        if let Some(f) = self.ops.get_mut(&close.0) {
+            f.abandoned = true;
+        }
         self.reap_abandoned();
         Ok(None)
     }
