@@ -22,8 +22,14 @@ use crate::wire::{self, Kind, RegionDescriptor};
 
 /// How long dropping a worker waits for its endpoints to close.
 const DROP_CLOSE_DEADLINE: Duration = Duration::from_secs(2);
-/// Rounds of progress with nothing to do, 1 ms apart, that count a dropped worker as quiet.
-const DROP_QUIET_ROUNDS: u32 = 20;
+/// How long a dropped worker, armed with nothing left to progress, waits on its event fd for
+/// an event still under way (a connection UCX opened to send a wireup reply completing)
+/// before it counts as quiet.
+const DROP_QUIET_WAIT: Duration = Duration::from_millis(1);
+/// How long UCX may say events are pending while progress handles none (a send waiting
+/// for room at a peer, for ever if it is dead) before a dropped worker counts as quiet
+/// anyway; it naps by `BusyBackoff` meanwhile.
+const DROP_STUCK_WAIT: Duration = Duration::from_millis(20);
 /// The longest a dropped worker progresses, waiting to be quiet, before it is destroyed.
 const DROP_QUIET_DEADLINE: Duration = Duration::from_millis(200);
 
@@ -120,8 +126,14 @@ struct InFlight {
     _local: Option<Arc<RegionInner>>,
     /// Keeps an endpoint's error slot alive while its close request runs.
     _ep_slot: Option<Box<Slot>>,
+    /// The endpoint it was posted on (its close, for a close).
+    ep: Option<u64>,
     /// The caller stopped waiting (deadline): reaped silently once it ends.
     abandoned: bool,
+    /// Its peer ended its side and UCX cannot report the peer's failure on its endpoint
+    /// ([`Worker::close_peer_gone`]): to a dead peer it never ends, so a dropped worker does
+    /// not wait for it.
+    detached: bool,
 }
 
 /// One UCX worker and what it owns. See the module docs.
@@ -555,6 +567,7 @@ impl Worker {
             }
         };
         self.track(ret, slot, step, peer, Some(local.inner.clone()), None)
+            .map(|op| self.on_ep(op, k_ep))
     }
 
     /// Waits until every write and read posted on `ep` before this call has completed at the
@@ -581,6 +594,7 @@ impl Worker {
         // SAFETY: live endpoint; the slot outlives the request (kept in `InFlight`).
         let ret = unsafe { sys::ucp_ep_flush_nbx(handle, &param) };
         self.track(ret, slot, Step::Flush, peer, None, None)
+            .map(|op| self.on_ep(op, ep.0))
     }
 
     /// Closes endpoint `ep` and destroys the remote keys unpacked through it: flushes what
@@ -609,10 +623,51 @@ impl Worker {
         for id in keys {
             let _ = self.destroy_rkey(RkeyId(id));
         }
-        self.start_close(e)
+        self.start_close(ep.0, e)
     }
 
-    fn start_close(&mut self, e: Endpoint) -> Result<OpId> {
+    /// Closes endpoint `ep` whose peer ended its side of the conversation (the caller's own
+    /// connection to it was closed by the peer or its host: the peer's session is over
+    /// there, or its process died), without waiting where that is sound. UCX 1.13 refuses a
+    /// forced close (`UCP_EP_CLOSE_FLAG_FORCE`) on an endpoint without peer-failure
+    /// detection, and the flushing close of one to a dead same-host peer never ends (the
+    /// peer never drains its shared-memory queue). So where UCX cannot report the peer's
+    /// failure and no read is in flight on the endpoint (nothing that could still land in
+    /// local memory), the close is posted as [`Worker::post_close`] does and left to the
+    /// worker: reaped when it ends (a live peer drains it), never waited for, also not when
+    /// the worker is dropped; nor are the writes still in flight on the endpoint when the
+    /// worker is dropped (their callers still complete or abandon them). Returns
+    /// `None` then. Otherwise (UCX detects the peer's failure, or a read is in flight) it is
+    /// [`Worker::post_close`]: the close to wait for.
+    pub fn close_peer_gone(&mut self, ep: EpId) -> Result<Option<OpId>> {
+        let e = self.eps.get(&ep.0).ok_or(Error::NotOpen {
+            step: Step::EpClose,
+            what: "endpoint",
+            id: ep.0,
+        })?;
+        let reading = self
+            .ops
+            .values()
+            .any(|f| f.ep == Some(ep.0) && f.step == Step::Get && f.slot.get().is_none());
+        if e.detects || reading {
+            return self.post_close(ep).map(Some);
+        }
+        let close = self.post_close(ep)?;
+        // The writes keep their callers (who complete or abandon them as before); the close
+        // has none.
+        for f in self.ops.values_mut() {
+            if f.ep == Some(ep.0) {
+                f.detached = true;
+            }
+        }
+        if let Some(f) = self.ops.get_mut(&close.0) {
+            f.abandoned = true;
+        }
+        self.reap_abandoned();
+        Ok(None)
+    }
+
+    fn start_close(&mut self, id: u64, e: Endpoint) -> Result<OpId> {
         let slot = Slot::new();
         // A live endpoint closes by flushing and telling the peer, bounded by the caller's
         // deadline: dropping a worker while the peer's reverse connection was still being
@@ -638,6 +693,15 @@ impl Worker {
         // error slot and the request's slot are kept in `InFlight` until the close ends.
         let ret = unsafe { sys::ucp_ep_close_nbx(e.handle, &param) };
         self.track(ret, slot, Step::EpClose, e.peer, None, Some(e.failed))
+            .map(|op| self.on_ep(op, id))
+    }
+
+    /// Records that `op` runs on endpoint `ep`.
+    fn on_ep(&mut self, op: OpId, ep: u64) -> OpId {
+        if let Some(f) = self.ops.get_mut(&op.0) {
+            f.ep = Some(ep);
+        }
+        op
     }
 
     /// Waits for operation `op` until `deadline`. On [`Error::Deadline`] the operation stays
@@ -699,6 +763,15 @@ impl Worker {
         self.ops.values().filter(|f| f.slot.get().is_none()).count()
     }
 
+    /// The operations a dropped worker waits for (bounded): those still running, except
+    /// the ones toward a peer known to be gone.
+    fn awaited_at_drop(&self) -> usize {
+        self.ops
+            .values()
+            .filter(|f| !f.detached && f.slot.get().is_none())
+            .count()
+    }
+
     fn track(
         &mut self,
         ret: sys::ucs_status_ptr_t,
@@ -729,7 +802,9 @@ impl Worker {
                 peer,
                 _local: local,
                 _ep_slot: ep_slot,
+                ep: None,
                 abandoned: false,
+                detached: false,
             },
         );
         Ok(OpId(id))
@@ -800,18 +875,82 @@ fn poll_fd(fd: RawFd, timeout: Duration) -> Result<()> {
     Ok(())
 }
 
+impl Worker {
+    /// Progresses until nothing is left to send, at most until `deadline`: until progress
+    /// handles nothing and the event fd, armed (UCX: no event pending), stays silent for
+    /// [`DROP_QUIET_WAIT`]; a reply waiting for its connection is woken by the connection's
+    /// event. While UCX says events are pending and progress handles none (a send waiting
+    /// for room at a peer, for ever if it is dead) it naps by `BusyBackoff`, and once that
+    /// lasted [`DROP_STUCK_WAIT`] counts as quiet. Returns whether it found the worker quiet
+    /// before `deadline`.
+    fn progress_until_quiet(&mut self, deadline: Instant) -> bool {
+        let mut stuck_since: Option<Instant> = None;
+        let mut busy = BusyBackoff::new();
+        while Instant::now() < deadline {
+            // SAFETY: live worker, used by this owner only.
+            if unsafe { sys::ucp_worker_progress(self.handle) } > 0 {
+                stuck_since = None;
+                busy.reset();
+                continue;
+            }
+            // SAFETY: as above.
+            let code = unsafe { sys::ucp_worker_arm(self.handle) };
+            if code == sys::UCS_ERR_BUSY {
+                let since = *stuck_since.get_or_insert_with(Instant::now);
+                if since.elapsed() >= DROP_STUCK_WAIT {
+                    return true;
+                }
+                let nap = busy
+                    .idle()
+                    .min(deadline.saturating_duration_since(Instant::now()));
+                if !nap.is_zero() {
+                    std::thread::sleep(nap);
+                }
+                continue;
+            }
+            if code != sys::UCS_OK {
+                return false;
+            }
+            stuck_since = None;
+            let wait = DROP_QUIET_WAIT.min(deadline.saturating_duration_since(Instant::now()));
+            if !fd_readable(self.efd, wait) {
+                return true;
+            }
+        }
+        false
+    }
+}
+
+/// Waits until `fd` is readable, at most `timeout` (to the microsecond); whether it is.
+fn fd_readable(fd: RawFd, timeout: Duration) -> bool {
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs().min(i64::MAX as u64) as libc::time_t,
+        tv_nsec: libc::c_long::from(timeout.subsec_nanos() as i32),
+    };
+    // SAFETY: one valid pollfd and timespec for the duration of the call; no signal mask.
+    let n = unsafe { libc::ppoll(&mut pfd, 1, &ts, ptr::null()) };
+    n > 0
+}
+
 impl Drop for Worker {
     fn drop(&mut self) {
         for (_, k) in self.rkeys.drain() {
             // SAFETY: keys unpacked on this worker, destroyed once, before their endpoints.
             unsafe { sys::ucp_rkey_destroy(k.handle) };
         }
-        let eps: Vec<Endpoint> = self.eps.drain().map(|(_, e)| e).collect();
-        for e in eps {
-            let _ = self.start_close(e);
+        let eps: Vec<(u64, Endpoint)> = self.eps.drain().collect();
+        for (id, e) in eps {
+            let _ = self.start_close(id, e);
         }
+        // What runs toward a peer known to be gone (`close_peer_gone`) is not waited for:
+        // it never ends when the peer is dead.
         let deadline = Instant::now() + DROP_CLOSE_DEADLINE;
-        while self.in_flight() > 0 && Instant::now() < deadline {
+        while self.awaited_at_drop() > 0 && Instant::now() < deadline {
             if self.wait_events(deadline - Instant::now()).is_err() {
                 break;
             }
@@ -832,17 +971,7 @@ impl Drop for Worker {
         // `ucp_worker_destroy` (an assertion in the pending purge, "got REP message"; about
         // 1 in 4 runs of `tests/access_modes.rs` over tcp). Progress until the worker is
         // quiet lets such replies go out first, bounded.
-        let quiet_by = Instant::now() + DROP_QUIET_DEADLINE;
-        let mut quiet = 0;
-        while quiet < DROP_QUIET_ROUNDS && Instant::now() < quiet_by {
-            // SAFETY: live worker, used by this owner only.
-            if unsafe { sys::ucp_worker_progress(self.handle) } == 0 {
-                quiet += 1;
-                std::thread::sleep(Duration::from_millis(1));
-            } else {
-                quiet = 0;
-            }
-        }
+        self.progress_until_quiet(Instant::now() + DROP_QUIET_DEADLINE);
         // SAFETY: live worker, destroyed once; endpoints closed and keys destroyed above.
         unsafe { sys::ucp_worker_destroy(self.handle) };
         drop(running);

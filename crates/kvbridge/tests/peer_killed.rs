@@ -3,11 +3,14 @@
 //! gone operations fail with a typed error naming the peer (a lost peer, never an internal
 //! error or a region "revoked by the peer"). Nothing hangs. The session's teardown (its UCX
 //! endpoint's close, bounded by the close deadline, far longer here than the op deadline)
-//! holds up no write: a write in flight ends by its own deadline.
+//! holds up no write: a write in flight ends by its own deadline. Nor does the teardown run
+//! to the close deadline: the peer closed the control connection (the kernel did, for the
+//! killed process), so the session ends (`PeerEvent::Down`) and the channel closes well
+//! before it, also where UCX cannot detect the dead peer (same-host shared memory).
 
 mod common;
 use common::*;
-use kvbridge::{Error, Op};
+use kvbridge::{Error, Op, PeerEvent};
 use std::time::{Duration, Instant};
 
 const PAGE: usize = 64 << 10;
@@ -89,8 +92,28 @@ async fn killed_mid(t: Carrier, doing: Doing) {
         .await
         .expect("operations never got going")
         .unwrap();
+    let mut events = pre.peer_events();
     child.kill();
     let killed = Instant::now();
+    // The session's end, reported once its teardown (the UCX endpoint's close included)
+    // finished.
+    let down = tokio::time::timeout(CLOSE + SLACK, async {
+        loop {
+            match events.recv().await {
+                Ok(PeerEvent::Down { peer: p, error, .. }) if p == peer => break error,
+                Ok(_) => continue,
+                Err(e) => panic!("peer events: {e}"),
+            }
+        }
+    })
+    .await
+    .expect("the session never ended after the peer was killed");
+    let ended = killed.elapsed();
+    eprintln!("{t:?}: session down {ended:?} after the kill: {down}");
+    assert!(
+        ended < SLACK,
+        "the session ended {ended:?} after the kill (close deadline {CLOSE:?})"
+    );
     let (err, longest) = tokio::time::timeout(OP + SLACK + Duration::from_secs(20), w)
         .await
         .expect("operations hung after the peer was killed")
@@ -114,6 +137,13 @@ async fn killed_mid(t: Carrier, doing: Doing) {
         e.to_string().contains(NAME),
         "the error names the peer: {e}"
     );
+    // Nothing left to wait for: the channel closes and drops at once.
+    let at = Instant::now();
+    pre.close().await;
+    drop(pre);
+    let closed = at.elapsed();
+    eprintln!("{t:?}: channel closed and dropped in {closed:?}");
+    assert!(closed < SLACK, "closing the channel took {closed:?}");
 }
 per_transport!(killed_mid_write_per_transport, super::killed_mid_write);
 per_transport!(killed_mid_read_per_transport, super::killed_mid_read);

@@ -675,8 +675,16 @@ impl Session {
                         Some(Ok(m)) => self.machine.handle_message(m, std_now()),
                         Some(Err(ReadError::Frame(e))) => return Error::PeerMisbehaved {
                             peer: self.peer_name.clone(), step: self.machine.step(), detail: e.to_string() },
-                        Some(Err(e)) => return Error::lost(&self.peer_name, self.machine.step(), e),
-                        None => return Error::lost(&self.peer_name, self.machine.step(), "control reader ended"),
+                        Some(Err(e)) => {
+                            #[cfg(feature = "ucx")]
+                            self.ucx.peer_left();
+                            return Error::lost(&self.peer_name, self.machine.step(), e);
+                        }
+                        None => {
+                            #[cfg(feature = "ucx")]
+                            self.ucx.peer_left();
+                            return Error::lost(&self.peer_name, self.machine.step(), "control reader ended");
+                        }
                     }
                 }
                 c = self.cmds.recv() => match c {
@@ -869,7 +877,13 @@ impl Session {
                         return e;
                     }
                 }
-                _ => return lost,
+                Ok(Some(Err(ReadError::Frame(_)))) | Err(_) => return lost,
+                Ok(Some(Err(_)) | None) => {
+                    // The control connection ended too.
+                    #[cfg(feature = "ucx")]
+                    self.ucx.peer_left();
+                    return lost;
+                }
             }
         }
     }

@@ -114,6 +114,8 @@ pub(super) struct UcxLink {
     held: Option<PeerHandle>,
     /// (Initiator) The negotiation settled with a handle held: the session reports it now.
     released: Option<PeerHandle>,
+    /// The peer closed the control connection ([`UcxLink::peer_left`]).
+    peer_left: bool,
 }
 
 impl UcxLink {
@@ -135,7 +137,18 @@ impl UcxLink {
             route: None,
             held: None,
             released: None,
+            peer_left: false,
         }
+    }
+
+    /// The peer closed the control connection (end of stream or an error reading it): its
+    /// side of the session is over (its teardown closes the connection last) or its process
+    /// died. The endpoint's close at [`UcxLink::close`] then waits only where that orders
+    /// something: UCX reports the peer's failure on the endpoint, or a read into our memory
+    /// is in flight on it. An endpoint to a same-host peer has no failure detection, and its
+    /// close to a dead peer would otherwise run to the close deadline.
+    pub(super) fn peer_left(&mut self) {
+        self.peer_left = true;
     }
 
     /// (Initiator) The listener's `Welcome` said whether a UCX offer follows; the
@@ -401,7 +414,8 @@ impl UcxLink {
             }
             Some(Link::Import(_)) if self.route.is_some() => {
                 let deadline = Instant::now() + close;
-                if let Err(e) = ch.thread().disconnect(&s.endpoint(), deadline).await {
+                let (endpoint, left) = (s.endpoint(), self.peer_left);
+                if let Err(e) = ch.thread().disconnect(&endpoint, deadline, left).await {
                     tracing::debug!(peer = %s.peer, error = %e, "UCX disconnect");
                 }
             }

@@ -92,6 +92,73 @@ fn may_use_shared_memory(tls: Option<&str>) -> bool {
         .any(|t| SHARED.contains(&t.as_str()))
 }
 
+/// The environment variables that set the segment size of UCX's shared-memory transports
+/// (its `mm` family: `posix`, `sysv`, `xpmem`; `MM_` sets all three).
+const MM_SEG_SIZE_VARS: [&str; 4] = [
+    "UCX_MM_SEG_SIZE",
+    "UCX_POSIX_SEG_SIZE",
+    "UCX_SYSV_SEG_SIZE",
+    "UCX_XPMEM_SEG_SIZE",
+];
+
+/// The largest shared-memory segment size UCX carries correctly. Its `mm` transports let a
+/// copied active message be as long as a segment (`max_bcopy = seg_size`) but write its
+/// length into the 16-bit `length` of their FIFO element (`uct_mm_fifo_element_t`): a
+/// message of 65536 bytes or more arrives with its length wrapped, and UCX 1.13 aborted the
+/// process on the first such read reply (`ucp_get_rep_handler`: "Assertion `frag_length >=
+/// 0' failed", `UCX_SYSV_SEG_SIZE=64K` or `256K`, SIGABRT).
+const MM_MAX_SEG_SIZE: u64 = u16::MAX as u64;
+
+/// A size in UCX's notation (`ucs_str_to_memunits`): a number with an optional unit
+/// `b`, `k`, `m`, `g` or `t` (powers of 1024, either case, the unit optionally followed by
+/// `b`), or `inf`; `None` for `auto` and for what this does not understand (UCX's own
+/// parser judges it).
+fn memunits(value: &str) -> Option<u64> {
+    let v = value.trim().to_ascii_lowercase();
+    if v == "inf" {
+        return Some(u64::MAX);
+    }
+    let v = v.strip_suffix('b').unwrap_or(&v);
+    let digits = v.trim_end_matches(|c: char| c.is_ascii_alphabetic());
+    let shift = match &v[digits.len()..] {
+        "" => 0,
+        "k" => 10,
+        "m" => 20,
+        "g" => 30,
+        "t" => 40,
+        _ => return None,
+    };
+    let n: u64 = digits.parse().ok()?;
+    Some(n.saturating_mul(1 << shift))
+}
+
+/// Refuses a shared-memory segment size UCX cannot carry ([`MM_MAX_SEG_SIZE`]) where UCX may
+/// use its shared-memory transports (`shared_memory`); `env` reads the environment.
+fn check_mm_seg_sizes(
+    env: impl Fn(&str) -> Option<String>,
+    shared_memory: bool,
+) -> Result<(), OneSidedError> {
+    if !shared_memory {
+        return Ok(());
+    }
+    for name in MM_SEG_SIZE_VARS {
+        let Some(value) = env(name) else { continue };
+        if memunits(&value).is_some_and(|n| n > MM_MAX_SEG_SIZE) {
+            return Err(OneSidedError::Failed {
+                peer: "local".to_string(),
+                step: OneSidedStep::Export,
+                detail: format!(
+                    "{name}={value} is larger than UCX's shared-memory transports carry: they \
+                     store a message's length in 16 bits, so messages of a 64 KiB segment or \
+                     more arrive corrupted (UCX 1.13 aborts the process); set it to at most \
+                     {MM_MAX_SEG_SIZE} bytes, or leave it unset"
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// A failure of `kvbridge-ucx` as a one-sided error of `step` toward `peer`.
 fn ucx_error(peer: &str, step: OneSidedStep, e: kvbridge_ucx::Error) -> OneSidedError {
     match e {
@@ -117,6 +184,7 @@ impl UcxBackend {
     /// A context and a worker. `tls` pins `UCX_TLS`; `None` leaves UCX's environment
     /// (`UCX_TLS`, `UCX_NET_DEVICES`) and defaults in charge.
     pub(crate) fn new(tls: Option<&str>) -> Result<Self, OneSidedError> {
+        check_mm_seg_sizes(|name| std::env::var(name).ok(), may_use_shared_memory(tls))?;
         let config = ContextConfig {
             tls: tls.map(str::to_string),
             net_devices: None,
@@ -322,6 +390,37 @@ impl UcxBackend {
             ops: Vec::new(),
             flush: Some(close),
         })
+    }
+
+    /// [`UcxBackend::post_disconnect`] for a peer that ended its side: the control
+    /// connection to it was closed by the peer (its session is over there, or its process
+    /// died). The peer's endpoint and keys are gone at once. Where UCX cannot report the
+    /// peer's failure on the endpoint (shared memory) and no read is in flight on it, the
+    /// close is left to the worker and `None` returned: the close of an endpoint to a dead
+    /// same-host peer never ends, and UCX 1.13 refuses to force it (`Worker::close_peer_gone`).
+    /// Nothing is cancelled: writes still in flight land if the peer lives, in a session
+    /// the peer itself has already ended. Otherwise the close to complete, as
+    /// `post_disconnect`'s.
+    pub(crate) fn post_disconnect_gone(
+        &mut self,
+        peer: &str,
+    ) -> Result<Option<UcxPosted>, OneSidedError> {
+        let p = self
+            .peers
+            .remove(peer)
+            .ok_or_else(|| OneSidedError::NotConnected {
+                peer: peer.to_string(),
+                step: OneSidedStep::Disconnect,
+            })?;
+        let close = self
+            .worker
+            .close_peer_gone(p.ep)
+            .map_err(|e| ucx_error(peer, OneSidedStep::Disconnect, e))?;
+        Ok(close.map(|close| UcxPosted {
+            peer: peer.to_string(),
+            ops: Vec::new(),
+            flush: Some(close),
+        }))
     }
 
     /// Checks one range against its two regions.
@@ -694,6 +793,116 @@ mod tests {
 
     fn deadline() -> Instant {
         Instant::now() + DEADLINE
+    }
+
+    #[test]
+    fn shared_memory_segment_sizes_ucx_cannot_carry_are_refused_by_name() {
+        for (value, refused) in [
+            ("64K", true),
+            ("256k", true),
+            ("65536", true),
+            ("1m", true),
+            ("64kb", true),
+            ("inf", true),
+            ("65535", false),
+            ("60K", false),
+            ("8256", false),
+            ("auto", false),
+            ("lots", false),
+        ] {
+            for name in MM_SEG_SIZE_VARS {
+                let env = |n: &str| (n == name).then(|| value.to_string());
+                let r = check_mm_seg_sizes(env, true);
+                assert_eq!(r.is_err(), refused, "{name}={value}: {r:?}");
+                if let Err(e) = r {
+                    let text = e.to_string();
+                    assert!(text.contains(&format!("{name}={value}")), "{text}");
+                }
+                // Without shared memory in `UCX_TLS` the setting is never used.
+                assert!(check_mm_seg_sizes(env, false).is_ok());
+            }
+        }
+    }
+
+    /// Set in the child process of `a_shared_memory_segment_size_of_64k_is_a_typed_error`.
+    const SEG_CHILD: &str = "KVBRIDGE_UCX_SEG_CHILD";
+
+    /// The child: a write and a read back over `sm,self` with the environment's segment
+    /// sizes; prints `REFUSED <error>` when a backend is refused, `OK` when the bytes are
+    /// exact.
+    #[test]
+    fn seg_size_child() {
+        if std::env::var(SEG_CHILD).is_err() {
+            return;
+        }
+        let tls = "sm,self";
+        if let Err(e) = UcxBackend::new(Some(tls)) {
+            println!("REFUSED {e}");
+            return;
+        }
+        let t = Target::start(tls);
+        let (mut b, local) = initiator(tls, &t);
+        let data = pattern(11, 1 << 20);
+        local.write_at(0, &data).unwrap();
+        let ops = [op(&local, 0, &t.region, 0, 1 << 20)];
+        let posted = b.post("target", Dir::Write, &ops).unwrap();
+        b.wait(posted, deadline()).unwrap();
+        let back = [op(&local, 1 << 20, &t.region, 0, 1 << 20)];
+        let posted = b.post("target", Dir::Read, &back).unwrap();
+        b.wait(posted, deadline()).unwrap();
+        let mut got = vec![0u8; 1 << 20];
+        local.read_at(1 << 20, &mut got).unwrap();
+        assert!(got == data, "read back differs");
+        println!("OK");
+    }
+
+    /// Runs [`seg_size_child`] with `var=value`; its exit status and output, or a panic
+    /// after 60 s.
+    fn run_seg_child(var: &str, value: &str) -> (std::process::ExitStatus, String) {
+        let child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "transport::ucx::tests::seg_size_child",
+                "--exact",
+                "--nocapture",
+            ])
+            .env(SEG_CHILD, "1")
+            .env(var, value)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let id = child.id();
+        std::thread::spawn(move || drop(tx.send(child.wait_with_output())));
+        let Ok(out) = rx.recv_timeout(Duration::from_secs(60)) else {
+            // SAFETY: a signal to the child this test started.
+            unsafe { libc::kill(id as i32, libc::SIGKILL) };
+            panic!("{var}={value}: the child hung");
+        };
+        let out = out.unwrap();
+        (
+            out.status,
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    }
+
+    #[test]
+    fn a_shared_memory_segment_size_of_64k_is_a_typed_error() {
+        // UCX 1.13 aborted the process on the first read reply with these (SIGABRT).
+        for (var, value) in [("UCX_SYSV_SEG_SIZE", "64K"), ("UCX_POSIX_SEG_SIZE", "256K")] {
+            let (status, out) = run_seg_child(var, value);
+            assert!(status.success(), "{var}={value}: {status}, output: {out}");
+            assert!(
+                out.contains("REFUSED") && out.contains(&format!("{var}={value}")),
+                "{var}={value}: {out}"
+            );
+        }
+        // A size it carries: the transfer works.
+        let (status, out) = run_seg_child("UCX_SYSV_SEG_SIZE", "60K");
+        assert!(
+            status.success() && out.contains("OK"),
+            "60K: {status}: {out}"
+        );
     }
 
     #[test]

@@ -26,7 +26,9 @@ enum Cmd {
     Post(String, Dir, Vec<RangeOp>, Instant, Reply<()>),
     Release(String, RegionId, Instant, Reply<()>),
     Revoke(RegionId, Reply<()>),
-    Disconnect(String, Instant, Reply<()>),
+    /// The peer, the close's deadline, whether the peer ended its side
+    /// ([`UcxBackend::post_disconnect_gone`]).
+    Disconnect(String, Instant, bool, Reply<()>),
     /// UCX's description of the endpoint to a peer (its lanes).
     #[cfg(test)]
     EndpointInfo(String, Reply<String>),
@@ -232,15 +234,18 @@ impl UcxThread {
             .await
     }
 
-    /// See [`OneSided::disconnect`].
+    /// See [`OneSided::disconnect`]. `peer_left`: the peer closed the control connection
+    /// (its session is over there, or its process died); then an endpoint to it without
+    /// failure detection is closed without waiting ([`UcxBackend::post_disconnect_gone`]).
     pub(crate) async fn disconnect(
         &self,
         peer: &str,
         deadline: Instant,
+        peer_left: bool,
     ) -> Result<(), OneSidedError> {
         let p = peer.to_string();
         self.ask(OneSidedStep::Disconnect, |tx| {
-            Cmd::Disconnect(p, deadline, tx)
+            Cmd::Disconnect(p, deadline, peer_left, tx)
         })
         .await
     }
@@ -397,13 +402,24 @@ fn serve(b: &mut UcxBackend, cmd: Cmd, running: &mut Vec<Running>) {
             running,
         ),
         Cmd::Revoke(id, tx) => drop(tx.send(b.revoke(id))),
-        Cmd::Disconnect(peer, deadline, reply) => track(
+        Cmd::Disconnect(peer, deadline, false, reply) => track(
             b.post_disconnect(&peer),
             OneSidedStep::Disconnect,
             deadline,
             reply,
             running,
         ),
+        Cmd::Disconnect(peer, deadline, true, reply) => match b.post_disconnect_gone(&peer) {
+            Ok(None) => drop(reply.send(Ok(()))),
+            Ok(Some(close)) => track(
+                Ok(close),
+                OneSidedStep::Disconnect,
+                deadline,
+                reply,
+                running,
+            ),
+            Err(e) => drop(reply.send(Err(e))),
+        },
         #[cfg(test)]
         Cmd::EndpointInfo(peer, tx) => drop(tx.send(b.endpoint_info(&peer))),
     }
@@ -576,9 +592,12 @@ mod tests {
             .unwrap();
             p.local.read_at(2 << 20, &mut got).unwrap();
             assert!(got == data, "{tls}: read bytes differ");
-            bounded(p.initiator.disconnect("target", Instant::now() + BOUND))
-                .await
-                .unwrap();
+            bounded(
+                p.initiator
+                    .disconnect("target", Instant::now() + BOUND, false),
+            )
+            .await
+            .unwrap();
         }
     }
 
@@ -836,7 +855,7 @@ mod tests {
                         .await;
                     (r, started.elapsed())
                 },
-                ini.disconnect("child", Instant::now() + close)
+                ini.disconnect("child", Instant::now() + close, false)
             );
             let (r, took) = w;
             eprintln!(
@@ -850,6 +869,41 @@ mod tests {
                 took < write + Duration::from_secs(8),
                 "{tls}: took {took:?}"
             );
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_disconnect_from_a_peer_that_left_ends_without_waiting_for_the_close() {
+        // The killed peer's control connection closed (`peer_left`): the close of its
+        // same-host endpoint, which never ends, is neither waited for by the disconnect nor
+        // by the worker's drop.
+        for tls in ["sm,self", "sm,self,tcp"] {
+            let (ini, _local, ops) = killed_target(tls, true).await;
+            let close = Duration::from_secs(14);
+            // A write left in flight toward the dead peer, as a session's last batch.
+            let r = ini
+                .transfer(
+                    "child",
+                    Dir::Write,
+                    ops,
+                    Instant::now() + Duration::from_secs(1),
+                )
+                .await;
+            assert!(r.is_err(), "{tls}: a write to a killed peer succeeded");
+            let started = Instant::now();
+            bounded(ini.disconnect("child", Instant::now() + close, true))
+                .await
+                .unwrap();
+            let answered = started.elapsed();
+            drop(ini);
+            let dropped = started.elapsed();
+            eprintln!(
+                "{tls}: disconnect answered after {answered:?}, worker dropped after {dropped:?}"
+            );
+            // Far short of the close's deadline and of the drop's 2 s bound on closes,
+            // with room for a loaded host.
+            assert!(answered < Duration::from_secs(1), "{tls}: {answered:?}");
+            assert!(dropped < Duration::from_millis(1500), "{tls}: {dropped:?}");
         }
     }
 
