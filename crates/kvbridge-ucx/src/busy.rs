@@ -51,47 +51,6 @@ impl BusyBackoff {
     }
 }
 
-/// How long an owner keeps progressing, without arming its worker's fd and sleeping, after
-/// a round that handled something (see [`Linger`]).
-pub const LINGER: Duration = Duration::from_micros(50);
-
-/// A bounded window of progress after work: an owner whose last round handled events or
-/// commands goes on progressing for up to a window before it arms the worker's fd and
-/// sleeps, so a message that arrives within the window is served without a sleep and a
-/// wake-up. The window starts at the last round that handled something, so an idle worker
-/// spends at most one window per event it handles, then sleeps.
-#[derive(Debug, Clone)]
-pub struct Linger {
-    window: Duration,
-    last_work: Option<std::time::Instant>,
-}
-
-impl Linger {
-    /// A window of `window` (zero: sleep as soon as a round handles nothing).
-    pub const fn new(window: Duration) -> Self {
-        Self {
-            window,
-            last_work: None,
-        }
-    }
-
-    /// The window this linger keeps.
-    pub const fn window(&self) -> Duration {
-        self.window
-    }
-
-    /// A round handled something at `now`: the window starts again.
-    pub fn worked(&mut self, now: std::time::Instant) {
-        self.last_work = Some(now);
-    }
-
-    /// A round at `now` handled nothing: whether to go on progressing instead of sleeping.
-    pub fn stay(&self, now: std::time::Instant) -> bool {
-        self.last_work
-            .is_some_and(|t| now.saturating_duration_since(t) < self.window)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -122,25 +81,6 @@ mod tests {
         assert_eq!(b.idle(), BUSY_MAX_SLEEP);
         b.reset();
         assert_eq!(b.idle(), Duration::ZERO);
-    }
-
-    #[test]
-    fn lingers_only_within_the_window_after_work() {
-        let t = std::time::Instant::now();
-        let mut l = Linger::new(Duration::from_micros(50));
-        assert!(!l.stay(t), "no work yet: sleep");
-        l.worked(t);
-        assert!(l.stay(t + Duration::from_micros(49)));
-        assert!(!l.stay(t + Duration::from_micros(50)));
-        assert!(!l.stay(t + Duration::from_secs(1)));
-        l.worked(t + Duration::from_secs(1));
-        assert!(l.stay(t + Duration::from_secs(1) + Duration::from_micros(10)));
-        let off = {
-            let mut l = Linger::new(Duration::ZERO);
-            l.worked(t);
-            l
-        };
-        assert!(!off.stay(t), "a zero window never lingers");
     }
 
     #[test]

@@ -48,7 +48,7 @@
 pub mod wire;
 
 mod busy;
-pub use busy::{BusyBackoff, Linger, BUSY_FIRST_SLEEP, BUSY_MAX_SLEEP, BUSY_SPINS, LINGER};
+pub use busy::{BusyBackoff, BUSY_FIRST_SLEEP, BUSY_MAX_SLEEP, BUSY_SPINS};
 
 #[cfg(feature = "ucx")]
 mod context;

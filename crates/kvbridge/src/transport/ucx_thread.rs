@@ -9,7 +9,7 @@ use crate::region::Region;
 use crate::transport::one_sided::{OneSided, OneSidedError, OneSidedStep, RangeOp};
 use crate::transport::ucx::{UcxBackend, UcxPosted};
 use kvbridge_proto::RegionId;
-use kvbridge_ucx::{BusyBackoff, Linger, LINGER};
+use kvbridge_ucx::BusyBackoff;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
@@ -49,15 +49,6 @@ struct Running {
 /// rule for `ucp_worker_arm`); arming after one that handled events left a wake-up unsent
 /// over tcp, and the batch waited for this bound (100 ms, the p99 of the UCX handshake).
 const MAX_SLEEP: Duration = Duration::from_millis(100);
-
-/// The window of [`Linger`]: `KVBRIDGE_UCX_LINGER_US` (microseconds, 0 turns it off) where
-/// set and valid, [`LINGER`] otherwise.
-fn linger_window() -> Duration {
-    std::env::var("KVBRIDGE_UCX_LINGER_US")
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-        .map_or(LINGER, |us| Duration::from_micros(us.min(10_000)))
-}
 
 /// Progress rounds in a row that handled events before the loop looks at its commands and
 /// batches again anyway.
@@ -289,13 +280,8 @@ fn run(mut b: UcxBackend, rx: mpsc::Receiver<Cmd>, wake: Arc<OwnedFd>, counters:
     let mut running: Vec<Running> = Vec::new();
     let mut open = true;
     let mut busy = BusyBackoff::new();
-    let mut linger = Linger::new(linger_window());
-    let mut lingering = false;
     loop {
-        if !lingering {
-            counters.wakeups.fetch_add(1, Ordering::Relaxed);
-        }
-        lingering = false;
+        counters.wakeups.fetch_add(1, Ordering::Relaxed);
         drain(wake.as_raw_fd());
         // Whatever woke the worker's fd is handled only by progress; arming alone would
         // clear the wake-up and leave the work (a peer's put to serve, say) undone. UCX
@@ -350,15 +336,6 @@ fn run(mut b: UcxBackend, rx: mpsc::Receiver<Cmd>, wake: Arc<OwnedFd>, counters:
             // (what was posted may have events already, and the fd must be armed only
             // after a progress that handled nothing).
             busy.reset();
-            linger.worked(Instant::now());
-            continue;
-        }
-        if linger.stay(Instant::now()) {
-            // Data is moving: the next message of a transfer usually arrives within the
-            // window, and serving it from here costs less than arming, sleeping and being
-            // woken (and scheduled) again. Bounded: the window runs from the last work.
-            lingering = true;
-            std::hint::spin_loop();
             continue;
         }
         // Sleep until the worker or a command wakes us, or the nearest deadline.
