@@ -13,6 +13,7 @@
 use crate::dir::Dir;
 use crate::region::{LocalSlice, Region};
 use crate::transport::one_sided::{OneSidedError, RangeOp};
+use crate::transport::range_merge::merge_adjacent;
 use crate::transport::ucx_thread::UcxThread;
 use kvbridge_proto::msg::OpDesc;
 use kvbridge_proto::RegionId;
@@ -209,6 +210,8 @@ impl UcxRoute {
                 len: d.len,
             });
         }
+        // Consecutive blocks go as one operation each run (transport/range_merge.rs).
+        let ops = merge_adjacent(ops);
         self.channel
             .thread
             .transfer(&self.peer, dir, ops, deadline)
