@@ -109,9 +109,21 @@ async fn killed_mid(t: Carrier, doing: Doing) {
     .await
     .expect("the session never ended after the peer was killed");
     let ended = killed.elapsed();
-    eprintln!("{t:?}: session down {ended:?} after the kill: {down}");
+    eprintln!("{t:?} {doing:?}: session down {ended:?} after the kill: {down}");
+    // A read in flight over UCX's shared memory can still land in the initiator's memory
+    // while the peer may be alive (only its control connection is known closed, and UCX
+    // cannot tell a dead same-host peer): the endpoint's close is waited for, up to the
+    // close deadline (docs/ucx.md). Everywhere else the session ends at once.
+    let reads_hold_the_close = matches!(doing, Doing::Reads)
+        && t.ucx_tls
+            .is_some_and(|tls| tls.split(',').any(|x| x == "sm"));
+    let bound = if reads_hold_the_close {
+        CLOSE + SLACK
+    } else {
+        SLACK
+    };
     assert!(
-        ended < SLACK,
+        ended < bound,
         "the session ended {ended:?} after the kill (close deadline {CLOSE:?})"
     );
     let (err, longest) = tokio::time::timeout(OP + SLACK + Duration::from_secs(20), w)
