@@ -62,7 +62,7 @@ pub struct DemoArgs {
     pub prompt_format: PromptFormat,
     /// The proxy's `--kv-events-tokenize` (`http`: it asks a worker's `POST /tokenize` for
     /// a text prompt's or a chat's token ids before routing it by KV events). Default:
-    /// `http` with `--prompt-format text` or `chat`, else `off`.
+    /// `http` with `--prompt-format text` or `chat` under `--routing kv-events`, else `off`.
     #[arg(long, value_enum)]
     pub kv_events_tokenize: Option<TokenizeMode>,
     /// The proxy's `--disaggregate-min-uncached-tokens` (default: the proxy's).
@@ -1241,10 +1241,9 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
              text completions and chats already)"
         );
     }
-    let tokenize = args.kv_events_tokenize.unwrap_or(match args.prompt_format {
-        PromptFormat::Ids => TokenizeMode::Off,
-        PromptFormat::Text | PromptFormat::Chat => TokenizeMode::Http,
-    });
+    let tokenize = args
+        .kv_events_tokenize
+        .unwrap_or_else(|| default_tokenize(args.prompt_format, args.routing));
     let pool = if shared { SHARED_PREFIX_POOL } else { 1 };
     let (prefillers, decoders) = (
         args.prefillers.unwrap_or(pool),
@@ -1754,9 +1753,38 @@ fn excerpt(s: &str) -> String {
     s.chars().take(60).collect()
 }
 
+/// The proxy's `--kv-events-tokenize` when the demo is not told: `http` for text prompts and
+/// chats under kv-events, the one policy that routes by token ids (elsewhere the proxy would
+/// ignore it, and warn); `off` otherwise.
+fn default_tokenize(format: PromptFormat, routing: RoutingPolicy) -> TokenizeMode {
+    match (format, routing) {
+        (PromptFormat::Text | PromptFormat::Chat, RoutingPolicy::KvEvents) => TokenizeMode::Http,
+        _ => TokenizeMode::Off,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_proxy_tokenizes_only_text_and_chats_under_kv_events() {
+        use RoutingPolicy::*;
+        for routing in [LeastLoaded, CacheAware, KvEvents] {
+            assert_eq!(
+                default_tokenize(PromptFormat::Ids, routing),
+                TokenizeMode::Off
+            );
+            for format in [PromptFormat::Text, PromptFormat::Chat] {
+                let want = if routing == KvEvents {
+                    TokenizeMode::Http
+                } else {
+                    TokenizeMode::Off
+                };
+                assert_eq!(default_tokenize(format, routing), want, "{routing:?}");
+            }
+        }
+    }
 
     fn item(prompt: &[u32]) -> WorkItem {
         WorkItem {
