@@ -51,6 +51,25 @@ impl BusyBackoff {
     }
 }
 
+/// Waits until `fd` is readable, at most `timeout` (to the microsecond); whether it is. The
+/// one sleep of a worker's owner: on the worker's event fd, or on a fd that also carries
+/// its commands.
+#[cfg(feature = "ucx")]
+pub fn wait_readable(fd: std::os::fd::RawFd, timeout: Duration) -> bool {
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs().min(i64::MAX as u64) as libc::time_t,
+        tv_nsec: libc::c_long::from(timeout.subsec_nanos() as i32),
+    };
+    // SAFETY: one valid pollfd and timespec for the duration of the call; no signal mask.
+    let n = unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) };
+    n > 0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

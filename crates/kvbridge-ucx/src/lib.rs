@@ -48,6 +48,8 @@
 pub mod wire;
 
 mod busy;
+#[cfg(feature = "ucx")]
+pub use busy::wait_readable;
 pub use busy::{BusyBackoff, BUSY_FIRST_SLEEP, BUSY_MAX_SLEEP, BUSY_SPINS};
 
 #[cfg(feature = "ucx")]

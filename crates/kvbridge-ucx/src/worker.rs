@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use kvbridge_ucx_sys as sys;
 
-use crate::busy::BusyBackoff;
+use crate::busy::{wait_readable, BusyBackoff};
 use crate::context::{Context, ContextInner};
 use crate::error::{Error, Result, Step};
 use crate::region::{MemRegion, RegionInner};
@@ -913,28 +913,12 @@ impl Worker {
             }
             stuck_since = None;
             let wait = DROP_QUIET_WAIT.min(deadline.saturating_duration_since(Instant::now()));
-            if !fd_readable(self.efd, wait) {
+            if !wait_readable(self.efd, wait) {
                 return true;
             }
         }
         false
     }
-}
-
-/// Waits until `fd` is readable, at most `timeout` (to the microsecond); whether it is.
-fn fd_readable(fd: RawFd, timeout: Duration) -> bool {
-    let mut pfd = libc::pollfd {
-        fd,
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    let ts = libc::timespec {
-        tv_sec: timeout.as_secs().min(i64::MAX as u64) as libc::time_t,
-        tv_nsec: libc::c_long::from(timeout.subsec_nanos() as i32),
-    };
-    // SAFETY: one valid pollfd and timespec for the duration of the call; no signal mask.
-    let n = unsafe { libc::ppoll(&mut pfd, 1, &ts, ptr::null()) };
-    n > 0
 }
 
 impl Drop for Worker {

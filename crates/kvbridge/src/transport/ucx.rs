@@ -230,6 +230,17 @@ impl UcxBackend {
         self.worker.in_flight()
     }
 
+    /// Takes `peer` out of the table for a disconnect: its endpoint and keys are this
+    /// caller's to close.
+    fn take_peer(&mut self, peer: &str) -> Result<UcxPeer, OneSidedError> {
+        self.peers
+            .remove(peer)
+            .ok_or_else(|| OneSidedError::NotConnected {
+                peer: peer.to_string(),
+                step: OneSidedStep::Disconnect,
+            })
+    }
+
     /// Removes `peer`'s region `id` from its table, so that no later batch resolves it;
     /// the endpoint it was imported through, and its key, still to be destroyed.
     fn take_import(&mut self, peer: &str, id: RegionId) -> Result<(EpId, Imported), OneSidedError> {
@@ -373,13 +384,7 @@ impl UcxBackend {
     /// the endpoint and told the peer. Nothing waits on it here, so a close to a dead peer
     /// holds up no other batch.
     pub(crate) fn post_disconnect(&mut self, peer: &str) -> Result<UcxPosted, OneSidedError> {
-        let p = self
-            .peers
-            .remove(peer)
-            .ok_or_else(|| OneSidedError::NotConnected {
-                peer: peer.to_string(),
-                step: OneSidedStep::Disconnect,
-            })?;
+        let p = self.take_peer(peer)?;
         // Closing the endpoint destroys the keys unpacked through it.
         let close = self
             .worker
@@ -405,13 +410,7 @@ impl UcxBackend {
         &mut self,
         peer: &str,
     ) -> Result<Option<UcxPosted>, OneSidedError> {
-        let p = self
-            .peers
-            .remove(peer)
-            .ok_or_else(|| OneSidedError::NotConnected {
-                peer: peer.to_string(),
-                step: OneSidedStep::Disconnect,
-            })?;
+        let p = self.take_peer(peer)?;
         let close = self
             .worker
             .close_peer_gone(p.ep)
@@ -649,13 +648,7 @@ impl OneSided for UcxBackend {
     }
 
     fn disconnect(&mut self, peer: &str, deadline: Instant) -> Result<(), OneSidedError> {
-        let p = self
-            .peers
-            .remove(peer)
-            .ok_or_else(|| OneSidedError::NotConnected {
-                peer: peer.to_string(),
-                step: OneSidedStep::Disconnect,
-            })?;
+        let p = self.take_peer(peer)?;
         // Closing the endpoint destroys the keys unpacked through it.
         self.worker
             .close(p.ep, deadline)

@@ -9,7 +9,7 @@ use crate::region::Region;
 use crate::transport::one_sided::{OneSided, OneSidedError, OneSidedStep, RangeOp};
 use crate::transport::ucx::{UcxBackend, UcxPosted};
 use kvbridge_proto::RegionId;
-use kvbridge_ucx::BusyBackoff;
+use kvbridge_ucx::{wait_readable, BusyBackoff};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
@@ -360,7 +360,7 @@ fn run(mut b: UcxBackend, rx: mpsc::Receiver<Cmd>, wake: Arc<OwnedFd>, counters:
                 // microseconds), up to 1 ms a round while nothing moves (a killed one).
                 let nap = busy.idle().min(timeout);
                 if !nap.is_zero() {
-                    nap_on(wake.as_raw_fd(), nap);
+                    wait_readable(wake.as_raw_fd(), nap);
                     let us = u64::try_from(nap.as_micros()).unwrap_or(u64::MAX);
                     counters.napped.fetch_add(us, Ordering::Relaxed);
                 }
@@ -443,21 +443,6 @@ fn track(
         }),
         Err(e) => drop(reply.send(Err(e))),
     }
-}
-
-/// Sleeps until `fd` is readable or `timeout`, to the microsecond.
-fn nap_on(fd: RawFd, timeout: Duration) {
-    let mut pfd = libc::pollfd {
-        fd,
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    let ts = libc::timespec {
-        tv_sec: timeout.as_secs().min(i64::MAX as u64) as libc::time_t,
-        tv_nsec: libc::c_long::from(timeout.subsec_nanos() as i32),
-    };
-    // SAFETY: one valid pollfd and timespec for the duration of the call; no signal mask.
-    unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) };
 }
 
 /// Sleeps until one of two fds is readable or `timeout`.
