@@ -11,10 +11,14 @@ use crate::status::{check, status};
 
 /// UCX settings a [`Context`] starts from where the environment does not set them: a user's
 /// variable always wins. Each entry: the environment variable, the names `ucp_config_modify`
-/// may know it by, the value. A transport's setting goes by its name without the
-/// transport's prefix up to UCX 1.16 (1.13 matches the names it hands to the transports
-/// against their tables as they are) and with it from 1.17; releases after 1.18 (1.23 here)
-/// refuse a name no table has, so the names are tried in turn. A default no name of which
+/// may know it by, the value, and the transport whose table holds it (`None`: ucp's own).
+/// A transport's setting is given only where the context's `TLS` may open that transport:
+/// UCX warns "invalid configuration" at every worker's creation for a setting no opened
+/// transport took (a `UCX_TLS=sm,self` worker and the tcp segment sizes). A transport's
+/// setting goes by its name without the transport's prefix up to UCX 1.16 (1.13 matches
+/// the names it hands to the transports against their tables as they are) and with it from
+/// 1.17; releases after 1.18 (1.23 here) refuse a name no table has, so the names are tried
+/// in turn. A default no name of which
 /// UCX takes is left out: it is tuning, and UCX keeps its own value (1.17 and 1.18 take the
 /// unprefixed name without using it and warn "invalid configuration" at worker creation).
 ///
@@ -43,29 +47,62 @@ use crate::status::{check, status};
 ///   instead of "software emulation, tcp/lo"), as NIXL's context does with the same
 ///   setting. UCX 1.13 (Debian 12's) accepts the value and still emulates every put: its tcp
 ///   transport qualifies for no lane its puts run on (see `UCX_TCP_TX_SEG_SIZE` above).
-pub(crate) const DEFAULTS: &[(&str, &[&str], &str)] = &[
+pub(crate) const DEFAULTS: &[Setting] = &[
     (
         "UCX_TCP_TX_SEG_SIZE",
         &["TX_SEG_SIZE", "TCP_TX_SEG_SIZE"],
         "1M",
+        Some("tcp"),
     ),
     (
         "UCX_TCP_RX_SEG_SIZE",
         &["RX_SEG_SIZE", "TCP_RX_SEG_SIZE"],
         "1M",
+        Some("tcp"),
     ),
-    ("UCX_RNDV_THRESH", &["RNDV_THRESH"], "inf"),
+    ("UCX_RNDV_THRESH", &["RNDV_THRESH"], "inf", None),
 ];
 
+/// One of [`DEFAULTS`]: variable, names, value, transport.
+pub(crate) type Setting = (
+    &'static str,
+    &'static [&'static str],
+    &'static str,
+    Option<&'static str>,
+);
+
 /// The [`DEFAULTS`] to apply (the names to try, the value), given whether the environment
-/// sets a variable.
-fn unset_defaults(
-    is_set: impl Fn(&str) -> bool,
-) -> impl Iterator<Item = (&'static [&'static str], &'static str)> {
+/// sets a variable and the context's `TLS` (`None`: UCX's default, every transport).
+fn unset_defaults<'a>(
+    is_set: impl Fn(&str) -> bool + 'a,
+    tls: Option<&'a str>,
+) -> impl Iterator<Item = (&'static [&'static str], &'static str)> + 'a {
     DEFAULTS
         .iter()
-        .filter(move |(var, _, _)| !is_set(var))
-        .map(|&(_, names, value)| (names, value))
+        .filter(move |(var, _, _, tl)| !is_set(var) && tl.is_none_or(|tl| may_open(tls, tl)))
+        .map(|&(_, names, value, _)| (names, value))
+}
+
+/// Whether UCX may open transport `tl` under the `TLS` setting `tls` (`None`: unset, every
+/// transport). The forms UCX reads: a comma-separated list of transports and aliases, `all`,
+/// a leading `^` for "every transport but these", a leading `\` for a name that is not an
+/// alias, a `:aux` suffix. Of the transports kvbridge sets defaults for, tcp is in no alias
+/// but `all`.
+fn may_open(tls: Option<&str>, tl: &str) -> bool {
+    let Some(tls) = tls.map(str::trim).filter(|t| !t.is_empty()) else {
+        return true;
+    };
+    let (excluding, list) = match tls.strip_prefix('^') {
+        Some(rest) => (true, rest),
+        None => (false, tls),
+    };
+    let named = list.split(',').any(|item| {
+        let item = item.trim();
+        let item = item.strip_prefix('\\').unwrap_or(item);
+        let name = item.split(':').next().unwrap_or(item);
+        name == tl || (!excluding && name == "all")
+    });
+    named != excluding
 }
 
 /// Sets `value` under the first of `names` UCX takes; whether one did.
@@ -164,7 +201,9 @@ impl Context {
             status,
         })?;
         let cfg = Config(raw);
-        for (names, value) in unset_defaults(|var| std::env::var_os(var).is_some()) {
+        let env_tls = std::env::var("UCX_TLS").ok();
+        let tls = config.tls.as_deref().or(env_tls.as_deref());
+        for (names, value) in unset_defaults(|var| std::env::var_os(var).is_some(), tls) {
             let _taken = modify_any(&cfg, names, value);
         }
         Self::init(&cfg, config)
@@ -214,12 +253,47 @@ mod tests {
 
     #[test]
     fn a_variable_the_environment_sets_keeps_its_value() {
-        let all: Vec<_> = unset_defaults(|_| false).collect();
+        let all: Vec<_> = unset_defaults(|_| false, None).collect();
         assert_eq!(all.len(), DEFAULTS.len());
-        let rest: Vec<_> = unset_defaults(|var| var == "UCX_TCP_TX_SEG_SIZE").collect();
-        let others: Vec<_> = DEFAULTS[1..].iter().map(|&(_, n, v)| (n, v)).collect();
+        let rest: Vec<_> = unset_defaults(|var| var == "UCX_TCP_TX_SEG_SIZE", None).collect();
+        let others: Vec<_> = DEFAULTS[1..].iter().map(|&(_, n, v, _)| (n, v)).collect();
         assert_eq!(rest, others);
-        assert_eq!(unset_defaults(|_| true).count(), 0);
+        assert_eq!(unset_defaults(|_| true, None).count(), 0);
+    }
+
+    /// The tcp segment sizes are given only where tcp may be opened; elsewhere UCX warned
+    /// "invalid configurations: TX_SEG_SIZE=1M,RX_SEG_SIZE=1M" at every worker's creation.
+    #[test]
+    fn a_transport_s_defaults_are_given_only_where_the_tls_may_open_it() {
+        let tcp_defaults = |tls: Option<&str>| {
+            unset_defaults(|_| false, tls)
+                .filter(|(names, _)| names.iter().any(|n| n.contains("SEG_SIZE")))
+                .count()
+        };
+        for tls in [
+            None,
+            Some(""),
+            Some("tcp"),
+            Some("all"),
+            Some("sm,self,tcp"),
+            Some("\\tcp"),
+            Some("^rc,ud"),
+            Some("rc,tcp:aux"),
+        ] {
+            assert_eq!(tcp_defaults(tls), 2, "TLS {tls:?} may open tcp");
+        }
+        for tls in [
+            "sm,self",
+            "posix,cma,self",
+            "^tcp",
+            "^rc,tcp",
+            "tcpx",
+            "rc,ud,sm,self",
+        ] {
+            assert_eq!(tcp_defaults(Some(tls)), 0, "TLS {tls:?} cannot open tcp");
+        }
+        // ucp's own settings go to every context.
+        assert_eq!(unset_defaults(|_| false, Some("sm,self")).count(), 1);
     }
 
     fn tcp_worker(settings: &[(&[&str], &str)]) -> Result<Worker> {
@@ -239,7 +313,7 @@ mod tests {
     /// inconsistent pair under the same names must fail the tcp transport, the defaults not.
     #[test]
     fn the_defaults_reach_the_tcp_transport_and_it_accepts_them() {
-        let defaults: Vec<_> = unset_defaults(|_| false).collect();
+        let defaults: Vec<_> = unset_defaults(|_| false, Some("tcp")).collect();
         tcp_worker(&defaults).expect("a tcp worker with the defaults");
         let inconsistent = [(DEFAULTS[0].1, "2M"), (DEFAULTS[1].1, "1M")];
         assert!(
