@@ -26,7 +26,6 @@ use crate::datapath::DataPath;
 use crate::error::{Error, Result};
 use crate::grant::RegionTable;
 use crate::region::RegionExport;
-use crate::session::TIMELINE;
 use crate::transport::ucx_route::{UcxChannel, UcxRoute};
 use kvbridge_proto::handshake::Step;
 use kvbridge_proto::ids::Blob;
@@ -55,6 +54,9 @@ pub(crate) async fn start_thread(
         .map(|c| Some(Arc::new(c)))
         .map_err(|e| Error::Local(format!("transport ucx: cannot start a UCX worker: {e}")))
 }
+
+/// The session's timeline target (`session::TIMELINE`; this module sits below it).
+const TIMELINE: &str = "kvbridge::timeline";
 
 /// Whether a control message belongs to the UCX negotiation.
 fn is_ucx(m: &Message) -> bool {
