@@ -46,6 +46,11 @@ pub struct TransferArgs {
     /// many connections in parallel. Mooncake's benchmark opens one connection per block.
     #[arg(long, default_value_t = 1)]
     pub sessions: usize,
+    /// With `--sessions N`: N peer processes, one per session, so that the target side runs
+    /// N channels too (over UCX: a worker and its owner thread per session on both sides,
+    /// where one peer would serve every session from its one worker).
+    #[arg(long)]
+    pub peer_per_session: bool,
     /// Repetitions; the median is reported.
     #[arg(long, default_value_t = 3)]
     pub reps: usize,
@@ -178,6 +183,7 @@ pub async fn at_page_size(page: u64, reps: usize) -> Result<f64> {
         total: "1G".into(),
         inflight: 2,
         sessions: 1,
+        peer_per_session: false,
         reps,
         json: true,
         data_tls: false,
@@ -229,13 +235,24 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
     let memfd_off = [("KVBRIDGE_REGION_MEMFD", std::ffi::OsStr::new("0"))];
     // The peer's channel offers UCX only with the transport set; UCX_TLS passes through.
     let ucx_on = [("KVBRIDGE_TRANSPORT", std::ffi::OsStr::new("ucx"))];
-    let peer = if cma {
-        PeerProcess::start_with(window, page, &memfd_off, &[])?
-    } else if ucx {
-        PeerProcess::start_with(window, page, &ucx_on, &[])?
-    } else {
-        PeerProcess::start_with(window, page, &[], &["KVBRIDGE_TRANSPORT"])?
+    let start_peer = || {
+        if cma {
+            PeerProcess::start_with(window, page, &memfd_off, &[])
+        } else if ucx {
+            PeerProcess::start_with(window, page, &ucx_on, &[])
+        } else {
+            PeerProcess::start_with(window, page, &[], &["KVBRIDGE_TRANSPORT"])
+        }
     };
+    let peers = (0..if args.peer_per_session { sessions } else { 1 })
+        .map(|_| start_peer())
+        .collect::<Result<Vec<_>>>()?;
+    let peer = &peers[0];
+    // The region each session writes: its own peer's with --peer-per-session.
+    let regions: Vec<kvbridge::RegionId> = (0..sessions)
+        .map(|i| peers[i % peers.len()].region)
+        .collect();
+    let addrs: Vec<String> = peers.iter().map(|p| p.addr.clone()).collect();
     let local = Region::alloc(window, page)?;
     // Where the read-back of each measurement lands.
     let check = Region::alloc(window, page)?;
@@ -261,7 +278,7 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
             &args.transport,
             &local,
             &check,
-            &peer.addr,
+            &addrs,
             None,
         )
         .await?,
@@ -271,6 +288,10 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
         anyhow::ensure!(
             transport == kvbridge::Transport::Tcp && !cma,
             "--data-tls measures TLS on TCP data connections: use --transport tcp"
+        );
+        anyhow::ensure!(
+            !args.peer_per_session,
+            "--data-tls runs against one peer: leave out --peer-per-session"
         );
         Some(super::handshake::TempCert::new()?)
     } else {
@@ -297,7 +318,7 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
                 &args.transport,
                 &local,
                 &check,
-                &p.addr,
+                std::slice::from_ref(&p.addr),
                 Some(config),
             )
             .await?;
@@ -348,11 +369,12 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
                 inflight,
                 total,
             };
-            ours.push(write_all(&links, &local, peer.region, &shape).await?);
-            verify(&links, &local, &check, peer.region, &shape).await?;
+            ours.push(write_all(&links, &local, &regions, &shape).await?);
+            verify(&links, &local, &check, &regions, &shape).await?;
             if let Some((p, tls_links)) = &tls_peer {
-                with_tls.push(write_all(tls_links, &local, p.region, &shape).await?);
-                verify(tls_links, &local, &check, p.region, &shape).await?;
+                let tls_regions = vec![p.region; sessions];
+                with_tls.push(write_all(tls_links, &local, &tls_regions, &shape).await?);
+                verify(tls_links, &local, &check, &tls_regions, &shape).await?;
             }
         }
         let range = |v: &[f64]| {
@@ -395,8 +417,8 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
     })
 }
 
-/// One channel per session (a channel holds one session per peer), each connected to the
-/// peer at `addr` over `transport`, with `tls` when set.
+/// One channel per session (a channel holds one session per peer), session `i` connected to
+/// the peer at `addrs[i % addrs.len()]` over `transport`, with `tls` when set.
 #[allow(clippy::too_many_arguments)]
 async fn connect_sessions(
     sessions: usize,
@@ -405,7 +427,7 @@ async fn connect_sessions(
     name: &str,
     local: &Region,
     check: &Region,
-    addr: &str,
+    addrs: &[String],
     tls: Option<kvbridge::TlsConfig>,
 ) -> Result<Vec<(Channel, kvbridge::PeerId)>> {
     let mut links = Vec::with_capacity(sessions);
@@ -421,7 +443,7 @@ async fn connect_sessions(
         let ch = Channel::new(cfg).await?;
         ch.register(local, Grant::AllPeers)?;
         ch.register(check, Grant::AllPeers)?;
-        let target = ch.connect(addr).await?;
+        let target = ch.connect(&addrs[i % addrs.len()]).await?;
         if cma {
             match ch.peer_cma(&target).await? {
                 kvbridge::CmaStatus::Active => {}
@@ -472,13 +494,15 @@ fn fill(region: &Region, len: usize, seed: u64) -> Result<()> {
     Ok(())
 }
 
-/// Reads back, over the first session, the span of the peer's region that `shape`'s writes
-/// covered, into `check` (zeroed first), and compares every byte with `local`'s payload.
+/// Reads back the span of the peers' regions that `shape`'s writes covered, into `check`
+/// (zeroed first), and compares every byte with `local`'s payload: over the first session
+/// when every session wrote the same region, else each block from the region of the session
+/// that wrote it last (`regions[i]`: session `i`'s).
 async fn verify(
     links: &[(Channel, kvbridge::PeerId)],
     local: &Region,
     check: &Region,
-    region: kvbridge::RegionId,
+    regions: &[kvbridge::RegionId],
     shape: &Shape,
 ) -> Result<()> {
     let block = shape.block as usize;
@@ -491,19 +515,44 @@ async fn verify(
     for at in (0..span).step_by(PIECE) {
         check.write_at(at, &zero[..PIECE.min(span - at)])?;
     }
-    let (ch, peer) = &links[0];
-    let ops: Vec<Op> = (0..span)
-        .step_by(PIECE)
-        .map(|at| Op {
-            local: check.clone(),
-            local_offset: at,
-            remote: region,
-            remote_offset: at as u64,
-            len: PIECE.min(span - at),
-        })
-        .collect();
-    for batch in ops.chunks(16) {
-        ch.read(peer, batch).await?;
+    if regions.iter().all(|r| *r == regions[0]) {
+        let (ch, peer) = &links[0];
+        let ops: Vec<Op> = (0..span)
+            .step_by(PIECE)
+            .map(|at| Op {
+                local: check.clone(),
+                local_offset: at,
+                remote: regions[0],
+                remote_offset: at as u64,
+                len: PIECE.min(span - at),
+            })
+            .collect();
+        for batch in ops.chunks(16) {
+            ch.read(peer, batch).await?;
+        }
+    } else {
+        // Replays `write_all`'s slots and split: the session that wrote each slot last.
+        let batches = shape.total.div_ceil(shape.block * shape.batch as u64) as usize;
+        let part = shape.batch.div_ceil(links.len());
+        let mut owner = vec![0usize; shape.per_window];
+        for slot in 0..batches * shape.batch {
+            owner[slot % shape.per_window] = (slot % shape.batch) / part;
+        }
+        for (i, (ch, peer)) in links.iter().enumerate() {
+            let ops: Vec<Op> = (0..written_blocks)
+                .filter(|&b| owner[b] == i)
+                .map(|b| Op {
+                    local: check.clone(),
+                    local_offset: b * block,
+                    remote: regions[i],
+                    remote_offset: (b * block) as u64,
+                    len: block,
+                })
+                .collect();
+            for batch in ops.chunks(16) {
+                ch.read(peer, batch).await?;
+            }
+        }
     }
     let (mut want, mut got) = (vec![0u8; PIECE], vec![0u8; PIECE]);
     for at in (0..span).step_by(PIECE) {
@@ -533,12 +582,13 @@ struct Shape {
     total: u64,
 }
 
-/// Writes `shape.total` bytes to `region` of the peer behind `links`, `inflight` batches
-/// at a time (each split over the sessions); GiB/s. Any failed write fails the run.
+/// Writes `shape.total` bytes to the peers behind `links`, `inflight` batches at a time
+/// (each split over the sessions, session `i`'s part to `regions[i]`); GiB/s. Any failed
+/// write fails the run.
 async fn write_all(
     links: &std::sync::Arc<Vec<(Channel, kvbridge::PeerId)>>,
     local: &Region,
-    region: kvbridge::RegionId,
+    regions: &[kvbridge::RegionId],
     shape: &Shape,
 ) -> Result<f64> {
     let block_us = shape.block as usize;
@@ -556,13 +606,13 @@ async fn write_all(
                     Op {
                         local: local.clone(),
                         local_offset: i * block_us,
-                        remote: region,
+                        remote: regions[0],
                         remote_offset: (i * block_us) as u64,
                         len: block_us,
                     }
                 })
                 .collect();
-            let links = links.clone();
+            let (links, regions) = (links.clone(), regions.to_vec());
             joins.spawn(async move {
                 if let [(ch, target)] = &links[..] {
                     return Ok(ch.write(target, &ops).await?);
@@ -571,7 +621,14 @@ async fn write_all(
                 let part = ops.len().div_ceil(links.len());
                 let mut parts = tokio::task::JoinSet::new();
                 for (i, ops) in ops.chunks(part).enumerate() {
-                    let (links, ops) = (links.clone(), ops.to_vec());
+                    let links = links.clone();
+                    let ops: Vec<Op> = ops
+                        .iter()
+                        .map(|op| Op {
+                            remote: regions[i],
+                            ..op.clone()
+                        })
+                        .collect();
                     parts.spawn(async move {
                         let (ch, target) = &links[i];
                         ch.write(target, &ops).await

@@ -57,7 +57,11 @@ impl DataPath {
         if let Some(e) = self.pending.closed() {
             return Ok(Err(e));
         }
+        // A mark on the session's timeline (`session::TIMELINE`, above this layer).
+        let t = std::time::Instant::now();
         let r = route.transfer(dir, &descs, &locals, until.into_std()).await;
+        tracing::debug!(target: "kvbridge::timeline", peer = %self.peer, ?dir, bytes,
+            took_us = t.elapsed().as_micros() as u64, ok = r.is_ok(), "ucx batch");
         drop(room);
         match r {
             Ok(()) => Ok(Ok(())),

@@ -40,6 +40,11 @@ pub(crate) mod ucx;
 pub(crate) use direct::detach_region;
 use direct::{ShmRound, ShmState};
 
+/// The target of the marks of a session's way from dial to its first batch
+/// (`RUST_LOG=kvbridge::timeline=debug`): each control message sent and received, the
+/// handshake's steps, and the UCX negotiation's local work with its duration.
+pub(crate) const TIMELINE: &str = "kvbridge::timeline";
+
 /// What every session task gets from its channel.
 #[derive(Clone)]
 pub(crate) struct SessionEnv {
@@ -437,6 +442,7 @@ pub(crate) async fn run_initiator(
     cmd_tx: mpsc::UnboundedSender<SessionCmd>,
 ) {
     let d = &env.config.deadlines;
+    tracing::debug!(target: TIMELINE, session = id, peer = %addr, "dial");
     let stream = match tokio::time::timeout(d.connect, env.config.net.connect(&addr)).await {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
@@ -466,6 +472,7 @@ pub(crate) async fn run_initiator(
         },
         None => stream,
     };
+    tracing::debug!(target: TIMELINE, session = id, peer = %addr, "control connected");
     // Declared in the Hello: the listener refuses any data connection beyond them.
     let streams = env
         .config
@@ -510,6 +517,7 @@ pub(crate) async fn run_listener(
     cmds: mpsc::UnboundedReceiver<SessionCmd>,
     cmd_tx: mpsc::UnboundedSender<SessionCmd>,
 ) {
+    tracing::debug!(target: TIMELINE, session = id, peer = %hello.peer_id, "hello read");
     if let Some(d) = env.config.hooks.listener_welcome_delay {
         tokio::time::sleep(d).await;
     }
@@ -669,6 +677,10 @@ impl Session {
             tokio::select! {
                 m = self.ctl_rx.recv() => {
                     self.last_heard = Instant::now();
+                    if let Some(Ok(m)) = &m {
+                        tracing::debug!(target: TIMELINE, session = self.id, peer = %self.peer_name,
+                            msg = m.name(), "received");
+                    }
                     match m {
                         #[cfg(feature = "ucx")]
                         Some(Ok(m)) if self.ucx.takes(&m) => self.ucx.handle_message(m),
@@ -836,6 +848,8 @@ impl Session {
         }
         if err.is_none() {
             if let Some(handle) = self.ucx.take_released() {
+                tracing::debug!(target: TIMELINE, session = self.id, peer = %self.peer_name,
+                    "up");
                 let _ = self.env.core.send(CoreCmd::SessionUp {
                     id: self.id,
                     handle,
@@ -846,6 +860,8 @@ impl Session {
     }
 
     async fn send(&mut self, m: &Message) -> Result<()> {
+        tracing::debug!(target: TIMELINE, session = self.id, peer = %self.peer_name,
+            msg = m.name(), "send");
         let limit = self.env.config.deadlines.control_write;
         match tokio::time::timeout(limit, write_msg(&mut self.ctl_w, m)).await {
             Ok(Ok(())) => Ok(()),
@@ -1056,6 +1072,8 @@ impl Session {
             }
         }
         self.data = Some(ActiveData { path, conns });
+        tracing::debug!(target: TIMELINE, session = self.id, peer = %self.peer_name,
+            "data bound");
         self.machine.data_bound(std_now());
     }
 
@@ -1221,6 +1239,8 @@ impl Session {
         self.set_remote(est.regions);
         self.established = true;
         self.peer_name = est.peer_id.to_string();
+        tracing::debug!(target: TIMELINE, session = self.id, peer = %self.peer_name,
+            "established");
         let data = self
             .data
             .as_ref()
@@ -1239,6 +1259,7 @@ impl Session {
         let Some(handle) = self.ucx.hold_up(handle) else {
             return;
         };
+        tracing::debug!(target: TIMELINE, session = self.id, peer = %self.peer_name, "up");
         let _ = self.env.core.send(CoreCmd::SessionUp {
             id: self.id,
             handle,

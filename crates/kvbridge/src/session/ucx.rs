@@ -55,6 +55,9 @@ pub(crate) async fn start_thread(
         .map_err(|e| Error::Local(format!("transport ucx: cannot start a UCX worker: {e}")))
 }
 
+/// The session's timeline target (`session::TIMELINE`; this module sits below it).
+const TIMELINE: &str = "kvbridge::timeline";
+
 /// Whether a control message belongs to the UCX negotiation.
 fn is_ucx(m: &Message) -> bool {
     matches!(
@@ -299,7 +302,7 @@ impl UcxLink {
             if self.exported.contains_key(&r.id()) || r.is_detached() {
                 continue;
             }
-            match ch.export_for_session(&r).await {
+            match timed(s, "ucx region exported", ch.export_for_session(&r)).await {
                 Ok(rkey) => {
                     self.exported.insert(r.id(), r.begin_export());
                     if let Some(Link::Export(x)) = self.link.as_mut() {
@@ -325,10 +328,13 @@ impl UcxLink {
                 // A listener on this host: an endpoint that may use UCX's shared-memory and
                 // cross-memory-attach lanes (a dead peer then shows at the op deadline).
                 tracing::debug!(peer = %s.peer, same_host, "UCX endpoint");
+                let t = Instant::now();
                 let r = ch
                     .thread()
                     .connect(&s.endpoint(), &address.0, same_host)
                     .await;
+                tracing::debug!(target: TIMELINE, session = s.session, peer = %s.peer,
+                    took_us = t.elapsed().as_micros() as u64, ok = r.is_ok(), "ucx endpoint");
                 let Some(Link::Import(x)) = self.link.as_mut() else {
                     return;
                 };
@@ -344,7 +350,11 @@ impl UcxLink {
                     Err(e) => x.connect_failed(e.to_string()),
                 }
             }
-            Output::Import(r) => match ch.thread().import(&s.endpoint(), r.id, &r.rkey.0).await {
+            Output::Import(r) => match timed(s, "ucx key imported", async {
+                ch.thread().import(&s.endpoint(), r.id, &r.rkey.0).await
+            })
+            .await
+            {
                 Ok(()) => {
                     if let Some(route) = &self.route {
                         route.add(r.id, r.len);
@@ -376,6 +386,7 @@ impl UcxLink {
                 tracing::warn!(peer = %s.peer, %reason, "UCX not used with this peer; using TCP");
             }
             Output::Settled { unfinished } => {
+                tracing::debug!(target: TIMELINE, session = s.session, peer = %s.peer, "ucx settled");
                 if let Some(reason) = unfinished {
                     tracing::warn!(peer = %s.peer, %reason, "UCX negotiation unfinished; the session starts");
                 }
@@ -428,6 +439,19 @@ impl UcxLink {
         }
         self.link = None;
     }
+}
+
+/// Runs `f`, marking on the session's timeline what it was (`what`) and how long it took.
+async fn timed<T, E>(
+    s: &Round<'_>,
+    what: &'static str,
+    f: impl std::future::Future<Output = std::result::Result<T, E>>,
+) -> std::result::Result<T, E> {
+    let t = Instant::now();
+    let r = f.await;
+    tracing::debug!(target: TIMELINE, session = s.session, peer = %s.peer,
+        took_us = t.elapsed().as_micros() as u64, ok = r.is_ok(), "{what}");
+    r
 }
 
 fn ucx_error(peer: &str, e: UcxError) -> Error {

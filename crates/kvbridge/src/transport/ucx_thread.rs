@@ -285,6 +285,9 @@ fn run(mut b: UcxBackend, rx: mpsc::Receiver<Cmd>, wake: Arc<OwnedFd>, counters:
     let mut running: Vec<Running> = Vec::new();
     let mut open = true;
     let mut busy = BusyBackoff::new();
+    // The last wait ended with the worker's fd readable: if the next progress handles
+    // nothing and UCX arms the fd again, the wake-up was empty (below).
+    let mut worker_was_ready = false;
     loop {
         counters.wakeups.fetch_add(1, Ordering::Relaxed);
         drain(wake.as_raw_fd());
@@ -341,6 +344,7 @@ fn run(mut b: UcxBackend, rx: mpsc::Receiver<Cmd>, wake: Arc<OwnedFd>, counters:
             // (what was posted may have events already, and the fd must be armed only
             // after a progress that handled nothing).
             busy.reset();
+            worker_was_ready = false;
             continue;
         }
         // Sleep until the worker or a command wakes us, or the nearest deadline.
@@ -349,10 +353,18 @@ fn run(mut b: UcxBackend, rx: mpsc::Receiver<Cmd>, wake: Arc<OwnedFd>, counters:
             .map(|r| r.deadline.saturating_duration_since(Instant::now()))
             .fold(MAX_SLEEP, Duration::min);
         match b.arm() {
-            Ok(true) => {
-                busy.reset();
-                poll2(b.event_fd(), wake.as_raw_fd(), timeout);
-            }
+            Ok(true) => match armed_wait(worker_was_ready, &mut busy, timeout) {
+                ArmedWait::Poll => {
+                    worker_was_ready = poll2(b.event_fd(), wake.as_raw_fd(), timeout);
+                }
+                ArmedWait::Nap(nap) => {
+                    wait_readable(wake.as_raw_fd(), nap);
+                    let us = u64::try_from(nap.as_micros()).unwrap_or(u64::MAX);
+                    counters.napped.fetch_add(us, Ordering::Relaxed);
+                    // Whether the fd is still readable: if not, the next wait is on it.
+                    worker_was_ready = poll2(b.event_fd(), wake.as_raw_fd(), Duration::ZERO);
+                }
+            },
             Ok(false) => {
                 // Events pending that progress did not handle: a send waiting for room at
                 // the peer. The worker's fd stays readable meanwhile, so nap on the command
@@ -445,8 +457,38 @@ fn track(
     }
 }
 
-/// Sleeps until one of two fds is readable or `timeout`.
-fn poll2(a: RawFd, b: RawFd, timeout: Duration) {
+/// How the thread waits after a round that handled nothing, once UCX armed the worker's fd.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ArmedWait {
+    /// On both fds, up to the round's timeout.
+    Poll,
+    /// On the command fd alone, this long; then a look at the worker's fd.
+    Nap(Duration),
+}
+
+/// The wait after an armed round; `woke_empty`: the last wait ended with the worker's fd
+/// readable, and the round after it handled nothing. UCX 1.13's tcp transport can leave its
+/// epoll set readable with nothing for progress to handle (seen while a connection's
+/// wire-up waited for the peer), so a wait on the fd returns at once, round after round,
+/// until the peer progresses. Spinning there takes a core from the peer that has to answer:
+/// on 2 cores a listener spun 700 rounds in 2.3 ms while its initiator's key import (20-70
+/// µs of CPU) waited 3-6 ms for one. Such rounds count as UCX's busy ones
+/// ([`BusyBackoff`]): a few spins, then naps, longer while it lasts; a round that handled
+/// something starts over.
+fn armed_wait(woke_empty: bool, busy: &mut BusyBackoff, timeout: Duration) -> ArmedWait {
+    if !woke_empty {
+        busy.reset();
+        return ArmedWait::Poll;
+    }
+    match busy.idle().min(timeout) {
+        nap if nap.is_zero() => ArmedWait::Poll,
+        nap => ArmedWait::Nap(nap),
+    }
+}
+
+/// Sleeps until one of two fds is readable or `timeout`; whether the first (the worker's)
+/// is.
+fn poll2(a: RawFd, b: RawFd, timeout: Duration) -> bool {
     let mut fds = [
         libc::pollfd {
             fd: a,
@@ -463,6 +505,7 @@ fn poll2(a: RawFd, b: RawFd, timeout: Duration) {
     let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
     // SAFETY: two valid pollfds for the duration of the call; EINTR just loops the caller.
     unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) };
+    fds[0].revents & libc::POLLIN != 0
 }
 
 #[cfg(test)]
@@ -675,6 +718,29 @@ mod tests {
             t <= 20 && i <= 20,
             "idle for 1 s: target woke {t}, initiator {i} times"
         );
+    }
+
+    #[test]
+    fn empty_wake_ups_back_off_and_a_round_with_events_starts_over() {
+        let mut busy = BusyBackoff::new();
+        // A wake-up that had something to handle: the next wait is on the worker's fd.
+        assert_eq!(armed_wait(false, &mut busy, MAX_SLEEP), ArmedWait::Poll);
+        // Empty wake-ups (the fd readable, nothing handled): a few spins, then naps
+        // doubling from 10 µs to 1 ms, never past the nearest deadline.
+        let waits: Vec<ArmedWait> = (0..100)
+            .map(|_| armed_wait(true, &mut busy, MAX_SLEEP))
+            .collect();
+        let spins = waits.iter().take_while(|w| **w == ArmedWait::Poll).count();
+        assert_eq!(spins, kvbridge_ucx::BUSY_SPINS as usize, "{waits:?}");
+        assert_eq!(waits[spins], ArmedWait::Nap(Duration::from_micros(10)));
+        assert_eq!(waits[99], ArmedWait::Nap(Duration::from_millis(1)));
+        assert_eq!(
+            armed_wait(true, &mut busy, Duration::from_micros(5)),
+            ArmedWait::Nap(Duration::from_micros(5))
+        );
+        // Events again: the wait is on the fd, and the next empty ones spin first again.
+        assert_eq!(armed_wait(false, &mut busy, MAX_SLEEP), ArmedWait::Poll);
+        assert_eq!(armed_wait(true, &mut busy, MAX_SLEEP), ArmedWait::Poll);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
