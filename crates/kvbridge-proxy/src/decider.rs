@@ -11,12 +11,17 @@
 //!    (`decoder_holds_prefix`): the decoder already holds most of the prompt;
 //! 3. else, when the prefiller the routing policy would choose is known and
 //!    `compare_queues` is on: decode alone (`prefillers_queued`) when the decoder would start
-//!    the prompt's prefill sooner and finish it first, in tokens of work:
-//!    `decoder_load + uncached < prefiller_load + (prompt - prefiller_cached)`, both loads
+//!    the prompt's prefill sooner and finish it first, weighed as the routing cost weighs:
+//!    `load_weight * decoder_load + prefill_weight * uncached < load_weight * prefiller_load
+//!    + prefill_weight * (prompt - prefiller_cached)`, both loads
 //!    [`crate::routing::Candidate::load`] without this request (a decoder's load counts only
-//!    the prompts it prefills itself). The PD path's prefill waits for every prefill queued
-//!    on its prefiller (one engine computes one prefill at a time); under a burst the
-//!    prefillers' queues, not the transfer, made the PD path's TTFT tail;
+//!    the prompts it prefills itself). The weights ([`DeciderParams::weights`]) are the
+//!    `kv-events` cost's under `kv-events` (2 and 1 by default: the decoder computes again
+//!    what the prefiller holds, so it must finish well before the prefiller's queue lets the
+//!    prompt start), 1 and 1 under the other policies (tokens of work alone). The PD path's
+//!    prefill waits for every prefill queued on its prefiller (one engine computes one
+//!    prefill at a time); under a burst the prefillers' queues, not the transfer, made the
+//!    PD path's TTFT tail;
 //! 4. else disaggregate (`uncached_above_threshold`).
 //!
 //! Under `least-loaded` routing the proxy knows nothing of the decoders' caches and, unless

@@ -170,9 +170,9 @@ pub fn least_loaded(cands: &[Candidate]) -> Option<usize> {
 /// caches unused and its own evicting.
 ///
 /// Equal costs go to the candidate holding more of the prompt: it computes fewer tokens for
-/// the same cost (with 256-token blocks, a worker one block ahead with one request more in
-/// flight ties, and often: going to the other computed that block twice). Then to the one
-/// holding the fewest blocks (the most room), then to the first.
+/// the same cost (with equal weights and 256-token blocks, a worker one block ahead with one
+/// request more in flight ties, and often: going to the other computed that block twice).
+/// Then to the one holding the fewest blocks (the most room), then to the first.
 pub fn kv_events(
     cands: &[Candidate],
     prompt_tokens: u64,
