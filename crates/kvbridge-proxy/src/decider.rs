@@ -12,8 +12,8 @@
 //! 3. else, when the prefiller the routing policy would choose is known and
 //!    `compare_queues` is on: decode alone (`prefillers_queued`) when the decoder would start
 //!    the prompt's prefill sooner and finish it first, weighed as the routing cost weighs:
-//!    `load_weight * decoder_load + prefill_weight * uncached < load_weight * prefiller_load
-//!    + prefill_weight * (prompt - prefiller_cached)`, both loads
+//!    `load_weight * decoder_load + prefill_weight * uncached <
+//!    load_weight * prefiller_load + prefill_weight * (prompt - prefiller_cached)`, both loads
 //!    [`crate::routing::Candidate::load`] without this request (a decoder's load counts only
 //!    the prompts it prefills itself). The weights ([`DeciderParams::weights`]) are the
 //!    `kv-events` cost's under `kv-events` (2 and 1 by default: the decoder computes again
