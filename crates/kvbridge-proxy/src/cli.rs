@@ -121,10 +121,11 @@ pub struct ProxyArgs {
     /// KV-events topic to subscribe to [default: "" (every topic)].
     #[arg(long)]
     pub kv_events_topic: Option<String>,
-    /// `kv-events` cost of a prompt token to prefill [default: 1].
+    /// `kv-events` cost of a prompt token to prefill, against a token of load; the
+    /// disaggregation decider's rule 3 weighs with it too [default: 2].
     #[arg(long)]
     pub kv_events_prefill_weight: Option<f64>,
-    /// `kv-events` cost of a token of load [default: 1].
+    /// `kv-events` cost of a token of load (rule 3 too) [default: 1].
     #[arg(long)]
     pub kv_events_load_weight: Option<f64>,
     /// `kv-events`: where the token ids of a text prompt or a chat's messages come from:

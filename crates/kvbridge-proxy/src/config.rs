@@ -347,6 +347,11 @@ impl Config {
         }
         let d = DeciderParams::default();
         Some(DeciderParams {
+            weights: if self.routing == RoutingPolicy::KvEvents {
+                self.kv_events.weights()
+            } else {
+                d.weights
+            },
             min_uncached_tokens: g.min_uncached_tokens.unwrap_or(d.min_uncached_tokens),
             decoder_cached_fraction: g
                 .decoder_cached_fraction
@@ -616,6 +621,33 @@ kv_capacity_tokens = 100000
     }
 
     #[test]
+    fn the_deciders_rule_3_takes_the_kv_events_weights_only_under_kv_events() {
+        let kv = parse(&[
+            "--routing",
+            "kv-events",
+            "--kv-events-prefill-weight",
+            "3",
+            "--kv-events-load-weight",
+            "0.5",
+        ])
+        .unwrap();
+        let w = kv.decider().expect("a decider").weights;
+        assert_eq!((w.prefill_weight, w.load_weight), (3.0, 0.5));
+        let ca = parse(&[
+            "--routing",
+            "cache-aware",
+            "--kv-events-prefill-weight",
+            "3",
+        ])
+        .unwrap();
+        assert_eq!(
+            ca.decider().expect("a decider").weights,
+            crate::decider::EQUAL_WEIGHTS,
+            "no cost formula: tokens of work alone"
+        );
+    }
+
+    #[test]
     fn routing_from_flags_and_toml() {
         assert_eq!(parse(&[]).unwrap().routing, RoutingPolicy::LeastLoaded);
         let c = parse(&[
@@ -626,7 +658,7 @@ kv_capacity_tokens = 100000
             "--prefiller-kv-events-endpoint",
             "tcp://a:5557,tcp://b:5557",
             "--kv-events-prefill-weight",
-            "2",
+            "3",
             "--balance-abs-threshold",
             "8",
         ])
@@ -636,7 +668,7 @@ kv_capacity_tokens = 100000
             c.kv_events.prefiller_endpoints,
             ["tcp://a:5557", "tcp://b:5557"]
         );
-        assert_eq!(c.kv_events.weights().prefill_weight, 2.0);
+        assert_eq!(c.kv_events.weights().prefill_weight, 3.0);
         assert_eq!(c.kv_events.load_weight, 1.0);
         assert_eq!(c.cache_aware.balance_abs_threshold, 8);
         assert_eq!(c.cache_aware.cache_threshold, 0.3);

@@ -11,12 +11,17 @@
 //!    (`decoder_holds_prefix`): the decoder already holds most of the prompt;
 //! 3. else, when the prefiller the routing policy would choose is known and
 //!    `compare_queues` is on: decode alone (`prefillers_queued`) when the decoder would start
-//!    the prompt's prefill sooner and finish it first, in tokens of work:
-//!    `decoder_load + uncached < prefiller_load + (prompt - prefiller_cached)`, both loads
+//!    the prompt's prefill sooner and finish it first, weighed as the routing cost weighs:
+//!    `load_weight * decoder_load + prefill_weight * uncached <
+//!    load_weight * prefiller_load + prefill_weight * (prompt - prefiller_cached)`, both loads
 //!    [`crate::routing::Candidate::load`] without this request (a decoder's load counts only
-//!    the prompts it prefills itself). The PD path's prefill waits for every prefill queued
-//!    on its prefiller (one engine computes one prefill at a time); under a burst the
-//!    prefillers' queues, not the transfer, made the PD path's TTFT tail;
+//!    the prompts it prefills itself). The weights ([`DeciderParams::weights`]) are the
+//!    `kv-events` cost's under `kv-events` (2 and 1 by default: the decoder computes again
+//!    what the prefiller holds, so it must finish well before the prefiller's queue lets the
+//!    prompt start), 1 and 1 under the other policies (tokens of work alone). The PD path's
+//!    prefill waits for every prefill queued on its prefiller (one engine computes one
+//!    prefill at a time); under a burst the prefillers' queues, not the transfer, made the
+//!    PD path's TTFT tail;
 //! 4. else disaggregate (`uncached_above_threshold`).
 //!
 //! Under `least-loaded` routing the proxy knows nothing of the decoders' caches and, unless
@@ -29,6 +34,8 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use serde::Deserialize;
 
+use crate::routing::KvEventsWeights;
+
 /// Default `min_uncached_tokens`: measured with `kvbridge demo --workload shared-prefix`
 /// (docs/proxy.md, "Disaggregation decider").
 pub const DEFAULT_MIN_UNCACHED_TOKENS: u64 = 512;
@@ -40,6 +47,11 @@ pub const DEFAULT_DECODER_CACHED_FRACTION: f64 = 0.8;
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DeciderParams {
+    /// Rule 3's weights of a token to prefill and a token of load: the `kv-events` cost's
+    /// under `kv-events` routing ([`KvEventsWeights`]), [`EQUAL_WEIGHTS`] under the other
+    /// policies, which have no cost formula.
+    #[serde(skip)]
+    pub weights: KvEventsWeights,
     /// Prompts with fewer uncached tokens than this are prefilled by their decoder.
     pub min_uncached_tokens: u64,
     /// A decoder that holds at least this fraction of the prompt prefills it (above 1: never).
@@ -49,9 +61,16 @@ pub struct DeciderParams {
     pub compare_queues: bool,
 }
 
+/// Rule 3 in tokens of work alone: a token to prefill and a token queued weigh the same.
+pub const EQUAL_WEIGHTS: KvEventsWeights = KvEventsWeights {
+    prefill_weight: 1.0,
+    load_weight: 1.0,
+};
+
 impl Default for DeciderParams {
     fn default() -> Self {
         DeciderParams {
+            weights: EQUAL_WEIGHTS,
             min_uncached_tokens: DEFAULT_MIN_UNCACHED_TOKENS,
             decoder_cached_fraction: DEFAULT_DECODER_CACHED_FRACTION,
             compare_queues: true,
@@ -62,6 +81,7 @@ impl Default for DeciderParams {
 impl DeciderParams {
     /// Parameters that always disaggregate.
     pub const ALWAYS: DeciderParams = DeciderParams {
+        weights: EQUAL_WEIGHTS,
         min_uncached_tokens: 0,
         decoder_cached_fraction: f64::INFINITY,
         compare_queues: false,
@@ -149,8 +169,11 @@ pub fn decide(f: &Facts, p: &DeciderParams) -> (Decision, Reason) {
         return (Decision::DecodeOnly, Reason::DecoderHoldsPrefix);
     }
     if let (true, Some(pv)) = (p.compare_queues, f.prefiller) {
-        let remote = pv.load.saturating_add(prompt - pv.cached.min(prompt));
-        if f.decoder_load.saturating_add(uncached) < remote {
+        let w = &p.weights;
+        let remote = w.load_weight * pv.load as f64
+            + w.prefill_weight * (prompt - pv.cached.min(prompt)) as f64;
+        let local = w.load_weight * f.decoder_load as f64 + w.prefill_weight * uncached as f64;
+        if local < remote {
             return (Decision::DecodeOnly, Reason::PrefillersQueued);
         }
     }
@@ -247,6 +270,7 @@ mod tests {
     use super::*;
 
     const P: DeciderParams = DeciderParams {
+        weights: EQUAL_WEIGHTS,
         min_uncached_tokens: 100,
         decoder_cached_fraction: 0.75,
         compare_queues: true,
@@ -344,6 +368,47 @@ mod tests {
                 Disaggregate
             );
         }
+    }
+
+    #[test]
+    fn rule_3_weighs_the_paths_with_the_routing_cost_weights() {
+        use Decision::*;
+        use Reason::*;
+        // A second question on a 3164-token document: the prefiller holds 2816 of it but
+        // has 2931 tokens queued; the decoder holds the 512-token system prompt, 256 queued.
+        let doc = Facts {
+            prompt: 3164,
+            decoder_cached: 512,
+            decoder_load: 256,
+            prefiller: Some(PrefillerView {
+                cached: 2816,
+                load: 2931,
+            }),
+        };
+        // In tokens of work alone the decoder starts and ends sooner (256 + 2652 < 2931 +
+        // 348) and computes the document again.
+        assert_eq!(decide(&doc, &P), (DecodeOnly, PrefillersQueued));
+        // A token to prefill weighing 2 queued: 2 * 2652 + 256 > 2 * 348 + 2931.
+        let w2 = DeciderParams {
+            weights: KvEventsWeights {
+                prefill_weight: 2.0,
+                load_weight: 1.0,
+            },
+            ..P
+        };
+        assert_eq!(decide(&doc, &w2), (Disaggregate, UncachedAboveThreshold));
+        // With a longer queue the decoder still wins: 2 * 348 + 6000 > 2 * 2652 + 256.
+        let mut queued = doc;
+        queued.prefiller = Some(PrefillerView {
+            cached: 2816,
+            load: 6000,
+        });
+        assert_eq!(decide(&queued, &w2), (DecodeOnly, PrefillersQueued));
+        // Rules 1 and 2 do not weigh anything.
+        assert_eq!(
+            decide(&f(1000, 950), &w2),
+            (DecodeOnly, UncachedBelowThreshold)
+        );
     }
 
     #[test]

@@ -109,8 +109,9 @@ pub struct Slot {
     /// The worker's ejection count when it was picked.
     ejections: u64,
     cached_tokens: u64,
-    /// The prompt's blocks, counted as the worker's while the request is on it (`kv-events`).
-    _routed: Option<RoutedPrompt>,
+    /// The prompt's blocks, counted as the worker's while the request is on it and the
+    /// worker prefills it itself (`kv-events`).
+    routed: Option<RoutedPrompt>,
 }
 
 impl Slot {
@@ -151,6 +152,17 @@ impl Slot {
         let w = &self.pool.workers[self.idx];
         w.pending_prefill.fetch_sub(self.pending_prefill, Relaxed);
         self.pending_prefill = 0;
+    }
+    /// The request goes the PD way: this decoder receives the prompt's KV from a prefiller
+    /// and prefills none of it ([`Slot::no_prefill_left`]), and the prompt no longer counts
+    /// as held here before the decoder's KV events say so. The KV arrives when the
+    /// prefiller is done, not in the order the decoder prefills its own requests: a request
+    /// sent here alone because the prompt counted as held started its prefill before that
+    /// KV came, and computed what the decoder was counted as holding (a chat's next turn,
+    /// a second question on a document).
+    pub fn kv_from_prefiller(&mut self) {
+        self.no_prefill_left();
+        self.routed = None;
     }
 }
 
@@ -291,7 +303,7 @@ impl Pool {
                     pending_prefill,
                     ejections: w.ejections(),
                     cached_tokens,
-                    _routed: routed,
+                    routed,
                 })
             }
             None if !any_healthy => Err(PickError::NoHealthy),
@@ -773,6 +785,8 @@ mod tests {
         let p = routed_pool(PoolRouter {
             policy: crate::routing::RoutingPolicy::KvEvents,
             index: Some(index.clone()),
+            // The figures below weigh a token to prefill as a token of load.
+            weights: crate::decider::EQUAL_WEIGHTS,
             ..Default::default()
         });
         let tokens: Vec<u32> = (0..64).collect();
@@ -804,6 +818,8 @@ mod tests {
         let p = routed_pool(PoolRouter {
             policy: crate::routing::RoutingPolicy::KvEvents,
             index: Some(index.clone()),
+            // The figures below weigh a token to prefill as a token of load.
+            weights: crate::decider::EQUAL_WEIGHTS,
             ..Default::default()
         });
         // Worker 1 holds the first 960 tokens of a 1000-token prompt.
@@ -838,6 +854,8 @@ mod tests {
         let p = routed_pool(PoolRouter {
             policy: KvEvents,
             index: Some(index.clone()),
+            // The figures below weigh a token to prefill as a token of load.
+            weights: crate::decider::EQUAL_WEIGHTS,
             ..Default::default()
         });
         let tokens: Vec<u32> = (0..1000).collect();
@@ -906,7 +924,7 @@ mod tests {
             pieces: vec![],
         };
         let mut first = p.try_pick_for(10, &[], Some(&ask(1))).unwrap();
-        // A decoder on the PD path: the KV comes to it, no prefill of its own.
+        // Its first token out: the worker prefilled it, and its events may not say so yet.
         first.no_prefill_left();
         let peek = p.peek_for(10, Some(&ask(2))).unwrap();
         assert_eq!(
@@ -926,6 +944,50 @@ mod tests {
         p.router.forget(again.index());
         assert_eq!(p.router.routed.as_ref().unwrap().blocks(again.index()), 0);
         let _ = w;
+    }
+
+    #[test]
+    fn a_decoder_on_the_pd_path_is_not_counted_as_holding_the_prompt_before_its_kv_came() {
+        use crate::kv_index::KvIndex;
+        use crate::routed_prefixes::RoutedPrefixes;
+        use crate::routing::RoutingPolicy::KvEvents;
+        let index = Arc::new(KvIndex::new(3, 1000));
+        let p = routed_pool(PoolRouter {
+            policy: KvEvents,
+            index: Some(index.clone()),
+            routed: Some(Arc::new(RoutedPrefixes::new(3))),
+            ..Default::default()
+        });
+        let system: Vec<u32> = (0..32).collect();
+        for w in 0..3 {
+            index.apply(w, 0, &stored(&system));
+        }
+        let ask = |q: u32| PromptKey {
+            tokens: Some((0..2000).chain([q; 10]).collect()),
+            pieces: vec![],
+        };
+        // The first question goes the PD way: its KV comes when the prefiller is done, and
+        // a request this decoder prefilled alone meanwhile would find only the system
+        // prompt. Counted as held, the second question went to it alone and computed the
+        // document again.
+        let mut first = p.try_pick_for(10, &[], Some(&ask(1))).unwrap();
+        first.kv_from_prefiller();
+        assert_eq!(p.workers[first.index()].pending_prefill(), 0);
+        let peek = p.peek_for(10, Some(&ask(2))).unwrap();
+        assert_eq!(peek.cached_tokens, 32, "only what its events report");
+        assert_eq!(
+            p.router.routed.as_ref().unwrap().blocks(first.index()),
+            0,
+            "its note dropped"
+        );
+        // Once its events report the document, it holds it.
+        index.apply(first.index(), 1, &stored(&(0..2000).collect::<Vec<u32>>()));
+        let peek = p.peek_for(10, Some(&ask(2))).unwrap();
+        assert_eq!((peek.index, peek.cached_tokens), (first.index(), 2000));
+        // A request it prefills itself still counts as held until its slot is released.
+        let alone = p.try_pick_for(10, &[], Some(&ask(3))).unwrap();
+        assert!(p.router.routed.as_ref().unwrap().blocks(alone.index()) > 0);
+        drop((first, alone));
     }
 
     #[test]

@@ -1,6 +1,8 @@
-//! The prompts a pool's `kv-events` policy sent to each worker and that are still on it:
-//! blocks the worker will hold once it has prefilled (or, a decoder on the PD path,
-//! received) them, before its KV events can say so.
+//! The prompts a pool's `kv-events` policy sent to each worker to prefill and that are still
+//! on it: blocks the worker will hold once it has prefilled them, before its KV events can
+//! say so. A decoder on the PD path does not count the prompt here
+//! ([`crate::pool::Slot::kv_from_prefiller`]): its KV comes when the prefiller is done, out
+//! of the order in which the decoder prefills its own requests.
 //!
 //! An engine publishes a prompt's blocks when its prefill ends, and the proxy hears of them
 //! after that. Until then a request that shares the prompt's new prefix (the next turn of a

@@ -225,6 +225,9 @@ impl PoolRouter {
                     .collect();
                 let common = self.common_prefix(tokens, block_size);
                 let best = kv_events(&scored, tokens.len() as u64, common, &self.weights);
+                tracing::debug!(target: "kvbridge::route", prompt = tokens.len(), common,
+                    cands = ?scored.iter().map(|c| (c.index, c.matched, c.load(), c.cached)).collect::<Vec<_>>(),
+                    chosen = ?best, "kv-events");
                 (
                     best.map(|i| Chosen {
                         index: i,

@@ -8,11 +8,12 @@
 //! * `kv-events`: the lowest cost
 //!   `cost(w) = prefill_weight * (prompt_tokens - cached_tokens(w)) + load_weight * load(w)`,
 //!   where `cached_tokens(w)` is the prompt's leading tokens that worker `w` reported holding
-//!   in its KV events ([`crate::kv_index`]). Both terms are in tokens: a token to prefill and
-//!   a token already queued cost the same with the default weights (1, 1). With
+//!   in its KV events ([`crate::kv_index`]). Both terms are in tokens; by default (weights
+//!   2 and 1) a token to prefill costs twice a token already queued: it delays its own
+//!   request, and it is load for every request that comes after it on that worker. With
 //!   `prefill_weight = 0` it is `least-loaded`. A worker that has reported no block (cold)
 //!   is counted as holding the prefix every routed prompt shares; equal costs go to the
-//!   worker holding the fewest blocks ([`kv_events`]).
+//!   worker holding more of the prompt, then the fewest blocks ([`kv_events`]).
 //! * `cache-aware`: SGLang router's `cache_aware` rule over an approximate tree of the
 //!   prompts routed ([`crate::prefix_tree`]). When the pool is imbalanced (the most and the
 //!   fewest requests in flight differ by more than `balance_abs_threshold` *and* the most is
@@ -77,10 +78,15 @@ pub struct KvEventsWeights {
     pub load_weight: f64,
 }
 
+/// Default `prefill_weight`: a token computed costs its request's wait once and is load for
+/// every request queued after it on that worker; measured with `kvbridge demo --workload
+/// shared-prefix` (docs/proxy.md, "Routing benchmark": 1, 1.5, 2 and 3 side by side).
+pub const DEFAULT_PREFILL_WEIGHT: f64 = 2.0;
+
 impl Default for KvEventsWeights {
     fn default() -> Self {
         KvEventsWeights {
-            prefill_weight: 1.0,
+            prefill_weight: DEFAULT_PREFILL_WEIGHT,
             load_weight: 1.0,
         }
     }
@@ -161,31 +167,36 @@ pub fn least_loaded(cands: &[Candidate]) -> Option<usize> {
 /// on its first request, and holds it after. Counted against it every time, it made every
 /// warm worker cheaper by that prefix whenever loads were equal, so with requests one at a
 /// time the first worker of a pool got all of them while the others stayed cold, their
-/// caches unused and its own evicting. Equal costs go to the candidate holding the fewest
-/// blocks (the most room), then to the first.
+/// caches unused and its own evicting.
+///
+/// Equal costs go to the candidate holding more of the prompt: it computes fewer tokens for
+/// the same cost (with equal weights and 256-token blocks, a worker one block ahead with one
+/// request more in flight ties, and often: going to the other computed that block twice).
+/// Then to the one holding the fewest blocks (the most room), then to the first.
 pub fn kv_events(
     cands: &[Candidate],
     prompt_tokens: u64,
     common: u64,
     w: &KvEventsWeights,
 ) -> Option<usize> {
-    let cost = |c: &Candidate| {
+    // (cost, leading tokens held, blocks held, index) of the best so far.
+    let mut best: Option<(f64, u64, u64, usize)> = None;
+    for c in cands {
         let matched = if c.cached == 0 {
             c.matched.max(common)
         } else {
             c.matched
         };
-        w.prefill_weight * prompt_tokens.saturating_sub(matched) as f64
-            + w.load_weight * c.load() as f64
-    };
-    let mut best: Option<(f64, u64, usize)> = None;
-    for c in cands {
-        let (v, room) = (cost(c), c.cached);
-        if best.is_none_or(|(b, r, _)| v < b || (v == b && room < r)) {
-            best = Some((v, room, c.index));
+        let v = w.prefill_weight * prompt_tokens.saturating_sub(matched) as f64
+            + w.load_weight * c.load() as f64;
+        let better = best.is_none_or(|(b, m, r, _)| {
+            v < b || (v == b && (matched > m || (matched == m && c.cached < r)))
+        });
+        if better {
+            best = Some((v, matched, c.cached, c.index));
         }
     }
-    best.map(|(_, _, i)| i)
+    best.map(|(.., i)| i)
 }
 
 /// `cache-aware` for a prompt of `prompt_pieces` pieces.
@@ -210,6 +221,13 @@ pub fn cache_aware(cands: &[Candidate], prompt_pieces: u64, p: &CacheAwareParams
 mod tests {
     use super::*;
 
+    /// A token to prefill and a token of load weigh the same: the figures in the comments
+    /// add up as written.
+    const EQUAL: KvEventsWeights = KvEventsWeights {
+        prefill_weight: 1.0,
+        load_weight: 1.0,
+    };
+
     fn c(index: usize, inflight: u64, pending: u64, matched: u64, cached: u64) -> Candidate {
         Candidate {
             index,
@@ -222,7 +240,7 @@ mod tests {
 
     #[test]
     fn kv_events_trades_cached_tokens_against_load() {
-        let w = KvEventsWeights::default();
+        let w = EQUAL;
         // Worker 1 holds 900 of 1000 tokens but has 500 tokens queued: 100 + 756 < 1000 + 0.
         let cands = [c(0, 0, 0, 0, 0), c(1, 1, 500, 900, 0)];
         assert_eq!(kv_events(&cands, 1000, 0, &w), Some(1));
@@ -246,8 +264,35 @@ mod tests {
     }
 
     #[test]
-    fn kv_events_counts_a_cold_worker_as_holding_the_common_prefix() {
+    fn kv_events_breaks_equal_costs_toward_the_worker_holding_more_of_the_prompt() {
+        let w = EQUAL;
+        // The next turn of a chat (1255 tokens, 256-token blocks): worker 1 holds one block
+        // more of it (1024) and has one request more in flight. 231 + 512 = 487 + 256: the
+        // holder computes 256 tokens fewer, though it has more blocks in all.
+        let cands = [c(0, 1, 0, 768, 19), c(1, 2, 0, 1024, 34)];
+        assert_eq!(kv_events(&cands, 1255, 512, &w), Some(1));
+        let cands = [c(1, 2, 0, 1024, 34), c(0, 1, 0, 768, 19)];
+        assert_eq!(kv_events(&cands, 1255, 512, &w), Some(1), "in either order");
+        // Holding as much, the fewest blocks; a cold worker counts as holding the common
+        // prefix, so among workers holding only that it is the cold one.
+        let cands = [c(0, 0, 0, 512, 19), c(1, 0, 0, 0, 0)];
+        assert_eq!(kv_events(&cands, 1255, 512, &w), Some(1));
+    }
+
+    #[test]
+    fn the_default_weights_count_a_token_to_prefill_twice() {
         let w = KvEventsWeights::default();
+        assert_eq!((w.prefill_weight, w.load_weight), (2.0, 1.0));
+        // Worker 1 holds 900 of 1000 tokens with 1500 queued: 2 * 100 + 1756 < 2 * 1000,
+        // where with equal weights the idle worker won (100 + 1756 > 1000).
+        let cands = [c(0, 0, 0, 0, 0), c(1, 1, 1500, 900, 0)];
+        assert_eq!(kv_events(&cands, 1000, 0, &w), Some(1));
+        assert_eq!(kv_events(&cands, 1000, 0, &EQUAL), Some(0));
+    }
+
+    #[test]
+    fn kv_events_counts_a_cold_worker_as_holding_the_common_prefix() {
+        let w = EQUAL;
         // Worker 0 holds the 512-token system prompt every prompt starts with (40 blocks in
         // all); worker 1 has reported nothing. Both idle: the cold one gets the new prompt
         // (it computes the system prompt once), not the warm one, every time.

@@ -74,6 +74,12 @@ pub struct DemoArgs {
     /// The proxy's `--disaggregate-compare-queues` (default: the proxy's).
     #[arg(long)]
     pub disaggregate_compare_queues: Option<bool>,
+    /// The proxy's `--kv-events-prefill-weight` (default: the proxy's).
+    #[arg(long)]
+    pub kv_events_prefill_weight: Option<f64>,
+    /// The proxy's `--kv-events-load-weight` (default: the proxy's).
+    #[arg(long)]
+    pub kv_events_load_weight: Option<f64>,
     /// Prefix cache of every engine, tokens. Default: 0 under `--workload random`, whose
     /// one-at-a-time replays re-send the workload's prompts to measure the PD path (with a
     /// cache they would measure cache hits); [`SHARED_PREFIX_CACHE_TOKENS`] under
@@ -245,6 +251,11 @@ pub struct DemoSummary {
     /// Of `prefill_tokens_computed`, what the decoders computed (requests the decider sent
     /// to them alone).
     pub decoder_prefill_tokens_computed: u64,
+    /// `1 - prefill_tokens_computed / prompt_tokens` ([`spared_fraction`]): the fraction of
+    /// all prompt tokens the run did not compute, on the same base as `shared_fraction` (the
+    /// most any prefix cache can spare). Below 0 when the engines computed more than the
+    /// prompts (a prefix evicted and computed again).
+    pub prefill_tokens_spared_fraction: f64,
     /// KV bytes the prefillers moved to decoders during the workload.
     pub kv_bytes_moved: u64,
     /// Requests the proxy sent to a decoder alone (its decider), over the whole run.
@@ -540,6 +551,10 @@ pub struct RouteOpts {
     pub prefix_cache_tokens: Option<u64>,
     /// The proxy's `kv_events.tokenize`.
     pub tokenize: TokenizeMode,
+    /// The proxy's `kv_events.prefill_weight` (`None`: the proxy's default).
+    pub prefill_weight: Option<f64>,
+    /// The proxy's `kv_events.load_weight` (`None`: the proxy's default).
+    pub load_weight: Option<f64>,
 }
 
 /// Everything the demo started.
@@ -717,6 +732,12 @@ impl Cluster {
                 );
             }
         }
+        let defaults = KvEventsConfig::default();
+        let weighted = KvEventsConfig {
+            prefill_weight: route.prefill_weight.unwrap_or(defaults.prefill_weight),
+            load_weight: route.load_weight.unwrap_or(defaults.load_weight),
+            ..defaults
+        };
         let kv_events = if events {
             KvEventsConfig {
                 prefiller_endpoints: pubs
@@ -728,12 +749,12 @@ impl Cluster {
                     .filter_map(|d| d.kv_events_addr().map(|a| format!("tcp://{a}")))
                     .collect(),
                 tokenize: route.tokenize,
-                ..KvEventsConfig::default()
+                ..weighted
             }
         } else {
             KvEventsConfig {
                 tokenize: route.tokenize,
-                ..KvEventsConfig::default()
+                ..weighted
             }
         };
         let cfg = ProxyConfig {
@@ -1098,6 +1119,15 @@ impl Routable {
     }
 }
 
+/// `1 - computed / prompt_tokens`: the fraction of the prompt tokens that were not
+/// computed (0 without prompt tokens).
+pub fn spared_fraction(prompt_tokens: u64, computed: u64) -> f64 {
+    if prompt_tokens == 0 {
+        return 0.0;
+    }
+    1.0 - computed as f64 / prompt_tokens as f64
+}
+
 /// [`Routable`] of `work` with chunks of `chunk_tokens`.
 pub fn routable_tokens(work: &[WorkItem], chunk_tokens: u32) -> Routable {
     let prompts: Vec<Vec<u32>> = work.iter().map(prompt_ids).collect();
@@ -1265,6 +1295,8 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
             0
         })),
         tokenize,
+        prefill_weight: args.kv_events_prefill_weight,
+        load_weight: args.kv_events_load_weight,
     };
     let cluster = Cluster::start_routed(
         prefillers,
@@ -1549,6 +1581,10 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
         prefix_cache_tokens: route.prefix_cache_tokens.unwrap_or(0),
         prefill_tokens_computed: loaded.prefill_tokens_computed,
         decoder_prefill_tokens_computed: decoders_computed,
+        prefill_tokens_spared_fraction: spared_fraction(
+            prompt_tokens,
+            loaded.prefill_tokens_computed,
+        ),
         kv_bytes_moved: loaded.kv_bytes_sent,
         decode_only,
         ok,
@@ -1791,6 +1827,18 @@ mod tests {
             path: "/v1/completions",
             body: json!({"model": "m", "prompt": prompt, "max_tokens": 2}),
         }
+    }
+
+    #[test]
+    fn the_spared_fraction_is_over_all_prompt_tokens() {
+        assert_eq!(spared_fraction(1000, 250), 0.75);
+        assert_eq!(spared_fraction(1000, 1000), 0.0);
+        assert_eq!(
+            spared_fraction(1000, 1500),
+            -0.5,
+            "more computed than prompted"
+        );
+        assert_eq!(spared_fraction(0, 10), 0.0);
     }
 
     #[test]

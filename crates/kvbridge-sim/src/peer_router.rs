@@ -50,6 +50,8 @@ pub struct PeerSummary {
     pub routable_shared_fraction: f64,
     /// Prompt tokens the engines computed (past their prefix caches).
     pub prefill_tokens_computed: u64,
+    /// [`demo::DemoSummary::prefill_tokens_spared_fraction`].
+    pub prefill_tokens_spared_fraction: f64,
     /// KV bytes moved between engines: none, they are colocated.
     pub kv_bytes_moved: u64,
     /// TTFT of the workload's streamed requests, p50, ms.
@@ -220,6 +222,7 @@ pub async fn run(args: DemoArgs, cmd: &str) -> anyhow::Result<PeerSummary> {
     }
     let mut s = result?;
     s.prefill_tokens_computed = computed;
+    s.prefill_tokens_spared_fraction = demo::spared_fraction(s.prompt_tokens, computed);
     s.engines = n_engines;
     s.prefix_cache_tokens = cache;
     Ok(s)
@@ -320,6 +323,7 @@ async fn drive(
         },
         routable_shared_fraction: routable.fraction(),
         prefill_tokens_computed: 0,
+        prefill_tokens_spared_fraction: 0.0,
         kv_bytes_moved: 0,
         ttft_p50_ms: demo::pct(&mut ttft, 0.5),
         ttft_p99_ms: demo::pct(&mut ttft, 0.99),

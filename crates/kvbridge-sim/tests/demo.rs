@@ -164,9 +164,15 @@ async fn shared_prefix_routed_by_kv_events_computes_fewer_prefill_tokens() {
             "shared_fraction",
             "oracle_prefill_tokens",
             "routable_shared_fraction",
+            "prefill_tokens_spared_fraction",
         ] {
             assert!(v.get(k).is_some(), "{k} in {v}");
         }
+        assert_eq!(
+            s.prefill_tokens_spared_fraction,
+            1.0 - s.prefill_tokens_computed as f64 / s.prompt_tokens as f64
+        );
+        assert!(s.prefill_tokens_spared_fraction <= s.shared_fraction);
         assert!(s.prefill_tokens_computed > 0 && s.prompt_tokens > s.prefill_tokens_computed);
         assert!(s.prefill_tokens_computed >= s.oracle_prefill_tokens);
         // Every prompt opens with the 512-token system prompt: routing can act on less.

@@ -77,7 +77,7 @@ impl App {
             tried.push(index);
             dslot = match self.decode.try_pick(ctx.tokens, &tried) {
                 Ok(mut s) => {
-                    s.no_prefill_left();
+                    s.kv_from_prefiller();
                     s
                 }
                 Err(_) => return Err(err),

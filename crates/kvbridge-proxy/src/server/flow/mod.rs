@@ -116,13 +116,19 @@ impl App {
             decoder_load: dslot.load_of_others(),
             prefiller,
         };
-        if self.decider.decide(&facts) == Decision::DecodeOnly {
+        let decision = self.decider.decide(&facts);
+        tracing::debug!(target: "kvbridge::route", id = track.rid(), decoder = dslot.index(),
+            prompt = facts.prompt, decoder_cached = facts.decoder_cached,
+            decoder_load = facts.decoder_load,
+            prefiller = ?facts.prefiller.map(|p| (p.cached, p.load)),
+            decision = decision.as_str(), "decided");
+        if decision == Decision::DecodeOnly {
             // The decoder prefills the prompt itself: the request goes to it as it came.
             tracing::debug!(target: TL, stage = "proxy.decode_only", id = track.rid());
             let dbody = Bytes::from(vllm_decode_body(&doc, None));
             return self.decode(&ctx, dbody, dslot, true).await;
         }
-        dslot.no_prefill_left();
+        dslot.kv_from_prefiller();
         match self.cfg.flow {
             Flow::Vllm => self.vllm(&ctx, &doc, dslot).await,
             Flow::Lmcache => self.lmcache(&ctx, &doc, dslot).await,
