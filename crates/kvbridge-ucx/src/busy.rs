@@ -8,7 +8,9 @@
 //! only when it is scheduled. Spinning on `progress` burns a core either way; sleeping a
 //! fixed millisecond per round throttled same-host writes to one FIFO's worth a millisecond
 //! (0.15 GiB/s). [`BusyBackoff`] spins a few rounds, then sleeps from a few microseconds,
-//! doubling up to a millisecond, and starts over as soon as anything was handled.
+//! doubling up to a millisecond, and starts over as soon as anything was handled. An armed
+//! fd that wakes its owner with nothing to handle is waited out the same way
+//! ([`armed_wait`]).
 
 use std::time::Duration;
 
@@ -48,6 +50,36 @@ impl BusyBackoff {
         BUSY_FIRST_SLEEP
             .saturating_mul(1 << doublings)
             .min(BUSY_MAX_SLEEP)
+    }
+}
+
+/// How an owner waits after a round that handled nothing, once UCX armed the worker's fd.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ArmedWait {
+    /// On the worker's fd (and the owner's own, if it has one), up to the round's timeout.
+    Poll,
+    /// This long without the worker's fd (on the owner's own fd alone, if it has one); then
+    /// a look at the worker's fd.
+    Nap(Duration),
+}
+
+/// The wait after an armed round; `woke_empty`: the last wait ended with the worker's fd
+/// readable, and the round after it handled nothing. UCX 1.13's tcp transport can leave its
+/// epoll set readable with nothing for progress to handle (seen while a connection's
+/// wire-up waited for the peer), so a wait on the fd returns at once, round after round,
+/// until the peer progresses. Spinning there takes a core from the peer that has to answer:
+/// on 2 cores a listener spun 700 rounds in 2.3 ms while its initiator's key import (20-70
+/// µs of CPU) waited 3-6 ms for one. Such rounds count as UCX's busy ones
+/// ([`BusyBackoff`]): a few spins, then naps, longer while it lasts; a round that handled
+/// something starts over.
+pub fn armed_wait(woke_empty: bool, busy: &mut BusyBackoff, timeout: Duration) -> ArmedWait {
+    if !woke_empty {
+        busy.reset();
+        return ArmedWait::Poll;
+    }
+    match busy.idle().min(timeout) {
+        nap if nap.is_zero() => ArmedWait::Poll,
+        nap => ArmedWait::Nap(nap),
     }
 }
 
@@ -110,5 +142,27 @@ mod tests {
         let mut b = BusyBackoff::new();
         let total: Duration = (0..1000).map(|_| b.idle()).sum();
         assert!(total >= BUSY_MAX_SLEEP * 900, "{total:?}");
+    }
+
+    #[test]
+    fn empty_wake_ups_back_off_and_a_round_with_events_starts_over() {
+        const T: Duration = Duration::from_millis(100);
+        let mut busy = BusyBackoff::new();
+        // A wake-up that had something to handle: the next wait is on the worker's fd.
+        assert_eq!(armed_wait(false, &mut busy, T), ArmedWait::Poll);
+        // Empty wake-ups (the fd readable, nothing handled): a few spins, then naps
+        // doubling from 10 µs to 1 ms, never past the nearest deadline.
+        let waits: Vec<ArmedWait> = (0..100).map(|_| armed_wait(true, &mut busy, T)).collect();
+        let spins = waits.iter().take_while(|w| **w == ArmedWait::Poll).count();
+        assert_eq!(spins, BUSY_SPINS as usize, "{waits:?}");
+        assert_eq!(waits[spins], ArmedWait::Nap(Duration::from_micros(10)));
+        assert_eq!(waits[99], ArmedWait::Nap(Duration::from_millis(1)));
+        assert_eq!(
+            armed_wait(true, &mut busy, Duration::from_micros(5)),
+            ArmedWait::Nap(Duration::from_micros(5))
+        );
+        // Events again: the wait is on the fd, and the next empty ones spin first again.
+        assert_eq!(armed_wait(false, &mut busy, T), ArmedWait::Poll);
+        assert_eq!(armed_wait(true, &mut busy, T), ArmedWait::Poll);
     }
 }

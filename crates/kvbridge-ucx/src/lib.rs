@@ -50,7 +50,7 @@ pub mod wire;
 mod busy;
 #[cfg(feature = "ucx")]
 pub use busy::wait_readable;
-pub use busy::{BusyBackoff, BUSY_FIRST_SLEEP, BUSY_MAX_SLEEP, BUSY_SPINS};
+pub use busy::{armed_wait, ArmedWait, BusyBackoff, BUSY_FIRST_SLEEP, BUSY_MAX_SLEEP, BUSY_SPINS};
 
 #[cfg(feature = "ucx")]
 mod context;

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use kvbridge_ucx_sys as sys;
 
-use crate::busy::{wait_readable, BusyBackoff};
+use crate::busy::{armed_wait, wait_readable, ArmedWait, BusyBackoff};
 use crate::context::{Context, ContextInner};
 use crate::error::{Error, Result, Step};
 use crate::region::{MemRegion, RegionInner};
@@ -145,8 +145,11 @@ pub struct Worker {
     rkeys: HashMap<u64, RemoteKey>,
     ops: HashMap<u64, InFlight>,
     next_id: u64,
-    /// `wait_events` rounds in a row in which UCX reported pending events but handled none.
+    /// `wait_events` rounds in a row in which UCX reported pending events but handled none,
+    /// or its armed fd woke it with nothing to handle.
     busy: BusyBackoff,
+    /// The last `wait_events` ended with the event fd readable.
+    woke: bool,
     /// Dropped after the worker is destroyed (field order is irrelevant: `Drop` destroys it
     /// explicitly before the fields go).
     _ctx: Arc<ContextInner>,
@@ -198,6 +201,7 @@ impl Worker {
             ops: HashMap::new(),
             next_id: 1,
             busy: BusyBackoff::new(),
+            woke: false,
             _ctx: ctx.inner.clone(),
             _not_sync: PhantomData,
         };
@@ -274,11 +278,20 @@ impl Worker {
     pub fn wait_events(&mut self, timeout: Duration) -> Result<()> {
         if self.progress() > 0 {
             self.busy.reset();
+            self.woke = false;
             return Ok(());
         }
         if self.arm()? {
-            self.busy.reset();
-            return poll_fd(self.efd, timeout);
+            // A readable fd with nothing to handle (UCX 1.13's tcp during a wire-up) would
+            // return every poll at once: `armed_wait` backs off from it.
+            match armed_wait(self.woke, &mut self.busy, timeout) {
+                ArmedWait::Poll => self.woke = poll_fd(self.efd, timeout)?,
+                ArmedWait::Nap(nap) => {
+                    std::thread::sleep(nap);
+                    self.woke = poll_fd(self.efd, Duration::ZERO)?;
+                }
+            }
+            return Ok(());
         }
         // UCX says events are pending but progress handled none: a send waiting for room at
         // the peer (a same-host peer not yet scheduled, or one killed: then for ever). The
@@ -853,7 +866,8 @@ fn free_request(req: *mut c_void) {
     }
 }
 
-fn poll_fd(fd: RawFd, timeout: Duration) -> Result<()> {
+/// Waits until `fd` is readable, at most `timeout`; whether it is.
+fn poll_fd(fd: RawFd, timeout: Duration) -> Result<bool> {
     let mut pfd = libc::pollfd {
         fd,
         events: libc::POLLIN,
@@ -872,7 +886,7 @@ fn poll_fd(fd: RawFd, timeout: Duration) -> Result<()> {
             });
         }
     }
-    Ok(())
+    Ok(n > 0 && pfd.revents & libc::POLLIN != 0)
 }
 
 impl Worker {
@@ -959,5 +973,46 @@ impl Drop for Worker {
         // SAFETY: live worker, destroyed once; endpoints closed and keys destroyed above.
         unsafe { sys::ucp_worker_destroy(self.handle) };
         drop(running);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::busy::BUSY_SPINS;
+    use crate::context::ContextConfig;
+    use std::os::fd::{FromRawFd, OwnedFd};
+
+    /// UCX 1.13's tcp can leave the worker's fd readable with nothing for progress to handle.
+    /// Stand a pipe holding a byte (readable until read, and never read) in for the fd: the
+    /// rounds must back off to naps, not return at once for ever.
+    #[test]
+    fn a_readable_fd_with_nothing_to_handle_does_not_spin() {
+        let ctx = Context::new(&ContextConfig::with_tls("tcp")).expect("context");
+        let mut worker = Worker::new(&ctx).expect("worker");
+        let mut fds = [0; 2];
+        // SAFETY: `fds` has room for the two descriptors `pipe` writes.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        // SAFETY: both fds were just opened by `pipe` and are owned here alone.
+        let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        // SAFETY: one byte from a valid buffer into an open pipe.
+        let written = unsafe { libc::write(write.as_raw_fd(), [1u8].as_ptr().cast(), 1) };
+        assert_eq!(written, 1);
+        let efd = std::mem::replace(&mut worker.efd, read.as_raw_fd());
+        let window = Duration::from_millis(200);
+        let started = Instant::now();
+        let mut rounds = 0u32;
+        while started.elapsed() < window {
+            worker.wait_events(Duration::from_millis(50)).expect("wait");
+            rounds += 1;
+        }
+        worker.efd = efd;
+        // Backing off: the spins, then naps from 10 µs doubling to 1 ms, about 270 rounds
+        // in the window; a spinning loop takes tens of thousands.
+        assert!(
+            rounds > BUSY_SPINS,
+            "{rounds} rounds: the fd was not readable"
+        );
+        assert!(rounds < 2_000, "{rounds} rounds in {window:?}: a busy loop");
     }
 }

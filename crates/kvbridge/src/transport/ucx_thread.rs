@@ -9,7 +9,7 @@ use crate::region::Region;
 use crate::transport::one_sided::{OneSided, OneSidedError, OneSidedStep, RangeOp};
 use crate::transport::ucx::{UcxBackend, UcxPosted};
 use kvbridge_proto::RegionId;
-use kvbridge_ucx::{wait_readable, BusyBackoff};
+use kvbridge_ucx::{armed_wait, wait_readable, ArmedWait, BusyBackoff};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
@@ -457,35 +457,6 @@ fn track(
     }
 }
 
-/// How the thread waits after a round that handled nothing, once UCX armed the worker's fd.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum ArmedWait {
-    /// On both fds, up to the round's timeout.
-    Poll,
-    /// On the command fd alone, this long; then a look at the worker's fd.
-    Nap(Duration),
-}
-
-/// The wait after an armed round; `woke_empty`: the last wait ended with the worker's fd
-/// readable, and the round after it handled nothing. UCX 1.13's tcp transport can leave its
-/// epoll set readable with nothing for progress to handle (seen while a connection's
-/// wire-up waited for the peer), so a wait on the fd returns at once, round after round,
-/// until the peer progresses. Spinning there takes a core from the peer that has to answer:
-/// on 2 cores a listener spun 700 rounds in 2.3 ms while its initiator's key import (20-70
-/// µs of CPU) waited 3-6 ms for one. Such rounds count as UCX's busy ones
-/// ([`BusyBackoff`]): a few spins, then naps, longer while it lasts; a round that handled
-/// something starts over.
-fn armed_wait(woke_empty: bool, busy: &mut BusyBackoff, timeout: Duration) -> ArmedWait {
-    if !woke_empty {
-        busy.reset();
-        return ArmedWait::Poll;
-    }
-    match busy.idle().min(timeout) {
-        nap if nap.is_zero() => ArmedWait::Poll,
-        nap => ArmedWait::Nap(nap),
-    }
-}
-
 /// Sleeps until one of two fds is readable or `timeout`; whether the first (the worker's)
 /// is.
 fn poll2(a: RawFd, b: RawFd, timeout: Duration) -> bool {
@@ -718,29 +689,6 @@ mod tests {
             t <= 20 && i <= 20,
             "idle for 1 s: target woke {t}, initiator {i} times"
         );
-    }
-
-    #[test]
-    fn empty_wake_ups_back_off_and_a_round_with_events_starts_over() {
-        let mut busy = BusyBackoff::new();
-        // A wake-up that had something to handle: the next wait is on the worker's fd.
-        assert_eq!(armed_wait(false, &mut busy, MAX_SLEEP), ArmedWait::Poll);
-        // Empty wake-ups (the fd readable, nothing handled): a few spins, then naps
-        // doubling from 10 µs to 1 ms, never past the nearest deadline.
-        let waits: Vec<ArmedWait> = (0..100)
-            .map(|_| armed_wait(true, &mut busy, MAX_SLEEP))
-            .collect();
-        let spins = waits.iter().take_while(|w| **w == ArmedWait::Poll).count();
-        assert_eq!(spins, kvbridge_ucx::BUSY_SPINS as usize, "{waits:?}");
-        assert_eq!(waits[spins], ArmedWait::Nap(Duration::from_micros(10)));
-        assert_eq!(waits[99], ArmedWait::Nap(Duration::from_millis(1)));
-        assert_eq!(
-            armed_wait(true, &mut busy, Duration::from_micros(5)),
-            ArmedWait::Nap(Duration::from_micros(5))
-        );
-        // Events again: the wait is on the fd, and the next empty ones spin first again.
-        assert_eq!(armed_wait(false, &mut busy, MAX_SLEEP), ArmedWait::Poll);
-        assert_eq!(armed_wait(true, &mut busy, MAX_SLEEP), ArmedWait::Poll);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

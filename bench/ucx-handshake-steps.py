@@ -2,7 +2,10 @@
 """Per-step breakdown of `kvbridge bench handshake --transport ucx` from its timeline
 (RUST_LOG=kvbridge::timeline=debug, both processes' stderr in one file): each sample is cut
 at the initiator's `dial`; the steps are the gaps between the marks below, medians [p10-p90]
-in microseconds over the samples."""
+in microseconds over the samples.
+
+Usage: RUST_LOG=kvbridge::timeline=debug kvbridge bench handshake --transport ucx --peers 50
+2>steps.log; python3 bench/ucx-handshake-steps.py steps.log"""
 import re, sys, statistics as st
 from datetime import datetime
 rx = re.compile(r'^(\S+Z)\s+\w+\s+kvbridge::timeline: (.*)$')
