@@ -759,6 +759,32 @@ mod tests {
         )
     }
 
+    /// A kv-events pool of 3 workers noting what it routes, every worker having reported a
+    /// 32-token system prompt (blocks of 16), and its index.
+    fn kv_events_pool_with_system_prompt() -> (Arc<Pool>, Arc<crate::kv_index::KvIndex>) {
+        let index = Arc::new(crate::kv_index::KvIndex::new(3, 1000));
+        let p = routed_pool(PoolRouter {
+            policy: crate::routing::RoutingPolicy::KvEvents,
+            index: Some(index.clone()),
+            routed: Some(Arc::new(crate::routed_prefixes::RoutedPrefixes::new(3))),
+            ..Default::default()
+        });
+        let system: Vec<u32> = (0..32).collect();
+        for w in 0..3 {
+            index.apply(w, 0, &stored(&system));
+        }
+        (p, index)
+    }
+
+    /// Question `q` about a 2000-token document that follows the system prompt; no worker
+    /// has reported the document.
+    fn ask(q: u32) -> PromptKey {
+        PromptKey {
+            tokens: Some((0..2000).chain([q; 10]).collect()),
+            pieces: vec![],
+        }
+    }
+
     /// A worker's KV event: it stored `tokens` in blocks of 16.
     fn stored(tokens: &[u32]) -> kvbridge_proto::kv_events::KvEventBatch {
         use kvbridge_proto::kv_events::{BlockHash, BlockStored, KvEvent, KvEventBatch};
@@ -903,26 +929,7 @@ mod tests {
 
     #[test]
     fn a_prompt_on_a_worker_counts_as_held_there_until_its_slot_is_released() {
-        use crate::kv_index::KvIndex;
-        use crate::routed_prefixes::RoutedPrefixes;
-        use crate::routing::RoutingPolicy::KvEvents;
-        let index = Arc::new(KvIndex::new(3, 1000));
-        let p = routed_pool(PoolRouter {
-            policy: KvEvents,
-            index: Some(index.clone()),
-            routed: Some(Arc::new(RoutedPrefixes::new(3))),
-            ..Default::default()
-        });
-        // Every worker reported the 32-token system prompt (blocks of 16).
-        let system: Vec<u32> = (0..32).collect();
-        for w in 0..3 {
-            index.apply(w, 0, &stored(&system));
-        }
-        // A document after it, asked about twice; no worker has reported the document yet.
-        let ask = |q: u32| PromptKey {
-            tokens: Some((0..2000).chain([q; 10]).collect()),
-            pieces: vec![],
-        };
+        let (p, _index) = kv_events_pool_with_system_prompt();
         let mut first = p.try_pick_for(10, &[], Some(&ask(1))).unwrap();
         // Its first token out: the worker prefilled it, and its events may not say so yet.
         first.no_prefill_left();
@@ -948,24 +955,7 @@ mod tests {
 
     #[test]
     fn a_decoder_on_the_pd_path_is_not_counted_as_holding_the_prompt_before_its_kv_came() {
-        use crate::kv_index::KvIndex;
-        use crate::routed_prefixes::RoutedPrefixes;
-        use crate::routing::RoutingPolicy::KvEvents;
-        let index = Arc::new(KvIndex::new(3, 1000));
-        let p = routed_pool(PoolRouter {
-            policy: KvEvents,
-            index: Some(index.clone()),
-            routed: Some(Arc::new(RoutedPrefixes::new(3))),
-            ..Default::default()
-        });
-        let system: Vec<u32> = (0..32).collect();
-        for w in 0..3 {
-            index.apply(w, 0, &stored(&system));
-        }
-        let ask = |q: u32| PromptKey {
-            tokens: Some((0..2000).chain([q; 10]).collect()),
-            pieces: vec![],
-        };
+        let (p, index) = kv_events_pool_with_system_prompt();
         // The first question goes the PD way: its KV comes when the prefiller is done, and
         // a request this decoder prefilled alone meanwhile would find only the system
         // prompt. Counted as held, the second question went to it alone and computed the
