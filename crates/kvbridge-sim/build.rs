@@ -2,13 +2,23 @@
 //! results name the code they measured: the full hash, `-dirty` when tracked files differed
 //! from it at build time, or `unknown` outside a git checkout.
 
-use std::path::Path;
+use std::path::PathBuf;
 use std::process::Command;
+
+/// The crate's folder, read when the script runs: `env!` would bake in the folder the script
+/// was compiled in, and Cargo reuses a compiled build script for another checkout of the same
+/// workspace sharing a target folder (`CARGO_TARGET_DIR`), which then recorded that
+/// checkout's commit. Cargo still reruns the script only when the git state of the checkout
+/// it last read changes: checkouts that should name their own commits take their own
+/// target folders.
+fn manifest_dir() -> PathBuf {
+    PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").expect("Cargo sets CARGO_MANIFEST_DIR"))
+}
 
 fn git(args: &[&str]) -> Option<String> {
     let out = Command::new("git")
         .args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .current_dir(manifest_dir())
         .output()
         .ok()?;
     out.status
@@ -38,7 +48,7 @@ fn main() {
     .into_iter()
     .flatten()
     {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join(dir);
+        let dir = manifest_dir().join(dir);
         for f in ["HEAD", "index", "packed-refs", "refs/heads"] {
             if dir.join(f).exists() {
                 println!("cargo:rerun-if-changed={}", dir.join(f).display());
