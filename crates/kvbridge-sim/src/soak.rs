@@ -22,10 +22,12 @@
 use crate::cli::{CostArgs, ModelArgs};
 use crate::client::{Client, ClientError};
 use crate::cost::CostModel;
-use crate::demo::{range, work_item, DemoArgs, WorkItem};
+use crate::demo::{range, work_item, DemoArgs, WorkItem, Workload};
 use crate::engine::{self, EngineConfig, Role};
 use crate::model::{Model, SplitMix};
+use crate::prompt_format::PromptFormat;
 use crate::stable_ports::StablePorts;
+use kvbridge_proxy::routing::RoutingPolicy;
 use serde::Serialize;
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -1087,6 +1089,21 @@ impl SoakOptions {
         engine_cmd: Vec<OsString>,
         proxy_cmd: Vec<OsString>,
     ) -> anyhow::Result<SoakOptions> {
+        // The soak drives the random workload in token ids through a least-loaded proxy. A
+        // flag asking for something else is refused rather than left unused: a soak that
+        // ran other than asked would prove something other than asked.
+        let unsupported = [
+            (a.workload != Workload::Random, "--workload"),
+            (a.routing != RoutingPolicy::LeastLoaded, "--routing"),
+            (a.prompt_format != PromptFormat::Ids, "--prompt-format"),
+            (a.peer_router.is_some(), "--peer-router"),
+        ];
+        if let Some((_, flag)) = unsupported.iter().find(|(set, _)| *set) {
+            anyhow::bail!(
+                "{flag} is not supported with --duration: the soak runs the random workload \
+                 in token ids through a least-loaded proxy"
+            );
+        }
         let duration = parse_duration(a.duration.as_deref().unwrap_or("60s"))?;
         let secs = |v: f64, what: &str| {
             if v > 0.0 && v.is_finite() {
@@ -1417,6 +1434,31 @@ mod tests {
         assert_eq!(parse_duration("1.5h").unwrap(), Duration::from_secs(5400));
         for bad in ["", "m", "-3s", "0", "10d", "1e9h"] {
             assert!(parse_duration(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn demo_flags_the_soak_does_not_run_are_refused_by_name() {
+        #[derive(clap::Parser)]
+        struct A {
+            #[command(flatten)]
+            d: DemoArgs,
+        }
+        let opts = |extra: &[&str]| {
+            let argv = ["demo", "--duration", "10s"].iter().chain(extra);
+            SoakOptions::from_demo_args(&<A as clap::Parser>::try_parse_from(argv).unwrap().d, vec![], vec![])
+        };
+        assert!(opts(&[]).is_ok());
+        assert!(opts(&["--routing", "least-loaded", "--workload", "random"]).is_ok());
+        for (flag, value) in [
+            ("--workload", "shared-prefix"),
+            ("--routing", "kv-events"),
+            ("--routing", "cache-aware"),
+            ("--prompt-format", "text"),
+            ("--peer-router", "true"),
+        ] {
+            let err = opts(&[flag, value]).expect_err(flag).to_string();
+            assert!(err.starts_with(flag), "{flag}: {err}");
         }
     }
 
