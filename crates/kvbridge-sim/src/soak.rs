@@ -99,9 +99,18 @@ pub struct SoakOptions {
     pub model: ModelArgs,
     /// The cost model.
     pub cost: CostArgs,
+    /// The proxy's routing policy. Under `cache-aware` and `kv-events` every engine keeps a
+    /// prefix cache of [`SOAK_PREFIX_CACHE_TOKENS`]; under `kv-events` each also publishes its
+    /// KV events on a port it keeps across restarts, so that a killed engine's restart is a
+    /// gap in the proxy's stream, rebuilt while the chaos goes on.
+    pub routing: RoutingPolicy,
     /// Whether to print progress on stderr.
     pub progress: bool,
 }
+
+/// The prefix cache of every engine of a soak that routes by cache: the shared-prefix
+/// workload's (docs/proxy.md).
+pub const SOAK_PREFIX_CACHE_TOKENS: u64 = 12_288;
 
 /// Memory of one process over the run.
 #[derive(Debug, Clone, Serialize)]
@@ -207,6 +216,12 @@ pub struct SoakSummary {
     pub pages_leaked: u64,
     /// Whether every decoder was idle with all pages free before the deadline.
     pub quiesced: bool,
+    /// Under `kv-events` routing, KV-events batches the proxy applied since its last start,
+    /// from its `/metrics` after the run (must be more than 0); `None` under other policies.
+    pub kv_events_batches: Option<u64>,
+    /// Of the proxy's views of a worker, those it dropped since its last start on a gap, a
+    /// restarted worker's sequence, a lost connection or an undecodable message.
+    pub kv_events_views_dropped: Option<u64>,
     /// Requests after the chaos stopped, and how many succeeded (must be all).
     pub recovery_ok: u64,
     /// The HTTP address of every process, by name; each keeps its ports across restarts.
@@ -265,6 +280,7 @@ impl SoakSummary {
             && self.recovery_ok == RECOVERY_REQUESTS
             && self.restart_failures == 0
             && self.ok > 0
+            && self.kv_events_batches != Some(0)
     }
 
     /// The human-readable summary.
@@ -304,6 +320,12 @@ impl SoakSummary {
             RECOVERY_REQUESTS,
             yes(self.memory_flat),
         );
+        if let (Some(b), Some(d)) = (self.kv_events_batches, self.kv_events_views_dropped) {
+            s.push_str(&format!(
+                "KV events           {b} batches applied, {d} worker views dropped and \
+                 rebuilt (the proxy's counters since its last start)\n"
+            ));
+        }
         for m in &self.memory {
             s.push_str(&format!(
                 "  {:<12} RSS {:>7.1} MiB after warm-up -> {:>7.1} MiB at the end (max {:.1}){}\n",
@@ -356,6 +378,8 @@ struct Proc {
     /// The last counters polled (engines).
     last: Option<Value>,
     mem: Option<MemoryTrack>,
+    /// Where the engine publishes its KV events (under `kv-events` routing).
+    kv_events: Option<String>,
 }
 
 impl Proc {
@@ -380,6 +404,7 @@ impl Proc {
             mismatches_now: 0,
             last: (kind == Kind::Decode).then(|| addrs.clone()),
             mem: None,
+            kv_events: addrs["kv_events"].as_str().map(str::to_string),
         }
     }
 
@@ -451,9 +476,19 @@ async fn spawn(program: &[OsString], args: &[String]) -> anyhow::Result<(Child, 
 /// (the flags a worker binds).
 fn ports_in(args: &[String]) -> Vec<u16> {
     args.windows(2)
-        .filter(|w| ["--port", "--init-port", "--alloc-port"].contains(&w[0].as_str()))
+        .filter(|w| {
+            [
+                "--port",
+                "--init-port",
+                "--alloc-port",
+                "--kv-events-endpoint",
+            ]
+            .contains(&w[0].as_str())
+        })
         .flat_map(|w| {
-            w[1].split(',')
+            // An endpoint is `tcp://host:port`: its port.
+            let list = w[1].rsplit_once(':').map_or(w[1].as_str(), |(_, p)| p);
+            list.split(',')
                 .filter_map(|p| p.parse().ok())
                 .collect::<Vec<u16>>()
         })
@@ -919,16 +954,32 @@ async fn start_processes(o: &SoakOptions, flags: &[String]) -> anyhow::Result<Ve
         .unwrap_or(0);
     let mut ports = StablePorts::new(o.seed ^ u64::from(std::process::id()) ^ now);
     let mut procs = Vec::new();
-    let base = |role: &str| {
+    // Under kv-events an engine's last port is its KV-events endpoint.
+    let kv_events = o.routing == RoutingPolicy::KvEvents;
+    let base = |role: &str, p: &[u16]| {
         let mut a = vec!["--role".to_string(), role.to_string()];
         a.extend(flags.iter().cloned());
+        if o.routing != RoutingPolicy::LeastLoaded {
+            a.extend([
+                "--prefix-cache-tokens".into(),
+                SOAK_PREFIX_CACHE_TOKENS.to_string(),
+            ]);
+        }
+        if let (true, Some(port)) = (kv_events, p.last()) {
+            a.extend([
+                "--kv-events-endpoint".into(),
+                format!("tcp://127.0.0.1:{port}"),
+            ]);
+        }
         a
     };
+    let extra = usize::from(kv_events);
     // Every rank may receive, so a decoder gets one init and one alloc port per rank.
     let ranks = o.model.tp.max(1) as usize;
     for d in 0..o.decoders {
-        let (child, v, args) = spawn_on(&o.engine_cmd, &mut ports, 1 + 2 * ranks, |p| {
-            let mut args = base("decode");
+        let n = 1 + 2 * ranks + extra;
+        let (child, v, args) = spawn_on(&o.engine_cmd, &mut ports, n, |p| {
+            let mut args = base("decode", p);
             args.extend([
                 "--buffer-mib".into(),
                 o.buffer_mib.to_string(),
@@ -939,7 +990,7 @@ async fn start_processes(o: &SoakOptions, flags: &[String]) -> anyhow::Result<Ve
                 "--init-port".into(),
                 join(&p[1..1 + ranks]),
                 "--alloc-port".into(),
-                join(&p[1 + ranks..]),
+                join(&p[1 + ranks..1 + 2 * ranks]),
             ]);
             (args, Vec::new())
         })
@@ -954,8 +1005,8 @@ async fn start_processes(o: &SoakOptions, flags: &[String]) -> anyhow::Result<Ve
         ));
     }
     for p in 0..o.prefillers {
-        let (child, v, args) = spawn_on(&o.engine_cmd, &mut ports, 1, |p| {
-            let mut args = base("prefill");
+        let (child, v, args) = spawn_on(&o.engine_cmd, &mut ports, 1 + extra, |p| {
+            let mut args = base("prefill", p);
             args.extend(["--port".into(), p[0].to_string()]);
             // The proxy's address is not known yet: it comes on stdin at the first start,
             // and as flags at every restart.
@@ -1057,8 +1108,9 @@ fn proxy_toml(o: &SoakOptions, procs: &[Proc]) -> anyhow::Result<String> {
         "host = \"127.0.0.1\"\nport = 0\nproxy_host = \"127.0.0.1\"\nproxy_port = 0\n\
          flow = \"lmcache\"\nkv_ready_timeout = {}\nprefill_timeout = {step}\n\
          decode_timeout = {step}\nconnect_timeout = 1\nhealth_interval = 0.5\n\
-         health_timeout = 0.5\nqueue_timeout = {step}\n",
-        o.kv_ready_timeout.as_secs_f64().min(step)
+         health_timeout = 0.5\nqueue_timeout = {step}\nrouting = \"{}\"\n",
+        o.kv_ready_timeout.as_secs_f64().min(step),
+        o.routing.as_str()
     );
     for p in procs {
         let port = port_of(&Value::String(p.http.clone()))?;
@@ -1077,6 +1129,26 @@ fn proxy_toml(o: &SoakOptions, procs: &[Proc]) -> anyhow::Result<String> {
             Kind::Proxy => {}
         }
     }
+    if o.routing == RoutingPolicy::KvEvents {
+        let endpoints = |kind: Kind| -> anyhow::Result<String> {
+            let list = procs
+                .iter()
+                .filter(|p| p.kind == kind)
+                .map(|p| {
+                    let e = p.kv_events.as_deref().ok_or_else(|| {
+                        anyhow::anyhow!("{} printed no KV-events endpoint", p.name)
+                    })?;
+                    Ok(format!("\"{e}\""))
+                })
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            Ok(list.join(", "))
+        };
+        s.push_str(&format!(
+            "[kv_events]\nprefiller_endpoints = [{}]\ndecoder_endpoints = [{}]\n",
+            endpoints(Kind::Prefill)?,
+            endpoints(Kind::Decode)?
+        ));
+    }
     Ok(s)
 }
 
@@ -1089,19 +1161,18 @@ impl SoakOptions {
         engine_cmd: Vec<OsString>,
         proxy_cmd: Vec<OsString>,
     ) -> anyhow::Result<SoakOptions> {
-        // The soak drives the random workload in token ids through a least-loaded proxy. A
-        // flag asking for something else is refused rather than left unused: a soak that
-        // ran other than asked would prove something other than asked.
+        // The soak drives the random workload in token ids through the proxy. A flag asking
+        // for something else is refused rather than left unused: a soak that ran other than
+        // asked would prove something other than asked.
         let unsupported = [
             (a.workload != Workload::Random, "--workload"),
-            (a.routing != RoutingPolicy::LeastLoaded, "--routing"),
             (a.prompt_format != PromptFormat::Ids, "--prompt-format"),
             (a.peer_router.is_some(), "--peer-router"),
         ];
         if let Some((_, flag)) = unsupported.iter().find(|(set, _)| *set) {
             anyhow::bail!(
                 "{flag} is not supported with --duration: the soak runs the random workload \
-                 in token ids through a least-loaded proxy"
+                 in token ids"
             );
         }
         let duration = parse_duration(a.duration.as_deref().unwrap_or("60s"))?;
@@ -1135,6 +1206,7 @@ impl SoakOptions {
             seed: a.seed,
             model: a.model.clone(),
             cost: a.cost.clone(),
+            routing: a.routing,
             progress: !a.json,
         })
     }
@@ -1310,6 +1382,20 @@ pub async fn run(o: SoakOptions) -> anyhow::Result<SoakSummary> {
         tokio::time::sleep(Duration::from_millis(250)).await;
     };
     let (pages_leaked, _) = sup.pages();
+    let (kv_events_batches, kv_events_views_dropped) = if o.routing == RoutingPolicy::KvEvents {
+        let text = client
+            .get_text(&format!("{proxy_url}/metrics"), POLL_EVERY)
+            .await
+            .unwrap_or_default();
+        let total = |name: &str| {
+            let metric = format!("kvbridge_proxy_kv_events_{name}_total");
+            crate::proxy_metrics::sum(&text, &metric, &[]) as u64
+        };
+        let dropped = ["gaps", "restarts", "disconnects", "bad"].map(total);
+        (Some(total("batches")), Some(dropped.iter().sum()))
+    } else {
+        (None, None)
+    };
     if !quiesced {
         let states: Vec<String> = sup
             .decoders()
@@ -1366,6 +1452,8 @@ pub async fn run(o: SoakOptions) -> anyhow::Result<SoakSummary> {
             outputs_mismatched: tally.mismatched,
             pages_leaked,
             quiesced,
+            kv_events_batches,
+            kv_events_views_dropped,
             recovery_ok,
             addresses,
             memory,
@@ -1374,7 +1462,8 @@ pub async fn run(o: SoakOptions) -> anyhow::Result<SoakSummary> {
             commit: BUILD_COMMIT.to_string(),
             environment: environment(),
             setup: format!(
-            "{}P{}D as processes, {} for {}, chaos {} (every ~{:.1} s{}), {} in flight, model {}",
+            "{}P{}D as processes, {} for {}, chaos {} (every ~{:.1} s{}), {} in flight, model {}, \
+             routing {}",
             o.prefillers,
             o.decoders,
             model.spec.layout,
@@ -1387,7 +1476,8 @@ pub async fn run(o: SoakOptions) -> anyhow::Result<SoakSummary> {
             o.chaos_interval.as_secs_f64(),
             if o.chaos_proxy { ", proxy included" } else { "" },
             o.concurrency,
-            model.name
+            model.name,
+            o.routing.as_str()
         ),
         };
     for p in &mut sup.procs {
@@ -1446,14 +1536,16 @@ mod tests {
         }
         let opts = |extra: &[&str]| {
             let argv = ["demo", "--duration", "10s"].iter().chain(extra);
-            SoakOptions::from_demo_args(&<A as clap::Parser>::try_parse_from(argv).unwrap().d, vec![], vec![])
+            SoakOptions::from_demo_args(
+                &<A as clap::Parser>::try_parse_from(argv).unwrap().d,
+                vec![],
+                vec![],
+            )
         };
         assert!(opts(&[]).is_ok());
-        assert!(opts(&["--routing", "least-loaded", "--workload", "random"]).is_ok());
+        assert!(opts(&["--routing", "kv-events", "--workload", "random"]).is_ok());
         for (flag, value) in [
             ("--workload", "shared-prefix"),
-            ("--routing", "kv-events"),
-            ("--routing", "cache-aware"),
             ("--prompt-format", "text"),
             ("--peer-router", "true"),
         ] {

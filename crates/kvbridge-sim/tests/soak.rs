@@ -69,3 +69,28 @@ async fn without_chaos_every_request_succeeds() {
     assert_eq!(s.kills, 0);
     assert!(s.passed(), "{}", s.table());
 }
+
+/// Under kv-events every engine publishes its KV events on a port it keeps across restarts.
+/// Each kill ends the proxy's subscription to that engine and its restart starts the
+/// sequence over: the proxy must drop its view of the worker and rebuild it from the new
+/// stream, with no request hanging meanwhile. The proxy is spared so that its counters
+/// cover the whole run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_events_routing_rebuilds_its_views_through_worker_kills() {
+    let s = soak::run(SoakOptions {
+        chaos_interval: Duration::from_secs(1),
+        chaos_proxy: false,
+        routing: kvbridge_proxy::routing::RoutingPolicy::KvEvents,
+        ..options(true, Duration::from_secs(20))
+    })
+    .await
+    .expect("the soak runs");
+    println!("{}", s.table());
+    assert!(s.kills >= 4, "every worker killed once: {s:#?}");
+    assert!(s.kv_events_batches.is_some_and(|b| b > 0), "{s:#?}");
+    assert!(
+        s.kv_events_views_dropped.is_some_and(|d| d > 0),
+        "the workers' kills reached the proxy's views: {s:#?}"
+    );
+    assert!(s.passed(), "{}", s.table());
+}

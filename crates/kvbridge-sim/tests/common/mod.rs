@@ -41,6 +41,7 @@ pub fn soak_options() -> SoakOptions {
             decode_ms_per_token: 1.0,
             prefill_step_tokens: 0,
         },
+        routing: kvbridge_proxy::routing::RoutingPolicy::LeastLoaded,
         progress: false,
     }
 }
