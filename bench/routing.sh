@@ -115,7 +115,7 @@ for p in order:
     dec = fmt([r.get("decode_only", 0) for r in rs], lambda v: f"{v:.0f}") if p != "sglang" else "(colocated)"
     print(f"| {name} | {fmt([r['ttft_p50_ms'] for r in rs], ms)} | {fmt([r['ttft_p99_ms'] for r in rs], ms)} "
           f"| {fmt([r['prefill_tokens_computed'] for r in rs], kt)} "
-          f"| {fmt([1 - r['prefill_tokens_computed'] / r['prompt_tokens'] for r in rs], lambda v: f'{100*v:.1f}%')} | {cut} "
+          f"| {fmt([r['prefill_tokens_spared_fraction'] for r in rs], lambda v: f'{100*v:.1f}%')} | {cut} "
           f"| {fmt([r['kv_bytes_moved'] for r in rs], mib)} | {dec} "
           f"| {fmt([r['load1'] for r in rs], lambda v: f'{v:.1f}')} |")
 PY

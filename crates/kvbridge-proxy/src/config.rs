@@ -642,7 +642,7 @@ kv_capacity_tokens = 100000
         .unwrap();
         assert_eq!(
             ca.decider().expect("a decider").weights,
-            crate::decider::EQUAL_WEIGHTS,
+            crate::routing::KvEventsWeights::EQUAL,
             "no cost formula: tokens of work alone"
         );
     }

@@ -49,7 +49,7 @@ pub const DEFAULT_DECODER_CACHED_FRACTION: f64 = 0.8;
 #[serde(deny_unknown_fields, default)]
 pub struct DeciderParams {
     /// Rule 3's weights of a token to prefill and a token of load: the `kv-events` cost's
-    /// under `kv-events` routing ([`KvEventsWeights`]), [`EQUAL_WEIGHTS`] under the other
+    /// under `kv-events` routing ([`KvEventsWeights`]), [`KvEventsWeights::EQUAL`] under the other
     /// policies, which have no cost formula.
     #[serde(skip)]
     pub weights: KvEventsWeights,
@@ -62,16 +62,10 @@ pub struct DeciderParams {
     pub compare_queues: bool,
 }
 
-/// Rule 3 in tokens of work alone: a token to prefill and a token queued weigh the same.
-pub const EQUAL_WEIGHTS: KvEventsWeights = KvEventsWeights {
-    prefill_weight: 1.0,
-    load_weight: 1.0,
-};
-
 impl Default for DeciderParams {
     fn default() -> Self {
         DeciderParams {
-            weights: EQUAL_WEIGHTS,
+            weights: KvEventsWeights::EQUAL,
             min_uncached_tokens: DEFAULT_MIN_UNCACHED_TOKENS,
             decoder_cached_fraction: DEFAULT_DECODER_CACHED_FRACTION,
             compare_queues: true,
@@ -82,7 +76,7 @@ impl Default for DeciderParams {
 impl DeciderParams {
     /// Parameters that always disaggregate.
     pub const ALWAYS: DeciderParams = DeciderParams {
-        weights: EQUAL_WEIGHTS,
+        weights: KvEventsWeights::EQUAL,
         min_uncached_tokens: 0,
         decoder_cached_fraction: f64::INFINITY,
         compare_queues: false,
@@ -271,7 +265,7 @@ mod tests {
     use super::*;
 
     const P: DeciderParams = DeciderParams {
-        weights: EQUAL_WEIGHTS,
+        weights: KvEventsWeights::EQUAL,
         min_uncached_tokens: 100,
         decoder_cached_fraction: 0.75,
         compare_queues: true,

@@ -812,7 +812,7 @@ mod tests {
             policy: crate::routing::RoutingPolicy::KvEvents,
             index: Some(index.clone()),
             // The figures below weigh a token to prefill as a token of load.
-            weights: crate::decider::EQUAL_WEIGHTS,
+            weights: crate::routing::KvEventsWeights::EQUAL,
             ..Default::default()
         });
         let tokens: Vec<u32> = (0..64).collect();
@@ -845,7 +845,7 @@ mod tests {
             policy: crate::routing::RoutingPolicy::KvEvents,
             index: Some(index.clone()),
             // The figures below weigh a token to prefill as a token of load.
-            weights: crate::decider::EQUAL_WEIGHTS,
+            weights: crate::routing::KvEventsWeights::EQUAL,
             ..Default::default()
         });
         // Worker 1 holds the first 960 tokens of a 1000-token prompt.
@@ -881,7 +881,7 @@ mod tests {
             policy: KvEvents,
             index: Some(index.clone()),
             // The figures below weigh a token to prefill as a token of load.
-            weights: crate::decider::EQUAL_WEIGHTS,
+            weights: crate::routing::KvEventsWeights::EQUAL,
             ..Default::default()
         });
         let tokens: Vec<u32> = (0..1000).collect();

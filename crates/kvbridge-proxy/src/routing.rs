@@ -83,6 +83,15 @@ pub struct KvEventsWeights {
 /// shared-prefix` (docs/proxy.md, "Routing benchmark": 1, 1.5, 2 and 3 side by side).
 pub const DEFAULT_PREFILL_WEIGHT: f64 = 2.0;
 
+impl KvEventsWeights {
+    /// A token to prefill and a token of load weigh the same: tokens of work alone (the
+    /// decider's rule 3 under the policies that have no cost formula).
+    pub const EQUAL: KvEventsWeights = KvEventsWeights {
+        prefill_weight: 1.0,
+        load_weight: 1.0,
+    };
+}
+
 impl Default for KvEventsWeights {
     fn default() -> Self {
         KvEventsWeights {
@@ -221,12 +230,8 @@ pub fn cache_aware(cands: &[Candidate], prompt_pieces: u64, p: &CacheAwareParams
 mod tests {
     use super::*;
 
-    /// A token to prefill and a token of load weigh the same: the figures in the comments
-    /// add up as written.
-    const EQUAL: KvEventsWeights = KvEventsWeights {
-        prefill_weight: 1.0,
-        load_weight: 1.0,
-    };
+    /// The figures in the comments add up as written with equal weights.
+    const EQUAL: KvEventsWeights = KvEventsWeights::EQUAL;
 
     fn c(index: usize, inflight: u64, pending: u64, matched: u64, cached: u64) -> Candidate {
         Candidate {
