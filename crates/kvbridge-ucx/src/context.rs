@@ -7,6 +7,7 @@ use std::sync::Arc;
 use kvbridge_ucx_sys as sys;
 
 use crate::error::{Error, Result, Step};
+use crate::reach::TlsSetting;
 use crate::status::{check, status};
 
 /// UCX settings a [`Context`] starts from where the environment does not set them: a user's
@@ -84,25 +85,9 @@ fn unset_defaults<'a>(
 }
 
 /// Whether UCX may open transport `tl` under the `TLS` setting `tls` (`None`: unset, every
-/// transport). The forms UCX reads: a comma-separated list of transports and aliases, `all`,
-/// a leading `^` for "every transport but these", a leading `\` for a name that is not an
-/// alias, a `:aux` suffix. Of the transports kvbridge sets defaults for, tcp is in no alias
-/// but `all`.
+/// transport). Of the transports kvbridge sets defaults for, tcp is in no alias but `all`.
 fn may_open(tls: Option<&str>, tl: &str) -> bool {
-    let Some(tls) = tls.map(str::trim).filter(|t| !t.is_empty()) else {
-        return true;
-    };
-    let (excluding, list) = match tls.strip_prefix('^') {
-        Some(rest) => (true, rest),
-        None => (false, tls),
-    };
-    let named = list.split(',').any(|item| {
-        let item = item.trim();
-        let item = item.strip_prefix('\\').unwrap_or(item);
-        let name = item.split(':').next().unwrap_or(item);
-        name == tl || (!excluding && name == "all")
-    });
-    named != excluding
+    TlsSetting::read(tls).may_open(tl)
 }
 
 /// Sets `value` under the first of `names` UCX takes; whether one did.

@@ -19,7 +19,12 @@
 //! Peers' worker addresses and descriptors travel in a checked envelope ([`wire`]): UCX does
 //! not bound-check them, so truncated or corrupted bytes are refused before UCX sees them.
 //!
-//! Everything but [`wire`] needs the `ucx` feature (and `libucx-dev` at build time).
+//! UCX authenticates no peer, and over transports that emulate remote memory access (UCX
+//! 1.13's tcp and shared memory) a worker's process copies to and from whatever address a
+//! peer names: whoever reaches a worker reaches its whole memory. [`reach`] says who can,
+//! for a given `UCX_TLS`.
+//!
+//! Everything but [`wire`] and [`reach`] needs the `ucx` feature (and `libucx-dev` at build time).
 //!
 //! ```no_run
 //! # #[cfg(feature = "ucx")]
@@ -45,6 +50,7 @@
 // Every unsafe block says what makes it sound; registered memory is never lent as a reference.
 #![deny(clippy::undocumented_unsafe_blocks, unsafe_op_in_unsafe_fn)]
 
+pub mod reach;
 pub mod wire;
 
 mod busy;

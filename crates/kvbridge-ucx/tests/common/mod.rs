@@ -5,6 +5,7 @@
 
 #![allow(dead_code)]
 
+use std::collections::HashSet;
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -14,6 +15,9 @@ use kvbridge_ucx::{Context, ContextConfig, MemRegion, Worker};
 
 /// The target's region: 16 MiB plus 8 KiB, so a 16 MiB transfer at offset 4096 fits.
 pub const REGION_LEN: usize = (16 << 20) + (8 << 10);
+/// The length and contents of the target's unregistered buffer (`SECRET`).
+pub const SECRET_LEN: usize = 64 << 10;
+pub const SECRET_SEED: u64 = 0x5EC2E7;
 /// How long the test waits for any answer of the target before failing.
 const ANSWER_DEADLINE: Duration = Duration::from_secs(30);
 const PREFIX: &str = "KVBX ";
@@ -70,6 +74,14 @@ fn serve(config: ContextConfig, rx: Receiver<String>, out: &mut dyn FnMut(String
     let mut watch: Option<(usize, usize, usize)> = None;
     // A region allocated after the first was unmapped (`ALLOC2`).
     let mut second: Option<MemRegion> = None;
+    // Memory of the target that no key names: never registered, never announced (`SECRET`).
+    let secret = pattern(SECRET_SEED, SECRET_LEN);
+    // Read afresh each time: UCX writes it behind the compiler's back.
+    let secret_sum = || {
+        let p = std::hint::black_box(secret.as_ptr());
+        // SAFETY: `secret` is alive and `SECRET_LEN` long; only read here.
+        fnv(unsafe { std::slice::from_raw_parts(p, SECRET_LEN) })
+    };
     loop {
         worker
             .wait_events(Duration::from_millis(10))
@@ -133,6 +145,11 @@ fn serve(config: ContextConfig, rx: Receiver<String>, out: &mut dyn FnMut(String
                 second.as_ref().unwrap().read(num(1), &mut body).unwrap();
                 out(format!("SUM {}", fnv(&body)));
             }
+            "SECRET" => out(format!(
+                "SECRET {} {}",
+                secret.as_ptr() as u64,
+                secret_sum()
+            )),
             "EXIT" => break,
             other => panic!("target: unknown command {other}"),
         }
@@ -155,11 +172,15 @@ pub struct Target {
 impl Target {
     /// A target on a thread of this process.
     pub fn thread(tls: &str) -> Target {
+        Self::thread_with(ContextConfig::with_tls(tls))
+    }
+
+    /// A target on a thread of this process, its context made from `config`.
+    pub fn thread_with(config: ContextConfig) -> Target {
         let (cmd_tx, cmd_rx) = mpsc::channel();
         let (ans_tx, ans_rx) = mpsc::channel();
-        let tls = tls.to_string();
         let thread = std::thread::spawn(move || {
-            serve(ContextConfig::with_tls(&tls), cmd_rx, &mut |l| {
+            serve(config, cmd_rx, &mut |l| {
                 let _ = ans_tx.send(l);
             })
         });
@@ -330,4 +351,28 @@ impl Initiator {
 
 pub fn deadline(secs: u64) -> Instant {
     Instant::now() + Duration::from_secs(secs)
+}
+
+/// The ports of this process's sockets listening on 127.0.0.1 (`/proc/net/tcp`, matched to
+/// this process's descriptors by inode).
+pub fn listening_ports() -> HashSet<u16> {
+    let ours: HashSet<String> = std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter_map(|l| {
+            let l = l.to_string_lossy().into_owned();
+            Some(l.strip_prefix("socket:[")?.strip_suffix(']')?.to_string())
+        })
+        .collect();
+    std::fs::read_to_string("/proc/net/tcp")
+        .unwrap()
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let (ip, port) = f.get(1)?.split_once(':')?;
+            (ip == "0100007F" && f.get(3) == Some(&"0A") && ours.contains(*f.get(9)?))
+                .then(|| u16::from_str_radix(port, 16).ok())?
+        })
+        .collect()
 }
