@@ -5,7 +5,8 @@
 
 e.g. (one block size, so the data threads' figures belong to one measurement):
 
-    UCX_TLS=tcp python3 bench/thread_cpu.py -- target/release/kvbridge bench transfer \\
+    UCX_TLS=tcp KVBRIDGE_UCX_TRUSTED_FABRIC=1 python3 bench/thread_cpu.py -- \\
+        target/release/kvbridge bench transfer \\
         --transport ucx --block-sizes 65536 --batch 16 --inflight 2 --total 1G --reps 1 --json
 
 Runs COMMAND, samples /proc/PID/task/TID/schedstat (time on a CPU, time runnable but waiting

@@ -19,7 +19,12 @@
 # another environment. NIXL runs with kvbridge's UCX defaults (crates/kvbridge-ucx/src/
 # context.rs: UCX_TCP_TX_SEG_SIZE, UCX_TCP_RX_SEG_SIZE) exported, so both sides start from the
 # same UCX settings; a UCX_* set by the caller wins on both sides.
+# kvbridge's UCX runs declare the fabric trusted (KVBRIDGE_UCX_TRUSTED_FABRIC=1): tcp and sysv,
+# which both UCX_TLS open, reach beyond this user, and kvbridge refuses them without it
+# (docs/ucx.md, "Who can reach a UCX worker"). Run it on a host whose other users and
+# network peers you trust, as NIXL's runs here assume anyway.
 set -euo pipefail
+export KVBRIDGE_UCX_TRUSTED_FABRIC=1
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-5}
 SIZES=${SIZES:-65536,262144,1048576,4194304}

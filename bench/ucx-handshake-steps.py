@@ -4,8 +4,8 @@
 at the initiator's `dial`; the steps are the gaps between the marks below, medians [p10-p90]
 in microseconds over the samples.
 
-Usage: RUST_LOG=kvbridge::timeline=debug kvbridge bench handshake --transport ucx --peers 50
-2>steps.log; python3 bench/ucx-handshake-steps.py steps.log"""
+Usage: UCX_TLS=tcp KVBRIDGE_UCX_TRUSTED_FABRIC=1 RUST_LOG=kvbridge::timeline=debug kvbridge bench
+handshake --transport ucx --peers 50 2>steps.log; python3 bench/ucx-handshake-steps.py steps.log"""
 import re, sys, statistics as st
 from datetime import datetime
 rx = re.compile(r'^(\S+Z)\s+\w+\s+kvbridge::timeline: (.*)$')

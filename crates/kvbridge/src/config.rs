@@ -151,8 +151,9 @@ pub enum Transport {
     Shm,
     /// UCX (one-sided puts and gets between registered regions) with a peer that offers it,
     /// TCP with the reason logged otherwise. Which UCX transports run is UCX's choice under
-    /// its own `UCX_TLS` and `UCX_NET_DEVICES`. Needs a build with the `kvbridge` crate's
-    /// `ucx` feature: without it [`crate::Channel::new`] refuses this setting.
+    /// its own `UCX_TLS` and `UCX_NET_DEVICES`; a `UCX_TLS` that other users or hosts can
+    /// reach needs [`ChannelConfig::ucx_trusted_fabric`]. Needs a build with the `kvbridge`
+    /// crate's `ucx` feature: without it [`crate::Channel::new`] refuses this setting.
     Ucx,
 }
 
@@ -310,6 +311,17 @@ pub struct ChannelConfig {
     /// cost: a killed same-host peer shows at the operation deadline, not at once. Off, every
     /// endpoint asks for peer-failure detection (tcp alone there).
     pub ucx_shm_lanes: bool,
+    /// The operator's statement that every process able to reach this host's UCX transports
+    /// is trusted with this process's memory (`KVBRIDGE_UCX_TRUSTED_FABRIC=1`; default off).
+    /// UCX authenticates no peer, and where it emulates remote memory access (UCX 1.13's tcp
+    /// and shared memory) a worker's process copies to and from any address a peer names:
+    /// reaching the worker is reaching all of its memory, before and beside kvbridge's
+    /// authentication (docs/ucx.md, "Who can reach a UCX worker"). Without this statement
+    /// [`Transport::Ucx`] runs only where `UCX_TLS` names transports that no other user and
+    /// no other host can reach (`posix`, `cma`, `self`: `kvbridge_ucx::reach`), and
+    /// [`crate::Channel::new`] refuses any other setting, unset `UCX_TLS` (every transport)
+    /// included, naming the transports that reach further.
+    pub ucx_trusted_fabric: bool,
     /// TCP data connections an initiator opens per session (`KVBRIDGE_DATA_CONNECTIONS`,
     /// default [`DEFAULT_DATA_CONNECTIONS`], at most [`MAX_DATA_CONNECTIONS`]). With more
     /// than one, a large write or read batch is split by bytes over them
@@ -343,6 +355,8 @@ impl ChannelConfig {
                 .unwrap_or_default(),
             cma: std::env::var("KVBRIDGE_CMA").map_or(true, |v| v != "0"),
             ucx_shm_lanes: std::env::var("KVBRIDGE_UCX_SHM_LANES").map_or(true, |v| v != "0"),
+            ucx_trusted_fabric: std::env::var("KVBRIDGE_UCX_TRUSTED_FABRIC")
+                .is_ok_and(|v| v == "1"),
             data_connections: std::env::var("KVBRIDGE_DATA_CONNECTIONS")
                 .ok()
                 .and_then(|v| v.parse::<usize>().ok())

@@ -128,6 +128,8 @@ pub struct Carrier {
     pub tls: bool,
     /// The UCX transports (`UCX_TLS`) of both channels' workers, for `Transport::Ucx`.
     pub ucx_tls: Option<&'static str>,
+    /// `ChannelConfig::ucx_trusted_fabric` on both channels.
+    pub ucx_trusted_fabric: bool,
 }
 
 /// A CA and a leaf for 127.0.0.1 that it signed: (CA certificate PEM, leaf certificate
@@ -180,7 +182,13 @@ impl Carrier {
         {
             c.hooks.ucx_tls = self.ucx_tls.map(str::to_string);
             // with UCX's shared-memory transports allowed, the same-host endpoint that takes them
-            c.ucx_shm_lanes = self.ucx_tls.is_some_and(|t| t.starts_with("sm"));
+            c.ucx_shm_lanes = self
+                .ucx_tls
+                .is_some_and(|t| t.starts_with("sm") || t.starts_with("posix"));
+            // A test host's tcp and sysv are declared trusted: the carriers run the engine
+            // over them as an operator on a closed fabric would (`ucx_reach.rs` checks the
+            // refusal without the declaration).
+            c.ucx_trusted_fabric = self.ucx_trusted_fabric;
         }
     }
 
@@ -192,6 +200,7 @@ impl Carrier {
             raw: true,
             tls: false,
             ucx_tls: None,
+            ucx_trusted_fabric: false,
         }
     }
 
@@ -203,6 +212,7 @@ impl Carrier {
             raw: false,
             tls: true,
             ucx_tls: None,
+            ucx_trusted_fabric: false,
         }
     }
 }
@@ -215,15 +225,27 @@ impl From<kvbridge::Transport> for Carrier {
             raw: false,
             tls: false,
             ucx_tls: None,
+            ucx_trusted_fabric: false,
         }
     }
 }
 
 impl Carrier {
-    /// UCX between the two channels, its worker limited to `tls` (`UCX_TLS`).
+    /// UCX between the two channels, its worker limited to `tls` (`UCX_TLS`), the fabric
+    /// declared trusted.
     pub fn ucx(tls: &'static str) -> Carrier {
         Carrier {
             ucx_tls: Some(tls),
+            ucx_trusted_fabric: true,
+            ..Carrier::from(kvbridge::Transport::Ucx)
+        }
+    }
+
+    /// UCX over the transports only this user's processes reach (`posix,cma,self`), no
+    /// declaration.
+    pub fn ucx_same_user() -> Carrier {
+        Carrier {
+            ucx_tls: Some("posix,cma,self"),
             ..Carrier::from(kvbridge::Transport::Ucx)
         }
     }
@@ -235,7 +257,8 @@ impl Carrier {
 /// caller memory, carried by cross-memory attach where permitted) and, with the `ucx`
 /// feature, `<name>::ucx_tcp` and `<name>::ucx_sm` (UCX over `UCX_TLS=tcp` and
 /// `sm,self,tcp` with `ucx_shm_lanes`: a same-host endpoint takes the shared-memory lanes
-/// beside tcp),
+/// beside tcp; both with the fabric declared trusted) and `<name>::ucx_posix` (UCX over
+/// `posix,cma,self`, what runs without that declaration),
 /// that runs
 /// `body(carrier)`: the suite is parametrized, not copied.
 #[macro_export]
@@ -254,6 +277,7 @@ macro_rules! per_transport {
                     raw: false,
                     tls: false,
                     ucx_tls: None,
+                    ucx_trusted_fabric: false,
                 })
                 .await
             }
@@ -278,6 +302,11 @@ macro_rules! per_transport {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn ucx_sm() {
                 $body($crate::common::Carrier::ucx("sm,self,tcp")).await
+            }
+            #[cfg(feature = "ucx")]
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn ucx_posix() {
+                $body($crate::common::Carrier::ucx_same_user()).await
             }
         }
     };
@@ -478,23 +507,25 @@ impl Carrier {
             kvbridge::Transport::Ucx => "ucx",
         };
         format!(
-            "{t};{};{};{};{}",
+            "{t};{};{};{};{};{}",
             self.data_connections,
             self.raw,
             self.tls,
-            self.ucx_tls.unwrap_or("-")
+            self.ucx_tls.unwrap_or("-"),
+            self.ucx_trusted_fabric
         )
     }
 
     /// The carrier [`Carrier::encode`] wrote.
     pub fn decode(s: &str) -> Carrier {
         let f: Vec<&str> = s.split(';').collect();
-        assert_eq!(f.len(), 5, "carrier {s:?}");
+        assert_eq!(f.len(), 6, "carrier {s:?}");
         let ucx_tls = match f[4] {
             "-" => None,
             "tcp" => Some("tcp"),
             "sm,self" => Some("sm,self"),
             "sm,self,tcp" => Some("sm,self,tcp"),
+            "posix,cma,self" => Some("posix,cma,self"),
             other => panic!("UCX transports {other:?}"),
         };
         Carrier {
@@ -503,6 +534,7 @@ impl Carrier {
             raw: f[2] == "true",
             tls: f[3] == "true",
             ucx_tls,
+            ucx_trusted_fabric: f[5] == "true",
         }
     }
 }

@@ -117,7 +117,7 @@ async fn killed_mid(t: Carrier, doing: Doing) {
     // close deadline (docs/ucx.md). Everywhere else the session ends at once.
     let reads_hold_the_close = matches!(doing, Doing::Reads)
         && t.ucx_tls
-            .is_some_and(|tls| tls.split(',').any(|x| x == "sm"));
+            .is_some_and(|tls| tls.split(',').any(|x| x == "sm" || x == "posix"));
     let bound = if reads_hold_the_close {
         CLOSE + SLACK
     } else {

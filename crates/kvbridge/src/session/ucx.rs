@@ -46,6 +46,12 @@ pub(crate) async fn start_thread(
     if config.transport != Transport::Ucx {
         return Ok(None);
     }
+    let tls = config
+        .hooks
+        .ucx_tls
+        .clone()
+        .or_else(|| std::env::var("UCX_TLS").ok());
+    refuse_untrusted_reach(tls.as_deref(), config.ucx_trusted_fabric)?;
     let (name, tls) = (name.to_string(), config.hooks.ucx_tls.clone());
     let started = tokio::task::spawn_blocking(move || UcxChannel::start(&name, tls.as_deref()))
         .await
@@ -53,6 +59,34 @@ pub(crate) async fn start_thread(
     started
         .map(|c| Some(Arc::new(c)))
         .map_err(|e| Error::Local(format!("transport ucx: cannot start a UCX worker: {e}")))
+}
+
+/// Refuses a UCX worker that processes of other users or hosts could reach (UCX checks no
+/// peer, and its software RMA serves any address), unless the operator declared the fabric
+/// trusted; `tls` is the worker's `UCX_TLS` (`None`: unset, every transport).
+fn refuse_untrusted_reach(tls: Option<&str>, trusted_fabric: bool) -> Result<()> {
+    let beyond = kvbridge_ucx::reach::beyond_this_user(tls);
+    if beyond.is_empty() {
+        return Ok(());
+    }
+    let shown = tls.map_or_else(|| "unset".to_string(), |t| format!("{t:?}"));
+    if trusted_fabric {
+        tracing::info!(
+            "transport ucx: UCX_TLS={shown} opens {} to other users or hosts; every process \
+             reaching them is trusted with this process's memory (KVBRIDGE_UCX_TRUSTED_FABRIC=1)",
+            beyond.join(", ")
+        );
+        return Ok(());
+    }
+    Err(Error::Local(format!(
+        "transport ucx: UCX_TLS={shown} opens {} to processes of other users or hosts, and \
+         UCX authenticates none of them: any that reaches the worker reads and writes all of \
+         this process's memory (docs/ucx.md, \"Who can reach a UCX worker\"). Set \
+         UCX_TLS=posix,cma,self for peers on this host, or declare every process that can \
+         reach these transports trusted with KVBRIDGE_UCX_TRUSTED_FABRIC=1 \
+         (ChannelConfig::ucx_trusted_fabric)",
+        beyond.join(", ")
+    )))
 }
 
 /// The session's timeline target (`session::TIMELINE`; this module sits below it).
