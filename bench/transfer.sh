@@ -6,10 +6,12 @@
 #
 # Each run measures, in turn and with the same shape (batches of BATCH writes of each block
 # size, 2 batches in flight, TOTAL bytes per size): kvbridge over tcp and shm, kvbridge over
-# UCX (when the binary was built with UCX) with UCX_TLS=tcp and with UCX_TLS=sm,self,tcp, and
-# NIXL's UCX backend (bench/nixl_transfer.py, the `nixl` wheel) with the same two UCX_TLS.
+# UCX (when the binary was built with UCX) with UCX_TLS=tcp, sm,self,tcp and posix,cma,self
+# (the last without KVBRIDGE_UCX_TRUSTED_FABRIC, which it does not need), and NIXL's UCX
+# backend (bench/nixl_transfer.py, the `nixl` wheel) with tcp and sm,self,tcp (its UCX cannot
+# create the endpoint to itself it needs with shared-memory transports alone).
 # Then connect plus first write: `kvbridge bench handshake` (over tcp, and with
-# `--transport ucx` over UCX with both UCX_TLS: connect, the UCX negotiation, the first write
+# `--transport ucx` over UCX with the three UCX_TLS: connect, the UCX negotiation, the first write
 # over UCX) against NIXL's metadata exchange plus first write. Both sides read back and compare
 # every byte they wrote. Prints medians over the runs with the lowest and highest run, and the
 # load average at the start and end of each run; raw lines go to $OUT (default
@@ -77,13 +79,16 @@ for run in $(seq 1 "$RUNS"); do
   if [ "$UCX" = 1 ]; then
     kvb "ucx tcp" UCX_TLS=tcp "$KVB" bench transfer --transport ucx
     kvb "ucx sm,self,tcp" UCX_TLS=sm,self,tcp "$KVB" bench transfer --transport ucx
+    # The transports only this user reaches: run without the declaration, as a user would.
+    kvb "ucx posix,cma,self" -u KVBRIDGE_UCX_TRUSTED_FABRIC UCX_TLS=posix,cma,self "$KVB" \
+      bench transfer --transport ucx
   fi
   nixl tcp
   nixl sm,self,tcp
   hs=$("$KVB" bench handshake --peers 50 --json) || fail "kvbridge handshake (run $run)"
   echo "{\"run\": $run, \"label\": \"handshake tcp\", \"handshake\": $hs}" >> "$OUT"
   if [ "$UCX" = 1 ]; then
-    for tls in tcp sm,self,tcp; do
+    for tls in tcp sm,self,tcp posix,cma,self; do
       hs=$(UCX_TLS=$tls "$KVB" bench handshake --transport ucx --peers 50 --json) \
         || fail "kvbridge ucx handshake UCX_TLS=$tls (run $run)"
       echo "{\"run\": $run, \"label\": \"handshake ucx $tls\", \"handshake\": $hs}" >> "$OUT"
