@@ -366,6 +366,13 @@ pub struct UcxAddress {
         deserialize_with = "bounded_host"
     )]
     pub host: Option<String>,
+    /// The listener's process id, sent beside [`UcxAddress::host`]. An initiator on the same
+    /// host watches that process: a listener killed with batches in flight over shared
+    /// memory, where UCX cannot report a dead peer, fails them once the process is seen
+    /// gone instead of at their deadline. A claim, like the host: a wrong one only moves
+    /// when the claimant's own batches fail. Absent from older listeners.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid: Option<u32>,
 }
 
 /// Most bytes of [`UcxAddress::host`].

@@ -7,7 +7,7 @@
 //! welcomed(true): the initiator holds its session's start until the negotiation settles
 //!              ... handshake, proof, Ready: the session is established ...
 //!                                          <--- UcxOffer{address, host}
-//! Output::Connect{address, same_host}: the driver creates its endpoint, then
+//! Output::Connect{address, same_host, pid}: the driver creates its endpoint, then
 //!   connected()      -> UcxAccept          ---> the held UcxMap of every region granted, UcxSync
 //!   connect_failed() -> UcxDecline{reason} ---> Output::Fallback{reason}: TCP for the session
 //!                                          <--- UcxMap{id, base, len, rkey} (now or at any later grant)
@@ -131,6 +131,9 @@ pub enum Output {
         /// The listener named this host as its own (equal host identities): the endpoint may
         /// prefer shared-memory transports over peer-failure detection.
         same_host: bool,
+        /// With `same_host`, the process id the listener gave ([`UcxAddress::pid`]): the
+        /// process to watch, since an endpoint without failure detection cannot say it died.
+        pid: Option<u32>,
     },
     /// (Initiator) Unpack this region's key on the endpoint; operations on the region may use
     /// UCX from now on (or TCP, when the unpack fails: [`UcxImport::import_failed`]).
@@ -251,11 +254,19 @@ pub struct UcxExport {
 impl UcxExport {
     /// Starts the negotiation of an established session whose initiator said
     /// [`crate::msg::Hello::ucx`]: the first output sends `address` (this listener's
-    /// enveloped worker address) and `host` (this host's identity, when known). `timeout`
-    /// bounds the wait for the answer and for each unmap.
-    pub fn new(address: Blob, host: Option<String>, timeout: Duration, now: Instant) -> Self {
+    /// enveloped worker address), `host` (this host's identity, when known) and, with the
+    /// host, `pid` (this process). `timeout` bounds the wait for the answer and for each
+    /// unmap.
+    pub fn new(
+        address: Blob,
+        host: Option<String>,
+        pid: Option<u32>,
+        timeout: Duration,
+        now: Instant,
+    ) -> Self {
         let mut core = Core::default();
-        core.send(Message::UcxOffer(UcxAddress { address, host }));
+        let pid = pid.filter(|_| host.is_some());
+        core.send(Message::UcxOffer(UcxAddress { address, host, pid }));
         UcxExport {
             core,
             state: ExportState::Offered(now + timeout),
@@ -619,6 +630,7 @@ impl UcxImport {
                         self.core.out.push_back(Output::Connect {
                             address: o.address,
                             same_host,
+                            pid: o.pid.filter(|_| same_host),
                         });
                     }
                     Err(e) => self.decline(e.to_string()),
@@ -714,6 +726,7 @@ mod tests {
         m.handle_message(Message::UcxOffer(UcxAddress {
             address: Blob(vec![1; 64]),
             host: None,
+            pid: None,
         }));
         m.connected();
         drain_import(&mut m);
@@ -739,6 +752,7 @@ mod tests {
         m.handle_message(Message::UcxOffer(UcxAddress {
             address: Blob(vec![1; 8]),
             host: None,
+            pid: None,
         }));
         assert!(m.is_failed(), "an offer the Welcome did not announce");
     }
@@ -749,6 +763,7 @@ mod tests {
         m.handle_message(Message::UcxOffer(UcxAddress {
             address: Blob(vec![1; 8]),
             host: None,
+            pid: None,
         }));
         assert!(m.is_failed());
     }
@@ -790,6 +805,7 @@ mod tests {
         let offer = Message::UcxOffer(UcxAddress {
             address: Blob(vec![1; 8]),
             host: None,
+            pid: None,
         });
         m.handle_message(offer.clone());
         assert!(!m.is_failed(), "the offer that crossed the decline");
@@ -806,6 +822,7 @@ mod tests {
         m.handle_message(Message::UcxOffer(UcxAddress {
             address: Blob(vec![1; 8]),
             host: None,
+            pid: None,
         }));
         m.connected();
         drain_import(&mut m);
@@ -840,6 +857,7 @@ mod tests {
         m.handle_message(Message::UcxOffer(UcxAddress {
             address: Blob(vec![0; MAX_UCX_BLOB + 1]),
             host: None,
+            pid: None,
         }));
         let out = drain_import(&mut m);
         assert!(
@@ -913,7 +931,7 @@ mod tests {
     #[test]
     fn an_unanswered_offer_falls_back_and_a_late_answer_is_ignored() {
         let t0 = Instant::now();
-        let mut m = UcxExport::new(Blob(vec![1; 8]), None, Duration::from_secs(5), t0);
+        let mut m = UcxExport::new(Blob(vec![1; 8]), None, None, Duration::from_secs(5), t0);
         m.export(region(1));
         assert_eq!(m.poll_timeout(), Some(t0 + Duration::from_secs(5)));
         m.handle_timeout(t0 + Duration::from_secs(5));
@@ -936,7 +954,7 @@ mod tests {
     #[test]
     fn an_unacknowledged_unmap_fails_the_session_and_revokes_every_key() {
         let t0 = Instant::now();
-        let mut m = UcxExport::new(Blob(vec![1; 8]), None, Duration::from_secs(5), t0);
+        let mut m = UcxExport::new(Blob(vec![1; 8]), None, None, Duration::from_secs(5), t0);
         m.export(region(1));
         m.export(region(2));
         m.handle_message(Message::UcxAccept(Ready {}));
@@ -972,6 +990,7 @@ mod tests {
         m.handle_message(Message::UcxOffer(UcxAddress {
             address: Blob(vec![1; 8]),
             host: None,
+            pid: None,
         }));
         assert!(matches!(m.poll_output(), Some(Output::Connect { .. })));
         m.connect_failed("é".repeat(MAX_UCX_REASON_LEN));

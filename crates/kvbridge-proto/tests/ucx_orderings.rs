@@ -101,6 +101,7 @@ impl Pair {
             exp: UcxExport::new(
                 Blob(vec![7; 40]),
                 listener.map(str::to_string),
+                Some(4242),
                 DEADLINE,
                 now,
             ),
@@ -159,10 +160,17 @@ impl Pair {
         while let Some(o) = self.imp.poll_output() {
             match o {
                 Output::Send(m) => self.to_listener.push_back(m),
-                Output::Connect { same_host, .. } => {
+                Output::Connect { same_host, pid, .. } => {
                     if same_host != self.same_host {
                         self.violations.push(format!(
                             "Connect says same_host {same_host}, the hosts say {}",
+                            self.same_host
+                        ));
+                    }
+                    // The listener's process is named exactly where its host is this one.
+                    if pid != self.same_host.then_some(4242) {
+                        self.violations.push(format!(
+                            "Connect names process {pid:?} with same_host {}",
                             self.same_host
                         ));
                     }
@@ -380,7 +388,7 @@ fn every_ordering_connects_same_host_exactly_when_both_name_one_host() {
 #[test]
 fn a_listener_without_an_answer_falls_back_and_still_revokes_everything() {
     let t0 = Instant::now();
-    let mut exp = UcxExport::new(Blob(vec![1; 8]), None, DEADLINE, t0);
+    let mut exp = UcxExport::new(Blob(vec![1; 8]), None, None, DEADLINE, t0);
     exp.export(region(1));
     exp.handle_timeout(t0 + DEADLINE);
     exp.close();
@@ -403,7 +411,8 @@ fn any_message() -> impl Strategy<Value = Message> {
         )
             .prop_map(|(b, host)| Message::UcxOffer(UcxAddress {
                 address: Blob(b),
-                host
+                host,
+                pid: None
             })),
         Just(Message::UcxAccept(Ready {})),
         ".{0,20}".prop_map(|reason| Message::UcxDecline(UcxDecline { reason })),
@@ -437,7 +446,7 @@ proptest! {
         let t0 = Instant::now();
         let mut imp = UcxImport::new();
         imp.welcomed(true, DEADLINE, t0);
-        let mut exp = UcxExport::new(Blob(vec![1; 8]), None, DEADLINE, t0);
+        let mut exp = UcxExport::new(Blob(vec![1; 8]), None, None, DEADLINE, t0);
         exp.export(region(1));
         let mut outs = Vec::new();
         for (i, m) in to_imp.into_iter().enumerate() {
@@ -483,6 +492,7 @@ fn without_host(outs: &[Output]) -> Vec<Output> {
             Output::Connect { address, .. } => Output::Connect {
                 address: address.clone(),
                 same_host: false,
+                pid: None,
             },
             o => o.clone(),
         })

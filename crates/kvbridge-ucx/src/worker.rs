@@ -665,9 +665,24 @@ impl Worker {
         if e.detects || reading {
             return self.post_close(ep).map(Some);
         }
+        self.close_unwaited(ep).map(|()| None)
+    }
+
+    /// Closes endpoint `ep` whose peer process is known to have exited (the caller watched
+    /// it exit), after a progress that handled what the peer had delivered before it died.
+    /// Nothing more can arrive from it, so no operation on the endpoint can still complete
+    /// into local memory: the close and every operation on it are left to the worker as
+    /// [`Worker::close_peer_gone`] leaves a close without reads, reads included.
+    pub fn close_peer_dead(&mut self, ep: EpId) -> Result<()> {
+        self.close_unwaited(ep)
+    }
+
+    /// Posts the close of `ep` and leaves it, and the operations on the endpoint, to the
+    /// worker: reaped when they end, never waited for (also not when the worker is dropped).
+    fn close_unwaited(&mut self, ep: EpId) -> Result<()> {
         let close = self.post_close(ep)?;
-        // The writes keep their callers (who complete or abandon them as before); the close
-        // has none.
+        // The operations keep their callers (who complete or abandon them as before); the
+        // close has none.
         for f in self.ops.values_mut() {
             if f.ep == Some(ep.0) {
                 f.detached = true;
@@ -677,7 +692,7 @@ impl Worker {
             f.abandoned = true;
         }
         self.reap_abandoned();
-        Ok(None)
+        Ok(())
     }
 
     fn start_close(&mut self, id: u64, e: Endpoint) -> Result<OpId> {

@@ -46,6 +46,7 @@ mod in_flight;
 mod landing;
 pub mod net;
 pub mod peer_memory;
+mod pidfd;
 mod refusals;
 mod region;
 mod session;

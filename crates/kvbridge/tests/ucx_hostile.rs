@@ -231,6 +231,7 @@ async fn an_offer_with_garbage_bytes_is_declined_and_the_session_uses_tcp() {
             &Message::UcxOffer(UcxAddress {
                 address: Blob(garbage),
                 host: None,
+                pid: None,
             }),
         )
         .await;
@@ -260,6 +261,7 @@ async fn an_offer_with_an_oversized_host_identity_fails_the_connect_by_name() {
             &Message::UcxOffer(UcxAddress {
                 address: Blob(vec![1; 64]),
                 host: Some("h".repeat(MAX_UCX_HOST_LEN + 1)),
+                pid: None,
             }),
         )
         .await;
@@ -295,6 +297,7 @@ async fn an_offer_the_welcome_did_not_announce_ends_the_session() {
         &Message::UcxOffer(UcxAddress {
             address: Blob(vec![1; 64]),
             host: None,
+            pid: None,
         }),
     )
     .await;

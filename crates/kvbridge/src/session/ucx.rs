@@ -25,8 +25,10 @@ use crate::config::{ChannelConfig, Transport};
 use crate::datapath::DataPath;
 use crate::error::{Error, Result};
 use crate::grant::RegionTable;
+use crate::pidfd::Pidfd;
 use crate::region::RegionExport;
 use crate::transport::ucx_route::{UcxChannel, UcxRoute};
+use crate::transport::ucx_thread::Departure;
 use kvbridge_proto::handshake::Step;
 use kvbridge_proto::ids::Blob;
 use kvbridge_proto::msg::{Message, UcxRegion};
@@ -88,6 +90,11 @@ fn refuse_untrusted_reach(tls: Option<&str>, trusted_fabric: bool) -> Result<()>
         beyond.join(", ")
     )))
 }
+
+/// How long a same-host listener whose control connection closed may take to be seen
+/// exiting before its endpoint is closed as one that left alive: a killed process exits
+/// within milliseconds of its sockets closing; a live one costs the teardown this much more.
+const PEER_EXIT_WAIT: Duration = Duration::from_secs(1);
 
 /// The session's timeline target (`session::TIMELINE`; this module sits below it).
 const TIMELINE: &str = "kvbridge::timeline";
@@ -153,6 +160,9 @@ pub(super) struct UcxLink {
     released: Option<PeerHandle>,
     /// The peer closed the control connection ([`UcxLink::peer_left`]).
     peer_left: bool,
+    /// (Initiator) The listener's process, on this host: watched at teardown, since an
+    /// endpoint to a same-host peer cannot report its death.
+    peer_process: Option<Pidfd>,
 }
 
 impl UcxLink {
@@ -175,6 +185,7 @@ impl UcxLink {
             held: None,
             released: None,
             peer_left: false,
+            peer_process: None,
         }
     }
 
@@ -186,6 +197,21 @@ impl UcxLink {
     /// close to a dead peer would otherwise run to the close deadline.
     pub(super) fn peer_left(&mut self) {
         self.peer_left = true;
+    }
+
+    /// How the peer left: alive ([`Departure::Bye`]), by closing the control connection
+    /// ([`Departure::Left`]), or dead ([`Departure::Died`]): a same-host listener whose
+    /// process is seen exiting within [`PEER_EXIT_WAIT`] (or `close`, if shorter) of its
+    /// connection closing. A killed process's sockets close before its pidfd turns
+    /// readable, so a moment may pass between the two.
+    async fn departure(&self, close: Duration) -> Departure {
+        if !self.peer_left {
+            return Departure::Bye;
+        }
+        match &self.peer_process {
+            Some(p) if p.exits_within(PEER_EXIT_WAIT.min(close)).await => Departure::Died,
+            _ => Departure::Left,
+        }
     }
 
     /// (Initiator) The listener's `Welcome` said whether a UCX offer follows; the
@@ -261,6 +287,7 @@ impl UcxLink {
         self.link = Some(Link::Export(UcxExport::new(
             address,
             crate::transport::shm::host_id(),
+            Some(std::process::id()),
             timeout,
             Instant::now(),
         )));
@@ -358,7 +385,14 @@ impl UcxLink {
 
     async fn carry_out(&mut self, ch: &Arc<UcxChannel>, s: &Round<'_>, o: Output) {
         match o {
-            Output::Connect { address, same_host } => {
+            Output::Connect {
+                address,
+                same_host,
+                pid,
+            } => {
+                // Opened while the listener is known alive (it just sent its offer), so the
+                // descriptor names that very process.
+                self.peer_process = pid.and_then(Pidfd::open);
                 // A listener on this host: an endpoint that may use UCX's shared-memory and
                 // cross-memory-attach lanes (a dead peer then shows at the op deadline).
                 tracing::debug!(peer = %s.peer, same_host, "UCX endpoint");
@@ -459,8 +493,9 @@ impl UcxLink {
             }
             Some(Link::Import(_)) if self.route.is_some() => {
                 let deadline = Instant::now() + close;
-                let (endpoint, left) = (s.endpoint(), self.peer_left);
-                if let Err(e) = ch.thread().disconnect(&endpoint, deadline, left).await {
+                let how = self.departure(close).await;
+                tracing::debug!(peer = %s.peer, ?how, "UCX disconnect");
+                if let Err(e) = ch.thread().disconnect(&s.endpoint(), deadline, how).await {
                     tracing::debug!(peer = %s.peer, error = %e, "UCX disconnect");
                 }
             }
@@ -528,8 +563,12 @@ mod tests {
         m.handle_message(Message::UcxOffer(UcxAddress {
             address: Blob(listener.thread().address().to_vec()),
             host: Some(host),
+            pid: None,
         }));
-        let Some(Output::Connect { address, same_host }) = m.poll_output() else {
+        let Some(Output::Connect {
+            address, same_host, ..
+        }) = m.poll_output()
+        else {
             panic!("the offer was not answered with a connect");
         };
         assert_eq!(

@@ -85,8 +85,8 @@
 //! a hostile peer with that right; what is protected is memory the owner deregistered.
 
 use crate::dir::Dir;
+use crate::pidfd::Pidfd;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Most iovecs the kernel takes per call (`UIO_MAXIOV`).
@@ -171,35 +171,21 @@ pub(crate) struct CmaCopy {
     pid: libc::pid_t,
     /// A descriptor of the very process that passed the probe, polled before each call;
     /// `None` where `pidfd_open` is unavailable (before Linux 5.3).
-    pidfd: Option<OwnedFd>,
+    pidfd: Option<Pidfd>,
 }
 
 impl CmaCopy {
     /// For the process `pid` (which just passed the probe).
     pub(crate) fn new(pid: u32) -> CmaCopy {
-        let pid = pid as libc::pid_t;
-        // SAFETY: pidfd_open takes a pid and flags; it returns a new descriptor or -1.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-        let pidfd = (fd >= 0).then(|| {
-            // SAFETY: a fresh descriptor that nothing else owns.
-            unsafe { OwnedFd::from_raw_fd(fd as i32) }
-        });
-        CmaCopy { pid, pidfd }
+        CmaCopy {
+            pid: pid as libc::pid_t,
+            pidfd: Pidfd::open(pid),
+        }
     }
 
     /// Whether the process exited (its pidfd became readable).
     fn exited(&self) -> bool {
-        let Some(fd) = &self.pidfd else {
-            return false;
-        };
-        let mut p = libc::pollfd {
-            fd: fd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd; zero timeout.
-        let n = unsafe { libc::poll(&mut p, 1, 0) };
-        n > 0 && p.revents & libc::POLLIN != 0
+        self.pidfd.as_ref().is_some_and(Pidfd::exited)
     }
 }
 

@@ -422,6 +422,18 @@ impl UcxBackend {
         }))
     }
 
+    /// [`UcxBackend::post_disconnect`] for a peer whose process the caller saw exit: the
+    /// peer's endpoint and keys are gone at once, and its close and every operation on it
+    /// are left to the worker (`Worker::close_peer_dead`). The caller progressed the worker
+    /// until it handled nothing since it saw the exit, so whatever the peer delivered
+    /// before it died has landed, and nothing more will: its batches can be answered now.
+    pub(crate) fn disconnect_dead(&mut self, peer: &str) -> Result<(), OneSidedError> {
+        let p = self.take_peer(peer)?;
+        self.worker
+            .close_peer_dead(p.ep)
+            .map_err(|e| ucx_error(peer, OneSidedStep::Disconnect, e))
+    }
+
     /// Checks one range against its two regions.
     fn check(&self, peer: &UcxPeer, name: &str, op: &RangeOp) -> Result<(), OneSidedError> {
         let out = |side, region, size| OneSidedError::OutOfBounds {

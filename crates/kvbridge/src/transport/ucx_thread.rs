@@ -26,13 +26,33 @@ enum Cmd {
     Post(String, Dir, Vec<RangeOp>, Instant, Reply<()>),
     Release(String, RegionId, Instant, Reply<()>),
     Revoke(RegionId, Reply<()>),
-    /// The peer, the close's deadline, whether the peer ended its side
-    /// ([`UcxBackend::post_disconnect_gone`]).
-    Disconnect(String, Instant, bool, Reply<()>),
+    /// The peer, the close's deadline, how the peer left.
+    Disconnect(String, Instant, Departure, Reply<()>),
     /// UCX's description of the endpoint to a peer (its lanes).
     #[cfg(test)]
     EndpointInfo(String, Reply<String>),
 }
+
+/// How a session's peer left, which decides what its endpoint's close waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Departure {
+    /// The session ended with the peer alive (a `Bye` either way, or our own error): the
+    /// close flushes, and a live peer may rely on our writes having landed once it sees the
+    /// connection close ([`UcxBackend::post_disconnect`]).
+    Bye,
+    /// The peer closed the control connection: its session is over there, or its process
+    /// died ([`UcxBackend::post_disconnect_gone`]).
+    Left,
+    /// The peer's process exited (a same-host peer, watched through a pidfd): its batches
+    /// are answered at once, their operations and the close left to the worker
+    /// ([`UcxBackend::disconnect_dead`]).
+    Died,
+}
+
+/// The most rounds of progress that deliver what a dead peer left behind before its batches
+/// are answered: past them (other peers keep the worker busy) the departure counts as
+/// [`Departure::Left`], which waits where a read could still land.
+const DRAIN_ROUNDS: usize = 10_000;
 
 /// A batch, a release's flush or a disconnect's close, posted and not yet answered. None
 /// is waited for on its own: the thread completes all of them in its loop, each answered by
@@ -234,18 +254,16 @@ impl UcxThread {
             .await
     }
 
-    /// See [`OneSided::disconnect`]. `peer_left`: the peer closed the control connection
-    /// (its session is over there, or its process died); then an endpoint to it without
-    /// failure detection is closed without waiting ([`UcxBackend::post_disconnect_gone`]).
+    /// See [`OneSided::disconnect`], for a peer that left as `how` says.
     pub(crate) async fn disconnect(
         &self,
         peer: &str,
         deadline: Instant,
-        peer_left: bool,
+        how: Departure,
     ) -> Result<(), OneSidedError> {
         let p = peer.to_string();
         self.ask(OneSidedStep::Disconnect, |tx| {
-            Cmd::Disconnect(p, deadline, peer_left, tx)
+            Cmd::Disconnect(p, deadline, how, tx)
         })
         .await
     }
@@ -414,26 +432,74 @@ fn serve(b: &mut UcxBackend, cmd: Cmd, running: &mut Vec<Running>) {
             running,
         ),
         Cmd::Revoke(id, tx) => drop(tx.send(b.revoke(id))),
-        Cmd::Disconnect(peer, deadline, false, reply) => track(
+        Cmd::Disconnect(peer, deadline, Departure::Bye, reply) => track(
             b.post_disconnect(&peer),
             OneSidedStep::Disconnect,
             deadline,
             reply,
             running,
         ),
-        Cmd::Disconnect(peer, deadline, true, reply) => match b.post_disconnect_gone(&peer) {
-            Ok(None) => drop(reply.send(Ok(()))),
-            Ok(Some(close)) => track(
-                Ok(close),
-                OneSidedStep::Disconnect,
-                deadline,
-                reply,
-                running,
-            ),
-            Err(e) => drop(reply.send(Err(e))),
-        },
+        Cmd::Disconnect(peer, deadline, Departure::Died, reply) => {
+            if deliver_all(b) {
+                answer_dead(b, &peer, running);
+                drop(reply.send(b.disconnect_dead(&peer)));
+            } else {
+                serve(
+                    b,
+                    Cmd::Disconnect(peer, deadline, Departure::Left, reply),
+                    running,
+                );
+            }
+        }
+        Cmd::Disconnect(peer, deadline, Departure::Left, reply) => {
+            match b.post_disconnect_gone(&peer) {
+                Ok(None) => drop(reply.send(Ok(()))),
+                Ok(Some(close)) => track(
+                    Ok(close),
+                    OneSidedStep::Disconnect,
+                    deadline,
+                    reply,
+                    running,
+                ),
+                Err(e) => drop(reply.send(Err(e))),
+            }
+        }
         #[cfg(test)]
         Cmd::EndpointInfo(peer, tx) => drop(tx.send(b.endpoint_info(&peer))),
+    }
+}
+
+/// Progresses the worker until a call handles nothing (at most [`DRAIN_ROUNDS`]); whether
+/// it got there.
+fn deliver_all(b: &mut UcxBackend) -> bool {
+    (0..DRAIN_ROUNDS).any(|_| b.progress() == 0)
+}
+
+/// Answers every batch, flush and close of `peer`, whose process exited and whose worker
+/// was drained since: one that completed is answered as such, the others fail naming the
+/// peer, their operations abandoned to the worker (which keeps their memory registered
+/// until UCX ends them).
+fn answer_dead(b: &mut UcxBackend, peer: &str, running: &mut Vec<Running>) {
+    let mut i = 0;
+    while i < running.len() {
+        if running[i].posted.peer() != peer {
+            i += 1;
+            continue;
+        }
+        let mut r = running.swap_remove(i);
+        let result = match b.test(&mut r.posted) {
+            Ok(true) => Ok(()),
+            Ok(false) => {
+                b.abandon(&mut r.posted);
+                Err(OneSidedError::Failed {
+                    peer: peer.to_string(),
+                    step: r.step,
+                    detail: "the peer's process exited".into(),
+                })
+            }
+            Err(e) => Err(e),
+        };
+        let _ = r.reply.send(result);
     }
 }
 
@@ -593,7 +659,7 @@ mod tests {
             assert!(got == data, "{tls}: read bytes differ");
             bounded(
                 p.initiator
-                    .disconnect("target", Instant::now() + BOUND, false),
+                    .disconnect("target", Instant::now() + BOUND, Departure::Bye),
             )
             .await
             .unwrap();
@@ -854,7 +920,7 @@ mod tests {
                         .await;
                     (r, started.elapsed())
                 },
-                ini.disconnect("child", Instant::now() + close, false)
+                ini.disconnect("child", Instant::now() + close, Departure::Bye)
             );
             let (r, took) = w;
             eprintln!(
@@ -890,7 +956,7 @@ mod tests {
                 .await;
             assert!(r.is_err(), "{tls}: a write to a killed peer succeeded");
             let started = Instant::now();
-            bounded(ini.disconnect("child", Instant::now() + close, true))
+            bounded(ini.disconnect("child", Instant::now() + close, Departure::Left))
                 .await
                 .unwrap();
             let answered = started.elapsed();
@@ -903,6 +969,39 @@ mod tests {
             // with room for a loaded host.
             assert!(answered < Duration::from_secs(1), "{tls}: {answered:?}");
             assert!(dropped < Duration::from_millis(1500), "{tls}: {dropped:?}");
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_peer_seen_dead_has_its_batches_answered_at_once() {
+        // A same-host peer's exit, proven by its pidfd, lets the thread answer the writes and
+        // reads left in flight toward it instead of at their deadline: after a progress
+        // that delivered what it sent before dying, nothing more can land.
+        for tls in ["sm,self", "posix,cma,self"] {
+            let (ini, _local, ops) = killed_target(tls, true).await;
+            let long = Instant::now() + Duration::from_secs(20);
+            let started = Instant::now();
+            // The commands go in this order (each future's first poll sends its own).
+            let (w, r, d) = tokio::join!(
+                ini.transfer("child", Dir::Write, ops.clone(), long),
+                ini.transfer("child", Dir::Read, ops, long),
+                ini.disconnect("child", long, Departure::Died),
+            );
+            let took = started.elapsed();
+            eprintln!("{tls}: write {w:?}, read {r:?}, disconnect {d:?}, after {took:?}");
+            d.unwrap();
+            for (what, res) in [("write", w), ("read", r)] {
+                assert!(
+                    matches!(&res, Err(OneSidedError::Failed { peer, detail, .. })
+                        if peer == "child" && detail.contains("exited")),
+                    "{tls}: the {what}: {res:?}"
+                );
+            }
+            // Far short of the 20 s deadlines, with room for a loaded host.
+            assert!(took < Duration::from_secs(5), "{tls}: took {took:?}");
+            let at = Instant::now();
+            drop(ini);
+            assert!(at.elapsed() < Duration::from_millis(1500), "{tls}: drop");
         }
     }
 
