@@ -307,9 +307,11 @@ pub struct ChannelConfig {
     /// `KVBRIDGE_UCX_SHM_LANES=0` turns it off). With it, an initiator names its host in the
     /// UCX negotiation and connects to a listener on the same host without peer-failure
     /// detection, which UCX 1.13's shared-memory transports lack, so UCX may pick them: with
-    /// `UCX_TLS=sm,self,tcp` they moved 1.5-2.1x what the tcp lane moved (docs/ucx.md). The
-    /// cost: a killed same-host peer shows at the operation deadline, not at once. Off, every
-    /// endpoint asks for peer-failure detection (tcp alone there).
+    /// `UCX_TLS=sm,self,tcp` they moved 1.5-2.1x what the tcp lane moved (docs/ucx.md). UCX
+    /// cannot report a dead peer on such an endpoint: the session watches the listener's
+    /// process instead (a pidfd), and a killed one fails the batches in flight once its
+    /// control connection closed and its process is seen gone. Off, every endpoint asks for
+    /// peer-failure detection (tcp alone there).
     pub ucx_shm_lanes: bool,
     /// The operator's statement that every process able to reach this host's UCX transports
     /// is trusted with this process's memory (`KVBRIDGE_UCX_TRUSTED_FABRIC=1`; default off).
