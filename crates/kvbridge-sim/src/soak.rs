@@ -238,7 +238,8 @@ pub struct SoakSummary {
     /// tracked files; `unknown`: built outside a git checkout).
     pub commit: String,
     /// The security and transport settings the workers ran with: whether `KVBRIDGE_SECRET`
-    /// was set, whether TLS certificates were given, and `KVBRIDGE_TRANSPORT`.
+    /// was set, whether TLS certificates were given, and `KVBRIDGE_TRANSPORT` (for UCX, its
+    /// `UCX_TLS` and whether the fabric was declared trusted).
     pub environment: String,
 }
 
@@ -264,7 +265,25 @@ pub fn environment() -> String {
             (true, false) => "on (control)",
             (false, _) => "off",
         },
-        std::env::var("KVBRIDGE_TRANSPORT").unwrap_or_else(|_| "default".into())
+        transport()
+    )
+}
+
+/// `KVBRIDGE_TRANSPORT`, and for UCX the transports it ran on and whether the fabric was
+/// declared trusted.
+fn transport() -> String {
+    let t = std::env::var("KVBRIDGE_TRANSPORT").unwrap_or_else(|_| "default".into());
+    if t != "ucx" {
+        return t;
+    }
+    format!(
+        "ucx (UCX_TLS {}, fabric {})",
+        std::env::var("UCX_TLS").unwrap_or_else(|_| "unset".into()),
+        if std::env::var("KVBRIDGE_UCX_TRUSTED_FABRIC").is_ok_and(|v| v == "1") {
+            "declared trusted"
+        } else {
+            "not declared trusted"
+        }
     )
 }
 

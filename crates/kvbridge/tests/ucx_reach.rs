@@ -1,14 +1,11 @@
 //! A UCX worker that processes of other users or other hosts can reach is refused unless the
 //! operator declared the fabric trusted: UCX authenticates no peer, and its software puts
 //! and gets serve any address (`kvbridge-ucx`'s `forged_bounds.rs` and
-//! `scan_only_write.rs` show both). Over `posix,cma,self` UCX runs without the declaration.
+//! `scan_only_write.rs` show both). Over `posix,cma,self` UCX runs without the declaration:
+//! every `per_transport!` suite's `ucx_posix` carrier does.
 #![cfg(feature = "ucx")]
 
-mod common;
-use common::*;
-use kvbridge::{Channel, ChannelConfig, Error, Op, Transport};
-
-const PAGE: usize = 4096;
+use kvbridge::{Channel, ChannelConfig, Error, Transport};
 
 fn ucx_config(name: &str, tls: Option<&str>, trusted: bool) -> ChannelConfig {
     let mut c = ChannelConfig::new(name, Some("127.0.0.1:0"));
@@ -79,30 +76,4 @@ async fn an_unset_ucx_tls_is_refused_without_the_declaration() {
         }
         other => panic!("expected a refusal, got {:?}", other.map(|_| ())),
     }
-}
-
-/// Over the transports only this user reaches, UCX carries a session without the
-/// declaration: a write and a read back, byte-exact.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn posix_cma_and_self_carry_a_session_without_the_declaration() {
-    let t = Carrier::ucx_same_user();
-    assert!(!t.ucx_trusted_fabric);
-    let (dec, kv) = listener("decode-0", |c| t.apply(c), 4 * PAGE, PAGE).await;
-    let (pre, src) = initiator("prefill-0", |c| t.apply(c), 2 * PAGE, PAGE).await;
-    fill(&src, 9);
-    let peer = pre.connect(&addr(&dec)).await.unwrap();
-    assert_transport(&pre, &peer, t).await;
-    pre.write(&peer, &[Op::page(&src, 0, kv.id(), 2, PAGE)])
-        .await
-        .unwrap();
-    pre.read(&peer, &[Op::page(&src, 1, kv.id(), 2, PAGE)])
-        .await
-        .unwrap();
-    let (mut a, mut b, mut c) = (vec![0u8; PAGE], vec![0u8; PAGE], vec![0u8; PAGE]);
-    src.read_at(0, &mut a).unwrap();
-    kv.read_at(2 * PAGE, &mut b).unwrap();
-    src.read_at(PAGE, &mut c).unwrap();
-    assert!(a == b && b == c, "the page differs");
-    pre.close().await;
-    dec.close().await;
 }
