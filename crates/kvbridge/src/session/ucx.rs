@@ -394,7 +394,8 @@ impl UcxLink {
                 // descriptor names that very process.
                 self.peer_process = pid.and_then(Pidfd::open);
                 // A listener on this host: an endpoint that may use UCX's shared-memory and
-                // cross-memory-attach lanes (a dead peer then shows at the op deadline).
+                // cross-memory-attach lanes, which cannot report a dead peer (its process is
+                // watched instead, `peer_process`).
                 tracing::debug!(peer = %s.peer, same_host, "UCX endpoint");
                 let t = Instant::now();
                 let r = ch
