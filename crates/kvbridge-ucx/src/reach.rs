@@ -8,7 +8,7 @@
 //! reaching its process's whole memory. Who can reach it depends on the transport:
 //! - `posix` (segments opened through `/proc/<pid>/fd`, mode 0600), `cma`
 //!   (`process_vm_readv`/`writev`, which need ptrace access) and `self` (this process):
-//!   only processes of the same user, which can already read and write this process's memory;
+//!   only processes of the same user, a trust domain the engine does not defend within;
 //! - `sysv`: its segments are created with mode 0660, so also every process of the user's
 //!   group; `sm`, `shm` and `mm` include it;
 //! - `tcp`, and every RDMA transport (`rc`, `ud`, `dc` and their variants, `ib`): any host
