@@ -106,6 +106,12 @@ pub struct ContextConfig {
 }
 
 impl ContextConfig {
+    /// The `TLS` setting a context made from this config runs with: the config's, else
+    /// `UCX_TLS` from the environment (`None`: unset, every transport).
+    pub fn effective_tls(&self) -> Option<String> {
+        self.tls.clone().or_else(|| std::env::var("UCX_TLS").ok())
+    }
+
     /// A config that pins `UCX_TLS` to `tls`.
     pub fn with_tls(tls: &str) -> Self {
         Self {
@@ -186,9 +192,9 @@ impl Context {
             status,
         })?;
         let cfg = Config(raw);
-        let env_tls = std::env::var("UCX_TLS").ok();
-        let tls = config.tls.as_deref().or(env_tls.as_deref());
-        for (names, value) in unset_defaults(|var| std::env::var_os(var).is_some(), tls) {
+        let tls = config.effective_tls();
+        for (names, value) in unset_defaults(|var| std::env::var_os(var).is_some(), tls.as_deref())
+        {
             let _taken = modify_any(&cfg, names, value);
         }
         Self::init(&cfg, config)

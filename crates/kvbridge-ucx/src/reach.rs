@@ -24,32 +24,34 @@ pub const SAME_USER: &[&str] = &["posix", "cma", "self"];
 /// `all`, a leading `^` for "every transport but these", a leading `\` for a name that is not
 /// an alias, a `:aux` suffix (the transport serves only the wire-up).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct TlsSetting<'a> {
+pub(crate) struct TlsSetting {
     /// `^...`: the names are the transports left out.
     pub(crate) excluding: bool,
-    /// The names, without `\` and `:aux`; `all` stands as itself.
-    pub(crate) names: Vec<&'a str>,
+    /// The names, lower-cased, without `\` and `:aux`; `all` stands as itself.
+    pub(crate) names: Vec<String>,
 }
 
-impl<'a> TlsSetting<'a> {
+impl TlsSetting {
     /// Reads `tls` (`None` or blank: UCX's default, every transport, as `all`).
-    pub(crate) fn read(tls: Option<&'a str>) -> Self {
+    pub(crate) fn read(tls: Option<&str>) -> Self {
         let Some(tls) = tls.map(str::trim).filter(|t| !t.is_empty()) else {
             return TlsSetting {
                 excluding: false,
-                names: vec!["all"],
+                names: vec!["all".to_string()],
             };
         };
         let (excluding, list) = match tls.strip_prefix('^') {
             Some(rest) => (true, rest),
             None => (false, tls),
         };
+        // Lower-cased: a name in another case counts as the transport it spells, so no
+        // check below is escaped by case.
         let names = list
             .split(',')
             .map(|item| {
                 let item = item.trim();
                 let item = item.strip_prefix('\\').unwrap_or(item);
-                item.split(':').next().unwrap_or(item)
+                item.split(':').next().unwrap_or(item).to_ascii_lowercase()
             })
             .filter(|n| !n.is_empty())
             .collect();
@@ -61,7 +63,7 @@ impl<'a> TlsSetting<'a> {
         let named = self
             .names
             .iter()
-            .any(|&n| n == tl || (!self.excluding && n == "all"));
+            .any(|n| n == tl || (!self.excluding && n == "all"));
         named != self.excluding
     }
 }
@@ -78,15 +80,22 @@ pub fn beyond_this_user(tls: Option<&str>) -> Vec<String> {
     let mut beyond: Vec<String> = Vec::new();
     for name in setting.names {
         let name = if name == "all" && tls.is_none_or(|t| t.trim().is_empty()) {
-            "all (UCX_TLS unset)"
+            "all (UCX_TLS unset)".to_string()
         } else {
             name
         };
-        if !SAME_USER.contains(&name) && !beyond.iter().any(|b| b == name) {
-            beyond.push(name.to_string());
+        if !SAME_USER.contains(&name.as_str()) && !beyond.contains(&name) {
+            beyond.push(name);
         }
     }
     beyond
+}
+
+/// Whether UCX may open any of `transports` under `tls` (`UCX_TLS`; `None`: unset, every
+/// transport), aliases by their own names (`sm`, not what it expands to).
+pub fn may_open_any(tls: Option<&str>, transports: &[&str]) -> bool {
+    let setting = TlsSetting::read(tls);
+    transports.iter().any(|t| setting.may_open(t))
 }
 
 #[cfg(test)]
@@ -101,6 +110,7 @@ mod tests {
             "self,cma",
             " \\posix , cma:aux ",
             "posix,self,",
+            "POSIX,Cma",
         ] {
             assert_eq!(beyond_this_user(Some(tls)), Vec::<String>::new(), "{tls}");
         }
@@ -109,6 +119,7 @@ mod tests {
             (Some(""), &["all (UCX_TLS unset)"]),
             (Some("all"), &["all"]),
             (Some("tcp"), &["tcp"]),
+            (Some("posix,TCP"), &["tcp"]),
             (Some("sm,self"), &["sm"]),
             (Some("sm,self,tcp"), &["sm", "tcp"]),
             (Some("posix,sysv,cma"), &["sysv"]),
@@ -125,6 +136,16 @@ mod tests {
         for (tls, want) in cases {
             assert_eq!(beyond_this_user(*tls), *want, "{tls:?}");
         }
+    }
+
+    #[test]
+    fn any_of_several_transports_may_open() {
+        let shared = ["sm", "posix", "sysv", "cma"];
+        assert!(!may_open_any(Some("tcp,self"), &shared));
+        assert!(may_open_any(Some("rc,\\sysv"), &shared));
+        assert!(may_open_any(Some("^sm,posix"), &shared));
+        assert!(!may_open_any(Some("^sm,posix,sysv,cma"), &shared));
+        assert!(may_open_any(None, &shared));
     }
 
     #[test]

@@ -48,12 +48,12 @@ pub(crate) async fn start_thread(
     if config.transport != Transport::Ucx {
         return Ok(None);
     }
-    let tls = config
-        .hooks
-        .ucx_tls
-        .clone()
-        .or_else(|| std::env::var("UCX_TLS").ok());
-    refuse_untrusted_reach(tls.as_deref(), config.ucx_trusted_fabric)?;
+    let worker_tls = kvbridge_ucx::ContextConfig {
+        tls: config.hooks.ucx_tls.clone(),
+        net_devices: None,
+    }
+    .effective_tls();
+    refuse_untrusted_reach(worker_tls.as_deref(), config.ucx_trusted_fabric)?;
     let (name, tls) = (name.to_string(), config.hooks.ucx_tls.clone());
     let started = tokio::task::spawn_blocking(move || UcxChannel::start(&name, tls.as_deref()))
         .await

@@ -74,22 +74,16 @@ impl std::fmt::Debug for UcxBackend {
 }
 
 /// Whether `UCX_TLS` (`tls`, else the environment's) may let UCX pick a shared-memory or
-/// cross-memory-attach transport: unset, `all`, an exclusion list (`^...`), or a list naming
-/// one of them or one of their aliases. In doubt, yes.
+/// cross-memory-attach transport: unset, `all`, an exclusion list (`^...`) that leaves one,
+/// or a list naming one of them or one of their aliases. In doubt, yes.
 fn may_use_shared_memory(tls: Option<&str>) -> bool {
-    let env = std::env::var("UCX_TLS").ok();
-    let Some(tls) = tls.or(env.as_deref()).map(str::trim) else {
-        return true;
-    };
-    if tls.is_empty() || tls.starts_with('^') {
-        return true;
+    const SHARED: [&str; 8] = ["sm", "shm", "mm", "posix", "sysv", "cma", "xpmem", "knem"];
+    let tls = ContextConfig {
+        tls: tls.map(str::to_string),
+        net_devices: None,
     }
-    const SHARED: [&str; 9] = [
-        "all", "sm", "shm", "mm", "posix", "sysv", "cma", "xpmem", "knem",
-    ];
-    tls.split(',')
-        .map(|t| t.trim().trim_start_matches('\\').to_ascii_lowercase())
-        .any(|t| SHARED.contains(&t.as_str()))
+    .effective_tls();
+    kvbridge_ucx::reach::may_open_any(tls.as_deref(), &SHARED)
 }
 
 /// The environment variables that set the segment size of UCX's shared-memory transports
