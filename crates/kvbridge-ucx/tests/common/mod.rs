@@ -79,7 +79,9 @@ fn serve(config: ContextConfig, rx: Receiver<String>, out: &mut dyn FnMut(String
     // Read afresh each time: UCX writes it behind the compiler's back.
     let secret_sum = || {
         let p = std::hint::black_box(secret.as_ptr());
-        // SAFETY: `secret` is alive and `SECRET_LEN` long; only read here.
+        // SAFETY: `secret` is alive and `SECRET_LEN` long. The test reads it only through
+        // this pointer, which the compiler cannot see through: an attacker's put changes it
+        // from outside Rust, and no Rust reference to it is held across that.
         fnv(unsafe { std::slice::from_raw_parts(p, SECRET_LEN) })
     };
     loop {
