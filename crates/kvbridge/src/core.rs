@@ -127,6 +127,15 @@ impl Core {
         (id, tx, rx)
     }
 
+    /// Our batches the channel's UCX worker carried (0 without one).
+    fn ucx_batches(&self) -> u64 {
+        #[cfg(feature = "ucx")]
+        if let Some(u) = &self.env.ucx {
+            return u.batches();
+        }
+        0
+    }
+
     /// Sessions that are not established yet.
     fn handshaking(&self) -> usize {
         self.sessions.values().filter(|s| s.up.is_none()).count()
@@ -458,6 +467,7 @@ impl Core {
                     in_flight_refused: self.env.in_flight_refused.load(Ordering::Relaxed),
                     shm_batches: self.env.direct.shm.load(Ordering::Relaxed),
                     cma_batches: self.env.direct.cma.load(Ordering::Relaxed),
+                    ucx_batches: self.ucx_batches(),
                     frames_direct: self.env.frames_direct.load(Ordering::Relaxed),
                     batches_waiting_for_room: established
                         .iter()

@@ -44,6 +44,9 @@ pub struct Stats {
     /// Our batches copied with cross-memory attach (at least one op; the others into mapped
     /// shared memory) instead of going over TCP.
     pub cma_batches: u64,
+    /// Our batches carried by UCX (puts and gets on the channel's UCX worker) instead of
+    /// going over TCP; always 0 in a build without the `ucx` feature.
+    pub ucx_batches: u64,
     /// Notifications and acknowledgements written to an idle data connection by the task
     /// or thread that issued them, skipping the connection's writer (one thread wake-up
     /// less per message on data threads).

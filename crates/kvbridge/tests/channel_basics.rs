@@ -68,6 +68,9 @@ async fn write_read_notify_round_trip(threads: bool, t: Carrier) {
     let s = pre.stats().await.unwrap();
     assert_eq!(s.established, 1);
     assert_eq!(s.batches_in_flight, 0);
+    // The write and the read, both on the worker over UCX; none anywhere else.
+    let over_ucx = if t.transport == Transport::Ucx { 2 } else { 0 };
+    assert_eq!(s.ucx_batches, over_ucx, "{s:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

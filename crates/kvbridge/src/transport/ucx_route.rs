@@ -18,6 +18,7 @@ use crate::transport::ucx_thread::UcxThread;
 use kvbridge_proto::msg::OpDesc;
 use kvbridge_proto::RegionId;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Instant;
 
@@ -35,6 +36,8 @@ struct Registered {
 pub(crate) struct UcxChannel {
     thread: UcxThread,
     registered: tokio::sync::Mutex<HashMap<RegionId, Registered>>,
+    /// Batches of ours the worker carried to the end (`Stats::ucx_batches`).
+    batches: AtomicU64,
 }
 
 impl std::fmt::Debug for Registered {
@@ -53,7 +56,13 @@ impl UcxChannel {
         Ok(Self {
             thread: UcxThread::start(name, tls)?,
             registered: Default::default(),
+            batches: AtomicU64::new(0),
         })
+    }
+
+    /// How many of our batches the worker carried to the end.
+    pub(crate) fn batches(&self) -> u64 {
+        self.batches.load(Ordering::Relaxed)
     }
 
     /// The thread that owns the worker.
@@ -215,7 +224,9 @@ impl UcxRoute {
         self.channel
             .thread
             .transfer(&self.peer, dir, ops, deadline)
-            .await
+            .await?;
+        self.channel.batches.fetch_add(1, Ordering::Relaxed);
+        Ok(())
     }
 }
 
