@@ -36,8 +36,10 @@ VENV="${KVBRIDGE_VENV:-$ROOT/.venv}"
 PY="$VENV/bin/python"
 CACHE="$VENV/cache"
 
-stamp() { # what the installed kvbridge package was built from
-  { find python -path python/target -prune -o -type f \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' -o -name '*.toml' -o -name 'Cargo.lock' \) -print \
+# The package is built with kvbridge's UCX transport (libucx-dev: scripts/setup.sh).
+PACKAGE_BUILD_ARGS="--features ucx"
+stamp() { # what the installed kvbridge package was built from, and how
+  { echo "$PACKAGE_BUILD_ARGS"; find python -path python/target -prune -o -type f \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' -o -name '*.toml' -o -name 'Cargo.lock' \) -print \
       | grep -v '^python/tests/' | grep -v '^python/kvbridge/vllm' | LC_ALL=C sort | xargs sha256sum; } | sha256sum | cut -d' ' -f1
 }
 
@@ -77,7 +79,7 @@ PYEOF
   want=$(stamp)
   if [ "$(cat "$VENV/.kvbridge-src" 2>/dev/null)" != "$want" ] || ! "$PY" -c "import kvbridge._native" 2>/dev/null; then
     echo "test-vllm.sh: installing the kvbridge package (pip install -e ./python)"
-    "$PY" -m pip install --quiet -e ./python
+    MATURIN_PEP517_ARGS="$PACKAGE_BUILD_ARGS" "$PY" -m pip install --quiet -e ./python
     echo "$want" >"$VENV/.kvbridge-src"
   fi
   # vLLM's own tests, from the sdist (other projects' code is fetched, never committed).

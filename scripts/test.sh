@@ -32,8 +32,10 @@ if [ "$RUST" = 1 ]; then
   cargo test --workspace --features kvbridge-ucx/ucx,kvbridge/ucx
 fi
 
-stamp() { # what the installed kvbridge package was built from
-  { find python -path python/target -prune -o -type f \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' -o -name '*.toml' -o -name 'Cargo.lock' \) -print \
+# The package is built with kvbridge's UCX transport (libucx-dev: scripts/setup.sh).
+PACKAGE_BUILD_ARGS="--features ucx"
+stamp() { # what the installed kvbridge package was built from, and how
+  { echo "$PACKAGE_BUILD_ARGS"; find python -path python/target -prune -o -type f \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' -o -name '*.toml' -o -name 'Cargo.lock' \) -print \
       | grep -v '^python/tests/' | LC_ALL=C sort | xargs sha256sum; } | sha256sum | cut -d' ' -f1
 }
 
@@ -59,7 +61,7 @@ EOF
     # A developer's editable install (pip install -e ./python) stays editable.
     editable=$("$PY" -c 'import importlib.metadata as m; print("-e" if "\"editable\": true" in (m.distribution("kvbridge").read_text("direct_url.json") or "") else "")' 2>/dev/null || true)
     echo "test.sh: installing the kvbridge package (pip install $editable ./python)"
-    "$PY" -m pip install --quiet $editable ./python
+    MATURIN_PEP517_ARGS="$PACKAGE_BUILD_ARGS" "$PY" -m pip install --quiet $editable ./python
     echo "$want" >"$VENV/.kvbridge-src"
   fi
   echo "test.sh: .venv ready in $(( $(date +%s) - t0 )) s, $(du -sh "$VENV" | cut -f1)"

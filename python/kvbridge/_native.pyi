@@ -5,6 +5,7 @@ from os import PathLike
 from typing import Any, Literal, final
 
 __version__: str
+TRANSPORTS: tuple[str, ...]
 
 def _at_exit(timeout: float = 2.0) -> None:
     """The exit hook: ends blocking calls (they raise Closed) and waits for them."""
@@ -45,7 +46,7 @@ class Channel:
         listen: str | None = None,
         *,
         secret: bytes | str | None = None,
-        transport: Literal["auto", "tcp", "shm"] | None = None,
+        transport: Literal["auto", "tcp", "shm", "ucx"] | None = None,
         tls_cert: str | PathLike[str] | None = None,
         tls_key: str | PathLike[str] | None = None,
         tls_ca: str | PathLike[str] | None = None,
@@ -53,6 +54,7 @@ class Channel:
         compat: str | None = None,
         use_env: bool = True,
         deadlines: dict[str, float] | None = None,
+        ucx_trusted_fabric: bool | None = None,
     ) -> None: ...
     @property
     def peer_id(self) -> str: ...
@@ -87,6 +89,7 @@ class Channel:
     def connect(self, addr: str) -> str: ...
     def connect_async(self, addr: str) -> Awaitable[str]: ...
     def peer_regions(self, peer: str) -> list[RegionInfo]: ...
+    def peer_transport(self, peer: str) -> Literal["tcp", "shm", "ucx"]: ...
     def disconnect(self, peer: str, reason: str = "disconnect") -> None: ...
 
     # transfers by page

@@ -225,8 +225,15 @@ impl PyRegionInfo {
 ///   makes an initiator-only channel.
 /// - ``secret``: shared secret (bytes or str); peers that cannot prove they know it are
 ///   refused (``Unauthenticated``). Default: ``KVBRIDGE_SECRET``.
-/// - ``transport``: ``"auto"`` (shared memory with a peer on this host, else TCP), ``"tcp"``
-///   or ``"shm"``. Default: ``KVBRIDGE_TRANSPORT``, else auto.
+/// - ``transport``: ``"auto"`` (shared memory with a peer on this host, else TCP), ``"tcp"``,
+///   ``"shm"`` or ``"ucx"`` (UCX's one-sided puts and gets with a peer that offers UCX, else
+///   TCP; in a package built with UCX, see ``kvbridge.TRANSPORTS``). Default:
+///   ``KVBRIDGE_TRANSPORT``, else auto.
+/// - ``ucx_trusted_fabric``: the statement that every process able to reach this host's UCX
+///   transports is trusted with this process's memory. UCX authenticates no peer; without
+///   this statement ``"ucx"`` runs only where ``UCX_TLS`` names ``posix``, ``cma`` and
+///   ``self`` (same-user, same-host transports) and any other setting raises ``LocalError``
+///   naming the transports. Default: ``KVBRIDGE_UCX_TRUSTED_FABRIC=1``, else off.
 /// - ``tls_cert``/``tls_key``: PEM files, for a listener with TLS on its control connection;
 ///   ``tls_ca``/``tls_server_name``: what an initiator trusts. Default: ``KVBRIDGE_TLS_*``.
 /// - ``compat``: a description of what peers must match (KV layout, dtype...); peers with
@@ -604,7 +611,7 @@ impl PyChannel {
 #[pymethods]
 impl PyChannel {
     #[new]
-    #[pyo3(signature = (peer_id, listen=None, *, secret=None, transport=None, tls_cert=None, tls_key=None, tls_ca=None, tls_server_name=None, compat=None, use_env=true, deadlines=None))]
+    #[pyo3(signature = (peer_id, listen=None, *, secret=None, transport=None, tls_cert=None, tls_key=None, tls_ca=None, tls_server_name=None, compat=None, use_env=true, deadlines=None, ucx_trusted_fabric=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -619,6 +626,7 @@ impl PyChannel {
         compat: Option<&str>,
         use_env: bool,
         deadlines: Option<HashMap<String, f64>>,
+        ucx_trusted_fabric: Option<bool>,
     ) -> PyResult<Self> {
         peer_arg(py, peer_id)?;
         let mut config = ChannelConfig::new(peer_id, listen);
@@ -629,6 +637,11 @@ impl PyChannel {
             config.transport = Transport::Auto;
             config.cma = true;
             config.data_connections = DEFAULT_DATA_CONNECTIONS;
+            config.ucx_shm_lanes = true;
+            config.ucx_trusted_fabric = false;
+        }
+        if let Some(trusted) = ucx_trusted_fabric {
+            config.ucx_trusted_fabric = trusted;
         }
         if let Some(s) = secret {
             let bytes = if let Ok(s) = s.downcast::<PyString>() {
@@ -641,8 +654,17 @@ impl PyChannel {
         }
         if let Some(t) = transport {
             config.transport = Transport::parse(t).ok_or_else(|| {
-                errors::invalid(py, format!("transport {t:?}: expected auto, tcp or shm"))
+                errors::invalid(
+                    py,
+                    format!("transport {t:?}: expected auto, tcp, shm or ucx"),
+                )
             })?;
+            if config.transport == Transport::Ucx && !crate::UCX_BUILT {
+                return Err(errors::invalid(
+                    py,
+                    "transport \"ucx\": this kvbridge package was built without UCX (build it with the cargo feature `ucx`: MATURIN_PEP517_ARGS=\"--features ucx\" pip install ./python)",
+                ));
+            }
         }
         if tls_cert.is_some() || tls_key.is_some() || tls_ca.is_some() || tls_server_name.is_some()
         {
@@ -1170,10 +1192,22 @@ impl PyChannel {
         d.set_item("tls_refused", s.tls_refused)?;
         d.set_item("shm_batches", s.shm_batches)?;
         d.set_item("cma_batches", s.cma_batches)?;
+        d.set_item("ucx_batches", s.ucx_batches)?;
         d.set_item("frames_direct", s.frames_direct)?;
         let regions = self.open(py)?.regions().len();
         d.set_item("regions", regions)?;
         Ok(d)
+    }
+
+    /// Which transport carries this side's batches to the connected ``peer``: ``"shm"`` once
+    /// it mapped one of the peer's regions, ``"ucx"`` once it imported one over UCX, else
+    /// ``"tcp"`` (batches naming regions the transport does not reach still go over TCP).
+    fn peer_transport(&self, py: Python<'_>, peer: &str) -> PyResult<&'static str> {
+        let channel = self.open(py)?.channel.clone();
+        let peer = peer_arg(py, peer)?;
+        call::block_on(py, async move {
+            Ok(channel.peer_transport(&peer).await?.name())
+        })
     }
 
     /// Ends the session with ``peer`` from this side (the peer hears ``reason``); batches in

@@ -16,6 +16,9 @@ mod transfer;
 
 use pyo3::prelude::*;
 
+/// Whether this build carries kvbridge's UCX transport (the cargo feature `ucx`).
+const UCX_BUILT: bool = cfg!(feature = "ucx");
+
 /// The native part of the `kvbridge` package; import `kvbridge` instead.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -23,6 +26,12 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<channel::PyRegionInfo>()?;
     m.add_class::<transfer::Transfer>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    let transports: &[&str] = if UCX_BUILT {
+        &["auto", "tcp", "shm", "ucx"]
+    } else {
+        &["auto", "tcp", "shm"]
+    };
+    m.add("TRANSPORTS", pyo3::types::PyTuple::new(m.py(), transports)?)?;
     m.add_function(wrap_pyfunction!(call::_at_exit, m)?)?;
     Ok(())
 }

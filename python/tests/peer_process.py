@@ -1,6 +1,7 @@
 """A kvbridge peer in its own process, driven by the tests.
 
-`listen [PORT]`: listens (on PORT, default any) with a KV buffer of PAGES pages, each page i filled with byte i; prints
+`listen [PORT [TRANSPORT]]`: listens (on PORT, default any; over TRANSPORT, default auto) with a
+KV buffer of PAGES pages, each page i filled with byte i; prints
 "ADDR REGION" and answers notifications: b"digest" -> the sha256 of its buffer, b"bye" ->
 closes and exits.
 
@@ -24,8 +25,8 @@ PAGE = 64 << 10
 PAGES = 16
 
 
-def listen(port=0):
-    with kvbridge.Channel("decode-sub", "127.0.0.1:%d" % port, use_env=False) as ch:
+def listen(port=0, transport=None):
+    with kvbridge.Channel("decode-sub", "127.0.0.1:%d" % port, use_env=False, transport=transport) as ch:
         kv = np.repeat(np.arange(PAGES, dtype=np.uint8), PAGE)
         rid = ch.register_buffer(kv, PAGE)
         print(ch.local_addr, rid, flush=True)
@@ -92,7 +93,7 @@ def block(kind, addr=None):
 
 if __name__ == "__main__":
     if sys.argv[1] == "listen":
-        listen(int(sys.argv[2]) if len(sys.argv) > 2 else 0)
+        listen(int(sys.argv[2]) if len(sys.argv) > 2 else 0, sys.argv[3] if len(sys.argv) > 3 else None)
     elif sys.argv[1] == "block-connect":
         block("connect", sys.argv[2])
     elif sys.argv[1] == "block-recv":

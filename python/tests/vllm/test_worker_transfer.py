@@ -291,6 +291,33 @@ def test_contiguous_and_scattered_blocks_arrive_byte_exact_in_one_transfer(worke
         assert not d_cache[name][untouched].any(), name
 
 
+def test_blocks_arrive_byte_exact_over_ucx(workers, monkeypatch):
+    # kv_connector_extra_config's kvbridge_transport: "ucx", over UCX's same-user transports
+    # (what runs without KVBRIDGE_UCX_TRUSTED_FABRIC: docs/ucx.md)
+    import kvbridge
+
+    if "ucx" not in kvbridge.TRANSPORTS:
+        pytest.skip("this kvbridge package was built without UCX")
+    monkeypatch.setenv("UCX_TLS", "posix,cma,self")
+    p_cache = kv_caches(seed=17)
+    d_cache = kv_caches(seed=None)
+    p = workers("kv_producer", p_cache, extra={"kvbridge_transport": "ucx"})
+    d = workers("kv_consumer", d_cache, extra={"kvbridge_transport": "ucx"})
+    hold(p, "p-1")
+    local, remote = [8, 9, 10, 3, 14], [1, 2, 3, 8, 7]
+    d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job(p, local, remote)}))
+    poll(d, want_recving={"d-1"})
+    assert d.take_failed_recving() == set()
+    for name in LAYERS:
+        for lo, ro in zip(local, remote):
+            assert torch.equal(d_cache[name][lo], p_cache[name][ro]), (name, lo)
+        untouched = [i for i in range(d_cache[name].shape[0]) if i not in local]
+        assert not d_cache[name][untouched].any(), name
+    stats = d.channel.stats()
+    assert stats["ucx_batches"] >= 1 and stats["shm_batches"] == stats["cma_batches"] == 0, stats
+    poll(p, want_sending={"p-1"})
+
+
 def test_a_prefiller_publishing_a_garbled_directory_fails_the_load_by_name(workers, caplog):
     from kvbridge.vllm.worker import DIRECTORY_MAGIC
 

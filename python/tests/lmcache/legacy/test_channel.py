@@ -287,3 +287,28 @@ def test_an_unacknowledged_announcement_leaves_no_session(make, mode):
         while other.stats()["established"] != 0:
             assert time.monotonic() < deadline, "the listener kept the abandoned session"
             time.sleep(0.02)
+
+
+def test_write_and_read_over_ucx_when_the_environment_asks_for_it(make, monkeypatch):
+    # KvbridgeChannel takes kvbridge's transport from KVBRIDGE_TRANSPORT, as a deployment
+    # sets it; UCX's same-user transports need no KVBRIDGE_UCX_TRUSTED_FABRIC (docs/ucx.md).
+    import kvbridge
+
+    if "ucx" not in kvbridge.TRANSPORTS:
+        pytest.skip("this kvbridge package was built without UCX")
+    monkeypatch.setenv("KVBRIDGE_TRANSPORT", "ucx")
+    monkeypatch.setenv("UCX_TLS", "posix,cma,self")
+    url = _url()
+    recv = make("receiver", url)
+    send = make("sender")
+    assert send.lazy_init_peer_connection("S", "R", url) is None
+    for i in (2, 5):
+        send.arena.fill(i, seed=i + 100)
+    recv.arena.fill(40, seed=140)
+    assert send.batched_write(_objs([2, 5]), {"receiver_id": "R", "remote_indexes": [33, 1]}) == 2
+    assert send.batched_read(_objs([7]), {"sender_id": "R", "remote_indexes": [40]}) == 1
+    assert recv.arena.page_bytes(33) == send.arena.page_bytes(2)
+    assert recv.arena.page_bytes(1) == send.arena.page_bytes(5)
+    assert send.arena.page_bytes(7) == recv.arena.page_bytes(40)
+    stats = send._ch.stats()
+    assert stats["ucx_batches"] == 2 and stats["shm_batches"] == stats["cma_batches"] == 0, stats
