@@ -6,7 +6,9 @@
 # Usage: bench/lmcache.sh [REPS]          (default 3)
 # Env:   SIZES    object sizes (default "10MB 256KB 1MB 4MB"; 10MB is the tool's default)
 #        CHANNELS (default "kvbridge kvbridge-tcp mooncake_te nixl"; kvbridge-tcp is
-#                  kvbridge with KVBRIDGE_TRANSPORT=tcp, the same transport as mooncake_te)
+#                  kvbridge with KVBRIDGE_TRANSPORT=tcp, the same transport as mooncake_te;
+#                  kvbridge-ucx is kvbridge with KVBRIDGE_TRANSPORT=ucx over
+#                  UCX_TLS=posix,cma,self, in a package built with UCX)
 #        NUM_OBJECTS (default 100, the tool's), SOURCE_OBJECTS (default 200; the tool's
 #                  default, 5x, needs a 5 GB arena at 10 MB), ITERS (10), WARMUP (2)
 #        KVBRIDGE_VENV (default .venv), OUT_DIR (default docs/results)
@@ -78,6 +80,7 @@ run_one() {  # channel size rep
   local channel=$1 size=$2 rep=$3 type=$1 env=()
   case $channel in
     kvbridge-tcp) type=kvbridge; env=(KVBRIDGE_TRANSPORT=tcp) ;;
+    kvbridge-ucx) type=kvbridge; env=(KVBRIDGE_TRANSPORT=ucx UCX_TLS=posix,cma,self) ;;
     mooncake_te) env=(MC_TE_PROTOCOL=tcp) ;;
   esac
   local obj page buffer ports url ctl lis tag

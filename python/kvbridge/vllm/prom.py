@@ -48,6 +48,9 @@ SERIES = {
         "Prefiller requests (kv_buffer_device: cpu) whose blocks were not copied to host memory: freed, "
         "never offered to a decoder.",
     ),
+    "shm_batches": ("vllm:kvbridge_shm_batches", "kvbridge batches a worker copied through mapped shared memory."),
+    "cma_batches": ("vllm:kvbridge_cma_batches", "kvbridge batches a worker copied with cross-memory attach."),
+    "ucx_batches": ("vllm:kvbridge_ucx_batches", "kvbridge batches UCX carried for a worker (transport ucx)."),
 }
 FAILURES = ("vllm:kvbridge_load_failures", "Decoder loads that failed, by cause.")
 

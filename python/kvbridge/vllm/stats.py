@@ -15,6 +15,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 #: Why a decoder's load failed (``loads_failed_<cause>``).
 FAILURE_CAUSES = ("timeout", "unreachable", "refused", "peer_lost", "bad_params", "lease_ended", "copy", "other")
 
+#: The worker's kvbridge channel's own counts: batches it copied through mapped shared memory,
+#: through cross-memory attach, and batches UCX carried (the rest went over TCP).
+TRANSPORT_COUNTERS = ("shm_batches", "cma_batches", "ucx_batches")
+
 #: Every counter, in the order they are logged.
 COUNTERS = (
     "loads_ok",
@@ -27,6 +31,7 @@ COUNTERS = (
     "leases_unmarked",
     "notices_failed",
     "saves_failed",
+    *TRANSPORT_COUNTERS,
 )
 
 

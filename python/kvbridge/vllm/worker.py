@@ -33,6 +33,7 @@ from .lease_table import LeaseState, LeaseTable, where
 from .lease_table import state as lease_state
 from .metadata import KvbridgeConnectorMetadata, RecvJob
 from .staging import CopyBlocksOp, HostStaging, StagingError, needs_staging
+from .stats import TRANSPORT_COUNTERS
 from .stats import zero as zero_stats
 
 log = logging.getLogger(__name__)
@@ -706,8 +707,23 @@ class KvbridgeWorker:
         delta = {k: v - self._reported.get(k, 0) for k, v in self.stats.items()}
         if not any(delta.values()):
             return None
+        # which way the channel carried the batches, asked only when something happened
+        # (vLLM calls this every step)
+        self._count_transports()
+        delta = {k: v - self._reported.get(k, 0) for k, v in self.stats.items()}
         self._reported = dict(self.stats)
         return delta
+
+    def _count_transports(self) -> None:
+        channel = self.channel
+        if channel is None:
+            return
+        try:
+            counts = channel.stats()
+        except kvbridge.KvbridgeError:
+            return
+        for key in TRANSPORT_COUNTERS:
+            self.stats[key] = counts.get(key, 0)
 
     def take_failed_recving(self) -> set[str]:
         out, self._failed_recving = self._failed_recving, set()

@@ -35,6 +35,12 @@ from servers import (
 )
 from tiny_model import WORDS, build
 
+#: kvbridge's transport between the prefiller and the decoder behind the proxy: the engine's
+#: default, or ``KVBRIDGE_E2E_TRANSPORT`` (``ucx``: UCX over its same-user transports, the
+#: kill test's victim staying on TCP, which the decoder then falls back to).
+TRANSPORT = os.environ.get("KVBRIDGE_E2E_TRANSPORT") or None
+PAIR_ENV = {"UCX_TLS": "posix,cma,self"} if TRANSPORT == "ucx" else {}
+
 #: The decoder's read deadline and the prefiller's lease in these tests (seconds).
 READ_TIMEOUT_S = 10.0
 LEASE_S = 15.0
@@ -60,7 +66,7 @@ class Cluster:
         self.ref_port, self.p_port, self.d_port, self.kv_port, self.v_port, self.v_kv_port = free_ports(6)
         self.procs: list = []
         self.ref = self._server("reference", self.ref_port, None)
-        self.prefiller = self._prefiller("prefiller", self.p_port, self.kv_port)
+        self.prefiller = self._prefiller("prefiller", self.p_port, self.kv_port, PAIR_ENV, TRANSPORT)
         # A second prefiller, not behind the proxy, for the kill test. Its blocks go over the
         # data connection (no cross-memory attach), so a decoder's read waits on the
         # prefiller process and can be caught in flight when it is killed.
@@ -68,7 +74,11 @@ class Cluster:
         self.decoder = self._server(
             "decoder",
             self.d_port,
-            kvbridge_config("kv_consumer", 0, kvbridge_read_timeout_s=READ_TIMEOUT_S, kvbridge_lease_s=LEASE_S),
+            kvbridge_config(
+                "kv_consumer", 0, kvbridge_read_timeout_s=READ_TIMEOUT_S, kvbridge_lease_s=LEASE_S,
+                **({"kvbridge_transport": TRANSPORT} if TRANSPORT else {}),
+            ),
+            PAIR_ENV,
         )
         self.startup_s = wait_healthy([self.ref, self.prefiller, self.decoder, self.victim])
         binary = kvbridge_binary()
@@ -93,8 +103,11 @@ class Cluster:
         self.procs.append(s)
         return s
 
-    def _prefiller(self, name: str, port: int, kv_port: int, env: dict | None = None) -> VllmServer:
-        return self._server(name, port, kvbridge_config("kv_producer", kv_port, kvbridge_lease_s=LEASE_S), env)
+    def _prefiller(
+        self, name: str, port: int, kv_port: int, env: dict | None = None, transport: str | None = None
+    ) -> VllmServer:
+        extra = {"kvbridge_transport": transport} if transport else {}
+        return self._server(name, port, kvbridge_config("kv_producer", kv_port, kvbridge_lease_s=LEASE_S, **extra), env)
 
     def restart_victim(self) -> float:
         """A new prefiller on the killed one's ports (the default transport this time)."""
@@ -235,6 +248,9 @@ def test_transfers_are_counted_in_vllms_connector_stats(cluster):
         time.sleep(0.2)
     assert loads == sent, (loads, sent)
     assert after.get("vllm:kvbridge_bytes_read_total", 0) > before.get("vllm:kvbridge_bytes_read_total", 0)
+    if TRANSPORT == "ucx":
+        moved = counters_moved(before, after)
+        assert moved.get("vllm:kvbridge_ucx_batches_total", 0) >= sent, moved
 
 
 def counters_moved(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
