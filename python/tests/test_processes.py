@@ -55,34 +55,38 @@ def finish(proc, timeout=20):
     return out, err
 
 
+def read_write_digest(ch, peer, region, seed):
+    """Reads the `listen` peer's pattern (page i holds byte i) in reverse page order, writes
+    four random pages into it, and checks the peer's digest of its whole buffer, which it
+    computes on a notification issued after the write; then says bye."""
+    back = np.zeros(PAGES * PAGE, dtype=np.uint8)
+    back_region = ch.register_buffer(back, PAGE)
+    ch.read_pages(peer, back_region, list(range(PAGES)), region, list(reversed(range(PAGES))))
+    for i in range(PAGES):
+        assert (back[i * PAGE : (i + 1) * PAGE] == PAGES - 1 - i).all(), i
+    src = np.random.default_rng(seed).integers(0, 256, 4 * PAGE, dtype=np.uint8)
+    src_region = ch.register_buffer(src, PAGE)
+    ch.write_pages(peer, src_region, [0, 1, 2, 3], region, [15, 2, 7, 0])
+    expected = np.repeat(np.arange(PAGES, dtype=np.uint8), PAGE)
+    for local, remote in [(0, 15), (1, 2), (2, 7), (3, 0)]:
+        expected[remote * PAGE : (remote + 1) * PAGE] = src[local * PAGE : (local + 1) * PAGE]
+    ch.notify(peer, b"digest")
+    got = ch.recv_notification(timeout=10)
+    assert got == ("decode-sub", hashlib.sha256(expected.tobytes()).hexdigest().encode())
+    try:
+        ch.notify(peer, b"bye")
+    except kvbridge.PeerClosed:
+        pass  # the peer may close on reading it before its acknowledgement is out
+
+
 def test_peer_in_another_process_byte_exact():
     proc = spawn("listen")
     try:
         addr, region = readline(proc).split()
-        region = int(region)
         with channel("prefill-main") as ch:
             peer = ch.connect(addr)
             assert peer == "decode-sub"
-            # Read the peer's pattern: page i holds byte i.
-            back = np.zeros(PAGES * PAGE, dtype=np.uint8)
-            back_region = ch.register_buffer(back, PAGE)
-            ch.read_pages(peer, back_region, list(range(PAGES)), region, list(reversed(range(PAGES))))
-            for i in range(PAGES):
-                assert (back[i * PAGE : (i + 1) * PAGE] == PAGES - 1 - i).all()
-            # Write random pages, then check the peer's digest of its whole buffer.
-            src = np.random.default_rng(3).integers(0, 256, 4 * PAGE, dtype=np.uint8)
-            src_region = ch.register_buffer(src, PAGE)
-            ch.write_pages(peer, src_region, [0, 1, 2, 3], region, [15, 2, 7, 0])
-            expected = np.repeat(np.arange(PAGES, dtype=np.uint8), PAGE)
-            for local, remote in [(0, 15), (1, 2), (2, 7), (3, 0)]:
-                expected[remote * PAGE : (remote + 1) * PAGE] = src[local * PAGE : (local + 1) * PAGE]
-            ch.notify(peer, b"digest")
-            got = ch.recv_notification(timeout=10)
-            assert got == ("decode-sub", hashlib.sha256(expected.tobytes()).hexdigest().encode())
-            try:
-                ch.notify(peer, b"bye")
-            except kvbridge.PeerClosed:
-                pass  # the peer may close on reading it before its acknowledgement is out
+            read_write_digest(ch, peer, int(region), seed=3)
         out, err = finish(proc)
         assert proc.returncode == 0, err
     finally:
@@ -91,24 +95,32 @@ def test_peer_in_another_process_byte_exact():
             proc.wait()
 
 
+def write_kill_write(ch, proc, peer, region):
+    """Writes a page to the `listen` peer, kills its process, then writes until a write
+    fails (the session ends once the peer is seen gone); returns that error and the seconds
+    from the kill's end to it."""
+    src = np.ones(PAGE, dtype=np.uint8)
+    src_region = ch.register_buffer(src, PAGE)
+    ch.write_pages(peer, src_region, [0], region, [1])
+    proc.kill()
+    proc.wait()
+    t0 = time.monotonic()
+    with pytest.raises(kvbridge.KvbridgeError) as e:
+        for _ in range(50):
+            ch.write_pages(peer, src_region, [0], region, [1])
+    return e.value, time.monotonic() - t0
+
+
 def test_killed_peer_fails_the_next_write_typed():
     proc = spawn("listen")
     try:
         addr, region = readline(proc).split()
         with channel("prefill-main", deadlines={"op": 2.0, "connect": 1.0, "handshake_step": 1.0}) as ch:
             peer = ch.connect(addr)
-            src = np.ones(PAGE, dtype=np.uint8)
-            src_region = ch.register_buffer(src, PAGE)
-            ch.write_pages(peer, src_region, [0], int(region), [1])
-            proc.kill()
-            proc.wait()
-            t0 = time.monotonic()
-            with pytest.raises(kvbridge.KvbridgeError) as e:
-                for _ in range(50):  # the session ends once the socket's end is seen
-                    ch.write_pages(peer, src_region, [0], int(region), [1])
-            assert time.monotonic() - t0 < 5
-            assert e.value.peer in ("decode-sub", addr)
-            assert not isinstance(e.value, kvbridge.Closed)
+            error, took = write_kill_write(ch, proc, peer, int(region))
+            assert took < 5
+            assert error.peer in ("decode-sub", addr)
+            assert not isinstance(error, kvbridge.Closed)
     finally:
         if proc.poll() is None:
             proc.kill()

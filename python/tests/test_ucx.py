@@ -2,22 +2,19 @@
 transports, the refusal of transports others can reach unless declared trusted, and a killed
 peer's writes failing at once."""
 
-import hashlib
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
 import kvbridge
 from conftest import channel
-from test_processes import finish, readline
+from test_processes import finish, read_write_digest, readline, write_kill_write
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PAGE = 64 << 10
-PAGES = 16
 # What runs without KVBRIDGE_UCX_TRUSTED_FABRIC: only this user's processes on this host
 # reach these (docs/ucx.md, "Who can reach a UCX worker").
 SAME_USER = "posix,cma,self"
@@ -49,32 +46,13 @@ def test_peer_in_another_process_over_ucx_byte_exact(monkeypatch):
     proc = spawn_listener()
     try:
         addr, region = readline(proc).split()
-        region = int(region)
         with channel("prefill-main", transport="ucx") as ch:
             peer = ch.connect(addr)
             assert ch.peer_transport(peer) == "ucx"
-            back = np.zeros(PAGES * PAGE, dtype=np.uint8)
-            back_region = ch.register_buffer(back, PAGE)
-            ch.read_pages(peer, back_region, list(range(PAGES)), region, list(reversed(range(PAGES))))
-            for i in range(PAGES):
-                assert (back[i * PAGE : (i + 1) * PAGE] == PAGES - 1 - i).all(), i
-            src = np.random.default_rng(5).integers(0, 256, 4 * PAGE, dtype=np.uint8)
-            src_region = ch.register_buffer(src, PAGE)
-            ch.write_pages(peer, src_region, [0, 1, 2, 3], region, [15, 2, 7, 0])
-            expected = np.repeat(np.arange(PAGES, dtype=np.uint8), PAGE)
-            for local, remote in [(0, 15), (1, 2), (2, 7), (3, 0)]:
-                expected[remote * PAGE : (remote + 1) * PAGE] = src[local * PAGE : (local + 1) * PAGE]
-            # The notification follows the write: the peer's digest sees every byte of it.
-            ch.notify(peer, b"digest")
-            got = ch.recv_notification(timeout=10)
-            assert got == ("decode-sub", hashlib.sha256(expected.tobytes()).hexdigest().encode())
+            read_write_digest(ch, peer, int(region), seed=5)
             # Both batches went over UCX, none over TCP or kvbridge's own shared memory.
             stats = ch.stats()
             assert (stats["ucx_batches"], stats["shm_batches"], stats["cma_batches"]) == (2, 0, 0), stats
-            try:
-                ch.notify(peer, b"bye")
-            except kvbridge.PeerClosed:
-                pass  # the peer may close on reading it before its acknowledgement is out
         _, err = finish(proc)
         assert proc.returncode == 0, err
     finally:
@@ -118,20 +96,12 @@ def test_a_killed_ucx_peer_fails_the_next_write_at_once(monkeypatch):
         with channel("prefill-main", transport="ucx", deadlines={"op": op, "connect": 2.0, "handshake_step": 2.0}) as ch:
             peer = ch.connect(addr)
             assert ch.peer_transport(peer) == "ucx"
-            src = np.ones(PAGE, dtype=np.uint8)
-            src_region = ch.register_buffer(src, PAGE)
-            ch.write_pages(peer, src_region, [0], int(region), [1])
-            proc.kill()
-            proc.wait()
-            t0 = time.monotonic()
-            with pytest.raises(kvbridge.KvbridgeError) as e:
-                for _ in range(50):  # the session ends once the peer is seen gone
-                    ch.write_pages(peer, src_region, [0], int(region), [1])
+            error, took = write_kill_write(ch, proc, peer, int(region))
             # The session ends with the peer's control connection; a write posted on UCX's
             # shared memory to the dead process would not end by itself (the engine's own
             # a_peer_seen_dead_has_its_batches_answered_at_once covers that case).
-            assert time.monotonic() - t0 < op / 4, time.monotonic() - t0
-            assert e.value.peer in ("decode-sub", addr)
-            assert not isinstance(e.value, (kvbridge.Closed, kvbridge.Timeout)), e.value
+            assert took < op / 4, took
+            assert error.peer in ("decode-sub", addr)
+            assert not isinstance(error, (kvbridge.Closed, kvbridge.Timeout)), error
     finally:
         stop(proc)

@@ -274,13 +274,10 @@ def test_block_runs_join_blocks_adjacent_on_both_sides():
     assert block_runs([], []) == []
 
 
-def test_contiguous_and_scattered_blocks_arrive_byte_exact_in_one_transfer(workers):
-    p_cache = kv_caches(seed=15)
-    d_cache = kv_caches(seed=None)
-    p = workers("kv_producer", p_cache)
-    d = workers("kv_consumer", d_cache)
+def load_and_check(p, d, p_cache, d_cache, local, remote):
+    """The decoder ``d`` loads the prefiller's ``remote`` blocks into its ``local`` ones (one
+    request); they arrive byte-exact and no other block of the decoder changes."""
     hold(p, "p-1")
-    local, remote = [8, 9, 10, 11, 3, 14], [1, 2, 3, 4, 8, 7]
     d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job(p, local, remote)}))
     poll(d, want_recving={"d-1"})
     assert d.take_failed_recving() == set()
@@ -289,6 +286,14 @@ def test_contiguous_and_scattered_blocks_arrive_byte_exact_in_one_transfer(worke
             assert torch.equal(d_cache[name][lo], p_cache[name][ro]), (name, lo)
         untouched = [i for i in range(d_cache[name].shape[0]) if i not in local]
         assert not d_cache[name][untouched].any(), name
+
+
+def test_contiguous_and_scattered_blocks_arrive_byte_exact_in_one_transfer(workers):
+    p_cache = kv_caches(seed=15)
+    d_cache = kv_caches(seed=None)
+    p = workers("kv_producer", p_cache)
+    d = workers("kv_consumer", d_cache)
+    load_and_check(p, d, p_cache, d_cache, [8, 9, 10, 11, 3, 14], [1, 2, 3, 4, 8, 7])
 
 
 def test_blocks_arrive_byte_exact_over_ucx(workers, monkeypatch):
@@ -303,16 +308,7 @@ def test_blocks_arrive_byte_exact_over_ucx(workers, monkeypatch):
     d_cache = kv_caches(seed=None)
     p = workers("kv_producer", p_cache, extra={"kvbridge_transport": "ucx"})
     d = workers("kv_consumer", d_cache, extra={"kvbridge_transport": "ucx"})
-    hold(p, "p-1")
-    local, remote = [8, 9, 10, 3, 14], [1, 2, 3, 8, 7]
-    d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job(p, local, remote)}))
-    poll(d, want_recving={"d-1"})
-    assert d.take_failed_recving() == set()
-    for name in LAYERS:
-        for lo, ro in zip(local, remote):
-            assert torch.equal(d_cache[name][lo], p_cache[name][ro]), (name, lo)
-        untouched = [i for i in range(d_cache[name].shape[0]) if i not in local]
-        assert not d_cache[name][untouched].any(), name
+    load_and_check(p, d, p_cache, d_cache, [8, 9, 10, 3, 14], [1, 2, 3, 8, 7])
     # the connector's counters (vLLM's "KV Transfer metrics" and /metrics) say UCX carried it
     stats = d.stats_since_last_report()
     assert stats["loads_ok"] == 1 and stats["ucx_batches"] >= 1, stats
