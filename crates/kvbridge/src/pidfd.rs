@@ -2,9 +2,6 @@
 //! exits: how a same-host peer's death is proven, not guessed from a closed connection.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::time::Duration;
-
-use tokio::io::unix::AsyncFd;
 
 /// A process this one watches.
 #[derive(Debug)]
@@ -37,8 +34,12 @@ impl Pidfd {
 
     /// Whether the process exits within `bound` (waits on the descriptor, no polling
     /// loop). A killed process closes its sockets before its pidfd turns readable, so a
-    /// peer seen leaving may still need a moment to be seen dead.
-    pub(crate) async fn exits_within(&self, bound: Duration) -> bool {
+    /// peer seen leaving may still need a moment to be seen dead. Only UCX sessions wait on
+    /// a peer's exit (cross-memory attach polls [`Pidfd::exited`]).
+    #[cfg(any(feature = "ucx", test))]
+    pub(crate) async fn exits_within(&self, bound: std::time::Duration) -> bool {
+        use tokio::io::unix::AsyncFd;
+
         if self.exited() {
             return true;
         }
@@ -57,6 +58,7 @@ impl Pidfd {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[tokio::test]
     async fn a_child_is_seen_alive_then_exited() {
