@@ -659,12 +659,14 @@ impl PyChannel {
                     format!("transport {t:?}: expected auto, tcp, shm or ucx"),
                 )
             })?;
-            if config.transport == Transport::Ucx && !crate::UCX_BUILT {
-                return Err(errors::invalid(
-                    py,
-                    "transport \"ucx\": this kvbridge package was built without UCX (build it with the cargo feature `ucx`: MATURIN_PEP517_ARGS=\"--features ucx\" pip install ./python)",
-                ));
-            }
+        }
+        // Whether it came from the argument or from KVBRIDGE_TRANSPORT: the engine would only
+        // say its build has no UCX; the package's user needs to know how to build one.
+        if config.transport == Transport::Ucx && !crate::UCX_BUILT {
+            return Err(errors::invalid(
+                py,
+                "transport \"ucx\" (the argument or KVBRIDGE_TRANSPORT): this kvbridge package was built without UCX (build it with the cargo feature `ucx`: MATURIN_PEP517_ARGS=\"--features ucx\" pip install ./python)",
+            ));
         }
         if tls_cert.is_some() || tls_key.is_some() || tls_ca.is_some() || tls_server_name.is_some()
         {

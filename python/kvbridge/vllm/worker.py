@@ -704,8 +704,7 @@ class KvbridgeWorker:
 
     def stats_since_last_report(self) -> dict[str, int | float] | None:
         """The counters' change since the previous call; None when nothing changed."""
-        delta = {k: v - self._reported.get(k, 0) for k, v in self.stats.items()}
-        if not any(delta.values()):
+        if all(v == self._reported.get(k, 0) for k, v in self.stats.items()):
             return None
         # which way the channel carried the batches, asked only when something happened
         # (vLLM calls this every step)
