@@ -377,3 +377,55 @@ async fn addresses_go_only_to_a_peer_that_read_the_canary_and_only_for_its_grant
     }
     assert!(!kv.is_tainted());
 }
+
+/// A batch of several MiB is copied by several threads at once on a host with more than one
+/// core (`transport/split_copy.rs`); its pages, scattered on both sides and cut between the
+/// threads' parts wherever the bytes fall, arrive byte-exact both ways.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_scattered_batches_split_over_threads_round_trip_byte_exact() {
+    const BIG: usize = 12 * 1024 + 512;
+    // More than one system call's iovecs, 18.7 MiB in all; an odd count, so that halves
+    // (and thirds, quarters) of the batch cut a page between two threads.
+    const PAGES: usize = 1535;
+    let here = cma_here();
+    let dec = {
+        let mut c = ChannelConfig::new("decode-0", Some("127.0.0.1:0"));
+        c.cma = true;
+        Channel::new(c).await.unwrap()
+    };
+    let kv = raw_region(PAGES * BIG, BIG);
+    dec.register(&kv, Grant::AllPeers).unwrap();
+    let (pre, src) = initiator("prefill-0", |_| {}, PAGES * BIG, BIG).await;
+    let peer = pre.connect(&addr(&dec)).await.unwrap();
+    fill(&src, 7);
+    let to = |i: usize| (i * 769) % PAGES;
+    let ops: Vec<Op> = (0..PAGES)
+        .map(|i| Op::page(&src, i, kv.id(), to(i) as u64, BIG))
+        .collect();
+    pre.write(&peer, &ops).await.unwrap();
+    let (kvb, srcb) = (bytes(&kv), bytes(&src));
+    for i in 0..PAGES {
+        let r = to(i);
+        assert!(
+            kvb[r * BIG..(r + 1) * BIG] == srcb[i * BIG..(i + 1) * BIG],
+            "written page {i} → {r} differs"
+        );
+    }
+    let back = raw_region(PAGES * BIG, BIG);
+    pre.register(&back, Grant::AllPeers).unwrap();
+    let from = |i: usize| (i * 389) % PAGES;
+    let ops: Vec<Op> = (0..PAGES)
+        .map(|i| Op::page(&back, i, kv.id(), from(i) as u64, BIG))
+        .collect();
+    pre.read(&peer, &ops).await.unwrap();
+    let backb = bytes(&back);
+    for i in 0..PAGES {
+        let r = from(i);
+        assert!(
+            backb[i * BIG..(i + 1) * BIG] == kvb[r * BIG..(r + 1) * BIG],
+            "read page {r} → {i} differs"
+        );
+    }
+    let s = pre.stats().await.unwrap();
+    assert_eq!(s.cma_batches, if here { 2 } else { 0 }, "{s:?}");
+}

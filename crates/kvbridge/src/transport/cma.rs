@@ -86,6 +86,7 @@
 
 use crate::dir::Dir;
 use crate::pidfd::Pidfd;
+use crate::transport::split_copy;
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -194,21 +195,36 @@ impl DirectCopy for CmaCopy {
         if self.exited() {
             return Err(CopyError::PeerGone);
         }
-        for chunk in pieces.chunks(IOV_MAX) {
-            // SAFETY: the caller's contract is `vm_copy`'s.
-            match unsafe { vm_copy(self.pid, dir, chunk) } {
-                Ok(()) => {}
-                // An exiting process releases its memory before its pidfd turns readable;
-                // a copy in that moment fails with ESRCH. Either way the peer is gone, and
-                // that is a lost connection, not an internal error.
-                Err(CopyError::Os { error, .. }) if error.raw_os_error() == Some(libc::ESRCH) => {
-                    return Err(CopyError::PeerGone)
-                }
-                Err(e) => return Err(e),
-            }
+        let pid = self.pid;
+        // SAFETY: the caller's contract, which `vm_copies` takes on any part of the pieces.
+        unsafe {
+            split_copy::run(dir, pieces, split_copy::threads(), move |part| {
+                vm_copies(pid, dir, part)
+            })
         }
-        Ok(())
     }
+}
+
+/// `pieces` in calls of at most [`IOV_MAX`] iovecs, in order; a process that is gone is
+/// [`CopyError::PeerGone`].
+///
+/// # Safety
+/// As [`DirectCopy::copy`].
+unsafe fn vm_copies(pid: libc::pid_t, dir: Dir, pieces: &[Piece]) -> Result<(), CopyError> {
+    for chunk in pieces.chunks(IOV_MAX) {
+        // SAFETY: the caller's contract is `vm_copy`'s.
+        match unsafe { vm_copy(pid, dir, chunk) } {
+            Ok(()) => {}
+            // An exiting process releases its memory before its pidfd turns readable; a
+            // copy in that moment fails with ESRCH. Either way the peer is gone, and that is
+            // a lost connection, not an internal error.
+            Err(CopyError::Os { error, .. }) if error.raw_os_error() == Some(libc::ESRCH) => {
+                return Err(CopyError::PeerGone)
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// One batch of at most [`IOV_MAX`] pieces, continued after partial transfers.

@@ -22,6 +22,7 @@ pub(crate) mod range_merge;
 pub(crate) mod shm;
 #[allow(dead_code)]
 pub(crate) mod shm_one_sided;
+pub(crate) mod split_copy;
 pub(crate) mod tcp;
 // Parts of the seam (wait, test, wakeups) serve the backend's own tests only.
 #[cfg(feature = "ucx")]
