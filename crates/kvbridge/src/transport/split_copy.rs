@@ -33,13 +33,20 @@ pub(crate) const MAX_THREADS: usize = 4;
 /// helpers without a spawn).
 static COPY_THREADS: ThreadPool = ThreadPool::new(16, Duration::from_secs(30), || {});
 
-/// How many threads a large copy uses here: the host's cores, at most [`MAX_THREADS`].
+/// How many threads a large copy uses in this process: `KVBRIDGE_CMA_THREADS` (1 copies on
+/// the calling thread alone; at most 16), else the host's cores, at most [`MAX_THREADS`].
 pub(crate) fn threads() -> usize {
     static N: OnceLock<usize> = OnceLock::new();
     *N.get_or_init(|| {
-        std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .min(MAX_THREADS)
+        std::env::var("KVBRIDGE_CMA_THREADS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .map(|n| n.clamp(1, 16))
+            .unwrap_or_else(|| {
+                std::thread::available_parallelism()
+                    .map_or(1, |n| n.get())
+                    .min(MAX_THREADS)
+            })
     })
 }
 
