@@ -123,7 +123,7 @@ where
         }
     }
     results.sort_by_key(|(i, _)| *i);
-    results.into_iter().map(|(_, r)| r).collect()
+    results.into_iter().try_for_each(|(_, r)| r)
 }
 
 /// `pieces` cut into `n` parts of about equal bytes, in order (a piece may be cut between
