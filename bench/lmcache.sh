@@ -7,6 +7,8 @@
 # Env:   SIZES    object sizes (default "10MB 256KB 1MB 4MB"; 10MB is the tool's default)
 #        CHANNELS (default "kvbridge kvbridge-tcp mooncake_te nixl"; kvbridge-tcp is
 #                  kvbridge with KVBRIDGE_TRANSPORT=tcp, the same transport as mooncake_te;
+#                  kvbridge-cma1 is kvbridge with KVBRIDGE_CMA_THREADS=1 (each
+#                  cross-memory-attach copy on one thread);
 #                  kvbridge-ucx is kvbridge with KVBRIDGE_TRANSPORT=ucx over
 #                  UCX_TLS=posix,cma,self, in a package built with UCX)
 #        NUM_OBJECTS (default 100, the tool's), SOURCE_OBJECTS (default 200; the tool's
@@ -81,6 +83,7 @@ run_one() {  # channel size rep
   case $channel in
     kvbridge-tcp) type=kvbridge; env=(KVBRIDGE_TRANSPORT=tcp) ;;
     kvbridge-ucx) type=kvbridge; env=(KVBRIDGE_TRANSPORT=ucx UCX_TLS=posix,cma,self) ;;
+    kvbridge-cma1) type=kvbridge; env=(KVBRIDGE_CMA_THREADS=1) ;;
     mooncake_te) env=(MC_TE_PROTOCOL=tcp) ;;
   esac
   local obj page buffer ports url ctl lis tag
