@@ -93,17 +93,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 /// Most iovecs the kernel takes per call (`UIO_MAXIOV`).
 pub(crate) const IOV_MAX: usize = 1024;
 
-/// One range of a direct copy.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Piece {
-    /// Address on the peer's side: in this process for a mapping, in the peer's address
-    /// space for cross-memory attach.
-    pub(crate) remote: usize,
-    /// Address of the local range (checked against its region, held in use).
-    pub(crate) local: *mut u8,
-    /// Bytes.
-    pub(crate) len: usize,
-}
+pub(crate) use crate::transport::piece::Piece;
 
 /// Why a direct copy failed.
 #[derive(Debug)]
@@ -198,9 +188,16 @@ impl DirectCopy for CmaCopy {
         let pid = self.pid;
         // SAFETY: the caller's contract, which `vm_copies` takes on any part of the pieces.
         unsafe {
-            split_copy::run(dir, pieces, split_copy::threads(), move |part| {
-                vm_copies(pid, dir, part)
-            })
+            split_copy::run(
+                dir,
+                pieces,
+                split_copy::threads(),
+                move |part| vm_copies(pid, dir, part),
+                || CopyError::Os {
+                    error: io::Error::other("a copy thread ended without answering"),
+                    done: 0,
+                },
+            )
         }
     }
 }

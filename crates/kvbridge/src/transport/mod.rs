@@ -16,6 +16,7 @@ pub(crate) mod cma_one_sided;
 // The engine does not drive the seam's methods yet (UCX runs behind its own thread).
 #[allow(dead_code)]
 pub(crate) mod one_sided;
+pub(crate) mod piece;
 // Only the UCX route merges ranges so far.
 #[cfg_attr(not(feature = "ucx"), allow(dead_code))]
 pub(crate) mod range_merge;

@@ -16,7 +16,7 @@
 
 use crate::dir::Dir;
 use crate::thread_pool::ThreadPool;
-use crate::transport::cma::{CopyError, Piece};
+use crate::transport::piece::Piece;
 use std::sync::mpsc;
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -63,19 +63,21 @@ unsafe impl Send for Part {}
 /// done or failed), split over up to `threads` threads when each part gets at least
 /// [`MIN_PART`] bytes and no two pieces copy into the same bytes; on the calling thread
 /// alone otherwise. Returns once every part ended: the first part's error in piece order,
-/// or `Ok`.
+/// or `Ok`; `lost()` stands for a part whose thread ended without answering.
 ///
 /// # Safety
 /// As [`super::cma::DirectCopy::copy`] for `pieces`, and `copy` must be sound to call on
 /// any sub-list of them from any thread.
-pub(crate) unsafe fn run<F>(
+pub(crate) unsafe fn run<E, F>(
     dir: Dir,
     pieces: &[Piece],
     threads: usize,
     copy: F,
-) -> Result<(), CopyError>
+    lost: impl Fn() -> E,
+) -> Result<(), E>
 where
-    F: Fn(&[Piece]) -> Result<(), CopyError> + Clone + Send + 'static,
+    E: Send + 'static,
+    F: Fn(&[Piece]) -> Result<(), E> + Clone + Send + 'static,
 {
     let total: usize = pieces.iter().map(|p| p.len).sum();
     let parts = threads.min(total / MIN_PART);
@@ -111,13 +113,7 @@ where
             Ok(r) => results.push(r),
             // A part's thread ended without answering (it panicked): its copy stopped there.
             Err(_) => {
-                results.push((
-                    usize::MAX,
-                    Err(CopyError::Os {
-                        error: std::io::Error::other("a copy thread ended without answering"),
-                        done: 0,
-                    }),
-                ));
+                results.push((usize::MAX, Err(lost())));
                 break;
             }
         }
@@ -184,6 +180,10 @@ fn disjoint_destinations(dir: Dir, pieces: &[Piece]) -> bool {
 mod tests {
     use super::*;
     use std::collections::HashSet;
+
+    fn lost() -> std::io::Error {
+        std::io::Error::other("lost")
+    }
     use std::sync::{Arc, Mutex};
 
     fn piece(remote: usize, local: usize, len: usize) -> Piece {
@@ -252,21 +252,27 @@ mod tests {
         let arrived = Arc::new((Mutex::new(0usize), std::sync::Condvar::new()));
         // SAFETY: the copy only records the pieces; no memory is touched.
         let r = unsafe {
-            run(dir, pieces, threads, move |part: &[Piece]| {
-                let id = format!("{:?}", std::thread::current().id());
-                n.lock().unwrap().insert(id);
-                let (count, all) = &*arrived;
-                let mut c = count.lock().unwrap();
-                *c += 1;
-                all.notify_all();
-                let _ = all
-                    .wait_timeout_while(c, Duration::from_secs(5), |c| *c < together)
-                    .unwrap();
-                s.lock()
-                    .unwrap()
-                    .extend(part.iter().map(|p| (p.remote, p.local as usize, p.len)));
-                Ok(())
-            })
+            run(
+                dir,
+                pieces,
+                threads,
+                move |part: &[Piece]| -> std::io::Result<()> {
+                    let id = format!("{:?}", std::thread::current().id());
+                    n.lock().unwrap().insert(id);
+                    let (count, all) = &*arrived;
+                    let mut c = count.lock().unwrap();
+                    *c += 1;
+                    all.notify_all();
+                    let _ = all
+                        .wait_timeout_while(c, Duration::from_secs(5), |c| *c < together)
+                        .unwrap();
+                    s.lock()
+                        .unwrap()
+                        .extend(part.iter().map(|p| (p.remote, p.local as usize, p.len)));
+                    Ok(())
+                },
+                lost,
+            )
         };
         r.unwrap();
         let mut seen: Vec<Piece> = seen
@@ -314,31 +320,31 @@ mod tests {
         let e = ended.clone();
         // SAFETY: the copy touches no memory.
         let r = unsafe {
-            run(Dir::Write, &pieces, 4, move |part: &[Piece]| {
-                // The parts after the first fail; the last one slowly.
-                let first = part[0].remote;
-                if first == 3 * (4 << 20) {
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-                *e.lock().unwrap() += 1;
-                if first == 0 {
-                    Ok(())
-                } else {
-                    Err(CopyError::Os {
-                        error: std::io::Error::from_raw_os_error(libc::EFAULT),
-                        done: first,
-                    })
-                }
-            })
+            run(
+                Dir::Write,
+                &pieces,
+                4,
+                move |part: &[Piece]| {
+                    // The parts after the first fail; the last one slowly.
+                    let first = part[0].remote;
+                    if first == 3 * (4 << 20) {
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                    *e.lock().unwrap() += 1;
+                    if first == 0 {
+                        Ok(())
+                    } else {
+                        Err(first)
+                    }
+                },
+                || usize::MAX,
+            )
         };
         assert_eq!(
             *ended.lock().unwrap(),
             4,
             "returned before every part ended"
         );
-        match r {
-            Err(CopyError::Os { done, .. }) => assert_eq!(done, 4 << 20),
-            other => panic!("{other:?}"),
-        }
+        assert_eq!(r, Err(4 << 20), "not the first part's error in piece order");
     }
 }
