@@ -618,3 +618,35 @@ async fn ucx_without_the_feature_is_a_typed_configuration_error() {
     }
     assert_eq!(Transport::parse("ucx"), Some(Transport::Ucx));
 }
+
+/// A notification the peer's application received is confirmed to its sender even when the
+/// peer closes its channel the moment it has it: `notify` returns `Ok`, not the peer's
+/// `Bye` overtaking the confirmation. Repeated, as the close races the confirmation.
+async fn a_notification_received_then_closed_on_is_confirmed(t: Carrier) {
+    for round in 0..20 {
+        let cfg = |c: &mut ChannelConfig| t.apply(c);
+        let (dec, _kv) = listener("decode-0", cfg, 4 * PAGE, PAGE).await;
+        let (pre, _src) = initiator("prefill-0", cfg, 4 * PAGE, PAGE).await;
+        let peer = pre.connect(&addr(&dec)).await.unwrap();
+        let closer = tokio::spawn(async move {
+            let n = tokio::time::timeout(Duration::from_secs(10), dec.recv_notification())
+                .await
+                .expect("no notification within 10 s")
+                .expect("the channel ended");
+            dec.close().await;
+            n.data
+        });
+        let r = tokio::time::timeout(Duration::from_secs(10), pre.notify(&peer, b"last"))
+            .await
+            .expect("notify hung");
+        assert_eq!(closer.await.unwrap(), b"last");
+        if let Err(e) = r {
+            panic!("round {round}: a received notification failed at its sender: {e}");
+        }
+        pre.close().await;
+    }
+}
+per_transport!(
+    a_notification_received_then_closed_on_is_confirmed_per_transport,
+    super::a_notification_received_then_closed_on_is_confirmed
+);

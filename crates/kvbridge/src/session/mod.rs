@@ -1309,11 +1309,29 @@ impl Session {
             self.ucx.close(&round, close).await;
         }
         if let Some(mut d) = self.data.take() {
+            let peer_closing = match &err {
+                Error::PeerClosed { .. } => true,
+                Error::Rejected { code, .. } => *code == ErrorCode::ShuttingDown,
+                _ => false,
+            };
+            if peer_closing {
+                // The peer is closing (it said Bye, or refused a connection because it is
+                // closing) and flushes and closes its data connections: what it wrote there
+                // before (confirmations of our notifications and writes) is still on its
+                // way. The readers read it to the end, within PEER_FLUSH_GRACE, before
+                // waiting batches learn the outcome.
+                let until = Instant::now() + PEER_FLUSH_GRACE;
+                for c in d.conns.iter_mut() {
+                    if !c.reader.is_finished() {
+                        let _ = tokio::time::timeout_at(until, &mut c.reader).await;
+                    }
+                }
+            }
             // Let the writers flush what is queued (an error ack for the peer), briefly.
             for c in &d.conns {
                 c.out.try_send(Outgoing::Shutdown);
             }
-            let flush_until = Instant::now() + Duration::from_millis(200);
+            let flush_until = Instant::now() + WRITER_FLUSH;
             let mut flushed = Vec::with_capacity(d.conns.len());
             for c in d.conns.iter_mut() {
                 // A handle that already returned its result in `serve` must not be polled
@@ -1427,6 +1445,14 @@ async fn synced(w: Option<&mut tokio::sync::watch::Receiver<bool>>) {
         None => std::future::pending().await,
     }
 }
+
+/// How long a session's teardown lets its data writers flush what is queued.
+const WRITER_FLUSH: Duration = Duration::from_millis(200);
+
+/// How long a session whose peer said `Bye` waits for its data connections to end, so that
+/// what the peer wrote there before its `Bye` is read: longer than the peer's own flush of its
+/// writers ([`WRITER_FLUSH`]).
+const PEER_FLUSH_GRACE: Duration = Duration::from_millis(300);
 
 /// How long a session whose data connection ended waits for the peer's `Bye` or `Reject`
 /// on the control connection ([`Session::peer_word_after`]).

@@ -344,23 +344,31 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
                 }
                 // Delivered only after every write before it was placed: this task handles
                 // the connection's frames strictly in order.
-                let _ = ctx
-                    .notifications
-                    .send(Notification {
-                        peer: peer.clone(),
-                        incarnation: ctx.incarnation,
-                        data: n.data.0,
-                    })
-                    .await;
+                let notification = Notification {
+                    peer: peer.clone(),
+                    incarnation: ctx.incarnation,
+                    data: n.data.0,
+                };
                 if n.unacked {
+                    let _ = ctx.notifications.send(notification).await;
                     continue;
                 }
+                // Room in the application's queue first, then the confirmation on its way
+                // (written, or queued ahead of anything a close queues after it), then the
+                // delivery, with no await between the last two: an application that closes
+                // the moment it has the notification cannot end the session before the
+                // confirmation left, and one not confirmed is not delivered.
+                // (No room ever: the application dropped its queue; confirmed as before.)
+                let room = ctx.notifications.reserve().await.ok();
                 let ack = Message::NotifyAck(Ack {
                     id: n.id,
                     error: None,
                 });
                 if !ctx.ack(ack, Step::Notify).await? {
                     return Ok(());
+                }
+                if let Some(room) = room {
+                    room.send(notification);
                 }
             }
             Message::WriteAck(a) | Message::NotifyAck(a) => {
