@@ -111,7 +111,8 @@ where
     for _ in 0..handed {
         match rx.recv() {
             Ok(r) => results.push(r),
-            // A part's thread ended without answering (it panicked): its copy stopped there.
+            // Every sender is gone, so every part's thread has ended, one of them without
+            // answering (it panicked): its copy stopped there.
             Err(_) => {
                 results.push((usize::MAX, Err(lost())));
                 break;
