@@ -12,6 +12,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from .config import settings_from
+from .load_requests import InboxAddress
+from .logs import route_to_vllm
 from .metadata import KvbridgeConnectorMetadata
 from .prom import KvbridgePromMetrics
 from .scheduler import KvbridgeScheduler
@@ -28,6 +30,7 @@ class KvbridgeConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
+        route_to_vllm()
         self.settings = settings_from(vllm_config)
         self.connector_scheduler: KvbridgeScheduler | None = None
         self.connector_worker: KvbridgeWorker | None = None
@@ -85,21 +88,43 @@ class KvbridgeConnector(KVConnectorBase_V1):
         pass
 
     def wait_for_save(self) -> None:
-        # with host staging: the blocks of prompts this step completed go to host memory
-        # now, before the step's output lets the scheduler return their kv_transfer_params
+        # the prompts this step completed: staged to host memory and marked held now,
+        # before the step's output lets the scheduler return their kv_transfer_params
         assert self.connector_worker is not None
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvbridgeConnectorMetadata)
-        if meta.reqs_to_save:
-            self.connector_worker.save_to_host(meta.reqs_to_save)
+        if meta.reqs_to_save or meta.reqs_to_hold:
+            self.connector_worker.wait_for_save(meta)
+
+    def get_handshake_metadata(self) -> InboxAddress | None:
+        """A decoder rank's load inbox, which vLLM hands the scheduler at startup."""
+        return None if self.connector_worker is None else self.connector_worker.handshake_metadata()
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.set_inbox_addresses(metadata)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.connector_worker is not None and isinstance(connector_metadata, KvbridgeConnectorMetadata):
+            self.connector_worker.before_forward(connector_metadata)
+
+    def _wait_if_idle(self) -> None:
+        assert self.connector_worker is not None
+        if self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            if isinstance(meta, KvbridgeConnectorMetadata) and meta.idle:
+                self.connector_worker.wait_idle()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._wait_if_idle()
         assert self.connector_worker is not None
         return self.connector_worker.get_finished(finished_req_ids)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        self._wait_if_idle()
         assert self.connector_worker is not None
         sending, recving = self.connector_worker.get_finished(finished_req_ids)
         return KVConnectorTransferResults(

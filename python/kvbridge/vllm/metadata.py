@@ -27,6 +27,9 @@ class RecvJob:
     error: str = ""
     # the prefiller's address and request id are usable for its "read done" notice
     notify: bool = True
+    # when the scheduler allocated the blocks (``time.monotonic()``, one clock for every
+    # process of the host): the load's deadline and its slow-load timings count from here
+    allocated: float = 0.0
 
 
 @dataclass
@@ -37,6 +40,17 @@ class KvbridgeConnectorMetadata(KVConnectorMetadata):
     # prefiller with host staging: request id -> its blocks, to copy to host memory after
     # this step's forward pass (the step that completes its prompt)
     reqs_to_save: dict[str, list[int]] = field(default_factory=dict)
+    # prefiller: requests whose prompt this step completes and which finish with it
+    # (max_tokens 1, as proxies send): marked held in the lease table after the forward
+    # pass, before the step's output can reach a decoder, so that no decoder waits for a
+    # later step of the prefiller to find its request held
+    reqs_to_hold: set[str] = field(default_factory=set)
+    # prefiller: requests marked held that then finished without a delayed free (aborted):
+    # marked ended before this step's forward pass can write into their blocks
+    reqs_not_sent: set[str] = field(default_factory=set)
+    # no request computes in this step (vLLM steps only for the connector's transfers):
+    # the worker waits briefly for one to end instead of returning at once (worker.wait_idle)
+    idle: bool = False
 
 
 def first_group(block_ids) -> list[int]:

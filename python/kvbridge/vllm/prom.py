@@ -23,6 +23,11 @@ SERIES = {
         "Decoder requests with KV on a prefiller whose prompt vLLM computed itself instead of loading it "
         "(prompt logprobs, or a local prefix-cache hit).",
     ),
+    "slow_loads": (
+        "vllm:kvbridge_slow_loads",
+        "Decoder loads that completed more than one second after their blocks were allocated (each logged "
+        "with where its time went).",
+    ),
     "bytes_read": ("vllm:kvbridge_bytes_read", "KV bytes a decoder read from prefillers."),
     "load_seconds": ("vllm:kvbridge_load_seconds", "Seconds decoder loads took, summed over completed loads."),
     "read_seconds": (

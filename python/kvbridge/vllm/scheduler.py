@@ -12,9 +12,11 @@ that step's forward pass (staging.py).
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from .config import ConnectorSettings
+from .load_requests import LoadRequestSender
 from .metadata import KvbridgeConnectorMetadata, RecvJob, first_group
 from .staging import HOST
 
@@ -60,10 +62,17 @@ class KvbridgeScheduler:
         self._reqs_need_send: dict[str, float] = {}
         # requests whose prefiller already gets a notification from a load job
         self._recv_issued: set[str] = set()
-        # prefiller with host staging: do_remote_decode requests whose prompt is not fully
-        # scheduled yet -> (the request, its blocks so far)
+        # prefiller: do_remote_decode requests whose prompt is not fully scheduled yet ->
+        # (the request, its blocks so far)
         self._stages = settings.is_producer and settings.kv_buffer_device == HOST
-        self._to_save: dict[str, tuple[Any, list[int]]] = {}
+        self._prompts: dict[str, tuple[Any, list[int]]] = {}
+        # prefiller: requests the workers mark held in the step that completes their prompt,
+        # until they finish; those that finish without a delayed free are unmarked next step
+        self._held: set[str] = set()
+        self._reqs_not_sent: set[str] = set()
+        # decoder: each load also goes straight to the workers' load threads
+        self.load_requests = LoadRequestSender()
+        self._sync = getattr(vllm_config, "max_concurrent_batches", 1) == 1
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
@@ -78,8 +87,8 @@ class KvbridgeScheduler:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
-        if self._stages and params and params.get("do_remote_decode"):
-            self._to_save[request.request_id] = (request, [])
+        if self.settings.is_producer and params and params.get("do_remote_decode"):
+            self._prompts[request.request_id] = (request, [])
         if not params or not params.get("do_remote_prefill"):
             return
         # one transfer per request
@@ -123,6 +132,8 @@ class KvbridgeScheduler:
             job = self._job(params, local, awaited=True)
             job.remote_block_ids = job.remote_block_ids[: hit + len(local)]
             self._reqs_need_recv[request.request_id] = job
+            if self._sync and local:
+                self.load_requests.send(request.request_id, job)
         self._recv_issued.add(request.request_id)
 
     @staticmethod
@@ -139,47 +150,73 @@ class KvbridgeScheduler:
             remote_port=int(params["remote_port"]),
             awaited=awaited,
             recomputed=recomputed,
+            allocated=time.monotonic(),
         )
 
+    def set_inbox_addresses(self, addresses: dict[int, Any]) -> None:
+        """Every TP rank's load inbox (load_requests.py), from vLLM's handshake metadata."""
+        if self._sync and self.settings.is_consumer:
+            self.load_requests.set_addresses(addresses, self.tp_size)
+
     def build_connector_meta(self, scheduler_output: Any) -> KvbridgeConnectorMetadata:
-        meta = KvbridgeConnectorMetadata(reqs_to_recv=self._reqs_need_recv, reqs_to_send=self._reqs_need_send)
+        meta = KvbridgeConnectorMetadata(
+            reqs_to_recv=self._reqs_need_recv,
+            reqs_to_send=self._reqs_need_send,
+            reqs_not_sent=self._reqs_not_sent,
+        )
         self._reqs_need_recv = {}
         self._reqs_need_send = {}
-        if self._to_save:
-            meta.reqs_to_save = self._blocks_to_save(scheduler_output)
+        self._reqs_not_sent = set()
+        meta.idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
+        if self._prompts:
+            for req_id, (request, blocks) in self._completed_prompts(scheduler_output).items():
+                if self._stages:
+                    meta.reqs_to_save[req_id] = blocks
+                if getattr(request, "max_tokens", None) == 1:
+                    meta.reqs_to_hold.add(req_id)
+                    self._held.add(req_id)
         return meta
 
-    def _blocks_to_save(self, scheduler_output: Any) -> dict[str, list[int]]:
-        """The staged requests whose prompt this step completes, with all their blocks (a
-        block a chunk left partial is copied whole once the prompt is done)."""
+    def _completed_prompts(self, scheduler_output: Any) -> dict[str, tuple[Any, list[int]]]:
+        """The do_remote_decode requests whose prompt this step completes, with all their
+        blocks (a block a chunk left partial is copied whole once the prompt is done)."""
         from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
 
-        out: dict[str, list[int]] = {}
+        out: dict[str, tuple[Any, list[int]]] = {}
         for req_id, new_blocks, resumed in yield_req_data(scheduler_output):
-            entry = self._to_save.get(req_id)
+            entry = self._prompts.get(req_id)
             if entry is None:
                 continue
             request, blocks = entry
             added = first_group(new_blocks) if new_blocks is not None else []
             # a request resumed after preemption gets all its blocks anew
             blocks = added if resumed else blocks + added
-            self._to_save[req_id] = (request, blocks)
+            self._prompts[req_id] = (request, blocks)
             scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
             if request.num_computed_tokens + scheduled >= request.num_prompt_tokens:
-                out[req_id] = blocks
-                del self._to_save[req_id]
+                out[req_id] = (request, blocks)
+                del self._prompts[req_id]
         return out
 
     def update_connector_output(self, connector_output: Any) -> None:
         pass
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        delay_free, out = self._finished(request, block_ids)
+        if request.request_id in self._held:
+            self._held.discard(request.request_id)
+            if not delay_free:
+                self._reqs_not_sent.add(request.request_id)
+        return delay_free, out
+
+    def _finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
         issued = request.request_id in self._recv_issued
         self._recv_issued.discard(request.request_id)
-        self._to_save.pop(request.request_id, None)
+        self._prompts.pop(request.request_id, None)
         if not params:
             return False, None
         if params.get("do_remote_prefill") and not issued:

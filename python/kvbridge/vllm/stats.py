@@ -25,6 +25,7 @@ COUNTERS = (
     "loads_failed",
     *(f"loads_failed_{c}" for c in FAILURE_CAUSES),
     "loads_recomputed",
+    "slow_loads",
     "bytes_read",
     "blocks_freed_on_notify",
     "leases_expired",

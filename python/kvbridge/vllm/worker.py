@@ -28,9 +28,11 @@ from typing import Any
 import kvbridge
 
 from .config import ConfigError, ConnectorSettings, numeric_host
+from .cores import run_on, transfer_core_set, transfer_cores
 from .lease_table import PAGE_BYTES as LEASE_PAGE_BYTES
 from .lease_table import LeaseState, LeaseTable, where
 from .lease_table import state as lease_state
+from .load_requests import STALE_S, InboxAddress, LoadRequestInbox
 from .metadata import KvbridgeConnectorMetadata, RecvJob
 from .staging import CopyBlocksOp, HostStaging, StagingError, needs_staging
 from .stats import TRANSPORT_COUNTERS
@@ -48,6 +50,14 @@ DIRECTORY_MAGIC = b"kvbridge-vllm/1 directory\n"
 LOAD_THREADS = 4
 #: A load that took longer is logged with the time of each of its steps.
 SLOW_LOAD_S = 1.0
+#: The longest an idle step waits for a transfer's end (``wait_idle``): a request that
+#: comes to an engine idle but for transfers waits this much longer to be scheduled; the
+#: worker's spin between steps takes about a millisecond, so the core is free about 90%
+#: of an idle engine's time.
+IDLE_WAIT_S = 0.01
+#: A prefiller that is also a decoder (kv_both) looks for the end of its loads this often
+#: while it waits for a notification.
+IDLE_SLICE_S = 0.001
 
 
 class LayoutError(ValueError):
@@ -123,12 +133,19 @@ class _Load:
     started: float = 0.0
     finished: float = 0.0
     bytes: int = 0
-    # monotonic times of its steps, for the slow-load warning: a load thread took it, the
-    # prefiller's session was ready, every read was submitted
+    # vLLM's step delivered the job (a load the inbox started is reported only then)
+    announced: bool = False
+    # how it started: "inbox" (at allocation) or "step"
+    via: str = "step"
+    # monotonic times of its steps, for the slow-load warning (``started`` is when the
+    # scheduler allocated its blocks): a load thread took it, the prefiller's session was
+    # ready, every read was submitted, every read completed; lease table reads it took
     took_up: float = 0.0
     connected: float = 0.0
     posting: float = 0.0
     submitted: float = 0.0
+    read: float = 0.0
+    lease_checks: int = 0
 
 
 def block_runs(local: list[int], remote: list[int]) -> list[tuple[int, int, int]]:
@@ -154,53 +171,6 @@ def layout_description(layers: list[tuple[str, tuple, str, int]], block_size: in
         f"kvbridge-vllm/1 model={model} block_size={block_size} tp={tp} layers={len(layers)} "
         f"page_bytes={page_bytes} layout={digest}"
     )
-
-
-def transfer_core_set() -> set[int]:
-    """The cores vLLM CPU keeps for KV transfer (the last core of each NUMA node); empty off
-    vLLM CPU or without a topology.
-
-    vLLM CPU binds the worker's thread (and its OpenMP threads) to the compute cores and
-    leaves the last core of each NUMA node free for transfers (NixlConnector puts its
-    threads there too). The worker's main thread spins there between steps (it polls for
-    the next step with ``sched_yield``), and so does every other engine's worker on the
-    host: a thread of ours left on the compute cores waits for them.
-    """
-    cores: set[int] = set()
-    try:
-        from vllm.platforms import current_platform
-
-        if current_platform.device_type == "cpu":
-            cores = {max(node) for node in current_platform.discover_numa_topology() if node}
-    except Exception as e:  # no topology: leave the affinity as it is
-        log.info("kvbridge: no NUMA topology (%s); transfer threads keep the worker's cores", e)
-    if not hasattr(os, "sched_setaffinity"):
-        return set()
-    return cores & set(range(os.cpu_count() or 1))
-
-
-def run_on(cores: set[int]) -> None:
-    """Moves the calling thread to ``cores`` (no change when empty)."""
-    if cores:
-        os.sched_setaffinity(0, cores)
-
-
-@contextlib.contextmanager
-def transfer_cores(cores: set[int]):
-    """Runs the block with the calling thread on ``cores`` (the transfer cores): kvbridge's
-    I/O threads, started by the channel, inherit the affinity of the thread that creates it;
-    on the compute cores, a prefiller whose engine loop spins (it steps while blocks await a
-    decoder) would starve them, and a decoder's read over TCP would wait for it."""
-    old = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    if not cores or old is None:
-        yield
-        return
-    os.sched_setaffinity(0, cores)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, old)
-    log.info("kvbridge: transfer threads on cores %s (worker thread on %s)", sorted(cores), sorted(old))
 
 
 class KvbridgeWorker:
@@ -249,13 +219,26 @@ class KvbridgeWorker:
         # deadline, so a notice to a prefiller that is gone (or not answering) never waits
         # in a queue ahead of notices to other prefillers
         self._notices = _NoticeLoop(self._cores)
+        # decoder: request id -> its load; the step's thread and the inbox's both start
+        # loads, under this lock, and each request's load starts once
         self._loads: dict[str, _Load] = {}
+        self._loads_lock = threading.Lock()
+        # set when a load ends, for an idle step's wait
+        self._load_ended = threading.Event()
+        # prefiller: a notification an idle step's wait took, for the next _finished_sending
+        self._taken: list[tuple[str, bytes]] = []
+        # loads the step started, kept until a late inbox datagram for them is stale
+        self._started_by_step: dict[str, float] = {}
+        self._inbox: LoadRequestInbox | None = None
         self._load_errors: set[int] = set()
         self._failed_recving: set[str] = set()
         # prefiller: request id -> monotonic deadline of its lease
         self._leases: dict[str, float] = {}
         # "done" notifications that came before the request's lease was known
         self._early_done: dict[str, float] = {}
+        # prefiller: requests marked held when their prompt was computed, not finished yet
+        # -> when they were marked
+        self._held_early: dict[str, float] = {}
         # cumulative counters (stats.COUNTERS); vLLM gets the change since its last report
         self.stats: dict[str, int | float] = zero_stats()
         self._reported: dict[str, int | float] = zero_stats()
@@ -331,6 +314,14 @@ class KvbridgeWorker:
             raise
         self.listen_addr = self.channel.local_addr
         log.info("kvbridge: %d KV layers registered, listening on %s (%s)", len(self.layers), listen, compat)
+        if self.settings.is_consumer and getattr(self.vllm_config, "max_concurrent_batches", 1) == 1:
+            self._inbox = LoadRequestInbox(self.tp_rank, self._start_from_inbox, self._cores)
+
+    def handshake_metadata(self) -> InboxAddress | None:
+        """For the scheduler: where this rank takes loads at allocation (a consumer only)."""
+        if not self.settings.is_consumer:
+            return None
+        return InboxAddress(self._inbox.path if self._inbox is not None else "")
 
     def set_host_xfer_buffer_ops(self, copy_op: CopyBlocksOp) -> None:
         """vLLM's block copy op between the KV cache and host buffers (used when staging)."""
@@ -357,6 +348,51 @@ class KvbridgeWorker:
             else:
                 self._saved.add(req_id)
 
+    # ---- prefiller: holds ---------------------------------------------------------------------
+
+    def wait_for_save(self, meta: KvbridgeConnectorMetadata) -> None:
+        """After the forward pass, before the step's output reaches the scheduler: the
+        staged prompts this step completed go to host memory, and the requests that finish
+        with this step are marked held, so that the decoder that gets their
+        ``kv_transfer_params`` finds them held at its first look."""
+        if meta.reqs_to_save:
+            self.save_to_host(meta.reqs_to_save)
+        now = time.monotonic()
+        for req_id in meta.reqs_to_hold:
+            if self.staging is not None and req_id not in self._saved:
+                continue  # not on the host: start_load_kv frees it when it finishes
+            if self._lease_table.hold(req_id):
+                self._held_early[req_id] = now
+                log.info("kvbridge: request %s held for its decoder (prompt computed)", req_id)
+            else:
+                self._unmarked(req_id)
+
+    def _unmarked(self, req_id: str) -> None:
+        self.stats["leases_unmarked"] += 1
+        log.warning(
+            "kvbridge: lease table group of %s is full (%d requests held): its decoder's load "
+            "will fail at its deadline", req_id, self._lease_table.held(),
+        )  # fmt: skip
+
+    def before_forward(self, meta: KvbridgeConnectorMetadata) -> None:
+        """When vLLM binds the step's metadata, before its forward pass can write into any
+        block freed since the last step: ends the marks of requests that finished without
+        a delayed free, and of any still unfinished a lease after their mark (ending a mark
+        is always safe: a decoder's load fails)."""
+        now = time.monotonic()
+        for req_id in meta.reqs_not_sent:
+            self._held_early.pop(req_id, None)
+            self._saved.discard(req_id)
+            self._lease_table.end(req_id)
+            log.info("kvbridge: request %s ended without a delayed free: unmarked", req_id)
+        for req_id, since in list(self._held_early.items()):
+            if req_id not in meta.reqs_to_send and now - since > self.settings.lease_s:
+                del self._held_early[req_id]
+                self._lease_table.end(req_id)
+                log.warning(
+                    "kvbridge: request %s marked held %.0f s ago and not finished: unmarked", req_id, now - since
+                )
+
     # ---- decoder: loads ---------------------------------------------------------------------
 
     def start_load_kv(self, meta: KvbridgeConnectorMetadata) -> None:
@@ -371,15 +407,23 @@ class KvbridgeWorker:
                 continue
             self._saved.discard(req_id)
             self._leases[req_id] = now + lease_s
-            if not self._lease_table.hold(req_id):
-                self.stats["leases_unmarked"] += 1
-                log.warning(
-                    "kvbridge: lease table group of %s is full (%d requests held): its decoder's load "
-                    "will fail at its deadline", req_id, self._lease_table.held(),
-                )  # fmt: skip
+            if self._held_early.pop(req_id, None) is not None:
+                continue
+            if self._lease_table.hold(req_id):
+                log.info("kvbridge: request %s held for its decoder (finished)", req_id)
+            else:
+                self._unmarked(req_id)
         for req_id, job in meta.reqs_to_recv.items():
-            load = _Load(req_id, job, started=now)
-            self._loads[req_id] = load
+            with self._loads_lock:
+                load = self._loads.get(req_id)
+                if load is not None:
+                    load.announced = True  # the inbox started it
+                    continue
+                load = _Load(req_id, job, started=job.allocated or now, announced=True)
+                self._loads[req_id] = load
+                if self._inbox is not None and job.local_block_ids and not job.error:
+                    self._forget_stale_starts(now)
+                    self._started_by_step[req_id] = now
             if job.error:
                 # the scheduler found the request's kv_transfer_params unusable: the load
                 # fails here, typed and counted, and vLLM's kv_load_failure_policy applies
@@ -388,7 +432,7 @@ class KvbridgeWorker:
                 if job.notify:
                     self._notify_job(job)
             elif job.local_block_ids:
-                load.future = self._pool.submit(self._load, load)
+                self._submit(load)
             else:
                 # nothing to read (a request that ended before it was scheduled): only the
                 # prefiller's notice, which takes neither a load thread nor a connect slot
@@ -396,6 +440,31 @@ class KvbridgeWorker:
                 load.future.set_result(None)
                 if job.notify:
                     self._notify_job(job)
+
+    def _start_from_inbox(self, req_id: str, job: RecvJob) -> None:
+        """A load the scheduler sent at allocation (load_requests.py); on the inbox's thread."""
+        now = time.monotonic()
+        with self._loads_lock:
+            self._forget_stale_starts(now)
+            if req_id in self._loads or req_id in self._started_by_step:
+                return
+            load = _Load(req_id, job, started=job.allocated, via="inbox")
+            self._loads[req_id] = load
+            self._submit(load)
+
+    def _forget_stale_starts(self, now: float) -> None:
+        """Drops the loads the step started long enough ago that no datagram for them can
+        still be taken (the inbox drops those older than ``STALE_S``); oldest first, under
+        ``_loads_lock``."""
+        while self._started_by_step:
+            r, t = next(iter(self._started_by_step.items()))
+            if now - t <= 2 * STALE_S:
+                break
+            del self._started_by_step[r]
+
+    def _submit(self, load: _Load) -> None:
+        load.future = self._pool.submit(self._load, load)
+        load.future.add_done_callback(lambda _: self._load_ended.set())
 
     def _notify_job(self, job: RecvJob) -> None:
         """The "read done" notice for a job that reads nothing, from vLLM's step: an address
@@ -483,9 +552,10 @@ class KvbridgeWorker:
         pf.peer = _Peer(peer_id, remote, leases, engine_id)
         return pf.peer
 
-    def _check_lease(self, peer: _Peer, job: RecvJob, addr: str, deadline: float) -> None:
+    def _check_lease(self, peer: _Peer, job: RecvJob, addr: str, deadline: float) -> int:
         """After the request's blocks are read: fails the load unless the prefiller still
-        held them (lease_table.py says why this order makes the read safe)."""
+        held them (lease_table.py says why this order makes the read safe). Returns how many
+        reads of the table it took."""
         ch = self.channel
         assert ch is not None
         scratch = getattr(self._lease_scratch, "buf", None)
@@ -495,7 +565,9 @@ class KvbridgeWorker:
             self._lease_scratch.buf = scratch
         req = job.remote_request_id
         pause = 0.002
+        reads = 0
         while True:
+            reads += 1
             t = ch.submit_read_pages(peer.peer_id, self._lease_scratch.region, [0], peer.leases, [where(req)])
             try:
                 t.wait(max(0.0, deadline - time.monotonic()))
@@ -508,14 +580,15 @@ class KvbridgeWorker:
                 ) from None
             found = lease_state(req, bytes(scratch))
             if found is LeaseState.HELD:
-                return
+                return reads
             if found is LeaseState.ENDED:
                 raise LoadError(
                     f"request {req} on prefiller {peer.peer_id} ({addr}): its lease ended (or its blocks were "
                     "freed) before the read was checked; the blocks read may belong to another request",
                     "lease_ended",
                 )
-            # not marked yet: the prefiller marks finished requests one engine step later
+            # not marked yet: a prefiller marks a request that went on past its prompt
+            # (max_tokens above 1) in its step after the request finished
             if time.monotonic() + pause > deadline:
                 raise LoadError(
                     f"request {req} on prefiller {peer.peer_id} ({addr}): not in its lease table by the deadline "
@@ -529,7 +602,7 @@ class KvbridgeWorker:
     def _load(self, load: _Load) -> None:
         job = load.job
         load.took_up = time.monotonic()
-        deadline = load.took_up + self.settings.read_timeout_s
+        deadline = load.started + self.settings.read_timeout_s
         ch = self.channel
         assert ch is not None
         peer = self._peer(job, deadline)
@@ -567,14 +640,18 @@ class KvbridgeWorker:
                     if left <= 0:
                         raise TimeoutError
                     t.wait(left)
-                self._check_lease(peer, job, addr, deadline)
+                load.read = time.monotonic()
+                load.lease_checks = self._check_lease(peer, job, addr, deadline)
             load.finished = time.monotonic()
             if load.finished - load.started > SLOW_LOAD_S:
+                read = load.read or load.finished
                 log.warning(
-                    "kvbridge: slow load of %s (%d bytes from %s): %.3f s waiting for a load thread, "
-                    "%.3f s for the prefiller's session, %.3f s submitting, %.3f s reading",
-                    load.req_id, load.bytes, addr, load.took_up - load.started, load.connected - load.took_up,
-                    load.submitted - load.connected, load.finished - load.submitted,
+                    "kvbridge: slow load of %s (%d bytes from %s, started by the %s): %.3f s from allocation "
+                    "to a load thread, %.3f s for the prefiller's session, %.3f s submitting, %.3f s reading, "
+                    "%.3f s checking its lease (%d reads of the table)",
+                    load.req_id, load.bytes, addr, load.via, load.took_up - load.started,
+                    load.connected - load.took_up, load.submitted - load.connected, read - load.submitted,
+                    load.finished - read, load.lease_checks,
                 )  # fmt: skip
         except TimeoutError:
             for t in load.transfers:
@@ -622,16 +699,59 @@ class KvbridgeWorker:
 
     # ---- completion -------------------------------------------------------------------------
 
+    def wait_idle(self) -> None:
+        """In a step where no request computes: waits until a load ends or a notification
+        comes, for at most ``IDLE_WAIT_S``, instead of returning at once.
+
+        vLLM keeps stepping while a prefiller holds blocks for decoders and while a decoder
+        waits for loads, each empty step a round trip to the worker, whose thread polls for
+        the next step with ``sched_yield``. On vLLM CPU every server's worker thread is bound
+        to the same compute cores by default, and a worker that spins there has been seen
+        to keep another server's worker off the core for the whole lease (30 s): the
+        decoder could not take its next step, and the prefiller held its blocks until the
+        lease ended. Sleeping here makes an idle engine's worker yield the core; the wait
+        ends at once when the transfer it is stepping for ends.
+        """
+        # cleared first: a load that ends from here on ends the wait
+        self._load_ended.clear()
+        holding = bool(self._leases)
+        with self._loads_lock:
+            loading = any(load.future is not None and not load.future.done() for load in self._loads.values())
+        if not (holding or loading) or self.channel is None:
+            return
+        deadline = time.monotonic() + IDLE_WAIT_S
+        if holding:
+            deadline = min(deadline, min(self._leases.values()))
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if not holding:
+                self._load_ended.wait(left)
+                return
+            try:
+                got = self.channel.recv_notification(min(left, IDLE_SLICE_S) if loading else left)
+            except kvbridge.KvbridgeError:
+                return
+            if got is not None:
+                self._taken.append(got)
+                return
+            if loading and self._load_ended.is_set():
+                return
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         recving: set[str] = set()
-        for req_id, load in list(self._loads.items()):
+        with self._loads_lock:
+            loads = list(self._loads.items())
+        for req_id, load in loads:
             fut = load.future
-            if fut is None or not fut.done():
+            if fut is None or not fut.done() or not load.announced:
                 continue
             # blocks are reported only once no read can still land in them
             if any(not t.done for t in load.transfers):
                 continue
-            del self._loads[req_id]
+            with self._loads_lock:
+                del self._loads[req_id]
             err = fut.exception()
             if err is None and self.staging is not None and load.job.awaited and load.job.local_block_ids:
                 # read and checked: the blocks go to the device before vLLM hears of them
@@ -650,6 +770,8 @@ class KvbridgeWorker:
                 self.stats["loads_ok"] += 1
                 self.stats["bytes_read"] += load.bytes
                 self.stats["load_seconds"] += max(0.0, load.finished - load.started)
+                if load.finished - load.started > SLOW_LOAD_S:
+                    self.stats["slow_loads"] += 1
                 if load.posting:
                     self.stats["read_seconds"] += max(0.0, load.finished - load.posting)
             else:
@@ -668,7 +790,9 @@ class KvbridgeWorker:
             return set()
         now = time.monotonic()
         done, self._free_now = self._free_now, set()
-        for _peer, msgs in self.channel.get_new_notifs().items():
+        taken, self._taken = self._taken, []
+        fresh = self.channel.get_new_notifs().items()
+        for _peer, msgs in [(p, [m]) for p, m in taken] + list(fresh):
             for msg in msgs:
                 if not msg.startswith(DONE_PREFIX):
                     continue
@@ -733,6 +857,8 @@ class KvbridgeWorker:
         return out
 
     def shutdown(self) -> None:
+        if self._inbox is not None:
+            self._inbox.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._notices.stop()
         if self.channel is not None:

@@ -82,17 +82,21 @@ def test_nothing_is_saved_without_staging_or_for_a_finished_request():
     assert s.build_connector_meta(step(cached=[("r", [2])], scheduled={"r": 100})).reqs_to_save == {}
 
 
-def test_wait_for_save_hands_the_steps_saves_to_the_worker():
+def test_wait_for_save_hands_the_steps_saves_and_holds_to_the_worker():
     saved = []
     conn = object.__new__(KvbridgeConnector)
     conn._connector_metadata = None
-    conn.connector_worker = SimpleNamespace(save_to_host=saved.append)
+    conn.connector_worker = SimpleNamespace(wait_for_save=saved.append, before_forward=lambda meta: None)
     conn.wait_for_save()  # no metadata bound: nothing
-    conn.bind_connector_metadata(KvbridgeConnectorMetadata(reqs_to_save={"r": [3, 4]}))
+    to_save = KvbridgeConnectorMetadata(reqs_to_save={"r": [3, 4]})
+    conn.bind_connector_metadata(to_save)
+    conn.wait_for_save()
+    to_hold = KvbridgeConnectorMetadata(reqs_to_hold={"q"})
+    conn.bind_connector_metadata(to_hold)
     conn.wait_for_save()
     conn.bind_connector_metadata(KvbridgeConnectorMetadata())
     conn.wait_for_save()
-    assert saved == [{"r": [3, 4]}]
+    assert saved == [to_save, to_hold]
 
 
 def test_vllms_scheduler_gets_a_chunked_prompt_saved_whole_in_its_last_chunk(tmp_path):
