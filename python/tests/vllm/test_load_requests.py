@@ -140,16 +140,11 @@ def test_a_rank_without_an_inbox_turns_the_sender_off():
 
 
 def job_for(prefiller, local, remote, req="p-1"):
-    host, port = prefiller.listen_addr.rsplit(":", 1)
-    return RecvJob(
-        local_block_ids=list(local),
-        remote_block_ids=list(remote),
-        remote_engine_id=prefiller.settings.engine_id,
-        remote_request_id=req,
-        remote_host=host,
-        remote_port=int(port),
-        allocated=time.monotonic(),
-    )
+    from test_worker_transfer import job
+
+    out = job(prefiller, local, remote, req)
+    out.allocated = time.monotonic()
+    return out
 
 
 def send_to(decoder, req_id, job):
