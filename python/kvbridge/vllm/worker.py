@@ -48,8 +48,13 @@ DIRECTORY_LEN = 65521
 DIRECTORY_MAGIC = b"kvbridge-vllm/1 directory\n"
 #: Decoder loads run here, off vLLM's step, so a slow peer never stalls a forward pass.
 LOAD_THREADS = 4
-#: A load that took longer is logged with the time of each of its steps.
+#: A load that took longer is slow: counted (``slow_loads``) and logged as a warning with
+#: the time of each of its steps.
 SLOW_LOAD_S = 1.0
+#: A load over this budget (a base plus so much per MiB: reading memory of the same host
+#: takes well under a millisecond per MiB) is logged at INFO with the time of each step.
+BUDGET_BASE_S = 0.02
+BUDGET_S_PER_MIB = 0.005
 #: The longest an idle step waits for a transfer's end (``wait_idle``): a request that
 #: comes to an engine idle but for transfers waits this much longer to be scheduled; the
 #: worker's spin between steps takes about a millisecond, so the core is free about 90%
@@ -643,16 +648,7 @@ class KvbridgeWorker:
                 load.read = time.monotonic()
                 load.lease_checks = self._check_lease(peer, job, addr, deadline)
             load.finished = time.monotonic()
-            if load.finished - load.started > SLOW_LOAD_S:
-                read = load.read or load.finished
-                log.warning(
-                    "kvbridge: slow load of %s (%d bytes from %s, started by the %s): %.3f s from allocation "
-                    "to a load thread, %.3f s for the prefiller's session, %.3f s submitting, %.3f s reading, "
-                    "%.3f s checking its lease (%d reads of the table)",
-                    load.req_id, load.bytes, addr, load.via, load.took_up - load.started,
-                    load.connected - load.took_up, load.submitted - load.connected, read - load.submitted,
-                    load.finished - read, load.lease_checks,
-                )  # fmt: skip
+            self._log_if_over_budget(load, addr)
         except TimeoutError:
             for t in load.transfers:
                 t.cancel()
@@ -677,6 +673,23 @@ class KvbridgeWorker:
             # off the load's path: the blocks are usable now, whether or not (or however
             # slowly) the prefiller takes the notification
             self._notify_done(addr, peer.peer_id, job.remote_request_id)
+
+    @staticmethod
+    def _log_if_over_budget(load: _Load, addr: str) -> None:
+        """Where a load's time went, when it took more than its budget."""
+        took = load.finished - load.started
+        if took <= BUDGET_BASE_S + BUDGET_S_PER_MIB * load.bytes / 2**20:
+            return
+        read = load.read or load.finished
+        log.log(
+            logging.WARNING if took > SLOW_LOAD_S else logging.INFO,
+            "kvbridge: %s of %s (%d bytes from %s, started by the %s) took %.3f s: %.3f s from allocation "
+            "to a load thread, %.3f s for the prefiller's session, %.3f s submitting, %.3f s reading, "
+            "%.3f s checking its lease (%d reads of the table)",
+            "slow load" if took > SLOW_LOAD_S else "load", load.req_id, load.bytes, addr, load.via, took,
+            load.took_up - load.started, load.connected - load.took_up, load.submitted - load.connected,
+            read - load.submitted, load.finished - read, load.lease_checks,
+        )  # fmt: skip
 
     def _notify_done(self, addr: str, peer_id: str | None, remote_request_id: str) -> None:
         """Tells the prefiller that the request's blocks are read, without waiting: on the
