@@ -55,11 +55,17 @@ SLOW_LOAD_S = 1.0
 #: takes well under a millisecond per MiB) is logged at INFO with the time of each step.
 BUDGET_BASE_S = 0.02
 BUDGET_S_PER_MIB = 0.005
-#: The longest an idle step waits for a transfer's end (``wait_idle``): a request that
-#: comes to an engine idle but for transfers waits this much longer to be scheduled; the
-#: worker's spin between steps takes about a millisecond, so the core is free about 90%
-#: of an idle engine's time.
+#: How long an idle step waits for a transfer's end (``wait_idle``) at first: a request
+#: that comes to an engine idle but for transfers waits up to this much longer to be
+#: scheduled; the worker's spin between steps takes about a millisecond on an idle host,
+#: so the core is free about 90% of an idle engine's time.
 IDLE_WAIT_S = 0.01
+#: On vLLM CPU, where every server's worker computes on the same cores by default, the wait
+#: grows to a quarter of the time the engine has been idle, up to this: on a loaded host
+#: the spin between steps lasts as long as the engine core waits for a CPU (tens of ms),
+#: and an engine that stepped idle every 10 ms still kept a decoder's worker off the core
+#: for a whole lease. A request that comes after a long idle stretch waits up to this.
+IDLE_WAIT_MAX_S = 0.2
 #: A prefiller that is also a decoder (kv_both) looks for the end of its loads this often
 #: while it waits for a notification.
 IDLE_SLICE_S = 0.001
@@ -244,6 +250,8 @@ class KvbridgeWorker:
         # prefiller: requests marked held when their prompt was computed, not finished yet
         # -> when they were marked
         self._held_early: dict[str, float] = {}
+        # when the engine's current run of idle steps began (None: the last step computed)
+        self._idle_since: float | None = None
         # cumulative counters (stats.COUNTERS); vLLM gets the change since its last report
         self.stats: dict[str, int | float] = zero_stats()
         self._reported: dict[str, int | float] = zero_stats()
@@ -385,6 +393,8 @@ class KvbridgeWorker:
         a delayed free, and of any still unfinished a lease after their mark (ending a mark
         is always safe: a decoder's load fails)."""
         now = time.monotonic()
+        if not meta.idle:
+            self._idle_since = None
         for req_id in meta.reqs_not_sent:
             self._held_early.pop(req_id, None)
             self._saved.discard(req_id)
@@ -714,7 +724,8 @@ class KvbridgeWorker:
 
     def wait_idle(self) -> None:
         """In a step where no request computes: waits until a load ends or a notification
-        comes, for at most ``IDLE_WAIT_S``, instead of returning at once.
+        comes, for at most ``IDLE_WAIT_S`` (on vLLM CPU up to ``IDLE_WAIT_MAX_S`` as the
+        engine stays idle), instead of returning at once.
 
         vLLM keeps stepping while a prefiller holds blocks for decoders and while a decoder
         waits for loads, each empty step a round trip to the worker, whose thread polls for
@@ -732,7 +743,13 @@ class KvbridgeWorker:
             loading = any(load.future is not None and not load.future.done() for load in self._loads.values())
         if not (holding or loading) or self.channel is None:
             return
-        deadline = time.monotonic() + IDLE_WAIT_S
+        now = time.monotonic()
+        if self._idle_since is None:
+            self._idle_since = now
+        wait = IDLE_WAIT_S
+        if self._cores:
+            wait = min(IDLE_WAIT_MAX_S, max(IDLE_WAIT_S, (now - self._idle_since) / 4))
+        deadline = now + wait
         if holding:
             deadline = min(deadline, min(self._leases.values()))
         while True:

@@ -127,3 +127,21 @@ def test_an_idle_step_waits_for_the_notification_it_steps_for(workers):
             break
     sending, _ = p.get_finished(set())
     assert sending == {"p-1"} and p.stats["blocks_freed_on_notify"] == 1
+
+
+def test_on_vllm_cpu_the_idle_wait_grows_with_the_idle_stretch_and_resets_on_a_computing_step(workers):
+    from kvbridge.vllm.worker import IDLE_WAIT_MAX_S
+
+    p = workers("kv_producer", kv_caches(seed=24))
+    hold = KvbridgeConnectorMetadata(reqs_to_send={"p-1": 30.0}, idle=True)
+    p.before_forward(hold)
+    p.start_load_kv(hold)
+    p._cores = {0}  # as on vLLM CPU, where the servers share the compute cores
+    p._idle_since = time.monotonic() - 10 * IDLE_WAIT_MAX_S
+    t0 = time.monotonic()
+    p.wait_idle()  # idle for long: the longest wait
+    assert time.monotonic() - t0 >= IDLE_WAIT_MAX_S * 0.9
+    p.before_forward(KvbridgeConnectorMetadata(idle=True))
+    assert p._idle_since is not None  # still idle
+    p.before_forward(KvbridgeConnectorMetadata())  # a step that computes
+    assert p._idle_since is None
