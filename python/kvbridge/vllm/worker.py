@@ -773,8 +773,16 @@ class KvbridgeWorker:
         recving: set[str] = set()
         with self._loads_lock:
             loads = list(self._loads.items())
+        now = time.monotonic()
         for req_id, load in loads:
             fut = load.future
+            if fut is not None and fut.done() and not load.announced and now - load.started > 2 * STALE_S:
+                # started from a datagram no step ever delivered (not one of this scheduler's
+                # requests): nothing to report to vLLM
+                with self._loads_lock:
+                    del self._loads[req_id]
+                log.warning("kvbridge: load of %s came only through the inbox; dropped", req_id)
+                continue
             if fut is None or not fut.done() or not load.announced:
                 continue
             # blocks are reported only once no read can still land in them

@@ -14,6 +14,7 @@ import pytest
 
 from kvbridge.vllm import load_requests
 from kvbridge.vllm.load_requests import (
+    STALE_S,
     MAX_DATAGRAM,
     InboxAddress,
     LoadRequestInbox,
@@ -194,3 +195,15 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return torch.equal(a, b)
+
+
+def test_a_load_no_step_ever_delivers_is_dropped_unreported(workers):
+    p = workers("kv_producer", kv_caches(seed=13))
+    d = workers("kv_consumer", kv_caches(seed=None))
+    job = job_for(p, [1], [99])  # a block the prefiller does not have: the load fails
+    job.allocated = time.monotonic() - STALE_S / 2
+    send_to(d, "stray", job)
+    until(lambda: "stray" in d._loads and d._loads["stray"].future.done())
+    assert d.get_finished(set()) == (None, None)  # never reported: vLLM does not know it
+    d._loads["stray"].started -= 2 * STALE_S  # as if it were that old
+    assert d.get_finished(set()) == (None, None) and d._loads == {}
