@@ -10,6 +10,8 @@
 //!   receiver lends landed chunks in place ([`PdReceiver::borrow_chunk`]).
 //! - [`outcome`]: `KvReady` / `KvFailed` / `ProxyNotif` as msgpack over ZMQ PUSH.
 //! - [`config`]: TOML + environment + CLI settings, LMCache names accepted.
+//! - [`tp_layout`]: the layout of one TP rank's KV cache that both sides exchange, and the
+//!   check that two of them translate.
 //! - [`mod@bench`]: `kvbridge bench pd` (PD layer against a raw channel, same run).
 //!
 //! ```no_run
@@ -51,6 +53,7 @@ pub mod msg;
 pub mod outcome;
 pub mod receiver;
 pub mod sender;
+pub mod tp_layout;
 mod windows;
 mod zmtp_push;
 
@@ -62,6 +65,7 @@ pub use layout::{Dtype, KvLayout, KvSpec, DEFAULT_CHUNK_TOKENS};
 pub use outcome::{Outcome, OutcomeSink, ZmqPusher};
 pub use receiver::{ChunkRef, GrantedRequest, PdReceiver, ReceiverConfig};
 pub use sender::{DisaggSpec, PdSender, SenderConfig, Summary, Transfer};
+pub use tp_layout::{BlockDim, LayoutError, LayoutProblem, Mismatch, TpLayout, Translation};
 
 /// The `tracing` target of the PD layer's per-chunk timeline marks (`DEBUG`, fields
 /// `stage`, `id`, `chunk`), which `kvbridge demo --timeline` records; the same target as
