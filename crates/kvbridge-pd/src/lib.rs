@@ -10,8 +10,9 @@
 //!   receiver lends landed chunks in place ([`PdReceiver::borrow_chunk`]).
 //! - [`outcome`]: `KvReady` / `KvFailed` / `ProxyNotif` as msgpack over ZMQ PUSH.
 //! - [`config`]: TOML + environment + CLI settings, LMCache names accepted.
-//! - [`tp_layout`]: the layout of one TP rank's KV cache that both sides exchange, and the
-//!   check that two of them translate.
+//! - [`tp_layout`] / [`rank_map`] / [`read_plan`]: translation between different TP sizes,
+//!   block sizes and block orders — the layout both sides exchange, which prefiller ranks
+//!   each decoder rank reads, and the fewest ranged reads that move exactly its heads.
 //! - [`mod@bench`]: `kvbridge bench pd` (PD layer against a raw channel, same run).
 //!
 //! ```no_run
@@ -51,6 +52,8 @@ pub mod key;
 pub mod layout;
 pub mod msg;
 pub mod outcome;
+pub mod rank_map;
+pub mod read_plan;
 pub mod receiver;
 pub mod sender;
 pub mod tp_layout;
@@ -63,6 +66,8 @@ pub use error::{PdError, PdStep, Result};
 pub use key::{chunk_keys, with_key_scheme, ChunkKey, KEY_SCHEME};
 pub use layout::{Dtype, KvLayout, KvSpec, DEFAULT_CHUNK_TOKENS};
 pub use outcome::{Outcome, OutcomeSink, ZmqPusher};
+pub use rank_map::{head_sources, readers_of, source_ranks, HeadSource};
+pub use read_plan::{PlanError, RangeRead, ReadPlan, ReadPlanner, Side};
 pub use receiver::{ChunkRef, GrantedRequest, PdReceiver, ReceiverConfig};
 pub use sender::{DisaggSpec, PdSender, SenderConfig, Summary, Transfer};
 pub use tp_layout::{BlockDim, LayoutError, LayoutProblem, Mismatch, TpLayout, Translation};

@@ -391,7 +391,7 @@ impl TpLayout {
 
 /// A checked pair of engines: a prefiller's layout and a decoder's, with every rank of
 /// each sharing everything but `tp_rank`. Made once per peer engine, at the first
-/// handshake.
+/// handshake; [`crate::read_plan::ReadPlanner`] plans requests from it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Translation {
     prefiller: TpLayout,
