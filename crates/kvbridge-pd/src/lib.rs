@@ -10,6 +10,9 @@
 //!   receiver lends landed chunks in place ([`PdReceiver::borrow_chunk`]).
 //! - [`outcome`]: `KvReady` / `KvFailed` / `ProxyNotif` as msgpack over ZMQ PUSH.
 //! - [`config`]: TOML + environment + CLI settings, LMCache names accepted.
+//! - [`tp_layout`] / [`rank_map`] / [`read_plan`]: translation between different TP sizes,
+//!   block sizes and block orders — the layout both sides exchange, which prefiller ranks
+//!   each decoder rank reads, and the fewest ranged reads that move exactly its heads.
 //! - [`mod@bench`]: `kvbridge bench pd` (PD layer against a raw channel, same run).
 //!
 //! ```no_run
@@ -49,8 +52,11 @@ pub mod key;
 pub mod layout;
 pub mod msg;
 pub mod outcome;
+pub mod rank_map;
+pub mod read_plan;
 pub mod receiver;
 pub mod sender;
+pub mod tp_layout;
 mod windows;
 mod zmtp_push;
 
@@ -60,8 +66,11 @@ pub use error::{PdError, PdStep, Result};
 pub use key::{chunk_keys, with_key_scheme, ChunkKey, KEY_SCHEME};
 pub use layout::{Dtype, KvLayout, KvSpec, DEFAULT_CHUNK_TOKENS};
 pub use outcome::{Outcome, OutcomeSink, ZmqPusher};
+pub use rank_map::{head_sources, readers_of, source_ranks, HeadSource};
+pub use read_plan::{PlanError, RangeRead, ReadPlan, ReadPlanner, Side};
 pub use receiver::{ChunkRef, GrantedRequest, PdReceiver, ReceiverConfig};
 pub use sender::{DisaggSpec, PdSender, SenderConfig, Summary, Transfer};
+pub use tp_layout::{BlockDim, LayoutError, LayoutProblem, Mismatch, TpLayout, Translation};
 
 /// The `tracing` target of the PD layer's per-chunk timeline marks (`DEBUG`, fields
 /// `stage`, `id`, `chunk`), which `kvbridge demo --timeline` records; the same target as
