@@ -25,6 +25,19 @@ class RegionInfo:
     def page_size(self) -> int: ...
 
 @final
+class ReadPlanner:
+    """A prefiller's and a decoder rank's KV layouts (JSON of kvbridge-pd's ``TpLayout``),
+    checked against each other; raises ``Incompatible`` or ``ValueError``."""
+
+    def __init__(self, prefiller: str, decoder: str) -> None: ...
+    def source_ranks(self) -> list[int]: ...
+    def readers_of(self, rank: int) -> list[int]: ...
+    def wanted_bytes(self, tokens: int) -> int: ...
+    def plan(
+        self, src_blocks: list[int], dst_blocks: list[int], tokens: int
+    ) -> tuple[list[tuple[int, int, int, int]], int]: ...
+
+@final
 class Transfer:
     """A batch submitted with ``Channel.submit_*``."""
 

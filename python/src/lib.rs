@@ -11,6 +11,7 @@ mod call;
 mod channel;
 mod completer;
 mod errors;
+mod read_plan;
 mod runtime;
 mod transfer;
 
@@ -25,6 +26,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<channel::PyChannel>()?;
     m.add_class::<channel::PyRegionInfo>()?;
     m.add_class::<transfer::Transfer>()?;
+    m.add_class::<read_plan::PyReadPlanner>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     let transports: &[&str] = if UCX_BUILT {
         &["auto", "tcp", "shm", "ucx"]
