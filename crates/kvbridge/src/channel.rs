@@ -762,7 +762,7 @@ impl Channel {
     pub async fn peer_transport(&self, peer: &PeerId) -> Result<crate::Transport> {
         let h = self.handle(peer).await?;
         #[cfg(feature = "ucx")]
-        if h.data.over_ucx() {
+        if h.data.carried_by("ucx") {
             return Ok(crate::Transport::Ucx);
         }
         Ok(match &h.shm {
