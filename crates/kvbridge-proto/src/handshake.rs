@@ -75,8 +75,10 @@ impl LocalIdentity {
     }
 }
 
-/// The steps of the handshake, named in errors.
+/// The steps of the handshake, named in errors. New steps may be added: match with a
+/// wildcard arm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Step {
     /// Opening the control connection.
     Connect,
