@@ -328,7 +328,7 @@ impl Core {
             }
             Message::Hello(hello) => {
                 let mut t = [0u8; 16];
-                crate::rand_bytes(&mut t);
+                crate::random::rand_bytes(&mut t);
                 let token = SessionToken(t);
                 let peer = hello.peer_id.clone();
                 // The peer id is only a claim until the session is established

@@ -141,7 +141,7 @@ impl fmt::Debug for Region {
 
 fn new_region_id() -> RegionId {
     let mut b = [0u8; 16];
-    crate::rand_bytes(&mut b);
+    crate::random::rand_bytes(&mut b);
     RegionId(b)
 }
 

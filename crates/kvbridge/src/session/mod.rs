@@ -281,7 +281,7 @@ struct Session {
 /// A fresh authentication challenge.
 fn challenge() -> [u8; kvbridge_proto::auth::CHALLENGE_LEN] {
     let mut c = [0u8; kvbridge_proto::auth::CHALLENGE_LEN];
-    crate::rand_bytes(&mut c);
+    crate::random::rand_bytes(&mut c);
     c
 }
 

@@ -133,7 +133,7 @@ fn peer_cred(s: &UnixStream) -> io::Result<libc::ucred> {
 /// A fresh random socket name in the abstract namespace.
 pub(crate) fn socket_name() -> String {
     let mut b = [0u8; 16];
-    crate::rand_bytes(&mut b);
+    crate::random::rand_bytes(&mut b);
     let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
     format!("kvbridge-{hex}")
 }
