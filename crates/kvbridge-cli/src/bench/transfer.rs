@@ -6,7 +6,7 @@
 //! a mismatch fails the run.
 
 use super::peer::PeerProcess;
-use super::{median, parse_size};
+use super::sample::{median, parse_size};
 use anyhow::Result;
 use kvbridge::{Channel, ChannelConfig, Grant, Op, Region};
 use serde::Serialize;
