@@ -12,7 +12,12 @@ counts as an import of the module that defines it; a name the crate root defines
 the root, which is the bottom layer (declaring modules and re-exporting them are not
 imports). A glob (`use super::*`) imports the module it names.
 
-Usage: scripts/check-layers.py [--graph] [CRATE_DIR...]   (default: every crate in
+With `--enclosing` it also fails when a module looks a name up in a module that encloses
+it (`crate::name` for a name the crate root defines or re-exports, `super::Name`,
+`use super::*`): a module's parent is above it, and reaching back up through it hides which
+layer a name comes from.
+
+Usage: scripts/check-layers.py [--graph] [--enclosing] [CRATE_DIR...]   (default: every crate in
 crates/ and python/)
 
 ALLOWED_LOOPS names known loops that are to be cut; a crate listed there fails if its loop
@@ -29,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # other loop, or this one grown, fails.
 ALLOWED_LOOPS = {}
 
-CFG_TEST_RE = re.compile(r"#\[cfg\(test\)\]\s*(?:pub(?:\([^)]*\))?\s+)?mod\s+\w+\s*\{")
+CFG_TEST_RE = re.compile(r"#\[cfg\((?:test|all\(test,[^\]]*\))\)\]\s*(?:pub(?:\([^)]*\))?\s+)?mod\s+\w+\s*\{")
 
 
 def strip_comments_and_tests(src):
@@ -125,9 +130,49 @@ def resolve(mod, segs, mods, reexp):
     return "::".join(cur)
 
 
+def looked_up_in(mod, segs, mods):
+    """The module in which a path looks up its first name that is not a module (`""` is the
+    root), or None for a path that names a module itself or leaves the crate."""
+    base = [] if mod == "" else mod.split("::")
+    glob = bool(segs) and segs[-1] == "*"
+    segs = [x for x in segs if x and x != "*"]
+    if not segs:
+        return None
+    head = segs[0]
+    if head == "crate":
+        cur, rest = [], segs[1:]
+    elif head == "super":
+        cur, rest = base[:-1], segs[1:]
+        while rest and rest[0] == "super":
+            cur, rest = cur[:-1], rest[1:]
+    elif head == "self":
+        cur, rest = base, segs[1:]
+    elif "::".join(base + [head]) in mods:
+        cur, rest = base, segs
+    else:
+        return None
+    for x in rest:
+        nxt = "::".join(cur + [x])
+        if nxt in mods:
+            cur = cur + [x]
+            continue
+        return "::".join(cur)
+    # The path names a module: only a glob of it looks names up there.
+    return "::".join(cur) if glob else None
+
+
+def encloses(outer, mod):
+    """Whether module `outer` encloses module `mod` (the root encloses every module)."""
+    return outer == "" or mod.startswith(outer + "::")
+
+
 PATH_ANY_RE = re.compile(
     r"(?<![A-Za-z0-9_:])((?:crate|super|self|[a-z_][a-z0-9_]*)(?:::(?:[A-Za-z_][A-Za-z0-9_]*|\*))+"
     r"|(?:crate|super|self|[a-z_][a-z0-9_]*)(?:::[A-Za-z_][A-Za-z0-9_]*)*::\{[^}]*\})")
+
+
+# (module, the enclosing module it looks a name up in, the path), filled by `graph`.
+enclosing = set()
 
 
 def graph(crate_dir):
@@ -141,6 +186,7 @@ def graph(crate_dir):
     texts[""] = strip_comments_and_tests(open(root).read())
     reexp = {m: reexports(m, t, mods) for m, t in texts.items()}
     edges = {m: set() for m in mods}
+    enclosing.clear()
     for mod in mods:
         # A re-export is the module's face, not a use of what it re-exports.
         body = re.sub(r"pub(?:\([^)]*\))?\s+use\s[^;]*;", "", texts[mod])
@@ -154,6 +200,9 @@ def graph(crate_dir):
             else:
                 heads = [[x for x in path.split("::") if x]]
             for segs in heads:
+                outer = looked_up_in(mod, segs, mods)
+                if outer is not None and encloses(outer, mod):
+                    enclosing.add((mod, outer or "crate root", "::".join(segs)))
                 segs = [x for x in segs if x != "*"]
                 target = resolve(mod, segs, mods, reexp)
                 if target is None or target == mod or target == "":
@@ -214,6 +263,9 @@ def crates():
 
 def main(argv):
     show = "--graph" in argv
+    # Not yet in CI: the modules that still look names up in an enclosing one are listed
+    # by `--enclosing` until none is left (issue 40).
+    check_enclosing = "--enclosing" in argv
     targets = [a.rstrip("/") for a in argv if not a.startswith("--")] or crates()
     failed = False
     for crate in targets:
@@ -233,6 +285,10 @@ def main(argv):
             for m in sorted(comp):
                 back = sorted(edges[m] & comp)
                 print(f"    {m} imports {', '.join(back)}")
+        if check_enclosing:
+            for mod, outer, path in sorted(enclosing):
+                failed = True
+                print(f"{crate}: {mod} imports from an enclosing module ({outer}): {path}")
         for comp in allowed:
             failed = True
             print(f"{crate}: the loop {' <-> '.join(sorted(comp))} is gone or changed: "

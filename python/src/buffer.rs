@@ -53,6 +53,8 @@ impl Drop for HeldBuffer {
 }
 
 /// What keeps a registered object's memory valid.
+// Never read: each variant's user is its `Drop`, which releases the buffer or the reference
+// when the registration that holds it goes.
 pub(crate) enum Keep {
     /// A buffer export.
     Buffer(#[allow(dead_code)] HeldBuffer),

@@ -75,6 +75,9 @@ pub(crate) fn to_py(py: Python<'_>, e: &Error) -> PyErr {
         Error::Closed => ("Closed", None, None, None),
         Error::Disconnected { peer, .. } => ("Disconnected", Some(peer), None, None),
         Error::Local(_) => ("LocalError", None, None, None),
+        // A kind of failure newer than this binding: the base class, with the engine's
+        // message.
+        _ => ("KvbridgeError", None, None, None),
     };
     make(
         py,

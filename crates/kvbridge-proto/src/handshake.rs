@@ -27,12 +27,12 @@
 //! and nothing after it; the driver then drops all state of that session (rollback).
 
 use crate::auth::{self, DataKey, Keyring, Role, Secret, CHALLENGE_LEN};
+use crate::frame::PROTOCOL_VERSION;
 use crate::ids::{Blob, Incarnation, PeerId, SessionToken};
 use crate::msg::{
     Auth, Compat, ErrorCode, Hello, HostOffer, MemInfo, Message, Ping, Ready, Reject, ShmOffer,
     Welcome,
 };
-use crate::PROTOCOL_VERSION;
 use std::collections::VecDeque;
 use std::fmt;
 use std::time::{Duration, Instant};
@@ -75,8 +75,10 @@ impl LocalIdentity {
     }
 }
 
-/// The steps of the handshake, named in errors.
+/// The steps of the handshake, named in errors. New steps may be added: match with a
+/// wildcard arm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Step {
     /// Opening the control connection.
     Connect,

@@ -28,6 +28,7 @@ pub mod ids;
 pub mod kv_events;
 pub mod msg;
 pub mod outcome_tag;
+pub mod route;
 pub mod same_host;
 pub mod ucx_link;
 pub mod zmtp;

@@ -229,7 +229,7 @@ impl Channel {
         let ucx = crate::session::ucx::start_thread(&config, peer_id.as_str()).await?;
         let local = LocalIdentity {
             peer_id,
-            incarnation: Incarnation(crate::rand_u64()),
+            incarnation: Incarnation(crate::random::rand_u64()),
             compat: config.compat.clone(),
             secret: config.secret.clone(),
             peer_keys,
@@ -755,29 +755,29 @@ impl Channel {
         Ok(v)
     }
 
-    /// Which transport carries our batches to a connected peer: [`crate::Transport::Shm`]
+    /// Which transport carries our batches to a connected peer: [`crate::config::Transport::Shm`]
     /// when it mapped at least one of the peer's regions for us (batches naming only mapped
-    /// regions are copied; others go over TCP), [`crate::Transport::Ucx`] when it imported
-    /// at least one of the peer's regions over UCX, else [`crate::Transport::Tcp`].
-    pub async fn peer_transport(&self, peer: &PeerId) -> Result<crate::Transport> {
+    /// regions are copied; others go over TCP), [`crate::config::Transport::Ucx`] when it imported
+    /// at least one of the peer's regions over UCX, else [`crate::config::Transport::Tcp`].
+    pub async fn peer_transport(&self, peer: &PeerId) -> Result<crate::config::Transport> {
         let h = self.handle(peer).await?;
         #[cfg(feature = "ucx")]
-        if h.data.over_ucx() {
-            return Ok(crate::Transport::Ucx);
+        if h.data.carried_by("ucx") {
+            return Ok(crate::config::Transport::Ucx);
         }
         Ok(match &h.shm {
-            Some(s) if s.len() > 0 => crate::Transport::Shm,
-            _ => crate::Transport::Tcp,
+            Some(s) if s.len() > 0 => crate::config::Transport::Shm,
+            _ => crate::config::Transport::Tcp,
         })
     }
 
     /// Whether cross-memory attach carries our batches to a connected peer's regions that
     /// cannot be mapped (its caller memory), or why not (then TCP carries them).
-    pub async fn peer_cma(&self, peer: &PeerId) -> Result<crate::CmaStatus> {
+    pub async fn peer_cma(&self, peer: &PeerId) -> Result<crate::transport::cma::CmaStatus> {
         let h = self.handle(peer).await?;
         Ok(match &h.shm {
             Some(s) => s.cma_status(),
-            None => crate::CmaStatus::Off(
+            None => crate::transport::cma::CmaStatus::Off(
                 "no shared-memory connection to the peer (not on this host, or TCP forced)".into(),
             ),
         })

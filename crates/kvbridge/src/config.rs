@@ -31,13 +31,27 @@ pub struct Deadlines {
 impl Default for Deadlines {
     fn default() -> Self {
         Self {
+            // A reachable address answers within a millisecond on a LAN; 5 s still covers
+            // two lost SYNs (the kernel resends after 1 s, then 3 s).
             connect: Duration::from_secs(5),
+            // One round trip per step; twice the 5 s after which the upstream fix gave up in
+            // the seed's race, which `tests/handshake.rs` replays with a 6 s bind delay.
             handshake_step: Duration::from_secs(10),
+            // A batch of a few hundred MiB takes well under a second on loopback; 30 s
+            // leaves room for a shared 1 GbE link, and a stalled peer still fails in bounds.
             op: Duration::from_secs(30),
+            // A client sends its first frame right after connecting; this bounds how long a
+            // silent one holds a slot of `max_unidentified_connections`.
             first_frame: Duration::from_secs(5),
+            // A control frame is a few KiB: only a peer that stopped reading stalls it.
             control_write: Duration::from_secs(5),
+            // One small frame each way per 5 s costs nothing measurable, and gives a peer
+            // four chances to be heard within `peer_silence`.
             keepalive: Duration::from_secs(5),
+            // Four keepalives missed: a dead peer is found within 20 s, before `op` fails
+            // its batches, while a peer paused for a few seconds is not.
             peer_silence: Duration::from_secs(20),
+            // A `Bye` per peer and the tasks' teardown, all local work or one frame.
             close: Duration::from_secs(5),
         }
     }

@@ -7,6 +7,7 @@
 use crate::cmd::{CoreCmd, PeerHandle, SessionCmd};
 use crate::error::{Error, Result};
 use crate::events::{PeerEvent, Stats};
+use crate::net::Stream;
 use crate::session::{refuse, run_initiator, run_listener, SessionEnv};
 use kvbridge_proto::msg::{ErrorCode, Message};
 use kvbridge_proto::{Incarnation, PeerId, SessionToken};
@@ -216,31 +217,10 @@ impl Core {
         }
     }
 
+    /// One command, by kind; each kind is a step of its own below.
     fn handle(&mut self, cmd: CoreCmd) {
         match cmd {
-            CoreCmd::Connect { addr, reply } => {
-                if self.closing.is_some() {
-                    let _ = reply.send(Err(Error::Closed));
-                    return;
-                }
-                if let Some(h) = self
-                    .by_addr
-                    .get(&addr)
-                    .and_then(|id| self.sessions.get(id))
-                    .and_then(|s| s.up.clone())
-                {
-                    let _ = reply.send(Ok(h));
-                    return;
-                }
-                if let Some((_, waiters)) = self.dials.get_mut(&addr) {
-                    waiters.push(reply);
-                    return;
-                }
-                let (id, tx, rx) = self.spawn_session(None, Some(addr.clone()), None);
-                self.dials.insert(addr.clone(), (id, vec![reply]));
-                let task = tokio::spawn(run_initiator(self.env.clone(), id, addr, rx, tx));
-                self.set_task(id, task);
-            }
+            CoreCmd::Connect { addr, reply } => self.connect(addr, reply),
             CoreCmd::Lookup { peer, reply } => {
                 let h = self
                     .by_peer
@@ -253,86 +233,7 @@ impl Core {
                 stream,
                 first,
                 from,
-            } => {
-                if self.closing.is_some() {
-                    tokio::spawn(refuse(stream, ErrorCode::ShuttingDown, "channel closing"));
-                    return;
-                }
-                let no_slot = match *first {
-                    Message::Hello(_) => self.no_slot_for(from),
-                    _ => None,
-                };
-                match *first {
-                    Message::Hello(_) if no_slot.is_some() => {
-                        self.refused += 1;
-                        let msg = no_slot.expect("checked");
-                        if let Some(suppressed) = crate::refusals::HANDSHAKE_LIMIT.allow() {
-                            tracing::warn!(%from, suppressed, "{msg}; Hello refused");
-                        }
-                        tokio::spawn(async move {
-                            refuse(stream, ErrorCode::LimitExceeded, &msg).await
-                        });
-                    }
-                    Message::Hello(hello) => {
-                        let mut t = [0u8; 16];
-                        crate::rand_bytes(&mut t);
-                        let token = SessionToken(t);
-                        let peer = hello.peer_id.clone();
-                        // The peer id is only a claim until the session is established
-                        // (version, compat and proof checked): it neither replaces the
-                        // peer's live session nor enters `by_peer` before that (SessionUp).
-                        let (id, tx, rx) = self.spawn_session(Some(peer), None, Some(token));
-                        if let Some(s) = self.sessions.get_mut(&id) {
-                            s.source = Some(from);
-                        }
-                        // Entered before the Welcome that reveals it goes out.
-                        self.tokens.insert(token, id);
-                        let task = tokio::spawn(run_listener(
-                            self.env.clone(),
-                            id,
-                            stream,
-                            hello,
-                            token,
-                            rx,
-                            tx,
-                        ));
-                        self.set_task(id, task);
-                    }
-                    Message::DataHello(dh) => {
-                        match self
-                            .tokens
-                            .get(&dh.token)
-                            .and_then(|id| self.sessions.get(id))
-                        {
-                            Some(s) => {
-                                // A session tearing down closed its queue: its token still
-                                // names it until it is down, but it binds nothing more.
-                                if let Err(mpsc::error::SendError(SessionCmd::DataConn(
-                                    stream,
-                                    ..,
-                                ))) = s
-                                    .ctl
-                                    .send(SessionCmd::DataConn(stream, dh.peer_id, dh.stream))
-                                {
-                                    tokio::spawn(refuse(
-                                        stream,
-                                        ErrorCode::UnknownSession,
-                                        "the session for this token has ended",
-                                    ));
-                                }
-                            }
-                            None => {
-                                tokio::spawn(refuse(
-                                    stream,
-                                    ErrorCode::UnknownSession,
-                                    "no session for this token",
-                                ));
-                            }
-                        }
-                    }
-                    _ => {}
-                }
-            }
+            } => self.incoming(stream, *first, from),
             CoreCmd::ShmIncoming { stream, hello } => {
                 // Only a live session's token opens anything; the session itself waits for
                 // the peer to authenticate before it passes a descriptor.
@@ -344,76 +245,8 @@ impl Core {
                     let _ = s.ctl.send(SessionCmd::ShmConn(stream, hello.peer_id));
                 }
             }
-            CoreCmd::SessionUp { id, handle } => {
-                if !self.sessions.contains_key(&id) {
-                    return;
-                }
-                // An established session replaces the peer's older one. It is published only
-                // once the older one is down, so that layers above see the old incarnation's
-                // `Down` before the new one's `Up`, and never two sessions of one peer.
-                if let Some(old) = self.by_peer.get(&handle.peer_id).copied() {
-                    if old != id && self.sessions.contains_key(&old) {
-                        self.replace_old(&handle.peer_id, id, handle.incarnation);
-                        self.up_after.entry(old).or_default().push((id, handle));
-                        return;
-                    }
-                }
-                self.publish(id, handle);
-            }
-            CoreCmd::SessionDown { id, error } => {
-                let Some(s) = self.sessions.remove(&id) else {
-                    return;
-                };
-                self.ended += 1;
-                if let Error::Unauthenticated { peer, step, detail } = &error {
-                    self.auth_failed += 1;
-                    if let Some(suppressed) = crate::refusals::AUTH_FAILED.allow() {
-                        let from = s.source.map(|a| a.to_string());
-                        tracing::warn!(
-                            %peer,
-                            from = from.as_deref().unwrap_or("(we dialled)"),
-                            %step,
-                            suppressed,
-                            "authentication failed: {detail}"
-                        );
-                    }
-                }
-                for w in self.disconnecting.remove(&id).unwrap_or_default() {
-                    let _ = w.send(Ok(()));
-                }
-                if let Some(h) = &s.up {
-                    let _ = self.events.send(PeerEvent::Down {
-                        peer: h.peer_id.clone(),
-                        incarnation: h.incarnation,
-                        error: error.clone(),
-                    });
-                }
-                if let Some(p) = &s.peer {
-                    if self.by_peer.get(p) == Some(&id) {
-                        self.by_peer.remove(p);
-                    }
-                }
-                if let Some(t) = &s.token {
-                    self.tokens.remove(t);
-                }
-                // Sessions that replace this one are published now, in the order they came up
-                // (a later one replaces an earlier one the same way).
-                for (new, handle) in self.up_after.remove(&id).unwrap_or_default() {
-                    self.handle(CoreCmd::SessionUp { id: new, handle });
-                }
-                if let Some(addr) = &s.addr {
-                    if self.by_addr.get(addr) == Some(&id) {
-                        self.by_addr.remove(addr);
-                    }
-                    if self.dials.get(addr).is_some_and(|(d, _)| *d == id) {
-                        if let Some((_, waiters)) = self.dials.remove(addr) {
-                            for w in waiters {
-                                let _ = w.send(Err(error.clone()));
-                            }
-                        }
-                    }
-                }
-            }
+            CoreCmd::SessionUp { id, handle } => self.session_up(id, handle),
+            CoreCmd::SessionDown { id, error } => self.session_down(id, error),
             CoreCmd::TlsRefused => self.tls_refused += 1,
             CoreCmd::EndMappers {
                 region,
@@ -436,49 +269,8 @@ impl Core {
                 peer,
                 reason,
                 reply,
-            } => match self.by_peer.get(&peer).copied() {
-                Some(id) if self.sessions.contains_key(&id) => {
-                    let err = Error::Disconnected {
-                        peer: peer.to_string(),
-                        reason,
-                    };
-                    let _ = self.sessions[&id].ctl.send(SessionCmd::Abort(err));
-                    self.disconnecting.entry(id).or_default().push(reply);
-                }
-                _ => {
-                    let _ = reply.send(Err(Error::UnknownPeer {
-                        peer: peer.to_string(),
-                    }));
-                }
-            },
-            CoreCmd::Stats { reply } => {
-                let established: Vec<&PeerHandle> = self
-                    .sessions
-                    .values()
-                    .filter_map(|s| s.up.as_ref())
-                    .collect();
-                let _ = reply.send(Stats {
-                    sessions: self.sessions.len(),
-                    established: established.len(),
-                    dialing: self.dials.len(),
-                    tokens: self.tokens.len(),
-                    batches_in_flight: established.iter().map(|h| h.data.in_flight()).sum(),
-                    bytes_in_flight: established.iter().map(|h| h.data.bytes_in_flight()).sum(),
-                    in_flight_refused: self.env.in_flight_refused.load(Ordering::Relaxed),
-                    shm_batches: self.env.direct.shm.load(Ordering::Relaxed),
-                    cma_batches: self.env.direct.cma.load(Ordering::Relaxed),
-                    ucx_batches: self.ucx_batches(),
-                    frames_direct: self.env.frames_direct.load(Ordering::Relaxed),
-                    batches_waiting_for_room: established
-                        .iter()
-                        .map(|h| h.data.waiting_for_room())
-                        .sum(),
-                    sessions_ended: self.ended,
-                    handshakes_refused: self.refused,
-                    tls_refused: self.tls_refused,
-                    auth_failed: self.auth_failed,
-                });
-            }
+            } => self.disconnect(peer, reason, reply),
+            CoreCmd::Stats { reply } => self.stats(reply),
             CoreCmd::Close { reply } => {
                 for s in self.sessions.values() {
                     let _ = s.ctl.send(SessionCmd::Close);
@@ -486,5 +278,231 @@ impl Core {
                 self.closing.get_or_insert_with(Vec::new).push(reply);
             }
         }
+    }
+
+    /// A caller asks for a session to `addr`: the live one, else joins the dial in
+    /// progress, else starts one.
+    fn connect(&mut self, addr: String, reply: oneshot::Sender<Result<PeerHandle>>) {
+        if self.closing.is_some() {
+            let _ = reply.send(Err(Error::Closed));
+            return;
+        }
+        if let Some(h) = self
+            .by_addr
+            .get(&addr)
+            .and_then(|id| self.sessions.get(id))
+            .and_then(|s| s.up.clone())
+        {
+            let _ = reply.send(Ok(h));
+            return;
+        }
+        if let Some((_, waiters)) = self.dials.get_mut(&addr) {
+            waiters.push(reply);
+            return;
+        }
+        let (id, tx, rx) = self.spawn_session(None, Some(addr.clone()), None);
+        self.dials.insert(addr.clone(), (id, vec![reply]));
+        let task = tokio::spawn(run_initiator(self.env.clone(), id, addr, rx, tx));
+        self.set_task(id, task);
+    }
+
+    /// An accepted connection's first frame: a `Hello` starts a listener session (within
+    /// the handshake quotas), a `DataHello` goes to the session its token names.
+    fn incoming(&mut self, stream: Stream, first: Message, from: SocketAddr) {
+        if self.closing.is_some() {
+            tokio::spawn(refuse(stream, ErrorCode::ShuttingDown, "channel closing"));
+            return;
+        }
+        let no_slot = match &first {
+            Message::Hello(_) => self.no_slot_for(from),
+            _ => None,
+        };
+        match first {
+            Message::Hello(_) if no_slot.is_some() => {
+                self.refused += 1;
+                let msg = no_slot.expect("checked");
+                if let Some(suppressed) = crate::refusals::HANDSHAKE_LIMIT.allow() {
+                    tracing::warn!(%from, suppressed, "{msg}; Hello refused");
+                }
+                tokio::spawn(async move { refuse(stream, ErrorCode::LimitExceeded, &msg).await });
+            }
+            Message::Hello(hello) => {
+                let mut t = [0u8; 16];
+                crate::random::rand_bytes(&mut t);
+                let token = SessionToken(t);
+                let peer = hello.peer_id.clone();
+                // The peer id is only a claim until the session is established
+                // (version, compat and proof checked): it neither replaces the
+                // peer's live session nor enters `by_peer` before that (SessionUp).
+                let (id, tx, rx) = self.spawn_session(Some(peer), None, Some(token));
+                if let Some(s) = self.sessions.get_mut(&id) {
+                    s.source = Some(from);
+                }
+                // Entered before the Welcome that reveals it goes out.
+                self.tokens.insert(token, id);
+                let task = tokio::spawn(run_listener(
+                    self.env.clone(),
+                    id,
+                    stream,
+                    hello,
+                    token,
+                    rx,
+                    tx,
+                ));
+                self.set_task(id, task);
+            }
+            Message::DataHello(dh) => {
+                match self
+                    .tokens
+                    .get(&dh.token)
+                    .and_then(|id| self.sessions.get(id))
+                {
+                    Some(s) => {
+                        // A session tearing down closed its queue: its token still
+                        // names it until it is down, but it binds nothing more.
+                        if let Err(mpsc::error::SendError(SessionCmd::DataConn(stream, ..))) = s
+                            .ctl
+                            .send(SessionCmd::DataConn(stream, dh.peer_id, dh.stream))
+                        {
+                            tokio::spawn(refuse(
+                                stream,
+                                ErrorCode::UnknownSession,
+                                "the session for this token has ended",
+                            ));
+                        }
+                    }
+                    None => {
+                        tokio::spawn(refuse(
+                            stream,
+                            ErrorCode::UnknownSession,
+                            "no session for this token",
+                        ));
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// A session is established: it is published, or waits until the peer's older one is
+    /// down.
+    fn session_up(&mut self, id: u64, handle: PeerHandle) {
+        if !self.sessions.contains_key(&id) {
+            return;
+        }
+        // An established session replaces the peer's older one. It is published only
+        // once the older one is down, so that layers above see the old incarnation's
+        // `Down` before the new one's `Up`, and never two sessions of one peer.
+        if let Some(old) = self.by_peer.get(&handle.peer_id).copied() {
+            if old != id && self.sessions.contains_key(&old) {
+                self.replace_old(&handle.peer_id, id, handle.incarnation);
+                self.up_after.entry(old).or_default().push((id, handle));
+                return;
+            }
+        }
+        self.publish(id, handle);
+    }
+
+    /// A session ended: it leaves the directory, its callers learn why, and sessions that
+    /// replace it are published.
+    fn session_down(&mut self, id: u64, error: Error) {
+        let Some(s) = self.sessions.remove(&id) else {
+            return;
+        };
+        self.ended += 1;
+        if let Error::Unauthenticated { peer, step, detail } = &error {
+            self.auth_failed += 1;
+            if let Some(suppressed) = crate::refusals::AUTH_FAILED.allow() {
+                let from = s.source.map(|a| a.to_string());
+                tracing::warn!(
+                    %peer,
+                    from = from.as_deref().unwrap_or("(we dialled)"),
+                    %step,
+                    suppressed,
+                    "authentication failed: {detail}"
+                );
+            }
+        }
+        for w in self.disconnecting.remove(&id).unwrap_or_default() {
+            let _ = w.send(Ok(()));
+        }
+        if let Some(h) = &s.up {
+            let _ = self.events.send(PeerEvent::Down {
+                peer: h.peer_id.clone(),
+                incarnation: h.incarnation,
+                error: error.clone(),
+            });
+        }
+        if let Some(p) = &s.peer {
+            if self.by_peer.get(p) == Some(&id) {
+                self.by_peer.remove(p);
+            }
+        }
+        if let Some(t) = &s.token {
+            self.tokens.remove(t);
+        }
+        // Sessions that replace this one are published now, in the order they came up
+        // (a later one replaces an earlier one the same way).
+        for (new, handle) in self.up_after.remove(&id).unwrap_or_default() {
+            self.session_up(new, handle);
+        }
+        if let Some(addr) = &s.addr {
+            if self.by_addr.get(addr) == Some(&id) {
+                self.by_addr.remove(addr);
+            }
+            if self.dials.get(addr).is_some_and(|(d, _)| *d == id) {
+                if let Some((_, waiters)) = self.dials.remove(addr) {
+                    for w in waiters {
+                        let _ = w.send(Err(error.clone()));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Ends the session of `peer` for `reason`; `reply` is answered once it is down.
+    fn disconnect(&mut self, peer: PeerId, reason: String, reply: oneshot::Sender<Result<()>>) {
+        match self.by_peer.get(&peer).copied() {
+            Some(id) if self.sessions.contains_key(&id) => {
+                let err = Error::Disconnected {
+                    peer: peer.to_string(),
+                    reason,
+                };
+                let _ = self.sessions[&id].ctl.send(SessionCmd::Abort(err));
+                self.disconnecting.entry(id).or_default().push(reply);
+            }
+            _ => {
+                let _ = reply.send(Err(Error::UnknownPeer {
+                    peer: peer.to_string(),
+                }));
+            }
+        }
+    }
+
+    /// The channel's counters, summed over its sessions.
+    fn stats(&self, reply: oneshot::Sender<Stats>) {
+        let established: Vec<&PeerHandle> = self
+            .sessions
+            .values()
+            .filter_map(|s| s.up.as_ref())
+            .collect();
+        let _ = reply.send(Stats {
+            sessions: self.sessions.len(),
+            established: established.len(),
+            dialing: self.dials.len(),
+            tokens: self.tokens.len(),
+            batches_in_flight: established.iter().map(|h| h.data.in_flight()).sum(),
+            bytes_in_flight: established.iter().map(|h| h.data.bytes_in_flight()).sum(),
+            in_flight_refused: self.env.in_flight_refused.load(Ordering::Relaxed),
+            shm_batches: self.env.direct.shm.load(Ordering::Relaxed),
+            cma_batches: self.env.direct.cma.load(Ordering::Relaxed),
+            ucx_batches: self.ucx_batches(),
+            frames_direct: self.env.frames_direct.load(Ordering::Relaxed),
+            batches_waiting_for_room: established.iter().map(|h| h.data.waiting_for_room()).sum(),
+            sessions_ended: self.ended,
+            handshakes_refused: self.refused,
+            tls_refused: self.tls_refused,
+            auth_failed: self.auth_failed,
+        });
     }
 }

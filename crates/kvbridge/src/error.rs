@@ -12,7 +12,10 @@ use thiserror::Error;
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Everything that can go wrong in kvbridge's transfer layer.
+///
+/// New kinds of failure may be added: match with a wildcard arm.
 #[derive(Debug, Clone, Error, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Error {
     // ---- the peer misbehaved ----
     /// The peer broke the protocol (bad frame, unexpected message, op outside a region).

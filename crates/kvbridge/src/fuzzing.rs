@@ -47,7 +47,7 @@ pub fn validate_batch(
         abort,
         limits.max_bytes_in_flight_per_peer,
         1,
-        None,
+        Vec::new(),
         Default::default(),
         true,
     );

@@ -47,6 +47,7 @@ mod landing;
 pub mod net;
 pub mod peer_memory;
 mod pidfd;
+mod random;
 mod refusals;
 mod region;
 mod session;
@@ -68,15 +69,3 @@ pub use kvbridge_proto::{Incarnation, PeerId, RegionId};
 pub use region::{shared_huge_pages, Region};
 pub use transport::cma::{cma_available, CmaStatus};
 pub use transport::shm::host_id;
-
-/// Fills `buf` from the operating system's random source.
-pub(crate) fn rand_bytes(buf: &mut [u8]) {
-    getrandom::fill(buf).expect("the OS random source failed");
-}
-
-/// A random u64.
-pub(crate) fn rand_u64() -> u64 {
-    let mut b = [0u8; 8];
-    rand_bytes(&mut b);
-    u64::from_le_bytes(b)
-}

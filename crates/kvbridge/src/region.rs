@@ -141,7 +141,7 @@ impl fmt::Debug for Region {
 
 fn new_region_id() -> RegionId {
     let mut b = [0u8; 16];
-    crate::rand_bytes(&mut b);
+    crate::random::rand_bytes(&mut b);
     RegionId(b)
 }
 
@@ -421,7 +421,8 @@ impl Region {
         // unmaps the shared mapping there), and `tmp` is gone. The system call itself, not
         // libc's `mremap`: in a build with the `ucx` feature, where UCX's memory hooks
         // (libucm) stand in for that symbol, a move to a fixed address failed with EINVAL
-        // (`transport::shm_one_sided`'s revoke test), and the region stayed shared.
+        // (found by a revoke test of the shared-memory backend; `tests/shm_detach.rs` checks
+        // `is_detached` in that build), and the region stayed shared.
         let moved = unsafe {
             std::ptr::copy_nonoverlapping(self.as_ptr(), tmp.cast::<u8>(), len);
             libc::syscall(

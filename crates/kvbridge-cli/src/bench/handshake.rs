@@ -7,7 +7,7 @@
 //! Each sample's page is read back and compared outside the timing.
 
 use super::peer::PeerProcess;
-use super::{median, quantile};
+use super::sample::{median, quantile};
 use anyhow::{Context, Result};
 use kvbridge::{Channel, ChannelConfig, Grant, Op, Pem, Region, TlsConfig};
 use serde::Serialize;

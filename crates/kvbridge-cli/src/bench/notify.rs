@@ -8,7 +8,7 @@
 //! once the peer's reader acknowledged it).
 
 use super::peer::PeerProcess;
-use super::quantile;
+use super::sample::quantile;
 use anyhow::{Context, Result};
 use kvbridge::{Channel, ChannelConfig};
 use serde::Serialize;

@@ -91,7 +91,7 @@ fn median(v: &[f64]) -> f64 {
     if v.is_empty() {
         return f64::NAN;
     }
-    super::median(v.to_vec())
+    super::sample::median(v.to_vec())
 }
 
 /// Runs the comparison.

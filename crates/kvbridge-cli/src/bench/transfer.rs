@@ -6,7 +6,7 @@
 //! a mismatch fails the run.
 
 use super::peer::PeerProcess;
-use super::{median, parse_size};
+use super::sample::{median, parse_size};
 use anyhow::Result;
 use kvbridge::{Channel, ChannelConfig, Grant, Op, Region};
 use serde::Serialize;
@@ -195,157 +195,185 @@ pub async fn at_page_size(page: u64, reps: usize) -> Result<f64> {
         .ok_or_else(|| anyhow::anyhow!("bench transfer measured nothing"))
 }
 
-/// Runs the benchmark.
-pub async fn run(args: TransferArgs) -> Result<Report> {
-    let cma = args.transport == "cma";
-    let transport = if cma {
-        kvbridge::Transport::Auto
-    } else {
-        kvbridge::Transport::parse(&args.transport)
-            .filter(|t| *t != kvbridge::Transport::Auto)
-            .ok_or_else(|| {
-                anyhow::anyhow!("transport {:?}: tcp, shm, cma or ucx", args.transport)
-            })?
-    };
-    let shm = transport == kvbridge::Transport::Shm;
-    let ucx = transport == kvbridge::Transport::Ucx;
-    let blocks: Vec<u64> = args
-        .block_sizes
-        .iter()
-        .map(|s| parse_size(s))
-        .collect::<Result<_, _>>()
-        .map_err(anyhow::Error::msg)?;
-    let total = parse_size(&args.total).map_err(anyhow::Error::msg)?;
-    let inflight = args.inflight.max(1);
-    let sessions = args.sessions.max(1);
-    anyhow::ensure!(
-        sessions <= args.batch.max(1),
-        "--sessions {sessions} exceeds --batch {}: every session needs an op of each batch",
-        args.batch
-    );
-    // One window of in-flight batches per block size must fit the regions.
-    let window = blocks
-        .iter()
-        .map(|&b| b as usize * args.batch * inflight)
-        .max()
-        .unwrap_or(0)
-        .clamp(1 << 20, 1 << 30);
-    let page = 4096;
-    // For cma the peer's region is private memory: like caller memory, no peer can map it.
-    let memfd_off = [("KVBRIDGE_REGION_MEMFD", std::ffi::OsStr::new("0"))];
-    // The peer's channel offers UCX only with the transport set; UCX_TLS passes through.
-    let ucx_on = [("KVBRIDGE_TRANSPORT", std::ffi::OsStr::new("ucx"))];
-    let start_peer = || {
-        if cma {
-            PeerProcess::start_with(window, page, &memfd_off, &[])
-        } else if ucx {
-            PeerProcess::start_with(window, page, &ucx_on, &[])
+/// What the flags ask for, checked: the transport, the block sizes and the window of
+/// in-flight batches that the regions must hold.
+struct Plan {
+    transport: kvbridge::Transport,
+    /// `--transport cma`: the default transport against a peer whose region cannot be mapped.
+    cma: bool,
+    shm: bool,
+    ucx: bool,
+    blocks: Vec<u64>,
+    total: u64,
+    inflight: usize,
+    sessions: usize,
+    /// Bytes of every region: one window of in-flight batches of the largest block.
+    window: usize,
+    page: usize,
+}
+
+impl Plan {
+    fn of(args: &TransferArgs) -> Result<Plan> {
+        let cma = args.transport == "cma";
+        let transport = if cma {
+            kvbridge::Transport::Auto
         } else {
-            PeerProcess::start_with(window, page, &[], &["KVBRIDGE_TRANSPORT"])
-        }
-    };
-    let peers = (0..if args.peer_per_session { sessions } else { 1 })
-        .map(|_| start_peer())
-        .collect::<Result<Vec<_>>>()?;
-    let peer = &peers[0];
-    // The region each session writes: its own peer's with --peer-per-session.
-    let regions: Vec<kvbridge::RegionId> = (0..sessions)
-        .map(|i| peers[i % peers.len()].region)
-        .collect();
-    let addrs: Vec<String> = peers.iter().map(|p| p.addr.clone()).collect();
-    let local = Region::alloc(window, page)?;
-    // Where the read-back of each measurement lands.
-    let check = Region::alloc(window, page)?;
-    // The memcpy ceiling's destination: memory of the same kind as the peer's region
-    // (for cma plain heap memory, kept alive by `_raw_dst` for the whole run).
-    let mut _raw_dst: Vec<u8> = Vec::new();
-    let memcpy_dst = if shm {
-        Some(Region::alloc(window, page)?)
-    } else if cma {
-        _raw_dst = vec![1u8; window];
-        // SAFETY: the buffer lives until the end of `run`, after every use of the region;
-        // only the ceiling's memcpy touches it.
-        Some(unsafe { Region::from_raw(_raw_dst.as_mut_ptr(), window, page)? })
-    } else {
-        None
-    };
-    fill(&local, window, 0)?;
-    let links = std::sync::Arc::new(
-        connect_sessions(
-            sessions,
+            kvbridge::Transport::parse(&args.transport)
+                .filter(|t| *t != kvbridge::Transport::Auto)
+                .ok_or_else(|| {
+                    anyhow::anyhow!("transport {:?}: tcp, shm, cma or ucx", args.transport)
+                })?
+        };
+        let blocks: Vec<u64> = args
+            .block_sizes
+            .iter()
+            .map(|s| parse_size(s))
+            .collect::<Result<_, _>>()
+            .map_err(anyhow::Error::msg)?;
+        let total = parse_size(&args.total).map_err(anyhow::Error::msg)?;
+        let inflight = args.inflight.max(1);
+        let sessions = args.sessions.max(1);
+        anyhow::ensure!(
+            sessions <= args.batch.max(1),
+            "--sessions {sessions} exceeds --batch {}: every session needs an op of each batch",
+            args.batch
+        );
+        // One window of in-flight batches per block size must fit the regions.
+        let window = blocks
+            .iter()
+            .map(|&b| b as usize * args.batch * inflight)
+            .max()
+            .unwrap_or(0)
+            .clamp(1 << 20, 1 << 30);
+        Ok(Plan {
             transport,
             cma,
-            &args.transport,
-            &local,
-            &check,
-            &addrs,
-            None,
-        )
-        .await?,
-    );
-    // With --data-tls: a second peer serving a certificate, sessions that trust it.
-    let tls_cert = if args.data_tls {
-        anyhow::ensure!(
-            transport == kvbridge::Transport::Tcp && !cma,
-            "--data-tls measures TLS on TCP data connections: use --transport tcp"
-        );
-        anyhow::ensure!(
-            !args.peer_per_session,
-            "--data-tls runs against one peer: leave out --peer-per-session"
-        );
-        Some(super::handshake::TempCert::new()?)
-    } else {
-        None
-    };
-    let tls_peer = match &tls_cert {
-        Some(cert) => {
-            let (c, k) = (cert.dir.join("cert.pem"), cert.dir.join("key.pem"));
-            let env = [
-                ("KVBRIDGE_TLS_CERT", c.as_os_str()),
-                ("KVBRIDGE_TLS_KEY", k.as_os_str()),
-                ("KVBRIDGE_TLS_DATA", std::ffi::OsStr::new("1")),
-            ];
-            let p = PeerProcess::start_with(window, page, &env, &["KVBRIDGE_TLS_CA"])?;
-            let config = kvbridge::TlsConfig {
-                trusted: Some(kvbridge::Pem::Text(cert.cert_pem.clone())),
-                data: true,
-                ..kvbridge::TlsConfig::default()
-            };
-            let l = connect_sessions(
-                sessions,
-                transport,
-                false,
-                &args.transport,
-                &local,
-                &check,
-                std::slice::from_ref(&p.addr),
-                Some(config),
-            )
-            .await?;
-            Some((p, std::sync::Arc::new(l)))
-        }
-        None => None,
-    };
+            shm: transport == kvbridge::Transport::Shm,
+            ucx: transport == kvbridge::Transport::Ucx,
+            blocks,
+            total,
+            inflight,
+            sessions,
+            window,
+            page: 4096,
+        })
+    }
 
-    let mut rows = Vec::new();
-    let mut measurement = 0u64;
-    for &block in &blocks {
+    /// The peer processes: one, or one per session with `--peer-per-session`.
+    fn start_peers(&self, args: &TransferArgs) -> Result<Vec<PeerProcess>> {
+        // For cma the peer's region is private memory: like caller memory, no peer can map it.
+        let memfd_off = [("KVBRIDGE_REGION_MEMFD", std::ffi::OsStr::new("0"))];
+        // The peer's channel offers UCX only with the transport set; UCX_TLS passes through.
+        let ucx_on = [("KVBRIDGE_TRANSPORT", std::ffi::OsStr::new("ucx"))];
+        let (window, page) = (self.window, self.page);
+        let start_peer = || {
+            if self.cma {
+                PeerProcess::start_with(window, page, &memfd_off, &[])
+            } else if self.ucx {
+                PeerProcess::start_with(window, page, &ucx_on, &[])
+            } else {
+                PeerProcess::start_with(window, page, &[], &["KVBRIDGE_TRANSPORT"])
+            }
+        };
+        let n = if args.peer_per_session {
+            self.sessions
+        } else {
+            1
+        };
+        (0..n).map(|_| start_peer()).collect()
+    }
+
+    /// The memcpy ceiling's destination: memory of the same kind as the peer's region, none
+    /// where the ceiling is a socket. For cma it is plain heap memory, the buffer returned
+    /// beside it, which the caller keeps for as long as it uses the region.
+    fn memcpy_destination(&self) -> Result<(Vec<u8>, Option<Region>)> {
+        if self.shm {
+            Ok((Vec::new(), Some(Region::alloc(self.window, self.page)?)))
+        } else if self.cma {
+            let mut raw = vec![1u8; self.window];
+            // SAFETY: the buffer's heap memory stays where it is when the Vec moves, and the
+            // caller keeps the Vec until after every use of the region; only the ceiling's
+            // memcpy touches it.
+            let r = unsafe { Region::from_raw(raw.as_mut_ptr(), self.window, self.page)? };
+            Ok((raw, Some(r)))
+        } else {
+            Ok((Vec::new(), None))
+        }
+    }
+}
+
+/// The sessions of a run, one per `--sessions`, each with its channel.
+type Links = std::sync::Arc<Vec<(Channel, kvbridge::PeerId)>>;
+
+/// With `--data-tls`: a second peer serving `cert`, and sessions that trust it.
+async fn tls_sessions(
+    plan: &Plan,
+    args: &TransferArgs,
+    cert: &super::handshake::TempCert,
+    local: &Region,
+    check: &Region,
+) -> Result<(PeerProcess, Links)> {
+    let (c, k) = (cert.dir.join("cert.pem"), cert.dir.join("key.pem"));
+    let env = [
+        ("KVBRIDGE_TLS_CERT", c.as_os_str()),
+        ("KVBRIDGE_TLS_KEY", k.as_os_str()),
+        ("KVBRIDGE_TLS_DATA", std::ffi::OsStr::new("1")),
+    ];
+    let p = PeerProcess::start_with(plan.window, plan.page, &env, &["KVBRIDGE_TLS_CA"])?;
+    let config = kvbridge::TlsConfig {
+        trusted: Some(kvbridge::Pem::Text(cert.cert_pem.clone())),
+        data: true,
+        ..kvbridge::TlsConfig::default()
+    };
+    let l = connect_sessions(
+        plan.sessions,
+        plan.transport,
+        false,
+        &args.transport,
+        local,
+        check,
+        std::slice::from_ref(&p.addr),
+        Some(config),
+    )
+    .await?;
+    Ok((p, std::sync::Arc::new(l)))
+}
+
+/// What one block size's measurements run against.
+struct Bench<'a> {
+    args: &'a TransferArgs,
+    plan: &'a Plan,
+    peer: &'a PeerProcess,
+    links: &'a Links,
+    regions: &'a [kvbridge::RegionId],
+    local: &'a Region,
+    check: &'a Region,
+    memcpy_dst: Option<&'a Region>,
+    tls: Option<&'a (PeerProcess, Links)>,
+}
+
+impl Bench<'_> {
+    /// `--reps` measurements at `block`, the ceiling first and ours second each time, side
+    /// by side; `measurement` numbers each one's payload.
+    async fn block(&self, block: u64, measurement: &mut u64) -> Result<Row> {
+        let (args, plan) = (self.args, self.plan);
         let block_us = block as usize;
         let per_window = if args.same_offsets {
-            args.batch.min(window / block_us).max(1)
+            args.batch.min(plan.window / block_us).max(1)
         } else {
-            (window / block_us).max(1)
+            (plan.window / block_us).max(1)
         };
         let mut ours = Vec::new();
         let mut with_tls = Vec::new();
         let mut ceil = Vec::new();
         for _ in 0..args.reps.max(1) {
             // A payload of its own per measurement, so a write that did not land is seen.
-            measurement += 1;
-            fill(&local, window, measurement)?;
+            *measurement += 1;
+            fill(self.local, plan.window, *measurement)?;
             // Ceiling first and ours second, alternating per repetition, side by side.
-            let l = local.clone();
-            if let Some(dst) = &memcpy_dst {
+            let l = self.local.clone();
+            let (total, sessions) = (plan.total, plan.sessions);
+            if let Some(dst) = self.memcpy_dst {
                 let (dst, span) = (dst.clone(), per_window * block_us);
                 ceil.push(
                     tokio::task::spawn_blocking(move || {
@@ -354,7 +382,7 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
                     .await?,
                 );
             } else {
-                let sink = peer.sink.clone();
+                let sink = self.peer.sink.clone();
                 ceil.push(
                     tokio::task::spawn_blocking(move || {
                         ceiling(&sink, block_us, total, &l, sessions)
@@ -366,15 +394,15 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
                 block,
                 batch: args.batch,
                 per_window,
-                inflight,
+                inflight: plan.inflight,
                 total,
             };
-            ours.push(write_all(&links, &local, &regions, &shape).await?);
-            verify(&links, &local, &check, &regions, &shape).await?;
-            if let Some((p, tls_links)) = &tls_peer {
+            ours.push(write_all(self.links, self.local, self.regions, &shape).await?);
+            verify(self.links, self.local, self.check, self.regions, &shape).await?;
+            if let Some((p, tls_links)) = self.tls {
                 let tls_regions = vec![p.region; sessions];
-                with_tls.push(write_all(tls_links, &local, &tls_regions, &shape).await?);
-                verify(tls_links, &local, &check, &tls_regions, &shape).await?;
+                with_tls.push(write_all(tls_links, self.local, &tls_regions, &shape).await?);
+                verify(tls_links, self.local, self.check, &tls_regions, &shape).await?;
             }
         }
         let range = |v: &[f64]| {
@@ -383,7 +411,7 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
         };
         let (g, g_range, c) = (median(ours.clone()), range(&ours), median(ceil));
         let t = (!with_tls.is_empty()).then(|| median(with_tls.clone()));
-        rows.push(Row {
+        Ok(Row {
             block_size: block,
             gib_per_s: g,
             ceiling_gib_per_s: c,
@@ -392,7 +420,71 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
             tls_gib_per_s: t,
             tls_gib_per_s_range: t.map(|_| range(&with_tls)),
             tls_ratio: t.map(|t| t / g),
-        });
+        })
+    }
+}
+
+/// Runs the benchmark.
+pub async fn run(args: TransferArgs) -> Result<Report> {
+    let plan = Plan::of(&args)?;
+    let peers = plan.start_peers(&args)?;
+    // The region each session writes: its own peer's with --peer-per-session.
+    let regions: Vec<kvbridge::RegionId> = (0..plan.sessions)
+        .map(|i| peers[i % peers.len()].region)
+        .collect();
+    let addrs: Vec<String> = peers.iter().map(|p| p.addr.clone()).collect();
+    let local = Region::alloc(plan.window, plan.page)?;
+    // Where the read-back of each measurement lands.
+    let check = Region::alloc(plan.window, plan.page)?;
+    // `_raw_dst` backs the cma destination region: bound first, so dropped after it.
+    let (_raw_dst, memcpy_dst) = plan.memcpy_destination()?;
+    fill(&local, plan.window, 0)?;
+    let links = std::sync::Arc::new(
+        connect_sessions(
+            plan.sessions,
+            plan.transport,
+            plan.cma,
+            &args.transport,
+            &local,
+            &check,
+            &addrs,
+            None,
+        )
+        .await?,
+    );
+    let tls_cert = if args.data_tls {
+        anyhow::ensure!(
+            plan.transport == kvbridge::Transport::Tcp && !plan.cma,
+            "--data-tls measures TLS on TCP data connections: use --transport tcp"
+        );
+        anyhow::ensure!(
+            !args.peer_per_session,
+            "--data-tls runs against one peer: leave out --peer-per-session"
+        );
+        Some(super::handshake::TempCert::new()?)
+    } else {
+        None
+    };
+    let tls_peer = match &tls_cert {
+        Some(cert) => Some(tls_sessions(&plan, &args, cert, &local, &check).await?),
+        None => None,
+    };
+
+    let bench = Bench {
+        args: &args,
+        plan: &plan,
+        peer: &peers[0],
+        links: &links,
+        regions: &regions,
+        local: &local,
+        check: &check,
+        memcpy_dst: memcpy_dst.as_ref(),
+        tls: tls_peer.as_ref(),
+    };
+    let mut rows = Vec::new();
+    let mut measurement = 0u64;
+    for &block in &plan.blocks {
+        rows.push(bench.block(block, &mut measurement).await?);
     }
     for (ch, _) in links.iter() {
         ch.close().await;
@@ -404,9 +496,16 @@ pub async fn run(args: TransferArgs) -> Result<Report> {
     }
     Ok(Report {
         transport: args.transport,
-        sessions,
-        ceiling: if shm || cma { "memcpy" } else { "socket" }.into(),
-        ucx_tls: ucx.then(|| std::env::var("UCX_TLS").unwrap_or_else(|_| "(default)".into())),
+        sessions: plan.sessions,
+        ceiling: if plan.shm || plan.cma {
+            "memcpy"
+        } else {
+            "socket"
+        }
+        .into(),
+        ucx_tls: plan
+            .ucx
+            .then(|| std::env::var("UCX_TLS").unwrap_or_else(|_| "(default)".into())),
         pattern: if args.same_offsets {
             "same-offsets"
         } else {

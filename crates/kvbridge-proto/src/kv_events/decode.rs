@@ -1,6 +1,6 @@
 //! The bounded decoder of a `KVEventBatch` payload.
 
-use super::{
+use super::event::{
     BlockHash, BlockRemoved, BlockStored, DecodeLimits, KvEvent, KvEventBatch, KvEventsError,
 };
 use rmp::Marker;

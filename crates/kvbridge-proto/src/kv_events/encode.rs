@@ -3,7 +3,7 @@
 //! array-like structs whole), events as maps led by their `type`, required fields always
 //! written (`None` as nil) and defaulted ones only when set.
 
-use super::{BlockHash, KvEvent, KvEventBatch};
+use super::event::{BlockHash, KvEvent, KvEventBatch};
 use rmp::encode as w;
 
 /// Encodes `batch` as a payload.

@@ -1,7 +1,5 @@
 //! The facts of one request that every step of its flow needs ([`Ctx`]).
 
-use std::time::Instant;
-
 use axum::http::HeaderValue;
 
 use crate::request::Api;
@@ -13,8 +11,6 @@ pub(crate) struct Ctx<'a> {
     pub(crate) auth: Option<&'a HeaderValue>,
     pub(crate) tokens: u64,
     pub(crate) stream: bool,
-    #[allow(dead_code)]
-    pub(crate) t0: Instant,
     /// What the routing policy matches (none under `least-loaded`).
     pub(crate) prompt: Option<crate::router::PromptKey>,
 }
@@ -32,7 +28,6 @@ impl Ctx<'_> {
             auth: self.auth.cloned(),
             tokens: self.tokens,
             stream: self.stream,
-            t0: self.t0,
         }
     }
 }
@@ -44,7 +39,6 @@ pub(crate) struct OwnedCtx {
     pub(crate) auth: Option<HeaderValue>,
     pub(crate) tokens: u64,
     pub(crate) stream: bool,
-    pub(crate) t0: Instant,
 }
 
 impl OwnedCtx {
@@ -55,7 +49,6 @@ impl OwnedCtx {
             auth: self.auth.as_ref(),
             tokens: self.tokens,
             stream: self.stream,
-            t0: self.t0,
             // Only decodes run from an owned context, on a decoder already chosen.
             prompt: None,
         }

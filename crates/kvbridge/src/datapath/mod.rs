@@ -1,49 +1,44 @@
 //! The data path of one session, the callers' side of one-sided writes and reads and of
 //! notifications. A batch waits for room under the per-peer limit, is entered in the table
-//! of waiting batches (`pending.rs`), and is then either copied directly (`direct.rs`, the one
-//! place that decides it) or queued on a data connection's writer (`transport/tcp`), cut
-//! over several connections when it is large (`stripe.rs`). Ordering tickets keep a
-//! notification behind every transfer issued before it.
+//! of waiting batches (`pending.rs`), and is then either posted on one of the session's
+//! one-sided backends (`transport/one_sided.rs`; which one is
+//! `kvbridge_proto::route::ways`'s decision, and the data path knows none by name) or queued
+//! on a data connection's writer (`transport/tcp`), cut over several connections when it is
+//! large (`stripe.rs`). Ordering tickets keep a notification behind every transfer issued
+//! before it.
 //!
-//! A completion is signalled only by the connection's reader or writer, or by the direct copy
-//! (or by the session after the data tasks have stopped): when a caller learns that its
+//! A completion is signalled only by the connection's reader or writer, or by the one-sided
+//! backend (or by the session after the data tasks have stopped): when a caller learns that its
 //! batch ended, no byte of it can still land. A batch that passes its deadline therefore
 //! ends the whole session — tearing down the connection is the only way to be sure the
 //! peer's late bytes never arrive.
 
-pub(crate) mod direct;
 pub(crate) mod pending;
 mod stripe;
-#[cfg(feature = "ucx")]
-mod ucx;
 
-pub(crate) use direct::DirectRoute;
 pub(crate) use pending::{AbortHandle, Submitted};
 
 use crate::dir::Dir;
 use crate::error::{Error, Result};
 use crate::in_flight::InFlight;
 use crate::region::LocalSlice;
-use crate::transport::shm::ShmPeer;
+use crate::transport::one_sided::{BatchRef, OneSided, Outcome};
 use crate::writer_queue::Outgoing;
 use crate::writer_queue::{self, Direct, WriterQueue, WriterRx};
-use direct::{Copied, CopyOn};
 use kvbridge_proto::handshake::Step;
 use kvbridge_proto::ids::Blob;
 use kvbridge_proto::msg::{Message, Notify, OpDesc};
+use kvbridge_proto::route::{self, Offer, Way};
 use kvbridge_proto::PeerId;
 use pending::{Pending, Waiting};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 use stripe::split;
 use tokio::sync::oneshot;
 
-/// Largest direct write copied in the calling task without lending its thread first
-/// ([`DataPath::write_direct`]): about 2 ms of memcpy at 8 GiB/s. Lending the thread costs a
-/// thread wake-up (measured: a default demo's KV rate fell from 5.2 to 4.3 GiB/s, medians of
-/// 4 runs each, when its 8 MiB chunks were copied with `block_in_place`).
-pub(crate) const INLINE_COPY_MAX: u64 = 16 << 20;
+/// A session's one-sided backends, in the order it got them.
+type Backends = Arc<[Arc<dyn OneSided>]>;
 
 /// Shared by the session, its data tasks and the callers of write/read/notify.
 pub(crate) struct DataPath {
@@ -66,14 +61,12 @@ pub(crate) struct DataPath {
     /// the write being read in, read responses not yet sent. Added by the reader, released
     /// by the reader (writes) and the writer (read responses).
     incoming: Arc<InFlight>,
-    /// The peer's regions this side reaches directly (shared memory, cross-memory attach):
-    /// a write into them is copied by its caller ([`DataPath::write_direct`]).
-    direct: Option<DirectRoute>,
+    /// The one-sided backends through which this side reaches some of the peer's regions
+    /// (a mapping, cross-memory attach, a fabric's endpoint); replaced whole when the session
+    /// adds one, so a batch works on the set it read.
+    one_sided: RwLock<Backends>,
     /// The peer honours unacknowledged notifications ([`DataPath::notify_posted`]).
     peer_unacked_notify: bool,
-    /// The peer's regions this side reaches over UCX, once the session negotiated it.
-    #[cfg(feature = "ucx")]
-    ucx: std::sync::OnceLock<Arc<crate::transport::ucx_route::UcxRoute>>,
 }
 
 impl DataPath {
@@ -107,15 +100,15 @@ impl Drop for Ticket<'_> {
 
 impl DataPath {
     /// A data path over `connections` (at least 1) connections; returns the writer queue of
-    /// each, connection 0 first. `direct`: the peer's regions reachable directly, if any;
-    /// `frames_direct`: the channel's count of frames that skipped a writer;
+    /// each, connection 0 first. `one_sided`: the backends that reach some of the peer's
+    /// regions from the start, if any; `frames_direct`: the channel's count of frames that skipped a writer;
     /// `peer_unacked_notify`: the peer honours unacknowledged notifications.
     pub(crate) fn new(
         peer: PeerId,
         abort: AbortHandle,
         max_in_flight: u64,
         connections: usize,
-        direct: Option<Arc<ShmPeer>>,
+        one_sided: Vec<Arc<dyn OneSided>>,
         frames_direct: Arc<AtomicU64>,
         peer_unacked_notify: bool,
     ) -> (Arc<Self>, Vec<WriterRx>) {
@@ -130,7 +123,6 @@ impl DataPath {
         (
             Arc::new(Self {
                 pending: Arc::new(Pending::new(peer.clone(), max_in_flight)),
-                direct: direct.map(|shm| DirectRoute::new(peer.clone(), shm)),
                 peer,
                 next_id: AtomicU64::new(1),
                 out,
@@ -139,9 +131,8 @@ impl DataPath {
                 order_changed: tokio::sync::Notify::new(),
                 abort,
                 incoming: InFlight::new(max_in_flight),
+                one_sided: RwLock::new(one_sided.into()),
                 peer_unacked_notify,
-                #[cfg(feature = "ucx")]
-                ucx: std::sync::OnceLock::new(),
             }),
             rxs,
         )
@@ -166,11 +157,32 @@ impl DataPath {
         }
     }
 
+    /// From now on, batches may also go through `backend`. A session holds one backend of
+    /// each kind: the first it adds stays (a later one of the same name is ignored).
+    // Used by the UCX negotiation (`session/ucx.rs`) and the loopback backend's tests.
+    #[cfg_attr(not(any(feature = "ucx", test)), allow(dead_code))]
+    pub(crate) fn add_one_sided(&self, backend: Arc<dyn OneSided>) {
+        let mut all = self.one_sided.write().expect("backends poisoned");
+        if all.iter().any(|b| b.name() == backend.name()) {
+            return;
+        }
+        let mut grown: Vec<Arc<dyn OneSided>> = all.iter().cloned().collect();
+        grown.push(backend);
+        *all = grown.into();
+    }
+
+    /// Whether the backend named `name` reaches some of the peer's regions now.
+    // Asked by `Channel::peer_transport` about UCX, and by the loopback backend's tests.
+    #[cfg_attr(not(any(feature = "ucx", test)), allow(dead_code))]
+    pub(crate) fn carried_by(&self, name: &str) -> bool {
+        let all = self.one_sided.read().expect("backends poisoned");
+        all.iter().any(|b| b.name() == name && b.reaches_any())
+    }
+
     /// Runs a write (`Dir::Write`, `locals` are the sources) or a read (`locals` are the
-    /// destinations) under `deadline`, split by bytes over the data connections when it is
-    /// large enough. It completes when every part is acknowledged; when any part fails the
-    /// session ends (so no byte of the batch lands later) and the batch fails with the first
-    /// part's error.
+    /// destinations) under `deadline`: on the first of the session's one-sided backends
+    /// that takes it, in the order `kvbridge_proto::route::ways` gives, else over the data
+    /// connections ([`DataPath::over_tcp`]).
     pub(crate) async fn transfer(
         &self,
         dir: Dir,
@@ -183,43 +195,137 @@ impl DataPath {
             Dir::Read => Step::Read,
         };
         let bytes: u64 = descs.iter().map(|d| d.len).sum();
-        #[cfg(feature = "ucx")]
-        let (descs, locals) = match self.transfer_ucx(dir, deadline, bytes, descs, locals).await {
-            Ok(r) => return r,
-            Err(batch) => batch,
-        };
-        let (descs, locals) = if dir == Dir::Write && self.stripes.is_empty() {
-            match self.write_direct(deadline, bytes, descs, locals).await {
-                Ok(r) => return r,
-                Err(batch) => batch,
-            }
-        } else {
-            (descs, locals)
-        };
-        if self.stripes.is_empty() {
-            return match dir {
-                Dir::Write => {
-                    self.run(step, deadline, bytes, DataPath::write_waiting, |id| {
-                        Outgoing::Write {
-                            id,
-                            descs,
-                            sources: locals,
-                        }
-                    })
-                    .await
-                }
-                Dir::Read => {
-                    self.run(
-                        step,
-                        deadline,
-                        bytes,
-                        DataPath::read_waiting(locals),
-                        |id| Outgoing::Read { id, descs },
-                    )
-                    .await
-                }
+        let backends: Backends = self.one_sided.read().expect("backends poisoned").clone();
+        if !backends.is_empty() {
+            let offers: Vec<Offer> = backends.iter().map(|b| b.offer(dir, &descs)).collect();
+            let batch = route::Batch {
+                read: dir == Dir::Read,
+                striped: !self.stripes.is_empty(),
+                caller_may_copy: offers.iter().any(|o| o.copies_in_caller) && multi_thread(),
             };
+            for way in route::ways(batch, &offers) {
+                let Way::OneSided(i) = way else { break };
+                let r = self
+                    .post_one_sided(&*backends[i], step, dir, deadline, bytes, &descs, &locals)
+                    .await;
+                if let Some(r) = r {
+                    return r;
+                }
+            }
         }
+        self.over_tcp(step, dir, deadline, bytes, descs, locals)
+            .await
+    }
+
+    /// Posts a batch of `bytes` on `backend` and completes it; `None` when the backend gave
+    /// it back (nothing done). The batch holds room under the per-peer limit and a ticket
+    /// in `order` until it completed, so a notification issued meanwhile waits for it
+    /// ([`DataPath::wait_earlier`]). No await from the check that the session is open to
+    /// the post: a backend that copies inside `post` copies only while the session holds,
+    /// and a session that ends waits for that copy before it says that nothing of it lands
+    /// any more (`ShmPeer::revoke_all`).
+    #[allow(clippy::too_many_arguments)]
+    async fn post_one_sided(
+        &self,
+        backend: &dyn OneSided,
+        step: Step,
+        dir: Dir,
+        deadline: Duration,
+        bytes: u64,
+        descs: &[OpDesc],
+        locals: &[LocalSlice],
+    ) -> Option<Result<()>> {
+        let until = tokio::time::Instant::now() + deadline;
+        let room = match self
+            .pending
+            .acquire_room(step, deadline, until, bytes)
+            .await
+        {
+            Ok(r) => r,
+            Err(e) => return Some(Err(e)),
+        };
+        let _ticket = self.ticket(1);
+        if let Some(e) = self.pending.closed() {
+            return Some(Err(e));
+        }
+        let posted = backend.post(BatchRef {
+            peer: &self.peer,
+            dir,
+            descs,
+            locals,
+            bytes,
+            deadline,
+            until,
+        });
+        let outcome = posted.complete().await;
+        drop(room);
+        match outcome {
+            Outcome::Done => Some(Ok(())),
+            Outcome::GivenBack => None,
+            Outcome::Failed(e) => Some(Err(e)),
+            Outcome::FailedMayLand(e) => {
+                self.abort.abort(e.clone());
+                Some(Err(e))
+            }
+            Outcome::SessionEnded => Some(Err(self
+                .pending
+                .closed()
+                .unwrap_or_else(|| Error::lost(self.peer.as_str(), step, "session ended")))),
+        }
+    }
+
+    /// Runs a batch over the data connections, split by bytes over them when it is large
+    /// enough ([`DataPath::striped`]).
+    async fn over_tcp(
+        &self,
+        step: Step,
+        dir: Dir,
+        deadline: Duration,
+        bytes: u64,
+        descs: Vec<OpDesc>,
+        locals: Vec<LocalSlice>,
+    ) -> Result<()> {
+        if !self.stripes.is_empty() {
+            return self
+                .striped(step, dir, deadline, bytes, descs, locals)
+                .await;
+        }
+        match dir {
+            Dir::Write => {
+                self.run(step, deadline, bytes, DataPath::write_waiting, |id| {
+                    Outgoing::Write {
+                        id,
+                        descs,
+                        sources: locals,
+                    }
+                })
+                .await
+            }
+            Dir::Read => {
+                self.run(
+                    step,
+                    deadline,
+                    bytes,
+                    DataPath::read_waiting(locals),
+                    |id| Outgoing::Read { id, descs },
+                )
+                .await
+            }
+        }
+    }
+
+    /// Runs a batch split by bytes over the data connections. It completes when every part
+    /// is acknowledged; when any part fails the session ends (so no byte of the batch lands
+    /// later) and the batch fails with the first part's error.
+    async fn striped(
+        &self,
+        step: Step,
+        dir: Dir,
+        deadline: Duration,
+        bytes: u64,
+        descs: Vec<OpDesc>,
+        locals: Vec<LocalSlice>,
+    ) -> Result<()> {
         let until = tokio::time::Instant::now() + deadline;
         // Room for the whole batch under the per-peer limit first, as for one connection;
         // each part then holds its share, released when it completes.
@@ -341,77 +447,6 @@ impl DataPath {
             })
     }
 
-    /// Copies a write of `bytes` into the peer's regions on the calling thread, when every op's region
-    /// is reachable directly and the runtime is a multi-thread one. That spares each write
-    /// two thread hand-offs (to the writer thread and back), each a wake-up of tens of
-    /// microseconds on a loaded host, on the path of every KV chunk. A batch of at most
-    /// [`INLINE_COPY_MAX`] bytes is copied right in the task (a millisecond or two of the
-    /// worker's time, less than lending the thread would cost); a larger one lends the
-    /// thread first (`block_in_place`), so the runtime's other tasks move on meanwhile. Gives
-    /// the batch back when it cannot (it is then queued for the writer thread).
-    ///
-    /// Ordering stays what the writer queue gives: the copy holds a ticket in `order`, so a
-    /// notification issued meanwhile waits for it ([`DataPath::wait_earlier`]); and it
-    /// holds the region's read lock, so a session that ends waits for it before it says
-    /// that nothing of it lands any more (`ShmPeer::revoke_all`).
-    async fn write_direct(
-        &self,
-        deadline: Duration,
-        bytes: u64,
-        descs: Vec<OpDesc>,
-        sources: Vec<LocalSlice>,
-    ) -> std::result::Result<Result<()>, (Vec<OpDesc>, Vec<LocalSlice>)> {
-        // A current-thread runtime has no other thread to run its tasks meanwhile.
-        let multi_thread = matches!(
-            tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()),
-            Ok(tokio::runtime::RuntimeFlavor::MultiThread)
-        );
-        let Some(direct) = self.direct.as_ref().filter(|_| multi_thread) else {
-            return Err((descs, sources));
-        };
-        let until = tokio::time::Instant::now() + deadline;
-        let room = match self
-            .pending
-            .acquire_room(Step::Write, deadline, until, bytes)
-            .await
-        {
-            Ok(r) => r,
-            Err(e) => return Ok(Err(e)),
-        };
-        let _ticket = self.ticket(1);
-        if let Some(e) = self.pending.closed() {
-            return Ok(Err(e));
-        }
-        // No await from here to the copy, as on the writer thread: a region revoked
-        // meanwhile (detached, say) sends the batch over TCP instead.
-        let on = if bytes <= INLINE_COPY_MAX {
-            CopyOn::ThisThread
-        } else {
-            CopyOn::LentThread
-        };
-        let mut sources = Some(sources);
-        let copied = direct.try_copy(
-            Dir::Write,
-            &descs,
-            || sources.take(),
-            on,
-            || {
-                // Revoked because the session is ending, not by the peer's choice.
-                Some(self.pending.closed().unwrap_or_else(|| {
-                    Error::lost(self.peer.as_str(), Step::Write, "session ended")
-                }))
-            },
-        );
-        drop(room);
-        match copied {
-            Copied::Done(r) => Ok(r),
-            Copied::NotDirect | Copied::AlreadyEnded => Err((
-                descs,
-                sources.expect("given back when the batch does not go direct"),
-            )),
-        }
-    }
-
     /// Our batches waiting for room under the per-peer limit (not sent yet).
     pub(crate) fn waiting_for_room(&self) -> usize {
         self.pending.waiting_for_room()
@@ -443,11 +478,6 @@ impl DataPath {
     /// admit them there).
     pub(crate) fn incoming(&self) -> Arc<InFlight> {
         self.incoming.clone()
-    }
-
-    /// The direct route to the peer's regions, when this side reaches some.
-    pub(crate) fn direct_route(&self) -> Option<DirectRoute> {
-        self.direct.clone()
     }
 
     /// Runs one batch of `bytes` payload bytes to completion under `deadline`. The batch
@@ -607,4 +637,13 @@ impl DataPath {
     pub(crate) fn out_sender(&self) -> WriterQueue {
         self.out.clone()
     }
+}
+
+/// Whether the calling task runs on a multi-thread runtime (a current-thread one has no
+/// other thread to run its tasks while this one copies).
+fn multi_thread() -> bool {
+    matches!(
+        tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()),
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread)
+    )
 }

@@ -278,7 +278,7 @@ impl ShmState {
             match o {
                 OfferOutput::MakeCanary => {
                     let mut c = Box::new([0u8; CANARY_LEN]);
-                    crate::rand_bytes(&mut c[..]);
+                    crate::random::rand_bytes(&mut c[..]);
                     offer.canary(c.as_ptr() as u64, c.to_vec());
                     self.canary = Some(c);
                 }

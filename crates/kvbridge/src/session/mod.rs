@@ -9,11 +9,13 @@
 use crate::cmd::{CoreCmd, PeerHandle, SessionCmd};
 use crate::config::ChannelConfig;
 use crate::config::Transport;
-use crate::datapath::{AbortHandle, DataPath, DirectRoute};
+use crate::datapath::{AbortHandle, DataPath};
 use crate::error::{Error, Result};
 use crate::events::Notification;
 use crate::grant::RegionTable;
 use crate::net::{ReadHalf, Stream, WriteHalf};
+use crate::transport::one_sided::OneSided;
+use crate::transport::same_host::SameHostRoute;
 use crate::transport::tcp::reader::{run_reader, ReaderCtx};
 use crate::transport::tcp::writer::run_writer;
 use crate::wire::{read_frame, write_msg, ReadError};
@@ -279,7 +281,7 @@ struct Session {
 /// A fresh authentication challenge.
 fn challenge() -> [u8; kvbridge_proto::auth::CHALLENGE_LEN] {
     let mut c = [0u8; kvbridge_proto::auth::CHALLENGE_LEN];
-    crate::rand_bytes(&mut c);
+    crate::random::rand_bytes(&mut c);
     c
 }
 
@@ -938,14 +940,11 @@ impl Session {
                     let mem = self.env.table.granted_to(&peer_id);
                     self.machine.update_mem(mem, std_now());
                     // Shared memory carries the data itself: no striping beside it.
-                    let n = if self.shm.peer.is_some() {
-                        1
-                    } else {
-                        self.env
-                            .config
-                            .data_connections
-                            .clamp(1, crate::config::MAX_DATA_CONNECTIONS)
-                    };
+                    let n = kvbridge_proto::route::data_connections(
+                        self.shm.peer.is_some(),
+                        self.env.config.data_connections,
+                        crate::config::MAX_DATA_CONNECTIONS,
+                    );
                     let dial = DataDial {
                         net: self.env.config.net,
                         addr: self.addr.clone().unwrap_or_default(),
@@ -1053,18 +1052,31 @@ impl Session {
         let abort = AbortHandle::new(move |e| {
             let _ = cmds.send(SessionCmd::Abort(e));
         });
+        // The session's one-sided backends from the start; UCX joins once negotiated
+        // (`ucx.rs`).
+        let same_host = self
+            .shm
+            .peer
+            .clone()
+            .map(|shm| Arc::new(SameHostRoute::new(peer.clone(), shm)));
+        let one_sided: Vec<Arc<dyn OneSided>> = same_host
+            .iter()
+            .map(|r| r.clone() as Arc<dyn OneSided>)
+            .collect();
         let (path, rxs) = DataPath::new(
             peer,
             abort,
             self.env.config.limits.max_bytes_in_flight_per_peer,
             streams.len(),
-            self.shm.peer.clone(),
+            one_sided,
             self.env.frames_direct.clone(),
             self.peer_unacked_notify,
         );
         let mut conns = Vec::with_capacity(streams.len());
         for (i, (s, rx)) in streams.into_iter().zip(rxs).enumerate() {
-            let direct = if i == 0 { path.direct_route() } else { None };
+            // Connection 0's writer copies the batches queued on it whose regions are
+            // mapped, in order with its frames.
+            let direct = if i == 0 { same_host.clone() } else { None };
             let out = path.queue_of(i);
             match self.start_conn(&path, s, i as u32, out, rx, direct) {
                 Ok(c) => conns.push(c),
@@ -1098,7 +1110,7 @@ impl Session {
         stream: u32,
         out: WriterQueue,
         out_rx: WriterRx,
-        direct: Option<DirectRoute>,
+        direct: Option<Arc<SameHostRoute>>,
     ) -> std::io::Result<DataConn> {
         let ctx = ReaderCtx {
             peer: path.peer.clone(),

@@ -230,7 +230,7 @@ impl UcxLink {
         // handshake machine holds the `Ready`, not the UCX messages): the route joins the
         // data path here at the latest, before the channel learns of the session.
         if let Some(route) = &self.route {
-            handle.data.set_ucx(route.clone());
+            handle.data.add_one_sided(route.clone());
         }
         match self.link.as_ref() {
             Some(Link::Import(m)) if !m.is_settled() && !m.is_failed() => {
@@ -245,7 +245,7 @@ impl UcxLink {
     pub(super) fn take_released(&mut self) -> Option<PeerHandle> {
         let handle = self.released.take()?;
         if let Some(route) = &self.route {
-            handle.data.set_ucx(route.clone());
+            handle.data.add_one_sided(route.clone());
         }
         Some(handle)
     }
@@ -327,7 +327,7 @@ impl UcxLink {
         // The offer may be carried out before this side's data path is bound: hand the
         // route over once it is (the data path keeps the first one it gets).
         if let (Some(route), Some(d)) = (&self.route, s.data) {
-            d.set_ucx(route.clone());
+            d.add_one_sided(route.clone());
         }
         if std::mem::take(&mut self.grants_changed) {
             self.sync_grants(&ch, s).await;
@@ -411,7 +411,7 @@ impl UcxLink {
                     Ok(()) => {
                         let route = Arc::new(UcxRoute::new(ch.clone(), s.endpoint()));
                         if let Some(d) = s.data {
-                            d.set_ucx(route.clone());
+                            d.add_one_sided(route.clone());
                         }
                         self.route = Some(route);
                         x.connected();

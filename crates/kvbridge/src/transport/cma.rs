@@ -3,7 +3,7 @@
 //!
 //! # Two ways to copy, one trait
 //! A batch to a peer on this host does not need a socket when this process can reach the
-//! peer's memory directly. [`DirectCopy`] is that capability: copy a list of
+//! peer's memory directly. [`PieceCopy`] is that capability: copy a list of
 //! (remote address, local address, length) pieces, in order, synchronously. It has two
 //! implementations:
 //! - [`MemCopy`]: the peer's region is mapped into this process (its memfd came over the
@@ -13,12 +13,11 @@
 //!   as iovecs, up to [`IOV_MAX`] per `process_vm_writev`/`process_vm_readv` call, and a
 //!   partial transfer is continued where it stopped.
 //!
-//! [`DirectCopy`] is the copy alone, below the one-sided seam
-//! ([`crate::transport::one_sided::OneSided`]), which `shm_one_sided.rs` and
-//! `cma_one_sided.rs` implement over the same copies. Neither covers TCP: a TCP batch is
+//! [`PieceCopy`] is the copy alone, below the same-host backend of the one-sided seam
+//! (`same_host.rs`, [`crate::transport::one_sided::OneSided`]). Neither covers TCP: a TCP batch is
 //! two-sided (the listener validates every op header and reads the payload into place),
 //! while both direct copies are one-sided (this side checks bounds against what the
-//! listener announced and the kernel does the rest). `datapath/direct.rs` picks per batch:
+//! listener announced and the kernel does the rest). `same_host.rs` picks per batch:
 //! every region reachable directly (mapped, else cross-memory attach when the probe passed
 //! for this peer) → direct copy; else TCP.
 //!
@@ -123,7 +122,7 @@ impl std::fmt::Display for CopyError {
 }
 
 /// A same-host one-sided copy (module docs: why it does not cover TCP).
-pub(crate) trait DirectCopy {
+pub(crate) trait PieceCopy {
     /// Copies every piece (`Write`: local → remote; `Read`: remote → local), in order, and
     /// returns once all bytes are in place or on the first failure.
     ///
@@ -137,7 +136,7 @@ pub(crate) trait DirectCopy {
 /// Copies into or out of a peer's region mapped into this process.
 pub(crate) struct MemCopy;
 
-impl DirectCopy for MemCopy {
+impl PieceCopy for MemCopy {
     unsafe fn copy(&self, dir: Dir, pieces: &[Piece]) -> Result<(), CopyError> {
         for p in pieces {
             let remote = p.remote as *mut u8;
@@ -180,7 +179,7 @@ impl CmaCopy {
     }
 }
 
-impl DirectCopy for CmaCopy {
+impl PieceCopy for CmaCopy {
     unsafe fn copy(&self, dir: Dir, pieces: &[Piece]) -> Result<(), CopyError> {
         if self.exited() {
             return Err(CopyError::PeerGone);
@@ -206,7 +205,7 @@ impl DirectCopy for CmaCopy {
 /// [`CopyError::PeerGone`].
 ///
 /// # Safety
-/// As [`DirectCopy::copy`].
+/// As [`PieceCopy::copy`].
 unsafe fn vm_copies(pid: libc::pid_t, dir: Dir, pieces: &[Piece]) -> Result<(), CopyError> {
     for chunk in pieces.chunks(IOV_MAX) {
         // SAFETY: the caller's contract is `vm_copy`'s.
@@ -227,7 +226,7 @@ unsafe fn vm_copies(pid: libc::pid_t, dir: Dir, pieces: &[Piece]) -> Result<(), 
 /// One batch of at most [`IOV_MAX`] pieces, continued after partial transfers.
 ///
 /// # Safety
-/// As [`DirectCopy::copy`].
+/// As [`PieceCopy::copy`].
 unsafe fn vm_copy(pid: libc::pid_t, dir: Dir, pieces: &[Piece]) -> Result<(), CopyError> {
     let mut local: Vec<libc::iovec> = pieces
         .iter()

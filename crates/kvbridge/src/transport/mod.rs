@@ -1,36 +1,37 @@
-//! How bytes reach the peer. `tcp/` is the two-sided path over the session's data
-//! connections; it completes batches through the data path's table of waiting batches
-//! (`datapath/pending.rs`) and never calls back into the data path itself. `one_sided.rs` is
-//! the seam of the one-sided backends (export and import a region, post a batch, complete it
-//! asynchronously, revoke). `shm_one_sided.rs` (shared memory: a peer's memfd mapped here),
-//! `cma_one_sided.rs` (cross-memory attach: a peer's memory by address) and `ucx.rs` (UCX,
-//! feature `ucx`) implement it; `shm.rs` and `cma.rs` are what the first two are made of,
-//! and what the sessions' direct copies use (`datapath/direct.rs`).
+//! How bytes reach the peer. `one_sided.rs` is the seam every one-sided backend sits behind
+//! (post a batch, complete it), as the data path drives it; the backends are listed below,
+//! one file each: `same_host.rs` (shared memory and cross-memory attach, made of `shm.rs`,
+//! `cma.rs` and `split_copy.rs`) and `ucx_route.rs` (UCX, feature `ucx`, made of
+//! `ucx_thread.rs` and `ucx.rs`, the engine behind `one_sided_engine.rs`). `tcp/` is the
+//! two-sided path over the session's data connections; it completes batches through the
+//! data path's table of waiting batches (`datapath/pending.rs`) and never calls back into
+//! the data path itself.
 
 pub(crate) mod cma;
-// The engine's direct copies use the tables these two are made of, not the backends
-// themselves: the seam's single owner would serialise copies that callers' threads now
-// run side by side (`datapath/direct.rs`).
-#[allow(dead_code)]
-pub(crate) mod cma_one_sided;
-// The engine does not drive the seam's methods yet (UCX runs behind its own thread).
-#[allow(dead_code)]
+// Without UCX no backend completes a batch elsewhere: `Posted::Pending`, `FailedMayLand`,
+// the batch's deadline and the backend's name serve `ucx_route.rs` (and `loopback.rs`).
+#[cfg_attr(not(feature = "ucx"), allow(dead_code))]
 pub(crate) mod one_sided;
+// Only the UCX backend drives an engine of its own so far.
+#[cfg(feature = "ucx")]
+pub(crate) mod one_sided_engine;
 pub(crate) mod piece;
 // Only the UCX route merges ranges so far.
-#[cfg_attr(not(feature = "ucx"), allow(dead_code))]
+#[cfg(feature = "ucx")]
 pub(crate) mod range_merge;
 pub(crate) mod shm;
-#[allow(dead_code)]
-pub(crate) mod shm_one_sided;
 pub(crate) mod split_copy;
 pub(crate) mod tcp;
-// Parts of the seam (wait, test, wakeups) serve the backend's own tests only.
+
+// The one-sided backends, one line each.
+#[cfg(test)]
+pub(crate) mod loopback;
+pub(crate) mod same_host;
+// Parts of the engine's seam (wait, test, wakeups) serve the backend's own tests only.
 #[cfg(feature = "ucx")]
 #[allow(dead_code)]
 pub(crate) mod ucx;
 #[cfg(feature = "ucx")]
 pub(crate) mod ucx_route;
 #[cfg(feature = "ucx")]
-#[allow(dead_code)]
 pub(crate) mod ucx_thread;

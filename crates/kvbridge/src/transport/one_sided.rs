@@ -1,202 +1,93 @@
-//! The seam of the one-sided transports, in the shape of NIXL's backend API
-//! (`backend_engine.h`): a backend exports a local region as descriptor bytes
-//! (`registerMem` + `getPublicData`), imports a peer's (`loadRemoteMD`), resolves a batch to
-//! posted operations (`prepXfer` + `postXfer`), completes it asynchronously (`checkXfer`), and
-//! revokes (`deregisterMem`, `unloadMD`).
+//! The seam every one-sided transport sits behind, as the data path drives it: a backend
+//! says what it can do for a batch ([`OneSided::offer`]), posts it ([`OneSided::post`]) and
+//! completes it ([`Posted::complete`]). The data path holds each session's backends as
+//! `dyn OneSided` and knows none by name; which one a batch tries first is
+//! `kvbridge_proto::route::ways`'s decision. TCP, two-sided, is not behind this seam: the
+//! data path falls back to its data connections when every backend declined.
 //!
-//! One-sided means the initiator checks every range against what the peer announced; the
-//! target's CPU takes no part in a transfer (TCP, two-sided, validates on the receiving side:
-//! `transport/tcp/`). A batch is complete only once its bytes are in place *at the peer*, so
-//! a notification sent after [`OneSided::test`] returned `true` follows every write of the
-//! batch.
-//!
-//! Every method that names a peer names it in its error, and nothing here waits without a
-//! deadline: [`OneSided::wait`] and [`OneSided::release`] take one, [`OneSided::test`] never
-//! waits.
+//! A backend's completion means the batch's bytes are in place at the peer (a notification
+//! sent afterwards follows them), or that the batch failed; [`Outcome`] says whether bytes
+//! of a failed batch may still land, in which case the data path ends the session.
 
 use crate::dir::Dir;
-use crate::region::Region;
-use kvbridge_proto::RegionId;
-use std::time::{Duration, Instant};
-use thiserror::Error;
+use crate::error::Error;
+use crate::region::LocalSlice;
+use kvbridge_proto::msg::OpDesc;
+use kvbridge_proto::route::Offer;
+use kvbridge_proto::PeerId;
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
 
-/// One range of a one-sided batch: `len` bytes at `local_offset` of the local region
-/// `local`, to or from `remote_offset` of the peer's region `remote`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct RangeOp {
-    /// A region this side exported to the backend.
-    pub(crate) local: RegionId,
-    /// Offset in it.
-    pub(crate) local_offset: u64,
-    /// A region of the peer, imported.
-    pub(crate) remote: RegionId,
-    /// Offset in it.
-    pub(crate) remote_offset: u64,
-    /// Bytes.
-    pub(crate) len: u64,
+/// One batch as the data path hands it to a backend: borrowed, so a backend that gives it
+/// back has taken nothing.
+pub(crate) struct BatchRef<'a> {
+    /// The session's peer, named in errors.
+    pub(crate) peer: &'a PeerId,
+    /// `Write`: `locals` are the sources; `Read`: the destinations.
+    pub(crate) dir: Dir,
+    /// The peer's ranges, one per local slice.
+    pub(crate) descs: &'a [OpDesc],
+    /// The local ranges.
+    pub(crate) locals: &'a [LocalSlice],
+    /// Payload bytes.
+    pub(crate) bytes: u64,
+    /// The batch's deadline, named in a `Timeout` error.
+    pub(crate) deadline: Duration,
+    /// When it passes.
+    pub(crate) until: tokio::time::Instant,
 }
 
-/// The steps of a one-sided backend, named in errors.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum OneSidedStep {
-    /// Registering a local region and packing its descriptor.
-    Export,
-    /// Reaching a peer from its address.
-    Connect,
-    /// Importing a peer's region descriptor.
-    Import,
-    /// Posting a batch.
-    Post,
-    /// Completing a batch.
-    Complete,
-    /// Dropping the use of a peer's region.
-    Release,
-    /// Unregistering a local region.
-    Revoke,
-    /// Leaving a peer.
-    Disconnect,
+/// How a posted batch ended.
+#[derive(Debug)]
+pub(crate) enum Outcome {
+    /// Its bytes are in place at the peer.
+    Done,
+    /// Nothing was done (a region is not, or no longer, reached this way): the next way is
+    /// tried.
+    GivenBack,
+    /// It failed and nothing of it lands later.
+    Failed(Error),
+    /// It failed and some of its operations may still land: the session must end.
+    FailedMayLand(Error),
+    /// The backend's side of the session ended under the batch (the session is tearing
+    /// down); nothing of it lands later. The data path names the session's own error.
+    SessionEnded,
 }
 
-impl std::fmt::Display for OneSidedStep {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            OneSidedStep::Export => "export",
-            OneSidedStep::Connect => "connect",
-            OneSidedStep::Import => "import",
-            OneSidedStep::Post => "post",
-            OneSidedStep::Complete => "complete",
-            OneSidedStep::Release => "release",
-            OneSidedStep::Revoke => "revoke",
-            OneSidedStep::Disconnect => "disconnect",
-        })
+/// A batch a backend posted: completed inside `post`, or completing on the backend's agent.
+pub(crate) enum Posted<'a> {
+    /// Completed inside [`OneSided::post`] (a copy on the calling thread).
+    Ended(Outcome),
+    /// Completes when this future does; it waits no longer than the batch's `until`.
+    Pending(Pin<Box<dyn Future<Output = Outcome> + Send + 'a>>),
+}
+
+impl Posted<'_> {
+    /// Waits for the batch's outcome.
+    pub(crate) async fn complete(self) -> Outcome {
+        match self {
+            Posted::Ended(o) => o,
+            Posted::Pending(f) => f.await,
+        }
     }
 }
 
-/// Why a one-sided step failed, grouped by cause.
-#[derive(Debug, Error)]
-#[non_exhaustive]
-pub(crate) enum OneSidedError {
-    // ---- the peer sent something unusable ----
-    /// Bytes the peer sent (address, descriptor) were refused before the backend used them.
-    #[error("peer {peer}, {step}: malformed bytes: {detail}")]
-    Malformed {
-        /// The peer.
-        peer: String,
-        /// Where.
-        step: OneSidedStep,
-        /// What was wrong.
-        detail: String,
-    },
+/// A one-sided backend of one session: the peer's regions reached by mapping, by address, or
+/// through a fabric's endpoint. Shared by the session's callers, so `&self`.
+pub(crate) trait OneSided: Send + Sync {
+    /// Its name in logs (one per kind of backend: a session holds at most one of each).
+    fn name(&self) -> &'static str;
 
-    // ---- the batch does not fit what was announced ----
-    /// A range names a region that is not (or no longer) exported or imported.
-    #[error("peer {peer}, {step}: {side} region {region} is not known")]
-    UnknownRegion {
-        /// The peer.
-        peer: String,
-        /// Where.
-        step: OneSidedStep,
-        /// `local` or `remote`.
-        side: &'static str,
-        /// The region.
-        region: RegionId,
-    },
-    /// A range lies outside its region.
-    #[error("peer {peer}, {step}: bytes {offset}..+{len} lie outside {side} region {region} of {size} bytes")]
-    OutOfBounds {
-        /// The peer.
-        peer: String,
-        /// Where.
-        step: OneSidedStep,
-        /// `local` or `remote`.
-        side: &'static str,
-        /// The region.
-        region: RegionId,
-        /// Offset asked for.
-        offset: u64,
-        /// Length asked for.
-        len: u64,
-        /// The region's length.
-        size: u64,
-    },
-    /// The peer is not connected on this backend.
-    #[error("peer {peer}, {step}: not connected")]
-    NotConnected {
-        /// The peer.
-        peer: String,
-        /// Where.
-        step: OneSidedStep,
-    },
+    /// What it can do for a `dir` batch naming `descs`, looked up without waiting and
+    /// without side effects.
+    fn offer(&self, dir: Dir, descs: &[OpDesc]) -> Offer;
 
-    // ---- the transfer failed ----
-    /// The backend failed the step (unreachable, reset or killed peer, refused access).
-    #[error("peer {peer}, {step}: {detail}")]
-    Failed {
-        /// The peer, or `local` for a step that concerns no peer.
-        peer: String,
-        /// Where.
-        step: OneSidedStep,
-        /// The backend's own error.
-        detail: String,
-    },
-    /// The step did not complete by its deadline. What it posted stays owned by the backend
-    /// (its memory registered) until the backend ends it.
-    #[error("peer {peer}, {step}: no completion within {waited:?}")]
-    Deadline {
-        /// The peer.
-        peer: String,
-        /// Where.
-        step: OneSidedStep,
-        /// How long the call waited.
-        waited: Duration,
-    },
-}
+    /// Whether it reaches at least one of the peer's regions now.
+    fn reaches_any(&self) -> bool;
 
-/// A one-sided backend: one per channel, owned and driven by one thread or task.
-pub(crate) trait OneSided {
-    /// A batch posted and not yet completed.
-    type Posted;
-
-    /// Registers `region` and returns the descriptor bytes a peer imports to reach it. The
-    /// backend keeps the region's memory mapped until [`OneSided::revoke`] and every
-    /// operation using it ended; peers may write it at any time until then.
-    fn export(&mut self, region: &Region) -> Result<Vec<u8>, OneSidedError>;
-
-    /// This side's address, which a peer passes to [`OneSided::connect`].
-    fn address(&self) -> Vec<u8>;
-
-    /// Reaches `peer` from the bytes of its [`OneSided::address`].
-    fn connect(&mut self, peer: &str, address: &[u8]) -> Result<(), OneSidedError>;
-
-    /// Imports `peer`'s region `id` from the descriptor bytes its [`OneSided::export`] gave.
-    fn import(&mut self, peer: &str, id: RegionId, descriptor: &[u8]) -> Result<(), OneSidedError>;
-
-    /// Checks every range against both regions, then posts the batch (`Write`: local →
-    /// peer; `Read`: peer → local). Nothing is posted when a range does not fit.
-    fn post(
-        &mut self,
-        peer: &str,
-        dir: Dir,
-        ops: &[RangeOp],
-    ) -> Result<Self::Posted, OneSidedError>;
-
-    /// Makes progress and tells, without waiting, whether `posted` completed at the peer.
-    fn test(&mut self, posted: &mut Self::Posted) -> Result<bool, OneSidedError>;
-
-    /// Waits for `posted` until `deadline`; at the deadline the batch is abandoned to the
-    /// backend (see [`OneSidedError::Deadline`]).
-    fn wait(&mut self, posted: Self::Posted, deadline: Instant) -> Result<(), OneSidedError>;
-
-    /// Ends this side's use of `peer`'s region `id`: later batches naming it are refused.
-    /// Returns once every batch posted with it ended or at `deadline`.
-    fn release(&mut self, peer: &str, id: RegionId, deadline: Instant)
-        -> Result<(), OneSidedError>;
-
-    /// Unregisters local region `id`: peers can no longer reach it once the backend's
-    /// operations on it ended.
-    fn revoke(&mut self, id: RegionId) -> Result<(), OneSidedError>;
-
-    /// Leaves `peer`: flushes what was posted to it and drops its imported regions, at most
-    /// until `deadline`.
-    fn disconnect(&mut self, peer: &str, deadline: Instant) -> Result<(), OneSidedError>;
+    /// Posts `batch`. The data path calls it with no await between its last check that the
+    /// session is open and this call, so a backend that copies inside `post` copies only
+    /// while the session holds.
+    fn post<'a>(&'a self, batch: BatchRef<'a>) -> Posted<'a>;
 }

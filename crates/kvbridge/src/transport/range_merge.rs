@@ -6,7 +6,7 @@
 //! the same local and remote regions; the merged batch moves the same bytes in the same
 //! order.
 
-use crate::transport::one_sided::RangeOp;
+use crate::transport::one_sided_engine::RangeOp;
 
 /// `ops` with every run of adjacent ranges (see the module docs) as one range.
 pub(crate) fn merge_adjacent(ops: Vec<RangeOp>) -> Vec<RangeOp> {

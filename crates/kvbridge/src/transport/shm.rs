@@ -65,7 +65,7 @@
 
 use crate::dir::Dir;
 use crate::region::LocalSlice;
-use crate::transport::cma::{CmaCopy, CmaStatus, CopyError, DirectCopy, MemCopy, Piece};
+use crate::transport::cma::{CmaCopy, CmaStatus, CopyError, MemCopy, Piece, PieceCopy};
 use kvbridge_proto::frame::{FrameHeader, FRAME_HEADER_LEN};
 use kvbridge_proto::msg::{Message, OpDesc, ShmRegion, ShmRevoke};
 use kvbridge_proto::RegionId;
@@ -133,7 +133,7 @@ fn peer_cred(s: &UnixStream) -> io::Result<libc::ucred> {
 /// A fresh random socket name in the abstract namespace.
 pub(crate) fn socket_name() -> String {
     let mut b = [0u8; 16];
-    crate::rand_bytes(&mut b);
+    crate::random::rand_bytes(&mut b);
     let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
     format!("kvbridge-{hex}")
 }
@@ -515,11 +515,6 @@ impl Remote {
         *self.revoked.write().unwrap_or_else(|e| e.into_inner()) = true;
     }
 
-    /// Bytes of the region, as the listener announced them.
-    pub(crate) fn len(&self) -> usize {
-        self.len
-    }
-
     /// Where byte 0 of the region is, for the copier that reaches it.
     fn base(&self) -> usize {
         match &self.via {
@@ -798,7 +793,7 @@ impl ShmPeer {
     }
 
     /// Executes a batch by direct copies: each run of consecutive ops into one region is
-    /// one call of that region's [`DirectCopy`] (one `memcpy` per op for a mapping; up to
+    /// one call of that region's [`PieceCopy`] (one `memcpy` per op for a mapping; up to
     /// [`crate::transport::cma::IOV_MAX`] ops per system call for cross-memory attach). Runs on the
     /// data writer thread (reads, and writes on a current-thread runtime) or on the thread of
     /// the task that issued the write.

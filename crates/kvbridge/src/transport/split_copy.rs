@@ -10,7 +10,7 @@
 //! threads parked in a pool (no spawn per copy) the others. The caller returns only once
 //! every part has ended, so no byte of the copy lands after it returns, whatever failed.
 //!
-//! A batch is copied in order ([`super::cma::DirectCopy`]); that order is visible only where
+//! A batch is copied in order ([`super::cma::PieceCopy`]); that order is visible only where
 //! two pieces copy into the same bytes, so such a batch (overlapping destinations) is never
 //! split.
 
@@ -66,7 +66,7 @@ unsafe impl Send for Part {}
 /// or `Ok`; `lost()` stands for a part whose thread ended without answering.
 ///
 /// # Safety
-/// As [`super::cma::DirectCopy::copy`] for `pieces`, and `copy` must be sound to call on
+/// As [`super::cma::PieceCopy::copy`] for `pieces`, and `copy` must be sound to call on
 /// any sub-list of them from any thread.
 pub(crate) unsafe fn run<E, F>(
     dir: Dir,

@@ -1,4 +1,4 @@
-//! UCX behind the one-sided seam ([`OneSided`]): one UCX worker per channel, owned by the one
+//! UCX behind the one-sided seam ([`OneSidedEngine`]): one UCX worker per channel, owned by the one
 //! thread that drives it (its event fd says when there is something to do, so an idle worker
 //! costs no CPU). Local regions are registered in place (`ucp_mem_map` of the region's own
 //! memory), writes and reads are `ucp_put_nbx`/`ucp_get_nbx` straight from and into them,
@@ -10,7 +10,7 @@
 
 use crate::dir::Dir;
 use crate::region::Region;
-use crate::transport::one_sided::{OneSided, OneSidedError, OneSidedStep, RangeOp};
+use crate::transport::one_sided_engine::{OneSidedEngine, OneSidedError, OneSidedStep, RangeOp};
 use kvbridge_proto::RegionId;
 use kvbridge_ucx::wire::RegionDescriptor;
 use kvbridge_ucx::{Context, ContextConfig, EpId, MemRegion, OpId, Prefer, RkeyId, Worker};
@@ -292,7 +292,7 @@ impl UcxBackend {
         }
     }
 
-    /// [`OneSided::connect`] to a peer that is on this host (`same_host`: its host identity
+    /// [`OneSidedEngine::connect`] to a peer that is on this host (`same_host`: its host identity
     /// equals ours) or may not be. A same-host endpoint asks UCX for its shared-memory and
     /// cross-memory-attach transports first, which cannot report a dead peer (it shows at
     /// the operation deadlines); any other, and a same-host one where `UCX_TLS` allows none
@@ -344,9 +344,9 @@ impl UcxBackend {
             .map_err(|e| ucx_error(peer, OneSidedStep::Connect, e))
     }
 
-    /// [`OneSided::release`] without waiting: the region is gone from the peer's table and
+    /// [`OneSidedEngine::release`] without waiting: the region is gone from the peer's table and
     /// its key destroyed at once; the returned flush completes (through
-    /// [`OneSided::test`]) once every operation posted on it before has ended.
+    /// [`OneSidedEngine::test`]) once every operation posted on it before has ended.
     pub(crate) fn post_release(
         &mut self,
         peer: &str,
@@ -373,8 +373,8 @@ impl UcxBackend {
         })
     }
 
-    /// [`OneSided::disconnect`] without waiting: the peer, its endpoint and keys are gone
-    /// at once; the returned close completes (through [`OneSided::test`]) once UCX flushed
+    /// [`OneSidedEngine::disconnect`] without waiting: the peer, its endpoint and keys are gone
+    /// at once; the returned close completes (through [`OneSidedEngine::test`]) once UCX flushed
     /// the endpoint and told the peer. Nothing waits on it here, so a close to a dead peer
     /// holds up no other batch.
     pub(crate) fn post_disconnect(&mut self, peer: &str) -> Result<UcxPosted, OneSidedError> {
@@ -473,7 +473,7 @@ fn fits(offset: u64, len: u64, size: u64) -> bool {
     offset.checked_add(len).is_some_and(|end| end <= size)
 }
 
-impl OneSided for UcxBackend {
+impl OneSidedEngine for UcxBackend {
     type Posted = UcxPosted;
 
     fn export(&mut self, region: &Region) -> Result<Vec<u8>, OneSidedError> {

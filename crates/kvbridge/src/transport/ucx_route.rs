@@ -11,11 +11,15 @@
 //! operations still running on it ended.
 
 use crate::dir::Dir;
+use crate::error::Error;
 use crate::region::{LocalSlice, Region};
-use crate::transport::one_sided::{OneSidedError, RangeOp};
+use crate::transport::one_sided::{BatchRef, OneSided, Outcome, Posted};
+use crate::transport::one_sided_engine::{OneSidedError, RangeOp};
 use crate::transport::range_merge::merge_adjacent;
 use crate::transport::ucx_thread::UcxThread;
-use kvbridge_proto::msg::OpDesc;
+use kvbridge_proto::handshake::Step;
+use kvbridge_proto::msg::{ErrorCode, OpDesc};
+use kvbridge_proto::route::Offer;
 use kvbridge_proto::RegionId;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -227,6 +231,70 @@ impl UcxRoute {
             .await?;
         self.channel.batches.fetch_add(1, Ordering::Relaxed);
         Ok(())
+    }
+}
+
+impl OneSided for UcxRoute {
+    fn name(&self) -> &'static str {
+        "ucx"
+    }
+
+    fn offer(&self, _dir: Dir, descs: &[OpDesc]) -> Offer {
+        Offer {
+            covers: self.covers(descs),
+            copies_in_caller: false,
+        }
+    }
+
+    fn reaches_any(&self) -> bool {
+        self.regions() > 0
+    }
+
+    /// Posts the batch on the channel's worker; it completes once its bytes are in place at
+    /// the peer (a write batch after a flush).
+    fn post<'a>(&'a self, b: BatchRef<'a>) -> Posted<'a> {
+        Posted::Pending(Box::pin(async move {
+            // A mark on the session's timeline (`session::TIMELINE`, above this layer).
+            let t = std::time::Instant::now();
+            let r = self
+                .transfer(b.dir, b.descs, b.locals, b.until.into_std())
+                .await;
+            tracing::debug!(target: "kvbridge::timeline", peer = %b.peer, dir = ?b.dir,
+                bytes = b.bytes, took_us = t.elapsed().as_micros() as u64, ok = r.is_ok(),
+                "ucx batch");
+            match r {
+                Ok(()) => Outcome::Done,
+                // Unmapped by the peer between the check and the post: nothing was posted.
+                Err(OneSidedError::UnknownRegion { side: "remote", .. }) => Outcome::GivenBack,
+                // Some operations of the batch may still land: the session ends, as it does
+                // for a TCP batch that failed after it was sent.
+                Err(e) => Outcome::FailedMayLand(ucx_error(b.peer.as_str(), b.dir, b.deadline, e)),
+            }
+        }))
+    }
+}
+
+/// The engine's error for a UCX batch that failed.
+fn ucx_error(peer: &str, dir: Dir, after: std::time::Duration, e: OneSidedError) -> Error {
+    let step = match dir {
+        Dir::Write => Step::Write,
+        Dir::Read => Step::Read,
+    };
+    match e {
+        OneSidedError::Deadline { .. } => Error::Timeout {
+            peer: peer.to_string(),
+            step,
+            after,
+        },
+        OneSidedError::OutOfBounds { .. } | OneSidedError::UnknownRegion { .. } => {
+            Error::Rejected {
+                peer: peer.to_string(),
+                step,
+                code: ErrorCode::OutOfBounds,
+                message: format!("UCX: {e}"),
+            }
+        }
+        e => Error::lost(peer, step, format!("UCX: {e}")),
     }
 }
 

@@ -6,7 +6,7 @@
 
 use crate::dir::Dir;
 use crate::region::Region;
-use crate::transport::one_sided::{OneSided, OneSidedError, OneSidedStep, RangeOp};
+use crate::transport::one_sided_engine::{OneSidedEngine, OneSidedError, OneSidedStep, RangeOp};
 use crate::transport::ucx::{UcxBackend, UcxPosted};
 use kvbridge_proto::RegionId;
 use kvbridge_ucx::{armed_wait, wait_readable, ArmedWait, BusyBackoff};
@@ -82,8 +82,12 @@ pub(crate) struct UcxThread {
     tx: Option<mpsc::Sender<Cmd>>,
     wake: Arc<OwnedFd>,
     address: Vec<u8>,
+    /// Rounds of the thread's loop (`UcxThread::wakeups`).
+    // Read by this file's tests of the idle cost (`UcxThread::wakeups`, `napped`).
+    #[cfg_attr(not(test), allow(dead_code))]
     wakeups: Arc<AtomicU64>,
     /// Microseconds slept in busy rounds (`UcxThread::napped`).
+    #[cfg_attr(not(test), allow(dead_code))]
     napped: Arc<AtomicU64>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -155,6 +159,7 @@ impl UcxThread {
 
     /// How many rounds the thread's loop ran (each after a sleep, unless the last round had
     /// work): a measure of idle cost that a spin cannot hide.
+    #[cfg(test)]
     pub(crate) fn wakeups(&self) -> u64 {
         self.wakeups.load(Ordering::Relaxed)
     }
@@ -178,7 +183,7 @@ impl UcxThread {
         answer.await.map_err(|_| closed(step))?
     }
 
-    /// See [`OneSided::export`].
+    /// See [`OneSidedEngine::export`].
     pub(crate) async fn export(&self, region: &Region) -> Result<Vec<u8>, OneSidedError> {
         let r = region.clone();
         self.ask(OneSidedStep::Export, |tx| Cmd::Export(r, tx))
@@ -199,7 +204,7 @@ impl UcxThread {
         .await
     }
 
-    /// See [`OneSided::import`].
+    /// See [`OneSidedEngine::import`].
     pub(crate) async fn import(
         &self,
         peer: &str,
@@ -226,7 +231,7 @@ impl UcxThread {
         .await
     }
 
-    /// See [`OneSided::release`].
+    /// See [`OneSidedEngine::release`].
     pub(crate) async fn release(
         &self,
         peer: &str,
@@ -240,7 +245,7 @@ impl UcxThread {
         .await
     }
 
-    /// See [`OneSided::revoke`].
+    /// See [`OneSidedEngine::revoke`].
     pub(crate) async fn revoke(&self, id: RegionId) -> Result<(), OneSidedError> {
         self.ask(OneSidedStep::Revoke, |tx| Cmd::Revoke(id, tx))
             .await
@@ -254,7 +259,7 @@ impl UcxThread {
             .await
     }
 
-    /// See [`OneSided::disconnect`], for a peer that left as `how` says.
+    /// See [`OneSidedEngine::disconnect`], for a peer that left as `how` says.
     pub(crate) async fn disconnect(
         &self,
         peer: &str,

@@ -92,7 +92,6 @@ impl App {
             auth,
             tokens,
             stream: doc.stream,
-            t0: track.t0,
             prompt,
         };
         let prompt_tokens = ctx

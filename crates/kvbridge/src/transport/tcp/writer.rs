@@ -2,13 +2,13 @@
 //! taken straight from registered memory with vectored writes (no staging copy). A batch
 //! whose regions are reachable directly is copied here instead, in order with the frames.
 
-use crate::datapath::direct::{Copied, CopyOn, DirectRoute};
 use crate::datapath::pending::Pending;
 use crate::dir::Dir;
 use crate::error::{Error, Result};
 use crate::net::WriteHalf;
 use crate::peer_memory::PeerRange;
 use crate::region::LocalSlice;
+use crate::transport::same_host::{Copied, CopyOn, SameHostRoute};
 use crate::wire::{write_all_vectored, write_msg};
 use crate::writer_queue::Outgoing;
 use crate::writer_queue::WriterRx;
@@ -20,11 +20,11 @@ use std::time::Duration;
 use tokio::io::AsyncWriteExt;
 
 /// Runs a batch queued on a connection by direct copies when every region it names is
-/// reachable directly ([`DirectRoute::try_copy`]), completing it in `pending`; gives the
+/// reachable directly ([`SameHostRoute::try_copy`]), completing it in `pending`; gives the
 /// batch back otherwise (it then goes over TCP).
 fn try_direct(
     pending: &Pending,
-    direct: Option<&DirectRoute>,
+    direct: Option<&SameHostRoute>,
     dir: Dir,
     id: u64,
     descs: Vec<OpDesc>,
@@ -73,7 +73,7 @@ fn try_direct(
 pub(crate) async fn run_writer(
     peer: PeerId,
     pending: Arc<Pending>,
-    direct: Option<DirectRoute>,
+    direct: Option<Arc<SameHostRoute>>,
     mut w: WriteHalf,
     mut rx: WriterRx,
     limit: Duration,
@@ -106,7 +106,7 @@ pub(crate) async fn run_writer(
         match o {
             Outgoing::Write { id, descs, sources } => {
                 let Some((descs, sources)) =
-                    try_direct(&pending, direct.as_ref(), Dir::Write, id, descs, sources)
+                    try_direct(&pending, direct.as_deref(), Dir::Write, id, descs, sources)
                 else {
                     continue;
                 };
@@ -121,9 +121,14 @@ pub(crate) async fn run_writer(
                     .map_err(|e| lost(Step::Write, e))?;
             }
             Outgoing::Read { id, descs } => {
-                let Some((descs, _)) =
-                    try_direct(&pending, direct.as_ref(), Dir::Read, id, descs, Vec::new())
-                else {
+                let Some((descs, _)) = try_direct(
+                    &pending,
+                    direct.as_deref(),
+                    Dir::Read,
+                    id,
+                    descs,
+                    Vec::new(),
+                ) else {
                     continue;
                 };
                 within(
