@@ -100,6 +100,40 @@ def reexports(mod, src, mods):
     return names
 
 
+def path_start(base, segs, mods):
+    """Where a path's lookup starts, seen from module `base` (a list of names): the module
+    its first segment names and the segments after it, or None for a path that leaves the
+    crate."""
+    head = segs[0]
+    if head == "crate":
+        return [], segs[1:]
+    if head == "super":
+        cur, rest = base[:-1], segs[1:]
+        while rest and rest[0] == "super":
+            cur, rest = cur[:-1], rest[1:]
+        return cur, rest
+    if head == "self":
+        return base, segs[1:]
+    if "::".join(base + [head]) in mods:
+        return base, segs
+    return None
+
+
+def walk(base, segs, mods):
+    """The longest prefix of a path that is a module (`"a::b"`, `""` the root) and the
+    segment after it (None when the whole path is a module), or None for a path that
+    leaves the crate."""
+    start = path_start(base, segs, mods)
+    if start is None:
+        return None
+    cur, rest = start
+    for x in rest:
+        if "::".join(cur + [x]) not in mods:
+            return "::".join(cur), x
+        cur = cur + [x]
+    return "::".join(cur), None
+
+
 def resolve(mod, segs, mods, reexp):
     """The module a path names, seen from module `mod` (`""` is the root): the longest prefix
     of the path that is a module, or the module that re-exports the next name."""
@@ -107,27 +141,11 @@ def resolve(mod, segs, mods, reexp):
     segs = [x for x in segs if x]
     if not segs:
         return mod if mod in mods or mod == "" else None
-    head = segs[0]
-    if head == "crate":
-        cur, rest = [], segs[1:]
-    elif head == "super":
-        cur, rest = base[:-1], segs[1:]
-        while rest and rest[0] == "super":
-            cur, rest = cur[:-1], rest[1:]
-    elif head == "self":
-        cur, rest = base, segs[1:]
-    elif "::".join(base + [head]) in mods:
-        cur, rest = base, segs
-    else:
+    walked = walk(base, segs, mods)
+    if walked is None:
         return None
-    for x in rest:
-        nxt = "::".join(cur + [x])
-        if nxt in mods:
-            cur = cur + [x]
-            continue
-        name = "::".join(cur)
-        return reexp.get(name, {}).get(x, name)
-    return "::".join(cur)
+    name, x = walked
+    return reexp.get(name, {}).get(x, name) if x is not None else name
 
 
 def looked_up_in(mod, segs, mods):
@@ -138,27 +156,12 @@ def looked_up_in(mod, segs, mods):
     segs = [x for x in segs if x and x != "*"]
     if not segs:
         return None
-    head = segs[0]
-    if head == "crate":
-        cur, rest = [], segs[1:]
-    elif head == "super":
-        cur, rest = base[:-1], segs[1:]
-        while rest and rest[0] == "super":
-            cur, rest = cur[:-1], rest[1:]
-    elif head == "self":
-        cur, rest = base, segs[1:]
-    elif "::".join(base + [head]) in mods:
-        cur, rest = base, segs
-    else:
+    walked = walk(base, segs, mods)
+    if walked is None:
         return None
-    for x in rest:
-        nxt = "::".join(cur + [x])
-        if nxt in mods:
-            cur = cur + [x]
-            continue
-        return "::".join(cur)
-    # The path names a module: only a glob of it looks names up there.
-    return "::".join(cur) if glob else None
+    name, x = walked
+    # A path that names a module looks names up there only as a glob.
+    return name if x is not None or glob else None
 
 
 def encloses(outer, mod):
