@@ -662,7 +662,7 @@ impl PyChannel {
         }
         // Whether it came from the argument or from KVBRIDGE_TRANSPORT: the engine would only
         // say its build has no UCX; the package's user needs to know how to build one.
-        if config.transport == Transport::Ucx && !crate::UCX_BUILT {
+        if config.transport == Transport::Ucx && !crate::features::UCX_BUILT {
             return Err(errors::invalid(
                 py,
                 "transport \"ucx\" (the argument or KVBRIDGE_TRANSPORT): this kvbridge package was built without UCX (build it with the cargo feature `ucx`: MATURIN_PEP517_ARGS=\"--features ucx\" pip install ./python)",

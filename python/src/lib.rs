@@ -11,14 +11,14 @@ mod call;
 mod channel;
 mod completer;
 mod errors;
+mod features;
 mod read_plan;
 mod runtime;
 mod transfer;
 
 use pyo3::prelude::*;
 
-/// Whether this build carries kvbridge's UCX transport (the cargo feature `ucx`).
-const UCX_BUILT: bool = cfg!(feature = "ucx");
+use features::UCX_BUILT;
 
 /// The native part of the `kvbridge` package; import `kvbridge` instead.
 #[pymodule]

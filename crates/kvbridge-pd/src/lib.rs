@@ -56,6 +56,7 @@ pub mod rank_map;
 pub mod read_plan;
 pub mod receiver;
 pub mod sender;
+mod timeline;
 pub mod tp_layout;
 mod windows;
 mod zmtp_push;
@@ -70,9 +71,5 @@ pub use rank_map::{head_sources, readers_of, source_ranks, HeadSource};
 pub use read_plan::{PlanError, RangeRead, ReadPlan, ReadPlanner, Side};
 pub use receiver::{ChunkRef, GrantedRequest, PdReceiver, ReceiverConfig};
 pub use sender::{DisaggSpec, PdSender, SenderConfig, Summary, Transfer};
+pub use timeline::TIMELINE;
 pub use tp_layout::{BlockDim, LayoutError, LayoutProblem, Mismatch, TpLayout, Translation};
-
-/// The `tracing` target of the PD layer's per-chunk timeline marks (`DEBUG`, fields
-/// `stage`, `id`, `chunk`), which `kvbridge demo --timeline` records; the same target as
-/// the reference engine's marks.
-pub const TIMELINE: &str = "kvbridge::timeline";

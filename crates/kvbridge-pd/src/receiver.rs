@@ -1011,7 +1011,7 @@ async fn handle(inner: &Arc<Inner>, peer: PeerId, session_incarnation: u64, data
             incarnation,
             index,
         } => {
-            tracing::debug!(target: crate::TIMELINE, stage = "receiver.written", id = %req_id, chunk = index);
+            tracing::debug!(target: crate::timeline::TIMELINE, stage = "receiver.written", id = %req_id, chunk = index);
             let mut alloc = lock(&inner.alloc);
             match alloc.chunk_written(now, &req_id, &owner(&peer, incarnation), index) {
                 Ok(()) => {

@@ -21,7 +21,7 @@ use crate::key::chunk_keys;
 use crate::layout::KvSpec;
 use crate::msg::PdMsg;
 use crate::outcome::{Outcome, OutcomeSink};
-use crate::TIMELINE;
+use crate::timeline::TIMELINE;
 use kvbridge::{Channel, ChannelConfig, Grant, Op, PeerId, Region, RegionId};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
