@@ -7,6 +7,7 @@ use thiserror::Error;
 
 /// Steps of a transfer, for error messages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum PdStep {
     /// Connecting to the receiver.
     Connect,
@@ -43,6 +44,7 @@ pub type Result<T, E = PdError> = std::result::Result<T, E>;
 
 /// Everything that can go wrong in the PD layer.
 #[derive(Debug, Clone, Error, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum PdError {
     /// The request needs more pages than the receiver's whole buffer.
     #[error("request {req_id} (peer {peer}): needs {needed_pages} pages ({needed_bytes} bytes) but the receiver's whole buffer has {total_pages} pages ({total_bytes} bytes); it can never fit")]
