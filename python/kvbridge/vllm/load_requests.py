@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
 
+from .cores import run_on
 from .metadata import RecvJob
 
 log = logging.getLogger(__name__)
@@ -153,8 +154,6 @@ class LoadRequestInbox:
         self._thread.start()
 
     def _run(self) -> None:
-        from .worker import run_on  # the worker module imports this one
-
         run_on(self._cores)
         sock = self._sock
         assert sock is not None

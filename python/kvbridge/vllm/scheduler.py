@@ -202,7 +202,6 @@ class KvbridgeScheduler:
         pass
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
-        params = request.kv_transfer_params
         delay_free, out = self._finished(request, block_ids)
         if request.request_id in self._held:
             self._held.discard(request.request_id)

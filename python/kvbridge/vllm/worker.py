@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import hashlib
 import json
-import os
 import logging
 import threading
 import time
