@@ -30,6 +30,13 @@ class RecvJob:
     # when the scheduler allocated the blocks (``time.monotonic()``, one clock for every
     # process of the host): the load's deadline and its slow-load timings count from here
     allocated: float = 0.0
+    # the prefiller engine's TP size (kv_transfer_params' tp_size): rank r listens on
+    # remote_port + r
+    remote_tp_size: int = 1
+    # the decoder's blocks its own prefix cache holds, before local_block_ids: never written
+    hit_block_ids: list[int] = field(default_factory=list)
+    # the prompt's tokens, whose KV the load brings (0: as many as local_block_ids hold)
+    prompt_tokens: int = 0
 
 
 @dataclass

@@ -27,6 +27,10 @@ REQUIRED_REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", 
 
 TRANSFER_MODE = "pull"
 
+#: The largest prefiller TP size a decoder takes from ``kv_transfer_params`` (kvbridge-pd's
+#: bound on ranks).
+MAX_TP_SIZE = 1 << 16
+
 
 def remote_blocks(params: dict[str, Any]) -> list[int]:
     return first_group(params.get("remote_block_ids"))
@@ -50,6 +54,11 @@ def params_problem(params: dict[str, Any]) -> str | None:
     usable = isinstance(port, (int, str)) and not isinstance(port, bool) and str(port).isdigit()
     if not usable or not 0 < int(port) < 65536:
         return f"remote_port {port!r} is not a port"
+    tp = params.get("tp_size", 1)
+    if not isinstance(tp, int) or isinstance(tp, bool) or not 0 < tp <= MAX_TP_SIZE:
+        return f"tp_size {tp!r} is not a TP size"
+    if int(port) + tp > 65536:
+        return f"remote_port {port} and tp_size {tp}: the last rank's port is past 65535"
     return None
 
 
@@ -105,20 +114,24 @@ class KvbridgeScheduler:
         group = first_group(blocks.get_block_ids())
         local = first_group(blocks.get_unhashed_block_ids_all_groups())
         hit = len(group) - len(local)  # blocks the decoder's own prefix cache holds
+        prompt = len(request.prompt_token_ids or [])
         if problem is None:
-            remote = remote_blocks(params)
-            prompt = len(request.prompt_token_ids or [])
             sent = params.get("remote_num_tokens")
+            # the prefiller's block size, where it says (kvbridge's prefillers do): else this one's
+            block_size = params.get("remote_block_size", self.vllm_config.cache_config.block_size)
+            remote = remote_blocks(params)
             if isinstance(sent, int) and not isinstance(sent, bool) and sent < prompt:
                 # (more is fine: NixlConnector's prefillers count more than the prompt too)
                 problem = (
                     f"the prefiller computed {sent} tokens, fewer than the {prompt} of the decoder's prompt "
                     "(the proxy sent the decoder another prompt than the prefiller's)"
                 )
-            elif len(remote) < len(group):
+            elif not isinstance(block_size, int) or isinstance(block_size, bool) or not 0 < block_size < 2**31:
+                problem = f"remote_block_size {block_size!r} is not a block size"
+            elif len(remote) * block_size < prompt:
                 problem = (
-                    f"the prefiller offers {len(remote)} blocks, the prompt's {prompt} tokens take "
-                    f"{len(group)} blocks of {self.vllm_config.cache_config.block_size} here"
+                    f"the prefiller offers {len(remote)} blocks of {block_size} tokens for the prompt's "
+                    f"{prompt} tokens"
                 )
         if problem is not None:
             # a usable address still gets the prefiller's "read done" notice
@@ -127,10 +140,12 @@ class KvbridgeScheduler:
             job.error = f"request {request.request_id}: kv_transfer_params unusable: {problem}"
             self._reqs_need_recv[request.request_id] = job
         else:
-            # remote block i holds the prompt's block i; a longer list (the prefiller's
-            # lookahead slots) is cut to the prompt, and the worker reads its tail past the hit
+            # the prefiller's blocks hold the prompt from its first token (its block size may
+            # differ from this engine's): the worker checks they cover it, and reads the
+            # tokens past the decoder's own prefix-cache hit
             job = self._job(params, local, awaited=True)
-            job.remote_block_ids = job.remote_block_ids[: hit + len(local)]
+            job.hit_block_ids = group[:hit]
+            job.prompt_tokens = prompt
             self._reqs_need_recv[request.request_id] = job
             if self._sync and local:
                 self.load_requests.send(request.request_id, job)
@@ -148,6 +163,7 @@ class KvbridgeScheduler:
             remote_request_id=str(params["remote_request_id"]),
             remote_host=str(params["remote_host"]),
             remote_port=int(params["remote_port"]),
+            remote_tp_size=int(params.get("tp_size", 1)),
             awaited=awaited,
             recomputed=recomputed,
             allocated=time.monotonic(),
@@ -246,6 +262,7 @@ class KvbridgeScheduler:
             remote_host=self.settings.host,
             remote_port=self.settings.base_port,
             tp_size=self.tp_size,
+            remote_block_size=self.vllm_config.cache_config.block_size,
             remote_num_tokens=request.num_computed_tokens if delay_free else 0,
             transfer_mode=TRANSFER_MODE,
         )

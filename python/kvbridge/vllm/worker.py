@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import threading
@@ -26,8 +25,10 @@ from typing import Any
 
 import kvbridge
 
+from . import done_notices, rank_reads
 from .config import ConfigError, ConnectorSettings, numeric_host
 from .cores import run_on, transfer_core_set, transfer_cores
+from .layout import ModelFacts, RankLayout, describe, pages_description
 from .lease_table import PAGE_BYTES as LEASE_PAGE_BYTES
 from .lease_table import LeaseState, LeaseTable, where
 from .lease_table import state as lease_state
@@ -39,12 +40,15 @@ from .stats import zero as zero_stats
 
 log = logging.getLogger(__name__)
 
-#: Notification a decoder sends a prefiller once it is done with a request's blocks.
-DONE_PREFIX = b"kvbridge-vllm/1 done "
+#: The connector's protocol: the channel's compatibility string, so that a peer of another
+#: version is refused at the handshake, by name.
+PROTOCOL = "kvbridge-vllm/2"
 #: Size of the directory region; a prime, so no KV layer region (an even number of bytes)
 #: can be mistaken for it.
 DIRECTORY_LEN = 65521
-DIRECTORY_MAGIC = b"kvbridge-vllm/1 directory\n"
+DIRECTORY_MAGIC = b"kvbridge-vllm/2 directory\n"
+#: Prefiller layouts a decoder rank keeps a read planner (or a refusal) for.
+MAX_PLANNERS = 64
 #: Decoder loads run here, off vLLM's step, so a slow peer never stalls a forward pass.
 LOAD_THREADS = 4
 #: A load that took longer is slow: counted (``slow_loads``) and logged as a warning with
@@ -118,6 +122,9 @@ class _Peer:
     regions: dict[str, int]  # layer name -> remote region id
     leases: int  # remote region id of its lease table
     engine_id: str  # the vLLM engine it serves (kv_transfer_params' remote_engine_id)
+    tp_rank: int = 0
+    tp_size: int = 1
+    layout: RankLayout | None = None  # its KV cache's description (layout.py)
 
 
 @dataclass
@@ -156,31 +163,6 @@ class _Load:
     submitted: float = 0.0
     read: float = 0.0
     lease_checks: int = 0
-
-
-def block_runs(local: list[int], remote: list[int]) -> list[tuple[int, int, int]]:
-    """``(local, remote, count)`` runs of blocks that follow each other on both sides, in
-    order: ``local[i]`` is read from ``remote[i]``."""
-    runs: list[tuple[int, int, int]] = []
-    for lo, ro in zip(local, remote):
-        if runs:
-            l0, r0, n = runs[-1]
-            if lo == l0 + n and ro == r0 + n:
-                runs[-1] = (l0, r0, n + 1)
-                continue
-        runs.append((lo, ro, 1))
-    return runs
-
-
-def layout_description(layers: list[tuple[str, tuple, str, int]], block_size: int, model: str, tp: int) -> str:
-    """The ``compat`` string: equal on two engines exactly when their blocks line up."""
-    detail = json.dumps([list(x) for x in layers], separators=(",", ":"))
-    digest = hashlib.sha256(detail.encode()).hexdigest()[:16]
-    page_bytes = sorted({x[3] for x in layers})
-    return (
-        f"kvbridge-vllm/1 model={model} block_size={block_size} tp={tp} layers={len(layers)} "
-        f"page_bytes={page_bytes} layout={digest}"
-    )
 
 
 class KvbridgeWorker:
@@ -244,8 +226,15 @@ class KvbridgeWorker:
         self._failed_recving: set[str] = set()
         # prefiller: request id -> monotonic deadline of its lease
         self._leases: dict[str, float] = {}
-        # "done" notifications that came before the request's lease was known
-        self._early_done: dict[str, float] = {}
+        # prefiller: which decoder ranks said done, per request (also before its hold)
+        self._dones = done_notices.DoneCounts(settings.lease_s)
+        # this rank's KV cache description (layout.py), set at registration
+        self.layout: RankLayout | None = None
+        # decoder: prefiller layout (its TpLayout, less its rank) -> the planner of this
+        # rank's reads from it, or why the two cannot be translated; and prefiller TP size ->
+        # the planner of which ranks to read from and tell (rank_reads.synthetic_prefiller)
+        self._planners: dict[str, kvbridge.ReadPlanner | LoadError] = {}
+        self._rank_planners: dict[int, kvbridge.ReadPlanner | LoadError] = {}
         # prefiller: requests marked held when their prompt was computed, not finished yet
         # -> when they were marked
         self._held_early: dict[str, float] = {}
@@ -281,8 +270,19 @@ class KvbridgeWorker:
                 raise LayoutError(f"layer {name}: blocks overlap (stride {t.stride(0)})")
             described.append((name, tuple(t.shape[1:]), str(t.dtype), page))
             pending.append((name, t, page))
-        model = getattr(self.vllm_config.model_config, "model", "?")
-        compat = layout_description(described, self.block_size, model, self.tp_size)
+        try:
+            facts = ModelFacts.of(self.vllm_config)
+        except (AttributeError, TypeError, ValueError) as e:
+            model = str(getattr(self.vllm_config.model_config, "model", "?"))
+            pages = pages_description(described, self.block_size, model, self.tp_size)
+            self.layout = RankLayout(pages, None, f"the model's KV heads are unknown ({type(e).__name__})")
+        else:
+            self.layout = describe(described, facts, self.tp_rank, self.tp_size)
+        if self.layout.tp is None:
+            log.info(
+                "kvbridge: this rank's KV cache reads as whole pages only, from a prefiller of the same TP "
+                "size and layout: %s", self.layout.why_not,
+            )  # fmt: skip
         listen = None
         if self.settings.is_producer:
             listen = f"{numeric_host(self.settings.host)}:{self.settings.base_port + self.tp_rank}"
@@ -292,7 +292,7 @@ class KvbridgeWorker:
                 listen,
                 secret=self.settings.secret,
                 transport=self.settings.transport,
-                compat=compat,
+                compat=PROTOCOL,
             )
         # registered memory must outlive the registration: vLLM keeps its KV cache for the
         # process's life, but a reference here makes that a property of this class
@@ -311,7 +311,17 @@ class KvbridgeWorker:
                 self.layers.append(by_ptr[ptr])
             entries = {layer.name: str(layer.region) for layer in self.layers}
             leases = self.channel.register_buffer(self._lease_table.memory, LEASE_PAGE_BYTES, access="read")
-            doc = {"compat": compat, "layers": entries, "leases": str(leases), "engine_id": self.settings.engine_id}
+            doc = {
+                "layers": entries,
+                "leases": str(leases),
+                "engine_id": self.settings.engine_id,
+                "tp_rank": self.tp_rank,
+                "tp_size": self.tp_size,
+                "pages": self.layout.pages,
+                "layout": self.layout.tp,
+                "dtype": self.layout.dtype,
+                "why_not": self.layout.why_not,
+            }
             body = DIRECTORY_MAGIC + json.dumps(doc).encode()
             if len(body) > DIRECTORY_LEN:
                 raise LayoutError(f"{len(self.layers)} layers do not fit the {DIRECTORY_LEN}-byte directory")
@@ -325,7 +335,10 @@ class KvbridgeWorker:
             self.staging = None
             raise
         self.listen_addr = self.channel.local_addr
-        log.info("kvbridge: %d KV layers registered, listening on %s (%s)", len(self.layers), listen, compat)
+        log.info(
+            "kvbridge: %d KV layers registered, listening on %s (%s)",
+            len(self.layers), listen, self.layout.tp_json() or self.layout.pages,
+        )  # fmt: skip
         if self.settings.is_consumer and getattr(self.vllm_config, "max_concurrent_batches", 1) == 1:
             self._inbox = LoadRequestInbox(self.tp_rank, self._start_from_inbox, self._cores)
 
@@ -481,28 +494,111 @@ class KvbridgeWorker:
         load.future.add_done_callback(lambda _: self._load_ended.set())
 
     def _notify_job(self, job: RecvJob) -> None:
-        """The "read done" notice for a job that reads nothing, from vLLM's step: an address
+        """The "read done" notices for a job that reads nothing, from vLLM's step: an address
         that does not resolve (it came from the client) is a failed notice, not an exception
         in the step."""
         try:
-            addr = self._addr(job)
-        except ConfigError as e:
+            notices = self._notice_ranks(job.remote_tp_size)
+            addrs = {rank: self._addr(job, rank) for rank in notices}
+        except (ConfigError, LoadError) as e:
             self.stats["notices_failed"] += 1
             log.warning(
                 "kvbridge: cannot tell prefiller %s that %s is read: %s", job.remote_host, job.remote_request_id, e
             )
             return
-        self._notify_done(addr, None, job.remote_request_id)
+        for rank, expected in notices.items():
+            self._notify_done(addrs[rank], None, job.remote_request_id, expected)
 
-    def _addr(self, job: RecvJob) -> str:
-        return f"{numeric_host(job.remote_host)}:{job.remote_port + self.tp_rank}"
+    def _addr(self, job: RecvJob, rank: int) -> str:
+        """Where prefiller rank ``rank`` of the job's engine listens (its port plus the rank)."""
+        return f"{numeric_host(job.remote_host)}:{job.remote_port + rank}"
+
+    # ---- decoder: which prefiller ranks, and how --------------------------------------------
+
+    def _rank_planner(self, prefiller_tp: int) -> kvbridge.ReadPlanner | None:
+        """The planner of which prefiller ranks this rank reads from and tells, before any
+        prefiller directory is read (rank_reads.synthetic_prefiller); None reading pages."""
+        if self.layout is None or self.layout.tp is None:
+            if prefiller_tp != self.tp_size:
+                raise LoadError(
+                    f"a prefiller of TP size {prefiller_tp} and this decoder of TP size {self.tp_size}: this "
+                    f"rank's KV cache reads as whole pages only ({self.layout.why_not if self.layout else '?'})",
+                    "refused",
+                )
+            return None
+        got = self._rank_planners.get(prefiller_tp)
+        if got is None:
+            try:
+                got = kvbridge.ReadPlanner(
+                    rank_reads.synthetic_prefiller(self.layout.tp, prefiller_tp), self.layout.tp_json()
+                )
+            except (kvbridge.Incompatible, ValueError) as e:
+                got = LoadError(f"a prefiller of TP size {prefiller_tp} for this decoder rank's layout: {e}", "refused")
+            if len(self._rank_planners) < MAX_PLANNERS:
+                self._rank_planners[prefiller_tp] = got
+        if isinstance(got, LoadError):
+            raise got
+        return got
+
+    def _notice_ranks(self, prefiller_tp: int) -> dict[int, int]:
+        """Prefiller rank -> how many decoder ranks it waits for, for the ranks this rank
+        tells it is done with a request (rank_reads.notice_ranks)."""
+        planner = self._rank_planner(prefiller_tp)
+        if planner is None:
+            return {self.tp_rank: 1}
+        return rank_reads.notice_ranks(planner, self.tp_rank, self.tp_size, prefiller_tp)
+
+    def _source_ranks(self, prefiller_tp: int) -> list[int]:
+        planner = self._rank_planner(prefiller_tp)
+        return [self.tp_rank] if planner is None else list(planner.source_ranks())
+
+    def _planner(self, peer: _Peer, addr: str) -> kvbridge.ReadPlanner | None:
+        """How this rank reads from ``peer``: a planner of translated reads, None for whole
+        pages; a :class:`LoadError` (``refused``) naming both layouts when neither works.
+        Decided once per prefiller layout."""
+        mine, theirs = self.layout, peer.layout
+        assert mine is not None and theirs is not None
+        if mine.tp is None or theirs.tp is None:
+            if theirs.pages == mine.pages and peer.tp_size == self.tp_size:
+                return None
+            raise LoadError(
+                f"prefiller {peer.peer_id} ({addr}): incompatible layouts: its KV cache {theirs.pages} at TP size "
+                f"{peer.tp_size}, this rank's {mine.pages} at TP size {self.tp_size}; whole pages need equal ones, "
+                f"and translation needs both described ({theirs.why_not or mine.why_not})",
+                "refused",
+            )
+        key = json.dumps({**theirs.tp, "tp_rank": 0}, sort_keys=True) + theirs.dtype
+        got = self._planners.get(key)
+        if got is None:
+            if theirs.dtype != mine.dtype:
+                got = LoadError(
+                    f"prefiller {peer.peer_id} ({addr}): incompatible layouts: its KV cache holds {theirs.dtype}, "
+                    f"this rank's {mine.dtype}",
+                    "refused",
+                )
+            else:
+                try:
+                    got = kvbridge.ReadPlanner(theirs.tp_json(), mine.tp_json())
+                except (kvbridge.Incompatible, ValueError) as e:
+                    got = LoadError(f"prefiller {peer.peer_id} ({addr}): incompatible layouts: {e}", "refused")
+            if isinstance(got, LoadError):
+                log.error("kvbridge: %s", got)
+            if len(self._planners) < MAX_PLANNERS:
+                self._planners[key] = got
+        if isinstance(got, LoadError):
+            raise got
+        return got
+
+    # ---- decoder: sessions ------------------------------------------------------------------
 
     def _prefiller(self, addr: str) -> _Prefiller:
         with self._prefillers_lock:
             return self._prefillers.setdefault(addr, _Prefiller())
 
-    def _peer(self, job: RecvJob, deadline: float) -> _Peer:
-        addr = self._addr(job)
+    def _peer(self, job: RecvJob, rank: int, deadline: float) -> _Peer:
+        """The session to prefiller rank ``rank`` of the job's engine, its directory read and
+        checked against the job (engine, rank, TP size)."""
+        addr = self._addr(job, rank)
         pf = self._prefiller(addr)
         if not pf.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise LoadError(
@@ -511,9 +607,22 @@ class KvbridgeWorker:
                 "timeout",
             )
         try:
-            return self._peer_locked(addr, pf, deadline)
+            peer = self._peer_locked(addr, pf, deadline)
         finally:
             pf.lock.release()
+        if job.remote_engine_id != peer.engine_id:
+            raise LoadError(
+                f"prefiller {peer.peer_id} ({addr}) serves engine {peer.engine_id}, not {job.remote_engine_id} "
+                f"that computed request {job.remote_request_id} (restarted, or another engine on its address)",
+                "peer_lost",
+            )
+        if (peer.tp_rank, peer.tp_size) != (rank, job.remote_tp_size):
+            raise LoadError(
+                f"prefiller {peer.peer_id} ({addr}) is TP rank {peer.tp_rank} of {peer.tp_size}, and request "
+                f"{job.remote_request_id}'s kv_transfer_params put rank {rank} of {job.remote_tp_size} there",
+                "bad_params",
+            )
+        return peer
 
     def _peer_locked(self, addr: str, pf: _Prefiller, deadline: float) -> _Peer:
         ch = self.channel
@@ -555,15 +664,13 @@ class KvbridgeWorker:
         if not theirs.startswith(DIRECTORY_MAGIC):
             raise LoadError(f"prefiller {peer_id} ({addr}): bad layer directory")
         try:
-            doc = json.loads(theirs[len(DIRECTORY_MAGIC) :].rstrip(b"\0"))
-            remote = {name: int(rid) for name, rid in doc["layers"].items()}
-            leases, engine_id = int(doc["leases"]), str(doc["engine_id"])
+            peer = _parse_directory(peer_id, json.loads(theirs[len(DIRECTORY_MAGIC) :].rstrip(b"\0")))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise LoadError(f"prefiller {peer_id} ({addr}): bad layer directory ({type(e).__name__}: {e})") from None
-        missing = [l.name for l in self.layers if l.name not in remote]
+        missing = [l.name for l in self.layers if l.name not in peer.regions]
         if missing:
             raise LoadError(f"prefiller {peer_id} ({addr}) lacks layers {missing[:4]}")
-        pf.peer = _Peer(peer_id, remote, leases, engine_id)
+        pf.peer = peer
         return pf.peer
 
     def _check_lease(self, peer: _Peer, job: RecvJob, addr: str, deadline: float) -> int:
@@ -614,74 +721,106 @@ class KvbridgeWorker:
             pause = min(pause * 2, 0.05)
 
     def _load(self, load: _Load) -> None:
+        """One request's load on this rank: the sessions to the prefiller ranks it reads
+        from, one batch of reads to each, then each one's lease check; and, whatever
+        happened, the "done" notices to every prefiller rank that waits for this rank."""
         job = load.job
         load.took_up = time.monotonic()
         deadline = load.started + self.settings.read_timeout_s
-        ch = self.channel
-        assert ch is not None
-        peer = self._peer(job, deadline)
-        load.connected = time.monotonic()
-        addr = self._addr(job)
+        peers: dict[int, _Peer] = {}
+        unreachable: set[int] = set()
         try:
-            if job.remote_engine_id != peer.engine_id:
-                raise LoadError(
-                    f"prefiller {peer.peer_id} ({addr}) serves engine {peer.engine_id}, not {job.remote_engine_id} "
-                    f"that computed request {job.remote_request_id} (restarted, or another engine on its address)",
-                    "peer_lost",
-                )
-            local = job.local_block_ids
-            if local:
-                if len(job.remote_block_ids) < len(local):
-                    raise LoadError(
-                        f"prefiller {peer.peer_id} offers {len(job.remote_block_ids)} blocks for "
-                        f"{len(local)} local ones (request {job.remote_request_id})"
-                    )
-                # a decoder's prefix-cache hit covers the head; read the tail
-                remote = job.remote_block_ids[len(job.remote_block_ids) - len(local) :]
-                load.posting = time.monotonic()
-                # one batch for every layer, blocks adjacent on both sides in one range: the
-                # engine checks and moves it as one transfer (one completion, not one a layer)
-                ops = []
-                for layer in self.layers:
-                    for lo, ro, n in block_runs(local, remote):
-                        pb = layer.page_bytes
-                        ops.append((layer.region, lo * pb, peer.regions[layer.name], ro * pb, n * pb))
-                    load.bytes += len(local) * layer.page_bytes
-                load.transfers.append(ch.submit_read(peer.peer_id, ops))
-                load.submitted = time.monotonic()
-                for t in load.transfers:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise TimeoutError
-                    t.wait(left)
-                load.read = time.monotonic()
-                load.lease_checks = self._check_lease(peer, job, addr, deadline)
+            self._read_ranks(load, deadline, peers, unreachable)
             load.finished = time.monotonic()
-            self._log_if_over_budget(load, addr)
+            self._log_if_over_budget(load, self._addr(job, min(peers)) if peers else job.remote_host)
         except TimeoutError:
             for t in load.transfers:
                 t.cancel()
             raise LoadError(
-                f"reading request {job.remote_request_id} from prefiller {peer.peer_id}: "
-                f"deadline kvbridge_read_timeout_s={self.settings.read_timeout_s} passed",
+                f"reading request {job.remote_request_id} from prefiller ranks {sorted(peers)} at "
+                f"{job.remote_host}: deadline kvbridge_read_timeout_s={self.settings.read_timeout_s} passed",
                 "timeout",
             ) from None
         except SESSION_ENDED as e:
-            # the prefiller is gone (killed, restarted): forget it, so that the next request
-            # for this address connects to whatever listens there now
-            pf = self._prefiller(addr)
-            with pf.lock:
-                if pf.peer is peer:
-                    pf.peer = None
+            # a prefiller rank is gone (killed, restarted): the next request for its address
+            # connects to whatever listens there now (_peer_locked checks the session)
             raise LoadError(
-                f"reading request {job.remote_request_id} from prefiller {peer.peer_id} ({addr}): "
-                f"session ended: {type(e).__name__}: {e}",
+                f"reading request {job.remote_request_id} from prefiller ranks {sorted(peers)} at "
+                f"{job.remote_host}: session ended: {type(e).__name__}: {e}",
                 "peer_lost",
             ) from e
         finally:
             # off the load's path: the blocks are usable now, whether or not (or however
             # slowly) the prefiller takes the notification
-            self._notify_done(addr, peer.peer_id, job.remote_request_id)
+            self._notify_ranks(job, peers, unreachable)
+
+    def _read_ranks(self, load: _Load, deadline: float, peers: dict[int, _Peer], unreachable: set[int]) -> None:
+        job = load.job
+        ch = self.channel
+        assert ch is not None
+        sources = self._source_ranks(job.remote_tp_size)
+        for rank in sources:
+            try:
+                peers[rank] = self._peer(job, rank, deadline)
+            except LoadError as e:
+                if e.cause in ("unreachable", "timeout"):
+                    unreachable.add(rank)
+                raise
+        load.connected = time.monotonic()
+        if not job.local_block_ids:
+            return
+        first = peers[sources[0]]
+        for rank in sources[1:]:
+            if not _same_engine_layout(first, peers[rank]):
+                raise LoadError(
+                    f"prefiller ranks {sources[0]} and {rank} at {job.remote_host} describe different KV caches",
+                    "refused",
+                )
+        planner = self._planner(first, self._addr(job, sources[0]))
+        try:
+            reads = self._reads(planner, peers[sources[0]], job)
+        except ValueError as e:
+            raise LoadError(f"request {job.remote_request_id}: {e}", "bad_params") from None
+        load.posting = time.monotonic()
+        # one batch per prefiller rank for every layer, adjacent bytes in one range: the
+        # engine checks and moves each as one transfer (one completion, not one a layer)
+        for rank, ranges in reads.by_rank.items():
+            peer = peers[rank]
+            ops = []
+            for layer in self.layers:
+                unit = layer.page_bytes if reads.pages else 1
+                remote = peer.regions[layer.name]
+                for src, dst, n in ranges:
+                    ops.append((layer.region, dst * unit, remote, src * unit, n * unit))
+                    load.bytes += n * unit
+            load.transfers.append(ch.submit_read(peer.peer_id, ops))
+        load.submitted = time.monotonic()
+        for t in load.transfers:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            t.wait(left)
+        load.read = time.monotonic()
+        for rank in reads.by_rank:
+            load.lease_checks += self._check_lease(peers[rank], job, self._addr(job, rank), deadline)
+
+    def _reads(self, planner: kvbridge.ReadPlanner | None, peer: _Peer, job: RecvJob) -> rank_reads.RankReads:
+        hit = len(job.hit_block_ids)
+        # a job without the prompt's length (tests) brings every block it names
+        prompt = job.prompt_tokens or (hit + len(job.local_block_ids)) * self.block_size
+        if planner is None:
+            return rank_reads.whole_pages(self.tp_rank, job.remote_block_ids, hit, job.local_block_ids)
+        assert peer.layout is not None and peer.layout.tp is not None and self.layers
+        return rank_reads.translated(
+            planner,
+            self.layers[0].page_bytes,
+            int(peer.layout.tp["block_tokens"]),
+            self.block_size,
+            job.remote_block_ids,
+            job.hit_block_ids,
+            job.local_block_ids,
+            prompt,
+        )
 
     @staticmethod
     def _log_if_over_budget(load: _Load, addr: str) -> None:
@@ -700,19 +839,39 @@ class KvbridgeWorker:
             read - load.submitted, load.finished - read, load.lease_checks,
         )  # fmt: skip
 
-    def _notify_done(self, addr: str, peer_id: str | None, remote_request_id: str) -> None:
-        """Tells the prefiller that the request's blocks are read, without waiting: on the
-        session ``peer_id`` when given, else connecting to ``addr``. A failure is logged; the
-        prefiller's lease frees the blocks anyway."""
+    def _notify_ranks(self, job: RecvJob, peers: dict[int, _Peer], unreachable: set[int]) -> None:
+        """The "done" notices of a load: to every prefiller rank that waits for this rank,
+        on its session where the load opened one, except ranks found unreachable (their
+        lease frees the blocks)."""
+        try:
+            notices = self._notice_ranks(job.remote_tp_size)
+        except LoadError as e:
+            log.warning("kvbridge: cannot tell the prefiller that %s is read: %s", job.remote_request_id, e)
+            return
+        for rank, expected in notices.items():
+            if rank in unreachable:
+                continue
+            peer = peers.get(rank)
+            try:
+                addr = self._addr(job, rank)
+            except ConfigError:
+                continue
+            self._notify_done(addr, peer.peer_id if peer else None, job.remote_request_id, expected)
+
+    def _notify_done(self, addr: str, peer_id: str | None, remote_request_id: str, expected: int = 1) -> None:
+        """Tells a prefiller rank that this rank is done with the request's blocks, without
+        waiting: on the session ``peer_id`` when given, else connecting to ``addr``. A
+        failure is logged; the prefiller's lease frees the blocks anyway."""
         ch = self.channel
         if ch is None:
             return
+        msg = done_notices.encode(self.tp_rank, expected, remote_request_id)
 
         async def notice() -> None:
             to = peer_id or addr
             try:
                 to = peer_id or await ch.connect_async(addr)
-                await ch.notify_async(to, DONE_PREFIX + remote_request_id.encode())
+                await ch.notify_async(to, msg)
             except kvbridge.KvbridgeError as e:
                 self.stats["notices_failed"] += 1
                 log.warning("kvbridge: cannot tell prefiller %s that %s is read: %s", to, remote_request_id, e)
@@ -831,22 +990,21 @@ class KvbridgeWorker:
         fresh = self.channel.get_new_notifs().items()
         for _peer, msgs in [(p, [m]) for p, m in taken] + list(fresh):
             for msg in msgs:
-                if not msg.startswith(DONE_PREFIX):
+                notice = done_notices.decode(msg)
+                if notice is None:
                     continue
-                req_id = msg[len(DONE_PREFIX) :].decode(errors="replace")
-                if self._leases.pop(req_id, None) is not None:
-                    done.add(req_id)
-                    self.stats["blocks_freed_on_notify"] += 1
-                else:
-                    self._early_done[req_id] = now + self.settings.lease_s
-        for req_id in [r for r in self._leases if r in self._early_done]:
+                self._dones.add(notice, now)
+        # a request is freed once every decoder rank that reads it here said done; one held
+        # only now may have had its notices before
+        for req_id in [r for r in self._leases if self._dones.complete(r)]:
             del self._leases[req_id]
-            del self._early_done[req_id]
+            self._dones.forget(req_id)
             done.add(req_id)
             self.stats["blocks_freed_on_notify"] += 1
         for req_id, until in list(self._leases.items()):
             if until <= now:
                 del self._leases[req_id]
+                self._dones.forget(req_id)
                 done.add(req_id)
                 self.stats["leases_expired"] += 1
                 log.warning(
@@ -854,9 +1012,7 @@ class KvbridgeWorker:
                     req_id,
                     self.settings.lease_s,
                 )
-        for req_id, until in list(self._early_done.items()):
-            if until <= now:
-                del self._early_done[req_id]
+        self._dones.expire(now)
         # before vLLM gets the blocks back: a decoder that checks the table after reading
         # them must not find the request held once they can be reused
         for req_id in done:
@@ -901,6 +1057,37 @@ class KvbridgeWorker:
         if self.channel is not None:
             self.channel.close()
             self.channel = None
+
+
+def _parse_directory(peer_id: str, doc: dict) -> _Peer:
+    """A prefiller rank's directory (untrusted: a malformed one raises KeyError, TypeError
+    or ValueError)."""
+    tp = doc["layout"]
+    if tp is not None and not isinstance(tp, dict):
+        raise TypeError("layout is not an object")
+    layout = RankLayout(str(doc["pages"]), tp, str(doc.get("why_not", "")), str(doc.get("dtype", "")))
+    rank, size = int(doc["tp_rank"]), int(doc["tp_size"])
+    if not 0 <= rank < size:
+        raise ValueError(f"TP rank {rank} of {size}")
+    return _Peer(
+        peer_id,
+        {name: int(rid) for name, rid in doc["layers"].items()},
+        int(doc["leases"]),
+        str(doc["engine_id"]),
+        rank,
+        size,
+        layout,
+    )
+
+
+def _same_engine_layout(a: _Peer, b: _Peer) -> bool:
+    """Two ranks of one prefiller engine describe the same KV cache (but for their rank)."""
+    la, lb = a.layout, b.layout
+    if la is None or lb is None or la.pages != lb.pages or la.dtype != lb.dtype:
+        return False
+    if la.tp is None or lb.tp is None:
+        return la.tp is lb.tp
+    return {**la.tp, "tp_rank": 0} == {**lb.tp, "tp_rank": 0}
 
 
 class _NoticeLoop:

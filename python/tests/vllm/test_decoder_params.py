@@ -10,9 +10,12 @@ its metadata goes to a real KvbridgeWorker, whose results go back into the sched
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 
+import kvbridge
+from kvbridge.vllm import rank_reads
 from vllm_helpers import BLOCK_SIZE, kv_caches, poll
 
 torch = pytest.importorskip("torch")
@@ -179,8 +182,22 @@ def test_remote_blocks_past_the_prompt_are_not_read(model_dir):
     out = sched.schedule()
     job = out.kv_connector_metadata.reqs_to_recv[req.request_id]
     assert not job.error
-    assert job.remote_block_ids == [10, 11, 12, 13]
-    assert len(job.local_block_ids) == 4
+    assert len(job.local_block_ids) == 4 and job.prompt_tokens == PROMPT_TOKENS and not job.hit_block_ids
+    # whole pages: remote block i into local block i
+    runs = rank_reads.whole_pages(0, job.remote_block_ids, 0, job.local_block_ids).by_rank[0]
+    assert sorted(r for r, _, n in runs for r in range(r, r + n)) == [10, 11, 12, 13]
+    # translated: the bytes read come from blocks 10..13 only
+    layout = json.dumps(dict(
+        model="m", layers=1, total_kv_heads=1, head_dim=1, mla=False, dtype="fp32", block_tokens=BLOCK_SIZE,
+        block_order=["head", "token", "kv"], tp_rank=0, tp_size=1,
+    ))  # fmt: skip
+    block_bytes = BLOCK_SIZE * 2 * 4
+    reads = rank_reads.translated(
+        kvbridge.ReadPlanner(layout, layout), block_bytes, BLOCK_SIZE, BLOCK_SIZE, job.remote_block_ids, [],
+        job.local_block_ids, job.prompt_tokens,
+    ).by_rank[0]  # fmt: skip
+    read = {b for src, _, n in reads for b in range(src // block_bytes, -(-(src + n) // block_bytes))}
+    assert read == {10, 11, 12, 13}
 
 
 def test_a_notice_to_an_address_that_does_not_resolve_is_a_failed_notice(model_dir, workers):

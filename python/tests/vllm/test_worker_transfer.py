@@ -14,7 +14,7 @@ from kvbridge.vllm.metadata import KvbridgeConnectorMetadata, RecvJob
 from vllm_helpers import LAYERS, kv_caches, poll
 
 
-def job(prefiller, local, remote, req="p-1", port=None):
+def job(prefiller, local, remote, req="p-1", port=None, hit=()):
     host, p = (prefiller.listen_addr or "127.0.0.1:1").rsplit(":", 1)
     return RecvJob(
         local_block_ids=list(local),
@@ -23,6 +23,7 @@ def job(prefiller, local, remote, req="p-1", port=None):
         remote_request_id=req,
         remote_host=host,
         remote_port=int(p) if port is None else port,
+        hit_block_ids=list(hit),
     )
 
 
@@ -60,10 +61,12 @@ def test_prefix_hit_on_decoder_reads_only_the_tail(workers):
     p = workers("kv_producer", p_cache)
     d = workers("kv_consumer", d_cache)
     hold(p, "p-1")
-    d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job(p, [4], [1, 2, 3])}))
+    # the decoder's own cache holds the prompt's first two blocks (10 and 11)
+    d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job(p, [4], [1, 2, 3], hit=[10, 11])}))
     poll(d, want_recving={"d-1"})
     for name in LAYERS:
         assert torch.equal(d_cache[name][4], p_cache[name][3])
+        assert not d_cache[name][10].any() and not d_cache[name][11].any()
 
 
 def test_notification_before_lease_is_known_still_frees(workers):
@@ -72,7 +75,7 @@ def test_notification_before_lease_is_known_still_frees(workers):
     d = workers("kv_consumer", kv_caches(seed=None))
     d._notify_done(p.listen_addr, None, "p-7")
     deadline = time.monotonic() + 5
-    while not p._early_done and time.monotonic() < deadline:
+    while not len(p._dones) and time.monotonic() < deadline:
         p.get_finished(set())
         time.sleep(0.01)
     p.start_load_kv(KvbridgeConnectorMetadata(reqs_to_send={"p-7": 30.0}))
@@ -117,14 +120,19 @@ def test_out_of_range_remote_blocks_fail_the_load_and_still_free_the_prefiller(w
 
 
 @pytest.mark.parametrize("heads", [1, 4])
-def test_heterogeneous_layout_is_refused_at_handshake(workers, heads, caplog):
+def test_a_prefiller_of_another_model_is_refused_once_naming_both_layouts(workers, heads, caplog):
     p = workers("kv_producer", kv_caches(seed=6, heads=2))
-    d = workers("kv_consumer", kv_caches(seed=None, heads=heads))
-    d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job(p, [1], [1])}))
-    poll(d, want_recving={"d-1"})
-    assert d.take_failed_recving() == {"d-1"}
-    assert d.get_block_ids_with_load_errors() == {1}
-    assert "Incompatible" in caplog.text
+    d = workers("kv_consumer", kv_caches(seed=None, heads=heads), total_kv_heads=heads)
+    for i in (1, 2):
+        d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={f"d-{i}": job(p, [i], [i], req=f"p-{i}")}))
+        poll(d, want_recving={f"d-{i}"})
+        assert d.take_failed_recving() == {f"d-{i}"}
+        assert d.get_block_ids_with_load_errors() == {i}
+    assert d.stats["loads_failed_refused"] == 2
+    # decided at the first handshake with that prefiller, not at each request
+    refusals = [r for r in caplog.records if r.levelname == "ERROR" and "incompatible layouts" in r.getMessage()]
+    assert len(refusals) == 1, caplog.text
+    assert "2 kv heads" in refusals[0].getMessage() and f"{heads} kv heads" in refusals[0].getMessage()
 
 
 def test_notify_only_job_frees_the_prefiller_and_is_never_reported_to_vllm(workers):
@@ -258,7 +266,7 @@ def test_a_decoder_cannot_write_into_the_prefillers_kv_cache(workers, monkeypatc
     before = {name: t.clone() for name, t in p_cache.items()}
     p = workers("kv_producer", p_cache)
     d = workers("kv_consumer", kv_caches(seed=14), extra={"kvbridge_transport": "tcp"})
-    peer = d._peer(job(p, [1], [1]), time.monotonic() + 10)
+    peer = d._peer(job(p, [1], [1]), 0, time.monotonic() + 10)
     layer = d.layers[0]
     with pytest.raises(kvbridge.KvbridgeError):
         d.channel.write_pages(peer.peer_id, layer.region, [1], peer.regions[layer.name], [1])
@@ -266,12 +274,14 @@ def test_a_decoder_cannot_write_into_the_prefillers_kv_cache(workers, monkeypatc
         assert torch.equal(p_cache[name], before[name]), name
 
 
-def test_block_runs_join_blocks_adjacent_on_both_sides():
-    from kvbridge.vllm.worker import block_runs
+def test_whole_page_reads_join_blocks_adjacent_on_both_sides():
+    from kvbridge.vllm.rank_reads import whole_pages
 
-    assert block_runs([5, 6, 7, 2, 3], [1, 2, 3, 9, 11]) == [(5, 1, 3), (2, 9, 1), (3, 11, 1)]
-    assert block_runs([4, 3], [0, 1]) == [(4, 0, 1), (3, 1, 1)]
-    assert block_runs([], []) == []
+    # (remote, local, count) runs of the blocks past a hit of one block
+    runs = whole_pages(0, [0, 1, 2, 3, 9, 11], 1, [5, 6, 7, 2, 3]).by_rank[0]
+    assert runs == [(1, 5, 3), (9, 2, 1), (11, 3, 1)]
+    assert whole_pages(0, [0, 1], 0, [4, 3]).by_rank[0] == [(0, 4, 1), (1, 3, 1)]
+    assert whole_pages(0, [], 0, []).by_rank[0] == []
 
 
 def load_and_check(p, d, p_cache, d_cache, local, remote):

@@ -19,7 +19,27 @@ BLOCK_SIZE = 32
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 
 
-def vllm_config(role: str, *, extra: dict | None = None, engine_id: str = "e", block_size: int = BLOCK_SIZE):
+class ModelConfig(SimpleNamespace):
+    """The part of vLLM's ModelConfig the connector reads."""
+
+    def get_total_num_kv_heads(self) -> int:
+        return self.total_kv_heads
+
+    def get_head_size(self) -> int:
+        return self.head_size
+
+
+def vllm_config(
+    role: str,
+    *,
+    extra: dict | None = None,
+    engine_id: str = "e",
+    block_size: int = BLOCK_SIZE,
+    tp_size: int = 1,
+    total_kv_heads: int = 2,
+    head_size: int = 32,
+    mla: bool = False,
+):
     ktc = SimpleNamespace(
         engine_id=engine_id,
         is_kv_producer=role in ("kv_producer", "kv_both"),
@@ -28,9 +48,9 @@ def vllm_config(role: str, *, extra: dict | None = None, engine_id: str = "e", b
     )
     return SimpleNamespace(
         kv_transfer_config=ktc,
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_index=0),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp_size, data_parallel_index=0),
         cache_config=SimpleNamespace(block_size=block_size),
-        model_config=SimpleNamespace(model="tiny"),
+        model_config=ModelConfig(model="tiny", total_kv_heads=total_kv_heads, head_size=head_size, use_mla=mla),
     )
 
 
@@ -47,9 +67,12 @@ def kv_caches(seed: int | None, *, heads: int = 2, head_size: int = 32, block_si
     return out
 
 
-def make_worker(role: str, caches: dict, **kw) -> KvbridgeWorker:
+def make_worker(role: str, caches: dict, *, tp_rank: int = 0, **kw) -> KvbridgeWorker:
+    """One TP rank's worker (vLLM's TP group is not initialised here: the rank is set
+    before registration, as vLLM's would be)."""
     cfg = vllm_config(role, **kw)
     w = KvbridgeWorker(cfg, settings_from(cfg))
+    w.tp_rank = tp_rank
     w.register_kv_caches(caches)
     return w
 
