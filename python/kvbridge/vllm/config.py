@@ -85,6 +85,10 @@ def settings_from(vllm_config: Any) -> ConnectorSettings:
         raise ConfigError(f"kvbridge_port must be an integer, got {port_raw!r}") from None
     if not 0 <= port < 65536:
         raise ConfigError(f"kvbridge_port must be in 0..65535 (0: any free port, for tests), got {port}")
+    pp = getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1
+    if pp != 1:
+        # each pipeline stage holds other layers: a stage's blocks are not a request's KV
+        raise ConfigError(f"KvbridgeConnector does not support pipeline_parallel_size > 1 (got {pp}), as NixlConnector")
     dp_index = getattr(vllm_config.parallel_config, "data_parallel_index", 0) or 0
     tp = max(1, vllm_config.parallel_config.tensor_parallel_size)
     return ConnectorSettings(

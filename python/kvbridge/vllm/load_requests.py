@@ -60,7 +60,13 @@ _FIELDS = {
     "remote_host": str,
     "remote_port": int,
     "allocated": float,
+    "remote_tp_size": int,
+    "hit_block_ids": list,
+    "prompt_tokens": int,
 }
+
+#: The largest prefiller TP size a datagram may name (kvbridge-pd's bound on ranks).
+MAX_TP_SIZE = 1 << 16
 
 
 @dataclass
@@ -94,14 +100,18 @@ def decode(data: bytes) -> tuple[str, RecvJob]:
         if not isinstance(value, kind) or isinstance(value, bool):
             raise ValueError(f"job.{name} is not a {kind.__name__}")
         fields[name] = value
-    for name in ("local_block_ids", "remote_block_ids"):
+    for name in ("local_block_ids", "remote_block_ids", "hit_block_ids"):
         ids = fields[name]
         if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids):
             raise ValueError(f"job.{name} holds something other than block ids")
-    if not fields["local_block_ids"] or len(fields["remote_block_ids"]) < len(fields["local_block_ids"]):
-        raise ValueError("job reads no blocks, or more than the prefiller offers")
+    # whether the prefiller's blocks cover the prompt depends on its block size, which the
+    # load checks against the prefiller's own layout
+    if not fields["local_block_ids"] or not fields["remote_block_ids"]:
+        raise ValueError("job reads no blocks, or the prefiller offers none")
     if not 0 < fields["remote_port"] < 65536:
         raise ValueError("job.remote_port is not a port")
+    if not 0 < fields["remote_tp_size"] <= MAX_TP_SIZE or not 0 <= fields["prompt_tokens"] < 2**40:
+        raise ValueError("job.remote_tp_size or job.prompt_tokens is out of range")
     return doc["req_id"], RecvJob(**fields)
 
 

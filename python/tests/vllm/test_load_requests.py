@@ -41,7 +41,19 @@ def recv_job(local=(1, 2), remote=(3, 4), allocated=None, port=5600) -> RecvJob:
 
 def test_a_job_survives_the_datagram():
     job = recv_job()
+    job.remote_tp_size, job.hit_block_ids, job.prompt_tokens = 2, [7, 8], 90
     assert decode(encode("d-1", job)) == ("d-1", job)
+
+
+def test_every_field_of_a_load_travels_in_the_datagram():
+    """A field the datagram leaves out reaches the inbox's load as its default (a TP=2
+    prefiller's load read as TP=1 that way): each is carried, or is one a load that the inbox
+    starts never has (those are the step's alone)."""
+    import dataclasses
+
+    step_only = {"awaited", "recomputed", "error", "notify"}
+    fields = {f.name for f in dataclasses.fields(RecvJob)}
+    assert fields - step_only == set(load_requests._FIELDS)
 
 
 def doc(**job):
@@ -64,7 +76,12 @@ def doc(**job):
         (doc(local_block_ids=[True]), "local_block_ids holds"),
         (doc(remote_block_ids="12"), "remote_block_ids is not a list"),
         (doc(local_block_ids=[]), "reads no blocks"),
-        (doc(local_block_ids=[1, 2, 3]), "more than the prefiller offers"),
+        (doc(remote_block_ids=[]), "offers none"),
+        (doc(hit_block_ids=[0, "1"]), "hit_block_ids holds"),
+        (doc(remote_tp_size=0), "out of range"),
+        (doc(remote_tp_size=1 << 17), "out of range"),
+        (doc(prompt_tokens=-1), "out of range"),
+        (doc(remote_tp_size=None), "remote_tp_size is not a int"),
         (doc(remote_port=0), "not a port"),
         (doc(remote_port=True), "remote_port is not a int"),
         (doc(remote_host=None), "remote_host is not a str"),

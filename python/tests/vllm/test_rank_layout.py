@@ -80,3 +80,13 @@ def test_done_counts_wait_for_every_expected_rank_and_are_bounded():
     assert len(c) == 3 and not c.complete("a") and c.complete("x9")
     c.expire(now=11.5)
     assert len(c) == 0
+
+
+def test_pipeline_parallelism_is_refused_at_startup():
+    from kvbridge.vllm.config import ConfigError, settings_from
+    from vllm_helpers import vllm_config
+
+    cfg = vllm_config("kv_consumer")
+    cfg.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(ConfigError, match="pipeline_parallel_size"):
+        settings_from(cfg)
