@@ -39,6 +39,7 @@ from servers import (  # noqa: E402
     Proxy,
     VllmServer,
     free_ports,
+    free_run,
     kvbridge_binary,
     kvbridge_config,
     kvbridge_counters,
@@ -128,7 +129,9 @@ def run_pair(name: str, run: int, a, model: Path, binary: Path, prompts: list[st
     any request whose KV did not move."""
     logs = a.work / "logs" / f"run{run}-{name}"
     logs.mkdir(parents=True, exist_ok=True)
-    pp, dp, kvp, nixl_p, nixl_d = free_ports(5)
+    pp, dp = free_ports(2)
+    # a prefiller's TP rank r listens on its port + r (NixlConnector's side channel too)
+    kvp, nixl_p, nixl_d = free_run(a.prefill_tp), free_run(a.prefill_tp), free_run(a.decode_tp)
     if name == "kvbridge":
         pcfg, dcfg = kvbridge_config("kv_producer", kvp), kvbridge_config("kv_consumer", 0)
         penv, denv = {}, {}
@@ -141,16 +144,18 @@ def run_pair(name: str, run: int, a, model: Path, binary: Path, prompts: list[st
     stats = {"VLLM_LOG_STATS_INTERVAL": "1"}
     # each server computes on a core of its own, as on two hosts (vLLM CPU would otherwise
     # put both servers' compute threads on the same core: on a 2-core host, core 0)
+    # (a TP=2 server computes on both: ../shared/design/cpu-real-engines.md, section 8)
     if (os.cpu_count() or 1) >= 2:
-        penv = {**penv, "VLLM_CPU_OMP_THREADS_BIND": "0"}
-        denv = {**denv, "VLLM_CPU_OMP_THREADS_BIND": "1"}
+        penv = {**penv, "VLLM_CPU_OMP_THREADS_BIND": "0|1" if a.prefill_tp == 2 else "0"}
+        denv = {**denv, "VLLM_CPU_OMP_THREADS_BIND": "0|1" if a.decode_tp == 2 else "1"}
     mml = a.prompt_tokens + a.max_tokens + 64
+    ptp, dtp = ["--tensor-parallel-size", str(a.prefill_tp)], ["--tensor-parallel-size", str(a.decode_tp)]
     load_at_start = load_average()
     procs: list = []
     try:
-        p = VllmServer(f"{name}-prefill", model, pp, logs, pcfg, {**penv, **stats}, max_model_len=mml)
+        p = VllmServer(f"{name}-prefill", model, pp, logs, pcfg, {**penv, **stats}, max_model_len=mml, extra_args=ptp)
         procs.append(p)
-        d = VllmServer(f"{name}-decode", model, dp, logs, dcfg, {**denv, **stats}, max_model_len=mml)
+        d = VllmServer(f"{name}-decode", model, dp, logs, dcfg, {**denv, **stats}, max_model_len=mml, extra_args=dtp)
         procs.append(d)
         started = wait_healthy([p, d])
         proxy = Proxy(binary, [p.port], [d.port], logs)
@@ -168,14 +173,17 @@ def run_pair(name: str, run: int, a, model: Path, binary: Path, prompts: list[st
             proc.kill()
     # A request whose decoder did not read its KV (recomputed it, or read blocks its
     # prefiller had already freed) is a failed request for this benchmark, though HTTP said 200.
+    # every decoder rank loads its part of each request (vLLM sums its workers' counts)
     problems = kv_not_moved(
-        name, p.log_path.read_text(errors="replace"), d.log_path.read_text(errors="replace"), len(prompts), loads_ok
-    )
+        name, p.log_path.read_text(errors="replace"), d.log_path.read_text(errors="replace"),
+        len(prompts) * a.decode_tp, loads_ok,
+    )  # fmt: skip
     if problems:
         raise Failed(f"run {run} {name}: " + "; ".join(problems))
     return {
         "samples": samples,
         "gib_per_s": gib_per_s_values(name, d.log_path.read_text(errors="replace")),
+        "load_ms": load_ms_values(name, d.log_path.read_text(errors="replace")),
         "healthy_s": started,
         "load": load_at_start,
         "threads": where,
@@ -198,6 +206,8 @@ def main() -> int:
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--connectors", default="kvbridge,nixl")
+    ap.add_argument("--prefill-tp", type=int, default=1, choices=(1, 2))
+    ap.add_argument("--decode-tp", type=int, default=1, choices=(1, 2))
     a = ap.parse_args()
 
     (a.work / "logs").mkdir(parents=True, exist_ok=True)
@@ -229,15 +239,20 @@ def main() -> int:
 
     print(f"\nprompt {a.prompt_tokens} tokens, KV {kv_bytes_per_token * a.prompt_tokens / 2**20:.2f} MiB per request "
           f"({a.layers} layers x {a.kv_heads} KV heads x head_dim {a.head_dim}, bf16), max_tokens {a.max_tokens}; "
+          f"TP {a.prefill_tp} -> {a.decode_tp}; "
           f"{a.runs} runs per connector, one pair of servers up at a time, pairs alternating; "
           f"{WARM_UP} warm-up + {a.requests} timed requests per run, sequential")  # fmt: skip
-    print("| connector | TTFT p50, median of runs (ms) | runs' p50 min-max (ms) | KV GiB/s, median of intervals (min-max) |")
-    print("|---|---|---|---|")
+    print("| connector | TTFT p50, median of runs (ms) | runs' p50 min-max (ms) | KV GiB/s, median of intervals (min-max) "
+          "| load ms, median of intervals (min-max) |")  # fmt: skip
+    print("|---|---|---|---|---|")
     for name in names:
         p50s = [statistics.median(r["samples"]) for r in results[name]]
         vals = [v for r in results[name] for v in r["gib_per_s"]]
         gib = f"{statistics.median(vals):.3f} ({len(vals)} intervals, {min(vals):.3f}-{max(vals):.3f})" if vals else "n/a"
-        print(f"| {name} | {statistics.median(p50s) * 1e3:.1f} | {min(p50s) * 1e3:.1f}-{max(p50s) * 1e3:.1f} | {gib} |")
+        ms = [v for r in results[name] for v in r["load_ms"]]
+        load = f"{statistics.median(ms):.1f} ({len(ms)} intervals, {min(ms):.1f}-{max(ms):.1f})" if ms else "n/a"
+        print(f"| {name} | {statistics.median(p50s) * 1e3:.1f} | {min(p50s) * 1e3:.1f}-{max(p50s) * 1e3:.1f} | {gib} "
+              f"| {load} |")  # fmt: skip
     return 0
 
 
@@ -267,6 +282,16 @@ def gib_per_s_values(name: str, log: str) -> list[float]:
         return [float(x) for x in re.findall(r"KV Transfer metrics: .*read_GiB_per_s=([0-9.]+)", log)]
     # NixlConnector's "MB" are MiB; its throughput is total MiB over summed transfer time
     return [float(x) / 1024 for x in re.findall(r"Throughput \(MB/s\)=([0-9.]+)", log) if float(x) > 0]
+
+
+def load_ms_values(name: str, log: str) -> list[float]:
+    """The decoder's per-interval mean load time as vLLM logged it. kvbridge: from the
+    scheduler's allocation to the end of the lease check (load thread, session, reads);
+    NixlConnector: its "Avg xfer time", from posting the transfer to its completion, which
+    leaves out its handshake and its wait for a step: kvbridge's figure is the stricter."""
+    if name == "kvbridge":
+        return [float(x) for x in re.findall(r"KV Transfer metrics: .*avg_load_ms=([0-9.]+)", log)]
+    return [float(x) for x in re.findall(r"Avg xfer time \(ms\)=([0-9.]+)", log) if float(x) > 0]
 
 
 if __name__ == "__main__":

@@ -7,8 +7,10 @@
 #   2. vLLM's own scheduler lifecycle tests pointed at kvbridge.vllm.KvbridgeConnector,
 #   3. a real 1P1D (python/tests/vllm_e2e): vLLM CPU servers with the connector behind
 #      `kvbridge proxy --flow vllm` (target/debug/kvbridge unless KVBRIDGE_BIN is set; built
-#      when missing), against a single server, and `--routing kv-events` in front of two vLLM
-#      servers publishing KV events (together about 5-7 minutes on 2 cores).
+#      when missing), against a single server; a TP=1 prefiller and a TP=2 decoder, against
+#      single TP=1 and TP=2 servers (KVBRIDGE_VLLM_TP_PAIRS=2-2,1-2,2-1 runs the other pairs
+#      too, about 5 minutes a pair); and `--routing kv-events` in front of two vLLM servers
+#      publishing KV events (together about 10-12 minutes on 2 cores).
 # Reruns skip what is installed.
 #   --no-install   use .venv as it is
 #   --setup-only   install, fetch, run nothing

@@ -58,6 +58,24 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def free_run(n: int) -> int:
+    """A free port with the ``n - 1`` after it free too (a TP prefiller's rank r listens on
+    its port + r)."""
+    for port in free_ports(64):
+        if all(_bindable(p) for p in range(port + 1, port + n)):
+            return port
+    raise RuntimeError(f"no {n} free ports in a row")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
 def kvbridge_binary() -> Path | None:
     env = os.environ.get("KVBRIDGE_BIN")
     candidates = [Path(env)] if env else [REPO / "target/release/kvbridge", REPO / "target/debug/kvbridge"]
@@ -265,6 +283,17 @@ def kvbridge_counters(url: str) -> dict[str, float]:
         cause = re.search(r'cause="(\w+)"', m.group(2))
         out[m.group(1) + (f"[{cause.group(1)}]" if cause else "")] = float(m.group(3))
     return out
+
+
+def kv_cache_usage(url: str) -> float:
+    """vLLM's ``kv_cache_usage_perc`` of the server at ``url`` (0 when it holds no blocks)."""
+    import re
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
+        found = re.search(r"^vllm:kv_cache_usage_perc\{[^}]*\} ([0-9.e+-]+)$", r.read().decode(), re.M)
+    if not found:
+        raise AssertionError("no vllm:kv_cache_usage_perc in /metrics")
+    return float(found.group(1))
 
 
 def tcp_rx_queue(port: int) -> int:

@@ -28,6 +28,7 @@ from servers import (
     kvbridge_binary,
     kvbridge_counters,
     kvbridge_config,
+    kv_cache_usage,
     post,
     post_stream,
     tcp_rx_queue,
@@ -347,14 +348,6 @@ def counters_moved(before: dict[str, float], after: dict[str, float]) -> dict[st
     return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
 
 
-def kv_cache_usage(server: VllmServer) -> float:
-    with urllib.request.urlopen(f"{server.url}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    m = re.search(r"^vllm:kv_cache_usage_perc\{[^}]*\} ([0-9.e+-]+)$", text, re.M)
-    assert m, "no vllm:kv_cache_usage_perc in /metrics"
-    return float(m.group(1))
-
-
 def prefill(server: VllmServer, path: str, doc: dict) -> dict:
     """The proxy's first step by hand: the prompt on ``server`` alone, its kv_transfer_params back."""
     pdoc = dict(doc, max_tokens=1, kv_transfer_params={
@@ -437,7 +430,7 @@ def test_prefiller_killed_mid_transfer_ends_the_request_and_the_decoder_recovers
     # The decoder stays up and gives back the request's blocks.
     assert http_status(f"{cluster.decoder.url}/health") == 200
     deadline = time.monotonic() + 30
-    while kv_cache_usage(cluster.decoder) > 0:
+    while kv_cache_usage(cluster.decoder.url) > 0:
         assert time.monotonic() < deadline, "the decoder keeps the failed request's blocks"
         time.sleep(0.2)
 
