@@ -21,7 +21,8 @@ the decoder recomputed the prompt, so the decoder's ``loads_ok`` must grow by on
 request on every decoder rank, with no ``loads_recomputed`` and no failed load.
 
 Which pairs run: ``KVBRIDGE_VLLM_TP_PAIRS`` (default ``1-2``: the pair CI runs), for example
-``2-2,1-2,2-1`` (about 5 minutes a pair here).
+``2-2,1-2,2-1`` (about 5 minutes a pair here), or with block sizes (prefiller's first)
+``1-1@32-64``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import random
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -53,12 +55,36 @@ from servers import (
 )
 from tiny_model import WORDS, build
 
-PAIRS = [tuple(int(x) for x in p.split("-")) for p in os.environ.get("KVBRIDGE_VLLM_TP_PAIRS", "1-2").split(",")]
+BLOCK = 32
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A pair's TP sizes and block sizes (tokens), prefiller first."""
+
+    p_tp: int
+    d_tp: int
+    p_block: int = BLOCK
+    d_block: int = BLOCK
+
+    @staticmethod
+    def parse(spec: str) -> Shape:
+        """``P-D`` or ``P-D@PBLOCK-DBLOCK`` (vLLM CPU takes multiples of 32)."""
+        tps, _, blocks = spec.partition("@")
+        p_tp, d_tp = (int(x) for x in tps.split("-"))
+        p_block, d_block = (int(x) for x in blocks.split("-")) if blocks else (BLOCK, BLOCK)
+        return Shape(p_tp, d_tp, p_block, d_block)
+
+    def __str__(self) -> str:
+        blocks = f"-blocks{self.p_block}-to-{self.d_block}" if (self.p_block, self.d_block) != (BLOCK, BLOCK) else ""
+        return f"tp{self.p_tp}-to-tp{self.d_tp}{blocks}"
+
+
+PAIRS = [Shape.parse(p) for p in os.environ.get("KVBRIDGE_VLLM_TP_PAIRS", "1-2").split(",")]
 MAX_TOKENS = 8
 TOP = 5
 READ_TIMEOUT_S = 20.0
 LEASE_S = 40.0
-BLOCK = 32
 #: Words (= tokens) of the prompts: one block, two, three and a part, more than four.
 WORDS_PER_PROMPT = (20, 60, 90, 150)
 CONCURRENT_WORDS = (30, 70, 110, 140)
@@ -168,12 +194,14 @@ class References:
         self.noise = max(differences(tp2[k], tp1[k]) for k in tp1)
         self.tol = self.noise + self.MARGIN
 
-    def check(self, got, key, p_tp: int, d_tp: int, what: str, batched: bool = False) -> None:
-        """A pair of equal TP sizes computes what the single server of that size computes:
-        equal to it, bit for bit, when it answered alone; a pair of different sizes (or in a
-        batch) within TP's noise of the TP=1 server's answer."""
-        if p_tp == d_tp and not batched:
-            assert_exactly_equal(got, self.by_tp[d_tp][key], what)
+    def check(self, got, key, shape: Shape, what: str, batched: bool = False) -> None:
+        """A pair of equal TP sizes and the single servers' block size computes what the
+        single server of that size computes: equal to it, bit for bit, when it answered
+        alone; any other pair (or one in a batch) within TP's noise of the TP=1 server's
+        answer."""
+        same = shape.p_tp == shape.d_tp and shape.p_block == shape.d_block == BLOCK
+        if same and not batched:
+            assert_exactly_equal(got, self.by_tp[shape.d_tp][key], what)
         else:
             assert_within_tp_noise(got, self.by_tp[1][key], self.by_tp[2][key], self.tol, what)
 
@@ -215,15 +243,16 @@ class Pair:
     cross-memory attach), so that a read waits on the prefiller process and a kill lands
     during it; its restart uses the default transport."""
 
-    def __init__(self, binary: Path, model: Path, logs: Path, p_tp: int, d_tp: int):
-        self.model, self.logs, self.p_tp, self.d_tp = model, logs / f"tp{p_tp}-{d_tp}", p_tp, d_tp
+    def __init__(self, binary: Path, model: Path, logs: Path, shape: Shape):
+        self.model, self.logs, self.shape = model, logs / str(shape), shape
+        self.p_tp, self.d_tp = shape.p_tp, shape.d_tp
         self.logs.mkdir()
         self.p_port, self.d_port = free_ports(2)
-        self.kv_port = free_run(p_tp)  # prefiller rank r listens on kv_port + r
+        self.kv_port = free_run(shape.p_tp)  # prefiller rank r listens on kv_port + r
         self.procs: list = []
         self.prefiller = self._prefiller("prefiller", {"KVBRIDGE_CMA": "0"})
         dcfg = kvbridge_config("kv_consumer", 0, kvbridge_read_timeout_s=READ_TIMEOUT_S, kvbridge_lease_s=LEASE_S)
-        self.decoder = self._server("decoder", self.d_port, dcfg, d_tp, core=1)
+        self.decoder = self._server("decoder", self.d_port, dcfg, shape.d_tp, core=1, block=shape.d_block)
         self.startup_s = wait_healthy([self.prefiller, self.decoder])
         self.proxy = Proxy(
             binary, [self.p_port], [self.d_port], self.logs,
@@ -233,17 +262,19 @@ class Pair:
         self.procs.append(self.proxy)
         self.proxy.wait_healthy()
 
-    def _server(self, name: str, port: int, ktc: dict, tp: int, core: int, env: dict | None = None) -> VllmServer:
+    def _server(
+        self, name: str, port: int, ktc: dict, tp: int, core: int, env: dict | None = None, block: int = BLOCK
+    ) -> VllmServer:
         s = VllmServer(
             name, self.model, port, self.logs, ktc, env={**server_env(tp, core), **(env or {})},
-            extra_args=["--tensor-parallel-size", str(tp)],
+            block_size=block, extra_args=["--tensor-parallel-size", str(tp)],
         )  # fmt: skip
         self.procs.append(s)
         return s
 
     def _prefiller(self, name: str, env: dict | None = None) -> VllmServer:
         cfg = kvbridge_config("kv_producer", self.kv_port, kvbridge_lease_s=LEASE_S)
-        return self._server(name, self.p_port, cfg, self.p_tp, core=0, env=env)
+        return self._server(name, self.p_port, cfg, self.p_tp, core=0, env=env, block=self.shape.p_block)
 
     def restart_prefiller(self) -> float:
         self.prefiller = self._prefiller(f"prefiller-{len(self.procs)}")
@@ -285,19 +316,20 @@ def prefill(server: VllmServer, path: str, doc: dict) -> dict:
     return pre["kv_transfer_params"]
 
 
-@pytest.mark.parametrize("p_tp,d_tp", PAIRS, ids=[f"tp{p}-to-tp{d}" for p, d in PAIRS])
-def test_pair_answers_equal_a_single_server_with_the_kv_loaded_on_every_rank(setup, p_tp, d_tp):
+@pytest.mark.parametrize("shape", PAIRS, ids=[str(s) for s in PAIRS])
+def test_pair_answers_equal_a_single_server_with_the_kv_loaded_on_every_rank(setup, shape):
     binary, model, logs, refs = setup
-    pair = Pair(binary, model, logs, p_tp, d_tp)
+    pair = Pair(binary, model, logs, shape)
+    p_tp, d_tp = shape.p_tp, shape.d_tp
     try:
-        print(f"\nTP {p_tp} -> {d_tp}: servers healthy in {pair.startup_s:.0f} s")
+        print(f"\n{shape}: servers healthy in {pair.startup_s:.0f} s")
         for server in (pair.prefiller, pair.decoder):
             assert "whole pages only" not in server.log_path.read_text(errors="replace"), server.name
         before = pair.loads()
         sent = 0
         for api, prompt, stream in cases():
             got = answer(pair.proxy.url, api, prompt, stream)
-            refs.check(got, (api, prompt), p_tp, d_tp, f"{api} {'streamed' if stream else 'whole'} {len(prompt.split())} words")
+            refs.check(got, (api, prompt), shape, f"{api} {'streamed' if stream else 'whole'} {len(prompt.split())} words")
             sent += 1
         # four at once
         results: dict[int, object] = {}
@@ -317,10 +349,10 @@ def test_pair_answers_equal_a_single_server_with_the_kv_loaded_on_every_rank(set
         for i, prompt in enumerate(concurrent_prompts()):
             got = results[i]
             assert not isinstance(got, BaseException), got
-            refs.check(got, ("completions", prompt), p_tp, d_tp, f"concurrent {i}", batched=True)
+            refs.check(got, ("completions", prompt), shape, f"concurrent {i}", batched=True)
         sent += len(threads)
         m = wait_counters(pair, before, sent * d_tp)
-        print(f"TP {p_tp} -> {d_tp}: decoder's counters moved: {m}")
+        print(f"{shape}: decoder's counters moved: {m}")
         # one load per request on every decoder rank (vLLM sums its workers' counts)
         assert m.get("vllm:kvbridge_loads_ok_total") == sent * d_tp, (m, pair.tails())
         assert not any("load_failures" in k for k in m), m
@@ -397,4 +429,4 @@ def kill_mid_load_then_restart(pair: Pair, refs: References) -> None:
         assert time.monotonic() < deadline, "the proxy never took the restarted prefiller back"
         time.sleep(0.5)
     api, prompt, stream = cases()[3]
-    refs.check(answer(pair.proxy.url, api, prompt, stream), (api, prompt), pair.p_tp, pair.d_tp, "after restart")
+    refs.check(answer(pair.proxy.url, api, prompt, stream), (api, prompt), pair.shape, "after restart")
