@@ -29,6 +29,11 @@ SERIES = {
         "with where its time went).",
     ),
     "bytes_read": ("vllm:kvbridge_bytes_read", "KV bytes a decoder read from prefillers."),
+    "read_ops": (
+        "vllm:kvbridge_read_ops",
+        "Ranged reads completed loads issued (one per block, or run of adjacent blocks, per prefiller rank and "
+        "layer).",
+    ),
     "load_seconds": ("vllm:kvbridge_load_seconds", "Seconds decoder loads took, summed over completed loads."),
     "read_seconds": (
         "vllm:kvbridge_read_seconds",

@@ -27,6 +27,7 @@ COUNTERS = (
     "loads_recomputed",
     "slow_loads",
     "bytes_read",
+    "read_ops",
     "blocks_freed_on_notify",
     "leases_expired",
     "leases_unmarked",
@@ -65,6 +66,7 @@ class KvbridgeConnectorStats(KVConnectorStats):
                 out["load_GiB_per_s"] = round(self.data.get("bytes_read", 0) / secs / 2**30, 4)
             # what NixlConnector reports as its throughput: bytes over the transfer time only
             # (here the reads and the lease check after them)
+            out["read_ops_per_load"] = round(self.data.get("read_ops", 0) / self.data["loads_ok"], 1)
             reading = float(self.data.get("read_seconds", 0.0))
             if reading > 0:
                 out["read_GiB_per_s"] = round(self.data.get("bytes_read", 0) / reading / 2**30, 4)

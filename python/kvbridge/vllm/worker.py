@@ -163,6 +163,8 @@ class _Load:
     submitted: float = 0.0
     read: float = 0.0
     lease_checks: int = 0
+    # ranged reads it issued, over every prefiller rank and layer
+    ops: int = 0
 
 
 class KvbridgeWorker:
@@ -793,6 +795,7 @@ class KvbridgeWorker:
                 for src, dst, n in ranges:
                     ops.append((layer.region, dst * unit, remote, src * unit, n * unit))
                     load.bytes += n * unit
+            load.ops += len(ops)
             load.transfers.append(ch.submit_read(peer.peer_id, ops))
         load.submitted = time.monotonic()
         for t in load.transfers:
@@ -965,6 +968,7 @@ class KvbridgeWorker:
             if err is None:
                 self.stats["loads_ok"] += 1
                 self.stats["bytes_read"] += load.bytes
+                self.stats["read_ops"] += load.ops
                 self.stats["load_seconds"] += max(0.0, load.finished - load.started)
                 if load.finished - load.started > SLOW_LOAD_S:
                     self.stats["slow_loads"] += 1

@@ -205,3 +205,27 @@ def test_a_decoder_rank_that_fails_still_counts_and_the_prefiller_frees_when_all
     t0 = time.monotonic()
     poll(p, want_sending={"p-1"})
     assert time.monotonic() - t0 < 5 and p.stats["blocks_freed_on_notify"] == 1
+
+
+# (prefiller TP, decoder TP, reads per layer for 4 blocks adjacent on both sides): the same
+# heads on both sides read the run as one range; a part of the other side's heads (1->2: half
+# of each prefiller block; 2->1: half of each decoder block, from each prefiller rank) is one
+# range per block
+@pytest.mark.parametrize("p_tp,d_tp,per_layer", [(1, 1, 1), (1, 2, 4), (2, 1, 8)])
+def test_reads_are_one_range_per_run_of_blocks_per_prefiller_rank_and_layer(workers, p_tp, d_tp, per_layer):
+    """No read per head or per token: vLLM CPU's heads-outermost blocks take one range per
+    block (adjacent blocks on both sides merged) from each prefiller rank, for each layer."""
+    kv = tokens_kv(4 * 32, seed=6, mla=False)
+    src, dst = [4, 5, 6, 7], [8, 9, 10, 11]  # adjacent on both sides: one run
+    base = free_ports(p_tp)
+    ps = [workers("kv_producer", rank_cache(kv, r, p_tp, 32, src, False), tp_rank=r, engine_id="P", tp_size=p_tp,
+                  extra={"kvbridge_port": base}, total_kv_heads=HEADS) for r in range(p_tp)]  # fmt: skip
+    ds = [workers("kv_consumer", blank(r, d_tp, 32, False), tp_rank=r, engine_id="D", tp_size=d_tp,
+                  total_kv_heads=HEADS) for r in range(d_tp)]  # fmt: skip
+    for p in ps:
+        p.start_load_kv(KvbridgeConnectorMetadata(reqs_to_send={"p-1": 30.0}))
+    job = RecvJob(dst, src, "P", "p-1", "127.0.0.1", base, remote_tp_size=p_tp, prompt_tokens=4 * 32)
+    for d in ds:
+        d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job}))
+        poll(d, want_recving={"d-1"})
+        assert d.stats["read_ops"] == per_layer * len(LAYERS), d.stats
