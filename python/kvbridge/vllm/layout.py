@@ -12,9 +12,15 @@ the same TP size and equal pages.
 Layouts translated (each layer one tensor, blocks first, contiguous):
 
 - vLLM CPU's attention (``CPU_ATTN``): ``[blocks, kv_heads, block_size, 2 * head_size]``,
-  K and V of a token side by side: order ``head, token, kv``;
+  which the kernel reads as ``[blocks, kv_heads, 2 * block_size, head_size]``: per head, the
+  block's K and then its V. Inside K the head size runs outside the tokens (K is stored
+  transposed, tiled by the CPU's instruction set; V is plain on some), so a block's tokens
+  are not rows a ranged read can cut: heads translate (each head's K and V are one
+  contiguous range), block sizes do not (``token_rows`` False). Order ``head, kv, token``;
 - MLA (``CPU_MLA`` and the MLA backends): ``[blocks, block_size, latent]``, one latent
-  per token, replicated on every rank: order ``kv, token, head`` with one of each.
+  per token, replicated on every rank: order ``kv, token, head`` with one of each. Its
+  tokens' layout inside a block on vLLM CPU is not established, so block sizes do not
+  translate there either.
 
 No I/O here: the worker calls :func:`describe` once its KV caches are registered.
 """
@@ -68,6 +74,9 @@ class RankLayout:
     why_not: str = ""
     # torch's name of the element type: kvbridge-pd's ``fp8`` covers two of them
     dtype: str = ""
+    # a block's tokens are rows that ranged reads may cut, so blocks of another size
+    # translate (none of vLLM CPU's layouts: see the module's docs)
+    token_rows: bool = False
 
     def tp_json(self) -> str | None:
         return None if self.tp is None else json.dumps(self.tp, sort_keys=True)
@@ -123,7 +132,7 @@ def _tp_layout(
                 f"block shape {shape} is not vLLM CPU's [kv_heads={local}, tokens, 2 * head_size="
                 f"{2 * facts.head_size}]"
             )
-        tokens, order, heads = shape[1], ["head", "token", "kv"], facts.total_kv_heads
+        tokens, order, heads = shape[1], ["head", "kv", "token"], facts.total_kv_heads
     if tokens != facts.block_size:
         return None, f"the kernel's block ({tokens} tokens) is not vLLM's block ({facts.block_size})"
     elements = 1

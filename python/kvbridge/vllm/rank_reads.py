@@ -114,6 +114,8 @@ def translated(
         )
     src = remote_blocks[: -(-tokens // prefiller_block_tokens)]
     dst = dst_all[: -(-tokens // decoder_block_tokens)]
+    if tokens % decoder_block_tokens and prefiller_block_tokens == decoder_block_tokens:
+        raise ValueError(f"{tokens} tokens do not fill whole blocks of {decoder_block_tokens}")
     reads, _planes = planner.plan(src, dst, tokens)
     reads = clip(reads, [(b * block_bytes, (b + 1) * block_bytes) for b in hit_blocks])
     by_rank: dict[int, list[tuple[int, int, int]]] = {}

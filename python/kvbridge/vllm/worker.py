@@ -323,6 +323,7 @@ class KvbridgeWorker:
                 "layout": self.layout.tp,
                 "dtype": self.layout.dtype,
                 "why_not": self.layout.why_not,
+                "token_rows": self.layout.token_rows,
             }
             body = DIRECTORY_MAGIC + json.dumps(doc).encode()
             if len(body) > DIRECTORY_LEN:
@@ -569,10 +570,18 @@ class KvbridgeWorker:
                 f"and translation needs both described ({theirs.why_not or mine.why_not})",
                 "refused",
             )
-        key = json.dumps({**theirs.tp, "tp_rank": 0}, sort_keys=True) + theirs.dtype
+        key = json.dumps({**theirs.tp, "tp_rank": 0}, sort_keys=True) + theirs.dtype + str(theirs.token_rows)
         got = self._planners.get(key)
         if got is None:
-            if theirs.dtype != mine.dtype:
+            blocks = (theirs.tp["block_tokens"], mine.tp["block_tokens"])
+            if blocks[0] != blocks[1] and not (theirs.token_rows and mine.token_rows):
+                got = LoadError(
+                    f"prefiller {peer.peer_id} ({addr}): incompatible layouts: its blocks hold {blocks[0]} tokens, this "
+                    f"rank's {blocks[1]}, and a block's tokens are not rows ranged reads can cut (vLLM CPU's attention "
+                    "keeps K transposed inside a block): start both with the same --block-size",
+                    "refused",
+                )
+            elif theirs.dtype != mine.dtype:
                 got = LoadError(
                     f"prefiller {peer.peer_id} ({addr}): incompatible layouts: its KV cache holds {theirs.dtype}, "
                     f"this rank's {mine.dtype}",
@@ -1069,7 +1078,9 @@ def _parse_directory(peer_id: str, doc: dict) -> _Peer:
     tp = doc["layout"]
     if tp is not None and not isinstance(tp, dict):
         raise TypeError("layout is not an object")
-    layout = RankLayout(str(doc["pages"]), tp, str(doc.get("why_not", "")), str(doc.get("dtype", "")))
+    layout = RankLayout(
+        str(doc["pages"]), tp, str(doc.get("why_not", "")), str(doc.get("dtype", "")), doc.get("token_rows") is True
+    )
     rank, size = int(doc["tp_rank"]), int(doc["tp_size"])
     if not 0 <= rank < size:
         raise ValueError(f"TP rank {rank} of {size}")

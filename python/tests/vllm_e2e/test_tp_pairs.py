@@ -22,7 +22,8 @@ request on every decoder rank, with no ``loads_recomputed`` and no failed load.
 
 Which pairs run: ``KVBRIDGE_VLLM_TP_PAIRS`` (default ``1-2``: the pair CI runs), for example
 ``2-2,1-2,2-1`` (about 5 minutes a pair here), or with block sizes (prefiller's first)
-``1-1@32-64``.
+``1-1@32-64``: blocks of another size are refused (vLLM CPU keeps K transposed inside a
+block), each decoder rank's load failing as ``refused`` and the request with an error.
 """
 
 from __future__ import annotations
@@ -322,6 +323,9 @@ def test_pair_answers_equal_a_single_server_with_the_kv_loaded_on_every_rank(set
     pair = Pair(binary, model, logs, shape)
     p_tp, d_tp = shape.p_tp, shape.d_tp
     try:
+        if shape.p_block != shape.d_block:
+            blocks_of_another_size_are_refused(pair)
+            return
         print(f"\n{shape}: servers healthy in {pair.startup_s:.0f} s")
         for server in (pair.prefiller, pair.decoder):
             assert "whole pages only" not in server.log_path.read_text(errors="replace"), server.name
@@ -362,6 +366,25 @@ def test_pair_answers_equal_a_single_server_with_the_kv_loaded_on_every_rank(set
             kill_mid_load_then_restart(pair, refs)
     finally:
         pair.stop()
+
+
+def blocks_of_another_size_are_refused(pair: Pair) -> None:
+    """vLLM CPU keeps K transposed inside a block, so blocks of another size cannot be cut
+    into token rows: each decoder rank refuses the prefiller at its first load, by cause,
+    naming both block sizes, and the request ends with an error (no garbage answer)."""
+    before = pair.loads()
+    path, doc = request("completions", text(300, 40), False)
+    status, body = post(pair.proxy.url + path, doc, timeout=REQUEST_TIMEOUT_S)
+    print(f"{pair.shape}: the decode answered {status}: {str(body)[:200]}")
+    assert status >= 400, body
+    m = wait_counters(pair, before, 0)
+    deadline = time.monotonic() + 20
+    while m.get("vllm:kvbridge_load_failures_total[refused]", 0) < pair.d_tp and time.monotonic() < deadline:
+        time.sleep(0.2)
+        m = moved(before, pair.loads())
+    assert m.get("vllm:kvbridge_load_failures_total[refused]") == pair.d_tp, m
+    log = pair.decoder.log_path.read_text(errors="replace")
+    assert f"its blocks hold {pair.shape.p_block} tokens, this rank's {pair.shape.d_block}" in log
 
 
 def proxy_admits(pair: Pair) -> bool:
