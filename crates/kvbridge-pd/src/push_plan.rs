@@ -71,6 +71,12 @@ pub enum PushError {
         /// The size the plan needs.
         expected: u64,
     },
+    /// A part that is not one of the plan's (its lane names another part, or none).
+    #[error("lane {lane}: not a part of this push")]
+    UnknownPart {
+        /// The part's lane.
+        lane: u32,
+    },
     /// [`PushPlan::unpack`] was given a different number of parts than the decoder rank has.
     #[error("decoder rank {decoder_rank} has {expected} parts, got {got}")]
     PartCount {
@@ -213,6 +219,14 @@ impl PushPlan {
         KvSpec { layout, ..spec }
     }
 
+    /// Checks that `part` is one of the plan's, so that its heads lie inside both chunks.
+    fn known(&self, part: &PushPart) -> Result<(), PushError> {
+        match self.parts.get(part.lane as usize) {
+            Some(p) if p == part => Ok(()),
+            _ => Err(PushError::UnknownPart { lane: part.lane }),
+        }
+    }
+
     /// Packs `part` of a prefiller chunk of `tokens` tokens (the prefiller rank's own chunk,
     /// all its heads) into `out`, laid out as the part's own chunk.
     pub fn pack(
@@ -222,6 +236,7 @@ impl PushPlan {
         chunk: &[u8],
         out: &mut [u8],
     ) -> Result<(), PushError> {
+        self.known(part)?;
         let p_heads = self.prefiller.extent(BlockDim::Head);
         check(
             "prefiller chunk",
@@ -233,6 +248,37 @@ impl PushPlan {
             self.rows(tokens),
             self.decoder.head_bytes(),
             (chunk, p_heads, part.src_head as u64),
+            (out, part.heads as u64, 0),
+            part.heads as u64,
+        );
+        Ok(())
+    }
+
+    /// `part` cut out of decoder rank `part.decoder_rank`'s chunk of `tokens` tokens: the
+    /// bytes [`Self::pack`] makes of the prefiller rank's chunk, for an engine that holds
+    /// its KV in the decoder's split (the reference engine computes it so).
+    pub fn part_of_decoder_chunk(
+        &self,
+        part: &PushPart,
+        tokens: u64,
+        chunk: &[u8],
+        out: &mut [u8],
+    ) -> Result<(), PushError> {
+        self.known(part)?;
+        check(
+            "decoder chunk",
+            chunk.len(),
+            self.decoder_chunk_bytes(tokens),
+        )?;
+        check("packed part", out.len(), self.part_bytes(part, tokens))?;
+        copy_head_run(
+            self.rows(tokens),
+            self.decoder.head_bytes(),
+            (
+                chunk,
+                self.decoder.extent(BlockDim::Head),
+                part.dst_head as u64,
+            ),
             (out, part.heads as u64, 0),
             part.heads as u64,
         );
@@ -440,6 +486,14 @@ mod tests {
                 ..
             })
         ));
+        let shifted = PushPart {
+            src_head: part.src_head + 1,
+            ..part
+        };
+        assert_eq!(
+            p.pack(&shifted, 4, &[0u8; 5], &mut out),
+            Err(PushError::UnknownPart { lane: 0 })
+        );
         assert!(matches!(
             p.unpack(0, 4, &[&[0u8; 1]], &mut out),
             Err(PushError::PartCount {
@@ -480,6 +534,16 @@ mod tests {
             let (chunks, moved) = push_all(&plan, tokens);
             for (d, chunk) in chunks.iter().enumerate() {
                 prop_assert_eq!(chunk, &chunk_of(&dl, d as u32, tokens), "decoder rank {}", d);
+            }
+            // Cut out of the decoder's split, a part is what the prefiller rank packs.
+            for part in plan.parts() {
+                let n = plan.part_bytes(part, tokens) as usize;
+                let (mut a, mut b) = (vec![0u8; n], vec![1u8; n]);
+                let own = chunk_of(&pl, part.prefiller_rank, tokens);
+                plan.pack(part, tokens, &own, &mut a).unwrap();
+                let theirs = &chunks[part.decoder_rank as usize];
+                plan.part_of_decoder_chunk(part, tokens, theirs, &mut b).unwrap();
+                prop_assert_eq!(a, b);
             }
             prop_assert_eq!(moved, plan.decoder_bytes(tokens));
             prop_assert_eq!(plan.pushed_bytes(tokens), plan.decoder_bytes(tokens));
