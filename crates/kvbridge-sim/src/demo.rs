@@ -12,8 +12,9 @@ use crate::engine::{self, EngineConfig, EngineStats, Role, RunningEngine};
 use crate::model::{self, SplitMix};
 use crate::prompt_format::{self, Message, PromptFormat};
 use crate::timeline::{self, Mark, Step};
+use crate::tp_shape::TpShape;
 use futures_util::StreamExt;
-use kvbridge_pd::TransferMode;
+use kvbridge_pd::{PushPlan, TransferMode};
 use kvbridge_proxy::config::{
     Config as ProxyConfig, DecoderConfig, DisaggregationConfig, KvEventsConfig, WorkerAddr,
 };
@@ -22,6 +23,7 @@ use kvbridge_proxy::tokenize::TokenizeMode;
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::io::Write;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 
@@ -166,12 +168,38 @@ pub struct DemoArgs {
     /// killed) returns to a decoder's buffer.
     #[arg(long, default_value_t = 20.0)]
     pub kv_ttl_sec: f64,
+    /// Ranks of each prefill engine (default `--tp`). With `--prefill-tp` or `--decode-tp`
+    /// the model's `--kv-heads × --tp` KV heads split over each side's ranks, and every
+    /// prefiller rank pushes each decoder rank exactly the heads it needs
+    /// ([`kvbridge_pd::PushPlan`]; [`crate::tp_shape`]).
+    #[arg(long)]
+    pub prefill_tp: Option<u32>,
+    /// Ranks of each decode engine (default `--tp`); see `--prefill-tp`.
+    #[arg(long)]
+    pub decode_tp: Option<u32>,
+    /// MLA: one latent per token and layer, the same on every rank (`--latent-dim`, 576
+    /// unless given). Each decoder rank gets it once, from one prefiller rank.
+    #[arg(long)]
+    pub mla: bool,
     /// The model.
     #[command(flatten)]
     pub model: ModelArgs,
     /// The cost model.
     #[command(flatten)]
     pub cost: CostArgs,
+}
+
+impl DemoArgs {
+    /// The TP shape and the model the flags describe ([`TpShape::from_flags`]).
+    pub fn tp_shape(&self) -> anyhow::Result<TpShape> {
+        TpShape::from_flags(&self.model, self.prefill_tp, self.decode_tp, self.mla)
+    }
+
+    /// Whether `--prefill-tp` or `--decode-tp` was given: the in-process demo alone runs
+    /// different TP sizes.
+    pub fn tp_flags_given(&self) -> bool {
+        self.prefill_tp.is_some() || self.decode_tp.is_some()
+    }
 }
 
 /// Where the unloaded time to first token goes (`--timeline`): medians over the streamed
@@ -377,6 +405,29 @@ pub struct DemoSummary {
     pub timeline: Option<TimelineReport>,
     /// Components: prefillers, decoders, TP ranks, KV layout.
     pub setup: String,
+    /// Ranks of each prefill engine (`--prefill-tp`, default `--tp`).
+    pub prefill_tp: u32,
+    /// Ranks of each decode engine (`--decode-tp`, default `--tp`).
+    pub decode_tp: u32,
+    /// Writes each chunk costs: one per part of the push between the two TP sizes
+    /// ([`kvbridge_pd::PushPlan`]), or one per rank.
+    pub kv_parts_per_chunk: u64,
+    /// Requests whose KV the decoders took in whole, over the run (workload and replays).
+    pub kv_requests_pushed: u64,
+    /// Their chunks (one per chunk index, whatever the parts).
+    pub kv_chunks_pushed: u64,
+    /// Chunk writes (or offers) that moved bytes, over the run: the transfers' operations.
+    pub kv_writes: u64,
+    /// `kv_writes / kv_requests_pushed`.
+    pub kv_ops_per_request: f64,
+    /// `kv_bytes / kv_requests_pushed`.
+    pub kv_bytes_per_request: f64,
+    /// Bytes the decoding ranks hold for those requests (tokens times the bytes a token
+    /// takes on every decoder rank that holds KV): what the transfers had to move.
+    pub kv_bytes_needed: u64,
+    /// Whether `kv_bytes` (moved) equals `kv_bytes_needed`: no byte sent twice, none
+    /// missing (MLA: once per decoder rank, never once per prefiller rank).
+    pub kv_bytes_exact: bool,
 }
 
 impl DemoSummary {
@@ -438,6 +489,7 @@ impl DemoSummary {
              KV moved            {kvb:.1} MiB at {gib:.2} GiB/s while transferring under load ({ratio:.0}% of the channel ceiling {ceil:.2} GiB/s at this page size, target 90%: {kvmet}; PD layer alone {pdc:.2} GiB/s{bt}), {gibu:.2} GiB/s one request at a time ({ratiou:.0}%)\n\
              KV time             writes alone {wg:.2} GiB/s; finish (the receiver confirms every chunk) {fm:.2} ms per transfer, under load; shared-memory huge pages: {thp}\n\
              handshakes          {hs} of {hsm:.2} ms on average (at start)\n\
+             KV per request      {ops:.1} writes ({parts} per chunk, TP {ptp} -> {dtp}), {bpr:.0} bytes; moved {kvall} bytes, the decoder ranks need {need}: {exact}\n\
              unloaded TTFT       disaggregated {ud:.1} ms  colocated {uc:.1} ms  gap {gap:.2} ms (pairs' median; p25 {g25:.2}, p75 {g75:.2}; {np} pairs{order})  (target: one chunk at the ceiling {ct:.1} ms + 1 ms = {gt:.2} ms: {gapmet}; decoder KV load {kl:.1} ms)\n\
              KV mismatches       {mm}\n\
              KV missing          {miss}\n\
@@ -480,6 +532,14 @@ impl DemoSummary {
                 String::new()
             },
             hs = self.handshakes,
+            ops = self.kv_ops_per_request,
+            parts = self.kv_parts_per_chunk,
+            ptp = self.prefill_tp,
+            dtp = self.decode_tp,
+            bpr = self.kv_bytes_per_request,
+            kvall = self.kv_bytes,
+            need = self.kv_bytes_needed,
+            exact = if self.kv_bytes_exact { "equal" } else { "NOT equal" },
             hsm = self.handshake_ms,
             ud = self.ttft_unloaded_disagg_p50_ms,
             uc = self.ttft_unloaded_colocated_p50_ms,
@@ -591,10 +651,10 @@ impl Cluster {
         buffer_bytes: u64,
     ) -> anyhow::Result<Cluster> {
         Self::start_full(
-            prefillers,
-            decoders,
+            (prefillers, decoders),
             model,
             model,
+            None,
             cost,
             buffer_bytes,
             None,
@@ -642,10 +702,10 @@ impl Cluster {
         route: &RouteOpts,
     ) -> anyhow::Result<Cluster> {
         Self::start_full(
-            prefillers,
-            decoders,
+            (prefillers, decoders),
             model,
             model,
+            None,
             cost,
             buffer_bytes,
             Some(mode),
@@ -666,10 +726,10 @@ impl Cluster {
         buffer_bytes: u64,
     ) -> anyhow::Result<Cluster> {
         Self::start_full(
-            prefillers,
-            decoders,
+            (prefillers, decoders),
             prefill_model,
             model,
+            None,
             cost,
             buffer_bytes,
             None,
@@ -679,12 +739,41 @@ impl Cluster {
         .await
     }
 
+    /// Like [`Cluster::start_routed`], with `model` in the decoders' split and the
+    /// prefillers pushing to the decoders as `push` plans (different TP sizes on the two
+    /// sides; [`crate::tp_shape`]). The colocated engine runs `model`.
     #[allow(clippy::too_many_arguments)]
-    async fn start_full(
+    pub async fn start_pushed(
         prefillers: u32,
         decoders: u32,
+        model: &model::Model,
+        push: Arc<PushPlan>,
+        cost: crate::cost::CostModel,
+        buffer_bytes: u64,
+        mode: TransferMode,
+        decode_after_kv_ready: bool,
+        route: &RouteOpts,
+    ) -> anyhow::Result<Cluster> {
+        Self::start_full(
+            (prefillers, decoders),
+            model,
+            model,
+            Some(push),
+            cost,
+            buffer_bytes,
+            Some(mode),
+            decode_after_kv_ready,
+            route,
+        )
+        .await
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn start_full(
+        (prefillers, decoders): (u32, u32),
         prefill_model: &model::Model,
         model: &model::Model,
+        push: Option<Arc<PushPlan>>,
         cost: crate::cost::CostModel,
         buffer_bytes: u64,
         mode: Option<TransferMode>,
@@ -707,6 +796,9 @@ impl Cluster {
             }
             if events {
                 c.kv_events_endpoint = Some("tcp://127.0.0.1:0".into());
+            }
+            if role != Role::Both {
+                c.push = push.clone();
             }
             c
         };
@@ -807,6 +899,10 @@ impl Cluster {
             s.announced_pending += x.announced_pending;
             s.in_flight += x.in_flight;
             s.kv_load_s += x.kv_load_s;
+            s.kv_writes += x.kv_writes;
+            s.kv_requests_consumed += x.kv_requests_consumed;
+            s.kv_chunks_consumed += x.kv_chunks_consumed;
+            s.kv_bytes_needed += x.kv_bytes_needed;
         }
         s
     }
@@ -1226,7 +1322,7 @@ pub async fn send_all(
 /// The size of the demo's KV pages (one chunk), in bytes: the page size its references are
 /// measured at.
 pub fn page_bytes(args: &DemoArgs) -> anyhow::Result<u64> {
-    Ok(args.model.build()?.spec.page_bytes())
+    Ok(args.tp_shape()?.model.spec.page_bytes())
 }
 
 /// How the proxy routed, from its `/metrics`.
@@ -1269,6 +1365,7 @@ impl RoutedCounts {
 
 /// What the flags resolve to before anything starts: each checked once, here.
 struct RunSetup {
+    shape: TpShape,
     model: model::Model,
     cost: crate::cost::CostModel,
     prompt: (u32, u32),
@@ -1284,7 +1381,8 @@ struct RunSetup {
 
 impl RunSetup {
     fn from_args(args: &DemoArgs) -> anyhow::Result<Self> {
-        let model = args.model.build()?;
+        let shape = args.tp_shape()?;
+        let model = shape.model.clone();
         let cost = args.cost.build()?;
         let prompt = range(&args.prompt_tokens, "--prompt-tokens")?;
         let output = range(&args.output_tokens, "--output-tokens")?;
@@ -1323,6 +1421,7 @@ impl RunSetup {
             load_weight: args.kv_events_load_weight,
         };
         Ok(RunSetup {
+            shape,
             model,
             cost,
             prompt,
@@ -1340,11 +1439,19 @@ impl RunSetup {
     /// The summary's `setup` line.
     fn describe(&self, args: &DemoArgs) -> String {
         let (model, cost, mode) = (&self.model, &self.cost, self.mode);
+        let tp = match &self.shape.push {
+            Some(plan) => format!(
+                "TP {} -> {} ({} parts per chunk)",
+                self.shape.prefill_tp,
+                self.shape.decode_tp,
+                plan.ops_per_chunk()
+            ),
+            None => format!("TP={}", model.world_size),
+        };
         format!(
-            "{}P{}D, TP={}, {}, {} bytes/token, {} tokens/chunk, {} tokens/prefill step, {mode}, {} routing, {} prompts (tokenize {}), in-process on loopback",
+            "{}P{}D, {tp}, {}, {} bytes/token, {} tokens/chunk, {} tokens/prefill step, {mode}, {} routing, {} prompts (tokenize {}), in-process on loopback",
             self.prefillers,
             self.decoders,
-            model.world_size,
             model.spec.layout,
             model.spec.bytes_per_token(),
             model.spec.chunk_tokens,
@@ -1626,17 +1733,36 @@ type Traced<T> = (
 /// Runs the demo and returns its summary (the caller prints it and sets the exit status).
 pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
     let setup = RunSetup::from_args(&args)?;
-    let cluster = Cluster::start_routed(
-        setup.prefillers,
-        setup.decoders,
-        &setup.model,
-        setup.cost,
-        args.buffer_mib.saturating_mul(1 << 20),
-        setup.mode,
-        args.decode_after_kv_ready,
-        &setup.route,
-    )
-    .await?;
+    let buffer = args.buffer_mib.saturating_mul(1 << 20);
+    let cluster = match &setup.shape.push {
+        Some(push) => {
+            Cluster::start_pushed(
+                setup.prefillers,
+                setup.decoders,
+                &setup.model,
+                push.clone(),
+                setup.cost,
+                buffer,
+                setup.mode,
+                args.decode_after_kv_ready,
+                &setup.route,
+            )
+            .await?
+        }
+        None => {
+            Cluster::start_routed(
+                setup.prefillers,
+                setup.decoders,
+                &setup.model,
+                setup.cost,
+                buffer,
+                setup.mode,
+                args.decode_after_kv_ready,
+                &setup.route,
+            )
+            .await?
+        }
+    };
     let ceiling = if args.ceiling_reps > 0 {
         Some(transfer_ceiling(&setup.model, setup.mode, args.ceiling_reps).await?)
     } else {
@@ -1876,6 +2002,16 @@ fn summarize(args: &DemoArgs, setup: &RunSetup, m: Measured<'_>) -> DemoSummary 
         shmem_huge_pages: kvbridge::shared_huge_pages().unwrap_or_else(|| "unknown".into()),
         setup: setup.describe(args),
         timeline: timeline_report(args, &td, &tc),
+        prefill_tp: setup.shape.prefill_tp,
+        decode_tp: setup.shape.decode_tp,
+        kv_parts_per_chunk: setup.shape.parts_per_chunk(),
+        kv_requests_pushed: st.kv_requests_consumed,
+        kv_chunks_pushed: st.kv_chunks_consumed,
+        kv_writes: st.kv_writes,
+        kv_ops_per_request: ratio(st.kv_writes as f64, st.kv_requests_consumed as f64),
+        kv_bytes_per_request: ratio(st.kv_bytes_sent as f64, st.kv_requests_consumed as f64),
+        kv_bytes_needed: st.kv_bytes_needed,
+        kv_bytes_exact: st.kv_bytes_sent == st.kv_bytes_needed,
     };
     if summary.ceiling_channel_gib_per_s > 0.0 {
         summary.ttft_gap_target_ms = summary.chunk_transfer_ms + 1.0;
@@ -1920,6 +2056,8 @@ async fn transfer_ceiling(
         concurrency: 1,
         tp: 1,
         mla_send_once: false,
+        prefill_tp: None,
+        decode_tp: None,
         mode,
         reps,
         deadline_s: 30,

@@ -3,8 +3,9 @@
 use crate::cost::CostModel;
 use crate::model::Model;
 use crate::prefix_cache::DEFAULT_PREFIX_CACHE_TOKENS;
-use kvbridge_pd::{PdConfig, TransferMode};
+use kvbridge_pd::{KvLayout, KvSpec, PdConfig, PushPlan, TransferMode};
 use serde::Serialize;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Which part of disaggregated serving this engine plays.
@@ -65,6 +66,11 @@ pub struct EngineConfig {
     pub kv_events_endpoint: Option<String>,
     /// The KV events' topic (vLLM's `topic`, empty by default).
     pub kv_events_topic: String,
+    /// Prefill and decode between different TP sizes: the push that
+    /// [`kvbridge_pd::PushPlan`] plans. The engine's PD senders (prefill) or receivers
+    /// (decode) are then the plan's parts, one per lane, each of its part's size; the
+    /// model is the decoder's split. `None`: one per rank, as many on both sides.
+    pub push: Option<Arc<PushPlan>>,
 }
 
 impl EngineConfig {
@@ -89,6 +95,7 @@ impl EngineConfig {
             prefix_cache_tokens: DEFAULT_PREFIX_CACHE_TOKENS,
             kv_events_endpoint: None,
             kv_events_topic: String::new(),
+            push: None,
         }
         .with_pd_env()
     }
@@ -117,8 +124,92 @@ impl EngineConfig {
         self
     }
 
+    /// The PD lanes of this engine (prefill: senders, decode: receivers), each `(rank,
+    /// world size, KV spec, name)`: one per TP rank, or one per part of [`Self::push`].
+    pub(super) fn lanes(&self) -> Vec<(u32, u32, KvSpec, String)> {
+        let ws = self.model.world_size;
+        match &self.push {
+            None => (0..ws)
+                .map(|r| (r, ws, self.model.spec, format!("r{r}")))
+                .collect(),
+            Some(plan) => {
+                let n = plan.parts().len() as u32;
+                plan.parts()
+                    .iter()
+                    .map(|p| {
+                        let name = format!("p{}-d{}", p.prefiller_rank, p.decoder_rank);
+                        (p.lane, n, plan.part_spec(p, self.model.spec), name)
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// Checks that [`Self::push`], if any, plans for this model: the model must be the
+    /// decoder's split (its ranks, heads per rank, dimensions, dtype and chunk size).
+    pub(super) fn check_push(&self) -> Result<(), String> {
+        let Some(plan) = &self.push else {
+            return Ok(());
+        };
+        let (d, spec) = (plan.decoder(), self.model.spec);
+        let fits = match spec.layout {
+            KvLayout::Standard {
+                layers,
+                kv_heads,
+                head_dim,
+            } => {
+                !d.mla
+                    && layers == d.layers
+                    && kv_heads == d.heads_per_rank()
+                    && head_dim == d.head_dim
+            }
+            KvLayout::Mla { layers, latent_dim } => {
+                d.mla && layers == d.layers && latent_dim == d.head_dim
+            }
+        };
+        if fits
+            && d.tp_size == self.model.world_size
+            && d.dtype == spec.dtype
+            && d.block_tokens == spec.chunk_tokens
+        {
+            Ok(())
+        } else {
+            Err(format!(
+                "the push is planned for decoder layout ({d}), the model is {spec} on {} ranks",
+                self.model.world_size
+            ))
+        }
+    }
+
+    /// Whether each lane carries one whole rank's chunk of the model (no packing on the
+    /// prefiller, no placing on the decoder): always without [`Self::push`]; with it, when
+    /// every decoder rank has one part (prefiller TP <= decoder TP, and MLA).
+    pub(super) fn lanes_are_ranks(&self) -> bool {
+        self.push.as_ref().is_none_or(|plan| {
+            plan.parts().len() == self.model.world_size as usize
+                && plan
+                    .parts()
+                    .iter()
+                    .enumerate()
+                    .all(|(i, p)| p.decoder_rank == i as u32 && p.dst_head == 0)
+        })
+    }
+
     /// Decoder ranks that hold KV: all of them, or only rank 0 with MLA send-once.
+    pub(super) fn decoding_ranks(&self) -> usize {
+        if self.mla_send_once && self.model.spec.layout.is_mla() {
+            1
+        } else {
+            self.model.world_size as usize
+        }
+    }
+
+    /// Receivers that hold KV: one per lane with [`Self::push`]; else
+    /// [`Self::decoding_ranks`].
     pub(super) fn receiving_ranks(&self) -> usize {
+        if let Some(plan) = &self.push {
+            return plan.parts().len();
+        }
         if self.mla_send_once && self.model.spec.layout.is_mla() {
             1
         } else {
