@@ -151,6 +151,15 @@ impl EngineConfig {
         let Some(plan) = &self.push else {
             return Ok(());
         };
+        if self.mla_send_once {
+            // Send-once would leave every lane but the first empty, and its decoder rank
+            // waiting; the push already sends the latent once per decoder rank.
+            return Err(
+                "mla_send_once is for equal TP sizes; a push between different ones sends \
+                 the latent once per decoder rank already"
+                    .into(),
+            );
+        }
         let (d, spec) = (plan.decoder(), self.model.spec);
         let fits = match spec.layout {
             KvLayout::Standard {
@@ -207,13 +216,71 @@ impl EngineConfig {
     /// Receivers that hold KV: one per lane with [`Self::push`]; else
     /// [`Self::decoding_ranks`].
     pub(super) fn receiving_ranks(&self) -> usize {
-        if let Some(plan) = &self.push {
-            return plan.parts().len();
-        }
-        if self.mla_send_once && self.model.spec.layout.is_mla() {
-            1
-        } else {
-            self.model.world_size as usize
-        }
+        self.push
+            .as_ref()
+            .map_or_else(|| self.decoding_ranks(), |plan| plan.parts().len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvbridge_pd::{Dtype, TpLayout, Translation};
+
+    /// A push from 1 rank to 2 over 4 KV heads of 32, with 2 layers and 16-token chunks.
+    fn plan_1_to_2() -> Arc<PushPlan> {
+        let side = |tp| TpLayout {
+            model: "m".into(),
+            layers: 2,
+            total_kv_heads: 4,
+            head_dim: 32,
+            mla: false,
+            dtype: Dtype::Bf16,
+            block_tokens: 16,
+            block_order: TpLayout::CHUNK_ORDER.to_vec(),
+            tp_rank: 0,
+            tp_size: tp,
+        };
+        let t = Translation::new(&side(1), &side(2)).unwrap();
+        Arc::new(PushPlan::new(&t).unwrap())
+    }
+
+    fn config(kv_heads: u32, world_size: u32) -> EngineConfig {
+        let spec = KvSpec {
+            chunk_tokens: 16,
+            ..KvSpec::new(
+                KvLayout::Standard {
+                    layers: 2,
+                    kv_heads,
+                    head_dim: 32,
+                },
+                Dtype::Bf16,
+            )
+        };
+        let model = Model {
+            name: "m".into(),
+            spec,
+            world_size,
+        };
+        let mut c = EngineConfig::new(Role::Decode, model);
+        c.mla_send_once = false;
+        c.push = Some(plan_1_to_2());
+        c
+    }
+
+    #[test]
+    fn a_push_runs_only_on_the_decoders_split() {
+        let ok = config(2, 2);
+        ok.check_push().unwrap();
+        assert!(ok.lanes_are_ranks());
+        assert_eq!(ok.receiving_ranks(), 2);
+        let lanes = ok.lanes();
+        assert_eq!(lanes[1].3, "p0-d1");
+        // The prefiller's split, or another rank count: refused, naming the layout.
+        let e = config(4, 1).check_push().unwrap_err();
+        assert!(e.contains("tp rank 0 of 2"), "{e}");
+        let mut send_once = config(2, 2);
+        send_once.mla_send_once = true;
+        assert!(send_once.check_push().is_err());
     }
 }
