@@ -9,13 +9,19 @@
 //! `1 - kv / channel`. Repetitions alternate raw and PD; medians are reported.
 //!
 //! With `--tp N` there are N prefiller and N decoder ranks, one channel per rank pair;
-//! `--mla-send-once` (MLA only) lets rank 0 send for every rank.
+//! `--mla-send-once` (MLA only) lets rank 0 send for every rank. With `--prefill-tp P
+//! --decode-tp D` the model's `--kv-heads × --tp` KV heads split over P prefiller and D
+//! decoder ranks, and each part of the push ([`crate::push_plan`]: the heads one prefiller
+//! rank sends one decoder rank) has its own sender, receiver and channel, its chunks packed
+//! in the prefiller's memory (one write per chunk and part).
 
 use crate::error::{PdError, PdStep, Result};
 use crate::layout::{Dtype, KvLayout, KvSpec};
 use crate::outcome::{Outcome, OutcomeSink};
+use crate::push_plan::PushPlan;
 use crate::receiver::{PdReceiver, ReceiverConfig};
 use crate::sender::{DisaggSpec, PdSender, SenderConfig, TransferMode};
+use crate::tp_layout::{TpLayout, Translation};
 use kvbridge::{Channel, ChannelConfig, Grant, Op, PeerId, Region};
 use serde::Serialize;
 use std::collections::HashMap;
@@ -72,6 +78,14 @@ pub struct PdBenchArgs {
     /// MLA only: rank 0 sends the KV once for all ranks; the others only report.
     #[arg(long)]
     pub mla_send_once: bool,
+    /// Prefiller ranks, when they differ from the decoder's (default `--tp`): the
+    /// `--kv-heads × --tp` KV heads split over each side, one sender and receiver per part
+    /// of the push.
+    #[arg(long)]
+    pub prefill_tp: Option<u32>,
+    /// Decoder ranks (default `--tp`); see `--prefill-tp`.
+    #[arg(long)]
+    pub decode_tp: Option<u32>,
     /// push: the prefiller writes each chunk; pull: it offers each chunk and the decoder
     /// reads it (the raw reference stays a channel write of the same bytes).
     #[arg(long, value_enum, default_value_t = TransferMode::Push)]
@@ -107,6 +121,87 @@ impl PdBenchArgs {
             ..KvSpec::new(layout, self.dtype)
         }
     }
+
+    /// With `--prefill-tp` or `--decode-tp`: the push between the two sides, checked as
+    /// two engines check each other at their first handshake.
+    pub fn push_plan(&self) -> Result<Option<PushPlan>> {
+        if self.prefill_tp.is_none() && self.decode_tp.is_none() {
+            return Ok(None);
+        }
+        let spec = self.spec();
+        let (layers, heads, dim, mla) = match spec.layout {
+            KvLayout::Standard {
+                layers,
+                kv_heads,
+                head_dim,
+            } => (layers, kv_heads.saturating_mul(self.tp), head_dim, false),
+            KvLayout::Mla { layers, latent_dim } => (layers, 1, latent_dim, true),
+        };
+        let side = |tp: u32| TpLayout {
+            model: "bench-model".into(),
+            layers,
+            total_kv_heads: heads,
+            head_dim: dim,
+            mla,
+            dtype: spec.dtype,
+            block_tokens: spec.chunk_tokens,
+            block_order: TpLayout::CHUNK_ORDER.to_vec(),
+            tp_rank: 0,
+            tp_size: tp,
+        };
+        let p = side(self.prefill_tp.unwrap_or(self.tp));
+        let d = side(self.decode_tp.unwrap_or(self.tp));
+        let t = Translation::new(&p, &d).map_err(|e| cfg_err("--prefill-tp/--decode-tp", e))?;
+        Ok(Some(
+            PushPlan::new(&t).map_err(|e| cfg_err("--prefill-tp/--decode-tp", e))?,
+        ))
+    }
+}
+
+/// One sender and receiver pair: a TP rank (as many on both sides), or a part of a push
+/// between different TP sizes. Its chunks are its spec's; `engine` holds one request's.
+struct Lane {
+    rank: u32,
+    world: u32,
+    spec: KvSpec,
+    engine: Region,
+}
+
+/// The lanes of a run and the engine memory each sends from (one request's KV, the same
+/// for every request: keys differ by token ids, so nothing is deduplicated).
+fn lanes(args: &PdBenchArgs, plan: Option<&PushPlan>) -> Result<Vec<Lane>> {
+    let spec = args.spec();
+    let specs: Vec<KvSpec> = match plan {
+        None => vec![spec; args.tp as usize],
+        Some(plan) => plan
+            .parts()
+            .iter()
+            .map(|p| plan.part_spec(p, spec))
+            .collect(),
+    };
+    let world = specs.len() as u32;
+    let chunks = spec.chunks_for(args.tokens) as usize;
+    let mut lanes = Vec::with_capacity(specs.len());
+    for (rank, spec) in specs.into_iter().enumerate() {
+        let page = spec.page_bytes() as usize;
+        let engine = Region::alloc(chunks * page, page).map_err(|e| cfg_err("engine memory", e))?;
+        let pattern: Vec<u8> = (0..page).map(|i| ((i + rank) * 131 % 251) as u8).collect();
+        for c in 0..chunks {
+            let mut p = pattern.clone();
+            let n = p.len().min(8);
+            p[..n].copy_from_slice(&(c as u64).to_le_bytes()[..n]);
+            engine
+                .write_at(c * page, &p)
+                .map_err(|e| cfg_err("engine memory", e))?;
+        }
+        lanes.push(Lane {
+            rank: rank as u32,
+            world,
+            spec,
+            engine,
+        });
+    }
+    Ok(lanes)
 }
 
 /// What `--json` prints.
@@ -138,8 +233,17 @@ pub struct PdBenchReport {
     pub kv_bytes_per_rep: u64,
     /// The spec moved.
     pub spec: String,
-    /// Ranks.
+    /// Ranks (`--tp`).
     pub tp: u32,
+    /// Prefiller ranks (`--prefill-tp`, default `--tp`).
+    pub prefill_tp: u32,
+    /// Decoder ranks (`--decode-tp`, default `--tp`).
+    pub decode_tp: u32,
+    /// Chunk writes (or offers) per request: one per chunk and writing lane (a rank, or a
+    /// part of the push between different TP sizes).
+    pub ops_per_request: u64,
+    /// Bytes written per request (PD), all lanes.
+    pub bytes_per_request: u64,
     /// Whether MLA send-once was on.
     pub mla_send_once: bool,
     /// Push or pull.
@@ -151,8 +255,8 @@ impl std::fmt::Display for PdBenchReport {
         let s = &self.summary;
         writeln!(
             f,
-            "PD bench: {} tp={} send-once={} mode={}",
-            self.spec, self.tp, self.mla_send_once, self.mode
+            "PD bench: {} tp={} ({} -> {}) send-once={} mode={}",
+            self.spec, self.tp, self.prefill_tp, self.decode_tp, self.mla_send_once, self.mode
         )?;
         writeln!(
             f,
@@ -170,6 +274,11 @@ impl std::fmt::Display for PdBenchReport {
             f,
             "  bytes written per repetition {} (KV the decoder ranks need: {})",
             self.bytes_per_rep, self.kv_bytes_per_rep
+        )?;
+        writeln!(
+            f,
+            "  per request  {} writes, {} bytes",
+            self.ops_per_request, self.bytes_per_request
         )
     }
 }
@@ -216,11 +325,20 @@ struct PdSide {
     outcomes: Outcomes,
 }
 
-/// The raw side: one channel pair per rank that writes: (source, its peer, destination
-/// buffer, destination channel).
-struct RawSide {
-    pairs: Vec<(Channel, PeerId, Region, Channel)>,
+/// One raw channel pair, for a lane that writes: the source, its peer, the destination
+/// buffer and channel, and the lane's chunks (spec and engine memory).
+struct RawPair {
+    src: Channel,
+    peer: PeerId,
+    buf: Region,
+    dst: Channel,
+    spec: KvSpec,
     engine: Region,
+}
+
+/// The raw side: one channel pair per lane that writes.
+struct RawSide {
+    pairs: Vec<RawPair>,
 }
 
 /// Runs the benchmark and prints its result (a table, or the `--json` object).
@@ -248,64 +366,50 @@ pub async fn measure(args: &PdBenchArgs) -> Result<PdBenchReport> {
     if args.mla_send_once && !spec.layout.is_mla() {
         return Err(cfg_err("flags", "--mla-send-once needs --layout mla"));
     }
-    let page = spec.page_bytes() as usize;
+    let plan = args.push_plan()?;
+    if args.mla_send_once && plan.is_some() {
+        return Err(cfg_err(
+            "flags",
+            "--mla-send-once is for equal TP sizes; between different ones each decoder rank \
+             gets the latent once from one prefiller rank already",
+        ));
+    }
+    let lanes = lanes(args, plan.as_ref())?;
     let chunks = spec.chunks_for(args.tokens);
     let conc = args.concurrency.min(args.requests);
-    let req_bytes = spec.prompt_bytes(args.tokens);
-    let engine_len = chunks as usize * page;
     let deadline = Duration::from_secs(args.deadline_s.max(1));
 
-    // The engine's KV of one request (every request and rank sends the same bytes; keys
-    // differ by token ids, so nothing is deduplicated).
-    let engine = Region::alloc(engine_len, page).map_err(|e| cfg_err("engine memory", e))?;
-    let pattern: Vec<u8> = (0..page).map(|i| (i * 131 % 251) as u8).collect();
-    for c in 0..chunks as usize {
-        let mut p = pattern.clone();
-        p[..8].copy_from_slice(&(c as u64).to_le_bytes());
-        engine
-            .write_at(c * page, &p)
-            .map_err(|e| cfg_err("engine memory", e))?;
-    }
-
-    let pd = pd_side(args, spec, &engine, conc, chunks, deadline).await?;
-    let writers = if args.mla_send_once { 1 } else { args.tp };
-    let raw = raw_side(writers, &engine, conc, chunks, page).await?;
+    let pd = pd_side(args, &lanes, conc, chunks, deadline).await?;
+    // The lanes that write: all, or rank 0 alone with send-once.
+    let writers = if args.mla_send_once {
+        &lanes[..1]
+    } else {
+        &lanes[..]
+    };
+    let raw = raw_side(writers, conc, chunks).await?;
+    let run = Run {
+        pd: &pd,
+        lanes: &lanes,
+        tokens: args.tokens,
+        deadline,
+    };
 
     // Warm-up: one request through PD, retrieved and checked byte for byte on every rank
     // that received; one raw batch per pair.
-    pd_rep(
-        &pd,
-        args,
-        spec,
-        &engine,
-        1,
-        1,
-        usize::MAX / 2,
-        true,
-        deadline,
-    )
-    .await?;
-    raw_rep(&raw, spec, args.tokens, 1, 1, deadline).await?;
+    run.pd_rep(1, 1, usize::MAX / 2, true).await?;
+    raw_rep(&raw, args.tokens, 1, 1, deadline).await?;
 
     let (mut kv, mut ch, mut p50, mut p99, mut wall) = (vec![], vec![], vec![], vec![], vec![]);
     let mut bytes = 0;
+    let raw_bytes: u64 = writers
+        .iter()
+        .map(|l| l.spec.prompt_bytes(args.tokens) * args.requests as u64)
+        .sum();
     for rep in 0..args.reps.max(1) {
-        let raw_s = raw_rep(&raw, spec, args.tokens, args.requests, conc, deadline).await?;
-        let raw_bytes = writers as u64 * args.requests as u64 * req_bytes;
+        let raw_s = raw_rep(&raw, args.tokens, args.requests, conc, deadline).await?;
         ch.push(raw_bytes as f64 / GIB / raw_s);
         let base = rep * args.requests;
-        let (secs, written, mut lat) = pd_rep(
-            &pd,
-            args,
-            spec,
-            &engine,
-            args.requests,
-            conc,
-            base,
-            false,
-            deadline,
-        )
-        .await?;
+        let (secs, written, mut lat) = run.pd_rep(args.requests, conc, base, false).await?;
         bytes = written;
         kv.push(written as f64 / GIB / secs);
         wall.push(secs * 1e3);
@@ -319,10 +423,14 @@ pub async fn measure(args: &PdBenchArgs) -> Result<PdBenchReport> {
     for r in &pd.receivers {
         r.close().await;
     }
-    for (a, _, _, b) in &raw.pairs {
-        a.close().await;
-        b.close().await;
+    for pair in &raw.pairs {
+        pair.src.close().await;
+        pair.dst.close().await;
     }
+    let needed_per_request = match &plan {
+        Some(p) => p.decoder_bytes(args.tokens),
+        None => args.tp as u64 * spec.prompt_bytes(args.tokens),
+    };
     Ok(PdBenchReport {
         summary: PdBenchJson {
             kv_gib_per_s: kv,
@@ -333,9 +441,13 @@ pub async fn measure(args: &PdBenchArgs) -> Result<PdBenchReport> {
         tail_latency_p99_ms: median(&mut p99),
         pd_wall_ms: median(&mut wall),
         bytes_per_rep: bytes,
-        kv_bytes_per_rep: args.tp as u64 * args.requests as u64 * req_bytes,
+        kv_bytes_per_rep: needed_per_request * args.requests as u64,
         spec: spec.to_string(),
         tp: args.tp,
+        prefill_tp: plan.as_ref().map_or(args.tp, |p| p.prefiller().tp_size),
+        decode_tp: plan.as_ref().map_or(args.tp, |p| p.decoder().tp_size),
+        ops_per_request: chunks * writers.len() as u64,
+        bytes_per_request: bytes / args.requests as u64,
         mla_send_once: args.mla_send_once,
         mode: args.mode,
     })
@@ -343,8 +455,7 @@ pub async fn measure(args: &PdBenchArgs) -> Result<PdBenchReport> {
 
 async fn pd_side(
     args: &PdBenchArgs,
-    spec: KvSpec,
-    engine: &Region,
+    lanes: &[Lane],
     conc: usize,
     chunks: u64,
     deadline: Duration,
@@ -366,7 +477,8 @@ async fn pd_side(
     let mut senders = Vec::new();
     let mut receivers = Vec::new();
     let mut ports = Vec::new();
-    for rank in 0..args.tp {
+    for lane in lanes {
+        let (rank, spec) = (lane.rank, lane.spec);
         let mut ch = ChannelConfig::new(format!("bench-decode-{rank}"), Some("127.0.0.1:0"));
         ch.deadlines.op = deadline;
         let mut rc = ReceiverConfig::new(ch, rank, spec, conc as u64 * chunks * spec.page_bytes());
@@ -381,14 +493,14 @@ async fn pd_side(
         receivers.push(Arc::new(rx));
         let mut ch = ChannelConfig::new(format!("bench-prefill-{rank}"), None);
         ch.deadlines.op = deadline;
-        let mut sc = SenderConfig::new(ch, rank, args.tp, "bench-model", spec);
+        let mut sc = SenderConfig::new(ch, rank, lane.world, "bench-model", spec);
         sc.outcomes = OutcomeSink::Queue(otx.clone());
         sc.alloc_deadline = deadline;
         sc.step_deadline = deadline;
         sc.mla_send_once = args.mla_send_once;
         sc.mode = args.mode;
         let tx = PdSender::start(sc).await?;
-        tx.register(engine)?;
+        tx.register(&lane.engine)?;
         senders.push(Arc::new(tx));
     }
     Ok(PdSide {
@@ -399,15 +511,11 @@ async fn pd_side(
     })
 }
 
-async fn raw_side(
-    writers: u32,
-    engine: &Region,
-    conc: usize,
-    chunks: u64,
-    page: usize,
-) -> Result<RawSide> {
+async fn raw_side(writers: &[Lane], conc: usize, chunks: u64) -> Result<RawSide> {
     let mut pairs = Vec::new();
-    for w in 0..writers {
+    for lane in writers {
+        let w = lane.rank;
+        let page = lane.spec.page_bytes() as usize;
         let dst = Channel::new(ChannelConfig::new(
             format!("bench-raw-dst-{w}"),
             Some("127.0.0.1:0"),
@@ -421,7 +529,7 @@ async fn raw_side(
         let src = Channel::new(ChannelConfig::new(format!("bench-raw-src-{w}"), None))
             .await
             .map_err(|e| cfg_err("raw channel", e))?;
-        src.register(engine, Grant::AllPeers)
+        src.register(&lane.engine, Grant::AllPeers)
             .map_err(|e| cfg_err("raw engine memory", e))?;
         let addr = dst
             .local_addr()
@@ -430,19 +538,22 @@ async fn raw_side(
             .connect(&addr.to_string())
             .await
             .map_err(|e| cfg_err("raw connect", e))?;
-        pairs.push((src, peer, buf, dst));
+        pairs.push(RawPair {
+            src,
+            peer,
+            buf,
+            dst,
+            spec: lane.spec,
+            engine: lane.engine.clone(),
+        });
     }
-    Ok(RawSide {
-        pairs,
-        engine: engine.clone(),
-    })
+    Ok(RawSide { pairs })
 }
 
 /// `requests` raw requests, `conc` at a time: each writes its chunks one batch of one chunk
 /// at a time into its slot of the destination buffer. Returns the wall time in seconds.
 async fn raw_rep(
     raw: &RawSide,
-    spec: KvSpec,
     tokens: u64,
     requests: usize,
     conc: usize,
@@ -450,13 +561,13 @@ async fn raw_rep(
 ) -> Result<f64> {
     let started = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
-    for (src, peer, buf, _) in &raw.pairs {
+    for pair in &raw.pairs {
         // Every pair moves `requests` requests, as every PD rank does.
         let next = Arc::new(AtomicUsize::new(0));
         for slot in 0..conc {
-            let (src, peer, remote) = (src.clone(), peer.clone(), buf.id());
+            let (src, peer, remote) = (pair.src.clone(), pair.peer.clone(), pair.buf.id());
             let next = next.clone();
-            let engine = raw.engine.clone();
+            let (engine, spec) = (pair.engine.clone(), pair.spec);
             tasks.spawn(async move {
                 let page = spec.page_bytes();
                 let chunks = spec.chunks_for(tokens);
@@ -512,153 +623,201 @@ async fn join_all(mut tasks: tokio::task::JoinSet<Result<()>>) -> Result<()> {
     first
 }
 
-/// `requests` PD requests numbered from `base`, `conc` at a time, every rank concurrently.
-/// With `check`, each decoder rank that received a request copies it out and compares it
-/// with the engine's bytes (warm-up only); otherwise pages are released in place. Returns (wall seconds, bytes written, per request and rank latency in ms).
-#[allow(clippy::too_many_arguments)]
-async fn pd_rep(
-    pd: &PdSide,
-    args: &PdBenchArgs,
-    spec: KvSpec,
-    engine: &Region,
-    requests: usize,
-    conc: usize,
-    base: usize,
-    check: bool,
+/// What one PD repetition runs on.
+struct Run<'a> {
+    pd: &'a PdSide,
+    lanes: &'a [Lane],
+    tokens: u64,
     deadline: Duration,
-) -> Result<(f64, u64, Vec<f64>)> {
-    // Send-once: only decoder rank 0 receives.
-    let holders = if args.mla_send_once {
-        1
-    } else {
-        pd.receivers.len()
-    };
-    let next = Arc::new(AtomicUsize::new(0));
-    let handed: Arc<Mutex<HashMap<(String, u32), Instant>>> = Arc::default();
-    let written = Arc::new(AtomicUsize::new(0));
-    let started = Instant::now();
-    let mut tasks = tokio::task::JoinSet::new();
-    for _ in 0..conc {
-        let next = next.clone();
-        let senders = pd.senders.clone();
-        let receivers: Vec<_> = pd.receivers[..holders].to_vec();
-        let ports = pd.ports.clone();
-        let handed = handed.clone();
-        let written = written.clone();
-        let engine = engine.clone();
-        let tokens = args.tokens;
-        tasks.spawn(async move {
-            loop {
-                let n = next.fetch_add(1, Ordering::Relaxed);
-                if n >= requests {
-                    return Ok(());
-                }
-                let req = base + n;
-                let ds = DisaggSpec {
-                    req_id: format!("bench-{req}"),
-                    receiver_host: "127.0.0.1".into(),
-                    receiver_init_port: ports.clone(),
-                    receiver_alloc_port: vec![],
-                };
-                let toks = Arc::new(tokens_of(req, tokens));
-                let mut ranks = tokio::task::JoinSet::new();
-                for tx in &senders {
-                    let (tx, ds, toks, engine) =
-                        (tx.clone(), ds.clone(), toks.clone(), engine.clone());
-                    let (handed, written) = (handed.clone(), written.clone());
-                    ranks.spawn(async move {
-                        let fut = async {
-                            let mut t = tx.begin(&ds, &toks).await?;
-                            // As the reference engine does: the confirmation's round
-                            // trip runs during the writes (push; a no-op for pull).
-                            t.prepare_finish().await?;
-                            let page = spec.page_bytes() as usize;
-                            let n = t.chunks();
-                            for i in 0..n {
-                                if i + 1 == n {
-                                    let mut h = handed.lock().unwrap_or_else(|p| p.into_inner());
-                                    h.insert((ds.req_id.clone(), tx.rank()), Instant::now());
-                                }
-                                // Push: written (returns once landed). Pull: offered; the
-                                // decoder reads it while later chunks are offered, and
-                                // finish waits until every chunk was read.
-                                t.offer_chunk(i, &engine, i as usize * page).await?;
-                            }
-                            let s = t.finish().await?;
-                            written.fetch_add(s.bytes as usize, Ordering::Relaxed);
-                            Ok::<(), PdError>(())
+}
+
+/// When each request's last chunk was handed to each lane's sender.
+type Handed = Arc<Mutex<HashMap<(String, u32), Instant>>>;
+
+impl Run<'_> {
+    /// `requests` PD requests numbered from `base`, `conc` at a time, every lane
+    /// concurrently. With `check`, each decoder lane that received a request copies it out
+    /// and compares it with its engine's bytes (warm-up only); otherwise pages are released
+    /// in place. Returns (wall seconds, bytes written, per request and lane latency in ms).
+    async fn pd_rep(
+        &self,
+        requests: usize,
+        conc: usize,
+        base: usize,
+        check: bool,
+    ) -> Result<(f64, u64, Vec<f64>)> {
+        let (pd, deadline) = (self.pd, self.deadline);
+        // Send-once: only decoder rank 0 receives (its sender is the one that writes).
+        let holders = if pd.senders.iter().any(|s| s.follows()) {
+            1
+        } else {
+            pd.receivers.len()
+        };
+        let next = Arc::new(AtomicUsize::new(0));
+        let handed: Handed = Arc::default();
+        let written = Arc::new(AtomicUsize::new(0));
+        let started = Instant::now();
+        let mut tasks = tokio::task::JoinSet::new();
+        for _ in 0..conc {
+            let next = next.clone();
+            let senders = pd.senders.clone();
+            let receivers: Vec<_> = pd.receivers[..holders].to_vec();
+            let engines: Vec<(Region, KvSpec)> = self
+                .lanes
+                .iter()
+                .map(|l| (l.engine.clone(), l.spec))
+                .collect();
+            let ports = pd.ports.clone();
+            let handed = handed.clone();
+            let written = written.clone();
+            let tokens = self.tokens;
+            tasks.spawn(async move {
+                loop {
+                    let n = next.fetch_add(1, Ordering::Relaxed);
+                    if n >= requests {
+                        return Ok(());
+                    }
+                    let req = base + n;
+                    let ds = DisaggSpec {
+                        req_id: format!("bench-{req}"),
+                        receiver_host: "127.0.0.1".into(),
+                        receiver_init_port: ports.clone(),
+                        receiver_alloc_port: vec![],
+                    };
+                    let toks = Arc::new(tokens_of(req, tokens));
+                    let mut ranks = tokio::task::JoinSet::new();
+                    for (tx, (engine, spec)) in senders.iter().zip(&engines) {
+                        let lane = LaneSend {
+                            tx: tx.clone(),
+                            ds: ds.clone(),
+                            tokens: toks.clone(),
+                            engine: engine.clone(),
+                            page: spec.page_bytes() as usize,
                         };
-                        match tokio::time::timeout(deadline, fut).await {
-                            Ok(r) => r,
-                            Err(_) => Err(PdError::Timeout {
-                                req_id: ds.req_id.clone(),
-                                peer: "receiver".into(),
-                                step: PdStep::Finish,
-                                after: deadline,
-                            }),
+                        ranks.spawn(lane.send(handed.clone(), written.clone(), deadline));
+                    }
+                    join_all(ranks).await?;
+                    for (rx, (engine, spec)) in receivers.iter().zip(&engines) {
+                        if check {
+                            let got = rx.retrieve(&ds.req_id, deadline).await?;
+                            check_kv(&ds.req_id, &got, engine, *spec)?;
+                        } else {
+                            // The decoder consumes the KV in place: pages return. After an
+                            // early finish the request completes when the receiver reads
+                            // the last chunk's note, a one-way trip after `KvReady`.
+                            rx.wait_complete(&ds.req_id, deadline).await?;
+                            rx.release(&ds.req_id)?;
                         }
-                    });
-                }
-                join_all(ranks).await?;
-                for rx in &receivers {
-                    if check {
-                        let got = rx.retrieve(&ds.req_id, deadline).await?;
-                        check_kv(&ds.req_id, &got, &engine, spec)?;
-                    } else {
-                        // The decoder consumes the KV in place: pages return. After an
-                        // early finish the request completes when the receiver reads the
-                        // last chunk's note, a one-way trip after `KvReady`.
-                        rx.wait_complete(&ds.req_id, deadline).await?;
-                        rx.release(&ds.req_id)?;
                     }
                 }
-            }
-        });
+            });
+        }
+        join_all(tasks).await?;
+        let secs = started.elapsed().as_secs_f64();
+        let handed = handed.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let lat = self.latencies(handed).await?;
+        Ok((secs, written.load(Ordering::Relaxed) as u64, lat))
     }
-    join_all(tasks).await?;
-    let secs = started.elapsed().as_secs_f64();
-    // Every outcome must be KvReady; latency from the last chunk handed over.
-    let mut lat = Vec::new();
-    let handed = handed.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    let until = tokio::time::Instant::now() + deadline;
-    for ((req_id, rank), t0) in handed {
-        let got = loop {
-            let o = pd
-                .outcomes
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&(req_id.clone(), rank));
-            if let Some(o) = o {
-                break o;
-            }
-            if tokio::time::Instant::now() >= until {
-                return Err(PdError::Timeout {
-                    req_id,
-                    peer: "outcome queue".into(),
-                    step: PdStep::Finish,
-                    after: deadline,
-                });
-            }
-            tokio::task::yield_now().await;
-        };
-        match got.1 {
-            // Send-once followers report at once; only ranks that wrote count.
-            Outcome::KvReady {
-                sent_by: Some(_), ..
-            } => {}
-            Outcome::KvReady { .. } => {
-                lat.push(got.0.saturating_duration_since(t0).as_secs_f64() * 1e3)
-            }
-            other => {
-                return Err(PdError::Invalid {
-                    req_id,
-                    step: PdStep::Finish,
-                    detail: format!("rank {rank} reported {other:?}"),
-                })
+
+    /// Every outcome must be `KvReady`; latency from the last chunk handed over.
+    async fn latencies(&self, handed: HashMap<(String, u32), Instant>) -> Result<Vec<f64>> {
+        let mut lat = Vec::new();
+        let until = tokio::time::Instant::now() + self.deadline;
+        for ((req_id, rank), t0) in handed {
+            let got = loop {
+                let o = self
+                    .pd
+                    .outcomes
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&(req_id.clone(), rank));
+                if let Some(o) = o {
+                    break o;
+                }
+                if tokio::time::Instant::now() >= until {
+                    return Err(PdError::Timeout {
+                        req_id,
+                        peer: "outcome queue".into(),
+                        step: PdStep::Finish,
+                        after: self.deadline,
+                    });
+                }
+                tokio::task::yield_now().await;
+            };
+            match got.1 {
+                // Send-once followers report at once; only ranks that wrote count.
+                Outcome::KvReady {
+                    sent_by: Some(_), ..
+                } => {}
+                Outcome::KvReady { .. } => {
+                    lat.push(got.0.saturating_duration_since(t0).as_secs_f64() * 1e3)
+                }
+                other => {
+                    return Err(PdError::Invalid {
+                        req_id,
+                        step: PdStep::Finish,
+                        detail: format!("rank {rank} reported {other:?}"),
+                    })
+                }
             }
         }
+        Ok(lat)
     }
-    Ok((secs, written.load(Ordering::Relaxed) as u64, lat))
+}
+
+/// One request on one lane: begin, every chunk from the lane's engine memory, finish.
+struct LaneSend {
+    tx: Arc<PdSender>,
+    ds: DisaggSpec,
+    tokens: Arc<Vec<u32>>,
+    engine: Region,
+    page: usize,
+}
+
+impl LaneSend {
+    async fn send(
+        self,
+        handed: Handed,
+        written: Arc<AtomicUsize>,
+        deadline: Duration,
+    ) -> Result<()> {
+        let LaneSend {
+            tx,
+            ds,
+            tokens,
+            engine,
+            page,
+        } = self;
+        let fut = async {
+            let mut t = tx.begin(&ds, &tokens).await?;
+            // As the reference engine does: the confirmation's round trip runs during the
+            // writes (push; a no-op for pull).
+            t.prepare_finish().await?;
+            let n = t.chunks();
+            for i in 0..n {
+                if i + 1 == n {
+                    let mut h = handed.lock().unwrap_or_else(|p| p.into_inner());
+                    h.insert((ds.req_id.clone(), tx.rank()), Instant::now());
+                }
+                // Push: written (returns once landed). Pull: offered; the decoder reads it
+                // while later chunks are offered, and finish waits until every chunk was
+                // read.
+                t.offer_chunk(i, &engine, i as usize * page).await?;
+            }
+            let s = t.finish().await?;
+            written.fetch_add(s.bytes as usize, Ordering::Relaxed);
+            Ok::<(), PdError>(())
+        };
+        match tokio::time::timeout(deadline, fut).await {
+            Ok(r) => r,
+            Err(_) => Err(PdError::Timeout {
+                req_id: ds.req_id.clone(),
+                peer: "receiver".into(),
+                step: PdStep::Finish,
+                after: deadline,
+            }),
+        }
+    }
 }
 
 /// Compares retrieved chunks with the engine's bytes.

@@ -13,6 +13,8 @@
 //! - [`tp_layout`] / [`rank_map`] / [`read_plan`]: translation between different TP sizes,
 //!   block sizes and block orders — the layout both sides exchange, which prefiller ranks
 //!   each decoder rank reads, and the fewest ranged reads that move exactly its heads.
+//! - [`push_plan`]: the push between different TP sizes — every prefiller rank writes each
+//!   decoder rank that needs its heads exactly those heads, one write per chunk and part.
 //! - [`mod@bench`]: `kvbridge bench pd` (PD layer against a raw channel, same run).
 //!
 //! ```no_run
@@ -52,6 +54,7 @@ pub mod key;
 pub mod layout;
 pub mod msg;
 pub mod outcome;
+pub mod push_plan;
 pub mod rank_map;
 pub mod read_plan;
 pub mod receiver;
@@ -67,6 +70,7 @@ pub use error::{PdError, PdStep, Result};
 pub use key::{chunk_keys, with_key_scheme, ChunkKey, KEY_SCHEME};
 pub use layout::{Dtype, KvLayout, KvSpec, DEFAULT_CHUNK_TOKENS};
 pub use outcome::{Outcome, OutcomeSink, ZmqPusher};
+pub use push_plan::{PushError, PushPart, PushPlan};
 pub use rank_map::{head_sources, readers_of, source_ranks, HeadSource};
 pub use read_plan::{PlanError, RangeRead, ReadPlan, ReadPlanner, Side};
 pub use receiver::{ChunkRef, GrantedRequest, PdReceiver, ReceiverConfig};

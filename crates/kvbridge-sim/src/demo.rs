@@ -12,8 +12,9 @@ use crate::engine::{self, EngineConfig, EngineStats, Role, RunningEngine};
 use crate::model::{self, SplitMix};
 use crate::prompt_format::{self, Message, PromptFormat};
 use crate::timeline::{self, Mark, Step};
+use crate::tp_shape::TpShape;
 use futures_util::StreamExt;
-use kvbridge_pd::TransferMode;
+use kvbridge_pd::{PushPlan, TransferMode};
 use kvbridge_proxy::config::{
     Config as ProxyConfig, DecoderConfig, DisaggregationConfig, KvEventsConfig, WorkerAddr,
 };
@@ -22,6 +23,7 @@ use kvbridge_proxy::tokenize::TokenizeMode;
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::io::Write;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 
@@ -166,12 +168,38 @@ pub struct DemoArgs {
     /// killed) returns to a decoder's buffer.
     #[arg(long, default_value_t = 20.0)]
     pub kv_ttl_sec: f64,
+    /// Ranks of each prefill engine (default `--tp`). With `--prefill-tp` or `--decode-tp`
+    /// the model's `--kv-heads × --tp` KV heads split over each side's ranks, and every
+    /// prefiller rank pushes each decoder rank exactly the heads it needs
+    /// ([`kvbridge_pd::PushPlan`]; [`crate::tp_shape`]).
+    #[arg(long)]
+    pub prefill_tp: Option<u32>,
+    /// Ranks of each decode engine (default `--tp`); see `--prefill-tp`.
+    #[arg(long)]
+    pub decode_tp: Option<u32>,
+    /// MLA: one latent per token and layer, the same on every rank (`--latent-dim`, 576
+    /// unless given). Each decoder rank gets it once, from one prefiller rank.
+    #[arg(long)]
+    pub mla: bool,
     /// The model.
     #[command(flatten)]
     pub model: ModelArgs,
     /// The cost model.
     #[command(flatten)]
     pub cost: CostArgs,
+}
+
+impl DemoArgs {
+    /// The TP shape and the model the flags describe ([`TpShape::from_flags`]).
+    pub fn tp_shape(&self) -> anyhow::Result<TpShape> {
+        TpShape::from_flags(&self.model, self.prefill_tp, self.decode_tp, self.mla)
+    }
+
+    /// Whether `--prefill-tp` or `--decode-tp` was given: the in-process demo alone runs
+    /// different TP sizes.
+    pub fn tp_flags_given(&self) -> bool {
+        self.prefill_tp.is_some() || self.decode_tp.is_some()
+    }
 }
 
 /// Where the unloaded time to first token goes (`--timeline`): medians over the streamed
@@ -377,6 +405,29 @@ pub struct DemoSummary {
     pub timeline: Option<TimelineReport>,
     /// Components: prefillers, decoders, TP ranks, KV layout.
     pub setup: String,
+    /// Ranks of each prefill engine (`--prefill-tp`, default `--tp`).
+    pub prefill_tp: u32,
+    /// Ranks of each decode engine (`--decode-tp`, default `--tp`).
+    pub decode_tp: u32,
+    /// Writes each chunk costs: one per part of the push between the two TP sizes
+    /// ([`kvbridge_pd::PushPlan`]), or one per rank.
+    pub kv_parts_per_chunk: u64,
+    /// Requests whose KV the decoders took in whole, over the run (workload and replays).
+    pub kv_requests_pushed: u64,
+    /// Their chunks (one per chunk index, whatever the parts).
+    pub kv_chunks_pushed: u64,
+    /// Chunk writes (or offers) that moved bytes, over the run: the transfers' operations.
+    pub kv_writes: u64,
+    /// `kv_writes / kv_requests_pushed`.
+    pub kv_ops_per_request: f64,
+    /// `kv_bytes / kv_requests_pushed`.
+    pub kv_bytes_per_request: f64,
+    /// Bytes the decoding ranks hold for those requests (tokens times the bytes a token
+    /// takes on every decoder rank that holds KV): what the transfers had to move.
+    pub kv_bytes_needed: u64,
+    /// Whether `kv_bytes` (moved) equals `kv_bytes_needed`: no byte sent twice, none
+    /// missing (MLA: once per decoder rank, never once per prefiller rank).
+    pub kv_bytes_exact: bool,
 }
 
 impl DemoSummary {
@@ -438,6 +489,7 @@ impl DemoSummary {
              KV moved            {kvb:.1} MiB at {gib:.2} GiB/s while transferring under load ({ratio:.0}% of the channel ceiling {ceil:.2} GiB/s at this page size, target 90%: {kvmet}; PD layer alone {pdc:.2} GiB/s{bt}), {gibu:.2} GiB/s one request at a time ({ratiou:.0}%)\n\
              KV time             writes alone {wg:.2} GiB/s; finish (the receiver confirms every chunk) {fm:.2} ms per transfer, under load; shared-memory huge pages: {thp}\n\
              handshakes          {hs} of {hsm:.2} ms on average (at start)\n\
+             KV per request      {ops:.1} writes ({parts} per chunk, TP {ptp} -> {dtp}), {bpr:.0} bytes; moved {kvall} bytes, the decoder ranks need {need}: {exact}\n\
              unloaded TTFT       disaggregated {ud:.1} ms  colocated {uc:.1} ms  gap {gap:.2} ms (pairs' median; p25 {g25:.2}, p75 {g75:.2}; {np} pairs{order})  (target: one chunk at the ceiling {ct:.1} ms + 1 ms = {gt:.2} ms: {gapmet}; decoder KV load {kl:.1} ms)\n\
              KV mismatches       {mm}\n\
              KV missing          {miss}\n\
@@ -480,6 +532,14 @@ impl DemoSummary {
                 String::new()
             },
             hs = self.handshakes,
+            ops = self.kv_ops_per_request,
+            parts = self.kv_parts_per_chunk,
+            ptp = self.prefill_tp,
+            dtp = self.decode_tp,
+            bpr = self.kv_bytes_per_request,
+            kvall = self.kv_bytes,
+            need = self.kv_bytes_needed,
+            exact = if self.kv_bytes_exact { "equal" } else { "NOT equal" },
             hsm = self.handshake_ms,
             ud = self.ttft_unloaded_disagg_p50_ms,
             uc = self.ttft_unloaded_colocated_p50_ms,
@@ -591,10 +651,10 @@ impl Cluster {
         buffer_bytes: u64,
     ) -> anyhow::Result<Cluster> {
         Self::start_full(
-            prefillers,
-            decoders,
+            (prefillers, decoders),
             model,
             model,
+            None,
             cost,
             buffer_bytes,
             None,
@@ -642,10 +702,10 @@ impl Cluster {
         route: &RouteOpts,
     ) -> anyhow::Result<Cluster> {
         Self::start_full(
-            prefillers,
-            decoders,
+            (prefillers, decoders),
             model,
             model,
+            None,
             cost,
             buffer_bytes,
             Some(mode),
@@ -666,10 +726,10 @@ impl Cluster {
         buffer_bytes: u64,
     ) -> anyhow::Result<Cluster> {
         Self::start_full(
-            prefillers,
-            decoders,
+            (prefillers, decoders),
             prefill_model,
             model,
+            None,
             cost,
             buffer_bytes,
             None,
@@ -679,12 +739,41 @@ impl Cluster {
         .await
     }
 
+    /// Like [`Cluster::start_routed`], with `model` in the decoders' split and the
+    /// prefillers pushing to the decoders as `push` plans (different TP sizes on the two
+    /// sides; [`crate::tp_shape`]). The colocated engine runs `model`.
     #[allow(clippy::too_many_arguments)]
-    async fn start_full(
+    pub async fn start_pushed(
         prefillers: u32,
         decoders: u32,
+        model: &model::Model,
+        push: Arc<PushPlan>,
+        cost: crate::cost::CostModel,
+        buffer_bytes: u64,
+        mode: TransferMode,
+        decode_after_kv_ready: bool,
+        route: &RouteOpts,
+    ) -> anyhow::Result<Cluster> {
+        Self::start_full(
+            (prefillers, decoders),
+            model,
+            model,
+            Some(push),
+            cost,
+            buffer_bytes,
+            Some(mode),
+            decode_after_kv_ready,
+            route,
+        )
+        .await
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn start_full(
+        (prefillers, decoders): (u32, u32),
         prefill_model: &model::Model,
         model: &model::Model,
+        push: Option<Arc<PushPlan>>,
         cost: crate::cost::CostModel,
         buffer_bytes: u64,
         mode: Option<TransferMode>,
@@ -707,6 +796,9 @@ impl Cluster {
             }
             if events {
                 c.kv_events_endpoint = Some("tcp://127.0.0.1:0".into());
+            }
+            if role != Role::Both {
+                c.push = push.clone();
             }
             c
         };
@@ -732,65 +824,7 @@ impl Cluster {
                 );
             }
         }
-        let defaults = KvEventsConfig::default();
-        let weighted = KvEventsConfig {
-            prefill_weight: route.prefill_weight.unwrap_or(defaults.prefill_weight),
-            load_weight: route.load_weight.unwrap_or(defaults.load_weight),
-            ..defaults
-        };
-        let kv_events = if events {
-            KvEventsConfig {
-                prefiller_endpoints: pubs
-                    .iter()
-                    .map(|p| format!("tcp://{}", p.local_addr()))
-                    .collect(),
-                decoder_endpoints: ds
-                    .iter()
-                    .filter_map(|d| d.kv_events_addr().map(|a| format!("tcp://{a}")))
-                    .collect(),
-                tokenize: route.tokenize,
-                ..weighted
-            }
-        } else {
-            KvEventsConfig {
-                tokenize: route.tokenize,
-                ..weighted
-            }
-        };
-        let cfg = ProxyConfig {
-            host: "127.0.0.1".into(),
-            port: 0,
-            proxy_host: "127.0.0.1".into(),
-            proxy_port: 0,
-            kv_ready_timeout: Duration::from_secs(30),
-            prefill_timeout: Duration::from_secs(60),
-            decode_timeout: Duration::from_secs(60),
-            decode_after_kv_ready,
-            prefillers: pls
-                .iter()
-                .map(|l| {
-                    Ok(WorkerAddr {
-                        host: "127.0.0.1".into(),
-                        port: l.local_addr()?.port(),
-                    })
-                })
-                .collect::<std::io::Result<_>>()?,
-            decoders: ds
-                .iter()
-                .map(|d| DecoderConfig {
-                    host: "127.0.0.1".into(),
-                    port: d.http_addr().port(),
-                    init_ports: d.init_ports().to_vec(),
-                    alloc_ports: d.alloc_ports().to_vec(),
-                    max_requests: 0,
-                    kv_capacity_tokens: 0,
-                })
-                .collect(),
-            routing: route.policy,
-            kv_events,
-            disaggregation: route.decider,
-            ..ProxyConfig::default()
-        };
+        let cfg = proxy_config(route, decode_after_kv_ready, &pls, &pubs, &ds)?;
         let proxy = kvbridge_proxy::server::start(cfg).await?;
         let notify = proxy
             .notify_addr()
@@ -865,6 +899,10 @@ impl Cluster {
             s.announced_pending += x.announced_pending;
             s.in_flight += x.in_flight;
             s.kv_load_s += x.kv_load_s;
+            s.kv_writes += x.kv_writes;
+            s.kv_requests_consumed += x.kv_requests_consumed;
+            s.kv_chunks_consumed += x.kv_chunks_consumed;
+            s.kv_bytes_needed += x.kv_bytes_needed;
         }
         s
     }
@@ -889,6 +927,77 @@ impl Cluster {
         self.colocated.shutdown().await;
         drop(self.proxy);
     }
+}
+
+/// The demo proxy's configuration: the prefillers' HTTP listeners and KV events publishers
+/// (bound before the proxy starts), the decoders' addresses, routing by `route`.
+fn proxy_config(
+    route: &RouteOpts,
+    decode_after_kv_ready: bool,
+    pls: &[TcpListener],
+    pubs: &[crate::kv_events_pub::KvEventsPublisher],
+    ds: &[RunningEngine],
+) -> anyhow::Result<ProxyConfig> {
+    let events = route.policy == RoutingPolicy::KvEvents;
+    let defaults = KvEventsConfig::default();
+    let weighted = KvEventsConfig {
+        prefill_weight: route.prefill_weight.unwrap_or(defaults.prefill_weight),
+        load_weight: route.load_weight.unwrap_or(defaults.load_weight),
+        ..defaults
+    };
+    let kv_events = if events {
+        KvEventsConfig {
+            prefiller_endpoints: pubs
+                .iter()
+                .map(|p| format!("tcp://{}", p.local_addr()))
+                .collect(),
+            decoder_endpoints: ds
+                .iter()
+                .filter_map(|d| d.kv_events_addr().map(|a| format!("tcp://{a}")))
+                .collect(),
+            tokenize: route.tokenize,
+            ..weighted
+        }
+    } else {
+        KvEventsConfig {
+            tokenize: route.tokenize,
+            ..weighted
+        }
+    };
+    Ok(ProxyConfig {
+        host: "127.0.0.1".into(),
+        port: 0,
+        proxy_host: "127.0.0.1".into(),
+        proxy_port: 0,
+        kv_ready_timeout: Duration::from_secs(30),
+        prefill_timeout: Duration::from_secs(60),
+        decode_timeout: Duration::from_secs(60),
+        decode_after_kv_ready,
+        prefillers: pls
+            .iter()
+            .map(|l| {
+                Ok(WorkerAddr {
+                    host: "127.0.0.1".into(),
+                    port: l.local_addr()?.port(),
+                })
+            })
+            .collect::<std::io::Result<_>>()?,
+        decoders: ds
+            .iter()
+            .map(|d| DecoderConfig {
+                host: "127.0.0.1".into(),
+                port: d.http_addr().port(),
+                init_ports: d.init_ports().to_vec(),
+                alloc_ports: d.alloc_ports().to_vec(),
+                max_requests: 0,
+                kv_capacity_tokens: 0,
+            })
+            .collect(),
+        routing: route.policy,
+        kv_events,
+        disaggregation: route.decider,
+        ..ProxyConfig::default()
+    })
 }
 
 /// One workload request: the path and the body.
@@ -1213,7 +1322,7 @@ pub async fn send_all(
 /// The size of the demo's KV pages (one chunk), in bytes: the page size its references are
 /// measured at.
 pub fn page_bytes(args: &DemoArgs) -> anyhow::Result<u64> {
-    Ok(args.model.build()?.spec.page_bytes())
+    Ok(args.tp_shape()?.model.spec.page_bytes())
 }
 
 /// How the proxy routed, from its `/metrics`.
@@ -1254,106 +1363,178 @@ impl RoutedCounts {
     }
 }
 
-/// Runs the demo and returns its summary (the caller prints it and sets the exit status).
-pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
-    let model = args.model.build()?;
-    let cost = args.cost.build()?;
-    let prompt = range(&args.prompt_tokens, "--prompt-tokens")?;
-    let output = range(&args.output_tokens, "--output-tokens")?;
-    if !(args.request_timeout > 0.0 && args.request_timeout.is_finite()) {
-        anyhow::bail!("--request-timeout must be a positive number of seconds");
-    }
-    let deadline = Duration::from_secs_f64(args.request_timeout);
-    let shared = args.workload == Workload::SharedPrefix;
-    if !shared && args.prompt_format != PromptFormat::Ids {
-        anyhow::bail!(
-            "--prompt-format applies to --workload shared-prefix (the random workload sends \
-             text completions and chats already)"
-        );
-    }
-    let tokenize = args
-        .kv_events_tokenize
-        .unwrap_or_else(|| default_tokenize(args.prompt_format, args.routing));
-    let pool = if shared { SHARED_PREFIX_POOL } else { 1 };
-    let (prefillers, decoders) = (
-        args.prefillers.unwrap_or(pool),
-        args.decoders.unwrap_or(pool),
-    );
-    let mode = args
-        .transfer_mode
-        .unwrap_or(EngineConfig::new(Role::Prefill, model.clone()).transfer_mode);
-    let route = RouteOpts {
-        policy: args.routing,
-        decider: DisaggregationConfig {
-            min_uncached_tokens: args.disaggregate_min_uncached_tokens,
-            decoder_cached_fraction: args.disaggregate_decoder_cached_fraction,
-            compare_queues: args.disaggregate_compare_queues,
-        },
-        prefix_cache_tokens: Some(args.prefix_cache_tokens.unwrap_or(if shared {
-            SHARED_PREFIX_CACHE_TOKENS
-        } else {
-            0
-        })),
-        tokenize,
-        prefill_weight: args.kv_events_prefill_weight,
-        load_weight: args.kv_events_load_weight,
-    };
-    let cluster = Cluster::start_routed(
-        prefillers,
-        decoders,
-        &model,
-        cost,
-        args.buffer_mib.saturating_mul(1 << 20),
-        mode,
-        args.decode_after_kv_ready,
-        &route,
-    )
-    .await?;
-    let ceiling = if args.ceiling_reps > 0 {
-        Some(transfer_ceiling(&model, mode, args.ceiling_reps).await?)
-    } else {
-        None
-    };
-    let client = Client::new();
-    let base = cluster.proxy_url();
-    let work = if shared {
-        shared_prefix_workload_as(
-            args.requests,
-            args.seed,
-            output,
-            &model.name,
-            args.prompt_format,
-        )
-    } else {
-        workload(
-            args.requests,
-            args.seed,
+/// What the flags resolve to before anything starts: each checked once, here.
+struct RunSetup {
+    shape: TpShape,
+    model: model::Model,
+    cost: crate::cost::CostModel,
+    prompt: (u32, u32),
+    output: (u32, u32),
+    deadline: Duration,
+    shared: bool,
+    tokenize: TokenizeMode,
+    prefillers: u32,
+    decoders: u32,
+    mode: TransferMode,
+    route: RouteOpts,
+}
+
+impl RunSetup {
+    fn from_args(args: &DemoArgs) -> anyhow::Result<Self> {
+        let shape = args.tp_shape()?;
+        let model = shape.model.clone();
+        let cost = args.cost.build()?;
+        let prompt = range(&args.prompt_tokens, "--prompt-tokens")?;
+        let output = range(&args.output_tokens, "--output-tokens")?;
+        if !(args.request_timeout > 0.0 && args.request_timeout.is_finite()) {
+            anyhow::bail!("--request-timeout must be a positive number of seconds");
+        }
+        let deadline = Duration::from_secs_f64(args.request_timeout);
+        let shared = args.workload == Workload::SharedPrefix;
+        if !shared && args.prompt_format != PromptFormat::Ids {
+            anyhow::bail!(
+                "--prompt-format applies to --workload shared-prefix (the random workload sends \
+                 text completions and chats already)"
+            );
+        }
+        let tokenize = args
+            .kv_events_tokenize
+            .unwrap_or_else(|| default_tokenize(args.prompt_format, args.routing));
+        let pool = if shared { SHARED_PREFIX_POOL } else { 1 };
+        let mode = args
+            .transfer_mode
+            .unwrap_or(EngineConfig::new(Role::Prefill, model.clone()).transfer_mode);
+        let route = RouteOpts {
+            policy: args.routing,
+            decider: DisaggregationConfig {
+                min_uncached_tokens: args.disaggregate_min_uncached_tokens,
+                decoder_cached_fraction: args.disaggregate_decoder_cached_fraction,
+                compare_queues: args.disaggregate_compare_queues,
+            },
+            prefix_cache_tokens: Some(args.prefix_cache_tokens.unwrap_or(if shared {
+                SHARED_PREFIX_CACHE_TOKENS
+            } else {
+                0
+            })),
+            tokenize,
+            prefill_weight: args.kv_events_prefill_weight,
+            load_weight: args.kv_events_load_weight,
+        };
+        Ok(RunSetup {
+            shape,
+            model,
+            cost,
             prompt,
             output,
-            args.shared_prefix_tokens,
-            &model.name,
+            deadline,
+            shared,
+            tokenize,
+            prefillers: args.prefillers.unwrap_or(pool),
+            decoders: args.decoders.unwrap_or(pool),
+            mode,
+            route,
+        })
+    }
+
+    /// The summary's `setup` line.
+    fn describe(&self, args: &DemoArgs) -> String {
+        let (model, cost, mode) = (&self.model, &self.cost, self.mode);
+        let tp = match &self.shape.push {
+            Some(plan) => format!(
+                "TP {} -> {} ({} parts per chunk)",
+                self.shape.prefill_tp,
+                self.shape.decode_tp,
+                plan.ops_per_chunk()
+            ),
+            None => format!("TP={}", model.world_size),
+        };
+        format!(
+            "{}P{}D, {tp}, {}, {} bytes/token, {} tokens/chunk, {} tokens/prefill step, {mode}, {} routing, {} prompts (tokenize {}), in-process on loopback",
+            self.prefillers,
+            self.decoders,
+            model.spec.layout,
+            model.spec.bytes_per_token(),
+            model.spec.chunk_tokens,
+            model.spec.chunk_tokens as usize * cost.pages_per_step(model.spec.chunk_tokens),
+            args.routing.as_str(),
+            args.prompt_format.as_str(),
+            self.tokenize.as_str(),
         )
-    };
-    let prompt_tokens: u64 = work.iter().map(|w| prompt_ids(w).len() as u64).sum();
-    let (shared_prompt_tokens, shared_chunk_tokens) = shared_tokens(&work, model.spec.chunk_tokens);
-    let routable = routable_tokens(&work, model.spec.chunk_tokens);
-    if tracing::enabled!(target: "kvbridge::prefix", tracing::Level::DEBUG) {
-        let prompts: Vec<Vec<u32>> = work.iter().map(prompt_ids).collect();
-        for (i, p) in prompts.iter().enumerate() {
-            let (from, lcp) = longest_earlier_prefix(&prompts, i);
-            let chunks = chunk_chain(p, model.spec.chunk_tokens);
-            tracing::debug!(target: "kvbridge::prefix", request = i, tokens = p.len(),
-                last = p.last().copied(), lcp, from, chunks = %chunks, "workload");
+    }
+}
+
+/// The workload and what can be known of it before it runs.
+struct WorkloadFacts {
+    work: Vec<WorkItem>,
+    prompt_tokens: u64,
+    shared_prompt_tokens: u64,
+    shared_chunk_tokens: u64,
+    routable: Routable,
+}
+
+impl WorkloadFacts {
+    fn build(args: &DemoArgs, setup: &RunSetup) -> Self {
+        let model = &setup.model;
+        let work = if setup.shared {
+            shared_prefix_workload_as(
+                args.requests,
+                args.seed,
+                setup.output,
+                &model.name,
+                args.prompt_format,
+            )
+        } else {
+            workload(
+                args.requests,
+                args.seed,
+                setup.prompt,
+                setup.output,
+                args.shared_prefix_tokens,
+                &model.name,
+            )
+        };
+        let prompt_tokens: u64 = work.iter().map(|w| prompt_ids(w).len() as u64).sum();
+        let (shared_prompt_tokens, shared_chunk_tokens) =
+            shared_tokens(&work, model.spec.chunk_tokens);
+        let routable = routable_tokens(&work, model.spec.chunk_tokens);
+        if tracing::enabled!(target: "kvbridge::prefix", tracing::Level::DEBUG) {
+            let prompts: Vec<Vec<u32>> = work.iter().map(prompt_ids).collect();
+            for (i, p) in prompts.iter().enumerate() {
+                let (from, lcp) = longest_earlier_prefix(&prompts, i);
+                let chunks = chunk_chain(p, model.spec.chunk_tokens);
+                tracing::debug!(target: "kvbridge::prefix", request = i, tokens = p.len(),
+                    last = p.last().copied(), lcp, from, chunks = %chunks, "workload");
+            }
+        }
+        WorkloadFacts {
+            work,
+            prompt_tokens,
+            shared_prompt_tokens,
+            shared_chunk_tokens,
+            routable,
         }
     }
+}
+
+/// One answer of the workload: `(index in work, answer)`.
+type Answered = (usize, Result<Answer, crate::client::ClientError>);
+
+/// Sends the workload through `base`, with a progress bar on stderr unless `--json`:
+/// every answer, and the wall time.
+async fn send_workload(
+    args: &DemoArgs,
+    client: &Client,
+    base: &str,
+    work: &[WorkItem],
+    deadline: Duration,
+) -> (Vec<Answered>, f64) {
     let n = work.len();
     let t0 = Instant::now();
     let mut done = 0usize;
     let show = !args.json;
-    let mut results: Vec<(usize, Result<Answer, crate::client::ClientError>)> =
-        Vec::with_capacity(n);
+    let mut results: Vec<Answered> = Vec::with_capacity(n);
     {
-        let mut s = load(&client, &base, &work, args.concurrency, deadline);
+        let mut s = load(client, base, work, args.concurrency, deadline);
         while let Some(r) = s.next().await {
             done += 1;
             if show {
@@ -1367,243 +1548,422 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
     if show {
         eprintln!();
     }
-    let wall = t0.elapsed().as_secs_f64();
-    // The workload's KV figures, apart from the one-at-a-time replays' below.
-    let loaded = cluster.stats();
-    let routed = RoutedCounts::read(&client, &base, deadline).await?;
-    let decoders_computed: u64 = cluster
-        .decoders
-        .iter()
-        .map(|d| d.stats().prefill_tokens_computed)
-        .sum();
-    let (mut ttft, mut tpot, mut errors) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut ok, mut tokens) = (0u64, 0u64);
-    for (i, r) in &results {
-        match r {
-            Ok(a) => {
-                ok += 1;
-                let t = model::tokenize(&a.text).len() as u64;
-                tokens += t;
-                let streamed = work[*i].body.get("stream").and_then(Value::as_bool) == Some(true);
-                if streamed {
-                    ttft.push(a.ttft.as_secs_f64() * 1e3);
-                    if t > 1 {
-                        tpot.push((a.total - a.ttft).as_secs_f64() * 1e3 / (t - 1) as f64);
+    (results, t0.elapsed().as_secs_f64())
+}
+
+/// The workload's answers counted: latencies, output tokens, the first errors.
+#[derive(Default)]
+struct Tally {
+    ttft: Vec<f64>,
+    tpot: Vec<f64>,
+    errors: Vec<String>,
+    ok: u64,
+    tokens: u64,
+}
+
+impl Tally {
+    fn of(results: &[Answered], work: &[WorkItem]) -> Self {
+        let mut t = Tally::default();
+        for (i, r) in results {
+            match r {
+                Ok(a) => {
+                    t.ok += 1;
+                    let n = model::tokenize(&a.text).len() as u64;
+                    t.tokens += n;
+                    let streamed =
+                        work[*i].body.get("stream").and_then(Value::as_bool) == Some(true);
+                    if streamed {
+                        t.ttft.push(a.ttft.as_secs_f64() * 1e3);
+                        if n > 1 {
+                            t.tpot
+                                .push((a.total - a.ttft).as_secs_f64() * 1e3 / (n - 1) as f64);
+                        }
                     }
                 }
-            }
-            Err(e) => {
-                if errors.len() < 5 {
-                    errors.push(format!("request {i}: {e}"));
-                }
+                Err(e) => t.error(format!("request {i}: {e}")),
             }
         }
+        t
     }
-    // Replay a sample one at a time: outputs must equal the colocated engine's, and the
-    // unloaded TTFTs compare the two paths.
-    let mut matched = true;
-    let record = args.timeline && timeline::installed();
-    let mut pairs = Pairs::default();
-    let k = (args.compare as usize).min(n);
-    for (i, w) in work.iter().take(k).enumerate() {
-        let (d, dm) = traced(
-            record,
-            client.generate(&format!("{base}{}", w.path), &w.body, deadline),
-        )
-        .await;
-        let (c, cm) = traced(
-            record,
-            client.generate(
-                &format!("{}{}", cluster.colocated_url(), w.path),
-                &w.body,
-                deadline,
-            ),
-        )
-        .await;
-        match (d, c) {
-            (Ok(d), Ok(c)) => {
-                if w.body.get("stream").and_then(Value::as_bool) == Some(true) {
-                    pairs.push(&d, dm, &c, cm);
-                }
-                let first = results
-                    .iter()
-                    .find(|(j, _)| *j == i)
-                    .and_then(|(_, r)| r.as_ref().ok());
-                let same_as_loaded = first.is_none_or(|f| f.text == d.text);
-                if d.text != c.text || !same_as_loaded {
-                    matched = false;
-                    if errors.len() < 5 {
-                        errors.push(format!(
+
+    /// Keeps `e` if fewer than 5 errors are kept.
+    fn error(&mut self, e: String) {
+        if self.errors.len() < 5 {
+            self.errors.push(e);
+        }
+    }
+}
+
+/// What the one-at-a-time replays found: whether every output equalled the colocated
+/// engine's, and the unloaded pairs.
+struct Replays<'a> {
+    cluster: &'a Cluster,
+    client: &'a Client,
+    base: &'a str,
+    deadline: Duration,
+    record: bool,
+    matched: bool,
+    pairs: Pairs,
+}
+
+impl Replays<'_> {
+    /// Replays the first `k` requests one at a time: outputs must equal the colocated
+    /// engine's and the workload's own, and the streamed ones are unloaded pairs.
+    async fn compare(&mut self, work: &[WorkItem], results: &[Answered], k: usize, t: &mut Tally) {
+        let colocated = self.cluster.colocated_url();
+        for (i, w) in work.iter().take(k).enumerate() {
+            let (d, dm) = traced(
+                self.record,
+                self.client
+                    .generate(&format!("{}{}", self.base, w.path), &w.body, self.deadline),
+            )
+            .await;
+            let (c, cm) = traced(
+                self.record,
+                self.client
+                    .generate(&format!("{colocated}{}", w.path), &w.body, self.deadline),
+            )
+            .await;
+            match (d, c) {
+                (Ok(d), Ok(c)) => {
+                    if w.body.get("stream").and_then(Value::as_bool) == Some(true) {
+                        self.pairs.push(&d, dm, &c, cm);
+                    }
+                    let first = results
+                        .iter()
+                        .find(|(j, _)| *j == i)
+                        .and_then(|(_, r)| r.as_ref().ok());
+                    let same_as_loaded = first.is_none_or(|f| f.text == d.text);
+                    if d.text != c.text || !same_as_loaded {
+                        self.matched = false;
+                        t.error(format!(
                             "request {i}: disaggregated output {:?} differs from colocated {:?}",
                             excerpt(&d.text),
                             excerpt(&c.text)
                         ));
                     }
                 }
-            }
-            (d, c) => {
-                matched = false;
-                for e in [d.err(), c.err()].into_iter().flatten() {
-                    if errors.len() < 5 {
-                        errors.push(format!("compare request {i}: {e}"));
+                (d, c) => {
+                    self.matched = false;
+                    for e in [d.err(), c.err()].into_iter().flatten() {
+                        t.error(format!("compare request {i}: {e}"));
                     }
                 }
             }
         }
     }
-    // More unloaded pairs, only for the TTFT figures: one run's median over a handful of
-    // replays moved by milliseconds from run to run. Short answers (2 tokens) keep this to
-    // about a prefill per request; the order alternates so neither path always goes first.
-    for j in 0..(args.ttft_samples as usize) {
-        let Some(w) = work.get(j % n.max(1)) else {
-            break;
-        };
-        let mut body = w.body.clone();
-        if let Some(m) = body.as_object_mut() {
-            m.insert("stream".into(), Value::Bool(true));
-            m.remove("max_completion_tokens");
-            m.insert("max_tokens".into(), Value::from(2));
-        }
-        let durl = format!("{base}{}", w.path);
-        let curl = format!("{}{}", cluster.colocated_url(), w.path);
-        // Each replay starts on a quiet cluster: the previous disaggregated request's check
-        // of its KV (milliseconds of CPU, at nice 19) would otherwise still run during the
-        // next replay's prefill and transfer, on one path more than on the other. A cluster
-        // that does not quiesce fails the run below.
-        let (d, c) = if j % 2 == 0 {
-            let _ = cluster.quiesce(deadline).await;
-            let d = traced(record, client.generate(&durl, &body, deadline)).await;
-            let _ = cluster.quiesce(deadline).await;
-            let c = traced(record, client.generate(&curl, &body, deadline)).await;
-            (d, c)
-        } else {
-            let _ = cluster.quiesce(deadline).await;
-            let c = traced(record, client.generate(&curl, &body, deadline)).await;
-            let _ = cluster.quiesce(deadline).await;
-            let d = traced(record, client.generate(&durl, &body, deadline)).await;
-            (d, c)
-        };
-        match (d, c) {
-            ((Ok(d), dm), (Ok(c), cm)) => {
-                if d.text != c.text {
-                    matched = false;
-                    if errors.len() < 5 {
-                        errors.push(format!(
+
+    /// More unloaded pairs, only for the TTFT figures: one run's median over a handful of
+    /// replays moved by milliseconds from run to run. Short answers (2 tokens) keep this to
+    /// about a prefill per request; the order alternates so neither path always goes first.
+    async fn ttft_samples(&mut self, work: &[WorkItem], samples: u32, t: &mut Tally) {
+        let n = work.len();
+        for j in 0..(samples as usize) {
+            let Some(w) = work.get(j % n.max(1)) else {
+                break;
+            };
+            let mut body = w.body.clone();
+            if let Some(m) = body.as_object_mut() {
+                m.insert("stream".into(), Value::Bool(true));
+                m.remove("max_completion_tokens");
+                m.insert("max_tokens".into(), Value::from(2));
+            }
+            let durl = format!("{}{}", self.base, w.path);
+            let curl = format!("{}{}", self.cluster.colocated_url(), w.path);
+            let (d, c) = self.quiet_pair(&durl, &curl, &body, j % 2 == 0).await;
+            match (d, c) {
+                ((Ok(d), dm), (Ok(c), cm)) => {
+                    if d.text != c.text {
+                        self.matched = false;
+                        t.error(format!(
                             "TTFT sample {j}: disaggregated output {:?} differs from colocated {:?}",
                             excerpt(&d.text),
                             excerpt(&c.text)
                         ));
                     }
+                    self.pairs.push(&d, dm, &c, cm);
                 }
-                pairs.push(&d, dm, &c, cm);
-            }
-            ((d, _), (c, _)) => {
-                matched = false;
-                for e in [d.err(), c.err()].into_iter().flatten() {
-                    if errors.len() < 5 {
-                        errors.push(format!("TTFT sample {j}: {e}"));
+                ((d, _), (c, _)) => {
+                    self.matched = false;
+                    for e in [d.err(), c.err()].into_iter().flatten() {
+                        t.error(format!("TTFT sample {j}: {e}"));
                     }
                 }
             }
         }
     }
-    let quiesced = match cluster.quiesce(deadline).await {
+
+    /// One request on both paths, disaggregated first or not. Each replay starts on a
+    /// quiet cluster: the previous disaggregated request's check of its KV (milliseconds
+    /// of CPU, at nice 19) would otherwise still run during the next replay's prefill and
+    /// transfer, on one path more than on the other. A cluster that does not quiesce fails
+    /// the run later.
+    async fn quiet_pair(
+        &self,
+        durl: &str,
+        curl: &str,
+        body: &Value,
+        disagg_first: bool,
+    ) -> (Traced<Answer>, Traced<Answer>) {
+        let one = |url: &str| {
+            let url = url.to_string();
+            async move {
+                let _ = self.cluster.quiesce(self.deadline).await;
+                traced(self.record, self.client.generate(&url, body, self.deadline)).await
+            }
+        };
+        if disagg_first {
+            let d = one(durl).await;
+            let c = one(curl).await;
+            (d, c)
+        } else {
+            let c = one(curl).await;
+            let d = one(durl).await;
+            (d, c)
+        }
+    }
+}
+
+/// An answer and, when recorded, the timeline marks taken while it ran.
+type Traced<T> = (
+    Result<T, crate::client::ClientError>,
+    Option<(Instant, Vec<Mark>)>,
+);
+
+/// Runs the demo and returns its summary (the caller prints it and sets the exit status).
+pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
+    let setup = RunSetup::from_args(&args)?;
+    let buffer = args.buffer_mib.saturating_mul(1 << 20);
+    let cluster = match &setup.shape.push {
+        Some(push) => {
+            Cluster::start_pushed(
+                setup.prefillers,
+                setup.decoders,
+                &setup.model,
+                push.clone(),
+                setup.cost,
+                buffer,
+                setup.mode,
+                args.decode_after_kv_ready,
+                &setup.route,
+            )
+            .await?
+        }
+        None => {
+            Cluster::start_routed(
+                setup.prefillers,
+                setup.decoders,
+                &setup.model,
+                setup.cost,
+                buffer,
+                setup.mode,
+                args.decode_after_kv_ready,
+                &setup.route,
+            )
+            .await?
+        }
+    };
+    let ceiling = if args.ceiling_reps > 0 {
+        Some(transfer_ceiling(&setup.model, setup.mode, args.ceiling_reps).await?)
+    } else {
+        None
+    };
+    let client = Client::new();
+    let base = cluster.proxy_url();
+    let facts = WorkloadFacts::build(&args, &setup);
+    let work = &facts.work;
+    let (results, wall) = send_workload(&args, &client, &base, work, setup.deadline).await;
+    // The workload's KV figures, apart from the one-at-a-time replays' below.
+    let loaded = cluster.stats();
+    let routed = RoutedCounts::read(&client, &base, setup.deadline).await?;
+    let decoders_computed: u64 = cluster
+        .decoders
+        .iter()
+        .map(|d| d.stats().prefill_tokens_computed)
+        .sum();
+    let mut tally = Tally::of(&results, work);
+    // Replay a sample one at a time: outputs must equal the colocated engine's, and the
+    // unloaded TTFTs compare the two paths.
+    let mut replays = Replays {
+        cluster: &cluster,
+        client: &client,
+        base: &base,
+        deadline: setup.deadline,
+        record: args.timeline && timeline::installed(),
+        matched: true,
+        pairs: Pairs::default(),
+    };
+    let k = (args.compare as usize).min(work.len());
+    replays.compare(work, &results, k, &mut tally).await;
+    replays
+        .ttft_samples(work, args.ttft_samples, &mut tally)
+        .await;
+    let (matched, pairs) = (replays.matched, replays.pairs);
+    let quiesced = match cluster.quiesce(setup.deadline).await {
         Ok(()) => true,
         Err(e) => {
-            errors.push(e.to_string());
+            tally.errors.push(e.to_string());
             false
         }
     };
+    if k == 0 {
+        // Fails the run as before (nothing shows the outputs are right), but says why.
+        tally.errors.push(
+            "no output was compared with the colocated engine's (`--compare` and \
+             `--ttft-samples` were 0)"
+                .to_string(),
+        );
+    }
+    let measured = Measured {
+        facts: &facts,
+        loaded,
+        end: cluster.stats(),
+        routed,
+        decoders_computed,
+        decode_only: cluster.proxy.decider().decode_only_total(),
+        tally,
+        wall,
+        k,
+        matched,
+        quiesced,
+        pairs,
+        ceiling: ceiling
+            .as_ref()
+            .map(|c| (c.summary.channel_gib_per_s, c.summary.kv_gib_per_s))
+            .unwrap_or((0.0, 0.0)),
+        handshakes: &cluster.handshakes,
+    };
+    let summary = summarize(&args, &setup, measured);
+    cluster.shutdown().await;
+    Ok(summary)
+}
+
+/// Everything the run measured, for [`summarize`].
+struct Measured<'a> {
+    facts: &'a WorkloadFacts,
+    /// Every engine's counters after the workload, before the replays.
+    loaded: EngineStats,
+    /// The same at the end.
+    end: EngineStats,
+    routed: RoutedCounts,
+    decoders_computed: u64,
+    decode_only: u64,
+    tally: Tally,
+    wall: f64,
+    /// Requests compared with the colocated engine.
+    k: usize,
+    matched: bool,
+    quiesced: bool,
+    pairs: Pairs,
+    /// The same-run ceiling: (raw channel, PD layer) GiB/s, zeros when skipped.
+    ceiling: (f64, f64),
+    handshakes: &'a [Duration],
+}
+
+/// Bytes over busy seconds, GiB/s (0 when never busy).
+fn gib_per_s(bytes: u64, busy_s: f64) -> f64 {
+    if busy_s > 0.0 {
+        bytes as f64 / busy_s / (1u64 << 30) as f64
+    } else {
+        0.0
+    }
+}
+
+/// `a / b`, 0 when `b` is not positive.
+fn ratio(a: f64, b: f64) -> f64 {
+    if b > 0.0 {
+        a / b
+    } else {
+        0.0
+    }
+}
+
+/// The timeline report of the recorded replays, if any were recorded.
+fn timeline_report(
+    args: &DemoArgs,
+    td: &[timeline::Trace],
+    tc: &[timeline::Trace],
+) -> Option<TimelineReport> {
+    (!td.is_empty()).then(|| TimelineReport {
+        replays: td.len() as u64,
+        disaggregated: timeline::path(
+            td,
+            if args.decode_after_kv_ready {
+                timeline::DISAGG_PATH
+            } else {
+                timeline::DISAGG_PATH_EARLY_DECODE
+            },
+        ),
+        colocated: timeline::path(tc, timeline::COLOCATED_PATH),
+        all_disaggregated: timeline::all_steps(td),
+        gap: timeline::gap(td, tc),
+    })
+}
+
+/// The summary of a run from what it measured. One field per line of the literal: split
+/// further, the figures would be computed in one place and named in another.
+fn summarize(args: &DemoArgs, setup: &RunSetup, m: Measured<'_>) -> DemoSummary {
+    let (f, loaded, st, mut t) = (m.facts, &m.loaded, &m.end, m.tally);
     let Pairs {
         disagg: mut ud,
         colocated: mut uc,
         mut gaps,
         traces_disagg: td,
         traces_colocated: tc,
-    } = pairs;
-    let st = cluster.stats();
-    let rate = |bytes: u64, busy_s: f64| {
-        if busy_s > 0.0 {
-            bytes as f64 / busy_s / (1u64 << 30) as f64
-        } else {
-            0.0
-        }
-    };
-    let kv_gib_per_s = rate(loaded.kv_bytes_sent, loaded.kv_send_busy_s);
-    let kv_write_gib_per_s = rate(loaded.kv_bytes_sent, loaded.kv_write_busy_s);
-    let kv_finish_mean_ms = if loaded.kv_finishes > 0 {
-        loaded.kv_finish_s * 1e3 / loaded.kv_finishes as f64
-    } else {
-        0.0
-    };
-    let kv_gib_per_s_unloaded = rate(
+    } = m.pairs;
+    let n = f.work.len() as u64;
+    let kv_gib_per_s = gib_per_s(loaded.kv_bytes_sent, loaded.kv_send_busy_s);
+    let kv_gib_per_s_unloaded = gib_per_s(
         st.kv_bytes_sent - loaded.kv_bytes_sent,
         st.kv_send_busy_s - loaded.kv_send_busy_s,
     );
-    let (ceil_ch, ceil_pd) = ceiling
-        .as_ref()
-        .map(|c| (c.summary.channel_gib_per_s, c.summary.kv_gib_per_s))
-        .unwrap_or((0.0, 0.0));
-    let hs = &cluster.handshakes;
-    if k == 0 {
-        // Fails the run as before (nothing shows the outputs are right), but says why.
-        errors.push(
-            "no output was compared with the colocated engine's (`--compare` and \
-             `--ttft-samples` were 0)"
-                .to_string(),
-        );
-    }
-    let decider = cluster.proxy.decider();
-    let decode_only = decider.decode_only_total();
+    let (ceil_ch, ceil_pd) = m.ceiling;
+    let hs = m.handshakes;
     let mut summary = DemoSummary {
-        requests: n as u64,
+        requests: n,
         workload: args.workload,
         routing: args.routing.as_str().to_string(),
         prompt_format: args.prompt_format,
-        kv_events_tokenize: tokenize.as_str().to_string(),
-        tokenized_requests: routed.tokenized,
-        tokenize_failed: routed.tokenize_failed,
-        tokenize_ok_mean_ms: routed.tokenize_ok_mean_ms(),
-        routing_decisions: routed.decisions,
-        routing_matched: routed.matched,
-        prompt_tokens,
-        shared_prompt_tokens,
-        shared_fraction: if prompt_tokens > 0 {
-            shared_prompt_tokens as f64 / prompt_tokens as f64
-        } else {
-            0.0
-        },
-        shared_chunk_tokens,
-        oracle_prefill_tokens: prompt_tokens.saturating_sub(shared_chunk_tokens),
-        common_prefix_tokens: routable.common_prefix_tokens,
-        routable_shared_tokens: routable.shared_tokens,
-        routable_shared_fraction: routable.fraction(),
-        prefix_cache_tokens: route.prefix_cache_tokens.unwrap_or(0),
+        kv_events_tokenize: setup.tokenize.as_str().to_string(),
+        tokenized_requests: m.routed.tokenized,
+        tokenize_failed: m.routed.tokenize_failed,
+        tokenize_ok_mean_ms: m.routed.tokenize_ok_mean_ms(),
+        routing_decisions: m.routed.decisions,
+        routing_matched: m.routed.matched,
+        prompt_tokens: f.prompt_tokens,
+        shared_prompt_tokens: f.shared_prompt_tokens,
+        shared_fraction: ratio(f.shared_prompt_tokens as f64, f.prompt_tokens as f64),
+        shared_chunk_tokens: f.shared_chunk_tokens,
+        oracle_prefill_tokens: f.prompt_tokens.saturating_sub(f.shared_chunk_tokens),
+        common_prefix_tokens: f.routable.common_prefix_tokens,
+        routable_shared_tokens: f.routable.shared_tokens,
+        routable_shared_fraction: f.routable.fraction(),
+        prefix_cache_tokens: setup.route.prefix_cache_tokens.unwrap_or(0),
         prefill_tokens_computed: loaded.prefill_tokens_computed,
-        decoder_prefill_tokens_computed: decoders_computed,
+        decoder_prefill_tokens_computed: m.decoders_computed,
         prefill_tokens_spared_fraction: spared_fraction(
-            prompt_tokens,
+            f.prompt_tokens,
             loaded.prefill_tokens_computed,
         ),
         kv_bytes_moved: loaded.kv_bytes_sent,
-        decode_only,
-        ok,
-        failed: n as u64 - ok,
-        errors,
+        decode_only: m.decode_only,
+        ok: t.ok,
+        failed: n - t.ok,
+        errors: std::mem::take(&mut t.errors),
         kv_mismatches: st.kv_mismatches,
-        kv_missing: st.local_prefills.saturating_sub(decode_only) + st.kv_retrieve_failed,
-        outputs_match_colocated: matched && k > 0,
-        compared: k as u64,
-        ttft_p50_ms: pct(&mut ttft, 0.5),
-        ttft_p99_ms: pct(&mut ttft, 0.99),
-        tpot_p50_ms: pct(&mut tpot, 0.5),
-        output_tokens_per_s: tokens as f64 / wall,
-        requests_per_s: ok as f64 / wall,
-        wall_s: wall,
+        kv_missing: st.local_prefills.saturating_sub(m.decode_only) + st.kv_retrieve_failed,
+        outputs_match_colocated: m.matched && m.k > 0,
+        compared: m.k as u64,
+        ttft_p50_ms: pct(&mut t.ttft, 0.5),
+        ttft_p99_ms: pct(&mut t.ttft, 0.99),
+        tpot_p50_ms: pct(&mut t.tpot, 0.5),
+        output_tokens_per_s: t.tokens as f64 / m.wall,
+        requests_per_s: t.ok as f64 / m.wall,
+        wall_s: m.wall,
         kv_bytes: st.kv_bytes_sent,
         kv_gib_per_s,
-        kv_write_gib_per_s,
-        kv_finish_mean_ms,
+        kv_write_gib_per_s: gib_per_s(loaded.kv_bytes_sent, loaded.kv_write_busy_s),
+        kv_finish_mean_ms: ratio(loaded.kv_finish_s * 1e3, loaded.kv_finishes as f64),
         ttft_unloaded_disagg_p50_ms: pct(&mut ud, 0.5),
         ttft_unloaded_colocated_p50_ms: pct(&mut uc, 0.5),
         ttft_unloaded_gap_p50_ms: pct(&mut gaps.clone(), 0.5),
@@ -1611,36 +1971,24 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
         ttft_unloaded_gap_p75_ms: pct(&mut gaps, 0.75),
         ttft_unloaded_pairs: ud.len() as u64,
         decode_after_kv_ready: args.decode_after_kv_ready,
-        decode_kv_load_mean_ms: if st.kv_requests_received > 0 {
-            st.kv_load_s * 1e3 / st.kv_requests_received as f64
-        } else {
-            0.0
-        },
+        decode_kv_load_mean_ms: ratio(st.kv_load_s * 1e3, st.kv_requests_received as f64),
         pages_leaked: st.pages_leaked,
-        quiesced,
-        transfer_mode: mode.to_string(),
-        handshake_ms: if hs.is_empty() {
-            0.0
-        } else {
-            hs.iter().map(Duration::as_secs_f64).sum::<f64>() * 1e3 / hs.len() as f64
-        },
+        quiesced: m.quiesced,
+        transfer_mode: setup.mode.to_string(),
+        handshake_ms: ratio(
+            hs.iter().map(Duration::as_secs_f64).sum::<f64>() * 1e3,
+            hs.len() as f64,
+        ),
         handshakes: hs.len() as u64,
         ceiling_channel_gib_per_s: ceil_ch,
         ceiling_pd_gib_per_s: ceil_pd,
-        kv_vs_ceiling: if ceil_ch > 0.0 {
-            kv_gib_per_s / ceil_ch
-        } else {
-            0.0
-        },
+        kv_vs_ceiling: ratio(kv_gib_per_s, ceil_ch),
         kv_gib_per_s_unloaded,
-        kv_vs_ceiling_unloaded: if ceil_ch > 0.0 {
-            kv_gib_per_s_unloaded / ceil_ch
-        } else {
-            0.0
-        },
+        kv_vs_ceiling_unloaded: ratio(kv_gib_per_s_unloaded, ceil_ch),
         chunk_transfer_ms: if ceil_ch > 0.0 {
             // A prefill step's KV: what exists at once when the last step ends.
-            (model.spec.page_bytes() * cost.pages_per_step(model.spec.chunk_tokens) as u64) as f64
+            let spec = setup.model.spec;
+            (spec.page_bytes() * setup.cost.pages_per_step(spec.chunk_tokens) as u64) as f64
                 / (ceil_ch * (1u64 << 30) as f64)
                 * 1e3
         } else {
@@ -1652,33 +2000,18 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
         bench_transfer_gib_per_s: 0.0,
         kv_vs_bench_transfer: 0.0,
         shmem_huge_pages: kvbridge::shared_huge_pages().unwrap_or_else(|| "unknown".into()),
-        setup: format!(
-            "{}P{}D, TP={}, {}, {} bytes/token, {} tokens/chunk, {} tokens/prefill step, {mode}, {} routing, {} prompts (tokenize {}), in-process on loopback",
-            prefillers,
-            decoders,
-            model.world_size,
-            model.spec.layout,
-            model.spec.bytes_per_token(),
-            model.spec.chunk_tokens,
-            model.spec.chunk_tokens as usize * cost.pages_per_step(model.spec.chunk_tokens),
-            args.routing.as_str(),
-            args.prompt_format.as_str(),
-            tokenize.as_str(),
-        ),
-        timeline: (!td.is_empty()).then(|| TimelineReport {
-            replays: td.len() as u64,
-            disaggregated: timeline::path(
-                &td,
-                if args.decode_after_kv_ready {
-                    timeline::DISAGG_PATH
-                } else {
-                    timeline::DISAGG_PATH_EARLY_DECODE
-                },
-            ),
-            colocated: timeline::path(&tc, timeline::COLOCATED_PATH),
-            all_disaggregated: timeline::all_steps(&td),
-            gap: timeline::gap(&td, &tc),
-        }),
+        setup: setup.describe(args),
+        timeline: timeline_report(args, &td, &tc),
+        prefill_tp: setup.shape.prefill_tp,
+        decode_tp: setup.shape.decode_tp,
+        kv_parts_per_chunk: setup.shape.parts_per_chunk(),
+        kv_requests_pushed: st.kv_requests_consumed,
+        kv_chunks_pushed: st.kv_chunks_consumed,
+        kv_writes: st.kv_writes,
+        kv_ops_per_request: ratio(st.kv_writes as f64, st.kv_requests_consumed as f64),
+        kv_bytes_per_request: ratio(st.kv_bytes_sent as f64, st.kv_requests_consumed as f64),
+        kv_bytes_needed: st.kv_bytes_needed,
+        kv_bytes_exact: st.kv_bytes_sent == st.kv_bytes_needed,
     };
     if summary.ceiling_channel_gib_per_s > 0.0 {
         summary.ttft_gap_target_ms = summary.chunk_transfer_ms + 1.0;
@@ -1686,8 +2019,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<DemoSummary> {
             && summary.ttft_unloaded_gap_p50_ms <= summary.ttft_gap_target_ms;
         summary.kv_rate_met = summary.kv_vs_ceiling >= 0.9;
     }
-    cluster.shutdown().await;
-    Ok(summary)
+    summary
 }
 
 /// The same-run transfer ceiling at the demo's page size: `kvbridge bench pd`'s
@@ -1724,6 +2056,8 @@ async fn transfer_ceiling(
         concurrency: 1,
         tp: 1,
         mla_send_once: false,
+        prefill_tp: None,
+        decode_tp: None,
         mode,
         reps,
         deadline_s: 30,
@@ -1732,8 +2066,6 @@ async fn transfer_ceiling(
     Ok(kvbridge_pd::bench::measure(&args).await?)
 }
 
-/// Runs `f`; with `record`, returns the timeline marks recorded while it ran and when it
-/// started.
 /// The unloaded pairs (one request on both paths, one right after the other): TTFTs in ms,
 /// their differences, and with `--timeline` the traces.
 #[derive(Default)]
@@ -1772,6 +2104,8 @@ impl Pairs {
     }
 }
 
+/// Runs `f`; with `record`, returns the timeline marks recorded while it ran and when it
+/// started.
 async fn traced<T>(
     record: bool,
     f: impl std::future::Future<Output = T>,

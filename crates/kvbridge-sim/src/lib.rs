@@ -19,6 +19,8 @@
 //! - [`stable_ports`]: ports a killed worker can be restarted on.
 //! - [`cli`]: `kvbridge engine` flags.
 //! - [`timeline`]: per-request step marks (`kvbridge demo --timeline`).
+//! - [`tp_shape`]: `kvbridge demo --prefill-tp P --decode-tp D [--mla]` (the push between
+//!   different TP sizes).
 
 #![warn(missing_docs)]
 #![deny(clippy::undocumented_unsafe_blocks)]
@@ -40,3 +42,4 @@ pub mod proxy_metrics;
 pub mod soak;
 pub mod stable_ports;
 pub mod timeline;
+pub mod tp_shape;

@@ -186,6 +186,11 @@ pub fn as_text(w: &WorkItem) -> WorkItem {
 
 /// Runs `args`' workload through the router `cmd` starts (module docs).
 pub async fn run(args: DemoArgs, cmd: &str) -> anyhow::Result<PeerSummary> {
+    if args.tp_flags_given() || args.mla {
+        anyhow::bail!(
+            "--prefill-tp, --decode-tp and --mla apply to the in-process demo, not to --peer-router"
+        );
+    }
     let model = args.model.build()?;
     let cost = args.cost.build()?;
     let output = demo::range(&args.output_tokens, "--output-tokens")?;

@@ -1180,6 +1180,11 @@ impl SoakOptions {
         engine_cmd: Vec<OsString>,
         proxy_cmd: Vec<OsString>,
     ) -> anyhow::Result<SoakOptions> {
+        if a.tp_flags_given() || a.mla {
+            anyhow::bail!(
+                "--prefill-tp, --decode-tp and --mla apply to the in-process demo, not to --duration"
+            );
+        }
         // The soak drives the random workload in token ids through the proxy. A flag asking
         // for something else is refused rather than left unused: a soak that ran other than
         // asked would prove something other than asked.

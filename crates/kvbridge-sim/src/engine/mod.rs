@@ -20,6 +20,8 @@
 //! - `claim.rs`: which received request holds a prompt's KV, and a decode request's hold on
 //!   it;
 //! - `prefill.rs`: the mock accelerator's prefill, step by step under the cost model;
+//! - `tp_push.rs`: between different TP sizes, the KV cut into the push's parts and placed
+//!   back into the decoder's ranks;
 //! - `cache.rs`: the engine's use of the prefix cache, and the KV events it publishes;
 //! - `request.rs`: an OpenAI generation request, parsed;
 //! - `state.rs`: `Inner`, the state all of them share;
@@ -37,6 +39,7 @@ mod respond;
 mod send;
 mod state;
 mod stats;
+mod tp_push;
 
 pub use config::{EngineConfig, Role};
 pub use error::SimError;
@@ -216,10 +219,10 @@ pub async fn start_with_publisher(
     if cfg.model.world_size == 0 {
         return Err(SimError::Start("world size must be at least 1".into()));
     }
+    cfg.check_push().map_err(SimError::Start)?;
     let http_addr = listener
         .local_addr()
         .map_err(|e| SimError::Start(e.to_string()))?;
-    let ws = cfg.model.world_size;
     let outcomes = match &cfg.proxy_endpoint {
         Some(ep) => OutcomeSink::Zmq(ZmqPusher::spawn(ep.clone(), Duration::from_secs(5))),
         None => OutcomeSink::None,
@@ -231,13 +234,13 @@ pub async fn start_with_publisher(
     let id = format!("{:?}-{}", cfg.role, http_addr.port()).to_lowercase();
     match cfg.role {
         Role::Prefill => {
-            for rank in 0..ws {
+            for (rank, world, spec, name) in cfg.lanes() {
                 let mut sc = SenderConfig::new(
-                    ChannelConfig::new(format!("sim-{id}-r{rank}"), None),
+                    ChannelConfig::new(format!("sim-{id}-{name}"), None),
                     rank,
-                    ws,
+                    world,
                     &cfg.model.name,
-                    cfg.model.spec,
+                    spec,
                 );
                 sc.outcomes = outcomes.clone();
                 sc.mla_send_once = cfg.mla_send_once;
@@ -246,9 +249,8 @@ pub async fn start_with_publisher(
                 // Per rank: the pages of one step being computed, and as many of the step
                 // before moving or queued for the sender (at least 4 pages).
                 let per_step = cfg.cost.pages_per_step(cfg.model.spec.chunk_tokens);
-                let mem =
-                    ChunkMemory::new(cfg.model.spec.page_bytes() as usize, (2 * per_step).max(4))
-                        .map_err(|e| SimError::Start(e.to_string()))?;
+                let mem = ChunkMemory::new(spec.page_bytes() as usize, (2 * per_step).max(4))
+                    .map_err(|e| SimError::Start(e.to_string()))?;
                 sender
                     .register(mem.region())
                     .map_err(|e| SimError::Start(format!("registering chunk memory: {e}")))?;
@@ -257,13 +259,13 @@ pub async fn start_with_publisher(
             }
         }
         Role::Decode => {
-            for rank in 0..ws {
+            for (rank, _, spec, name) in cfg.lanes() {
                 let port = cfg.init_ports.get(rank as usize).copied().unwrap_or(0);
                 let listen = format!("{}:{port}", cfg.bind_host);
                 let mut rc = ReceiverConfig::new(
-                    ChannelConfig::new(format!("sim-{id}-r{rank}"), Some(&listen)),
+                    ChannelConfig::new(format!("sim-{id}-{name}"), Some(&listen)),
                     rank,
-                    cfg.model.spec,
+                    spec,
                     cfg.buffer_bytes,
                 );
                 rc.ttl = cfg.kv_ttl;
@@ -298,6 +300,7 @@ pub async fn start_with_publisher(
     let mut prefix_cache = PrefixCache::new(cfg.model.spec.chunk_tokens, cfg.prefix_cache_tokens);
     // A new engine's first batch says that whatever an earlier one reported is gone.
     prefix_cache.clear();
+    let lane_specs = cfg.lanes().into_iter().map(|l| l.2).collect();
     let inner = Arc::new(Inner {
         prefix_cache: std::sync::Mutex::new(prefix_cache),
         kv_events,
@@ -315,6 +318,7 @@ pub async fn start_with_publisher(
         settled: tokio::sync::Notify::new(),
         seq: AtomicU64::new(0),
         chunk_memory,
+        lane_specs,
         consumers: std::sync::Mutex::new(HashMap::new()),
         claimed: std::sync::Mutex::new(std::collections::HashSet::new()),
     });

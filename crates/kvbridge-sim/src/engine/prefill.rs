@@ -4,6 +4,7 @@
 
 use super::error::SimError;
 use super::state::{lock, Inner};
+use super::tp_push::fill_parts;
 use crate::chunk_memory::ChunkSlot;
 use crate::model::SeqState;
 use crate::timeline::TARGET as TL;
@@ -72,8 +73,8 @@ pub(super) async fn prefill(
         // and moved from there. Colocated: into this thread's scratch buffers.
         let mut slots = Vec::new();
         if send.is_some() {
-            let len = model.spec.chunk_bytes(part.len() as u32) as usize;
-            for mem in &s.chunk_memory {
+            for (mem, spec) in s.chunk_memory.iter().zip(&s.lane_specs) {
+                let len = spec.chunk_bytes(part.len() as u32) as usize;
                 let slot = mem
                     .take(len, CHUNK_MEMORY_WAIT)
                     .await
@@ -84,11 +85,15 @@ pub(super) async fn prefill(
         // At the lowest priority (see `background`): on 2 cores the transfer of the previous
         // chunk and its notifications ran 10-20% faster in the demo (docs/engine.md).
         let computing = Instant::now();
+        // Parts to cut out of the decoder's split, when lanes are not whole ranks.
+        let parts = s.cfg.push.clone().filter(|_| !s.cfg.lanes_are_ranks());
         let (st, chunks) = crate::background::run("kvb-prefill", move || {
             let mut st = state;
             let p = m.prefixes(st.prefix, &part_v);
             if slots.is_empty() {
                 m.compute_and_absorb(&mut st, &p);
+            } else if let Some(plan) = &parts {
+                fill_parts(&m, plan, &mut st, &p, &slots)?;
             } else {
                 let mut rows: Vec<Vec<u8>> = vec![Vec::new(); slots.len()];
                 let mut outs: Vec<_> = slots
@@ -98,10 +103,10 @@ pub(super) async fn prefill(
                     .collect();
                 m.fill_and_absorb(&mut st, &mut outs, &p);
             }
-            (st, slots)
+            Ok::<_, SimError>((st, slots))
         })
         .await
-        .map_err(|e| SimError::Internal(format!("prefill task: {e}")))?;
+        .map_err(|e| SimError::Internal(format!("prefill task: {e}")))??;
         let per_token = computing.elapsed().as_nanos() * 1000 / part.len().max(1) as u128;
         s.fill_ps_per_token.store(per_token as u64, Relaxed);
         state = st;

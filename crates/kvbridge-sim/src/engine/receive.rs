@@ -5,6 +5,7 @@
 use super::claim::Claim;
 use super::error::SimError;
 use super::state::{lock, Consumed, Inner};
+use super::tp_push::place_parts;
 use crate::model::SeqState;
 use crate::timeline::TARGET as TL;
 use kvbridge_pd::ChunkRef;
@@ -42,6 +43,8 @@ async fn consume(s: Arc<Inner>, id: String, tokens: u64) -> Result<Consumed, Sim
         tracing::debug!(target: TL, stage = "decode.chunk_landed", id = %id, chunk = i);
         let t = model.spec.tokens_in_chunk(i, tokens) as usize;
         let (m, ws) = (model.clone(), model.world_size as usize);
+        // Parts to place into the decoder's ranks, when lanes are not whole ranks.
+        let parts = s.cfg.push.clone().filter(|_| !s.cfg.lanes_are_ranks());
         // The last chunk's digest is on the path to the first token and the prefill is over:
         // use two cores for it, unless it is short (a second thread costs ~0.1 ms to start
         // here, more than it saves on fewer than 64 tokens: 2 MiB in the demo). Earlier
@@ -60,21 +63,39 @@ async fn consume(s: Arc<Inner>, id: String, tokens: u64) -> Result<Consumed, Sim
             }
             let k = held.len();
             drop(held);
+            let placed = match &parts {
+                Some(plan) => {
+                    let lanes: Vec<&[u8]> = copies[..k].iter().map(Vec::as_slice).collect();
+                    place_parts(plan, t as u64, &lanes)?
+                }
+                None => Vec::new(),
+            };
             // MLA send-once: rank 0's copy stands for every rank (the KV is identical).
-            let refs: Vec<&[u8]> = (0..ws).map(|r| copies[r.min(k - 1)].as_slice()).collect();
+            let refs: Vec<&[u8]> = if placed.is_empty() {
+                (0..ws).map(|r| copies[r.min(k - 1)].as_slice()).collect()
+            } else {
+                placed.iter().map(Vec::as_slice).collect()
+            };
             let b = refs.iter().map(|c| c.len() as u64).sum::<u64>();
             let d = m.absorb_kv_par(&mut st, &refs, t, threads);
             drop(refs);
             crate::model::scratch_give_back(copies);
-            (st, d, b)
+            Ok::<_, SimError>((st, d, b))
         })
         .await
-        .map_err(|e| SimError::Internal(format!("decode task: {e}")))?;
+        .map_err(|e| SimError::Internal(format!("decode task: {e}")))??;
         state = st;
         digests.push(d);
         bytes += b;
         tracing::debug!(target: TL, stage = "decode.chunk_digested", id = %id, chunk = i);
     }
+    let c = &s.counts;
+    c.kv_requests_consumed.fetch_add(1, Relaxed);
+    c.kv_chunks_consumed.fetch_add(n, Relaxed);
+    c.kv_bytes_needed.fetch_add(
+        model.spec.prompt_bytes(tokens) * s.cfg.decoding_ranks() as u64,
+        Relaxed,
+    );
     Ok(Consumed {
         state,
         digests,

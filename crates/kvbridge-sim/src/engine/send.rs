@@ -32,7 +32,8 @@ pub(super) async fn prefill_and_send(
         let e = SimError::BadRequest(
             "`disagg_spec.receiver_alloc_port` is empty: the reference decoder learns the request id on it".into(),
         );
-        for r in 0..s.model.world_size {
+        // Every sending rank (one per lane) owes the proxy an outcome.
+        for r in 0..s.senders.len() as u32 {
             s.outcomes.emit(Outcome::KvFailed {
                 req_id: ds.req_id.clone(),
                 rank: r,
@@ -41,7 +42,7 @@ pub(super) async fn prefill_and_send(
         }
         s.counts
             .kv_transfers_failed
-            .fetch_add(s.model.world_size as u64, Relaxed);
+            .fetch_add(s.senders.len() as u64, Relaxed);
         return Err(e);
     };
     let a = Announcement {
@@ -159,6 +160,8 @@ async fn rank_sender_inner(s: &Inner, job: RankJob) {
         return;
     }
     while let Some((i, data)) = rx.recv().await {
+        // A write the receiver's held copy or MLA send-once spares is no operation.
+        let writes = t.needs(i);
         s.busy.enter();
         s.write_busy.enter();
         let r = t.send_chunk_from(i, data.region(), data.offset()).await;
@@ -172,6 +175,7 @@ async fn rank_sender_inner(s: &Inner, job: RankJob) {
             s.counts.kv_transfers_failed.fetch_add(1, Relaxed);
             return;
         }
+        s.counts.kv_writes.fetch_add(u64::from(writes), Relaxed);
     }
     if !told_decoder(s, &mut announced).await {
         s.counts.kv_transfers_failed.fetch_add(1, Relaxed);

@@ -9,7 +9,7 @@ use crate::chunk_memory::ChunkMemory;
 use crate::kv_events_pub::KvEventsPublisher;
 use crate::model::{Model, SeqState};
 use crate::prefix_cache::PrefixCache;
-use kvbridge_pd::{Counters, OutcomeSink, PdReceiver, PdSender};
+use kvbridge_pd::{Counters, KvSpec, OutcomeSink, PdReceiver, PdSender};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -38,6 +38,8 @@ pub(super) struct Inner {
     /// Decode: per granted request, the task digesting its KV as it lands.
     /// Prefill: each sender rank's chunk memory (see [`crate::chunk_memory`]).
     pub(super) chunk_memory: Vec<Arc<ChunkMemory>>,
+    /// The KV spec of each PD lane (sender or receiver): the model's, or a push part's.
+    pub(super) lane_specs: Vec<KvSpec>,
     pub(super) consumers: std::sync::Mutex<HashMap<String, JoinHandle<Result<Consumed, SimError>>>>,
     /// Decode: PD requests taken by a decode request, until their pages are released (so
     /// two decode requests naming one id cannot both read, and release, its pages).
@@ -97,6 +99,10 @@ impl Inner {
             announced_pending: self.announced.len() as u64,
             in_flight: c.in_flight.load(Relaxed),
             kv_load_s: c.kv_load_ns.load(Relaxed) as f64 / 1e9,
+            kv_writes: c.kv_writes.load(Relaxed),
+            kv_requests_consumed: c.kv_requests_consumed.load(Relaxed),
+            kv_chunks_consumed: c.kv_chunks_consumed.load(Relaxed),
+            kv_bytes_needed: c.kv_bytes_needed.load(Relaxed),
         }
     }
 }

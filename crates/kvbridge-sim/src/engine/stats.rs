@@ -30,6 +30,10 @@ pub(super) struct Counts {
     pub(super) kv_load_ns: AtomicU64,
     pub(super) kv_finishes: AtomicU64,
     pub(super) kv_finish_ns: AtomicU64,
+    pub(super) kv_writes: AtomicU64,
+    pub(super) kv_requests_consumed: AtomicU64,
+    pub(super) kv_chunks_consumed: AtomicU64,
+    pub(super) kv_bytes_needed: AtomicU64,
 }
 
 /// Wall time during which at least one KV write or finish call was in progress (the union
@@ -122,4 +126,14 @@ pub struct EngineStats {
     /// Decode: time from claiming a request's KV to its state being ready (copy out of the
     /// receive buffer and digest), summed over requests, seconds.
     pub kv_load_s: f64,
+    /// Prefill: chunk writes (or offers) that succeeded, one per chunk and lane: the
+    /// transfer's operations.
+    pub kv_writes: u64,
+    /// Decode: requests whose KV was taken in whole (every chunk on every lane).
+    pub kv_requests_consumed: u64,
+    /// Decode: chunks of those requests (one per chunk index, whatever the lanes).
+    pub kv_chunks_consumed: u64,
+    /// Decode: bytes the decoding ranks hold for those requests (their tokens times the
+    /// bytes a token takes on every rank that holds KV): what the transfers had to move.
+    pub kv_bytes_needed: u64,
 }
