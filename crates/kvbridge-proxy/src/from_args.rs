@@ -10,7 +10,7 @@ use serde::Deserialize;
 
 use crate::cli::ProxyArgs;
 use crate::config::*;
-use crate::routing::{CacheAwareParams, RoutingPolicy};
+use crate::routing::policy::{CacheAwareParams, RoutingPolicy};
 
 /// The TOML file: every key optional, same names as the flags with `_` for `-`.
 #[derive(Debug, Default, Deserialize)]

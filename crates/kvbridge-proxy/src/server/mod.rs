@@ -12,8 +12,8 @@ mod decode;
 mod flow;
 mod health;
 mod prefill;
+mod prompt_tokens;
 mod routes;
-mod tokenize;
 mod upstream;
 
 use std::net::SocketAddr;
@@ -61,7 +61,7 @@ impl RunningProxy {
     }
 
     /// The disaggregation decider and its counts.
-    pub fn decider(&self) -> &crate::decider::Decider {
+    pub fn decider(&self) -> &crate::routing::decider::Decider {
         &self.app.decider
     }
 
@@ -134,7 +134,7 @@ pub async fn start(cfg: Config) -> anyhow::Result<RunningProxy> {
             .map(|w| (w.host.clone(), w.port, 0, 0)),
         ua,
         ha,
-        crate::router::for_pool(&cfg, Role::Prefill),
+        crate::routing::pool_router::for_pool(&cfg, Role::Prefill),
     );
     let decode = Pool::routed(
         Role::Decode,
@@ -143,7 +143,7 @@ pub async fn start(cfg: Config) -> anyhow::Result<RunningProxy> {
             .map(|d| (d.host.clone(), d.port, d.max_requests, d.kv_capacity_tokens)),
         ua,
         ha,
-        crate::router::for_pool(&cfg, Role::Decode),
+        crate::routing::pool_router::for_pool(&cfg, Role::Decode),
     );
     let (prefill_uris, decode_uris) = (api_uris(&prefill)?, api_uris(&decode)?);
     let one_thread = tokio::runtime::Handle::current().runtime_flavor()
@@ -152,7 +152,7 @@ pub async fn start(cfg: Config) -> anyhow::Result<RunningProxy> {
     if let Some(bp) = &busy_poll {
         tasks.push(tokio::spawn(bp.clone().run()));
     }
-    let decider = crate::decider::Decider::new(cfg.decider());
+    let decider = crate::routing::decider::Decider::new(cfg.decider());
     if cfg.kv_events.tokenize == crate::tokenize::TokenizeMode::Http
         && cfg.routing != crate::routing::RoutingPolicy::KvEvents
     {
