@@ -35,12 +35,12 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-mod direct;
+mod direct_copies;
 #[cfg(feature = "ucx")]
 pub(crate) mod ucx;
 
-pub(crate) use direct::detach_region;
-use direct::{ShmRound, ShmState};
+pub(crate) use direct_copies::detach_region;
+use direct_copies::{ShmRound, ShmState};
 
 /// The target of the marks of a session's way from dial to its first batch
 /// (`RUST_LOG=kvbridge::timeline=debug`): each control message sent and received, the
@@ -62,9 +62,9 @@ pub(crate) struct SessionEnv {
     /// The channel's count of peer batches refused for bytes in flight.
     pub(crate) in_flight_refused: Arc<std::sync::atomic::AtomicU64>,
     /// The channel's counts of batches copied directly (shared memory, cross-memory attach).
-    pub(crate) direct: Arc<crate::transport::shm::DirectCounters>,
-    /// The channel's count of frames written past the writers (`Stats::frames_direct`).
-    pub(crate) frames_direct: Arc<std::sync::atomic::AtomicU64>,
+    pub(crate) direct_copies: Arc<crate::transport::shm::DirectCopyCounters>,
+    /// The channel's count of frames written past the writers (`Stats::frames_fast_lane`).
+    pub(crate) frames_fast_lane: Arc<std::sync::atomic::AtomicU64>,
     /// The channel's UCX worker and its owner thread, when the transport is UCX.
     #[cfg(feature = "ucx")]
     pub(crate) ucx: Option<Arc<crate::transport::ucx_route::UcxChannel>>,
@@ -1069,7 +1069,7 @@ impl Session {
             self.env.config.limits.max_bytes_in_flight_per_peer,
             streams.len(),
             one_sided,
-            self.env.frames_direct.clone(),
+            self.env.frames_fast_lane.clone(),
             self.peer_unacked_notify,
         );
         let mut conns = Vec::with_capacity(streams.len());
@@ -1095,7 +1095,7 @@ impl Session {
         let Some(path) = self.data.as_ref().map(|d| d.path.clone()) else {
             return;
         };
-        let (out, rx) = crate::writer_queue::channel(self.env.frames_direct.clone());
+        let (out, rx) = crate::writer_queue::channel(self.env.frames_fast_lane.clone());
         match self.start_conn(&path, s, stream, out, rx, None) {
             Ok(c) => self.data.as_mut().expect("checked").conns.push(c),
             Err(e) => self.fail_bind(e),
@@ -1211,7 +1211,7 @@ impl Session {
             config: &self.env.config,
             table: &self.env.table,
             core: &self.env.core,
-            counters: &self.env.direct,
+            counters: &self.env.direct_copies,
             remote: &self.remote,
         };
         (&mut self.shm, cx)

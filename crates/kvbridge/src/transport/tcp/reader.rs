@@ -13,7 +13,7 @@ use crate::peer_memory::PeerRange;
 use crate::region::LocalSlice;
 use crate::wire::{read_data_frame, ReadError};
 use crate::writer_queue::Outgoing;
-use crate::writer_queue::{Direct, WriterQueue};
+use crate::writer_queue::{FastSend, WriterQueue};
 use kvbridge_proto::handshake::Step;
 use kvbridge_proto::msg::{Ack, Batch, ErrorCode, Message, Reject};
 use kvbridge_proto::PeerId;
@@ -49,10 +49,10 @@ impl ReaderCtx {
     /// gone (the session is ending).
     async fn ack(&self, m: Message, step: Step) -> Result<bool> {
         let frame = m.to_frame().map_err(|e| Error::Local(e.to_string()))?;
-        match self.out.send_direct(&frame) {
-            Direct::Sent => Ok(true),
-            Direct::Broken(e) => Err(Error::lost(self.peer.as_str(), step, e)),
-            Direct::Queue => Ok(self.out.send(Outgoing::Frame(frame)).await.is_ok()),
+        match self.out.send_fast(&frame) {
+            FastSend::Sent => Ok(true),
+            FastSend::Broken(e) => Err(Error::lost(self.peer.as_str(), step, e)),
+            FastSend::Queue => Ok(self.out.send(Outgoing::Frame(frame)).await.is_ok()),
         }
     }
 

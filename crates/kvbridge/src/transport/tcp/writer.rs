@@ -22,7 +22,7 @@ use tokio::io::AsyncWriteExt;
 /// Runs a batch queued on a connection by direct copies when every region it names is
 /// reachable directly ([`SameHostRoute::try_copy`]), completing it in `pending`; gives the
 /// batch back otherwise (it then goes over TCP).
-fn try_direct(
+fn try_direct_copy(
     pending: &Pending,
     direct: Option<&SameHostRoute>,
     dir: Dir,
@@ -106,7 +106,7 @@ pub(crate) async fn run_writer(
         match o {
             Outgoing::Write { id, descs, sources } => {
                 let Some((descs, sources)) =
-                    try_direct(&pending, direct.as_deref(), Dir::Write, id, descs, sources)
+                    try_direct_copy(&pending, direct.as_deref(), Dir::Write, id, descs, sources)
                 else {
                     continue;
                 };
@@ -121,7 +121,7 @@ pub(crate) async fn run_writer(
                     .map_err(|e| lost(Step::Write, e))?;
             }
             Outgoing::Read { id, descs } => {
-                let Some((descs, _)) = try_direct(
+                let Some((descs, _)) = try_direct_copy(
                     &pending,
                     direct.as_deref(),
                     Dir::Read,
