@@ -2,7 +2,7 @@
 //! (region exists, granted to this peer, in bounds) before it reads a payload byte straight
 //! into place, and completes our own batches when their acknowledgements arrive.
 
-use crate::config::{Limits, TestHooks};
+use crate::config::Limits;
 use crate::datapath::pending::{Pending, Waiting};
 use crate::error::{Error, Result};
 use crate::events::Notification;
@@ -11,6 +11,7 @@ use crate::in_flight::{InFlight, Refused, Reservation};
 use crate::net::ReadHalf;
 use crate::peer_memory::PeerRange;
 use crate::region::LocalSlice;
+use crate::test_hooks::TestHooks;
 use crate::wire::{read_data_frame, ReadError};
 use crate::writer_queue::Outgoing;
 use crate::writer_queue::{FastSend, WriterQueue};
