@@ -626,6 +626,213 @@ impl Session {
         self.teardown(err).await;
     }
 
+    /// A message from the peer's control connection (`None`: the reader ended). The error
+    /// that ends the session, if it does.
+    fn on_control(&mut self, m: Option<std::result::Result<Message, ReadError>>) -> Option<Error> {
+        self.last_heard = Instant::now();
+        if let Some(Ok(m)) = &m {
+            tracing::debug!(target: TIMELINE, session = self.id, peer = %self.peer_name,
+                msg = m.name(), "received");
+        }
+        match m {
+            #[cfg(feature = "ucx")]
+            Some(Ok(m)) if self.ucx.takes(&m) => {
+                self.ucx.handle_message(m);
+                None
+            }
+            Some(Ok(m)) => {
+                self.machine.handle_message(m, std_now());
+                None
+            }
+            Some(Err(ReadError::Frame(e))) => Some(Error::PeerMisbehaved {
+                peer: self.peer_name.clone(),
+                step: self.machine.step(),
+                detail: e.to_string(),
+            }),
+            Some(Err(e)) => {
+                #[cfg(feature = "ucx")]
+                self.ucx.peer_left();
+                Some(Error::lost(&self.peer_name, self.machine.step(), e))
+            }
+            None => {
+                #[cfg(feature = "ucx")]
+                self.ucx.peer_left();
+                Some(Error::lost(
+                    &self.peer_name,
+                    self.machine.step(),
+                    "control reader ended",
+                ))
+            }
+        }
+    }
+
+    /// A command from the core or a data connection's classifier (`None`: the core is
+    /// gone). The error that ends the session, if it does.
+    async fn on_command(&mut self, c: Option<SessionCmd>) -> Option<Error> {
+        match c {
+            Some(SessionCmd::DataConn(s, peer, stream)) if self.env.local.authenticates() => {
+                // Bound only once it answers a fresh challenge under the session's
+                // key: its token alone (seen in the clear) proves nothing.
+                if stream >= self.machine.data_connection_cap()
+                    || Some(&peer) != self.peer_id.as_ref()
+                {
+                    tokio::spawn(refuse(
+                        s,
+                        ErrorCode::UnknownSession,
+                        "data connection does not match this session",
+                    ));
+                } else if self.unproven.len() + self.proving.len()
+                    >= 2 * crate::config::MAX_DATA_CONNECTIONS
+                {
+                    tokio::spawn(refuse(
+                        s,
+                        ErrorCode::LimitExceeded,
+                        "too many data connections being checked",
+                    ));
+                } else if let Some(key) = self.machine.data_key() {
+                    self.challenge(&key, stream, s);
+                } else {
+                    self.unproven.push((stream, s));
+                }
+            }
+            Some(SessionCmd::DataUnproven) => self.proving.retain(|h| !h.is_finished()),
+            Some(SessionCmd::DataProven(s, stream)) => {
+                self.proving.retain(|h| !h.is_finished());
+                self.park_proven(s, stream);
+            }
+            Some(SessionCmd::DataConn(s, peer, stream)) if stream > 0 => {
+                let known = self.parked_extra.iter().any(|(i, _)| *i == stream)
+                    || self
+                        .data
+                        .as_ref()
+                        .is_some_and(|d| d.conns.iter().any(|c| c.stream == stream));
+                if known
+                    || stream >= self.machine.data_connection_cap()
+                    || Some(&peer) != self.peer_id.as_ref()
+                {
+                    tokio::spawn(refuse(
+                        s,
+                        ErrorCode::UnknownSession,
+                        "data connection does not match this session",
+                    ));
+                } else {
+                    self.parked_extra.push((stream, s));
+                }
+            }
+            Some(SessionCmd::DataConn(s, peer, _)) => {
+                if self.data.is_some()
+                    || self.pending_bind.is_some()
+                    || self.parked_data.is_some()
+                    || Some(&peer) != self.peer_id.as_ref()
+                {
+                    // A second data connection, or one naming another peer: refuse it
+                    // without disturbing this session.
+                    tokio::spawn(refuse(
+                        s,
+                        ErrorCode::UnknownSession,
+                        "data connection does not match this session",
+                    ));
+                } else {
+                    self.parked_data = Some(s);
+                }
+            }
+            Some(SessionCmd::Replace(e)) | Some(SessionCmd::Abort(e)) => return Some(e),
+            Some(SessionCmd::MemChanged) => {
+                if let Some(p) = &self.peer_id {
+                    let mem = self.env.table.granted_to(p);
+                    self.machine.update_mem(mem, std_now());
+                }
+                #[cfg(feature = "ucx")]
+                self.ucx.grants_changed();
+                if let Err(e) = self.sync_exports().await {
+                    return Some(e);
+                }
+            }
+            Some(SessionCmd::ShmConn(s, peer)) => {
+                if self.shm.conn.is_some()
+                    || self.shm.parked.is_some()
+                    || Some(&peer) != self.peer_id.as_ref()
+                {
+                    drop(s);
+                } else {
+                    self.shm.parked = Some(s);
+                }
+            }
+            Some(SessionCmd::EndIfMapping { region, after }) => {
+                if self.shm.exports.contains_key(&region) || self.shm.revoking.contains_key(&region)
+                {
+                    return Some(Error::UnmapTimeout {
+                        peer: self.peer_name.clone(),
+                        step: Step::Established,
+                        region,
+                        after,
+                    });
+                }
+            }
+            Some(SessionCmd::Close) | None => return Some(Error::Closed),
+        }
+        None
+    }
+
+    /// A data connection that answered its challenge, parked until the session can bind
+    /// it; refused when its stream is bound or parked already.
+    fn park_proven(&mut self, s: Stream, stream: u32) {
+        let bound = self
+            .data
+            .as_ref()
+            .is_some_and(|d| d.conns.iter().any(|c| c.stream == stream))
+            || (stream == 0
+                && (self.data.is_some()
+                    || self.pending_bind.is_some()
+                    || self.parked_data.is_some()))
+            || self.parked_extra.iter().any(|(i, _)| *i == stream);
+        if bound {
+            tokio::spawn(refuse(
+                s,
+                ErrorCode::UnknownSession,
+                "this data connection's stream is already bound",
+            ));
+        } else if stream == 0 {
+            self.parked_data = Some(s);
+        } else {
+            self.parked_extra.push((stream, s));
+        }
+    }
+
+    /// Binds what waited for the session to be ready for it: data connections to challenge
+    /// or to bind, the shared-memory connection. `Ok(true)`: something was done (look
+    /// again before waiting).
+    async fn bind_waiting(&mut self) -> std::result::Result<bool, Error> {
+        if !self.unproven.is_empty() {
+            if let Some(key) = self.machine.data_key() {
+                for (stream, s) in std::mem::take(&mut self.unproven) {
+                    self.challenge(&key, stream, s);
+                }
+                return Ok(true);
+            }
+        }
+        if self.parked_data.is_some() && self.machine.may_bind() {
+            let s = self.parked_data.take().expect("checked");
+            let delay = self.env.config.hooks.listener_bind_delay;
+            self.bind_after(delay, vec![s]);
+            return Ok(true);
+        }
+        if !self.parked_extra.is_empty() && self.data.is_some() {
+            for (stream, s) in std::mem::take(&mut self.parked_extra) {
+                self.bind_extra(stream, s);
+            }
+            return Ok(true);
+        }
+        if self.shm.parked.is_some() && self.machine.may_bind() {
+            let s = self.shm.parked.take().expect("checked");
+            let (shm, cx) = self.shm_round();
+            shm.bind(&cx, s);
+            self.sync_exports().await?;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
     /// Serves until the session ends; returns why.
     async fn serve(&mut self) -> Error {
         let keepalive = self.env.config.deadlines.keepalive;
@@ -638,34 +845,10 @@ impl Session {
             if let Some(e) = self.ucx_pump().await {
                 return e;
             }
-            if !self.unproven.is_empty() {
-                if let Some(key) = self.machine.data_key() {
-                    for (stream, s) in std::mem::take(&mut self.unproven) {
-                        self.challenge(&key, stream, s);
-                    }
-                    continue;
-                }
-            }
-            if self.parked_data.is_some() && self.machine.may_bind() {
-                let s = self.parked_data.take().expect("checked");
-                let delay = self.env.config.hooks.listener_bind_delay;
-                self.bind_after(delay, vec![s]);
-                continue;
-            }
-            if !self.parked_extra.is_empty() && self.data.is_some() {
-                for (stream, s) in std::mem::take(&mut self.parked_extra) {
-                    self.bind_extra(stream, s);
-                }
-                continue;
-            }
-            if self.shm.parked.is_some() && self.machine.may_bind() {
-                let s = self.shm.parked.take().expect("checked");
-                let (shm, cx) = self.shm_round();
-                shm.bind(&cx, s);
-                if let Err(e) = self.sync_exports().await {
-                    return e;
-                }
-                continue;
+            match self.bind_waiting().await {
+                Ok(true) => continue,
+                Ok(false) => {}
+                Err(e) => return e,
             }
             let ready_at = self.shm.pending_ready.as_ref().map(|(_, at)| *at);
             let deadline = self.machine.poll_timeout();
@@ -678,101 +861,15 @@ impl Session {
             let bind_at = self.pending_bind.as_ref().map(|(at, _)| *at);
             tokio::select! {
                 m = self.ctl_rx.recv() => {
-                    self.last_heard = Instant::now();
-                    if let Some(Ok(m)) = &m {
-                        tracing::debug!(target: TIMELINE, session = self.id, peer = %self.peer_name,
-                            msg = m.name(), "received");
-                    }
-                    match m {
-                        #[cfg(feature = "ucx")]
-                        Some(Ok(m)) if self.ucx.takes(&m) => self.ucx.handle_message(m),
-                        Some(Ok(m)) => self.machine.handle_message(m, std_now()),
-                        Some(Err(ReadError::Frame(e))) => return Error::PeerMisbehaved {
-                            peer: self.peer_name.clone(), step: self.machine.step(), detail: e.to_string() },
-                        Some(Err(e)) => {
-                            #[cfg(feature = "ucx")]
-                            self.ucx.peer_left();
-                            return Error::lost(&self.peer_name, self.machine.step(), e);
-                        }
-                        None => {
-                            #[cfg(feature = "ucx")]
-                            self.ucx.peer_left();
-                            return Error::lost(&self.peer_name, self.machine.step(), "control reader ended");
-                        }
+                    if let Some(e) = self.on_control(m) {
+                        return e;
                     }
                 }
-                c = self.cmds.recv() => match c {
-                    Some(SessionCmd::DataConn(s, peer, stream)) if self.env.local.authenticates() => {
-                        // Bound only once it answers a fresh challenge under the session's
-                        // key: its token alone (seen in the clear) proves nothing.
-                        if stream >= self.machine.data_connection_cap() || Some(&peer) != self.peer_id.as_ref() {
-                            tokio::spawn(refuse(s, ErrorCode::UnknownSession, "data connection does not match this session"));
-                        } else if self.unproven.len() + self.proving.len() >= 2 * crate::config::MAX_DATA_CONNECTIONS {
-                            tokio::spawn(refuse(s, ErrorCode::LimitExceeded, "too many data connections being checked"));
-                        } else if let Some(key) = self.machine.data_key() {
-                            self.challenge(&key, stream, s);
-                        } else {
-                            self.unproven.push((stream, s));
-                        }
+                c = self.cmds.recv() => {
+                    if let Some(e) = self.on_command(c).await {
+                        return e;
                     }
-                    Some(SessionCmd::DataUnproven) => self.proving.retain(|h| !h.is_finished()),
-                    Some(SessionCmd::DataProven(s, stream)) => {
-                        self.proving.retain(|h| !h.is_finished());
-                        let bound = self.data.as_ref().is_some_and(|d| d.conns.iter().any(|c| c.stream == stream))
-                            || (stream == 0 && (self.data.is_some() || self.pending_bind.is_some() || self.parked_data.is_some()))
-                            || self.parked_extra.iter().any(|(i, _)| *i == stream);
-                        if bound {
-                            tokio::spawn(refuse(s, ErrorCode::UnknownSession, "this data connection's stream is already bound"));
-                        } else if stream == 0 {
-                            self.parked_data = Some(s);
-                        } else {
-                            self.parked_extra.push((stream, s));
-                        }
-                    }
-                    Some(SessionCmd::DataConn(s, peer, stream)) if stream > 0 => {
-                        let known = self.parked_extra.iter().any(|(i, _)| *i == stream)
-                            || self.data.as_ref().is_some_and(|d| d.conns.iter().any(|c| c.stream == stream));
-                        if known || stream >= self.machine.data_connection_cap() || Some(&peer) != self.peer_id.as_ref() {
-                            tokio::spawn(refuse(s, ErrorCode::UnknownSession, "data connection does not match this session"));
-                        } else {
-                            self.parked_extra.push((stream, s));
-                        }
-                    }
-                    Some(SessionCmd::DataConn(s, peer, _)) => {
-                        if self.data.is_some() || self.pending_bind.is_some() || self.parked_data.is_some() || Some(&peer) != self.peer_id.as_ref() {
-                            // A second data connection, or one naming another peer: refuse it
-                            // without disturbing this session.
-                            tokio::spawn(refuse(s, ErrorCode::UnknownSession, "data connection does not match this session"));
-                        } else {
-                            self.parked_data = Some(s);
-                        }
-                    }
-                    Some(SessionCmd::Replace(e)) | Some(SessionCmd::Abort(e)) => return e,
-                    Some(SessionCmd::MemChanged) => {
-                        if let Some(p) = &self.peer_id {
-                            let mem = self.env.table.granted_to(p);
-                            self.machine.update_mem(mem, std_now());
-                        }
-                        #[cfg(feature = "ucx")]
-                        self.ucx.grants_changed();
-                        if let Err(e) = self.sync_exports().await {
-                            return e;
-                        }
-                    }
-                    Some(SessionCmd::ShmConn(s, peer)) => {
-                        if self.shm.conn.is_some() || self.shm.parked.is_some() || Some(&peer) != self.peer_id.as_ref() {
-                            drop(s);
-                        } else {
-                            self.shm.parked = Some(s);
-                        }
-                    }
-                    Some(SessionCmd::EndIfMapping { region, after }) => {
-                        if self.shm.exports.contains_key(&region) || self.shm.revoking.contains_key(&region) {
-                            return Error::UnmapTimeout { peer: self.peer_name.clone(), step: Step::Established, region, after };
-                        }
-                    }
-                    Some(SessionCmd::Close) | None => return Error::Closed,
-                },
+                }
                 _ = sleep_until_opt(deadline) => {
                     self.machine.handle_timeout(std_now());
                     #[cfg(feature = "ucx")]
