@@ -1171,11 +1171,15 @@ impl Session {
         );
         let mut conns = Vec::with_capacity(streams.len());
         for (i, (s, rx)) in streams.into_iter().zip(rxs).enumerate() {
-            // Connection 0's writer copies the batches queued on it whose regions are
-            // mapped, in order with its frames.
-            let direct = if i == 0 { same_host.clone() } else { None };
+            // Connection 0's writer runs the batches queued on it that the same-host
+            // backend reaches (regions the peer mapped), in order with its frames.
+            let run_here = if i == 0 {
+                same_host.clone().map(|r| r as Arc<dyn OneSided>)
+            } else {
+                None
+            };
             let out = path.queue_of(i);
-            match self.start_conn(&path, s, i as u32, out, rx, direct) {
+            match self.start_conn(&path, s, i as u32, out, rx, run_here) {
                 Ok(c) => conns.push(c),
                 Err(e) => return self.fail_bind(e),
             }
@@ -1207,7 +1211,7 @@ impl Session {
         stream: u32,
         out: WriterQueue,
         out_rx: WriterRx,
-        direct: Option<Arc<SameHostRoute>>,
+        run_here: Option<Arc<dyn OneSided>>,
     ) -> std::io::Result<DataConn> {
         let ctx = ReaderCtx {
             peer: path.peer.clone(),
@@ -1252,7 +1256,7 @@ impl Session {
                     run_writer(
                         path.peer.clone(),
                         path.pending(),
-                        direct,
+                        run_here,
                         w,
                         out_rx,
                         self.env.config.deadlines.op,
@@ -1277,7 +1281,7 @@ impl Session {
                     writer: tokio::spawn(run_writer(
                         path.peer.clone(),
                         path.pending(),
-                        direct,
+                        run_here,
                         w,
                         out_rx,
                         self.env.config.deadlines.op,
