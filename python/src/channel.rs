@@ -1195,7 +1195,8 @@ impl PyChannel {
         d.set_item("shm_batches", s.shm_batches)?;
         d.set_item("cma_batches", s.cma_batches)?;
         d.set_item("ucx_batches", s.ucx_batches)?;
-        d.set_item("frames_direct", s.frames_direct)?;
+        // The key Python has always read (`Stats::frames_fast_lane` in Rust).
+        d.set_item("frames_direct", s.frames_fast_lane)?;
         let regions = self.open(py)?.regions().len();
         d.set_item("regions", regions)?;
         Ok(d)

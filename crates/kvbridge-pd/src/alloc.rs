@@ -64,7 +64,7 @@ pub struct AllocReq {
     pub pull: bool,
 }
 
-/// One chunk's page in a grant.
+/// One chunk's page in an allocation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Slot {
     /// Page index in the buffer.
@@ -75,7 +75,7 @@ pub struct Slot {
 
 /// A granted allocation.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Grant {
+pub struct Allocation {
     /// The request.
     pub req_id: String,
     /// Its owner.
@@ -155,7 +155,7 @@ pub enum EndReason {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
     /// Send the grant to its owner.
-    Granted(Grant),
+    Granted(Allocation),
     /// Tell the owner its waiting allocation was refused.
     Refused {
         /// The request.
@@ -448,7 +448,7 @@ impl PageAllocator {
         self.serve_waiters(now)
     }
 
-    fn grant(&mut self, now: Instant, req: AllocReq) -> Grant {
+    fn grant(&mut self, now: Instant, req: AllocReq) -> Allocation {
         let no = self.next_no;
         self.next_no += 1;
         let n = req.keys.len();
@@ -489,7 +489,7 @@ impl PageAllocator {
                 complete_when_landed: false,
             },
         );
-        Grant {
+        Allocation {
             req_id: req.req_id,
             owner: req.owner,
             call: req.call,
@@ -1274,7 +1274,7 @@ mod tests {
         }
     }
 
-    fn granted(ev: &[Event]) -> Vec<&Grant> {
+    fn granted(ev: &[Event]) -> Vec<&Allocation> {
         ev.iter()
             .filter_map(|e| match e {
                 Event::Granted(g) => Some(g),

@@ -817,7 +817,7 @@ fn apply(inner: &Arc<Inner>, events: Vec<Event>) {
 
 /// Opens the write windows of a granted push request for its sender (a pull request's
 /// sender writes nothing); returns the previous holders' writes still landing on its pages.
-fn open_windows(inner: &Arc<Inner>, g: &crate::alloc::Grant, peer: &PeerId) -> Landing {
+fn open_windows(inner: &Arc<Inner>, g: &crate::alloc::Allocation, peer: &PeerId) -> Landing {
     if lock(&inner.alloc).is_pull(&g.req_id) != Some(false) {
         return Vec::new();
     }

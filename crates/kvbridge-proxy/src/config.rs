@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::decider::DeciderParams;
-use crate::routing::{CacheAwareParams, KvEventsWeights, RoutingPolicy};
+use crate::routing::decider::DeciderParams;
+use crate::routing::policy::{CacheAwareParams, KvEventsWeights, RoutingPolicy};
 use crate::tokenize::TokenizeMode;
 
 /// How a request crosses from prefill to decode.
@@ -223,7 +223,7 @@ pub struct Config {
     pub disaggregation: DisaggregationConfig,
 }
 
-/// `[disaggregation]`: the decider's thresholds ([`crate::decider`]); unset ones take
+/// `[disaggregation]`: the decider's thresholds ([`crate::routing::decider`]); unset ones take
 /// their defaults.
 #[derive(Debug, Clone, Copy, PartialEq, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -642,7 +642,7 @@ kv_capacity_tokens = 100000
         .unwrap();
         assert_eq!(
             ca.decider().expect("a decider").weights,
-            crate::routing::KvEventsWeights::EQUAL,
+            crate::routing::policy::KvEventsWeights::EQUAL,
             "no cost formula: tokens of work alone"
         );
     }

@@ -10,7 +10,7 @@ use serde::Deserialize;
 
 use crate::cli::ProxyArgs;
 use crate::config::*;
-use crate::routing::{CacheAwareParams, RoutingPolicy};
+use crate::routing::policy::{CacheAwareParams, RoutingPolicy};
 
 /// The TOML file: every key optional, same names as the flags with `_` for `-`.
 #[derive(Debug, Default, Deserialize)]
@@ -105,71 +105,9 @@ impl Config {
             None => FileConfig::default(),
         };
         let d = Config::default();
-        let pick = |n: &str,
-                    cli: Option<f64>,
-                    f: Option<f64>,
-                    dflt: Duration|
-         -> anyhow::Result<Duration> {
-            match cli.or(f) {
-                Some(v) => secs(n, v),
-                None => Ok(dflt),
-            }
-        };
         let flow = a.flow.or(file.flow).unwrap_or(d.flow);
-        let prefillers = if a.prefiller_host.is_some()
-            || a.prefiller_port.is_some()
-            || file.prefillers.is_empty()
-        {
-            let hosts = a
-                .prefiller_host
-                .clone()
-                .unwrap_or_else(|| vec!["localhost".into()]);
-            let ports = a.prefiller_port.clone().unwrap_or_else(|| vec![8100]);
-            expand("prefiller", &hosts, &ports, a.num_prefillers)?
-        } else {
-            file.prefillers
-        };
-        let decoders =
-            if a.decoder_host.is_some() || a.decoder_port.is_some() || file.decoders.is_empty() {
-                let hosts = a
-                    .decoder_host
-                    .clone()
-                    .unwrap_or_else(|| vec!["localhost".into()]);
-                let ports = a.decoder_port.clone().unwrap_or_else(|| vec![8200]);
-                let init = a.decoder_init_port.clone().unwrap_or_else(|| vec![8300]);
-                let alloc = a.decoder_alloc_port.clone().unwrap_or_else(|| vec![8400]);
-                expand("decoder", &hosts, &ports, a.num_decoders)?
-                    .into_iter()
-                    .map(|w| DecoderConfig {
-                        host: w.host,
-                        port: w.port,
-                        init_ports: init.clone(),
-                        alloc_ports: alloc.clone(),
-                        max_requests: 0,
-                        kv_capacity_tokens: 0,
-                    })
-                    .collect()
-            } else {
-                let mut ds = file.decoders;
-                for dc in &mut ds {
-                    if let Some(i) = &a.decoder_init_port {
-                        dc.init_ports = i.clone();
-                    }
-                    if let Some(i) = &a.decoder_alloc_port {
-                        dc.alloc_ports = i.clone();
-                    }
-                }
-                ds
-            };
-        let mut decoders = decoders;
-        for dc in &mut decoders {
-            if let Some(m) = a.decoder_max_requests {
-                dc.max_requests = m;
-            }
-            if let Some(c) = a.decoder_kv_capacity {
-                dc.kv_capacity_tokens = c;
-            }
-        }
+        let prefillers = prefillers_of(a, file.prefillers)?;
+        let decoders = decoders_of(a, file.decoders)?;
         let cfg = Config {
             host: a.host.clone().or(file.host).unwrap_or(d.host),
             port: a.port.or(file.port).unwrap_or(d.port),
@@ -272,52 +210,131 @@ impl Config {
                 .or(file.first_token_on_kv_ready)
                 .unwrap_or(d.first_token_on_kv_ready),
             routing: a.routing.or(file.routing).unwrap_or(d.routing),
-            kv_events: {
-                let mut k = file.kv_events.unwrap_or_default();
-                if let Some(e) = &a.prefiller_kv_events_endpoint {
-                    k.prefiller_endpoints = e.clone();
-                }
-                if let Some(e) = &a.decoder_kv_events_endpoint {
-                    k.decoder_endpoints = e.clone();
-                }
-                if let Some(t) = &a.kv_events_topic {
-                    k.topic = t.clone();
-                }
-                k.prefill_weight = a.kv_events_prefill_weight.unwrap_or(k.prefill_weight);
-                k.load_weight = a.kv_events_load_weight.unwrap_or(k.load_weight);
-                k.tokenize = a.kv_events_tokenize.unwrap_or(k.tokenize);
-                k.tokenize_timeout = a.kv_events_tokenize_timeout.unwrap_or(k.tokenize_timeout);
-                k.tokenize_max_reply_bytes = a
-                    .kv_events_tokenize_max_reply_bytes
-                    .unwrap_or(k.tokenize_max_reply_bytes);
-                k
-            },
-            cache_aware: {
-                let mut c = file.cache_aware.unwrap_or_default();
-                c.cache_threshold = a.cache_threshold.unwrap_or(c.cache_threshold);
-                c.balance_abs_threshold =
-                    a.balance_abs_threshold.unwrap_or(c.balance_abs_threshold);
-                c.balance_rel_threshold =
-                    a.balance_rel_threshold.unwrap_or(c.balance_rel_threshold);
-                c
-            },
-            disaggregation: {
-                let mut g = file.disaggregation.unwrap_or_default();
-                if a.disaggregate_min_uncached_tokens.is_some() {
-                    g.min_uncached_tokens = a.disaggregate_min_uncached_tokens;
-                }
-                if a.disaggregate_decoder_cached_fraction.is_some() {
-                    g.decoder_cached_fraction = a.disaggregate_decoder_cached_fraction;
-                }
-                if a.disaggregate_compare_queues.is_some() {
-                    g.compare_queues = a.disaggregate_compare_queues;
-                }
-                g
-            },
+            kv_events: kv_events_of(a, file.kv_events),
+            cache_aware: cache_aware_of(a, file.cache_aware),
+            disaggregation: disaggregation_of(a, file.disaggregation),
         };
         cfg.validate()?;
         Ok(cfg)
     }
+}
+
+/// A duration in seconds: the flag's `cli`, else the file's `f`, else `dflt`; `n` names it
+/// in the error of a value out of range.
+fn pick(n: &str, cli: Option<f64>, f: Option<f64>, dflt: Duration) -> anyhow::Result<Duration> {
+    match cli.or(f) {
+        Some(v) => secs(n, v),
+        None => Ok(dflt),
+    }
+}
+
+/// The prefillers: from the flags when any is given or the file names none, else the file's.
+fn prefillers_of(a: &ProxyArgs, from_file: Vec<WorkerAddr>) -> anyhow::Result<Vec<WorkerAddr>> {
+    if a.prefiller_host.is_some() || a.prefiller_port.is_some() || from_file.is_empty() {
+        let hosts = a
+            .prefiller_host
+            .clone()
+            .unwrap_or_else(|| vec!["localhost".into()]);
+        let ports = a.prefiller_port.clone().unwrap_or_else(|| vec![8100]);
+        expand("prefiller", &hosts, &ports, a.num_prefillers)
+    } else {
+        Ok(from_file)
+    }
+}
+
+/// The decoders: from the flags when any address is given or the file names none, else the
+/// file's with the flags' KV ports; the flags' admission limits apply to either.
+fn decoders_of(a: &ProxyArgs, from_file: Vec<DecoderConfig>) -> anyhow::Result<Vec<DecoderConfig>> {
+    let decoders = if a.decoder_host.is_some() || a.decoder_port.is_some() || from_file.is_empty() {
+        let hosts = a
+            .decoder_host
+            .clone()
+            .unwrap_or_else(|| vec!["localhost".into()]);
+        let ports = a.decoder_port.clone().unwrap_or_else(|| vec![8200]);
+        let init = a.decoder_init_port.clone().unwrap_or_else(|| vec![8300]);
+        let alloc = a.decoder_alloc_port.clone().unwrap_or_else(|| vec![8400]);
+        expand("decoder", &hosts, &ports, a.num_decoders)?
+            .into_iter()
+            .map(|w| DecoderConfig {
+                host: w.host,
+                port: w.port,
+                init_ports: init.clone(),
+                alloc_ports: alloc.clone(),
+                max_requests: 0,
+                kv_capacity_tokens: 0,
+            })
+            .collect()
+    } else {
+        let mut ds = from_file;
+        for dc in &mut ds {
+            if let Some(i) = &a.decoder_init_port {
+                dc.init_ports = i.clone();
+            }
+            if let Some(i) = &a.decoder_alloc_port {
+                dc.alloc_ports = i.clone();
+            }
+        }
+        ds
+    };
+    let mut decoders = decoders;
+    for dc in &mut decoders {
+        if let Some(m) = a.decoder_max_requests {
+            dc.max_requests = m;
+        }
+        if let Some(c) = a.decoder_kv_capacity {
+            dc.kv_capacity_tokens = c;
+        }
+    }
+    Ok(decoders)
+}
+
+/// `[kv_events]` of the file, each flag given overriding its field.
+fn kv_events_of(a: &ProxyArgs, from_file: Option<KvEventsConfig>) -> KvEventsConfig {
+    let mut k = from_file.unwrap_or_default();
+    if let Some(e) = &a.prefiller_kv_events_endpoint {
+        k.prefiller_endpoints = e.clone();
+    }
+    if let Some(e) = &a.decoder_kv_events_endpoint {
+        k.decoder_endpoints = e.clone();
+    }
+    if let Some(t) = &a.kv_events_topic {
+        k.topic = t.clone();
+    }
+    k.prefill_weight = a.kv_events_prefill_weight.unwrap_or(k.prefill_weight);
+    k.load_weight = a.kv_events_load_weight.unwrap_or(k.load_weight);
+    k.tokenize = a.kv_events_tokenize.unwrap_or(k.tokenize);
+    k.tokenize_timeout = a.kv_events_tokenize_timeout.unwrap_or(k.tokenize_timeout);
+    k.tokenize_max_reply_bytes = a
+        .kv_events_tokenize_max_reply_bytes
+        .unwrap_or(k.tokenize_max_reply_bytes);
+    k
+}
+
+/// `[cache_aware]` of the file, each flag given overriding its field.
+fn cache_aware_of(a: &ProxyArgs, from_file: Option<CacheAwareParams>) -> CacheAwareParams {
+    let mut c = from_file.unwrap_or_default();
+    c.cache_threshold = a.cache_threshold.unwrap_or(c.cache_threshold);
+    c.balance_abs_threshold = a.balance_abs_threshold.unwrap_or(c.balance_abs_threshold);
+    c.balance_rel_threshold = a.balance_rel_threshold.unwrap_or(c.balance_rel_threshold);
+    c
+}
+
+/// `[disaggregation]` of the file, each flag given overriding its field.
+fn disaggregation_of(
+    a: &ProxyArgs,
+    from_file: Option<DisaggregationConfig>,
+) -> DisaggregationConfig {
+    let mut g = from_file.unwrap_or_default();
+    if a.disaggregate_min_uncached_tokens.is_some() {
+        g.min_uncached_tokens = a.disaggregate_min_uncached_tokens;
+    }
+    if a.disaggregate_decoder_cached_fraction.is_some() {
+        g.decoder_cached_fraction = a.disaggregate_decoder_cached_fraction;
+    }
+    if a.disaggregate_compare_queues.is_some() {
+        g.compare_queues = a.disaggregate_compare_queues;
+    }
+    g
 }
 
 fn load_file(p: &Path) -> anyhow::Result<FileConfig> {

@@ -28,7 +28,7 @@ use tokio::net::{TcpStream, UnixStream};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
-use crate::kv_index::{Applied, KvIndex};
+use crate::routing::kv_index::{Applied, KvIndex};
 
 /// Bounds of a subscriber connection.
 #[derive(Debug, Clone, Copy)]

@@ -212,6 +212,12 @@ impl Metrics {
                 self.kv_outcomes[i].load(Relaxed)
             );
         }
+        self.render_counters(out);
+        self.render_durations(out);
+    }
+
+    /// The process-wide counters of refusals and retries, one `_total` line each.
+    fn render_counters(&self, out: &mut String) {
         let counters = [
             (
                 "kv_outcomes_unknown_total",
@@ -266,6 +272,10 @@ impl Metrics {
                 v.load(Relaxed)
             );
         }
+    }
+
+    /// The request phases' duration histograms.
+    fn render_durations(&self, out: &mut String) {
         self.ttft.render(
             out,
             "kvbridge_proxy_ttft_seconds",

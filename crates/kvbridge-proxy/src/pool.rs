@@ -1,5 +1,5 @@
 //! Worker pools: the choice among admitting workers (by the pool's routing policy,
-//! [`crate::router`]), per-decoder admission, and health state.
+//! [`crate::routing::pool_router`]), per-decoder admission, and health state.
 
 use std::sync::atomic::{
     AtomicBool, AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Ordering::Relaxed,
@@ -8,11 +8,12 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
 
-use crate::routed_prefixes::RoutedPrompt;
-use crate::router::{Chosen, PoolRouter, PromptKey};
-use crate::routing::Candidate;
+use crate::routing::policy::Candidate;
+use crate::routing::pool_router::{Chosen, PoolRouter};
+use crate::routing::prompt_key::PromptKey;
+use crate::routing::routed_prefixes::RoutedPrompt;
 
-pub use crate::routing::Role;
+pub use crate::routing::policy::Role;
 
 /// One worker and its live state.
 #[derive(Debug)]
@@ -59,7 +60,7 @@ impl Worker {
     }
     /// Prompt tokens this worker has to prefill for the requests on it now: each one's
     /// estimated prompt tokens less the leading tokens the policy knew it held when it was
-    /// chosen (the routing load, [`crate::routing`]).
+    /// chosen (the routing load, [`crate::routing::policy`]).
     pub fn pending_prefill(&self) -> u64 {
         self.pending_prefill.load(Relaxed)
     }
@@ -323,7 +324,7 @@ impl Pool {
         let cands = self.admitting(tokens, &[], self.rr.load(Relaxed)).cands;
         let chosen = match prompt {
             Some(p) => self.router.score(&cands, p).0,
-            None => crate::routing::least_loaded(&cands).map(|index| Chosen {
+            None => crate::routing::policy::least_loaded(&cands).map(|index| Chosen {
                 index,
                 cached_tokens: 0,
             }),
@@ -761,12 +762,14 @@ mod tests {
 
     /// A kv-events pool of 3 workers noting what it routes, every worker having reported a
     /// 32-token system prompt (blocks of 16), and its index.
-    fn kv_events_pool_with_system_prompt() -> (Arc<Pool>, Arc<crate::kv_index::KvIndex>) {
-        let index = Arc::new(crate::kv_index::KvIndex::new(3, 1000));
+    fn kv_events_pool_with_system_prompt() -> (Arc<Pool>, Arc<crate::routing::kv_index::KvIndex>) {
+        let index = Arc::new(crate::routing::kv_index::KvIndex::new(3, 1000));
         let p = routed_pool(PoolRouter {
             policy: crate::routing::RoutingPolicy::KvEvents,
             index: Some(index.clone()),
-            routed: Some(Arc::new(crate::routed_prefixes::RoutedPrefixes::new(3))),
+            routed: Some(Arc::new(
+                crate::routing::routed_prefixes::RoutedPrefixes::new(3),
+            )),
             ..Default::default()
         });
         let system: Vec<u32> = (0..32).collect();
@@ -806,13 +809,13 @@ mod tests {
 
     #[test]
     fn kv_events_routes_to_the_holder_and_forgets_an_ejected_worker() {
-        use crate::kv_index::KvIndex;
+        use crate::routing::kv_index::KvIndex;
         let index = Arc::new(KvIndex::new(3, 100));
         let p = routed_pool(PoolRouter {
             policy: crate::routing::RoutingPolicy::KvEvents,
             index: Some(index.clone()),
             // The figures below weigh a token to prefill as a token of load.
-            weights: crate::routing::KvEventsWeights::EQUAL,
+            weights: crate::routing::policy::KvEventsWeights::EQUAL,
             ..Default::default()
         });
         let tokens: Vec<u32> = (0..64).collect();
@@ -839,13 +842,13 @@ mod tests {
 
     #[test]
     fn a_held_prefix_is_not_load_so_its_holder_keeps_the_requests_that_share_it() {
-        use crate::kv_index::KvIndex;
+        use crate::routing::kv_index::KvIndex;
         let index = Arc::new(KvIndex::new(3, 1000));
         let p = routed_pool(PoolRouter {
             policy: crate::routing::RoutingPolicy::KvEvents,
             index: Some(index.clone()),
             // The figures below weigh a token to prefill as a token of load.
-            weights: crate::routing::KvEventsWeights::EQUAL,
+            weights: crate::routing::policy::KvEventsWeights::EQUAL,
             ..Default::default()
         });
         // Worker 1 holds the first 960 tokens of a 1000-token prompt.
@@ -874,14 +877,14 @@ mod tests {
 
     #[test]
     fn a_peek_is_the_next_pick_and_pending_prefill_is_the_prompts_uncached_tokens() {
-        use crate::kv_index::KvIndex;
+        use crate::routing::kv_index::KvIndex;
         use crate::routing::RoutingPolicy::KvEvents;
         let index = Arc::new(KvIndex::new(3, 1000));
         let p = routed_pool(PoolRouter {
             policy: KvEvents,
             index: Some(index.clone()),
             // The figures below weigh a token to prefill as a token of load.
-            weights: crate::routing::KvEventsWeights::EQUAL,
+            weights: crate::routing::policy::KvEventsWeights::EQUAL,
             ..Default::default()
         });
         let tokens: Vec<u32> = (0..1000).collect();
@@ -982,7 +985,7 @@ mod tests {
 
     #[test]
     fn a_cold_worker_is_counted_as_holding_the_prefix_every_prompt_shares() {
-        use crate::kv_index::KvIndex;
+        use crate::routing::kv_index::KvIndex;
         use crate::routing::RoutingPolicy::KvEvents;
         let index = Arc::new(KvIndex::new(3, 1000));
         let p = routed_pool(PoolRouter {
@@ -1021,7 +1024,7 @@ mod tests {
     fn cache_aware_sends_a_repeated_prefix_to_the_same_worker() {
         let p = routed_pool(PoolRouter {
             policy: crate::routing::RoutingPolicy::CacheAware,
-            trees: Some(crate::prefix_tree::PrefixTrees::new(3, 1000)),
+            trees: Some(crate::routing::prefix_tree::PrefixTrees::new(3, 1000)),
             ..Default::default()
         });
         let doc =

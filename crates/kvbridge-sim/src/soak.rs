@@ -922,6 +922,45 @@ impl Supervisor {
         false
     }
 
+    /// Quiescence: every page back within `wait` (KV a killed proxy never asked for is
+    /// unclaimed until the KV TTL), polling; when not, the decoders' states are an error.
+    async fn quiesce(&mut self, wait: Duration) -> bool {
+        let deadline = Instant::now() + wait;
+        let quiesced = loop {
+            self.poll().await;
+            let (_, idle) = self.pages();
+            if idle {
+                break true;
+            }
+            if Instant::now() >= deadline {
+                break false;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        };
+        if !quiesced {
+            let states: Vec<String> = self
+                .decoders()
+                .map(|p| match &p.last {
+                    Some(v) => format!(
+                        "{}: {}/{} pages free, {} in flight, {} announced, {} leaked",
+                        p.name,
+                        v["pages_free"],
+                        v["pages_total"],
+                        v["in_flight"],
+                        v["announced_pending"],
+                        v["pages_leaked"]
+                    ),
+                    None => format!("{}: no counters", p.name),
+                })
+                .collect();
+            self.error(format!(
+                "decoders not idle with every page free {wait:?} after the load stopped: {}",
+                states.join("; ")
+            ));
+        }
+        quiesced
+    }
+
     fn decoders(&self) -> impl Iterator<Item = &Proc> {
         self.procs.iter().filter(|p| p.kind == Kind::Decode)
     }
@@ -1271,21 +1310,67 @@ pub async fn run(o: SoakOptions) -> anyhow::Result<SoakSummary> {
         memory_frozen: false,
     };
     let t0 = Instant::now();
-    let end = t0 + o.duration;
     let load = Arc::new(Load {
         client: client.clone(),
         proxy_url: proxy_url.clone(),
         colocated_url: format!("http://{}", colocated.http_addr()),
         next: AtomicU64::new(0),
-        end,
+        end: t0 + o.duration,
         opts: o.clone(),
         model_name: model.name.clone(),
     });
     let tasks: Vec<_> = (0..o.concurrency.max(1))
         .map(|_| tokio::spawn(load_task(load.clone())))
         .collect();
+    supervise(&o, &mut sup, &load, &tasks, t0).await;
+    let mut tally = Tally::default();
+    for t in tasks {
+        match t.await {
+            Ok(t) => tally.merge(t),
+            Err(e) => tally.error(format!("a workload task failed: {e}")),
+        }
+    }
+    let wall = t0.elapsed().as_secs_f64();
+    if o.progress {
+        eprintln!();
+    }
+    // One last reading with the workload just ended, then memory is frozen.
+    sup.poll().await;
+    sup.memory_frozen = true;
+    let recovery_ok = recover(&load, o.request_timeout, &mut tally).await;
+    let quiesced = sup.quiesce(o.kv_ttl + Duration::from_secs(15)).await;
+    let kv_events = match o.routing {
+        RoutingPolicy::KvEvents => Some(kv_events_counts(&client, &proxy_url).await),
+        _ => None,
+    };
+    let after = AfterLoad {
+        wall,
+        recovery_ok,
+        quiesced,
+        kv_events,
+    };
+    let summary = summarize(&o, &model, &sup, tally, after);
+    for p in &mut sup.procs {
+        if let Some(mut c) = p.child.take() {
+            let _ = c.start_kill();
+            let _ = tokio::time::timeout(Duration::from_secs(5), c.wait()).await;
+        }
+    }
+    colocated.shutdown().await;
+    Ok(summary)
+}
 
-    // The supervisor: polls, kills, restarts, until the end time.
+/// The supervisor, until the end time or the workload's end: polls the processes, and
+/// under `--chaos` kills each in turn (in a shuffled order) and restarts it after a random
+/// downtime. A process still down at the end is restarted.
+async fn supervise(
+    o: &SoakOptions,
+    sup: &mut Supervisor,
+    load: &Load,
+    tasks: &[tokio::task::JoinHandle<Tally>],
+    t0: Instant,
+) {
+    let end = load.end;
     let warm_at = t0
         + (o.duration / 5)
             .max(Duration::from_secs(2))
@@ -1307,17 +1392,7 @@ pub async fn run(o: SoakOptions) -> anyhow::Result<SoakSummary> {
             sup.poll().await;
             next_poll = now + POLL_EVERY;
             if o.progress {
-                let done = now.duration_since(t0).as_secs_f64() / o.duration.as_secs_f64();
-                let w = (30.0 * done.min(1.0)) as usize;
-                eprint!(
-                    "\r[{}{}] {:.0}s  requests {}  kills {}",
-                    "#".repeat(w),
-                    " ".repeat(30 - w),
-                    now.duration_since(t0).as_secs_f64(),
-                    load.next.load(Relaxed).min(MAX_REQUESTS),
-                    sup.kills
-                );
-                let _ = std::io::stderr().flush();
+                show_progress(o, t0, now, load, sup.kills);
             }
         }
         if let Some((i, at)) = down {
@@ -1356,29 +1431,33 @@ pub async fn run(o: SoakOptions) -> anyhow::Result<SoakSummary> {
             }
         }
     }
-    let mut tally = Tally::default();
-    for t in tasks {
-        match t.await {
-            Ok(t) => tally.merge(t),
-            Err(e) => tally.error(format!("a workload task failed: {e}")),
-        }
-    }
-    let wall = t0.elapsed().as_secs_f64();
-    if o.progress {
-        eprintln!();
-    }
-    // One last reading with the workload just ended, then memory is frozen.
-    sup.poll().await;
-    sup.memory_frozen = true;
+}
 
-    // Recovery: with every process up again, requests succeed (the proxy re-admits a
-    // restarted worker after its health checks pass, so allow a few attempts).
-    let recovery_deadline = Instant::now() + o.request_timeout;
+/// The progress bar on stderr: time gone of `o.duration`, requests issued, kills.
+fn show_progress(o: &SoakOptions, t0: Instant, now: Instant, load: &Load, kills: u64) {
+    let done = now.duration_since(t0).as_secs_f64() / o.duration.as_secs_f64();
+    let w = (30.0 * done.min(1.0)) as usize;
+    eprint!(
+        "\r[{}{}] {:.0}s  requests {}  kills {}",
+        "#".repeat(w),
+        " ".repeat(30 - w),
+        now.duration_since(t0).as_secs_f64(),
+        load.next.load(Relaxed).min(MAX_REQUESTS),
+        kills
+    );
+    let _ = std::io::stderr().flush();
+}
+
+/// Recovery: with every process up again, requests succeed (the proxy re-admits a
+/// restarted worker after its health checks pass, so allow a few attempts, within
+/// `timeout`). How many did; hangs and compared outputs go into `tally`.
+async fn recover(load: &Load, timeout: Duration, tally: &mut Tally) -> u64 {
+    let recovery_deadline = Instant::now() + timeout;
     let mut recovery_ok = 0;
     let mut i = MAX_REQUESTS;
     while recovery_ok < RECOVERY_REQUESTS && Instant::now() < recovery_deadline {
         let mut t = Tally::default();
-        match one_request(&load, i, &mut t).await {
+        match one_request(load, i, &mut t).await {
             Ok(()) => recovery_ok += 1,
             Err(ClientError::Timeout { .. }) => {
                 tally.hangs += 1;
@@ -1390,58 +1469,51 @@ pub async fn run(o: SoakOptions) -> anyhow::Result<SoakSummary> {
         tally.mismatched += t.mismatched;
         i += 1;
     }
+    recovery_ok
+}
 
-    // Quiescence: every page back within the KV TTL (KV a killed proxy never asked for is
-    // unclaimed until then).
-    let quiesce_deadline = Instant::now() + o.kv_ttl + Duration::from_secs(15);
-    let quiesced = loop {
-        sup.poll().await;
-        let (_, idle) = sup.pages();
-        if idle {
-            break true;
-        }
-        if Instant::now() >= quiesce_deadline {
-            break false;
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
+/// The proxy's KV-events batches applied, and the views it dropped (gaps, restarts,
+/// disconnects, undecodable batches), from its `/metrics`.
+async fn kv_events_counts(client: &Client, proxy_url: &str) -> (u64, u64) {
+    let text = client
+        .get_text(&format!("{proxy_url}/metrics"), POLL_EVERY)
+        .await
+        .unwrap_or_default();
+    let total = |name: &str| {
+        let metric = format!("kvbridge_proxy_kv_events_{name}_total");
+        crate::proxy_metrics::sum(&text, &metric, &[]) as u64
     };
+    let dropped = ["gaps", "restarts", "disconnects", "bad"].map(total);
+    (total("batches"), dropped.iter().sum())
+}
+
+/// What the run found once its workload ended.
+struct AfterLoad {
+    /// Seconds from the start to the workload's end.
+    wall: f64,
+    /// Recovery requests that succeeded ([`recover`]).
+    recovery_ok: u64,
+    /// Every page came back ([`Supervisor::quiesce`]).
+    quiesced: bool,
+    /// Under `kv-events` routing, the proxy's batches applied and views dropped.
+    kv_events: Option<(u64, u64)>,
+}
+
+/// The run's summary from what the workload, the supervisor and the checks after it saw.
+fn summarize(
+    o: &SoakOptions,
+    model: &Model,
+    sup: &Supervisor,
+    tally: Tally,
+    after: AfterLoad,
+) -> SoakSummary {
+    let AfterLoad {
+        wall,
+        recovery_ok,
+        quiesced,
+        kv_events,
+    } = after;
     let (pages_leaked, _) = sup.pages();
-    let (kv_events_batches, kv_events_views_dropped) = if o.routing == RoutingPolicy::KvEvents {
-        let text = client
-            .get_text(&format!("{proxy_url}/metrics"), POLL_EVERY)
-            .await
-            .unwrap_or_default();
-        let total = |name: &str| {
-            let metric = format!("kvbridge_proxy_kv_events_{name}_total");
-            crate::proxy_metrics::sum(&text, &metric, &[]) as u64
-        };
-        let dropped = ["gaps", "restarts", "disconnects", "bad"].map(total);
-        (Some(total("batches")), Some(dropped.iter().sum()))
-    } else {
-        (None, None)
-    };
-    if !quiesced {
-        let states: Vec<String> = sup
-            .decoders()
-            .map(|p| match &p.last {
-                Some(v) => format!(
-                    "{}: {}/{} pages free, {} in flight, {} announced, {} leaked",
-                    p.name,
-                    v["pages_free"],
-                    v["pages_total"],
-                    v["in_flight"],
-                    v["announced_pending"],
-                    v["pages_leaked"]
-                ),
-                None => format!("{}: no counters", p.name),
-            })
-            .collect();
-        sup.error(format!(
-            "decoders not idle with every page free {:?} after the load stopped: {}",
-            o.kv_ttl + Duration::from_secs(15),
-            states.join("; ")
-        ));
-    }
     let kv_mismatches = sup
         .procs
         .iter()
@@ -1458,60 +1530,60 @@ pub async fn run(o: SoakOptions) -> anyhow::Result<SoakSummary> {
     let mut errors = tally.errors.clone();
     errors.extend(sup.errors.iter().cloned());
     errors.truncate(8);
-    let summary =
-        SoakSummary {
-            duration_s: wall,
-            requests: tally.requests,
-            ok: tally.ok,
-            failed: tally.requests - tally.ok - tally.hangs,
-            hangs: tally.hangs,
-            failures_by_kind: tally.failures,
-            failure_examples: tally.examples,
-            kills: sup.kills,
-            restarts: sup.restarts,
-            restart_failures: sup.restart_failures,
-            slowest_exit_ms: sup.slowest_exit.as_millis() as u64,
-            kv_mismatches,
-            outputs_compared: tally.compared,
-            outputs_mismatched: tally.mismatched,
-            pages_leaked,
-            quiesced,
-            kv_events_batches,
-            kv_events_views_dropped,
-            recovery_ok,
-            addresses,
-            memory,
-            memory_flat,
-            errors,
-            commit: BUILD_COMMIT.to_string(),
-            environment: environment(),
-            setup: format!(
-            "{}P{}D as processes, {} for {}, chaos {} (every ~{:.1} s{}), {} in flight, model {}, \
-             routing {}",
-            o.prefillers,
-            o.decoders,
-            model.spec.layout,
-            if o.max_requests < MAX_REQUESTS {
-                format!("{} requests", o.max_requests)
-            } else {
-                format!("{:.0} s", o.duration.as_secs_f64())
-            },
-            if o.chaos { "on" } else { "off" },
-            o.chaos_interval.as_secs_f64(),
-            if o.chaos_proxy { ", proxy included" } else { "" },
-            o.concurrency,
-            model.name,
-            o.routing.as_str()
-        ),
-        };
-    for p in &mut sup.procs {
-        if let Some(mut c) = p.child.take() {
-            let _ = c.start_kill();
-            let _ = tokio::time::timeout(Duration::from_secs(5), c.wait()).await;
-        }
+    SoakSummary {
+        duration_s: wall,
+        requests: tally.requests,
+        ok: tally.ok,
+        failed: tally.requests - tally.ok - tally.hangs,
+        hangs: tally.hangs,
+        failures_by_kind: tally.failures,
+        failure_examples: tally.examples,
+        kills: sup.kills,
+        restarts: sup.restarts,
+        restart_failures: sup.restart_failures,
+        slowest_exit_ms: sup.slowest_exit.as_millis() as u64,
+        kv_mismatches,
+        outputs_compared: tally.compared,
+        outputs_mismatched: tally.mismatched,
+        pages_leaked,
+        quiesced,
+        kv_events_batches: kv_events.map(|(batches, _)| batches),
+        kv_events_views_dropped: kv_events.map(|(_, dropped)| dropped),
+        recovery_ok,
+        addresses,
+        memory,
+        memory_flat,
+        errors,
+        commit: BUILD_COMMIT.to_string(),
+        environment: environment(),
+        setup: setup_line(o, model),
     }
-    colocated.shutdown().await;
-    Ok(summary)
+}
+
+/// The summary's one-line description of the run's setup.
+fn setup_line(o: &SoakOptions, model: &Model) -> String {
+    format!(
+        "{}P{}D as processes, {} for {}, chaos {} (every ~{:.1} s{}), {} in flight, model {}, \
+         routing {}",
+        o.prefillers,
+        o.decoders,
+        model.spec.layout,
+        if o.max_requests < MAX_REQUESTS {
+            format!("{} requests", o.max_requests)
+        } else {
+            format!("{:.0} s", o.duration.as_secs_f64())
+        },
+        if o.chaos { "on" } else { "off" },
+        o.chaos_interval.as_secs_f64(),
+        if o.chaos_proxy {
+            ", proxy included"
+        } else {
+            ""
+        },
+        o.concurrency,
+        model.name,
+        o.routing.as_str()
+    )
 }
 
 /// Parses a duration such as `90`, `90s`, `30m` or `1h`.

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use kvbridge::proto::kv_events::{BlockHash, BlockRemoved, BlockStored, KvEvent, KvEventBatch};
 use kvbridge_proxy::kv_events_sub::{self, SubLimits, SubStats};
-use kvbridge_proxy::kv_index::KvIndex;
+use kvbridge_proxy::routing::kv_index::KvIndex;
 use kvbridge_sim::kv_events_pub::{KvEventsPublisher, PubLimits};
 
 const T: Duration = Duration::from_secs(10);
@@ -340,7 +340,7 @@ async fn our_pub_to_pyzmq_sub() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kv_events_pool_renders_its_counters() {
     use kvbridge_proxy::pool::{Pool, Role};
-    use kvbridge_proxy::router::PoolRouter;
+    use kvbridge_proxy::routing::pool_router::PoolRouter;
     let p = publisher("127.0.0.1:0").await;
     let index = Arc::new(KvIndex::new(1, 1000));
     let subs = kv_events_sub::spawn(

@@ -13,7 +13,7 @@ use kvbridge::proto::kv_events::{
 use kvbridge::proto::zmtp::{frame, PullEvent, PullLimits, PullSession};
 use kvbridge_pd::{Dtype, KvLayout, KvSpec};
 use kvbridge_proxy::kv_events_sub::{self, SubLimits, SubStats};
-use kvbridge_proxy::kv_index::KvIndex;
+use kvbridge_proxy::routing::kv_index::KvIndex;
 use kvbridge_sim::client::Client;
 use kvbridge_sim::cost::CostModel;
 use kvbridge_sim::engine::{self, EngineConfig, Role, RunningEngine};

@@ -180,43 +180,87 @@ impl std::fmt::Debug for Channel {
     }
 }
 
+/// The configured secret and the peers' keys (`ChannelConfig::peer_keys`, else the file
+/// `KVBRIDGE_PEER_KEYS` names), each refused when shorter than [`Secret::MIN_LEN`].
+fn checked_keys(config: &ChannelConfig) -> Result<Option<Keyring>> {
+    if let Some(s) = &config.secret {
+        if s.len() < Secret::MIN_LEN {
+            return Err(Error::Local(format!(
+                "the shared secret (ChannelConfig::secret / KVBRIDGE_SECRET) is {} bytes; \
+                 at least {} are required (e.g. `openssl rand -hex 16`)",
+                s.len(),
+                Secret::MIN_LEN
+            )));
+        }
+    }
+    let peer_keys = match (&config.peer_keys, std::env::var_os("KVBRIDGE_PEER_KEYS")) {
+        (Some(k), _) => Some(k.clone()),
+        (None, Some(path)) => {
+            let text = std::fs::read_to_string(&path)
+                .map_err(|e| Error::Local(format!("KVBRIDGE_PEER_KEYS={path:?}: {e}")))?;
+            Some(
+                Keyring::parse(&text)
+                    .map_err(|e| Error::Local(format!("KVBRIDGE_PEER_KEYS={path:?}: {e}")))?,
+            )
+        }
+        (None, None) => None,
+    };
+    if let Some((id, len)) = peer_keys.as_ref().and_then(Keyring::shortest) {
+        if len < Secret::MIN_LEN {
+            return Err(Error::Local(format!(
+                "the key of peer {id} (ChannelConfig::peer_keys / KVBRIDGE_PEER_KEYS) is \
+                 {len} bytes; at least {} are required",
+                Secret::MIN_LEN
+            )));
+        }
+    }
+    Ok(peer_keys)
+}
+
+/// The unix socket a listener offers shared memory on, and its offer: on real sockets,
+/// unless TCP is forced or test hooks hold the batches this listener applies (they exist on
+/// TCP only), and where the socket binds.
+fn shm_listener(
+    listener: Option<&Listener>,
+    config: &ChannelConfig,
+) -> Option<(tokio::net::UnixListener, kvbridge_proto::msg::ShmOffer)> {
+    let tcp_hooks =
+        config.hooks.write_apply_delay.is_some() || config.hooks.read_serve_delay.is_some();
+    match (listener, config.transport, crate::transport::shm::host_id()) {
+        (Some(Listener::Tokio(_)), t, Some(host))
+            if matches!(
+                t,
+                crate::config::Transport::Auto | crate::config::Transport::Shm
+            ) && !tcp_hooks =>
+        {
+            let name = crate::transport::shm::socket_name();
+            match crate::transport::shm::bind(&name) {
+                Ok(l) => Some((
+                    l,
+                    kvbridge_proto::msg::ShmOffer {
+                        host,
+                        pid: std::process::id(),
+                        socket: name,
+                        cma: config.cma,
+                    },
+                )),
+                Err(e) => {
+                    tracing::warn!(error = %e, "no unix socket for shared memory; TCP only");
+                    None
+                }
+            }
+        }
+        _ => None,
+    }
+}
+
 impl Channel {
     /// Creates a channel; binds its listener first when `listen_addr` is set, so that
     /// [`Channel::local_addr`] is valid as soon as this returns.
     pub async fn new(config: ChannelConfig) -> Result<Channel> {
         let peer_id = PeerId::new(config.peer_id.clone())
             .ok_or_else(|| Error::Local(format!("invalid peer id {:?}", config.peer_id)))?;
-        if let Some(s) = &config.secret {
-            if s.len() < Secret::MIN_LEN {
-                return Err(Error::Local(format!(
-                    "the shared secret (ChannelConfig::secret / KVBRIDGE_SECRET) is {} bytes; \
-                     at least {} are required (e.g. `openssl rand -hex 16`)",
-                    s.len(),
-                    Secret::MIN_LEN
-                )));
-            }
-        }
-        let peer_keys = match (&config.peer_keys, std::env::var_os("KVBRIDGE_PEER_KEYS")) {
-            (Some(k), _) => Some(k.clone()),
-            (None, Some(path)) => {
-                let text = std::fs::read_to_string(&path)
-                    .map_err(|e| Error::Local(format!("KVBRIDGE_PEER_KEYS={path:?}: {e}")))?;
-                Some(
-                    Keyring::parse(&text)
-                        .map_err(|e| Error::Local(format!("KVBRIDGE_PEER_KEYS={path:?}: {e}")))?,
-                )
-            }
-            (None, None) => None,
-        };
-        if let Some((id, len)) = peer_keys.as_ref().and_then(Keyring::shortest) {
-            if len < Secret::MIN_LEN {
-                return Err(Error::Local(format!(
-                    "the key of peer {id} (ChannelConfig::peer_keys / KVBRIDGE_PEER_KEYS) is \
-                     {len} bytes; at least {} are required",
-                    Secret::MIN_LEN
-                )));
-            }
-        }
+        let peer_keys = checked_keys(&config)?;
         #[cfg(not(feature = "ucx"))]
         if config.transport == crate::config::Transport::Ucx {
             return Err(Error::Local(
@@ -263,40 +307,7 @@ impl Channel {
         let (notif_tx, notif_rx) = mpsc::channel(4096);
         let table = Arc::new(RegionTable::default());
         let (events, _) = tokio::sync::broadcast::channel(1024);
-        // Shared memory is offered by a listener on real sockets unless TCP is forced, or
-        // test hooks hold the batches this listener applies (they exist on TCP only).
-        let tcp_hooks =
-            config.hooks.write_apply_delay.is_some() || config.hooks.read_serve_delay.is_some();
-        let shm = match (
-            &listener,
-            config.transport,
-            crate::transport::shm::host_id(),
-        ) {
-            (Some(Listener::Tokio(_)), t, Some(host))
-                if matches!(
-                    t,
-                    crate::config::Transport::Auto | crate::config::Transport::Shm
-                ) && !tcp_hooks =>
-            {
-                let name = crate::transport::shm::socket_name();
-                match crate::transport::shm::bind(&name) {
-                    Ok(l) => Some((
-                        l,
-                        kvbridge_proto::msg::ShmOffer {
-                            host,
-                            pid: std::process::id(),
-                            socket: name,
-                            cma: config.cma,
-                        },
-                    )),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "no unix socket for shared memory; TCP only");
-                        None
-                    }
-                }
-            }
-            _ => None,
-        };
+        let shm = shm_listener(listener.as_ref(), &config);
         let shm_socket = shm.as_ref().map(|(_, o)| o.socket.clone());
         let env = SessionEnv {
             local: local.clone(),
@@ -307,8 +318,8 @@ impl Channel {
             shm_offer: shm.as_ref().map(|(_, o)| o.clone()),
             tls: tls.clone(),
             in_flight_refused: Arc::new(AtomicU64::new(0)),
-            direct: Default::default(),
-            frames_direct: Default::default(),
+            direct_copies: Default::default(),
+            frames_fast_lane: Default::default(),
             #[cfg(feature = "ucx")]
             ucx: ucx.clone(),
         };

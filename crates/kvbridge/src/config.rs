@@ -1,6 +1,7 @@
 //! Channel configuration.
 
 use crate::net::Net;
+use crate::test_hooks::TestHooks;
 use kvbridge_proto::auth::{Keyring, Secret};
 use kvbridge_proto::frame::DEFAULT_MAX_FRAME_LEN;
 use kvbridge_proto::msg::Compat;
@@ -124,31 +125,6 @@ impl Default for Limits {
             max_shm_mapped_per_peer: DEFAULT_MAX_SHM_MAPPED_PER_PEER,
         }
     }
-}
-
-/// Injected delays for tests that reproduce orderings (the seed's race, stalled peers).
-/// Production code leaves them at their default (no delay).
-#[derive(Debug, Clone, Default)]
-pub struct TestHooks {
-    /// Listener: delay between receiving a data connection and binding it to its session.
-    pub listener_bind_delay: Option<Duration>,
-    /// Initiator: delay between opening its data connection and binding it to its session.
-    pub initiator_bind_delay: Option<Duration>,
-    /// Listener: delay before answering a `Hello` (a slow listener mid-handshake).
-    pub listener_welcome_delay: Option<Duration>,
-    /// Delay before applying each incoming write batch (writes held in flight). This and
-    /// `read_serve_delay` act on batches the listener applies, i.e. over TCP: a listener
-    /// with either set offers no shared memory.
-    pub write_apply_delay: Option<Duration>,
-    /// Delay before serving each incoming read batch (reads held in flight).
-    pub read_serve_delay: Option<Duration>,
-    /// Initiator: the cross-memory-attach probe fails with `EPERM`, as where the kernel
-    /// does not permit it (tests the fallback to TCP on hosts where it would work).
-    pub cma_deny: bool,
-    /// The UCX transports of this channel's worker, instead of what `UCX_TLS` says (tests
-    /// run UCX over tcp and over shared memory side by side in one process).
-    #[cfg(feature = "ucx")]
-    pub ucx_tls: Option<String>,
 }
 
 /// Which transport carries the bytes of a session.
@@ -344,8 +320,13 @@ pub struct ChannelConfig {
     /// (docs/architecture.md). Values outside 1..=[`MAX_DATA_CONNECTIONS`] are clamped. A
     /// session carried by shared memory opens one.
     pub data_connections: usize,
-    /// Test hooks.
+    /// Injected delays and failures for tests ([`TestHooks`] with the `test-hooks` feature).
+    #[cfg(feature = "test-hooks")]
     pub hooks: TestHooks,
+    /// Left at its default (no delay) outside tests: without the `test-hooks` feature
+    /// nothing outside this crate can set it.
+    #[cfg(not(feature = "test-hooks"))]
+    pub(crate) hooks: TestHooks,
 }
 
 impl ChannelConfig {

@@ -50,7 +50,7 @@ pub struct Stats {
     /// Notifications and acknowledgements written to an idle data connection by the task
     /// or thread that issued them, skipping the connection's writer (one thread wake-up
     /// less per message on data threads).
-    pub frames_direct: u64,
+    pub frames_fast_lane: u64,
 }
 
 /// A change in the set of live sessions, for layers that hold state per peer (the PD

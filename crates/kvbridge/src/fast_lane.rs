@@ -4,14 +4,14 @@
 //! The state is sans-IO: a count of queued items, a flag for the socket being written, and
 //! the tail of a frame the socket took only part of. [`crate::writer_queue`] puts a socket
 //! and a queue around it; the loom models at the end of this file check its rules under
-//! every interleaving of senders, direct frames and the writer (`scripts/loom.sh`).
+//! every interleaving of senders, fast-lane frames and the writer (`scripts/loom.sh`).
 //!
 //! The rules:
 //! - an item is counted in `queued` before it enters the queue, and uncounted only once it
 //!   is on the wire (when its [`WriterTurn`] ends);
-//! - a frame goes direct only while nothing is queued or being written: `queued` is 0 under
+//! - a frame takes the fast lane only while nothing is queued or being written: `queued` is 0 under
 //!   `busy`, which the writer holds for each item it sends;
-//! - a direct frame the socket took only part of leaves its tail here while it still holds
+//! - a fast-lane frame the socket took only part of leaves its tail here while it still holds
 //!   `busy`, and its sender queues an item (a wake-up) before letting go: the writer's next
 //!   turn, whatever its item, sends the tail first, and until then every later frame queues.
 
@@ -32,21 +32,21 @@ use std::sync::Arc;
 pub(crate) struct FastLane {
     /// Items counted into the queue and not yet written out.
     queued: AtomicUsize,
-    /// Someone writes to the socket: the writer for one item, or a direct frame.
+    /// Someone writes to the socket: the writer for one item, or a fast-lane frame.
     busy: AtomicBool,
-    /// The rest of a direct frame the socket took only part of: the writer's next bytes.
+    /// The rest of a fast-lane frame the socket took only part of: the writer's next bytes.
     tail: Mutex<Option<Vec<u8>>>,
 }
 
-/// The right to write one frame direct; the socket is free for the writer again when it
+/// The right to write one frame on the fast lane; the socket is free for the writer again when it
 /// drops.
 #[derive(Debug)]
-pub(crate) struct DirectTurn<'a> {
+pub(crate) struct FastTurn<'a> {
     lane: &'a FastLane,
 }
 
 /// The writer's right to the socket for one item: the item counts as queued, and no frame
-/// goes direct, until this drops.
+/// takes the fast lane, until this drops.
 #[derive(Debug)]
 pub(crate) struct WriterTurn {
     lane: Arc<FastLane>,
@@ -63,7 +63,7 @@ impl Default for FastLane {
 }
 
 impl FastLane {
-    /// Counts an item about to enter the queue (before it does, so no frame can go direct
+    /// Counts an item about to enter the queue (before it does, so no frame can take the fast lane
     /// past it in between).
     pub(crate) fn enqueue(&self) {
         self.queued.fetch_add(1, Ordering::SeqCst);
@@ -74,15 +74,15 @@ impl FastLane {
         self.queued.fetch_sub(1, Ordering::SeqCst);
     }
 
-    /// The right to write a frame direct, while nothing is queued or being written.
-    pub(crate) fn try_direct(&self) -> Option<DirectTurn<'_>> {
+    /// The right to write a frame on the fast lane, while nothing is queued or being written.
+    pub(crate) fn try_fast_turn(&self) -> Option<FastTurn<'_>> {
         if self.queued.load(Ordering::SeqCst) != 0 {
             return None;
         }
         self.busy
             .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
             .ok()?;
-        let turn = DirectTurn { lane: self };
+        let turn = FastTurn { lane: self };
         // Counted between the check above and taking `busy`: it was issued first, so it is
         // written first (dropping `turn` lets the writer have the socket).
         if self.queued.load(Ordering::SeqCst) != 0 {
@@ -91,7 +91,7 @@ impl FastLane {
         Some(turn)
     }
 
-    /// The writer's turn for its next item (already counted), unless a direct frame is being
+    /// The writer's turn for its next item (already counted), unless a fast-lane frame is being
     /// written: that holds the socket for one send that never waits, so the caller retries.
     pub(crate) fn try_writer_turn(lane: &Arc<Self>) -> Option<WriterTurn> {
         lane.busy
@@ -107,7 +107,7 @@ impl FastLane {
     }
 }
 
-impl DirectTurn<'_> {
+impl FastTurn<'_> {
     /// Leaves the part of the frame the socket did not take for the writer's next turn. The
     /// caller queues an item to wake the writer before this turn ends.
     pub(crate) fn leave_tail(&self, rest: Vec<u8>) {
@@ -115,7 +115,7 @@ impl DirectTurn<'_> {
     }
 }
 
-impl Drop for DirectTurn<'_> {
+impl Drop for FastTurn<'_> {
     fn drop(&mut self) {
         self.lane.busy.store(false, Ordering::SeqCst);
     }
@@ -131,7 +131,7 @@ impl WriterTurn {
 
 impl Drop for WriterTurn {
     fn drop(&mut self) {
-        // Uncounted before the socket is free: a direct frame that takes `busy` next sees
+        // Uncounted before the socket is free: a fast-lane frame that takes `busy` next sees
         // this item done.
         self.lane.queued.fetch_sub(1, Ordering::SeqCst);
         self.lane.busy.store(false, Ordering::SeqCst);
@@ -159,7 +159,7 @@ mod loom_models {
         wire: LMutex<Vec<u8>>,
     }
 
-    /// A frame is two bytes: `[id, id]`. The socket takes a direct frame whole, or, for
+    /// A frame is two bytes: `[id, id]`. The socket takes a fast-lane frame whole, or, for
     /// `partial`, only its first byte.
     impl Conn {
         fn new() -> Arc<Self> {
@@ -176,9 +176,9 @@ mod loom_models {
             self.queue.lock().unwrap().push_back(item);
         }
 
-        /// `WriterQueue::send_direct`, then queueing the frame if it did not go.
-        fn send_direct_or_queue(&self, id: u8, partial: bool) {
-            if let Some(turn) = self.lane.try_direct() {
+        /// `WriterQueue::send_fast`, then queueing the frame if it did not go.
+        fn send_fast_or_queue(&self, id: u8, partial: bool) {
+            if let Some(turn) = self.lane.try_fast_turn() {
                 if partial {
                     self.wire.lock().unwrap().push(id);
                     turn.leave_tail(vec![id]);
@@ -238,8 +238,8 @@ mod loom_models {
         at(a) < at(b)
     }
 
-    /// Two senders, each issuing a queued frame and a direct one (in both orders, one of the
-    /// direct frames taken by the socket in part), with the writer running: every frame
+    /// Two senders, each issuing a queued frame and a fast-lane one (in both orders, one of the
+    /// fast-lane frames taken by the socket in part), with the writer running: every frame
     /// arrives whole and once, each sender's frames in the order it issued them, and the
     /// lane ends idle.
     #[test]
@@ -249,11 +249,11 @@ mod loom_models {
             let c1 = c.clone();
             let t1 = loom::thread::spawn(move || {
                 c1.send(Item::Frame(1));
-                c1.send_direct_or_queue(2, false);
+                c1.send_fast_or_queue(2, false);
             });
             let c2 = c.clone();
             let t2 = loom::thread::spawn(move || {
-                c2.send_direct_or_queue(3, true);
+                c2.send_fast_or_queue(3, true);
                 c2.send(Item::Frame(4));
             });
             c.run_writer(4);
@@ -275,17 +275,17 @@ mod loom_models {
         });
     }
 
-    /// Two direct frames racing the writer's turn for a queued one: at most one writes at
+    /// Two fast-lane frames racing the writer's turn for a queued one: at most one writes at
     /// a time, and neither overtakes the frame queued before both were issued.
     #[test]
-    fn loom_direct_frames_wait_for_what_was_queued_first() {
+    fn loom_fast_lane_frames_wait_for_what_was_queued_first() {
         loom::model(|| {
             let c = Conn::new();
             c.send(Item::Frame(1));
             let c1 = c.clone();
-            let t1 = loom::thread::spawn(move || c1.send_direct_or_queue(2, true));
+            let t1 = loom::thread::spawn(move || c1.send_fast_or_queue(2, true));
             let c2 = c.clone();
-            let t2 = loom::thread::spawn(move || c2.send_direct_or_queue(3, false));
+            let t2 = loom::thread::spawn(move || c2.send_fast_or_queue(3, false));
             c.run_writer(3);
             t1.join().unwrap();
             t2.join().unwrap();

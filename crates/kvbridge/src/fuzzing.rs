@@ -1,10 +1,11 @@
 //! Entry points for the fuzz targets in `fuzz/`. Not a stable API: hidden from the docs and
 //! free to change with the code it exposes.
 
-use crate::config::{Limits, TestHooks};
+use crate::config::Limits;
 use crate::datapath::{AbortHandle, DataPath};
 use crate::grant::{Grant, RegionTable};
 use crate::region::Region;
+use crate::test_hooks::TestHooks;
 use crate::transport::tcp::reader::ReaderCtx;
 use kvbridge_proto::msg::{Batch, Reject};
 use kvbridge_proto::{Incarnation, PeerId, RegionId};

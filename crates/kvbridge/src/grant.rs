@@ -397,7 +397,7 @@ impl RegionTable {
     /// `cma` those that cross-memory attach carries too. Only unrestricted grants (or those
     /// that ask for it): the peer copies by itself there, so no mode or window could be
     /// enforced (see the module doc).
-    pub(crate) fn direct_for(&self, peer: &PeerId, cma: bool) -> Vec<Region> {
+    pub(crate) fn direct_copy_regions_for(&self, peer: &PeerId, cma: bool) -> Vec<Region> {
         let t = self.read();
         t.regions
             .values()
@@ -504,7 +504,11 @@ mod tests {
         assert!(use_for(&rw.id(), true).is_ok());
         assert!(use_for(&rw.id(), false).is_ok());
         // Only the read-write region is offered for direct copies.
-        let direct: Vec<_> = t.direct_for(&me, true).iter().map(|r| r.id()).collect();
+        let direct: Vec<_> = t
+            .direct_copy_regions_for(&me, true)
+            .iter()
+            .map(|r| r.id())
+            .collect();
         assert_eq!(direct, vec![rw.id()]);
     }
 

@@ -52,6 +52,7 @@ mod refusals;
 mod region;
 mod session;
 mod stream_copy;
+mod test_hooks;
 pub mod thread_pool;
 mod tls;
 mod transport;
@@ -59,7 +60,7 @@ mod wire;
 mod writer_queue;
 
 pub use channel::{Channel, Op, PeerLink, QueuedNotify};
-pub use config::{ChannelConfig, Deadlines, Limits, Pem, TestHooks, TlsConfig, Transport};
+pub use config::{ChannelConfig, Deadlines, Limits, Pem, TlsConfig, Transport};
 pub use error::{Error, Result};
 pub use events::{Notification, PeerEvent, Stats};
 pub use grant::{Access, Grant, Permission, WindowDrain, WindowId};
@@ -67,5 +68,8 @@ pub use kvbridge_proto as proto;
 pub use kvbridge_proto::handshake::Step;
 pub use kvbridge_proto::{Incarnation, PeerId, RegionId};
 pub use region::{shared_huge_pages, Region};
+/// Tests' injected delays: public only with the `test-hooks` feature (see its docs).
+#[cfg(feature = "test-hooks")]
+pub use test_hooks::TestHooks;
 pub use transport::cma::{cma_available, CmaStatus};
 pub use transport::shm::host_id;

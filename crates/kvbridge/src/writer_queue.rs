@@ -8,9 +8,9 @@
 //!
 //! So a small frame skips the queue when the connection is idle: its caller writes it to
 //! the socket itself, without blocking (`MSG_DONTWAIT`). Order is kept by one rule: a frame
-//! goes direct only while nothing is queued or being written (the count of queued items is
-//! 0 while the lane is held, and the writer holds it for each item it sends and lets go only
-//! after counting it done: [`crate::fast_lane`], with its loom models). Anything queued
+//! takes the fast lane only while nothing is queued or being written (the count of queued
+//! items is 0 while the lane is held, and the writer holds it for each item it sends and lets
+//! go only after counting it done: [`crate::fast_lane`], with its loom models). Anything queued
 //! before the frame was issued is thus on the wire before it; anything issued after it
 //! either finds the lane held or queues behind it.
 //!
@@ -41,7 +41,7 @@ pub(crate) enum Outgoing {
         descs: Vec<OpDesc>,
     },
     /// An encoded notification or acknowledgement, queued when it could not take the fast
-    /// lane ([`WriterQueue::send_direct`]).
+    /// lane ([`WriterQueue::send_fast`]).
     Frame(Vec<u8>),
     /// Nothing to send: wakes the writer for the tail of a frame the fast lane sent in part
     /// (`Turn::tail`).
@@ -62,7 +62,7 @@ pub(crate) const QUEUE_DEPTH: usize = 1024;
 
 /// Frames at most this long may take the fast lane: a notification or an acknowledgement,
 /// never a payload (those stay with the writer, which may block on them).
-pub(crate) const DIRECT_FRAME_MAX: usize = 16 << 10;
+pub(crate) const FAST_FRAME_MAX: usize = 16 << 10;
 
 /// What the queue's senders and its writer share.
 #[derive(Debug)]
@@ -73,8 +73,8 @@ pub(crate) struct Lane {
     /// thread; closed when the writer ends, so a handle that outlives its session holds no
     /// descriptor.
     sock: std::sync::Mutex<Option<std::net::TcpStream>>,
-    /// The channel's count of frames written direct (`Stats::frames_direct`).
-    direct: Arc<AtomicU64>,
+    /// The channel's count of frames written on the fast lane (`Stats::frames_fast_lane`).
+    fast_frames: Arc<AtomicU64>,
 }
 
 /// The sending side of a data connection's writer queue.
@@ -92,14 +92,14 @@ pub(crate) struct WriterRx {
 }
 
 /// The writer's right to the socket for one item: the item counts as queued until this is
-/// dropped, and no direct frame is written meanwhile.
+/// dropped, and no fast-lane frame is written meanwhile.
 pub(crate) struct Turn {
     turn: WriterTurn,
 }
 
-/// How [`WriterQueue::send_direct`] ended.
+/// How [`WriterQueue::send_fast`] ended.
 #[derive(Debug)]
-pub(crate) enum Direct {
+pub(crate) enum FastSend {
     /// The frame is on the socket (or its tail is the writer's next item).
     Sent,
     /// Nothing was written: the caller queues the frame.
@@ -129,13 +129,13 @@ impl Turn {
     }
 }
 
-/// A new writer queue; `direct` counts the frames that skip it.
-pub(crate) fn channel(direct: Arc<AtomicU64>) -> (WriterQueue, WriterRx) {
+/// A new writer queue; `fast_frames` counts the frames that skip it.
+pub(crate) fn channel(fast_frames: Arc<AtomicU64>) -> (WriterQueue, WriterRx) {
     let (tx, rx) = mpsc::channel(QUEUE_DEPTH);
     let lane = Arc::new(Lane {
         fast: Default::default(),
         sock: std::sync::Mutex::new(None),
-        direct,
+        fast_frames,
     });
     (
         WriterQueue {
@@ -167,40 +167,40 @@ impl WriterQueue {
         queued
     }
 
-    /// Sends the encoded `frame` (at most [`DIRECT_FRAME_MAX`] bytes) straight to the
+    /// Sends the encoded `frame` (at most [`FAST_FRAME_MAX`] bytes) straight to the
     /// socket when the connection is idle and the socket takes it without blocking;
-    /// otherwise reports [`Direct::Queue`] and the caller queues it. Never waits: a frame
+    /// otherwise reports [`FastSend::Queue`] and the caller queues it. Never waits: a frame
     /// the socket took only part of is finished by the writer.
-    pub(crate) fn send_direct(&self, frame: &[u8]) -> Direct {
+    pub(crate) fn send_fast(&self, frame: &[u8]) -> FastSend {
         let lane = &self.lane;
-        if frame.len() > DIRECT_FRAME_MAX {
-            return Direct::Queue;
+        if frame.len() > FAST_FRAME_MAX {
+            return FastSend::Queue;
         }
-        let Some(turn) = lane.fast.try_direct() else {
-            return Direct::Queue;
+        let Some(turn) = lane.fast.try_fast_turn() else {
+            return FastSend::Queue;
         };
         // Held for one non-blocking send at most.
         let sock = lock(&lane.sock);
         let Some(sock) = sock.as_ref() else {
-            return Direct::Queue;
+            return FastSend::Queue;
         };
         let broken = |e| {
             let _ = sock.shutdown(std::net::Shutdown::Both);
-            Direct::Broken(e)
+            FastSend::Broken(e)
         };
         match send_nowait(sock, frame) {
-            Ok(0) => Direct::Queue,
+            Ok(0) => FastSend::Queue,
             Ok(n) if n == frame.len() => {
-                lane.direct.fetch_add(1, Ordering::Relaxed);
-                Direct::Sent
+                lane.fast_frames.fetch_add(1, Ordering::Relaxed);
+                FastSend::Sent
             }
             Ok(n) => {
                 // Still in our turn, so nothing got between the part sent and the tail: the
                 // writer sends the tail first at its next turn, which this wakes it for.
                 turn.leave_tail(frame[n..].to_vec());
                 if self.try_send(Outgoing::Wake) {
-                    lane.direct.fetch_add(1, Ordering::Relaxed);
-                    Direct::Sent
+                    lane.fast_frames.fetch_add(1, Ordering::Relaxed);
+                    FastSend::Sent
                 } else {
                     // The writer is gone, or 1024 items arrived since the check above.
                     broken(std::io::Error::other(
@@ -228,7 +228,7 @@ impl WriterRx {
             if let Some(turn) = FastLane::try_writer_turn(&self.lane.fast) {
                 break turn;
             }
-            // A direct frame holds the socket for one send that never waits: let its
+            // A fast-lane frame holds the socket for one send that never waits: let its
             // thread finish it.
             std::thread::yield_now();
             tokio::task::yield_now().await;
@@ -294,10 +294,10 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn an_idle_connection_takes_a_frame_direct() {
+    async fn an_idle_connection_takes_a_frame_on_the_fast_lane() {
         let (ours, mut theirs) = pair();
         let (q, _rx, count) = lane_over(&ours);
-        assert!(matches!(q.send_direct(b"hello"), Direct::Sent));
+        assert!(matches!(q.send_fast(b"hello"), FastSend::Sent));
         let mut got = [0u8; 5];
         theirs.read_exact(&mut got).unwrap();
         assert_eq!(&got, b"hello");
@@ -309,13 +309,13 @@ mod tests {
         let count = Arc::new(AtomicU64::new(0));
         let (q, _rx) = channel(count.clone());
         assert!(
-            matches!(q.send_direct(b"x"), Direct::Queue),
+            matches!(q.send_fast(b"x"), FastSend::Queue),
             "no socket yet"
         );
         let (ours, _theirs) = pair();
         let (q, _rx, _) = lane_over(&ours);
-        let big = vec![0u8; DIRECT_FRAME_MAX + 1];
-        assert!(matches!(q.send_direct(&big), Direct::Queue), "a payload");
+        let big = vec![0u8; FAST_FRAME_MAX + 1];
+        assert!(matches!(q.send_fast(&big), FastSend::Queue), "a payload");
         assert_eq!(count.load(Ordering::Relaxed), 0);
     }
 
@@ -325,7 +325,7 @@ mod tests {
         let (q, rx, _) = lane_over(&ours);
         drop(rx);
         assert!(
-            matches!(q.send_direct(b"late"), Direct::Queue),
+            matches!(q.send_fast(b"late"), FastSend::Queue),
             "a frame went past a writer that had ended"
         );
         // Its duplicate of the socket is closed: with ours gone too, the peer reads the end.
@@ -356,15 +356,15 @@ mod tests {
 
         // Queued, not yet taken by the writer: the next frame must queue behind it.
         q.send(Outgoing::Frame(b"first.".to_vec())).await.unwrap();
-        let second = q.send_direct(b"second.");
-        assert!(matches!(second, Direct::Queue), "overtook a queued item");
+        let second = q.send_fast(b"second.");
+        assert!(matches!(second, FastSend::Queue), "overtook a queued item");
         q.send(Outgoing::Frame(b"second.".to_vec())).await.unwrap();
         write_next(&mut rx, &mut w).await;
 
-        // Taken by the writer and being written: still no direct frame.
+        // Taken by the writer and being written: still no fast-lane frame.
         let (o, turn) = rx.recv().await.unwrap();
         assert!(
-            matches!(q.send_direct(b"third."), Direct::Queue),
+            matches!(q.send_fast(b"third."), FastSend::Queue),
             "wrote beside the writer"
         );
         let Outgoing::Frame(f) = o else { panic!() };
@@ -372,7 +372,7 @@ mod tests {
         drop(turn);
 
         // Everything written: the lane is open again.
-        assert!(matches!(q.send_direct(b"third."), Direct::Sent));
+        assert!(matches!(q.send_fast(b"third."), FastSend::Sent));
         let mut got = vec![0u8; 19];
         theirs.read_exact(&mut got).unwrap();
         assert_eq!(&got, b"first.second.third.");
@@ -383,39 +383,39 @@ mod tests {
     async fn a_peer_that_stops_reading_never_blocks_the_caller() {
         let (ours, mut theirs) = pair();
         let (q, mut rx, count) = lane_over(&ours);
-        let frame_of = |i: u64| vec![(i % 251) as u8; DIRECT_FRAME_MAX];
+        let frame_of = |i: u64| vec![(i % 251) as u8; FAST_FRAME_MAX];
         let mut sent = 0u64;
         loop {
             let t = Instant::now();
-            let r = q.send_direct(&frame_of(sent));
+            let r = q.send_fast(&frame_of(sent));
             assert!(
                 t.elapsed() < Duration::from_secs(2),
                 "blocked {:?}",
                 t.elapsed()
             );
             match r {
-                Direct::Sent => sent += 1,
-                Direct::Queue => break,
-                Direct::Broken(e) => panic!("a full socket broke the lane: {e}"),
+                FastSend::Sent => sent += 1,
+                FastSend::Queue => break,
+                FastSend::Broken(e) => panic!("a full socket broke the lane: {e}"),
             }
             assert!(sent < 100_000, "the socket never filled");
         }
         assert!(sent > 0, "an idle socket refused the first frame");
         assert_eq!(count.load(Ordering::Relaxed), sent);
         // The peer reads again; every frame arrives whole and in order.
-        let total = sent as usize * DIRECT_FRAME_MAX;
+        let total = sent as usize * FAST_FRAME_MAX;
         let reader = std::thread::spawn(move || {
             let mut got = vec![0u8; total];
             theirs.read_exact(&mut got).map(|_| got)
         });
         // The socket may have taken the last frame only in part: then its tail is the
-        // writer's next bytes, and nothing else went direct since.
+        // writer's next bytes, and nothing else took the fast lane since.
         match tokio::time::timeout(Duration::from_millis(100), rx.recv()).await {
             Err(_) => {}
             Ok(Some((Outgoing::Wake, turn))) => {
                 let tail = turn.tail().expect("woken without a tail");
                 assert!(
-                    !tail.is_empty() && tail.len() < DIRECT_FRAME_MAX,
+                    !tail.is_empty() && tail.len() < FAST_FRAME_MAX,
                     "{}",
                     tail.len()
                 );
@@ -428,7 +428,7 @@ mod tests {
             .join()
             .unwrap()
             .expect("the frames did not all arrive");
-        for (i, f) in got.chunks(DIRECT_FRAME_MAX).enumerate() {
+        for (i, f) in got.chunks(FAST_FRAME_MAX).enumerate() {
             assert!(
                 f == frame_of(i as u64),
                 "frame {i} arrived torn or out of order"

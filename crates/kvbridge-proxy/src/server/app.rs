@@ -34,7 +34,7 @@ pub(crate) struct App {
     /// Polls for backend answers at low load (one-thread runtime only).
     pub(crate) busy_poll: Option<Arc<BusyPoll>>,
     /// Whether a request goes to its decoder alone or the PD way.
-    pub(crate) decider: crate::decider::Decider,
+    pub(crate) decider: crate::routing::decider::Decider,
     /// `/tokenize` calls by result (`--kv-events-tokenize http`).
     pub(crate) tokenize_stats: crate::tokenize::TokenizeStats,
     /// The turn of the next worker asked to tokenize.

@@ -12,7 +12,7 @@ pub(crate) struct Ctx<'a> {
     pub(crate) tokens: u64,
     pub(crate) stream: bool,
     /// What the routing policy matches (none under `least-loaded`).
-    pub(crate) prompt: Option<crate::router::PromptKey>,
+    pub(crate) prompt: Option<crate::routing::prompt_key::PromptKey>,
 }
 
 impl Ctx<'_> {

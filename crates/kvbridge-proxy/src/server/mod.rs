@@ -12,8 +12,8 @@ mod decode;
 mod flow;
 mod health;
 mod prefill;
+mod prompt_tokens;
 mod routes;
-mod tokenize;
 mod upstream;
 
 use std::net::SocketAddr;
@@ -31,7 +31,7 @@ use crate::config::{Config, Flow};
 use crate::kvwait::KvWaiters;
 use crate::metrics::Metrics;
 use crate::pool::{Pool, Role};
-use app::{api_uris, App};
+use app::{api_uris, App, HttpClient};
 
 /// A running proxy: its bound addresses and the handle to stop it. Dropping it stops every
 /// task of the proxy at once; [`RunningProxy::shutdown`] lets requests in flight finish first.
@@ -61,7 +61,7 @@ impl RunningProxy {
     }
 
     /// The disaggregation decider and its counts.
-    pub fn decider(&self) -> &crate::decider::Decider {
+    pub fn decider(&self) -> &crate::routing::decider::Decider {
         &self.app.decider
     }
 
@@ -119,13 +119,7 @@ pub async fn start(cfg: Config) -> anyhow::Result<RunningProxy> {
         .map_err(|e| anyhow::anyhow!("cannot listen on {}:{}: {e}", cfg.host, cfg.port))?;
     let http_addr = listener.local_addr()?;
 
-    let mut conn = HttpConnector::new();
-    conn.set_nodelay(true);
-    conn.set_connect_timeout(Some(cfg.connect_timeout));
-    let client = Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(60))
-        .pool_timer(TokioTimer::new())
-        .build(conn);
+    let client = worker_client(&cfg);
     let (ua, ha) = (cfg.unhealthy_after, cfg.healthy_after);
     let prefill = Pool::routed(
         Role::Prefill,
@@ -134,7 +128,7 @@ pub async fn start(cfg: Config) -> anyhow::Result<RunningProxy> {
             .map(|w| (w.host.clone(), w.port, 0, 0)),
         ua,
         ha,
-        crate::router::for_pool(&cfg, Role::Prefill),
+        crate::routing::pool_router::for_pool(&cfg, Role::Prefill),
     );
     let decode = Pool::routed(
         Role::Decode,
@@ -143,7 +137,7 @@ pub async fn start(cfg: Config) -> anyhow::Result<RunningProxy> {
             .map(|d| (d.host.clone(), d.port, d.max_requests, d.kv_capacity_tokens)),
         ua,
         ha,
-        crate::router::for_pool(&cfg, Role::Decode),
+        crate::routing::pool_router::for_pool(&cfg, Role::Decode),
     );
     let (prefill_uris, decode_uris) = (api_uris(&prefill)?, api_uris(&decode)?);
     let one_thread = tokio::runtime::Handle::current().runtime_flavor()
@@ -152,7 +146,7 @@ pub async fn start(cfg: Config) -> anyhow::Result<RunningProxy> {
     if let Some(bp) = &busy_poll {
         tasks.push(tokio::spawn(bp.clone().run()));
     }
-    let decider = crate::decider::Decider::new(cfg.decider());
+    let decider = crate::routing::decider::Decider::new(cfg.decider());
     if cfg.kv_events.tokenize == crate::tokenize::TokenizeMode::Http
         && cfg.routing != crate::routing::RoutingPolicy::KvEvents
     {
@@ -176,32 +170,7 @@ pub async fn start(cfg: Config) -> anyhow::Result<RunningProxy> {
         tokenize_turn: Default::default(),
     });
     if !app.cfg.health_interval.is_zero() {
-        for idx in 0..app.prefill.workers.len() {
-            let pool = app.prefill.clone();
-            tasks.push(tokio::spawn(health::health_loop(
-                app.clone(),
-                pool,
-                idx,
-                Vec::new(),
-            )));
-        }
-        for (idx, d) in app.cfg.decoders.iter().enumerate() {
-            let kv = if app.cfg.probes_kv_ports() {
-                d.init_ports
-                    .iter()
-                    .map(|p| format!("{}:{p}", d.host))
-                    .collect()
-            } else {
-                Vec::new()
-            };
-            let pool = app.decode.clone();
-            tasks.push(tokio::spawn(health::health_loop(
-                app.clone(),
-                pool,
-                idx,
-                kv,
-            )));
-        }
+        tasks.extend(spawn_health_checks(&app));
     }
     let router = routes::router(app.clone());
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
@@ -220,4 +189,49 @@ pub async fn start(cfg: Config) -> anyhow::Result<RunningProxy> {
         server: Some(server),
         tasks,
     })
+}
+
+/// The HTTP client the proxy calls its workers with: no Nagle delay, the configured
+/// connect timeout, idle connections kept a minute.
+fn worker_client(cfg: &Config) -> HttpClient {
+    let mut conn = HttpConnector::new();
+    conn.set_nodelay(true);
+    conn.set_connect_timeout(Some(cfg.connect_timeout));
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(60))
+        .pool_timer(TokioTimer::new())
+        .build(conn)
+}
+
+/// One health-check task per worker of each pool; a decoder's also probes its KV ports
+/// where the configuration asks for it.
+fn spawn_health_checks(app: &Arc<App>) -> Vec<JoinHandle<()>> {
+    let mut tasks = Vec::new();
+    for idx in 0..app.prefill.workers.len() {
+        let pool = app.prefill.clone();
+        tasks.push(tokio::spawn(health::health_loop(
+            app.clone(),
+            pool,
+            idx,
+            Vec::new(),
+        )));
+    }
+    for (idx, d) in app.cfg.decoders.iter().enumerate() {
+        let kv = if app.cfg.probes_kv_ports() {
+            d.init_ports
+                .iter()
+                .map(|p| format!("{}:{p}", d.host))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let pool = app.decode.clone();
+        tasks.push(tokio::spawn(health::health_loop(
+            app.clone(),
+            pool,
+            idx,
+            kv,
+        )));
+    }
+    tasks
 }

@@ -85,7 +85,7 @@ async fn metrics_text(State(app): State<Arc<App>>) -> Response {
     use std::fmt::Write as _;
     app.decider.render(&mut s);
     app.tokenize_stats.render(&mut s);
-    crate::router::render_decisions(
+    crate::routing::pool_router::render_decisions(
         &mut s,
         &[
             ("prefill", &app.prefill.router),

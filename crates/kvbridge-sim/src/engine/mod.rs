@@ -228,66 +228,22 @@ pub async fn start_with_publisher(
         None => OutcomeSink::None,
     };
     let mut tasks = Vec::new();
-    let (mut senders, mut receivers, mut chunk_memory) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut init_ports, mut alloc_ports) = (Vec::new(), Vec::new());
     let announced = Announced::default();
     let id = format!("{:?}-{}", cfg.role, http_addr.port()).to_lowercase();
+    let (mut senders, mut chunk_memory) = (Vec::new(), Vec::new());
+    let mut ranks = DecodeRanks::default();
     match cfg.role {
-        Role::Prefill => {
-            for (rank, world, spec, name) in cfg.lanes() {
-                let mut sc = SenderConfig::new(
-                    ChannelConfig::new(format!("sim-{id}-{name}"), None),
-                    rank,
-                    world,
-                    &cfg.model.name,
-                    spec,
-                );
-                sc.outcomes = outcomes.clone();
-                sc.mla_send_once = cfg.mla_send_once;
-                sc.mode = cfg.transfer_mode;
-                let sender = PdSender::start(sc).await?;
-                // Per rank: the pages of one step being computed, and as many of the step
-                // before moving or queued for the sender (at least 4 pages).
-                let per_step = cfg.cost.pages_per_step(cfg.model.spec.chunk_tokens);
-                let mem = ChunkMemory::new(spec.page_bytes() as usize, (2 * per_step).max(4))
-                    .map_err(|e| SimError::Start(e.to_string()))?;
-                sender
-                    .register(mem.region())
-                    .map_err(|e| SimError::Start(format!("registering chunk memory: {e}")))?;
-                chunk_memory.push(mem);
-                senders.push(Arc::new(sender));
-            }
-        }
-        Role::Decode => {
-            for (rank, _, spec, name) in cfg.lanes() {
-                let port = cfg.init_ports.get(rank as usize).copied().unwrap_or(0);
-                let listen = format!("{}:{port}", cfg.bind_host);
-                let mut rc = ReceiverConfig::new(
-                    ChannelConfig::new(format!("sim-{id}-{name}"), Some(&listen)),
-                    rank,
-                    spec,
-                    cfg.buffer_bytes,
-                );
-                rc.ttl = cfg.kv_ttl;
-                rc.fence_timeout = cfg.fence_timeout;
-                let rx = PdReceiver::start(rc).await?;
-                init_ports.push(rx.local_addr().map(|a| a.port()).unwrap_or(0));
-                receivers.push(rx);
-                let aport = cfg.alloc_ports.get(rank as usize).copied().unwrap_or(0);
-                let l = TcpListener::bind((cfg.bind_host.as_str(), aport))
-                    .await
-                    .map_err(|e| {
-                        SimError::Start(format!(
-                            "cannot listen on {}:{aport} (announce port of rank {rank}): {e}",
-                            cfg.bind_host
-                        ))
-                    })?;
-                alloc_ports.push(l.local_addr().map(|a| a.port()).unwrap_or(0));
-                tasks.push(tokio::spawn(announce::serve(l, announced.clone())));
-            }
-        }
+        Role::Prefill => (senders, chunk_memory) = start_senders(&cfg, &id, &outcomes).await?,
+        Role::Decode => ranks = start_receivers(&cfg, &id, &announced).await?,
         Role::Both => {}
     }
+    let DecodeRanks {
+        receivers,
+        init_ports,
+        alloc_ports,
+        announce_tasks,
+    } = ranks;
+    tasks.extend(announce_tasks);
     let kv_events = match (publisher, &cfg.kv_events_endpoint) {
         (Some(p), _) => Some(p),
         (None, Some(ep)) => Some(
@@ -361,4 +317,88 @@ pub async fn start_with_publisher(
         stop: Some(stop),
         tasks,
     })
+}
+
+/// A prefiller's ranks: one PD sender each, with the chunk memory its steps are computed
+/// into registered with it.
+async fn start_senders(
+    cfg: &EngineConfig,
+    id: &str,
+    outcomes: &OutcomeSink,
+) -> Result<(Vec<Arc<PdSender>>, Vec<Arc<ChunkMemory>>), SimError> {
+    let (mut senders, mut chunk_memory) = (Vec::new(), Vec::new());
+    for (rank, world, spec, name) in cfg.lanes() {
+        let mut sc = SenderConfig::new(
+            ChannelConfig::new(format!("sim-{id}-{name}"), None),
+            rank,
+            world,
+            &cfg.model.name,
+            spec,
+        );
+        sc.outcomes = outcomes.clone();
+        sc.mla_send_once = cfg.mla_send_once;
+        sc.mode = cfg.transfer_mode;
+        let sender = PdSender::start(sc).await?;
+        // Per rank: the pages of one step being computed, and as many of the step
+        // before moving or queued for the sender (at least 4 pages).
+        let per_step = cfg.cost.pages_per_step(cfg.model.spec.chunk_tokens);
+        let mem = ChunkMemory::new(spec.page_bytes() as usize, (2 * per_step).max(4))
+            .map_err(|e| SimError::Start(e.to_string()))?;
+        sender
+            .register(mem.region())
+            .map_err(|e| SimError::Start(format!("registering chunk memory: {e}")))?;
+        chunk_memory.push(mem);
+        senders.push(Arc::new(sender));
+    }
+    Ok((senders, chunk_memory))
+}
+
+/// A decoder's ranks, in rank order.
+#[derive(Default)]
+struct DecodeRanks {
+    receivers: Vec<PdReceiver>,
+    /// The port each receiver listens on.
+    init_ports: Vec<u16>,
+    /// The port each rank's announcements are served on, by `announce_tasks`.
+    alloc_ports: Vec<u16>,
+    announce_tasks: Vec<JoinHandle<()>>,
+}
+
+/// A decoder's ranks: one PD receiver each on its init port, and its announce port served.
+async fn start_receivers(
+    cfg: &EngineConfig,
+    id: &str,
+    announced: &Announced,
+) -> Result<DecodeRanks, SimError> {
+    let mut r = DecodeRanks::default();
+    for (rank, _, spec, name) in cfg.lanes() {
+        let port = cfg.init_ports.get(rank as usize).copied().unwrap_or(0);
+        let listen = format!("{}:{port}", cfg.bind_host);
+        let mut rc = ReceiverConfig::new(
+            ChannelConfig::new(format!("sim-{id}-{name}"), Some(&listen)),
+            rank,
+            spec,
+            cfg.buffer_bytes,
+        );
+        rc.ttl = cfg.kv_ttl;
+        rc.fence_timeout = cfg.fence_timeout;
+        let rx = PdReceiver::start(rc).await?;
+        r.init_ports
+            .push(rx.local_addr().map(|a| a.port()).unwrap_or(0));
+        r.receivers.push(rx);
+        let aport = cfg.alloc_ports.get(rank as usize).copied().unwrap_or(0);
+        let l = TcpListener::bind((cfg.bind_host.as_str(), aport))
+            .await
+            .map_err(|e| {
+                SimError::Start(format!(
+                    "cannot listen on {}:{aport} (announce port of rank {rank}): {e}",
+                    cfg.bind_host
+                ))
+            })?;
+        r.alloc_ports
+            .push(l.local_addr().map(|a| a.port()).unwrap_or(0));
+        r.announce_tasks
+            .push(tokio::spawn(announce::serve(l, announced.clone())));
+    }
+    Ok(r)
 }

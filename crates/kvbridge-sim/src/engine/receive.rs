@@ -6,7 +6,7 @@ use super::claim::Claim;
 use super::error::SimError;
 use super::state::{lock, Consumed, Inner};
 use super::tp_push::place_parts;
-use crate::model::SeqState;
+use crate::model::{Model, SeqState};
 use crate::timeline::TARGET as TL;
 use kvbridge_pd::ChunkRef;
 use std::sync::atomic::Ordering::Relaxed;
@@ -127,30 +127,16 @@ pub(super) async fn receive(
             .and_then(|r| r),
         None => consume(s.clone(), id.to_string(), m as u64).await,
     };
-    let kv = match consumed {
-        Ok(c) if c.state.len == m as u64 => Ok(c),
-        Ok(c) => Err(SimError::Internal(format!(
-            "request {id} holds KV of {} tokens, the decode prompt has {m}",
-            c.state.len
-        ))),
-        Err(e) => Err(e),
-    };
     let Consumed {
         state: kv,
         digests,
         bytes,
-    } = match kv {
+    } = match checked_kv(consumed, id, m) {
         Ok(kv) => kv,
         Err(e) => {
             drop(claim); // armed: cancels the request on every rank, and unclaims it
             s.counts.kv_retrieve_failed.fetch_add(1, Relaxed);
-            // The transfer ended under us: say so in the engine's own terms.
-            return Err(match e {
-                SimError::Kv(pd) => {
-                    SimError::KvEnded(format!("the KV of request {id} did not arrive: {pd}"))
-                }
-                e => e,
-            });
+            return Err(e);
         }
     };
     // On the path to the first token: only the prompt's prefix hashes and the token after
@@ -197,32 +183,7 @@ pub(super) async fn receive(
         // host it would otherwise take a core from the first token's way to the client.
         let s3 = s2.clone();
         let r = crate::background::run("kvb-verify", move || {
-            let model = s3.model.clone();
-            let c = model.spec.chunk_tokens.max(1) as usize;
-            let (mut chunks, mut mismatches) = (0u64, 0u64);
-            for (i, p) in prefixes.chunks(c).enumerate() {
-                for r in 0..model.world_size {
-                    chunks += 1;
-                    let held = digests.get(i).and_then(|d| d.get(r as usize));
-                    if !held.is_some_and(|h| model.digests_match(r, p, h)) {
-                        mismatches += 1;
-                    }
-                }
-            }
-            // KV received whole and right is KV held: the state after each whole chunk,
-            // from the digests already taken, for the prefix cache.
-            let mut states = Vec::new();
-            if mismatches == 0 {
-                let mut st = model.start();
-                for (p, d) in prefixes.chunks_exact(c).zip(&digests) {
-                    model.chain_digests(&mut st, d, c);
-                    if let Some(&last) = p.last() {
-                        st.prefix = last;
-                    }
-                    states.push(st);
-                }
-            }
-            (chunks, mismatches, states)
+            check_received(&s3.model, &prefixes, &digests)
         })
         .await;
         match r {
@@ -252,4 +213,59 @@ pub(super) async fn receive(
         s2.work_done();
     });
     Ok(state)
+}
+
+/// The KV consumed for request `id`, checked to hold the decode prompt's `m` tokens; a
+/// transfer that ended under us is said in the engine's own terms.
+fn checked_kv(
+    consumed: Result<Consumed, SimError>,
+    id: &str,
+    m: usize,
+) -> Result<Consumed, SimError> {
+    match consumed {
+        Ok(c) if c.state.len == m as u64 => Ok(c),
+        Ok(c) => Err(SimError::Internal(format!(
+            "request {id} holds KV of {} tokens, the decode prompt has {m}",
+            c.state.len
+        ))),
+        Err(SimError::Kv(pd)) => Err(SimError::KvEnded(format!(
+            "the KV of request {id} did not arrive: {pd}"
+        ))),
+        Err(e) => Err(e),
+    }
+}
+
+/// Checks every chunk of a received prompt: the digest of each position's KV as the decoder
+/// read it (`digests`, per chunk and rank) against the digest of the KV the model says the
+/// prompt (`prefixes`) must have. The chunks checked, the mismatches, and, when none, the
+/// state after each whole chunk, for the prefix cache (KV received whole and right is KV
+/// held).
+fn check_received(
+    model: &Model,
+    prefixes: &[u64],
+    digests: &[Vec<Vec<u64>>],
+) -> (u64, u64, Vec<SeqState>) {
+    let c = model.spec.chunk_tokens.max(1) as usize;
+    let (mut chunks, mut mismatches) = (0u64, 0u64);
+    for (i, p) in prefixes.chunks(c).enumerate() {
+        for r in 0..model.world_size {
+            chunks += 1;
+            let held = digests.get(i).and_then(|d| d.get(r as usize));
+            if !held.is_some_and(|h| model.digests_match(r, p, h)) {
+                mismatches += 1;
+            }
+        }
+    }
+    let mut states = Vec::new();
+    if mismatches == 0 {
+        let mut st = model.start();
+        for (p, d) in prefixes.chunks_exact(c).zip(digests) {
+            model.chain_digests(&mut st, d, c);
+            if let Some(&last) = p.last() {
+                st.prefix = last;
+            }
+            states.push(st);
+        }
+    }
+    (chunks, mismatches, states)
 }

@@ -24,7 +24,7 @@ use crate::in_flight::InFlight;
 use crate::region::LocalSlice;
 use crate::transport::one_sided::{BatchRef, OneSided, Outcome};
 use crate::writer_queue::Outgoing;
-use crate::writer_queue::{self, Direct, WriterQueue, WriterRx};
+use crate::writer_queue::{self, FastSend, WriterQueue, WriterRx};
 use kvbridge_proto::handshake::Step;
 use kvbridge_proto::ids::Blob;
 use kvbridge_proto::msg::{Message, Notify, OpDesc};
@@ -101,22 +101,22 @@ impl Drop for Ticket<'_> {
 impl DataPath {
     /// A data path over `connections` (at least 1) connections; returns the writer queue of
     /// each, connection 0 first. `one_sided`: the backends that reach some of the peer's
-    /// regions from the start, if any; `frames_direct`: the channel's count of frames that skipped a writer;
-    /// `peer_unacked_notify`: the peer honours unacknowledged notifications.
+    /// regions from the start, if any; `frames_fast_lane`: the channel's count of frames that
+    /// skipped a writer; `peer_unacked_notify`: the peer honours unacknowledged notifications.
     pub(crate) fn new(
         peer: PeerId,
         abort: AbortHandle,
         max_in_flight: u64,
         connections: usize,
         one_sided: Vec<Arc<dyn OneSided>>,
-        frames_direct: Arc<AtomicU64>,
+        frames_fast_lane: Arc<AtomicU64>,
         peer_unacked_notify: bool,
     ) -> (Arc<Self>, Vec<WriterRx>) {
-        let (out, rx) = writer_queue::channel(frames_direct.clone());
+        let (out, rx) = writer_queue::channel(frames_fast_lane.clone());
         let mut rxs = vec![rx];
         let mut stripes = Vec::new();
         for _ in 1..connections.max(1) {
-            let (tx, rx) = writer_queue::channel(frames_direct.clone());
+            let (tx, rx) = writer_queue::channel(frames_fast_lane.clone());
             stripes.push(tx);
             rxs.push(rx);
         }
@@ -556,10 +556,10 @@ impl DataPath {
         })
         .to_frame()
         .map_err(|e| Error::Local(e.to_string()))?;
-        match self.out.send_direct(&frame) {
-            Direct::Sent => return Ok(()),
-            Direct::Broken(e) => return Err(Error::lost(self.peer.as_str(), Step::Notify, e)),
-            Direct::Queue => {}
+        match self.out.send_fast(&frame) {
+            FastSend::Sent => return Ok(()),
+            FastSend::Broken(e) => return Err(Error::lost(self.peer.as_str(), Step::Notify, e)),
+            FastSend::Queue => {}
         }
         match tokio::time::timeout(deadline, self.out.send(Outgoing::Frame(frame))).await {
             Ok(Ok(())) => Ok(()),
@@ -605,15 +605,15 @@ impl DataPath {
             abort: self.abort.clone(),
         };
         if let Outgoing::Frame(frame) = &o {
-            match self.out.send_direct(frame) {
+            match self.out.send_fast(frame) {
                 // On the wire; the outcome comes with the peer's acknowledgement.
-                Direct::Sent => return Ok(submitted),
+                FastSend::Sent => return Ok(submitted),
                 // The session ends on the shut socket, and the outcome says so.
-                Direct::Broken(e) => {
+                FastSend::Broken(e) => {
                     tracing::debug!(peer = %self.peer, error = %e, "frame cut short");
                     return Ok(submitted);
                 }
-                Direct::Queue => {}
+                FastSend::Queue => {}
             }
         }
         match tokio::time::timeout_at(until, self.out.send(o)).await {

@@ -35,12 +35,12 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-mod direct;
+mod direct_copies;
 #[cfg(feature = "ucx")]
 pub(crate) mod ucx;
 
-pub(crate) use direct::detach_region;
-use direct::{ShmRound, ShmState};
+pub(crate) use direct_copies::detach_region;
+use direct_copies::{ShmRound, ShmState};
 
 /// The target of the marks of a session's way from dial to its first batch
 /// (`RUST_LOG=kvbridge::timeline=debug`): each control message sent and received, the
@@ -62,9 +62,9 @@ pub(crate) struct SessionEnv {
     /// The channel's count of peer batches refused for bytes in flight.
     pub(crate) in_flight_refused: Arc<std::sync::atomic::AtomicU64>,
     /// The channel's counts of batches copied directly (shared memory, cross-memory attach).
-    pub(crate) direct: Arc<crate::transport::shm::DirectCounters>,
-    /// The channel's count of frames written past the writers (`Stats::frames_direct`).
-    pub(crate) frames_direct: Arc<std::sync::atomic::AtomicU64>,
+    pub(crate) direct_copies: Arc<crate::transport::shm::DirectCopyCounters>,
+    /// The channel's count of frames written past the writers (`Stats::frames_fast_lane`).
+    pub(crate) frames_fast_lane: Arc<std::sync::atomic::AtomicU64>,
     /// The channel's UCX worker and its owner thread, when the transport is UCX.
     #[cfg(feature = "ucx")]
     pub(crate) ucx: Option<Arc<crate::transport::ucx_route::UcxChannel>>,
@@ -626,6 +626,213 @@ impl Session {
         self.teardown(err).await;
     }
 
+    /// A message from the peer's control connection (`None`: the reader ended). The error
+    /// that ends the session, if it does.
+    fn on_control(&mut self, m: Option<std::result::Result<Message, ReadError>>) -> Option<Error> {
+        self.last_heard = Instant::now();
+        if let Some(Ok(m)) = &m {
+            tracing::debug!(target: TIMELINE, session = self.id, peer = %self.peer_name,
+                msg = m.name(), "received");
+        }
+        match m {
+            #[cfg(feature = "ucx")]
+            Some(Ok(m)) if self.ucx.takes(&m) => {
+                self.ucx.handle_message(m);
+                None
+            }
+            Some(Ok(m)) => {
+                self.machine.handle_message(m, std_now());
+                None
+            }
+            Some(Err(ReadError::Frame(e))) => Some(Error::PeerMisbehaved {
+                peer: self.peer_name.clone(),
+                step: self.machine.step(),
+                detail: e.to_string(),
+            }),
+            Some(Err(e)) => {
+                #[cfg(feature = "ucx")]
+                self.ucx.peer_left();
+                Some(Error::lost(&self.peer_name, self.machine.step(), e))
+            }
+            None => {
+                #[cfg(feature = "ucx")]
+                self.ucx.peer_left();
+                Some(Error::lost(
+                    &self.peer_name,
+                    self.machine.step(),
+                    "control reader ended",
+                ))
+            }
+        }
+    }
+
+    /// A command from the core or a data connection's classifier (`None`: the core is
+    /// gone). The error that ends the session, if it does.
+    async fn on_command(&mut self, c: Option<SessionCmd>) -> Option<Error> {
+        match c {
+            Some(SessionCmd::DataConn(s, peer, stream)) if self.env.local.authenticates() => {
+                // Bound only once it answers a fresh challenge under the session's
+                // key: its token alone (seen in the clear) proves nothing.
+                if stream >= self.machine.data_connection_cap()
+                    || Some(&peer) != self.peer_id.as_ref()
+                {
+                    tokio::spawn(refuse(
+                        s,
+                        ErrorCode::UnknownSession,
+                        "data connection does not match this session",
+                    ));
+                } else if self.unproven.len() + self.proving.len()
+                    >= 2 * crate::config::MAX_DATA_CONNECTIONS
+                {
+                    tokio::spawn(refuse(
+                        s,
+                        ErrorCode::LimitExceeded,
+                        "too many data connections being checked",
+                    ));
+                } else if let Some(key) = self.machine.data_key() {
+                    self.challenge(&key, stream, s);
+                } else {
+                    self.unproven.push((stream, s));
+                }
+            }
+            Some(SessionCmd::DataUnproven) => self.proving.retain(|h| !h.is_finished()),
+            Some(SessionCmd::DataProven(s, stream)) => {
+                self.proving.retain(|h| !h.is_finished());
+                self.park_proven(s, stream);
+            }
+            Some(SessionCmd::DataConn(s, peer, stream)) if stream > 0 => {
+                let known = self.parked_extra.iter().any(|(i, _)| *i == stream)
+                    || self
+                        .data
+                        .as_ref()
+                        .is_some_and(|d| d.conns.iter().any(|c| c.stream == stream));
+                if known
+                    || stream >= self.machine.data_connection_cap()
+                    || Some(&peer) != self.peer_id.as_ref()
+                {
+                    tokio::spawn(refuse(
+                        s,
+                        ErrorCode::UnknownSession,
+                        "data connection does not match this session",
+                    ));
+                } else {
+                    self.parked_extra.push((stream, s));
+                }
+            }
+            Some(SessionCmd::DataConn(s, peer, _)) => {
+                if self.data.is_some()
+                    || self.pending_bind.is_some()
+                    || self.parked_data.is_some()
+                    || Some(&peer) != self.peer_id.as_ref()
+                {
+                    // A second data connection, or one naming another peer: refuse it
+                    // without disturbing this session.
+                    tokio::spawn(refuse(
+                        s,
+                        ErrorCode::UnknownSession,
+                        "data connection does not match this session",
+                    ));
+                } else {
+                    self.parked_data = Some(s);
+                }
+            }
+            Some(SessionCmd::Replace(e)) | Some(SessionCmd::Abort(e)) => return Some(e),
+            Some(SessionCmd::MemChanged) => {
+                if let Some(p) = &self.peer_id {
+                    let mem = self.env.table.granted_to(p);
+                    self.machine.update_mem(mem, std_now());
+                }
+                #[cfg(feature = "ucx")]
+                self.ucx.grants_changed();
+                if let Err(e) = self.sync_exports().await {
+                    return Some(e);
+                }
+            }
+            Some(SessionCmd::ShmConn(s, peer)) => {
+                if self.shm.conn.is_some()
+                    || self.shm.parked.is_some()
+                    || Some(&peer) != self.peer_id.as_ref()
+                {
+                    drop(s);
+                } else {
+                    self.shm.parked = Some(s);
+                }
+            }
+            Some(SessionCmd::EndIfMapping { region, after }) => {
+                if self.shm.exports.contains_key(&region) || self.shm.revoking.contains_key(&region)
+                {
+                    return Some(Error::UnmapTimeout {
+                        peer: self.peer_name.clone(),
+                        step: Step::Established,
+                        region,
+                        after,
+                    });
+                }
+            }
+            Some(SessionCmd::Close) | None => return Some(Error::Closed),
+        }
+        None
+    }
+
+    /// A data connection that answered its challenge, parked until the session can bind
+    /// it; refused when its stream is bound or parked already.
+    fn park_proven(&mut self, s: Stream, stream: u32) {
+        let bound = self
+            .data
+            .as_ref()
+            .is_some_and(|d| d.conns.iter().any(|c| c.stream == stream))
+            || (stream == 0
+                && (self.data.is_some()
+                    || self.pending_bind.is_some()
+                    || self.parked_data.is_some()))
+            || self.parked_extra.iter().any(|(i, _)| *i == stream);
+        if bound {
+            tokio::spawn(refuse(
+                s,
+                ErrorCode::UnknownSession,
+                "this data connection's stream is already bound",
+            ));
+        } else if stream == 0 {
+            self.parked_data = Some(s);
+        } else {
+            self.parked_extra.push((stream, s));
+        }
+    }
+
+    /// Binds what waited for the session to be ready for it: data connections to challenge
+    /// or to bind, the shared-memory connection. `Ok(true)`: something was done (look
+    /// again before waiting).
+    async fn bind_waiting(&mut self) -> std::result::Result<bool, Error> {
+        if !self.unproven.is_empty() {
+            if let Some(key) = self.machine.data_key() {
+                for (stream, s) in std::mem::take(&mut self.unproven) {
+                    self.challenge(&key, stream, s);
+                }
+                return Ok(true);
+            }
+        }
+        if self.parked_data.is_some() && self.machine.may_bind() {
+            let s = self.parked_data.take().expect("checked");
+            let delay = self.env.config.hooks.listener_bind_delay;
+            self.bind_after(delay, vec![s]);
+            return Ok(true);
+        }
+        if !self.parked_extra.is_empty() && self.data.is_some() {
+            for (stream, s) in std::mem::take(&mut self.parked_extra) {
+                self.bind_extra(stream, s);
+            }
+            return Ok(true);
+        }
+        if self.shm.parked.is_some() && self.machine.may_bind() {
+            let s = self.shm.parked.take().expect("checked");
+            let (shm, cx) = self.shm_round();
+            shm.bind(&cx, s);
+            self.sync_exports().await?;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
     /// Serves until the session ends; returns why.
     async fn serve(&mut self) -> Error {
         let keepalive = self.env.config.deadlines.keepalive;
@@ -638,34 +845,10 @@ impl Session {
             if let Some(e) = self.ucx_pump().await {
                 return e;
             }
-            if !self.unproven.is_empty() {
-                if let Some(key) = self.machine.data_key() {
-                    for (stream, s) in std::mem::take(&mut self.unproven) {
-                        self.challenge(&key, stream, s);
-                    }
-                    continue;
-                }
-            }
-            if self.parked_data.is_some() && self.machine.may_bind() {
-                let s = self.parked_data.take().expect("checked");
-                let delay = self.env.config.hooks.listener_bind_delay;
-                self.bind_after(delay, vec![s]);
-                continue;
-            }
-            if !self.parked_extra.is_empty() && self.data.is_some() {
-                for (stream, s) in std::mem::take(&mut self.parked_extra) {
-                    self.bind_extra(stream, s);
-                }
-                continue;
-            }
-            if self.shm.parked.is_some() && self.machine.may_bind() {
-                let s = self.shm.parked.take().expect("checked");
-                let (shm, cx) = self.shm_round();
-                shm.bind(&cx, s);
-                if let Err(e) = self.sync_exports().await {
-                    return e;
-                }
-                continue;
+            match self.bind_waiting().await {
+                Ok(true) => continue,
+                Ok(false) => {}
+                Err(e) => return e,
             }
             let ready_at = self.shm.pending_ready.as_ref().map(|(_, at)| *at);
             let deadline = self.machine.poll_timeout();
@@ -678,101 +861,15 @@ impl Session {
             let bind_at = self.pending_bind.as_ref().map(|(at, _)| *at);
             tokio::select! {
                 m = self.ctl_rx.recv() => {
-                    self.last_heard = Instant::now();
-                    if let Some(Ok(m)) = &m {
-                        tracing::debug!(target: TIMELINE, session = self.id, peer = %self.peer_name,
-                            msg = m.name(), "received");
-                    }
-                    match m {
-                        #[cfg(feature = "ucx")]
-                        Some(Ok(m)) if self.ucx.takes(&m) => self.ucx.handle_message(m),
-                        Some(Ok(m)) => self.machine.handle_message(m, std_now()),
-                        Some(Err(ReadError::Frame(e))) => return Error::PeerMisbehaved {
-                            peer: self.peer_name.clone(), step: self.machine.step(), detail: e.to_string() },
-                        Some(Err(e)) => {
-                            #[cfg(feature = "ucx")]
-                            self.ucx.peer_left();
-                            return Error::lost(&self.peer_name, self.machine.step(), e);
-                        }
-                        None => {
-                            #[cfg(feature = "ucx")]
-                            self.ucx.peer_left();
-                            return Error::lost(&self.peer_name, self.machine.step(), "control reader ended");
-                        }
+                    if let Some(e) = self.on_control(m) {
+                        return e;
                     }
                 }
-                c = self.cmds.recv() => match c {
-                    Some(SessionCmd::DataConn(s, peer, stream)) if self.env.local.authenticates() => {
-                        // Bound only once it answers a fresh challenge under the session's
-                        // key: its token alone (seen in the clear) proves nothing.
-                        if stream >= self.machine.data_connection_cap() || Some(&peer) != self.peer_id.as_ref() {
-                            tokio::spawn(refuse(s, ErrorCode::UnknownSession, "data connection does not match this session"));
-                        } else if self.unproven.len() + self.proving.len() >= 2 * crate::config::MAX_DATA_CONNECTIONS {
-                            tokio::spawn(refuse(s, ErrorCode::LimitExceeded, "too many data connections being checked"));
-                        } else if let Some(key) = self.machine.data_key() {
-                            self.challenge(&key, stream, s);
-                        } else {
-                            self.unproven.push((stream, s));
-                        }
+                c = self.cmds.recv() => {
+                    if let Some(e) = self.on_command(c).await {
+                        return e;
                     }
-                    Some(SessionCmd::DataUnproven) => self.proving.retain(|h| !h.is_finished()),
-                    Some(SessionCmd::DataProven(s, stream)) => {
-                        self.proving.retain(|h| !h.is_finished());
-                        let bound = self.data.as_ref().is_some_and(|d| d.conns.iter().any(|c| c.stream == stream))
-                            || (stream == 0 && (self.data.is_some() || self.pending_bind.is_some() || self.parked_data.is_some()))
-                            || self.parked_extra.iter().any(|(i, _)| *i == stream);
-                        if bound {
-                            tokio::spawn(refuse(s, ErrorCode::UnknownSession, "this data connection's stream is already bound"));
-                        } else if stream == 0 {
-                            self.parked_data = Some(s);
-                        } else {
-                            self.parked_extra.push((stream, s));
-                        }
-                    }
-                    Some(SessionCmd::DataConn(s, peer, stream)) if stream > 0 => {
-                        let known = self.parked_extra.iter().any(|(i, _)| *i == stream)
-                            || self.data.as_ref().is_some_and(|d| d.conns.iter().any(|c| c.stream == stream));
-                        if known || stream >= self.machine.data_connection_cap() || Some(&peer) != self.peer_id.as_ref() {
-                            tokio::spawn(refuse(s, ErrorCode::UnknownSession, "data connection does not match this session"));
-                        } else {
-                            self.parked_extra.push((stream, s));
-                        }
-                    }
-                    Some(SessionCmd::DataConn(s, peer, _)) => {
-                        if self.data.is_some() || self.pending_bind.is_some() || self.parked_data.is_some() || Some(&peer) != self.peer_id.as_ref() {
-                            // A second data connection, or one naming another peer: refuse it
-                            // without disturbing this session.
-                            tokio::spawn(refuse(s, ErrorCode::UnknownSession, "data connection does not match this session"));
-                        } else {
-                            self.parked_data = Some(s);
-                        }
-                    }
-                    Some(SessionCmd::Replace(e)) | Some(SessionCmd::Abort(e)) => return e,
-                    Some(SessionCmd::MemChanged) => {
-                        if let Some(p) = &self.peer_id {
-                            let mem = self.env.table.granted_to(p);
-                            self.machine.update_mem(mem, std_now());
-                        }
-                        #[cfg(feature = "ucx")]
-                        self.ucx.grants_changed();
-                        if let Err(e) = self.sync_exports().await {
-                            return e;
-                        }
-                    }
-                    Some(SessionCmd::ShmConn(s, peer)) => {
-                        if self.shm.conn.is_some() || self.shm.parked.is_some() || Some(&peer) != self.peer_id.as_ref() {
-                            drop(s);
-                        } else {
-                            self.shm.parked = Some(s);
-                        }
-                    }
-                    Some(SessionCmd::EndIfMapping { region, after }) => {
-                        if self.shm.exports.contains_key(&region) || self.shm.revoking.contains_key(&region) {
-                            return Error::UnmapTimeout { peer: self.peer_name.clone(), step: Step::Established, region, after };
-                        }
-                    }
-                    Some(SessionCmd::Close) | None => return Error::Closed,
-                },
+                }
                 _ = sleep_until_opt(deadline) => {
                     self.machine.handle_timeout(std_now());
                     #[cfg(feature = "ucx")]
@@ -1069,16 +1166,20 @@ impl Session {
             self.env.config.limits.max_bytes_in_flight_per_peer,
             streams.len(),
             one_sided,
-            self.env.frames_direct.clone(),
+            self.env.frames_fast_lane.clone(),
             self.peer_unacked_notify,
         );
         let mut conns = Vec::with_capacity(streams.len());
         for (i, (s, rx)) in streams.into_iter().zip(rxs).enumerate() {
-            // Connection 0's writer copies the batches queued on it whose regions are
-            // mapped, in order with its frames.
-            let direct = if i == 0 { same_host.clone() } else { None };
+            // Connection 0's writer runs the batches queued on it that the same-host
+            // backend reaches (regions the peer mapped), in order with its frames.
+            let run_here = if i == 0 {
+                same_host.clone().map(|r| r as Arc<dyn OneSided>)
+            } else {
+                None
+            };
             let out = path.queue_of(i);
-            match self.start_conn(&path, s, i as u32, out, rx, direct) {
+            match self.start_conn(&path, s, i as u32, out, rx, run_here) {
                 Ok(c) => conns.push(c),
                 Err(e) => return self.fail_bind(e),
             }
@@ -1095,7 +1196,7 @@ impl Session {
         let Some(path) = self.data.as_ref().map(|d| d.path.clone()) else {
             return;
         };
-        let (out, rx) = crate::writer_queue::channel(self.env.frames_direct.clone());
+        let (out, rx) = crate::writer_queue::channel(self.env.frames_fast_lane.clone());
         match self.start_conn(&path, s, stream, out, rx, None) {
             Ok(c) => self.data.as_mut().expect("checked").conns.push(c),
             Err(e) => self.fail_bind(e),
@@ -1110,7 +1211,7 @@ impl Session {
         stream: u32,
         out: WriterQueue,
         out_rx: WriterRx,
-        direct: Option<Arc<SameHostRoute>>,
+        run_here: Option<Arc<dyn OneSided>>,
     ) -> std::io::Result<DataConn> {
         let ctx = ReaderCtx {
             peer: path.peer.clone(),
@@ -1155,7 +1256,7 @@ impl Session {
                     run_writer(
                         path.peer.clone(),
                         path.pending(),
-                        direct,
+                        run_here,
                         w,
                         out_rx,
                         self.env.config.deadlines.op,
@@ -1180,7 +1281,7 @@ impl Session {
                     writer: tokio::spawn(run_writer(
                         path.peer.clone(),
                         path.pending(),
-                        direct,
+                        run_here,
                         w,
                         out_rx,
                         self.env.config.deadlines.op,
@@ -1211,7 +1312,7 @@ impl Session {
             config: &self.env.config,
             table: &self.env.table,
             core: &self.env.core,
-            counters: &self.env.direct,
+            counters: &self.env.direct_copies,
             remote: &self.remote,
         };
         (&mut self.shm, cx)

@@ -27,9 +27,7 @@ pub(crate) mod tcp;
 #[cfg(test)]
 pub(crate) mod loopback;
 pub(crate) mod same_host;
-// Parts of the engine's seam (wait, test, wakeups) serve the backend's own tests only.
 #[cfg(feature = "ucx")]
-#[allow(dead_code)]
 pub(crate) mod ucx;
 #[cfg(feature = "ucx")]
 pub(crate) mod ucx_route;

@@ -55,6 +55,17 @@ pub(crate) enum Outcome {
     SessionEnded,
 }
 
+/// What [`OneSided::run_queued`] did with a batch queued on a data connection.
+pub(crate) enum RunQueued {
+    /// The backend does not run it (a region is not reached this way, or the backend runs
+    /// no batch in a writer): nothing was done, the batch goes over TCP.
+    NotHere,
+    /// The batch had already ended (the session is tearing down): nothing to run.
+    AlreadyEnded,
+    /// The batch ran, with this outcome.
+    Done(crate::error::Result<()>),
+}
+
 /// A batch a backend posted: completed inside `post`, or completing on the backend's agent.
 pub(crate) enum Posted<'a> {
     /// Completed inside [`OneSided::post`] (a copy on the calling thread).
@@ -90,4 +101,20 @@ pub(crate) trait OneSided: Send + Sync {
     /// session is open and this call, so a backend that copies inside `post` copies only
     /// while the session holds.
     fn post<'a>(&'a self, batch: BatchRef<'a>) -> Posted<'a>;
+
+    /// Runs a batch queued on a data connection, right in that connection's writer and in
+    /// order with its frames, when this backend completes batches in the caller and reaches
+    /// every region `descs` names; [`RunQueued::NotHere`], with nothing done, otherwise (the
+    /// default: a backend whose batches complete elsewhere). `locals` gives the local ranges
+    /// once the batch is known to run here (`None`: the batch already ended). The writer may
+    /// run on a thread outside the runtime: the batch runs on the calling thread.
+    fn run_queued(
+        &self,
+        dir: Dir,
+        descs: &[OpDesc],
+        locals: &mut dyn FnMut() -> Option<Vec<LocalSlice>>,
+    ) -> RunQueued {
+        let _ = (dir, descs, locals);
+        RunQueued::NotHere
+    }
 }

@@ -1,16 +1,17 @@
 //! The same-host backend: the one place that decides whether a batch is copied straight
 //! into or out of the peer's memory (shared memory, or cross-memory attach once the probe
 //! passed for this peer, `cma.rs`) instead of going over TCP, and that copies it. A batch may
-//! mix both ways, region by region (`ShmPeer::resolve`). Two callers: the data path, through
-//! the one-sided seam ([`OneSided`]), for a write copied by the task that issued it; and the
-//! TCP writer ([`SameHostRoute::try_copy`]), for a batch queued on its connection (reads, and
-//! writes on a current-thread runtime), in order with its frames.
+//! mix both ways, region by region (`ShmPeer::resolve`). Two callers, both through the
+//! one-sided seam ([`OneSided`]): the data path, for a write copied by the task that issued
+//! it ([`OneSided::post`]); and the TCP writer, for a batch queued on its connection (reads,
+//! and writes on a current-thread runtime), in order with its frames
+//! ([`OneSided::run_queued`]).
 
 use crate::dir::Dir;
 use crate::error::Error;
 use crate::region::LocalSlice;
 use crate::transport::cma::CopyError;
-use crate::transport::one_sided::{BatchRef, OneSided, Outcome, Posted};
+use crate::transport::one_sided::{BatchRef, OneSided, Outcome, Posted, RunQueued};
 use crate::transport::shm::{Remote, ShmFail, ShmPeer};
 use kvbridge_proto::handshake::Step;
 use kvbridge_proto::msg::{ErrorCode, OpDesc};
@@ -33,7 +34,7 @@ pub(crate) struct SameHostRoute {
 
 /// How a direct copy runs on the calling thread.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum CopyOn {
+enum CopyOn {
     /// Right here.
     ThisThread,
     /// After lending the thread to the runtime (`block_in_place`), so the runtime's other
@@ -41,60 +42,10 @@ pub(crate) enum CopyOn {
     LentThread,
 }
 
-/// What [`SameHostRoute::try_copy`] did.
-pub(crate) enum Copied {
-    /// A region of the batch is not reachable directly: nothing was done, the batch goes
-    /// over TCP.
-    NotDirect,
-    /// The batch had already ended (the session is tearing down): nothing to copy.
-    AlreadyEnded,
-    /// The batch was copied, with this outcome.
-    Done(crate::error::Result<()>),
-}
-
 impl SameHostRoute {
     /// The route to `peer`'s regions that `shm` reaches.
     pub(crate) fn new(peer: PeerId, shm: Arc<ShmPeer>) -> Self {
         Self { peer, shm }
-    }
-
-    /// Copies a batch when every region `descs` names is reachable directly; `NotDirect`
-    /// (and nothing done) when one is not, so the batch goes over TCP. `locals` gives the local
-    /// ranges once the batch is known to go direct (`None`: the batch already ended). A
-    /// region revoked because the session is ending fails with `ended()`'s error, or as a
-    /// lost connection when that gives none.
-    ///
-    /// The regions are resolved with no await before the copy, so a region revoked in
-    /// between (detached, say) is either still copied under its read lock (the revocation
-    /// waits for the copy) or sends the batch over TCP.
-    pub(crate) fn try_copy(
-        &self,
-        dir: Dir,
-        descs: &[OpDesc],
-        locals: impl FnOnce() -> Option<Vec<LocalSlice>>,
-        on: CopyOn,
-        ended: impl FnOnce() -> Option<Error>,
-    ) -> Copied {
-        let Some(maps) = self.shm.resolve(descs) else {
-            return Copied::NotDirect;
-        };
-        let Some(locals) = locals() else {
-            return Copied::AlreadyEnded;
-        };
-        let r = self.copy(dir, descs, &maps, &locals, on);
-        drop(locals);
-        Copied::Done(r.map_err(|f| match f {
-            // Revoked because the session's shared-memory side ended (the peer closed or
-            // died), not by the peer's choice: a lost connection, whoever asks.
-            ShmFail::Revoked(r) if self.shm.ended() => ended().unwrap_or_else(|| {
-                Error::lost(
-                    self.peer.as_str(),
-                    step_of(dir),
-                    format!("region {r}: the session's shared-memory connection ended"),
-                )
-            }),
-            f => direct_error(&self.peer, dir, f),
-        }))
     }
 
     /// Copies a batch whose regions resolved to `maps`, on the thread `on` says.
@@ -151,6 +102,38 @@ impl OneSided for SameHostRoute {
             Err(ShmFail::Revoked(_)) if self.shm.ended() => Outcome::SessionEnded,
             Err(f) => Outcome::Failed(direct_error(&self.peer, b.dir, f)),
         })
+    }
+
+    /// Copies the batch on the calling thread (the writer's, which may be a data thread
+    /// outside the runtime) when every region `descs` names is mapped; sends it over TCP
+    /// otherwise. The regions are resolved with no await before the copy, so a region
+    /// revoked in between (detached, say) is either still copied under its read lock (the
+    /// revocation waits for the copy) or sends the batch over TCP. A region revoked because
+    /// the session's shared-memory side ended is a lost connection.
+    fn run_queued(
+        &self,
+        dir: Dir,
+        descs: &[OpDesc],
+        locals: &mut dyn FnMut() -> Option<Vec<LocalSlice>>,
+    ) -> RunQueued {
+        let Some(maps) = self.shm.resolve(descs) else {
+            return RunQueued::NotHere;
+        };
+        let Some(locals) = locals() else {
+            return RunQueued::AlreadyEnded;
+        };
+        let r = self.copy(dir, descs, &maps, &locals, CopyOn::ThisThread);
+        drop(locals);
+        RunQueued::Done(r.map_err(|f| match f {
+            // Revoked because the session's shared-memory side ended (the peer closed or
+            // died), not by the peer's choice: a lost connection, whoever asks.
+            ShmFail::Revoked(r) if self.shm.ended() => Error::lost(
+                self.peer.as_str(),
+                step_of(dir),
+                format!("region {r}: the session's shared-memory connection ended"),
+            ),
+            f => direct_error(&self.peer, dir, f),
+        }))
     }
 }
 

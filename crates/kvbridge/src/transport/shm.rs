@@ -537,7 +537,7 @@ pub(crate) enum ShmFail {
 
 /// Batches this channel copied directly instead of sending them over TCP, by way.
 #[derive(Debug, Default)]
-pub(crate) struct DirectCounters {
+pub(crate) struct DirectCopyCounters {
     /// Batches whose ops all went to mapped memfds.
     pub(crate) shm: AtomicU64,
     /// Batches with at least one op copied with cross-memory attach.
@@ -552,7 +552,7 @@ pub(crate) struct ShmPeer {
     cma: OnceLock<CmaCopy>,
     /// Whether cross-memory attach is in use with this peer, or why not.
     cma_status: Mutex<CmaStatus>,
-    counters: Arc<DirectCounters>,
+    counters: Arc<DirectCopyCounters>,
     /// Set by [`ShmPeer::revoke_all`]: the session is ending.
     ended: std::sync::atomic::AtomicBool,
     /// Region lengths the listener announced in its `MemInfo`: no mapping may be longer.
@@ -625,7 +625,7 @@ impl std::fmt::Display for MapRefused {
 }
 
 impl ShmPeer {
-    pub(crate) fn new(counters: Arc<DirectCounters>, cma_status: CmaStatus) -> ShmPeer {
+    pub(crate) fn new(counters: Arc<DirectCopyCounters>, cma_status: CmaStatus) -> ShmPeer {
         ShmPeer {
             maps: Default::default(),
             cma: OnceLock::new(),

@@ -220,6 +220,8 @@ impl UcxBackend {
     }
 
     /// Operations UCX has not ended yet, abandoned ones included.
+    // Read by this file's tests: an ended batch leaves no operation behind.
+    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn in_flight(&self) -> usize {
         self.worker.in_flight()
     }

@@ -11,6 +11,7 @@ use axum::http::StatusCode;
 use bytes::Bytes;
 use serde_json::{json, Value};
 
+use crate::config::DecoderConfig;
 use crate::kvwait::{KvOutcome, KvWait, Loss};
 use crate::metrics::Outcome;
 use crate::pool::Slot;
@@ -86,7 +87,9 @@ impl App {
         }
     }
 
-    /// One attempt of [`App::lmcache`] with `dslot`'s decoder.
+    /// One attempt of [`App::lmcache`] with `dslot`'s decoder: the prefill (and the KV
+    /// outcomes that come meanwhile), what the decode continues from, then the decode and
+    /// the outcomes still awaited; the answer goes out only once the KV is confirmed.
     async fn lmcache_once(
         self: &Arc<Self>,
         ctx: &Ctx<'_>,
@@ -105,8 +108,55 @@ impl App {
         let dc = &self.cfg.decoders[dslot.index()];
         let id = self.next_id();
         // Registered before the prefill is sent, so no outcome can arrive before its waiter.
-        let mut wait = waiters.register(&id, dc.ranks());
+        let wait = waiters.register(&id, dc.ranks());
         tracing::debug!(request_id = ctx.rid(), kv_req_id = %id, decoder = %dslot.worker().label, "lmcache prefill");
+        let (answer, mut kv) = self.lmcache_prefill(ctx, doc, dc, &id, wait).await?;
+        let prefix = decode_prefix(self, ctx, doc, &answer)?;
+        if let Some((first, pv)) = &prefix {
+            // With `max_tokens: 1` the prefill's answer is the whole answer (still given only
+            // once the KV is confirmed).
+            if ctx.api == Api::Completions && doc.max_tokens == Some(1) {
+                kv.confirm().await?;
+                return Ok(answer_from_prefill(pv.clone(), first, ctx.stream));
+            }
+        }
+        if self.cfg.decode_after_kv_ready {
+            kv.confirm().await?;
+        }
+        let first = prefix.as_ref().map(|(f, _)| f.as_str());
+        let dbody = Bytes::from(lmcache_decode_body(doc, ctx.api, first, &id));
+        // The streamed first token: sent ahead of the decoder's stream.
+        let first_sse = prefix
+            .as_ref()
+            .filter(|_| ctx.stream)
+            .map(|(f, pv)| match ctx.api {
+                Api::Completions => first_chunk(pv, f, None),
+                Api::Chat => first_chat_chunk(pv, f),
+            });
+        tracing::debug!(target: TL, stage = "proxy.decode_sent", id = %id);
+        let reply = match self
+            .lmcache_decode(ctx, dslot, dbody, first_sse.clone(), kv)
+            .await?
+        {
+            Decoded::FirstTokenSent(pending) => return Ok(pending),
+            Decoded::Answered(reply) => reply,
+        };
+        tracing::debug!(target: TL, stage = "proxy.decode_answered", id = %id);
+        Ok(with_first_token(reply, prefix, first_sse))
+    }
+
+    /// The prefill of attempt `id` with a `disagg_spec` naming decoder `dc`, while the KV's
+    /// outcomes that come before its answer are taken in: its answer, and the KV's outcomes
+    /// still to come from there. A prefiller that could not reach the decoder at all is
+    /// [`LmcacheFail::ReceiverUnreachable`].
+    async fn lmcache_prefill<'a>(
+        &'a self,
+        ctx: &Ctx<'_>,
+        doc: &ReqDoc<'_>,
+        dc: &DecoderConfig,
+        id: &'a str,
+        mut wait: KvWait,
+    ) -> Result<(Bytes, KvOutcomes<'a>), LmcacheFail> {
         let spec = json!({"ret_first_tok": true, "disagg_spec": {"req_id": id, "receiver_host": dc.host,
             "receiver_init_port": dc.init_ports, "receiver_alloc_port": dc.alloc_ports}});
         let spec = serde_json::to_vec(&spec).unwrap_or_default();
@@ -115,22 +165,6 @@ impl App {
         let prefill = self.prefill(ctx, pbody, Some(wait.binding()));
         tokio::pin!(prefill);
         let mut ready = false;
-        let kv_failed = |rank: u32, reason: String| {
-            ApiError::new(
-                StatusCode::BAD_GATEWAY,
-                "kv_transfer_failed",
-                Outcome::KvFailed,
-                format!("KV transfer of request {id} failed on rank {rank}: {reason}"),
-            )
-        };
-        let gone = || {
-            ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "shutting_down",
-                Outcome::KvTimeout,
-                "the proxy is shutting down",
-            )
-        };
         let unreachable = |r: Result<Bytes, ApiError>| match r {
             Err(e) if e.code == KV_RECEIVER_UNREACHABLE => {
                 Err(LmcacheFail::ReceiverUnreachable(e.message))
@@ -146,7 +180,7 @@ impl App {
                         ready = true
                     }
                     Some(KvOutcome::PrefillerLost { prefiller, how }) => {
-                        return Err(self.prefiller_lost(&id, prefiller, how).into())
+                        return Err(self.prefiller_lost(id, prefiller, how).into())
                     }
                     Some(KvOutcome::Failed { rank, reason }) => {
                         // A prefiller that cannot reach the decoder reports KvFailed and
@@ -160,95 +194,41 @@ impl App {
                                 return Err(LmcacheFail::ReceiverUnreachable(e.message));
                             }
                         }
-                        return Err(kv_failed(rank, reason).into());
+                        return Err(kv_failed(id, rank, reason).into());
                     }
-                    None => return Err(gone().into()),
+                    None => return Err(shutting_down().into()),
                 },
             }
         };
         tracing::debug!(target: TL, stage = "proxy.prefill_answered", id = %id);
-        let t = Instant::now();
-        // Counted from the end of the prefill, in both orders.
-        let kv_deadline = tokio::time::Instant::now() + self.cfg.kv_ready_timeout;
-        let kv_timeout = || {
-            ApiError::new(
-                StatusCode::GATEWAY_TIMEOUT,
-                "kv_ready_timeout",
-                Outcome::KvTimeout,
-                format!(
-                    "KV of request {id} was not ready on all {} ranks within {:?}",
-                    dc.ranks(),
-                    self.cfg.kv_ready_timeout
-                ),
-            )
-        };
-        // Waits for the rest of the ranks' outcomes, up to the deadline.
-        let kv_outcome = async |wait: &mut KvWait| -> Result<(), ApiError> {
-            match tokio::time::timeout_at(kv_deadline, wait.outcome()).await {
-                Ok(Some(KvOutcome::Ready)) => {
-                    tracing::debug!(target: TL, stage = "proxy.kv_ready", id = %id);
-                    self.metrics.kv_wait.observe(t.elapsed());
-                    Ok(())
-                }
-                Ok(Some(KvOutcome::Failed { rank, reason })) => Err(kv_failed(rank, reason)),
-                Ok(Some(KvOutcome::PrefillerLost { prefiller, how })) => {
-                    Err(self.prefiller_lost(&id, prefiller, how))
-                }
-                Ok(None) => Err(gone()),
-                Err(_) => Err(kv_timeout()),
-            }
+        let kv = KvOutcomes {
+            app: self,
+            id,
+            ranks: dc.ranks(),
+            wait,
+            ready,
+            since: Instant::now(),
+            // Counted from the end of the prefill, in both orders.
+            deadline: tokio::time::Instant::now() + self.cfg.kv_ready_timeout,
         };
         if ready {
             // Every rank reported before the prefill answered.
-            self.metrics.kv_wait.observe(t.elapsed());
+            self.metrics.kv_wait.observe(kv.since.elapsed());
         }
-        // Completions with a text prompt continue from the prefill's first token, so their
-        // decode needs the prefill's answer; with `max_tokens: 1` that answer is the whole
-        // answer (still given only once the KV is confirmed, as before).
-        let mut prefix = None;
-        // A chat continues from the prefill's token only to send that token early: with
-        // `first_token_on_kv_ready` off it goes to the decoder as it came.
-        if ctx.api == Api::Chat && self.cfg.first_token_on_kv_ready && chat_continues(doc) {
-            let first = serde_json::from_slice::<Value>(&answer)
-                .ok()
-                .and_then(|pv| {
-                    let f = pv
-                        .pointer("/choices/0/message/content")?
-                        .as_str()?
-                        .to_string();
-                    Some((f, pv))
-                });
-            // An answer without a text first token: the decoder makes the whole answer.
-            prefix = first.filter(|(f, _)| !f.is_empty());
-        }
-        if ctx.api == Api::Completions && doc.prompt_text().is_some() {
-            let pv: Value =
-                serde_json::from_slice(&answer).map_err(ApiError::prefill_invalid_json)?;
-            if let Some(first) = pv.pointer("/choices/0/text").and_then(Value::as_str) {
-                if doc.max_tokens == Some(1) {
-                    if !ready {
-                        kv_outcome(&mut wait).await?;
-                    }
-                    return Ok(answer_from_prefill(pv.clone(), first, ctx.stream));
-                }
-                prefix = Some(first.to_string()).zip(Some(pv));
-            }
-        }
-        if self.cfg.decode_after_kv_ready && !ready {
-            kv_outcome(&mut wait).await?;
-            ready = true;
-        }
-        let first = prefix.as_ref().map(|(f, _)| f.as_str());
-        let dbody = Bytes::from(lmcache_decode_body(doc, ctx.api, first, &id));
-        // The streamed first token: sent ahead of the decoder's stream.
-        let first_sse = prefix
-            .as_ref()
-            .filter(|_| ctx.stream)
-            .map(|(f, pv)| match ctx.api {
-                Api::Completions => first_chunk(pv, f, None),
-                Api::Chat => first_chat_chunk(pv, f),
-            });
-        tracing::debug!(target: TL, stage = "proxy.decode_sent", id = %id);
+        Ok((answer, kv))
+    }
+
+    /// The decode on `dslot`'s decoder, sent now, while the KV's tail may still be landing;
+    /// its answer is passed on only once every rank reported `KvReady`, or, streamed with a
+    /// first token in hand, that token goes out as soon as they did.
+    async fn lmcache_decode(
+        self: &Arc<Self>,
+        ctx: &Ctx<'_>,
+        dslot: Slot,
+        dbody: Bytes,
+        first_sse: Option<Bytes>,
+        mut kv: KvOutcomes<'_>,
+    ) -> Result<Decoded, ApiError> {
         // The KV sits on this decoder: no other one can take the request over. A task of its
         // own, so that the answer can start before the decoder's does (below); dropped, it
         // is aborted, which closes the decoder connection as dropping the call did.
@@ -258,16 +238,6 @@ impl App {
                 app.decode(&owned.ctx(), dbody, dslot, false).await
             }))
         };
-        let joined = |r: Result<Result<Reply, ApiError>, tokio::task::JoinError>| {
-            r.unwrap_or_else(|e| {
-                Err(ApiError::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "internal",
-                    Outcome::DecodeError,
-                    format!("the decode task ended: {e}"),
-                ))
-            })
-        };
         // Decode before `KvReady`: the request goes out now, while the KV's tail is still
         // landing (the decoder waits for its KV with its own deadline, and fails at once
         // when the transfer ends early). Its answer is passed on only once every rank
@@ -275,68 +245,44 @@ impl App {
         // still becomes `kv_transfer_failed` (the decode is dropped, which closes its
         // connection), a missing outcome `kv_ready_timeout`.
         let mut reply = None;
-        while reply.is_none() || !ready {
-            if ready && self.cfg.first_token_on_kv_ready {
+        while reply.is_none() || !kv.ready {
+            if kv.ready && self.cfg.first_token_on_kv_ready {
                 if let Some(first) = first_sse.clone() {
                     // Every rank confirmed the KV and the first token is in hand: the
                     // client gets it now, not after the decoder's first step over that KV
                     // (its digest of the last chunk in the reference engine, a forward
                     // pass on a real one). The decoder's stream follows; its failure from
                     // here on is an SSE `error` event, as any failure mid-stream.
-                    tracing::debug!(target: TL, stage = "proxy.first_token_sent", id = %id);
-                    return Ok(Reply::Pending {
+                    tracing::debug!(target: TL, stage = "proxy.first_token_sent", id = %kv.id);
+                    return Ok(Decoded::FirstTokenSent(Reply::Pending {
                         first,
-                        decode: Box::pin(async move { joined((&mut decode.0).await) }),
-                    });
+                        decode: Box::pin(async move { decode_result((&mut decode.0).await) }),
+                    }));
                 }
             }
             tokio::select! {
-                r = &mut decode.0, if reply.is_none() => match joined(r) {
+                r = &mut decode.0, if reply.is_none() => match decode_result(r) {
                     Ok(r) => reply = Some(r),
-                    Err(e) if ready => return Err(e.into()),
+                    Err(e) if kv.ready => return Err(e),
                     Err(e) => {
                         // The decoder failing because its KV did (it learns of it from the
                         // PD layer at about the time the proxy does) is the KV's failure:
                         // give the outcome a moment to say so.
-                        let grace = (tokio::time::Instant::now() + KV_OUTCOME_GRACE).min(kv_deadline);
-                        return match tokio::time::timeout_at(grace, wait.outcome()).await {
-                            Ok(Some(KvOutcome::Failed { rank, reason })) => Err(kv_failed(rank, reason).into()),
-                            _ => Err(e.into()),
+                        let grace = (tokio::time::Instant::now() + KV_OUTCOME_GRACE).min(kv.deadline);
+                        return match tokio::time::timeout_at(grace, kv.wait.outcome()).await {
+                            Ok(Some(KvOutcome::Failed { rank, reason })) => Err(kv_failed(kv.id, rank, reason)),
+                            _ => Err(e),
                         };
                     }
                 },
-                r = kv_outcome(&mut wait), if !ready => {
+                r = kv.outcome(), if !kv.ready => {
                     r?;
-                    ready = true;
+                    kv.ready = true;
                 }
             }
         }
-        drop(wait);
-        let reply = reply.ok_or_else(gone)?;
-        tracing::debug!(target: TL, stage = "proxy.decode_answered", id = %id);
-        match (reply, prefix) {
-            (Reply::Full { content_type, body }, Some((first, _))) => Ok(Reply::Full {
-                content_type,
-                body: prepend_first(body, &first),
-            }),
-            (
-                Reply::Stream {
-                    content_type,
-                    body,
-                    slot,
-                    decode_start,
-                    ..
-                },
-                _,
-            ) => Ok(Reply::Stream {
-                content_type,
-                body,
-                prefix: first_sse,
-                slot,
-                decode_start,
-            }),
-            (r, _) => Ok(r),
-        }
+        drop(kv);
+        reply.map(Decoded::Answered).ok_or_else(shutting_down)
     }
 
     /// The error of a request whose prefiller was lost while its KV waited there.
@@ -359,4 +305,161 @@ impl App {
             ),
         )
     }
+}
+
+/// What the decode of one attempt came to.
+enum Decoded {
+    /// The streamed first token went out ahead of the decoder's stream, which follows.
+    FirstTokenSent(Reply),
+    /// The decoder's answer, the KV confirmed.
+    Answered(Reply),
+}
+
+/// The KV outcomes of one attempt still awaited once its prefill answered.
+struct KvOutcomes<'a> {
+    app: &'a App,
+    /// The attempt's KV request id.
+    id: &'a str,
+    /// The decoder's ranks, each of which reports an outcome.
+    ranks: u32,
+    wait: KvWait,
+    /// Every rank reported `KvReady`.
+    ready: bool,
+    /// When the prefill answered: the KV's wait is measured from there.
+    since: Instant,
+    /// When a rank's outcome missing is `kv_ready_timeout`.
+    deadline: tokio::time::Instant,
+}
+
+impl KvOutcomes<'_> {
+    /// Waits for the rest of the ranks' outcomes, up to the deadline.
+    async fn outcome(&mut self) -> Result<(), ApiError> {
+        let id = self.id;
+        match tokio::time::timeout_at(self.deadline, self.wait.outcome()).await {
+            Ok(Some(KvOutcome::Ready)) => {
+                tracing::debug!(target: TL, stage = "proxy.kv_ready", id = %id);
+                self.app.metrics.kv_wait.observe(self.since.elapsed());
+                Ok(())
+            }
+            Ok(Some(KvOutcome::Failed { rank, reason })) => Err(kv_failed(id, rank, reason)),
+            Ok(Some(KvOutcome::PrefillerLost { prefiller, how })) => {
+                Err(self.app.prefiller_lost(id, prefiller, how))
+            }
+            Ok(None) => Err(shutting_down()),
+            Err(_) => Err(ApiError::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                "kv_ready_timeout",
+                Outcome::KvTimeout,
+                format!(
+                    "KV of request {id} was not ready on all {} ranks within {:?}",
+                    self.ranks, self.app.cfg.kv_ready_timeout
+                ),
+            )),
+        }
+    }
+
+    /// Waits for every rank's `KvReady`, unless they all reported already.
+    async fn confirm(&mut self) -> Result<(), ApiError> {
+        if !self.ready {
+            self.outcome().await?;
+            self.ready = true;
+        }
+        Ok(())
+    }
+}
+
+/// What the decode continues from: the prefill's first token and its whole answer.
+/// Completions with a text prompt continue from it, so their decode needs the prefill's
+/// answer; a chat does only to send that token early, so with `first_token_on_kv_ready` off
+/// it goes to the decoder as it came. An answer without a text first token: the decoder
+/// makes the whole answer.
+fn decode_prefix(
+    app: &App,
+    ctx: &Ctx<'_>,
+    doc: &ReqDoc<'_>,
+    answer: &[u8],
+) -> Result<Option<(String, Value)>, ApiError> {
+    if ctx.api == Api::Chat && app.cfg.first_token_on_kv_ready && chat_continues(doc) {
+        let first = serde_json::from_slice::<Value>(answer).ok().and_then(|pv| {
+            let f = pv
+                .pointer("/choices/0/message/content")?
+                .as_str()?
+                .to_string();
+            Some((f, pv))
+        });
+        return Ok(first.filter(|(f, _)| !f.is_empty()));
+    }
+    if ctx.api == Api::Completions && doc.prompt_text().is_some() {
+        let pv: Value = serde_json::from_slice(answer).map_err(ApiError::prefill_invalid_json)?;
+        let first = pv.pointer("/choices/0/text").and_then(Value::as_str);
+        return Ok(first.map(str::to_string).zip(Some(pv)));
+    }
+    Ok(None)
+}
+
+/// The decoder's answer with the prefill's first token ahead of it: prepended to a full
+/// answer, or sent before a stream (`first_sse`).
+fn with_first_token(
+    reply: Reply,
+    prefix: Option<(String, Value)>,
+    first_sse: Option<Bytes>,
+) -> Reply {
+    match (reply, prefix) {
+        (Reply::Full { content_type, body }, Some((first, _))) => Reply::Full {
+            content_type,
+            body: prepend_first(body, &first),
+        },
+        (
+            Reply::Stream {
+                content_type,
+                body,
+                slot,
+                decode_start,
+                ..
+            },
+            _,
+        ) => Reply::Stream {
+            content_type,
+            body,
+            prefix: first_sse,
+            slot,
+            decode_start,
+        },
+        (r, _) => r,
+    }
+}
+
+/// The decode task's result; a task that ended without one (aborted or panicked) is an
+/// internal error.
+fn decode_result(
+    r: Result<Result<Reply, ApiError>, tokio::task::JoinError>,
+) -> Result<Reply, ApiError> {
+    r.unwrap_or_else(|e| {
+        Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            Outcome::DecodeError,
+            format!("the decode task ended: {e}"),
+        ))
+    })
+}
+
+/// The error of a KV transfer that failed on `rank`.
+fn kv_failed(id: &str, rank: u32, reason: String) -> ApiError {
+    ApiError::new(
+        StatusCode::BAD_GATEWAY,
+        "kv_transfer_failed",
+        Outcome::KvFailed,
+        format!("KV transfer of request {id} failed on rank {rank}: {reason}"),
+    )
+}
+
+/// The error of a request whose KV waiter went away: the proxy is stopping.
+fn shutting_down() -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "shutting_down",
+        Outcome::KvTimeout,
+        "the proxy is shutting down",
+    )
 }

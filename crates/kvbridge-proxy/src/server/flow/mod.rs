@@ -17,12 +17,12 @@ use bytes::Bytes;
 use super::app::{App, TL};
 use super::ctx::Ctx;
 use crate::config::Flow;
-use crate::decider::{Decision, Facts, PrefillerView};
 use crate::metrics::Outcome;
 use crate::pool::Role;
 use crate::reply::{pick_error, ApiError, Reply, Track};
 use crate::request::{Api, ReqDoc};
 use crate::rewrite::vllm_decode_body;
+use crate::routing::decider::{Decision, Facts, PrefillerView};
 
 impl App {
     /// Runs the request of `api` with `body` to its reply.
@@ -69,7 +69,7 @@ impl App {
         let tokens = (body.len() as u64 / 4).max(1);
         let mut prompt = (self.cfg.routing != crate::routing::RoutingPolicy::LeastLoaded
             || self.decider.active())
-        .then(|| crate::router::PromptKey::from_raw(doc.prompt_raw()));
+        .then(|| crate::routing::prompt_key::PromptKey::from_raw(doc.prompt_raw()));
         let auth = headers.get(AUTHORIZATION);
         if let Some(p) = prompt.as_mut() {
             self.tokenize_prompt(api, &doc, auth, rid, p).await;
@@ -94,10 +94,10 @@ impl App {
             stream: doc.stream,
             prompt,
         };
-        let prompt_tokens = ctx
-            .prompt
-            .as_ref()
-            .map_or(tokens, crate::router::PromptKey::estimated_tokens);
+        let prompt_tokens = ctx.prompt.as_ref().map_or(
+            tokens,
+            crate::routing::prompt_key::PromptKey::estimated_tokens,
+        );
         // Where the PD path would prefill, for a decider that weighs the queues.
         let prefiller = if self.decider.compares_queues() {
             self.prefill

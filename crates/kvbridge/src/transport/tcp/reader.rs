@@ -2,7 +2,7 @@
 //! (region exists, granted to this peer, in bounds) before it reads a payload byte straight
 //! into place, and completes our own batches when their acknowledgements arrive.
 
-use crate::config::{Limits, TestHooks};
+use crate::config::Limits;
 use crate::datapath::pending::{Pending, Waiting};
 use crate::error::{Error, Result};
 use crate::events::Notification;
@@ -11,11 +11,12 @@ use crate::in_flight::{InFlight, Refused, Reservation};
 use crate::net::ReadHalf;
 use crate::peer_memory::PeerRange;
 use crate::region::LocalSlice;
+use crate::test_hooks::TestHooks;
 use crate::wire::{read_data_frame, ReadError};
 use crate::writer_queue::Outgoing;
-use crate::writer_queue::{Direct, WriterQueue};
+use crate::writer_queue::{FastSend, WriterQueue};
 use kvbridge_proto::handshake::Step;
-use kvbridge_proto::msg::{Ack, Batch, ErrorCode, Message, Reject};
+use kvbridge_proto::msg::{Ack, Batch, ErrorCode, Message, Notify, Reject};
 use kvbridge_proto::PeerId;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -49,11 +50,157 @@ impl ReaderCtx {
     /// gone (the session is ending).
     async fn ack(&self, m: Message, step: Step) -> Result<bool> {
         let frame = m.to_frame().map_err(|e| Error::Local(e.to_string()))?;
-        match self.out.send_direct(&frame) {
-            Direct::Sent => Ok(true),
-            Direct::Broken(e) => Err(Error::lost(self.peer.as_str(), step, e)),
-            Direct::Queue => Ok(self.out.send(Outgoing::Frame(frame)).await.is_ok()),
+        match self.out.send_fast(&frame) {
+            FastSend::Sent => Ok(true),
+            FastSend::Broken(e) => Err(Error::lost(self.peer.as_str(), step, e)),
+            FastSend::Queue => Ok(self.out.send(Outgoing::Frame(frame)).await.is_ok()),
         }
+    }
+
+    /// The error that ends the connection when its next frame cannot be read.
+    fn read_failed(&self, e: ReadError) -> Error {
+        match e {
+            ReadError::Eof => Error::lost(
+                self.peer.as_str(),
+                Step::Established,
+                "data connection closed",
+            ),
+            ReadError::Io(e) if e.kind() == std::io::ErrorKind::TimedOut => Error::Timeout {
+                peer: self.peer.to_string(),
+                step: Step::Established,
+                after: self.payload_deadline,
+            },
+            ReadError::Io(e) => Error::lost(self.peer.as_str(), Step::Established, e),
+            ReadError::Frame(e) => self.misbehaved(Step::Established, e.to_string()),
+        }
+    }
+
+    /// The peer's write batch `b`: its op headers checked, its payload read straight into
+    /// place from `r`, then acknowledged. A batch refused is acknowledged with the reason and
+    /// ends the session. `Ok(false)`: the writer is gone.
+    async fn apply_write(&self, r: &mut ReadHalf, b: Batch) -> Result<bool> {
+        let (dests, held) = match self
+            .resolve_write(&b)
+            .await
+            .and_then(|d| disjoint(d, &b))
+            .and_then(|d| self.admit(&b, d))
+        {
+            Ok(d) => d,
+            Err(reject) => {
+                let err = self.misbehaved(Step::Write, reject.message.clone());
+                let ack = Message::WriteAck(Ack {
+                    id: b.id,
+                    error: Some(reject),
+                });
+                if let Ok(f) = ack.to_frame() {
+                    let _ = self.out.send(Outgoing::Frame(f)).await;
+                }
+                return Err(err);
+            }
+        };
+        if let Some(d) = self.hooks.write_apply_delay {
+            tokio::time::sleep(d).await;
+        }
+        let mut iov: Vec<PeerRange<'_>> = dests.iter().map(LocalSlice::as_range).collect();
+        r.read_exact_vectored_within(&mut iov, self.payload_deadline)
+            .await
+            .map_err(|e| self.payload_error(Step::Write, e))?;
+        drop(iov);
+        drop(dests);
+        drop(held);
+        let ack = Message::WriteAck(Ack {
+            id: b.id,
+            error: None,
+        });
+        self.ack(ack, Step::Write).await
+    }
+
+    /// The peer's read batch `b`: its op headers checked, then handed to the writer, which
+    /// sends the bytes (or the refusal, which ends the session). `Ok(false)`: the writer is
+    /// gone.
+    async fn serve_read(&self, b: Batch) -> Result<bool> {
+        let (result, held) = match self.resolve(&b, false).and_then(|d| self.admit(&b, d)) {
+            Ok((d, held)) => (Ok(d), Some(held)),
+            Err(r) => (Err(r), None),
+        };
+        if let (Some(d), Ok(_)) = (self.hooks.read_serve_delay, &result) {
+            // Held without holding up the connection: the frames after it (the
+            // acknowledgements of our own notifications among them) are still read,
+            // as they would be behind a slow read on a real host.
+            let out = self.out.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(d).await;
+                let _ = out
+                    .send(Outgoing::ReadResp {
+                        id: b.id,
+                        result,
+                        held,
+                    })
+                    .await;
+            });
+            return Ok(true);
+        }
+        let bad = result.as_ref().err().map(|r| r.message.clone());
+        if self
+            .out
+            .send(Outgoing::ReadResp {
+                id: b.id,
+                result,
+                held,
+            })
+            .await
+            .is_err()
+        {
+            return Ok(false);
+        }
+        if let Some(detail) = bad {
+            return Err(self.misbehaved(Step::Read, detail));
+        }
+        Ok(true)
+    }
+
+    /// The peer's notification `n`, delivered to the application (and confirmed, unless the
+    /// peer asked for no confirmation). `Ok(false)`: the writer is gone.
+    async fn deliver(&self, n: Notify) -> Result<bool> {
+        if n.data.0.len() > self.limits.max_notify_len {
+            return Err(self.misbehaved(
+                Step::Notify,
+                format!(
+                    "notification of {} bytes, limit {}",
+                    n.data.0.len(),
+                    self.limits.max_notify_len
+                ),
+            ));
+        }
+        // Delivered only after every write before it was placed: this task handles
+        // the connection's frames strictly in order.
+        let notification = Notification {
+            peer: self.peer.clone(),
+            incarnation: self.incarnation,
+            data: n.data.0,
+        };
+        if n.unacked {
+            let _ = self.notifications.send(notification).await;
+            return Ok(true);
+        }
+        // Room in the application's queue first, then the confirmation on its way
+        // (written, or queued ahead of anything a close queues after it), then the
+        // delivery, with no await between the last two: an application that closes
+        // the moment it has the notification cannot end the session before the
+        // confirmation left, and one not confirmed is not delivered.
+        // (No room ever: the application dropped its queue; confirmed as before.)
+        let room = self.notifications.reserve().await.ok();
+        let ack = Message::NotifyAck(Ack {
+            id: n.id,
+            error: None,
+        });
+        if !self.ack(ack, Step::Notify).await? {
+            return Ok(false);
+        }
+        if let Some(room) = room {
+            room.send(notification);
+        }
+        Ok(true)
     }
 
     fn payload_error(&self, step: Step, e: std::io::Error) -> Error {
@@ -225,152 +372,19 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
     let peer = ctx.peer.clone();
     let mut buf = Vec::new();
     loop {
-        let msg = match read_data_frame(
+        let msg = read_data_frame(
             &mut r,
             ctx.limits.max_frame_len,
             &mut buf,
             ctx.payload_deadline,
         )
         .await
-        {
-            Ok(m) => m,
-            Err(ReadError::Eof) => {
-                return Err(Error::lost(
-                    peer.as_str(),
-                    Step::Established,
-                    "data connection closed",
-                ))
-            }
-            Err(ReadError::Io(e)) if e.kind() == std::io::ErrorKind::TimedOut => {
-                return Err(Error::Timeout {
-                    peer: peer.to_string(),
-                    step: Step::Established,
-                    after: ctx.payload_deadline,
-                })
-            }
-            Err(ReadError::Io(e)) => return Err(Error::lost(peer.as_str(), Step::Established, e)),
-            Err(ReadError::Frame(e)) => {
-                return Err(ctx.misbehaved(Step::Established, e.to_string()))
-            }
-        };
-        match msg {
-            Message::WriteBatch(b) => {
-                let (dests, held) = match ctx
-                    .resolve_write(&b)
-                    .await
-                    .and_then(|d| disjoint(d, &b))
-                    .and_then(|d| ctx.admit(&b, d))
-                {
-                    Ok(d) => d,
-                    Err(reject) => {
-                        let err = ctx.misbehaved(Step::Write, reject.message.clone());
-                        let ack = Message::WriteAck(Ack {
-                            id: b.id,
-                            error: Some(reject),
-                        });
-                        if let Ok(f) = ack.to_frame() {
-                            let _ = ctx.out.send(Outgoing::Frame(f)).await;
-                        }
-                        return Err(err);
-                    }
-                };
-                if let Some(d) = ctx.hooks.write_apply_delay {
-                    tokio::time::sleep(d).await;
-                }
-                let mut iov: Vec<PeerRange<'_>> = dests.iter().map(LocalSlice::as_range).collect();
-                r.read_exact_vectored_within(&mut iov, ctx.payload_deadline)
-                    .await
-                    .map_err(|e| ctx.payload_error(Step::Write, e))?;
-                drop(iov);
-                drop(dests);
-                drop(held);
-                let ack = Message::WriteAck(Ack {
-                    id: b.id,
-                    error: None,
-                });
-                if !ctx.ack(ack, Step::Write).await? {
-                    return Ok(());
-                }
-            }
-            Message::ReadBatch(b) => {
-                let (result, held) = match ctx.resolve(&b, false).and_then(|d| ctx.admit(&b, d)) {
-                    Ok((d, held)) => (Ok(d), Some(held)),
-                    Err(r) => (Err(r), None),
-                };
-                if let (Some(d), Ok(_)) = (ctx.hooks.read_serve_delay, &result) {
-                    // Held without holding up the connection: the frames after it (the
-                    // acknowledgements of our own notifications among them) are still read,
-                    // as they would be behind a slow read on a real host.
-                    let out = ctx.out.clone();
-                    tokio::spawn(async move {
-                        tokio::time::sleep(d).await;
-                        let _ = out
-                            .send(Outgoing::ReadResp {
-                                id: b.id,
-                                result,
-                                held,
-                            })
-                            .await;
-                    });
-                    continue;
-                }
-                let bad = result.as_ref().err().map(|r| r.message.clone());
-                if ctx
-                    .out
-                    .send(Outgoing::ReadResp {
-                        id: b.id,
-                        result,
-                        held,
-                    })
-                    .await
-                    .is_err()
-                {
-                    return Ok(());
-                }
-                if let Some(detail) = bad {
-                    return Err(ctx.misbehaved(Step::Read, detail));
-                }
-            }
-            Message::Notify(n) => {
-                if n.data.0.len() > ctx.limits.max_notify_len {
-                    return Err(ctx.misbehaved(
-                        Step::Notify,
-                        format!(
-                            "notification of {} bytes, limit {}",
-                            n.data.0.len(),
-                            ctx.limits.max_notify_len
-                        ),
-                    ));
-                }
-                // Delivered only after every write before it was placed: this task handles
-                // the connection's frames strictly in order.
-                let notification = Notification {
-                    peer: peer.clone(),
-                    incarnation: ctx.incarnation,
-                    data: n.data.0,
-                };
-                if n.unacked {
-                    let _ = ctx.notifications.send(notification).await;
-                    continue;
-                }
-                // Room in the application's queue first, then the confirmation on its way
-                // (written, or queued ahead of anything a close queues after it), then the
-                // delivery, with no await between the last two: an application that closes
-                // the moment it has the notification cannot end the session before the
-                // confirmation left, and one not confirmed is not delivered.
-                // (No room ever: the application dropped its queue; confirmed as before.)
-                let room = ctx.notifications.reserve().await.ok();
-                let ack = Message::NotifyAck(Ack {
-                    id: n.id,
-                    error: None,
-                });
-                if !ctx.ack(ack, Step::Notify).await? {
-                    return Ok(());
-                }
-                if let Some(room) = room {
-                    room.send(notification);
-                }
-            }
+        .map_err(|e| ctx.read_failed(e))?;
+        // Whether the session goes on (`false`: the writer is gone, the session ends).
+        let goes_on = match msg {
+            Message::WriteBatch(b) => ctx.apply_write(&mut r, b).await?,
+            Message::ReadBatch(b) => ctx.serve_read(b).await?,
+            Message::Notify(n) => ctx.deliver(n).await?,
             Message::WriteAck(a) | Message::NotifyAck(a) => {
                 let Some(w) = ctx.pending.take(a.id) else {
                     return Err(ctx.misbehaved(
@@ -392,6 +406,7 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
                         message: rj.message,
                     }),
                 });
+                true
             }
             Message::ReadResp(a) => {
                 let Some(Waiting::Read(dests, done)) = ctx.pending.take(a.id) else {
@@ -421,6 +436,7 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
                 if let Some(e) = failed {
                     return Err(e);
                 }
+                true
             }
             // The listener refused the data connection (its session ended meanwhile).
             Message::Reject(rj) | Message::Bye(rj) => {
@@ -437,6 +453,9 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
                     format!("{} on a data connection", other.name()),
                 ))
             }
+        };
+        if !goes_on {
+            return Ok(());
         }
     }
 }

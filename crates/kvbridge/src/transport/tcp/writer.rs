@@ -1,6 +1,7 @@
 //! The writer of one data connection: sends queued frames and payloads in order, payloads
-//! taken straight from registered memory with vectored writes (no staging copy). A batch
-//! whose regions are reachable directly is copied here instead, in order with the frames.
+//! taken straight from registered memory with vectored writes (no staging copy). A batch a
+//! backend of the session runs in the caller (regions the peer mapped for us) is run here
+//! instead, in order with the frames.
 
 use crate::datapath::pending::Pending;
 use crate::dir::Dir;
@@ -8,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::net::WriteHalf;
 use crate::peer_memory::PeerRange;
 use crate::region::LocalSlice;
-use crate::transport::same_host::{Copied, CopyOn, SameHostRoute};
+use crate::transport::one_sided::{OneSided, RunQueued};
 use crate::wire::{write_all_vectored, write_msg};
 use crate::writer_queue::Outgoing;
 use crate::writer_queue::WriterRx;
@@ -19,44 +20,39 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::AsyncWriteExt;
 
-/// Runs a batch queued on a connection by direct copies when every region it names is
-/// reachable directly ([`SameHostRoute::try_copy`]), completing it in `pending`; gives the
-/// batch back otherwise (it then goes over TCP).
-fn try_direct(
+/// Runs a batch queued on a connection in the connection's writer when `here` (the
+/// session's backend that completes batches in the caller, if any) reaches every region it
+/// names ([`OneSided::run_queued`]), completing it in `pending`; gives the batch back
+/// otherwise (it then goes over TCP).
+fn try_run_here(
     pending: &Pending,
-    direct: Option<&SameHostRoute>,
+    here: Option<&dyn OneSided>,
     dir: Dir,
     id: u64,
     descs: Vec<OpDesc>,
     sources: Vec<LocalSlice>,
 ) -> Option<(Vec<OpDesc>, Vec<LocalSlice>)> {
-    let Some(direct) = direct else {
+    let Some(here) = here else {
         return Some((descs, sources));
     };
     let mut sources = Some(sources);
     let mut done = None;
-    let copied = direct.try_copy(
-        dir,
-        &descs,
-        || {
-            // Gone when the batch already ended (the session is tearing down).
-            let (dests, tx) = pending.take(id)?.into_parts();
-            done = Some(tx);
-            match dir {
-                Dir::Write => sources.take(),
-                Dir::Read => dests,
-            }
-        },
-        CopyOn::ThisThread,
-        || None,
-    );
-    match copied {
-        Copied::NotDirect => Some((
+    let ran = here.run_queued(dir, &descs, &mut || {
+        // Gone when the batch already ended (the session is tearing down).
+        let (dests, tx) = pending.take(id)?.into_parts();
+        done = Some(tx);
+        match dir {
+            Dir::Write => sources.take(),
+            Dir::Read => dests,
+        }
+    });
+    match ran {
+        RunQueued::NotHere => Some((
             descs,
-            sources.expect("given back when the batch does not go direct"),
+            sources.expect("given back when the batch does not run here"),
         )),
-        Copied::AlreadyEnded => None,
-        Copied::Done(r) => {
+        RunQueued::AlreadyEnded => None,
+        RunQueued::Done(r) => {
             if let Some(tx) = done {
                 let _ = tx.send(r);
             }
@@ -66,14 +62,14 @@ fn try_direct(
 }
 
 /// The writer task: sends queued frames and payloads until `Shutdown` or a socket error.
-/// Batches whose regions the peer mapped for us (`direct`) are copied here instead, in order
-/// with the frames. Each payload (a write batch, a read response) must be on the wire
+/// Batches that `here` runs in the caller (the session's same-host backend: regions the peer
+/// mapped for us) are run here instead, in order with the frames. Each payload (a write batch, a read response) must be on the wire
 /// within `limit` (the op deadline): a peer that stops reading ends the session with
 /// `Timeout` instead of holding the writer and the regions it sends from.
 pub(crate) async fn run_writer(
     peer: PeerId,
     pending: Arc<Pending>,
-    direct: Option<Arc<SameHostRoute>>,
+    here: Option<Arc<dyn OneSided>>,
     mut w: WriteHalf,
     mut rx: WriterRx,
     limit: Duration,
@@ -106,7 +102,7 @@ pub(crate) async fn run_writer(
         match o {
             Outgoing::Write { id, descs, sources } => {
                 let Some((descs, sources)) =
-                    try_direct(&pending, direct.as_deref(), Dir::Write, id, descs, sources)
+                    try_run_here(&pending, here.as_deref(), Dir::Write, id, descs, sources)
                 else {
                     continue;
                 };
@@ -121,14 +117,9 @@ pub(crate) async fn run_writer(
                     .map_err(|e| lost(Step::Write, e))?;
             }
             Outgoing::Read { id, descs } => {
-                let Some((descs, _)) = try_direct(
-                    &pending,
-                    direct.as_deref(),
-                    Dir::Read,
-                    id,
-                    descs,
-                    Vec::new(),
-                ) else {
+                let Some((descs, _)) =
+                    try_run_here(&pending, here.as_deref(), Dir::Read, id, descs, Vec::new())
+                else {
                     continue;
                 };
                 within(

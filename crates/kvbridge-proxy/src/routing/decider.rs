@@ -14,7 +14,7 @@
 //!    the prompt's prefill sooner and finish it first, weighed as the routing cost weighs:
 //!    `load_weight * decoder_load + prefill_weight * uncached <
 //!    load_weight * prefiller_load + prefill_weight * (prompt - prefiller_cached)`, both loads
-//!    [`crate::routing::Candidate::load`] without this request (a decoder's load counts only
+//!    [`super::policy::Candidate::load`] without this request (a decoder's load counts only
 //!    the prompts it prefills itself). The weights ([`DeciderParams::weights`]) are the
 //!    `kv-events` cost's under `kv-events` (2 and 1 by default: the decoder computes again
 //!    what the prefiller holds, so it must finish well before the prefiller's queue lets the
@@ -34,7 +34,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use serde::Deserialize;
 
-use crate::routing::KvEventsWeights;
+use super::policy::KvEventsWeights;
 
 /// Default `min_uncached_tokens`: measured with `kvbridge demo --workload shared-prefix`
 /// under kv-events (docs/proxy.md, "The decider's threshold"): 128 to 2048 within each

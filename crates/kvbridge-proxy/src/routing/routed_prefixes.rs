@@ -11,7 +11,7 @@
 //! prefills one prompt at a time in the order they came, so a request sent to the worker
 //! whose queue holds its prefix finds that prefix cached when its turn comes.
 //!
-//! Blocks are known by the same content chain as [`crate::kv_index`] (a block's hash chains
+//! Blocks are known by the same content chain as [`super::kv_index`] (a block's hash chains
 //! its parent's and its tokens), whole blocks of the workers' reported block size. Each
 //! routed prompt holds its blocks until its slot is released ([`RoutedPrompt`], dropped with
 //! the slot); by then the worker's own events report what it kept. A worker's entries are
@@ -21,7 +21,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::kv_index::{chain, ROOT};
+use super::kv_index::{chain, ROOT};
 
 #[derive(Debug, Default)]
 struct WorkerRouted {

@@ -8,14 +8,14 @@
 //! * `kv-events`: the lowest cost
 //!   `cost(w) = prefill_weight * (prompt_tokens - cached_tokens(w)) + load_weight * load(w)`,
 //!   where `cached_tokens(w)` is the prompt's leading tokens that worker `w` reported holding
-//!   in its KV events ([`crate::kv_index`]). Both terms are in tokens; by default (weights
+//!   in its KV events ([`super::kv_index`]). Both terms are in tokens; by default (weights
 //!   2 and 1) a token to prefill costs twice a token already queued: it delays its own
 //!   request, and it is load for every request that comes after it on that worker. With
 //!   `prefill_weight = 0` it is `least-loaded`. A worker that has reported no block (cold)
 //!   is counted as holding the prefix every routed prompt shares; equal costs go to the
 //!   worker holding more of the prompt, then the fewest blocks ([`kv_events`]).
 //! * `cache-aware`: SGLang router's `cache_aware` rule over an approximate tree of the
-//!   prompts routed ([`crate::prefix_tree`]). When the pool is imbalanced (the most and the
+//!   prompts routed ([`super::prefix_tree`]). When the pool is imbalanced (the most and the
 //!   fewest requests in flight differ by more than `balance_abs_threshold` *and* the most is
 //!   over `balance_rel_threshold` times the fewest), the worker with the fewest requests;
 //!   else, when the best prefix match covers more than `cache_threshold` of the prompt, the

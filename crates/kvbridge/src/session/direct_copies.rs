@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::grant::RegionTable;
 use crate::region::{AbandonedExport, Region, RegionExport};
 use crate::transport::cma::CmaStatus;
-use crate::transport::shm::{DirectCounters, FdReader, Mapping, ShmPeer};
+use crate::transport::shm::{DirectCopyCounters, FdReader, Mapping, ShmPeer};
 use kvbridge_proto::handshake::{Established, Step};
 use kvbridge_proto::msg::{DataHello, Message, Ready, RegionInfo, ShmOffer, ShmRegion, ShmRevoke};
 use kvbridge_proto::same_host::{CmaOffer, CmaProber, OfferOutput, ProberOutput};
@@ -47,7 +47,7 @@ pub(super) struct ShmRound<'a> {
     /// The channel core (a detach asks it to end the sessions that still map a region).
     pub(super) core: &'a mpsc::UnboundedSender<CoreCmd>,
     /// The channel's counts of direct copies.
-    pub(super) counters: &'a Arc<DirectCounters>,
+    pub(super) counters: &'a Arc<DirectCopyCounters>,
     /// The peer's regions, as its latest `MemInfo` announced them.
     pub(super) remote: &'a RwLock<HashMap<RegionId, RegionInfo>>,
 }
@@ -211,7 +211,7 @@ impl ShmState {
             return Ok(());
         }
         let cma = self.cma.as_ref().is_some_and(CmaOffer::cma_on);
-        let granted = cx.table.direct_for(peer, cma);
+        let granted = cx.table.direct_copy_regions_for(peer, cma);
         let lost = |e| Error::lost(cx.peer, Step::Established, e);
         let gone: Vec<RegionId> = self
             .exports
@@ -371,8 +371,8 @@ impl ShmState {
     /// is mapped any more; the regions of exports it did not confirm are detached, safely
     /// for the other peers that map them ([`detach_region`]). (Initiator) revokes every
     /// mapping, which waits for the direct copies still running (callers copy their writes
-    /// themselves, `DataPath::write_direct`) and refuses new ones, then ends the connection
-    /// task; our mappings go with the last handle.
+    /// themselves, through `DataPath`'s one-sided backends) and refuses new ones, then ends
+    /// the connection task; our mappings go with the last handle.
     pub(super) async fn end(&mut self, cx: &ShmRound<'_>) {
         if let Some(p) = self.peer.clone() {
             let _ = tokio::task::spawn_blocking(move || p.revoke_all()).await;

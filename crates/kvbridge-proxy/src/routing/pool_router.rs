@@ -1,57 +1,20 @@
-//! A pool's routing state: its policy ([`crate::routing`]) and what the policy knows of the
+//! A pool's routing state: its policy ([`super::policy`]) and what the policy knows of the
 //! workers' caches (the KV-events index and its subscribers, or the approximate trees).
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
-use crate::config::Config;
-use crate::kv_events_sub::{KvEventsSubscribers, SubLimits};
-use crate::kv_index::KvIndex;
-use crate::prefix_tree::{pieces, PrefixTrees, CHUNK_BYTES};
-use crate::routed_prefixes::{RoutedPrefixes, RoutedPrompt};
-use crate::routing::Role;
-use crate::routing::{
-    cache_aware, kv_events, least_loaded, CacheAwareParams, Candidate, KvEventsWeights,
+use super::kv_index::KvIndex;
+use super::policy::{
+    cache_aware, kv_events, least_loaded, CacheAwareParams, Candidate, KvEventsWeights, Role,
     RoutingPolicy,
 };
-
-/// What a policy needs of a request's prompt.
-#[derive(Debug, Clone, Default)]
-pub struct PromptKey {
-    /// The prompt's token ids, when the request gives them (a completion's `prompt` array)
-    /// or a worker's `/tokenize` did (`--kv-events-tokenize http`): what `kv-events`
-    /// matches. Without them, `kv-events` ranks by load alone.
-    pub tokens: Option<Vec<u32>>,
-    /// Pieces of the prompt's text (`messages` or `prompt` as sent): what `cache-aware`
-    /// matches.
-    pub pieces: Vec<u64>,
-}
-
-/// Bytes of prompt text per token, as the proxy estimates a prompt it has no token ids of.
-const BYTES_PER_TOKEN: u64 = 4;
-
-impl PromptKey {
-    /// The prompt's tokens: exact when the request gives token ids, else estimated from
-    /// its text (whole pieces, 4 bytes a token).
-    pub fn estimated_tokens(&self) -> u64 {
-        match &self.tokens {
-            Some(t) => t.len() as u64,
-            None => self.pieces.len() as u64 * CHUNK_BYTES as u64 / BYTES_PER_TOKEN,
-        }
-    }
-
-    /// The key of a prompt given as raw JSON (`messages` or `prompt`).
-    pub fn from_raw(raw: Option<&str>) -> PromptKey {
-        let Some(raw) = raw else {
-            return PromptKey::default();
-        };
-        PromptKey {
-            tokens: serde_json::from_str::<Vec<u32>>(raw).ok(),
-            pieces: pieces(raw.as_bytes()),
-        }
-    }
-}
+use super::prefix_tree::PrefixTrees;
+use super::prompt_key::{estimated_tokens_of_pieces, PromptKey};
+use super::routed_prefixes::{RoutedPrefixes, RoutedPrompt};
+use crate::config::Config;
+use crate::kv_events_sub::{KvEventsSubscribers, SubLimits};
 
 /// The router of the `role` pool under `cfg`: its trees (`cache-aware`), or its index and
 /// the subscribers that feed it (`kv-events`, when the pool's endpoints are configured;
@@ -262,7 +225,7 @@ impl PoolRouter {
                         cached_tokens: scored
                             .iter()
                             .find(|c| c.index == i)
-                            .map_or(0, |c| c.matched * CHUNK_BYTES as u64 / BYTES_PER_TOKEN),
+                            .map_or(0, |c| estimated_tokens_of_pieces(c.matched)),
                     }),
                     RoutingPolicy::CacheAware,
                 )

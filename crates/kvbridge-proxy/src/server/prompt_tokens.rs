@@ -8,7 +8,7 @@ use axum::http::HeaderValue;
 
 use super::app::{App, TL};
 use crate::request::{Api, ReqDoc};
-use crate::router::PromptKey;
+use crate::routing::prompt_key::PromptKey;
 use crate::tokenize::{self, TokenizeError, TokenizeMode};
 
 impl App {
