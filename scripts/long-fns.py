@@ -30,9 +30,6 @@ MAX_LINES = 120
 # (file, function) -> its length when listed: functions another change splits (the demo's
 # driver, and kvbridge-pd, both reworked in parallel with issue 40).
 KNOWN_LONG = {
-    ("crates/kvbridge-sim/src/demo.rs", "run"): 434,
-    ("crates/kvbridge-sim/src/demo.rs", "start_full"): 145,
-    ("crates/kvbridge-pd/src/bench.rs", "pd_rep"): 144,
     ("crates/kvbridge-pd/src/receiver.rs", "apply"): 150,
     ("crates/kvbridge-pd/src/receiver.rs", "handle"): 163,
     ("crates/kvbridge-pd/src/sender.rs", "begin_inner"): 176,
