@@ -13,8 +13,6 @@ the decoder copies the blocks it read to the device before it reports the load.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
 import threading
@@ -28,12 +26,14 @@ import kvbridge
 from . import done_notices, rank_reads
 from .config import ConfigError, ConnectorSettings, numeric_host
 from .cores import run_on, transfer_core_set, transfer_cores
+from .directory import DIRECTORY_LEN, DIRECTORY_MAGIC, Peer, parse_directory, same_engine_layout
 from .layout import ModelFacts, RankLayout, describe, pages_description
 from .lease_table import PAGE_BYTES as LEASE_PAGE_BYTES
 from .lease_table import LeaseState, LeaseTable, where
 from .lease_table import state as lease_state
 from .load_requests import STALE_S, InboxAddress, LoadRequestInbox
 from .metadata import KvbridgeConnectorMetadata, RecvJob
+from .notice_loop import NoticeLoop
 from .staging import CopyBlocksOp, HostStaging, StagingError, needs_staging
 from .stats import TRANSPORT_COUNTERS
 from .stats import zero as zero_stats
@@ -43,10 +43,6 @@ log = logging.getLogger(__name__)
 #: The connector's protocol: the channel's compatibility string, so that a peer of another
 #: version is refused at the handshake, by name.
 PROTOCOL = "kvbridge-vllm/2"
-#: Size of the directory region; a prime, so no KV layer region (an even number of bytes)
-#: can be mistaken for it.
-DIRECTORY_LEN = 65521
-DIRECTORY_MAGIC = b"kvbridge-vllm/2 directory\n"
 #: Prefiller layouts a decoder rank keeps a read planner (or a refusal) for.
 MAX_PLANNERS = 64
 #: Decoder loads run here, off vLLM's step, so a slow peer never stalls a forward pass.
@@ -117,24 +113,13 @@ class _Layer:
 
 
 @dataclass
-class _Peer:
-    peer_id: str
-    regions: dict[str, int]  # layer name -> remote region id
-    leases: int  # remote region id of its lease table
-    engine_id: str  # the vLLM engine it serves (kv_transfer_params' remote_engine_id)
-    tp_rank: int = 0
-    tp_size: int = 1
-    layout: RankLayout | None = None  # its KV cache's description (layout.py)
-
-
-@dataclass
 class _Prefiller:
     """What the decoder holds per prefiller address. Its lock serialises connecting to that
     address only: a prefiller that is slow, hung or dying holds up loads from itself, never
     loads from another prefiller."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
-    peer: _Peer | None = None
+    peer: Peer | None = None
     # where its directory is read (granted to no peer; one byte longer than a directory,
     # so that peers never take it for one)
     scratch: bytearray = field(default_factory=lambda: bytearray(DIRECTORY_LEN + 1))
@@ -212,7 +197,7 @@ class KvbridgeWorker:
         # "read done" notices: each its own task on this loop, bounded by the channel's op
         # deadline, so a notice to a prefiller that is gone (or not answering) never waits
         # in a queue ahead of notices to other prefillers
-        self._notices = _NoticeLoop(self._cores)
+        self._notices = NoticeLoop(self._cores)
         # decoder: request id -> its load; the step's thread and the inbox's both start
         # loads, under this lock, and each request's load starts once
         self._loads: dict[str, _Load] = {}
@@ -555,7 +540,7 @@ class KvbridgeWorker:
         planner = self._rank_planner(prefiller_tp)
         return [self.tp_rank] if planner is None else list(planner.source_ranks())
 
-    def _planner(self, peer: _Peer, addr: str) -> kvbridge.ReadPlanner | None:
+    def _planner(self, peer: Peer, addr: str) -> kvbridge.ReadPlanner | None:
         """How this rank reads from ``peer``: a planner of translated reads, None for whole
         pages; a :class:`LoadError` (``refused``) naming both layouts when neither works.
         Decided once per prefiller layout."""
@@ -606,7 +591,7 @@ class KvbridgeWorker:
         with self._prefillers_lock:
             return self._prefillers.setdefault(addr, _Prefiller())
 
-    def _peer(self, job: RecvJob, rank: int, deadline: float) -> _Peer:
+    def _peer(self, job: RecvJob, rank: int, deadline: float) -> Peer:
         """The session to prefiller rank ``rank`` of the job's engine, its directory read and
         checked against the job (engine, rank, TP size)."""
         addr = self._addr(job, rank)
@@ -635,7 +620,7 @@ class KvbridgeWorker:
             )
         return peer
 
-    def _peer_locked(self, addr: str, pf: _Prefiller, deadline: float) -> _Peer:
+    def _peer_locked(self, addr: str, pf: _Prefiller, deadline: float) -> Peer:
         ch = self.channel
         assert ch is not None
         if pf.peer is not None:
@@ -675,7 +660,7 @@ class KvbridgeWorker:
         if not theirs.startswith(DIRECTORY_MAGIC):
             raise LoadError(f"prefiller {peer_id} ({addr}): bad layer directory")
         try:
-            peer = _parse_directory(peer_id, json.loads(theirs[len(DIRECTORY_MAGIC) :].rstrip(b"\0")))
+            peer = parse_directory(peer_id, json.loads(theirs[len(DIRECTORY_MAGIC) :].rstrip(b"\0")))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise LoadError(f"prefiller {peer_id} ({addr}): bad layer directory ({type(e).__name__}: {e})") from None
         missing = [l.name for l in self.layers if l.name not in peer.regions]
@@ -684,7 +669,7 @@ class KvbridgeWorker:
         pf.peer = peer
         return pf.peer
 
-    def _check_lease(self, peer: _Peer, job: RecvJob, addr: str, deadline: float) -> int:
+    def _check_lease(self, peer: Peer, job: RecvJob, addr: str, deadline: float) -> int:
         """After the request's blocks are read: fails the load unless the prefiller still
         held them (lease_table.py says why this order makes the read safe). Returns how many
         reads of the table it took."""
@@ -738,7 +723,7 @@ class KvbridgeWorker:
         job = load.job
         load.took_up = time.monotonic()
         deadline = load.started + self.settings.read_timeout_s
-        peers: dict[int, _Peer] = {}
+        peers: dict[int, Peer] = {}
         unreachable: set[int] = set()
         try:
             self._read_ranks(load, deadline, peers, unreachable)
@@ -765,7 +750,7 @@ class KvbridgeWorker:
             # slowly) the prefiller takes the notification
             self._notify_ranks(job, peers, unreachable)
 
-    def _read_ranks(self, load: _Load, deadline: float, peers: dict[int, _Peer], unreachable: set[int]) -> None:
+    def _read_ranks(self, load: _Load, deadline: float, peers: dict[int, Peer], unreachable: set[int]) -> None:
         job = load.job
         ch = self.channel
         assert ch is not None
@@ -782,7 +767,7 @@ class KvbridgeWorker:
             return
         first = peers[sources[0]]
         for rank in sources[1:]:
-            if not _same_engine_layout(first, peers[rank]):
+            if not same_engine_layout(first, peers[rank]):
                 raise LoadError(
                     f"prefiller ranks {sources[0]} and {rank} at {job.remote_host} describe different KV caches",
                     "refused",
@@ -816,7 +801,7 @@ class KvbridgeWorker:
         for rank in reads.by_rank:
             load.lease_checks += self._check_lease(peers[rank], job, self._addr(job, rank), deadline)
 
-    def _reads(self, planner: kvbridge.ReadPlanner | None, peer: _Peer, job: RecvJob) -> rank_reads.RankReads:
+    def _reads(self, planner: kvbridge.ReadPlanner | None, peer: Peer, job: RecvJob) -> rank_reads.RankReads:
         hit = len(job.hit_block_ids)
         # a job without the prompt's length (tests) brings every block it names
         prompt = job.prompt_tokens or (hit + len(job.local_block_ids)) * self.block_size
@@ -851,7 +836,7 @@ class KvbridgeWorker:
             read - load.submitted, load.finished - read, load.lease_checks,
         )  # fmt: skip
 
-    def _notify_ranks(self, job: RecvJob, peers: dict[int, _Peer], unreachable: set[int]) -> None:
+    def _notify_ranks(self, job: RecvJob, peers: dict[int, Peer], unreachable: set[int]) -> None:
         """The "done" notices of a load: to every prefiller rank that waits for this rank,
         on its session where the load opened one, except ranks found unreachable (their
         lease frees the blocks)."""
@@ -1070,80 +1055,3 @@ class KvbridgeWorker:
         if self.channel is not None:
             self.channel.close()
             self.channel = None
-
-
-def _parse_directory(peer_id: str, doc: dict) -> _Peer:
-    """A prefiller rank's directory (untrusted: a malformed one raises KeyError, TypeError
-    or ValueError)."""
-    tp = doc["layout"]
-    if tp is not None and not isinstance(tp, dict):
-        raise TypeError("layout is not an object")
-    layout = RankLayout(
-        str(doc["pages"]), tp, str(doc.get("why_not", "")), str(doc.get("dtype", "")), doc.get("token_rows") is True
-    )
-    rank, size = int(doc["tp_rank"]), int(doc["tp_size"])
-    if not 0 <= rank < size:
-        raise ValueError(f"TP rank {rank} of {size}")
-    return _Peer(
-        peer_id,
-        {name: int(rid) for name, rid in doc["layers"].items()},
-        int(doc["leases"]),
-        str(doc["engine_id"]),
-        rank,
-        size,
-        layout,
-    )
-
-
-def _same_engine_layout(a: _Peer, b: _Peer) -> bool:
-    """Two ranks of one prefiller engine describe the same KV cache (but for their rank)."""
-    la, lb = a.layout, b.layout
-    if la is None or lb is None or la.pages != lb.pages or la.dtype != lb.dtype:
-        return False
-    if la.tp is None or lb.tp is None:
-        return la.tp is lb.tp
-    return {**la.tp, "tp_rank": 0} == {**lb.tp, "tp_rank": 0}
-
-
-class _NoticeLoop:
-    """An asyncio loop on a thread of its own, started on first use, where notices run
-    side by side (each bounded by the channel's deadlines)."""
-
-    def __init__(self, cores: set[int]) -> None:
-        self._cores = cores
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def submit(self, coro) -> None:
-        with self._lock:
-            if self._loop is None:
-                self._loop = asyncio.new_event_loop()
-                self._thread = threading.Thread(
-                    target=self._run, args=(self._loop,), name="kvbridge-notices", daemon=True
-                )
-                self._thread.start()
-            loop = self._loop
-        asyncio.run_coroutine_threadsafe(coro, loop)
-
-    def _run(self, loop: asyncio.AbstractEventLoop) -> None:
-        run_on(self._cores)
-        loop.run_forever()
-
-    def stop(self) -> None:
-        with self._lock:
-            loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
-        if loop is None or thread is None:
-            return
-
-        async def cancel_pending() -> None:
-            for task in asyncio.all_tasks():
-                if task is not asyncio.current_task():
-                    task.cancel()
-
-        with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(cancel_pending(), loop).result(5.0)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5.0)
-        if not thread.is_alive():
-            loop.close()

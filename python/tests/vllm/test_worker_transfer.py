@@ -327,7 +327,7 @@ def test_blocks_arrive_byte_exact_over_ucx(workers, monkeypatch):
 
 
 def test_a_prefiller_publishing_a_garbled_directory_fails_the_load_by_name(workers, caplog):
-    from kvbridge.vllm.worker import DIRECTORY_MAGIC
+    from kvbridge.vllm.directory import DIRECTORY_MAGIC
 
     p = workers("kv_producer", kv_caches(seed=16))
     d = workers("kv_consumer", kv_caches(seed=None))
