@@ -121,6 +121,21 @@ def post_stream(url: str, doc: dict, timeout: float = 120.0) -> tuple[int, list[
     return status, events, raw
 
 
+def choice_tokens(api: str, choices: list) -> list[tuple[str, dict[str, float]]]:
+    """Each generated token with its top logprobs, from an answer's choices (``api``:
+    ``completions`` or chat), streamed events' choices included."""
+    out: list[tuple[str, dict[str, float]]] = []
+    for c in choices:
+        lp = c.get("logprobs")
+        if not lp:
+            continue
+        if api == "completions":
+            out += [(t, dict(top)) for t, top in zip(lp["tokens"], lp["top_logprobs"])]
+        else:
+            out += [(e["token"], {x["token"]: x["logprob"] for x in e["top_logprobs"]}) for e in lp["content"]]
+    return out
+
+
 class Proc:
     """A subprocess in its own session, its output in a log file."""
 

@@ -41,6 +41,7 @@ import pytest
 
 from servers import (
     Proxy,
+    choice_tokens,
     VllmServer,
     free_ports,
     free_run,
@@ -121,15 +122,7 @@ def answer(base: str, api: str, prompt: str, stream: bool) -> list[tuple[str, di
         status, body = post(base + path, doc, timeout=REQUEST_TIMEOUT_S)
         assert status == 200, body
         choices = body["choices"]
-    out: list[tuple[str, dict[str, float]]] = []
-    for c in choices:
-        lp = c.get("logprobs")
-        if not lp:
-            continue
-        if api == "completions":
-            out += [(t, dict(top)) for t, top in zip(lp["tokens"], lp["top_logprobs"])]
-        else:
-            out += [(e["token"], {x["token"]: x["logprob"] for x in e["top_logprobs"]}) for e in lp["content"]]
+    out = choice_tokens(api, choices)
     assert len(out) == MAX_TOKENS, out
     return out
 
