@@ -299,6 +299,7 @@ def test_transfers_are_counted_in_vllms_connector_stats(cluster):
             break
         time.sleep(0.2)
     assert loads == sent, (loads, sent)
+    assert after.get(RECOMPUTED, 0) == before.get(RECOMPUTED, 0), counters_moved(before, after)
     assert after.get("vllm:kvbridge_bytes_read_total", 0) > before.get("vllm:kvbridge_bytes_read_total", 0)
     if TRANSPORT == "ucx":
         moved = counters_moved(before, after)
@@ -396,6 +397,7 @@ def test_no_load_waits_on_another_engine_step_sequential_and_concurrent(cluster,
     bad = {k: v for k, v in moved.items() if "load_failures" in k or k == "vllm:kvbridge_slow_loads_total"}
     assert not bad, f"failed or slow loads: {bad}"
     assert moved.get("vllm:kvbridge_loads_ok_total") == sent, moved
+    assert not moved.get(RECOMPUTED), moved
 
 
 def counters_moved(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -494,14 +496,18 @@ def test_prefiller_killed_mid_transfer_ends_the_request_and_the_decoder_recovers
     # the decoder (which forgets the dead session and connects to the new one).
     text = prompt(41)
     want = tokens("completions", cluster.ref.url, text, False)
+    before = kvbridge_counters(cluster.decoder.url)
     assert_same(tokens("completions", cluster.proxy.url, text, False), want)
+    assert_loaded(cluster, before, 1)
     started_in = cluster.restart_victim()
     print(f"new prefiller healthy in {started_in:.1f} s")
     text = prompt(42)
     want = tokens("completions", cluster.ref.url, text, False)
     path, doc = request("completions", text, False)
     params = prefill(cluster.victim, path, doc)
+    before = kvbridge_counters(cluster.decoder.url)
     status, body = post(cluster.decoder.url + path, dict(doc, kv_transfer_params=params))
     assert status == 200, body
     lp = body["choices"][0]["logprobs"]
     assert_same([(t, dict(top)) for t, top in zip(lp["tokens"], lp["top_logprobs"])], want)
+    assert_loaded(cluster, before, 1)
