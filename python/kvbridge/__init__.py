@@ -1,9 +1,10 @@
 """kvbridge: moves KV cache between the prefill and decode workers of a disaggregated LLM
 deployment.
 
-A ``Channel`` registers caller memory (raw pointers, numpy arrays, bytearrays, CPU tensors),
-connects to peers, and moves pages with one-sided batched writes and reads (blocking,
-asyncio and submit-then-poll forms, all releasing the GIL), plus ordered notifications.
+A ``Channel`` registers caller memory (raw pointers, numpy arrays, bytearrays, CPU tensors
+over memory torch cannot reallocate), connects to peers, and moves pages with one-sided
+batched writes and reads (blocking, asyncio and submit-then-poll forms, all releasing the
+GIL), plus ordered notifications.
 Every failure raises a ``KvbridgeError`` subclass naming the peer and the step.
 
     import numpy as np, kvbridge

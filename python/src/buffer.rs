@@ -58,8 +58,13 @@ impl Drop for HeldBuffer {
 pub(crate) enum Keep {
     /// A buffer export.
     Buffer(#[allow(dead_code)] HeldBuffer),
-    /// A reference to an object that owns its memory (a tensor).
-    Object(#[allow(dead_code)] Py<PyAny>),
+    /// A reference to an object that owns its memory (a tensor), and to its storage where it
+    /// has one (`untyped_storage()`): a tensor moved to other memory (`set_`) leaves the
+    /// registered bytes allocated.
+    Object(
+        #[allow(dead_code)] Py<PyAny>,
+        #[allow(dead_code)] Option<Py<PyAny>>,
+    ),
 }
 
 /// Caller memory found in a Python object.
@@ -132,6 +137,28 @@ pub(crate) fn memory_of(obj: &Bound<'_, PyAny>) -> PyResult<Memory> {
             format!("{} is not contiguous", type_name(obj)),
         ));
     }
+    // A torch tensor's memory is its storage's. A storage that torch may reallocate
+    // (`resize_` past its size frees the old memory) could move under peers still reading
+    // and writing the registered range: refused. One that cannot (memory torch did not
+    // allocate: `torch.frombuffer`, `torch.from_numpy`) is kept, with the tensor, until the
+    // region goes.
+    let storage = if obj.hasattr("untyped_storage")? {
+        let storage = obj.call_method0("untyped_storage")?;
+        if storage.call_method0("resizable")?.is_truthy()? {
+            return Err(errors::invalid(
+                py,
+                format!(
+                    "{}'s storage is resizable: torch may move its memory (resize_) while peers \
+                     use it; register a tensor over memory torch did not allocate \
+                     (torch.frombuffer, torch.from_numpy) or a buffer-protocol object",
+                    type_name(obj)
+                ),
+            ));
+        }
+        Some(storage.unbind())
+    } else {
+        None
+    };
     let ptr: u64 = obj.call_method0("data_ptr")?.extract()?;
     let len: u64 = if obj.hasattr("nbytes")? {
         obj.getattr("nbytes")?.extract()?
@@ -145,7 +172,7 @@ pub(crate) fn memory_of(obj: &Bound<'_, PyAny>) -> PyResult<Memory> {
         ptr: usize::try_from(ptr).map_err(|_| errors::invalid(py, "pointer out of range"))?,
         len: usize::try_from(len).map_err(|_| errors::invalid(py, "length out of range"))?,
         readonly: false,
-        keep: Some(Keep::Object(obj.clone().unbind())),
+        keep: Some(Keep::Object(obj.clone().unbind(), storage)),
     })
 }
 

@@ -573,9 +573,10 @@ impl PyChannel {
         if direct_copies {
             permission = permission.with_direct_copies();
         }
-        // SAFETY: the caller vouches for raw pointers (Channel.register's contract); for
-        // Python objects `keep` holds the export or the object until the region is
-        // deregistered and no transfer touches it, or for good.
+        // SAFETY: for raw pointers the caller guarantees what Channel.register's docstring
+        // lists; for Python objects `keep` holds the buffer export, or the tensor and its
+        // storage (never one torch may reallocate), until the region is deregistered and no
+        // transfer touches it, or for good.
         let region = unsafe { Region::from_raw(ptr as *mut u8, length, page_size) }
             .map_err(|e| errors::to_py(py, &e))?;
         open.channel
@@ -758,8 +759,20 @@ impl PyChannel {
     /// (default), ``"read"`` or ``"write"``; a region with a mode is carried over TCP only,
     /// where the owner does the copy and refuses the rest, unless ``direct_copies=True``:
     /// then same-host peers map it or copy by address and reach all of it, and the mode
-    /// holds for peers over TCP. The memory must stay valid until ``deregister`` (or
-    /// ``close``) returns; kvbridge does not own it.
+    /// holds for peers over TCP.
+    ///
+    /// kvbridge cannot check a raw pointer; the caller guarantees, from this call until
+    /// ``deregister`` (or ``close``) has returned, and for good if ``deregister`` raises that
+    /// a peer may still write the region:
+    ///
+    /// * ``ptr .. ptr+length`` is memory of this process, readable, and writable if a peer
+    ///   may write it, and is not freed, unmapped, reallocated or moved: its owner (a
+    ///   tensor, an array, an mmap) is kept alive and never resized in place;
+    /// * the process reads or writes those bytes only as data that peers may change at any
+    ///   time (a transfer may land in the middle of a read), and frees nothing inside them.
+    ///
+    /// Breaking either lets a peer read or write freed or reused memory of this process.
+    /// ``register_buffer`` keeps its object's memory valid itself; prefer it.
     #[pyo3(signature = (ptr, length, page_size, *, peers=None, access="readwrite", direct_copies=false))]
     #[allow(clippy::too_many_arguments)]
     fn register(
@@ -793,8 +806,11 @@ impl PyChannel {
     /// Registers the memory of ``obj`` and returns its region id: a C-contiguous
     /// buffer-protocol object (bytearray, numpy array, memoryview) or a contiguous CPU
     /// tensor (``data_ptr()`` and ``nbytes``). The channel keeps ``obj`` (and its buffer
-    /// export, so a bytearray cannot be resized) until ``deregister``/``close``; do not
-    /// resize a registered tensor in place (``resize_``) meanwhile. ``peers``, ``access``
+    /// export, so a bytearray cannot be resized; a tensor's storage, so ``set_`` cannot free
+    /// it) until ``deregister``/``close``. A tensor whose storage torch may reallocate
+    /// (``resizable()``: any tensor torch allocated, such as ``torch.zeros``) is refused,
+    /// as ``resize_`` would move its memory under the peers: register one over memory torch
+    /// did not allocate (``torch.frombuffer``, ``torch.from_numpy``). ``peers``, ``access``
     /// and ``direct_copies`` as for ``register``. A read-only buffer is refused unless no
     /// peer can write it: ``peers=[]`` (then it can only be the source of writes), or
     /// ``access="read"`` without ``direct_copies``.

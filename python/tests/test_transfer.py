@@ -212,13 +212,50 @@ def test_tensor_like_objects_register_by_data_ptr(pair):
 
 
 def test_cpu_torch_tensor_registers(pair):
-    """A real CPU tensor, where torch is installed (the LMCache environment has it)."""
+    """A real CPU tensor over memory torch did not allocate, where torch is installed (the
+    LMCache environment has it)."""
     torch = pytest.importorskip("torch")
-    t = torch.zeros(2 * PAGE, dtype=torch.uint8)
+    t = torch.frombuffer(bytearray(2 * PAGE), dtype=torch.uint8)
     rid = pair.prefiller.register_buffer(t, PAGE)
     pair.kv[5 * PAGE : 6 * PAGE] = 77
     pair.prefiller.read_pages(pair.peer, rid, [1], pair.kv_region, [5])
     assert bool((t[PAGE:] == 77).all()) and not bool(t[:PAGE].any())
-    rid16 = pair.prefiller.register_buffer(torch.ones(PAGE // 2, dtype=torch.float16), PAGE)
+    rid16 = pair.prefiller.register_buffer(torch.from_numpy(np.ones(PAGE // 2, dtype=np.float16)), PAGE)
     pair.prefiller.write_pages(pair.peer, rid16, [0], pair.kv_region, [6])
     assert pair.kv_page(6).view(np.float16).tolist() == [1.0] * (PAGE // 2)
+
+
+def test_a_tensor_torch_may_reallocate_is_refused(pair):
+    """``resize_`` past a torch-allocated tensor's size frees its memory: registered, peers
+    would then read and write freed memory of this process."""
+    torch = pytest.importorskip("torch")
+    t = torch.zeros(2 * PAGE, dtype=torch.uint8)
+    with pytest.raises(kvbridge.InvalidOp, match="resizable"):
+        pair.prefiller.register_buffer(t, PAGE)
+
+
+def test_a_registered_tensor_keeps_its_memory_in_place(pair):
+    """A registered tensor cannot be resized, and one moved to other storage (``set_``)
+    leaves the registered memory allocated (here a numpy array, which only the tensor's
+    first storage references) until the region is deregistered: a read lands in it, not in
+    freed memory."""
+    torch = pytest.importorskip("torch")
+    import gc
+    import weakref
+
+    arr = np.zeros(2 * PAGE, dtype=np.uint8)
+    memory = weakref.ref(arr)
+    t = torch.from_numpy(arr)
+    del arr
+    rid = pair.prefiller.register_buffer(t, PAGE)
+    with pytest.raises(RuntimeError, match="not resizable"):
+        t.resize_(64 * PAGE)
+    t.set_(torch.zeros(4, dtype=torch.uint8))
+    gc.collect()
+    assert memory() is not None, "the registered memory was freed while registered"
+    pair.kv[5 * PAGE : 6 * PAGE] = 91
+    pair.prefiller.read_pages(pair.peer, rid, [0], pair.kv_region, [5])
+    assert bool((memory()[:PAGE] == 91).all())
+    pair.prefiller.deregister(rid)
+    gc.collect()
+    assert memory() is None, "deregister kept the memory"

@@ -108,10 +108,13 @@ fn our_bytes_are_vllms_bytes() {
 }
 
 /// vLLM's own `msgspec.msgpack.Decoder(type=KVEventBatch)` reads what we encode. Needs a
-/// Python with vLLM: `KVBRIDGE_VLLM_PYTHON` (default `python3`); skipped with a note without.
+/// Python with vLLM: `KVBRIDGE_VLLM_PYTHON` (scripts/test-vllm.sh sets it to its .venv's; a
+/// Python named there without vLLM fails the test), else `python3`, skipped with a note
+/// when it has no vLLM.
 #[test]
 fn vllm_decodes_our_bytes() {
-    let py = std::env::var("KVBRIDGE_VLLM_PYTHON").unwrap_or_else(|_| "python3".into());
+    let named = std::env::var("KVBRIDGE_VLLM_PYTHON").ok();
+    let py = named.clone().unwrap_or_else(|| "python3".into());
     let has_vllm = std::process::Command::new(&py)
         .args(["-c", "import vllm.distributed.kv_events"])
         .stdout(std::process::Stdio::null())
@@ -119,6 +122,10 @@ fn vllm_decodes_our_bytes() {
         .status()
         .is_ok_and(|s| s.success());
     if !has_vllm {
+        assert!(
+            named.is_none(),
+            "KVBRIDGE_VLLM_PYTHON={py} cannot import vllm.distributed.kv_events"
+        );
         eprintln!("SKIPPED: no vLLM in {py} (set KVBRIDGE_VLLM_PYTHON to a Python with vllm)");
         return;
     }
