@@ -22,6 +22,7 @@ import pytest
 
 from servers import (
     Proxy,
+    choice_tokens,
     VllmServer,
     free_ports,
     http_status,
@@ -157,19 +158,6 @@ def tokens(api: str, base: str, text: str, stream: bool) -> list[tuple[str, dict
         assert status == 200, body
         choices = body["choices"]
     return choice_tokens(api, choices)
-
-
-def choice_tokens(api: str, choices: list) -> list[tuple[str, dict[str, float]]]:
-    out: list[tuple[str, dict[str, float]]] = []
-    for c in choices:
-        lp = c.get("logprobs")
-        if not lp:
-            continue
-        if api == "completions":
-            out += [(t, dict(top)) for t, top in zip(lp["tokens"], lp["top_logprobs"])]
-        else:
-            out += [(e["token"], {x["token"]: x["logprob"] for x in e["top_logprobs"]}) for e in lp["content"]]
-    return out
 
 
 def assert_same(got, want):
