@@ -3,7 +3,8 @@
 //! senders, applies deadlines, and reacts to sessions going down.
 
 use crate::alloc::{
-    AllocReq, Counters, EndReason, Event, Owner, PageAllocator, ReadTicket, ReqError, ReqState,
+    AllocReq, Allocation, Counters, EndReason, Event, Owner, PageAllocator, ReadTicket, Refusal,
+    ReqError, ReqState,
 };
 use crate::error::{PdError, PdStep, Result};
 use crate::layout::KvSpec;
@@ -667,96 +668,19 @@ fn send(inner: &Arc<Inner>, peer: &PeerId, msg: &PdMsg) {
 fn apply(inner: &Arc<Inner>, events: Vec<Event>) {
     for ev in events {
         match ev {
-            Event::Granted(g) => {
-                lock(&inner.ended).forget(&g.req_id);
-                let Some(peer) = PeerId::new(g.owner.peer.clone()) else {
-                    continue;
-                };
-                if inner.granted.receiver_count() > 0 {
-                    let tokens = lock(&inner.alloc).tokens(&g.req_id).unwrap_or(0);
-                    let _ = inner.granted.send(GrantedRequest {
-                        req_id: g.req_id.clone(),
-                        tokens,
-                        chunks: g.slots.len() as u64,
-                    });
-                }
-                let landing = open_windows(inner, &g, &peer);
-                let msg = PdMsg::AllocOk {
-                    call: g.call,
-                    req_id: g.req_id,
-                    region: inner.region.id().0,
-                    page_bytes: inner.page_bytes,
-                    pages: g.slots.iter().map(|s| s.page).collect(),
-                    held: g.slots.iter().map(|s| s.held).collect(),
-                };
-                if landing.is_empty() {
-                    send(inner, &peer, &msg);
-                } else {
-                    tokio::spawn(grant_after_landing(inner.clone(), peer, msg, landing));
-                }
-            }
+            Event::Granted(g) => granted(inner, g),
             Event::Refused {
                 req_id,
                 owner,
                 call,
                 refusal,
-            } => {
-                let Some(peer) = PeerId::new(owner.peer.clone()) else {
-                    continue;
-                };
-                let never_fits = match refusal {
-                    crate::alloc::Refusal::NeverFits { needed, total } => Some((needed, total)),
-                    _ => None,
-                };
-                let msg = PdMsg::AllocErr {
-                    call,
-                    req_id,
-                    reason: refusal.to_string(),
-                    never_fits,
-                    page_bytes: inner.page_bytes,
-                };
-                send(inner, &peer, &msg);
-            }
-            Event::Fence { req_id, owner } => {
-                if let Some(peer) = PeerId::new(owner.peer.clone()) {
-                    send(
-                        inner,
-                        &peer,
-                        &PdMsg::Fence {
-                            req_id: req_id.clone(),
-                        },
-                    );
-                    tokio::spawn(fence_deadline(inner.clone(), peer, owner, req_id));
-                }
-            }
+            } => refused(inner, req_id, &owner, call, refusal),
+            Event::Fence { req_id, owner } => fence(inner, req_id, owner),
             Event::Ended {
                 req_id,
                 owner,
                 reason,
-            } => {
-                tracing::info!(%req_id, sender = %owner, ?reason, "request ended before it completed");
-                let what = match &reason {
-                    EndReason::Cancelled => "cancelled on the receiver".to_string(),
-                    EndReason::SenderCancelled => format!("sender {owner} cancelled it"),
-                    EndReason::Expired => format!("sender {owner} did not finish within the TTL"),
-                    EndReason::OwnerDown => format!("sender {owner} failed mid-transfer"),
-                };
-                lock(&inner.ended).insert(req_id.clone(), what);
-                let why = match reason {
-                    EndReason::OwnerDown => Some(format!("sender {owner} failed mid-transfer")),
-                    EndReason::Expired => Some(format!(
-                        "sender {owner} did not finish within the receiver's TTL"
-                    )),
-                    _ => None,
-                };
-                if let Some(reason) = why {
-                    inner.failures.emit(Outcome::KvFailed {
-                        req_id,
-                        rank: inner.rank,
-                        reason,
-                    });
-                }
-            }
+            } => ended(inner, req_id, &owner, reason),
             Event::ExpiredUnretrieved { req_id } => {
                 tracing::warn!(%req_id, "complete KV was not retrieved within the TTL; pages returned");
             }
@@ -766,48 +690,33 @@ fn apply(inner: &Arc<Inner>, events: Vec<Event>) {
                 call,
             } => {
                 lock(&inner.windows).completed(&inner.channel, &req_id);
-                if let Some(peer) = PeerId::new(owner.peer.clone()) {
-                    send(inner, &peer, &PdMsg::FinishOk { call, req_id });
-                }
+                send_to_owner(inner, &owner, &PdMsg::FinishOk { call, req_id });
             }
             Event::Accepted {
                 req_id,
                 owner,
                 call,
-            } => {
-                if let Some(peer) = PeerId::new(owner.peer.clone()) {
-                    send(inner, &peer, &PdMsg::FinishOk { call, req_id });
-                }
-            }
+            } => send_to_owner(inner, &owner, &PdMsg::FinishOk { call, req_id }),
             Event::FinishRefused {
                 req_id,
                 owner,
                 call,
                 reason,
             } => {
-                if let Some(peer) = PeerId::new(owner.peer.clone()) {
-                    send(
-                        inner,
-                        &peer,
-                        &PdMsg::FinishErr {
-                            call,
-                            req_id,
-                            reason,
-                        },
-                    );
-                }
+                let msg = PdMsg::FinishErr {
+                    call,
+                    req_id,
+                    reason,
+                };
+                send_to_owner(inner, &owner, &msg);
             }
             Event::Stop { req_id, owner } => {
                 // Pull: nothing of the sender can land; the fence only tells it to stop
                 // offering (its FenceAck finds no quarantine).
-                if let Some(peer) = PeerId::new(owner.peer.clone()) {
-                    send(inner, &peer, &PdMsg::Fence { req_id });
-                }
+                send_to_owner(inner, &owner, &PdMsg::Fence { req_id });
             }
             Event::CancelAcked { req_id, owner } => {
-                if let Some(peer) = PeerId::new(owner.peer.clone()) {
-                    send(inner, &peer, &PdMsg::CancelAck { req_id });
-                }
+                send_to_owner(inner, &owner, &PdMsg::CancelAck { req_id });
             }
         }
     }
@@ -815,9 +724,120 @@ fn apply(inner: &Arc<Inner>, events: Vec<Event>) {
     inner.wake.notify_one();
 }
 
+/// Sends `msg` to the sender that owns a request ([`send`]); an owner that names no valid
+/// peer gets nothing (owners are made from peers' ids, so none should).
+fn send_to_owner(inner: &Arc<Inner>, owner: &Owner, msg: &PdMsg) {
+    if let Some(peer) = PeerId::new(owner.peer.clone()) {
+        send(inner, &peer, msg);
+    }
+}
+
+/// A grant: the request starts afresh (no longer ended), consumers waiting for grants hear
+/// of it, and its sender gets its pages once the writes of their previous holders ended.
+fn granted(inner: &Arc<Inner>, g: Allocation) {
+    lock(&inner.ended).forget(&g.req_id);
+    let Some(peer) = PeerId::new(g.owner.peer.clone()) else {
+        return;
+    };
+    announce_grant(inner, &g);
+    let landing = open_windows(inner, &g, &peer);
+    let msg = PdMsg::AllocOk {
+        call: g.call,
+        req_id: g.req_id,
+        region: inner.region.id().0,
+        page_bytes: inner.page_bytes,
+        pages: g.slots.iter().map(|s| s.page).collect(),
+        held: g.slots.iter().map(|s| s.held).collect(),
+    };
+    if landing.is_empty() {
+        send(inner, &peer, &msg);
+    } else {
+        tokio::spawn(grant_after_landing(inner.clone(), peer, msg, landing));
+    }
+}
+
+/// Tells [`PdReceiver::granted_requests`] subscribers, if any, of a grant (the allocator is
+/// not asked for the tokens when nobody listens).
+fn announce_grant(inner: &Arc<Inner>, g: &Allocation) {
+    if inner.granted.receiver_count() > 0 {
+        let tokens = lock(&inner.alloc).tokens(&g.req_id).unwrap_or(0);
+        let _ = inner.granted.send(GrantedRequest {
+            req_id: g.req_id.clone(),
+            tokens,
+            chunks: g.slots.len() as u64,
+        });
+    }
+}
+
+/// Tells the owner of a waiting allocation that the allocator refused it; a request that
+/// can never fit says how many pages it needed of how many there are.
+fn refused(inner: &Arc<Inner>, req_id: String, owner: &Owner, call: u64, refusal: Refusal) {
+    let never_fits = match refusal {
+        Refusal::NeverFits { needed, total } => Some((needed, total)),
+        _ => None,
+    };
+    let msg = PdMsg::AllocErr {
+        call,
+        req_id,
+        reason: refusal.to_string(),
+        never_fits,
+        page_bytes: inner.page_bytes,
+    };
+    send_to_owner(inner, owner, &msg);
+}
+
+/// Asks the owner to stop writing a request whose pages are quarantined, and disconnects
+/// it if it does not acknowledge in time ([`fence_deadline`]).
+fn fence(inner: &Arc<Inner>, req_id: String, owner: Owner) {
+    if let Some(peer) = PeerId::new(owner.peer.clone()) {
+        send(
+            inner,
+            &peer,
+            &PdMsg::Fence {
+                req_id: req_id.clone(),
+            },
+        );
+        tokio::spawn(fence_deadline(inner.clone(), peer, owner, req_id));
+    }
+}
+
+/// Records a request that ended before it completed (a reader waiting for its chunks fails
+/// at once), and reports `KvFailed` on the sender's behalf when the sender cannot.
+fn ended(inner: &Arc<Inner>, req_id: String, owner: &Owner, reason: EndReason) {
+    tracing::info!(%req_id, sender = %owner, ?reason, "request ended before it completed");
+    let (what, failure) = ended_why(owner, &reason);
+    lock(&inner.ended).insert(req_id.clone(), what);
+    if let Some(reason) = failure {
+        inner.failures.emit(Outcome::KvFailed {
+            req_id,
+            rank: inner.rank,
+            reason,
+        });
+    }
+}
+
+/// Why a request ended, for its readers; and for the failure report, only when its sender
+/// failed or went silent (a live sender reports its own outcome).
+fn ended_why(owner: &Owner, reason: &EndReason) -> (String, Option<String>) {
+    let what = match reason {
+        EndReason::Cancelled => "cancelled on the receiver".to_string(),
+        EndReason::SenderCancelled => format!("sender {owner} cancelled it"),
+        EndReason::Expired => format!("sender {owner} did not finish within the TTL"),
+        EndReason::OwnerDown => format!("sender {owner} failed mid-transfer"),
+    };
+    let failure = match reason {
+        EndReason::OwnerDown => Some(format!("sender {owner} failed mid-transfer")),
+        EndReason::Expired => Some(format!(
+            "sender {owner} did not finish within the receiver's TTL"
+        )),
+        _ => None,
+    };
+    (what, failure)
+}
+
 /// Opens the write windows of a granted push request for its sender (a pull request's
 /// sender writes nothing); returns the previous holders' writes still landing on its pages.
-fn open_windows(inner: &Arc<Inner>, g: &crate::alloc::Allocation, peer: &PeerId) -> Landing {
+fn open_windows(inner: &Arc<Inner>, g: &Allocation, peer: &PeerId) -> Landing {
     if lock(&inner.alloc).is_pull(&g.req_id) != Some(false) {
         return Vec::new();
     }
@@ -906,6 +926,7 @@ fn owner(peer: &PeerId, incarnation: u64) -> Owner {
     }
 }
 
+/// Acts on one message of a sender, then on the allocator's events it caused ([`apply`]).
 /// `session_incarnation` is the sender's incarnation as its session established it; a
 /// message that claims another one comes from a stale or confused sender.
 async fn handle(inner: &Arc<Inner>, peer: PeerId, session_incarnation: u64, data: &[u8]) {
@@ -927,33 +948,20 @@ async fn handle(inner: &Arc<Inner>, peer: PeerId, session_incarnation: u64, data
             tokens,
             pull,
         } => {
-            let bad = if spec != inner.spec {
-                Some(format!(
-                    "incompatible KV spec: receiver {}, sender {spec}",
-                    inner.spec
-                ))
-            } else if inner.spec.chunks_for(tokens) != keys.len() as u64 {
-                Some(format!(
-                    "{} keys for {tokens} tokens of {} per chunk",
-                    keys.len(),
-                    inner.spec.chunk_tokens
-                ))
-            } else if incarnation != session_incarnation {
-                Some(format!(
-                    "sender claims incarnation {incarnation:016x}, its session has {session_incarnation:016x}"
-                ))
-            } else if !owner_live(inner, &peer, incarnation).await {
-                Some(format!(
-                    "sender incarnation {incarnation:016x} has no live session"
-                ))
-            } else {
-                None
+            let req = AllocReq {
+                req_id,
+                owner: owner(&peer, incarnation),
+                call,
+                keys,
+                tokens,
+                pull,
             };
-            if let Some(reason) = bad {
+            let refusal = alloc_refusal(inner, &peer, session_incarnation, spec, &req).await;
+            if let Some(reason) = refusal {
                 // Refusals that are not the allocator's: answer directly.
                 let msg = PdMsg::AllocErr {
                     call,
-                    req_id,
+                    req_id: req.req_id,
                     reason,
                     never_fits: None,
                     page_bytes: inner.page_bytes,
@@ -961,80 +969,7 @@ async fn handle(inner: &Arc<Inner>, peer: PeerId, session_incarnation: u64, data
                 send(inner, &peer, &msg);
                 return;
             }
-            lock(&inner.alloc).alloc(
-                now,
-                AllocReq {
-                    req_id,
-                    owner: owner(&peer, incarnation),
-                    call,
-                    keys,
-                    tokens,
-                    pull,
-                },
-            )
-        }
-        PdMsg::Finish {
-            call,
-            req_id,
-            incarnation,
-        } => {
-            let r = lock(&inner.alloc).finish(now, &req_id, &owner(&peer, incarnation), call);
-            finish_answer(inner, &peer, call, req_id, r)
-        }
-        PdMsg::FinishWhenLanded {
-            call,
-            req_id,
-            incarnation,
-        } => {
-            let r = lock(&inner.alloc).finish_when_landed(
-                now,
-                &req_id,
-                &owner(&peer, incarnation),
-                call,
-            );
-            finish_answer(inner, &peer, call, req_id, r)
-        }
-        PdMsg::Cancel {
-            req_id,
-            incarnation,
-            pull: false,
-        } => lock(&inner.alloc)
-            .sender_cancel(now, &req_id, &owner(&peer, incarnation))
-            .unwrap_or_default(),
-        PdMsg::Cancel {
-            req_id,
-            incarnation,
-            pull: true,
-        } => lock(&inner.alloc).pull_cancel(now, &req_id, &owner(&peer, incarnation)),
-        PdMsg::Written {
-            req_id,
-            incarnation,
-            index,
-        } => {
-            tracing::debug!(target: crate::timeline::TIMELINE, stage = "receiver.written", id = %req_id, chunk = index);
-            let mut alloc = lock(&inner.alloc);
-            match alloc.chunk_written(now, &req_id, &owner(&peer, incarnation), index) {
-                Ok(()) => {
-                    // Its sender writes that page no more; a request it completed, none.
-                    let page = alloc
-                        .slots(&req_id)
-                        .and_then(|s| s.get(index as usize))
-                        .map(|s| s.page);
-                    let complete = alloc.state(&req_id) == Some(ReqState::Complete);
-                    drop(alloc);
-                    let mut w = lock(&inner.windows);
-                    if complete {
-                        w.completed(&inner.channel, &req_id);
-                    } else if let Some(page) = page {
-                        w.landed(&inner.channel, &req_id, page);
-                    }
-                }
-                // Late (the request ended) or confused: nothing becomes readable.
-                Err(e) => {
-                    tracing::debug!(%peer, %req_id, index, error = %e, "chunk-written note ignored")
-                }
-            }
-            Vec::new()
+            lock(&inner.alloc).alloc(now, req)
         }
         PdMsg::Offer {
             req_id,
@@ -1060,16 +995,134 @@ async fn handle(inner: &Arc<Inner>, peer: PeerId, session_incarnation: u64, data
             .await;
             Vec::new()
         }
+        other => to_allocator(inner, &peer, now, other),
+    };
+    apply(inner, ev);
+}
+
+/// Passes a message about a request the receiver holds (or held) to the allocator, which
+/// acts on it at once; returns the events to apply.
+fn to_allocator(inner: &Arc<Inner>, peer: &PeerId, now: Instant, msg: PdMsg) -> Vec<Event> {
+    match msg {
+        PdMsg::Finish {
+            call,
+            req_id,
+            incarnation,
+        } => {
+            let r = lock(&inner.alloc).finish(now, &req_id, &owner(peer, incarnation), call);
+            finish_answer(inner, peer, call, req_id, r)
+        }
+        PdMsg::FinishWhenLanded {
+            call,
+            req_id,
+            incarnation,
+        } => {
+            let r = lock(&inner.alloc).finish_when_landed(
+                now,
+                &req_id,
+                &owner(peer, incarnation),
+                call,
+            );
+            finish_answer(inner, peer, call, req_id, r)
+        }
+        PdMsg::Cancel {
+            req_id,
+            incarnation,
+            pull: false,
+        } => lock(&inner.alloc)
+            .sender_cancel(now, &req_id, &owner(peer, incarnation))
+            .unwrap_or_default(),
+        PdMsg::Cancel {
+            req_id,
+            incarnation,
+            pull: true,
+        } => lock(&inner.alloc).pull_cancel(now, &req_id, &owner(peer, incarnation)),
+        PdMsg::Written {
+            req_id,
+            incarnation,
+            index,
+        } => {
+            written(inner, peer, now, &req_id, incarnation, index);
+            Vec::new()
+        }
         PdMsg::FenceAck {
             req_id,
             incarnation,
-        } => lock(&inner.alloc).fence_acked(now, &req_id, &owner(&peer, incarnation)),
+        } => lock(&inner.alloc).fence_acked(now, &req_id, &owner(peer, incarnation)),
         other => {
             tracing::warn!(%peer, msg = ?other, "unexpected PD message on a receiver");
             Vec::new()
         }
-    };
-    apply(inner, ev);
+    }
+}
+
+/// Why an allocation is refused before the allocator sees it, if it is: a KV spec or a key
+/// count this receiver cannot take, or a sender that is not the live session it claims to be.
+async fn alloc_refusal(
+    inner: &Arc<Inner>,
+    peer: &PeerId,
+    session_incarnation: u64,
+    spec: KvSpec,
+    req: &AllocReq,
+) -> Option<String> {
+    let (incarnation, tokens) = (req.owner.incarnation, req.tokens);
+    if spec != inner.spec {
+        Some(format!(
+            "incompatible KV spec: receiver {}, sender {spec}",
+            inner.spec
+        ))
+    } else if inner.spec.chunks_for(tokens) != req.keys.len() as u64 {
+        Some(format!(
+            "{} keys for {tokens} tokens of {} per chunk",
+            req.keys.len(),
+            inner.spec.chunk_tokens
+        ))
+    } else if incarnation != session_incarnation {
+        Some(format!(
+            "sender claims incarnation {incarnation:016x}, its session has {session_incarnation:016x}"
+        ))
+    } else if !owner_live(inner, peer, incarnation).await {
+        Some(format!(
+            "sender incarnation {incarnation:016x} has no live session"
+        ))
+    } else {
+        None
+    }
+}
+
+/// Push: the sender's note that chunk `index` landed. The chunk becomes readable and the
+/// sender's window on its page closes (on all its pages once the request is complete).
+fn written(
+    inner: &Arc<Inner>,
+    peer: &PeerId,
+    now: Instant,
+    req_id: &str,
+    incarnation: u64,
+    index: u64,
+) {
+    tracing::debug!(target: crate::timeline::TIMELINE, stage = "receiver.written", id = %req_id, chunk = index);
+    let mut alloc = lock(&inner.alloc);
+    match alloc.chunk_written(now, req_id, &owner(peer, incarnation), index) {
+        Ok(()) => {
+            // Its sender writes that page no more; a request it completed, none.
+            let page = alloc
+                .slots(req_id)
+                .and_then(|s| s.get(index as usize))
+                .map(|s| s.page);
+            let complete = alloc.state(req_id) == Some(ReqState::Complete);
+            drop(alloc);
+            let mut w = lock(&inner.windows);
+            if complete {
+                w.completed(&inner.channel, req_id);
+            } else if let Some(page) = page {
+                w.landed(&inner.channel, req_id, page);
+            }
+        }
+        // Late (the request ended) or confused: nothing becomes readable.
+        Err(e) => {
+            tracing::debug!(%peer, %req_id, index, error = %e, "chunk-written note ignored")
+        }
+    }
 }
 
 /// The allocator's events for a `finish` or `finish_when_landed` call, or, when it refused the

@@ -275,44 +275,11 @@ impl PdSender {
     }
 
     async fn begin_inner(&self, ds: &DisaggSpec, tokens: &[u32]) -> Result<Transfer> {
-        let inner = &self.inner;
-        let cfg = &inner.cfg;
-        let req_id = ds.req_id.clone();
-        let spec = cfg.spec;
+        let cfg = &self.inner.cfg;
         let n_tokens = tokens.len() as u64;
-        let chunks = spec.chunks_for(n_tokens);
-        let port = ds
-            .receiver_init_port
-            .get(cfg.rank as usize)
-            .ok_or_else(|| PdError::Invalid {
-                req_id: req_id.clone(),
-                step: PdStep::Connect,
-                detail: format!(
-                    "disagg_spec has {} init ports, none for rank {}",
-                    ds.receiver_init_port.len(),
-                    cfg.rank
-                ),
-            })?;
-        let addr = format!("{}:{port}", ds.receiver_host);
-        let mut t = Transfer {
-            inner: inner.clone(),
-            shared: Arc::new(Shared::default()),
-            req_id: req_id.clone(),
-            link: None,
-            region: RegionId([0; 16]),
-            page_bytes: spec.page_bytes(),
-            pages: Vec::new(),
-            sent: Vec::new(),
-            tokens: n_tokens,
-            bytes: 0,
-            skipped: 0,
-            sent_by: None,
-            done: false,
-            pull: cfg.mode == TransferMode::Pull,
-            offered: Vec::new(),
-            regions: Vec::new(),
-            early: None,
-        };
+        let chunks = cfg.spec.chunks_for(n_tokens);
+        let addr = receiver_addr(cfg, ds)?;
+        let mut t = Transfer::new(self.inner.clone(), ds.req_id.clone(), n_tokens);
         if self.follows() {
             // Rank 0 sends the (identical) KV for every rank: nothing to write here.
             t.sent = vec![true; chunks as usize];
@@ -324,129 +291,12 @@ impl PdSender {
             // Nothing to move; finish() reports KvReady with 0 chunks.
             return Ok(t);
         }
-        let peer = match tokio::time::timeout(cfg.step_deadline, inner.channel.connect(&addr)).await
-        {
-            Ok(Ok(p)) => p,
-            Ok(Err(e)) => {
-                t.done = true;
-                return Err(PdError::Transfer {
-                    req_id,
-                    peer: addr,
-                    step: PdStep::Connect,
-                    source: Box::new(e),
-                });
-            }
-            Err(_) => {
-                t.done = true;
-                return Err(PdError::Timeout {
-                    req_id,
-                    peer: addr,
-                    step: PdStep::Connect,
-                    after: cfg.step_deadline,
-                });
-            }
-        };
-        // Every call of this transfer goes over this session (and fails once it ends).
-        let link = match inner.channel.link(&peer).await {
-            Ok(l) => l,
+        match t.reserve(&addr, tokens, chunks).await {
+            Ok(()) => Ok(t),
             Err(e) => {
+                // `begin` reports the failure: dropping the transfer must not again.
                 t.done = true;
-                return Err(PdError::Transfer {
-                    req_id,
-                    peer: peer.to_string(),
-                    step: PdStep::Connect,
-                    source: Box::new(e),
-                });
-            }
-        };
-        // Known to the dispatcher before the receiver can answer, so a fence always finds it.
-        lock(&inner.transfers).insert((peer.clone(), req_id.clone()), t.shared.clone());
-        t.link = Some(link);
-        let keys: Vec<u64> = chunk_keys(&cfg.model, cfg.world_size, cfg.rank, &spec, tokens)
-            .into_iter()
-            .map(|k| k.hash)
-            .collect();
-        let msg = PdMsg::Alloc {
-            call: 0,
-            req_id: req_id.clone(),
-            incarnation: inner.channel.incarnation().0,
-            spec,
-            keys,
-            tokens: n_tokens,
-            pull: t.pull,
-        };
-        let reply = match t.call(PdStep::Alloc, msg, cfg.alloc_deadline).await {
-            Ok(r) => r,
-            Err(e) => {
-                // The receiver may still grant later: tell it to let go (it also drops a
-                // waiting allocation). Ordered after nothing, since nothing was written.
-                t.cancel_on_receiver().await;
-                t.done = true;
-                return Err(e);
-            }
-        };
-        match reply {
-            PdMsg::AllocOk {
-                region,
-                page_bytes,
-                pages,
-                held,
-                ..
-            } => {
-                if page_bytes != spec.page_bytes()
-                    || pages.len() as u64 != chunks
-                    || held.len() as u64 != chunks
-                {
-                    t.cancel_on_receiver().await;
-                    t.done = true;
-                    return Err(PdError::Protocol {
-                        peer: peer.to_string(),
-                        detail: format!(
-                            "grant of {} pages of {page_bytes} bytes for {chunks} chunks of {}",
-                            pages.len(),
-                            spec.page_bytes()
-                        ),
-                    });
-                }
-                t.region = RegionId(region);
-                t.offered = vec![false; pages.len()];
-                t.pages = pages;
-                t.skipped = held.iter().filter(|h| **h).count() as u64;
-                t.sent = held;
-                Ok(t)
-            }
-            PdMsg::AllocErr {
-                reason,
-                never_fits,
-                page_bytes,
-                ..
-            } => {
-                t.done = true;
-                lock(&inner.transfers).remove(&(peer.clone(), req_id.clone()));
-                Err(match never_fits {
-                    Some((needed, total)) => PdError::NeverFits {
-                        req_id,
-                        peer: peer.to_string(),
-                        needed_pages: needed,
-                        total_pages: total,
-                        needed_bytes: needed.saturating_mul(page_bytes),
-                        total_bytes: total.saturating_mul(page_bytes),
-                    },
-                    None => PdError::Refused {
-                        req_id,
-                        peer: peer.to_string(),
-                        step: PdStep::Alloc,
-                        reason,
-                    },
-                })
-            }
-            other => {
-                t.cancel_on_receiver().await;
-                t.done = true;
-                Err(PdError::Protocol {
-                    peer: peer.to_string(),
-                    detail: format!("unexpected answer to an allocation: {other:?}"),
-                })
+                Err(e)
             }
         }
     }
@@ -456,6 +306,49 @@ impl PdSender {
     pub async fn close(&self) {
         self.inner.channel.close().await;
         self.task.abort();
+    }
+}
+
+/// The receiver rank's channel address, from the request's `disagg_spec`.
+fn receiver_addr(cfg: &SenderConfig, ds: &DisaggSpec) -> Result<String> {
+    let port = ds
+        .receiver_init_port
+        .get(cfg.rank as usize)
+        .ok_or_else(|| PdError::Invalid {
+            req_id: ds.req_id.clone(),
+            step: PdStep::Connect,
+            detail: format!(
+                "disagg_spec has {} init ports, none for rank {}",
+                ds.receiver_init_port.len(),
+                cfg.rank
+            ),
+        })?;
+    Ok(format!("{}:{port}", ds.receiver_host))
+}
+
+/// A request's refusal by the receiver's allocator, as the error `begin` returns.
+fn alloc_refused(
+    req_id: String,
+    peer: &PeerId,
+    reason: String,
+    never_fits: Option<(u64, u64)>,
+    page_bytes: u64,
+) -> PdError {
+    match never_fits {
+        Some((needed, total)) => PdError::NeverFits {
+            req_id,
+            peer: peer.to_string(),
+            needed_pages: needed,
+            total_pages: total,
+            needed_bytes: needed.saturating_mul(page_bytes),
+            total_bytes: total.saturating_mul(page_bytes),
+        },
+        None => PdError::Refused {
+            req_id,
+            peer: peer.to_string(),
+            step: PdStep::Alloc,
+            reason,
+        },
     }
 }
 
@@ -521,6 +414,166 @@ pub struct Summary {
     pub bytes: u64,
     /// Set when another rank sent this rank's KV (MLA send-once): that rank.
     pub sent_by: Option<u32>,
+}
+
+/// Opening a transfer: the steps of [`PdSender::begin`].
+impl Transfer {
+    /// A transfer of `tokens` tokens, with no session and no pages yet.
+    fn new(inner: Arc<Inner>, req_id: String, tokens: u64) -> Transfer {
+        let page_bytes = inner.cfg.spec.page_bytes();
+        let pull = inner.cfg.mode == TransferMode::Pull;
+        Transfer {
+            inner,
+            shared: Arc::new(Shared::default()),
+            req_id,
+            link: None,
+            region: RegionId([0; 16]),
+            page_bytes,
+            pages: Vec::new(),
+            sent: Vec::new(),
+            tokens,
+            bytes: 0,
+            skipped: 0,
+            sent_by: None,
+            done: false,
+            pull,
+            offered: Vec::new(),
+            regions: Vec::new(),
+            early: None,
+        }
+    }
+
+    /// Connects to the receiver at `addr` and reserves its pages for the request's `chunks`
+    /// chunks. When the receiver may have granted them and the answer is not taken, it is
+    /// told to let go.
+    async fn reserve(&mut self, addr: &str, tokens: &[u32], chunks: u64) -> Result<()> {
+        let (peer, link) = self.connect(addr).await?;
+        // Known to the dispatcher before the receiver can answer, so a fence always finds it.
+        lock(&self.inner.transfers)
+            .insert((peer.clone(), self.req_id.clone()), self.shared.clone());
+        self.link = Some(link);
+        let msg = self.alloc_msg(tokens);
+        let deadline = self.inner.cfg.alloc_deadline;
+        let reply = match self.call(PdStep::Alloc, msg, deadline).await {
+            Ok(r) => r,
+            Err(e) => {
+                // The receiver may still grant later: tell it to let go (it also drops a
+                // waiting allocation). Ordered after nothing, since nothing was written.
+                self.cancel_on_receiver().await;
+                return Err(e);
+            }
+        };
+        self.take_grant(&peer, reply, chunks).await
+    }
+
+    /// Connects to the receiver at `addr` within the step deadline, and takes the session
+    /// that every call of this transfer goes over (they fail once it ends).
+    async fn connect(&self, addr: &str) -> Result<(PeerId, kvbridge::PeerLink)> {
+        let inner = &self.inner;
+        let deadline = inner.cfg.step_deadline;
+        let peer = match tokio::time::timeout(deadline, inner.channel.connect(addr)).await {
+            Ok(Ok(p)) => p,
+            Ok(Err(e)) => {
+                return Err(PdError::Transfer {
+                    req_id: self.req_id.clone(),
+                    peer: addr.to_string(),
+                    step: PdStep::Connect,
+                    source: Box::new(e),
+                })
+            }
+            Err(_) => {
+                return Err(PdError::Timeout {
+                    req_id: self.req_id.clone(),
+                    peer: addr.to_string(),
+                    step: PdStep::Connect,
+                    after: deadline,
+                })
+            }
+        };
+        let link = inner
+            .channel
+            .link(&peer)
+            .await
+            .map_err(|e| PdError::Transfer {
+                req_id: self.req_id.clone(),
+                peer: peer.to_string(),
+                step: PdStep::Connect,
+                source: Box::new(e),
+            })?;
+        Ok((peer, link))
+    }
+
+    /// The allocation request: a key per chunk, by which the receiver finds the chunks it
+    /// holds already (its call id is set by [`Transfer::call`]).
+    fn alloc_msg(&self, tokens: &[u32]) -> PdMsg {
+        let cfg = &self.inner.cfg;
+        let keys: Vec<u64> = chunk_keys(&cfg.model, cfg.world_size, cfg.rank, &cfg.spec, tokens)
+            .into_iter()
+            .map(|k| k.hash)
+            .collect();
+        PdMsg::Alloc {
+            call: 0,
+            req_id: self.req_id.clone(),
+            incarnation: self.inner.channel.incarnation().0,
+            spec: cfg.spec,
+            keys,
+            tokens: self.tokens,
+            pull: self.pull,
+        }
+    }
+
+    /// Takes the receiver's answer to the allocation: a grant of one page per chunk (some
+    /// held already) becomes this transfer's; anything else is the error, and a grant that
+    /// is not taken is let go on the receiver.
+    async fn take_grant(&mut self, peer: &PeerId, reply: PdMsg, chunks: u64) -> Result<()> {
+        let want_bytes = self.inner.cfg.spec.page_bytes();
+        match reply {
+            PdMsg::AllocOk {
+                region,
+                page_bytes,
+                pages,
+                held,
+                ..
+            } => {
+                if page_bytes != want_bytes
+                    || pages.len() as u64 != chunks
+                    || held.len() as u64 != chunks
+                {
+                    self.cancel_on_receiver().await;
+                    return Err(PdError::Protocol {
+                        peer: peer.to_string(),
+                        detail: format!(
+                            "grant of {} pages of {page_bytes} bytes for {chunks} chunks of {want_bytes}",
+                            pages.len(),
+                        ),
+                    });
+                }
+                self.region = RegionId(region);
+                self.offered = vec![false; pages.len()];
+                self.pages = pages;
+                self.skipped = held.iter().filter(|h| **h).count() as u64;
+                self.sent = held;
+                Ok(())
+            }
+            PdMsg::AllocErr {
+                reason,
+                never_fits,
+                page_bytes,
+                ..
+            } => {
+                lock(&self.inner.transfers).remove(&(peer.clone(), self.req_id.clone()));
+                let req_id = self.req_id.clone();
+                Err(alloc_refused(req_id, peer, reason, never_fits, page_bytes))
+            }
+            other => {
+                self.cancel_on_receiver().await;
+                Err(PdError::Protocol {
+                    peer: peer.to_string(),
+                    detail: format!("unexpected answer to an allocation: {other:?}"),
+                })
+            }
+        }
+    }
 }
 
 impl Transfer {
