@@ -247,6 +247,12 @@ impl PdSender {
         c.mla_send_once && c.world_size > 1 && c.rank != 0
     }
 
+    /// Transfers the sender tracks: begun and not yet finished, cancelled or dropped. A
+    /// `begin` that failed leaves none behind.
+    pub fn in_flight(&self) -> usize {
+        lock(&self.inner.transfers).len()
+    }
+
     /// Registers engine memory so chunks can be written (push) or offered (pull) from it
     /// without a copy. Register it before the first request to a receiver: the grant of a
     /// region registered while a session is up reaches the receiver over the channel's
@@ -454,16 +460,20 @@ impl Transfer {
         self.link = Some(link);
         let msg = self.alloc_msg(tokens);
         let deadline = self.inner.cfg.alloc_deadline;
-        let reply = match self.call(PdStep::Alloc, msg, deadline).await {
-            Ok(r) => r,
+        let taken = match self.call(PdStep::Alloc, msg, deadline).await {
+            Ok(reply) => self.take_grant(&peer, reply, chunks).await,
             Err(e) => {
                 // The receiver may still grant later: tell it to let go (it also drops a
                 // waiting allocation). Ordered after nothing, since nothing was written.
                 self.cancel_on_receiver().await;
-                return Err(e);
+                Err(e)
             }
         };
-        self.take_grant(&peer, reply, chunks).await
+        if taken.is_err() {
+            // A transfer that never began is no longer the dispatcher's to find.
+            lock(&self.inner.transfers).remove(&(peer, self.req_id.clone()));
+        }
+        taken
     }
 
     /// Connects to the receiver at `addr` within the step deadline, and takes the session
@@ -561,7 +571,6 @@ impl Transfer {
                 page_bytes,
                 ..
             } => {
-                lock(&self.inner.transfers).remove(&(peer.clone(), self.req_id.clone()));
                 let req_id = self.req_id.clone();
                 Err(alloc_refused(req_id, peer, reason, never_fits, page_bytes))
             }

@@ -56,4 +56,6 @@ async fn a_grant_for_another_request_is_not_taken_for_ours() {
         Err(e) => panic!("expected the allocation to time out, got {e}"),
         Ok(_) => panic!("a grant made for another request was taken for this one"),
     }
+    // the failed begin rolled back what it half-built: the dispatcher no longer tracks it
+    assert_eq!(tx.in_flight(), 0, "a failed begin left its transfer behind");
 }
