@@ -11,7 +11,7 @@
 #      when missing), against a single server; a TP=1 prefiller and a TP=2 decoder, against
 #      single TP=1 and TP=2 servers (KVBRIDGE_VLLM_TP_PAIRS=2-2,1-2,2-1 runs the other pairs
 #      too, about 5 minutes a pair); and `--routing kv-events` in front of two vLLM servers
-#      publishing KV events (together about 10-12 minutes on 2 cores).
+#      publishing KV events (together about 6 minutes on the idle 2-core VM).
 # Each step fails when it runs fewer tests than it holds today, or under CI (any non-empty
 # value) skips any (scripts/pytest-counts.py). Reruns skip what is installed.
 #   --no-install   use .venv as it is
