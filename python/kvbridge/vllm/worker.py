@@ -217,11 +217,10 @@ class KvbridgeWorker:
         self._dones = done_notices.DoneCounts(settings.lease_s)
         # this rank's KV cache description (layout.py), set at registration
         self.layout: RankLayout | None = None
-        # decoder: prefiller layout (its TpLayout, less its rank) -> the planner of this
-        # rank's reads from it, or why the two cannot be translated; and prefiller TP size ->
-        # the planner of which ranks to read from and tell (rank_reads.synthetic_prefiller)
+        # decoder: prefiller layout (its TpLayout, less its rank; or a synthetic one that
+        # answers which ranks to read from and tell: rank_reads.synthetic_prefiller) -> the
+        # planner of this rank's reads from it, or why the two cannot be translated
         self._planners: dict[str, kvbridge.ReadPlanner | LoadError] = {}
-        self._rank_planners: dict[int, kvbridge.ReadPlanner | LoadError] = {}
         # prefiller: requests marked held when their prompt was computed, not finished yet
         # -> when they were marked
         self._held_early: dict[str, float] = {}
@@ -514,19 +513,9 @@ class KvbridgeWorker:
                     "refused",
                 )
             return None
-        got = self._rank_planners.get(prefiller_tp)
-        if got is None:
-            try:
-                got = kvbridge.ReadPlanner(
-                    rank_reads.synthetic_prefiller(self.layout.tp, prefiller_tp), self.layout.tp_json()
-                )
-            except (kvbridge.Incompatible, ValueError) as e:
-                got = LoadError(f"a prefiller of TP size {prefiller_tp} for this decoder rank's layout: {e}", "refused")
-            if len(self._rank_planners) < MAX_PLANNERS:
-                self._rank_planners[prefiller_tp] = got
-        if isinstance(got, LoadError):
-            raise got
-        return got
+        synthetic = rank_reads.synthetic_prefiller(self.layout.tp, prefiller_tp)
+        return self._decided(synthetic, lambda: self._translation(
+            synthetic, f"a prefiller of TP size {prefiller_tp} for this decoder rank's layout"))  # fmt: skip
 
     def _notice_ranks(self, prefiller_tp: int) -> dict[int, int]:
         """Prefiller rank -> how many decoder ranks it waits for, for the ranks this rank
@@ -556,27 +545,42 @@ class KvbridgeWorker:
                 "refused",
             )
         key = json.dumps({**theirs.tp, "tp_rank": 0}, sort_keys=True) + theirs.dtype + str(theirs.token_rows)
+        return self._decided(key, lambda: self._checked_translation(peer, addr))
+
+    def _checked_translation(self, peer: Peer, addr: str) -> kvbridge.ReadPlanner | LoadError:
+        mine, theirs = self.layout, peer.layout
+        assert mine is not None and mine.tp is not None and theirs is not None and theirs.tp is not None
+        blocks = (theirs.tp["block_tokens"], mine.tp["block_tokens"])
+        if blocks[0] != blocks[1] and not (theirs.token_rows and mine.token_rows):
+            return LoadError(
+                f"prefiller {peer.peer_id} ({addr}): incompatible layouts: its blocks hold {blocks[0]} tokens, this "
+                f"rank's {blocks[1]}, and a block's tokens are not rows ranged reads can cut (vLLM CPU's attention "
+                "keeps K transposed inside a block): start both with the same --block-size",
+                "refused",
+            )
+        if theirs.dtype != mine.dtype:
+            return LoadError(
+                f"prefiller {peer.peer_id} ({addr}): incompatible layouts: its KV cache holds {theirs.dtype}, "
+                f"this rank's {mine.dtype}",
+                "refused",
+            )
+        return self._translation(theirs.tp_json() or "", f"prefiller {peer.peer_id} ({addr})")
+
+    def _translation(self, prefiller_json: str, what: str) -> kvbridge.ReadPlanner | LoadError:
+        """kvbridge-pd's planner of this rank's reads from a prefiller laid out as
+        ``prefiller_json``, or the refusal naming both layouts."""
+        assert self.layout is not None
+        try:
+            return kvbridge.ReadPlanner(prefiller_json, self.layout.tp_json())
+        except (kvbridge.Incompatible, ValueError) as e:
+            return LoadError(f"{what}: incompatible layouts: {e}", "refused")
+
+    def _decided(self, key: str, decide) -> kvbridge.ReadPlanner:
+        """The planner for the prefiller layout ``key``, decided once (a refusal logged once):
+        the table keeps up to ``MAX_PLANNERS`` layouts, a peer's layouts being untrusted."""
         got = self._planners.get(key)
         if got is None:
-            blocks = (theirs.tp["block_tokens"], mine.tp["block_tokens"])
-            if blocks[0] != blocks[1] and not (theirs.token_rows and mine.token_rows):
-                got = LoadError(
-                    f"prefiller {peer.peer_id} ({addr}): incompatible layouts: its blocks hold {blocks[0]} tokens, this "
-                    f"rank's {blocks[1]}, and a block's tokens are not rows ranged reads can cut (vLLM CPU's attention "
-                    "keeps K transposed inside a block): start both with the same --block-size",
-                    "refused",
-                )
-            elif theirs.dtype != mine.dtype:
-                got = LoadError(
-                    f"prefiller {peer.peer_id} ({addr}): incompatible layouts: its KV cache holds {theirs.dtype}, "
-                    f"this rank's {mine.dtype}",
-                    "refused",
-                )
-            else:
-                try:
-                    got = kvbridge.ReadPlanner(theirs.tp_json(), mine.tp_json())
-                except (kvbridge.Incompatible, ValueError) as e:
-                    got = LoadError(f"prefiller {peer.peer_id} ({addr}): incompatible layouts: {e}", "refused")
+            got = decide()
             if isinstance(got, LoadError):
                 log.error("kvbridge: %s", got)
             if len(self._planners) < MAX_PLANNERS:

@@ -339,3 +339,36 @@ def test_a_prefiller_publishing_a_garbled_directory_fails_the_load_by_name(worke
     assert d.take_failed_recving() == {"d-1"}
     assert d.stats["loads_failed_other"] == 1
     assert "bad layer directory (JSONDecodeError" in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        ({"tp_rank": 5, "tp_size": 2}, "TP rank 5 of 2"),
+        ({"tp_rank": -1}, "TP rank -1"),
+        ({"layout": ["not", "an", "object"]}, "layout is not an object"),
+        ({"layers": ["x"]}, "AttributeError"),
+        ({"pages": None, "layout": None, "tp_size": "9" * 5000}, "ValueError"),
+    ],
+)
+def test_a_prefiller_whose_directory_lies_fails_the_load_by_name(workers, caplog, change, why):
+    """A hostile or broken prefiller's directory (a rank past its size, a layout that is no
+    object, an integer too long to convert): the load fails as a bad directory, no exception
+    escapes into vLLM's step, and the prefiller's blocks are still freed by the notice path
+    or the lease."""
+    import json
+
+    from kvbridge.vllm.directory import DIRECTORY_LEN, DIRECTORY_MAGIC
+
+    p = workers("kv_producer", kv_caches(seed=18))
+    d = workers("kv_consumer", kv_caches(seed=None))
+    hold(p, "p-1")
+    doc = json.loads(bytes(p._directory[len(DIRECTORY_MAGIC) :]).rstrip(b"\0"))
+    doc.update(change)
+    body = DIRECTORY_MAGIC + json.dumps(doc).encode()
+    p._directory[:] = body + bytes(DIRECTORY_LEN - len(body))
+    d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job(p, [1], [1])}))
+    poll(d, want_recving={"d-1"})
+    assert d.take_failed_recving() == {"d-1"}
+    assert d.stats["loads_failed"] == 1
+    assert "bad layer directory" in caplog.text and why in caplog.text, caplog.text

@@ -136,6 +136,19 @@ def choice_tokens(api: str, choices: list) -> list[tuple[str, dict[str, float]]]
     return out
 
 
+def prefill(url: str, path: str, doc: dict, timeout: float = 120.0) -> dict:
+    """The proxy's first step by hand: the prompt on the prefiller at ``url`` alone, its
+    ``kv_transfer_params`` back."""
+    pdoc = dict(doc, max_tokens=1, kv_transfer_params={
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None})  # fmt: skip
+    status, pre = post(url + path, pdoc, timeout=timeout)
+    assert status == 200, pre
+    params = pre["kv_transfer_params"]
+    assert params and params["remote_block_ids"], pre
+    return params
+
+
 class Proc:
     """A subprocess in its own session, its output in a log file."""
 

@@ -22,16 +22,17 @@ import pytest
 
 from servers import (
     Proxy,
-    choice_tokens,
     VllmServer,
+    choice_tokens,
     free_ports,
     http_status,
-    kvbridge_binary,
-    kvbridge_counters,
-    kvbridge_config,
     kv_cache_usage,
+    kvbridge_binary,
+    kvbridge_config,
+    kvbridge_counters,
     post,
     post_stream,
+    prefill,
     tcp_rx_queue,
     wait_healthy,
 )
@@ -392,18 +393,6 @@ def counters_moved(before: dict[str, float], after: dict[str, float]) -> dict[st
     return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
 
 
-def prefill(server: VllmServer, path: str, doc: dict) -> dict:
-    """The proxy's first step by hand: the prompt on ``server`` alone, its kv_transfer_params back."""
-    pdoc = dict(doc, max_tokens=1, kv_transfer_params={
-        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-        "remote_block_ids": None, "remote_host": None, "remote_port": None})  # fmt: skip
-    status, pre = post(server.url + path, pdoc)
-    assert status == 200, pre
-    params = pre["kv_transfer_params"]
-    assert params and params["remote_block_ids"], pre
-    return params
-
-
 def test_prefiller_killed_mid_transfer_ends_the_request_and_the_decoder_recovers(cluster):
     """SIGKILL the prefiller while the decoder's read of its blocks is in flight: the request
     ends with an error within the read deadline, the decoder frees its blocks and serves the
@@ -414,7 +403,7 @@ def test_prefiller_killed_mid_transfer_ends_the_request_and_the_decoder_recovers
     # loop went idle (docs/vllm.md, "Not yet").
     path, doc = request("completions", prompt(39), False)
     counted = kvbridge_counters(cluster.decoder.url)
-    warm = post(cluster.decoder.url + path, dict(doc, kv_transfer_params=prefill(cluster.victim, path, doc)))
+    warm = post(cluster.decoder.url + path, dict(doc, kv_transfer_params=prefill(cluster.victim.url, path, doc)))
     moved = counters_moved(counted, kvbridge_counters(cluster.decoder.url))
     print(f"\nfirst request over the data connection: {warm[0]}, decoder's counters moved: {moved}")
     # the premise: this prefiller's blocks cannot be copied without the prefiller's process
@@ -422,7 +411,7 @@ def test_prefiller_killed_mid_transfer_ends_the_request_and_the_decoder_recovers
 
     text = prompt(40)
     path, doc = request("completions", text, False)
-    params = prefill(cluster.victim, path, doc)
+    params = prefill(cluster.victim.url, path, doc)
 
     # The prefiller stops answering: the decoder's read request waits in its socket.
     cluster.victim.signal(signal.SIGSTOP)
@@ -492,7 +481,7 @@ def test_prefiller_killed_mid_transfer_ends_the_request_and_the_decoder_recovers
     text = prompt(42)
     want = tokens("completions", cluster.ref.url, text, False)
     path, doc = request("completions", text, False)
-    params = prefill(cluster.victim, path, doc)
+    params = prefill(cluster.victim.url, path, doc)
     before = kvbridge_counters(cluster.decoder.url)
     status, body = post(cluster.decoder.url + path, dict(doc, kv_transfer_params=params))
     assert status == 200, body

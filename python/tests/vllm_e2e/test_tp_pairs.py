@@ -41,17 +41,18 @@ import pytest
 
 from servers import (
     Proxy,
-    choice_tokens,
     VllmServer,
+    choice_tokens,
     free_ports,
     free_run,
     http_status,
+    kv_cache_usage,
     kvbridge_binary,
     kvbridge_config,
     kvbridge_counters,
-    kv_cache_usage,
     post,
     post_stream,
+    prefill,
     tcp_rx_queue,
     wait_healthy,
 )
@@ -300,16 +301,6 @@ def wait_counters(pair: Pair, before: dict, loads: int) -> dict[str, float]:
         time.sleep(0.2)
 
 
-def prefill(server: VllmServer, path: str, doc: dict) -> dict:
-    """The proxy's first step by hand: the prompt on ``server`` alone, its kv_transfer_params."""
-    pdoc = dict(doc, max_tokens=1, kv_transfer_params={
-        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-        "remote_block_ids": None, "remote_host": None, "remote_port": None})  # fmt: skip
-    status, pre = post(server.url + path, pdoc, timeout=REQUEST_TIMEOUT_S)
-    assert status == 200, pre
-    return pre["kv_transfer_params"]
-
-
 @pytest.mark.parametrize("shape", PAIRS, ids=[str(s) for s in PAIRS])
 def test_pair_answers_equal_a_single_server_with_the_kv_loaded_on_every_rank(setup, shape):
     binary, model, logs, refs = setup
@@ -393,7 +384,7 @@ def kill_mid_load_then_restart(pair: Pair, refs: References) -> None:
     the decoder frees its blocks and answers again once a new prefiller is up."""
     api, prompt, _ = cases()[2]
     path, doc = request(api, prompt, False)
-    params = prefill(pair.prefiller, path, doc)
+    params = prefill(pair.prefiller.url, path, doc, REQUEST_TIMEOUT_S)
     assert params.get("tp_size") == pair.p_tp, params
     pair.prefiller.signal(signal.SIGSTOP)
     kv_ports = [pair.kv_port + r for r in range(pair.p_tp)]
