@@ -211,6 +211,9 @@ class KvbridgeChannel(BaseTransferChannel):
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
         self._acks: dict[int, concurrent.futures.Future] = {}
+        # LMCache ids whose theft was refused and logged (once each), and how many times
+        self._refused_ids: set[str] = set()
+        self.identity_refusals = 0
         self._nonces = itertools.count(1)
         self._closed = threading.Event()
         self._dispatcher = threading.Thread(
@@ -429,14 +432,43 @@ class KvbridgeChannel(BaseTransferChannel):
         ack = _HelloAck(nonce=msg.nonce)
         try:
             region = self._arena_of(kb_peer, msg.local_id)
-            with self._lock:
-                self._peers[msg.local_id] = _Peer(kb_peer=kb_peer, region=region, addr=None)
+            self._bind(msg.local_id, kb_peer, region)
             if msg.side_msg:
                 side = msgspec.msgpack.decode(msg.side_msg, type=SideMsg)
                 ack.side_ret = msgspec.msgpack.encode(self.handle_init_side_msg(side))
         except Exception as e:  # noqa: BLE001 - the dialer gets the reason
             ack.error = f"{type(e).__name__}: {e}"
         self._ch.notify(kb_peer, _NOTIF_MAGIC + msgspec.msgpack.encode(ack))
+
+    def _bind(self, local_id: str, kb_peer: str, region: int) -> None:
+        """Binds an announced LMCache id to the kvbridge session that announced it. An id
+        stays with its session while that session lives: another peer that holds the secret
+        and claims the id (to receive the writes meant for it) is refused, and so is a
+        session claiming a second id. Once the session ended, a new one takes the id over
+        (the peer restarted)."""
+        with self._lock:
+            held = self._peers.get(local_id)
+            other = next((i for i, p in self._peers.items() if p.kb_peer == kb_peer and i != local_id), None)
+        if other is not None:
+            raise PermissionError(f"this session announced LMCache id {other!r} already; one id per session")
+        if held is not None and held.kb_peer != kb_peer and self._session_lives(held.kb_peer):
+            if local_id not in self._refused_ids:
+                self._refused_ids.add(local_id)
+                logger.warning(
+                    "kvbridge: %s claimed LMCache id %r, which belongs to the live session of %s: refused",
+                    kb_peer, local_id, held.kb_peer,
+                )  # fmt: skip
+            self.identity_refusals += 1
+            raise PermissionError(f"LMCache id {local_id!r} belongs to another live session")
+        with self._lock:
+            self._peers[local_id] = _Peer(kb_peer=kb_peer, region=region, addr=None)
+
+    def _session_lives(self, kb_peer: str) -> bool:
+        try:
+            self._ch.peer_transport(kb_peer)
+        except kvbridge.KvbridgeError:
+            return False
+        return True
 
     ############################################################
     # Pages

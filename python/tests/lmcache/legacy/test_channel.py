@@ -312,3 +312,52 @@ def test_write_and_read_over_ucx_when_the_environment_asks_for_it(make, monkeypa
     assert send.arena.page_bytes(7) == recv.arena.page_bytes(40)
     stats = send._ch.stats()
     assert stats["ucx_batches"] == 2 and stats["shm_batches"] == stats["cma_batches"] == 0, stats
+
+
+def test_a_peer_with_the_secret_cannot_take_another_peers_lmcache_id(make):
+    # An insider: it holds the secret and announces the id of a live peer, to receive the
+    # writes the listener addresses to that id. The id stays with the session that
+    # announced it first; the insider's announcement is refused, and the listener's writes
+    # still reach the first peer.
+    url = _url()
+    listener = make("both", url)
+    honest = make("both")
+    insider = make("both")
+    honest.lazy_init_peer_connection("decoder-0", "L", url)
+    with pytest.raises(kvbridge_rejected()) as e:
+        insider.lazy_init_peer_connection("decoder-0", "L", url)
+    assert "belongs to another live session" in str(e.value)
+    assert listener.identity_refusals == 1
+    listener.arena.fill(0, seed=9)
+    listener.batched_write(_objs([0]), {"receiver_id": "decoder-0", "remote_indexes": [5]})
+    assert honest.arena.page_bytes(5) == listener.arena.page_bytes(0)
+    assert insider.arena.page_bytes(5) == bytes(PAGE)
+    # one id per session: the honest session cannot claim a second id either
+    with pytest.raises(kvbridge_rejected()):
+        honest.lazy_init_peer_connection("decoder-1", "L", url)
+
+
+def test_a_restarted_peer_takes_its_lmcache_id_back(make):
+    url = _url()
+    listener = make("both", url)
+    first = make("both")
+    first.lazy_init_peer_connection("decoder-0", "L", url)
+    first.close()
+    deadline = time.monotonic() + 10
+    second = make("both")
+    while True:  # the listener learns of the first session's end by itself
+        try:
+            second.lazy_init_peer_connection("decoder-0", "L", url)
+            break
+        except kvbridge_rejected():
+            assert time.monotonic() < deadline, "the dead session kept its id"
+            time.sleep(0.05)
+    listener.arena.fill(1, seed=3)
+    listener.batched_write(_objs([1]), {"receiver_id": "decoder-0", "remote_indexes": [7]})
+    assert second.arena.page_bytes(7) == listener.arena.page_bytes(1)
+
+
+def kvbridge_rejected():
+    import kvbridge
+
+    return kvbridge.Rejected
