@@ -14,6 +14,7 @@ the decoder copies the blocks it read to the device before it reports the load.
 from __future__ import annotations
 
 import json
+import queue
 import logging
 import threading
 import time
@@ -183,8 +184,13 @@ class KvbridgeWorker:
         self._directory_region: int | None = None
         # prefiller: which finished requests it holds, for decoders to check after a read
         self._lease_table = LeaseTable()
-        # decoder: per load thread, where a lease table page is read
-        self._lease_scratch = threading.local()
+        # decoder: where each load thread reads a lease table page: one slot per thread of
+        # one region registered with the KV cache (a load never registers memory)
+        self._lease_pages = bytearray(LOAD_THREADS * LEASE_PAGE_BYTES)
+        self._lease_pages_region: int | None = None
+        self._lease_slots: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for slot in range(LOAD_THREADS):
+            self._lease_slots.put(slot)
         # prefiller address -> its session and directory; the lock guards the dict only
         self._prefillers: dict[str, _Prefiller] = {}
         self._prefillers_lock = threading.Lock()
@@ -314,6 +320,7 @@ class KvbridgeWorker:
                 raise LayoutError(f"{len(self.layers)} layers do not fit the {DIRECTORY_LEN}-byte directory")
             self._directory[: len(body)] = body
             self._directory_region = self.channel.register_buffer(self._directory, DIRECTORY_LEN, access="read")
+            self._lease_pages_region = self.channel.register_buffer(self._lease_pages, LEASE_PAGE_BYTES, peers=[])
         except BaseException:
             self.channel.close()
             self.channel = None
@@ -678,18 +685,26 @@ class KvbridgeWorker:
         held them (lease_table.py says why this order makes the read safe). Returns how many
         reads of the table it took."""
         ch = self.channel
-        assert ch is not None
-        scratch = getattr(self._lease_scratch, "buf", None)
-        if scratch is None:
-            scratch = bytearray(LEASE_PAGE_BYTES)
-            self._lease_scratch.region = ch.register_buffer(scratch, LEASE_PAGE_BYTES, peers=[])
-            self._lease_scratch.buf = scratch
+        assert ch is not None and self._lease_pages_region is not None
+        try:
+            # as many slots as load threads: one is free unless a caller outside the pool
+            # loads too
+            slot = self._lease_slots.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise LoadError(f"no lease page free by the deadline for {job.remote_request_id}", "timeout") from None
+        try:
+            return self._read_lease(ch, slot, peer, job, addr, deadline)
+        finally:
+            self._lease_slots.put(slot)
+
+    def _read_lease(self, ch: kvbridge.Channel, slot: int, peer: Peer, job: RecvJob, addr: str, deadline: float) -> int:
+        page = memoryview(self._lease_pages)[slot * LEASE_PAGE_BYTES : (slot + 1) * LEASE_PAGE_BYTES]
         req = job.remote_request_id
         pause = 0.002
         reads = 0
         while True:
             reads += 1
-            t = ch.submit_read_pages(peer.peer_id, self._lease_scratch.region, [0], peer.leases, [where(req)])
+            t = ch.submit_read_pages(peer.peer_id, self._lease_pages_region, [slot], peer.leases, [where(req)])
             try:
                 t.wait(max(0.0, deadline - time.monotonic()))
             except TimeoutError:
@@ -699,7 +714,7 @@ class KvbridgeWorker:
                     f"deadline kvbridge_read_timeout_s={self.settings.read_timeout_s} passed",
                     "timeout",
                 ) from None
-            found = lease_state(req, bytes(scratch))
+            found = lease_state(req, bytes(page))
             if found is LeaseState.HELD:
                 return reads
             if found is LeaseState.ENDED:
