@@ -63,6 +63,7 @@ _FIELDS = {
     "remote_tp_size": int,
     "hit_block_ids": list,
     "prompt_tokens": int,
+    "grant": str,
 }
 
 #: The largest prefiller TP size a datagram may name (kvbridge-pd's bound on ranks).

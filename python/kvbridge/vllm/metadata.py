@@ -37,6 +37,9 @@ class RecvJob:
     hit_block_ids: list[int] = field(default_factory=list)
     # the prompt's tokens, whose KV the load brings (0: as many as local_block_ids hold)
     prompt_tokens: int = 0
+    # the request's grant (kv_transfer_params' kvbridge_grant), which the "done" notices
+    # carry: only a holder of the request's parameters frees its blocks early
+    grant: str = ""
 
 
 @dataclass
@@ -44,6 +47,8 @@ class KvbridgeConnectorMetadata(KVConnectorMetadata):
     reqs_to_recv: dict[str, RecvJob] = field(default_factory=dict)
     # prefiller: request id -> lease in seconds (the worker starts the clock on receipt)
     reqs_to_send: dict[str, float] = field(default_factory=dict)
+    # prefiller: the grant of each request held or sent in this step (done_notices.py)
+    grants: dict[str, str] = field(default_factory=dict)
     # prefiller with host staging: request id -> its blocks, to copy to host memory after
     # this step's forward pass (the step that completes its prompt)
     reqs_to_save: dict[str, list[int]] = field(default_factory=dict)

@@ -53,6 +53,10 @@ SERIES = {
         "decoders' loads fail at their deadline.",
     ),
     "notices_failed": ("vllm:kvbridge_notices_failed", "Read-done notices a decoder could not deliver."),
+    "notices_refused": (
+        "vllm:kvbridge_notices_refused",
+        "Read-done notices a prefiller refused: they named a request under another grant than its own.",
+    ),
     "saves_failed": (
         "vllm:kvbridge_saves_failed",
         "Prefiller requests (kv_buffer_device: cpu) whose blocks were not copied to host memory: freed, "

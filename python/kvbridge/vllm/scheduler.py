@@ -12,10 +12,12 @@ that step's forward pass (staging.py).
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from typing import Any
 
 from .config import ConnectorSettings
+from .done_notices import is_grant
 from .load_requests import LoadRequestSender
 from .metadata import KvbridgeConnectorMetadata, RecvJob, first_group
 from .staging import HOST
@@ -59,6 +61,8 @@ def params_problem(params: dict[str, Any]) -> str | None:
         return f"tp_size {tp!r} is not a TP size"
     if int(port) + tp > 65536:
         return f"remote_port {port} and tp_size {tp}: the last rank's port is past 65535"
+    if not is_grant(params.get("kvbridge_grant")):
+        return "kvbridge_grant missing or not 32 hex digits (a prefiller of another connector?)"
     return None
 
 
@@ -79,6 +83,10 @@ class KvbridgeScheduler:
         # until they finish; those that finish without a delayed free are unmarked next step
         self._held: set[str] = set()
         self._reqs_not_sent: set[str] = set()
+        # prefiller: each held request's grant (done_notices.py), drawn when the workers
+        # first hold it and returned in its kv_transfer_params; until it finishes
+        self._grants: dict[str, str] = {}
+        self._step_grants: dict[str, str] = {}
         # decoder: each load also goes straight to the workers' load threads
         self.load_requests = LoadRequestSender()
         self._sync = getattr(vllm_config, "max_concurrent_batches", 1) == 1
@@ -164,6 +172,7 @@ class KvbridgeScheduler:
             remote_host=str(params["remote_host"]),
             remote_port=int(params["remote_port"]),
             remote_tp_size=int(params.get("tp_size", 1)),
+            grant=str(params["kvbridge_grant"]),
             awaited=awaited,
             recomputed=recomputed,
             allocated=time.monotonic(),
@@ -191,6 +200,8 @@ class KvbridgeScheduler:
                 if getattr(request, "max_tokens", None) == 1:
                     meta.reqs_to_hold.add(req_id)
                     self._held.add(req_id)
+                    self._grant(req_id)
+        meta.grants, self._step_grants = self._step_grants, {}
         return meta
 
     def _completed_prompts(self, scheduler_output: Any) -> dict[str, tuple[Any, list[int]]]:
@@ -223,7 +234,16 @@ class KvbridgeScheduler:
             self._held.discard(request.request_id)
             if not delay_free:
                 self._reqs_not_sent.add(request.request_id)
+        self._grants.pop(request.request_id, None)
         return delay_free, out
+
+    def _grant(self, request_id: str) -> str:
+        """The request's grant, drawn on first use; the workers learn it this step."""
+        grant = self._grants.get(request_id)
+        if grant is None:
+            grant = self._grants[request_id] = secrets.token_hex(16)
+        self._step_grants[request_id] = grant
+        return grant
 
     def _finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
@@ -254,6 +274,7 @@ class KvbridgeScheduler:
         if delay_free:
             self._reqs_need_send[request.request_id] = self.settings.lease_s
         return delay_free, dict(
+            kvbridge_grant=self._grant(request.request_id),
             do_remote_prefill=True,
             do_remote_decode=False,
             remote_block_ids=[blocks],

@@ -32,6 +32,7 @@ COUNTERS = (
     "leases_expired",
     "leases_unmarked",
     "notices_failed",
+    "notices_refused",
     "saves_failed",
     *TRANSPORT_COUNTERS,
 )

@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 #: The connector's protocol: the channel's compatibility string, so that a peer of another
 #: version is refused at the handshake, by name.
-PROTOCOL = "kvbridge-vllm/2"
+PROTOCOL = "kvbridge-vllm/3"
 #: Prefiller layouts a decoder rank keeps a read planner (or a refusal) for.
 MAX_PLANNERS = 64
 #: Decoder loads run here, off vLLM's step, so a slow peer never stalls a forward pass.
@@ -221,6 +221,9 @@ class KvbridgeWorker:
         self._leases: dict[str, float] = {}
         # prefiller: which decoder ranks said done, per request (also before its hold)
         self._dones = done_notices.DoneCounts(settings.lease_s)
+        # prefiller: the grant of each request held here (done_notices.py), until it is freed
+        self._grants: dict[str, str] = {}
+        self._forged_from: set[str] = set()
         # this rank's KV cache description (layout.py), set at registration
         self.layout: RankLayout | None = None
         # decoder: prefiller layout (its TpLayout, less its rank; or a synthetic one that
@@ -376,6 +379,7 @@ class KvbridgeWorker:
         ``kv_transfer_params`` finds them held at its first look."""
         if meta.reqs_to_save:
             self.save_to_host(meta.reqs_to_save)
+        self._grants.update(meta.grants)
         now = time.monotonic()
         for req_id in meta.reqs_to_hold:
             if self.staging is not None and req_id not in self._saved:
@@ -403,6 +407,7 @@ class KvbridgeWorker:
             self._idle_since = None
         for req_id in meta.reqs_not_sent:
             self._held_early.pop(req_id, None)
+            self._grants.pop(req_id, None)
             self._saved.discard(req_id)
             self._lease_table.end(req_id)
             log.info("kvbridge: request %s ended without a delayed free: unmarked", req_id)
@@ -418,6 +423,7 @@ class KvbridgeWorker:
 
     def start_load_kv(self, meta: KvbridgeConnectorMetadata) -> None:
         now = time.monotonic()
+        self._grants.update(meta.grants)
         for req_id, lease_s in meta.reqs_to_send.items():
             if self.staging is not None and req_id not in self._saved:
                 # its blocks never reached the host buffers: no decoder may take them
@@ -501,7 +507,7 @@ class KvbridgeWorker:
             )
             return
         for rank, expected in notices.items():
-            self._notify_done(addrs[rank], None, job.remote_request_id, expected)
+            self._notify_done(addrs[rank], None, job.remote_request_id, job.grant, expected)
 
     def _addr(self, job: RecvJob, rank: int) -> str:
         """Where prefiller rank ``rank`` of the job's engine listens (its port plus the rank)."""
@@ -872,16 +878,18 @@ class KvbridgeWorker:
                 addr = self._addr(job, rank)
             except ConfigError:
                 continue
-            self._notify_done(addr, peer.peer_id if peer else None, job.remote_request_id, expected)
+            self._notify_done(addr, peer.peer_id if peer else None, job.remote_request_id, job.grant, expected)
 
-    def _notify_done(self, addr: str, peer_id: str | None, remote_request_id: str, expected: int = 1) -> None:
+    def _notify_done(
+        self, addr: str, peer_id: str | None, remote_request_id: str, grant: str, expected: int = 1
+    ) -> None:
         """Tells a prefiller rank that this rank is done with the request's blocks, without
         waiting: on the session ``peer_id`` when given, else connecting to ``addr``. A
         failure is logged; the prefiller's lease frees the blocks anyway."""
         ch = self.channel
         if ch is None:
             return
-        msg = done_notices.encode(self.tp_rank, expected, remote_request_id)
+        msg = done_notices.encode(self.tp_rank, expected, grant, remote_request_id)
 
         async def notice() -> None:
             to = peer_id or addr
@@ -998,6 +1006,17 @@ class KvbridgeWorker:
         self._saved -= set(finished_req_ids or ())
         return (sending or None), (recving or None)
 
+    def _forged(self, peer: str, notice: done_notices.Notice) -> None:
+        """A "done" notice under another grant than the request's: its sender was not given
+        the request's parameters. Counted, logged once per sender (of a bounded set)."""
+        self.stats["notices_refused"] += 1
+        if peer not in self._forged_from and len(self._forged_from) < 1024:
+            self._forged_from.add(peer)
+            log.warning(
+                "kvbridge: %s sent a read-done notice for request %s under another grant: refused "
+                "(further ones from it are counted in notices_refused)", peer, notice.request_id,
+            )  # fmt: skip
+
     def _finished_sending(self) -> set[str]:
         if self.channel is None:
             return set()
@@ -1005,23 +1024,29 @@ class KvbridgeWorker:
         done, self._free_now = self._free_now, set()
         taken, self._taken = self._taken, []
         fresh = self.channel.get_new_notifs().items()
-        for _peer, msgs in [(p, [m]) for p, m in taken] + list(fresh):
+        for peer, msgs in [(p, [m]) for p, m in taken] + list(fresh):
             for msg in msgs:
                 notice = done_notices.decode(msg)
                 if notice is None:
                     continue
+                known = self._grants.get(notice.request_id)
+                if known is not None and notice.grant != known:
+                    self._forged(peer, notice)
+                    continue
                 self._dones.add(notice, now)
-        # a request is freed once every decoder rank that reads it here said done; one held
-        # only now may have had its notices before
-        for req_id in [r for r in self._leases if self._dones.complete(r)]:
+        # a request is freed once every decoder rank that reads it here said done under its
+        # grant; one held only now may have had its notices before
+        for req_id in [r for r in self._leases if self._dones.complete(r, self._grants.get(r))]:
             del self._leases[req_id]
             self._dones.forget(req_id)
+            self._grants.pop(req_id, None)
             done.add(req_id)
             self.stats["blocks_freed_on_notify"] += 1
         for req_id, until in list(self._leases.items()):
             if until <= now:
                 del self._leases[req_id]
                 self._dones.forget(req_id)
+                self._grants.pop(req_id, None)
                 done.add(req_id)
                 self.stats["leases_expired"] += 1
                 log.warning(

@@ -11,13 +11,14 @@ import time
 
 from kvbridge.vllm.metadata import KvbridgeConnectorMetadata
 from vllm_helpers import kv_caches, make_worker
+from vllm_helpers import granted_meta  # noqa: E402
 
 LIFETIME_S = 120.0
 
 
 def main() -> None:
     worker = make_worker("kv_producer", kv_caches(seed=int(sys.argv[1])), engine_id=f"P{sys.argv[1]}")
-    worker.start_load_kv(KvbridgeConnectorMetadata(reqs_to_send={r: LIFETIME_S for r in sys.argv[2:]}))
+    worker.start_load_kv(granted_meta(reqs_to_send={r: LIFETIME_S for r in sys.argv[2:]}))
     print(worker.listen_addr, flush=True)
     deadline = time.monotonic() + LIFETIME_S
     while time.monotonic() < deadline:

@@ -25,6 +25,7 @@ import torch
 from kvbridge.vllm.metadata import KvbridgeConnectorMetadata, RecvJob
 
 from vllm_helpers import LAYERS, kv_caches
+from vllm_helpers import recv_job  # noqa: E402
 
 HERE = Path(__file__).parent
 READ_TIMEOUT_S = 4.0
@@ -72,7 +73,7 @@ class Prefiller:
                 return False
 
     def job(self, local, remote, req) -> RecvJob:
-        return RecvJob(
+        return recv_job(
             local_block_ids=list(local),
             remote_block_ids=list(remote),
             remote_engine_id=f"P{self.seed}",

@@ -86,6 +86,7 @@ def good_params(n: int) -> dict:
         do_remote_prefill=True, do_remote_decode=False, remote_engine_id="p",
         remote_request_id=f"prefill-{n}", remote_block_ids=[[10, 11, 12, 13]],
         remote_host="127.0.0.1", remote_port=1, tp_size=1, remote_num_tokens=PROMPT_TOKENS,
+        kvbridge_grant="5a" * 16,
     )  # fmt: skip
 
 
@@ -120,6 +121,8 @@ BAD_PARAMS = {
     "remote_port_not_a_port": lambda p: {**p, "remote_port": "x"},
     "fewer_remote_blocks_than_the_prompt": lambda p: {**p, "remote_block_ids": [[10, 11]]},
     "prefiller_saw_a_shorter_prompt": lambda p: {**p, "remote_num_tokens": PROMPT_TOKENS - 7},
+    "no_grant": lambda p: {k: v for k, v in p.items() if k != "kvbridge_grant"},
+    "grant_not_hex": lambda p: {**p, "kvbridge_grant": "Z" * 32},
 }
 
 

@@ -15,6 +15,7 @@ from kvbridge.vllm.scheduler import KvbridgeScheduler
 from kvbridge.vllm.worker import IDLE_WAIT_S
 
 from vllm_helpers import kv_caches, poll, vllm_config
+from vllm_helpers import granted_meta  # noqa: E402
 
 
 def scheduler(role="kv_producer"):
@@ -56,11 +57,21 @@ def test_a_prompt_that_ends_its_request_is_held_in_the_step_that_computes_it():
     meta = s.build_connector_meta(step(new=[("one", [1, 2]), ("more", [3, 4])], scheduled={"one": 40, "more": 40}))
     # "more" goes on decoding: it is marked when it finishes, from its lease
     assert meta.reqs_to_hold == {"one"} and meta.reqs_to_save == {} and not meta.idle
+    # the workers learn the request's grant with its hold: a decoder's notice may come
+    # before the next step
+    grant = meta.grants["one"]
+    assert set(meta.grants) == {"one"} and len(grant) == 32
     one.status = RequestStatus.FINISHED_LENGTH_CAPPED
     delay, params = s.request_finished(one, ([1, 2],))
     assert delay and params["remote_request_id"] == "one"
+    assert params["kvbridge_grant"] == grant  # the decoder gets the grant the workers hold
     meta = s.build_connector_meta(step())
     assert meta.reqs_to_send == {"one": s.settings.lease_s} and meta.reqs_not_sent == set() and meta.idle
+    assert meta.grants == {"one": grant}
+    # each request its own grant; none kept once finished
+    more.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    _, params = s.request_finished(more, ([3, 4],))
+    assert params["kvbridge_grant"] != grant and s._grants == {}
 
 
 def test_a_held_request_that_finishes_without_a_delayed_free_is_unmarked_next_step():
@@ -84,10 +95,10 @@ def lease_of(prefiller, req_id) -> LeaseState:
 
 def test_the_worker_marks_after_the_forward_pass_and_unmarks_before_the_next(workers):
     p = workers("kv_producer", kv_caches(seed=21))
-    p.wait_for_save(KvbridgeConnectorMetadata(reqs_to_hold={"r", "q"}))
+    p.wait_for_save(granted_meta(reqs_to_hold={"r", "q"}))
     assert lease_of(p, "r") is LeaseState.HELD and lease_of(p, "q") is LeaseState.HELD
     # "q" finished with a delayed free: held on, its lease clock started
-    meta = KvbridgeConnectorMetadata(reqs_to_send={"q": 30.0}, reqs_not_sent={"r"})
+    meta = granted_meta(reqs_to_send={"q": 30.0}, reqs_not_sent={"r"})
     p.before_forward(meta)
     assert lease_of(p, "r") is LeaseState.ENDED
     p.start_load_kv(meta)
@@ -99,7 +110,7 @@ def test_a_decoder_finds_its_request_held_at_the_first_look(workers):
 
     p = workers("kv_producer", kv_caches(seed=22))
     d = workers("kv_consumer", kv_caches(seed=None))
-    p.wait_for_save(KvbridgeConnectorMetadata(reqs_to_hold={"p-1"}))
+    p.wait_for_save(granted_meta(reqs_to_hold={"p-1"}))
     # the prefiller takes no further step: no lease clock, no table change
     d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job(p, [3], [3])}))
     poll(d, want_recving={"d-1"})
@@ -111,7 +122,7 @@ def test_an_idle_step_waits_for_the_notification_it_steps_for(workers):
 
     p = workers("kv_producer", kv_caches(seed=23))
     d = workers("kv_consumer", kv_caches(seed=None))
-    hold = KvbridgeConnectorMetadata(reqs_to_send={"p-1": 30.0})
+    hold = granted_meta(reqs_to_send={"p-1": 30.0})
     p.before_forward(hold)
     p.start_load_kv(hold)
     # nothing comes: the step sleeps its whole wait instead of returning to spin
@@ -133,7 +144,7 @@ def test_on_vllm_cpu_the_idle_wait_grows_with_the_idle_stretch_and_resets_on_a_c
     from kvbridge.vllm.worker import IDLE_WAIT_MAX_S
 
     p = workers("kv_producer", kv_caches(seed=24))
-    hold = KvbridgeConnectorMetadata(reqs_to_send={"p-1": 30.0}, idle=True)
+    hold = granted_meta(reqs_to_send={"p-1": 30.0}, idle=True)
     p.before_forward(hold)
     p.start_load_kv(hold)
     p._cores = {0}  # as on vLLM CPU, where the servers share the compute cores

@@ -18,6 +18,7 @@ from kvbridge.vllm.worker import KvbridgeWorker
 
 from stand_in_device import CopyOps, device_caches, plain
 from vllm_helpers import LAYERS, NUM_BLOCKS, poll, vllm_config
+from vllm_helpers import granted_meta, recv_job  # noqa: E402
 
 
 @pytest.fixture
@@ -42,7 +43,7 @@ def staged():
 
 def job(prefiller, local, remote, req="p-1"):
     host, port = prefiller.listen_addr.rsplit(":", 1)
-    return RecvJob(list(local), list(remote), prefiller.settings.engine_id, req, host, int(port))
+    return recv_job(list(local), list(remote), prefiller.settings.engine_id, req, host, int(port))
 
 
 def forward(caches, blocks, seed):
@@ -57,7 +58,7 @@ def finish_prefill(p, req, blocks):
     """The prefiller's steps for a do_remote_decode request: wait_for_save of the step that
     completes its prompt, then the next step's start_load_kv with its lease."""
     p.save_to_host({req: list(blocks)})
-    p.start_load_kv(KvbridgeConnectorMetadata(reqs_to_send={req: 30.0}))
+    p.start_load_kv(granted_meta(reqs_to_send={req: 30.0}))
 
 
 def test_device_blocks_reach_the_decoders_device_byte_exact(staged):
@@ -106,7 +107,7 @@ def test_kernel_blocks_smaller_than_vllms_blocks_move_as_one_page(staged):
 def test_a_request_never_copied_to_host_is_freed_not_offered(staged):
     p = staged("kv_producer", device_caches(seed=3))
     d = staged("kv_consumer", device_caches(seed=None))
-    p.start_load_kv(KvbridgeConnectorMetadata(reqs_to_send={"p-1": 30.0}))  # no save came
+    p.start_load_kv(granted_meta(reqs_to_send={"p-1": 30.0}))  # no save came
     sending, _ = p.get_finished(set())
     assert sending == {"p-1"} and p.stats["saves_failed"] == 1
     t0 = time.monotonic()

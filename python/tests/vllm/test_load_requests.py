@@ -25,10 +25,12 @@ from kvbridge.vllm.load_requests import (
 from kvbridge.vllm.metadata import KvbridgeConnectorMetadata, RecvJob
 
 from vllm_helpers import LAYERS, kv_caches, poll
+from vllm_helpers import GRANT, granted_meta  # noqa: E402
 
 
 def recv_job(local=(1, 2), remote=(3, 4), allocated=None, port=5600) -> RecvJob:
     return RecvJob(
+        grant=GRANT,
         local_block_ids=list(local),
         remote_block_ids=list(remote),
         remote_engine_id="e",
@@ -176,7 +178,7 @@ def test_a_load_from_the_inbox_runs_without_the_step_and_is_reported_after_it(wo
     p_cache, d_cache = kv_caches(seed=11), kv_caches(seed=None)
     p = workers("kv_producer", p_cache)
     d = workers("kv_consumer", d_cache)
-    p.start_load_kv(KvbridgeConnectorMetadata(reqs_to_send={"p-1": 30.0}))
+    p.start_load_kv(granted_meta(reqs_to_send={"p-1": 30.0}))
     job = job_for(p, [4, 5], [1, 2])
     send_to(d, "d-1", job)
     # the blocks arrive and the prefiller is told, with no decoder step taken
@@ -192,7 +194,7 @@ def test_a_load_from_the_inbox_runs_without_the_step_and_is_reported_after_it(wo
 def test_the_inbox_and_the_step_start_one_load_whichever_comes_first(workers):
     p = workers("kv_producer", kv_caches(seed=12))
     d = workers("kv_consumer", kv_caches(seed=None))
-    p.start_load_kv(KvbridgeConnectorMetadata(reqs_to_send={"p-1": 30.0, "p-2": 30.0}))
+    p.start_load_kv(granted_meta(reqs_to_send={"p-1": 30.0, "p-2": 30.0}))
     first = job_for(p, [1], [1], "p-1")
     d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": first}))
     poll(d, want_recving={"d-1"})

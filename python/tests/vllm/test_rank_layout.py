@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvbridge.vllm.done_notices import MAX_RANKS, DoneCounts, Notice, decode, encode
+from kvbridge.vllm.done_notices import MAX_GRANTS, MAX_RANKS, DoneCounts, Notice, decode, encode
 from kvbridge.vllm.layout import ModelFacts, describe
 
 FACTS = ModelFacts(model="tiny", total_kv_heads=4, head_size=32, mla=False, block_size=16)
@@ -52,17 +52,26 @@ def test_layers_of_different_shapes_are_not_translated():
     assert got.tp is None and "differ" in got.why_not
 
 
+G = "0123456789abcdef" * 2
+FORGED = "f" * 32
+
+
 def test_a_notice_round_trips_and_malformed_ones_are_ignored():
-    assert decode(encode(3, 2, "req with spaces")) == Notice(3, 2, "req with spaces")
+    assert decode(encode(3, 2, G, "req with spaces")) == Notice(3, 2, G, "req with spaces")
+    g = G.encode()
     for bad in [
-        b"kvbridge-vllm/2 done ",
-        b"kvbridge-vllm/2 done 1 2 ",
-        b"kvbridge-vllm/2 done x 2 r",
-        b"kvbridge-vllm/2 done 1 0 r",  # waits for no rank
-        b"kvbridge-vllm/2 done -1 1 r",
-        b"kvbridge-vllm/2 done 1 " + str(MAX_RANKS + 1).encode() + b" r",
-        b"kvbridge-vllm/2 done " + b"9" * 10_000 + b" 1 r",
-        b"kvbridge-vllm/1 done r",  # the previous protocol's
+        b"kvbridge-vllm/3 done ",
+        b"kvbridge-vllm/3 done 1 2 ",
+        b"kvbridge-vllm/3 done 1 2 " + g + b" ",
+        b"kvbridge-vllm/3 done x 2 " + g + b" r",
+        b"kvbridge-vllm/3 done 1 0 " + g + b" r",  # waits for no rank
+        b"kvbridge-vllm/3 done -1 1 " + g + b" r",
+        b"kvbridge-vllm/3 done 1 " + str(MAX_RANKS + 1).encode() + b" " + g + b" r",
+        b"kvbridge-vllm/3 done " + b"9" * 10_000 + b" 1 " + g + b" r",
+        b"kvbridge-vllm/3 done 1 1 " + g.upper() + b" r",  # not the grant's form
+        b"kvbridge-vllm/3 done 1 1 " + g[:31] + b" r",
+        b"kvbridge-vllm/3 done 1 1 r",  # no grant
+        b"kvbridge-vllm/2 done 1 1 r",  # the previous protocol's
         b"\xff" * 64,
     ]:
         assert decode(bad) is None, bad
@@ -70,17 +79,32 @@ def test_a_notice_round_trips_and_malformed_ones_are_ignored():
 
 def test_done_counts_wait_for_every_expected_rank_and_are_bounded():
     c = DoneCounts(keep_s=10.0, max_early=3)
-    c.add(Notice(0, 2, "a"), now=0.0)
-    c.add(Notice(0, 2, "a"), now=0.1)  # the same rank twice counts once
-    assert not c.complete("a")
-    c.add(Notice(1, 2, "a"), now=0.2)
-    assert c.complete("a")
+    c.add(Notice(0, 2, G, "a"), now=0.0)
+    c.add(Notice(0, 2, G, "a"), now=0.1)  # the same rank twice counts once
+    assert not c.complete("a", G)
+    c.add(Notice(1, 2, G, "a"), now=0.2)
+    assert c.complete("a", G) and not c.complete("a", None)
     # a flood of notices for requests never held keeps at most max_early, oldest dropped
     for i in range(10):
-        c.add(Notice(0, 1, f"x{i}"), now=1.0)
-    assert len(c) == 3 and not c.complete("a") and c.complete("x9")
+        c.add(Notice(0, 1, G, f"x{i}"), now=1.0)
+    assert len(c) == 3 and not c.complete("a", G) and c.complete("x9", G)
     c.expire(now=11.5)
     assert len(c) == 0
+
+
+def test_a_notice_under_another_grant_frees_nothing():
+    # an insider: it holds the deployment's secret and knows the request id, not its grant
+    c = DoneCounts(keep_s=10.0)
+    c.add(Notice(0, 1, FORGED, "a"), now=0.0)
+    assert not c.complete("a", G)
+    # nor can it make the true notices wait for more ranks than they say
+    c.add(Notice(1, 9, FORGED, "a"), now=0.0)
+    c.add(Notice(0, 1, G, "a"), now=0.0)
+    assert c.complete("a", G)
+    # forged grants beyond MAX_GRANTS are dropped, not kept
+    for i in range(100):
+        c.add(Notice(0, 1, f"{i:032x}", "b"), now=0.0)
+    assert len(c._counts["b"].by_grant) == MAX_GRANTS
 
 
 def test_pipeline_parallelism_is_refused_at_startup():

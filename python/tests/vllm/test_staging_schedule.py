@@ -12,6 +12,7 @@ from kvbridge.vllm.metadata import KvbridgeConnectorMetadata
 from kvbridge.vllm.scheduler import KvbridgeScheduler
 
 from vllm_helpers import vllm_config
+from vllm_helpers import granted_meta  # noqa: E402
 
 
 def scheduler(role="kv_producer", kv_buffer_device="cpu"):
@@ -91,7 +92,7 @@ def test_wait_for_save_hands_the_steps_saves_and_holds_to_the_worker():
     to_save = KvbridgeConnectorMetadata(reqs_to_save={"r": [3, 4]})
     conn.bind_connector_metadata(to_save)
     conn.wait_for_save()
-    to_hold = KvbridgeConnectorMetadata(reqs_to_hold={"q"})
+    to_hold = granted_meta(reqs_to_hold={"q"})
     conn.bind_connector_metadata(to_hold)
     conn.wait_for_save()
     conn.bind_connector_metadata(KvbridgeConnectorMetadata())

@@ -13,6 +13,7 @@ from kvbridge.vllm.metadata import KvbridgeConnectorMetadata
 
 from test_worker_transfer import job
 from vllm_helpers import kv_caches, poll
+from vllm_helpers import granted_meta  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores"
@@ -47,7 +48,7 @@ def test_load_and_notice_threads_run_on_the_transfer_cores(workers, compute_and_
     before = {t.ident for t in threading.enumerate()}
     p = workers("kv_producer", kv_caches(seed=1))
     d = workers("kv_consumer", kv_caches(seed=None))
-    p.start_load_kv(KvbridgeConnectorMetadata(reqs_to_send={"p-1": 30.0}))
+    p.start_load_kv(granted_meta(reqs_to_send={"p-1": 30.0}))
     d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job(p, [1], [2])}))
     poll(d, want_recving={"d-1"})
     poll(p, want_sending={"p-1"})  # the notice went out: its thread exists

@@ -12,11 +12,12 @@ import torch
 from kvbridge.vllm.metadata import KvbridgeConnectorMetadata, RecvJob
 
 from vllm_helpers import LAYERS, kv_caches, poll
+from vllm_helpers import GRANT, granted_meta, recv_job  # noqa: E402
 
 
 def job(prefiller, local, remote, req="p-1", port=None, hit=()):
     host, p = (prefiller.listen_addr or "127.0.0.1:1").rsplit(":", 1)
-    return RecvJob(
+    return recv_job(
         local_block_ids=list(local),
         remote_block_ids=list(remote),
         remote_engine_id=prefiller.settings.engine_id,
@@ -33,7 +34,7 @@ def test_decoder_reads_prefiller_blocks_then_prefiller_frees_them(workers):
     p = workers("kv_producer", p_cache)
     d = workers("kv_consumer", d_cache)
     # the prefiller's scheduler handed its worker the finished request's lease
-    p.start_load_kv(KvbridgeConnectorMetadata(reqs_to_send={"p-1": 30.0}))
+    p.start_load_kv(granted_meta(reqs_to_send={"p-1": 30.0}))
     d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job(p, [5, 9, 2], [1, 3, 7])}))
     _, recving = poll(d, want_recving={"d-1"})
     assert recving == {"d-1"}
@@ -52,7 +53,7 @@ def test_decoder_reads_prefiller_blocks_then_prefiller_frees_them(workers):
 
 def hold(prefiller, *reqs):
     """The prefiller's scheduler hands its worker finished requests to hold for a decoder."""
-    prefiller.start_load_kv(KvbridgeConnectorMetadata(reqs_to_send={r: 30.0 for r in reqs}))
+    prefiller.start_load_kv(granted_meta(reqs_to_send={r: 30.0 for r in reqs}))
 
 
 def test_prefix_hit_on_decoder_reads_only_the_tail(workers):
@@ -73,19 +74,50 @@ def test_notification_before_lease_is_known_still_frees(workers):
     # a decoder's notice can overtake the prefiller's next step (after a failed load, say)
     p = workers("kv_producer", kv_caches(seed=3))
     d = workers("kv_consumer", kv_caches(seed=None))
-    d._notify_done(p.listen_addr, None, "p-7")
+    d._notify_done(p.listen_addr, None, "p-7", GRANT)
     deadline = time.monotonic() + 5
     while not len(p._dones) and time.monotonic() < deadline:
         p.get_finished(set())
         time.sleep(0.01)
-    p.start_load_kv(KvbridgeConnectorMetadata(reqs_to_send={"p-7": 30.0}))
+    p.start_load_kv(granted_meta(reqs_to_send={"p-7": 30.0}))
     sending, _ = poll(p, want_sending={"p-7"}, timeout=2)
     assert sending == {"p-7"}
 
 
+def test_a_done_notice_under_another_grant_frees_nothing(workers):
+    # an insider: it holds the deployment's secret and knows the request id (not its grant)
+    # and tells the prefiller it is done, to have the blocks freed while the real decoder
+    # may still read them. Before the grant is known (the notice overtakes the step) and
+    # after, the forgery frees nothing; the real notice still does.
+    p = workers("kv_producer", kv_caches(seed=3))
+    insider = workers("kv_consumer", kv_caches(seed=None))
+    decoder = workers("kv_consumer", kv_caches(seed=None))
+    forged = "0f" * 16
+    insider._notify_done(p.listen_addr, None, "p-early", forged)
+    deadline = time.monotonic() + 5
+    while not len(p._dones) and time.monotonic() < deadline:
+        p.get_finished(set())
+        time.sleep(0.01)
+    hold(p, "p-early", "p-late")
+    insider._notify_done(p.listen_addr, None, "p-late", forged)
+    deadline = time.monotonic() + 5
+    while p.stats["notices_refused"] < 1 and time.monotonic() < deadline:
+        sending, _ = p.get_finished(set())
+        assert not sending, f"freed on a forged notice: {sending}"
+        time.sleep(0.01)
+    assert p.stats["notices_refused"] == 1  # the late one; the early one waits unmatched
+    sending, _ = p.get_finished(set())
+    assert not sending and set(p._leases) == {"p-early", "p-late"}
+    for req in ("p-early", "p-late"):
+        decoder._notify_done(p.listen_addr, None, req, GRANT)
+    sending, _ = poll(p, want_sending={"p-early", "p-late"}, timeout=5)
+    assert sending == {"p-early", "p-late"}
+    assert p.stats["blocks_freed_on_notify"] == 2
+
+
 def test_lease_frees_blocks_nobody_read(workers):
     p = workers("kv_producer", kv_caches(seed=4), extra={"kvbridge_lease_s": 0.3})
-    p.start_load_kv(KvbridgeConnectorMetadata(reqs_to_send={"p-1": 0.3}))
+    p.start_load_kv(granted_meta(reqs_to_send={"p-1": 0.3}))
     t0 = time.monotonic()
     sending, _ = poll(p, want_sending={"p-1"}, timeout=5)
     assert time.monotonic() - t0 >= 0.3
@@ -98,7 +130,7 @@ def test_unreachable_prefiller_fails_the_load_with_its_blocks(workers):
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()  # nothing listens there now
-    bad = RecvJob([3, 4], [0, 1], "P", "p-1", "127.0.0.1", port)
+    bad = recv_job([3, 4], [0, 1], "P", "p-1", "127.0.0.1", port)
     d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": bad}))
     _, recving = poll(d, want_recving={"d-1"})
     assert recving == {"d-1"}
@@ -110,7 +142,7 @@ def test_unreachable_prefiller_fails_the_load_with_its_blocks(workers):
 def test_out_of_range_remote_blocks_fail_the_load_and_still_free_the_prefiller(workers):
     p = workers("kv_producer", kv_caches(seed=5))
     d = workers("kv_consumer", kv_caches(seed=None))
-    p.start_load_kv(KvbridgeConnectorMetadata(reqs_to_send={"p-1": 30.0}))
+    p.start_load_kv(granted_meta(reqs_to_send={"p-1": 30.0}))
     d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job(p, [1], [10_000])}))
     poll(d, want_recving={"d-1"})
     assert d.take_failed_recving() == {"d-1"}
@@ -140,7 +172,7 @@ def test_notify_only_job_frees_the_prefiller_and_is_never_reported_to_vllm(worke
     # request that already finished (or a full prefix hit) only tells the prefiller.
     p = workers("kv_producer", kv_caches(seed=5))
     d = workers("kv_consumer", kv_caches(seed=None))
-    p.start_load_kv(KvbridgeConnectorMetadata(reqs_to_send={"p-1": 30.0}))
+    p.start_load_kv(granted_meta(reqs_to_send={"p-1": 30.0}))
     only = job(p, [], [1, 2])
     only.awaited = False
     d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"gone": only}))
@@ -199,7 +231,7 @@ def test_a_read_after_the_lease_ended_fails_the_load(workers):
     # gets may be another request's, so the load fails instead of decoding on them
     p = workers("kv_producer", kv_caches(seed=9), extra={"kvbridge_lease_s": 0.2})
     d = workers("kv_consumer", kv_caches(seed=None))
-    p.start_load_kv(KvbridgeConnectorMetadata(reqs_to_send={"p-1": 0.2}))
+    p.start_load_kv(granted_meta(reqs_to_send={"p-1": 0.2}))
     poll(p, want_sending={"p-1"}, timeout=5)
     assert p.stats["leases_expired"] == 1
     d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job(p, [2, 3], [4, 5])}))

@@ -103,3 +103,24 @@ def workers():
     yield make
     for w in made:
         w.shutdown()
+
+
+#: The grant the tests' prefillers hold their requests under (done_notices.py).
+GRANT = "5a" * 16
+
+
+def granted_meta(**kw):
+    """Connector metadata whose held and sent requests carry :data:`GRANT`, as the
+    scheduler's do."""
+    from kvbridge.vllm.metadata import KvbridgeConnectorMetadata
+
+    meta = KvbridgeConnectorMetadata(**kw)
+    meta.grants = {r: GRANT for r in [*meta.reqs_to_send, *meta.reqs_to_hold]}
+    return meta
+
+
+def recv_job(*args, **kw):
+    """A decoder's load job under :data:`GRANT`."""
+    from kvbridge.vllm.metadata import RecvJob
+
+    return RecvJob(*args, **{"grant": GRANT, **kw})
