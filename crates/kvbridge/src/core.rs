@@ -481,6 +481,7 @@ impl Core {
 
     /// The channel's counters, summed over its sessions.
     fn stats(&self, reply: oneshot::Sender<Stats>) {
+        let notes = self.env.notifications.snapshot();
         let established: Vec<&PeerHandle> = self
             .sessions
             .values()
@@ -503,6 +504,12 @@ impl Core {
             handshakes_refused: self.refused,
             tls_refused: self.tls_refused,
             auth_failed: self.auth_failed,
+            notifications_queued: notes.queued,
+            notify_bytes_queued: notes.bytes,
+            notify_bytes_peak: notes.peak,
+            notify_paused: notes.paused,
+            notify_pauses: notes.pauses,
+            notify_timeouts: notes.timeouts,
         });
     }
 }

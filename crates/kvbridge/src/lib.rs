@@ -45,6 +45,7 @@ mod grant;
 mod in_flight;
 mod landing;
 pub mod net;
+mod notify_queues;
 pub mod peer_memory;
 mod pidfd;
 mod random;
