@@ -28,8 +28,13 @@ pub struct Stats {
     pub in_flight_refused: u64,
     /// Sessions that ended since the channel started.
     pub sessions_ended: u64,
-    /// Handshakes refused because `max_concurrent_handshakes` were already under way.
+    /// Handshakes refused because `max_concurrent_handshakes` were already under way (and
+    /// none could be taken from a source holding more), or their source's
+    /// `max_handshakes_per_source`.
     pub handshakes_refused: u64,
+    /// Handshakes under way that gave their slot to a `Hello` from a source holding fewer
+    /// (each ended with [`crate::Error::HandshakeSlotTaken`]).
+    pub handshakes_displaced: u64,
     /// Sessions that ended because authentication failed: a peer that could not prove it
     /// knows the shared secret (or sent no proof), a listener that could not, or one side
     /// requiring authentication that the other does not do. Each is logged at WARN with the

@@ -42,6 +42,7 @@ mod fast_lane;
 #[doc(hidden)]
 pub mod fuzzing;
 mod grant;
+mod handshake_slots;
 mod in_flight;
 mod landing;
 pub mod net;

@@ -737,6 +737,16 @@ impl Session {
                 }
             }
             Some(SessionCmd::Replace(e)) | Some(SessionCmd::Abort(e)) => return Some(e),
+            // Established meanwhile: it holds no handshake slot any more.
+            Some(SessionCmd::SlotTaken { .. }) if self.established => {}
+            Some(SessionCmd::SlotTaken { from, by }) => {
+                return Some(Error::HandshakeSlotTaken {
+                    peer: self.peer_name.clone(),
+                    from: from.to_string(),
+                    step: self.machine.step(),
+                    by: by.ip().to_string(),
+                })
+            }
             Some(SessionCmd::MemChanged) => {
                 if let Some(p) = &self.peer_id {
                     let mem = self.env.table.granted_to(p);
