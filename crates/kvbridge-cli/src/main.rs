@@ -45,6 +45,11 @@ enum BenchCmd {
     Proxy(bench::proxy::ProxyBenchArgs),
     /// Notification round trips against a raw loopback TCP ping-pong, same run.
     Notify(bench::notify::NotifyArgs),
+    /// An honest peer's notification round trips with and without a flooding peer, same run.
+    NotifyFlood(bench::notify_flood::NotifyFloodArgs),
+    /// The flooding peer `bench notify-flood` starts (internal).
+    #[command(hide = true)]
+    Flooder(bench::notify_flood::FlooderArgs),
     /// The listener process the other benchmarks start (internal).
     #[command(hide = true)]
     Peer {
@@ -154,6 +159,19 @@ fn main() -> Result<()> {
                 println!("{}", r.table());
             }
             Ok(())
+        }
+        Cmd::Bench(BenchCmd::NotifyFlood(args)) => {
+            let json = args.json;
+            let r = rt()?.block_on(bench::notify_flood::run(args))?;
+            if json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                print!("{}", r.table());
+            }
+            Ok(())
+        }
+        Cmd::Bench(BenchCmd::Flooder(args)) => {
+            rt()?.block_on(bench::notify_flood::run_flooder(args))
         }
         Cmd::Bench(BenchCmd::Handshake(args)) => {
             let json = args.json;

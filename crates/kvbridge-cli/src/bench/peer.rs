@@ -3,7 +3,9 @@
 //! It listens with a kvbridge channel and a plain TCP sink on loopback, prints one line
 //! `READY <channel addr> <region id> <sink addr>`, and serves until its stdin closes (so it
 //! never outlives the benchmark that started it). With `echo` it sends every notification
-//! back to its sender, and the sink echoes what it reads (`kvbridge bench notify`).
+//! back to its sender, except those of peers whose id starts with `flood`, which it takes
+//! and drops (`kvbridge bench notify-flood`), and the sink echoes what it reads (`kvbridge
+//! bench notify`).
 
 use anyhow::{Context, Result};
 use kvbridge::{Channel, ChannelConfig, Grant, Region};
@@ -109,7 +111,6 @@ fn serve_sink(mut s: std::net::TcpStream, region: Region) {
     }
 }
 
-/// Sends every notification back to its sender, on that sender's session.
 /// With a Welcome delay (a listener stalled mid-handshake), prints `HELLO` once a `Hello`
 /// has arrived: a test that kills this process then knows the initiator is past its TCP
 /// connect and waiting for `Welcome`. A listener's session exists from its `Hello` on, so
@@ -129,9 +130,14 @@ async fn say_hello_received(ch: Channel, delay: std::time::Duration) {
     }
 }
 
+/// Sends every notification back to its sender, on that sender's session; a flooder's
+/// (`bench flooder`, ids `flood…`) are taken and dropped.
 async fn echo_notifications(ch: Channel) {
     let mut links = std::collections::HashMap::new();
     while let Some(n) = ch.recv_notification().await {
+        if n.peer.as_str().starts_with("flood") {
+            continue;
+        }
         let link = match links.get(&n.peer) {
             Some(l) => l,
             None => match ch.link(&n.peer).await {
