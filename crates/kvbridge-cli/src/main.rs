@@ -86,12 +86,6 @@ fn main() -> Result<()> {
             _ => reg.init(),
         }
     }
-    // Built on demand: the proxy builds its own (one thread by default).
-    let rt = || {
-        tokio::runtime::Builder::new_multi_thread()
-            .enable_all()
-            .build()
-    };
     match cli.cmd {
         Cmd::Proxy(args) => kvbridge_proxy::cli::main(*args),
         Cmd::Engine(args) => rt()?.block_on(kvbridge_sim::cli::run_engine(*args)),
@@ -127,7 +121,22 @@ fn main() -> Result<()> {
             }
             verdict(json, &s, s.table(), s.passed())
         }
-        Cmd::Bench(BenchCmd::Transfer(args)) => {
+        Cmd::Bench(cmd) => bench(cmd),
+    }
+}
+
+/// A runtime for one command, built on demand: the proxy builds its own (one thread by
+/// default).
+fn rt() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+}
+
+/// `kvbridge bench …`.
+fn bench(cmd: BenchCmd) -> Result<()> {
+    match cmd {
+        BenchCmd::Transfer(args) => {
             let (json, batch) = (args.json, args.batch);
             let r = rt()?.block_on(bench::transfer::run(args))?;
             if json {
@@ -137,7 +146,7 @@ fn main() -> Result<()> {
             }
             Ok(())
         }
-        Cmd::Bench(BenchCmd::Proxy(args)) => {
+        BenchCmd::Proxy(args) => {
             let b = bench::proxy::run(&args)?;
             if args.json {
                 println!("{}", serde_json::to_string(&b)?);
@@ -146,11 +155,11 @@ fn main() -> Result<()> {
             }
             Ok(())
         }
-        Cmd::Bench(BenchCmd::Pd(args)) => {
+        BenchCmd::Pd(args) => {
             rt()?.block_on(kvbridge_pd::bench::run(args))?;
             Ok(())
         }
-        Cmd::Bench(BenchCmd::Notify(args)) => {
+        BenchCmd::Notify(args) => {
             let json = args.json;
             let r = rt()?.block_on(bench::notify::run(args))?;
             if json {
@@ -160,7 +169,7 @@ fn main() -> Result<()> {
             }
             Ok(())
         }
-        Cmd::Bench(BenchCmd::NotifyFlood(args)) => {
+        BenchCmd::NotifyFlood(args) => {
             let json = args.json;
             let r = rt()?.block_on(bench::notify_flood::run(args))?;
             if json {
@@ -170,10 +179,8 @@ fn main() -> Result<()> {
             }
             Ok(())
         }
-        Cmd::Bench(BenchCmd::Flooder(args)) => {
-            rt()?.block_on(bench::notify_flood::run_flooder(args))
-        }
-        Cmd::Bench(BenchCmd::Handshake(args)) => {
+        BenchCmd::Flooder(args) => rt()?.block_on(bench::notify_flood::run_flooder(args)),
+        BenchCmd::Handshake(args) => {
             let json = args.json;
             let r = rt()?.block_on(bench::handshake::run(args))?;
             if json {
@@ -183,13 +190,13 @@ fn main() -> Result<()> {
             }
             Ok(())
         }
-        Cmd::Bench(BenchCmd::Peer {
+        BenchCmd::Peer {
             region_bytes,
             page,
             listen,
             welcome_delay_ms,
             echo,
-        }) => rt()?.block_on(bench::peer::run(bench::peer::PeerOptions {
+        } => rt()?.block_on(bench::peer::run(bench::peer::PeerOptions {
             region_bytes,
             page,
             listen,
