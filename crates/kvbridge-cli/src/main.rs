@@ -69,6 +69,10 @@ enum BenchCmd {
         /// Echo notifications and sink bytes back (`bench notify`).
         #[arg(long)]
         echo: bool,
+        /// With --echo: busy-wait this long on each notification taken (`bench
+        /// notify-flood`).
+        #[arg(long, default_value_t = 0)]
+        work_us: u64,
     },
 }
 
@@ -196,12 +200,14 @@ fn bench(cmd: BenchCmd) -> Result<()> {
             listen,
             welcome_delay_ms,
             echo,
+            work_us,
         } => rt()?.block_on(bench::peer::run(bench::peer::PeerOptions {
             region_bytes,
             page,
             listen,
             welcome_delay: welcome_delay_ms.map(std::time::Duration::from_millis),
             echo,
+            work: std::time::Duration::from_micros(work_us),
         })),
     }
 }

@@ -9,6 +9,11 @@
 //! `--flood-bytes` from `--flood-tasks` tasks as fast as its sockets take them, started
 //! before the phase and stopped after it. A phase counts its samples only once the flooder
 //! has posted `--flood-warmup` notes, enough to fill the listener's queue for it.
+//!
+//! The listener's application spends `--work-us` on each notification it takes (the honest
+//! peer's too), so that it takes them more slowly than the flooder sends: the flood then
+//! queues up at the listener, where one peer could hold up another. With a faster
+//! application nothing queues and the flood costs only CPU.
 
 use super::peer::PeerProcess;
 use super::sample::{median, quantile};
@@ -43,6 +48,11 @@ pub struct NotifyFloodArgs {
     /// listener and the honest peer run on, which a flooder on another host would not.
     #[arg(long, default_value_t = 0)]
     pub flood_nice: i32,
+    /// The listener application's work on each notification it takes (a busy wait), µs:
+    /// while it is slower than the flood, the flood's notifications queue up at the
+    /// listener, which is where one peer can hold up another.
+    #[arg(long, default_value_t = 100)]
+    pub work_us: u64,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -109,6 +119,8 @@ pub struct Report {
     pub flood_bytes: usize,
     /// The flooder's niceness.
     pub flood_nice: i32,
+    /// The listener application's work per notification, µs.
+    pub work_us: u64,
     /// Every run.
     pub runs: Vec<Run>,
     /// Quiet p50 over the runs, µs.
@@ -130,11 +142,12 @@ impl Report {
     pub fn table(&self) -> String {
         let mut s = format!(
             "kvbridge bench notify-flood: {} round trips per phase, {} runs, flood notes of {} \
-             bytes, flooder at nice {}\n",
+             bytes, flooder at nice {}, listener work {} µs per notification\n",
             self.samples,
             self.runs.len(),
             self.flood_bytes,
-            self.flood_nice
+            self.flood_nice,
+            self.work_us
         );
         for (i, r) in self.runs.iter().enumerate() {
             s += &format!(
@@ -169,7 +182,7 @@ const SAMPLE_DEADLINE: Duration = Duration::from_secs(5);
 
 /// Runs the benchmark.
 pub async fn run(args: NotifyFloodArgs) -> Result<Report> {
-    let peer = PeerProcess::start_echo()?;
+    let peer = PeerProcess::start_echo_working(Duration::from_micros(args.work_us))?;
     let ch = Channel::new(ChannelConfig::new("bench-notify", None)).await?;
     let p = ch.connect(&peer.addr).await?;
     let link = ch.link(&p).await?;
@@ -197,6 +210,7 @@ pub async fn run(args: NotifyFloodArgs) -> Result<Report> {
         samples: n,
         flood_bytes: args.flood_bytes,
         flood_nice: args.flood_nice,
+        work_us: args.work_us,
         quiet_p50_us: over(|r| r.quiet.p50_us),
         quiet_p99_us: over(|r| r.quiet.p99_us),
         flooded_p50_us: over(|r| r.flooded.p50_us),

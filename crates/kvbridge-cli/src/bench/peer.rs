@@ -25,6 +25,9 @@ pub struct PeerOptions {
     pub welcome_delay: Option<std::time::Duration>,
     /// Echo notifications and sink bytes back.
     pub echo: bool,
+    /// With `echo`: the application's work per notification it takes (a busy wait), so
+    /// that it, not the network, bounds how fast notifications are taken.
+    pub work: std::time::Duration,
 }
 
 /// Runs the peer (the child side).
@@ -35,6 +38,7 @@ pub async fn run(opts: PeerOptions) -> Result<()> {
         listen,
         welcome_delay,
         echo,
+        work,
     } = opts;
     let mut cfg = ChannelConfig::new("bench-listener", Some(&listen));
     cfg.hooks.listener_welcome_delay = welcome_delay;
@@ -58,7 +62,7 @@ pub async fn run(opts: PeerOptions) -> Result<()> {
         }
     });
     if echo {
-        tokio::spawn(echo_notifications(ch.clone()));
+        tokio::spawn(echo_notifications(ch.clone(), work));
     }
     println!(
         "READY {} {} {}",
@@ -130,11 +134,15 @@ async fn say_hello_received(ch: Channel, delay: std::time::Duration) {
     }
 }
 
-/// Sends every notification back to its sender, on that sender's session; a flooder's
-/// (`bench flooder`, ids `flood…`) are taken and dropped.
-async fn echo_notifications(ch: Channel) {
+/// Sends every notification back to its sender, on that sender's session, after `work`
+/// spent on it; a flooder's (`bench flooder`, ids `flood…`) are worked on and dropped.
+async fn echo_notifications(ch: Channel, work: std::time::Duration) {
     let mut links = std::collections::HashMap::new();
     while let Some(n) = ch.recv_notification().await {
+        let t = std::time::Instant::now();
+        while t.elapsed() < work {
+            std::hint::spin_loop();
+        }
         if n.peer.as_str().starts_with("flood") {
             continue;
         }
@@ -182,6 +190,12 @@ impl PeerProcess {
     /// A peer that echoes notifications and sink bytes (`kvbridge bench notify`).
     pub fn start_echo() -> Result<Self> {
         Self::spawn(1 << 20, 4096, &[], &[], &["--echo"])
+    }
+
+    /// [`PeerProcess::start_echo`] whose application spends `work` on each notification.
+    pub fn start_echo_working(work: std::time::Duration) -> Result<Self> {
+        let us = work.as_micros().to_string();
+        Self::spawn(1 << 20, 4096, &[], &[], &["--echo", "--work-us", &us])
     }
 
     /// Starts `kvbridge bench peer` with environment variables set (`env`) and removed
