@@ -73,6 +73,9 @@ enum BenchCmd {
         /// notify-flood`).
         #[arg(long, default_value_t = 0)]
         work_us: u64,
+        /// With --work-us: sleep instead of a busy wait.
+        #[arg(long)]
+        work_sleeps: bool,
     },
 }
 
@@ -201,6 +204,7 @@ fn bench(cmd: BenchCmd) -> Result<()> {
             welcome_delay_ms,
             echo,
             work_us,
+            work_sleeps,
         } => rt()?.block_on(bench::peer::run(bench::peer::PeerOptions {
             region_bytes,
             page,
@@ -208,6 +212,7 @@ fn bench(cmd: BenchCmd) -> Result<()> {
             welcome_delay: welcome_delay_ms.map(std::time::Duration::from_millis),
             echo,
             work: std::time::Duration::from_micros(work_us),
+            work_sleeps,
         })),
     }
 }

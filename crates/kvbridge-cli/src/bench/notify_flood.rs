@@ -13,7 +13,10 @@
 //! The listener's application spends `--work-us` on each notification it takes (the honest
 //! peer's too), so that it takes them more slowly than the flooder sends: the flood then
 //! queues up at the listener, where one peer could hold up another. With a faster
-//! application nothing queues and the flood costs only CPU.
+//! application nothing queues and the flood costs only CPU. Busy (the default), that work
+//! takes a core; with `--work-sleeps` it is spent asleep, so that on a host with few cores
+//! the figures show the queueing rather than the application and the flooder taking the
+//! CPU the honest peer's threads need.
 
 use super::peer::PeerProcess;
 use super::sample::{median, quantile};
@@ -36,7 +39,7 @@ pub struct NotifyFloodArgs {
     #[arg(long, default_value_t = 5)]
     pub runs: usize,
     /// Size of each flood notification (at most the listener's `max_notify_len`, 1 MiB).
-    #[arg(long, default_value_t = 64 << 10)]
+    #[arg(long, default_value_t = 1024)]
     pub flood_bytes: usize,
     /// Tasks of the flooder posting notifications at once.
     #[arg(long, default_value_t = 4)]
@@ -51,8 +54,14 @@ pub struct NotifyFloodArgs {
     /// The listener application's work on each notification it takes (a busy wait), µs:
     /// while it is slower than the flood, the flood's notifications queue up at the
     /// listener, which is where one peer can hold up another.
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 20)]
     pub work_us: u64,
+    /// The listener application spends its work asleep (an application held up by
+    /// something other than this host's CPU, such as a GPU) instead of busy: on a host with
+    /// few cores a busy application and the flooder leave the honest peer's threads little
+    /// CPU, which is not what is measured here.
+    #[arg(long)]
+    pub work_sleeps: bool,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -121,6 +130,8 @@ pub struct Report {
     pub flood_nice: i32,
     /// The listener application's work per notification, µs.
     pub work_us: u64,
+    /// Whether it spends it asleep.
+    pub work_sleeps: bool,
     /// Every run.
     pub runs: Vec<Run>,
     /// Quiet p50 over the runs, µs.
@@ -142,12 +153,13 @@ impl Report {
     pub fn table(&self) -> String {
         let mut s = format!(
             "kvbridge bench notify-flood: {} round trips per phase, {} runs, flood notes of {} \
-             bytes, flooder at nice {}, listener work {} µs per notification\n",
+             bytes, flooder at nice {}, listener work {} µs per notification ({})\n",
             self.samples,
             self.runs.len(),
             self.flood_bytes,
             self.flood_nice,
-            self.work_us
+            self.work_us,
+            if self.work_sleeps { "asleep" } else { "busy" }
         );
         for (i, r) in self.runs.iter().enumerate() {
             s += &format!(
@@ -182,7 +194,8 @@ const SAMPLE_DEADLINE: Duration = Duration::from_secs(5);
 
 /// Runs the benchmark.
 pub async fn run(args: NotifyFloodArgs) -> Result<Report> {
-    let peer = PeerProcess::start_echo_working(Duration::from_micros(args.work_us))?;
+    let work = Duration::from_micros(args.work_us);
+    let peer = PeerProcess::start_echo_working(work, args.work_sleeps)?;
     let ch = Channel::new(ChannelConfig::new("bench-notify", None)).await?;
     let p = ch.connect(&peer.addr).await?;
     let link = ch.link(&p).await?;
@@ -211,6 +224,7 @@ pub async fn run(args: NotifyFloodArgs) -> Result<Report> {
         flood_bytes: args.flood_bytes,
         flood_nice: args.flood_nice,
         work_us: args.work_us,
+        work_sleeps: args.work_sleeps,
         quiet_p50_us: over(|r| r.quiet.p50_us),
         quiet_p99_us: over(|r| r.quiet.p99_us),
         flooded_p50_us: over(|r| r.flooded.p50_us),

@@ -28,6 +28,9 @@ pub struct PeerOptions {
     /// With `echo`: the application's work per notification it takes (a busy wait), so
     /// that it, not the network, bounds how fast notifications are taken.
     pub work: std::time::Duration,
+    /// Spend `work` asleep instead of busy: an application held up by something other
+    /// than this host's CPU (a GPU, a lock).
+    pub work_sleeps: bool,
 }
 
 /// Runs the peer (the child side).
@@ -39,6 +42,7 @@ pub async fn run(opts: PeerOptions) -> Result<()> {
         welcome_delay,
         echo,
         work,
+        work_sleeps,
     } = opts;
     let mut cfg = ChannelConfig::new("bench-listener", Some(&listen));
     cfg.hooks.listener_welcome_delay = welcome_delay;
@@ -62,7 +66,7 @@ pub async fn run(opts: PeerOptions) -> Result<()> {
         }
     });
     if echo {
-        tokio::spawn(echo_notifications(ch.clone(), work));
+        tokio::spawn(echo_notifications(ch.clone(), work, work_sleeps));
     }
     println!(
         "READY {} {} {}",
@@ -135,12 +139,17 @@ async fn say_hello_received(ch: Channel, delay: std::time::Duration) {
 }
 
 /// Sends every notification back to its sender, on that sender's session, after `work`
-/// spent on it; a flooder's (`bench flooder`, ids `flood…`) are worked on and dropped.
-async fn echo_notifications(ch: Channel, work: std::time::Duration) {
+/// spent on it (busy, or asleep: `sleeps`); a flooder's (`bench flooder`, ids `flood…`)
+/// are worked on and dropped.
+async fn echo_notifications(ch: Channel, work: std::time::Duration, sleeps: bool) {
     let mut links = std::collections::HashMap::new();
     while let Some(n) = ch.recv_notification().await {
+        if sleeps && !work.is_zero() {
+            // Blocks this worker thread, as the application's own work would.
+            std::thread::sleep(work);
+        }
         let t = std::time::Instant::now();
-        while t.elapsed() < work {
+        while !sleeps && t.elapsed() < work {
             std::hint::spin_loop();
         }
         if n.peer.as_str().starts_with("flood") {
@@ -192,10 +201,15 @@ impl PeerProcess {
         Self::spawn(1 << 20, 4096, &[], &[], &["--echo"])
     }
 
-    /// [`PeerProcess::start_echo`] whose application spends `work` on each notification.
-    pub fn start_echo_working(work: std::time::Duration) -> Result<Self> {
+    /// [`PeerProcess::start_echo`] whose application spends `work` on each notification
+    /// (asleep with `sleeps`, else busy).
+    pub fn start_echo_working(work: std::time::Duration, sleeps: bool) -> Result<Self> {
         let us = work.as_micros().to_string();
-        Self::spawn(1 << 20, 4096, &[], &[], &["--echo", "--work-us", &us])
+        let mut extra = vec!["--echo", "--work-us", &us];
+        if sleeps {
+            extra.push("--work-sleeps");
+        }
+        Self::spawn(1 << 20, 4096, &[], &[], &extra)
     }
 
     /// Starts `kvbridge bench peer` with environment variables set (`env`) and removed
