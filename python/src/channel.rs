@@ -1133,6 +1133,8 @@ impl PyChannel {
 
     /// The next notification from any peer as ``(peer_id, data)``, waiting at most
     /// ``timeout`` seconds (``None``: until one comes); ``None`` when the timeout passed.
+    /// Peers take turns: a peer that sends many delays another's next by at most one of
+    /// its own.
     #[pyo3(signature = (timeout=None))]
     fn recv_notification(
         &self,
@@ -1207,6 +1209,13 @@ impl PyChannel {
         d.set_item("in_flight_refused", s.in_flight_refused)?;
         d.set_item("sessions_ended", s.sessions_ended)?;
         d.set_item("handshakes_refused", s.handshakes_refused)?;
+        d.set_item("handshakes_displaced", s.handshakes_displaced)?;
+        d.set_item("notifications_queued", s.notifications_queued)?;
+        d.set_item("notify_bytes_queued", s.notify_bytes_queued)?;
+        d.set_item("notify_bytes_peak", s.notify_bytes_peak)?;
+        d.set_item("notify_paused", s.notify_paused)?;
+        d.set_item("notify_pauses", s.notify_pauses)?;
+        d.set_item("notify_timeouts", s.notify_timeouts)?;
         d.set_item("tls_refused", s.tls_refused)?;
         d.set_item("shm_batches", s.shm_batches)?;
         d.set_item("cma_batches", s.cma_batches)?;

@@ -45,6 +45,11 @@ enum BenchCmd {
     Proxy(bench::proxy::ProxyBenchArgs),
     /// Notification round trips against a raw loopback TCP ping-pong, same run.
     Notify(bench::notify::NotifyArgs),
+    /// An honest peer's notification round trips with and without a flooding peer, same run.
+    NotifyFlood(bench::notify_flood::NotifyFloodArgs),
+    /// The flooding peer `bench notify-flood` starts (internal).
+    #[command(hide = true)]
+    Flooder(bench::notify_flood::FlooderArgs),
     /// The listener process the other benchmarks start (internal).
     #[command(hide = true)]
     Peer {
@@ -64,6 +69,13 @@ enum BenchCmd {
         /// Echo notifications and sink bytes back (`bench notify`).
         #[arg(long)]
         echo: bool,
+        /// With --echo: busy-wait this long on each notification taken (`bench
+        /// notify-flood`).
+        #[arg(long, default_value_t = 0)]
+        work_us: u64,
+        /// With --work-us: sleep instead of a busy wait.
+        #[arg(long)]
+        work_sleeps: bool,
     },
 }
 
@@ -81,12 +93,6 @@ fn main() -> Result<()> {
             _ => reg.init(),
         }
     }
-    // Built on demand: the proxy builds its own (one thread by default).
-    let rt = || {
-        tokio::runtime::Builder::new_multi_thread()
-            .enable_all()
-            .build()
-    };
     match cli.cmd {
         Cmd::Proxy(args) => kvbridge_proxy::cli::main(*args),
         Cmd::Engine(args) => rt()?.block_on(kvbridge_sim::cli::run_engine(*args)),
@@ -122,7 +128,22 @@ fn main() -> Result<()> {
             }
             verdict(json, &s, s.table(), s.passed())
         }
-        Cmd::Bench(BenchCmd::Transfer(args)) => {
+        Cmd::Bench(cmd) => bench(cmd),
+    }
+}
+
+/// A runtime for one command, built on demand: the proxy builds its own (one thread by
+/// default).
+fn rt() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+}
+
+/// `kvbridge bench …`.
+fn bench(cmd: BenchCmd) -> Result<()> {
+    match cmd {
+        BenchCmd::Transfer(args) => {
             let (json, batch) = (args.json, args.batch);
             let r = rt()?.block_on(bench::transfer::run(args))?;
             if json {
@@ -132,7 +153,7 @@ fn main() -> Result<()> {
             }
             Ok(())
         }
-        Cmd::Bench(BenchCmd::Proxy(args)) => {
+        BenchCmd::Proxy(args) => {
             let b = bench::proxy::run(&args)?;
             if args.json {
                 println!("{}", serde_json::to_string(&b)?);
@@ -141,11 +162,11 @@ fn main() -> Result<()> {
             }
             Ok(())
         }
-        Cmd::Bench(BenchCmd::Pd(args)) => {
+        BenchCmd::Pd(args) => {
             rt()?.block_on(kvbridge_pd::bench::run(args))?;
             Ok(())
         }
-        Cmd::Bench(BenchCmd::Notify(args)) => {
+        BenchCmd::Notify(args) => {
             let json = args.json;
             let r = rt()?.block_on(bench::notify::run(args))?;
             if json {
@@ -155,7 +176,18 @@ fn main() -> Result<()> {
             }
             Ok(())
         }
-        Cmd::Bench(BenchCmd::Handshake(args)) => {
+        BenchCmd::NotifyFlood(args) => {
+            let json = args.json;
+            let r = rt()?.block_on(bench::notify_flood::run(args))?;
+            if json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                print!("{}", r.table());
+            }
+            Ok(())
+        }
+        BenchCmd::Flooder(args) => rt()?.block_on(bench::notify_flood::run_flooder(args)),
+        BenchCmd::Handshake(args) => {
             let json = args.json;
             let r = rt()?.block_on(bench::handshake::run(args))?;
             if json {
@@ -165,18 +197,22 @@ fn main() -> Result<()> {
             }
             Ok(())
         }
-        Cmd::Bench(BenchCmd::Peer {
+        BenchCmd::Peer {
             region_bytes,
             page,
             listen,
             welcome_delay_ms,
             echo,
-        }) => rt()?.block_on(bench::peer::run(bench::peer::PeerOptions {
+            work_us,
+            work_sleeps,
+        } => rt()?.block_on(bench::peer::run(bench::peer::PeerOptions {
             region_bytes,
             page,
             listen,
             welcome_delay: welcome_delay_ms.map(std::time::Duration::from_millis),
             echo,
+            work: std::time::Duration::from_micros(work_us),
+            work_sleeps,
         })),
     }
 }

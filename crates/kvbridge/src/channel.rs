@@ -22,7 +22,7 @@ use kvbridge_proto::{Incarnation, PeerId, RegionId};
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
-use tokio::sync::{mpsc, oneshot, Mutex};
+use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 /// One op of a batch: `len` bytes between a local registered region and a peer's region.
@@ -142,7 +142,8 @@ struct Inner {
     config: Arc<ChannelConfig>,
     table: Arc<RegionTable>,
     core: mpsc::UnboundedSender<CoreCmd>,
-    notifications: Mutex<mpsc::Receiver<Notification>>,
+    /// The peers' notifications, taken in turn (`notify_queues`).
+    notifications: crate::notify_queues::Outlet,
     local_addr: Option<SocketAddr>,
     tasks: std::sync::Mutex<Vec<JoinHandle<()>>>,
     events: tokio::sync::broadcast::Sender<PeerEvent>,
@@ -215,6 +216,36 @@ fn checked_keys(config: &ChannelConfig) -> Result<Option<Keyring>> {
         }
     }
     Ok(peer_keys)
+}
+
+/// The bounds of the notification queues, refused when a notification of the largest size
+/// could never fit them.
+fn notify_caps(limits: &crate::config::Limits) -> Result<crate::notify_queues::Caps> {
+    let max = limits.max_notify_len as u64;
+    for (name, value) in [
+        (
+            "max_notify_bytes_per_peer",
+            limits.max_notify_bytes_per_peer,
+        ),
+        ("max_notify_bytes_queued", limits.max_notify_bytes_queued),
+    ] {
+        if value < max {
+            return Err(Error::Local(format!(
+                "Limits::{name} is {value} bytes, below max_notify_len ({max}): a \
+                 notification of the largest size could never be queued"
+            )));
+        }
+    }
+    if limits.max_notifications_per_peer == 0 {
+        return Err(Error::Local(
+            "Limits::max_notifications_per_peer is 0: no notification could be queued".into(),
+        ));
+    }
+    Ok(crate::notify_queues::Caps {
+        per_peer: limits.max_notifications_per_peer,
+        per_peer_bytes: limits.max_notify_bytes_per_peer,
+        total_bytes: limits.max_notify_bytes_queued,
+    })
 }
 
 /// The unix socket a listener offers shared memory on, and its offer: on real sockets,
@@ -304,7 +335,7 @@ impl Channel {
             tracing::warn!("{w}");
         }
         let (core_tx, core_rx) = mpsc::unbounded_channel();
-        let (notif_tx, notif_rx) = mpsc::channel(4096);
+        let (notif_tx, notif_rx) = crate::notify_queues::queues(notify_caps(&config.limits)?);
         let table = Arc::new(RegionTable::default());
         let (events, _) = tokio::sync::broadcast::channel(1024);
         let shm = shm_listener(listener.as_ref(), &config);
@@ -345,7 +376,7 @@ impl Channel {
                 config,
                 table,
                 core: core_tx,
-                notifications: Mutex::new(notif_rx),
+                notifications: notif_rx,
                 local_addr,
                 tasks: std::sync::Mutex::new(tasks),
                 events,
@@ -752,9 +783,15 @@ impl Channel {
         self.inner.events.subscribe()
     }
 
-    /// The next notification from any peer; `None` once the channel is closed.
+    /// The next notification from any peer; `None` once the channel is closed (and every
+    /// notification received before was taken).
+    ///
+    /// Each peer's notifications wait in a queue of their own, and the peers take turns:
+    /// with `n` peers holding notifications, each one's next is returned within `n` calls,
+    /// however many another peer sent (`Limits::max_notifications_per_peer` explains the
+    /// bounds). Cancel-safe: a call dropped before it returned took nothing.
     pub async fn recv_notification(&self) -> Option<Notification> {
-        self.inner.notifications.lock().await.recv().await
+        self.inner.notifications.take().await
     }
 
     /// The regions a connected peer grants us.

@@ -91,6 +91,15 @@ pub(crate) enum SessionCmd {
     DataUnproven,
     /// A newer session of the same peer took over; fail with this error.
     Replace(Error),
+    /// (Listener, handshaking) The session's handshake slot went to a `Hello` from `by`
+    /// (`handshake_slots`); the session ends, unless it is established already (it then
+    /// holds no slot).
+    SlotTaken {
+        /// Our control connection's source address.
+        from: SocketAddr,
+        /// The source address of the `Hello` that took the slot.
+        by: SocketAddr,
+    },
     /// A batch passed its deadline; tear down with this error.
     Abort(Error),
     /// Local regions changed; tell the peer what it may address now.

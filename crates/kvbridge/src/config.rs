@@ -69,6 +69,21 @@ pub struct Limits {
     pub max_batch_bytes: u64,
     /// Largest notification.
     pub max_notify_len: usize,
+    /// Most notifications of one peer received and not yet taken by the application
+    /// (`Channel::recv_notification`). Past it, or past
+    /// [`max_notify_bytes_per_peer`](Self::max_notify_bytes_per_peer), that peer's data
+    /// connection pauses until the application takes one of them (within the `op`
+    /// deadline; a notification that finds no room by then ends its session with
+    /// `Timeout`). The application takes from the peers in turn (docs/protocol.md,
+    /// *Notifications waiting for the application*).
+    pub max_notifications_per_peer: usize,
+    /// Most bytes of one peer's notifications received and not yet taken by the
+    /// application; at least `max_notify_len`.
+    pub max_notify_bytes_per_peer: u64,
+    /// Most bytes of all peers' notifications received and not yet taken by the
+    /// application; at least `max_notify_len`. When it is reached, the room the
+    /// application frees goes first to the waiting peer that holds least.
+    pub max_notify_bytes_queued: u64,
     /// Most sessions handshaking with this listener at once; more are refused with
     /// `LimitExceeded` (a flood of half-open peers cannot exhaust the listener).
     pub max_concurrent_handshakes: usize,
@@ -117,6 +132,15 @@ impl Default for Limits {
             max_ops_per_batch: 65_536,
             max_batch_bytes: 16 << 30,
             max_notify_len: 1 << 20,
+            // The capacity of the one queue all peers shared before: one peer alone is held
+            // back no earlier than it was.
+            max_notifications_per_peer: 4096,
+            // 64 of the largest notifications: a PD request's notes (one `Alloc` of at most
+            // 1 MiB, then a short one per chunk) fit many times over.
+            max_notify_bytes_per_peer: 64 << 20,
+            // Four peers' full queues; the one shared queue before could hold 4 GiB (4096 of
+            // 1 MiB) for a single peer.
+            max_notify_bytes_queued: 256 << 20,
             max_concurrent_handshakes: 256,
             max_handshakes_per_source: 64,
             max_unidentified_connections: 512,

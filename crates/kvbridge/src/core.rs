@@ -7,6 +7,7 @@
 use crate::cmd::{CoreCmd, PeerHandle, SessionCmd};
 use crate::error::{Error, Result};
 use crate::events::{PeerEvent, Stats};
+use crate::handshake_slots::{slot_for, Slot, UnderWay};
 use crate::net::Stream;
 use crate::session::{refuse, run_initiator, run_listener, SessionEnv};
 use kvbridge_proto::msg::{ErrorCode, Message};
@@ -28,6 +29,9 @@ struct SessionEntry {
     token: Option<SessionToken>,
     ctl: mpsc::UnboundedSender<SessionCmd>,
     up: Option<PeerHandle>,
+    /// (Listener) Its handshake slot went to another source's `Hello`: it is ending, and
+    /// holds no slot any more.
+    displaced: bool,
     task: Option<JoinHandle<()>>,
 }
 
@@ -47,6 +51,7 @@ pub(crate) struct Core {
     by_addr: HashMap<String, u64>,
     ended: u64,
     refused: u64,
+    displaced: u64,
     tls_refused: u64,
     auth_failed: u64,
     closing: Option<Vec<oneshot::Sender<()>>>,
@@ -80,6 +85,7 @@ impl Core {
             by_addr: HashMap::new(),
             ended: 0,
             refused: 0,
+            displaced: 0,
             tls_refused: 0,
             auth_failed: 0,
             closing: None,
@@ -122,6 +128,7 @@ impl Core {
                 token,
                 ctl: tx.clone(),
                 up: None,
+                displaced: false,
                 task: None,
             },
         );
@@ -137,33 +144,53 @@ impl Core {
         0
     }
 
-    /// Sessions that are not established yet.
-    fn handshaking(&self) -> usize {
-        self.sessions.values().filter(|s| s.up.is_none()).count()
+    /// The handshakes holding a slot (not established, not displaced), oldest first.
+    fn under_way(&self) -> Vec<UnderWay> {
+        let mut v: Vec<UnderWay> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| s.up.is_none() && !s.displaced)
+            .map(|(id, s)| UnderWay {
+                id: *id,
+                source: s.source.map(|a| a.ip()),
+            })
+            .collect();
+        // Session ids grow with time.
+        v.sort_unstable_by_key(|h| h.id);
+        v
     }
 
-    /// Sessions that are not established yet whose control connection came from `ip`.
-    fn handshaking_from(&self, ip: std::net::IpAddr) -> usize {
-        self.sessions
-            .values()
-            .filter(|s| s.up.is_none() && s.source.is_some_and(|a| a.ip() == ip))
-            .count()
-    }
-
-    /// Why a `Hello` from `from` gets no handshake slot, if it does not.
-    fn no_slot_for(&self, from: SocketAddr) -> Option<String> {
+    /// Whether a `Hello` from `from` gets a handshake slot (`handshake_slots`): a free
+    /// one, or one another source's handshake gives up (it is told to end here). `Err`:
+    /// why not.
+    fn take_slot(&mut self, from: SocketAddr) -> std::result::Result<(), String> {
         let limits = &self.env.config.limits;
-        let all = self.handshaking();
-        if all >= limits.max_concurrent_handshakes {
-            return Some(format!("{all} handshakes already under way (limit)"));
+        let slot = slot_for(
+            &self.under_way(),
+            from.ip(),
+            limits.max_concurrent_handshakes,
+            limits.max_handshakes_per_source,
+        );
+        match slot {
+            Slot::Free => Ok(()),
+            Slot::Refused(why) => Err(why),
+            Slot::TakenFrom(id) => {
+                let s = self.sessions.get_mut(&id).expect("a handshake under way");
+                s.displaced = true;
+                self.displaced += 1;
+                let victim = s.source.expect("only a listener's handshake is taken");
+                let _ = s.ctl.send(SessionCmd::SlotTaken {
+                    from: victim,
+                    by: from,
+                });
+                if let Some(suppressed) = crate::refusals::HANDSHAKE_LIMIT.allow() {
+                    tracing::warn!(%from, %victim, suppressed,
+                        "handshake slots full; the oldest handshake of the source holding most \
+                         gave its slot to this Hello");
+                }
+                Ok(())
+            }
         }
-        let theirs = self.handshaking_from(from.ip());
-        (theirs >= limits.max_handshakes_per_source).then(|| {
-            format!(
-                "{theirs} handshakes from {} already under way (limit per source)",
-                from.ip()
-            )
-        })
     }
 
     fn set_task(&mut self, id: u64, task: JoinHandle<()>) {
@@ -314,7 +341,7 @@ impl Core {
             return;
         }
         let no_slot = match &first {
-            Message::Hello(_) => self.no_slot_for(from),
+            Message::Hello(_) => self.take_slot(from).err(),
             _ => None,
         };
         match first {
@@ -481,6 +508,7 @@ impl Core {
 
     /// The channel's counters, summed over its sessions.
     fn stats(&self, reply: oneshot::Sender<Stats>) {
+        let notes = self.env.notifications.snapshot();
         let established: Vec<&PeerHandle> = self
             .sessions
             .values()
@@ -501,8 +529,15 @@ impl Core {
             batches_waiting_for_room: established.iter().map(|h| h.data.waiting_for_room()).sum(),
             sessions_ended: self.ended,
             handshakes_refused: self.refused,
+            handshakes_displaced: self.displaced,
             tls_refused: self.tls_refused,
             auth_failed: self.auth_failed,
+            notifications_queued: notes.queued,
+            notify_bytes_queued: notes.bytes,
+            notify_bytes_peak: notes.peak,
+            notify_paused: notes.paused,
+            notify_pauses: notes.pauses,
+            notify_timeouts: notes.timeouts,
         });
     }
 }

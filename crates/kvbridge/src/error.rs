@@ -123,6 +123,21 @@ pub enum Error {
         /// How long the peer had to confirm.
         after: Duration,
     },
+    /// (Listener) A handshake under way gave its slot to a `Hello` from a source address
+    /// that held fewer of the listener's slots: all `max_concurrent_handshakes` were taken,
+    /// and this was the oldest handshake of the source that held most (docs/protocol.md,
+    /// *Handshake slots*). The peer is told with `Reject{LimitExceeded}`.
+    #[error("peer {peer} (from {from}): handshake slot given up at step {step} to a Hello from {by}, a source holding fewer of the listener's handshake slots")]
+    HandshakeSlotTaken {
+        /// The peer, as its `Hello` named itself.
+        peer: String,
+        /// Its control connection's source address.
+        from: String,
+        /// Where its handshake was.
+        step: Step,
+        /// The source address of the `Hello` that took the slot.
+        by: String,
+    },
     /// A newer session of the same peer and incarnation replaced this one.
     #[error("peer {peer}: session replaced by a newer one")]
     SessionReplaced {
@@ -232,6 +247,7 @@ impl Error {
             Error::PeerRestarted { .. } => ErrorCode::PeerRestarted,
             Error::SessionReplaced { .. } => ErrorCode::SessionReplaced,
             Error::UnknownPeer { .. } | Error::InvalidOp { .. } => ErrorCode::UnknownRegion,
+            Error::HandshakeSlotTaken { .. } => ErrorCode::LimitExceeded,
             Error::Closed | Error::Disconnected { .. } => ErrorCode::ShuttingDown,
             Error::Local(_) => ErrorCode::Internal,
         }

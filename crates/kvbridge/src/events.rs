@@ -28,8 +28,13 @@ pub struct Stats {
     pub in_flight_refused: u64,
     /// Sessions that ended since the channel started.
     pub sessions_ended: u64,
-    /// Handshakes refused because `max_concurrent_handshakes` were already under way.
+    /// Handshakes refused because `max_concurrent_handshakes` were already under way (and
+    /// none could be taken from a source holding more), or their source's
+    /// `max_handshakes_per_source`.
     pub handshakes_refused: u64,
+    /// Handshakes under way that gave their slot to a `Hello` from a source holding fewer
+    /// (each ended with [`crate::Error::HandshakeSlotTaken`]).
+    pub handshakes_displaced: u64,
     /// Sessions that ended because authentication failed: a peer that could not prove it
     /// knows the shared secret (or sent no proof), a listener that could not, or one side
     /// requiring authentication that the other does not do. Each is logged at WARN with the
@@ -47,6 +52,21 @@ pub struct Stats {
     /// Our batches carried by UCX (puts and gets on the channel's UCX worker) instead of
     /// going over TCP; always 0 in a build without the `ucx` feature.
     pub ucx_batches: u64,
+    /// Peers' notifications received and not yet taken by the application.
+    pub notifications_queued: usize,
+    /// Their bytes (with room set aside for notifications being confirmed): never more than
+    /// `Limits::max_notify_bytes_queued`.
+    pub notify_bytes_queued: u64,
+    /// The most bytes `notify_bytes_queued` ever reached.
+    pub notify_bytes_peak: u64,
+    /// Peers' data connections paused now, each with a notification waiting for room in
+    /// its peer's queue (backpressure: `Limits::max_notifications_per_peer`).
+    pub notify_paused: usize,
+    /// Times a peer's notification had to wait for room since the channel started.
+    pub notify_pauses: u64,
+    /// Sessions ended because a peer's notification found no room within the op deadline
+    /// (each with `Timeout` at step `Notify`).
+    pub notify_timeouts: u64,
     /// Notifications and acknowledgements written to an idle data connection by the task
     /// or thread that issued them, skipping the connection's writer (one thread wake-up
     /// less per message on data threads).

@@ -11,7 +11,6 @@ use kvbridge_proto::msg::{Batch, Reject};
 use kvbridge_proto::{Incarnation, PeerId, RegionId};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::mpsc;
 
 /// One op of a batch as the data path accepted it: the local range its payload goes to (a
 /// write) or comes from (a read).
@@ -52,7 +51,11 @@ pub fn validate_batch(
         Default::default(),
         true,
     );
-    let (notifications, _notif_rx) = mpsc::channel(1);
+    let (notifications, _outlet) = crate::notify_queues::queues(crate::notify_queues::Caps {
+        per_peer: 1,
+        per_peer_bytes: 0,
+        total_bytes: 0,
+    });
     let out = path.out_sender();
     let ctx = ReaderCtx {
         peer: peer.clone(),

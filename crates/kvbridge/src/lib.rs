@@ -42,9 +42,11 @@ mod fast_lane;
 #[doc(hidden)]
 pub mod fuzzing;
 mod grant;
+mod handshake_slots;
 mod in_flight;
 mod landing;
 pub mod net;
+mod notify_queues;
 pub mod peer_memory;
 mod pidfd;
 mod random;

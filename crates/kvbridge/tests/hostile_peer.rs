@@ -498,3 +498,71 @@ async fn stalled_hellos_from_one_host_do_not_lock_out_another() {
         .expect("the real peer is locked out");
     drop(stalled);
 }
+
+/// Hellos that never finish from four hosts, each within its per-source quota, take every
+/// handshake slot: a peer from a fifth host still completes its handshake within its
+/// deadline, because a `Hello` from a source holding fewer slots takes the oldest slot of
+/// the source holding most.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_hellos_from_four_hosts_do_not_lock_out_a_fifth() {
+    let (dec, _kv) = listener(
+        "decode-0",
+        |c| {
+            c.limits.max_concurrent_handshakes = 8;
+            c.limits.max_handshakes_per_source = 2;
+            c.deadlines.handshake_step = Duration::from_secs(60);
+        },
+        PAGE,
+        PAGE,
+    )
+    .await;
+    let a = addr(&dec);
+    let mut stalled = Vec::new();
+    for host in 2..=5 {
+        for i in 0..2 {
+            let source = format!("127.0.0.{host}");
+            stalled.push(stalled_hello_from(&a, &source, &format!("flood-{host}-{i}")).await);
+        }
+    }
+    for s in &mut stalled {
+        match recv_frame(s).await {
+            Some(Message::Welcome(_)) => {}
+            m => panic!("a stalled Hello within the quotas was not welcomed: {m:?}"),
+        }
+    }
+    let s = dec.stats().await.unwrap();
+    assert_eq!((s.sessions, s.handshakes_refused), (8, 0), "{s:?}");
+    let (pre, _) = initiator(
+        "prefill-0",
+        |c| c.deadlines.handshake_step = Duration::from_secs(2),
+        PAGE,
+        PAGE,
+    )
+    .await;
+    tokio::time::timeout(Duration::from_secs(5), pre.connect(&a))
+        .await
+        .expect("the real peer hangs")
+        .expect("the real peer is locked out");
+    // The slot came from the oldest handshake of the sources holding most (all four held
+    // two): the first one from 127.0.0.2, told why (a `Bye`, as for any session the
+    // listener ends), naming itself, its address and step.
+    let first = stalled.first_mut().unwrap();
+    let reject = loop {
+        match recv_frame(first).await {
+            Some(Message::Bye(r)) => break r,
+            Some(_) => continue,
+            None => panic!("the displaced handshake was closed without a word"),
+        }
+    };
+    assert_eq!(reject.code, ErrorCode::LimitExceeded, "{}", reject.message);
+    for part in ["flood-2-0", "127.0.0.2", "127.0.0.1", "step"] {
+        assert!(reject.message.contains(part), "{part}: {}", reject.message);
+    }
+    let s = dec.stats().await.unwrap();
+    assert_eq!(
+        (s.handshakes_displaced, s.handshakes_refused),
+        (1, 0),
+        "{s:?}"
+    );
+    drop(stalled);
+}

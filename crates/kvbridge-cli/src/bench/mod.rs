@@ -2,6 +2,7 @@
 
 pub mod handshake;
 pub mod notify;
+pub mod notify_flood;
 pub mod peer;
 pub mod proxy;
 pub mod sample;

@@ -3,7 +3,9 @@
 //! It listens with a kvbridge channel and a plain TCP sink on loopback, prints one line
 //! `READY <channel addr> <region id> <sink addr>`, and serves until its stdin closes (so it
 //! never outlives the benchmark that started it). With `echo` it sends every notification
-//! back to its sender, and the sink echoes what it reads (`kvbridge bench notify`).
+//! back to its sender, except those of peers whose id starts with `flood`, which it takes
+//! and drops (`kvbridge bench notify-flood`), and the sink echoes what it reads (`kvbridge
+//! bench notify`).
 
 use anyhow::{Context, Result};
 use kvbridge::{Channel, ChannelConfig, Grant, Region};
@@ -23,6 +25,12 @@ pub struct PeerOptions {
     pub welcome_delay: Option<std::time::Duration>,
     /// Echo notifications and sink bytes back.
     pub echo: bool,
+    /// With `echo`: the application's work per notification it takes (a busy wait), so
+    /// that it, not the network, bounds how fast notifications are taken.
+    pub work: std::time::Duration,
+    /// Spend `work` asleep instead of busy: an application held up by something other
+    /// than this host's CPU (a GPU, a lock).
+    pub work_sleeps: bool,
 }
 
 /// Runs the peer (the child side).
@@ -33,6 +41,8 @@ pub async fn run(opts: PeerOptions) -> Result<()> {
         listen,
         welcome_delay,
         echo,
+        work,
+        work_sleeps,
     } = opts;
     let mut cfg = ChannelConfig::new("bench-listener", Some(&listen));
     cfg.hooks.listener_welcome_delay = welcome_delay;
@@ -56,7 +66,7 @@ pub async fn run(opts: PeerOptions) -> Result<()> {
         }
     });
     if echo {
-        tokio::spawn(echo_notifications(ch.clone()));
+        tokio::spawn(echo_notifications(ch.clone(), work, work_sleeps));
     }
     println!(
         "READY {} {} {}",
@@ -109,7 +119,6 @@ fn serve_sink(mut s: std::net::TcpStream, region: Region) {
     }
 }
 
-/// Sends every notification back to its sender, on that sender's session.
 /// With a Welcome delay (a listener stalled mid-handshake), prints `HELLO` once a `Hello`
 /// has arrived: a test that kills this process then knows the initiator is past its TCP
 /// connect and waiting for `Welcome`. A listener's session exists from its `Hello` on, so
@@ -129,9 +138,23 @@ async fn say_hello_received(ch: Channel, delay: std::time::Duration) {
     }
 }
 
-async fn echo_notifications(ch: Channel) {
+/// Sends every notification back to its sender, on that sender's session, after `work`
+/// spent on it (busy, or asleep: `sleeps`); a flooder's (`bench flooder`, ids `flood…`)
+/// are worked on and dropped.
+async fn echo_notifications(ch: Channel, work: std::time::Duration, sleeps: bool) {
     let mut links = std::collections::HashMap::new();
     while let Some(n) = ch.recv_notification().await {
+        if sleeps && !work.is_zero() {
+            // Blocks this worker thread, as the application's own work would.
+            std::thread::sleep(work);
+        }
+        let t = std::time::Instant::now();
+        while !sleeps && t.elapsed() < work {
+            std::hint::spin_loop();
+        }
+        if n.peer.as_str().starts_with("flood") {
+            continue;
+        }
         let link = match links.get(&n.peer) {
             Some(l) => l,
             None => match ch.link(&n.peer).await {
@@ -176,6 +199,17 @@ impl PeerProcess {
     /// A peer that echoes notifications and sink bytes (`kvbridge bench notify`).
     pub fn start_echo() -> Result<Self> {
         Self::spawn(1 << 20, 4096, &[], &[], &["--echo"])
+    }
+
+    /// [`PeerProcess::start_echo`] whose application spends `work` on each notification
+    /// (asleep with `sleeps`, else busy).
+    pub fn start_echo_working(work: std::time::Duration, sleeps: bool) -> Result<Self> {
+        let us = work.as_micros().to_string();
+        let mut extra = vec!["--echo", "--work-us", &us];
+        if sleeps {
+            extra.push("--work-sleeps");
+        }
+        Self::spawn(1 << 20, 4096, &[], &[], &extra)
     }
 
     /// Starts `kvbridge bench peer` with environment variables set (`env`) and removed

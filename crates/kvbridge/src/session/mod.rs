@@ -11,7 +11,6 @@ use crate::config::ChannelConfig;
 use crate::config::Transport;
 use crate::datapath::{AbortHandle, DataPath};
 use crate::error::{Error, Result};
-use crate::events::Notification;
 use crate::grant::RegionTable;
 use crate::net::{ReadHalf, Stream, WriteHalf};
 use crate::transport::one_sided::OneSided;
@@ -54,7 +53,8 @@ pub(crate) struct SessionEnv {
     pub(crate) config: Arc<ChannelConfig>,
     pub(crate) table: Arc<RegionTable>,
     pub(crate) core: mpsc::UnboundedSender<CoreCmd>,
-    pub(crate) notifications: mpsc::Sender<Notification>,
+    /// Where the peers' notifications wait for the application (`notify_queues`).
+    pub(crate) notifications: Arc<crate::notify_queues::Inlet>,
     /// (Listener) The shared-memory offer for same-host initiators.
     pub(crate) shm_offer: Option<ShmOffer>,
     /// TLS on the control connection, when on.
@@ -737,6 +737,16 @@ impl Session {
                 }
             }
             Some(SessionCmd::Replace(e)) | Some(SessionCmd::Abort(e)) => return Some(e),
+            // Established meanwhile: it holds no handshake slot any more.
+            Some(SessionCmd::SlotTaken { .. }) if self.established => {}
+            Some(SessionCmd::SlotTaken { from, by }) => {
+                return Some(Error::HandshakeSlotTaken {
+                    peer: self.peer_name.clone(),
+                    from: from.to_string(),
+                    step: self.machine.step(),
+                    by: by.ip().to_string(),
+                })
+            }
             Some(SessionCmd::MemChanged) => {
                 if let Some(p) = &self.peer_id {
                     let mem = self.env.table.granted_to(p);

@@ -9,6 +9,7 @@ use crate::events::Notification;
 use crate::grant::RegionTable;
 use crate::in_flight::{InFlight, Refused, Reservation};
 use crate::net::ReadHalf;
+use crate::notify_queues::{Admission, Inlet};
 use crate::peer_memory::PeerRange;
 use crate::region::LocalSlice;
 use crate::test_hooks::TestHooks;
@@ -21,7 +22,6 @@ use kvbridge_proto::PeerId;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::mpsc;
 
 /// Everything the reader task needs.
 pub(crate) struct ReaderCtx {
@@ -37,7 +37,8 @@ pub(crate) struct ReaderCtx {
     /// How long a batch's payload may take to arrive once its header did.
     pub(crate) payload_deadline: Duration,
     pub(crate) hooks: TestHooks,
-    pub(crate) notifications: mpsc::Sender<Notification>,
+    /// Where the peer's notifications wait for the application.
+    pub(crate) notifications: Arc<Inlet>,
     pub(crate) out: WriterQueue,
     /// The channel's count of batches refused for passing the per-peer limit on bytes in
     /// flight.
@@ -179,26 +180,39 @@ impl ReaderCtx {
             incarnation: self.incarnation,
             data: n.data.0,
         };
-        if n.unacked {
-            let _ = self.notifications.send(notification).await;
-            return Ok(true);
-        }
-        // Room in the application's queue first, then the confirmation on its way
-        // (written, or queued ahead of anything a close queues after it), then the
-        // delivery, with no await between the last two: an application that closes
-        // the moment it has the notification cannot end the session before the
-        // confirmation left, and one not confirmed is not delivered.
-        // (No room ever: the application dropped its queue; confirmed as before.)
-        let room = self.notifications.reserve().await.ok();
-        let ack = Message::NotifyAck(Ack {
-            id: n.id,
-            error: None,
-        });
-        if !self.ack(ack, Step::Notify).await? {
-            return Ok(false);
+        // Room in the peer's queue first (this connection reads nothing more until there
+        // is some: backpressure on this peer alone, `notify_queues`), then the
+        // confirmation on its way (written, or queued ahead of anything a close queues
+        // after it), then the delivery, with no await between the last two: an
+        // application that closes the moment it has the notification cannot end the
+        // session before the confirmation left, and one not confirmed is not delivered.
+        // (No room ever: the application dropped its channel; confirmed as before.)
+        let room = match self
+            .notifications
+            .room(&self.peer, notification.data.len(), self.payload_deadline)
+            .await
+        {
+            Admission::Room(r) => Some(r),
+            Admission::Gone => None,
+            Admission::TimedOut => {
+                return Err(Error::Timeout {
+                    peer: self.peer.to_string(),
+                    step: Step::Notify,
+                    after: self.payload_deadline,
+                })
+            }
+        };
+        if !n.unacked {
+            let ack = Message::NotifyAck(Ack {
+                id: n.id,
+                error: None,
+            });
+            if !self.ack(ack, Step::Notify).await? {
+                return Ok(false);
+            }
         }
         if let Some(room) = room {
-            room.send(notification);
+            room.fill(notification);
         }
         Ok(true)
     }
