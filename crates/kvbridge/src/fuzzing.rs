@@ -2,7 +2,7 @@
 //! free to change with the code it exposes.
 
 use crate::config::Limits;
-use crate::datapath::{AbortHandle, DataPath};
+use crate::datapath::{AbortHandle, DataPath, PeerFeatures};
 use crate::grant::{Grant, RegionTable};
 use crate::region::Region;
 use crate::test_hooks::TestHooks;
@@ -50,7 +50,10 @@ pub fn validate_batch(
         1,
         Vec::new(),
         Default::default(),
-        true,
+        PeerFeatures {
+            unacked_notify: true,
+            grant_tokens: true,
+        },
     );
     let (notifications, _notif_rx) = mpsc::channel(1);
     let out = path.out_sender();
