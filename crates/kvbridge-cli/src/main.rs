@@ -45,6 +45,8 @@ enum BenchCmd {
     Proxy(bench::proxy::ProxyBenchArgs),
     /// Notification round trips against a raw loopback TCP ping-pong, same run.
     Notify(bench::notify::NotifyArgs),
+    /// Reads of N blocks with and without a grant-token window, side by side (TCP).
+    Grant(bench::grant::GrantArgs),
     /// The listener process the other benchmarks start (internal).
     #[command(hide = true)]
     Peer {
@@ -64,6 +66,10 @@ enum BenchCmd {
         /// Echo notifications and sink bytes back (`bench notify`).
         #[arg(long)]
         echo: bool,
+        /// Also a twin region whose reads are confined to windows, one grant-token window
+        /// per this many bytes (`bench grant`).
+        #[arg(long)]
+        grant_windows: Option<usize>,
     },
 }
 
@@ -148,22 +154,17 @@ fn main() -> Result<()> {
         Cmd::Bench(BenchCmd::Notify(args)) => {
             let json = args.json;
             let r = rt()?.block_on(bench::notify::run(args))?;
-            if json {
-                println!("{}", serde_json::to_string(&r)?);
-            } else {
-                println!("{}", r.table());
-            }
-            Ok(())
+            verdict(json, &r, r.table(), true)
+        }
+        Cmd::Bench(BenchCmd::Grant(args)) => {
+            let json = args.json;
+            let r = rt()?.block_on(bench::grant::run(args))?;
+            verdict(json, &r, r.table(), true)
         }
         Cmd::Bench(BenchCmd::Handshake(args)) => {
             let json = args.json;
             let r = rt()?.block_on(bench::handshake::run(args))?;
-            if json {
-                println!("{}", serde_json::to_string(&r)?);
-            } else {
-                println!("{}", r.table());
-            }
-            Ok(())
+            verdict(json, &r, r.table(), true)
         }
         Cmd::Bench(BenchCmd::Peer {
             region_bytes,
@@ -171,12 +172,14 @@ fn main() -> Result<()> {
             listen,
             welcome_delay_ms,
             echo,
+            grant_windows,
         }) => rt()?.block_on(bench::peer::run(bench::peer::PeerOptions {
             region_bytes,
             page,
             listen,
             welcome_delay: welcome_delay_ms.map(std::time::Duration::from_millis),
             echo,
+            grant_windows,
         })),
     }
 }
