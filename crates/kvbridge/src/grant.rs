@@ -1071,6 +1071,71 @@ mod tests {
         assert!(t.close_token(&tok).is_none(), "no window of it is left");
     }
 
+    /// The check alone, without a network: admitting a batch of 64 ops of 4 KiB on a plain
+    /// region against the same batch on a region whose reads are confined to windows, one
+    /// window per op open to the token (5 repetitions alternated, medians and min-max).
+    /// `cargo test --release -p kvbridge --lib admission_cost -- --ignored --nocapture`;
+    /// `kvbridge bench grant` measures the same with the network around it.
+    #[test]
+    #[ignore = "a measurement, not a check"]
+    fn admission_cost() {
+        const OPS: u64 = 64;
+        const ROUNDS: usize = 20_000;
+        let t = RegionTable::default();
+        let me = PeerId::new("decode-0").unwrap();
+        let plain = Region::alloc(OPS as usize * 4096, 4096).unwrap();
+        let windowed = Region::alloc(OPS as usize * 4096, 4096).unwrap();
+        t.insert(plain.clone(), Grant::AllPeers.into()).unwrap();
+        t.insert(
+            windowed.clone(),
+            Permission::from(Grant::AllPeers).reads_in_windows(),
+        )
+        .unwrap();
+        let tok = new_grant_token();
+        for i in 0..OPS {
+            t.open_token_window(&windowed.id(), &tok, i * 4096, 4096, Access::ReadOnly)
+                .unwrap();
+        }
+        let ops = |r: &Region| -> Vec<OpDesc> {
+            (0..OPS)
+                .map(|i| OpDesc {
+                    region: r.id(),
+                    offset: (i * 7 % OPS) * 4096,
+                    len: 4096,
+                })
+                .collect()
+        };
+        let (p, w) = (ops(&plain), ops(&windowed));
+        let time = |batch: &[OpDesc], grant: Option<&GrantToken>| {
+            let start = std::time::Instant::now();
+            for _ in 0..ROUNDS {
+                drop(t.admit(&me, grant, batch, false).unwrap());
+            }
+            start.elapsed().as_nanos() as f64 / ROUNDS as f64
+        };
+        let (mut ps, mut ws) = (Vec::new(), Vec::new());
+        for rep in 0..5 {
+            if rep % 2 == 0 {
+                ps.push(time(&p, None));
+                ws.push(time(&w, Some(&tok)));
+            } else {
+                ws.push(time(&w, Some(&tok)));
+                ps.push(time(&p, None));
+            }
+        }
+        let stat = |mut v: Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            (v[v.len() / 2], v[0], v[v.len() - 1])
+        };
+        let ((pm, plo, phi), (wm, wlo, whi)) = (stat(ps), stat(ws));
+        println!(
+            "admission of {OPS} ops, ns per batch, median (min-max) of 5: plain {pm:.0} \
+             ({plo:.0}-{phi:.0}), under a token, one window per op {wm:.0} ({wlo:.0}-{whi:.0}); \
+             the windows cost {:.1} ns per op",
+            (wm - pm) / OPS as f64
+        );
+    }
+
     /// What a window cannot be: overlapping another of its holder, outside its region,
     /// for a direction its region does not confine, or for the all-zero token.
     #[test]
