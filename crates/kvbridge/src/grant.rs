@@ -240,7 +240,7 @@ impl std::fmt::Debug for WindowDrain {
     }
 }
 
-/// The windows of a grant token, closed together ([`RegionTable::close_token`]).
+/// The windows of a grant token, closed together (`Channel::close_token`).
 #[derive(Debug)]
 pub struct ClosedGrant {
     /// The ops that had passed the token's windows and may still be running.
