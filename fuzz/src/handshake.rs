@@ -204,6 +204,7 @@ fn message(spec: MsgSpec, hash: u64) -> Option<Message> {
             data_proof: incarnation % 5 != 0,
             data_connections: 0,
             ucx: false,
+            grant_tokens: false,
         }),
         MsgSpec::Welcome {
             version,
@@ -224,6 +225,7 @@ fn message(spec: MsgSpec, hash: u64) -> Option<Message> {
             host_after_proof: token[1] % 2 == 0,
             data_proof: token[2] % 2 == 0,
             ucx: token[3] % 2 == 0,
+            grant_tokens: token[4] % 2 == 0,
         }),
         MsgSpec::Reject(c) => Message::Reject(reject(c)),
         MsgSpec::Bye(c) => Message::Bye(reject(c)),
@@ -249,8 +251,13 @@ fn message(spec: MsgSpec, hash: u64) -> Option<Message> {
                     len,
                 })
                 .collect(),
+            grant: None,
         }),
-        MsgSpec::ReadBatch(id) => Message::ReadBatch(Batch { id, ops: vec![] }),
+        MsgSpec::ReadBatch(id) => Message::ReadBatch(Batch {
+            id,
+            ops: vec![],
+            grant: None,
+        }),
         MsgSpec::WriteAck(id) => Message::WriteAck(Ack { id, error: None }),
         MsgSpec::Notify(id, d) => Message::Notify(Notify {
             id,

@@ -156,7 +156,11 @@ pub fn run(data: &[u8]) {
             }
         })
         .collect();
-    let batch = Batch { id: 1, ops };
+    let batch = Batch {
+        id: 1,
+        ops,
+        grant: None,
+    };
 
     let got = validate_batch(&sender, &table, &limits, &batch);
     let want = model(&sender, &table, &limits, &batch.ops);

@@ -47,10 +47,28 @@ from ._errors import (
 )
 import atexit as _atexit
 
-from ._native import TRANSPORTS, Channel, ReadPlanner, RegionInfo, Transfer, __version__, _at_exit
+from ._native import (
+    TRANSPORTS,
+    Channel,
+    ReadPlanner,
+    RegionInfo,
+    Transfer,
+    __version__,
+    _at_exit,
+    new_grant_token,
+)
 
 # Blocking calls still waiting in daemon threads end with Closed before the interpreter
 # finalizes (one ended by finalization itself aborts the process).
 _atexit.register(_at_exit)
 
-__all__ = ["Channel", "ReadPlanner", "RegionInfo", "Transfer", "TRANSPORTS", "__version__", *_errors.__all__]
+__all__ = [
+    "Channel",
+    "ReadPlanner",
+    "RegionInfo",
+    "Transfer",
+    "TRANSPORTS",
+    "__version__",
+    "new_grant_token",
+    *_errors.__all__,
+]

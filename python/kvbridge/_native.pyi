@@ -10,6 +10,11 @@ TRANSPORTS: tuple[str, ...]
 def _at_exit(timeout: float = 2.0) -> None:
     """The exit hook: ends blocking calls (they raise Closed) and waits for them."""
 
+def new_grant_token() -> bytes:
+    """A fresh grant token: 16 random bytes (keep it out of logs)."""
+
+_Access = Literal["readwrite", "read", "write"]
+
 # (local_region, local_offset, remote_region, remote_offset, length)
 _Op = tuple[int, int, int, int, int]
 
@@ -84,8 +89,9 @@ class Channel:
         page_size: int,
         *,
         peers: list[str] | None = None,
-        access: Literal["readwrite", "read", "write"] = "readwrite",
+        access: _Access = "readwrite",
         direct_copies: bool = False,
+        windows: _Access | None = None,
     ) -> int: ...
     def register_buffer(
         self,
@@ -93,10 +99,26 @@ class Channel:
         page_size: int,
         *,
         peers: list[str] | None = None,
-        access: Literal["readwrite", "read", "write"] = "readwrite",
+        access: _Access = "readwrite",
         direct_copies: bool = False,
+        windows: _Access | None = None,
     ) -> int: ...
     def deregister(self, region: int) -> None: ...
+
+    # windows and grant tokens
+    def open_window(
+        self,
+        region: int,
+        offset: int,
+        length: int,
+        *,
+        peer: str | None = None,
+        token: bytes | None = None,
+        access: _Access,
+    ) -> int: ...
+    def close_window(self, window_id: int, timeout: float | None = None) -> None: ...
+    def close_token(self, token: bytes, timeout: float | None = None) -> list[str]: ...
+    def token_users(self, token: bytes) -> list[str]: ...
 
     # peers
     def connect(self, addr: str) -> str: ...
@@ -114,6 +136,8 @@ class Channel:
         remote_region: int,
         remote_pages: Sequence[int],
         page_len: int | None = None,
+        *,
+        token: bytes | None = None,
     ) -> None: ...
     def read_pages(
         self,
@@ -123,6 +147,8 @@ class Channel:
         remote_region: int,
         remote_pages: Sequence[int],
         page_len: int | None = None,
+        *,
+        token: bytes | None = None,
     ) -> None: ...
     def write_pages_async(
         self,
@@ -132,6 +158,8 @@ class Channel:
         remote_region: int,
         remote_pages: Sequence[int],
         page_len: int | None = None,
+        *,
+        token: bytes | None = None,
     ) -> Awaitable[None]: ...
     def read_pages_async(
         self,
@@ -141,6 +169,8 @@ class Channel:
         remote_region: int,
         remote_pages: Sequence[int],
         page_len: int | None = None,
+        *,
+        token: bytes | None = None,
     ) -> Awaitable[None]: ...
     def submit_write_pages(
         self,
@@ -150,6 +180,8 @@ class Channel:
         remote_region: int,
         remote_pages: Sequence[int],
         page_len: int | None = None,
+        *,
+        token: bytes | None = None,
     ) -> Transfer: ...
     def submit_read_pages(
         self,
@@ -159,15 +191,25 @@ class Channel:
         remote_region: int,
         remote_pages: Sequence[int],
         page_len: int | None = None,
+        *,
+        token: bytes | None = None,
     ) -> Transfer: ...
 
     # transfers by byte ranges
-    def write(self, peer: str, ops: Sequence[_Op]) -> None: ...
-    def read(self, peer: str, ops: Sequence[_Op]) -> None: ...
-    def write_async(self, peer: str, ops: Sequence[_Op]) -> Awaitable[None]: ...
-    def read_async(self, peer: str, ops: Sequence[_Op]) -> Awaitable[None]: ...
-    def submit_write(self, peer: str, ops: Sequence[_Op]) -> Transfer: ...
-    def submit_read(self, peer: str, ops: Sequence[_Op]) -> Transfer: ...
+    def write(self, peer: str, ops: Sequence[_Op], *, token: bytes | None = None) -> None: ...
+    def read(self, peer: str, ops: Sequence[_Op], *, token: bytes | None = None) -> None: ...
+    def write_async(
+        self, peer: str, ops: Sequence[_Op], *, token: bytes | None = None
+    ) -> Awaitable[None]: ...
+    def read_async(
+        self, peer: str, ops: Sequence[_Op], *, token: bytes | None = None
+    ) -> Awaitable[None]: ...
+    def submit_write(
+        self, peer: str, ops: Sequence[_Op], *, token: bytes | None = None
+    ) -> Transfer: ...
+    def submit_read(
+        self, peer: str, ops: Sequence[_Op], *, token: bytes | None = None
+    ) -> Transfer: ...
 
     # notifications
     def notify(self, peer: str, data: bytes) -> None: ...

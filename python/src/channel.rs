@@ -7,12 +7,13 @@
 use crate::buffer::{self, Keep, Memory};
 use crate::call::{self, EngineResult, Outcome};
 use crate::errors;
+use crate::grants::{self, Windows};
 use crate::transfer::{Slot, Transfer};
 use kvbridge::config::DEFAULT_DATA_CONNECTIONS;
 use kvbridge::proto::auth::Secret;
 use kvbridge::proto::msg::Compat;
 use kvbridge::{
-    Access, Channel, ChannelConfig, Grant, Op, PeerId, Pem, Region, RegionId, Transport,
+    Access, Channel, ChannelConfig, Grant, GrantToken, Op, PeerId, Pem, Region, RegionId, Transport,
 };
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -56,6 +57,8 @@ struct Open {
     /// Notifications a cancelled or interrupted receive took from the engine before it
     /// could hand them over: the next receive returns them first.
     returned: Returned,
+    /// The windows this binding opened, and closes still draining.
+    windows: Windows,
 }
 
 /// Notifications handed back by receives that could not deliver them, oldest first; a
@@ -304,9 +307,11 @@ impl PyChannel {
         remote_region: &Bound<'_, PyAny>,
         remote_pages: &Bound<'_, PyAny>,
         page_len: Option<&Bound<'_, PyAny>>,
+        token: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<(Batch, String)> {
         let open = self.open(py)?;
         let peer_id = peer_arg(py, peer)?;
+        let token = grants::opt_token_arg(py, token)?;
         let local_key = region_arg(py, local_region)?;
         let remote = region_id(region_arg(py, remote_region)?);
         let local_pages = indices(py, local_pages, "local page")?;
@@ -404,11 +409,7 @@ impl PyChannel {
             if ops.is_empty() {
                 return Ok(());
             }
-            match dir {
-                Dir::Write => channel.write(&peer_id, &ops).await?,
-                Dir::Read => channel.read(&peer_id, &ops).await?,
-            }
-            Ok(())
+            Ok(run(&channel, dir, &peer_id, token, &ops).await?)
         };
         Ok((Box::pin(batch), what))
     }
@@ -421,9 +422,11 @@ impl PyChannel {
         dir: Dir,
         peer: &str,
         ops: &Bound<'_, PyAny>,
+        token: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<(Batch, String)> {
         let open = self.open(py)?;
         let peer_id = peer_arg(py, peer)?;
+        let token = grants::opt_token_arg(py, token)?;
         let bad = |msg: String| {
             errors::make(
                 py,
@@ -490,13 +493,14 @@ impl PyChannel {
             if batch.is_empty() {
                 return Ok(());
             }
-            match dir {
-                Dir::Write => channel.write(&peer_id, &batch).await?,
-                Dir::Read => channel.read(&peer_id, &batch).await?,
-            }
-            Ok(())
+            Ok(run(&channel, dir, &peer_id, token, &batch).await?)
         };
         Ok((Box::pin(fut), what))
+    }
+
+    /// How long a close waits for its drain: `timeout` seconds, else the op deadline.
+    fn drain_limit(&self, py: Python<'_>, open: &Open, timeout: Option<f64>) -> PyResult<Duration> {
+        Ok(timeout_arg(py, timeout)?.unwrap_or(open.channel.config().deadlines.op))
     }
 
     fn submit(py: Python<'_>, batch: Batch, what: String) -> PyResult<Transfer> {
@@ -506,6 +510,7 @@ impl PyChannel {
         Ok(Transfer::new(slot, abort, what))
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn register_memory(
         &self,
         py: Python<'_>,
@@ -514,6 +519,7 @@ impl PyChannel {
         peers: Option<Vec<String>>,
         access: &str,
         direct_copies: bool,
+        windows: Option<&str>,
     ) -> PyResult<u128> {
         let open = self.open(py)?;
         let Memory {
@@ -547,17 +553,10 @@ impl PyChannel {
             None => Grant::AllPeers,
             Some(p) => Grant::Peers(p.iter().map(|s| peer_arg(py, s)).collect::<PyResult<_>>()?),
         };
-        let access = match access {
-            "readwrite" => Access::ReadWrite,
-            "read" => Access::ReadOnly,
-            "write" => Access::WriteOnly,
-            other => {
-                return Err(errors::invalid(
-                    py,
-                    format!("access {other:?}: \"readwrite\", \"read\" or \"write\""),
-                ))
-            }
-        };
+        let access = grants::access_arg(py, access, "access")?;
+        let confined = windows
+            .map(|w| grants::access_arg(py, w, "windows"))
+            .transpose()?;
         // Where a peer copies by itself (shared memory, cross-memory attach) no mode holds,
         // so only a region no peer can write over any transport may be read-only memory.
         let peers_cannot_write =
@@ -572,6 +571,14 @@ impl PyChannel {
         let mut permission = grant.with_access(access);
         if direct_copies {
             permission = permission.with_direct_copies();
+        }
+        if let Some(c) = confined {
+            if c != Access::WriteOnly {
+                permission = permission.reads_in_windows();
+            }
+            if c != Access::ReadOnly {
+                permission = permission.writes_in_windows();
+            }
         }
         // SAFETY: for raw pointers the caller guarantees what Channel.register's docstring
         // lists; for Python objects `keep` holds the buffer export, or the tensor and its
@@ -725,6 +732,7 @@ impl PyChannel {
                 channel,
                 regions: Mutex::new(HashMap::new()),
                 returned: Returned::default(),
+                windows: Windows::default(),
             }))),
             peer_id: peer_id.to_string(),
             pid: std::process::id(),
@@ -759,7 +767,10 @@ impl PyChannel {
     /// (default), ``"read"`` or ``"write"``; a region with a mode is carried over TCP only,
     /// where the owner does the copy and refuses the rest, unless ``direct_copies=True``:
     /// then same-host peers map it or copy by address and reach all of it, and the mode
-    /// holds for peers over TCP.
+    /// holds for peers over TCP. ``windows``: ``"read"``, ``"write"`` or ``"readwrite"``
+    /// confines peers' reads, writes or both to the windows opened with ``open_window`` (for
+    /// a peer, or for a grant token); like a mode, it keeps the region on TCP unless
+    /// ``direct_copies=True``.
     ///
     /// kvbridge cannot check a raw pointer; the caller guarantees, from this call until
     /// ``deregister`` (or ``close``) has returned, and for good if ``deregister`` raises that
@@ -773,7 +784,7 @@ impl PyChannel {
     ///
     /// Breaking either lets a peer read or write freed or reused memory of this process.
     /// ``register_buffer`` keeps its object's memory valid itself; prefer it.
-    #[pyo3(signature = (ptr, length, page_size, *, peers=None, access="readwrite", direct_copies=false))]
+    #[pyo3(signature = (ptr, length, page_size, *, peers=None, access="readwrite", direct_copies=false, windows=None))]
     #[allow(clippy::too_many_arguments)]
     fn register(
         &self,
@@ -784,6 +795,7 @@ impl PyChannel {
         peers: Option<Vec<String>>,
         access: &str,
         direct_copies: bool,
+        windows: Option<&str>,
     ) -> PyResult<u128> {
         let ptr = usize_arg(py, ptr, "pointer")?;
         let length = usize_arg(py, length, "length")?;
@@ -800,6 +812,7 @@ impl PyChannel {
             peers,
             access,
             direct_copies,
+            windows,
         )
     }
 
@@ -813,8 +826,9 @@ impl PyChannel {
     /// did not allocate (``torch.frombuffer``, ``torch.from_numpy``). ``peers``, ``access``
     /// and ``direct_copies`` as for ``register``. A read-only buffer is refused unless no
     /// peer can write it: ``peers=[]`` (then it can only be the source of writes), or
-    /// ``access="read"`` without ``direct_copies``.
-    #[pyo3(signature = (obj, page_size, *, peers=None, access="readwrite", direct_copies=false))]
+    /// ``access="read"`` without ``direct_copies``. ``windows`` as for ``register``.
+    #[pyo3(signature = (obj, page_size, *, peers=None, access="readwrite", direct_copies=false, windows=None))]
+    #[allow(clippy::too_many_arguments)]
     fn register_buffer(
         &self,
         py: Python<'_>,
@@ -823,11 +837,131 @@ impl PyChannel {
         peers: Option<Vec<String>>,
         access: &str,
         direct_copies: bool,
+        windows: Option<&str>,
     ) -> PyResult<u128> {
         self.open(py)?;
         let page_size = usize_arg(py, page_size, "page size")?;
         let mem = buffer::memory_of(obj)?;
-        self.register_memory(py, mem, page_size, peers, access, direct_copies)
+        self.register_memory(py, mem, page_size, peers, access, direct_copies, windows)
+    }
+
+    /// Opens ``length`` bytes at ``offset`` of a region registered with ``windows=`` to
+    /// either one peer (``peer="decode-0"``) or whoever names a grant token in its
+    /// transfers (``token=``, 16 bytes: ``kvbridge.new_grant_token()``), for ``access``:
+    /// ``"read"``, ``"write"`` or ``"readwrite"``. Returns the window's id. Cheap: nothing
+    /// is sent. The region's owner checks each op of a peer's batch where it does the copy
+    /// (TCP): an op in a confined direction passes only inside windows open to the token
+    /// the batch names or to the peer itself; anything else raises ``Rejected`` with code
+    /// ``AccessDenied`` on the peer's side and ends its session. Raises ``InvalidOp`` when
+    /// the region is not registered, the range is empty or outside it, it overlaps a window
+    /// open to the same holder, or the region confines neither direction ``access`` names.
+    #[pyo3(signature = (region, offset, length, *, peer=None, token=None, access))]
+    #[allow(clippy::too_many_arguments)]
+    fn open_window(
+        &self,
+        py: Python<'_>,
+        region: &Bound<'_, PyAny>,
+        offset: &Bound<'_, PyAny>,
+        length: &Bound<'_, PyAny>,
+        peer: Option<&str>,
+        token: Option<&Bound<'_, PyAny>>,
+        access: &str,
+    ) -> PyResult<u64> {
+        let open = self.open(py)?;
+        let key = region_arg(py, region)?;
+        let offset = index_arg(py, offset, "offset")?;
+        let length = index_arg(py, length, "length")?;
+        let access = grants::access_arg(py, access, "access")?;
+        let token = grants::opt_token_arg(py, token)?;
+        if !open.regions().contains_key(&key) {
+            return Err(errors::invalid(
+                py,
+                format!("region {key} is not registered"),
+            ));
+        }
+        let opened = match (peer, token) {
+            (Some(p), None) => {
+                let p = peer_arg(py, p)?;
+                open.channel
+                    .open_peer_window(region_id(key), &p, offset, length, access)
+            }
+            (None, Some(t)) => {
+                open.channel
+                    .open_token_window(region_id(key), &t, offset, length, access)
+            }
+            _ => {
+                return Err(errors::invalid(
+                    py,
+                    "a window is open to exactly one holder: pass peer= or token=",
+                ))
+            }
+        };
+        let id = opened.map_err(|e| errors::invalid(py, e.to_string()))?;
+        Ok(open.windows.opened(id, token))
+    }
+
+    /// Closes a window: no op passes it from now on. Then waits, at most ``timeout`` seconds
+    /// (default: the channel's ``op`` deadline), until the ops that had passed it ended
+    /// (writes landed, read responses sent), so its bytes may go to someone else. Past the
+    /// timeout raises ``Timeout`` (step ``close-window``); the window stays closed, and
+    /// calling this again waits again. ``InvalidOp`` for an id this channel did not hand
+    /// out, or one already closed and drained.
+    #[pyo3(signature = (window_id, timeout=None))]
+    fn close_window(
+        &self,
+        py: Python<'_>,
+        window_id: &Bound<'_, PyAny>,
+        timeout: Option<f64>,
+    ) -> PyResult<()> {
+        let open = self.open(py)?;
+        let id = index_arg(py, window_id, "window id")?;
+        let limit = self.drain_limit(py, &open, timeout)?;
+        let (drain, _) = open
+            .windows
+            .close_window(&open.channel, id)
+            .ok_or_else(|| errors::invalid(py, format!("window {id} is not open")))?;
+        wait_drained(py, drain, limit, format!("window {id}"))?;
+        open.windows.drained_window(id);
+        Ok(())
+    }
+
+    /// Closes every window open to ``token`` at once, waits for the ops that had passed
+    /// them as ``close_window`` does (``Timeout`` past ``timeout``; call again to wait
+    /// again), and returns the peers that used the token (see ``token_users``): complete,
+    /// since every op admitted before the close was recorded first. ``[]`` when no window of
+    /// the token is open.
+    #[pyo3(signature = (token, timeout=None))]
+    fn close_token(
+        &self,
+        py: Python<'_>,
+        token: &Bound<'_, PyAny>,
+        timeout: Option<f64>,
+    ) -> PyResult<Vec<String>> {
+        let open = self.open(py)?;
+        let token = grants::token_arg(py, token)?;
+        let limit = self.drain_limit(py, &open, timeout)?;
+        let Some((drain, users)) = open.windows.close_token(&open.channel, &token) else {
+            return Ok(Vec::new());
+        };
+        wait_drained(py, drain, limit, "the grant token's windows".into())?;
+        open.windows.drained_token(&token);
+        Ok(users)
+    }
+
+    /// The peers (their authenticated ids, sorted) that had a transfer naming ``token``
+    /// admitted through the token's windows while any is open: the ones that read (or
+    /// wrote) under the grant, for accepting a request's "done" only from them. Recorded
+    /// when the transfer passed the checks, before any byte moved. ``[]`` once the token's
+    /// last window closed.
+    fn token_users(&self, py: Python<'_>, token: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
+        let open = self.open(py)?;
+        let token = grants::token_arg(py, token)?;
+        Ok(open
+            .channel
+            .token_users(&token)
+            .iter()
+            .map(|p| p.to_string())
+            .collect())
     }
 
     /// Removes a region: new transfers cannot find it; waits (within the op deadline) until
@@ -892,7 +1026,7 @@ impl PyChannel {
     /// (default: the local page size; page indices count in each region's own page size).
     /// Every op is checked before any byte moves; returns once every byte is in the peer's
     /// memory.
-    #[pyo3(signature = (peer, local_region, local_pages, remote_region, remote_pages, page_len=None))]
+    #[pyo3(signature = (peer, local_region, local_pages, remote_region, remote_pages, page_len=None, *, token=None))]
     #[allow(clippy::too_many_arguments)]
     fn write_pages(
         &self,
@@ -903,6 +1037,7 @@ impl PyChannel {
         remote_region: &Bound<'_, PyAny>,
         remote_pages: &Bound<'_, PyAny>,
         page_len: Option<&Bound<'_, PyAny>>,
+        token: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let (batch, _) = self.pages_batch(
             py,
@@ -913,13 +1048,14 @@ impl PyChannel {
             remote_region,
             remote_pages,
             page_len,
+            token,
         )?;
         call::block_on(py, batch)
     }
 
     /// Reads the peer's pages into local pages (the mirror of ``write_pages``); returns once
     /// every byte is in local memory.
-    #[pyo3(signature = (peer, local_region, local_pages, remote_region, remote_pages, page_len=None))]
+    #[pyo3(signature = (peer, local_region, local_pages, remote_region, remote_pages, page_len=None, *, token=None))]
     #[allow(clippy::too_many_arguments)]
     fn read_pages(
         &self,
@@ -930,6 +1066,7 @@ impl PyChannel {
         remote_region: &Bound<'_, PyAny>,
         remote_pages: &Bound<'_, PyAny>,
         page_len: Option<&Bound<'_, PyAny>>,
+        token: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let (batch, _) = self.pages_batch(
             py,
@@ -940,12 +1077,13 @@ impl PyChannel {
             remote_region,
             remote_pages,
             page_len,
+            token,
         )?;
         call::block_on(py, batch)
     }
 
     /// ``write_pages`` as an awaitable.
-    #[pyo3(signature = (peer, local_region, local_pages, remote_region, remote_pages, page_len=None))]
+    #[pyo3(signature = (peer, local_region, local_pages, remote_region, remote_pages, page_len=None, *, token=None))]
     #[allow(clippy::too_many_arguments)]
     fn write_pages_async<'py>(
         &self,
@@ -956,6 +1094,7 @@ impl PyChannel {
         remote_region: &Bound<'py, PyAny>,
         remote_pages: &Bound<'py, PyAny>,
         page_len: Option<&Bound<'py, PyAny>>,
+        token: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let (batch, _) = self.pages_batch(
             py,
@@ -966,12 +1105,13 @@ impl PyChannel {
             remote_region,
             remote_pages,
             page_len,
+            token,
         )?;
         call::awaitable(py, batch, none)
     }
 
     /// ``read_pages`` as an awaitable.
-    #[pyo3(signature = (peer, local_region, local_pages, remote_region, remote_pages, page_len=None))]
+    #[pyo3(signature = (peer, local_region, local_pages, remote_region, remote_pages, page_len=None, *, token=None))]
     #[allow(clippy::too_many_arguments)]
     fn read_pages_async<'py>(
         &self,
@@ -982,6 +1122,7 @@ impl PyChannel {
         remote_region: &Bound<'py, PyAny>,
         remote_pages: &Bound<'py, PyAny>,
         page_len: Option<&Bound<'py, PyAny>>,
+        token: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let (batch, _) = self.pages_batch(
             py,
@@ -992,12 +1133,13 @@ impl PyChannel {
             remote_region,
             remote_pages,
             page_len,
+            token,
         )?;
         call::awaitable(py, batch, none)
     }
 
     /// ``write_pages`` without waiting: returns a ``Transfer`` to ``poll()`` or ``wait()``.
-    #[pyo3(signature = (peer, local_region, local_pages, remote_region, remote_pages, page_len=None))]
+    #[pyo3(signature = (peer, local_region, local_pages, remote_region, remote_pages, page_len=None, *, token=None))]
     #[allow(clippy::too_many_arguments)]
     fn submit_write_pages(
         &self,
@@ -1008,6 +1150,7 @@ impl PyChannel {
         remote_region: &Bound<'_, PyAny>,
         remote_pages: &Bound<'_, PyAny>,
         page_len: Option<&Bound<'_, PyAny>>,
+        token: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Transfer> {
         let (batch, what) = self.pages_batch(
             py,
@@ -1018,12 +1161,13 @@ impl PyChannel {
             remote_region,
             remote_pages,
             page_len,
+            token,
         )?;
         Self::submit(py, batch, what)
     }
 
     /// ``read_pages`` without waiting: returns a ``Transfer`` to ``poll()`` or ``wait()``.
-    #[pyo3(signature = (peer, local_region, local_pages, remote_region, remote_pages, page_len=None))]
+    #[pyo3(signature = (peer, local_region, local_pages, remote_region, remote_pages, page_len=None, *, token=None))]
     #[allow(clippy::too_many_arguments)]
     fn submit_read_pages(
         &self,
@@ -1034,6 +1178,7 @@ impl PyChannel {
         remote_region: &Bound<'_, PyAny>,
         remote_pages: &Bound<'_, PyAny>,
         page_len: Option<&Bound<'_, PyAny>>,
+        token: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Transfer> {
         let (batch, what) = self.pages_batch(
             py,
@@ -1044,64 +1189,87 @@ impl PyChannel {
             remote_region,
             remote_pages,
             page_len,
+            token,
         )?;
         Self::submit(py, batch, what)
     }
 
     /// Writes a batch of ops, each ``(local_region, local_offset, remote_region,
     /// remote_offset, length)`` in bytes; returns once every byte is in the peer's memory.
-    fn write(&self, py: Python<'_>, peer: &str, ops: &Bound<'_, PyAny>) -> PyResult<()> {
-        let (batch, _) = self.ops_batch(py, Dir::Write, peer, ops)?;
+    #[pyo3(signature = (peer, ops, *, token=None))]
+    fn write(
+        &self,
+        py: Python<'_>,
+        peer: &str,
+        ops: &Bound<'_, PyAny>,
+        token: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let (batch, _) = self.ops_batch(py, Dir::Write, peer, ops, token)?;
         call::block_on(py, batch)
     }
 
     /// Reads a batch of ops (see ``write``) from the peer's regions into local ones.
-    fn read(&self, py: Python<'_>, peer: &str, ops: &Bound<'_, PyAny>) -> PyResult<()> {
-        let (batch, _) = self.ops_batch(py, Dir::Read, peer, ops)?;
+    #[pyo3(signature = (peer, ops, *, token=None))]
+    fn read(
+        &self,
+        py: Python<'_>,
+        peer: &str,
+        ops: &Bound<'_, PyAny>,
+        token: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let (batch, _) = self.ops_batch(py, Dir::Read, peer, ops, token)?;
         call::block_on(py, batch)
     }
 
     /// ``write`` as an awaitable.
+    #[pyo3(signature = (peer, ops, *, token=None))]
     fn write_async<'py>(
         &self,
         py: Python<'py>,
         peer: &str,
         ops: &Bound<'py, PyAny>,
+        token: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let (batch, _) = self.ops_batch(py, Dir::Write, peer, ops)?;
+        let (batch, _) = self.ops_batch(py, Dir::Write, peer, ops, token)?;
         call::awaitable(py, batch, none)
     }
 
     /// ``read`` as an awaitable.
+    #[pyo3(signature = (peer, ops, *, token=None))]
     fn read_async<'py>(
         &self,
         py: Python<'py>,
         peer: &str,
         ops: &Bound<'py, PyAny>,
+        token: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let (batch, _) = self.ops_batch(py, Dir::Read, peer, ops)?;
+        let (batch, _) = self.ops_batch(py, Dir::Read, peer, ops, token)?;
         call::awaitable(py, batch, none)
     }
 
     /// ``write`` without waiting: returns a ``Transfer``.
+    #[pyo3(signature = (peer, ops, *, token=None))]
     fn submit_write(
         &self,
         py: Python<'_>,
         peer: &str,
         ops: &Bound<'_, PyAny>,
+        token: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Transfer> {
-        let (batch, what) = self.ops_batch(py, Dir::Write, peer, ops)?;
+        let (batch, what) = self.ops_batch(py, Dir::Write, peer, ops, token)?;
         Self::submit(py, batch, what)
     }
 
     /// ``read`` without waiting: returns a ``Transfer``.
+    #[pyo3(signature = (peer, ops, *, token=None))]
     fn submit_read(
         &self,
         py: Python<'_>,
         peer: &str,
         ops: &Bound<'_, PyAny>,
+        token: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Transfer> {
-        let (batch, what) = self.ops_batch(py, Dir::Read, peer, ops)?;
+        let (batch, what) = self.ops_batch(py, Dir::Read, peer, ops, token)?;
         Self::submit(py, batch, what)
     }
 
@@ -1207,6 +1375,7 @@ impl PyChannel {
         d.set_item("bytes_in_flight", s.bytes_in_flight)?;
         d.set_item("batches_waiting_for_room", s.batches_waiting_for_room)?;
         d.set_item("in_flight_refused", s.in_flight_refused)?;
+        d.set_item("access_denied", s.access_denied)?;
         d.set_item("sessions_ended", s.sessions_ended)?;
         d.set_item("handshakes_refused", s.handshakes_refused)?;
         d.set_item("handshakes_displaced", s.handshakes_displaced)?;
@@ -1294,6 +1463,52 @@ impl Drop for PyChannel {
                 let _ = self.release(py, open);
             });
         }
+    }
+}
+
+/// Waits, with the GIL released, at most `limit` for `drain`; `Timeout` (step
+/// `close-window`) naming `what` past it.
+fn wait_drained(
+    py: Python<'_>,
+    drain: Option<Arc<kvbridge::WindowDrain>>,
+    limit: Duration,
+    what: String,
+) -> PyResult<()> {
+    let Some(drain) = drain else {
+        return Ok(());
+    };
+    let drained = call::block_on(py, async move {
+        Ok(tokio::time::timeout(limit, drain.drained()).await.is_ok())
+    })?;
+    if drained {
+        return Ok(());
+    }
+    Err(errors::make(
+        py,
+        "Timeout",
+        format!(
+            "{what}: closed, but the ops that had passed it did not end within {limit:?} \
+             (call again to wait again)"
+        ),
+        None,
+        Some("close-window".into()),
+        None,
+    ))
+}
+
+/// Runs a batch of `ops` with `peer`, naming `token` to it if set.
+async fn run(
+    channel: &Channel,
+    dir: Dir,
+    peer: &PeerId,
+    token: Option<GrantToken>,
+    ops: &[Op],
+) -> kvbridge::Result<()> {
+    match (dir, token) {
+        (Dir::Write, None) => channel.write(peer, ops).await,
+        (Dir::Read, None) => channel.read(peer, ops).await,
+        (Dir::Write, Some(t)) => channel.write_with_grant(peer, t, ops).await,
+        (Dir::Read, Some(t)) => channel.read_with_grant(peer, t, ops).await,
     }
 }
 

@@ -12,6 +12,7 @@ mod channel;
 mod completer;
 mod errors;
 mod features;
+mod grants;
 mod read_plan;
 mod runtime;
 mod transfer;
@@ -19,6 +20,15 @@ mod transfer;
 use pyo3::prelude::*;
 
 use features::UCX_BUILT;
+
+/// A fresh grant token (16 random bytes) for ``Channel.open_window(..., token=...)`` and the
+/// ``token=`` of transfers. Hand it to the peers that are to use it out of band (e.g. in a
+/// request's transfer parameters, as ``token.hex()``), and keep it out of logs: whoever
+/// holds it (and can reach the channel) may use it until its windows close.
+#[pyfunction]
+fn new_grant_token(py: Python<'_>) -> Bound<'_, pyo3::types::PyBytes> {
+    pyo3::types::PyBytes::new(py, &kvbridge::new_grant_token().to_bytes())
+}
 
 /// The native part of the `kvbridge` package; import `kvbridge` instead.
 #[pymodule]
@@ -35,5 +45,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     };
     m.add("TRANSPORTS", pyo3::types::PyTuple::new(m.py(), transports)?)?;
     m.add_function(wrap_pyfunction!(call::_at_exit, m)?)?;
+    m.add_function(wrap_pyfunction!(new_grant_token, m)?)?;
     Ok(())
 }

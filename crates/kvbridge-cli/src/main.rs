@@ -50,6 +50,8 @@ enum BenchCmd {
     /// The flooding peer `bench notify-flood` starts (internal).
     #[command(hide = true)]
     Flooder(bench::notify_flood::FlooderArgs),
+    /// Reads of N blocks with and without a grant-token window, side by side (TCP).
+    Grant(bench::grant::GrantArgs),
     /// The listener process the other benchmarks start (internal).
     #[command(hide = true)]
     Peer {
@@ -76,6 +78,10 @@ enum BenchCmd {
         /// With --work-us: sleep instead of a busy wait.
         #[arg(long)]
         work_sleeps: bool,
+        /// Also a twin region whose reads are confined to windows, one grant-token window
+        /// per this many bytes (`bench grant`).
+        #[arg(long)]
+        grant_windows: Option<usize>,
     },
 }
 
@@ -169,12 +175,12 @@ fn bench(cmd: BenchCmd) -> Result<()> {
         BenchCmd::Notify(args) => {
             let json = args.json;
             let r = rt()?.block_on(bench::notify::run(args))?;
-            if json {
-                println!("{}", serde_json::to_string(&r)?);
-            } else {
-                println!("{}", r.table());
-            }
-            Ok(())
+            verdict(json, &r, r.table(), true)
+        }
+        BenchCmd::Grant(args) => {
+            let json = args.json;
+            let r = rt()?.block_on(bench::grant::run(args))?;
+            verdict(json, &r, r.table(), true)
         }
         BenchCmd::NotifyFlood(args) => {
             let json = args.json;
@@ -190,12 +196,7 @@ fn bench(cmd: BenchCmd) -> Result<()> {
         BenchCmd::Handshake(args) => {
             let json = args.json;
             let r = rt()?.block_on(bench::handshake::run(args))?;
-            if json {
-                println!("{}", serde_json::to_string(&r)?);
-            } else {
-                println!("{}", r.table());
-            }
-            Ok(())
+            verdict(json, &r, r.table(), true)
         }
         BenchCmd::Peer {
             region_bytes,
@@ -205,6 +206,7 @@ fn bench(cmd: BenchCmd) -> Result<()> {
             echo,
             work_us,
             work_sleeps,
+            grant_windows,
         } => rt()?.block_on(bench::peer::run(bench::peer::PeerOptions {
             region_bytes,
             page,
@@ -213,6 +215,7 @@ fn bench(cmd: BenchCmd) -> Result<()> {
             echo,
             work: std::time::Duration::from_micros(work_us),
             work_sleeps,
+            grant_windows,
         })),
     }
 }

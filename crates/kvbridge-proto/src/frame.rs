@@ -180,7 +180,7 @@ mod tests {
 #[cfg(test)]
 mod props {
     use super::*;
-    use crate::ids::{Blob, Incarnation, PeerId, RegionId};
+    use crate::ids::{Blob, GrantToken, Incarnation, PeerId, RegionId};
     use crate::msg::*;
     use proptest::prelude::*;
 
@@ -209,12 +209,29 @@ mod props {
                     data_proof: false,
                     data_connections: 0,
                     ucx: false,
+                    grant_tokens: i % 3 == 0,
                 })
             }),
-            (any::<u64>(), proptest::collection::vec(op(), 0..50))
-                .prop_map(|(id, ops)| Message::WriteBatch(Batch { id, ops })),
-            (any::<u64>(), proptest::collection::vec(op(), 0..50))
-                .prop_map(|(id, ops)| Message::ReadBatch(Batch { id, ops })),
+            (
+                any::<u64>(),
+                proptest::collection::vec(op(), 0..50),
+                any::<Option<[u8; 16]>>()
+            )
+                .prop_map(|(id, ops, g)| Message::WriteBatch(Batch {
+                    id,
+                    ops,
+                    grant: g.map(GrantToken::from_bytes),
+                })),
+            (
+                any::<u64>(),
+                proptest::collection::vec(op(), 0..50),
+                any::<Option<[u8; 16]>>()
+            )
+                .prop_map(|(id, ops, g)| Message::ReadBatch(Batch {
+                    id,
+                    ops,
+                    grant: g.map(GrantToken::from_bytes),
+                })),
             (any::<u64>(), proptest::collection::vec(any::<u8>(), 0..300)).prop_map(|(id, d)| {
                 Message::Notify(Notify {
                     id,

@@ -440,6 +440,8 @@ pub struct Initiator {
     data_key: Option<DataKey>,
     /// What our `Hello` and the listener's `Welcome` said about UCX.
     ucx: UcxWelcome,
+    /// The listener's `Welcome` said it honours grant tokens ([`Welcome::grant_tokens`]).
+    grant_tokens: bool,
 }
 
 /// An initiator's UCX as its `Hello` and the listener's `Welcome` said it.
@@ -490,6 +492,7 @@ impl Initiator {
             data_proof: local.secret.is_some(),
             data_connections,
             ucx: false,
+            grant_tokens: true,
         }));
         Self {
             local,
@@ -503,6 +506,7 @@ impl Initiator {
             welcomed: None,
             data_key: None,
             ucx: UcxWelcome::NotAsked,
+            grant_tokens: false,
         }
     }
 
@@ -523,6 +527,12 @@ impl Initiator {
     /// ([`Welcome::ucx`]; only when our `Hello` asked for one).
     pub fn peer_offers_ucx(&self) -> bool {
         self.ucx == UcxWelcome::Offered
+    }
+
+    /// Whether the listener's `Welcome` said it honours grant tokens on our batches
+    /// ([`Welcome::grant_tokens`]); `false` before the `Welcome` and from older listeners.
+    pub fn peer_grant_tokens(&self) -> bool {
+        self.grant_tokens
     }
 
     /// The step the handshake is waiting on.
@@ -702,6 +712,7 @@ impl Initiator {
             }
         }
         self.peer = Some((w.peer_id.clone(), w.incarnation));
+        self.grant_tokens = w.grant_tokens;
         if w.ucx && self.ucx == UcxWelcome::Asked {
             self.ucx = UcxWelcome::Offered;
         }
@@ -782,6 +793,8 @@ pub struct ListenerSession {
     data_connections: u32,
     /// The initiator takes a UCX offer ([`Hello::ucx`]).
     ucx: bool,
+    /// The initiator honours grant tokens on our batches ([`Hello::grant_tokens`]).
+    grant_tokens: bool,
 }
 
 impl ListenerSession {
@@ -897,6 +910,7 @@ impl ListenerSession {
                 host_after_proof: host_offer.is_some(),
                 data_proof: key.is_some(),
                 ucx: false,
+                grant_tokens: true,
             })),
             Err(e) => core.fail(e),
         }
@@ -915,6 +929,7 @@ impl ListenerSession {
             data_key: None,
             data_connections: hello.data_connections,
             ucx: hello.ucx,
+            grant_tokens: hello.grant_tokens,
         }
     }
 
@@ -941,6 +956,12 @@ impl ListenerSession {
     /// ([`Hello::ucx`]); the listener then starts a [`crate::ucx_link::UcxExport`].
     pub fn peer_takes_ucx(&self) -> bool {
         self.ucx
+    }
+
+    /// Whether the initiator's `Hello` said it honours grant tokens on our batches
+    /// ([`Hello::grant_tokens`]).
+    pub fn peer_grant_tokens(&self) -> bool {
+        self.grant_tokens
     }
 
     /// Says in the `Welcome` that this listener (which has a UCX worker) offers UCX once the

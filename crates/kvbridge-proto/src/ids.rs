@@ -137,6 +137,65 @@ bytes16_id!(
     SessionToken
 );
 
+/// A bearer credential for grant windows: a random 128-bit value the owner of a region
+/// mints per request and opens windows for, and hands (out of band, e.g. in a request's
+/// transfer parameters) to whoever is to read or write under it. A batch that names it
+/// ([`crate::msg::Batch::grant`]) may reach what the token's windows cover. Whoever learns a
+/// token can use it until its windows close, so it is never printed: `Debug` and `Display`
+/// redact it.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct GrantToken([u8; 16]);
+
+impl GrantToken {
+    /// Length in bytes.
+    pub const LEN: usize = 16;
+
+    /// The token with these bytes. An all-zero token is representable (it comes off the
+    /// wire like any other) but never minted: owners refuse to open windows for it.
+    pub const fn from_bytes(b: [u8; 16]) -> Self {
+        Self(b)
+    }
+
+    /// Its bytes (to hand to a peer; keep them out of logs).
+    pub const fn to_bytes(self) -> [u8; 16] {
+        self.0
+    }
+
+    /// Whether every byte is zero: what an unset value looks like, not a random token.
+    pub fn is_zero(&self) -> bool {
+        self.0 == [0; 16]
+    }
+}
+
+impl fmt::Debug for GrantToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("GrantToken(<redacted>)")
+    }
+}
+
+impl fmt::Display for GrantToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("<grant token>")
+    }
+}
+
+impl Serialize for GrantToken {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_bytes(&self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for GrantToken {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let b = Blob::deserialize(d)?;
+        let arr: [u8; 16] =
+            b.0.as_slice()
+                .try_into()
+                .map_err(|_| de::Error::invalid_length(b.0.len(), &"16 bytes"))?;
+        Ok(Self(arr))
+    }
+}
+
 /// An opaque byte string, encoded as msgpack `bin` (and accepted as an array of integers, as
 /// some encoders write it).
 #[derive(Clone, PartialEq, Eq, Default)]

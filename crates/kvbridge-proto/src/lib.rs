@@ -11,7 +11,7 @@
 //! * [`frame`]: length-prefixed frames with a magic, a version and a hard size limit.
 //! * [`msg`]: the messages (msgpack bodies with named fields, see `docs/protocol.md`).
 //! * [`handshake`]: the initiator and listener state machines.
-//! * [`ids`]: peer, region, session and incarnation identifiers.
+//! * [`ids`]: peer, region, session and incarnation identifiers, and grant tokens.
 //! * [`auth`]: the shared secret and HMAC challenge/response proofs.
 //! * [`zmtp`]: ZMTP 3.0 NULL framing and the receiving side of a PULL or SUB/PUB connection.
 //! * [`kv_events`]: vLLM's KV-events batches (what an engine stored and evicted), bounded.
@@ -34,4 +34,4 @@ pub mod ucx_link;
 pub mod zmtp;
 
 pub use frame::{FrameError, FrameHeader, FRAME_HEADER_LEN, PROTOCOL_VERSION};
-pub use ids::{Incarnation, PeerId, RegionId, SessionToken};
+pub use ids::{GrantToken, Incarnation, PeerId, RegionId, SessionToken};

@@ -5,7 +5,7 @@
 //! `docs/protocol.md` lists who sends each message and in which state.
 
 use crate::frame::{FrameError, FrameHeader, FRAME_HEADER_LEN, MAGIC, PROTOCOL_VERSION};
-use crate::ids::{Blob, Incarnation, PeerId, RegionId, SessionToken};
+use crate::ids::{Blob, GrantToken, Incarnation, PeerId, RegionId, SessionToken};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
@@ -237,6 +237,12 @@ pub struct Hello {
     /// initiators and builds without UCX: they are offered nothing and use TCP.
     #[serde(default, skip_serializing_if = "is_false")]
     pub ucx: bool,
+    /// The initiator honours [`Batch::grant`] on the listener's batches (checks the ops of a
+    /// batch that names a token against that token's windows). Absent (false) from older
+    /// initiators: the listener then names no token to them (its call fails with a typed
+    /// error before anything is sent).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub grant_tokens: bool,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -281,6 +287,12 @@ pub struct Welcome {
     /// from listeners without UCX: no offer follows, and an offer that comes is unexpected.
     #[serde(default, skip_serializing_if = "is_false")]
     pub ucx: bool,
+    /// The listener honours [`Batch::grant`] (checks the ops of a batch that names a token
+    /// against that token's windows). Absent (false) from older listeners: the initiator
+    /// then names no token to them (its call fails with a typed error before anything is
+    /// sent).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub grant_tokens: bool,
 }
 
 /// What a listener tells only an authenticated initiator about its host
@@ -565,6 +577,13 @@ pub struct Batch {
     pub id: u64,
     /// The ops, in payload order.
     pub ops: Vec<OpDesc>,
+    /// The grant token the batch runs under: an op on a region whose receiver confines that
+    /// direction to windows is admitted when it lies wholly inside the windows open for
+    /// this token (or for the sender itself). Sent only to a peer that said it honours it
+    /// ([`Hello::grant_tokens`], [`Welcome::grant_tokens`]); absent from older peers and
+    /// from batches that name none, so such a frame is byte for byte what it was.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grant: Option<GrantToken>,
 }
 
 impl Batch {
@@ -726,6 +745,75 @@ mod tests {
         assert_eq!(Message::decode(&body).unwrap(), posted);
     }
 
+    /// A batch from a peer that predates grant tokens decodes with none named, and is byte
+    /// for byte what a batch without one encodes to; a peer that predates them reads a
+    /// batch that names one, ignoring the token (it then checks the ops as it always did,
+    /// which is why a token is named only to a peer that said `grant_tokens`). The flags of
+    /// `Hello` and `Welcome` are absent when false.
+    #[test]
+    fn batch_grant_is_compatible() {
+        #[derive(Serialize, Deserialize, PartialEq, Debug)]
+        struct OldBatch {
+            id: u64,
+            ops: Vec<OpDesc>,
+        }
+        #[derive(Serialize, Deserialize, PartialEq, Debug)]
+        enum Old {
+            ReadBatch(OldBatch),
+        }
+        let ops = vec![OpDesc {
+            region: RegionId([4; 16]),
+            offset: 8,
+            len: 16,
+        }];
+        let old = rmp_serde::to_vec_named(&Old::ReadBatch(OldBatch {
+            id: 3,
+            ops: ops.clone(),
+        }))
+        .unwrap();
+        let plain = Message::ReadBatch(Batch {
+            id: 3,
+            ops: ops.clone(),
+            grant: None,
+        });
+        assert_eq!(Message::decode(&old).unwrap(), plain);
+        assert_eq!(plain.encode_body().unwrap(), old);
+        let token = GrantToken::from_bytes([0xA5; 16]);
+        let granted = Message::ReadBatch(Batch {
+            id: 3,
+            ops: ops.clone(),
+            grant: Some(token),
+        });
+        let body = granted.encode_body().unwrap();
+        let Old::ReadBatch(seen) = rmp_serde::from_slice::<Old>(&body).unwrap();
+        assert_eq!(seen, OldBatch { id: 3, ops });
+        assert_eq!(Message::decode(&body).unwrap(), granted);
+        // A token of another length is refused while decoding.
+        #[derive(Serialize)]
+        struct Short {
+            id: u64,
+            ops: Vec<OpDesc>,
+            grant: Blob,
+        }
+        #[derive(Serialize)]
+        enum Raw {
+            ReadBatch(Short),
+        }
+        let short = rmp_serde::to_vec_named(&Raw::ReadBatch(Short {
+            id: 1,
+            ops: vec![],
+            grant: Blob(vec![1; 15]),
+        }))
+        .unwrap();
+        assert!(matches!(
+            Message::decode(&short),
+            Err(FrameError::Malformed(_))
+        ));
+        // Never printed.
+        assert_eq!(format!("{token:?}"), "GrantToken(<redacted>)");
+        assert!(!format!("{granted:?}").contains("a5"));
+    }
+
     /// An offer and a region from a peer that predates cross-memory attach decode with it
     /// off, and a peer that predates it ignores the new fields.
     #[test]
@@ -845,10 +933,12 @@ mod tests {
             data_proof: false,
             data_connections: 0,
             ucx: false,
+            grant_tokens: false,
         };
         // Absent when false: byte for byte what an older peer sends.
         let old = Message::Hello(hello.clone()).encode_body().unwrap();
         assert!(!String::from_utf8_lossy(&old).contains("host_after_proof"));
+        assert!(!String::from_utf8_lossy(&old).contains("grant_tokens"));
         let new = Message::Hello(Hello {
             host_after_proof: true,
             data_proof: false,

@@ -30,6 +30,9 @@ pub struct Batch {
     /// The calling task runs on a runtime with other threads, which go on with the
     /// runtime's tasks while this one copies.
     pub caller_may_copy: bool,
+    /// The batch names a grant token: only the peer, doing the copy itself, can check the
+    /// ops against that token's windows and record who used it.
+    pub grant: bool,
 }
 
 /// One way to try for a batch.
@@ -38,7 +41,8 @@ pub enum Way {
     /// The session's one-sided backend at this index of the offers.
     OneSided(usize),
     /// The session's TCP data connections (the writer thread of connection 0 still copies a
-    /// batch whose regions are mapped, in order with its frames).
+    /// batch whose regions are mapped, in order with its frames, unless it names a grant
+    /// token).
     TwoSided,
 }
 
@@ -52,13 +56,17 @@ pub enum Way {
 ///   process for the copy), and only on an unstriped session (a session that maps the
 ///   peer's memory opens one data connection, [`data_connections`]). Reads and the writes
 ///   it declines go to connection 0's writer, which copies them in order with its frames.
+/// * A batch that names a grant token goes over TCP only, whatever the offers: a one-sided
+///   way would copy without the peer seeing the token (nothing checked, no use recorded).
+///   Connection 0's writer does not copy it either ([`Way::TwoSided`]).
 /// * TCP takes the rest.
 pub fn ways(batch: Batch, offers: &[Offer]) -> impl Iterator<Item = Way> + '_ {
+    let one_sided = !batch.grant;
     let elsewhere = offers
         .iter()
         .enumerate()
-        .filter(|(_, o)| o.covers && !o.copies_in_caller);
-    let caller_copies = !batch.read && !batch.striped && batch.caller_may_copy;
+        .filter(move |(_, o)| one_sided && o.covers && !o.copies_in_caller);
+    let caller_copies = one_sided && !batch.read && !batch.striped && batch.caller_may_copy;
     let in_caller = offers
         .iter()
         .enumerate()

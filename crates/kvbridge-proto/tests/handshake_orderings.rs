@@ -686,6 +686,39 @@ fn both_sides_derive_the_same_data_key_after_the_proof() {
     assert_eq!(l.data_key(), Some(&k));
 }
 
+/// Both sides say they honour grant tokens, and each learns it of the other; a peer that
+/// predates them (the flag absent, so false) is known as one.
+#[test]
+fn grant_tokens_are_announced_both_ways() {
+    let now = Instant::now();
+    for peer_knows in [true, false] {
+        let mut init = Initiator::new(ident("p", 1, 0), STEP, now, [0; 32]);
+        let Some(Output::Send(Message::Hello(mut h))) = init.poll_output() else {
+            panic!("no Hello")
+        };
+        assert!(h.grant_tokens, "this build honours grant tokens");
+        h.grant_tokens = peer_knows;
+        let mut l = ListenerSession::accept(
+            h,
+            &ident("d", 2, 0),
+            SessionToken([0; 16]),
+            mem(2),
+            STEP,
+            now,
+            [0; 32],
+        );
+        assert_eq!(l.peer_grant_tokens(), peer_knows);
+        let Some(Output::Send(Message::Welcome(mut w))) = l.poll_output() else {
+            panic!("no Welcome")
+        };
+        assert!(w.grant_tokens);
+        assert!(!init.peer_grant_tokens(), "not known before the Welcome");
+        w.grant_tokens = peer_knows;
+        init.handle_message(Message::Welcome(w), now);
+        assert_eq!(init.peer_grant_tokens(), peer_knows);
+    }
+}
+
 #[test]
 fn version_mismatch_names_both_versions() {
     let now = Instant::now();
@@ -700,6 +733,7 @@ fn version_mismatch_names_both_versions() {
         data_proof: false,
         data_connections: 0,
         ucx: false,
+        grant_tokens: false,
     };
     let mut l = ListenerSession::accept(
         h,
@@ -780,6 +814,7 @@ fn any_message() -> impl Strategy<Value = Message> {
             data_proof: false,
             data_connections: 0,
             ucx: false,
+            grant_tokens: false,
         })),
         Just(Message::MemInfo(mem(5))),
         Just(Message::HostOffer(HostOffer::default())),
@@ -834,7 +869,8 @@ proptest! {
         let mut l = ListenerSession::accept(
             Hello { version: 1, peer_id: PeerId::new("p").unwrap(), incarnation: Incarnation(1),
                     compat: Compat { hash: 42, description: String::new() }, auth: None,
-                    unacked_notify: true, host_after_proof: true, data_proof: false, data_connections: 0, ucx: false },
+                    unacked_notify: true, host_after_proof: true, data_proof: false, data_connections: 0, ucx: false,
+                    grant_tokens: false },
             &ident("d", 2, 42), SessionToken([1; 16]), mem(2), STEP, t0, [0; 32]);
         let (mut io, mut lo) = (vec![], vec![]);
         let mut now = t0;

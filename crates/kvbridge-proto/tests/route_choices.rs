@@ -26,6 +26,7 @@ fn batch(read: bool, striped: bool, caller_may_copy: bool) -> Batch {
         read,
         striped,
         caller_may_copy,
+        grant: false,
     }
 }
 
@@ -33,7 +34,13 @@ const WRITE: Batch = Batch {
     read: false,
     striped: false,
     caller_may_copy: true,
+    grant: false,
 };
+
+/// A batch that names a grant token.
+fn granted(b: Batch) -> Batch {
+    Batch { grant: true, ..b }
+}
 
 use Way::{OneSided, TwoSided};
 
@@ -66,6 +73,10 @@ fn each_batch_tries_the_ways_the_table_says() {
             batch(true, false, true), &[SAME_HOST, FABRIC], &[OneSided(1), TwoSided]),
         ("two caller copies keep the session's order",
             WRITE, &[SAME_HOST, SAME_HOST], &[OneSided(0), OneSided(1), TwoSided]),
+        ("a write under a grant token, same host and UCX cover it: TCP, the peer checks it",
+            granted(WRITE), &[SAME_HOST, FABRIC], &[TwoSided]),
+        ("a read under a grant token, UCX covers it: TCP, the peer checks it",
+            granted(batch(true, false, true)), &[FABRIC], &[TwoSided]),
     ];
     for (case, b, offers, want) in table {
         let got: Vec<Way> = ways(*b, offers).collect();

@@ -9,7 +9,7 @@ use crate::config::ChannelConfig;
 use crate::core::Core;
 use crate::error::{Error, Result};
 use crate::events::{Notification, PeerEvent, Stats};
-use crate::grant::{Permission, RegionTable, WindowDrain, WindowId};
+use crate::grant::{Access, ClosedGrant, Permission, RegionTable, WindowDrain, WindowId};
 use crate::net::Listener;
 use crate::region::LocalSlice;
 use crate::region::Region;
@@ -18,7 +18,7 @@ use crate::tls::Tls;
 use kvbridge_proto::auth::{Keyring, Secret};
 use kvbridge_proto::handshake::{LocalIdentity, Step};
 use kvbridge_proto::msg::{OpDesc, RegionInfo};
-use kvbridge_proto::{Incarnation, PeerId, RegionId};
+use kvbridge_proto::{GrantToken, Incarnation, PeerId, RegionId};
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
@@ -105,12 +105,22 @@ impl PeerLink {
 
     /// [`Channel::write`] on this session.
     pub async fn write(&self, ops: &[Op]) -> Result<()> {
-        self.channel.write_on(&self.handle, ops).await
+        self.channel.write_on(&self.handle, ops, None).await
     }
 
     /// [`Channel::read`] on this session.
     pub async fn read(&self, ops: &[Op]) -> Result<()> {
-        self.channel.read_on(&self.handle, ops).await
+        self.channel.read_on(&self.handle, ops, None).await
+    }
+
+    /// [`Channel::write_with_grant`] on this session.
+    pub async fn write_with_grant(&self, token: GrantToken, ops: &[Op]) -> Result<()> {
+        self.channel.write_on(&self.handle, ops, Some(token)).await
+    }
+
+    /// [`Channel::read_with_grant`] on this session.
+    pub async fn read_with_grant(&self, token: GrantToken, ops: &[Op]) -> Result<()> {
+        self.channel.read_on(&self.handle, ops, Some(token)).await
     }
 
     /// [`Channel::notify`] on this session.
@@ -427,7 +437,8 @@ impl Channel {
 
     /// Opens `len` bytes at `offset` of a region registered with
     /// [`Permission::writes_in_windows`] to `peer`'s writes (crate::grant explains where
-    /// windows hold). Cheap: a table insert, no message to the peer.
+    /// windows hold). Cheap: a table insert, no message to the peer. The same as
+    /// [`Channel::open_peer_window`] with [`Access::WriteOnly`].
     pub fn open_window(
         &self,
         region: RegionId,
@@ -435,15 +446,71 @@ impl Channel {
         offset: u64,
         len: u64,
     ) -> Result<WindowId> {
-        self.inner.table.open_window(&region, peer, offset, len)
+        self.open_peer_window(region, peer, offset, len, Access::WriteOnly)
     }
 
-    /// Closes a window: no write of its peer passes it from now on. The returned
-    /// [`WindowDrain`] waits for the writes that passed it before and may still be landing;
-    /// give the bytes to anyone else only once it is drained. `None` when the window is not
-    /// open (closed before, or its region deregistered).
+    /// Opens `len` bytes at `offset` of a region whose grant confines reads
+    /// ([`Permission::reads_in_windows`]) and/or writes ([`Permission::writes_in_windows`])
+    /// to windows, to `peer`'s ops of `access` (`ReadOnly`: its reads, `WriteOnly`: its
+    /// writes, `ReadWrite`: both). Fails (`Error::Local`) when the region confines neither
+    /// direction `access` names, when the range is empty or outside the region, or when it
+    /// overlaps a window open to the same peer on that region.
+    pub fn open_peer_window(
+        &self,
+        region: RegionId,
+        peer: &PeerId,
+        offset: u64,
+        len: u64,
+        access: Access,
+    ) -> Result<WindowId> {
+        self.inner
+            .table
+            .open_peer_window(&region, peer, offset, len, access)
+    }
+
+    /// [`Channel::open_peer_window`] for whoever names `token` in a batch
+    /// ([`Channel::read_with_grant`]) rather than for one peer: for an owner that does not
+    /// know yet which peer will read a request's bytes (mint the token per request with
+    /// [`crate::new_grant_token`] and hand it over out of band). Any authenticated peer that
+    /// holds the token reaches the window until it closes; [`Channel::token_users`] says
+    /// which did. Refuses the all-zero token.
+    pub fn open_token_window(
+        &self,
+        region: RegionId,
+        token: &GrantToken,
+        offset: u64,
+        len: u64,
+        access: Access,
+    ) -> Result<WindowId> {
+        self.inner
+            .table
+            .open_token_window(&region, token, offset, len, access)
+    }
+
+    /// Closes a window: no op passes it from now on. The returned [`WindowDrain`] waits for
+    /// the ops that passed it before and may still be running (writes landing, read
+    /// responses being sent); give the bytes to anyone else only once it is drained. `None`
+    /// when the window is not open (closed before, or its region deregistered). Closing a
+    /// token's last window forgets its users.
     pub fn close_window(&self, id: WindowId) -> Option<WindowDrain> {
         self.inner.table.close_window(id)
+    }
+
+    /// Closes every window open to `token`, on every region, at once, and says who used it
+    /// ([`ClosedGrant::users`]: complete, since every op admitted before the close
+    /// recorded its peer first). `None` when no window of it is open.
+    pub fn close_token(&self, token: &GrantToken) -> Option<ClosedGrant> {
+        self.inner.table.close_token(token)
+    }
+
+    /// The peers whose batches naming `token` were admitted through its windows (at least
+    /// one op of the batch inside them, every op of it allowed), by their authenticated
+    /// session ids, in id order; empty when no window of the token is open. A peer is
+    /// recorded when its batch passed the grant checks, before any byte moved, so one whose
+    /// transfer then failed is listed too. For an application that takes a request's
+    /// "done" only from the peers that read under its grant.
+    pub fn token_users(&self, token: &GrantToken) -> Vec<PeerId> {
+        self.inner.table.token_users(token)
     }
 
     /// Removes a region. New transfers can no longer find it; this waits (within the op
@@ -630,10 +697,26 @@ impl Channel {
     /// has landed (or failed, with a typed error naming the peer and the step).
     pub async fn write(&self, peer: &PeerId, ops: &[Op]) -> Result<()> {
         let h = self.handle(peer).await?;
-        self.write_on(&h, ops).await
+        self.write_on(&h, ops, None).await
     }
 
-    async fn write_on(&self, h: &PeerHandle, ops: &[Op]) -> Result<()> {
+    /// [`Channel::write`] naming `token`: the peer admits an op on a region whose writes it
+    /// confines to windows when the op lies inside the windows open to that token (or to
+    /// us), and records us as a user of the token. Goes over TCP (only the peer can check
+    /// a token), also where shared memory or UCX reach the region. A peer whose build
+    /// predates grant tokens fails the call with [`Error::Incompatible`] before anything
+    /// is sent.
+    pub async fn write_with_grant(
+        &self,
+        peer: &PeerId,
+        token: GrantToken,
+        ops: &[Op],
+    ) -> Result<()> {
+        let h = self.handle(peer).await?;
+        self.write_on(&h, ops, Some(token)).await
+    }
+
+    async fn write_on(&self, h: &PeerHandle, ops: &[Op], grant: Option<GrantToken>) -> Result<()> {
         let (descs, sources, _) = self.prepare(h, ops, false)?;
         h.data
             .transfer(
@@ -641,6 +724,7 @@ impl Channel {
                 self.inner.config.deadlines.op,
                 descs,
                 sources,
+                grant,
             )
             .await
     }
@@ -648,10 +732,24 @@ impl Channel {
     /// Reads every op's remote bytes into the local regions; returns when all have landed.
     pub async fn read(&self, peer: &PeerId, ops: &[Op]) -> Result<()> {
         let h = self.handle(peer).await?;
-        self.read_on(&h, ops).await
+        self.read_on(&h, ops, None).await
     }
 
-    async fn read_on(&self, h: &PeerHandle, ops: &[Op]) -> Result<()> {
+    /// [`Channel::read`] naming `token` (see [`Channel::write_with_grant`]): reads of a
+    /// region whose reads the peer confines to windows
+    /// ([`Permission::reads_in_windows`]) are served when they lie inside the windows open
+    /// to that token (or to us).
+    pub async fn read_with_grant(
+        &self,
+        peer: &PeerId,
+        token: GrantToken,
+        ops: &[Op],
+    ) -> Result<()> {
+        let h = self.handle(peer).await?;
+        self.read_on(&h, ops, Some(token)).await
+    }
+
+    async fn read_on(&self, h: &PeerHandle, ops: &[Op], grant: Option<GrantToken>) -> Result<()> {
         let limit = self.inner.config.deadlines.op;
         // A local region being detached from shared memory is being copied: bytes read into
         // it now would be lost, so the batch waits for the copy to end.
@@ -676,6 +774,7 @@ impl Channel {
                 self.inner.config.deadlines.op,
                 descs,
                 dests,
+                grant,
             )
             .await
     }

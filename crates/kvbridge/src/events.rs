@@ -26,6 +26,10 @@ pub struct Stats {
     /// Peer batches refused because they would pass `Limits::max_bytes_in_flight_per_peer`
     /// (each ended its session).
     pub in_flight_refused: u64,
+    /// Peer batches refused with `AccessDenied`: an op in a direction its region's grant
+    /// does not give, or outside the windows open to the peer and to the grant token the
+    /// batch names (each ended its session; the first of each peer is logged at WARN).
+    pub access_denied: u64,
     /// Sessions that ended since the channel started.
     pub sessions_ended: u64,
     /// Handshakes refused because `max_concurrent_handshakes` were already under way (and

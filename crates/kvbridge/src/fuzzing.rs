@@ -2,7 +2,7 @@
 //! free to change with the code it exposes.
 
 use crate::config::Limits;
-use crate::datapath::{AbortHandle, DataPath};
+use crate::datapath::{AbortHandle, DataPath, PeerFeatures};
 use crate::grant::{Grant, RegionTable};
 use crate::region::Region;
 use crate::test_hooks::TestHooks;
@@ -49,7 +49,10 @@ pub fn validate_batch(
         1,
         Vec::new(),
         Default::default(),
-        true,
+        PeerFeatures {
+            unacked_notify: true,
+            grant_tokens: true,
+        },
     );
     let (notifications, _outlet) = crate::notify_queues::queues(crate::notify_queues::Caps {
         per_peer: 1,

@@ -65,10 +65,10 @@ pub use channel::{Channel, Op, PeerLink, QueuedNotify};
 pub use config::{ChannelConfig, Deadlines, Limits, Pem, TlsConfig, Transport};
 pub use error::{Error, Result};
 pub use events::{Notification, PeerEvent, Stats};
-pub use grant::{Access, Grant, Permission, WindowDrain, WindowId};
+pub use grant::{new_grant_token, Access, ClosedGrant, Grant, Permission, WindowDrain, WindowId};
 pub use kvbridge_proto as proto;
 pub use kvbridge_proto::handshake::Step;
-pub use kvbridge_proto::{Incarnation, PeerId, RegionId};
+pub use kvbridge_proto::{GrantToken, Incarnation, PeerId, RegionId};
 pub use region::{shared_huge_pages, Region};
 /// Tests' injected delays: public only with the `test-hooks` feature (see its docs).
 #[cfg(feature = "test-hooks")]

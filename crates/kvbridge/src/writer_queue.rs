@@ -28,17 +28,22 @@ use crate::fast_lane::{FastLane, WriterTurn};
 use crate::in_flight::Reservation;
 use crate::region::LocalSlice;
 use kvbridge_proto::msg::{OpDesc, Reject};
+use kvbridge_proto::GrantToken;
 
 /// What the writer task sends, in order.
 pub(crate) enum Outgoing {
+    /// A write batch (`grant`: the token it names; such a batch always goes on the wire).
     Write {
         id: u64,
         descs: Vec<OpDesc>,
         sources: Vec<LocalSlice>,
+        grant: Option<GrantToken>,
     },
+    /// A read batch (`grant` as for a write).
     Read {
         id: u64,
         descs: Vec<OpDesc>,
+        grant: Option<GrantToken>,
     },
     /// An encoded notification or acknowledgement, queued when it could not take the fast
     /// lane ([`WriterQueue::send_fast`]).

@@ -122,6 +122,7 @@ async fn peer_without_a_valid_proof_can_write_nothing() {
             offset: 0,
             len: 8,
         }],
+        grant: None,
     });
     let _ = data.write_all(&batch.to_frame().unwrap()).await;
     let _ = data.write_all(&[0xEE; 8]).await;
@@ -238,6 +239,7 @@ async fn hello_without_proof(dec: &kvbridge::Channel) -> (TcpStream, Welcome) {
             data_proof: true,
             data_connections: 0,
             ucx: false,
+            grant_tokens: false,
         })
         .to_frame()
         .unwrap(),
@@ -273,6 +275,7 @@ async fn intrude_as(
         data_proof: true,
         data_connections: 0,
         ucx: false,
+        grant_tokens: false,
     };
     tweak(&mut hello);
     send_frame(&mut ctl, &Message::Hello(hello)).await;
@@ -646,6 +649,7 @@ async fn an_observer_with_the_token_cannot_open_a_data_connection() {
                 offset: 0,
                 len: 8,
             }],
+            grant: None,
         });
         let _ = data.write_all(&batch.to_frame().unwrap()).await;
         let _ = data.write_all(&[0xEE; 8]).await;

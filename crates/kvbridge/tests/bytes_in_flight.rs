@@ -63,6 +63,7 @@ async fn raw_listener_session(l: &TcpListener, region: RegionId) -> (TcpStream, 
             host_after_proof: false,
             data_proof: false,
             ucx: false,
+            grant_tokens: false,
         }),
     )
     .await;
@@ -187,6 +188,7 @@ async fn a_peer_write_past_our_limit_is_refused_and_counted() {
             offset: 0,
             len: 3 * PAGE as u64,
         }],
+        grant: None,
     });
     send_frame(&mut data, &batch).await;
     let _ = data.write_all(&vec![0xAB; 3 * PAGE]).await;
@@ -234,6 +236,7 @@ async fn a_peer_that_piles_up_reads_it_does_not_take_is_refused_and_counted() {
                 offset,
                 len: READ as u64,
             }],
+            grant: None,
         });
         send_frame(&mut data, &read).await;
     }

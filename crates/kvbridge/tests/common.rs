@@ -379,6 +379,7 @@ pub async fn hello_saying(
             data_proof: false,
             data_connections: 0,
             ucx: false,
+            grant_tokens: false,
         }),
     )
     .await;

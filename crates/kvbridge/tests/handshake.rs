@@ -106,6 +106,7 @@ async fn thirty_two_initiators_are_not_blocked_by_a_stalled_peer() {
         data_proof: false,
         data_connections: 0,
         ucx: false,
+        grant_tokens: false,
     })
     .to_frame()
     .unwrap();

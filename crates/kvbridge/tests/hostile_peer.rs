@@ -33,9 +33,13 @@ async fn expect_rejected_batch(ops: Vec<OpDesc>, expected: ErrorCode) {
             ..bad
         })
         .collect();
-    let frame = Message::WriteBatch(Batch { id: 1, ops })
-        .to_frame()
-        .unwrap();
+    let frame = Message::WriteBatch(Batch {
+        id: 1,
+        ops,
+        grant: None,
+    })
+    .to_frame()
+    .unwrap();
     data.write_all(&frame).await.unwrap();
     let _ = data.write_all(&vec![0xAB; 2 * PAGE]).await;
     match recv_frame(&mut data).await {
@@ -151,6 +155,7 @@ async fn region_not_granted_to_the_peer_is_invisible() {
             offset: 0,
             len: 8,
         }],
+        grant: None,
     })
     .to_frame()
     .unwrap();
@@ -223,6 +228,7 @@ async fn stalled_peer_is_dropped(threads: bool, partial_frame: bool) {
             offset: 0,
             len: PAGE as u64,
         }],
+        grant: None,
     })
     .to_frame()
     .unwrap();
@@ -340,6 +346,7 @@ async fn unread_read_response_ends_the_session(threads: bool) {
             offset: 0,
             len: LEN as u64,
         }],
+        grant: None,
     });
     data.write_all(&batch.to_frame().unwrap()).await.unwrap();
     // Far more than the socket buffers hold; then nothing is read.
@@ -419,6 +426,7 @@ async fn a_first_frame_larger_than_a_hello_needs_is_refused() {
         data_proof: false,
         data_connections: 0,
         ucx: false,
+        grant_tokens: false,
     });
     send_frame(&mut s, &hello).await;
     match recv_frame(&mut s).await {
@@ -451,6 +459,7 @@ async fn stalled_hello_from(target: &str, source: &str, name: &str) -> TcpStream
             data_proof: false,
             data_connections: 0,
             ucx: false,
+            grant_tokens: false,
         }),
     )
     .await;

@@ -334,6 +334,7 @@ async fn correct_token_extra_connections_that_are_not_allowed_are_refused() {
                 offset: 0,
                 len: 4096,
             }],
+            grant: None,
         });
         let _ = s.write_all(&batch.to_frame().unwrap()).await;
         let _ = s.write_all(&[0xEE; 4096]).await;

@@ -73,6 +73,7 @@ async fn ucx_session(target: &str, name: &str) -> (TcpStream, TcpStream) {
             data_proof: false,
             data_connections: 0,
             ucx: true,
+            grant_tokens: false,
         }),
     )
     .await;
@@ -177,6 +178,7 @@ async fn raw_listener(l: &TcpListener, ucx: bool) -> (TcpStream, TcpStream) {
             host_after_proof: false,
             data_proof: false,
             ucx,
+            grant_tokens: false,
         }),
     )
     .await;

@@ -5,7 +5,10 @@
 //! never outlives the benchmark that started it). With `echo` it sends every notification
 //! back to its sender, except those of peers whose id starts with `flood`, which it takes
 //! and drops (`kvbridge bench notify-flood`), and the sink echoes what it reads (`kvbridge
-//! bench notify`).
+//! bench notify`). With `grant_windows` it also registers a second region of the same size
+//! and contents whose reads are confined to windows, opens one window per `grant_windows`
+//! bytes of it for a fresh grant token, and adds `<region id> <token hex>` to the line
+//! (`kvbridge bench grant`).
 
 use anyhow::{Context, Result};
 use kvbridge::{Channel, ChannelConfig, Grant, Region};
@@ -31,6 +34,8 @@ pub struct PeerOptions {
     /// Spend `work` asleep instead of busy: an application held up by something other
     /// than this host's CPU (a GPU, a lock).
     pub work_sleeps: bool,
+    /// Also a windowed region, one token window per this many bytes.
+    pub grant_windows: Option<usize>,
 }
 
 /// Runs the peer (the child side).
@@ -43,12 +48,17 @@ pub async fn run(opts: PeerOptions) -> Result<()> {
         echo,
         work,
         work_sleeps,
+        grant_windows,
     } = opts;
     let mut cfg = ChannelConfig::new("bench-listener", Some(&listen));
     cfg.hooks.listener_welcome_delay = welcome_delay;
     let ch = Channel::new(cfg).await?;
     let region = Region::alloc(region_bytes, page)?;
     ch.register(&region, Grant::AllPeers)?;
+    let granted = match grant_windows {
+        Some(w) => Some(windowed_twin(&ch, &region, w)?),
+        None => None,
+    };
     let sink = std::net::TcpListener::bind("127.0.0.1:0")?;
     let sink_addr = sink.local_addr()?;
     // The ceiling lands in memory of the same size and kind as the channel's region, so
@@ -68,8 +78,15 @@ pub async fn run(opts: PeerOptions) -> Result<()> {
     if echo {
         tokio::spawn(echo_notifications(ch.clone(), work, work_sleeps));
     }
+    let grant = granted
+        .as_ref()
+        .map(|(r, t)| {
+            let hex: String = t.to_bytes().iter().map(|b| format!("{b:02x}")).collect();
+            format!(" {} {hex}", r.id())
+        })
+        .unwrap_or_default();
     println!(
-        "READY {} {} {}",
+        "READY {} {} {}{grant}",
         ch.local_addr().context("no listen address")?,
         region.id(),
         sink_addr
@@ -86,6 +103,40 @@ pub async fn run(opts: PeerOptions) -> Result<()> {
     .await?;
     ch.close().await;
     Ok(())
+}
+
+/// Fills `region` with a pattern, registers a region of the same size and contents whose
+/// reads are confined to windows (otherwise granted as `region` is), and opens a window of
+/// every `window` bytes of it for one fresh grant token.
+fn windowed_twin(
+    ch: &Channel,
+    region: &Region,
+    window: usize,
+) -> Result<(Region, kvbridge::GrantToken)> {
+    anyhow::ensure!(
+        window > 0 && region.len().is_multiple_of(window),
+        "--grant-windows {window} must divide the region's {} bytes",
+        region.len()
+    );
+    let twin = Region::alloc(region.len(), region.page_size())?;
+    let pattern: Vec<u8> = (0..region.len()).map(|i| (i * 7 + 3) as u8).collect();
+    region.write_at(0, &pattern)?;
+    twin.write_at(0, &pattern)?;
+    ch.register(
+        &twin,
+        kvbridge::Permission::from(Grant::AllPeers).reads_in_windows(),
+    )?;
+    let token = kvbridge::new_grant_token();
+    for at in (0..region.len()).step_by(window) {
+        ch.open_token_window(
+            twin.id(),
+            &token,
+            at as u64,
+            window as u64,
+            kvbridge::Access::ReadOnly,
+        )?;
+    }
+    Ok((twin, token))
 }
 
 /// The ceiling's receiver: a plain socket read loop, block by block, cycling through a
@@ -193,6 +244,8 @@ pub struct PeerProcess {
     pub region: kvbridge::RegionId,
     /// The plain TCP sink's address.
     pub sink: String,
+    /// With `--grant-windows`: the windowed region and the token its windows are open to.
+    pub grant: Option<(kvbridge::RegionId, kvbridge::GrantToken)>,
 }
 
 impl PeerProcess {
@@ -221,6 +274,14 @@ impl PeerProcess {
         unset: &[&str],
     ) -> Result<Self> {
         Self::spawn(region_bytes, page, env, unset, &[])
+    }
+
+    /// A peer with a windowed twin of its region, one token window per `window` bytes
+    /// (`kvbridge bench grant`), over TCP only.
+    pub fn start_granting(region_bytes: usize, page: usize, window: usize) -> Result<Self> {
+        let tcp = [("KVBRIDGE_TRANSPORT", std::ffi::OsStr::new("tcp"))];
+        let w = window.to_string();
+        Self::spawn(region_bytes, page, &tcp, &[], &["--grant-windows", &w])
     }
 
     fn spawn(
@@ -256,22 +317,34 @@ impl PeerProcess {
         let line = String::from_utf8(line)?;
         let parts: Vec<&str> = line.split_whitespace().collect();
         anyhow::ensure!(
-            parts.len() == 4 && parts[0] == "READY",
+            (parts.len() == 4 || parts.len() == 6) && parts[0] == "READY",
             "benchmark peer said {line:?}"
         );
-        let hex = parts[2];
-        anyhow::ensure!(hex.len() == 32, "bad region id {hex}");
-        let mut id = [0u8; 16];
-        for (i, b) in id.iter_mut().enumerate() {
-            *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16)?;
-        }
+        let grant = match parts.get(4..6) {
+            Some([r, t]) => Some((
+                kvbridge::RegionId(hex16(r)?),
+                kvbridge::GrantToken::from_bytes(hex16(t)?),
+            )),
+            _ => None,
+        };
         Ok(Self {
             child,
             addr: parts[1].to_string(),
-            region: kvbridge::RegionId(id),
+            region: kvbridge::RegionId(hex16(parts[2])?),
             sink: parts[3].to_string(),
+            grant,
         })
     }
+}
+
+/// 16 bytes from 32 hex digits.
+fn hex16(hex: &str) -> Result<[u8; 16]> {
+    anyhow::ensure!(hex.len() == 32, "bad 16-byte hex {hex}");
+    let mut id = [0u8; 16];
+    for (i, b) in id.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16)?;
+    }
+    Ok(id)
 }
 
 impl Drop for PeerProcess {

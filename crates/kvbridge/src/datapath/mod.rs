@@ -29,7 +29,7 @@ use kvbridge_proto::handshake::Step;
 use kvbridge_proto::ids::Blob;
 use kvbridge_proto::msg::{Message, Notify, OpDesc};
 use kvbridge_proto::route::{self, Offer, Way};
-use kvbridge_proto::PeerId;
+use kvbridge_proto::{GrantToken, PeerId};
 use pending::{Pending, Waiting};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -39,6 +39,15 @@ use tokio::sync::oneshot;
 
 /// A session's one-sided backends, in the order it got them.
 type Backends = Arc<[Arc<dyn OneSided>]>;
+
+/// What the peer said it honours, in its `Hello` or `Welcome`.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct PeerFeatures {
+    /// Unacknowledged notifications ([`DataPath::notify_posted`]).
+    pub(crate) unacked_notify: bool,
+    /// Batches that name a grant token (`Batch::grant`).
+    pub(crate) grant_tokens: bool,
+}
 
 /// Shared by the session, its data tasks and the callers of write/read/notify.
 pub(crate) struct DataPath {
@@ -65,8 +74,8 @@ pub(crate) struct DataPath {
     /// (a mapping, cross-memory attach, a fabric's endpoint); replaced whole when the session
     /// adds one, so a batch works on the set it read.
     one_sided: RwLock<Backends>,
-    /// The peer honours unacknowledged notifications ([`DataPath::notify_posted`]).
-    peer_unacked_notify: bool,
+    /// What the peer honours.
+    features: PeerFeatures,
 }
 
 impl DataPath {
@@ -102,7 +111,7 @@ impl DataPath {
     /// A data path over `connections` (at least 1) connections; returns the writer queue of
     /// each, connection 0 first. `one_sided`: the backends that reach some of the peer's
     /// regions from the start, if any; `frames_fast_lane`: the channel's count of frames that
-    /// skipped a writer; `peer_unacked_notify`: the peer honours unacknowledged notifications.
+    /// skipped a writer; `features`: what the peer honours.
     pub(crate) fn new(
         peer: PeerId,
         abort: AbortHandle,
@@ -110,7 +119,7 @@ impl DataPath {
         connections: usize,
         one_sided: Vec<Arc<dyn OneSided>>,
         frames_fast_lane: Arc<AtomicU64>,
-        peer_unacked_notify: bool,
+        features: PeerFeatures,
     ) -> (Arc<Self>, Vec<WriterRx>) {
         let (out, rx) = writer_queue::channel(frames_fast_lane.clone());
         let mut rxs = vec![rx];
@@ -132,7 +141,7 @@ impl DataPath {
                 abort,
                 incoming: InFlight::new(max_in_flight),
                 one_sided: RwLock::new(one_sided.into()),
-                peer_unacked_notify,
+                features,
             }),
             rxs,
         )
@@ -180,20 +189,33 @@ impl DataPath {
     }
 
     /// Runs a write (`Dir::Write`, `locals` are the sources) or a read (`locals` are the
-    /// destinations) under `deadline`: on the first of the session's one-sided backends
-    /// that takes it, in the order `kvbridge_proto::route::ways` gives, else over the data
-    /// connections ([`DataPath::over_tcp`]).
+    /// destinations) under `deadline`, naming `grant` to the peer if set: on the first of
+    /// the session's one-sided backends that takes it, in the order
+    /// `kvbridge_proto::route::ways` gives, else over the data connections
+    /// ([`DataPath::over_tcp`]). A batch that names a token to a peer that does not honour
+    /// tokens fails with `Incompatible` before anything is sent.
     pub(crate) async fn transfer(
         &self,
         dir: Dir,
         deadline: Duration,
         descs: Vec<OpDesc>,
         locals: Vec<LocalSlice>,
+        grant: Option<GrantToken>,
     ) -> Result<()> {
         let step = match dir {
             Dir::Write => Step::Write,
             Dir::Read => Step::Read,
         };
+        if grant.is_some() && !self.features.grant_tokens {
+            return Err(Error::Incompatible {
+                peer: self.peer.to_string(),
+                step,
+                ours: "a batch that names a grant token".into(),
+                theirs: "a build that predates grant tokens (its Hello or Welcome did not say \
+                         grant_tokens): name no token to it, or upgrade it"
+                    .into(),
+            });
+        }
         let bytes: u64 = descs.iter().map(|d| d.len).sum();
         let backends: Backends = self.one_sided.read().expect("backends poisoned").clone();
         if !backends.is_empty() {
@@ -202,6 +224,7 @@ impl DataPath {
                 read: dir == Dir::Read,
                 striped: !self.stripes.is_empty(),
                 caller_may_copy: offers.iter().any(|o| o.copies_in_caller) && multi_thread(),
+                grant: grant.is_some(),
             };
             for way in route::ways(batch, &offers) {
                 let Way::OneSided(i) = way else { break };
@@ -213,7 +236,7 @@ impl DataPath {
                 }
             }
         }
-        self.over_tcp(step, dir, deadline, bytes, descs, locals)
+        self.over_tcp(step, dir, deadline, bytes, (descs, locals), grant)
             .await
     }
 
@@ -274,20 +297,21 @@ impl DataPath {
         }
     }
 
-    /// Runs a batch over the data connections, split by bytes over them when it is large
-    /// enough ([`DataPath::striped`]).
+    /// Runs a batch (its op headers and local ranges) over the data connections, split by
+    /// bytes over them when it is large enough ([`DataPath::striped`]), each part naming
+    /// `grant`.
     async fn over_tcp(
         &self,
         step: Step,
         dir: Dir,
         deadline: Duration,
         bytes: u64,
-        descs: Vec<OpDesc>,
-        locals: Vec<LocalSlice>,
+        (descs, locals): (Vec<OpDesc>, Vec<LocalSlice>),
+        grant: Option<GrantToken>,
     ) -> Result<()> {
         if !self.stripes.is_empty() {
             return self
-                .striped(step, dir, deadline, bytes, descs, locals)
+                .striped(step, dir, deadline, bytes, (descs, locals), grant)
                 .await;
         }
         match dir {
@@ -297,6 +321,7 @@ impl DataPath {
                         id,
                         descs,
                         sources: locals,
+                        grant,
                     }
                 })
                 .await
@@ -307,7 +332,7 @@ impl DataPath {
                     deadline,
                     bytes,
                     DataPath::read_waiting(locals),
-                    |id| Outgoing::Read { id, descs },
+                    |id| Outgoing::Read { id, descs, grant },
                 )
                 .await
             }
@@ -323,8 +348,8 @@ impl DataPath {
         dir: Dir,
         deadline: Duration,
         bytes: u64,
-        descs: Vec<OpDesc>,
-        locals: Vec<LocalSlice>,
+        (descs, locals): (Vec<OpDesc>, Vec<LocalSlice>),
+        grant: Option<GrantToken>,
     ) -> Result<()> {
         let until = tokio::time::Instant::now() + deadline;
         // Room for the whole batch under the per-peer limit first, as for one connection;
@@ -358,9 +383,13 @@ impl DataPath {
                         id,
                         descs,
                         sources: locals,
+                        grant,
                     },
                 ),
-                Dir::Read => (Waiting::Read(locals, tx), Outgoing::Read { id, descs }),
+                Dir::Read => (
+                    Waiting::Read(locals, tx),
+                    Outgoing::Read { id, descs, grant },
+                ),
             };
             entries.push((id, w, part_bytes, part_room));
             rxs.push(rx);
@@ -540,7 +569,7 @@ impl DataPath {
     /// with few cores, a chunk's `Written` note and its acknowledgement cost tens of
     /// microseconds of the cores that copy the next chunk.
     pub(crate) async fn notify_posted(&self, deadline: Duration, data: Vec<u8>) -> Result<()> {
-        if !self.peer_unacked_notify {
+        if !self.features.unacked_notify {
             // The entry is completed by the acknowledgement, or drained with the session.
             drop(self.notify(deadline, data).await?);
             return Ok(());

@@ -9,7 +9,7 @@
 use crate::cmd::{CoreCmd, PeerHandle, SessionCmd};
 use crate::config::ChannelConfig;
 use crate::config::Transport;
-use crate::datapath::{AbortHandle, DataPath};
+use crate::datapath::{AbortHandle, DataPath, PeerFeatures};
 use crate::error::{Error, Result};
 use crate::grant::RegionTable;
 use crate::net::{ReadHalf, Stream, WriteHalf};
@@ -1177,7 +1177,13 @@ impl Session {
             streams.len(),
             one_sided,
             self.env.frames_fast_lane.clone(),
-            self.peer_unacked_notify,
+            PeerFeatures {
+                unacked_notify: self.peer_unacked_notify,
+                grant_tokens: match &self.machine {
+                    Machine::Listen(m) => m.peer_grant_tokens(),
+                    Machine::Init(m) => m.peer_grant_tokens(),
+                },
+            },
         );
         let mut conns = Vec::with_capacity(streams.len());
         for (i, (s, rx)) in streams.into_iter().zip(rxs).enumerate() {

@@ -93,13 +93,20 @@ impl OneSided for Loopback {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::datapath::{AbortHandle, DataPath};
+    use crate::datapath::{AbortHandle, DataPath, PeerFeatures};
     use crate::region::LocalSlice;
     use kvbridge_proto::PeerId;
     use std::sync::Arc;
     use std::time::Duration;
 
     fn path() -> Arc<DataPath> {
+        path_to(PeerFeatures {
+            unacked_notify: true,
+            grant_tokens: true,
+        })
+    }
+
+    fn path_to(features: PeerFeatures) -> Arc<DataPath> {
         let (path, _rxs) = DataPath::new(
             PeerId::new("loopback-peer").unwrap(),
             AbortHandle::new(|_| {}),
@@ -107,7 +114,7 @@ mod tests {
             1,
             Vec::new(),
             Arc::new(AtomicU64::new(0)),
-            true,
+            features,
         );
         path
     }
@@ -148,6 +155,7 @@ mod tests {
             deadline,
             vec![desc(&remote, 4096, 8192)],
             vec![slice(&local, 0, 8192)],
+            None,
         )
         .await
         .expect("written over the loopback backend");
@@ -161,6 +169,7 @@ mod tests {
             deadline,
             vec![desc(&remote, 0, 4096)],
             vec![slice(&local, 16384, 4096)],
+            None,
         )
         .await
         .expect("read over the loopback backend");
@@ -176,10 +185,57 @@ mod tests {
                 Duration::from_millis(200),
                 vec![desc(&elsewhere, 0, 4096)],
                 vec![slice(&local, 0, 4096)],
+                None,
             )
             .await;
         assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
         assert_eq!(lo.batches.load(Ordering::Relaxed), 2);
+    }
+
+    /// A batch that names a grant token never goes through a one-sided backend, even one
+    /// that reaches its region: only the peer can check it (here it goes to TCP, where no
+    /// writer serves this path); to a peer that does not honour tokens it fails typed
+    /// before anything is sent.
+    #[tokio::test]
+    async fn a_batch_under_a_grant_token_skips_one_sided_backends() {
+        let local = Region::alloc(8192, 4096).unwrap();
+        let remote = Region::alloc(8192, 4096).unwrap();
+        let token = Some(crate::grant::new_grant_token());
+        let path = path();
+        let lo = Arc::new(Loopback::new([remote.clone()]));
+        path.add_one_sided(lo.clone());
+        let r = path
+            .transfer(
+                Dir::Read,
+                Duration::from_millis(200),
+                vec![desc(&remote, 0, 4096)],
+                vec![slice(&local, 0, 4096)],
+                token,
+            )
+            .await;
+        assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
+        assert_eq!(lo.batches.load(Ordering::Relaxed), 0, "went one-sided");
+        let old = path_to(PeerFeatures {
+            unacked_notify: true,
+            grant_tokens: false,
+        });
+        let r = old
+            .transfer(
+                Dir::Write,
+                Duration::from_secs(5),
+                vec![desc(&remote, 0, 4096)],
+                vec![slice(&local, 0, 4096)],
+                token,
+            )
+            .await;
+        match r {
+            Err(Error::Incompatible { peer, theirs, .. }) => {
+                assert_eq!(peer, "loopback-peer");
+                assert!(theirs.contains("grant_tokens"), "{theirs}");
+            }
+            r => panic!("expected Incompatible, got {r:?}"),
+        }
+        assert_eq!(old.in_flight(), 0);
     }
 
     /// A range outside the peer's region moves nothing and fails naming the peer.
@@ -196,6 +252,7 @@ mod tests {
                 Duration::from_secs(5),
                 vec![desc(&remote, 0, 2048), desc(&remote, 2048, 4096)],
                 vec![slice(&local, 0, 2048), slice(&local, 2048, 4096)],
+                None,
             )
             .await;
         match r {

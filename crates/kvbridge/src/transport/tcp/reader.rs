@@ -271,8 +271,10 @@ impl ReaderCtx {
     }
 
     /// Validates a peer's batch against our regions: every op in a region granted to the
-    /// peer and inside it, the batch within limits. Returns the ranges, marked in use
-    /// (`writes`: the batch writes into them).
+    /// peer, in that direction, inside it and inside the windows open to the peer or to the
+    /// grant token the batch names where the region confines that direction; the batch
+    /// within limits. Returns the ranges, marked in use (`writes`: the batch writes into
+    /// them) and counted in the windows they pass.
     pub(crate) fn resolve(
         &self,
         b: &Batch,
@@ -301,36 +303,25 @@ impl ReaderCtx {
                 ))
             }
         }
-        let mut out = Vec::with_capacity(b.ops.len());
-        for (i, op) in b.ops.iter().enumerate() {
-            let region = match self
-                .table
-                .use_for(&self.peer, &op.region, op.offset, op.len, writes)
-            {
-                Ok(r) => r,
-                Err(denied) => {
-                    return Err(reject(denied.code(), denied.message(i, &op.region, writes)))
+        let uses = self
+            .table
+            .admit(&self.peer, b.grant.as_ref(), &b.ops, writes)
+            .map_err(|(i, denied)| {
+                let message = denied.message(i, &b.ops[i], writes);
+                if denied.code() == ErrorCode::AccessDenied {
+                    self.table.note_denied(&self.peer, &message);
                 }
-            };
-            if !region.region().contains(op.offset, op.len) {
-                return Err(reject(
-                    ErrorCode::OutOfBounds,
-                    format!(
-                        "op {i}: {} bytes at offset {} outside region {} of {} bytes",
-                        op.len,
-                        op.offset,
-                        op.region,
-                        region.region().len()
-                    ),
-                ));
-            }
-            out.push(LocalSlice {
+                reject(denied.code(), message)
+            })?;
+        Ok(b.ops
+            .iter()
+            .zip(uses)
+            .map(|(op, region)| LocalSlice {
                 region,
                 offset: op.offset as usize,
                 len: op.len as usize,
-            });
-        }
-        Ok(out)
+            })
+            .collect())
     }
 
     /// [`ReaderCtx::resolve`] for a write batch. While one of its regions is being detached

@@ -100,15 +100,27 @@ pub(crate) async fn run_writer(
             .map_err(|e| lost(Step::Notify, e))?;
         }
         match o {
-            Outgoing::Write { id, descs, sources } => {
+            Outgoing::Write {
+                id,
+                descs,
+                sources,
+                grant,
+            } => {
+                // A batch that names a grant token goes on the wire, where the peer checks
+                // it against the token's windows (`kvbridge_proto::route::ways`).
+                let here = here.as_deref().filter(|_| grant.is_none());
                 let Some((descs, sources)) =
-                    try_run_here(&pending, here.as_deref(), Dir::Write, id, descs, sources)
+                    try_run_here(&pending, here, Dir::Write, id, descs, sources)
                 else {
                     continue;
                 };
-                let mut frame = Message::WriteBatch(Batch { id, ops: descs })
-                    .to_frame()
-                    .map_err(|e| Error::Local(e.to_string()))?;
+                let mut frame = Message::WriteBatch(Batch {
+                    id,
+                    ops: descs,
+                    grant,
+                })
+                .to_frame()
+                .map_err(|e| Error::Local(e.to_string()))?;
                 let mut slices = Vec::with_capacity(sources.len() + 1);
                 slices.push(PeerRange::owned(&mut frame));
                 slices.extend(sources.iter().map(LocalSlice::as_range));
@@ -116,18 +128,21 @@ pub(crate) async fn run_writer(
                     .await
                     .map_err(|e| lost(Step::Write, e))?;
             }
-            Outgoing::Read { id, descs } => {
+            Outgoing::Read { id, descs, grant } => {
+                let here = here.as_deref().filter(|_| grant.is_none());
                 let Some((descs, _)) =
-                    try_run_here(&pending, here.as_deref(), Dir::Read, id, descs, Vec::new())
+                    try_run_here(&pending, here, Dir::Read, id, descs, Vec::new())
                 else {
                     continue;
                 };
-                within(
-                    limit,
-                    write_msg(&mut w, &Message::ReadBatch(Batch { id, ops: descs })),
-                )
-                .await
-                .map_err(|e| lost(Step::Read, e))?;
+                let batch = Batch {
+                    id,
+                    ops: descs,
+                    grant,
+                };
+                within(limit, write_msg(&mut w, &Message::ReadBatch(batch)))
+                    .await
+                    .map_err(|e| lost(Step::Read, e))?;
             }
             Outgoing::Frame(f) => within(limit, async {
                 w.write_all(&f).await?;
