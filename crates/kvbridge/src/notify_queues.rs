@@ -12,15 +12,15 @@
 //!
 //! **A peer over its share is paused, not refused.** When there is no room, the reader waits
 //! (the `op` deadline, as for a payload) and reads nothing more of that data connection
-//! meanwhile, so TCP flow control pushes back on that peer alone. A reader that found its
-//! own peer's queue full goes on once the application has taken that queue down to half
-//! (not at the first notification taken): a flood then costs the receiver one wake-up of
-//! its reader per half a queue, not one per notification. Refusing would end the
+//! meanwhile, so TCP flow control pushes back on that peer alone. Refusing would end the
 //! session of an honest peer whose burst (a PD sender posts one note per chunk) met an
 //! application that had not caught up yet, and its posted notes would be lost with it;
 //! pausing costs nothing while the application keeps receiving. Only a notification that
 //! found no room within the deadline ends its session, typed (`Timeout` at step `Notify`,
 //! counted in [`Snapshot::timeouts`]), so the peer learns of it; none is dropped silently.
+//! A reader that found its own peer's queue full goes on once the application has taken
+//! that queue down to half, not at the first notification taken: a flood then costs the
+//! receiving host one wake-up of its reader per half a queue, not one per notification.
 //!
 //! **Freed room goes to the peer that holds least.** When several readers wait, the room a
 //! receive frees goes first to the waiting peer with the fewest bytes queued (then the one
