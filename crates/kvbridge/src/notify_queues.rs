@@ -18,6 +18,9 @@
 //! pausing costs nothing while the application keeps receiving. Only a notification that
 //! found no room within the deadline ends its session, typed (`Timeout` at step `Notify`,
 //! counted in [`Snapshot::timeouts`]), so the peer learns of it; none is dropped silently.
+//! A reader that found its own peer's queue full goes on once the application has taken
+//! that queue down to half, not at the first notification taken: a flood then costs the
+//! receiving host one wake-up of its reader per half a queue, not one per notification.
 //!
 //! **Freed room goes to the peer that holds least.** When several readers wait, the room a
 //! receive frees goes first to the waiting peer with the fewest bytes queued (then the one
@@ -80,6 +83,8 @@ struct Waiter {
     len: u64,
     /// Room was set aside for it; it fills it once it wakes.
     granted: bool,
+    /// It found its own peer's queue full: it waits until that queue is down to half.
+    own_full: bool,
 }
 
 #[derive(Default)]
@@ -143,7 +148,8 @@ impl State {
     }
 
     /// Waiters that are not granted yet, each peer's earliest only, whose own queue has
-    /// room for them: they wait for the total alone.
+    /// room for them (down to half, for one that found it full): they wait for the total
+    /// alone.
     fn contenders<'a>(&'a self, caps: &'a Caps) -> impl Iterator<Item = &'a Waiter> + 'a {
         self.waiters.iter().enumerate().filter_map(move |(i, w)| {
             let earlier_of_peer = self.waiters[..i]
@@ -151,7 +157,9 @@ impl State {
                 .any(|e| !e.granted && e.peer == w.peer);
             let (count, bytes) = self.held_by(&w.peer);
             let own_room = count < caps.per_peer && bytes + w.len <= caps.per_peer_bytes;
-            (!w.granted && !earlier_of_peer && own_room).then_some(w)
+            let drained =
+                !w.own_full || (count <= caps.per_peer / 2 && bytes <= caps.per_peer_bytes / 2);
+            (!w.granted && !earlier_of_peer && own_room && drained).then_some(w)
         })
     }
 
@@ -350,7 +358,8 @@ impl Inlet {
             if s.output_closed {
                 return Admission::Gone;
             }
-            if s.verdict(&q.caps, peer, len) == Verdict::Fits {
+            let verdict = s.verdict(&q.caps, peer, len);
+            if verdict == Verdict::Fits {
                 s.reserve(peer, len);
                 return Admission::Room(self.room_of(peer, len));
             }
@@ -362,6 +371,7 @@ impl Inlet {
                 peer: peer.clone(),
                 len,
                 granted: false,
+                own_full: verdict == Verdict::PeerFull,
             });
             ticket
         };
@@ -607,6 +617,29 @@ mod tests {
         honest.await.unwrap();
         f1.abort();
         f2.abort();
+    }
+
+    /// A flood's reader that found its queue full is woken once the application took half
+    /// of it, not at every notification taken.
+    #[tokio::test]
+    async fn a_reader_that_found_its_queue_full_goes_on_once_it_is_down_to_half() {
+        let (inlet, outlet) = queues(CAPS);
+        let flood = reader(&inlet, (0..12).map(|i| note("flood", i, 10)).collect());
+        settle().await;
+        for taken in 0..4 {
+            let s = inlet.snapshot();
+            assert_eq!((s.queued, s.paused, s.pauses), (8 - taken, 1, 1), "{s:?}");
+            assert!(outlet.try_take().is_some());
+            settle().await;
+        }
+        // Down to 4 of 8: it went on, and queued its last four without pausing again.
+        let s = inlet.snapshot();
+        assert_eq!((s.queued, s.paused, s.pauses), (8, 0, 1), "{s:?}");
+        flood.await.unwrap();
+        let order: Vec<u8> = std::iter::from_fn(|| outlet.try_take())
+            .map(|n| n.data[0])
+            .collect();
+        assert_eq!(order, (4..12).collect::<Vec<u8>>());
     }
 
     #[tokio::test(start_paused = true)]

@@ -14,9 +14,9 @@ use std::time::{Duration, Instant};
 
 const SECRET: &str = "the-cluster-secret-both-peers-hold";
 const FLOOD_NOTE: usize = 64 << 10;
-const PER_PEER_BYTES: u64 = 1 << 20;
-/// Flood notes that fill one peer's queue.
-const FLOOD_QUEUED: usize = (PER_PEER_BYTES / FLOOD_NOTE as u64) as usize;
+const CAP: u64 = 1 << 20;
+/// Flood notes that fill the smaller of the two caps.
+const FLOOD_QUEUED: usize = (CAP / FLOOD_NOTE as u64) as usize;
 const HONEST_NOTES: usize = 5;
 
 fn secret() -> Option<Secret> {
@@ -43,16 +43,17 @@ async fn recv(ch: &Channel) -> kvbridge::Notification {
         .expect("the channel closed")
 }
 
-/// `total`: the channel's cap on queued bytes; at `PER_PEER_BYTES` the flood alone fills it
-/// and the honest peer must be given the first room a receive frees, above it the flood
-/// fills only its own queue.
-async fn a_flood_leaves_the_honest_peer_its_turns(total: u64) {
+/// `per_peer` and `total`: the channel's caps on one peer's and on all queued bytes. With
+/// the total the smaller, the flood alone fills it and waits for room in it beside the
+/// honest peer, which must be given the first room a receive frees; with the peer's cap the
+/// smaller, the flood fills only its own queue.
+async fn a_flood_leaves_the_honest_peer_its_turns(per_peer: u64, total: u64) {
     let (dec, _kv) = listener(
         "decode-0",
         |c| {
             c.secret = secret();
             c.limits.max_notify_len = FLOOD_NOTE;
-            c.limits.max_notify_bytes_per_peer = PER_PEER_BYTES;
+            c.limits.max_notify_bytes_per_peer = per_peer;
             c.limits.max_notify_bytes_queued = total;
         },
         4096,
@@ -89,10 +90,10 @@ async fn a_flood_leaves_the_honest_peer_its_turns(total: u64) {
         sent.push(honest_link.notify_queued(&[i as u8; 10]).await.unwrap());
     }
     let mut taken = 0;
-    if total == PER_PEER_BYTES {
+    if total < per_peer {
         // No room left at all: the honest reader waits too. One receive frees room, and it
-        // goes to the honest peer (it holds nothing, the flood all it may), which fits all
-        // five of its notes into it where the flood's next does not fit.
+        // goes to the honest peer (it holds nothing, the flood the whole total), which fits
+        // all five of its notes into it where the flood's next does not fit.
         until_stats(&dec, "the honest peer waited for room", |s| {
             s.notify_paused == 2
         })
@@ -140,12 +141,12 @@ async fn a_flood_leaves_the_honest_peer_its_turns(total: u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flood_that_fills_the_channel_leaves_the_honest_peer_its_turns() {
-    a_flood_leaves_the_honest_peer_its_turns(PER_PEER_BYTES).await
+    a_flood_leaves_the_honest_peer_its_turns(2 * CAP, CAP).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flood_that_fills_its_own_queue_leaves_the_honest_peer_its_turns() {
-    a_flood_leaves_the_honest_peer_its_turns(2 * PER_PEER_BYTES).await
+    a_flood_leaves_the_honest_peer_its_turns(CAP, 2 * CAP).await
 }
 
 /// The bounds are checked when the channel is made: a notification of the largest size must
