@@ -530,13 +530,14 @@ async fn stalled_hellos_from_four_hosts_do_not_lock_out_a_fifth() {
     for host in 2..=5 {
         for i in 0..2 {
             let source = format!("127.0.0.{host}");
-            stalled.push(stalled_hello_from(&a, &source, &format!("flood-{host}-{i}")).await);
-        }
-    }
-    for s in &mut stalled {
-        match recv_frame(s).await {
-            Some(Message::Welcome(_)) => {}
-            m => panic!("a stalled Hello within the quotas was not welcomed: {m:?}"),
+            let mut s = stalled_hello_from(&a, &source, &format!("flood-{host}-{i}")).await;
+            // Each Hello is read on its own task: waiting for its Welcome before the next
+            // is sent makes the listener's "oldest" the order they were sent in.
+            match recv_frame(&mut s).await {
+                Some(Message::Welcome(_)) => {}
+                m => panic!("a stalled Hello within the quotas was not welcomed: {m:?}"),
+            }
+            stalled.push(s);
         }
     }
     let s = dec.stats().await.unwrap();
