@@ -52,6 +52,10 @@ SERIES = {
         "Prefiller requests left out of the lease table (every slot of their group held): their "
         "decoders' loads fail at their deadline.",
     ),
+    "lease_reads_stalled": (
+        "vllm:kvbridge_lease_reads_stalled",
+        "Lease table reads a decoder gave up after kvbridge's stall limit (2 s) and issued again.",
+    ),
     "notices_failed": ("vllm:kvbridge_notices_failed", "Read-done notices a decoder could not deliver."),
     "notices_refused": (
         "vllm:kvbridge_notices_refused",

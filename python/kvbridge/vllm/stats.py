@@ -31,6 +31,7 @@ COUNTERS = (
     "blocks_freed_on_notify",
     "leases_expired",
     "leases_unmarked",
+    "lease_reads_stalled",
     "notices_failed",
     "notices_refused",
     "saves_failed",

@@ -48,6 +48,13 @@ PROTOCOL = "kvbridge-vllm/3"
 MAX_PLANNERS = 64
 #: Decoder loads run here, off vLLM's step, so a slow peer never stalls a forward pass.
 LOAD_THREADS = 4
+#: A lease table read (128 bytes) that has not answered within this is given up and issued
+#: again into another slot, until the load's deadline; each is counted and logged with the
+#: channel's counters. Such a read answers in well under a millisecond; one that did not
+#: answer in 20 s failed a CI run, cause not found.
+LEASE_READ_STALL_S = 2.0
+#: Lease slots: one per load thread, and spares for the slots of reads given up.
+LEASE_SLOTS = 4 * LOAD_THREADS
 #: A load that took longer is slow: counted (``slow_loads``) and logged as a warning with
 #: the time of each of its steps.
 SLOW_LOAD_S = 1.0
@@ -73,6 +80,27 @@ IDLE_SLICE_S = 0.001
 
 class LayoutError(ValueError):
     """The KV cache's memory layout cannot be moved page-per-block (names the layer)."""
+
+
+class _LeaseReadStalled(Exception):
+    """A lease table read had no answer in time and was given up (``reads``: reads issued)."""
+
+    def __init__(self, reads: int):
+        super().__init__(reads)
+        self.reads = reads
+
+
+def _log_channel_counters(ch: kvbridge.Channel, when: str) -> None:
+    """Logs the channel's counters from a thread of its own: a channel whose runtime is stuck
+    would hold the caller."""
+
+    def run() -> None:
+        try:
+            log.warning("kvbridge: channel counters %s: %s", when, ch.stats())
+        except Exception as e:
+            log.warning("kvbridge: channel counters %s: unavailable (%s)", when, e)
+
+    threading.Thread(target=run, name="kvbridge-counters", daemon=True).start()
 
 
 class LoadError(RuntimeError):
@@ -184,12 +212,13 @@ class KvbridgeWorker:
         self._directory_region: int | None = None
         # prefiller: which finished requests it holds, for decoders to check after a read
         self._lease_table = LeaseTable()
-        # decoder: where each load thread reads a lease table page: one slot per thread of
-        # one region registered with the KV cache (a load never registers memory)
-        self._lease_pages = bytearray(LOAD_THREADS * LEASE_PAGE_BYTES)
+        # decoder: where a load reads a lease table page: slots of one region registered
+        # with the KV cache (a load never registers memory); a slot whose read was given up
+        # is never used again (its answer may still land)
+        self._lease_pages = bytearray(LEASE_SLOTS * LEASE_PAGE_BYTES)
         self._lease_pages_region: int | None = None
         self._lease_slots: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for slot in range(LOAD_THREADS):
+        for slot in range(LEASE_SLOTS):
             self._lease_slots.put(slot)
         # prefiller address -> its session and directory; the lock guards the dict only
         self._prefillers: dict[str, _Prefiller] = {}
@@ -692,18 +721,41 @@ class KvbridgeWorker:
         reads of the table it took."""
         ch = self.channel
         assert ch is not None and self._lease_pages_region is not None
-        try:
-            # as many slots as load threads: one is free unless a caller outside the pool
-            # loads too
-            slot = self._lease_slots.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            raise LoadError(f"no lease page free by the deadline for {job.remote_request_id}", "timeout") from None
-        try:
-            return self._read_lease(ch, slot, peer, job, addr, deadline)
-        finally:
-            self._lease_slots.put(slot)
+        reads = 0
+        while True:
+            try:
+                slot = self._lease_slots.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise LoadError(f"no lease page free by the deadline for {job.remote_request_id}", "timeout") from None
+            try:
+                done = self._read_lease(ch, slot, peer, job, addr, deadline)
+            except _LeaseReadStalled as stalled:
+                # the slot is not put back: the given-up read's answer may still land there
+                reads += stalled.reads
+            except BaseException:
+                self._lease_slots.put(slot)
+                raise
+            else:
+                self._lease_slots.put(slot)
+                return reads + done
+            self.stats["lease_reads_stalled"] += 1
+            req = job.remote_request_id
+            if time.monotonic() >= deadline:
+                raise LoadError(
+                    f"reading the lease of request {req} from prefiller {peer.peer_id} ({addr}): "
+                    f"deadline kvbridge_read_timeout_s={self.settings.read_timeout_s} passed",
+                    "timeout",
+                )
+            log.warning(
+                "kvbridge: lease read of request %s from prefiller %s (%s) had no answer in %.1f s; issued "
+                "again (%d lease slots left)", req, peer.peer_id, addr, LEASE_READ_STALL_S, self._lease_slots.qsize(),
+            )
+            _log_channel_counters(ch, f"after a stalled lease read from {peer.peer_id}")
 
     def _read_lease(self, ch: kvbridge.Channel, slot: int, peer: Peer, job: RecvJob, addr: str, deadline: float) -> int:
+        """Reads the request's lease into ``slot`` until it is marked; raises
+        ``_LeaseReadStalled`` when a read has no answer within ``LEASE_READ_STALL_S`` or by the
+        deadline."""
         page = memoryview(self._lease_pages)[slot * LEASE_PAGE_BYTES : (slot + 1) * LEASE_PAGE_BYTES]
         req = job.remote_request_id
         pause = 0.002
@@ -712,14 +764,10 @@ class KvbridgeWorker:
             reads += 1
             t = ch.submit_read_pages(peer.peer_id, self._lease_pages_region, [slot], peer.leases, [where(req)])
             try:
-                t.wait(max(0.0, deadline - time.monotonic()))
+                t.wait(min(LEASE_READ_STALL_S, max(0.0, deadline - time.monotonic())))
             except TimeoutError:
                 t.cancel()
-                raise LoadError(
-                    f"reading the lease of request {req} from prefiller {peer.peer_id} ({addr}): "
-                    f"deadline kvbridge_read_timeout_s={self.settings.read_timeout_s} passed",
-                    "timeout",
-                ) from None
+                raise _LeaseReadStalled(reads) from None
             found = lease_state(req, bytes(page))
             if found is LeaseState.HELD:
                 return reads

@@ -404,3 +404,52 @@ def test_a_prefiller_whose_directory_lies_fails_the_load_by_name(workers, caplog
     assert d.take_failed_recving() == {"d-1"}
     assert d.stats["loads_failed"] == 1
     assert "bad layer directory" in caplog.text and why in caplog.text, caplog.text
+
+
+class _StallFirstLeaseRead:
+    """The decoder's channel, except that its first lease table read never answers (a
+    stand-in for a read the engine lost: the read the connector must give up on)."""
+
+    class _Silent:
+        def wait(self, timeout=None):
+            time.sleep(timeout or 0)
+            raise TimeoutError("no answer")
+
+        def cancel(self):
+            pass
+
+    def __init__(self, channel, lease_region):
+        self._channel = channel
+        self._lease_region = lease_region
+        self.stalled = 0
+
+    def submit_read_pages(self, peer, local_region, *args, **kwargs):
+        if local_region == self._lease_region and not self.stalled:
+            self.stalled += 1
+            return self._Silent()
+        return self._channel.submit_read_pages(peer, local_region, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._channel, name)
+
+
+def test_a_lease_read_without_an_answer_is_issued_again_into_another_slot(workers, monkeypatch):
+    from kvbridge.vllm import worker as worker_mod
+
+    monkeypatch.setattr(worker_mod, "LEASE_READ_STALL_S", 0.2)
+    p_cache = kv_caches(seed=15)
+    d_cache = kv_caches(seed=None)
+    p = workers("kv_producer", p_cache)
+    d = workers("kv_consumer", d_cache)
+    stalling = _StallFirstLeaseRead(d.channel, d._lease_pages_region)
+    d.channel = stalling
+    hold(p, "p-1")
+    d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job(p, [3], [4])}))
+    poll(d, want_recving={"d-1"})
+    assert stalling.stalled == 1
+    assert d.take_failed_recving() == set()
+    assert d.stats["loads_ok"] == 1 and d.stats["lease_reads_stalled"] == 1
+    for name in LAYERS:
+        assert torch.equal(d_cache[name][3], p_cache[name][4]), name
+    # the given-up read's slot is never used again: its answer could still land there
+    assert d._lease_slots.qsize() == worker_mod.LEASE_SLOTS - 1
