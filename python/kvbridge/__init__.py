@@ -48,6 +48,7 @@ from ._errors import (
 import atexit as _atexit
 
 from ._native import (
+    DIGEST_ALGORITHM,
     TRANSPORTS,
     Channel,
     ReadPlanner,
@@ -55,6 +56,8 @@ from ._native import (
     Transfer,
     __version__,
     _at_exit,
+    digest,
+    digest_ranges,
     new_grant_token,
 )
 
@@ -67,8 +70,11 @@ __all__ = [
     "ReadPlanner",
     "RegionInfo",
     "Transfer",
+    "DIGEST_ALGORITHM",
     "TRANSPORTS",
     "__version__",
+    "digest",
+    "digest_ranges",
     "new_grant_token",
     *_errors.__all__,
 ]

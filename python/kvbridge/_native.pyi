@@ -13,6 +13,20 @@ def _at_exit(timeout: float = 2.0) -> None:
 def new_grant_token() -> bytes:
     """A fresh grant token: 16 random bytes (keep it out of logs)."""
 
+DIGEST_ALGORITHM: str
+"""The integrity digest's hash: ``"xxh3-64"`` (XXH3-64, seed 0)."""
+
+def digest(obj: Any) -> int:
+    """The integrity digest of a C-contiguous buffer (bytes, bytearray, memoryview, numpy
+    array) or a contiguous CPU tensor, GIL released; ``InvalidOp`` for anything else."""
+
+def digest_ranges(ranges: Sequence[tuple[int, int]]) -> list[int]:
+    """The digests of raw ``(address, length)`` ranges of this process's memory, in order,
+    GIL released. The caller guarantees every range is mapped, readable host memory, not
+    freed or reallocated during the call (an unmapped one crashes the process); a range of
+    length 0 is the digest of no bytes. ``InvalidOp`` for a null address of a non-empty
+    range or an overflowing one, ``TypeError`` for anything but pairs of ints."""
+
 _Access = Literal["readwrite", "read", "write"]
 
 # (local_region, local_offset, remote_region, remote_offset, length)

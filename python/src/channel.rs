@@ -121,7 +121,7 @@ fn region_id(key: u128) -> RegionId {
 
 /// A non-negative integer argument that fits `u64`; `InvalidOp` when it is an integer out of
 /// range, `TypeError` when it is not an integer.
-fn index_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
+pub(crate) fn index_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
     match obj.extract::<u64>() {
         Ok(v) => Ok(v),
         Err(_) if obj.is_instance_of::<PyInt>() || obj.hasattr("__index__")? => Err(
@@ -134,7 +134,7 @@ fn index_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64
     }
 }
 
-fn usize_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
+pub(crate) fn usize_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
     let v = index_arg(py, obj, what)?;
     usize::try_from(v).map_err(|_| errors::invalid(py, format!("{what} {v} is out of range")))
 }

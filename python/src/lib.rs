@@ -10,6 +10,7 @@ mod buffer;
 mod call;
 mod channel;
 mod completer;
+mod digest;
 mod errors;
 mod features;
 mod grants;
@@ -46,5 +47,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("TRANSPORTS", pyo3::types::PyTuple::new(m.py(), transports)?)?;
     m.add_function(wrap_pyfunction!(call::_at_exit, m)?)?;
     m.add_function(wrap_pyfunction!(new_grant_token, m)?)?;
+    m.add_function(wrap_pyfunction!(digest::digest, m)?)?;
+    m.add_function(wrap_pyfunction!(digest::digest_ranges, m)?)?;
+    m.add("DIGEST_ALGORITHM", kvbridge::digest::ALGORITHM)?;
     Ok(())
 }

@@ -35,6 +35,7 @@ pub mod config;
 mod core;
 mod data_threads;
 mod datapath;
+pub mod digest;
 mod dir;
 mod error;
 mod events;
