@@ -40,6 +40,9 @@ class ConnectorSettings:
     transport: str | None
     # kv_transfer_config's kv_buffer_device: "cpu" stages a device KV cache in host memory
     kv_buffer_device: str | None = None
+    # kvbridge_integrity: prefillers write digests of the blocks they hold, decoders check
+    # what landed against them (digests.py)
+    integrity: bool = True
 
 
 def _number(extra: dict[str, Any], key: str, default: float) -> float:
@@ -51,6 +54,15 @@ def _number(extra: dict[str, Any], key: str, default: float) -> float:
     if not (value > 0) or value != value or value == float("inf"):
         raise ConfigError(f"kv_connector_extra_config[{key!r}] must be positive and finite, got {value!r}")
     return value
+
+
+def _flag(extra: dict[str, Any], key: str, default: bool) -> bool:
+    value = extra.get(key, default)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    raise ConfigError(f"kv_connector_extra_config[{key!r}] must be true or false, got {value!r}")
 
 
 def numeric_host(host: str) -> str:
@@ -102,4 +114,5 @@ def settings_from(vllm_config: Any) -> ConnectorSettings:
         secret=extra.get("kvbridge_secret"),
         transport=extra.get("kvbridge_transport"),
         kv_buffer_device=getattr(ktc, "kv_buffer_device", None),
+        integrity=_flag(extra, "kvbridge_integrity", True),
     )

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import kvbridge
+
 from .layout import RankLayout
 
 #: Size of the directory region; a prime, so no KV layer region (an even number of bytes)
@@ -25,6 +27,10 @@ class Peer:
     tp_rank: int = 0
     tp_size: int = 1
     layout: RankLayout | None = None  # its KV cache's description (layout.py)
+    # remote region id of its digest rows, and the bytes of a chunk (digests.py); None: it
+    # offers none (kvbridge_integrity off there, or a cache not in host memory)
+    digests: int | None = None
+    digest_chunk_bytes: int = 0
 
 
 def parse_directory(peer_id: str, doc: dict) -> Peer:
@@ -39,6 +45,12 @@ def parse_directory(peer_id: str, doc: dict) -> Peer:
     rank, size = int(doc["tp_rank"]), int(doc["tp_size"])
     if not 0 <= rank < size:
         raise ValueError(f"TP rank {rank} of {size}")
+    rows, chunk = None, 0
+    # digests of another hash are no use here: such a prefiller's loads go unchecked
+    if "digests" in doc and doc.get("digest_algorithm") == kvbridge.DIGEST_ALGORITHM:
+        rows, chunk = int(doc["digests"]), int(doc["digest_chunk_bytes"])
+        if chunk <= 0:
+            raise ValueError(f"digest chunks of {chunk} bytes")
     return Peer(
         peer_id,
         {name: int(rid) for name, rid in doc["layers"].items()},
@@ -47,6 +59,8 @@ def parse_directory(peer_id: str, doc: dict) -> Peer:
         rank,
         size,
         layout,
+        rows,
+        chunk,
     )
 
 

@@ -57,6 +57,9 @@ class KvbridgeConnectorMetadata(KVConnectorMetadata):
     # pass, before the step's output can reach a decoder, so that no decoder waits for a
     # later step of the prefiller to find its request held
     reqs_to_hold: set[str] = field(default_factory=set)
+    # prefiller: the blocks of each request of reqs_to_hold and reqs_to_send, whose digests
+    # its workers write before marking it held (digests.py)
+    hold_blocks: dict[str, list[int]] = field(default_factory=dict)
     # prefiller: requests marked held that then finished without a delayed free (aborted):
     # marked ended before this step's forward pass can write into their blocks
     reqs_not_sent: set[str] = field(default_factory=set)

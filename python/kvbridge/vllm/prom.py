@@ -28,6 +28,10 @@ SERIES = {
         "Decoder loads that completed more than one second after their blocks were allocated (each logged "
         "with where its time went).",
     ),
+    "loads_checked": (
+        "vllm:kvbridge_loads_checked",
+        "Completed loads whose every chunk was checked against the prefiller's digests (kvbridge_integrity).",
+    ),
     "bytes_read": ("vllm:kvbridge_bytes_read", "KV bytes a decoder read from prefillers."),
     "read_ops": (
         "vllm:kvbridge_read_ops",

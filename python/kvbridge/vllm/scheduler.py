@@ -73,6 +73,8 @@ class KvbridgeScheduler:
         self.tp_size = max(1, vllm_config.parallel_config.tensor_parallel_size)
         self._reqs_need_recv: dict[str, RecvJob] = {}
         self._reqs_need_send: dict[str, float] = {}
+        # blocks of the requests of _reqs_need_send, for their digests (digests.py)
+        self._send_blocks: dict[str, list[int]] = {}
         # requests whose prefiller already gets a notification from a load job
         self._recv_issued: set[str] = set()
         # prefiller: do_remote_decode requests whose prompt is not fully scheduled yet ->
@@ -188,9 +190,11 @@ class KvbridgeScheduler:
             reqs_to_recv=self._reqs_need_recv,
             reqs_to_send=self._reqs_need_send,
             reqs_not_sent=self._reqs_not_sent,
+            hold_blocks=self._send_blocks,
         )
         self._reqs_need_recv = {}
         self._reqs_need_send = {}
+        self._send_blocks = {}
         self._reqs_not_sent = set()
         meta.idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
         if self._prompts:
@@ -199,6 +203,7 @@ class KvbridgeScheduler:
                     meta.reqs_to_save[req_id] = blocks
                 if getattr(request, "max_tokens", None) == 1:
                     meta.reqs_to_hold.add(req_id)
+                    meta.hold_blocks[req_id] = blocks
                     self._held.add(req_id)
                     self._grant(req_id)
         meta.grants, self._step_grants = self._step_grants, {}
@@ -273,6 +278,7 @@ class KvbridgeScheduler:
         delay_free = len(blocks) > 0
         if delay_free:
             self._reqs_need_send[request.request_id] = self.settings.lease_s
+            self._send_blocks[request.request_id] = blocks
         return delay_free, dict(
             kvbridge_grant=self._grant(request.request_id),
             do_remote_prefill=True,

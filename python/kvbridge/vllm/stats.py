@@ -13,7 +13,17 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 #: Why a decoder's load failed (``loads_failed_<cause>``).
-FAILURE_CAUSES = ("timeout", "unreachable", "refused", "peer_lost", "bad_params", "lease_ended", "copy", "other")
+FAILURE_CAUSES = (
+    "timeout",
+    "unreachable",
+    "refused",
+    "peer_lost",
+    "bad_params",
+    "lease_ended",
+    "integrity",
+    "copy",
+    "other",
+)
 
 #: The worker's kvbridge channel's own counts: batches it copied through mapped shared memory,
 #: through cross-memory attach, and batches UCX carried (the rest went over TCP).
@@ -22,6 +32,7 @@ TRANSPORT_COUNTERS = ("shm_batches", "cma_batches", "ucx_batches")
 #: Every counter, in the order they are logged.
 COUNTERS = (
     "loads_ok",
+    "loads_checked",
     "loads_failed",
     *(f"loads_failed_{c}" for c in FAILURE_CAUSES),
     "loads_recomputed",

@@ -29,6 +29,7 @@ from .config import ConfigError, ConnectorSettings, numeric_host
 from .cores import run_on, transfer_core_set, transfer_cores
 from .directory import DIRECTORY_LEN, DIRECTORY_MAGIC, Peer, parse_directory, same_engine_layout
 from .layout import ModelFacts, RankLayout, describe, pages_description
+from . import digests
 from .lease_table import PAGE_BYTES as LEASE_PAGE_BYTES
 from .lease_table import LeaseState, LeaseTable, where
 from .lease_table import state as lease_state
@@ -55,6 +56,11 @@ LOAD_THREADS = 4
 LEASE_READ_STALL_S = 2.0
 #: Lease slots: one per load thread, and spares for the slots of reads given up.
 LEASE_SLOTS = 4 * LOAD_THREADS
+#: Digest scratch slots (digests.py), as the lease slots: one per load thread and spares,
+#: a slot whose reads were given up never used again.
+DIGEST_SLOTS = 4 * LOAD_THREADS
+#: Digests one scratch slot holds (a load of more chunks is not checked): 1 MiB a slot.
+DIGEST_SLOT_ROWS = 1 << 17
 #: A load that took longer is slow: counted (``slow_loads``) and logged as a warning with
 #: the time of each of its steps.
 SLOW_LOAD_S = 1.0
@@ -179,6 +185,11 @@ class _Load:
     lease_checks: int = 0
     # ranged reads it issued, over every prefiller rank and layer
     ops: int = 0
+    # its digest scratch slot while it holds one; the checks of each prefiller rank's reads
+    digest_slot: int | None = None
+    checks: dict = field(default_factory=dict)
+    # its reads were given up (their bytes may still land)
+    cancelled: bool = False
 
 
 class KvbridgeWorker:
@@ -220,6 +231,15 @@ class KvbridgeWorker:
         self._lease_slots: queue.SimpleQueue[int] = queue.SimpleQueue()
         for slot in range(LEASE_SLOTS):
             self._lease_slots.put(slot)
+        # integrity (digests.py): each layer's first byte by name, when the cache is host
+        # memory; the prefiller's rows; the decoder's scratch for the rows it reads
+        self._bases: dict[str, int] = {}
+        self._digests: digests.DigestTable | None = None
+        self._digest_scratch = bytearray()
+        self._digest_scratch_region: int | None = None
+        self._digest_slots: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._digest_slot_rows = 0
+        self._unchecked_said: set[str] = set()
         # prefiller address -> its session and directory; the lock guards the dict only
         self._prefillers: dict[str, _Prefiller] = {}
         self._prefillers_lock = threading.Lock()
@@ -335,6 +355,7 @@ class KvbridgeWorker:
                 self.layers.append(by_ptr[ptr])
             entries = {layer.name: str(layer.region) for layer in self.layers}
             leases = self.channel.register_buffer(self._lease_table.memory, LEASE_PAGE_BYTES, access="read")
+            integrity = self._register_digests(pending)
             doc = {
                 "layers": entries,
                 "leases": str(leases),
@@ -346,6 +367,7 @@ class KvbridgeWorker:
                 "dtype": self.layout.dtype,
                 "why_not": self.layout.why_not,
                 "token_rows": self.layout.token_rows,
+                **integrity,
             }
             body = DIRECTORY_MAGIC + json.dumps(doc).encode()
             if len(body) > DIRECTORY_LEN:
@@ -359,6 +381,8 @@ class KvbridgeWorker:
             self.layers = []
             self._tensors = []
             self.staging = None
+            self._digests = None
+            self._digest_scratch_region = None
             raise
         self.listen_addr = self.channel.local_addr
         log.info(
@@ -367,6 +391,49 @@ class KvbridgeWorker:
         )  # fmt: skip
         if self.settings.is_consumer and getattr(self.vllm_config, "max_concurrent_batches", 1) == 1:
             self._inbox = LoadRequestInbox(self.tp_rank, self._start_from_inbox, self._cores)
+
+    def _register_digests(self, pending: list) -> dict:
+        """Integrity (digests.py), where the KV cache is host memory: a prefiller's digest
+        rows, a decoder's scratch for the rows it reads. Returns the directory's entries."""
+        if not self.settings.integrity or not pending:
+            return {}
+        assert self.channel is not None
+        why_not = ""
+        if any(t.device.type != "cpu" for _, t, _ in pending):
+            why_not = "the KV cache is not in host memory"
+        elif len({page for _, _, page in pending}) != 1:
+            why_not = "the layers' pages differ in size"
+        if why_not:
+            log.warning("kvbridge: kvbridge_integrity is on, but %s: loads of this rank are not checked", why_not)
+            return {}
+        self._bases = {name: t.data_ptr() for name, t, _ in pending}
+        _, first, page = pending[0]
+        chunks = digests.chunks_per_block(self.layout.tp, tuple(first.shape[1:]))
+        out: dict = {}
+        if self.settings.is_producer:
+            self._digests = digests.DigestTable(int(first.shape[0]), chunks, page)
+            # reached as the KV is (direct copies, UCX): its rows come in the KV's batches
+            rows = self.channel.register_buffer(
+                self._digests.memory, digests.ROW_BYTES, access="read", direct_copies=True
+            )
+            out = {
+                "digests": str(rows),
+                "digest_chunk_bytes": self._digests.chunk_bytes,
+                "digest_algorithm": kvbridge.DIGEST_ALGORITHM,
+            }
+        if self.settings.is_consumer:
+            self._digest_slot_rows = min(DIGEST_SLOT_ROWS, int(first.shape[0]) * chunks)
+            self._digest_scratch = bytearray(DIGEST_SLOTS * self._digest_slot_rows * digests.ROW_BYTES)
+            self._digest_scratch_region = self.channel.register_buffer(
+                self._digest_scratch, digests.ROW_BYTES, peers=[]
+            )
+            for slot in range(DIGEST_SLOTS):
+                self._digest_slots.put(slot)
+        return out
+
+    def _layer_bases(self) -> list[int]:
+        """Each layer's first byte, in the order of the layers' names (digests.py)."""
+        return [self._bases[name] for name in sorted(self._bases)]
 
     def handshake_metadata(self) -> InboxAddress | None:
         """For the scheduler: where this rank takes loads at allocation (a consumer only)."""
@@ -413,11 +480,28 @@ class KvbridgeWorker:
         for req_id in meta.reqs_to_hold:
             if self.staging is not None and req_id not in self._saved:
                 continue  # not on the host: start_load_kv frees it when it finishes
+            if not self._record_digests(req_id, meta.hold_blocks.get(req_id)):
+                continue  # never held: its decoder's load fails, the blocks are freed
             if self._lease_table.hold(req_id):
                 self._held_early[req_id] = now
                 log.info("kvbridge: request %s held for its decoder (prompt computed)", req_id)
             else:
                 self._unmarked(req_id)
+
+    def _record_digests(self, req_id: str, blocks: list[int] | None) -> bool:
+        """Writes the digests of a request's blocks, before it is marked held; False (and
+        logged) when they cannot be written, so that no decoder takes its blocks unchecked."""
+        if self._digests is None:
+            return True
+        try:
+            if blocks is None:
+                raise ValueError("the scheduler named no blocks for it")
+            self._digests.record(self._layer_bases(), blocks)
+        except ValueError as e:
+            self._lease_table.end(req_id)  # its decoder's load fails at its first look
+            log.error("kvbridge: request %s: its digests were not written (%s); not offered to decoders", req_id, e)
+            return False
+        return True
 
     def _unmarked(self, req_id: str) -> None:
         self.stats["leases_unmarked"] += 1
@@ -464,6 +548,8 @@ class KvbridgeWorker:
             self._saved.discard(req_id)
             self._leases[req_id] = now + lease_s
             if self._held_early.pop(req_id, None) is not None:
+                continue
+            if not self._record_digests(req_id, meta.hold_blocks.get(req_id)):
                 continue
             if self._lease_table.hold(req_id):
                 log.info("kvbridge: request %s held for its decoder (finished)", req_id)
@@ -803,6 +889,7 @@ class KvbridgeWorker:
             load.finished = time.monotonic()
             self._log_if_over_budget(load, self._addr(job, min(peers)) if peers else job.remote_host)
         except TimeoutError:
+            load.cancelled = True
             for t in load.transfers:
                 t.cancel()
             raise LoadError(
@@ -819,6 +906,10 @@ class KvbridgeWorker:
                 "peer_lost",
             ) from e
         finally:
+            # a slot whose reads did not all end may still be written: never used again
+            if load.digest_slot is not None and not load.cancelled and all(t.done for t in load.transfers):
+                self._digest_slots.put(load.digest_slot)
+            load.digest_slot = None
             # off the load's path: the blocks are usable now, whether or not (or however
             # slowly) the prefiller takes the notification
             self._notify_ranks(job, peers, unreachable)
@@ -851,8 +942,10 @@ class KvbridgeWorker:
         except ValueError as e:
             raise LoadError(f"request {job.remote_request_id}: {e}", "bad_params") from None
         load.posting = time.monotonic()
+        self._plan_checks(load, reads, peers, deadline)
         # one batch per prefiller rank for every layer, adjacent bytes in one range: the
-        # engine checks and moves each as one transfer (one completion, not one a layer)
+        # engine checks and moves each as one transfer (one completion, not one a layer);
+        # the digests of what it reads come in the same batch
         for rank, ranges in reads.by_rank.items():
             peer = peers[rank]
             ops = []
@@ -863,6 +956,10 @@ class KvbridgeWorker:
                     ops.append((layer.region, dst * unit, remote, src * unit, n * unit))
                     load.bytes += n * unit
             load.ops += len(ops)
+            check = load.checks.get(rank)
+            if check is not None:
+                assert self._digest_scratch_region is not None and peer.digests is not None
+                ops += digests.row_ops(check, self._digest_scratch_region, peer.digests)
             load.transfers.append(ch.submit_read(peer.peer_id, ops))
         load.submitted = time.monotonic()
         for t in load.transfers:
@@ -873,6 +970,72 @@ class KvbridgeWorker:
         load.read = time.monotonic()
         for rank in reads.by_rank:
             load.lease_checks += self._check_lease(peers[rank], job, self._addr(job, rank), deadline)
+        if load.checks:
+            self._check_digests(load, peers, deadline)
+
+    def _plan_checks(self, load: _Load, reads: rank_reads.RankReads, peers: dict[int, Peer], deadline: float) -> None:
+        """Which chunks of the load's reads are checked against the prefiller's digests
+        (digests.py): all of them where every prefiller rank offers digests and the rows fit
+        one scratch slot, else none (logged)."""
+        if self._digest_scratch_region is None or not reads.by_rank:
+            return
+        missing = sorted(r for r in reads.by_rank if peers[r].digests is None)
+        if missing:
+            self._log_unchecked(f"prefiller ranks {missing} at {load.job.remote_host} offer no digests")
+            return
+        unit = self.layers[0].page_bytes if reads.pages else 1
+        checks: dict[int, digests.RankCheck] = {}
+        at = 0
+        for rank, ranges in reads.by_rank.items():
+            check = digests.plan(ranges, unit, peers[rank].digest_chunk_bytes, at)
+            at += check.rows * digests.ROW_BYTES
+            if check.partial:
+                self._log_unchecked(f"{check.partial} reads of prefiller rank {rank} cut its digest chunks")
+            checks[rank] = check
+        if at > self._digest_slot_rows * digests.ROW_BYTES:
+            self._log_unchecked(f"{at // digests.ROW_BYTES} digests are more than a scratch slot holds")
+            return
+        try:
+            slot = self._digest_slots.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise LoadError(f"no digest scratch free by the deadline for {load.job.remote_request_id}", "timeout") from None
+        load.digest_slot = slot
+        base = slot * self._digest_slot_rows * digests.ROW_BYTES
+        for check in checks.values():
+            check.rows_at += base
+        load.checks = checks
+
+    def _log_unchecked(self, why: str) -> None:
+        """Said once per reason: a load whose KV is not checked against digests."""
+        if why not in self._unchecked_said:
+            self._unchecked_said.add(why)
+            log.warning("kvbridge: kvbridge_integrity is on, but %s: such loads are not checked", why)
+
+    def _check_digests(self, load: _Load, peers: dict[int, Peer], deadline: float) -> None:
+        """After the lease checks found the request held: every chunk read must have the
+        digest the prefiller wrote. Rows that differ are read again once (they may have been
+        read before the prefiller wrote them); a chunk that still differs fails the load."""
+        ch = self.channel
+        assert ch is not None and self._digest_scratch_region is not None
+        bases = self._layer_bases()
+        for rank, check in load.checks.items():
+            peer = peers[rank]
+            bad = digests.differing(check, bases, peer.digest_chunk_bytes, self._digest_scratch)
+            if not bad:
+                continue
+            assert peer.digests is not None
+            t = ch.submit_read(peer.peer_id, digests.row_ops(check, self._digest_scratch_region, peer.digests))
+            t.wait(max(0.0, deadline - time.monotonic()))
+            bad = digests.differing(check, bases, peer.digest_chunk_bytes, self._digest_scratch)
+            if bad:
+                chunks = peer.digest_chunk_bytes
+                raise LoadError(
+                    f"request {load.job.remote_request_id} from prefiller {peer.peer_id} "
+                    f"({self._addr(load.job, rank)}): {len(bad)} of {check.rows} chunks read differ from the "
+                    f"prefiller's digests (first: bytes {bad[0] * chunks}..{(bad[0] + 1) * chunks} of each layer)",
+                    "integrity",
+                )
+        self.stats["loads_checked"] += 1
 
     def _reads(self, planner: kvbridge.ReadPlanner | None, peer: Peer, job: RecvJob) -> rank_reads.RankReads:
         hit = len(job.hit_block_ids)

@@ -58,7 +58,7 @@ def finish_prefill(p, req, blocks):
     """The prefiller's steps for a do_remote_decode request: wait_for_save of the step that
     completes its prompt, then the next step's start_load_kv with its lease."""
     p.save_to_host({req: list(blocks)})
-    p.start_load_kv(granted_meta(reqs_to_send={req: 30.0}))
+    p.start_load_kv(granted_meta(reqs_to_send={req: 30.0}, hold_blocks={req: list(blocks)}))
 
 
 def test_device_blocks_reach_the_decoders_device_byte_exact(staged):

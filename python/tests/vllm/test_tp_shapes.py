@@ -118,7 +118,7 @@ def test_each_decoder_rank_gets_exactly_its_heads_and_every_prefiller_rank_frees
     ]
     for p in prefillers:
         assert p.layout.tp is not None, p.layout.why_not
-        p.start_load_kv(granted_meta(reqs_to_send={"p-1": 30.0}))
+        p.start_load_kv(granted_meta(reqs_to_send={"p-1": 30.0}, blocks=2 * NUM_BLOCKS))
     job = recv_job(dst, src, "P", "p-1", "127.0.0.1", base, remote_tp_size=p_tp, prompt_tokens=n_tokens)
     for i, d in enumerate(decoders):
         d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job}))
@@ -157,7 +157,7 @@ def test_mla_reads_each_block_once_from_one_prefiller_rank(workers):
                   extra={"kvbridge_port": base}, **facts) for r in range(2)]  # fmt: skip
     d = workers("kv_consumer", blank(0, 1, 32, True), engine_id="D", **facts)
     for p in ps:
-        p.start_load_kv(granted_meta(reqs_to_send={"p-1": 30.0}))
+        p.start_load_kv(granted_meta(reqs_to_send={"p-1": 30.0}, blocks=2 * NUM_BLOCKS))
     job = recv_job([1, 2], [4, 5], "P", "p-1", "127.0.0.1", base, remote_tp_size=2, prompt_tokens=64)
     d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job}))
     poll(d, want_recving={"d-1"})
@@ -174,7 +174,7 @@ def test_a_tp_size_in_kv_transfer_params_that_the_prefiller_does_not_have_fails_
     p = workers("kv_producer", rank_cache(kv, 0, 1, 32, [1], False), engine_id="P", extra={"kvbridge_port": base},
                 total_kv_heads=HEADS)  # fmt: skip
     d = workers("kv_consumer", blank(0, 1, 32, False), engine_id="D", total_kv_heads=HEADS)
-    p.start_load_kv(granted_meta(reqs_to_send={"p-1": 30.0}))
+    p.start_load_kv(granted_meta(reqs_to_send={"p-1": 30.0}, blocks=2 * NUM_BLOCKS))
     # the params claim TP 2: this rank of the decoder reads heads from rank 0 and rank 1;
     # rank 0 says it is rank 0 of 1
     job = recv_job([2], [1], "P", "p-1", "127.0.0.1", base, remote_tp_size=2, prompt_tokens=32)
@@ -193,7 +193,7 @@ def test_a_decoder_rank_that_fails_still_counts_and_the_prefiller_frees_when_all
                 total_kv_heads=HEADS)  # fmt: skip
     ds = [workers("kv_consumer", blank(r, 2, 32, False), tp_rank=r, engine_id="D", tp_size=2, total_kv_heads=HEADS)
           for r in range(2)]  # fmt: skip
-    p.start_load_kv(granted_meta(reqs_to_send={"p-1": 30.0}))
+    p.start_load_kv(granted_meta(reqs_to_send={"p-1": 30.0}, blocks=2 * NUM_BLOCKS))
     good = recv_job([2], [1], "P", "p-1", "127.0.0.1", base, prompt_tokens=32)
     bad = recv_job([2], [10_000], "P", "p-1", "127.0.0.1", base, prompt_tokens=32)
     ds[0].start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": good}))
@@ -222,7 +222,7 @@ def test_reads_are_one_range_per_run_of_blocks_per_prefiller_rank_and_layer(work
     ds = [workers("kv_consumer", blank(r, d_tp, 32, False), tp_rank=r, engine_id="D", tp_size=d_tp,
                   total_kv_heads=HEADS) for r in range(d_tp)]  # fmt: skip
     for p in ps:
-        p.start_load_kv(granted_meta(reqs_to_send={"p-1": 30.0}))
+        p.start_load_kv(granted_meta(reqs_to_send={"p-1": 30.0}, blocks=2 * NUM_BLOCKS))
     job = recv_job(dst, src, "P", "p-1", "127.0.0.1", base, remote_tp_size=p_tp, prompt_tokens=4 * 32)
     for d in ds:
         d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job}))
@@ -241,7 +241,7 @@ def test_blocks_of_another_size_are_refused_once_naming_both(workers, p_block, c
                 block_size=p_block, extra={"kvbridge_port": base}, total_kv_heads=HEADS)  # fmt: skip
     d = workers("kv_consumer", blank(0, 1, 32, False), engine_id="D", total_kv_heads=HEADS)
     for i in (1, 2):
-        p.start_load_kv(granted_meta(reqs_to_send={f"p-{i}": 30.0}))
+        p.start_load_kv(granted_meta(reqs_to_send={f"p-{i}": 30.0}, blocks=2 * NUM_BLOCKS))
         job = recv_job([1, 2], list(range(64 // p_block)), "P", f"p-{i}", "127.0.0.1", base, prompt_tokens=64)
         d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={f"d-{i}": job}))
         poll(d, want_recving={f"d-{i}"})

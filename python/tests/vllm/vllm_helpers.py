@@ -109,13 +109,16 @@ def workers():
 GRANT = "5a" * 16
 
 
-def granted_meta(**kw):
-    """Connector metadata whose held and sent requests carry :data:`GRANT`, as the
-    scheduler's do."""
+def granted_meta(*, blocks: int = NUM_BLOCKS, **kw):
+    """Connector metadata whose held and sent requests carry :data:`GRANT` and name their
+    blocks, as the scheduler's do (every block of the tests' caches, unless given: the tests
+    name a request's blocks on the decoder's side; ``blocks``: how many the caches hold)."""
     from kvbridge.vllm.metadata import KvbridgeConnectorMetadata
 
     meta = KvbridgeConnectorMetadata(**kw)
-    meta.grants = {r: GRANT for r in [*meta.reqs_to_send, *meta.reqs_to_hold]}
+    held = [*meta.reqs_to_send, *meta.reqs_to_hold]
+    meta.grants = {r: GRANT for r in held}
+    meta.hold_blocks = {r: list(range(blocks)) for r in held} | meta.hold_blocks
     return meta
 
 

@@ -192,6 +192,8 @@ def assert_loaded(cluster: Cluster, before: dict[str, float], loads: int) -> dic
     must have been a load (loads_ok), none recomputed, none failed."""
     moved = decoder_moved(cluster, before, loads)
     assert moved.get(LOADS_OK, 0) == loads, f"{loads} request(s), decoder's counters moved: {moved}"
+    # every load checked against the prefiller's digests (kvbridge_integrity, on by default)
+    assert moved.get("vllm:kvbridge_loads_checked_total", 0) == loads, moved
     assert not moved.get(RECOMPUTED), moved
     assert not any(k.startswith("vllm:kvbridge_load_failures_total[") for k in moved), moved
     return moved
@@ -386,6 +388,7 @@ def test_no_load_waits_on_another_engine_step_sequential_and_concurrent(cluster,
     bad = {k: v for k, v in moved.items() if "load_failures" in k or k == "vllm:kvbridge_slow_loads_total"}
     assert not bad, f"failed or slow loads: {bad}"
     assert moved.get("vllm:kvbridge_loads_ok_total") == sent, moved
+    assert moved.get("vllm:kvbridge_loads_checked_total") == sent, moved
     assert not moved.get(RECOMPUTED), moved
 
 

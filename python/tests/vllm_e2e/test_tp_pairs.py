@@ -349,6 +349,8 @@ def test_pair_answers_equal_a_single_server_with_the_kv_loaded_on_every_rank(set
         print(f"{shape}: decoder's counters moved: {m}")
         # one load per request on every decoder rank (vLLM sums its workers' counts)
         assert m.get("vllm:kvbridge_loads_ok_total") == sent * d_tp, m
+        # each checked against the prefiller's digests, head by head (kvbridge_integrity)
+        assert m.get("vllm:kvbridge_loads_checked_total") == sent * d_tp, m
         assert not any("load_failures" in k for k in m), m
         assert not m.get("vllm:kvbridge_loads_recomputed_total"), m
         assert m.get("vllm:kvbridge_bytes_read_total", 0) > 0
