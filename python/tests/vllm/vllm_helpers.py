@@ -44,7 +44,13 @@ def vllm_config(
         engine_id=engine_id,
         is_kv_producer=role in ("kv_producer", "kv_both"),
         is_kv_consumer=role in ("kv_consumer", "kv_both"),
-        kv_connector_extra_config={"kvbridge_host": "127.0.0.1", "kvbridge_port": 0, **(extra or {})},
+        # every worker test runs with the digests checked (test_integrity.py turns them off)
+        kv_connector_extra_config={
+            "kvbridge_host": "127.0.0.1",
+            "kvbridge_port": 0,
+            "kvbridge_integrity": True,
+            **(extra or {}),
+        },
     )
     return SimpleNamespace(
         kv_transfer_config=ktc,

@@ -79,7 +79,7 @@ class Cluster:
             self.d_port,
             kvbridge_config(
                 "kv_consumer", 0, kvbridge_read_timeout_s=READ_TIMEOUT_S, kvbridge_lease_s=LEASE_S,
-                **({"kvbridge_transport": TRANSPORT} if TRANSPORT else {}),
+                kvbridge_integrity=True, **({"kvbridge_transport": TRANSPORT} if TRANSPORT else {}),
             ),
             PAIR_ENV,
         )
@@ -107,7 +107,8 @@ class Cluster:
         self, name: str, port: int, kv_port: int, env: dict | None = None, transport: str | None = None
     ) -> VllmServer:
         extra = {"kvbridge_transport": transport} if transport else {}
-        return self._server(name, port, kvbridge_config("kv_producer", kv_port, kvbridge_lease_s=LEASE_S, **extra), env)
+        cfg = kvbridge_config("kv_producer", kv_port, kvbridge_lease_s=LEASE_S, kvbridge_integrity=True, **extra)
+        return self._server(name, port, cfg, env)
 
     def restart_victim(self) -> float:
         """A new prefiller on the killed one's ports (the default transport this time)."""
@@ -192,7 +193,7 @@ def assert_loaded(cluster: Cluster, before: dict[str, float], loads: int) -> dic
     must have been a load (loads_ok), none recomputed, none failed."""
     moved = decoder_moved(cluster, before, loads)
     assert moved.get(LOADS_OK, 0) == loads, f"{loads} request(s), decoder's counters moved: {moved}"
-    # every load checked against the prefiller's digests (kvbridge_integrity, on by default)
+    # every load checked against the prefiller's digests (kvbridge_integrity, on in these servers)
     assert moved.get("vllm:kvbridge_loads_checked_total", 0) == loads, moved
     assert not moved.get(RECOMPUTED), moved
     assert not any(k.startswith("vllm:kvbridge_load_failures_total[") for k in moved), moved

@@ -246,7 +246,9 @@ class Pair:
         self.kv_port = free_run(shape.p_tp)  # prefiller rank r listens on kv_port + r
         self.procs: list = []
         self.prefiller = self._prefiller("prefiller", {"KVBRIDGE_CMA": "0"})
-        dcfg = kvbridge_config("kv_consumer", 0, kvbridge_read_timeout_s=READ_TIMEOUT_S, kvbridge_lease_s=LEASE_S)
+        dcfg = kvbridge_config(
+            "kv_consumer", 0, kvbridge_read_timeout_s=READ_TIMEOUT_S, kvbridge_lease_s=LEASE_S, kvbridge_integrity=True
+        )
         self.decoder = self._server("decoder", self.d_port, dcfg, shape.d_tp, core=1, block=shape.d_block)
         self.startup_s = wait_healthy([self.prefiller, self.decoder])
         self.proxy = Proxy(
@@ -268,7 +270,7 @@ class Pair:
         return s
 
     def _prefiller(self, name: str, env: dict | None = None) -> VllmServer:
-        cfg = kvbridge_config("kv_producer", self.kv_port, kvbridge_lease_s=LEASE_S)
+        cfg = kvbridge_config("kv_producer", self.kv_port, kvbridge_lease_s=LEASE_S, kvbridge_integrity=True)
         return self._server(name, self.p_port, cfg, self.p_tp, core=0, env=env, block=self.shape.p_block)
 
     def restart_prefiller(self) -> float:
