@@ -10,6 +10,7 @@ mod body;
 mod busy_poll;
 pub mod cli;
 pub mod config;
+pub mod decoder_loads;
 mod from_args;
 #[doc(hidden)]
 pub mod fuzzing;
