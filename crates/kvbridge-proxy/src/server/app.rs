@@ -39,6 +39,9 @@ pub(crate) struct App {
     pub(crate) tokenize_stats: crate::tokenize::TokenizeStats,
     /// The turn of the next worker asked to tokenize.
     pub(crate) tokenize_turn: AtomicU64,
+    /// Each decoder's load counters as its `/metrics` last said (`--flow vllm` with health
+    /// checks on; empty otherwise).
+    pub(crate) decoder_loads: crate::decoder_loads::Board,
 }
 
 /// Per worker of `pool`, the URIs of its completions and chat APIs.

@@ -1,12 +1,15 @@
-//! The health checks: one task per worker, ejecting and re-admitting it.
+//! The health checks: one task per worker, ejecting and re-admitting it; and one more per
+//! decoder under `--flow vllm`, reading its KV load counters off its `/metrics`.
 
 use std::sync::Arc;
+use std::time::Duration;
 
-use axum::http::Request;
+use axum::http::{Request, Uri};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 
 use super::app::App;
+use crate::decoder_loads::{self, Unknown};
 use crate::pool::{Pool, Role};
 
 /// Checks worker `idx` every `health_interval`: `GET /health` must answer 2xx, then each of
@@ -57,6 +60,42 @@ pub(crate) async fn health_loop(app: Arc<App>, pool: Arc<Pool>, idx: usize, kv: 
                 tracing::info!(%worker, "health checks pass again, worker re-admitted")
             }
             Ok(()) => {}
+        }
+    }
+}
+
+/// The deadline of one scrape of a decoder's `/metrics`: until the next is due, at most 5 s
+/// (vLLM answers it from its API server's event loop, slow under load), at least the health
+/// checks' deadline.
+fn scrape_deadline(interval: Duration, health_timeout: Duration) -> Duration {
+    interval.min(Duration::from_secs(5)).max(health_timeout)
+}
+
+/// Scrapes decoder `idx`'s `/metrics` every `health_interval` for its KvbridgeConnector's
+/// load counters ([`crate::decoder_loads`]) into the app's board; a scrape that fails or
+/// reads no counters marks them unknown. Apart from the health checks and requests: a slow
+/// or hostile `/metrics` delays neither, and holds at most one connection.
+pub(crate) async fn loads_loop(app: Arc<App>, idx: usize) {
+    let mut tick = tokio::time::interval(app.cfg.health_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let deadline = scrape_deadline(app.cfg.health_interval, app.cfg.health_timeout);
+    let worker = &app.decode.workers[idx].label;
+    let Ok(uri) = format!("{}/metrics", app.decode.workers[idx].base).parse::<Uri>() else {
+        return;
+    };
+    loop {
+        tick.tick().await;
+        let r = decoder_loads::scrape(&app.client, uri.clone(), deadline).await;
+        let why = r.as_ref().err().map(ToString::to_string);
+        let prev = app.decoder_loads.set(idx, r);
+        let was_known = matches!(prev, Some(Ok(_)));
+        match why {
+            Some(why) if was_known || matches!(prev, Some(Err(Unknown::NotYet))) => {
+                tracing::warn!(%worker, "decoder's KV load counters unknown: {why}")
+            }
+            Some(why) => tracing::debug!(%worker, "decoder's KV load counters unknown: {why}"),
+            None if !was_known => tracing::info!(%worker, "decoder's KV load counters read"),
+            None => {}
         }
     }
 }

@@ -3,8 +3,9 @@
 //! Below this module, in layers: `routes` (the HTTP routes, and the reply a flow gives
 //! becoming the response), `flow` (one request's way through the workers: the decider, then
 //! the vLLM or LMCache flow), `prefill` and `decode` (one step on a worker, with its
-//! retries), `upstream` (a call to a worker), `health` (the health checks), and at the
-//! bottom `ctx` and `app` (the request's facts and the state every request shares).
+//! retries), `upstream` (a call to a worker), `health` (the health checks, and the scrapes of
+//! the decoders' load counters), and at the bottom `ctx` and `app` (the request's facts and
+//! the state every request shares).
 
 mod app;
 mod ctx;
@@ -155,8 +156,14 @@ pub async fn start(cfg: Config) -> anyhow::Result<RunningProxy> {
             cfg.routing.as_str()
         );
     }
+    let decoder_loads = if scrapes_decoder_loads(&cfg) {
+        crate::decoder_loads::Board::new(decode.workers.iter().map(|w| w.label.clone()))
+    } else {
+        crate::decoder_loads::Board::default()
+    };
     let app = Arc::new(App {
         decider,
+        decoder_loads,
         cfg,
         client,
         prefill,
@@ -203,8 +210,16 @@ fn worker_client(cfg: &Config) -> HttpClient {
         .build(conn)
 }
 
+/// Whether the proxy scrapes its decoders' `/metrics` for their load counters: decoders
+/// running KvbridgeConnector (`--flow vllm`), at the health checks' interval (so not when
+/// they are off).
+fn scrapes_decoder_loads(cfg: &Config) -> bool {
+    cfg.flow == Flow::Vllm && !cfg.health_interval.is_zero()
+}
+
 /// One health-check task per worker of each pool; a decoder's also probes its KV ports
-/// where the configuration asks for it.
+/// where the configuration asks for it. Under `--flow vllm`, one more task per decoder
+/// scrapes its load counters ([`health::loads_loop`]).
 fn spawn_health_checks(app: &Arc<App>) -> Vec<JoinHandle<()>> {
     let mut tasks = Vec::new();
     for idx in 0..app.prefill.workers.len() {
@@ -232,6 +247,9 @@ fn spawn_health_checks(app: &Arc<App>) -> Vec<JoinHandle<()>> {
             idx,
             kv,
         )));
+        if scrapes_decoder_loads(&app.cfg) {
+            tasks.push(tokio::spawn(health::loads_loop(app.clone(), idx)));
+        }
     }
     tasks
 }

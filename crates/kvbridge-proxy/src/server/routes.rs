@@ -80,6 +80,7 @@ async fn metrics_text(State(app): State<Arc<App>>) -> Response {
     app.metrics.render(&mut s);
     app.prefill.render(&mut s);
     app.decode.render(&mut s);
+    app.decoder_loads.render(&mut s);
     let slots: u64 = app.decode.workers.iter().map(|w| w.inflight()).sum();
     let pslots: u64 = app.prefill.workers.iter().map(|w| w.inflight()).sum();
     use std::fmt::Write as _;
