@@ -120,6 +120,10 @@ impl fmt::Display for Unknown {
     }
 }
 
+/// A sample's labels, sorted by name, values unescaped: with the series' name, what makes
+/// two samples the same series.
+type Labels<'a> = Vec<(&'a str, String)>;
+
 /// The connector's series the proxy reads, in [`LoadCounts`] order.
 const SERIES: [&str; 4] = [
     "vllm:kvbridge_loads_ok_total",
@@ -134,7 +138,7 @@ const SERIES: [&str; 4] = [
 /// appears twice with the same labels, makes the whole text [`Unknown::Malformed`].
 pub fn parse(text: &str) -> Result<LoadCounts, Unknown> {
     let mut sums: [Option<u64>; 4] = [None; 4];
-    let mut seen: HashSet<(usize, Vec<(&str, String)>)> = HashSet::new();
+    let mut seen: HashSet<(usize, Labels)> = HashSet::new();
     for (n, line) in text.split('\n').enumerate() {
         let line = line.strip_suffix('\r').unwrap_or(line);
         let Some((which, rest)) = SERIES
@@ -172,7 +176,7 @@ pub fn parse(text: &str) -> Result<LoadCounts, Unknown> {
 
 /// A sample's labels (sorted by name) and value, from the text after its metric name:
 /// `{name="value",...} value [timestamp]`.
-fn sample(rest: &str) -> Result<(Vec<(&str, String)>, u64), &'static str> {
+fn sample(rest: &str) -> Result<(Labels<'_>, u64), &'static str> {
     let (labels, rest) = match rest.strip_prefix('{') {
         Some(r) => labels(r)?,
         None => (Vec::new(), rest),
@@ -206,8 +210,8 @@ fn count(v: &str) -> Result<u64, &'static str> {
 
 /// The labels of a sample from the text after its `{`, sorted by name, and the text after
 /// the closing `}`. Values are unescaped (`\\`, `\"`, `\n`).
-fn labels(mut s: &str) -> Result<(Vec<(&str, String)>, &str), &'static str> {
-    let mut out: Vec<(&str, String)> = Vec::new();
+fn labels(mut s: &str) -> Result<(Labels<'_>, &str), &'static str> {
+    let mut out: Labels = Vec::new();
     loop {
         s = s.trim_start_matches([' ', '\t']);
         if let Some(r) = s.strip_prefix('}') {
