@@ -260,6 +260,42 @@ def test_proxy_keeps_the_decoder_past_the_health_ejection_threshold(cluster):
     assert http_status(f"{cluster.proxy.url}/health") == 200
 
 
+def proxy_decoder_loads(proxy_url: str, decoder_url: str) -> dict[str, float]:
+    """The proxy's figures of one decoder's loads (``kvbridge_proxy_decoder_kv_loads_total``
+    by outcome), as its /metrics shows them."""
+    worker = decoder_url.removeprefix("http://")
+    with urllib.request.urlopen(f"{proxy_url}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for m in re.finditer(r'^kvbridge_proxy_decoder_kv_loads_total\{([^}]*)\} ([0-9.e+-]+)$', text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        if labels.get("worker") == worker:
+            out[labels["outcome"]] = float(m.group(2))
+    return out
+
+
+def test_the_proxy_shows_each_decoders_loads_and_recomputes(cluster):
+    """An operator reads at the proxy how many of a decoder's requests loaded their KV over
+    kvbridge, were checked, or were computed again: the proxy's figures follow the decoder's
+    own series (it reads them at each health check)."""
+    tokens("completions", cluster.proxy.url, prompt(40), stream=False)
+    theirs: dict[str, float] = {}
+    ours: dict[str, float] = {}
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        c = kvbridge_counters(cluster.decoder.url)
+        theirs = {
+            "loaded": c.get(LOADS_OK, 0.0),
+            "checked": c.get("vllm:kvbridge_loads_checked_total", 0.0),
+            "recomputed": c.get(RECOMPUTED, 0.0),
+        }
+        ours = proxy_decoder_loads(cluster.proxy.url, cluster.decoder.url)
+        if theirs["loaded"] >= 1 and all(ours.get(k) == v for k, v in theirs.items()):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"the proxy shows {ours}, the decoder counts {theirs}")
+
+
 def test_transfers_are_counted_in_vllms_connector_stats(cluster):
     """The decoder serves the connector's counters as Prometheus series, one load per
     request, and logs them each stats interval (1 s here). vLLM logs an interval in which the
