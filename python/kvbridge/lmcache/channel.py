@@ -637,9 +637,16 @@ class KvbridgeChannel(BaseTransferChannel):
             )
 
     def _write_checked(self, lmc_peer: str, p: _Peer, local: list[int], remote: list[int]) -> None:
-        msg, fut = self._landed_msg(local, remote)
+        # The pages are digested while their write is in flight (the GIL released in both);
+        # the digests leave once the write has landed, so they follow it on the session.
+        transfer = self._ch.submit_write_pages(p.kb_peer, self._region, local, p.region, remote)
         try:
-            self._ch.write_pages(p.kb_peer, self._region, local, p.region, remote)
+            msg, fut = self._landed_msg(local, remote)
+        except BaseException:
+            transfer.cancel()
+            raise
+        try:
+            transfer.wait()
             self._ch.notify(p.kb_peer, msg)
             try:
                 verdict = fut.result(timeout=self.hello_timeout)
@@ -652,9 +659,14 @@ class KvbridgeChannel(BaseTransferChannel):
     async def _async_write_checked(
         self, lmc_peer: str, p: _Peer, local: list[int], remote: list[int]
     ) -> None:
-        msg, fut = self._landed_msg(local, remote)
+        write = self._ch.write_pages_async(p.kb_peer, self._region, local, p.region, remote)
         try:
-            await self._ch.write_pages_async(p.kb_peer, self._region, local, p.region, remote)
+            msg, fut = self._landed_msg(local, remote)  # while the write is in flight
+        except BaseException:
+            write.cancel()
+            raise
+        try:
+            await write
             await self._ch.notify_async(p.kb_peer, msg)
             try:
                 verdict = await asyncio.wait_for(asyncio.wrap_future(fut), self.hello_timeout)
