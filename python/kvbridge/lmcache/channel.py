@@ -133,12 +133,13 @@ class _Landed(msgspec.Struct, tag=True):
 
 class _Verdict(msgspec.Struct, tag=True):
     """Receiver -> writer: the pages of the ``_Landed`` with the same nonce whose landed
-    bytes differ from their digest (none: all arrived as written); ``error`` when the
-    receiver could not check them."""
+    bytes differ from their digest (none: all arrived as written); ``unchecked`` when the
+    receiver does not check (its setting is off), ``error`` why it could not."""
 
     nonce: int
     bad: list[int] = []
     error: str = ""
+    unchecked: bool = False
 
 
 _Notif = Union[_Hello, _HelloAck, _Landed, _Verdict]
@@ -568,6 +569,7 @@ class KvbridgeChannel(BaseTransferChannel):
         differ from the writer's digests (before LMCache is told the pages are there)."""
         verdict = _Verdict(nonce=msg.nonce)
         if not self.integrity:
+            verdict.unchecked = True
             verdict.error = "this receiver does not check (integrity off)"
         elif len(msg.pages) != len(msg.digests) or any(
             not 0 <= i < self._region_pages() for i in msg.pages
@@ -620,11 +622,18 @@ class KvbridgeChannel(BaseTransferChannel):
                 peer=p.kb_peer,
                 step="integrity",
             )
-        if verdict.error:
+        if verdict.unchecked:
             logger.warning(
                 "kvbridge: LMCache peer %s did not check a write: %s", lmc_peer, verdict.error
             )
             return
+        if verdict.error:
+            raise kvbridge.PeerMisbehaved(
+                f"kvbridge.lmcache: LMCache peer {lmc_peer!r} could not check a write: "
+                f"{verdict.error}",
+                peer=p.kb_peer,
+                step="integrity",
+            )
         if verdict.bad:
             with self._lock:
                 self.integrity_failures += len(verdict.bad)

@@ -141,6 +141,18 @@ def test_either_side_with_the_check_off_writes_unchecked(make, off, flip_landed)
     assert recv.arena.page_bytes(3) == send.arena.page_bytes(0)
 
 
+def test_a_receiver_that_turned_the_check_off_answers_unchecked(make, flip_landed):  # noqa: F811
+    # A receiver restarted with the check off, reached again by the writer's redial, is
+    # taken to check as its old incarnation did: it answers that it did not, and the write
+    # passes (with a warning), unchecked.
+    send, recv = _pair(make, "cma")
+    recv.integrity = False
+    flips = flip_landed()
+    assert send.batched_write(_objs([1]), {"receiver_id": "R", "remote_indexes": [2]}) == 1
+    assert not flips and recv.integrity_checks == 0 and send.integrity_failures == 0
+    assert recv.arena.page_bytes(2) == send.arena.page_bytes(1)
+
+
 def test_the_setting_comes_from_the_environment(make, monkeypatch):  # noqa: F811
     from kvbridge.lmcache import channel as mod
 
