@@ -28,6 +28,7 @@ from ._errors import (
     ConnectionLost,
     Disconnected,
     Incompatible,
+    IntegrityError,
     InvalidOp,
     KvbridgeError,
     LimitExceeded,

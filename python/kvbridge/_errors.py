@@ -30,6 +30,7 @@ __all__ = [
     "Disconnected",
     "LimitExceeded",
     "LocalError",
+    "IntegrityError",
 ]
 
 
@@ -182,3 +183,28 @@ class LocalError(UsageError):
     still in use)."""
 
     __module__ = "kvbridge"
+
+
+# ---- the bytes ----
+class IntegrityError(KvbridgeError):
+    """Bytes that landed differ from the digest (``kvbridge.digest``) their sender computed
+    when it wrote them: the load or write they belong to fails. ``.cause`` is
+    ``"integrity"``, ``.step`` the step that checked (``"integrity"``), ``.pages`` the pages
+    (or blocks) that failed, in the receiver's numbering."""
+
+    __module__ = "kvbridge"
+    cause = "integrity"
+
+    def __init__(
+        self,
+        message: str,
+        peer: str | None = None,
+        step: str | None = "integrity",
+        code: str | None = None,
+        pages: list[int] | None = None,
+    ) -> None:
+        super().__init__(message, peer, step, code)
+        self.pages = list(pages or [])
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.peer, self.step, self.code, self.pages))

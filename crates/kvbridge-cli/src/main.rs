@@ -52,6 +52,8 @@ enum BenchCmd {
     Flooder(bench::notify_flood::FlooderArgs),
     /// Reads of N blocks with and without a grant-token window, side by side (TCP).
     Grant(bench::grant::GrantArgs),
+    /// The integrity digest: candidates' throughput, and loads checked against unchecked.
+    Digest(bench::digest::DigestArgs),
     /// The listener process the other benchmarks start (internal).
     #[command(hide = true)]
     Peer {
@@ -180,6 +182,11 @@ fn bench(cmd: BenchCmd) -> Result<()> {
         BenchCmd::Grant(args) => {
             let json = args.json;
             let r = rt()?.block_on(bench::grant::run(args))?;
+            verdict(json, &r, r.table(), true)
+        }
+        BenchCmd::Digest(args) => {
+            let json = args.json;
+            let r = rt()?.block_on(bench::digest::run(args))?;
             verdict(json, &r, r.table(), true)
         }
         BenchCmd::NotifyFlood(args) => {

@@ -21,6 +21,16 @@ its session gone before any byte moved, dials once and, if a new incarnation ans
 there (LMCache never re-runs ``lazy_init_peer_connection``). LMCache allocates the peer's
 pages over its own ZMQ socket, so which incarnation allocated them is not ours to see:
 docs/lmcache.md, *Failures*.
+
+Integrity (``integrity=True`` or ``KVBRIDGE_LMCACHE_INTEGRITY=1`` on both sides; off by
+default, docs/lmcache.md says why): the writer digests each page it writes
+(``kvbridge.digest_ranges``), and once the write has landed sends the digests in a
+``_Landed`` notification on the same session; the receiver digests what landed in those
+pages and answers ``_Verdict``. A page that differs fails the write with
+``kvbridge.IntegrityError`` (``.cause == "integrity"``) before it returns, so LMCache never
+sends the ``ProxyNotif`` that would let the decoder use it. Both sides say in the
+announcement whether they check; a peer that does not (an older one) is written to
+unchecked.
 """
 
 from __future__ import annotations
@@ -57,7 +67,12 @@ logger = logging.getLogger(__name__)
 DEFAULT_CONNECT_TIMEOUT = 30.0
 #: Seconds the dialer waits for the listener to acknowledge its announcement.
 DEFAULT_HELLO_TIMEOUT = 10.0
+#: Whether written pages are digested and checked where they land, unless the channel or
+#: ``KVBRIDGE_LMCACHE_INTEGRITY`` says otherwise. Off: checked writes of 1 MiB pages cost
+#: more than the issue's 3% (docs/lmcache.md, *Integrity*).
+DEFAULT_INTEGRITY = False
 _CONNECT_TIMEOUT_ENV = "KVBRIDGE_LMCACHE_CONNECT_TIMEOUT"
+_INTEGRITY_ENV = "KVBRIDGE_LMCACHE_INTEGRITY"
 # A dial refused or cut short is retried; a peer that is incompatible, unauthenticated or
 # refuses us is not (waiting would not change its answer).
 _RETRYABLE = (kvbridge.ConnectionLost, kvbridge.Timeout, kvbridge.PeerClosed)
@@ -87,22 +102,47 @@ def _close_open_channels() -> None:
 
 
 class _Hello(msgspec.Struct, tag=True):
-    """The dialer's announcement: its LMCache id and an optional LMCache side message."""
+    """The dialer's announcement: its LMCache id and an optional LMCache side message.
+    ``integrity``: the dialer digests what it writes and checks what lands (absent from
+    peers older than the check, which decode as ``False``; they ignore the field)."""
 
     nonce: int
     local_id: str
     side_msg: bytes = b""
+    integrity: bool = False
 
 
 class _HelloAck(msgspec.Struct, tag=True):
-    """The listener's answer: the side message's reply, or why it failed."""
+    """The listener's answer: the side message's reply, or why it failed; ``integrity`` as
+    in ``_Hello``, for the listener."""
 
     nonce: int
     side_ret: bytes = b""
     error: str = ""
+    integrity: bool = False
 
 
-_Notif = Union[_Hello, _HelloAck]
+class _Landed(msgspec.Struct, tag=True):
+    """Writer -> receiver, after a write landed: the digest of each page as written, by the
+    receiver's page index. Sent only to a peer that announced ``integrity``."""
+
+    nonce: int
+    pages: list[int]
+    digests: list[int]
+
+
+class _Verdict(msgspec.Struct, tag=True):
+    """Receiver -> writer: the pages of the ``_Landed`` with the same nonce whose landed
+    bytes differ from their digest (none: all arrived as written); ``unchecked`` when the
+    receiver does not check (its setting is off), ``error`` why it could not."""
+
+    nonce: int
+    bad: list[int] = []
+    error: str = ""
+    unchecked: bool = False
+
+
+_Notif = Union[_Hello, _HelloAck, _Landed, _Verdict]
 
 
 @dataclasses.dataclass
@@ -113,6 +153,7 @@ class _Peer:
     region: int  # the peer's arena region id
     addr: Optional[str]  # where to dial it again; None for a peer that dialed us
     lost: bool = False  # its session ended; the next write dials again
+    integrity: bool = False  # it checks what we write into it (it said so)
 
 
 def _resolve(url: str) -> str:
@@ -144,6 +185,25 @@ def _connect_timeout(explicit: Optional[float]) -> float:
     return DEFAULT_CONNECT_TIMEOUT
 
 
+def _integrity(explicit: Optional[bool]) -> bool:
+    if explicit is not None:
+        return bool(explicit)
+    env = os.environ.get(_INTEGRITY_ENV)
+    if env is None or env == "":
+        return DEFAULT_INTEGRITY
+    if env.lower() in ("1", "true", "yes", "on"):
+        return True
+    if env.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{_INTEGRITY_ENV}={env!r} is not 1/0 (true/false, yes/no, on/off)")
+
+
+def _landed_digests(ranges: list[tuple[int, int]]) -> list[int]:
+    """The digests of the pages that landed, as the receiver computes them before its
+    verdict (one function, so that a test can change a byte of what landed first)."""
+    return kvbridge.digest_ranges(ranges)
+
+
 def _note(err: BaseException, text: str) -> None:
     if hasattr(err, "add_note"):
         err.add_note(text)
@@ -158,7 +218,10 @@ class KvbridgeChannel(BaseTransferChannel):
     (``pd_buffer_device: cpu``; LMCache copies between GPU and that arena itself). kvbridge's
     own settings (secret, TLS, transport) come from the ``KVBRIDGE_*`` environment variables;
     ``connect_timeout`` (or ``KVBRIDGE_LMCACHE_CONNECT_TIMEOUT``, default 30 s) bounds how long
-    a first dial waits for a peer's listener.
+    a first dial waits for a peer's listener. ``integrity`` (or
+    ``KVBRIDGE_LMCACHE_INTEGRITY``, default off) digests each page written to a peer that
+    checks too and has the peer check what landed; a page that differs fails the write with
+    ``kvbridge.IntegrityError``.
     """
 
     def __init__(
@@ -175,6 +238,7 @@ class KvbridgeChannel(BaseTransferChannel):
         event_loop: Optional[asyncio.AbstractEventLoop] = None,
         peer_lookup_url: Optional[str] = None,
         connect_timeout: Optional[float] = None,
+        integrity: Optional[bool] = None,
         **_ignored: Any,
     ):
         if device is not None and str(device).split(":")[0] != "cpu":
@@ -196,6 +260,8 @@ class KvbridgeChannel(BaseTransferChannel):
         self.page_size = int(align_bytes)
         self.connect_timeout = _connect_timeout(connect_timeout)
         self.hello_timeout = DEFAULT_HELLO_TIMEOUT
+        self.integrity = _integrity(integrity)
+        self._buffer_ptr = int(buffer_ptr)
 
         listen = _resolve(peer_init_url) if peer_init_url else None
         peer_id = f"lmcache-{role}-tp{tp_rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -203,6 +269,7 @@ class KvbridgeChannel(BaseTransferChannel):
         try:
             # Pages past the last whole page are never named by LMCache.
             length = buffer_size // self.page_size * self.page_size
+            self._arena_len = length
             self._region = self._ch.register(int(buffer_ptr), length, self.page_size)
         except BaseException:
             self._ch.close()
@@ -214,6 +281,13 @@ class KvbridgeChannel(BaseTransferChannel):
         # LMCache ids whose theft was refused and logged (once each), and how many times
         self._refused_ids: set[str] = set()
         self.identity_refusals = 0
+        # Pages checked where they landed, and those that differed from their digest
+        # (counted by the receiver that checked them and the writer told of them); the
+        # peers whose first mismatch was logged.
+        self.integrity_checks = 0
+        self.integrity_failures = 0
+        self._integrity_logged: set[str] = set()
+        self._verdicts: dict[int, concurrent.futures.Future] = {}
         self._nonces = itertools.count(1)
         self._closed = threading.Event()
         self._dispatcher = threading.Thread(
@@ -348,7 +422,7 @@ class KvbridgeChannel(BaseTransferChannel):
         with self._lock:
             self._acks[nonce] = fut
         side_bytes = msgspec.msgpack.encode(side) if side is not None else b""
-        msg = _Hello(nonce=nonce, local_id=local_id, side_msg=side_bytes)
+        msg = _Hello(nonce=nonce, local_id=local_id, side_msg=side_bytes, integrity=self.integrity)
         return _NOTIF_MAGIC + msgspec.msgpack.encode(msg), fut
 
     def _forget_ack(self, fut: concurrent.futures.Future) -> None:
@@ -376,7 +450,9 @@ class KvbridgeChannel(BaseTransferChannel):
                 step="lmcache-init",
             )
         with self._lock:
-            self._peers[peer_id] = _Peer(kb_peer=kb_peer, region=region, addr=addr)
+            self._peers[peer_id] = _Peer(
+                kb_peer=kb_peer, region=region, addr=addr, integrity=ack.integrity
+            )
         logger.info("kvbridge: LMCache peer %s is %s at %s (region %d)", peer_id, kb_peer, addr, region)
         if ack.side_ret:
             return msgspec.msgpack.decode(ack.side_ret, type=SideMsg)
@@ -423,16 +499,25 @@ class KvbridgeChannel(BaseTransferChannel):
             logger.warning("kvbridge: ignoring a foreign notification from %s", kb_peer)
             return
         msg = msgspec.msgpack.decode(data[len(_NOTIF_MAGIC) :], type=_Notif)
+        if isinstance(msg, _Landed):
+            self._check_landed(kb_peer, msg)
+            return
+        if isinstance(msg, _Verdict):
+            with self._lock:
+                fut = self._verdicts.pop(msg.nonce, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+            return
         if isinstance(msg, _HelloAck):
             with self._lock:
                 fut = self._acks.pop(msg.nonce, None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
             return
-        ack = _HelloAck(nonce=msg.nonce)
+        ack = _HelloAck(nonce=msg.nonce, integrity=self.integrity)
         try:
             region = self._arena_of(kb_peer, msg.local_id)
-            self._bind(msg.local_id, kb_peer, region)
+            self._bind(msg.local_id, kb_peer, region, msg.integrity)
             if msg.side_msg:
                 side = msgspec.msgpack.decode(msg.side_msg, type=SideMsg)
                 ack.side_ret = msgspec.msgpack.encode(self.handle_init_side_msg(side))
@@ -440,7 +525,7 @@ class KvbridgeChannel(BaseTransferChannel):
             ack.error = f"{type(e).__name__}: {e}"
         self._ch.notify(kb_peer, _NOTIF_MAGIC + msgspec.msgpack.encode(ack))
 
-    def _bind(self, local_id: str, kb_peer: str, region: int) -> None:
+    def _bind(self, local_id: str, kb_peer: str, region: int, integrity: bool = False) -> None:
         """Binds an announced LMCache id to the kvbridge session that announced it. An id
         stays with its session while that session lives: another peer that holds the secret
         and claims the id (to receive the writes meant for it) is refused, and so is a
@@ -461,7 +546,9 @@ class KvbridgeChannel(BaseTransferChannel):
             self.identity_refusals += 1
             raise PermissionError(f"LMCache id {local_id!r} belongs to another live session")
         with self._lock:
-            self._peers[local_id] = _Peer(kb_peer=kb_peer, region=region, addr=None)
+            self._peers[local_id] = _Peer(
+                kb_peer=kb_peer, region=region, addr=None, integrity=integrity
+            )
 
     def _session_lives(self, kb_peer: str) -> bool:
         try:
@@ -469,6 +556,134 @@ class KvbridgeChannel(BaseTransferChannel):
         except kvbridge.KvbridgeError:
             return False
         return True
+
+    ############################################################
+    # Integrity: digests of written pages, checked where they landed
+    ############################################################
+
+    def _page_ranges(self, pages: list[int]) -> list[tuple[int, int]]:
+        return [(self._buffer_ptr + i * self.page_size, self.page_size) for i in pages]
+
+    def _check_landed(self, kb_peer: str, msg: _Landed) -> None:
+        """The receiver's side: digests what landed in the named pages and answers which
+        differ from the writer's digests (before LMCache is told the pages are there)."""
+        verdict = _Verdict(nonce=msg.nonce)
+        if not self.integrity:
+            verdict.unchecked = True
+            verdict.error = "this receiver does not check (integrity off)"
+        elif len(msg.pages) != len(msg.digests) or any(
+            not 0 <= i < self._region_pages() for i in msg.pages
+        ):
+            verdict.error = f"malformed: {len(msg.pages)} pages, {len(msg.digests)} digests"
+        else:
+            got = _landed_digests(self._page_ranges(msg.pages))
+            verdict.bad = [i for i, a, b in zip(msg.pages, got, msg.digests) if a != b]
+            with self._lock:
+                self.integrity_checks += len(msg.pages)
+                self.integrity_failures += len(verdict.bad)
+                first = bool(verdict.bad) and kb_peer not in self._integrity_logged
+                if first:
+                    self._integrity_logged.add(kb_peer)
+            if first:
+                logger.error(
+                    "kvbridge: %d of %d pages written by %s differ from their digest where "
+                    "they landed (pages %s): the write fails as integrity; further "
+                    "mismatches of this peer are counted (integrity_failures), not logged",
+                    len(verdict.bad), len(msg.pages), kb_peer, verdict.bad[:8],
+                )  # fmt: skip
+        self._ch.notify(kb_peer, _NOTIF_MAGIC + msgspec.msgpack.encode(verdict))
+
+    def _region_pages(self) -> int:
+        return self._arena_len // self.page_size
+
+    def _landed_msg(
+        self, local: list[int], remote: list[int]
+    ) -> tuple[bytes, concurrent.futures.Future]:
+        nonce = next(self._nonces)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._verdicts[nonce] = fut
+        digests = kvbridge.digest_ranges(self._page_ranges(local))
+        msg = _Landed(nonce=nonce, pages=remote, digests=digests)
+        return _NOTIF_MAGIC + msgspec.msgpack.encode(msg), fut
+
+    def _forget_verdict(self, fut: concurrent.futures.Future) -> None:
+        with self._lock:
+            for k, v in list(self._verdicts.items()):
+                if v is fut:
+                    del self._verdicts[k]
+
+    def _judge(self, lmc_peer: str, p: _Peer, verdict: Optional[_Verdict]) -> None:
+        """Raises what a verdict (or its absence: ``None``) means for the write."""
+        if verdict is None:
+            raise kvbridge.Timeout(
+                f"kvbridge.lmcache: LMCache peer {lmc_peer!r} did not answer the integrity "
+                f"check of a write within {self.hello_timeout:g} s",
+                peer=p.kb_peer,
+                step="integrity",
+            )
+        if verdict.unchecked:
+            logger.warning(
+                "kvbridge: LMCache peer %s did not check a write: %s", lmc_peer, verdict.error
+            )
+            return
+        if verdict.error:
+            raise kvbridge.PeerMisbehaved(
+                f"kvbridge.lmcache: LMCache peer {lmc_peer!r} could not check a write: "
+                f"{verdict.error}",
+                peer=p.kb_peer,
+                step="integrity",
+            )
+        if verdict.bad:
+            with self._lock:
+                self.integrity_failures += len(verdict.bad)
+            raise kvbridge.IntegrityError(
+                f"kvbridge.lmcache: {len(verdict.bad)} page(s) written to LMCache peer "
+                f"{lmc_peer!r} differ from their digest ({kvbridge.DIGEST_ALGORITHM}) where "
+                f"they landed: pages {verdict.bad[:8]}",
+                peer=p.kb_peer,
+                pages=verdict.bad,
+            )
+
+    def _write_checked(self, lmc_peer: str, p: _Peer, local: list[int], remote: list[int]) -> None:
+        # The pages are digested while their write is in flight (the GIL released in both);
+        # the digests leave once the write has landed, so they follow it on the session.
+        transfer = self._ch.submit_write_pages(p.kb_peer, self._region, local, p.region, remote)
+        try:
+            msg, fut = self._landed_msg(local, remote)
+        except BaseException:
+            transfer.cancel()
+            raise
+        try:
+            transfer.wait()
+            self._ch.notify(p.kb_peer, msg)
+            try:
+                verdict = fut.result(timeout=self.hello_timeout)
+            except concurrent.futures.TimeoutError:
+                verdict = None
+        finally:
+            self._forget_verdict(fut)
+        self._judge(lmc_peer, p, verdict)
+
+    async def _async_write_checked(
+        self, lmc_peer: str, p: _Peer, local: list[int], remote: list[int]
+    ) -> None:
+        write = self._ch.write_pages_async(p.kb_peer, self._region, local, p.region, remote)
+        try:
+            msg, fut = self._landed_msg(local, remote)  # while the write is in flight
+        except BaseException:
+            write.cancel()
+            raise
+        try:
+            await write
+            await self._ch.notify_async(p.kb_peer, msg)
+            try:
+                verdict = await asyncio.wait_for(asyncio.wrap_future(fut), self.hello_timeout)
+            except asyncio.TimeoutError:
+                verdict = None
+        finally:
+            self._forget_verdict(fut)
+        self._judge(lmc_peer, p, verdict)
 
     ############################################################
     # Pages
@@ -532,7 +747,13 @@ class KvbridgeChannel(BaseTransferChannel):
         return self._readopt(lmc_peer, p, kb_peer)
 
     def _readopt(self, lmc_peer: str, p: _Peer, kb_peer: str) -> _Peer:
-        fresh = _Peer(kb_peer=kb_peer, region=self._arena_of(kb_peer, lmc_peer), addr=p.addr)
+        # A new incarnation at the same address is taken to check as the old one did.
+        fresh = _Peer(
+            kb_peer=kb_peer,
+            region=self._arena_of(kb_peer, lmc_peer),
+            addr=p.addr,
+            integrity=p.integrity,
+        )
         with self._lock:
             self._peers[lmc_peer] = fresh
         logger.info("kvbridge: LMCache peer %s redialed: %s -> %s", lmc_peer, p.kb_peer, kb_peer)
@@ -549,17 +770,24 @@ class KvbridgeChannel(BaseTransferChannel):
         lmc_peer, local, remote = self._plan(objects, transfer_spec, id_key)
         p = self._peer_for(lmc_peer)
         step = "write" if write else "read"
-        op = self._ch.write_pages if write else self._ch.read_pages
+        plain = self._ch.write_pages if write else self._ch.read_pages
+
+        def op(p: _Peer) -> None:
+            if write and self.integrity and p.integrity:
+                self._write_checked(lmc_peer, p, local, remote)
+            else:
+                plain(p.kb_peer, self._region, local, p.region, remote)
+
         try:
             if p.lost:
                 p = self._redial(lmc_peer, p)
             try:
-                op(p.kb_peer, self._region, local, p.region, remote)
+                op(p)
             except kvbridge.UnknownPeer:
                 # No session to that incarnation any more (nothing of this batch moved):
                 # dial once; a peer that answers again is a new incarnation.
                 p = self._redial(lmc_peer, p)
-                op(p.kb_peer, self._region, local, p.region, remote)
+                op(p)
         except kvbridge.KvbridgeError as e:
             self._failed(lmc_peer, p, e, step)
             raise
@@ -573,15 +801,22 @@ class KvbridgeChannel(BaseTransferChannel):
         lmc_peer, local, remote = self._plan(objects, transfer_spec, id_key)
         p = self._peer_for(lmc_peer)
         step = "write" if write else "read"
-        op = self._ch.write_pages_async if write else self._ch.read_pages_async
+        plain = self._ch.write_pages_async if write else self._ch.read_pages_async
+
+        async def op(p: _Peer) -> None:
+            if write and self.integrity and p.integrity:
+                await self._async_write_checked(lmc_peer, p, local, remote)
+            else:
+                await plain(p.kb_peer, self._region, local, p.region, remote)
+
         try:
             if p.lost:
                 p = await self._async_redial(lmc_peer, p)
             try:
-                await op(p.kb_peer, self._region, local, p.region, remote)
+                await op(p)
             except kvbridge.UnknownPeer:
                 p = await self._async_redial(lmc_peer, p)
-                await op(p.kb_peer, self._region, local, p.region, remote)
+                await op(p)
         except kvbridge.KvbridgeError as e:
             self._failed(lmc_peer, p, e, step)
             raise
@@ -626,7 +861,8 @@ class KvbridgeChannel(BaseTransferChannel):
         self._ch.close()
         self._dispatcher.join(timeout=2.0)
         with self._lock:
-            for fut in self._acks.values():
+            for fut in [*self._acks.values(), *self._verdicts.values()]:
                 if not fut.done():
                     fut.cancel()
             self._acks.clear()
+            self._verdicts.clear()

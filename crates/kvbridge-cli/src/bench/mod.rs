@@ -1,5 +1,6 @@
 //! `kvbridge bench …`: benchmarks that run initiator and listener in two processes.
 
+pub mod digest;
 pub mod grant;
 pub mod handshake;
 pub mod notify;
