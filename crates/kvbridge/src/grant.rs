@@ -23,7 +23,9 @@
 //! (`Channel::read_with_grant`); an op on a confined direction is admitted when it lies
 //! wholly inside the windows of the token the batch names that allow that direction, or
 //! else wholly inside the peer's own; otherwise the batch is refused with `AccessDenied`
-//! (counted in `Stats::access_denied`, the first refusal of each peer logged at WARN). The
+//! (counted in `Stats::access_denied`, the first refusal of each peer logged at WARN). A
+//! write so refused ends the session; a read does not (it carries no payload: nothing is
+//! left on the connection, and the peer's other batches go on). The
 //! table records which authenticated peers (the session's id, never a claim of a message)
 //! had a batch admitted through a token's windows (`Channel::token_users`), so an
 //! application can take a request's "done" only from the peers that read under its grant.
