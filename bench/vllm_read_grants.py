@@ -52,6 +52,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--blocks", type=int, default=64)
+    # both prefillers with read grants off: what the two instances differ by alone (the
+    # "on" figures are then a second "off" prefiller's)
+    ap.add_argument("--aa", action="store_true")
     a = ap.parse_args()
     os.environ["KVBRIDGE_CMA"] = "0"
     base = {"kvbridge_transport": "tcp", "kvbridge_integrity": False}
@@ -62,7 +65,7 @@ def main() -> int:
     blocks = list(range(0, half, 2)) + list(range(half, half + half // 2))
     ps = {
         on: make_worker("kv_producer", caches(a.blocks, seed=1), engine_id=f"P{int(on)}",
-                        extra={**base, "kvbridge_read_grants": on}, **shape)  # fmt: skip
+                        extra={**base, "kvbridge_read_grants": on and not a.aa}, **shape)  # fmt: skip
         for on in (True, False)
     }
     d = make_worker("kv_consumer", caches(a.blocks, None), engine_id="D", extra=base, **shape)
@@ -92,7 +95,10 @@ def main() -> int:
                 frees[on].append(time.perf_counter() - t0)
             print(f"round {r}: grants on {took[True][-1] * 1e3:.2f} ms, off {took[False][-1] * 1e3:.2f} ms")
         s_on, s_off = ps[True].channel.stats(), ps[False].channel.stats()
-        if s_on["access_denied"] or len(ps[True]._read_grants) or s_on["cma_batches"] or s_off["cma_batches"]:
+        if a.aa != (ps[True]._read_grants is None) or s_on["access_denied"] or s_on["cma_batches"] or s_off["cma_batches"]:
+            print(f"FAILED: grants on {s_on}, off {s_off}", file=sys.stderr)
+            return 1
+        if ps[True]._read_grants is not None and len(ps[True]._read_grants):
             print(f"FAILED: grants on {s_on}, off {s_off}", file=sys.stderr)
             return 1
     finally:
@@ -101,6 +107,8 @@ def main() -> int:
     mib = len(blocks) * len(LAYERS)
     on, off = statistics.median(took[True]), statistics.median(took[False])
     runs = len(range(0, half, 2)) + 1
+    if a.aa:
+        print("A/A: both prefillers with read grants OFF; 'on' is the first prefiller, 'off' the second")
     print(f"transport tcp, {a.rounds} loads each of {len(blocks)} blocks ({runs} runs) x {len(LAYERS)} layers ({mib} MiB)")
     print(f"load, grants on: {ms(took[True])}")
     print(f"load, grants off: {ms(took[False])}")
