@@ -55,6 +55,10 @@ def main() -> int:
     # both prefillers with read grants off: what the two instances differ by alone (the
     # "on" figures are then a second "off" prefiller's)
     ap.add_argument("--aa", action="store_true")
+    # the prefiller with grants off made first (by default the one with them on is): an
+    # A/A run showed the two instances differ by themselves, so a pair of runs, one each
+    # way, cancels what comes of the order they were made in
+    ap.add_argument("--swap", action="store_true")
     a = ap.parse_args()
     os.environ["KVBRIDGE_CMA"] = "0"
     base = {"kvbridge_transport": "tcp", "kvbridge_integrity": False}
@@ -66,7 +70,7 @@ def main() -> int:
     ps = {
         on: make_worker("kv_producer", caches(a.blocks, seed=1), engine_id=f"P{int(on)}",
                         extra={**base, "kvbridge_read_grants": on and not a.aa}, **shape)  # fmt: skip
-        for on in (True, False)
+        for on in ((False, True) if a.swap else (True, False))
     }
     d = make_worker("kv_consumer", caches(a.blocks, None), engine_id="D", extra=base, **shape)
     took: dict[bool, list[float]] = {True: [], False: []}
@@ -107,6 +111,7 @@ def main() -> int:
     mib = len(blocks) * len(LAYERS)
     on, off = statistics.median(took[True]), statistics.median(took[False])
     runs = len(range(0, half, 2)) + 1
+    print(f"prefillers made in the order: {'off, on' if a.swap else 'on, off'}")
     if a.aa:
         print("A/A: both prefillers with read grants OFF; 'on' is the first prefiller, 'off' the second")
     print(f"transport tcp, {a.rounds} loads each of {len(blocks)} blocks ({runs} runs) x {len(LAYERS)} layers ({mib} MiB)")
