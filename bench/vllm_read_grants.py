@@ -99,7 +99,8 @@ def main() -> int:
                 frees[on].append(time.perf_counter() - t0)
             print(f"round {r}: grants on {took[True][-1] * 1e3:.2f} ms, off {took[False][-1] * 1e3:.2f} ms")
         s_on, s_off = ps[True].channel.stats(), ps[False].channel.stats()
-        if a.aa != (ps[True]._read_grants is None) or s_on["access_denied"] or s_on["cma_batches"] or s_off["cma_batches"]:
+        confined = ps[True]._read_grants is not None
+        if a.aa == confined or s_on["access_denied"] or s_on["cma_batches"] or s_off["cma_batches"]:
             print(f"FAILED: grants on {s_on}, off {s_off}", file=sys.stderr)
             return 1
         if ps[True]._read_grants is not None and len(ps[True]._read_grants):
@@ -114,7 +115,10 @@ def main() -> int:
     print(f"prefillers made in the order: {'off, on' if a.swap else 'on, off'}")
     if a.aa:
         print("A/A: both prefillers with read grants OFF; 'on' is the first prefiller, 'off' the second")
-    print(f"transport tcp, {a.rounds} loads each of {len(blocks)} blocks ({runs} runs) x {len(LAYERS)} layers ({mib} MiB)")
+    print(
+        f"transport tcp, {a.rounds} loads each of {len(blocks)} blocks ({runs} runs) x {len(LAYERS)} layers "
+        f"({mib} MiB)"
+    )
     print(f"load, grants on: {ms(took[True])}")
     print(f"load, grants off: {ms(took[False])}")
     ratios = sorted(x / y for x, y in zip(took[True], took[False]))
@@ -123,7 +127,8 @@ def main() -> int:
         f"{statistics.median(ratios):.4f}; per round {ratios[0]:.3f}..{ratios[-1]:.3f}"
     )
     print(f"prefiller's hold (start_load_kv), grants on: {ms(opens[True])}; off: {ms(opens[False])}")
-    print(f"prefiller's free (from the decoder's load end to get_finished), on: {ms(frees[True])}; off: {ms(frees[False])}")
+    print(f"prefiller's free (from the decoder's load end to get_finished), on: {ms(frees[True])}; "
+          f"off: {ms(frees[False])}")  # fmt: skip
     return 0
 
 
