@@ -130,10 +130,15 @@ def test_once_the_request_is_freed_its_grant_reads_nothing(workers):
 
 def test_a_request_freed_by_its_lease_closes_its_grant(workers):
     p = workers("kv_producer", kv_caches(seed=14), extra=GRANTS)
+    d_cache = kv_caches(seed=None)
+    d = workers("kv_consumer", d_cache, engine_id="D")
     hold(p, "p-1", [1], lease_s=0.3)
     assert len(p._read_grants) == 1
     poll(p, want_sending={"p-1"})
     assert p.stats["leases_expired"] == 1 and len(p._read_grants) == 0
+    before = p.channel.stats()["access_denied"]
+    assert not load(d, "d-1", job(p, [2], [1]))
+    assert not landed(d_cache, [2]) and p.channel.stats()["access_denied"] > before
 
 
 def test_a_read_before_the_request_is_held_is_refused_then_read_again(workers):
