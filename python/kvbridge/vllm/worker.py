@@ -38,7 +38,7 @@ from .metadata import KvbridgeConnectorMetadata, RecvJob
 from .notice_loop import NoticeLoop
 from .read_grants import ReadGrants
 from .staging import CopyBlocksOp, HostStaging, StagingError, needs_staging
-from .stats import TRANSPORT_COUNTERS
+from .stats import REFUSAL_COUNTERS, TRANSPORT_COUNTERS
 from .stats import zero as zero_stats
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,8 @@ LOAD_THREADS = 4
 #: channel's counters. Such a read answers in well under a millisecond; one that did not
 #: answer in 20 s failed a CI run, cause not found.
 LEASE_READ_STALL_S = 2.0
+#: Seconds between asking the channel's counts when no other counter changed.
+CHANNEL_COUNTS_EVERY_S = 1.0
 #: Lease slots: one per load thread, and spares for the slots of reads given up.
 LEASE_SLOTS = 4 * LOAD_THREADS
 #: Digest scratch slots (digests.py), as the lease slots: one per load thread and spares,
@@ -291,6 +293,7 @@ class KvbridgeWorker:
         # cumulative counters (stats.COUNTERS); vLLM gets the change since its last report
         self.stats: dict[str, int | float] = zero_stats()
         self._reported: dict[str, int | float] = zero_stats()
+        self._channel_counted = 0.0  # when the channel's counts were last asked (monotonic)
 
     # ---- registration -------------------------------------------------------------------
 
@@ -1374,11 +1377,17 @@ class KvbridgeWorker:
 
     def stats_since_last_report(self) -> dict[str, int | float] | None:
         """The counters' change since the previous call; None when nothing changed."""
+        # the channel's own counts (which way it carried the batches, the batches it
+        # refused), asked when something else changed, else at most once a second (vLLM
+        # calls this every step; a prefiller's refusals change nothing else)
+        now = time.monotonic()
+        if now - self._channel_counted >= CHANNEL_COUNTS_EVERY_S or any(
+            v != self._reported.get(k, 0) for k, v in self.stats.items()
+        ):
+            self._channel_counted = now
+            self._count_transports()
         if all(v == self._reported.get(k, 0) for k, v in self.stats.items()):
             return None
-        # which way the channel carried the batches, asked only when something happened
-        # (vLLM calls this every step)
-        self._count_transports()
         delta = {k: v - self._reported.get(k, 0) for k, v in self.stats.items()}
         self._reported = dict(self.stats)
         return delta
@@ -1391,7 +1400,7 @@ class KvbridgeWorker:
             counts = channel.stats()
         except kvbridge.KvbridgeError:
             return
-        for key in TRANSPORT_COUNTERS:
+        for key in (*TRANSPORT_COUNTERS, *REFUSAL_COUNTERS):
             self.stats[key] = counts.get(key, 0)
 
     def take_failed_recving(self) -> set[str]:

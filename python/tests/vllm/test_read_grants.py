@@ -82,8 +82,9 @@ def test_a_peer_without_the_grant_reads_nothing_and_its_session_goes_on(workers)
     assert not load(insider, "i-2", job(p, [2, 4], [1, 3], grant=""))
     assert insider.stats["loads_failed_refused"] == 2
     assert not landed(i_cache, [2, 4]), "a refused read landed"
-    # counted where the prefiller can count it
+    # counted where the prefiller can count it: its channel, and the counters it hands vLLM
     assert p.channel.stats()["access_denied"] >= 2
+    assert p.stats_since_last_report()["access_denied"] >= 2
     # a refused read under a grant ends no session
     assert load(insider, "i-3", job(p, [6], [5], req="p-2", grant=OTHER))
     assert torch.equal(i_cache[LAYERS[0]][6], p_cache[LAYERS[0]][5])
