@@ -852,7 +852,8 @@ impl PyChannel {
     /// is sent. The region's owner checks each op of a peer's batch where it does the copy
     /// (TCP): an op in a confined direction passes only inside windows open to the token
     /// the batch names or to the peer itself; anything else raises ``Rejected`` with code
-    /// ``AccessDenied`` on the peer's side and ends its session. Raises ``InvalidOp`` when
+    /// ``AccessDenied`` on the peer's side (a write also ends its session; a read does
+    /// not: it carries no payload, and the peer's other transfers go on). Raises ``InvalidOp`` when
     /// the region is not registered, the range is empty or outside it, it overlaps a window
     /// open to the same holder, or the region confines neither direction ``access`` names.
     #[pyo3(signature = (region, offset, length, *, peer=None, token=None, access))]

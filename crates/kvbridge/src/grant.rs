@@ -23,7 +23,9 @@
 //! (`Channel::read_with_grant`); an op on a confined direction is admitted when it lies
 //! wholly inside the windows of the token the batch names that allow that direction, or
 //! else wholly inside the peer's own; otherwise the batch is refused with `AccessDenied`
-//! (counted in `Stats::access_denied`, the first refusal of each peer logged at WARN). The
+//! (counted in `Stats::access_denied`, the first refusal of each peer logged at WARN). A
+//! write so refused ends the session; a read does not (it carries no payload: nothing is
+//! left on the connection, and the peer's other batches go on). The
 //! table records which authenticated peers (the session's id, never a claim of a message)
 //! had a batch admitted through a token's windows (`Channel::token_users`), so an
 //! application can take a request's "done" only from the peers that read under its grant.
@@ -476,17 +478,22 @@ struct DenialLog {
 impl DenialLog {
     const MAX_PEERS: usize = 4096;
 
-    fn note(&self, peer: &PeerId, message: &str) {
+    fn note(&self, peer: &PeerId, message: &str, ends_session: bool) {
         self.count.fetch_add(1, Ordering::Relaxed);
         let first = {
             let mut w = self.warned.lock().unwrap_or_else(|p| p.into_inner());
             w.len() < Self::MAX_PEERS && w.insert(peer.clone())
         };
+        let outcome = if ends_session {
+            "its session ended"
+        } else {
+            "its session goes on"
+        };
         if first {
-            tracing::warn!(%peer, "a batch refused (AccessDenied), its session ended: {message} \
+            tracing::warn!(%peer, "a batch refused (AccessDenied), {outcome}: {message} \
                 (later refusals of this peer are logged at debug and counted in Stats::access_denied)");
         } else {
-            tracing::debug!(%peer, "a batch refused (AccessDenied): {message}");
+            tracing::debug!(%peer, "a batch refused (AccessDenied), {outcome}: {message}");
         }
     }
 }
@@ -732,9 +739,9 @@ impl RegionTable {
     }
 
     /// Counts a batch of `peer` refused for a mode or windows, and logs the first of each
-    /// peer at WARN.
-    pub(crate) fn note_denied(&self, peer: &PeerId, message: &str) {
-        self.denials.note(peer, message);
+    /// peer at WARN (saying whether the refusal `ends_session`).
+    pub(crate) fn note_denied(&self, peer: &PeerId, message: &str, ends_session: bool) {
+        self.denials.note(peer, message, ends_session);
     }
 
     /// Batches refused for a mode or windows since the channel started.

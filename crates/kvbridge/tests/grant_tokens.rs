@@ -77,7 +77,8 @@ async fn reconnect(me: &Channel, owner: &Channel) -> PeerId {
 /// The prefiller's case on every transport: its KV is read-only with reads confined to
 /// windows; the decoder reads the request's pages under the token, byte for byte, over TCP
 /// whatever the transport (the region is not offered for direct copies); without the
-/// token, outside its window, and after it closed, the read is refused and nothing lands.
+/// token, outside its window, and after it closed, the read is refused and nothing lands,
+/// and the session goes on (a refused read moves nothing: it ends no session).
 async fn token_windows_hold(t: Carrier) {
     let cfg = |c: &mut kvbridge::ChannelConfig| t.apply(c);
     let (pre, _own) = listener("prefill-0", cfg, PAGE, PAGE).await;
@@ -121,7 +122,6 @@ async fn token_windows_hold(t: Carrier) {
     );
     assert!(page_of(&dst, 5) == zero, "a refused read landed");
     // The token, one page past its window.
-    let p = reconnect(&dec, &pre).await;
     assert_denied(
         dec.read_with_grant(&p, tok, &ops(&dst, &kv, &[(5, 4), (6, 5)]))
             .await,
@@ -131,7 +131,6 @@ async fn token_windows_hold(t: Carrier) {
     );
     assert!(page_of(&dst, 5) == zero && page_of(&dst, 6) == zero);
     // After the close.
-    let p = reconnect(&dec, &pre).await;
     let closed = pre.close_token(&tok).unwrap();
     assert_eq!(closed.users, vec![peer("decode-0")]);
     assert!(closed.drain.is_drained());
@@ -143,11 +142,99 @@ async fn token_windows_hold(t: Carrier) {
         "grant token",
     );
     assert!(page_of(&dst, 5) == zero);
-    assert_eq!(pre.stats().await.unwrap().access_denied, 3);
+    let s = pre.stats().await.unwrap();
+    assert_eq!(
+        (s.access_denied, s.sessions_ended, s.established),
+        (3, 0, 1)
+    );
+    assert_eq!(dec.stats().await.unwrap().sessions_ended, 0);
     assert!(pre.token_users(&tok).is_empty());
 }
 
 per_transport!(token_windows_hold_per_transport, super::token_windows_hold);
+
+/// A read refused for its windows ends no session: racing it on the same session, the
+/// decoder's reads under its token complete byte for byte, while the refused ones (outside
+/// the token's window, under another token, without a token) fail with `AccessDenied`,
+/// nothing of them landing; the session is still the same afterwards and serves again. A
+/// refused write (its payload follows its header) still ends the session.
+async fn a_refused_read_ends_no_session(t: Carrier) {
+    let cfg = |c: &mut kvbridge::ChannelConfig| t.apply(c);
+    let (pre, _own) = listener("prefill-0", cfg, PAGE, PAGE).await;
+    let kv = kv_region(t.raw, 17);
+    pre.register(&kv, Grant::AllPeers.read_only().reads_in_windows())
+        .unwrap();
+    let tok = new_grant_token();
+    pre.open_token_window(kv.id(), &tok, 0, 4 * PAGE as u64, Access::ReadOnly)
+        .unwrap();
+    let (dec, dst) = initiator("decode-0", cfg, PAGES * PAGE, PAGE).await;
+    let p = dec.connect(&addr(&pre)).await.unwrap();
+    let read = |grant: Option<GrantToken>, pages: Vec<(usize, u64)>| {
+        let (dec, p, o) = (dec.clone(), p.clone(), ops(&dst, &kv, &pages));
+        tokio::spawn(async move {
+            match grant {
+                Some(g) => dec.read_with_grant(&p, g, &o).await,
+                None => dec.read(&p, &o).await,
+            }
+        })
+    };
+    let mut good = Vec::new();
+    let mut bad = Vec::new();
+    for (i, (grant, page)) in [(Some(tok), 5u64), (Some(new_grant_token()), 0), (None, 1)]
+        .into_iter()
+        .enumerate()
+    {
+        good.push(read(Some(tok), vec![(i, i as u64)]));
+        bad.push((i, read(grant, vec![(5 + i, page)])));
+    }
+    good.push(read(Some(tok), vec![(3, 3)]));
+    for g in good {
+        g.await.unwrap().expect("a read inside the token's window");
+    }
+    for (i, b) in bad {
+        let needle = if i == 2 { "for reading" } else { "grant token" };
+        assert_denied(b.await.unwrap(), "prefill-0", Step::Read, needle);
+    }
+    let zero = vec![0u8; PAGE];
+    for i in 0..4 {
+        assert!(page_of(&dst, i) == page_of(&kv, i), "page {i} differs");
+    }
+    for i in 5..8 {
+        assert!(
+            page_of(&dst, i) == zero,
+            "a refused read landed in page {i}"
+        );
+    }
+    let s = pre.stats().await.unwrap();
+    assert_eq!(
+        (s.access_denied, s.sessions_ended, s.established),
+        (3, 0, 1)
+    );
+    assert_eq!(dec.stats().await.unwrap().sessions_ended, 0);
+    // The same session serves again.
+    dec.read_with_grant(&p, tok, &ops(&dst, &kv, &[(4, 2)]))
+        .await
+        .unwrap();
+    assert!(page_of(&dst, 4) == page_of(&kv, 2));
+    assert_eq!(pre.token_users(&tok), vec![peer("decode-0")]);
+    // A refused write still ends the session.
+    assert_denied(
+        dec.write(&p, &ops(&dst, &kv, &[(0, 6)])).await,
+        "prefill-0",
+        Step::Write,
+        "writes refused",
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while pre.stats().await.unwrap().sessions_ended == 0 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(pre.stats().await.unwrap().sessions_ended, 1);
+}
+
+per_transport!(
+    a_refused_read_ends_no_session_per_transport,
+    super::a_refused_read_ends_no_session
+);
 
 /// Two decoders that hold the token (and the secret) both read under it and are both its
 /// users, by the ids their sessions authenticated; a third with another token is refused
@@ -306,7 +393,8 @@ async fn closing_a_token_window_drains_the_reads_it_admitted() {
 
 /// A peer written by hand, which says what it likes in its frames: the owner checks the
 /// token it names and records the session's own id as the user, whatever the peer claims;
-/// a token that is not 16 bytes ends the session before anything is read.
+/// a refused read leaves the connection open; a token that is not 16 bytes ends the
+/// session before anything is read.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hand_written_peer_gets_exactly_what_the_token_opens() {
     let (pre, _own) = listener(
@@ -348,10 +436,11 @@ async fn a_hand_written_peer_gets_exactly_what_the_token_opens() {
             }
             other => panic!("{case}: {other:?}"),
         }
-        // Nothing follows the refusal: the session ends.
+        // Nothing follows the refusal, and the connection stays open: a refused read
+        // ends no session.
         let mut b = [0u8; 1];
-        let r = tokio::time::timeout(Duration::from_secs(5), data.read(&mut b)).await;
-        assert!(matches!(r, Ok(Ok(0)) | Ok(Err(_))), "{case}: {r:?}");
+        let r = tokio::time::timeout(Duration::from_millis(300), data.read(&mut b)).await;
+        assert!(r.is_err(), "{case}: {r:?}");
     }
     assert!(pre.token_users(&tok).is_empty());
 

@@ -45,6 +45,10 @@ class ConnectorSettings:
     # unchecked one (bench/vllm_integrity.py, docs/vllm.md), above the 3% that would make
     # it the default
     integrity: bool = False
+    # kvbridge_read_grants, a prefiller's: reads of its KV cache confined to each held
+    # request's blocks, for the holder of that request's grant (read_grants.py). Off by
+    # default; such reads go over TCP, also between processes of one host
+    read_grants: bool = False
 
 
 def _number(extra: dict[str, Any], key: str, default: float) -> float:
@@ -117,4 +121,5 @@ def settings_from(vllm_config: Any) -> ConnectorSettings:
         transport=extra.get("kvbridge_transport"),
         kv_buffer_device=getattr(ktc, "kv_buffer_device", None),
         integrity=_flag(extra, "kvbridge_integrity", False),
+        read_grants=_flag(extra, "kvbridge_read_grants", False),
     )

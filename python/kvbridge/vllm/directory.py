@@ -31,6 +31,9 @@ class Peer:
     # offers none (kvbridge_integrity off there, or a cache not in host memory)
     digests: int | None = None
     digest_chunk_bytes: int = 0
+    # its reads are confined to each request's grant (read_grants.py): a load names the
+    # request's grant to it (and so reads over TCP)
+    read_grants: bool = False
 
 
 def parse_directory(peer_id: str, doc: dict) -> Peer:
@@ -61,6 +64,7 @@ def parse_directory(peer_id: str, doc: dict) -> Peer:
         layout,
         rows,
         chunk,
+        doc.get("read_grants") is True,
     )
 
 

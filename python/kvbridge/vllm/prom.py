@@ -73,6 +73,11 @@ SERIES = {
     "shm_batches": ("vllm:kvbridge_shm_batches", "kvbridge batches a worker copied through mapped shared memory."),
     "cma_batches": ("vllm:kvbridge_cma_batches", "kvbridge batches a worker copied with cross-memory attach."),
     "ucx_batches": ("vllm:kvbridge_ucx_batches", "kvbridge batches UCX carried for a worker (transport ucx)."),
+    "access_denied": (
+        "vllm:kvbridge_access_denied",
+        "Peers' kvbridge batches a worker refused for an access mode or windows (kvbridge_read_grants: "
+        "reads outside the blocks of a request whose grant they named).",
+    ),
 }
 FAILURES = ("vllm:kvbridge_load_failures", "Decoder loads that failed, by cause.")
 

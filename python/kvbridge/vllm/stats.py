@@ -28,6 +28,9 @@ FAILURE_CAUSES = (
 #: The worker's kvbridge channel's own counts: batches it copied through mapped shared memory,
 #: through cross-memory attach, and batches UCX carried (the rest went over TCP).
 TRANSPORT_COUNTERS = ("shm_batches", "cma_batches", "ucx_batches")
+#: The worker's channel's refusals of peers' batches for an access mode or windows: on a
+#: prefiller with kvbridge_read_grants, reads outside the request a grant opens (read_grants.py).
+REFUSAL_COUNTERS = ("access_denied",)
 
 #: Every counter, in the order they are logged.
 COUNTERS = (
@@ -47,6 +50,7 @@ COUNTERS = (
     "notices_refused",
     "saves_failed",
     *TRANSPORT_COUNTERS,
+    *REFUSAL_COUNTERS,
 )
 
 

@@ -36,8 +36,9 @@ from .lease_table import state as lease_state
 from .load_requests import STALE_S, InboxAddress, LoadRequestInbox
 from .metadata import KvbridgeConnectorMetadata, RecvJob
 from .notice_loop import NoticeLoop
+from .read_grants import ReadGrants
 from .staging import CopyBlocksOp, HostStaging, StagingError, needs_staging
-from .stats import TRANSPORT_COUNTERS
+from .stats import REFUSAL_COUNTERS, TRANSPORT_COUNTERS
 from .stats import zero as zero_stats
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,8 @@ LOAD_THREADS = 4
 #: channel's counters. Such a read answers in well under a millisecond; one that did not
 #: answer in 20 s failed a CI run, cause not found.
 LEASE_READ_STALL_S = 2.0
+#: Seconds between asking the channel's counts when no other counter changed.
+CHANNEL_COUNTS_EVERY_S = 1.0
 #: Lease slots: one per load thread, and spares for the slots of reads given up.
 LEASE_SLOTS = 4 * LOAD_THREADS
 #: Digest scratch slots (digests.py), as the lease slots: one per load thread and spares,
@@ -235,6 +238,7 @@ class KvbridgeWorker:
         # memory; the prefiller's rows; the decoder's scratch for the rows it reads
         self._bases: dict[str, int] = {}
         self._digests: digests.DigestTable | None = None
+        self._digests_region: int | None = None
         self._digest_scratch = bytearray()
         self._digest_scratch_region: int | None = None
         self._digest_slots: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -272,6 +276,8 @@ class KvbridgeWorker:
         self._dones = done_notices.DoneCounts(settings.lease_s)
         # prefiller: the grant of each request held here (done_notices.py), until it is freed
         self._grants: dict[str, str] = {}
+        # prefiller with kvbridge_read_grants: the read windows of held requests
+        self._read_grants: ReadGrants | None = None
         self._forged_from: set[str] = set()
         # this rank's KV cache description (layout.py), set at registration
         self.layout: RankLayout | None = None
@@ -287,6 +293,7 @@ class KvbridgeWorker:
         # cumulative counters (stats.COUNTERS); vLLM gets the change since its last report
         self.stats: dict[str, int | float] = zero_stats()
         self._reported: dict[str, int | float] = zero_stats()
+        self._channel_counted = 0.0  # when the channel's counts were last asked (monotonic)
 
     # ---- registration -------------------------------------------------------------------
 
@@ -349,13 +356,29 @@ class KvbridgeWorker:
                     continue
                 # decoders read a prefiller's blocks and never write them: over TCP the
                 # prefiller refuses a write; a same-host decoder that copies by itself
-                # (cross-memory attach) is trusted as a process of the same user is
-                rid = self.channel.register(ptr, t.shape[0] * page, page, access="read", direct_copies=True)
+                # (cross-memory attach) is trusted as a process of the same user is. With
+                # read grants, reads only inside a held request's windows, all over TCP
+                # (read_grants.py)
+                confined = self.settings.read_grants
+                rid = self.channel.register(
+                    ptr,
+                    t.shape[0] * page,
+                    page,
+                    access="read",
+                    direct_copies=not confined,
+                    windows="read" if confined else None,
+                )
                 by_ptr[ptr] = _Layer(name, rid, page)
                 self.layers.append(by_ptr[ptr])
             entries = {layer.name: str(layer.region) for layer in self.layers}
             leases = self.channel.register_buffer(self._lease_table.memory, LEASE_PAGE_BYTES, access="read")
             integrity = self._register_digests(pending)
+            if self.settings.read_grants:
+                confined = {layer.region: layer.page_bytes for layer in self.layers}
+                if self._digests is not None and self._digests_region is not None:
+                    confined[self._digests_region] = self._digests.chunks * digests.ROW_BYTES
+                blocks = int(pending[0][1].shape[0]) if pending else 0
+                self._read_grants = ReadGrants(self.channel, list(confined.items()), blocks)
             doc = {
                 "layers": entries,
                 "leases": str(leases),
@@ -367,6 +390,7 @@ class KvbridgeWorker:
                 "dtype": self.layout.dtype,
                 "why_not": self.layout.why_not,
                 "token_rows": self.layout.token_rows,
+                "read_grants": self.settings.read_grants,
                 **integrity,
             }
             body = DIRECTORY_MAGIC + json.dumps(doc).encode()
@@ -383,6 +407,7 @@ class KvbridgeWorker:
             self.staging = None
             self._digests = None
             self._digest_scratch_region = None
+            self._read_grants = None
             raise
         self.listen_addr = self.channel.local_addr
         log.info(
@@ -412,10 +437,17 @@ class KvbridgeWorker:
         out: dict = {}
         if self.settings.is_producer:
             self._digests = digests.DigestTable(int(first.shape[0]), chunks, page)
-            # reached as the KV is (direct copies, UCX): its rows come in the KV's batches
+            # reached as the KV is (direct copies, UCX; with read grants only inside the
+            # windows of a held request, read_grants.py): its rows come in the KV's batches
+            confined = self.settings.read_grants
             rows = self.channel.register_buffer(
-                self._digests.memory, digests.ROW_BYTES, access="read", direct_copies=True
+                self._digests.memory,
+                digests.ROW_BYTES,
+                access="read",
+                direct_copies=not confined,
+                windows="read" if confined else None,
             )
+            self._digests_region = rows
             out = {
                 "digests": str(rows),
                 "digest_chunk_bytes": self._digests.chunk_bytes,
@@ -482,6 +514,8 @@ class KvbridgeWorker:
                 continue  # not on the host: start_load_kv frees it when it finishes
             if not self._record_digests(req_id, meta.hold_blocks.get(req_id)):
                 continue  # never held: its decoder's load fails, the blocks are freed
+            if not self._open_reads(req_id, meta.hold_blocks.get(req_id)):
+                continue  # likewise
             if self._lease_table.hold(req_id):
                 self._held_early[req_id] = now
                 log.info("kvbridge: request %s held for its decoder (prompt computed)", req_id)
@@ -503,6 +537,28 @@ class KvbridgeWorker:
             return False
         return True
 
+    def _open_reads(self, req_id: str, blocks: list[int] | None) -> bool:
+        """With read grants, opens the request's blocks to its grant, before it is marked
+        held (a decoder that finds it held can read them); False (and logged) when they
+        cannot be opened: it is not held, and its decoder's load fails."""
+        if self._read_grants is None:
+            return True
+        try:
+            grant = self._grants.get(req_id)
+            if grant is None or blocks is None:
+                raise ValueError("the scheduler named no grant or no blocks for it")
+            self._read_grants.open(req_id, grant, blocks)
+        except (kvbridge.KvbridgeError, ValueError) as e:
+            self._lease_table.end(req_id)
+            log.error("kvbridge: request %s: its blocks were not opened to its grant (%s); not offered", req_id, e)
+            return False
+        return True
+
+    def _close_reads(self, req_id: str) -> None:
+        """Closes the request's windows (read_grants.py): before its blocks go back to vLLM."""
+        if self._read_grants is not None:
+            self._read_grants.close(req_id)
+
     def _unmarked(self, req_id: str) -> None:
         self.stats["leases_unmarked"] += 1
         log.warning(
@@ -522,11 +578,13 @@ class KvbridgeWorker:
             self._held_early.pop(req_id, None)
             self._grants.pop(req_id, None)
             self._saved.discard(req_id)
+            self._close_reads(req_id)
             self._lease_table.end(req_id)
             log.info("kvbridge: request %s ended without a delayed free: unmarked", req_id)
         for req_id, since in list(self._held_early.items()):
             if req_id not in meta.reqs_to_send and now - since > self.settings.lease_s:
                 del self._held_early[req_id]
+                self._close_reads(req_id)
                 self._lease_table.end(req_id)
                 log.warning(
                     "kvbridge: request %s marked held %.0f s ago and not finished: unmarked", req_id, now - since
@@ -550,6 +608,8 @@ class KvbridgeWorker:
             if self._held_early.pop(req_id, None) is not None:
                 continue
             if not self._record_digests(req_id, meta.hold_blocks.get(req_id)):
+                continue
+            if not self._open_reads(req_id, meta.hold_blocks.get(req_id)):
                 continue
             if self._lease_table.hold(req_id):
                 log.info("kvbridge: request %s held for its decoder (finished)", req_id)
@@ -943,9 +1003,53 @@ class KvbridgeWorker:
             raise LoadError(f"request {job.remote_request_id}: {e}", "bad_params") from None
         load.posting = time.monotonic()
         self._plan_checks(load, reads, peers, deadline)
-        # one batch per prefiller rank for every layer, adjacent bytes in one range: the
-        # engine checks and moves each as one transfer (one completion, not one a layer);
-        # the digests of what it reads come in the same batch
+        try:
+            self._read_all(load, reads, peers, deadline)
+        except kvbridge.Rejected as e:
+            if e.code != "AccessDenied":
+                raise
+            # With read grants, a request that finished after its prompt (not held in the
+            # step that computed it) has its blocks opened to its grant in the prefiller's
+            # next step, which may come after this decoder got its parameters: once the
+            # lease table shows it held, its windows are open; read once more.
+            for rank in reads.by_rank:
+                load.lease_checks += self._check_lease(peers[rank], job, self._addr(job, rank), deadline)
+            try:
+                self._read_all(load, reads, peers, deadline)
+            except kvbridge.Rejected as again:
+                if again.code != "AccessDenied":
+                    raise
+                raise LoadError(
+                    f"request {job.remote_request_id}: the prefiller refused reads under its grant though it "
+                    f"holds the request: {again}",
+                    "refused",
+                ) from None
+        load.read = time.monotonic()
+        for rank in reads.by_rank:
+            load.lease_checks += self._check_lease(peers[rank], job, self._addr(job, rank), deadline)
+        if load.checks:
+            self._check_digests(load, peers, deadline)
+
+    @staticmethod
+    def _token(peer: Peer, job: RecvJob) -> bytes | None:
+        """The grant a load names to ``peer``: only to a prefiller that confines its reads
+        to grants (read_grants.py), since a batch under a token goes over TCP, where the
+        prefiller checks it, never by cross-memory attach."""
+        if not peer.read_grants or not job.grant:
+            return None
+        try:
+            return bytes.fromhex(job.grant)
+        except ValueError:
+            raise LoadError(f"request {job.remote_request_id}: its grant is not hex", "bad_params") from None
+
+    def _read_all(self, load: _Load, reads: rank_reads.RankReads, peers: dict[int, Peer], deadline: float) -> None:
+        """One batch per prefiller rank for every layer, adjacent bytes in one range (the
+        engine checks and moves each as one transfer: one completion, not one a layer), the
+        digests of what it reads in the same batch; returns once all completed."""
+        ch = self.channel
+        assert ch is not None
+        load.bytes, load.ops = 0, 0
+        batches = []
         for rank, ranges in reads.by_rank.items():
             peer = peers[rank]
             ops = []
@@ -960,18 +1064,14 @@ class KvbridgeWorker:
             if check is not None:
                 assert self._digest_scratch_region is not None and peer.digests is not None
                 ops += digests.row_ops(check, self._digest_scratch_region, peer.digests)
-            load.transfers.append(ch.submit_read(peer.peer_id, ops))
+            batches.append(ch.submit_read(peer.peer_id, ops, token=self._token(peer, load.job)))
+        load.transfers += batches
         load.submitted = time.monotonic()
-        for t in load.transfers:
+        for t in batches:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError
             t.wait(left)
-        load.read = time.monotonic()
-        for rank in reads.by_rank:
-            load.lease_checks += self._check_lease(peers[rank], job, self._addr(job, rank), deadline)
-        if load.checks:
-            self._check_digests(load, peers, deadline)
 
     def _plan_checks(self, load: _Load, reads: rank_reads.RankReads, peers: dict[int, Peer], deadline: float) -> None:
         """Which chunks of the load's reads are checked against the prefiller's digests
@@ -1024,7 +1124,8 @@ class KvbridgeWorker:
             if not bad:
                 continue
             assert peer.digests is not None
-            t = ch.submit_read(peer.peer_id, digests.row_ops(check, self._digest_scratch_region, peer.digests))
+            ops = digests.row_ops(check, self._digest_scratch_region, peer.digests)
+            t = ch.submit_read(peer.peer_id, ops, token=self._token(peer, load.job))
             t.wait(max(0.0, deadline - time.monotonic()))
             bad = digests.differing(check, bases, peer.digest_chunk_bytes, self._digest_scratch)
             if bad:
@@ -1266,19 +1367,27 @@ class KvbridgeWorker:
                     self.settings.lease_s,
                 )
         self._dones.expire(now)
-        # before vLLM gets the blocks back: a decoder that checks the table after reading
-        # them must not find the request held once they can be reused
+        # before vLLM gets the blocks back: no read of them starts or still runs over TCP
+        # under the request's grant (read_grants.py), and a decoder that checks the table
+        # after reading them does not find the request held once they can be reused
         for req_id in done:
+            self._close_reads(req_id)
             self._lease_table.end(req_id)
         return done
 
     def stats_since_last_report(self) -> dict[str, int | float] | None:
         """The counters' change since the previous call; None when nothing changed."""
+        # the channel's own counts (which way it carried the batches, the batches it
+        # refused), asked when something else changed, else at most once a second (vLLM
+        # calls this every step; a prefiller's refusals change nothing else)
+        now = time.monotonic()
+        if now - self._channel_counted >= CHANNEL_COUNTS_EVERY_S or any(
+            v != self._reported.get(k, 0) for k, v in self.stats.items()
+        ):
+            self._channel_counted = now
+            self._count_transports()
         if all(v == self._reported.get(k, 0) for k, v in self.stats.items()):
             return None
-        # which way the channel carried the batches, asked only when something happened
-        # (vLLM calls this every step)
-        self._count_transports()
         delta = {k: v - self._reported.get(k, 0) for k, v in self.stats.items()}
         self._reported = dict(self.stats)
         return delta
@@ -1291,7 +1400,7 @@ class KvbridgeWorker:
             counts = channel.stats()
         except kvbridge.KvbridgeError:
             return
-        for key in TRANSPORT_COUNTERS:
+        for key in (*TRANSPORT_COUNTERS, *REFUSAL_COUNTERS):
             self.stats[key] = counts.get(key, 0)
 
     def take_failed_recving(self) -> set[str]:

@@ -95,8 +95,11 @@ SHAPES = {
 }
 
 
+@pytest.mark.parametrize("read_grants", [False, True], ids=["open", "read-grants"])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_each_decoder_rank_gets_exactly_its_heads_and_every_prefiller_rank_frees(workers, shape):
+def test_each_decoder_rank_gets_exactly_its_heads_and_every_prefiller_rank_frees(workers, shape, read_grants):
+    # read_grants: each prefiller rank opens only the request's blocks to its grant
+    # (read_grants.py), and every decoder rank reads them under it
     p_tp, d_tp, p_block, d_block, mla = SHAPES[shape]
     n_tokens = 3 * d_block + 5
     kv = tokens_kv(n_tokens, seed=len(shape), mla=mla)
@@ -107,7 +110,7 @@ def test_each_decoder_rank_gets_exactly_its_heads_and_every_prefiller_rank_frees
     prefillers = [
         workers(
             "kv_producer", rank_cache(kv, r, p_tp, p_block, src, mla), tp_rank=r, engine_id="P", tp_size=p_tp,
-            block_size=p_block, extra={"kvbridge_port": base}, **facts,
+            block_size=p_block, extra={"kvbridge_port": base, "kvbridge_read_grants": read_grants}, **facts,
         )  # fmt: skip
         for r in range(p_tp)
     ]
@@ -118,7 +121,7 @@ def test_each_decoder_rank_gets_exactly_its_heads_and_every_prefiller_rank_frees
     ]
     for p in prefillers:
         assert p.layout.tp is not None, p.layout.why_not
-        p.start_load_kv(granted_meta(reqs_to_send={"p-1": 30.0}, blocks=2 * NUM_BLOCKS))
+        p.start_load_kv(granted_meta(reqs_to_send={"p-1": 30.0}, hold_blocks={"p-1": src}))
     job = recv_job(dst, src, "P", "p-1", "127.0.0.1", base, remote_tp_size=p_tp, prompt_tokens=n_tokens)
     for i, d in enumerate(decoders):
         d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job}))
@@ -145,6 +148,8 @@ def test_each_decoder_rank_gets_exactly_its_heads_and_every_prefiller_rank_frees
     for p in prefillers:
         sending, _ = poll(p, want_sending={"p-1"})
         assert p.stats["blocks_freed_on_notify"] == 1 and p.stats["leases_expired"] == 0, (p.tp_rank, p.stats)
+        if read_grants:
+            assert len(p._read_grants) == 0 and p.channel.stats()["access_denied"] == 0, p.channel.stats()
 
 
 def test_mla_reads_each_block_once_from_one_prefiller_rank(workers):

@@ -339,9 +339,45 @@ impl DataPath {
         }
     }
 
+    /// After a part of a striped read was refused: waits, until `until`, for the parts not
+    /// yet `resolved`. `None` when each completed or was refused too (nothing of the batch
+    /// can land any more, the session goes on); else the error that must end the session:
+    /// another part's failure, or `Timeout` past `until`.
+    async fn after_refused_read(
+        &self,
+        rxs: &mut [oneshot::Receiver<Result<()>>],
+        resolved: &mut usize,
+        step: Step,
+        until: tokio::time::Instant,
+        deadline: Duration,
+    ) -> Option<Error> {
+        let rest = async {
+            for rx in rxs.iter_mut().skip(*resolved) {
+                let r = rx.await.unwrap_or_else(|_| {
+                    Err(Error::lost(self.peer.as_str(), step, "session ended"))
+                });
+                *resolved += 1;
+                match r {
+                    Err(e) if !refused_read(&e) => return Some(e),
+                    _ => {}
+                }
+            }
+            None
+        };
+        match tokio::time::timeout_at(until, rest).await {
+            Ok(other) => other,
+            Err(_) => Some(Error::Timeout {
+                peer: self.peer.to_string(),
+                step,
+                after: deadline,
+            }),
+        }
+    }
+
     /// Runs a batch split by bytes over the data connections. It completes when every part
     /// is acknowledged; when any part fails the session ends (so no byte of the batch lands
-    /// later) and the batch fails with the first part's error.
+    /// later) and the batch fails with the first part's error. A read part the peer refused
+    /// ends no session: the batch fails with that refusal once every other part ended.
     async fn striped(
         &self,
         step: Step,
@@ -426,6 +462,20 @@ impl DataPath {
                 step,
                 after: deadline,
             },
+        };
+        // A read part the peer refused moved nothing (the refusal comes instead of its
+        // bytes), and a read refused for its windows ends no session there: wait for the
+        // other parts, and only one that fails otherwise, or runs late, ends the session.
+        let err = if refused_read(&err) {
+            match self
+                .after_refused_read(&mut rxs, &mut resolved, step, until, deadline)
+                .await
+            {
+                None => return Err(err),
+                Some(ends) => ends,
+            }
+        } else {
+            err
         };
         // One part failed or ran late: end the session, then wait until every part has
         // ended (the session stops all data tasks before it drains), so nothing of this
@@ -666,6 +716,18 @@ impl DataPath {
     pub(crate) fn out_sender(&self) -> WriterQueue {
         self.out.clone()
     }
+}
+
+/// Whether `e` is the peer's refusal of a read (part): it answered instead of sending the
+/// bytes, so none of them lands.
+fn refused_read(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::Rejected {
+            step: Step::Read,
+            ..
+        }
+    )
 }
 
 /// Whether the calling task runs on a multi-thread runtime (a current-thread one has no

@@ -6,7 +6,7 @@ use crate::config::Limits;
 use crate::datapath::pending::{Pending, Waiting};
 use crate::error::{Error, Result};
 use crate::events::Notification;
-use crate::grant::RegionTable;
+use crate::grant::{Denied, RegionTable};
 use crate::in_flight::{InFlight, Refused, Reservation};
 use crate::net::ReadHalf;
 use crate::notify_queues::{Admission, Inlet};
@@ -117,12 +117,16 @@ impl ReaderCtx {
     }
 
     /// The peer's read batch `b`: its op headers checked, then handed to the writer, which
-    /// sends the bytes (or the refusal, which ends the session). `Ok(false)`: the writer is
-    /// gone.
+    /// sends the bytes (or the refusal, which ends the session, except for a read refused
+    /// as outside the windows open to the peer and to the token it names: a soft refusal,
+    /// see [`ReaderCtx::check`]). `Ok(false)`: the writer is gone.
     async fn serve_read(&self, b: Batch) -> Result<bool> {
-        let (result, held) = match self.resolve(&b, false).and_then(|d| self.admit(&b, d)) {
-            Ok((d, held)) => (Ok(d), Some(held)),
-            Err(r) => (Err(r), None),
+        let (result, held, soft) = match self.check(&b, false) {
+            Ok(d) => match self.admit(&b, d) {
+                Ok((d, held)) => (Ok(d), Some(held), false),
+                Err(r) => (Err(r), None, false),
+            },
+            Err((r, soft)) => (Err(r), None, soft),
         };
         if let (Some(d), Ok(_)) = (self.hooks.read_serve_delay, &result) {
             // Held without holding up the connection: the frames after it (the
@@ -141,7 +145,11 @@ impl ReaderCtx {
             });
             return Ok(true);
         }
-        let bad = result.as_ref().err().map(|r| r.message.clone());
+        let bad = result
+            .as_ref()
+            .err()
+            .filter(|_| !soft)
+            .map(|r| r.message.clone());
         if self
             .out
             .send(Outgoing::ReadResp {
@@ -280,7 +288,24 @@ impl ReaderCtx {
         b: &Batch,
         writes: bool,
     ) -> std::result::Result<Vec<LocalSlice>, Reject> {
-        let reject = |code, message: String| Reject { code, message };
+        self.check(b, writes).map_err(|(r, _)| r)
+    }
+
+    /// [`ReaderCtx::resolve`], a refusal paired with whether it is soft: a read that reaches
+    /// outside the windows open to the peer and to the grant token it names (if any). Such
+    /// a read fails with `AccessDenied`, is counted, and the session goes on: it is the
+    /// ordinary race of a holder with its grant (a read just before the owner opened the
+    /// request's windows, or just after it closed them), or a peer that holds the secret
+    /// but not the grant, which could connect again anyway; no byte of the batch moved, and
+    /// a read request carries no payload, so nothing is left to resynchronise on the
+    /// connection. Every other refusal (a write outside its windows, whose payload follows
+    /// its header; a mode, a region, bounds or limits) still ends the session.
+    fn check(
+        &self,
+        b: &Batch,
+        writes: bool,
+    ) -> std::result::Result<Vec<LocalSlice>, (Reject, bool)> {
+        let reject = |code, message: String| (Reject { code, message }, false);
         if b.ops.len() > self.limits.max_ops_per_batch {
             return Err(reject(
                 ErrorCode::LimitExceeded,
@@ -308,10 +333,17 @@ impl ReaderCtx {
             .admit(&self.peer, b.grant.as_ref(), &b.ops, writes)
             .map_err(|(i, denied)| {
                 let message = denied.message(i, &b.ops[i], writes);
+                let soft = !writes && matches!(denied, Denied::OutsideWindows { .. });
                 if denied.code() == ErrorCode::AccessDenied {
-                    self.table.note_denied(&self.peer, &message);
+                    self.table.note_denied(&self.peer, &message, !soft);
                 }
-                reject(denied.code(), message)
+                (
+                    Reject {
+                        code: denied.code(),
+                        message,
+                    },
+                    soft,
+                )
             })?;
         Ok(b.ops
             .iter()
