@@ -85,14 +85,19 @@ async fn modes_hold(t: Carrier) {
     );
 }
 
-/// Connects again once both sides have dropped the session that broke the grant.
+/// Connects again once both sides have dropped the session that broke the grant (a
+/// connect before that could be handed the dying session, whose read then fails otherwise).
 async fn reconnect(pre: &kvbridge::Channel, dec: &kvbridge::Channel) -> kvbridge::PeerId {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     loop {
         let (d, p) = (dec.stats().await.unwrap(), pre.stats().await.unwrap());
-        if (d.established == 0 && p.established == 0) || std::time::Instant::now() > deadline {
+        if d.established == 0 && p.established == 0 {
             break;
         }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the broken session is still up after 30 s: {d:?} {p:?}"
+        );
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
     pre.connect(&addr(dec)).await.unwrap()
