@@ -7,8 +7,8 @@
 #      vLLM's own decoder (crates/kvbridge-proto/tests/kv_events_codec.rs),
 #   2. vLLM's own scheduler lifecycle tests pointed at kvbridge.vllm.KvbridgeConnector,
 #   3. a real 1P1D (python/tests/vllm_e2e): vLLM CPU servers with the connector behind
-#      `kvbridge proxy --flow vllm` (target/debug/kvbridge unless KVBRIDGE_BIN is set; built
-#      when missing), against a single server; a TP=1 prefiller and a TP=2 decoder, against
+#      `kvbridge proxy --flow vllm` (target/debug/kvbridge, built first, unless
+#      KVBRIDGE_BIN is set), against a single server; a TP=1 prefiller and a TP=2 decoder, against
 #      single TP=1 and TP=2 servers (KVBRIDGE_VLLM_TP_PAIRS=2-2,1-2,2-1 runs the other pairs
 #      too, about 5 minutes a pair); and `--routing kv-events` in front of two vLLM servers
 #      publishing KV events (together about 6 minutes on the idle 2-core VM).
@@ -144,8 +144,11 @@ counted "vLLM lifecycle tests" "$REPORTS/upstream.xml" "$UPSTREAM_MIN"
 
 # 3. a real 1P1D with vLLM CPU servers behind the proxy
 if [ "$E2E" = 1 ]; then
-  if [ -z "${KVBRIDGE_BIN:-}" ] && [ ! -x target/release/kvbridge ] && command -v cargo >/dev/null; then
+  # The proxy of this tree: a target/release/kvbridge left from an earlier build would
+  # otherwise be taken first (servers.py), stale.
+  if [ -z "${KVBRIDGE_BIN:-}" ] && command -v cargo >/dev/null; then
     cargo build --quiet -p kvbridge-cli
+    export KVBRIDGE_BIN="$PWD/target/debug/kvbridge"
   fi
   t0=$(date +%s)
   "$PY" -m pytest -p no:cacheprovider -q -s --junitxml="$REPORTS/e2e.xml" python/tests/vllm_e2e || status=1
