@@ -21,24 +21,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python" / "tests" / "vllm"))
 
-import torch  # noqa: E402
 
 from kvbridge.vllm.metadata import KvbridgeConnectorMetadata  # noqa: E402
-from vllm_helpers import LAYERS, granted_meta, make_worker, poll, recv_job  # noqa: E402
+from vllm_helpers import LAYERS, granted_meta, kv_caches, make_worker, poll, recv_job  # noqa: E402
 
 HEADS, HEAD_SIZE, TOKENS = 8, 128, 256  # bf16: 1 MiB a block a layer
 
 
 def caches(blocks: int, seed: int | None) -> dict:
-    shape = (blocks, HEADS, TOKENS, 2 * HEAD_SIZE)
-    out = {}
-    for i, name in enumerate(LAYERS):
-        if seed is None:
-            out[name] = torch.zeros(shape, dtype=torch.bfloat16)
-        else:
-            g = torch.Generator().manual_seed(seed + i)
-            out[name] = torch.randn(shape, generator=g).to(torch.bfloat16)
-    return out
+    return kv_caches(seed, heads=HEADS, head_size=HEAD_SIZE, block_size=TOKENS, blocks=blocks)
 
 
 def main() -> int:

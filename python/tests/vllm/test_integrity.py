@@ -16,7 +16,7 @@ import kvbridge
 from kvbridge.vllm import digests
 from kvbridge.vllm.metadata import KvbridgeConnectorMetadata
 
-from vllm_helpers import LAYERS, granted_meta, kv_caches, poll, recv_job
+from vllm_helpers import LAYERS, granted_meta, kv_caches, poll, prefiller_job
 
 LOCAL, REMOTE = [8, 9, 3], [1, 2, 7]
 
@@ -32,16 +32,7 @@ TRANSPORTS = [
 PATH_COUNTERS = ("shm_batches", "cma_batches", "ucx_batches")
 
 
-def job(prefiller, local, remote, req="p-1"):
-    host, port = prefiller.listen_addr.rsplit(":", 1)
-    return recv_job(
-        local_block_ids=list(local),
-        remote_block_ids=list(remote),
-        remote_engine_id=prefiller.settings.engine_id,
-        remote_request_id=req,
-        remote_host=host,
-        remote_port=int(port),
-    )
+job = prefiller_job
 
 
 def pair(workers, monkeypatch, transport, env, *, p_integrity=True):

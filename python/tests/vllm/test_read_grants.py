@@ -15,7 +15,7 @@ from kvbridge.vllm.metadata import KvbridgeConnectorMetadata
 from kvbridge.vllm.read_grants import runs
 
 from vllm_helpers import GRANT, LAYERS, kv_caches, poll, vllm_config
-from vllm_helpers import granted_meta, recv_job  # noqa: E402
+from vllm_helpers import granted_meta, prefiller_job  # noqa: E402
 
 OTHER = "c3" * 16  # the grant of a second request
 FORGED = "0f" * 16
@@ -23,16 +23,7 @@ GRANTS = {"kvbridge_read_grants": True}
 
 
 def job(prefiller, local, remote, req="p-1", grant=GRANT):
-    host, p = prefiller.listen_addr.rsplit(":", 1)
-    return recv_job(
-        local_block_ids=list(local),
-        remote_block_ids=list(remote),
-        remote_engine_id=prefiller.settings.engine_id,
-        remote_request_id=req,
-        remote_host=host,
-        remote_port=int(p),
-        grant=grant,
-    )
+    return prefiller_job(prefiller, local, remote, req, grant=grant)
 
 
 def load(decoder, req, j):

@@ -12,20 +12,10 @@ import torch
 from kvbridge.vllm.metadata import KvbridgeConnectorMetadata, RecvJob
 
 from vllm_helpers import LAYERS, kv_caches, poll
-from vllm_helpers import GRANT, granted_meta, recv_job  # noqa: E402
+from vllm_helpers import GRANT, granted_meta, prefiller_job, recv_job  # noqa: E402
 
 
-def job(prefiller, local, remote, req="p-1", port=None, hit=()):
-    host, p = (prefiller.listen_addr or "127.0.0.1:1").rsplit(":", 1)
-    return recv_job(
-        local_block_ids=list(local),
-        remote_block_ids=list(remote),
-        remote_engine_id=prefiller.settings.engine_id,
-        remote_request_id=req,
-        remote_host=host,
-        remote_port=int(p) if port is None else port,
-        hit_block_ids=list(hit),
-    )
+job = prefiller_job
 
 
 def test_decoder_reads_prefiller_blocks_then_prefiller_frees_them(workers):

@@ -60,11 +60,13 @@ def vllm_config(
     )
 
 
-def kv_caches(seed: int | None, *, heads: int = 2, head_size: int = 32, block_size: int = BLOCK_SIZE):
+def kv_caches(
+    seed: int | None, *, heads: int = 2, head_size: int = 32, block_size: int = BLOCK_SIZE, blocks: int = NUM_BLOCKS
+):
     """vLLM CPU's per-layer layout: [num_blocks, num_kv_heads, block_size, 2 * head_size]."""
     out = {}
     for i, name in enumerate(LAYERS):
-        shape = (NUM_BLOCKS, heads, block_size, 2 * head_size)
+        shape = (blocks, heads, block_size, 2 * head_size)
         if seed is None:
             out[name] = torch.zeros(shape, dtype=torch.bfloat16)
         else:
@@ -133,3 +135,19 @@ def recv_job(*args, **kw):
     from kvbridge.vllm.metadata import RecvJob
 
     return RecvJob(*args, **{"grant": GRANT, **kw})
+
+
+def prefiller_job(prefiller, local, remote, req="p-1", port=None, hit=(), **kw):
+    """A decoder's load job for ``prefiller``'s held request ``req``: its ``remote`` blocks
+    into the decoder's ``local`` ones (``port``: another port than the prefiller's)."""
+    host, p = (prefiller.listen_addr or "127.0.0.1:1").rsplit(":", 1)
+    return recv_job(
+        local_block_ids=list(local),
+        remote_block_ids=list(remote),
+        remote_engine_id=prefiller.settings.engine_id,
+        remote_request_id=req,
+        remote_host=host,
+        remote_port=int(p) if port is None else port,
+        hit_block_ids=list(hit),
+        **kw,
+    )
