@@ -43,6 +43,9 @@ from tiny_model import WORDS, build
 #: kill test's victim staying on TCP, which the decoder then falls back to).
 TRANSPORT = os.environ.get("KVBRIDGE_E2E_TRANSPORT") or None
 PAIR_ENV = {"UCX_TLS": "posix,cma,self"} if TRANSPORT == "ucx" else {}
+#: ``KVBRIDGE_E2E_READ_GRANTS=1``: the prefillers confine reads to each request's grant
+#: (``kvbridge_read_grants``); the decoder's reads then go over TCP under the grant.
+READ_GRANTS = os.environ.get("KVBRIDGE_E2E_READ_GRANTS") == "1"
 
 #: The decoder's read deadline and the prefiller's lease in these tests (seconds).
 READ_TIMEOUT_S = 10.0
@@ -107,6 +110,8 @@ class Cluster:
         self, name: str, port: int, kv_port: int, env: dict | None = None, transport: str | None = None
     ) -> VllmServer:
         extra = {"kvbridge_transport": transport} if transport else {}
+        if READ_GRANTS:
+            extra["kvbridge_read_grants"] = True
         cfg = kvbridge_config("kv_producer", kv_port, kvbridge_lease_s=LEASE_S, kvbridge_integrity=True, **extra)
         return self._server(name, port, cfg, env)
 
@@ -195,6 +200,9 @@ def assert_loaded(cluster: Cluster, before: dict[str, float], loads: int) -> dic
     assert moved.get(LOADS_OK, 0) == loads, f"{loads} request(s), decoder's counters moved: {moved}"
     # every load checked against the prefiller's digests (kvbridge_integrity, on in these servers)
     assert moved.get("vllm:kvbridge_loads_checked_total", 0) == loads, moved
+    if READ_GRANTS:
+        # reads under a grant go over TCP, where the prefiller checks them: none copied
+        assert not moved.get("vllm:kvbridge_cma_batches_total"), moved
     assert not moved.get(RECOMPUTED), moved
     assert not any(k.startswith("vllm:kvbridge_load_failures_total[") for k in moved), moved
     return moved
