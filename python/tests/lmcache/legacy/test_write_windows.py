@@ -11,12 +11,14 @@ of its arena.
 from __future__ import annotations
 
 import math
+import time
 import typing
 
 import pytest
 
 from pdproc import Role
 from test_channel import PAGE, Arena, _objs, _url, make  # noqa: F401 - make is a fixture
+from test_integrity import transport  # noqa: F401 - a fixture
 from test_pd_processes import KV_SMALL, _receiver, free_ports, procs  # noqa: F401 - procs too
 
 
@@ -77,11 +79,20 @@ def _three(make):  # noqa: F811
     return r, a, b
 
 
+def _until(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
 def _write(s, page):
     s.batched_write(_objs([0]), {"receiver_id": "R", "remote_indexes": [page]})
 
 
-def test_a_sender_cannot_write_the_pages_allocated_to_another(make):  # noqa: F811
+def test_a_sender_cannot_write_the_pages_allocated_to_another(make, transport):  # noqa: F811
+    # Whatever KVBRIDGE_TRANSPORT says, writes into a confined arena go over TCP, where the
+    # receiver's process checks them: no same-host copy or UCX put reaches it.
     import kvbridge
 
     r, a, b = _three(make)
@@ -95,12 +106,17 @@ def test_a_sender_cannot_write_the_pages_allocated_to_another(make):  # noqa: F8
     # the owner's pages still take its writes, and the refused sender's own page its own
     _write(a, 3)
     assert r.arena.page_bytes(3) == a.arena.page_bytes(0)
-    _write(b, 5)  # its session ended with the refusal: the channel dials again
+    # The refusal ended b's session; once the receiver has dropped it, b dials again. (Over
+    # shm and cma, a dial racing that drop can lose its new session: not the subject here.)
+    _until(lambda: r._ch.stats()["sessions"] == 1)
+    _write(b, 5)
     assert r.arena.page_bytes(5) == b.arena.page_bytes(0)
     with pytest.raises(kvbridge.Rejected):
         _write(a, 5)
     assert r.arena.page_bytes(5) == b.arena.page_bytes(0)
     assert r.write_refusals == 2
+    moved = {k: v for k, v in a._ch.stats().items() if k in ("shm_batches", "cma_batches", "ucx_batches")}
+    assert set(moved.values()) == {0}, (transport, moved)
 
 
 def test_a_page_handed_out_again_is_closed_to_its_last_holder(make):  # noqa: F811
