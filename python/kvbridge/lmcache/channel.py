@@ -31,6 +31,15 @@ pages and answers ``_Verdict``. A page that differs fails the write with
 sends the ``ProxyNotif`` that would let the decoder use it. Both sides say in the
 announcement whether they check; a peer that does not (an older one) is written to
 unchecked.
+
+Write windows (``write_windows=True`` or ``KVBRIDGE_LMCACHE_WRITE_WINDOWS=1`` on the
+receiver; off by default): the arena is registered with peers' writes confined to windows,
+and the receiver's PD backend (hooked by ``kvbridge.lmcache.install``) opens one per page it
+allocates for an ``AllocRequest``, to the sender's session only (``grant_writes``), closed
+when the page is handed out again (``revoke_writes``). A write outside the writer's windows
+is refused by the receiver's engine (``kvbridge.Rejected``, code ``AccessDenied``), counted
+in ``write_refusals`` on both sides and logged once per peer. The owner checks only what it
+copies itself: TCP, and UCX between hosts; docs/lmcache.md, *Write windows*.
 """
 
 from __future__ import annotations
@@ -73,6 +82,11 @@ DEFAULT_HELLO_TIMEOUT = 10.0
 DEFAULT_INTEGRITY = False
 _CONNECT_TIMEOUT_ENV = "KVBRIDGE_LMCACHE_CONNECT_TIMEOUT"
 _INTEGRITY_ENV = "KVBRIDGE_LMCACHE_INTEGRITY"
+#: Whether the receiver confines peers' writes to the pages allocated to them, unless the
+#: channel or ``KVBRIDGE_LMCACHE_WRITE_WINDOWS`` says otherwise. Off: confined writes go
+#: over TCP only (docs/lmcache.md, *Write windows*).
+DEFAULT_WRITE_WINDOWS = False
+_WRITE_WINDOWS_ENV = "KVBRIDGE_LMCACHE_WRITE_WINDOWS"
 # A dial refused or cut short is retried; a peer that is incompatible, unauthenticated or
 # refuses us is not (waiting would not change its answer).
 _RETRYABLE = (kvbridge.ConnectionLost, kvbridge.Timeout, kvbridge.PeerClosed)
@@ -185,17 +199,29 @@ def _connect_timeout(explicit: Optional[float]) -> float:
     return DEFAULT_CONNECT_TIMEOUT
 
 
-def _integrity(explicit: Optional[bool]) -> bool:
+def _flag(explicit: Optional[bool], name: str, default: bool) -> bool:
     if explicit is not None:
         return bool(explicit)
-    env = os.environ.get(_INTEGRITY_ENV)
+    env = os.environ.get(name)
     if env is None or env == "":
-        return DEFAULT_INTEGRITY
+        return default
     if env.lower() in ("1", "true", "yes", "on"):
         return True
     if env.lower() in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"{_INTEGRITY_ENV}={env!r} is not 1/0 (true/false, yes/no, on/off)")
+    raise ValueError(f"{name}={env!r} is not 1/0 (true/false, yes/no, on/off)")
+
+
+def _integrity(explicit: Optional[bool]) -> bool:
+    return _flag(explicit, _INTEGRITY_ENV, DEFAULT_INTEGRITY)
+
+
+def _write_windows(explicit: Optional[bool]) -> bool:
+    return _flag(explicit, _WRITE_WINDOWS_ENV, DEFAULT_WRITE_WINDOWS)
+
+
+def _access_denied(e: BaseException) -> bool:
+    return isinstance(e, kvbridge.Rejected) and e.code == "AccessDenied"
 
 
 def _landed_digests(ranges: list[tuple[int, int]]) -> list[int]:
@@ -221,7 +247,8 @@ class KvbridgeChannel(BaseTransferChannel):
     a first dial waits for a peer's listener. ``integrity`` (or
     ``KVBRIDGE_LMCACHE_INTEGRITY``, default off) digests each page written to a peer that
     checks too and has the peer check what landed; a page that differs fails the write with
-    ``kvbridge.IntegrityError``.
+    ``kvbridge.IntegrityError``. ``write_windows`` (or ``KVBRIDGE_LMCACHE_WRITE_WINDOWS``,
+    default off), on a receiver: peers write only the pages ``grant_writes`` opened to them.
     """
 
     def __init__(
@@ -239,6 +266,7 @@ class KvbridgeChannel(BaseTransferChannel):
         peer_lookup_url: Optional[str] = None,
         connect_timeout: Optional[float] = None,
         integrity: Optional[bool] = None,
+        write_windows: Optional[bool] = None,
         **_ignored: Any,
     ):
         if device is not None and str(device).split(":")[0] != "cpu":
@@ -261,6 +289,7 @@ class KvbridgeChannel(BaseTransferChannel):
         self.connect_timeout = _connect_timeout(connect_timeout)
         self.hello_timeout = DEFAULT_HELLO_TIMEOUT
         self.integrity = _integrity(integrity)
+        self.write_windows = _write_windows(write_windows)
         self._buffer_ptr = int(buffer_ptr)
 
         listen = _resolve(peer_init_url) if peer_init_url else None
@@ -270,7 +299,12 @@ class KvbridgeChannel(BaseTransferChannel):
             # Pages past the last whole page are never named by LMCache.
             length = buffer_size // self.page_size * self.page_size
             self._arena_len = length
-            self._region = self._ch.register(int(buffer_ptr), length, self.page_size)
+            self._region = self._ch.register(
+                int(buffer_ptr),
+                length,
+                self.page_size,
+                windows="write" if self.write_windows else None,
+            )
         except BaseException:
             self._ch.close()
             raise
@@ -287,6 +321,11 @@ class KvbridgeChannel(BaseTransferChannel):
         self.integrity_checks = 0
         self.integrity_failures = 0
         self._integrity_logged: set[str] = set()
+        # Write windows: page -> (window id, the session it is open to); this channel's
+        # writes a peer refused, and the peers whose first refusal was logged.
+        self._windows: dict[int, tuple[int, str]] = {}
+        self._own_write_refusals = 0
+        self._refusal_logged: set[str] = set()
         self._verdicts: dict[int, concurrent.futures.Future] = {}
         self._nonces = itertools.count(1)
         self._closed = threading.Event()
@@ -303,6 +342,8 @@ class KvbridgeChannel(BaseTransferChannel):
             self.page_size,
             f", listening on {self._ch.local_addr}" if listen else "",
         )
+        if self.write_windows:
+            logger.info("kvbridge channel %s: peers write only the pages allocated to them", peer_id)
 
     @property
     def kvbridge_channel(self) -> "kvbridge.Channel":
@@ -530,7 +571,10 @@ class KvbridgeChannel(BaseTransferChannel):
         stays with its session while that session lives: another peer that holds the secret
         and claims the id (to receive the writes meant for it) is refused, and so is a
         session claiming a second id. Once the session ended, a new one takes the id over
-        (the peer restarted)."""
+        (the peer restarted). An empty id (LMCache's senders announce ``""``: nobody
+        addresses them back) binds nothing, so that several senders can dial one receiver."""
+        if not local_id:
+            return
         with self._lock:
             held = self._peers.get(local_id)
             other = next((i for i, p in self._peers.items() if p.kb_peer == kb_peer and i != local_id), None)
@@ -686,6 +730,70 @@ class KvbridgeChannel(BaseTransferChannel):
         self._judge(lmc_peer, p, verdict)
 
     ############################################################
+    # Write windows: a sender writes only the pages allocated to it
+    ############################################################
+
+    @property
+    def writer_id(self) -> str:
+        """The id a receiver knows this channel's session by: what a sender names in its
+        ``AllocRequest`` so that the receiver opens the allocated pages to it."""
+        return self._ch.peer_id
+
+    @property
+    def write_refusals(self) -> int:
+        """Writes refused for landing outside the writer's windows: by this channel's engine
+        as a receiver (its ``access_denied``), plus this channel's own writes a receiver
+        refused."""
+        denied = self._ch.stats().get("access_denied", 0) if not self._closed.is_set() else 0
+        with self._lock:
+            return denied + self._own_write_refusals
+
+    def grant_writes(self, writer: str, pages: list[int]) -> None:
+        """Opens each page to ``writer`` (a kvbridge session id: the sender's ``writer_id``)
+        for writes, closing first whatever window a page still had: a page handed out
+        again was freed, so its last holder's window ends here. No-op unless
+        ``write_windows``; a negative index (LMCache's failed slot) is skipped."""
+        if not self.write_windows:
+            return
+        pages = [int(i) for i in pages if int(i) >= 0]
+        self.revoke_writes(pages)
+        for i in pages:
+            if i >= self._region_pages():
+                raise ValueError(f"kvbridge: page {i} is outside the arena ({self._region_pages()} pages)")
+            wid = self._ch.open_window(
+                self._region, i * self.page_size, self.page_size, peer=writer, access="write"
+            )
+            with self._lock:
+                self._windows[i] = (wid, writer)
+
+    def revoke_writes(self, pages: list[int]) -> None:
+        """Closes the windows open on these pages (waiting for writes already admitted)."""
+        for i in pages:
+            with self._lock:
+                held = self._windows.pop(int(i), None)
+            if held is None:
+                continue
+            try:
+                self._ch.close_window(held[0])
+            except kvbridge.Timeout:
+                # Closed all the same: no write passes it from now on.
+                logger.warning("kvbridge: a write of %s into page %d outlived its window", held[1], i)
+
+    def _refused(self, lmc_peer: str, p: _Peer) -> None:
+        """This channel's write was refused by the receiver's window check: counted, and
+        logged once per peer."""
+        with self._lock:
+            self._own_write_refusals += 1
+            first = p.kb_peer not in self._refusal_logged
+            self._refusal_logged.add(p.kb_peer)
+        if first:
+            logger.error(
+                "kvbridge: LMCache peer %s (%s) refused a write outside the pages it allocated "
+                "to us (AccessDenied); further refusals are counted (write_refusals), not logged",
+                lmc_peer, p.kb_peer,
+            )  # fmt: skip
+
+    ############################################################
     # Pages
     ############################################################
 
@@ -762,6 +870,9 @@ class KvbridgeChannel(BaseTransferChannel):
     def _failed(self, lmc_peer: str, p: _Peer, e: BaseException, step: str) -> None:
         if isinstance(e, _SESSION_ENDED):
             p.lost = True
+        if step == "write" and _access_denied(e):
+            p.lost = True  # the receiver ends the session of a refused write
+            self._refused(lmc_peer, p)
         _note(e, f"kvbridge.lmcache: {step} of LMCache peer {lmc_peer!r} ({p.kb_peer}) failed")
 
     def _xfer(self, objects: list, transfer_spec: Optional[dict], id_key: str, write: bool) -> int:

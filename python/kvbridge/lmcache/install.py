@@ -5,7 +5,9 @@ knows only ``"nixl"`` and ``"mock_memory"`` and has no registry. Its users impor
 by name (``from lmcache.v1.transfer_channel import CreateTransferChannel``), so ``install()``
 rebinds that name in the factory's module and in every module that imported it, to a wrapper
 that builds a ``KvbridgeChannel`` for ``"kvbridge"`` and calls the original for anything else.
-It also registers kvbridge in LMCache's newer (distributed) channel registry when that part of
+It also hooks the PD backends' allocations so that a receiver with write windows opens the
+pages it allocates to the sender that asked (``kvbridge.lmcache.alloc_windows``), and registers
+kvbridge in LMCache's newer (distributed) channel registry when that part of
 ``kvbridge.lmcache`` is present.
 """
 
@@ -129,6 +131,9 @@ def install() -> None:
                 continue
             mod.CreateTransferChannel = hook
             _patched[name] = hook
+        from kvbridge.lmcache import alloc_windows
+
+        alloc_windows.install()
         _register_distributed()
 
 

@@ -188,6 +188,12 @@ def main() -> None:
                 break
             if op == "free":
                 emit(event="free", **free())
+            elif op == "page":  # the digest of one page of the arena, as it is now
+                at = alloc.buffer_ptr + cmd["index"] * alloc.align_bytes
+                emit(event="page", digest=kvbridge.digest_ranges([(at, alloc.align_bytes)])[0])
+            elif op == "windows":  # write windows: on? how many open, writes refused
+                emit(event="windows", on=channel.write_windows, open=len(channel._windows),
+                     refused=channel.write_refusals)
             elif op == "die_when_bytes_land":
                 die_when_bytes_land(cmd["seed"])
                 emit(event="armed")

@@ -75,14 +75,23 @@ def _expect_all_free(role: Role, timeout: float = 20.0) -> dict:
 
 
 @pytest.mark.parametrize(
-    "tp,mode,transport", [(1, "async", "auto"), (2, "async", "auto"), (1, "sync", "auto"), (2, "async", "tcp")]
+    "tp,mode,transport,windows",
+    [
+        (1, "async", "auto", False),
+        (2, "async", "auto", False),
+        (1, "sync", "auto", False),
+        (2, "async", "tcp", False),
+        # The receivers confine writes to the pages they allocated (issue 41 §1).
+        (2, "async", "tcp", True),
+        (1, "sync", "tcp", True),
+    ],
 )
-def test_kv_chunks_arrive_byte_exact_and_each_request_notifies_the_proxy(tmp_path, procs, tp, mode, transport):
+def test_kv_chunks_arrive_byte_exact_and_each_request_notifies_the_proxy(tmp_path, procs, tp, mode, transport, windows):
     ports = free_ports(2 * tp + 1)
     init_ports, alloc_ports, proxy_port = ports[:tp], ports[tp : 2 * tp], ports[-1]
     proxy = ProxySocket(proxy_port)
     procs.append(proxy)
-    env = {"KVBRIDGE_TRANSPORT": transport}
+    env = {"KVBRIDGE_TRANSPORT": transport, "KVBRIDGE_LMCACHE_WRITE_WINDOWS": "1" if windows else "0"}
     receivers = [_receiver(tmp_path, r, tp, init_ports, alloc_ports, env, mode=mode) for r in range(tp)]
     senders = [_sender(tmp_path, r, tp, proxy_port, init_ports, alloc_ports, env, mode=mode) for r in range(tp)]
     procs.extend(receivers + senders)
@@ -109,6 +118,12 @@ def test_kv_chunks_arrive_byte_exact_and_each_request_notifies_the_proxy(tmp_pat
     for s in senders:
         ev = _expect_all_free(s)
         assert ev["free"] == ev["total"], f"sender pages still held: {ev}"
+    for r in receivers:
+        r.send(op="windows")
+        ev = r.expect("windows", timeout=10)
+        assert ev["on"] == windows and ev["refused"] == 0, ev
+        # one window per allocated page (4 + 3 + 1), each open to its sender
+        assert ev["open"] == (8 if windows else 0), ev
 
 
 def test_receiver_listening_6s_after_the_sender_dials(tmp_path, procs):
