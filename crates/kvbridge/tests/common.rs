@@ -610,3 +610,21 @@ impl Drop for ChildListener {
         self.kill();
     }
 }
+
+/// `r` is the owner's refusal of an op outside what it granted: `AccessDenied` at `step`,
+/// naming the owner `owner` and saying `needle`.
+pub fn assert_denied(r: kvbridge::Result<()>, owner: &str, step: kvbridge::Step, needle: &str) {
+    match r {
+        Err(kvbridge::Error::Rejected {
+            peer,
+            step: s,
+            code: kvbridge::proto::msg::ErrorCode::AccessDenied,
+            message,
+        }) => {
+            assert_eq!(peer, owner);
+            assert_eq!(s, step);
+            assert!(message.contains(needle), "{message}");
+        }
+        other => panic!("expected AccessDenied at {step}, got {other:?}"),
+    }
+}

@@ -45,22 +45,6 @@ fn ops(local: &Region, remote: &Region, pages: &[(usize, u64)]) -> Vec<Op> {
         .collect()
 }
 
-fn assert_denied(r: kvbridge::Result<()>, owner: &str, step: Step, needle: &str) {
-    match r {
-        Err(Error::Rejected {
-            peer,
-            step: s,
-            code: ErrorCode::AccessDenied,
-            message,
-        }) => {
-            assert_eq!(peer, owner);
-            assert_eq!(s, step);
-            assert!(message.contains(needle), "{message}");
-        }
-        other => panic!("expected AccessDenied at {step}, got {other:?}"),
-    }
-}
-
 /// Connects again once both sides dropped the session a refusal ended.
 async fn reconnect(me: &Channel, owner: &Channel) -> PeerId {
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
