@@ -14,7 +14,6 @@ the decoder copies the blocks it read to the device before it reports the load.
 from __future__ import annotations
 
 import json
-import queue
 import logging
 import threading
 import time
@@ -37,6 +36,7 @@ from .load_requests import STALE_S, InboxAddress, LoadRequestInbox
 from .metadata import KvbridgeConnectorMetadata, RecvJob
 from .notice_loop import NoticeLoop
 from .read_grants import ReadGrants
+from .scratch_slots import ScratchSlots, SlotsTaken
 from .staging import CopyBlocksOp, HostStaging, StagingError, needs_staging
 from .stats import REFUSAL_COUNTERS, TRANSPORT_COUNTERS
 from .stats import zero as zero_stats
@@ -231,9 +231,7 @@ class KvbridgeWorker:
         # is never used again (its answer may still land)
         self._lease_pages = bytearray(LEASE_SLOTS * LEASE_PAGE_BYTES)
         self._lease_pages_region: int | None = None
-        self._lease_slots: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for slot in range(LEASE_SLOTS):
-            self._lease_slots.put(slot)
+        self._lease_slots = ScratchSlots(LEASE_SLOTS)
         # integrity (digests.py): each layer's first byte by name, when the cache is host
         # memory; the prefiller's rows; the decoder's scratch for the rows it reads
         self._bases: dict[str, int] = {}
@@ -241,7 +239,7 @@ class KvbridgeWorker:
         self._digests_region: int | None = None
         self._digest_scratch = bytearray()
         self._digest_scratch_region: int | None = None
-        self._digest_slots: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._digest_slots = ScratchSlots(DIGEST_SLOTS)
         self._digest_slot_rows = 0
         self._unchecked_said: set[str] = set()
         # prefiller address -> its session and directory; the lock guards the dict only
@@ -459,8 +457,6 @@ class KvbridgeWorker:
             self._digest_scratch_region = self.channel.register_buffer(
                 self._digest_scratch, digests.ROW_BYTES, peers=[]
             )
-            for slot in range(DIGEST_SLOTS):
-                self._digest_slots.put(slot)
         return out
 
     def _layer_bases(self) -> list[int]:
@@ -512,15 +508,18 @@ class KvbridgeWorker:
         for req_id in meta.reqs_to_hold:
             if self.staging is not None and req_id not in self._saved:
                 continue  # not on the host: start_load_kv frees it when it finishes
-            if not self._record_digests(req_id, meta.hold_blocks.get(req_id)):
+            if not self._ready_to_hold(req_id, meta.hold_blocks.get(req_id)):
                 continue  # never held: its decoder's load fails, the blocks are freed
-            if not self._open_reads(req_id, meta.hold_blocks.get(req_id)):
-                continue  # likewise
             if self._lease_table.hold(req_id):
                 self._held_early[req_id] = now
                 log.info("kvbridge: request %s held for its decoder (prompt computed)", req_id)
             else:
                 self._unmarked(req_id)
+
+    def _ready_to_hold(self, req_id: str, blocks: list[int] | None) -> bool:
+        """What must be in place before a request is marked held: its digests written, its
+        blocks opened to its grant. False when either failed (logged; not held)."""
+        return self._record_digests(req_id, blocks) and self._open_reads(req_id, blocks)
 
     def _record_digests(self, req_id: str, blocks: list[int] | None) -> bool:
         """Writes the digests of a request's blocks, before it is marked held; False (and
@@ -607,9 +606,7 @@ class KvbridgeWorker:
             self._leases[req_id] = now + lease_s
             if self._held_early.pop(req_id, None) is not None:
                 continue
-            if not self._record_digests(req_id, meta.hold_blocks.get(req_id)):
-                continue
-            if not self._open_reads(req_id, meta.hold_blocks.get(req_id)):
+            if not self._ready_to_hold(req_id, meta.hold_blocks.get(req_id)):
                 continue
             if self._lease_table.hold(req_id):
                 log.info("kvbridge: request %s held for its decoder (finished)", req_id)
@@ -870,8 +867,8 @@ class KvbridgeWorker:
         reads = 0
         while True:
             try:
-                slot = self._lease_slots.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
+                slot = self._lease_slots.take(deadline)
+            except SlotsTaken:
                 raise LoadError(f"no lease page free by the deadline for {job.remote_request_id}", "timeout") from None
             try:
                 done = self._read_lease(ch, slot, peer, job, addr, deadline)
@@ -879,10 +876,10 @@ class KvbridgeWorker:
                 # the slot is not put back: the given-up read's answer may still land there
                 reads += stalled.reads
             except BaseException:
-                self._lease_slots.put(slot)
+                self._lease_slots.give_back(slot)
                 raise
             else:
-                self._lease_slots.put(slot)
+                self._lease_slots.give_back(slot)
                 return reads + done
             self.stats["lease_reads_stalled"] += 1
             req = job.remote_request_id
@@ -894,7 +891,7 @@ class KvbridgeWorker:
                 )
             log.warning(
                 "kvbridge: lease read of request %s from prefiller %s (%s) had no answer in %.1f s; issued "
-                "again (%d lease slots left)", req, peer.peer_id, addr, LEASE_READ_STALL_S, self._lease_slots.qsize(),
+                "again (%d lease slots left)", req, peer.peer_id, addr, LEASE_READ_STALL_S, self._lease_slots.free(),
             )
             _log_channel_counters(ch, f"after a stalled lease read from {peer.peer_id}")
 
@@ -968,7 +965,7 @@ class KvbridgeWorker:
         finally:
             # a slot whose reads did not all end may still be written: never used again
             if load.digest_slot is not None and not load.cancelled and all(t.done for t in load.transfers):
-                self._digest_slots.put(load.digest_slot)
+                self._digest_slots.give_back(load.digest_slot)
             load.digest_slot = None
             # off the load's path: the blocks are usable now, whether or not (or however
             # slowly) the prefiller takes the notification
@@ -1096,8 +1093,8 @@ class KvbridgeWorker:
             self._log_unchecked(f"{at // digests.ROW_BYTES} digests are more than a scratch slot holds")
             return
         try:
-            slot = self._digest_slots.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
+            slot = self._digest_slots.take(deadline)
+        except SlotsTaken:
             raise LoadError(f"no digest scratch free by the deadline for {load.job.remote_request_id}", "timeout") from None
         load.digest_slot = slot
         base = slot * self._digest_slot_rows * digests.ROW_BYTES
@@ -1126,6 +1123,7 @@ class KvbridgeWorker:
             assert peer.digests is not None
             ops = digests.row_ops(check, self._digest_scratch_region, peer.digests)
             t = ch.submit_read(peer.peer_id, ops, token=self._token(peer, load.job))
+            load.transfers.append(t)  # cancelled with the others when the deadline passes
             t.wait(max(0.0, deadline - time.monotonic()))
             bad = digests.differing(check, bases, peer.digest_chunk_bytes, self._digest_scratch)
             if bad:
@@ -1381,12 +1379,12 @@ class KvbridgeWorker:
         # refused), asked when something else changed, else at most once a second (vLLM
         # calls this every step; a prefiller's refusals change nothing else)
         now = time.monotonic()
-        if now - self._channel_counted >= CHANNEL_COUNTS_EVERY_S or any(
-            v != self._reported.get(k, 0) for k, v in self.stats.items()
-        ):
+        changed = self.stats != self._reported
+        if changed or now - self._channel_counted >= CHANNEL_COUNTS_EVERY_S:
             self._channel_counted = now
             self._count_transports()
-        if all(v == self._reported.get(k, 0) for k, v in self.stats.items()):
+            changed = self.stats != self._reported
+        if not changed:
             return None
         delta = {k: v - self._reported.get(k, 0) for k, v in self.stats.items()}
         self._reported = dict(self.stats)

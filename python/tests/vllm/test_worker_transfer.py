@@ -442,4 +442,4 @@ def test_a_lease_read_without_an_answer_is_issued_again_into_another_slot(worker
     for name in LAYERS:
         assert torch.equal(d_cache[name][3], p_cache[name][4]), name
     # the given-up read's slot is never used again: its answer could still land there
-    assert d._lease_slots.qsize() == worker_mod.LEASE_SLOTS - 1
+    assert d._lease_slots.free() == worker_mod.LEASE_SLOTS - 1
