@@ -371,6 +371,11 @@ def test_a_prefiller_publishing_a_garbled_directory_fails_the_load_by_name(worke
         ({"layout": ["not", "an", "object"]}, "layout is not an object"),
         ({"layers": ["x"]}, "AttributeError"),
         ({"pages": None, "layout": None, "tp_size": "9" * 5000}, "ValueError"),
+        # its integrity digests (digests.py): a chunk of no bytes, a region id that is no number
+        ({"digest_chunk_bytes": 0}, "digest chunks of 0 bytes"),
+        ({"digest_chunk_bytes": -4096}, "digest chunks of -4096 bytes"),
+        ({"digests": "rows"}, "ValueError"),
+        ({"digest_chunk_bytes": None}, "TypeError"),
     ],
 )
 def test_a_prefiller_whose_directory_lies_fails_the_load_by_name(workers, caplog, change, why):
