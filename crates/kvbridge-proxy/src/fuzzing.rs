@@ -31,6 +31,7 @@ pub fn parse_request(path: &str, body: &[u8]) -> Result<Parsed, String> {
     let first = match api {
         Api::Completions => doc.prompt_text().is_some(),
         Api::Chat => rewrite::chat_continues(&doc),
+        Api::Generate => false,
     }
     .then_some(" tok");
     Ok(Parsed {
