@@ -42,39 +42,52 @@ const DECODE_KV_WAIT: Duration = Duration::from_secs(60);
 
 /// The KV "moved" so far: each room the prefill stubs finished, shared with the decode
 /// stubs.
+/// stubs; `false` for a room whose transfer failed (and the decode was told).
 #[derive(Default)]
 struct Kv {
-    rooms: Mutex<HashMap<u64, ()>>,
+    rooms: Mutex<HashMap<u64, bool>>,
     moved: Notify,
 }
 
 impl Kv {
     fn put(&self, rooms: &[u64]) {
+        self.set(rooms, true)
+    }
+
+    fn fail(&self, rooms: &[u64]) {
+        self.set(rooms, false)
+    }
+
+    fn set(&self, rooms: &[u64], ok: bool) {
         let mut m = self.rooms.lock().unwrap();
         for r in rooms {
-            m.insert(*r, ());
+            m.insert(*r, ok);
         }
         drop(m);
         self.moved.notify_waiters();
     }
 
-    /// Waits until every room's KV moved (at most [`DECODE_KV_WAIT`]).
+    /// Waits until every room's KV moved (`true`), or one's transfer failed or
+    /// [`DECODE_KV_WAIT`] passed (`false`).
     async fn wait(&self, rooms: &[u64]) -> bool {
-        let all = || {
+        let state = || {
             let m = self.rooms.lock().unwrap();
-            rooms.iter().all(|r| m.contains_key(r))
+            if rooms.iter().any(|r| m.get(r) == Some(&false)) {
+                return Some(false);
+            }
+            rooms.iter().all(|r| m.contains_key(r)).then_some(true)
         };
         tokio::time::timeout(DECODE_KV_WAIT, async {
             loop {
                 let moved = self.moved.notified();
-                if all() {
-                    return;
+                if let Some(ok) = state() {
+                    return ok;
                 }
                 moved.await;
             }
         })
         .await
-        .is_ok()
+        .unwrap_or(false)
     }
 }
 
@@ -82,8 +95,12 @@ impl Kv {
 enum Mode {
     /// Answers (a prefill after `delay`; a decode once its KV moved).
     Ok { delay: Duration },
-    /// A prefill that fails with a 500 after `delay`, its KV never sent.
+    /// A prefill that fails with a 500 after `delay`, its KV never sent and the decode never
+    /// told (it waits on, as SGLang's decode does over NIXL, sglang#36033).
     Fail { delay: Duration },
+    /// A prefill whose transfer fails at once (the decode is told, and fails), its 500
+    /// answer `delay` later.
+    FailKv { delay: Duration },
     /// Never answers (a stream: its head, then nothing).
     Hang,
     /// Answers 200 with a body that is not what was asked (hostile).
@@ -227,6 +244,11 @@ async fn serve(State(st): State<Arc<SState>>, uri: Uri, body: Bytes) -> Response
             unreachable!()
         }
         (Kind::Prefill, Mode::Fail { delay }) => {
+            tokio::time::sleep(delay).await;
+            return (StatusCode::INTERNAL_SERVER_ERROR, "prefill exploded").into_response();
+        }
+        (Kind::Prefill, Mode::FailKv { delay }) => {
+            st.kv.fail(&rooms);
             tokio::time::sleep(delay).await;
             return (StatusCode::INTERNAL_SERVER_ERROR, "prefill exploded").into_response();
         }
@@ -672,6 +694,22 @@ async fn a_failing_prefill_ends_the_request_at_once_and_cancels_the_decode() {
         ),
         2
     );
+}
+
+#[tokio::test]
+async fn a_decode_that_fails_because_its_prefill_did_is_the_prefills_failure() {
+    let e = env(1, 1, |_| {}).await;
+    e.p[0].set(Mode::FailKv {
+        delay: Duration::from_millis(20),
+    });
+    let a = e.post("/generate", json!({"text": "hi"})).await;
+    assert_eq!(a.status, StatusCode::BAD_GATEWAY, "{}", a.text());
+    assert_eq!(
+        a.code(),
+        "prefill_failed",
+        "not the decoder's 500 that came first"
+    );
+    assert_eq!(e.proxy.metrics().requests(Outcome::PrefillError), 1);
 }
 
 #[tokio::test]
