@@ -101,7 +101,7 @@ enum Mode {
     /// A prefill whose transfer fails at once (the decode is told, and fails), its 500
     /// answer `delay` later.
     FailKv { delay: Duration },
-    /// Never answers (a stream: its head, then nothing).
+    /// Never answers (a decode's stream: its head once the KV moved, then nothing).
     Hang,
     /// Answers 200 with a body that is not what was asked (hostile).
     Garbage,
@@ -286,6 +286,12 @@ async fn serve(State(st): State<Arc<SState>>, uri: Uri, body: Bytes) -> Response
     }
     // A decode: it answers once its KV moved.
     let (st2, kv) = (st.clone(), st.kv.clone());
+    if stream && mode == Mode::Hang {
+        // A hung stream sends its head once the prefill is done (so that the proxy has the
+        // prefill's answer before it), then nothing.
+        kv.wait(&rooms).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     if stream {
         let (tx, rx) = mpsc::channel::<Result<Bytes, Infallible>>(8);
         tokio::spawn(async move {
