@@ -109,7 +109,8 @@ mod tests {
                     _ => {}
                 }
             }
-            let path = ["/v1/completions", "/v1/chat/completions", "/generate"][(i / seeds.len()) % 3];
+            let path =
+                ["/v1/completions", "/v1/chat/completions", "/generate"][(i / seeds.len()) % 3];
             match parse_request(path, &b) {
                 Err(e) => {
                     assert!(!e.is_empty());

@@ -952,6 +952,38 @@ async fn a_refused_prefiller_is_ejected_and_the_request_starts_over_with_a_new_r
 }
 
 #[tokio::test]
+async fn a_refused_decoder_is_ejected_and_the_same_body_goes_to_the_next() {
+    let mut dead = 0;
+    let e = env(1, 1, |c| {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        dead = l.local_addr().unwrap().port();
+        drop(l);
+        let mut d = c.decoders[0].clone();
+        d.port = dead;
+        c.decoders.insert(0, d);
+    })
+    .await;
+    for stream in [false, true, false] {
+        let a = e
+            .post("/v1/completions", json!({"prompt": "hi", "stream": stream}))
+            .await;
+        assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    }
+    let (ps, ds) = (Env::bodies(&e.p), Env::bodies(&e.d));
+    assert_eq!((ps.len(), ds.len()), (3, 3));
+    for (_, _, v) in &ds {
+        assert!(
+            ps.iter().any(|(_, _, p)| p == v),
+            "the prefill's body, room and all"
+        );
+    }
+    let m = e.metrics().await;
+    let healthy =
+        format!("kvbridge_proxy_worker_healthy{{role=\"decode\",worker=\"127.0.0.1:{dead}\"}}");
+    assert_eq!(counter(&m, &healthy), 0, "{m}");
+}
+
+#[tokio::test]
 async fn health_checks_probe_each_prefillers_bootstrap_port() {
     // The first prefiller's bootstrap port: open, then closed.
     let boot = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
