@@ -16,6 +16,7 @@ use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use tokio::time::Sleep;
 
+use crate::logprob_merge::SseMerge;
 use crate::metrics::Outcome;
 use crate::pool::Slot;
 use crate::reply::{public_message, PendingDecode, Reply, Track};
@@ -37,6 +38,8 @@ pub(crate) struct ProxyBody {
     timer: Pin<Box<Sleep>>,
     first: bool,
     fin: Option<Finish>,
+    /// The prefill's input logprobs merged into each event (sglang flow, `/generate`).
+    merge: Option<SseMerge>,
 }
 
 /// Formats an SSE `error` event with an OpenAI-shaped error object.
@@ -46,7 +49,13 @@ pub(crate) fn sse_error(message: &str, code: &str) -> Bytes {
 }
 
 impl ProxyBody {
-    pub(crate) fn new(inner: Incoming, prefix: Option<Bytes>, idle: Duration, fin: Finish) -> Self {
+    pub(crate) fn new(
+        inner: Incoming,
+        prefix: Option<Bytes>,
+        idle: Duration,
+        fin: Finish,
+        merge: Option<SseMerge>,
+    ) -> Self {
         ProxyBody {
             prefix,
             pending: None,
@@ -55,6 +64,7 @@ impl ProxyBody {
             timer: Box::pin(tokio::time::sleep(idle)),
             first: true,
             fin: Some(fin),
+            merge,
         }
     }
 
@@ -78,6 +88,7 @@ impl ProxyBody {
                 slot: None,
                 decode_start: Instant::now(),
             }),
+            merge: None,
         }
     }
 
@@ -186,15 +197,58 @@ impl Body for ProxyBody {
             Poll::Ready(None) => {}
             Poll::Pending => return Poll::Pending,
         }
-        let Some(inner) = this.inner.as_mut() else {
-            return Poll::Ready(None);
-        };
-        match Pin::new(inner).poll_frame(cx) {
+        loop {
+            let Some(inner) = this.inner.as_mut() else {
+                return Poll::Ready(None);
+            };
+            let polled = Pin::new(inner).poll_frame(cx);
+            if let Some(r) = this.on_frame(polled, cx) {
+                return r;
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.prefix.is_none() && self.pending.is_none() && self.inner.is_none()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::default()
+    }
+}
+
+/// A poll of the decoder's stream.
+type Polled = Poll<Option<Result<Frame<Bytes>, hyper::Error>>>;
+
+/// A poll of the client's body.
+type Served = Poll<Option<Result<Frame<Bytes>, Infallible>>>;
+
+impl ProxyBody {
+    /// What the decoder's stream gave becomes what the client reads; `None` when a merged
+    /// chunk completed no event yet and the stream is to be polled again.
+    fn on_frame(&mut self, polled: Polled, cx: &mut Context<'_>) -> Option<Served> {
+        let this = self;
+        Some(match polled {
             Poll::Ready(Some(Ok(frame))) => {
+                let mut frame = frame;
                 if frame.is_data() {
-                    this.on_data();
                     let at = tokio::time::Instant::now() + this.idle;
                     this.timer.as_mut().reset(at);
+                    if let Some(m) = this.merge.as_mut() {
+                        let data = frame.into_data().unwrap_or_default();
+                        match m.push(&data) {
+                            Ok(out) if out.is_empty() => return None,
+                            Ok(out) => frame = Frame::data(out),
+                            Err(msg) => {
+                                return Some(Poll::Ready(Some(Ok(this.fail(
+                                    msg,
+                                    "decoder_stream_failed",
+                                    Outcome::DecodeError,
+                                )))))
+                            }
+                        }
+                    }
+                    this.on_data();
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
@@ -212,7 +266,10 @@ impl Body for ProxyBody {
                     f.track.metrics.decode.observe(f.decode_start.elapsed());
                     f.track.outcome = Outcome::Ok;
                 }
-                Poll::Ready(None)
+                match this.merge.as_mut().map(SseMerge::finish) {
+                    Some(rest) if !rest.is_empty() => Poll::Ready(Some(Ok(Frame::data(rest)))),
+                    _ => Poll::Ready(None),
+                }
             }
             Poll::Pending => {
                 if this.timer.as_mut().poll(cx).is_ready() {
@@ -226,14 +283,6 @@ impl Body for ProxyBody {
                     Poll::Pending
                 }
             }
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.prefix.is_none() && self.pending.is_none() && self.inner.is_none()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        SizeHint::default()
+        })
     }
 }

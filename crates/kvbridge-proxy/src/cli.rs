@@ -37,6 +37,21 @@ pub struct ProxyArgs {
     /// KV receiver alloc port of each rank, same for every decoder [default: 8400].
     #[arg(long, value_delimiter = ',', num_args = 1..)]
     pub decoder_alloc_port: Option<Vec<u16>>,
+    /// sglang flow: bootstrap port of each prefiller (SGLang's
+    /// `--disaggregation-bootstrap-port`), one for all or one per prefiller in order; `none`
+    /// for one without (it gets `bootstrap_port: null`, as from SGLang's router) [default:
+    /// none].
+    #[arg(long, value_delimiter = ',', num_args = 1..)]
+    pub prefiller_bootstrap_port: Option<Vec<crate::config::BootstrapPort>>,
+    /// SGLang router's form of a prefill server, once per server: `--prefill URL
+    /// [BOOTSTRAP_PORT]` (`http://host:port`; the port a number or `none`). Not with
+    /// --prefiller-host/--prefiller-port.
+    #[arg(long, num_args = 1..=2, value_names = ["URL", "BOOTSTRAP_PORT"], action = clap::ArgAction::Append)]
+    pub prefill: Option<Vec<String>>,
+    /// SGLang router's form of a decode server, once per server: `--decode URL`. Not with
+    /// --decoder-host/--decoder-port.
+    #[arg(long, num_args = 1.., action = clap::ArgAction::Append)]
+    pub decode: Option<Vec<String>>,
     /// Number of prefillers; expands a single --prefiller-port into consecutive ports.
     #[arg(long)]
     pub num_prefillers: Option<usize>,
@@ -49,7 +64,8 @@ pub struct ProxyArgs {
     /// Port of the ZMQ PULL socket that receives KV outcomes [default: 8500].
     #[arg(long)]
     pub proxy_port: Option<u16>,
-    /// Request flow [default: lmcache].
+    /// Request flow: `lmcache`, `vllm` (NIXL), or `sglang` (SGLang's PD servers, as SGLang's
+    /// router talks to them) [default: lmcache].
     #[arg(long, value_enum)]
     pub flow: Option<Flow>,
     /// Seconds to wait for every rank's KV-ready outcome after the prefill (504 after)

@@ -19,6 +19,10 @@ pub enum Flow {
     /// vLLM NIXL connector: the prefill response's `kv_transfer_params` go into the decode
     /// request; no notification socket.
     Vllm,
+    /// SGLang PD (what SGLang's own router does): the same body, with `bootstrap_host`,
+    /// `bootstrap_port` and `bootstrap_room` added, goes to a prefill and a decode server at
+    /// once; the decode server's answer is the answer.
+    Sglang,
 }
 
 /// The shared secret that authenticates KV outcomes (`KVBRIDGE_SECRET`, `--secret`). Its
@@ -49,6 +53,26 @@ impl std::str::FromStr for Secret {
     type Err = String;
     fn from_str(s: &str) -> Result<Secret, String> {
         Secret::new(s.as_bytes()).ok_or_else(|| "the secret is empty".to_string())
+    }
+}
+
+/// A prefiller's bootstrap port on the command line: a port number, or `none`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BootstrapPort(pub Option<u16>);
+
+impl std::str::FromStr for BootstrapPort {
+    type Err = String;
+    fn from_str(s: &str) -> Result<BootstrapPort, String> {
+        let s = s.trim();
+        if s.eq_ignore_ascii_case("none") {
+            return Ok(BootstrapPort(None));
+        }
+        match s.parse::<u16>() {
+            Ok(p) if p > 0 => Ok(BootstrapPort(Some(p))),
+            _ => Err(format!(
+                "bootstrap port {s:?} is not a port number (1-65535) or `none`"
+            )),
+        }
     }
 }
 
@@ -153,6 +177,11 @@ pub struct Config {
     pub prefillers: Vec<WorkerAddr>,
     /// Decode workers.
     pub decoders: Vec<DecoderConfig>,
+    /// sglang flow: each prefiller's bootstrap port (SGLang's
+    /// `--disaggregation-bootstrap-port`), in the order of `prefillers`; `None` sends
+    /// `bootstrap_port: null` as SGLang's router does for a prefill given without one. Empty:
+    /// `None` for every prefiller.
+    pub prefiller_bootstrap_ports: Vec<Option<u16>>,
     /// Host of the notification PULL socket (lmcache flow).
     pub proxy_host: String,
     /// Port of the notification PULL socket (0 picks a free one).
@@ -303,6 +332,7 @@ impl Default for Config {
             port: 8000,
             prefillers: Vec::new(),
             decoders: Vec::new(),
+            prefiller_bootstrap_ports: Vec::new(),
             proxy_host: "127.0.0.1".into(),
             proxy_port: 8500,
             flow: Flow::Lmcache,
@@ -338,6 +368,11 @@ impl Config {
     /// has no view of the decoders' caches.
     pub fn decider(&self) -> Option<DeciderParams> {
         let g = &self.disaggregation;
+        // An SGLang decode server cannot prefill a request alone: it waits for KV from the
+        // prefill server named in the request's bootstrap fields.
+        if self.flow == Flow::Sglang {
+            return None;
+        }
         if self.routing == RoutingPolicy::LeastLoaded
             && g.min_uncached_tokens.is_none()
             && g.decoder_cached_fraction.is_none()
@@ -366,7 +401,22 @@ impl Config {
     /// in the lmcache flow (a vLLM NIXL decoder listens on no KV init port, so probing one
     /// would eject every decoder after `unhealthy_after` checks).
     pub fn probes_kv_ports(&self) -> bool {
-        self.health_kv_ports.unwrap_or(self.flow == Flow::Lmcache)
+        // An SGLang decode server has no KV port of its own to probe; its prefillers'
+        // bootstrap ports are ([`Config::probes_bootstrap_ports`]).
+        self.flow != Flow::Sglang && self.health_kv_ports.unwrap_or(self.flow == Flow::Lmcache)
+    }
+
+    /// sglang flow: whether a prefiller's health check also opens a TCP connection to its
+    /// bootstrap port (where one is configured): as configured, else on. A prefill server
+    /// whose bootstrap server is gone answers `/health` while every decode sent its requests
+    /// fails to reach it.
+    pub fn probes_bootstrap_ports(&self) -> bool {
+        self.flow == Flow::Sglang && self.health_kv_ports.unwrap_or(true)
+    }
+
+    /// sglang flow: prefiller `idx`'s bootstrap port, `None` when not configured.
+    pub fn bootstrap_port(&self, idx: usize) -> Option<u16> {
+        self.prefiller_bootstrap_ports.get(idx).copied().flatten()
     }
 
     /// Checks that the configuration can run; the error names the offending setting.
@@ -435,6 +485,18 @@ impl Config {
             if w.0.is_empty() || w.0.contains(['/', ' ', '@', '?', '#']) {
                 anyhow::bail!("bad worker host {:?}", w.0);
             }
+        }
+        if !self.prefiller_bootstrap_ports.is_empty()
+            && self.prefiller_bootstrap_ports.len() != self.prefillers.len()
+        {
+            anyhow::bail!(
+                "{} bootstrap ports for {} prefillers: give one for all, or one per prefiller, in order (--prefiller-bootstrap-port)",
+                self.prefiller_bootstrap_ports.len(),
+                self.prefillers.len()
+            );
+        }
+        if self.flow != Flow::Sglang && self.prefiller_bootstrap_ports.iter().any(Option::is_some) {
+            anyhow::bail!("prefiller bootstrap ports are for --flow sglang only");
         }
         if self.flow == Flow::Lmcache {
             for dc in &self.decoders {
@@ -617,6 +679,133 @@ kv_capacity_tokens = 100000
         std::fs::write(&p, "bogus_key = 1\n").unwrap();
         let e = parse(&["--config", ps]).unwrap_err();
         assert!(e.to_string().contains("bogus_key"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn sglang_workers_as_sglang_router_or_these_flags_or_the_file_give_them() {
+        // SGLang router's own form.
+        let c = parse(&[
+            "--flow",
+            "sglang",
+            "--prefill",
+            "http://10.0.0.1:30000",
+            "8998",
+            "--prefill",
+            "http://10.0.0.2:30000",
+            "--decode",
+            "http://10.0.0.3:30001",
+            "--decode",
+            "http://10.0.0.4:30001",
+        ])
+        .unwrap();
+        assert_eq!(c.flow, Flow::Sglang);
+        assert_eq!(c.prefillers[1].host, "10.0.0.2");
+        assert_eq!(c.prefillers[1].port, 30000);
+        assert_eq!(
+            (c.bootstrap_port(0), c.bootstrap_port(1)),
+            (Some(8998), None)
+        );
+        assert_eq!(c.decoders.len(), 2);
+        assert_eq!(c.decoders[1].host, "10.0.0.4");
+        assert!(
+            c.decider().is_none(),
+            "an SGLang decode server cannot prefill alone"
+        );
+        assert!(
+            !c.probes_kv_ports(),
+            "an SGLang decoder has no KV init port"
+        );
+        assert!(c.probes_bootstrap_ports());
+        // These flags: one bootstrap port for all, or one per prefiller.
+        let c = parse(&[
+            "--flow",
+            "sglang",
+            "--prefiller-port",
+            "1,2",
+            "--prefiller-bootstrap-port",
+            "8998",
+        ])
+        .unwrap();
+        assert_eq!(c.prefiller_bootstrap_ports, [Some(8998), Some(8998)]);
+        let c = parse(&[
+            "--flow",
+            "sglang",
+            "--prefiller-port",
+            "1,2",
+            "--prefiller-bootstrap-port",
+            "none,9000",
+            "--health-kv-ports",
+            "false",
+        ])
+        .unwrap();
+        assert_eq!(c.prefiller_bootstrap_ports, [None, Some(9000)]);
+        assert!(!c.probes_bootstrap_ports(), "turned off");
+        for (args, want) in [
+            (
+                &[
+                    "--flow",
+                    "sglang",
+                    "--prefiller-port",
+                    "1,2,3",
+                    "--prefiller-bootstrap-port",
+                    "1,2",
+                ][..],
+                "2 bootstrap ports for 3 prefillers",
+            ),
+            (
+                &["--prefiller-bootstrap-port", "8998"][..],
+                "--flow sglang only",
+            ),
+            (
+                &[
+                    "--flow",
+                    "sglang",
+                    "--prefill",
+                    "http://a:1",
+                    "--prefiller-port",
+                    "2",
+                ][..],
+                "not both",
+            ),
+            (
+                &[
+                    "--flow",
+                    "sglang",
+                    "--decode",
+                    "http://a:1",
+                    "--decoder-host",
+                    "b",
+                ][..],
+                "not both",
+            ),
+            (&["--flow", "sglang", "--prefill", "a:1"][..], "takes a URL"),
+            (
+                &["--flow", "sglang", "--decode", "https://a:1"][..],
+                "http://host:port",
+            ),
+            (
+                &["--flow", "sglang", "--prefill", "http://a:1", "70000"][..],
+                "not a port number",
+            ),
+        ] {
+            let e = parse(args).unwrap_err();
+            assert!(e.to_string().contains(want), "{args:?}: {e}");
+        }
+        // The file: a bootstrap port per `[[prefiller]]`.
+        let dir =
+            std::env::temp_dir().join(format!("kvbridge-proxy-sglang-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("s.toml");
+        std::fs::write(
+            &p,
+            "flow = \"sglang\"\n[[prefiller]]\nhost = \"p1\"\nport = 30000\nbootstrap_port = 8998\n[[prefiller]]\nhost = \"p2\"\nport = 30000\n[[decoder]]\nhost = \"d1\"\nport = 30001\n",
+        )
+        .unwrap();
+        let c = parse(&["--config", p.to_str().unwrap()]).unwrap();
+        assert_eq!(c.flow, Flow::Sglang);
+        assert_eq!(c.prefiller_bootstrap_ports, [Some(8998), None]);
+        assert_eq!(c.decoders[0].host, "d1");
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -44,9 +44,18 @@ struct FileConfig {
     cache_aware: Option<CacheAwareParams>,
     disaggregation: Option<DisaggregationConfig>,
     #[serde(default, rename = "prefiller")]
-    prefillers: Vec<WorkerAddr>,
+    prefillers: Vec<FilePrefiller>,
     #[serde(default, rename = "decoder")]
     decoders: Vec<DecoderConfig>,
+}
+
+/// A `[[prefiller]]` table: its address and, for the sglang flow, its bootstrap port.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FilePrefiller {
+    host: String,
+    port: u16,
+    bootstrap_port: Option<u16>,
 }
 
 fn secs(name: &str, v: f64) -> anyhow::Result<Duration> {
@@ -106,13 +115,14 @@ impl Config {
         };
         let d = Config::default();
         let flow = a.flow.or(file.flow).unwrap_or(d.flow);
-        let prefillers = prefillers_of(a, file.prefillers)?;
+        let (prefillers, prefiller_bootstrap_ports) = prefillers_of(a, file.prefillers)?;
         let decoders = decoders_of(a, file.decoders)?;
         let cfg = Config {
             host: a.host.clone().or(file.host).unwrap_or(d.host),
             port: a.port.or(file.port).unwrap_or(d.port),
             prefillers,
             decoders,
+            prefiller_bootstrap_ports,
             proxy_host: a
                 .proxy_host
                 .clone()
@@ -228,24 +238,66 @@ fn pick(n: &str, cli: Option<f64>, f: Option<f64>, dflt: Duration) -> anyhow::Re
     }
 }
 
-/// The prefillers: from the flags when any is given or the file names none, else the file's.
-fn prefillers_of(a: &ProxyArgs, from_file: Vec<WorkerAddr>) -> anyhow::Result<Vec<WorkerAddr>> {
-    if a.prefiller_host.is_some() || a.prefiller_port.is_some() || from_file.is_empty() {
+/// The prefillers and their bootstrap ports: from SGLang router's `--prefill URL [PORT]`, else
+/// from the flags when any is given or the file names none, else the file's;
+/// `--prefiller-bootstrap-port` (one for all, or one per prefiller) over the file's ports.
+fn prefillers_of(
+    a: &ProxyArgs,
+    from_file: Vec<FilePrefiller>,
+) -> anyhow::Result<(Vec<WorkerAddr>, Vec<Option<u16>>)> {
+    let flags = a.prefiller_host.is_some() || a.prefiller_port.is_some();
+    let (addrs, mut ports) = if let Some(groups) = &a.prefill {
+        if flags {
+            anyhow::bail!("give prefillers as --prefill URL or as --prefiller-host/--prefiller-port, not both");
+        }
+        crate::router_form::prefills(groups)?.into_iter().unzip()
+    } else if flags || from_file.is_empty() {
         let hosts = a
             .prefiller_host
             .clone()
             .unwrap_or_else(|| vec!["localhost".into()]);
         let ports = a.prefiller_port.clone().unwrap_or_else(|| vec![8100]);
-        expand("prefiller", &hosts, &ports, a.num_prefillers)
+        let addrs = expand("prefiller", &hosts, &ports, a.num_prefillers)?;
+        (addrs, Vec::new())
     } else {
-        Ok(from_file)
+        from_file
+            .into_iter()
+            .map(|p| {
+                (
+                    WorkerAddr {
+                        host: p.host,
+                        port: p.port,
+                    },
+                    p.bootstrap_port,
+                )
+            })
+            .unzip()
+    };
+    if let Some(bp) = &a.prefiller_bootstrap_port {
+        if a.prefill.is_some() {
+            anyhow::bail!("--prefill URL BOOTSTRAP_PORT gives each bootstrap port: drop --prefiller-bootstrap-port");
+        }
+        ports = match bp.as_slice() {
+            [one] => vec![one.0; addrs.len()],
+            many => many.iter().map(|p| p.0).collect(),
+        };
     }
+    if ports.iter().all(Option::is_none) {
+        ports.clear();
+    }
+    Ok((addrs, ports))
 }
 
 /// The decoders: from the flags when any address is given or the file names none, else the
 /// file's with the flags' KV ports; the flags' admission limits apply to either.
 fn decoders_of(a: &ProxyArgs, from_file: Vec<DecoderConfig>) -> anyhow::Result<Vec<DecoderConfig>> {
-    let decoders = if a.decoder_host.is_some() || a.decoder_port.is_some() || from_file.is_empty() {
+    let flags = a.decoder_host.is_some() || a.decoder_port.is_some();
+    if a.decode.is_some() && flags {
+        anyhow::bail!(
+            "give decoders as --decode URL or as --decoder-host/--decoder-port, not both"
+        );
+    }
+    let decoders = if a.decode.is_some() || flags || from_file.is_empty() {
         let hosts = a
             .decoder_host
             .clone()
@@ -253,7 +305,14 @@ fn decoders_of(a: &ProxyArgs, from_file: Vec<DecoderConfig>) -> anyhow::Result<V
         let ports = a.decoder_port.clone().unwrap_or_else(|| vec![8200]);
         let init = a.decoder_init_port.clone().unwrap_or_else(|| vec![8300]);
         let alloc = a.decoder_alloc_port.clone().unwrap_or_else(|| vec![8400]);
-        expand("decoder", &hosts, &ports, a.num_decoders)?
+        let addrs = match &a.decode {
+            Some(urls) => urls
+                .iter()
+                .map(|u| crate::router_form::worker_url(u))
+                .collect::<anyhow::Result<Vec<_>>>()?,
+            None => expand("decoder", &hosts, &ports, a.num_decoders)?,
+        };
+        addrs
             .into_iter()
             .map(|w| DecoderConfig {
                 host: w.host,

@@ -3,6 +3,7 @@
 
 use crate::request::{Api, ReqDoc};
 use crate::rewrite;
+use crate::sglang_body;
 
 /// What [`parse_request`] made of a body: the facts the proxy acts on and every body it
 /// would send on, so a fuzz target can check that each is a JSON object.
@@ -18,6 +19,10 @@ pub struct Parsed {
     /// LMCache flow: the prefill request (with a `disagg_spec`), and the decode request
     /// (continued from a first token for a completion with a text prompt).
     pub lmcache: [Vec<u8>; 2],
+    /// sglang flow: the body both servers get (bootstrap fields for prefiller
+    /// `127.0.0.1:8998`, room 7, or rooms 7, 8, … for a batch), or the 400's message its
+    /// prompt count gives.
+    pub sglang: Result<Vec<u8>, String>,
 }
 
 /// Parses and checks `body` as a POST to `path` (`/v1/completions` or
@@ -31,6 +36,7 @@ pub fn parse_request(path: &str, body: &[u8]) -> Result<Parsed, String> {
     let first = match api {
         Api::Completions => doc.prompt_text().is_some(),
         Api::Chat => rewrite::chat_continues(&doc),
+        Api::Generate => false,
     }
     .then_some(" tok");
     Ok(Parsed {
@@ -47,6 +53,10 @@ pub fn parse_request(path: &str, body: &[u8]) -> Result<Parsed, String> {
             rewrite::prefill_body(&doc, spec),
             rewrite::lmcache_decode_body(&doc, api, first, "kvb-fuzz-0"),
         ],
+        sglang: sglang_body::batch_size(api, &doc).map(|batch| {
+            let rooms: Vec<u64> = (7..7 + batch.unwrap_or(1) as u64).collect();
+            sglang_body::with_bootstrap(&doc, batch.is_some(), "127.0.0.1", Some(8998), &rooms)
+        }),
     })
 }
 
@@ -66,7 +76,8 @@ mod tests {
     /// every body built from an accepted input is a JSON object with the overrides in place.
     #[test]
     fn mutated_bodies_never_panic_and_accepted_ones_rewrite_to_objects() {
-        let seeds: [&[u8]; 5] = [
+        let seeds: [&[u8]; 6] = [
+            br#"{"text":["a","b"],"return_logprob":true,"sampling_params":{"max_new_tokens":4},"n":2}"#,
             br#"{"model":"m","prompt":"hello","max_tokens":8,"stream":true}"#,
             br#"{"model":"m","messages":[{"role":"user","content":"hi \u00e9"}],"max_completion_tokens":3}"#,
             br#"{"prompt":[1,2,3],"stream":false,"stream_options":{"include_usage":true},"kv_transfer_params":{"x":1}}"#,
@@ -98,11 +109,8 @@ mod tests {
                     _ => {}
                 }
             }
-            let path = if i % 2 == 0 {
-                "/v1/completions"
-            } else {
-                "/v1/chat/completions"
-            };
+            let path =
+                ["/v1/completions", "/v1/chat/completions", "/generate"][(i / seeds.len()) % 3];
             match parse_request(path, &b) {
                 Err(e) => {
                     assert!(!e.is_empty());
@@ -128,6 +136,18 @@ mod tests {
                         ldec["kv_transfer_params"]["lmcache.pd_handoff_id"],
                         "kvb-fuzz-0"
                     );
+                    match &p.sglang {
+                        Ok(b) => {
+                            let s = object(b);
+                            let room = &s["bootstrap_room"];
+                            assert!(room == 7 || room[0] == 7, "{room}");
+                            assert!(
+                                s.contains_key("bootstrap_host")
+                                    && s.contains_key("bootstrap_port")
+                            );
+                        }
+                        Err(e) => assert!(!e.is_empty()),
+                    }
                     // Every field the client sent survives the splice, last value winning.
                     let orig = object(&b);
                     for (k, v) in &orig {

@@ -142,6 +142,12 @@ pub struct Metrics {
     /// Requests started over on another decoder because the prefiller could not reach
     /// theirs (`kv_receiver_unreachable`; no KV had moved).
     pub decoder_retries: AtomicU64,
+    /// sglang flow: decode requests cancelled because their prefill failed first (the
+    /// decode server would otherwise wait for KV that never comes).
+    pub decodes_cancelled: AtomicU64,
+    /// sglang flow: requests started over with another prefiller (and a new room) because
+    /// theirs refused the connection.
+    pub prefiller_retries: AtomicU64,
     /// Time from arrival to the first byte of the answer.
     pub ttft: Histogram,
     /// Duration of the prefill request.
@@ -263,6 +269,16 @@ impl Metrics {
                 "decoder_retries_total",
                 "Requests started over on another decoder because the prefiller could not reach theirs.",
                 &self.decoder_retries,
+            ),
+            (
+                "decodes_cancelled_total",
+                "sglang flow: decode requests cancelled because their prefill failed first.",
+                &self.decodes_cancelled,
+            ),
+            (
+                "prefiller_retries_total",
+                "sglang flow: requests started over with another prefiller because theirs refused the connection.",
+                &self.prefiller_retries,
             ),
         ];
         for (n, h, v) in counters {

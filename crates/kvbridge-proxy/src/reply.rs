@@ -17,6 +17,7 @@ use bytes::Bytes;
 use hyper::body::Incoming;
 use serde_json::json;
 
+use crate::logprob_merge::SseMerge;
 use crate::metrics::{Metrics, Outcome};
 use crate::pool::{PickError, Role, Slot};
 
@@ -185,13 +186,15 @@ pub(crate) enum Reply {
     /// The first token, sent now, and the decode still to answer (its stream follows the
     /// first token; see `first_token_on_kv_ready`).
     Pending { first: Bytes, decode: PendingDecode },
-    /// The decoder's stream, with an optional first chunk in front.
+    /// The decoder's stream, with an optional first chunk in front, and its SSE events
+    /// merged with the prefill's input logprobs where asked (sglang flow, `/generate`).
     Stream {
         content_type: HeaderValue,
         body: Incoming,
         prefix: Option<Bytes>,
         slot: Slot,
         decode_start: Instant,
+        merge: Option<SseMerge>,
     },
 }
 

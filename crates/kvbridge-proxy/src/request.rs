@@ -15,6 +15,8 @@ use serde_json::value::RawValue;
 pub(crate) enum Api {
     Completions,
     Chat,
+    /// SGLang's native `/generate` (sglang flow only).
+    Generate,
 }
 
 impl Api {
@@ -22,6 +24,7 @@ impl Api {
         match self {
             Api::Completions => "/v1/completions",
             Api::Chat => "/v1/chat/completions",
+            Api::Generate => "/generate",
         }
     }
 
@@ -29,6 +32,7 @@ impl Api {
         match path {
             "/v1/completions" => Some(Api::Completions),
             "/v1/chat/completions" => Some(Api::Chat),
+            "/generate" => Some(Api::Generate),
             _ => None,
         }
     }
@@ -126,6 +130,13 @@ impl<'a> ReqDoc<'a> {
             Api::Chat if !doc.raw("messages").is_some_and(nonempty_array) => {
                 return Err("`messages` must be a non-empty array".into())
             }
+            Api::Generate
+                if ["text", "input_ids", "input_embeds"]
+                    .iter()
+                    .all(|k| matches!(doc.raw(k), None | Some("null"))) =>
+            {
+                return Err("one of `text`, `input_ids` or `input_embeds` is required".into())
+            }
             _ => {}
         }
         Ok(doc)
@@ -136,12 +147,17 @@ impl<'a> ReqDoc<'a> {
         self.fields.iter().find(|(k, _)| k == key).map(|(_, v)| *v)
     }
 
-    /// The prompt as sent: a chat's `messages`, else a completion's `prompt` (raw JSON).
+    /// The prompt as sent: a chat's `messages`, else a completion's `prompt`, else
+    /// `/generate`'s `text` or `input_ids` (raw JSON).
     pub(crate) fn prompt_raw(&self) -> Option<&'a str> {
-        self.raw("messages").or_else(|| self.raw("prompt"))
+        self.raw("messages")
+            .or_else(|| self.raw("prompt"))
+            .or_else(|| self.raw("text"))
+            .or_else(|| self.raw("input_ids"))
     }
 
-    fn raw(&self, key: &str) -> Option<&'a str> {
+    /// The raw text of a top-level field.
+    pub(crate) fn raw(&self, key: &str) -> Option<&'a str> {
         self.get(key).map(RawValue::get)
     }
 
@@ -340,6 +356,12 @@ mod tests {
             ),
             (Api::Chat, br#"{"messages":[ ]}"#, "non-empty array"),
             (Api::Chat, br#"{"messages":{}}"#, "non-empty array"),
+            (
+                Api::Generate,
+                br#"{"sampling_params":{}}"#,
+                "`text`, `input_ids`",
+            ),
+            (Api::Generate, br#"{"text":null}"#, "`text`, `input_ids`"),
         ] {
             let e = ReqDoc::parse(api, body).err().unwrap_or_default();
             assert!(e.contains(want), "{}: {e}", String::from_utf8_lossy(body));

@@ -53,14 +53,14 @@ pub(crate) fn lmcache_decode_body(
             p.push_str(first);
             serde_json::to_vec(&p).unwrap_or_default()
         }),
-        Api::Chat => None,
+        Api::Chat | Api::Generate => None,
     };
     let messages = match api {
         Api::Chat => chat_messages(doc).map(|mut m| {
             m.push(json!({"role": "assistant", "content": first}));
             serde_json::to_vec(&m).unwrap_or_default()
         }),
-        Api::Completions => None,
+        Api::Completions | Api::Generate => None,
     };
     // Both limits are at least 2 here: one token is already made.
     let less = |key: &str| {

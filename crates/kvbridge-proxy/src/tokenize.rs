@@ -267,6 +267,8 @@ pub(crate) fn request_body(api: Api, doc: &ReqDoc<'_>) -> Option<Vec<u8>> {
                 put(&mut out, "add_special_tokens", v.get());
             }
         }
+        // SGLang's `/generate` has no `/tokenize` counterpart asked here.
+        Api::Generate => return None,
     }
     out.push(b'}');
     Some(out)

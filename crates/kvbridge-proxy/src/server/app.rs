@@ -28,9 +28,10 @@ pub(crate) struct App {
     pub(crate) decode: Arc<Pool>,
     pub(crate) waiters: Option<KvWaiters>,
     pub(crate) metrics: Arc<Metrics>,
-    /// Per worker, the URIs of both APIs (completions, chat), parsed once.
-    pub(crate) prefill_uris: Vec<[Uri; 2]>,
-    pub(crate) decode_uris: Vec<[Uri; 2]>,
+    /// Per worker, the URIs of its APIs (completions, chat, SGLang's `/generate`), parsed
+    /// once.
+    pub(crate) prefill_uris: Vec<[Uri; 3]>,
+    pub(crate) decode_uris: Vec<[Uri; 3]>,
     /// Polls for backend answers at low load (one-thread runtime only).
     pub(crate) busy_poll: Option<Arc<BusyPoll>>,
     /// Whether a request goes to its decoder alone or the PD way.
@@ -44,8 +45,8 @@ pub(crate) struct App {
     pub(crate) decoder_loads: crate::decoder_loads::Board,
 }
 
-/// Per worker of `pool`, the URIs of its completions and chat APIs.
-pub(crate) fn api_uris(pool: &Pool) -> anyhow::Result<Vec<[Uri; 2]>> {
+/// Per worker of `pool`, the URIs of its completions, chat and `/generate` APIs.
+pub(crate) fn api_uris(pool: &Pool) -> anyhow::Result<Vec<[Uri; 3]>> {
     pool.workers
         .iter()
         .map(|w| {
@@ -54,7 +55,7 @@ pub(crate) fn api_uris(pool: &Pool) -> anyhow::Result<Vec<[Uri; 2]>> {
                     .parse::<Uri>()
                     .map_err(|e| anyhow::anyhow!("bad worker address {}: {e}", w.label))
             };
-            Ok([u(Api::Completions)?, u(Api::Chat)?])
+            Ok([u(Api::Completions)?, u(Api::Chat)?, u(Api::Generate)?])
         })
         .collect()
 }
@@ -105,7 +106,12 @@ impl App {
             Role::Prefill => &self.prefill_uris,
             Role::Decode => &self.decode_uris,
         };
-        uris[idx][(api == Api::Chat) as usize].clone()
+        let i = match api {
+            Api::Completions => 0,
+            Api::Chat => 1,
+            Api::Generate => 2,
+        };
+        uris[idx][i].clone()
     }
 
     /// A prefiller was ejected: the KV waits bound to it fail now.

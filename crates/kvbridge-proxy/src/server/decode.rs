@@ -154,6 +154,7 @@ impl App {
             prefix: None,
             slot,
             decode_start: start,
+            merge: None,
         })
     }
 

@@ -15,6 +15,7 @@ mod health;
 mod prefill;
 mod prompt_tokens;
 mod routes;
+mod task;
 mod upstream;
 
 use std::net::SocketAddr;
@@ -222,13 +223,18 @@ fn scrapes_decoder_loads(cfg: &Config) -> bool {
 /// scrapes its load counters ([`health::loads_loop`]).
 fn spawn_health_checks(app: &Arc<App>) -> Vec<JoinHandle<()>> {
     let mut tasks = Vec::new();
-    for idx in 0..app.prefill.workers.len() {
+    for (idx, p) in app.cfg.prefillers.iter().enumerate() {
+        // sglang flow: the prefill server's bootstrap server, which each decode reaches.
+        let kv = match app.cfg.bootstrap_port(idx) {
+            Some(port) if app.cfg.probes_bootstrap_ports() => vec![format!("{}:{port}", p.host)],
+            _ => Vec::new(),
+        };
         let pool = app.prefill.clone();
         tasks.push(tokio::spawn(health::health_loop(
             app.clone(),
             pool,
             idx,
-            Vec::new(),
+            kv,
         )));
     }
     for (idx, d) in app.cfg.decoders.iter().enumerate() {

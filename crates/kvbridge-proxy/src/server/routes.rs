@@ -1,4 +1,5 @@
-//! The HTTP routes: the two APIs a request flows through, `/v1/models` passed on to a worker,
+//! The HTTP routes: the APIs a request flows through (SGLang's `/generate` too under `--flow
+//! sglang`), `/v1/models` passed on to a worker,
 //! `/health` and `/metrics`; and the flow's [`Reply`] becoming the response.
 
 use std::sync::Arc;
@@ -26,8 +27,11 @@ use crate::request::Api;
 /// The proxy's routes over `app`.
 pub(crate) fn router(app: Arc<App>) -> Router {
     let max_body = app.cfg.max_body_bytes;
-    Router::new()
-        .route("/v1/completions", post(completions))
+    let mut r = Router::new();
+    if app.cfg.flow == crate::config::Flow::Sglang {
+        r = r.route("/generate", post(generate));
+    }
+    r.route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
@@ -51,6 +55,14 @@ async fn chat_completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     app.serve(Api::Chat, headers, body).await
+}
+
+async fn generate(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    app.serve(Api::Generate, headers, body).await
 }
 
 async fn not_found(method: Method, uri: axum::http::Uri) -> Response {
@@ -197,13 +209,14 @@ impl App {
                 prefix,
                 slot,
                 decode_start,
+                merge,
             }) => {
                 let fin = Finish {
                     track,
                     slot: Some(slot),
                     decode_start,
                 };
-                let body = ProxyBody::new(body, prefix, self.cfg.decode_timeout, fin);
+                let body = ProxyBody::new(body, prefix, self.cfg.decode_timeout, fin, merge);
                 let mut r = Response::new(Body::new(body));
                 r.headers_mut().insert(CONTENT_TYPE, content_type);
                 r.headers_mut()

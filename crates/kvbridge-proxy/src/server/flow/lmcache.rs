@@ -132,6 +132,8 @@ impl App {
             .map(|(f, pv)| match ctx.api {
                 Api::Completions => first_chunk(pv, f, None),
                 Api::Chat => first_chat_chunk(pv, f),
+                // Not routed to this flow (`/generate` is the sglang flow's).
+                Api::Generate => first_chunk(pv, f, None),
             });
         tracing::debug!(target: TL, stage = "proxy.decode_sent", id = %id);
         let reply = match self
@@ -424,6 +426,7 @@ fn with_first_token(
             prefix: first_sse,
             slot,
             decode_start,
+            merge: None,
         },
         (r, _) => r,
     }

@@ -1,9 +1,10 @@
 //! One request's way through the workers: its body checked and parsed, a decoder admitted,
 //! the decider's choice between the decoder alone and the PD way, then the configured flow
 //! (`vllm`: KV pulled by the decoder; `lmcache`: KV pushed by the prefiller, its outcome
-//! awaited here).
+//! awaited here; `sglang`: both sent the same body at once, paired by a bootstrap room).
 
 mod lmcache;
+mod sglang;
 mod vllm;
 
 use std::sync::atomic::Ordering::Relaxed;
@@ -131,6 +132,7 @@ impl App {
         match self.cfg.flow {
             Flow::Vllm => self.vllm(&ctx, &doc, dslot).await,
             Flow::Lmcache => self.lmcache(&ctx, &doc, dslot).await,
+            Flow::Sglang => self.sglang(&ctx, &doc, dslot).await,
         }
     }
 }
