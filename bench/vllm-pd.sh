@@ -5,7 +5,7 @@
 # time: each run starts a pair, measures it, stops it, then does the same with the other.
 #
 # Usage: bench/vllm-pd.sh [bench/vllm_pd.py flags: --runs 3 --requests 10 --prompt-tokens 900
-#                          --prefill-tp 1|2 --decode-tp 1|2
+#                          --prefill-tp 1|2 --decode-tp 1|2 --lease-s S
 #                          --layers 8 --kv-heads 4 --head-dim 64 --connectors kvbridge,nixl]
 # Env: BENCH_DIR (default /tmp/kvbridge-vllm-pd), KVBRIDGE_BIN (default target/release/kvbridge,
 #      else target/debug/kvbridge), RESULTS=file to also save the output (with the commit).

@@ -133,10 +133,14 @@ def run_pair(name: str, run: int, a, model: Path, binary: Path, prompts: list[st
     # a prefiller's TP rank r listens on its port + r (NixlConnector's side channel too)
     kvp, nixl_p, nixl_d = free_run(a.prefill_tp), free_run(a.prefill_tp), free_run(a.decode_tp)
     if name == "kvbridge":
-        pcfg, dcfg = kvbridge_config("kv_producer", kvp), kvbridge_config("kv_consumer", 0)
+        lease = {"kvbridge_lease_s": a.lease_s} if a.lease_s else {}
+        pcfg, dcfg = kvbridge_config("kv_producer", kvp, **lease), kvbridge_config("kv_consumer", 0, **lease)
         penv, denv = {}, {}
     elif name == "nixl":
         pcfg, dcfg = nixl_config("kv_producer"), nixl_config("kv_consumer")
+        if a.lease_s:
+            for cfg in (pcfg, dcfg):
+                cfg["kv_connector_extra_config"] = {"kv_lease_duration": int(a.lease_s)}
         penv = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(nixl_p)}
         denv = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(nixl_d)}
     else:
@@ -208,6 +212,10 @@ def main() -> int:
     ap.add_argument("--connectors", default="kvbridge,nixl")
     ap.add_argument("--prefill-tp", type=int, default=1, choices=(1, 2))
     ap.add_argument("--decode-tp", type=int, default=1, choices=(1, 2))
+    # Both connectors' lease (kvbridge_lease_s, NixlConnector's kv_lease_duration); 0 keeps
+    # each default (30 s). NixlConnector's reads outlived its 30 s lease on this host at TP
+    # 1 -> 2 and 2 -> 1 (docs/vllm.md), which fails the run: a longer lease lets it finish.
+    ap.add_argument("--lease-s", type=int, default=0)
     a = ap.parse_args()
 
     (a.work / "logs").mkdir(parents=True, exist_ok=True)
@@ -239,7 +247,7 @@ def main() -> int:
 
     print(f"\nprompt {a.prompt_tokens} tokens, KV {kv_bytes_per_token * a.prompt_tokens / 2**20:.2f} MiB per request "
           f"({a.layers} layers x {a.kv_heads} KV heads x head_dim {a.head_dim}, bf16), max_tokens {a.max_tokens}; "
-          f"TP {a.prefill_tp} -> {a.decode_tp}; "
+          f"TP {a.prefill_tp} -> {a.decode_tp}; lease {a.lease_s or 'default'} s; "
           f"{a.runs} runs per connector, one pair of servers up at a time, pairs alternating; "
           f"{WARM_UP} warm-up + {a.requests} timed requests per run, sequential")  # fmt: skip
     print("| connector | TTFT p50, median of runs (ms) | runs' p50 min-max (ms) | KV GiB/s, median of intervals (min-max) "
