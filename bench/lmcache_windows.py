@@ -10,7 +10,10 @@ of one request, timed where each step runs:
    with windows off);
 2. write (sender): ``batched_write`` of the request's pages, returning once they landed;
 3. free (receiver): what the hooked allocator's free does once the decoder consumed the
-   pages, ``release_when_written(pages, free)`` (frees at once with windows off).
+   pages, ``release_when_written(pages, free)``: the time its caller waits (with windows on
+   it queues the pages for the channel's drain thread, which closes their windows and then
+   frees them; the next step waits until they are back, untimed, and a page handed out
+   again before its window closed makes the next grant wait, timed there).
 
 The load time of a transfer is the sum of the three. Steps are sequenced over a pipe (not
 timed). Both channels use ``KVBRIDGE_TRANSPORT`` (default here: tcp, since a windowed arena
@@ -32,6 +35,7 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
+import threading
 import time
 
 PAGE = 512 << 10
@@ -68,25 +72,37 @@ def receiver(conn, pages: int, off_transport: str, transport: str) -> None:
         chans[mode] = _channel("receiver", arenas[mode], "127.0.0.1:0", write_windows=(mode == "on"))
     conn.send({m: str(c.kvbridge_channel.local_addr) for m, c in chans.items()})
     while True:
+        if not conn.poll(600):
+            break  # the sender is gone
         cmd = conn.recv()
         if cmd is None:
             break
         op, mode, pages_ = cmd[0], cmd[1], cmd[2]
+        if op == "stats":
+            conn.send({m: dict(c.kvbridge_channel.stats(), write_refusals=c.write_refusals) for m, c in chans.items()})
+            continue
         ch = chans[mode]
         if op == "grant":
             t0 = time.perf_counter()
             ch.grant_writes(cmd[3], pages_)
             conn.send(time.perf_counter() - t0)
         elif op == "free":
-            freed = []
+            freed: list = []
+            back = threading.Event()
+
+            def release(ps):
+                freed.extend(ps)
+                if len(freed) == len(pages_):
+                    back.set()
+
             t0 = time.perf_counter()
-            ch.release_when_written(pages_, freed.extend)
-            dt = time.perf_counter() - t0
-            assert freed == pages_, (freed, pages_)
+            ch.release_when_written(pages_, release)
+            dt = time.perf_counter() - t0  # what LMCache's free waits
+            # the pages are back once their windows closed (the drain thread, windows on)
+            assert back.wait(30), f"pages {pages_} not back in 30 s"
+            assert sorted(freed) == pages_, (freed, pages_)
             last = arenas[mode][pages_[-1] * PAGE : (pages_[-1] + 1) * PAGE]
             conn.send((dt, kvbridge.digest(bytes(last.numpy()))))
-        elif op == "stats":
-            conn.send({m: dict(c.kvbridge_channel.stats(), write_refusals=c.write_refusals) for m, c in chans.items()})
     for c in chans.values():
         c.close()
 
@@ -115,7 +131,14 @@ def main() -> None:
     mine, theirs = ctx.Pipe()
     proc = ctx.Process(target=receiver, args=(theirs, pages, off_transport, transport), daemon=True)
     proc.start()
-    urls = mine.recv()
+
+    def answer(timeout: float = 60.0):
+        # every wait has a deadline: a receiver that died or hangs fails the run by name
+        if not mine.poll(timeout):
+            raise SystemExit(f"bench: no answer from the receiver process in {timeout} s (exit code {proc.exitcode})")
+        return mine.recv()
+
+    urls = answer(120)
     os.environ["KVBRIDGE_TRANSPORT"] = transport
     src = _arena(per)
     g = torch.Generator().manual_seed(41)
@@ -133,12 +156,12 @@ def main() -> None:
         n = mib * (1 << 20) // PAGE
         remote = [(k % 2) * per + i for i in range(n)]
         mine.send(("grant", mode, remote, sender.writer_id))
-        grant = mine.recv()
+        grant = answer()
         t0 = time.perf_counter()
         sender.batched_write(objs[:n], {"receiver_id": f"R-{mode}", "remote_indexes": remote})
         write = time.perf_counter() - t0
         mine.send(("free", mode, remote))
-        free, digest = mine.recv()
+        free, digest = answer()
         want = kvbridge.digest(bytes(src[(n - 1) * PAGE : n * PAGE].numpy()))
         assert digest == want, f"{mode} {mib} MiB: the last page did not land byte for byte"
         return grant + write + free, grant, write, free
@@ -170,10 +193,10 @@ def main() -> None:
                       f"(grant {parts[(mib, mode)][-1][0] * 1e6:7.1f} us, write {parts[(mib, mode)][-1][1] * 1e3:8.3f} ms, "
                       f"free {parts[(mib, mode)][-1][2] * 1e6:7.1f} us)", flush=True)  # fmt: skip
     mine.send(("stats", None, None))
-    stats = mine.recv()
+    stats = answer()
     print(f"# receiver: windows on refused {stats['on']['write_refusals']} writes; "
-          f"batches over tcp/shm/cma: off {stats['off'].get('tcp_batches', '?')}/{stats['off'].get('shm_batches')}/"
-          f"{stats['off'].get('cma_batches')}")  # fmt: skip
+          f"batches over shm/cma/ucx with windows off: {stats['off'].get('shm_batches')}/"
+          f"{stats['off'].get('cma_batches')}/{stats['off'].get('ucx_batches')}")  # fmt: skip
     print("summary (median of round means, min-max; on/off from the medians)")
     for mib in sizes:
         off, on = results[(mib, "off")], results[(mib, "on")]
