@@ -34,6 +34,7 @@ import asyncio
 import functools
 import importlib
 import logging
+import threading
 import typing
 from typing import Any, Callable, Union
 
@@ -131,6 +132,8 @@ def _hook_frees(backend: Any, ch: Any) -> None:
     window before). The wrapper never blocks: a page with a write still landing goes
     back to the allocator from the channel's drain thread
     (``KvbridgeChannel.release_when_written``)."""
+    from kvbridge.lmcache.channel import DRAIN_THREAD
+
     alloc = _receiver_allocator(backend, ch)
     if alloc is None or getattr(alloc, "kvbridge_frees", None) is ch:
         return
@@ -143,6 +146,8 @@ def _hook_frees(backend: Any, ch: Any) -> None:
 
         def back(pages: list[int]) -> None:
             give([o for i in pages for o in by_page[i]])
+            if threading.current_thread().name == DRAIN_THREAD:
+                _wake_allocations(backend)
 
         ch.release_when_written(list(by_page), back)
 
@@ -169,6 +174,22 @@ def _hook_frees(backend: Any, ch: Any) -> None:
     alloc.free = _mark(free_hooked, free)
     alloc.batched_free = _mark(batched_free_hooked, batched_free)
     alloc.kvbridge_frees = ch
+
+
+def _wake_allocations(backend: Any) -> None:
+    """Pages came back from the drain thread: wakes ``PDBackendAsync`` allocations waiting
+    for a free page, as its ``remove()`` does after a free (they would otherwise find the
+    page at their next poll, ``pd_condition_poll_interval_sec``)."""
+    cond = getattr(backend, "_alloc_freed_condition", None)
+    loop = getattr(backend, "_recv_loop", None)
+    if cond is None or loop is None or not loop.is_running():
+        return
+
+    async def notify() -> None:
+        async with cond:
+            cond.notify_all()
+
+    asyncio.run_coroutine_threadsafe(notify(), loop)
 
 
 def _cancelled_pages(backend: Any, payload: bytes) -> list[int]:

@@ -90,6 +90,8 @@ _INTEGRITY_ENV = "KVBRIDGE_LMCACHE_INTEGRITY"
 #: over TCP only (docs/lmcache.md, *Write windows*).
 DEFAULT_WRITE_WINDOWS = False
 _WRITE_WINDOWS_ENV = "KVBRIDGE_LMCACHE_WRITE_WINDOWS"
+#: The thread that gives freed pages back once no write into them can land.
+DRAIN_THREAD = "kvbridge-lmcache-drain"
 # A dial refused or cut short is retried; a peer that is incompatible, unauthenticated or
 # refuses us is not (waiting would not change its answer).
 _RETRYABLE = (kvbridge.ConnectionLost, kvbridge.Timeout, kvbridge.PeerClosed)
@@ -861,7 +863,7 @@ class KvbridgeChannel(BaseTransferChannel):
             with self._lock:
                 if self._drainer is None:
                     self._drainer = threading.Thread(
-                        target=self._drain_loop, name="kvbridge-lmcache-drain", daemon=True
+                        target=self._drain_loop, name=DRAIN_THREAD, daemon=True
                     )
                     self._drainer.start()
         return now
