@@ -36,7 +36,9 @@ Write windows (``write_windows=True`` or ``KVBRIDGE_LMCACHE_WRITE_WINDOWS=1`` on
 receiver; off by default): the arena is registered with peers' writes confined to windows,
 and the receiver's PD backend (hooked by ``kvbridge.lmcache.install``) opens one per page it
 allocates for an ``AllocRequest``, to the sender's session only (``grant_writes``), closed
-when the page is handed out again (``revoke_writes``). A write outside the writer's windows
+when LMCache frees the page (consumed, cancelled, rolled back), which gets the page back only
+once no write admitted before the close can land (``release_when_written``; a page whose
+writes did not end by the op deadline is withheld: ``pages_withheld``). A write outside the writer's windows
 is refused by the receiver's engine (``kvbridge.Rejected``, code ``AccessDenied``), counted
 in ``write_refusals`` on both sides and logged once per peer. The owner checks only what it
 copies itself: TCP, and UCX between hosts; docs/lmcache.md, *Write windows*.
@@ -52,6 +54,7 @@ import ipaddress
 import itertools
 import logging
 import os
+import queue
 import socket
 import threading
 import time
@@ -87,6 +90,8 @@ _INTEGRITY_ENV = "KVBRIDGE_LMCACHE_INTEGRITY"
 #: over TCP only (docs/lmcache.md, *Write windows*).
 DEFAULT_WRITE_WINDOWS = False
 _WRITE_WINDOWS_ENV = "KVBRIDGE_LMCACHE_WRITE_WINDOWS"
+#: The thread that gives freed pages back once no write into them can land.
+DRAIN_THREAD = "kvbridge-lmcache-drain"
 # A dial refused or cut short is retried; a peer that is incompatible, unauthenticated or
 # refuses us is not (waiting would not change its answer).
 _RETRYABLE = (kvbridge.ConnectionLost, kvbridge.Timeout, kvbridge.PeerClosed)
@@ -324,6 +329,13 @@ class KvbridgeChannel(BaseTransferChannel):
         # Write windows: page -> (window id, the session it is open to); this channel's
         # writes a peer refused, and the peers whose first refusal was logged.
         self._windows: dict[int, tuple[int, str]] = {}
+        # Closed windows whose admitted writes may still be landing; pages waiting for
+        # that before LMCache's allocator gets them back (release_when_written), the
+        # thread that waits, and the pages it gave up on.
+        self._closing: dict[int, tuple[int, str]] = {}
+        self._drains: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._drainer: Optional[threading.Thread] = None
+        self.pages_withheld = 0
         self._own_write_refusals = 0
         self._refusal_logged: set[str] = set()
         self._verdicts: dict[int, concurrent.futures.Future] = {}
@@ -748,36 +760,139 @@ class KvbridgeChannel(BaseTransferChannel):
         with self._lock:
             return denied + self._own_write_refusals
 
-    def grant_writes(self, writer: str, pages: list[int]) -> None:
+    def grant_writes(self, writer: str, pages: list[int]) -> list[int]:
         """Opens each page to ``writer`` (a kvbridge session id: the sender's ``writer_id``)
-        for writes, closing first whatever window a page still had: a page handed out
-        again was freed, so its last holder's window ends here. No-op unless
-        ``write_windows``; a negative index (LMCache's failed slot) is skipped."""
+        for writes. A page whose last window is still open, or closed with a write of its
+        last holder still landing (a page handed out again without a hooked free), is
+        closed first and waited for (``revoke_writes``); one whose wait ran out is not
+        opened (the new writer's writes to it are refused rather than mixed with a late
+        one). Returns the pages opened. No-op unless ``write_windows``; a negative index
+        (LMCache's failed slot) is skipped."""
         if not self.write_windows:
-            return
+            return []
         pages = [int(i) for i in pages if int(i) >= 0]
-        self.revoke_writes(pages)
         for i in pages:
             if i >= self._region_pages():
                 raise ValueError(f"kvbridge: page {i} is outside the arena ({self._region_pages()} pages)")
+        late = set(self.revoke_writes(pages))
+        opened = []
+        for i in pages:
+            if i in late:
+                continue
             wid = self._ch.open_window(
                 self._region, i * self.page_size, self.page_size, peer=writer, access="write"
             )
             with self._lock:
                 self._windows[i] = (wid, writer)
+            opened.append(i)
+        return opened
 
-    def revoke_writes(self, pages: list[int]) -> None:
-        """Closes the windows open on these pages (waiting for writes already admitted)."""
+    def has_writes(self, pages: list[int]) -> bool:
+        """Whether any of these pages has a window open, or closed with writes that may
+        still be landing."""
+        with self._lock:
+            return any(int(i) in self._windows or int(i) in self._closing for i in pages)
+
+    def close_writes(self, pages: list[int]) -> list[int]:
+        """Closes the windows open on these pages at once, without waiting: no write passes
+        them from now on. Returns the pages where a write admitted before may still be
+        landing (``wait_writes`` waits for them); a page with no window is not listed."""
+        closing = []
+        for i in pages:
+            i = int(i)
+            with self._lock:
+                held = self._windows.pop(i, None)
+                if held is not None:
+                    self._closing[i] = held
+                elif i not in self._closing:
+                    continue
+            closing.append(i)
+        return self.wait_writes(closing, timeout=0.0) if closing else []
+
+    def wait_writes(self, pages: list[int], timeout: Optional[float] = None) -> list[int]:
+        """Waits, at most ``timeout`` seconds each (default: the engine's op deadline, by
+        which every admitted write has ended), for the writes admitted through the closed
+        windows of these pages to end. Returns the pages still waited for."""
+        left = []
         for i in pages:
             with self._lock:
-                held = self._windows.pop(int(i), None)
+                held = self._closing.get(int(i))
             if held is None:
                 continue
             try:
-                self._ch.close_window(held[0])
+                self._ch.close_window(held[0], timeout=timeout)
             except kvbridge.Timeout:
-                # Closed all the same: no write passes it from now on.
-                logger.warning("kvbridge: a write of %s into page %d outlived its window", held[1], i)
+                left.append(int(i))
+                continue
+            except kvbridge.InvalidOp:
+                pass  # another caller saw it drained and forgot it
+            with self._lock:
+                if self._closing.get(int(i)) == held:
+                    del self._closing[int(i)]
+        return left
+
+    def revoke_writes(self, pages: list[int]) -> list[int]:
+        """Closes the windows open on these pages and waits (the engine's op deadline) for
+        the writes already admitted. Returns the pages whose writes did not end in time
+        (their windows are closed all the same: no write passes them any more)."""
+        late = self.wait_writes(self.close_writes(pages))
+        for i in late:
+            logger.error("kvbridge: a write into page %d outlived its window and the op deadline", i)
+        return late
+
+    def release_when_written(self, pages: list[int], release: Any) -> list[int]:
+        """Closes the windows of pages LMCache is freeing and calls ``release(pages)`` for
+        those that no write can land in any more. Pages with no window (never granted, or
+        with the setting off) are released at once; the others from this channel's drain
+        thread, which closes their windows (no write passes them after) and releases each
+        page once the writes admitted before the close ended, so the caller (LMCache's free,
+        on its event loop or a retrieve) never waits on a close. A page whose writes did not
+        end within the op deadline is never released (a page is not reused while a write
+        into it can land): counted in ``pages_withheld`` and logged. Returns the pages
+        released at once."""
+        if self.write_windows:
+            with self._lock:
+                windowed = {int(i) for i in pages if int(i) in self._windows or int(i) in self._closing}
+        else:
+            windowed = set()
+        now = [i for i in pages if int(i) not in windowed]
+        if now:
+            release(now)
+        if windowed:
+            self._drains.put(([i for i in pages if int(i) in windowed], release))
+            with self._lock:
+                if self._drainer is None:
+                    self._drainer = threading.Thread(
+                        target=self._drain_loop, name=DRAIN_THREAD, daemon=True
+                    )
+                    self._drainer.start()
+        return now
+
+    def _drain_loop(self) -> None:
+        while True:
+            item = self._drains.get()
+            if item is None:
+                return
+            pages, release = item
+            try:
+                waiting = set(self.close_writes(pages))
+                late = set(self.wait_writes(sorted(waiting))) if waiting else set()
+            except Exception:  # noqa: BLE001 - the channel closed: nothing is released
+                late = set(pages)
+            done = [i for i in pages if i not in late]
+            if done:
+                try:
+                    release(done)
+                except Exception:  # noqa: BLE001 - LMCache's free; the loop goes on
+                    logger.exception("kvbridge: freeing pages %s failed", done[:8])
+            if late:
+                with self._lock:
+                    self.pages_withheld += len(late)
+                logger.error(
+                    "kvbridge: writes into pages %s did not end within the op deadline after "
+                    "their windows closed: the pages are withheld from LMCache's allocator",
+                    sorted(late)[:8],
+                )
 
     def _refused(self, lmc_peer: str, p: _Peer) -> None:
         """This channel's write was refused by the receiver's window check: counted, and
@@ -970,6 +1085,7 @@ class KvbridgeChannel(BaseTransferChannel):
             return
         self._closed.set()
         self._ch.close()
+        self._drains.put(None)
         self._dispatcher.join(timeout=2.0)
         with self._lock:
             for fut in [*self._acks.values(), *self._verdicts.values()]:

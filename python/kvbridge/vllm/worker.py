@@ -57,7 +57,8 @@ LOAD_THREADS = 4
 LEASE_READ_STALL_S = 2.0
 #: Seconds between asking the channel's counts when no other counter changed.
 CHANNEL_COUNTS_EVERY_S = 1.0
-#: Lease slots: one per load thread, and spares for the slots of reads given up.
+#: Lease slots: one per load thread, and spares for the slots of reads given up (each back
+#: once its read completed: scratch_slots.py).
 LEASE_SLOTS = 4 * LOAD_THREADS
 #: Digest scratch slots (digests.py), as the lease slots: one per load thread and spares,
 #: a slot whose reads were given up never used again.
@@ -92,11 +93,23 @@ class LayoutError(ValueError):
 
 
 class _LeaseReadStalled(Exception):
-    """A lease table read had no answer in time and was given up (``reads``: reads issued)."""
+    """A lease table read had no answer in time and was given up (``reads``: reads issued;
+    ``transfer``: the given-up read, left to complete, never cancelled)."""
 
-    def __init__(self, reads: int):
+    def __init__(self, reads: int, transfer: Any):
         super().__init__(reads)
         self.reads = reads
+        self.transfer = transfer
+
+
+def _lease_read_ended(transfer: Any) -> bool:
+    """Whether no byte of a given-up lease table read can land in its slot any more: once
+    the engine completed it (answered, refused, or failed at the op deadline with its
+    session drained). The prefiller registers its lease table read-only without direct
+    copies, so every read of it goes over TCP (crates/kvbridge/src/grant.rs, module doc),
+    where a read's completion comes only once nothing of it can land later
+    (crates/kvbridge/src/datapath/mod.rs, module doc; scratch_slots.py)."""
+    return bool(transfer.done)
 
 
 def _log_channel_counters(ch: kvbridge.Channel, when: str) -> None:
@@ -228,7 +241,7 @@ class KvbridgeWorker:
         self._lease_table = LeaseTable()
         # decoder: where a load reads a lease table page: slots of one region registered
         # with the KV cache (a load never registers memory); a slot whose read was given up
-        # is never used again (its answer may still land)
+        # comes back only once that read completed (its answer may land until then)
         self._lease_pages = bytearray(LEASE_SLOTS * LEASE_PAGE_BYTES)
         self._lease_pages_region: int | None = None
         self._lease_slots = ScratchSlots(LEASE_SLOTS)
@@ -873,7 +886,9 @@ class KvbridgeWorker:
             try:
                 done = self._read_lease(ch, slot, peer, job, addr, deadline)
             except _LeaseReadStalled as stalled:
-                # the slot is not put back: the given-up read's answer may still land there
+                # the slot comes back only once the given-up read completed: until then its
+                # answer may still land there
+                self._lease_slots.park(slot, stalled.transfer, _lease_read_ended)
                 reads += stalled.reads
             except BaseException:
                 self._lease_slots.give_back(slot)
@@ -891,8 +906,9 @@ class KvbridgeWorker:
                 )
             log.warning(
                 "kvbridge: lease read of request %s from prefiller %s (%s) had no answer in %.1f s; issued "
-                "again (%d lease slots left)", req, peer.peer_id, addr, LEASE_READ_STALL_S, self._lease_slots.free(),
-            )
+                "again (%d lease slots free, %d waiting for a given-up read to end)",
+                req, peer.peer_id, addr, LEASE_READ_STALL_S, self._lease_slots.free(), self._lease_slots.parked(),
+            )  # fmt: skip
             _log_channel_counters(ch, f"after a stalled lease read from {peer.peer_id}")
 
     def _read_lease(self, ch: kvbridge.Channel, slot: int, peer: Peer, job: RecvJob, addr: str, deadline: float) -> int:
@@ -909,8 +925,10 @@ class KvbridgeWorker:
             try:
                 t.wait(min(LEASE_READ_STALL_S, max(0.0, deadline - time.monotonic())))
             except TimeoutError:
-                t.cancel()
-                raise _LeaseReadStalled(reads) from None
+                # Not cancelled: a cancelled read's answer can still land, and its end is
+                # never seen (scratch_slots.py); left running, it ends at the latest at the
+                # engine's op deadline, which ends the session it stalls on.
+                raise _LeaseReadStalled(reads, t) from None
             found = lease_state(req, bytes(page))
             if found is LeaseState.HELD:
                 return reads

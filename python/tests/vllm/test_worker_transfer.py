@@ -406,6 +406,9 @@ class _StallFirstLeaseRead:
     stand-in for a read the engine lost: the read the connector must give up on)."""
 
     class _Silent:
+        done = False
+        error = None
+
         def wait(self, timeout=None):
             time.sleep(timeout or 0)
             raise TimeoutError("no answer")
@@ -446,5 +449,99 @@ def test_a_lease_read_without_an_answer_is_issued_again_into_another_slot(worker
     assert d.stats["loads_ok"] == 1 and d.stats["lease_reads_stalled"] == 1
     for name in LAYERS:
         assert torch.equal(d_cache[name][3], p_cache[name][4]), name
-    # the given-up read's slot is never used again: its answer could still land there
+    # the given-up read's slot is not used again while its answer could still land there
     assert d._lease_slots.free() == worker_mod.LEASE_SLOTS - 1
+    assert d._lease_slots.parked() == 1
+
+
+class _LateLeaseReads:
+    """The decoder's channel, except that its first ``stalls`` lease table reads answer
+    late: each has no answer within the connector's stall limit, and completes (as the
+    engine completes a read once nothing of it can land any more) only when ``land()`` says
+    so, or at once when ``land_at_once``. Records the slot each late read was issued into,
+    and whether the connector cancelled one (a cancelled read's end is never seen)."""
+
+    class _Late:
+        def __init__(self, slot):
+            self.slot, self.done, self.error, self.cancelled = slot, False, None, False
+
+        def wait(self, timeout=None):
+            time.sleep(timeout or 0)  # the stall under test, not a readiness wait
+            raise TimeoutError("no answer yet")
+
+        def cancel(self):
+            self.cancelled = True
+
+    def __init__(self, channel, lease_region, stalls, land_at_once=False):
+        self._channel, self._lease_region = channel, lease_region
+        self.stalls, self.land_at_once = stalls, land_at_once
+        self.late: list = []
+
+    def submit_read_pages(self, peer, local_region, local_pages, *args, **kwargs):
+        if local_region == self._lease_region and len(self.late) < self.stalls:
+            if self.land_at_once and self.late:
+                self.late[-1].done = True  # the previous one's answer came meanwhile
+            self.late.append(self._Late(list(local_pages)[0]))
+            return self.late[-1]
+        return self._channel.submit_read_pages(peer, local_region, local_pages, *args, **kwargs)
+
+    def land(self):
+        for t in self.late:
+            t.done = True
+
+    def __getattr__(self, name):
+        return getattr(self._channel, name)
+
+
+def test_a_given_up_lease_reads_slot_comes_back_only_once_the_read_ended(workers, monkeypatch):
+    """The slot of a lease read given up after the stall limit is not handed out while the
+    read may still land there, and is handed out again once the engine completed it."""
+    from kvbridge.vllm import worker as worker_mod
+    from kvbridge.vllm.scratch_slots import SlotsTaken
+
+    monkeypatch.setattr(worker_mod, "LEASE_READ_STALL_S", 0.1)
+    p = workers("kv_producer", kv_caches(seed=16))
+    d = workers("kv_consumer", kv_caches(seed=None))
+    late = _LateLeaseReads(d.channel, d._lease_pages_region, stalls=1)
+    d.channel = late
+    hold(p, "p-1")
+    d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job(p, [3], [4])}))
+    poll(d, want_recving={"d-1"})
+    assert d.take_failed_recving() == set() and d.stats["lease_reads_stalled"] == 1
+    (read,) = late.late
+    assert not read.cancelled, "a cancelled read's end is never seen: its slot could never come back"
+    slots = d._lease_slots
+    taken = [slots.take(time.monotonic() + 1) for _ in range(worker_mod.LEASE_SLOTS - 1)]
+    assert read.slot not in taken
+    with pytest.raises(SlotsTaken):  # the read may still land: its slot is not handed out
+        slots.take(time.monotonic() + 0.2)
+    read.done = True  # the engine completed it: nothing of it lands any more
+    assert slots.take(time.monotonic() + 1) == read.slot
+    assert slots.parked() == 0
+
+
+def test_a_decoder_survives_more_stalled_lease_reads_than_it_has_slots(workers, monkeypatch):
+    """Each given-up read completes after the next one was issued (an answer that came
+    late): the loads go on using the slots, where keeping every given-up slot forever ran
+    out of slots after LEASE_SLOTS stalls and failed the next load as ``timeout``."""
+    from kvbridge.vllm import worker as worker_mod
+
+    monkeypatch.setattr(worker_mod, "LEASE_READ_STALL_S", 0.02)
+    p_cache = kv_caches(seed=17)
+    d_cache = kv_caches(seed=None)
+    p = workers("kv_producer", p_cache)
+    d = workers("kv_consumer", d_cache)
+    stalls = worker_mod.LEASE_SLOTS + 4
+    late = _LateLeaseReads(d.channel, d._lease_pages_region, stalls=stalls, land_at_once=True)
+    d.channel = late
+    hold(p, "p-1")
+    d.start_load_kv(KvbridgeConnectorMetadata(reqs_to_recv={"d-1": job(p, [3], [4])}))
+    poll(d, want_recving={"d-1"})
+    assert d.take_failed_recving() == set(), d.stats
+    assert d.stats["lease_reads_stalled"] == stalls and d.stats["loads_ok"] == 1
+    for name in LAYERS:
+        assert torch.equal(d_cache[name][3], p_cache[name][4]), name
+    assert not any(t.cancelled for t in late.late)
+    late.land()
+    d._lease_slots.reclaim()
+    assert d._lease_slots.free() == worker_mod.LEASE_SLOTS

@@ -10,7 +10,8 @@ object per line on stdin, with one JSON object per line on stdout prefixed ``@@ 
   LMCache's connector does; ``{"op": "free"}`` reports the free/total pages of the arena.
 * receiver: ``{"op": "check", "req_id", "chunks", "last_chunk_toks", "seed"}`` compares the
   received chunks with the pattern byte for byte; ``{"op": "free"}``;
-  ``{"op": "die_when_bytes_land", "seed"}`` kills the process (SIGKILL) as soon as the first
+  ``{"op": "consume", "keys", "want_free"}`` reads and removes those chunks as LMCache's
+  retrieve does, then waits (10 s at most) until ``want_free`` pages are free; ``{"op": "die_when_bytes_land", "seed"}`` kills the process (SIGKILL) as soon as the first
   bytes of that pattern appear in its arena, i.e. in the middle of the sender's write.
 
 With ``--http-port`` the process is also an OpenAI-style worker for ``kvbridge proxy`` (flow
@@ -194,6 +195,18 @@ def main() -> None:
             elif op == "windows":  # write windows: on? how many open, writes refused
                 emit(event="windows", on=channel.write_windows, open=len(channel._windows),
                      refused=channel.write_refusals)
+            elif op == "consume":  # as LMCache's retrieve: read each chunk, then remove it
+                for k in cmd["keys"]:
+                    ck = CacheEngineKey.from_string(k)
+                    obj = backend.get_blocking(ck)
+                    backend.remove(ck)
+                    if isinstance(backend, PDBackend) and not isinstance(backend, PDBackendAsync):
+                        obj.ref_count_down()  # sync remove() leaves it to the cache engine
+                # with write windows, pages go back once their windows closed (a thread)
+                until = time.monotonic() + 10
+                while free()["free"] < cmd.get("want_free", 0) and time.monotonic() < until:
+                    time.sleep(0.005)
+                emit(event="consumed", **free())
             elif op == "die_when_bytes_land":
                 die_when_bytes_land(cmd["seed"])
                 emit(event="armed")

@@ -110,6 +110,12 @@ def test_kv_chunks_arrive_byte_exact_and_each_request_notifies_the_proxy(tmp_pat
             s.expect("submitted", timeout=60)
     got = proxy.collect({req: tp for req, *_ in reqs}, timeout=60)
     assert got == {req: tp for req, *_ in reqs}, f"ProxyNotifs: {got}"
+    for r in receivers:
+        r.send(op="windows")
+        ev = r.expect("windows", timeout=10)
+        assert ev["on"] == windows and ev["refused"] == 0, ev
+        # one window per allocated page (4 + 3 + 1), each open to its sender
+        assert ev["open"] == (8 if windows else 0), ev
     for req, n, last, seed in reqs:
         for r in receivers:
             r.send(op="check", req_id=req, chunks=n, last_chunk_toks=last, seed=seed)
@@ -119,11 +125,12 @@ def test_kv_chunks_arrive_byte_exact_and_each_request_notifies_the_proxy(tmp_pat
         ev = _expect_all_free(s)
         assert ev["free"] == ev["total"], f"sender pages still held: {ev}"
     for r in receivers:
+        # consumed: every page back in the allocator, its window closed first
+        ev = _expect_all_free(r)
+        assert ev["free"] == ev["total"], f"receiver pages still held: {ev}"
         r.send(op="windows")
         ev = r.expect("windows", timeout=10)
-        assert ev["on"] == windows and ev["refused"] == 0, ev
-        # one window per allocated page (4 + 3 + 1), each open to its sender
-        assert ev["open"] == (8 if windows else 0), ev
+        assert ev["open"] == 0 and ev["refused"] == 0, ev
 
 
 def test_receiver_listening_6s_after_the_sender_dials(tmp_path, procs):
