@@ -8,7 +8,7 @@ use crate::buffer::{self, Keep, Memory};
 use crate::call::{self, EngineResult, Outcome};
 use crate::errors;
 use crate::grants::{self, Windows};
-use crate::transfer::{Slot, Transfer};
+use crate::transfer::{Slot, StopGuard, Transfer};
 use kvbridge::config::DEFAULT_DATA_CONNECTIONS;
 use kvbridge::proto::auth::Secret;
 use kvbridge::proto::msg::Compat;
@@ -506,7 +506,12 @@ impl PyChannel {
     fn submit(py: Python<'_>, batch: Batch, what: String) -> PyResult<Transfer> {
         let slot = Arc::new(Slot::default());
         let filled = slot.clone();
-        let abort = call::spawn(py, async move { filled.finish(batch.await) })?;
+        // Outside the async block, so it is dropped with the future even if never polled.
+        let stop = StopGuard(slot.clone());
+        let abort = call::spawn(py, async move {
+            let _stop = stop;
+            filled.finish(batch.await)
+        })?;
         Ok(Transfer::new(slot, abort, what))
     }
 

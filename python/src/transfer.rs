@@ -10,26 +10,51 @@ use tokio::task::AbortHandle;
 /// Where a submitted batch stands; the runtime's task fills it once.
 #[derive(Default)]
 pub(crate) struct Slot {
-    result: Mutex<Option<Result<(), Outcome>>>,
+    state: Mutex<State>,
     done: Condvar,
+}
+
+#[derive(Default)]
+struct State {
+    result: Option<Result<(), Outcome>>,
+    /// The batch's task let go of its future: it completed, or an abort took effect. A
+    /// same-host copy runs inside the task's poll (`block_in_place`), where an abort cannot
+    /// reach it; it has ended by the time this is set.
+    stopped: bool,
 }
 
 impl Slot {
     pub(crate) fn finish(&self, r: Result<(), Outcome>) {
-        let mut slot = self.result.lock().unwrap_or_else(|p| p.into_inner());
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         // The first outcome stands: a cancel that won the race is not overwritten.
-        if slot.is_none() {
-            *slot = Some(r);
+        if state.result.is_none() {
+            state.result = Some(r);
         }
-        drop(slot);
+        drop(state);
+        self.done.notify_all();
+    }
+
+    fn stop(&self) {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).stopped = true;
         self.done.notify_all();
     }
 
     fn get(&self) -> Option<Result<(), Outcome>> {
-        self.result
+        self.state
             .lock()
             .unwrap_or_else(|p| p.into_inner())
+            .result
             .clone()
+    }
+}
+
+/// Moved into a batch's task: marks its [`Slot`] stopped when the task's future is dropped,
+/// whether it ran to the end, was aborted between polls, or never ran.
+pub(crate) struct StopGuard(pub(crate) Arc<Slot>);
+
+impl Drop for StopGuard {
+    fn drop(&mut self) {
+        self.0.stop();
     }
 }
 
@@ -84,12 +109,12 @@ impl Transfer {
                 SIGNAL_POLL.min(d.saturating_duration_since(Instant::now()))
             });
             let r = py.allow_threads(move || {
-                let guard = slot.result.lock().unwrap_or_else(|p| p.into_inner());
+                let guard = slot.state.lock().unwrap_or_else(|p| p.into_inner());
                 let (guard, _) = slot
                     .done
-                    .wait_timeout_while(guard, slice, |r| r.is_none())
+                    .wait_timeout_while(guard, slice, |s| s.result.is_none())
                     .unwrap_or_else(|p| p.into_inner());
-                guard.clone()
+                guard.result.clone()
             });
             match r {
                 Some(Ok(())) => return Ok(()),
@@ -123,14 +148,38 @@ impl Transfer {
     }
 
     /// Gives up on the batch: the engine drops it (bytes may or may not have landed) and
-    /// ``wait()`` raises ``kvbridge.LocalError``. No effect once it ended.
-    fn cancel(&self) {
+    /// ``wait()`` raises ``kvbridge.LocalError``; no effect on the outcome once it ended.
+    /// Returns once the batch's task let go of it, within ``timeout`` seconds: ``True`` when
+    /// it did, so that no copy of this batch runs in this process any more (a same-host copy
+    /// under way when it was cancelled has ended). What it cannot stop: the peer's answer to
+    /// a read already sent over TCP is still copied into the read's destinations when it
+    /// comes, until the session with that peer ends; a caller that reuses those
+    /// destinations ends the session first (``Channel.disconnect``, which returns once the
+    /// session's readers stopped).
+    #[pyo3(signature = (timeout=5.0))]
+    fn cancel(&self, py: Python<'_>, timeout: f64) -> PyResult<bool> {
+        if !(timeout.is_finite() && timeout >= 0.0) {
+            return Err(crate::errors::invalid(
+                py,
+                format!("timeout {timeout} is not >= 0"),
+            ));
+        }
         self.abort.abort();
         self.slot
             .finish(Err(Outcome::Engine(kvbridge::Error::Local(format!(
                 "{} cancelled",
                 self.what
             )))));
+        let slot = self.slot.clone();
+        let limit = Duration::from_secs_f64(timeout.min(1e9));
+        Ok(py.allow_threads(move || {
+            let guard = slot.state.lock().unwrap_or_else(|p| p.into_inner());
+            let (guard, _) = slot
+                .done
+                .wait_timeout_while(guard, limit, |s| !s.stopped)
+                .unwrap_or_else(|p| p.into_inner());
+            guard.stopped
+        }))
     }
 
     fn __repr__(&self) -> String {

@@ -259,3 +259,13 @@ def test_a_registered_tensor_keeps_its_memory_in_place(pair):
     pair.prefiller.deregister(rid)
     gc.collect()
     assert memory() is None, "deregister kept the memory"
+
+
+def test_cancel_returns_once_the_batch_let_go_and_checks_its_timeout(pair):
+    t = pair.prefiller.submit_write_pages(pair.peer, pair.staging_region, [0], pair.kv_region, [0])
+    assert t.cancel() is True  # ended or aborted: either way its task let go of it
+    assert t.done
+    with pytest.raises(kvbridge.InvalidOp):
+        t.cancel(timeout=-1.0)
+    with pytest.raises(kvbridge.InvalidOp):
+        t.cancel(timeout=float("nan"))

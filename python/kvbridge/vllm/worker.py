@@ -206,6 +206,8 @@ class _Load:
     checks: dict = field(default_factory=dict)
     # its reads were given up (their bytes may still land)
     cancelled: bool = False
+    #: After a cancel: whether no byte of the load's reads can land any more (_give_up_reads).
+    reads_ended: bool = False
 
 
 class KvbridgeWorker:
@@ -847,7 +849,8 @@ class KvbridgeWorker:
         try:
             t.wait(max(0.0, deadline - time.monotonic()))
         except TimeoutError:
-            t.cancel()
+            # the scratch page is read again by the next load: nothing of this read may land
+            self._give_up_reads([t], [peer_id], "layer directory read deadline passed")
             raise LoadError(
                 f"reading the layer directory of prefiller {peer_id} ({addr}): "
                 f"deadline kvbridge_read_timeout_s={self.settings.read_timeout_s} passed",
@@ -965,8 +968,8 @@ class KvbridgeWorker:
             self._log_if_over_budget(load, self._addr(job, min(peers)) if peers else job.remote_host)
         except TimeoutError:
             load.cancelled = True
-            for t in load.transfers:
-                t.cancel()
+            why = f"reads of request {job.remote_request_id} passed kvbridge_read_timeout_s"
+            load.reads_ended = self._give_up_reads(load.transfers, [p.peer_id for p in peers.values()], why)
             raise LoadError(
                 f"reading request {job.remote_request_id} from prefiller ranks {sorted(peers)} at "
                 f"{job.remote_host}: deadline kvbridge_read_timeout_s={self.settings.read_timeout_s} passed",
@@ -982,12 +985,38 @@ class KvbridgeWorker:
             ) from e
         finally:
             # a slot whose reads did not all end may still be written: never used again
-            if load.digest_slot is not None and not load.cancelled and all(t.done for t in load.transfers):
+            ended = load.reads_ended if load.cancelled else all(t.done for t in load.transfers)
+            if load.digest_slot is not None and ended:
                 self._digest_slots.give_back(load.digest_slot)
             load.digest_slot = None
             # off the load's path: the blocks are usable now, whether or not (or however
             # slowly) the prefiller takes the notification
             self._notify_ranks(job, peers, unreachable)
+
+    def _give_up_reads(self, transfers: list, peer_ids: list[str], why: str) -> bool:
+        """Reads given up at their deadline, ended so that none of their bytes lands in
+        memory vLLM may hand out again: each is cancelled (which returns once no same-host
+        copy of it runs), then every session they went over is ended (``disconnect``
+        returns once its readers stopped: an answer to a read sent over TCP would otherwise
+        still be copied into the blocks when it comes). Other loads on those sessions fail
+        as ``peer_lost``; the next load dials again. Returns whether all of that was
+        confirmed; when not, says so loudly (the blocks are still reported, or the request
+        would never end)."""
+        ch = self.channel
+        assert ch is not None
+        confirmed = all([t.cancel() for t in transfers])
+        for pid in dict.fromkeys(peer_ids):
+            try:
+                ch.disconnect(pid, why)
+            except kvbridge.UnknownPeer:
+                pass  # that session already ended, its readers with it
+            except kvbridge.KvbridgeError as e:
+                confirmed = False
+                log.error("kvbridge: ending the session with prefiller %s after %s failed: %s: %s", pid, why,
+                          type(e).__name__, e)  # fmt: skip
+        if not confirmed:
+            log.error("kvbridge: %s; reads given up may still land in their blocks", why)
+        return confirmed
 
     def _read_ranks(self, load: _Load, deadline: float, peers: dict[int, Peer], unreachable: set[int]) -> None:
         job = load.job

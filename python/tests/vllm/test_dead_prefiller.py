@@ -214,3 +214,33 @@ def test_a_slow_load_is_logged_with_the_time_of_each_step(decoder, prefillers):
     assert len(slow_logs) == 1, seen
     reading = float(re.search(r"([0-9.]+) s reading", slow_logs[0]).group(1))
     assert reading >= 1.0, slow_logs[0]
+
+
+def test_reads_given_up_at_the_deadline_land_nothing_once_their_blocks_are_reported(decoder, prefillers):
+    """A load whose reads pass the read deadline is reported failed, and vLLM may hand its
+    blocks to another request at once. So nothing of the given-up reads may land there
+    afterwards, even when the stopped prefiller wakes and answers the read it was sent: the
+    connector ends the session the reads went over before it reports the blocks."""
+    slow = prefillers(41)
+    load(decoder, "d-0", slow.job([0], [0], "r0"))  # the session exists from here on
+    wait_reported(decoder, "d-0")
+    assert decoder.take_failed_recving() == set()
+    slow.signal(signal.SIGSTOP)
+    try:
+        load(decoder, "d-1", slow.job([2], [1], "r1"))
+        wait_reported(decoder, "d-1")  # at the read deadline
+        assert decoder.take_failed_recving() == {"d-1"}
+        # vLLM gave block 2 to another request, which wrote its own KV there
+        for name in LAYERS:
+            decoder.caches[name][2].fill_(1.5)
+    finally:
+        slow.signal(signal.SIGCONT)
+    # the woken prefiller reads the request it was sent while stopped, and answers it if
+    # the session is still up; a load from it after that (a fresh session, or the same
+    # one behind that answer) shows it has caught up
+    load(decoder, "d-2", slow.job([3], [2], "r2"))
+    wait_reported(decoder, "d-2")
+    assert decoder.take_failed_recving() == set()
+    assert_read(decoder, 3, slow, 2)
+    for name in LAYERS:
+        assert bool((decoder.caches[name][2] == 1.5).all()), f"a given-up read landed in block 2 of {name}"
