@@ -21,7 +21,8 @@
 # - lmcache: bench/lmcache.sh with REPS=1 for the channels above, the build's package first
 #   on PYTHONPATH (every read verified, as that script does).
 # The report gives per cell each build's median over the rounds with its range and the
-# ratio new/old of the medians, oriented so that a ratio below 1 means NEW is worse
+# ratio new/old of the medians, and the same ratio within each round (old and new back to
+# back) as a median with its range, oriented so that a ratio below 1 means NEW is worse
 # (throughput new/old; TTFT old/new). Any failed run fails the whole script and prints no
 # figure.
 set -euo pipefail
@@ -74,9 +75,12 @@ measure() {  # build round
           # UCX on this host's own transports, as bench/transfer.sh runs it (docs/ucx.md)
           tls=()
           [ "$t" = ucx ] && tls=(UCX_TLS=posix,cma,self)
-          j=$(env "${tls[@]}" "$dir/kvbridge" bench transfer --transport "$t" \
-            --block-sizes "$SIZES" --reps 1 --json) || die "bench transfer $t on $b (round $r)"
-          echo "{\"build\":\"$b\",\"round\":$r,\"part\":\"transfer\",\"transport\":\"$t\",\"out\":$j}" >>"$results"
+          # CPU seconds of the whole run (its peer process included): less of the host's
+          # noise than the rates, though the same work (the socket and memcpy ceilings too)
+          j=$(env "${tls[@]}" /usr/bin/time -f "%U %S" -o "$LOGS/cpu" "$dir/kvbridge" bench transfer \
+            --transport "$t" --block-sizes "$SIZES" --reps 1 --json) || die "bench transfer $t on $b (round $r)"
+          cpu=$(awk '{print $1 + $2}' "$LOGS/cpu")
+          echo "{\"build\":\"$b\",\"round\":$r,\"part\":\"transfer\",\"transport\":\"$t\",\"cpu_s\":$cpu,\"out\":$j}" >>"$results"
         done ;;
       demo)
         j=$("$dir/kvbridge" demo --json --ceiling-reps 0 2>"$LOGS/demo.err") \
@@ -117,6 +121,8 @@ def add(label, unit, better_high, build, v):
 for r in rows:
     b, o = r["build"], r["out"]
     if r["part"] == "transfer":
+        if "cpu_s" in r:
+            add(f"transfer {r['transport']} CPU seconds of the run", "s", False, b, r["cpu_s"])
         for x in o["results"]:
             add(f"transfer {r['transport']} {x['block_size'] // 1024} KiB", "GiB/s", True, b, x["gib_per_s"])
     elif r["part"] == "demo":
@@ -133,15 +139,18 @@ lines = [f"# bench/regression.sh {old} {new} $ROUNDS, PARTS='$PARTS', $started..
          "# builds: release kvbridge command and Python wheel, both with UCX; alternated, old first in odd rounds",
          "# ratio: new/old of the medians for throughput, old/new for TTFT (below 1: new is worse)",
          "",
-         "| cell | unit | old median (range) | new median (range) | ratio | rounds |",
-         "|---|---|---|---|---|---|"]
+         "# paired: the ratio within each round (old and new ran back to back), median and range",
+         "| cell | unit | old median (range) | new median (range) | ratio | paired ratio (range) | rounds |",
+         "|---|---|---|---|---|---|---|"]
 for (label, unit, hi), by in cells.items():
     o, n = by.get(old, []), by.get(new, [])
     mo, mn = statistics.median(o), statistics.median(n)
     ratio = mn / mo if hi else mo / mn
-    lines.append(f"| {label} | {unit} | {mo:.2f} ({min(o):.2f}-{max(o):.2f}) | {mn:.2f} ({min(n):.2f}-{max(n):.2f}) | {ratio:.3f} | {min(len(o), len(n))} |")
+    pairs = [(a / c if hi else c / a) for a, c in zip(n, o)]  # round by round, in order
+    lines.append(f"| {label} | {unit} | {mo:.2f} ({min(o):.2f}-{max(o):.2f}) | {mn:.2f} ({min(n):.2f}-{max(n):.2f}) | {ratio:.3f} "
+                 f"| {statistics.median(pairs):.3f} ({min(pairs):.2f}-{max(pairs):.2f}) | {min(len(o), len(n))} |")
 lines += ["", "# raw"] + [json.dumps(r) for r in rows]
 open(out_path, "w").write("\n".join(lines) + "\n")
-print("\n".join(lines[:len(cells) + 7]))
+print("\n".join(lines[:len(cells) + 8]))
 EOF
 echo "report: $OUT" >&2
