@@ -48,14 +48,15 @@ def tokenizer(out: Path) -> int:
     return len(vocab)
 
 
-def sharpen(model) -> None:
-    """Projections and embeddings drawn wide: peaky attention and logits."""
+def sharpen(model, attention: float = 0.5) -> None:
+    """Projections and embeddings drawn wide: peaky attention and logits (``attention``: the
+    standard deviation of the attention's projections)."""
     import torch
 
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2:
-                p.normal_(0.0, 0.5 if "embed" not in name else 1.0)
+                p.normal_(0.0, 1.0 if "embed" in name else attention if "self_attn" in name else 0.5)
 
 
 def build(out: Path, *, layers: int = 2, kv_heads: int = 2, head_dim: int = 32, seed: int = 0) -> Path:
@@ -92,6 +93,8 @@ def build(out: Path, *, layers: int = 2, kv_heads: int = 2, head_dim: int = 32, 
 #: 576 = kv_lora_rank 512 + rope 64 only; it also forces blocks of 16 tokens).
 MLA_KV_LORA_RANK = 512
 MLA_ROPE_DIM = 64
+#: The standard deviation of the MLA model's attention projections (the Llama's, by default).
+MLA_ATTENTION_STD = 0.5
 
 
 def build_mla(
@@ -103,6 +106,7 @@ def build_mla(
     v_dim: int = 16,
     kv_lora_rank: int = MLA_KV_LORA_RANK,
     rope_dim: int = MLA_ROPE_DIM,
+    attention: float = MLA_ATTENTION_STD,
     seed: int = 0,
 ) -> Path:
     """A DeepSeek-V2-shaped model (MLA attention, dense MLPs: no expert weights) as small as vLLM
@@ -142,12 +146,12 @@ def build_mla(
     )
     torch.manual_seed(seed)
     model = DeepseekV2ForCausalLM(config)
-    sharpen(model)
+    sharpen(model, attention=attention)
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     (out / "kvbridge-tiny.json").write_text(
         json.dumps(
             {"mla": True, "layers": layers, "heads": heads, "nope_dim": nope_dim, "v_dim": v_dim,
-             "kv_lora_rank": kv_lora_rank, "rope_dim": rope_dim, "seed": seed}
+             "kv_lora_rank": kv_lora_rank, "rope_dim": rope_dim, "attention_std": attention, "seed": seed}
         )  # fmt: skip
     )
     return out
@@ -164,9 +168,11 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=2, help="MLA: attention heads")
     ap.add_argument("--kv-lora-rank", type=int, default=MLA_KV_LORA_RANK, help="MLA (vLLM CPU serves 512 only)")
     ap.add_argument("--rope-dim", type=int, default=MLA_ROPE_DIM, help="MLA (vLLM CPU serves 64 only)")
+    ap.add_argument("--attention-std", type=float, default=MLA_ATTENTION_STD, help="MLA: attention weights' std")
     a = ap.parse_args()
     if a.mla:
-        build_mla(a.out, layers=a.layers, heads=a.heads, kv_lora_rank=a.kv_lora_rank, rope_dim=a.rope_dim, seed=a.seed)
+        build_mla(a.out, layers=a.layers, heads=a.heads, kv_lora_rank=a.kv_lora_rank, rope_dim=a.rope_dim,
+                  attention=a.attention_std, seed=a.seed)  # fmt: skip
         return
     build(a.out, layers=a.layers, kv_heads=a.kv_heads, head_dim=a.head_dim, seed=a.seed)
 
