@@ -46,9 +46,9 @@ one copy of each prompt's blocks per decoder rank.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 import threading
 import time
+from dataclasses import dataclass
 
 import pytest
 
@@ -182,7 +182,8 @@ def single_server_answers(model, logs, tp: int) -> dict:
     parted = sum(r.answer[0][0] != r.steps[0][0] for r in out.values())
     print(f"single MLA server TP={tp}: its prefill and its decode step pick different first tokens on {parted} of "
           f"{len(out)} prompts, and differ by up to "
-          f"{max(worst(r.answer[0][1], r.steps[0][1]) for r in out.values()):.3f} in a top-5 logprob both list")  # fmt: skip
+          f"{max(worst(r.answer[0][1], r.steps[0][1]) for r in out.values()):.3f} in a top-5 logprob both list "
+          "(inf: one with none in common)")  # fmt: skip
     return out
 
 
