@@ -10,8 +10,10 @@
 #      `kvbridge proxy --flow vllm` (target/debug/kvbridge, built first, unless
 #      KVBRIDGE_BIN is set), against a single server; a TP=1 prefiller and a TP=2 decoder, against
 #      single TP=1 and TP=2 servers (KVBRIDGE_VLLM_TP_PAIRS=2-2,1-2,2-1 runs the other pairs
-#      too, about 5 minutes a pair); and `--routing kv-events` in front of two vLLM servers
-#      publishing KV events (together about 6 minutes on the idle 2-core VM).
+#      too, about 5 minutes a pair); MLA (a DeepSeek-V2-shaped model) TP 1 -> 1 against a
+#      single server (KVBRIDGE_VLLM_MLA_PAIRS=1-1,2-1,1-2 runs more; about 75 s for 1 -> 1);
+#      and `--routing kv-events` in front of two vLLM servers publishing KV events (together
+#      about 7 minutes on the idle 2-core VM).
 # Each step fails when it runs fewer tests than it holds today, or under CI (any non-empty
 # value) skips any (scripts/pytest-counts.py). Reruns skip what is installed.
 #   --no-install   use .venv as it is
@@ -110,8 +112,10 @@ trap 'rm -rf "$REPORTS"' EXIT
 # Raise these with new tests.
 OURS_MIN=168
 UPSTREAM_MIN=20
-# test_pd_servers.py and test_kv_events_routing.py's, and one test_tp_pairs.py test a pair
-E2E_MIN=$(( 13 + $(echo "${KVBRIDGE_VLLM_TP_PAIRS:-1-2}" | tr ',' '\n' | grep -c .) ))
+# test_pd_servers.py and test_kv_events_routing.py's, and one test_tp_pairs.py and one
+# test_mla_pairs.py test a pair
+E2E_MIN=$(( 13 + $(echo "${KVBRIDGE_VLLM_TP_PAIRS:-1-2}" | tr ',' '\n' | grep -c .) \
+  + $(echo "${KVBRIDGE_VLLM_MLA_PAIRS:-1-1}" | tr ',' '\n' | grep -c .) ))
 counted() { # NAME REPORT MIN: after a pytest run, 1 when it held too few tests or skipped under CI
   "$PY" scripts/pytest-counts.py "test-vllm.sh: $1" "$2" "$3" || status=1
 }

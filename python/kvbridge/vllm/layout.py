@@ -17,10 +17,13 @@ Layouts translated (each layer one tensor, blocks first, contiguous):
   transposed, tiled by the CPU's instruction set; V is plain on some), so a block's tokens
   are not rows a ranged read can cut: heads translate (each head's K and V are one
   contiguous range), block sizes do not (``token_rows`` False). Order ``head, kv, token``;
-- MLA (``CPU_MLA`` and the MLA backends): ``[blocks, block_size, latent]``, one latent
-  per token, replicated on every rank: order ``kv, token, head`` with one of each. Its
-  tokens' layout inside a block on vLLM CPU is not established, so block sizes do not
-  translate there either.
+- MLA (``CPU_MLA`` and the MLA backends): one latent (``kv_lora_rank + qk_rope_head_dim``)
+  per token, replicated on every rank: order ``kv, token, head`` with one of each. vLLM 0.32
+  hands every layer over as its ``[blocks, heads, tokens, content]`` view, so MLA's block is
+  ``[1, block_size, latent]`` (an older ``[block_size, latent]`` is read the same). vLLM
+  CPU's MLA writes a token's latent as one row (``CPUMLAImpl.do_kv_cache_update``), but it
+  forces blocks of 16 tokens on both sides, so block sizes never differ there and are not
+  translated (``token_rows`` stays False).
 
 No I/O here: the worker calls :func:`describe` once its KV caches are registered.
 """
@@ -121,10 +124,12 @@ def _tp_layout(
         return None, f"dtype {dtype} is not one kvbridge-pd names"
     name, element = DTYPES[dtype]
     if facts.mla:
-        # [block_size, latent]
-        if len(shape) != 2 or shape[1] != facts.head_size:
-            return None, f"MLA block shape {shape} is not [tokens, {facts.head_size}]"
-        tokens, order, heads = shape[0], ["kv", "token", "head"], 1
+        # [1, block_size, latent] (vLLM 0.32's [heads, tokens, content] view of a block, one
+        # head) or [block_size, latent]
+        latent = shape[1:] if len(shape) == 3 and shape[0] == 1 else shape
+        if len(latent) != 2 or latent[1] != facts.head_size:
+            return None, f"MLA block shape {shape} is not [1, tokens, {facts.head_size}]"
+        tokens, order, heads = latent[0], ["kv", "token", "head"], 1
     else:
         local = heads_on_rank(facts.total_kv_heads, tp_size)
         if len(shape) != 3 or shape[0] != local or shape[2] != 2 * facts.head_size:

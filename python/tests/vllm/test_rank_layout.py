@@ -26,10 +26,23 @@ def test_vllm_cpu_layout_is_described_per_rank(tp_size, heads):
     assert got.dtype == "torch.bfloat16" and "tp=" in got.pages
 
 
-def test_mla_layout_is_one_latent_per_token():
-    facts = ModelFacts(model="ds", total_kv_heads=1, head_size=576, mla=True, block_size=16)
-    got = describe([("l0", (16, 576), "torch.bfloat16", 16 * 576 * 2)], facts, 0, 2)
-    assert got.tp is not None and got.tp["mla"] and got.tp["total_kv_heads"] == 1
+MLA_FACTS = ModelFacts(model="ds", total_kv_heads=1, head_size=576, mla=True, block_size=16)
+
+
+@pytest.mark.parametrize("block", [(1, 16, 576), (16, 576)], ids=["vllm-0.32-view", "3d"])
+def test_mla_layout_is_one_latent_per_token(block):
+    """vLLM 0.32 CPU registers MLA's cache as [blocks, 1, 16, 576] (its [B, H, N, C] view,
+    one head): read as one latent per token, translated, not whole pages."""
+    got = describe([("l0", block, "torch.bfloat16", 16 * 576 * 2)], MLA_FACTS, 0, 2)
+    assert got.tp is not None, got.why_not
+    assert got.tp["mla"] and got.tp["total_kv_heads"] == 1 and got.tp["head_dim"] == 576
+    assert (got.tp["block_tokens"], got.tp["block_order"]) == (16, ["kv", "token", "head"])
+
+
+@pytest.mark.parametrize("block", [(2, 16, 576), (1, 16, 512), (16, 1, 576)])
+def test_an_mla_block_of_another_shape_is_read_as_whole_pages_naming_it(block):
+    got = describe([("l0", block, "torch.bfloat16", 2 * 16 * 576 * 2)], MLA_FACTS, 0, 1)
+    assert got.tp is None and f"MLA block shape {block}" in got.why_not
 
 
 @pytest.mark.parametrize(

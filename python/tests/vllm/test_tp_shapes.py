@@ -61,18 +61,19 @@ def readers(p_rank: int, p_tp: int, d_tp: int) -> set[int]:
 
 
 def rank_cache(kv, rank, tp, block, blocks, mla):
-    """One rank's KV cache with the prompt's tokens in ``blocks`` (vLLM CPU's layout)."""
+    """One rank's KV cache with the prompt's tokens in ``blocks`` (vLLM CPU's layout; MLA's
+    as vLLM 0.32 registers it: its [blocks, heads, tokens, content] view, one head)."""
     out = {}
     for name, t in kv.items():
         if mla:
-            cache = torch.zeros((NUM_BLOCKS * 2, block, LATENT), dtype=torch.bfloat16)
+            cache = torch.zeros((NUM_BLOCKS * 2, 1, block, LATENT), dtype=torch.bfloat16)
         else:
             h = heads_of(rank, tp)
             cache = torch.zeros((NUM_BLOCKS * 2, h.stop - h.start, block, 2 * HEAD_SIZE), dtype=torch.bfloat16)
         for i in range(t.shape[0]):
             b, row = blocks[i // block], i % block
             if mla:
-                cache[b, row] = t[i]
+                cache[b, 0, row] = t[i]
             else:
                 cache[b, :, row] = t[i, heads_of(rank, tp)]
         out[name] = cache
@@ -161,6 +162,7 @@ def test_mla_reads_each_block_once_from_one_prefiller_rank(workers):
     ps = [workers("kv_producer", rank_cache(kv, r, 2, 32, [4, 5], True), tp_rank=r, engine_id="P", tp_size=2,
                   extra={"kvbridge_port": base}, **facts) for r in range(2)]  # fmt: skip
     d = workers("kv_consumer", blank(0, 1, 32, True), engine_id="D", **facts)
+    assert d.layout.tp is not None, d.layout.why_not  # translated, not whole pages
     for p in ps:
         p.start_load_kv(granted_meta(reqs_to_send={"p-1": 30.0}, blocks=2 * NUM_BLOCKS))
     job = recv_job([1, 2], [4, 5], "P", "p-1", "127.0.0.1", base, remote_tp_size=2, prompt_tokens=64)
