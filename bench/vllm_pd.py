@@ -162,7 +162,9 @@ def run_pair(name: str, run: int, a, model: Path, binary: Path, prompts: list[st
         d = VllmServer(f"{name}-decode", model, dp, logs, dcfg, {**denv, **stats}, max_model_len=mml, extra_args=dtp)
         procs.append(d)
         started = wait_healthy([p, d])
-        proxy = Proxy(binary, [p.port], [d.port], logs)
+        # a TP=2 server on 2 cores can take over a second to answer /health while it works:
+        # the benchmark measures the connectors, not the health check's ejections
+        proxy = Proxy(binary, [p.port], [d.port], logs, "--health-timeout", "10")
         procs.append(proxy)
         proxy.wait_healthy()
         for text in prompts[:WARM_UP]:  # connect, first-request compilation

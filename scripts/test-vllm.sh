@@ -110,7 +110,7 @@ trap 'rm -rf "$REPORTS"' EXIT
 # How many tests each step holds today: a run with fewer (it collected nothing, lost a file)
 # fails, and under CI (any non-empty value) one that skips any (scripts/pytest-counts.py).
 # Raise these with new tests.
-OURS_MIN=168
+OURS_MIN=172
 UPSTREAM_MIN=20
 # test_pd_servers.py and test_kv_events_routing.py's, and one test_tp_pairs.py and one
 # test_mla_pairs.py test a pair
