@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -105,10 +106,11 @@ class _LeaseReadStalled(Exception):
 def _lease_read_ended(transfer: Any) -> bool:
     """Whether no byte of a given-up lease table read can land in its slot any more: once
     the engine completed it (answered, refused, or failed at the op deadline with its
-    session drained). The prefiller registers its lease table read-only without direct
-    copies, so every read of it goes over TCP (crates/kvbridge/src/grant.rs, module doc),
-    where a read's completion comes only once nothing of it can land later
-    (crates/kvbridge/src/datapath/mod.rs, module doc; scratch_slots.py)."""
+    session drained). A read of the lease table goes over TCP, where a read's completion
+    comes only once nothing of it can land later (crates/kvbridge/src/datapath/mod.rs,
+    module doc; scratch_slots.py), or by cross-memory attach, a copy the decoder's own
+    thread makes and completes in place; never over UCX (the prefiller does not offer the
+    table there)."""
     return bool(transfer.done)
 
 
@@ -384,7 +386,18 @@ class KvbridgeWorker:
                 by_ptr[ptr] = _Layer(name, rid, page)
                 self.layers.append(by_ptr[ptr])
             entries = {layer.name: str(layer.region) for layer in self.layers}
-            leases = self.channel.register_buffer(self._lease_table.memory, LEASE_PAGE_BYTES, access="read")
+            # Read by a same-host decoder's own thread (cross-memory attach), as the blocks
+            # are, where the blocks are: over TCP the prefiller's transfer thread serves it,
+            # and a vLLM worker spinning on that thread's core kept it off for seconds (a
+            # decoder at TP 2 on 2 cores: every lease read stalled while the blocks' reads
+            # took 3 ms). Read-only holds only over TCP; a same-host peer that may copy the
+            # blocks can reach all of this process's memory anyway (docs/threat-model.md).
+            # Not over UCX: a UCX get that failed may still land (scratch_slots.py).
+            transport = self.settings.transport or os.environ.get("KVBRIDGE_TRANSPORT") or "auto"
+            lease_direct = not self.settings.read_grants and transport.strip().lower() != "ucx"
+            leases = self.channel.register_buffer(
+                self._lease_table.memory, LEASE_PAGE_BYTES, access="read", direct_copies=lease_direct
+            )
             integrity = self._register_digests(pending)
             if self.settings.read_grants:
                 confined = {layer.region: layer.page_bytes for layer in self.layers}
