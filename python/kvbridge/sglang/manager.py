@@ -43,6 +43,7 @@ from collections import defaultdict
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
+import zmq
 
 import kvbridge
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
@@ -103,7 +104,8 @@ class KvbridgeKVManager(CommonKVManager):
                 threading.Thread(target=self._transfer_loop, name="kvbridge-sglang-transfer", daemon=True),
             ]
         else:
-            self.waiting_timeout = min(self.waiting_timeout, self.settings.transfer_timeout_s)
+            # SGLang's own wait (SGLANG_DISAGGREGATION_WAITING_TIMEOUT) stays as the backstop;
+            # the probe loop's deadline, when shorter, ends the request first with the peer named
             self._grants: Dict[int, bytes] = {}
             self._grant_lock = threading.RLock()
             self.room_peers: Dict[int, Dict[str, str]] = {}  # room -> prefill peer id -> its addr
@@ -161,6 +163,7 @@ class KvbridgeKVManager(CommonKVManager):
         raise NotImplementedError("the kvbridge transfer backend does not support PD role switch yet")
 
     def close(self) -> None:
+        """Stops the rank's threads (bounded), closes its channels and ZMQ sockets."""
         self._stopped.set()
         if self.role == "prefill":
             self._queue.put(None)
@@ -168,6 +171,15 @@ class KvbridgeKVManager(CommonKVManager):
             self._heartbeat_shutdown.set()
             self._probe.close()
         self.channel.close()
+        for t in self._threads:
+            t.join(timeout=2.0)
+        with self._socket_lock:
+            for sock in list(self._socket_cache.values()) + list(self._monitor_cache.values()):
+                sock.close(linger=0)
+            self._socket_cache.clear()
+            self._monitor_cache.clear()
+        self.server_socket.close(linger=0)
+        self._zmq_ctx.term()
 
     # ---- decode: registration and per-request grants --------------------------------------
 
@@ -339,17 +351,20 @@ class KvbridgeKVManager(CommonKVManager):
     # ---- prefill: control messages and transfers ------------------------------------------
 
     def _control_loop(self) -> None:
-        recv = self._make_worker_recv(self.server_socket)
+        poller = zmq.Poller()
+        poller.register(self.server_socket, zmq.POLLIN)
         while not self._stopped.is_set():
             try:
-                msg = recv()
-            except Exception:  # noqa: BLE001 - the socket closed: the manager is going away
+                if not poller.poll(200):
+                    continue
+                msg = self.server_socket.recv_multipart()
+            except zmq.ZMQError:
                 if self._stopped.is_set():
                     return
                 logger.exception("kvbridge: control socket")
-                time.sleep(0.1)
+                self._stopped.wait(0.1)
                 continue
-            if msg is None:
+            if self.deferred_bootstrap is not None and self._handle_bootstrap_message(msg):
                 continue
             try:
                 self._handle_control(msg)
@@ -503,8 +518,7 @@ class KvbridgeKVManager(CommonKVManager):
                 for s_reg, d_reg, item in zip(self.aux_regions, peer.reg.aux_regions, self.kv_args.aux_item_lens):
                     ops.append((s_reg, chunk.prefill_aux_index * item, d_reg, info.dst_aux_index * item, item))
             try:
-                if ops:
-                    self.channel.write(info.peer_id, ops, token=info.token)
+                self._write(peer, ops, info.token)
             except kvbridge.KvbridgeError as e:
                 self.stats["transfers_failed"] += 1
                 self.conclude_failure(
@@ -517,6 +531,32 @@ class KvbridgeKVManager(CommonKVManager):
         if chunk.is_last_chunk:
             self.stats["transfers_done"] += 1
             self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success)
+
+    def _write(self, peer: DecodePeer, ops: list, token: bytes) -> None:
+        """One batch to the decode rank. A session that ended since its last use (a refused
+        write ends it; the end reaches this side a moment later) is replaced once: the same
+        bytes go to the same granted pages again."""
+        if not ops:
+            return
+        self._session(peer)
+        try:
+            self.channel.write(peer.reg.peer_id, ops, token=token)
+        except (kvbridge.ConnectionLost, kvbridge.UnknownPeer, kvbridge.Disconnected, kvbridge.PeerClosed):
+            self.stats["reconnects"] += 1
+            self._session(peer)
+            self.channel.write(peer.reg.peer_id, ops, token=token)
+
+    def _session(self, peer: DecodePeer) -> None:
+        """(Re)connects to the decode rank: a refused write ends the session, and the next
+        request must not fail for it. Idempotent while the session stands."""
+        got = self.channel.connect(peer.reg.addr)
+        if got != peer.reg.peer_id:
+            self.channel.disconnect(got, "not the registered peer")
+            raise kvbridge.PeerMisbehaved(
+                f"{peer.reg.addr} authenticated as {got}, not {peer.reg.peer_id} as registered",
+                peer=got,
+                step="connect",
+            )
 
     def send_kv_status_message(
         self,
@@ -534,6 +574,7 @@ class KvbridgeKVManager(CommonKVManager):
                 logger.warning("kvbridge: no decode registered at %s for room %s's status", target, bootstrap_room)
                 continue
             try:
+                self._session(peer)
                 self.channel.notify(peer.reg.peer_id, note)
             except kvbridge.KvbridgeError as e:
                 logger.warning(

@@ -122,3 +122,84 @@ def wait_for(pred, timeout: float, what: str) -> Any:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.01)
+
+
+class PD:
+    """A kvbridge bootstrap server, a prefill rank and a decode rank (TP 1) in this
+    process, made with SGLang's ``get_kv_class`` after ``install()``."""
+
+    def __init__(self, server_args: Any, port: int):
+        from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend, get_kv_class
+
+        self.backend = TransferBackend("kvbridge")
+        self.cls = {t: get_kv_class(self.backend, t) for t in KVClassType}
+        self.types = KVClassType
+        self.server_args = server_args
+        self.bootstrap_addr = f"127.0.0.1:{port}"
+        self.server = self.cls[KVClassType.BOOTSTRAP_SERVER](host="127.0.0.1", port=port)
+        self.ppool, self.dpool = Pool.make(fill=1), Pool.make()
+        self.prefill = self.cls[KVClassType.MANAGER](kv_args(self.ppool), DisaggregationMode.PREFILL, server_args, False)
+        self.decode = self.cls[KVClassType.MANAGER](kv_args(self.dpool), DisaggregationMode.DECODE, server_args, False)
+        wait_for(lambda: self.decode.try_ensure_parallel_info(self.bootstrap_addr), 20, "the prefill's registration")
+        self._room = 1000
+
+    def room(self) -> int:
+        self._room += 1
+        return self._room
+
+    def sender(self, room: int, bootstrap_addr: Optional[str] = None) -> Any:
+        return self.cls[self.types.SENDER](self.prefill, bootstrap_addr or self.bootstrap_addr, room)
+
+    def receiver(self, room: int, bootstrap_addr: Optional[str] = None, mgr: Any = None) -> Any:
+        addr = bootstrap_addr or self.bootstrap_addr
+        mgr = mgr or self.decode
+        wait_for(lambda: mgr.try_ensure_parallel_info(addr), 20, f"the prefill at {addr}")
+        r = self.cls[self.types.RECEIVER](mgr, addr, room)
+        r.init(0)
+        return r
+
+    def close(self) -> None:
+        self.prefill.close()
+        self.decode.close()
+        self.server.close()
+
+
+def until_done(x: Any, timeout: float = 10.0) -> Any:
+    """Polls a sender or receiver until Success or Failed (bounded)."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    def done():
+        s = x.poll()
+        return (s,) if s in (KVPoll.Success, KVPoll.Failed) else None
+
+    return wait_for(done, timeout, "a final state")[0]
+
+
+def failure_text(x: Any) -> str:
+    """The failure_exception's message (SGLang's contract: it raises)."""
+    from sglang.srt.disaggregation.common.conn import KVTransferError
+
+    try:
+        x.failure_exception()
+    except KVTransferError as e:
+        return str(e)
+    raise AssertionError("failure_exception() did not raise")
+
+
+try:
+    import pytest
+
+    @pytest.fixture(scope="session")
+    def pd():
+        import kvbridge.sglang
+
+        kvbridge.sglang.install()
+        port = free_port()
+        with topology(port) as server_args:
+            pair = PD(server_args, port)
+            try:
+                yield pair
+            finally:
+                pair.close()
+except ImportError:  # used outside pytest (prefill_process.py)
+    pass
