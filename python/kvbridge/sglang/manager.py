@@ -307,6 +307,10 @@ class KvbridgeKVManager(CommonKVManager):
                 continue
             if note["status"] == KVPoll.Success:
                 self.stats["kv_received"] += 1
+                logger.info(
+                    "kvbridge: room %s: KV received over kvbridge from %s (kv_received=%d)",
+                    room, peer, self.stats["kv_received"],
+                )  # fmt: skip
             status = note["status"]
             reason = note["reason"] or None
             if status == KVPoll.Failed:
@@ -530,6 +534,10 @@ class KvbridgeKVManager(CommonKVManager):
             self.stats["bytes_sent"] += sum(op[4] for op in ops)
         if chunk.is_last_chunk:
             self.stats["transfers_done"] += 1
+            logger.info(
+                "kvbridge: room %s: KV sent over kvbridge to %s (bytes_sent=%d)",
+                room, [i.peer_id for i in infos if not i.is_dummy], self.stats["bytes_sent"],
+            )  # fmt: skip
             self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success)
 
     def _write(self, peer: DecodePeer, ops: list, token: bytes) -> None:
