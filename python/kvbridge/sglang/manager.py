@@ -159,6 +159,18 @@ class KvbridgeKVManager(CommonKVManager):
         payload["kvbridge_sig"] = sign(self.settings.secret, payload)
         super()._register_topology_row(url, payload)
 
+    def deregister_buffer_to_engine(self) -> None:
+        """SGLang calls this before it releases the KV pool's memory
+        (``release_memory_occupation``). The pool stays registered with kvbridge, where a
+        peer's write may land at any time: refuse, rather than let the memory go under it."""
+        raise NotImplementedError(
+            "the kvbridge transfer backend does not support release_memory_occupation yet: the KV "
+            "pool stays registered with peers, so its memory must not be released"
+        )
+
+    def register_buffer_to_engine(self) -> None:
+        """Nothing to do: the pool was registered at startup and never released."""
+
     def teardown(self) -> None:
         raise NotImplementedError("the kvbridge transfer backend does not support PD role switch yet")
 

@@ -101,3 +101,11 @@ def test_rooms_interleave(pd):
         receiver.clear()
     assert pd.dpool.page(1, 41) == pd.ppool.page(1, 13)
     assert pd.dpool.page(1, 42) == pd.ppool.page(1, 14)
+
+
+def test_releasing_the_pools_memory_is_refused_while_peers_can_write_it(pd):
+    import pytest
+
+    for mgr in (pd.prefill, pd.decode):
+        with pytest.raises(NotImplementedError, match="release_memory_occupation"):
+            mgr.deregister_buffer_to_engine()
