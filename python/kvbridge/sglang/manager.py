@@ -110,6 +110,7 @@ class KvbridgeKVManager(CommonKVManager):
             self._grant_lock = threading.RLock()
             self.room_peers: Dict[int, Dict[str, str]] = {}  # room -> prefill peer id -> its addr
             self._room_deadline: Dict[int, float] = {}
+            self._room_bootstrap: Dict[int, str] = {}
             self._probe = kvbridge.Channel(f"{self.kvbridge_peer_id}/probe", secret=self.settings.secret)
             self._threads = [
                 threading.Thread(target=self._notice_loop, name="kvbridge-sglang-notices", daemon=True),
@@ -277,13 +278,24 @@ class KvbridgeKVManager(CommonKVManager):
             self.stats["grants_closed"] += 1
             return True
 
-    def expect(self, room: int, peers: Dict[str, str]) -> None:
+    def expect(self, room: int, peers: Dict[str, str], bootstrap_addr: str) -> None:
         self.room_peers[room] = dict(peers)
+        self._room_bootstrap[room] = bootstrap_addr
         self._room_deadline[room] = time.monotonic() + self.settings.transfer_timeout_s
 
     def forget(self, room: int) -> None:
         self.room_peers.pop(room, None)
         self._room_deadline.pop(room, None)
+        self._room_bootstrap.pop(room, None)
+
+    def _forget_prefill(self, bootstrap_addr: str) -> None:
+        """Drops what this rank cached about a prefill server whose rank died (its ranks,
+        their ports and peers), so the next request asks its bootstrap server again and a
+        restarted prefill is served at once, not after SGLang's heartbeats notice."""
+        with self.connection_lock:
+            for key in [k for k in self.connection_pool if k.startswith(f"{bootstrap_addr}_")]:
+                del self.connection_pool[key]
+            self.prefill_info_table.pop(bootstrap_addr, None)
 
     def _fail_room(self, room: int, reason: str) -> None:
         if room in self.request_status and self.request_status.get(room) not in (KVPoll.Success, KVPoll.Failed):
@@ -357,6 +369,8 @@ class KvbridgeKVManager(CommonKVManager):
                     return
                 except kvbridge.KvbridgeError as e:
                     self.stats["probe_failures"] += 1
+                    for bootstrap in {self._room_bootstrap.get(r) for r in rooms} - {None}:
+                        self._forget_prefill(bootstrap)
                     for room in rooms:
                         self._fail_room(
                             room,

@@ -64,7 +64,7 @@ class KvbridgeKVReceiver(CommonKVReceiver):
             self._fail(f"kvbridge: opening room {self.bootstrap_room}'s pages failed: {type(e).__name__}: {e}")
             return
         self._grant_closed = False
-        self.kv_mgr.expect(self.bootstrap_room, peers)
+        self.kv_mgr.expect(self.bootstrap_room, peers, self.bootstrap_addr)
         super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len, destination)
 
     def _close_grant(self) -> bool:
