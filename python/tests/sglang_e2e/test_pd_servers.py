@@ -36,7 +36,19 @@ MAX_NEW = 8
 
 
 def body(prompt: str, **extra) -> dict:
-    return {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW}, **extra}
+    return {
+        "text": prompt,
+        "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW},
+        "return_logprob": True,
+        "top_logprobs_num": 3,
+        **extra,
+    }
+
+
+def top_logprobs(resp: dict) -> list:
+    """[(token id, logprob)] of the top candidates at each output position."""
+    rows = resp.get("meta_info", {}).get("output_top_logprobs") or []
+    return [[(c[1], c[0]) for c in row] for row in rows if row]
 
 
 def ids(resp: dict) -> list:
@@ -109,6 +121,11 @@ def test_pd_over_kvbridge_equals_a_single_server_and_a_dead_prefill_ends_request
                 assert status == 200, resp
                 assert resp["text"] == want["text"], (resp["text"], want["text"])
                 assert ids(resp) == ids(want)
+                got_top, want_top = top_logprobs(resp), top_logprobs(want)
+                assert [[t for t, _ in row] for row in got_top] == [[t for t, _ in row] for row in want_top]
+                diff = max((abs(a[1] - b[1]) for r1, r2 in zip(got_top, want_top) for a, b in zip(r1, r2)), default=0.0)
+                assert diff < 0.05, diff
+                print(f"  {resp['text']!r}: equal to the single server (top logprobs within {diff:.4f})")
         # the KV of every request came over kvbridge (decode log, one line a request)
         wait_log = time.monotonic() + 10
         while True:
