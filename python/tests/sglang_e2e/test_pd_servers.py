@@ -24,7 +24,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "vllm_e2e"))
 import standins  # noqa: E402
 import tiny_model  # noqa: E402
-from servers import SglangServer, http_json, pd_pair, wait_healthy  # noqa: E402
+from sglang_servers import SglangServer, free_ports, http_json, pd_pair, wait_healthy  # noqa: E402
 
 PROMPTS = [
     "the cat sat on the old stone by the river and",
@@ -66,7 +66,7 @@ def env(tmp_path_factory):
 def single_outputs(env):
     root, model, st = env
     (root / "logs").mkdir(exist_ok=True)
-    port = __import__("servers").free_ports(1)[0]
+    port = free_ports(1)[0]
     s = SglangServer("single", model, port, root / "logs", st)
     try:
         took = wait_healthy([s])

@@ -13,9 +13,21 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import importlib.util
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "vllm_e2e"))
-from servers import Proc, free_ports  # noqa: E402  (vllm_e2e/servers.py: no vLLM import)
+
+
+def _vllm_e2e_servers():
+    # vllm_e2e/servers.py's process and port helpers (it imports nothing of vLLM)
+    spec = importlib.util.spec_from_file_location("vllm_e2e_servers", HERE.parent / "vllm_e2e" / "servers.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_v = _vllm_e2e_servers()
+Proc, free_ports = _v.Proc, _v.free_ports
 
 START_DEADLINE_S = 420.0  # SGLang on the loaded 2-core host: about 65 s alone, more in pairs
 SECRET = "sglang-e2e-secret-0123456789abcdef"
