@@ -80,7 +80,7 @@ status=0
 REPORTS=$(mktemp -d)
 trap 'rm -rf "$REPORTS"' EXIT
 # How many tests each step holds today (raise with new tests).
-UNIT_MIN=33
+UNIT_MIN=35
 E2E_MIN=1
 counted() { "$PY" scripts/pytest-counts.py "test-sglang.sh: $1" "$2" "$3" || status=1; }
 
