@@ -15,6 +15,8 @@ from pathlib import Path
 
 import importlib.util
 
+from standins import PREFILL_ENV
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -50,7 +52,10 @@ def http_json(url: str, doc: dict | None = None, timeout: float = 120.0) -> tupl
 
 
 class SglangServer(Proc):
-    def __init__(self, name: str, model: Path, port: int, logdir: Path, standins: Path, *extra: str, kvbridge: bool = False):
+    def __init__(
+        self, name: str, model: Path, port: int, logdir: Path, standins: Path, *extra: str,
+        kvbridge: bool = False, env: dict[str, str] | None = None,
+    ):  # fmt: skip
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         module = "kvbridge.sglang.launch_server" if kvbridge else "sglang.launch_server"
@@ -66,6 +71,7 @@ class SglangServer(Proc):
             "TRANSFORMERS_OFFLINE": "1",
             "SGLANG_DISABLE_REQUEST_LOGGING": "1",
             "KVBRIDGE_SECRET": SECRET,
+            **(env or {}),
         }
         super().__init__(name, argv, logdir / f"{name}.log", env)
 
@@ -94,13 +100,17 @@ def wait_healthy(servers: list[SglangServer], deadline_s: float = START_DEADLINE
     return time.monotonic() - t0
 
 
+def prefill_server(model: Path, logdir: Path, standins: Path, port: int, bport: int, name: str = "prefill") -> SglangServer:
+    return SglangServer(
+        name, model, port, logdir, standins, "--disaggregation-mode", "prefill",
+        "--disaggregation-transfer-backend", "kvbridge", "--disaggregation-bootstrap-port", str(bport),
+        kvbridge=True, env=PREFILL_ENV,
+    )  # fmt: skip
+
+
 def pd_pair(model: Path, logdir: Path, standins: Path) -> tuple[SglangServer, SglangServer, int]:
     pport, dport, bport = free_ports(3)
-    prefill = SglangServer(
-        "prefill", model, pport, logdir, standins, "--disaggregation-mode", "prefill",
-        "--disaggregation-transfer-backend", "kvbridge", "--disaggregation-bootstrap-port", str(bport),
-        kvbridge=True,
-    )  # fmt: skip
+    prefill = prefill_server(model, logdir, standins, pport, bport)
     decode = SglangServer(
         "decode", model, dport, logdir, standins, "--disaggregation-mode", "decode",
         "--disaggregation-transfer-backend", "kvbridge",

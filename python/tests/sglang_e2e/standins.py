@@ -7,6 +7,12 @@ directory that goes first on the servers' PYTHONPATH. Nothing of SGLang is chang
   (the stand-in raises if it ever is, so a run that needed it fails loudly). The CPU engine
   itself (``SGLANG_USE_CPU_ENGINE=1``) needs a CPU build of sgl_kernel that PyPI lacks.
 
+* ``SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX=0`` on a prefill server: with overlap
+  scheduling, a request whose prompt hits the prefill's radix cache has its cached prefix
+  sent early, behind a ``torch.cuda.Event`` recorded on the forward stream, which fails on
+  CPU (``RuntimeError: expected stream to be a torch.Stream``) and kills the scheduler,
+  whatever the transfer backend. Off, the prefix goes with the request's last chunk.
+
 Server flags that stand in for the rest, set by servers.py: ``--device cpu``,
 ``--max-total-tokens`` (else SGLang reserves 9.4 GB of KV), and on a decode server
 ``--disaggregation-decode-retraction-backup cpu_tensor`` (the default pins host memory with
@@ -16,6 +22,8 @@ Server flags that stand in for the rest, set by servers.py: ``--device cpu``,
 from __future__ import annotations
 
 from pathlib import Path
+
+PREFILL_ENV = {"SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "0"}
 
 CUSTOM_OPS = '''"""Stand-in written by kvbridge's tests (python/tests/sglang_e2e/standins.py): SGLang
 imports these names on CPU and never calls them there."""

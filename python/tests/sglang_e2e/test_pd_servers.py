@@ -5,6 +5,8 @@ router does (``bootstrap_host``, ``bootstrap_port``, ``bootstrap_room``), and th
 log showing each request's KV came over kvbridge. Then the prefill server is killed: a
 request waiting on it ends with an error within the backend's deadline, not SGLang's 300 s.
 
+Then it comes back on the same ports and the next request is served.
+
 Servers start one at a time (the single server, then the pair), each killed as a whole
 process group; readiness is polled on /health with a deadline."""
 
@@ -24,7 +26,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "vllm_e2e"))
 import standins  # noqa: E402
 import tiny_model  # noqa: E402
-from sglang_servers import SglangServer, free_ports, http_json, pd_pair, wait_healthy  # noqa: E402
+from sglang_servers import SglangServer, free_ports, http_json, pd_pair, prefill_server, wait_healthy  # noqa: E402
 
 PROMPTS = [
     "the cat sat on the old stone by the river and",
@@ -150,6 +152,17 @@ def test_pd_over_kvbridge_equals_a_single_server_and_a_dead_prefill_ends_request
         print(f"decode request with its prefill killed: HTTP {status} after {took:.1f} s: {str(resp)[:300]}")
         assert took < 90, took  # not SGLang's 300 s
         assert status != 200 or "abort" in str(resp).lower() or resp.get("meta_info", {}).get("finish_reason", {}).get("type") == "abort", resp
+        assert "kvbridge: prefill" in str(resp), resp  # the reason names the peer and the step
+
+        # the prefill comes back on the same ports: the next request is served, over kvbridge
+        prefill = prefill_server(model, root / "logs", st, prefill.port, bport, name="prefill-restarted")
+        took = wait_healthy([prefill])
+        print(f"prefill restarted, healthy in {took:.0f} s")
+        again = [None]
+        pd_generate(prefill, decode, bport, PROMPTS[1], random.getrandbits(62), again, 0)
+        status, resp = again[0]["d"]
+        assert status == 200 and resp["text"] == single_outputs[1]["text"], resp
+        print(f"  after the restart: {resp['text']!r}: equal to the single server")
     finally:
         prefill.kill()
         decode.kill()
