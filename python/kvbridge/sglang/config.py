@@ -1,0 +1,59 @@
+"""The backend's settings, read once per process from the environment (SGLang's command
+line has no place for a backend's own options; its own backends use ``SGLANG_*`` variables
+the same way).
+
+* ``KVBRIDGE_SECRET``: the shared secret every prefill and decode rank holds. kvbridge
+  channels refuse a peer that cannot prove it (``Unauthenticated``), and the bootstrap
+  server refuses a rank registration not signed with it. Unset: no authentication (the
+  channels warn); set it in any deployment whose network others can reach.
+* ``KVBRIDGE_SGLANG_TRANSFER_TIMEOUT_S`` (default 60): seconds a decode request waits, from
+  sending its page indices, for its KV; past it the request fails (SGLang's own wait is
+  ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``, 300 s; the shorter one applies).
+* ``KVBRIDGE_SGLANG_PROBE_S`` (default 1): how often a decode checks that the prefill ranks
+  it waits on are alive over their kvbridge sessions; a dead one fails its requests at the
+  next probe.
+* ``KVBRIDGE_SGLANG_LEASE_S`` (default 60): seconds a prefill keeps a request's KV for a
+  decode that has not sent its page indices; then the request fails and its KV is freed
+  (SGLang's ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT``, 300 s, still applies if shorter).
+* ``KVBRIDGE_TRANSPORT`` and the channel's other ``KVBRIDGE_*`` variables as everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+
+class ConfigError(ValueError):
+    """A ``KVBRIDGE_*`` setting that cannot be used, naming the variable."""
+
+
+def _seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be a number of seconds, got {raw!r}") from None
+    if not (value > 0) or math.isinf(value) or math.isnan(value):
+        raise ConfigError(f"{name} must be positive and finite, got {raw!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Settings:
+    secret: str | None
+    transfer_timeout_s: float
+    probe_s: float
+    lease_s: float
+
+
+def settings() -> Settings:
+    return Settings(
+        secret=os.environ.get("KVBRIDGE_SECRET") or None,
+        transfer_timeout_s=_seconds("KVBRIDGE_SGLANG_TRANSFER_TIMEOUT_S", 60.0),
+        probe_s=_seconds("KVBRIDGE_SGLANG_PROBE_S", 1.0),
+        lease_s=_seconds("KVBRIDGE_SGLANG_LEASE_S", 60.0),
+    )

@@ -1,0 +1,93 @@
+"""``KvbridgeKVReceiver``: a decode request's side of one transfer.
+
+SGLang's ``CommonKVReceiver`` does the bootstrap (prefill ranks from the bootstrap server,
+registration once per prefill rank); this adds the grant (the request's pages opened to the
+writer, closed when the request ends) and the peers and deadline the manager watches.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferDestination
+from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+
+import kvbridge
+
+
+class KvbridgeKVReceiver(CommonKVReceiver):
+    _grant_closed: bool = True
+
+    def init(self, prefill_dp_rank: int) -> None:
+        if self.conclude_state != KVPoll.Failed:
+            info = self.kv_mgr.prefill_info_table.get(self.bootstrap_addr)
+            if info is not None and not self.kv_mgr.is_mla_backend and info.attn_tp_size != self.kv_mgr.attn_tp_size:
+                self._fail(
+                    f"kvbridge: prefill at {self.bootstrap_addr} runs attention TP {info.attn_tp_size}, this decode "
+                    f"TP {self.kv_mgr.attn_tp_size}: MHA KV needs the same TP on both sides with the kvbridge "
+                    "backend (MLA works with any)"
+                )
+                return
+        super().init(prefill_dp_rank)
+
+    def _fail(self, reason: str) -> None:
+        self.kv_mgr.record_failure(self.bootstrap_room, reason)
+        self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+        self.conclude_state = KVPoll.Failed
+
+    def send_metadata(
+        self,
+        kv_indices: Any,
+        aux_index: Optional[int] = None,
+        state_indices: Optional[List] = None,
+        decode_prefix_len: Optional[int] = None,
+        destination: KVTransferDestination = KVTransferDestination.DEVICE,
+        device_kv_indices: Any = None,
+    ) -> None:
+        if self.conclude_state == KVPoll.Failed or getattr(self, "bootstrap_infos", None) is None:
+            return super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len, destination)
+        peers = {}
+        for info in self.bootstrap_infos:
+            if info.get("is_dummy"):
+                continue
+            peer, addr = info.get("kvbridge_peer"), info.get("kvbridge_addr")
+            if not isinstance(peer, str) or not isinstance(addr, str):
+                self._fail(
+                    f"kvbridge: the prefill at {self.bootstrap_addr} (rank {info.get('rank_ip')}:"
+                    f"{info.get('rank_port')}) does not run the kvbridge transfer backend"
+                )
+                return
+            peers[peer] = addr
+        try:
+            self.kv_mgr.open_grant(self.bootstrap_room, kv_indices, aux_index)
+        except (kvbridge.KvbridgeError, ValueError) as e:
+            self._fail(f"kvbridge: opening room {self.bootstrap_room}'s pages failed: {type(e).__name__}: {e}")
+            return
+        self._grant_closed = False
+        self.kv_mgr.expect(self.bootstrap_room, peers, self.bootstrap_addr)
+        super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len, destination)
+
+    def _close_grant(self) -> bool:
+        if not self._grant_closed:
+            self._grant_closed = self.kv_mgr.close_grant(self.bootstrap_room)
+            if self._grant_closed:
+                self.kv_mgr.forget(self.bootstrap_room)
+        return self._grant_closed
+
+    def poll(self) -> KVPoll:
+        status = super().poll()
+        if status in (KVPoll.Success, KVPoll.Failed):
+            # no write lands in the request's pages once SGLang sees it ended
+            self._close_grant()
+        return status
+
+    def clear(self) -> None:
+        self._close_grant()
+        super().clear()
+
+    def abort(self) -> None:
+        super().abort()
+        self._close_grant()
+
+    def is_abort_release_safe(self) -> bool:
+        return self._close_grant()

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# The SGLang transfer backend's tests (kvbridge.sglang, docs/sglang.md): creates the virtual
+# environment .venv-sglang (ignored by git; about 11 GB: SGLang 0.5.23 from PyPI brings torch
+# and CUDA libraries even for CPU) when missing, puts this tree's kvbridge package in it, and
+# runs
+#   1. python/tests/sglang: the backend on SGLang's real classes (Common* managers, senders,
+#      receivers, bootstrap server, install hook, plugin entry point), two ranks in this
+#      process and a prefill rank in a child process that a test kills, over real sockets;
+#   2. with --e2e: python/tests/sglang_e2e, real SGLang servers on CPU (a prefill and a
+#      decode over kvbridge against a single server), with the stand-ins SGLang's CPU path
+#      needs written at test time (see python/tests/sglang_e2e/standins.py).
+# The kvbridge package: when python/kvbridge/_native*.so exists (scripts/test.sh's build, or
+# a copy of one: the module is abi3), the venv imports this tree through a .pth file and a
+# dist-info naming SGLang's plugin entry point; otherwise `pip install -e ./python` builds it
+# (maturin; --features ucx is not needed here). Reruns skip what is installed.
+# A step fails when it runs fewer tests than it holds today or, under CI (any non-empty
+# value), skips any (scripts/pytest-counts.py).
+#   --no-install   use .venv-sglang as it is
+#   --setup-only   install, run nothing
+#   --e2e          also run 2 (several minutes; starts real servers)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+INSTALL=1
+RUN=1
+E2E=0
+for a in "$@"; do
+  case "$a" in
+    --no-install) INSTALL=0 ;;
+    --setup-only) RUN=0 ;;
+    --e2e) E2E=1 ;;
+    *) echo "usage: scripts/test-sglang.sh [--no-install] [--setup-only] [--e2e]" >&2; exit 2 ;;
+  esac
+done
+
+# Pinned: the backend hooks SGLang internals and is tested against exactly this release.
+SGLANG_VERSION=0.5.23
+VENV="${KVBRIDGE_SGLANG_VENV:-$ROOT/.venv-sglang}"
+PY="$VENV/bin/python"
+
+if [ "$INSTALL" = 1 ]; then
+  t0=$(date +%s)
+  if [ ! -x "$PY" ]; then
+    python3 -m venv "$VENV"
+    "$PY" -m pip install --quiet --upgrade pip
+  fi
+  if ! "$PY" -c "import importlib.metadata as m; assert m.version('sglang') == '$SGLANG_VERSION'; import pytest, requests, zmq" 2>/dev/null; then
+    echo "test-sglang.sh: installing sglang $SGLANG_VERSION (about 11 GB, 6 minutes)"
+    "$PY" -m pip install --quiet "sglang==$SGLANG_VERSION" pytest requests pyzmq
+  fi
+  SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  if ls python/kvbridge/_native*.so >/dev/null 2>&1; then
+    # this tree's package as is: a path entry and the metadata SGLang's plugin loader reads
+    if [ -d "$SITE/kvbridge" ] || ls -d "$SITE"/kvbridge-*.dist-info 2>/dev/null | grep -v '+src' >/dev/null; then
+      "$PY" -m pip uninstall --quiet -y kvbridge
+    fi
+    echo "$ROOT/python" >"$SITE/kvbridge-src.pth"
+    DIST="$SITE/kvbridge-0.1.0+src.dist-info"
+    mkdir -p "$DIST"
+    printf 'Metadata-Version: 2.1\nName: kvbridge\nVersion: 0.1.0+src\n' >"$DIST/METADATA"
+    "$PY" - "$DIST/entry_points.txt" <<'PYEOF'
+import sys, tomllib
+eps = tomllib.load(open("python/pyproject.toml", "rb"))["project"]["entry-points"]
+with open(sys.argv[1], "w") as f:
+    for group, items in eps.items():
+        f.write(f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in items.items()) + "\n")
+PYEOF
+  elif ! "$PY" -c "import kvbridge._native, kvbridge.sglang" 2>/dev/null; then
+    echo "test-sglang.sh: building the kvbridge package (pip install -e ./python)"
+    rm -f "$SITE/kvbridge-src.pth"; rm -rf "$SITE/kvbridge-0.1.0+src.dist-info"
+    "$PY" -m pip install --quiet maturin
+    "$PY" -m pip install --quiet -e ./python
+  fi
+  "$PY" -c "import kvbridge._native, kvbridge.sglang" || { echo "test-sglang.sh: kvbridge does not import in $VENV"; exit 1; }
+  echo "test-sglang.sh: $VENV ready in $(( $(date +%s) - t0 )) s, $(du -sh "$VENV" | cut -f1)"
+fi
+[ "$RUN" = 1 ] || exit 0
+
+status=0
+REPORTS=$(mktemp -d)
+trap 'rm -rf "$REPORTS"' EXIT
+# How many tests each step holds today (raise with new tests).
+UNIT_MIN=35
+E2E_MIN=1
+counted() { "$PY" scripts/pytest-counts.py "test-sglang.sh: $1" "$2" "$3" || status=1; }
+
+t0=$(date +%s)
+"$PY" -m pytest -p no:cacheprovider -q -W ignore::DeprecationWarning --junitxml="$REPORTS/unit.xml" python/tests/sglang || status=1
+counted "python/tests/sglang" "$REPORTS/unit.xml" "$UNIT_MIN"
+echo "test-sglang.sh: unit suite took $(( $(date +%s) - t0 )) s"
+
+if [ "$E2E" = 1 ]; then
+  t0=$(date +%s)
+  "$PY" -m pytest -p no:cacheprovider -q -s --junitxml="$REPORTS/e2e.xml" python/tests/sglang_e2e || status=1
+  counted "python/tests/sglang_e2e" "$REPORTS/e2e.xml" "$E2E_MIN"
+  echo "test-sglang.sh: real SGLang suite took $(( $(date +%s) - t0 )) s"
+fi
+exit $status
