@@ -544,6 +544,15 @@ mod tests {
         Config::from_args(&t.a)
     }
 
+    /// Writes `text` to `name` in a fresh folder of the temporary directory named after `tag`
+    /// and this process; the folder (to remove after the test) and the file.
+    fn config_file(tag: &str, name: &str, text: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+        let dir = std::env::temp_dir().join(format!("{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        (dir, p)
+    }
     #[test]
     fn defaults_match_lmcache_example_deployment() {
         let c = parse(&[]).unwrap();
@@ -639,11 +648,9 @@ mod tests {
 
     #[test]
     fn toml_file_with_per_decoder_ranks_and_flag_override() {
-        let dir = std::env::temp_dir().join(format!("kvbridge-proxy-cfg-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let p = dir.join("proxy.toml");
-        std::fs::write(
-            &p,
+        let (dir, p) = config_file(
+            "kvbridge-proxy-cfg",
+            "proxy.toml",
             r#"
 port = 9000
 flow = "lmcache"
@@ -660,8 +667,7 @@ init_ports = [7300, 7301]
 alloc_ports = [7400, 7401]
 kv_capacity_tokens = 100000
 "#,
-        )
-        .unwrap();
+        );
         let ps = p.to_str().unwrap();
         let c = parse(&["--config", ps, "--port", "9001"]).unwrap();
         assert_eq!(c.port, 9001);
@@ -793,15 +799,7 @@ kv_capacity_tokens = 100000
             assert!(e.to_string().contains(want), "{args:?}: {e}");
         }
         // The file: a bootstrap port per `[[prefiller]]`.
-        let dir =
-            std::env::temp_dir().join(format!("kvbridge-proxy-sglang-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let p = dir.join("s.toml");
-        std::fs::write(
-            &p,
-            "flow = \"sglang\"\n[[prefiller]]\nhost = \"p1\"\nport = 30000\nbootstrap_port = 8998\n[[prefiller]]\nhost = \"p2\"\nport = 30000\n[[decoder]]\nhost = \"d1\"\nport = 30001\n",
-        )
-        .unwrap();
+        let (dir, p) = config_file("kvbridge-proxy-sglang", "s.toml", "flow = \"sglang\"\n[[prefiller]]\nhost = \"p1\"\nport = 30000\nbootstrap_port = 8998\n[[prefiller]]\nhost = \"p2\"\nport = 30000\n[[decoder]]\nhost = \"d1\"\nport = 30001\n");
         let c = parse(&["--config", p.to_str().unwrap()]).unwrap();
         assert_eq!(c.flow, Flow::Sglang);
         assert_eq!(c.prefiller_bootstrap_ports, [Some(8998), None]);
@@ -876,15 +874,7 @@ kv_capacity_tokens = 100000
         let e = parse(&["--cache-threshold", "NaN"]).unwrap_err();
         assert!(e.to_string().contains("cache_aware.cache_threshold"), "{e}");
 
-        let dir =
-            std::env::temp_dir().join(format!("kvbridge-proxy-routing-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let p = dir.join("r.toml");
-        std::fs::write(
-            &p,
-            "routing = \"cache-aware\"\n[cache_aware]\ncache_threshold = 0.5\n[kv_events]\ndecoder_endpoints = [\"tcp://d:1\"]\nload_weight = 0.5\n",
-        )
-        .unwrap();
+        let (dir, p) = config_file("kvbridge-proxy-routing", "r.toml", "routing = \"cache-aware\"\n[cache_aware]\ncache_threshold = 0.5\n[kv_events]\ndecoder_endpoints = [\"tcp://d:1\"]\nload_weight = 0.5\n");
         let c = parse(&["--config", p.to_str().unwrap()]).unwrap();
         assert_eq!(c.routing, RoutingPolicy::CacheAware);
         assert_eq!(c.cache_aware.cache_threshold, 0.5);
@@ -930,15 +920,11 @@ kv_capacity_tokens = 100000
         }
         assert!(parse(&["--kv-events-tokenize", "yes"]).is_err());
 
-        let dir =
-            std::env::temp_dir().join(format!("kvbridge-proxy-tokenize-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let p = dir.join("t.toml");
-        std::fs::write(
-            &p,
+        let (dir, p) = config_file(
+            "kvbridge-proxy-tokenize",
+            "t.toml",
             "[kv_events]\ntokenize = \"http\"\ntokenize_timeout = 1.5\n",
-        )
-        .unwrap();
+        );
         let ps = p.to_str().unwrap();
         let c = parse(&["--config", ps]).unwrap();
         assert_eq!(c.kv_events.tokenize, TokenizeMode::Http);
