@@ -757,6 +757,14 @@ impl PyChannel {
         self.local_addr.as_deref()
     }
 
+    /// The transport this channel was opened with (``"auto"``, ``"tcp"``, ``"shm"`` or
+    /// ``"ucx"``), from the argument or ``KVBRIDGE_TRANSPORT``; ``None`` once closed.
+    #[getter]
+    fn transport(&self) -> Option<&'static str> {
+        let open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        open.as_ref().map(|o| o.channel.config().transport.name())
+    }
+
     /// Whether ``close()`` was called.
     #[getter]
     fn closed(&self) -> bool {

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import kvbridge
-from conftest import PAGE, channel
+from conftest import DEADLINES, PAGE, channel
 
 
 def test_every_call_after_close_raises_closed(pair):
@@ -44,6 +44,17 @@ def test_context_manager_closes():
     assert c.closed
     with pytest.raises(kvbridge.Closed):
         c.stats()
+
+
+def test_transport_says_what_the_channel_was_opened_with(monkeypatch):
+    with channel("t-default") as c:
+        assert c.transport == "auto"
+    assert c.transport is None
+    with channel("t-tcp", transport="tcp") as c:
+        assert c.transport == "tcp"
+    monkeypatch.setenv("KVBRIDGE_TRANSPORT", "shm")
+    with kvbridge.Channel("t-env", deadlines=DEADLINES) as c:  # use_env: the variable decides
+        assert c.transport == "shm"
 
 
 def test_peer_close_fails_writes_typed(pair):

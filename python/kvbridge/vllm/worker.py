@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -393,8 +392,7 @@ class KvbridgeWorker:
             # took 3 ms). Read-only holds only over TCP; a same-host peer that may copy the
             # blocks can reach all of this process's memory anyway (docs/threat-model.md).
             # Not over UCX: a UCX get that failed may still land (scratch_slots.py).
-            transport = self.settings.transport or os.environ.get("KVBRIDGE_TRANSPORT") or "auto"
-            lease_direct = not self.settings.read_grants and transport.strip().lower() != "ucx"
+            lease_direct = not self.settings.read_grants and self.channel.transport != "ucx"
             leases = self.channel.register_buffer(
                 self._lease_table.memory, LEASE_PAGE_BYTES, access="read", direct_copies=lease_direct
             )
