@@ -4,10 +4,8 @@
 //! ...), so one pool of doubles serves requests that each fail in their own way.
 
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
@@ -17,7 +15,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use bytes::Bytes;
-use http_body::Frame;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
@@ -27,6 +24,9 @@ use kvbridge_proxy::server::{self, RunningProxy};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, Notify};
 use zeromq::{Socket, SocketSend, ZmqMessage};
+
+mod common;
+use common::{Answer, ChanBody};
 
 /// Upper bound for any single wait in these tests.
 const T: Duration = Duration::from_secs(10);
@@ -185,20 +185,6 @@ async fn dhealth(State(st): State<Arc<DState>>) -> StatusCode {
 async fn push(st: &DState, msg: Notif) {
     if let Some(s) = st.push.lock().await.as_mut() {
         s.send(ZmqMessage::from(notif::encode(&msg))).await.unwrap();
-    }
-}
-
-/// A body fed from a channel, so a double can pause, drip or die mid-stream.
-struct ChanBody(mpsc::Receiver<Result<Bytes, std::io::Error>>);
-
-impl http_body::Body for ChanBody {
-    type Data = Bytes;
-    type Error = std::io::Error;
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
-        self.0.poll_recv(cx).map(|o| o.map(|r| r.map(Frame::data)))
     }
 }
 
@@ -407,7 +393,7 @@ async fn openai(
             });
             return Response::builder()
                 .header("content-type", "application/json")
-                .body(Body::new(ChanBody(rx)))
+                .body(Body::new(ChanBody::<std::io::Error>(rx)))
                 .unwrap();
         }
         let c = if chat {
@@ -445,7 +431,7 @@ async fn openai(
     });
     Response::builder()
         .header("content-type", "text/event-stream")
-        .body(Body::new(ChanBody(rx)))
+        .body(Body::new(ChanBody::<std::io::Error>(rx)))
         .unwrap()
 }
 
@@ -527,28 +513,6 @@ async fn env(flow: Flow, np: usize, nd: usize, tweak: impl FnOnce(&mut Config)) 
     }
 }
 
-struct Answer {
-    status: StatusCode,
-    headers: HeaderMap,
-    body: Bytes,
-}
-
-impl Answer {
-    fn json(&self) -> Value {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.text()))
-    }
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.body).to_string()
-    }
-    fn code(&self) -> String {
-        self.json()["error"]["code"]
-            .as_str()
-            .unwrap_or_default()
-            .to_string()
-    }
-}
-
 impl Env {
     fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.proxy.http_addr())
@@ -562,21 +526,7 @@ impl Env {
         if let Some(r) = rid {
             b = b.header("x-request-id", r);
         }
-        let resp = tokio::time::timeout(T, self.client.request(b.body(Full::new(body)).unwrap()))
-            .await
-            .unwrap()
-            .unwrap();
-        let (parts, body) = resp.into_parts();
-        let body = tokio::time::timeout(T, body.collect())
-            .await
-            .unwrap()
-            .unwrap()
-            .to_bytes();
-        Answer {
-            status: parts.status,
-            headers: parts.headers,
-            body,
-        }
+        common::fetch(&self.client, b.body(Full::new(body)).unwrap(), T).await
     }
 
     async fn post(&self, path: &str, v: Value) -> Answer {
@@ -1602,7 +1552,7 @@ async fn oversized_body_gets_413_and_is_counted() {
     let client = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
     let req = hyper::Request::post(e.url("/v1/chat/completions"))
         .header("content-type", "application/json")
-        .body(ChanBody(rx))
+        .body(ChanBody::<std::io::Error>(rx))
         .unwrap();
     let resp = tokio::time::timeout(T, client.request(req))
         .await

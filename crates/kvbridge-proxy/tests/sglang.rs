@@ -22,7 +22,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::Full;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
 use kvbridge_proxy::config::{Config, DecoderConfig, Flow, WorkerAddr};
@@ -30,6 +30,9 @@ use kvbridge_proxy::metrics::Outcome;
 use kvbridge_proxy::server::{self, RunningProxy};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, Notify};
+
+mod common;
+use common::{Answer, ChanBody};
 
 /// Upper bound of any wait in these tests.
 const T: Duration = Duration::from_secs(10);
@@ -347,22 +350,6 @@ fn sse(s: String) -> Response {
     ([("content-type", "text/event-stream")], s).into_response()
 }
 
-/// A body fed from a channel; the decode stub sees its client go when the channel closes.
-struct ChanBody(mpsc::Receiver<Result<Bytes, Infallible>>);
-
-impl http_body::Body for ChanBody {
-    type Data = Bytes;
-    type Error = Infallible;
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Infallible>>> {
-        self.0
-            .poll_recv(cx)
-            .map(|o| o.map(|r| r.map(http_body::Frame::data)))
-    }
-}
-
 // ---------------------------------------------------------------- harness
 
 struct Env {
@@ -370,28 +357,6 @@ struct Env {
     p: Vec<Stub>,
     d: Vec<Stub>,
     client: Client<HttpConnector, Full<Bytes>>,
-}
-
-struct Answer {
-    status: StatusCode,
-    body: Bytes,
-    took: Duration,
-}
-
-impl Answer {
-    fn json(&self) -> Value {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.text()))
-    }
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.body).to_string()
-    }
-    fn code(&self) -> String {
-        self.json()["error"]["code"]
-            .as_str()
-            .unwrap_or_default()
-            .to_string()
-    }
 }
 
 /// The bootstrap port of prefill stub `i`: 8998 for the first, none for the others.
@@ -455,20 +420,7 @@ impl Env {
             .header("content-type", "application/json")
             .body(Full::new(body))
             .unwrap();
-        let t0 = Instant::now();
-        let r = tokio::time::timeout(T, async {
-            let resp = self.client.request(req).await.unwrap();
-            let status = resp.status();
-            let body = resp.into_body().collect().await.unwrap().to_bytes();
-            (status, body)
-        })
-        .await
-        .expect("the proxy answered within the test's bound");
-        Answer {
-            status: r.0,
-            body: r.1,
-            took: t0.elapsed(),
-        }
+        common::fetch(&self.client, req, T).await
     }
 
     async fn post(&self, path: &str, v: Value) -> Answer {
@@ -479,9 +431,7 @@ impl Env {
         let req = hyper::Request::get(format!("http://{}/metrics", self.proxy.http_addr()))
             .body(Full::new(Bytes::new()))
             .unwrap();
-        let resp = self.client.request(req).await.unwrap();
-        let b = resp.into_body().collect().await.unwrap().to_bytes();
-        String::from_utf8_lossy(&b).to_string()
+        common::fetch(&self.client, req, T).await.text()
     }
 
     /// Every body the stubs of `pool` received, with the stub's index.
