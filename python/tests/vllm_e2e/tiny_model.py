@@ -59,34 +59,45 @@ def sharpen(model, attention: float = 0.5) -> None:
                 p.normal_(0.0, 1.0 if "embed" in name else attention if "self_attn" in name else 0.5)
 
 
-def build(out: Path, *, layers: int = 2, kv_heads: int = 2, head_dim: int = 32, seed: int = 0) -> Path:
+#: What both models share: tiny widths, and the tokenizer's special ids (``tokenizer``).
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    max_position_embeddings=4096,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=3,
+    tie_word_embeddings=False,
+    initializer_range=0.02,
+    torch_dtype="bfloat16",
+)
+
+
+def _save(out: Path, model_class, config, *, attention: float, seed: int, meta: dict) -> Path:
+    """Random weights from ``seed``, sharpened, saved in bf16 with ``meta`` beside them."""
     import torch
+
+    torch.manual_seed(seed)
+    model = model_class(config)
+    sharpen(model, attention=attention)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    (out / "kvbridge-tiny.json").write_text(json.dumps(meta))
+    return out
+
+
+def build(out: Path, *, layers: int = 2, kv_heads: int = 2, head_dim: int = 32, seed: int = 0) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    vocab = tokenizer(out)
-    heads = kv_heads * 2
     config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
+        vocab_size=tokenizer(out),
         num_hidden_layers=layers,
-        num_attention_heads=heads,
+        num_attention_heads=kv_heads * 2,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        max_position_embeddings=4096,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=3,
-        tie_word_embeddings=False,
-        initializer_range=0.02,
-        torch_dtype="bfloat16",
+        **_COMMON,
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    sharpen(model)
-    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
-    (out / "kvbridge-tiny.json").write_text(json.dumps({"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "seed": seed}))
-    return out
+    meta = {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "seed": seed}
+    return _save(out, LlamaForCausalLM, config, attention=0.5, seed=seed, meta=meta)
 
 
 #: The latent vLLM CPU's MLA decode kernel is compiled for (``CPUMLABackend``: head size
@@ -112,14 +123,10 @@ def build_mla(
     """A DeepSeek-V2-shaped model (MLA attention, dense MLPs: no expert weights) as small as vLLM
     CPU's MLA backend serves: only the latent (``kv_lora_rank + qk_rope_head_dim``) is fixed,
     at 576; the per-head dimensions and the hidden size are free."""
-    import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-    vocab = tokenizer(out)
     config = DeepseekV2Config(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
+        vocab_size=tokenizer(out),
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=heads,
@@ -136,25 +143,11 @@ def build_mla(
         num_experts_per_tok=1,
         moe_intermediate_size=32,
         first_k_dense_replace=layers,
-        max_position_embeddings=4096,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=3,
-        tie_word_embeddings=False,
-        initializer_range=0.02,
-        torch_dtype="bfloat16",
+        **_COMMON,
     )
-    torch.manual_seed(seed)
-    model = DeepseekV2ForCausalLM(config)
-    sharpen(model, attention=attention)
-    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
-    (out / "kvbridge-tiny.json").write_text(
-        json.dumps(
-            {"mla": True, "layers": layers, "heads": heads, "nope_dim": nope_dim, "v_dim": v_dim,
-             "kv_lora_rank": kv_lora_rank, "rope_dim": rope_dim, "attention_std": attention, "seed": seed}
-        )  # fmt: skip
-    )
-    return out
+    meta = {"mla": True, "layers": layers, "heads": heads, "nope_dim": nope_dim, "v_dim": v_dim,
+            "kv_lora_rank": kv_lora_rank, "rope_dim": rope_dim, "attention_std": attention, "seed": seed}  # fmt: skip
+    return _save(out, DeepseekV2ForCausalLM, config, attention=attention, seed=seed, meta=meta)
 
 
 def main() -> None:
