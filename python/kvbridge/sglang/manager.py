@@ -118,7 +118,8 @@ class KvbridgeKVManager(CommonKVManager):
             self.room_peers: Dict[int, Dict[str, str]] = {}  # room -> prefill peer id -> its addr
             self._room_deadline: Dict[int, float] = {}
             self._room_bootstrap: Dict[int, str] = {}
-            self._probe = kvbridge.Channel(f"{self.kvbridge_peer_id}/probe", secret=self.settings.secret)
+            probe_id = identity.check_peer_id(f"{self.kvbridge_peer_id}/probe", f"{identity.PEER_ID_ENV} (the probe's id)")
+            self._probe = kvbridge.Channel(probe_id, secret=self.settings.secret)
             self._threads = [
                 threading.Thread(target=self._notice_loop, name="kvbridge-sglang-notices", daemon=True),
                 threading.Thread(target=self._probe_loop, name="kvbridge-sglang-probe", daemon=True),
