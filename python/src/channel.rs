@@ -914,6 +914,113 @@ impl PyChannel {
         Ok(open.windows.opened(id, token))
     }
 
+    /// Opens one window per offset of ``offsets`` on ``region``, each ``lengths`` bytes long
+    /// (an int for all of them, or one int per offset), to ``peer`` or ``token`` for
+    /// ``access``, as ``open_window`` does for one; all or none, in one call and one lock of
+    /// the engine's table (for an owner that opens the pages of an allocation together).
+    /// Returns the windows' ids in the order of ``offsets``. Raises ``InvalidOp`` (nothing
+    /// opened) when any window would fail alone, when two of them overlap, or when
+    /// ``lengths`` is a list of another length than ``offsets``.
+    #[pyo3(signature = (region, offsets, lengths, *, peer=None, token=None, access))]
+    #[allow(clippy::too_many_arguments)]
+    fn open_windows(
+        &self,
+        py: Python<'_>,
+        region: &Bound<'_, PyAny>,
+        offsets: &Bound<'_, PyAny>,
+        lengths: &Bound<'_, PyAny>,
+        peer: Option<&str>,
+        token: Option<&Bound<'_, PyAny>>,
+        access: &str,
+    ) -> PyResult<Vec<u64>> {
+        let open = self.open(py)?;
+        let key = region_arg(py, region)?;
+        let offsets = indices(py, offsets, "offset")?;
+        let lengths = if lengths.is_instance_of::<PyInt>() || lengths.extract::<u64>().is_ok() {
+            vec![index_arg(py, lengths, "length")?; offsets.len()]
+        } else {
+            indices(py, lengths, "length")?
+        };
+        if lengths.len() != offsets.len() {
+            return Err(errors::invalid(
+                py,
+                format!("{} offsets but {} lengths", offsets.len(), lengths.len()),
+            ));
+        }
+        let access = grants::access_arg(py, access, "access")?;
+        let token = grants::opt_token_arg(py, token)?;
+        if !open.regions().contains_key(&key) {
+            return Err(errors::invalid(
+                py,
+                format!("region {key} is not registered"),
+            ));
+        }
+        let ranges: Vec<(u64, u64)> = offsets.into_iter().zip(lengths).collect();
+        let opened = match (peer, token) {
+            (Some(p), None) => {
+                let p = peer_arg(py, p)?;
+                open.channel
+                    .open_peer_windows(region_id(key), &p, &ranges, access)
+            }
+            (None, Some(t)) => open
+                .channel
+                .open_token_windows(region_id(key), &t, &ranges, access),
+            _ => {
+                return Err(errors::invalid(
+                    py,
+                    "a window is open to exactly one holder: pass peer= or token=",
+                ))
+            }
+        };
+        let ids = opened.map_err(|e| errors::invalid(py, e.to_string()))?;
+        Ok(open.windows.opened_many(&ids, token))
+    }
+
+    /// Closes the windows of ``window_ids`` at once (one lock of the engine's table): no op
+    /// passes any of them from now on. Then waits, at most ``timeout`` seconds for all of
+    /// them together (default: the channel's ``op`` deadline; ``0`` does not wait), until
+    /// the ops that had passed them ended. Returns the ids whose ops had not ended by then
+    /// (call again with them to wait again); ``[]`` once every one drained. Unlike
+    /// ``close_window``, an id that is neither open nor closing (never handed out, or its
+    /// close already seen drained, by this or another caller) counts as drained: closers
+    /// racing on one window (a free and a reallocation) all see it end.
+    #[pyo3(signature = (window_ids, timeout=None))]
+    fn close_windows(
+        &self,
+        py: Python<'_>,
+        window_ids: &Bound<'_, PyAny>,
+        timeout: Option<f64>,
+    ) -> PyResult<Vec<u64>> {
+        let open = self.open(py)?;
+        let ids = indices(py, window_ids, "window id")?;
+        let limit = self.drain_limit(py, &open, timeout)?;
+        let closing = open.windows.close_windows(&open.channel, &ids);
+        let waiting: Vec<_> = (closing.into_iter())
+            .filter_map(|(id, (drain, _))| drain.filter(|d| !d.is_drained()).map(|d| (id, d)))
+            .collect();
+        let left: Vec<u64> = if waiting.is_empty() || limit.is_zero() {
+            waiting.into_iter().map(|(id, _)| id).collect()
+        } else {
+            call::block_on(py, async move {
+                let deadline = tokio::time::Instant::now() + limit;
+                let mut left = Vec::new();
+                for (id, d) in waiting {
+                    if tokio::time::timeout_at(deadline, d.drained())
+                        .await
+                        .is_err()
+                    {
+                        left.push(id);
+                    }
+                }
+                Ok(left)
+            })?
+        };
+        let still: std::collections::HashSet<u64> = left.iter().copied().collect();
+        let done: Vec<u64> = ids.into_iter().filter(|id| !still.contains(id)).collect();
+        open.windows.drained_windows(&done);
+        Ok(left)
+    }
+
     /// Closes a window: no op passes it from now on. Then waits, at most ``timeout`` seconds
     /// (default: the channel's ``op`` deadline), until the ops that had passed it ended
     /// (writes landed, read responses sent), so its bytes may go to someone else. Past the
@@ -1393,6 +1500,7 @@ impl PyChannel {
         d.set_item("sessions_ended", s.sessions_ended)?;
         d.set_item("handshakes_refused", s.handshakes_refused)?;
         d.set_item("handshakes_displaced", s.handshakes_displaced)?;
+        d.set_item("auth_failed", s.auth_failed)?;
         d.set_item("notifications_queued", s.notifications_queued)?;
         d.set_item("notify_bytes_queued", s.notify_bytes_queued)?;
         d.set_item("notify_bytes_peak", s.notify_bytes_peak)?;

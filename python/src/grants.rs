@@ -98,6 +98,50 @@ impl Windows {
         id.value()
     }
 
+    /// [`Windows::opened`] for windows opened together.
+    pub(crate) fn opened_many(&self, ids: &[WindowId], token: Option<GrantToken>) -> Vec<u64> {
+        let mut b = self.book();
+        ids.iter()
+            .map(|id| {
+                b.open.insert(id.value(), (*id, token));
+                id.value()
+            })
+            .collect()
+    }
+
+    /// Closes the windows of `ids` this binding opened, under one engine lock, or finds
+    /// their closes still draining: each id with what to wait for. An id that is neither
+    /// open nor draining (never handed out, or its close already seen drained by another
+    /// caller) is left out.
+    pub(crate) fn close_windows(&self, ch: &Channel, ids: &[u64]) -> Vec<(u64, Draining)> {
+        let mut b = self.book();
+        let mut out = Vec::with_capacity(ids.len());
+        let mut closing = Vec::new();
+        for &id in ids {
+            if let Some(d) = b.draining.get(&Closing::Window(id)) {
+                out.push((id, d.clone()));
+            } else if let Some((wid, _)) = b.open.remove(&id) {
+                closing.push((id, wid));
+            }
+        }
+        let wids: Vec<WindowId> = closing.iter().map(|(_, w)| *w).collect();
+        for ((id, _), drain) in closing.into_iter().zip(ch.close_windows(&wids)) {
+            // `None` from the engine: its region was deregistered, nothing of it runs.
+            let d = (drain.map(Arc::new), Vec::new());
+            b.draining.insert(Closing::Window(id), d.clone());
+            out.push((id, d));
+        }
+        out
+    }
+
+    /// [`Windows::drained_window`] for several.
+    pub(crate) fn drained_windows(&self, ids: &[u64]) {
+        let mut b = self.book();
+        for &id in ids {
+            b.draining.remove(&Closing::Window(id));
+        }
+    }
+
     /// Closes window `id` (or finds its close still draining): what to wait for, `None`
     /// when this binding never opened it or a close already saw it drained.
     pub(crate) fn close_window(&self, ch: &Channel, id: u64) -> Option<Draining> {

@@ -307,3 +307,76 @@ def test_a_token_to_a_peer_that_is_not_connected_fails_before_anything():
             ch.read("nobody", [(r, 0, 1, 0, PAGE)], token=kvbridge.new_grant_token())
     finally:
         ch.close()
+
+
+def test_a_batch_of_windows_opens_all_or_none():
+    rx = channel("receiver", "127.0.0.1:0", transport="tcp", secret=SECRET)
+    try:
+        arena = np.zeros(PAGES * PAGE, dtype=np.uint8)
+        rid = rx.register_buffer(arena, PAGE, access="write", windows="write")
+        src = np.full(PAGE, 4, dtype=np.uint8)
+
+        def lands(page):
+            # a fresh session each time: a refused write ends the one it was on
+            tx = channel("sender", transport="tcp", secret=SECRET)
+            try:
+                to = tx.connect(rx.local_addr)
+                tx.write_pages(to, tx.register_buffer(src, PAGE), [0], rid, [page])
+            except kvbridge.Rejected as e:
+                assert denied(e), e
+                return False
+            finally:
+                tx.close()
+            return True
+
+        for bad, lengths in [
+            ([PAGE, 3 * PAGE, PAGES * PAGE], PAGE),  # the last is past the arena
+            ([PAGE, 3 * PAGE, PAGE + 8], PAGE),  # the last overlaps the first
+            ([PAGE, 3 * PAGE], [PAGE]),  # one length for two offsets
+            ([PAGE, 3 * PAGE], [PAGE, 0]),  # an empty window
+        ]:
+            with pytest.raises(kvbridge.InvalidOp):
+                rx.open_windows(rid, bad, lengths, peer="sender", access="write")
+            assert not lands(1), f"{bad}: a window of a refused batch opened"
+        with pytest.raises(TypeError):
+            rx.open_windows(rid, [PAGE], "4096", peer="sender", access="write")
+        with pytest.raises(kvbridge.InvalidOp):
+            rx.open_windows(rid, [PAGE], PAGE, access="write")  # no holder
+        assert rx.open_windows(rid, [], PAGE, peer="sender", access="write") == []
+        ids = rx.open_windows(rid, [5 * PAGE, PAGE, 2 * PAGE], [PAGE, PAGE, 2 * PAGE], peer="sender", access="write")
+        assert len(set(ids)) == 3
+        assert [lands(p) for p in range(PAGES)] == [False, True, True, True, False, True, False, False]
+        assert rx.close_windows([ids[0], ids[2]], timeout=5) == []
+        assert [lands(p) for p in range(PAGES)] == [False, True, False, False, False, False, False, False]
+    finally:
+        rx.close()
+
+
+def test_close_windows_returns_the_ones_whose_ops_still_run():
+    owner = channel("prefill-0", "127.0.0.1:0", transport="tcp")
+    big = 32 << 20
+    kv = np.full(2 * big, 6, dtype=np.uint8)
+    rid = owner.register_buffer(kv, PAGE, access="read", windows="read")
+    tok = kvbridge.new_grant_token()
+    w0, w1 = owner.open_windows(rid, [0, big], big, token=tok, access="read")
+    peer = StalledPeer(owner.local_addr)
+    try:
+        peer.ask(rid, big, tok)  # through w0
+        for _ in range(500):
+            if owner.token_users(tok):
+                break
+            threading.Event().wait(0.01)
+        assert owner.token_users(tok) == ["stalled"]
+        assert owner.close_windows([w0, w1], timeout=0) == [w0]
+        assert owner.close_windows([w0, w1], timeout=0.3) == [w0]
+        assert owner.token_users(tok) == [], "closed already: the token's windows are gone"
+        assert peer.take(big) == bytes(kv[:big]), "the admitted read was cut short"
+        assert owner.close_windows([w0], timeout=5) == []
+        # drained and forgotten: counts as drained for a closer that comes late, and
+        # close_window (one id) says it is not open
+        assert owner.close_windows([w0, w1, 12345]) == []
+        with pytest.raises(kvbridge.InvalidOp):
+            owner.close_window(w0)
+    finally:
+        peer.close()
+        owner.close()

@@ -487,6 +487,37 @@ impl Channel {
             .open_token_window(&region, token, offset, len, access)
     }
 
+    /// Opens one window per `(offset, len)` of `ranges` on `region` to `peer`'s ops of
+    /// `access`, as [`Channel::open_peer_window`] does for one, all or none (one table lock
+    /// for all of them: what an owner that opens the pages of an allocation together wants).
+    /// The ids in the order of `ranges`. Fails (`Error::Local`, nothing opened) when any
+    /// range would fail alone, or when two of the ranges overlap.
+    pub fn open_peer_windows(
+        &self,
+        region: RegionId,
+        peer: &PeerId,
+        ranges: &[(u64, u64)],
+        access: Access,
+    ) -> Result<Vec<WindowId>> {
+        self.inner
+            .table
+            .open_peer_windows(&region, peer, ranges, access)
+    }
+
+    /// [`Channel::open_peer_windows`] for whoever names `token` in a batch, as
+    /// [`Channel::open_token_window`] does for one range.
+    pub fn open_token_windows(
+        &self,
+        region: RegionId,
+        token: &GrantToken,
+        ranges: &[(u64, u64)],
+        access: Access,
+    ) -> Result<Vec<WindowId>> {
+        self.inner
+            .table
+            .open_token_windows(&region, token, ranges, access)
+    }
+
     /// Closes a window: no op passes it from now on. The returned [`WindowDrain`] waits for
     /// the ops that passed it before and may still be running (writes landing, read
     /// responses being sent); give the bytes to anyone else only once it is drained. `None`
@@ -494,6 +525,12 @@ impl Channel {
     /// token's last window forgets its users.
     pub fn close_window(&self, id: WindowId) -> Option<WindowDrain> {
         self.inner.table.close_window(id)
+    }
+
+    /// Closes each window of `ids` under one table lock, as [`Channel::close_window`] does
+    /// for one: the drain of each in the order of `ids`, `None` for one that is not open.
+    pub fn close_windows(&self, ids: &[WindowId]) -> Vec<Option<WindowDrain>> {
+        self.inner.table.close_windows(ids)
     }
 
     /// Closes every window open to `token`, on every region, at once, and says who used it

@@ -29,7 +29,9 @@
 //! table records which authenticated peers (the session's id, never a claim of a message)
 //! had a batch admitted through a token's windows (`Channel::token_users`), so an
 //! application can take a request's "done" only from the peers that read under its grant.
-//! A holder's windows on one region never overlap.
+//! A holder's windows on one region never overlap. An owner that opens or closes many at
+//! once (the pages of one allocation) does so in one call and one lock of the table
+//! (`Channel::open_peer_windows`, `open_token_windows`, `close_windows`), all or none.
 //!
 //! Closing a window stops new ops at once and returns a [`WindowDrain`] that waits for the
 //! ops that had already passed it (writes still landing, read responses still being sent),
@@ -400,6 +402,25 @@ impl Tables {
     }
 }
 
+/// Refuses a window of `access` on a region whose grant confines neither direction it names
+/// (it would change nothing).
+fn check_window_access(id: &RegionId, p: &Permission, access: Access) -> Result<()> {
+    let matters = (access.allows(true) && p.windowed) || (access.allows(false) && p.reads_windowed);
+    if matters {
+        return Ok(());
+    }
+    Err(Error::Local(format!(
+        "a {} window on region {id}, which was registered with neither {}: it would change \
+         nothing",
+        access.name(),
+        match access {
+            Access::ReadOnly => "reads_in_windows",
+            Access::WriteOnly => "writes_in_windows",
+            Access::ReadWrite => "writes_in_windows nor reads_in_windows",
+        }
+    )))
+}
+
 /// Why a peer's op on a region is refused, for its `Reject`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Denied {
@@ -565,7 +586,20 @@ impl RegionTable {
         len: u64,
         access: Access,
     ) -> Result<WindowId> {
-        self.open(id, Holder::Peer(peer.clone()), offset, len, access)
+        let holder = Holder::Peer(peer.clone());
+        Ok(self.open(id, holder, &[(offset, len)], access)?[0])
+    }
+
+    /// Opens one window per `(offset, len)` of `ranges` on region `id` to `peer`'s ops of
+    /// `access`, all or none, under one lock: the ids in the order of `ranges`.
+    pub(crate) fn open_peer_windows(
+        &self,
+        id: &RegionId,
+        peer: &PeerId,
+        ranges: &[(u64, u64)],
+        access: Access,
+    ) -> Result<Vec<WindowId>> {
+        self.open(id, Holder::Peer(peer.clone()), ranges, access)
     }
 
     /// Opens a window of `len` bytes at `offset` of region `id` to the ops of `access` of
@@ -578,6 +612,17 @@ impl RegionTable {
         len: u64,
         access: Access,
     ) -> Result<WindowId> {
+        Ok(self.open_token_windows(id, token, &[(offset, len)], access)?[0])
+    }
+
+    /// [`RegionTable::open_peer_windows`] for the batches that name `token`.
+    pub(crate) fn open_token_windows(
+        &self,
+        id: &RegionId,
+        token: &GrantToken,
+        ranges: &[(u64, u64)],
+        access: Access,
+    ) -> Result<Vec<WindowId>> {
         if token.is_zero() {
             return Err(Error::Local(
                 "an all-zero grant token is what an unset value looks like, not a random \
@@ -585,88 +630,107 @@ impl RegionTable {
                     .into(),
             ));
         }
-        self.open(id, Holder::Token(*token), offset, len, access)
+        self.open(id, Holder::Token(*token), ranges, access)
     }
 
+    /// Opens a window per range to `holder`, or none: every range is checked (inside the
+    /// region, not empty, overlapping neither a window of the holder nor another range)
+    /// before the first is inserted, all under the table's write lock.
     fn open(
         &self,
         id: &RegionId,
         holder: Holder,
-        offset: u64,
-        len: u64,
+        ranges: &[(u64, u64)],
         access: Access,
-    ) -> Result<WindowId> {
+    ) -> Result<Vec<WindowId>> {
         let mut t = self.write();
-        let wid = WindowId(t.next_window);
+        let first = t.next_window;
         let e = t
             .regions
             .get_mut(id)
             .ok_or_else(|| Error::Local(format!("region {id} is not registered")))?;
-        let p = &e.permission;
-        let matters =
-            (access.allows(true) && p.windowed) || (access.allows(false) && p.reads_windowed);
-        if !matters {
-            return Err(Error::Local(format!(
-                "a {} window on region {id}, which was registered with neither {}: it would \
-                 change nothing",
-                access.name(),
-                match access {
-                    Access::ReadOnly => "reads_in_windows",
-                    Access::WriteOnly => "writes_in_windows",
-                    Access::ReadWrite => "writes_in_windows nor reads_in_windows",
+        check_window_access(id, &e.permission, access)?;
+        if ranges.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut sorted: Vec<(u64, u64)> = ranges.to_vec();
+        sorted.sort_unstable();
+        for (k, &(offset, len)) in sorted.iter().enumerate() {
+            if len == 0 || !e.region.contains(offset, len) {
+                return Err(Error::Local(format!(
+                    "window of {len} bytes at offset {offset} is not inside region {id} of {} bytes",
+                    e.region.len()
+                )));
+            }
+            if let Some(&(prev, plen)) = k.checked_sub(1).map(|j| &sorted[j]) {
+                if prev + plen > offset {
+                    return Err(Error::Local(format!(
+                        "windows at offsets {prev} ({plen} bytes) and {offset} of region {id} \
+                         overlap: one batch opens ranges that do not"
+                    )));
                 }
-            )));
+            }
+            let held = match &holder {
+                Holder::Peer(p) => e.by_peer.get(p),
+                Holder::Token(tok) => e.by_token.get(tok),
+            };
+            if let Some((start, w)) = held.and_then(|ws| ws.range(..offset + len).next_back()) {
+                if w.end > offset {
+                    return Err(Error::Local(format!(
+                        "window of {len} bytes at offset {offset} of region {id} overlaps the one \
+                         open at {start}..{} to the same holder: close that one first",
+                        w.end
+                    )));
+                }
+            }
         }
-        if len == 0 || !e.region.contains(offset, len) {
-            return Err(Error::Local(format!(
-                "window of {len} bytes at offset {offset} is not inside region {id} of {} bytes",
-                e.region.len()
-            )));
-        }
-        let end = offset + len;
         let ws = match &holder {
             Holder::Peer(p) => e.by_peer.entry(p.clone()).or_default(),
             Holder::Token(tok) => e.by_token.entry(*tok).or_default(),
         };
-        if let Some((start, w)) = ws.range(..end).next_back() {
-            if w.end > offset {
-                let (start, wend) = (*start, w.end);
-                e.forget_if_empty(&holder);
-                return Err(Error::Local(format!(
-                    "window of {len} bytes at offset {offset} of region {id} overlaps the one \
-                     open at {start}..{wend} to the same holder: close that one first"
-                )));
-            }
-        }
-        ws.insert(
-            offset,
-            Window {
+        let ids: Vec<WindowId> = (first..first + ranges.len() as u64).map(WindowId).collect();
+        for (&(offset, len), &wid) in ranges.iter().zip(&ids) {
+            let window = Window {
                 id: wid,
-                end,
+                end: offset + len,
                 access,
                 uses: Arc::default(),
-            },
-        );
-        t.next_window += 1;
-        if let Holder::Token(tok) = &holder {
-            t.tokens.entry(*tok).or_default().windows.insert(wid);
+            };
+            ws.insert(offset, window);
         }
-        t.windows.insert(wid, (*id, holder, offset));
-        Ok(wid)
+        t.next_window += ranges.len() as u64;
+        if let Holder::Token(tok) = &holder {
+            let rec = t.tokens.entry(*tok).or_default();
+            rec.windows.extend(ids.iter().copied());
+        }
+        for (&(offset, _), &wid) in ranges.iter().zip(&ids) {
+            t.windows.insert(wid, (*id, holder.clone(), offset));
+        }
+        Ok(ids)
     }
 
     /// Closes a window: no op passes it from now on. `None` when it is not open. Closing a
     /// token's last window forgets who used the token.
     pub(crate) fn close_window(&self, wid: WindowId) -> Option<WindowDrain> {
+        self.close_windows(&[wid]).pop().flatten()
+    }
+
+    /// Closes each window of `wids` under one lock: no op passes any of them from then on.
+    /// The drain of each, in the order of `wids`; `None` for one that is not open.
+    pub(crate) fn close_windows(&self, wids: &[WindowId]) -> Vec<Option<WindowDrain>> {
         let mut t = self.write();
-        let holder = t.windows.get(&wid).map(|(_, h, _)| h.clone())?;
-        let w = t.take_window(wid)?;
-        if let Holder::Token(tok) = holder {
-            if t.tokens.get(&tok).is_some_and(|r| r.windows.is_empty()) {
-                t.tokens.remove(&tok);
-            }
-        }
-        Some(WindowDrain(vec![w.uses]))
+        wids.iter()
+            .map(|&wid| {
+                let holder = t.windows.get(&wid).map(|(_, h, _)| h.clone())?;
+                let w = t.take_window(wid)?;
+                if let Holder::Token(tok) = holder {
+                    if t.tokens.get(&tok).is_some_and(|r| r.windows.is_empty()) {
+                        t.tokens.remove(&tok);
+                    }
+                }
+                Some(WindowDrain(vec![w.uses]))
+            })
+            .collect()
     }
 
     /// Closes every window of `token` at once; `None` when it has none open.
@@ -931,6 +995,91 @@ mod tests {
             .unwrap();
         assert!(t.close_window(w2).unwrap().is_drained());
         assert!(open(4 * 4096, 1).is_err());
+    }
+
+    /// A batch of windows opens all or none: a range that would fail alone, or two ranges
+    /// of the batch that overlap, leave the table as it was; an open batch confines writes
+    /// as the windows opened one by one do, and closing it closes each, draining each.
+    #[test]
+    fn a_batch_of_windows_opens_all_or_none_and_closes_together() {
+        let t = RegionTable::default();
+        let (a, b) = (PeerId::new("a").unwrap(), PeerId::new("b").unwrap());
+        let r = Region::alloc(8 * 4096, 4096).unwrap();
+        t.insert(r.clone(), Grant::AllPeers.write_only().writes_in_windows())
+            .unwrap();
+        t.open_peer_window(&r.id(), &a, 6 * 4096, 4096, Access::WriteOnly)
+            .unwrap();
+        let write = |p, off| use_for(&t, p, None, &r.id(), off, 8, true);
+        let page = |i: u64| (i * 4096, 4096);
+        for (case, ranges) in [
+            ("a range past the region", vec![page(0), page(8)]),
+            ("an empty range", vec![page(0), (4096, 0)]),
+            ("two ranges that overlap", vec![page(0), (4000, 200)]),
+            ("the same page twice", vec![page(1), page(2), page(1)]),
+            ("a range over a window of the peer", vec![page(0), page(6)]),
+        ] {
+            let err = t.open_peer_windows(&r.id(), &a, &ranges, Access::WriteOnly);
+            assert!(err.is_err(), "{case}");
+            assert!(
+                write(&a, 0).is_err(),
+                "{case}: a page of the refused batch opened"
+            );
+        }
+        let tok = new_grant_token();
+        let zero = GrantToken::from_bytes([0; GrantToken::LEN]);
+        assert!(t
+            .open_token_windows(&r.id(), &zero, &[page(0)], Access::WriteOnly)
+            .is_err());
+        assert!(t
+            .open_peer_windows(&r.id(), &a, &[page(0)], Access::ReadOnly)
+            .is_err());
+        assert_eq!(
+            t.open_peer_windows(&r.id(), &a, &[], Access::WriteOnly)
+                .unwrap(),
+            vec![]
+        );
+        // Out of order and adjacent: ids follow the ranges.
+        let ids = t
+            .open_peer_windows(&r.id(), &a, &[page(3), page(0), page(1)], Access::WriteOnly)
+            .unwrap();
+        assert_eq!(ids.len(), 3);
+        for off in [0, 4096, 3 * 4096, 4000] {
+            assert!(write(&a, off).is_ok(), "{off}");
+        }
+        assert!(write(&a, 2 * 4096).is_err(), "a page no range named");
+        assert!(write(&b, 0).is_err(), "another peer");
+        let by_token = t
+            .open_token_windows(&r.id(), &tok, &[page(2), page(4)], Access::WriteOnly)
+            .unwrap();
+        assert!(use_for(&t, &b, Some(&tok), &r.id(), 4 * 4096, 8, true).is_ok());
+        // One write lands through page 0 (ids[1]) while the batch closes it with page 3.
+        let landing = write(&a, 0).unwrap();
+        let gone = WindowId(u64::MAX);
+        let drains = t.close_windows(&[ids[0], gone, ids[1], by_token[1]]);
+        assert_eq!(
+            drains.iter().map(Option::is_some).collect::<Vec<_>>(),
+            vec![true, false, true, true]
+        );
+        assert!(drains[0].as_ref().unwrap().is_drained());
+        assert!(
+            !drains[2].as_ref().unwrap().is_drained(),
+            "the write through page 0"
+        );
+        for off in [0, 3 * 4096] {
+            assert!(
+                write(&a, off).is_err(),
+                "a closed window passed a write at {off}"
+            );
+        }
+        assert!(write(&a, 4096).is_ok(), "a window the close did not name");
+        assert!(use_for(&t, &b, Some(&tok), &r.id(), 4 * 4096, 8, true).is_err());
+        assert!(use_for(&t, &b, Some(&tok), &r.id(), 2 * 4096, 8, true).is_ok());
+        drop(landing);
+        assert!(drains[2].as_ref().unwrap().is_drained());
+        assert!(t.close_windows(&[ids[1]])[0].is_none(), "closed twice");
+        // The token's last window closing forgets it, as close_window does.
+        t.close_windows(&[by_token[0]]);
+        assert!(t.close_token(&tok).is_none());
     }
 
     /// Reads confined to windows pass only inside the windows of the token the batch names

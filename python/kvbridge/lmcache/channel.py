@@ -14,8 +14,16 @@ peer granted, and announces LMCache's ``local_id`` so that the listener can addr
 back (``role: both`` and P2P reads); the announcement is acknowledged by the listener, so when
 the call returns both sides know each other.
 
-A peer's restart: kvbridge peer ids carry a random per-channel suffix, so a write addressed to
-one incarnation of a peer can never land in the next one. A write that fails while bytes move
+Identity: this channel's kvbridge peer id is random per start (``lmcache-{role}-tp{rank}-
+{pid}-{8 hex}``) unless ``peer_id``/``KVBRIDGE_PEER_ID`` names a template
+(``kvbridge.identity``): a stable id that a listener's keyring (``KVBRIDGE_PEER_KEYS``) binds to
+the key this side holds as its ``KVBRIDGE_SECRET``, so that a holder of the shared secret
+cannot claim it (and write through the windows a receiver opened to it). A restarted sender
+with the same id proves the key again and its new session replaces the old one.
+
+A peer's restart: a peer's arena is a region whose id is random per registration, so a write
+addressed to one incarnation of a peer can never land in the next one (stable peer id or
+not: the next one refuses the unknown region). A write that fails while bytes move
 raises kvbridge's typed error and marks the peer lost; a write that finds the peer lost, or
 its session gone before any byte moved, dials once and, if a new incarnation answers, writes
 there (LMCache never re-runs ``lazy_init_peer_connection``). LMCache allocates the peer's
@@ -65,6 +73,7 @@ from typing import Any, Optional, Union
 import msgspec
 
 import kvbridge
+from kvbridge import identity
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.transfer_channel.abstract import BaseTransferChannel
 from lmcache.v1.transfer_channel.transfer_utils import (
@@ -254,6 +263,9 @@ class KvbridgeChannel(BaseTransferChannel):
     checks too and has the peer check what landed; a page that differs fails the write with
     ``kvbridge.IntegrityError``. ``write_windows`` (or ``KVBRIDGE_LMCACHE_WRITE_WINDOWS``,
     default off), on a receiver: peers write only the pages ``grant_writes`` opened to them.
+    ``peer_id`` (or ``KVBRIDGE_PEER_ID``): the template of this channel's kvbridge peer id
+    (``{role}``, ``{tp_rank}``; ``kvbridge.identity``), so that a listener's keyring can bind
+    it; default a random id per start, which no keyring can hold.
     """
 
     def __init__(
@@ -272,6 +284,7 @@ class KvbridgeChannel(BaseTransferChannel):
         connect_timeout: Optional[float] = None,
         integrity: Optional[bool] = None,
         write_windows: Optional[bool] = None,
+        peer_id: Optional[str] = None,
         **_ignored: Any,
     ):
         if device is not None and str(device).split(":")[0] != "cpu":
@@ -298,7 +311,12 @@ class KvbridgeChannel(BaseTransferChannel):
         self._buffer_ptr = int(buffer_ptr)
 
         listen = _resolve(peer_init_url) if peer_init_url else None
-        peer_id = f"lmcache-{role}-tp{tp_rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        peer_id = identity.peer_id(
+            f"lmcache-{role}-tp{tp_rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+            role=role,
+            rank=tp_rank,
+            template=peer_id,
+        )
         self._ch = kvbridge.Channel(peer_id, listen)
         try:
             # Pages past the last whole page are never named by LMCache.
@@ -766,25 +784,26 @@ class KvbridgeChannel(BaseTransferChannel):
         last holder still landing (a page handed out again without a hooked free), is
         closed first and waited for (``revoke_writes``); one whose wait ran out is not
         opened (the new writer's writes to it are refused rather than mixed with a late
-        one). Returns the pages opened. No-op unless ``write_windows``; a negative index
-        (LMCache's failed slot) is skipped."""
+        one). The windows open in one engine call, all or none (an engine refusal raises with
+        none opened). Returns the pages opened. No-op unless ``write_windows``; a negative
+        index (LMCache's failed slot) is skipped."""
         if not self.write_windows:
             return []
-        pages = [int(i) for i in pages if int(i) >= 0]
+        # once each, in order: one batch of windows never overlaps itself
+        pages = list(dict.fromkeys(int(i) for i in pages if int(i) >= 0))
         for i in pages:
             if i >= self._region_pages():
                 raise ValueError(f"kvbridge: page {i} is outside the arena ({self._region_pages()} pages)")
         late = set(self.revoke_writes(pages))
-        opened = []
-        for i in pages:
-            if i in late:
-                continue
-            wid = self._ch.open_window(
-                self._region, i * self.page_size, self.page_size, peer=writer, access="write"
-            )
-            with self._lock:
+        opened = [i for i in pages if i not in late]
+        if not opened:
+            return []
+        # one call and one engine lock for the whole allocation (all pages or none)
+        ps = self.page_size
+        wids = self._ch.open_windows(self._region, [i * ps for i in opened], ps, peer=writer, access="write")
+        with self._lock:
+            for i, wid in zip(opened, wids):
                 self._windows[i] = (wid, writer)
-            opened.append(i)
         return opened
 
     def has_writes(self, pages: list[int]) -> bool:
@@ -798,37 +817,34 @@ class KvbridgeChannel(BaseTransferChannel):
         them from now on. Returns the pages where a write admitted before may still be
         landing (``wait_writes`` waits for them); a page with no window is not listed."""
         closing = []
-        for i in pages:
-            i = int(i)
-            with self._lock:
+        with self._lock:
+            for i in pages:
+                i = int(i)
                 held = self._windows.pop(i, None)
                 if held is not None:
                     self._closing[i] = held
                 elif i not in self._closing:
                     continue
-            closing.append(i)
+                closing.append(i)
         return self.wait_writes(closing, timeout=0.0) if closing else []
 
     def wait_writes(self, pages: list[int], timeout: Optional[float] = None) -> list[int]:
-        """Waits, at most ``timeout`` seconds each (default: the engine's op deadline, by
-        which every admitted write has ended), for the writes admitted through the closed
-        windows of these pages to end. Returns the pages still waited for."""
+        """Waits, at most ``timeout`` seconds for all of them (default: the engine's op
+        deadline, by which every admitted write has ended), for the writes admitted through
+        the closed windows of these pages to end. Returns the pages still waited for."""
+        with self._lock:
+            held = {int(i): self._closing[int(i)] for i in pages if int(i) in self._closing}
+        if not held:
+            return []
+        # An id another caller already saw drained counts as drained (close_windows).
+        late = set(self._ch.close_windows([h[0] for h in held.values()], timeout=timeout))
         left = []
-        for i in pages:
-            with self._lock:
-                held = self._closing.get(int(i))
-            if held is None:
-                continue
-            try:
-                self._ch.close_window(held[0], timeout=timeout)
-            except kvbridge.Timeout:
-                left.append(int(i))
-                continue
-            except kvbridge.InvalidOp:
-                pass  # another caller saw it drained and forgot it
-            with self._lock:
-                if self._closing.get(int(i)) == held:
-                    del self._closing[int(i)]
+        with self._lock:
+            for i, h in held.items():
+                if h[0] in late:
+                    left.append(i)
+                elif self._closing.get(i) == h:
+                    del self._closing[i]
         return left
 
     def revoke_writes(self, pages: list[int]) -> list[int]:

@@ -13,7 +13,11 @@ confined to windows; for each request it opens windows on exactly that request's
 (and metadata slot) to a fresh grant token, which travels with the indices. The prefill's
 writes name the token; any other byte is refused (``AccessDenied``) by the decode's
 process. The windows close (and drain) when the request ends on the decode, whatever the
-reason, before SGLang reuses its pages. Channels authenticate with ``KVBRIDGE_SECRET``.
+reason, before SGLang reuses its pages. Channels authenticate with ``KVBRIDGE_SECRET``; a
+rank's kvbridge peer id is random per start unless ``KVBRIDGE_PEER_ID`` names a template
+(``{role}``, ``{rank}``: ``kvbridge.identity``). A decode's keyring cannot bind a prefill's id
+yet: a prefill keyed by its own ``KVBRIDGE_SECRET`` would refuse the decode's probe, which
+dials with the shared secret (docs/sglang.md, *Identities*).
 
 How a request ends: the prefill's writes for the last chunk are followed by a kvbridge
 notification (delivered after them) carrying Success, or a failure with its reason; a
@@ -46,6 +50,7 @@ import numpy as np
 import zmq
 
 import kvbridge
+from kvbridge import identity
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.common.conn import CommonKVManager
 from sglang.srt.disaggregation.common.utils import TransferKVChunk
@@ -86,7 +91,9 @@ class KvbridgeKVManager(CommonKVManager):
         self._refuse_unsupported(args)
         self.role = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
         host = get_local_ip_auto()
-        self.kvbridge_peer_id = f"sglang-{self.role}-r{args.engine_rank}-{uuid.uuid4().hex[:12]}"
+        self.kvbridge_peer_id = identity.peer_id(
+            f"sglang-{self.role}-r{args.engine_rank}-{uuid.uuid4().hex[:12]}", role=self.role, rank=args.engine_rank
+        )
         self.channel = kvbridge.Channel(self.kvbridge_peer_id, f"{host}:0", secret=self.settings.secret)
         self.kvbridge_addr = self.channel.local_addr
         self.stats: Dict[str, int] = defaultdict(int)
@@ -111,7 +118,8 @@ class KvbridgeKVManager(CommonKVManager):
             self.room_peers: Dict[int, Dict[str, str]] = {}  # room -> prefill peer id -> its addr
             self._room_deadline: Dict[int, float] = {}
             self._room_bootstrap: Dict[int, str] = {}
-            self._probe = kvbridge.Channel(f"{self.kvbridge_peer_id}/probe", secret=self.settings.secret)
+            probe_id = identity.check_peer_id(f"{self.kvbridge_peer_id}/probe", f"{identity.PEER_ID_ENV} (the probe's id)")
+            self._probe = kvbridge.Channel(probe_id, secret=self.settings.secret)
             self._threads = [
                 threading.Thread(target=self._notice_loop, name="kvbridge-sglang-notices", daemon=True),
                 threading.Thread(target=self._probe_loop, name="kvbridge-sglang-probe", daemon=True),
@@ -248,8 +256,9 @@ class KvbridgeKVManager(CommonKVManager):
         try:
             spans = page_runs(np.asarray(kv_indices, dtype=np.int64))
             for region, item in zip(self.kv_regions, self.kv_args.kv_item_lens):
-                for first, count in spans:
-                    self.channel.open_window(region, first * item, count * item, token=token, access="write")
+                # one call per buffer: all of the room's runs in it, under one engine lock
+                offsets, lengths = [first * item for first, _ in spans], [count * item for _, count in spans]
+                self.channel.open_windows(region, offsets, lengths, token=token, access="write")
             if aux_index is not None:
                 for region, item in zip(self.aux_regions, self.kv_args.aux_item_lens):
                     self.channel.open_window(region, aux_index * item, item, token=token, access="write")

@@ -195,6 +195,11 @@ def main() -> None:
             elif op == "windows":  # write windows: on? how many open, writes refused
                 emit(event="windows", on=channel.write_windows, open=len(channel._windows),
                      refused=channel.write_refusals)
+            elif op == "sessions":  # who the receiver's kvbridge channel knows, and refused
+                st = channel.kvbridge_channel.stats()
+                emit(event="sessions", sessions=st["sessions"], auth_failed=st["auth_failed"],
+                     peer_id=channel.writer_id, open=len(channel._windows),
+                     writers=sorted({w for _, w in channel._windows.values()}))
             elif op == "consume":  # as LMCache's retrieve: read each chunk, then remove it
                 for k in cmd["keys"]:
                     ck = CacheEngineKey.from_string(k)
