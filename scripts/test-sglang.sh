@@ -7,8 +7,10 @@
 #      receivers, bootstrap server, install hook, plugin entry point), two ranks in this
 #      process and a prefill rank in a child process that a test kills, over real sockets;
 #   2. with --e2e: python/tests/sglang_e2e, real SGLang servers on CPU (a prefill and a
-#      decode over kvbridge against a single server), with the stand-ins SGLang's CPU path
-#      needs written at test time (see python/tests/sglang_e2e/standins.py).
+#      decode over kvbridge against a single server, then `kvbridge proxy --flow sglang` in
+#      front of them: target/debug/kvbridge, built first, unless KVBRIDGE_BIN is set), with
+#      the stand-ins SGLang's CPU path needs written at test time (see
+#      python/tests/sglang_e2e/standins.py).
 # The kvbridge package: when python/kvbridge/_native*.so exists (scripts/test.sh's build, or
 # a copy of one: the module is abi3), the venv imports this tree through a .pth file and a
 # dist-info naming SGLang's plugin entry point; otherwise `pip install -e ./python` builds it
@@ -126,7 +128,7 @@ REPORTS=$(mktemp -d)
 trap 'rm -rf "$REPORTS"' EXIT
 # How many tests each step holds today (raise with new tests).
 UNIT_MIN=35
-E2E_MIN=1
+E2E_MIN=3
 counted() { "$PY" scripts/pytest-counts.py "test-sglang.sh: $1" "$2" "$3" || status=1; }
 
 t0=$(date +%s)
@@ -135,6 +137,11 @@ counted "python/tests/sglang" "$REPORTS/unit.xml" "$UNIT_MIN"
 echo "test-sglang.sh: unit suite took $(( $(date +%s) - t0 )) s"
 
 if [ "$E2E" = 1 ]; then
+  # The proxy of this tree (the tests take target/release/kvbridge first when it exists).
+  if [ -z "${KVBRIDGE_BIN:-}" ] && command -v cargo >/dev/null; then
+    cargo build --quiet -p kvbridge-cli
+    export KVBRIDGE_BIN="${CARGO_TARGET_DIR:-$ROOT/target}/debug/kvbridge"
+  fi
   t0=$(date +%s)
   "$PY" -m pytest -p no:cacheprovider -q -s --junitxml="$REPORTS/e2e.xml" python/tests/sglang_e2e || status=1
   counted "python/tests/sglang_e2e" "$REPORTS/e2e.xml" "$E2E_MIN"
