@@ -8,7 +8,8 @@
 #      process and a prefill rank in a child process that a test kills, over real sockets;
 #   2. with --e2e: python/tests/sglang_e2e, real SGLang servers on CPU (a prefill and a
 #      decode over kvbridge against a single server, then `kvbridge proxy --flow sglang` in
-#      front of them: target/debug/kvbridge, built first, unless KVBRIDGE_BIN is set), with
+#      front of them: target/debug/kvbridge, built first, unless KVBRIDGE_BIN is set, and
+#      SGLang's router, sglang-router from PyPI), with
 #      the stand-ins SGLang's CPU path needs written at test time (see
 #      python/tests/sglang_e2e/standins.py).
 # The kvbridge package: when python/kvbridge/_native*.so exists (scripts/test.sh's build, or
@@ -49,6 +50,8 @@ fi
 
 # Pinned: the backend hooks SGLang internals and is tested against exactly this release.
 SGLANG_VERSION=0.5.23
+# SGLang's router, which the e2e also puts in front of the servers (bench/routing.sh's release).
+ROUTER_VERSION=0.3.2
 # --ci-slim: what the SGLang modules these tests import need and .venv lacks, each found as a
 # ModuleNotFoundError of the suite without it, at the versions SGLang's own install resolves
 # (.venv-sglang): orjson for sglang.srt.utils; IPython, traitlets for sglang.utils;
@@ -91,9 +94,9 @@ elif [ "$INSTALL" = 1 ]; then
     python3 -m venv "$VENV"
     "$PY" -m pip install --quiet --upgrade pip
   fi
-  if ! "$PY" -c "import importlib.metadata as m; assert m.version('sglang') == '$SGLANG_VERSION'; import pytest, requests, zmq" 2>/dev/null; then
-    echo "test-sglang.sh: installing sglang $SGLANG_VERSION (about 11 GB, 6 minutes)"
-    "$PY" -m pip install --quiet "sglang==$SGLANG_VERSION" pytest requests pyzmq
+  if ! "$PY" -c "import importlib.metadata as m; assert m.version('sglang') == '$SGLANG_VERSION'; assert m.version('sglang-router') == '$ROUTER_VERSION'; import pytest, requests, zmq" 2>/dev/null; then
+    echo "test-sglang.sh: installing sglang $SGLANG_VERSION and sglang-router $ROUTER_VERSION (about 11 GB, 6 minutes)"
+    "$PY" -m pip install --quiet "sglang==$SGLANG_VERSION" "sglang-router==$ROUTER_VERSION" pytest requests pyzmq
   fi
   SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   if ls python/kvbridge/_native*.so >/dev/null 2>&1; then
@@ -128,7 +131,7 @@ REPORTS=$(mktemp -d)
 trap 'rm -rf "$REPORTS"' EXIT
 # How many tests each step holds today (raise with new tests).
 UNIT_MIN=35
-E2E_MIN=3
+E2E_MIN=4
 counted() { "$PY" scripts/pytest-counts.py "test-sglang.sh: $1" "$2" "$3" || status=1; }
 
 t0=$(date +%s)

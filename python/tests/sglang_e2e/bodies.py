@@ -22,6 +22,8 @@ PROXY_PROMPTS = [
 #: while its KV is leaving chunk by chunk.
 LONG_PROMPT = "the red ship on the blue sea and a green tree by the old stone house " * 200
 APIS = ("completions", "chat")
+#: (api, index in PROXY_PROMPTS, streamed) of the requests sent through a router.
+CASES = [(api, i, stream) for api in APIS for i in range(len(PROXY_PROMPTS)) for stream in (False, True)]
 MAX_NEW = 8
 TOP = 3
 #: Largest difference of a top logprob allowed between two servers' answers (the printed

@@ -134,6 +134,17 @@ def count_lines(server: Proc, pattern: str) -> int:
     return len(re.findall(pattern, server.tail(10**8), re.M))
 
 
+def kv_lines_reach(server, pattern: str, want: int, within_s: float = 10.0) -> int:
+    """The count of ``pattern`` lines in ``server``'s log once it reaches ``want``, or after
+    ``within_s`` (a line is written as the request ends, maybe after the answer)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        n = count_lines(server, pattern)
+        if n >= want or time.monotonic() > deadline:
+            return n
+        time.sleep(0.2)
+
+
 #: The decode's line per request whose KV came over kvbridge (manager.py), the prefill's per
 #: request whose KV it sent, and SGLang's own line per prefill step (chunk).
 KV_RECEIVED = r"kvbridge: room \d+: KV received over kvbridge"

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from bodies import APIS, LONG_PROMPT, PROXY_PROMPTS, assert_same_answer, openai, openai_answer
+from bodies import CASES, LONG_PROMPT, PROXY_PROMPTS, assert_same_answer, openai, openai_answer
 from sglang_servers import (
     DECODE_ROOM_FAILED,
     KV_RECEIVED,
@@ -27,6 +27,7 @@ from sglang_servers import (
     SglangProxy,
     count_lines,
     http_status,
+    kv_lines_reach,
     kvbridge_binary,
     post,
 )
@@ -36,7 +37,6 @@ PROXY_TIMEOUT_S = 180
 #: Longest the client may wait for the proxy's error once the prefill is dead: the proxy
 #: answers when the prefill's connection breaks, not at a deadline.
 ERROR_WITHIN_S = 30
-CASES = [(api, i, stream) for api in APIS for i in range(len(PROXY_PROMPTS)) for stream in (False, True)]
 
 
 @pytest.fixture(scope="module")
@@ -56,17 +56,6 @@ def proxy(env, pair):
         yield px
     finally:
         px.kill()
-
-
-def kv_lines_reach(server, pattern: str, want: int, within_s: float = 10.0) -> int:
-    """The count of ``pattern`` lines in ``server``'s log once it reaches ``want``, or after
-    ``within_s`` (a line is written as the request ends, maybe after the answer)."""
-    deadline = time.monotonic() + within_s
-    while True:
-        n = count_lines(server, pattern)
-        if n >= want or time.monotonic() > deadline:
-            return n
-        time.sleep(0.2)
 
 
 def test_the_proxy_fronts_the_pair_equal_to_a_single_server_with_the_kv_over_kvbridge(proxy, pair, references, env):
