@@ -7,46 +7,96 @@
 #      receivers, bootstrap server, install hook, plugin entry point), two ranks in this
 #      process and a prefill rank in a child process that a test kills, over real sockets;
 #   2. with --e2e: python/tests/sglang_e2e, real SGLang servers on CPU (a prefill and a
-#      decode over kvbridge against a single server), with the stand-ins SGLang's CPU path
-#      needs written at test time (see python/tests/sglang_e2e/standins.py).
+#      decode over kvbridge against a single server, then `kvbridge proxy --flow sglang` in
+#      front of them: target/debug/kvbridge, built first, unless KVBRIDGE_BIN is set, and
+#      SGLang's router, sglang-router from PyPI), with
+#      the stand-ins SGLang's CPU path needs written at test time (see
+#      python/tests/sglang_e2e/standins.py).
 # The kvbridge package: when python/kvbridge/_native*.so exists (scripts/test.sh's build, or
 # a copy of one: the module is abi3), the venv imports this tree through a .pth file and a
 # dist-info naming SGLang's plugin entry point; otherwise `pip install -e ./python` builds it
 # (maturin; --features ucx is not needed here). Reruns skip what is installed.
 # A step fails when it runs fewer tests than it holds today or, under CI (any non-empty
 # value), skips any (scripts/pytest-counts.py).
-#   --no-install   use .venv-sglang as it is
+#   --no-install   use the environment as it is
 #   --setup-only   install, run nothing
 #   --e2e          also run 2 (several minutes; starts real servers)
+#   --ci-slim      1 only, without .venv-sglang (CI runs this): in the project's .venv
+#                  (scripts/test.sh makes it: torch, pytest, the kvbridge package), with SGLang
+#                  and the few packages the modules these tests import need and .venv lacks
+#                  installed without their dependencies into .venv/sglang-slim (pip --target,
+#                  on the path through PYTHONPATH; KVBRIDGE_SGLANG_SLIM_DIR: another place)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 INSTALL=1
 RUN=1
 E2E=0
+SLIM=0
+usage="usage: scripts/test-sglang.sh [--no-install] [--setup-only] [--e2e | --ci-slim]"
 for a in "$@"; do
   case "$a" in
     --no-install) INSTALL=0 ;;
     --setup-only) RUN=0 ;;
     --e2e) E2E=1 ;;
-    *) echo "usage: scripts/test-sglang.sh [--no-install] [--setup-only] [--e2e]" >&2; exit 2 ;;
+    --ci-slim) SLIM=1 ;;
+    *) echo "$usage" >&2; exit 2 ;;
   esac
 done
+if [ "$E2E" = 1 ] && [ "$SLIM" = 1 ]; then
+  echo "test-sglang.sh: --ci-slim runs the unit suite only (the servers need .venv-sglang)" >&2
+  exit 2
+fi
 
 # Pinned: the backend hooks SGLang internals and is tested against exactly this release.
 SGLANG_VERSION=0.5.23
-VENV="${KVBRIDGE_SGLANG_VENV:-$ROOT/.venv-sglang}"
+# SGLang's router, which the e2e also puts in front of the servers (bench/routing.sh's release).
+ROUTER_VERSION=0.3.2
+# --ci-slim: what the SGLang modules these tests import need and .venv lacks, each found as a
+# ModuleNotFoundError of the suite without it, at the versions SGLang's own install resolves
+# (.venv-sglang): orjson for sglang.srt.utils; IPython, traitlets for sglang.utils;
+# gguf for sglang.srt.layers.quantization; datasets, multiprocess, pandas, python-dateutil,
+# six, pyarrow, xxhash for sglang.benchmark, which sglang.test.test_utils (published_topology)
+# imports. Installed without their dependencies: the rest comes from .venv.
+SLIM_PACKAGES=(orjson==3.13.0 ipython==9.19.1 traitlets==5.16.1 gguf==0.19.0 datasets==5.2.0
+  multiprocess==0.70.19 pandas==3.1.1 python-dateutil==2.9.0.post0 six==1.17.0 pyarrow==26.0.1
+  xxhash==4.1.0)
+if [ "$SLIM" = 1 ]; then
+  VENV="${KVBRIDGE_VENV:-$ROOT/.venv}"
+  SLIM_DIR="${KVBRIDGE_SGLANG_SLIM_DIR:-$VENV/sglang-slim}"
+  export PYTHONPATH="$SLIM_DIR${PYTHONPATH:+:$PYTHONPATH}"
+else
+  VENV="${KVBRIDGE_SGLANG_VENV:-$ROOT/.venv-sglang}"
+fi
 PY="$VENV/bin/python"
 
-if [ "$INSTALL" = 1 ]; then
+if [ "$INSTALL" = 1 ] && [ "$SLIM" = 1 ]; then
+  t0=$(date +%s)
+  [ -x "$PY" ] || { echo "test-sglang.sh: --ci-slim needs $VENV (scripts/test.sh makes it)"; exit 1; }
+  if ! "$PY" -c "import importlib.metadata as m; assert m.version('sglang') == '$SGLANG_VERSION'" 2>/dev/null \
+      || [ "$(cat "$SLIM_DIR/.packages" 2>/dev/null)" != "${SLIM_PACKAGES[*]}" ]; then
+    echo "test-sglang.sh: installing sglang $SGLANG_VERSION and ${SLIM_PACKAGES[*]} without dependencies into $SLIM_DIR"
+    rm -rf "$SLIM_DIR"
+    "$PY" -m pip install --quiet --no-deps --target "$SLIM_DIR" "sglang==$SGLANG_VERSION" "${SLIM_PACKAGES[@]}"
+    echo "${SLIM_PACKAGES[*]}" >"$SLIM_DIR/.packages"
+  fi
+  # this tree's package, as scripts/test.sh installed it, with the entry point SGLang's
+  # plugin loader reads
+  "$PY" - <<'PYEOF' || { echo "test-sglang.sh: kvbridge or its SGLang plugin entry point missing in $VENV (run scripts/test.sh first)"; exit 1; }
+import importlib.metadata as m
+import kvbridge._native, kvbridge.sglang  # noqa: E401,F401
+assert any(e.name == "kvbridge" for e in m.entry_points(group="sglang.srt.plugins"))
+PYEOF
+  echo "test-sglang.sh: $SLIM_DIR ready in $(( $(date +%s) - t0 )) s, $(du -sh "$SLIM_DIR" | cut -f1)"
+elif [ "$INSTALL" = 1 ]; then
   t0=$(date +%s)
   if [ ! -x "$PY" ]; then
     python3 -m venv "$VENV"
     "$PY" -m pip install --quiet --upgrade pip
   fi
-  if ! "$PY" -c "import importlib.metadata as m; assert m.version('sglang') == '$SGLANG_VERSION'; import pytest, requests, zmq" 2>/dev/null; then
-    echo "test-sglang.sh: installing sglang $SGLANG_VERSION (about 11 GB, 6 minutes)"
-    "$PY" -m pip install --quiet "sglang==$SGLANG_VERSION" pytest requests pyzmq
+  if ! "$PY" -c "import importlib.metadata as m; assert m.version('sglang') == '$SGLANG_VERSION'; assert m.version('sglang-router') == '$ROUTER_VERSION'; import pytest, requests, zmq" 2>/dev/null; then
+    echo "test-sglang.sh: installing sglang $SGLANG_VERSION and sglang-router $ROUTER_VERSION (about 11 GB, 6 minutes)"
+    "$PY" -m pip install --quiet "sglang==$SGLANG_VERSION" "sglang-router==$ROUTER_VERSION" pytest requests pyzmq
   fi
   SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   if ls python/kvbridge/_native*.so >/dev/null 2>&1; then
@@ -81,7 +131,7 @@ REPORTS=$(mktemp -d)
 trap 'rm -rf "$REPORTS"' EXIT
 # How many tests each step holds today (raise with new tests).
 UNIT_MIN=35
-E2E_MIN=1
+E2E_MIN=4
 counted() { "$PY" scripts/pytest-counts.py "test-sglang.sh: $1" "$2" "$3" || status=1; }
 
 t0=$(date +%s)
@@ -90,6 +140,11 @@ counted "python/tests/sglang" "$REPORTS/unit.xml" "$UNIT_MIN"
 echo "test-sglang.sh: unit suite took $(( $(date +%s) - t0 )) s"
 
 if [ "$E2E" = 1 ]; then
+  # The proxy of this tree (the tests take target/release/kvbridge first when it exists).
+  if [ -z "${KVBRIDGE_BIN:-}" ] && command -v cargo >/dev/null; then
+    cargo build --quiet -p kvbridge-cli
+    export KVBRIDGE_BIN="${CARGO_TARGET_DIR:-$ROOT/target}/debug/kvbridge"
+  fi
   t0=$(date +%s)
   "$PY" -m pytest -p no:cacheprovider -q -s --junitxml="$REPORTS/e2e.xml" python/tests/sglang_e2e || status=1
   counted "python/tests/sglang_e2e" "$REPORTS/e2e.xml" "$E2E_MIN"

@@ -1,4 +1,5 @@
-"""Real SGLang servers on CPU (scripts/test-sglang.sh --e2e); left out without SGLang."""
+"""Real SGLang servers on CPU (scripts/test-sglang.sh --e2e); left out without SGLang. With it,
+the servers every test shares come from pool.py (session fixtures)."""
 
 import importlib.util
 
@@ -10,3 +11,5 @@ def _installed(name: str) -> bool:
 
 if not _installed("sglang"):
     collect_ignore_glob = ["test_*.py"]
+else:
+    from pool import env, pair, references  # noqa: F401,E402  (fixtures)
