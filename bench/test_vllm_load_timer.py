@@ -29,6 +29,7 @@ class Meta:
 @dataclass
 class Request:
     request_id: str
+    kv_transfer_params: dict | None = None
 
 
 class Connector:
@@ -38,6 +39,10 @@ class Connector:
         self.calls: list[tuple] = []
         self.finish: set = set()
         self.fail: set = set()
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        self.calls.append(("matched", request.request_id))
+        return 64, True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         self.calls.append(("alloc", request.request_id, num_external_tokens))
@@ -139,3 +144,35 @@ def test_vllm_finds_only_the_connectors_it_times():
 def test_each_process_writes_its_own_file(folder):
     timer.record("alloc", "a")
     assert [p.name for p in folder.iterdir()] == [f"{os.getpid()}.jsonl"]
+
+
+def test_a_request_arrives_once_and_its_times_follow_each_other(folder):
+    c = timer.timed(Connector)("cfg", "role")
+    remote = Request("a", {"do_remote_prefill": True})
+    assert c.get_num_new_matched_tokens(Request("local"), 0) == (64, True)  # no remote prefill
+    c.get_num_new_matched_tokens(remote, 0)
+    c.get_num_new_matched_tokens(remote, 0)  # asked again while it waits: the same arrival
+    c.update_state_after_alloc(remote, "blocks", 64)
+    c.bind_connector_metadata(Meta({"a": object()}))
+    c.finish.add("a")
+    c.get_transfer_results(set())
+    assert [e["ev"] for e in events(folder)] == ["arrive", "alloc", "meta", "done"]
+    (r,) = timer.request_times(str(folder), since=0.0)
+    assert r["req"] == "a" and r["arrive"] <= r["alloc"] <= r["done"]
+
+
+def test_the_longest_step_gap_counts_from_the_metadata_not_from_the_idle_time_before(folder, monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(timer.time, "monotonic", lambda: clock[0])
+    c = timer.timed(Connector)("cfg", "role")
+    c.get_transfer_results(set())
+    clock[0] += 30.0  # idle: no request yet
+    c.update_state_after_alloc(Request("a"), "blocks", 64)
+    c.bind_connector_metadata(Meta({"a": object()}))
+    clock[0] += 0.5
+    c.get_transfer_results(set())
+    clock[0] += 2.0
+    c.finish.add("a")
+    c.get_transfer_results(set())
+    done = events(folder)[-1]
+    assert (done["ev"], done["steps"], done["max_step_gap"]) == ("done", 2, 2.0)

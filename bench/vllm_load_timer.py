@@ -11,6 +11,9 @@ Events, one JSON line each, in ``$KVBRIDGE_LOAD_TIMER_DIR/<pid>.jsonl``, times f
 ``time.monotonic()`` (CLOCK_MONOTONIC: one clock for every process of the host, so the
 scheduler's and the workers' times subtract):
 
+- ``arrive`` (scheduler process): the scheduler's first ``get_num_new_matched_tokens`` for
+  a request whose ``kv_transfer_params`` ask for a remote prefill: the decode request is in
+  the decoder's scheduler (the prefill is behind it).
 - ``alloc`` (scheduler process): vLLM's scheduler calls ``update_state_after_alloc`` with
   external tokens to load: it has allocated the request's blocks and hands the load to the
   connector. The span starts here for both connectors: it is the same call of vLLM's, made
@@ -92,9 +95,17 @@ def timed(real: type) -> type:
                 raise RuntimeError(f"vllm_load_timer: set {ENV} to the folder the load times go to")
             super().__init__(vllm_config, role, kv_cache_config)
             self._timer = StepTimer()
+            self._arrived: set[str] = set()
             worker = getattr(self, "connector_worker", None)
             if worker is not None and hasattr(worker, "_read_blocks_for_req"):
                 hook_nixl_posts(worker, self._timer)
+
+        def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+            params = getattr(request, "kv_transfer_params", None) or {}
+            if params.get("do_remote_prefill") and request.request_id not in self._arrived:
+                self._arrived.add(request.request_id)
+                record("arrive", request.request_id)
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
         def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
             if num_external_tokens > 0:
@@ -122,7 +133,8 @@ class StepTimer:
         self.rank: int | None = None
         self.steps = 0
         self.last_step = time.monotonic()
-        self.pending: dict[str, list[float]] = {}  # req -> [steps at meta, longest gap]
+        # req -> [steps at meta, longest gap between steps since meta, time of meta]
+        self.pending: dict[str, list[float]] = {}
         self.seen: set[str] = set()
         self.posted: set[str] = set()
 
@@ -135,7 +147,7 @@ class StepTimer:
         if req in self.seen:
             return
         self.seen.add(req)
-        self.pending[req] = [self.steps, 0.0]
+        self.pending[req] = [self.steps, 0.0, time.monotonic()]
         record("meta", req, rank=self._rank())
 
     def post(self, req: str) -> None:
@@ -145,10 +157,10 @@ class StepTimer:
 
     def step(self, finished: Any, failed: Any) -> None:
         now = time.monotonic()
-        gap, self.last_step = now - self.last_step, now
+        last, self.last_step = self.last_step, now
         self.steps += 1
         for state in self.pending.values():
-            state[1] = max(state[1], gap)
+            state[1] = max(state[1], now - max(last, state[2]))
         for ev, reqs in (("done", finished), ("failed", failed)):
             for req in reqs:
                 state = self.pending.pop(req, None)
@@ -170,6 +182,15 @@ def hook_nixl_posts(worker: Any, timer: StepTimer) -> None:
     worker._read_blocks_for_req = read_blocks_for_req
 
 
+def read_events(folder: str) -> list[dict]:
+    events: list[dict] = []
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".jsonl"):
+            with open(os.path.join(folder, name)) as f:
+                events += [json.loads(line) for line in f if line.strip()]
+    return events
+
+
 def load_spans(folder: str, since: float) -> tuple[list[dict], list[str]]:
     """The loads the scheduler handed over at or after ``since`` (``time.monotonic()``), one
     per request and decoder rank that reported it done: load time (``load_s``: alloc to
@@ -177,11 +198,7 @@ def load_spans(folder: str, since: float) -> tuple[list[dict], list[str]]:
     reads posted, NixlConnector only; ``after_post_s``: from then to done), and the steps
     between. Also what is missing: a handed-over request that some rank never reported done,
     or reported failed."""
-    events: list[dict] = []
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".jsonl"):
-            with open(os.path.join(folder, name)) as f:
-                events += [json.loads(line) for line in f if line.strip()]
+    events = read_events(folder)
     alloc = {e["req"]: e["t"] for e in events if e["ev"] == "alloc" and e["t"] >= since}
     per_rank: dict[tuple[str, int], dict[str, dict]] = {}
     for e in events:
@@ -206,3 +223,20 @@ def load_spans(folder: str, since: float) -> tuple[list[dict], list[str]]:
             if (req, rank) not in per_rank:
                 problems.append(f"{req} rank {rank}: the load never reached this rank")
     return spans, problems
+
+
+def request_times(folder: str, since: float) -> list[dict]:
+    """Per request the scheduler handed over at or after ``since``, in order of arrival:
+    when it arrived in the decoder's scheduler (``arrive``), when its blocks were allocated
+    (``alloc``), and when its last decoder rank reported it done (``done``, absent if none)."""
+    events = read_events(folder)
+    out: dict[str, dict] = {}
+    for e in events:
+        if e["ev"] == "alloc" and e["t"] >= since:
+            out[e["req"]] = {"req": e["req"], "alloc": e["t"]}
+    for e in events:
+        if e["req"] in out and e["ev"] == "arrive":
+            out[e["req"]]["arrive"] = e["t"]
+        if e["req"] in out and e["ev"] == "done":
+            out[e["req"]]["done"] = max(e["t"], out[e["req"]].get("done", e["t"]))
+    return sorted(out.values(), key=lambda r: r.get("arrive", r["alloc"]))

@@ -55,7 +55,7 @@ from servers import (  # noqa: E402
 )
 from tiny_model import WORDS, build  # noqa: E402
 from vllm_load_timer import ENV as TIMER_ENV  # noqa: E402
-from vllm_load_timer import load_spans  # noqa: E402
+from vllm_load_timer import load_spans, request_times  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
 
@@ -190,7 +190,10 @@ def run_pair(name: str, run: int, a, model: Path, binary: Path, prompts: list[st
         for text in prompts[:WARM_UP]:  # connect, first-request compilation
             ttft(proxy.url, text, a.max_tokens)
         timed_from = time.monotonic()  # the load timer's clock: the timed requests' loads
-        answers = [ttft(proxy.url, text, a.max_tokens) for text in prompts[WARM_UP:]]
+        sends, answers = [], []
+        for text in prompts[WARM_UP:]:
+            sends.append(time.monotonic())
+            answers.append(ttft(proxy.url, text, a.max_tokens))
         samples = [t for t, _ in answers]
         time.sleep(2.5)  # one more stats interval, so the last transfers reach the log
         # the kvbridge decoder's own count of its loads (vLLM's log drops idle intervals)
@@ -208,16 +211,19 @@ def run_pair(name: str, run: int, a, model: Path, binary: Path, prompts: list[st
         len(prompts) * a.decode_tp, loads_ok,
     )  # fmt: skip
     spans: list[dict] = []
+    parts: list[dict] = []
     if a.load_timer == "on":
         spans, missing = load_spans(str(timer_dir), timed_from)
         problems += missing
         if len(spans) != a.requests * a.decode_tp:
             problems.append(f"load timer: {len(spans)} loads timed, {a.requests} requests x {a.decode_tp} ranks sent")
+        parts = ttft_parts(request_times(str(timer_dir), timed_from), sends, samples)
     if problems:
         raise Failed(f"run {run} {name}: " + "; ".join(problems))
     return {
         "samples": samples,
         "spans": spans,
+        "parts": parts,
         "answers": hashlib.sha256("\x00".join(t for _, t in answers).encode()).hexdigest()[:16],
         "counters": counters,
         "gib_per_s": gib_per_s_values(name, d.log_path.read_text(errors="replace")),
@@ -281,6 +287,8 @@ def main() -> int:
                 for role, line in r["threads"].items():
                     print(f"#   {name} {role} threads (name@cores CPU s): {line}", flush=True)
                 print(f"#   {name} answers sha256 {r['answers']}; decoder counters {r['counters']}", flush=True)
+                for pt in r["parts"]:
+                    print(f"#   {name} TTFT parts: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in pt.items()), flush=True)
                 for sp in r["spans"]:
                     print(f"#   {name} load {sp['req']} rank {sp['rank']}: " + ", ".join(
                         f"{k} {v * 1e3:.1f} ms" if k.endswith("_s") else f"{k} {v}"
@@ -296,6 +304,22 @@ def main() -> int:
           f"{WARM_UP} warm-up + {a.requests} timed requests per run, sequential; load timer {a.load_timer}")  # fmt: skip
     print_tables(names, results)
     return 0
+
+
+def ttft_parts(times: list[dict], sends: list[float], samples: list[float]) -> list[dict]:
+    """Where each timed request's TTFT went (the requests are sequential, so the decoder's
+    n-th arrival is the n-th request): to the decode request's arrival in the decoder's
+    scheduler (the proxy and the prefill), to its blocks' allocation, the load (to the last
+    decoder rank's report), and from there to the first token reaching the client."""
+    out = []
+    for t, sent, first in zip(times, sends, samples):
+        if "arrive" not in t or "done" not in t:
+            continue
+        out.append({
+            "to_arrive_s": t["arrive"] - sent, "to_alloc_s": t["alloc"] - t["arrive"],
+            "load_s": t["done"] - t["alloc"], "to_token_s": sent + first - t["done"],
+        })  # fmt: skip
+    return out
 
 
 def spread(spans: list[dict], key: str, what: str) -> str:
@@ -338,6 +362,15 @@ def print_tables(names: list[str], results: dict[str, list[dict]]) -> None:
         cells = [cell(spans, k, 1e3) for k in ("to_meta_s", "to_post_s", "after_post_s")]
         cells += [cell(spans, "steps", 1), cell(spans, "max_step_gap_s", 1e3)]
         print(f"| {name} | {' | '.join(cells)} |")
+    print("\nwhere TTFT went, median (min-max) in ms over every timed request:")
+    print("| connector | send to decode request in the decoder (proxy, prefill) | to blocks allocated "
+          "| load (last rank) | load done to first token at the client |")  # fmt: skip
+    print("|---|---|---|---|---|")
+    for name in names:
+        parts = [pt for r in results[name] for pt in r["parts"]]
+        if parts:
+            keys = ("to_arrive_s", "to_alloc_s", "load_s", "to_token_s")
+            print(f"| {name} | {' | '.join(cell(parts, k, 1e3) for k in keys)} |")
     if medians.get("kvbridge") and medians.get("nixl"):
         ttfts = {n: statistics.median(v for r in results[n] for v in r["samples"]) for n in ("kvbridge", "nixl")}
         print(f"\nkvbridge / NIXL, ratio of medians over every timed request: load time "
