@@ -159,6 +159,8 @@ def test_a_request_arrives_once_and_its_times_follow_each_other(folder):
     assert [e["ev"] for e in events(folder)] == ["arrive", "alloc", "meta", "done"]
     (r,) = timer.request_times(str(folder), since=0.0)
     assert r["req"] == "a" and r["arrive"] <= r["alloc"] <= r["done"]
+    spans, problems = timer.load_spans(str(folder), since=0.0)  # the scheduler's events have no rank
+    assert [(sp["req"], sp["rank"]) for sp in spans] == [("a", 0)] and problems == []
 
 
 def test_the_longest_step_gap_counts_from_the_metadata_not_from_the_idle_time_before(folder, monkeypatch):

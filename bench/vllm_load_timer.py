@@ -182,6 +182,10 @@ def hook_nixl_posts(worker: Any, timer: StepTimer) -> None:
     worker._read_blocks_for_req = read_blocks_for_req
 
 
+#: the events a decoder rank records (the others come from the scheduler, with no rank)
+WORKER_EVENTS = ("meta", "post", "done", "failed")
+
+
 def read_events(folder: str) -> list[dict]:
     events: list[dict] = []
     for name in sorted(os.listdir(folder)):
@@ -202,7 +206,7 @@ def load_spans(folder: str, since: float) -> tuple[list[dict], list[str]]:
     alloc = {e["req"]: e["t"] for e in events if e["ev"] == "alloc" and e["t"] >= since}
     per_rank: dict[tuple[str, int], dict[str, dict]] = {}
     for e in events:
-        if e["ev"] != "alloc" and e["req"] in alloc:
+        if e["ev"] in WORKER_EVENTS and e["req"] in alloc:
             per_rank.setdefault((e["req"], e["rank"]), {}).setdefault(e["ev"], e)
     spans, problems = [], []
     for (req, rank), evs in sorted(per_rank.items()):
