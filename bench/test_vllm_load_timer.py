@@ -178,3 +178,37 @@ def test_the_longest_step_gap_counts_from_the_metadata_not_from_the_idle_time_be
     c.get_transfer_results(set())
     done = events(folder)[-1]
     assert (done["ev"], done["steps"], done["max_step_gap"]) == ("done", 2, 2.0)
+
+
+class Repinning(Connector):
+    """Moves the thread that builds it to the last core, as NixlConnector's CPU worker does."""
+
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
+
+
+@pytest.fixture
+def all_cores():
+    mine = os.sched_getaffinity(0)
+    if len(mine) < 2:
+        pytest.skip("needs 2 cores")
+    yield mine
+    os.sched_setaffinity(0, mine)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_connector_that_moves_its_builders_thread_is_recorded_and_kept_back_on_request(
+    folder, all_cores, monkeypatch, keep
+):
+    if keep:
+        monkeypatch.setenv(timer.KEEP, "1")
+    timer.timed(Repinning)("cfg", "worker")
+    (ev,) = events(folder)
+    assert (ev["ev"], ev["before"], ev["after"], ev["kept"]) == ("affinity", sorted(all_cores), [max(all_cores)], keep)
+    assert os.sched_getaffinity(0) == (all_cores if keep else {max(all_cores)})
+
+
+def test_a_connector_that_leaves_the_thread_alone_records_nothing(folder, all_cores):
+    timer.timed(Connector)("cfg", "worker")
+    assert events(folder) == []

@@ -32,6 +32,12 @@ scheduler's and the workers' times subtract):
   between two of them.
 
 Load time of a request on a decoder rank: ``done.t - alloc.t``.
+
+Also ``affinity``: the real connector's constructor changed the cores of the thread that
+called it (vLLM's worker thread, which runs the model): NixlConnector's CPU worker moves it
+to the last core of each NUMA node ("reserve different cores for start_load_kv() from
+model_forward()" in its ``base_worker.py``). With ``KVBRIDGE_LOAD_TIMER_KEEP_AFFINITY`` set
+the timer moves it back, to see what that move costs.
 """
 
 from __future__ import annotations
@@ -43,6 +49,9 @@ import time
 from typing import Any
 
 ENV = "KVBRIDGE_LOAD_TIMER_DIR"
+#: set (a diagnostic, not a measurement of the connector as shipped): the thread that built
+#: the connector goes back to the cores it had before (NixlConnector's CPU worker moves it)
+KEEP = "KVBRIDGE_LOAD_TIMER_KEEP_AFFINITY"
 
 #: the real connector each name stands for: (module, attribute)
 REAL = {
@@ -93,7 +102,13 @@ def timed(real: type) -> type:
         def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
             if not os.environ.get(ENV):
                 raise RuntimeError(f"vllm_load_timer: set {ENV} to the folder the load times go to")
+            before = os.sched_getaffinity(0)
             super().__init__(vllm_config, role, kv_cache_config)
+            after = os.sched_getaffinity(0)
+            if after != before:
+                record("affinity", "", role=str(role), before=sorted(before), after=sorted(after), kept=KEEP in os.environ)
+                if KEEP in os.environ:
+                    os.sched_setaffinity(0, before)
             self._timer = StepTimer()
             self._arrived: set[str] = set()
             worker = getattr(self, "connector_worker", None)

@@ -55,7 +55,8 @@ from servers import (  # noqa: E402
 )
 from tiny_model import WORDS, build  # noqa: E402
 from vllm_load_timer import ENV as TIMER_ENV  # noqa: E402
-from vllm_load_timer import load_spans, request_times  # noqa: E402
+from vllm_load_timer import KEEP as KEEP_AFFINITY  # noqa: E402
+from vllm_load_timer import load_spans, read_events, request_times  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
 
@@ -166,6 +167,13 @@ def run_pair(name: str, run: int, a, model: Path, binary: Path, prompts: list[st
         dcfg = {**dcfg, "kv_connector_module_path": "vllm_load_timer"}
         path = os.pathsep.join(filter(None, [str(BENCH), os.environ.get("PYTHONPATH")]))
         denv = {**denv, "PYTHONPATH": path, TIMER_ENV: str(timer_dir)}
+        if a.keep_affinity:
+            # a diagnostic: both servers' connectors through the timer, which puts the thread
+            # that built each back on its cores (NixlConnector's CPU worker moves it)
+            (logs / "load-timer-prefill").mkdir()
+            pcfg = {**pcfg, "kv_connector_module_path": "vllm_load_timer"}
+            penv = {**penv, "PYTHONPATH": path, TIMER_ENV: str(logs / "load-timer-prefill"), KEEP_AFFINITY: "1"}
+            denv = {**denv, KEEP_AFFINITY: "1"}
     # each server computes on a core of its own, as on two hosts (vLLM CPU would otherwise
     # put both servers' compute threads on the same core: on a 2-core host, core 0)
     # (a TP=2 server computes on both: ../shared/design/cpu-real-engines.md, section 8)
@@ -212,18 +220,21 @@ def run_pair(name: str, run: int, a, model: Path, binary: Path, prompts: list[st
     )  # fmt: skip
     spans: list[dict] = []
     parts: list[dict] = []
+    moved: list[dict] = []
     if a.load_timer == "on":
         spans, missing = load_spans(str(timer_dir), timed_from)
         problems += missing
         if len(spans) != a.requests * a.decode_tp:
             problems.append(f"load timer: {len(spans)} loads timed, {a.requests} requests x {a.decode_tp} ranks sent")
         parts = ttft_parts(request_times(str(timer_dir), timed_from), sends, samples)
+        moved = [e for e in read_events(str(timer_dir)) if e["ev"] == "affinity"]
     if problems:
         raise Failed(f"run {run} {name}: " + "; ".join(problems))
     return {
         "samples": samples,
         "spans": spans,
         "parts": parts,
+        "moved": moved,
         "answers": hashlib.sha256("\x00".join(t for _, t in answers).encode()).hexdigest()[:16],
         "counters": counters,
         "gib_per_s": gib_per_s_values(name, d.log_path.read_text(errors="replace")),
@@ -260,6 +271,9 @@ def main() -> int:
     # both connectors); "off" runs the connector class itself, to check the timer changes
     # neither answers nor counters
     ap.add_argument("--load-timer", default="on", choices=("on", "off"))
+    # a diagnostic, not the connectors as shipped: the worker thread that builds each
+    # connector keeps its cores (NixlConnector's CPU worker moves it to the last core)
+    ap.add_argument("--keep-affinity", action="store_true")
     a = ap.parse_args()
 
     (a.work / "logs").mkdir(parents=True, exist_ok=True)
@@ -287,6 +301,10 @@ def main() -> int:
                 for role, line in r["threads"].items():
                     print(f"#   {name} {role} threads (name@cores CPU s): {line}", flush=True)
                 print(f"#   {name} answers sha256 {r['answers']}; decoder counters {r['counters']}", flush=True)
+                for e in r["moved"]:
+                    print(f"#   {name} decoder: the connector moved the worker thread that built it ({e['role']}) "
+                          f"from cores {e['before']} to {e['after']}" + ("; the timer moved it back" if e["kept"] else ""),
+                          flush=True)  # fmt: skip
                 for pt in r["parts"]:
                     print(f"#   {name} TTFT parts: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in pt.items()), flush=True)
                 for sp in r["spans"]:
@@ -301,7 +319,8 @@ def main() -> int:
           f"({a.layers} layers x {a.kv_heads} KV heads x head_dim {a.head_dim}, bf16), max_tokens {a.max_tokens}; "
           f"TP {a.prefill_tp} -> {a.decode_tp}; lease {a.lease_s or 'default'} s; "
           f"{a.runs} runs per connector, one pair of servers up at a time, pairs alternating; "
-          f"{WARM_UP} warm-up + {a.requests} timed requests per run, sequential; load timer {a.load_timer}")  # fmt: skip
+          f"{WARM_UP} warm-up + {a.requests} timed requests per run, sequential; load timer {a.load_timer}"
+          + ("; DIAGNOSTIC: worker threads kept on their cores (--keep-affinity)" if a.keep_affinity else ""))  # fmt: skip
     print_tables(names, results)
     return 0
 
