@@ -108,17 +108,21 @@ def main() -> None:
             time.sleep(1)
             continue
         before = threads(pg)
+        t0 = time.monotonic()
         time.sleep(a.window)
         after = threads(pg)
+        window = time.monotonic() - t0  # reading /proc takes a while on a busy host
         done += 1
-        print(f"## {time.strftime('%H:%M:%S', time.gmtime())} UTC, process groups {sorted(pg)}, load "
-              f"{' '.join(Path('/proc/loadavg').read_text().split()[:3])}, CPU s over {a.window} s:", flush=True)  # fmt: skip
+        load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+        stamp = time.strftime("%H:%M:%S", time.gmtime())
+        print(f"## {stamp} UTC, process groups {sorted(pg)}, load {load}, CPU s over {window:.1f} s:", flush=True)
         busy = []
-        for key, (name, cores, state, cpu) in sorted(after.items(), key=lambda kv: -(kv[1][3] - before.get(kv[0], kv[1])[3])):
-            used = cpu - before.get(key, after[key])[3]
+        used_by = {key: t[3] - before.get(key, t)[3] for key, t in after.items()}
+        for key, used in sorted(used_by.items(), key=lambda kv: -kv[1]):
+            name, cores, state, cpu = after[key]
             if used > 0.01:
                 print(f"pid {key[0]} tid {key[1]} {name}@{cores} state {state}: {used:.2f} (total {cpu:.1f})", flush=True)
-            if used > a.window / 2:
+            if used > window / 2:
                 busy.append((key[0], key[1], name))
         for pid, tid, name in busy:
             print(f"# tid {tid} {name}, hottest over {a.perf} s:", flush=True)

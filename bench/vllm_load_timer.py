@@ -106,8 +106,9 @@ def timed(real: type) -> type:
             super().__init__(vllm_config, role, kv_cache_config)
             after = os.sched_getaffinity(0)
             if after != before:
-                record("affinity", "", role=str(role), before=sorted(before), after=sorted(after), kept=KEEP in os.environ)
-                if KEEP in os.environ:
+                kept = KEEP in os.environ
+                record("affinity", "", role=str(role), before=sorted(before), after=sorted(after), kept=kept)
+                if kept:
                     os.sched_setaffinity(0, before)
             self._timer = StepTimer()
             self._arrived: set[str] = set()

@@ -293,24 +293,7 @@ def main() -> int:
             for name in names if run % 2 == 1 else list(reversed(names)):
                 r = run_pair(name, run, a, model, binary, prompts)
                 results[name].append(r)
-                s = r["samples"]
-                print(f"run {run} {name}: TTFT p50 {statistics.median(s) * 1e3:.1f} ms over {len(s)} requests "
-                      f"(min {min(s) * 1e3:.1f}, max {max(s) * 1e3:.1f}); {spread(r['spans'], 'load_s', 'load')}; "
-                      f"servers healthy in {r['healthy_s']:.0f} s; load average at start {r['load']}, "
-                      f"at end {load_average()}", flush=True)  # fmt: skip
-                for role, line in r["threads"].items():
-                    print(f"#   {name} {role} threads (name@cores CPU s): {line}", flush=True)
-                print(f"#   {name} answers sha256 {r['answers']}; decoder counters {r['counters']}", flush=True)
-                for e in r["moved"]:
-                    print(f"#   {name} decoder: the connector moved the worker thread that built it ({e['role']}) "
-                          f"from cores {e['before']} to {e['after']}" + ("; the timer moved it back" if e["kept"] else ""),
-                          flush=True)  # fmt: skip
-                for pt in r["parts"]:
-                    print(f"#   {name} TTFT parts: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in pt.items()), flush=True)
-                for sp in r["spans"]:
-                    print(f"#   {name} load {sp['req']} rank {sp['rank']}: " + ", ".join(
-                        f"{k} {v * 1e3:.1f} ms" if k.endswith("_s") else f"{k} {v}"
-                        for k, v in sp.items() if k not in ("req", "rank")), flush=True)  # fmt: skip
+                print_run(name, run, r)
     except Failed as e:
         print(f"FAILED: {e}; no figures", file=sys.stderr)
         return 1
@@ -320,9 +303,31 @@ def main() -> int:
           f"TP {a.prefill_tp} -> {a.decode_tp}; lease {a.lease_s or 'default'} s; "
           f"{a.runs} runs per connector, one pair of servers up at a time, pairs alternating; "
           f"{WARM_UP} warm-up + {a.requests} timed requests per run, sequential; load timer {a.load_timer}"
-          + ("; DIAGNOSTIC: worker threads kept on their cores (--keep-affinity)" if a.keep_affinity else ""))  # fmt: skip
+          + ("; DIAGNOSTIC: worker threads kept on their cores (--keep-affinity)" if a.keep_affinity else "")
+          )  # fmt: skip
     print_tables(names, results)
     return 0
+
+
+def print_run(name: str, run: int, r: dict) -> None:
+    """One run of one pair as it ends, so that a later failed run leaves these figures."""
+    s = r["samples"]
+    print(f"run {run} {name}: TTFT p50 {statistics.median(s) * 1e3:.1f} ms over {len(s)} requests "
+          f"(min {min(s) * 1e3:.1f}, max {max(s) * 1e3:.1f}); {spread(r['spans'], 'load_s', 'load')}; "
+          f"servers healthy in {r['healthy_s']:.0f} s; load average at start {r['load']}, "
+          f"at end {load_average()}", flush=True)  # fmt: skip
+    for role, line in r["threads"].items():
+        print(f"#   {name} {role} threads (name@cores CPU s): {line}", flush=True)
+    print(f"#   {name} answers sha256 {r['answers']}; decoder counters {r['counters']}", flush=True)
+    for e in r["moved"]:
+        kept = "; the timer moved it back" if e["kept"] else ""
+        print(f"#   {name} decoder: the connector moved the worker thread that built it ({e['role']}) "
+              f"from cores {e['before']} to {e['after']}{kept}", flush=True)  # fmt: skip
+    for pt in r["parts"]:
+        print(f"#   {name} TTFT parts: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in pt.items()), flush=True)
+    for sp in r["spans"]:
+        fields = (f"{k} {v * 1e3:.1f} ms" if k.endswith("_s") else f"{k} {v}" for k, v in sp.items())
+        print(f"#   {name} load {sp['req']} rank {sp['rank']}: " + ", ".join(list(fields)[2:]), flush=True)
 
 
 def ttft_parts(times: list[dict], sends: list[float], samples: list[float]) -> list[dict]:
