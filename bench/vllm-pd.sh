@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# TTFT and KV GiB/s of a real 1P1D vLLM CPU deployment behind `kvbridge proxy --flow vllm`:
+# TTFT, load time and KV GiB/s of a real 1P1D vLLM CPU deployment behind `kvbridge proxy --flow vllm`:
 # KvbridgeConnector against vLLM's NixlConnector in the same run, on the same locally made
 # random-weight Llama and the same prompts (bench/vllm_pd.py). One pair of servers is up at a
 # time: each run starts a pair, measures it, stops it, then does the same with the other.
 #
 # Usage: bench/vllm-pd.sh [bench/vllm_pd.py flags: --runs 3 --requests 10 --prompt-tokens 900
 #                          --prefill-tp 1|2 --decode-tp 1|2 --lease-s S
-#                          --layers 8 --kv-heads 4 --head-dim 64 --connectors kvbridge,nixl]
+#                          --layers 8 --kv-heads 4 --head-dim 64 --connectors kvbridge,nixl
+#                          --load-timer on|off --keep-affinity]
+# Load time per request and decoder rank comes from bench/vllm_load_timer.py around the
+# decoder's connector (--load-timer off: without it); --keep-affinity is a diagnostic that
+# undoes NixlConnector's move of the worker thread that builds it (docs/vllm.md).
 # Env: BENCH_DIR (default /tmp/kvbridge-vllm-pd), KVBRIDGE_BIN (default target/release/kvbridge,
 #      else target/debug/kvbridge), RESULTS=file to also save the output (with the commit).
 # Needs scripts/test-vllm.sh's .venv. NixlConnector needs `nixl`, which this script installs
