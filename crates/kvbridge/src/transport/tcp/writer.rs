@@ -3,7 +3,7 @@
 //! backend of the session runs in the caller (regions the peer mapped for us) is run here
 //! instead, in order with the frames.
 
-use crate::datapath::pending::Pending;
+use crate::datapath::pending::{Claim, Pending};
 use crate::dir::Dir;
 use crate::error::{Error, Result};
 use crate::net::WriteHalf;
@@ -128,51 +128,28 @@ pub(crate) async fn run_writer(
                 // A batch that names a grant token goes on the wire, where the peer checks
                 // it against the token's windows (`kvbridge_proto::route::ways`).
                 let here = here.as_deref().filter(|_| grant.is_none());
-                let Some((descs, sources)) = try_run_here(
-                    &pending,
-                    here,
-                    (Dir::Write, id, own_thread),
-                    descs,
-                    sources,
-                    &copy_delay,
-                ) else {
+                let batch = (Dir::Write, id, own_thread);
+                let Some((descs, sources, claim)) =
+                    to_send(&pending, here, batch, descs, sources, &copy_delay)
+                else {
                     continue;
                 };
-                // Cancelled before it was sent: nothing of it goes.
-                let Some(claim) = pending.claim_to_send(id, own_thread) else {
-                    continue;
-                };
-                let mut frame = Message::WriteBatch(Batch {
+                let m = Message::WriteBatch(Batch {
                     id,
                     ops: descs,
                     grant,
-                })
-                .to_frame()
-                .map_err(|e| Error::Local(e.to_string()))?;
-                let mut slices = Vec::with_capacity(sources.len() + 1);
-                slices.push(PeerRange::owned(&mut frame));
-                slices.extend(sources.iter().map(LocalSlice::as_range));
-                write_all_vectored(&mut w, &mut slices, limit)
-                    .await
+                });
+                send_with_payload(&mut w, &m, &sources, limit)
+                    .await?
                     .map_err(|e| lost(Step::Write, e))?;
-                drop(slices);
                 drop(claim);
             }
             Outgoing::Read { id, descs, grant } => {
                 let here = here.as_deref().filter(|_| grant.is_none());
-                let Some((descs, _)) = try_run_here(
-                    &pending,
-                    here,
-                    (Dir::Read, id, own_thread),
-                    descs,
-                    Vec::new(),
-                    &copy_delay,
-                ) else {
-                    continue;
-                };
-                // Marked sent before its request goes, so that a cancel from now on leaves a
-                // tombstone for the answer; cancelled before: nothing goes.
-                let Some(claim) = pending.claim_to_send(id, own_thread) else {
+                let batch = (Dir::Read, id, own_thread);
+                let Some((descs, _, claim)) =
+                    to_send(&pending, here, batch, descs, Vec::new(), &copy_delay)
+                else {
                     continue;
                 };
                 let batch = Batch {
@@ -194,16 +171,10 @@ pub(crate) async fn run_writer(
             Outgoing::Wake => {}
             Outgoing::ReadResp { id, result, held } => match result {
                 Ok(sources) => {
-                    let mut frame = Message::ReadResp(Ack { id, error: None })
-                        .to_frame()
-                        .map_err(|e| Error::Local(e.to_string()))?;
-                    let mut slices = Vec::with_capacity(sources.len() + 1);
-                    slices.push(PeerRange::owned(&mut frame));
-                    slices.extend(sources.iter().map(LocalSlice::as_range));
-                    write_all_vectored(&mut w, &mut slices, limit)
-                        .await
+                    let m = Message::ReadResp(Ack { id, error: None });
+                    send_with_payload(&mut w, &m, &sources, limit)
+                        .await?
                         .map_err(|e| lost(Step::Read, e))?;
-                    drop(slices);
                     drop(held);
                 }
                 Err(reject) => within(
@@ -223,6 +194,40 @@ pub(crate) async fn run_writer(
         }
     }
     Ok(())
+}
+
+/// A batch of ours queued on the connection, to put on the wire: `None` when nothing of it
+/// is to be sent (`here` ran it, [`try_run_here`]; or it ended or was cancelled before).
+/// It is marked sent and claimed while its request (and a write's payload, read from its
+/// sources) is written, so that a cancel from then on waits for that and leaves a tombstone
+/// for the peer's answer.
+fn to_send<'p>(
+    pending: &'p Pending,
+    here: Option<&dyn OneSided>,
+    batch: (Dir, u64, bool),
+    descs: Vec<OpDesc>,
+    sources: Vec<LocalSlice>,
+    copy_delay: &CopyDelay,
+) -> Option<(Vec<OpDesc>, Vec<LocalSlice>, Claim<'p>)> {
+    let (descs, sources) = try_run_here(pending, here, batch, descs, sources, copy_delay)?;
+    let (_, id, own_thread) = batch;
+    let claim = pending.claim_to_send(id, own_thread)?;
+    Some((descs, sources, claim))
+}
+
+/// Writes `m`'s frame followed by the bytes of `payload`, straight from registered memory,
+/// within `limit`; the outer error: `m` could not be encoded.
+async fn send_with_payload(
+    w: &mut WriteHalf,
+    m: &Message,
+    payload: &[LocalSlice],
+    limit: Duration,
+) -> Result<std::io::Result<()>> {
+    let mut frame = m.to_frame().map_err(|e| Error::Local(e.to_string()))?;
+    let mut slices = Vec::with_capacity(payload.len() + 1);
+    slices.push(PeerRange::owned(&mut frame));
+    slices.extend(payload.iter().map(LocalSlice::as_range));
+    Ok(write_all_vectored(w, &mut slices, limit).await)
 }
 
 /// A frame write bounded by `limit` (on a blocking socket `SO_SNDTIMEO` bounds each call).
