@@ -264,6 +264,12 @@ def test_a_killed_peer_fails_the_read_with_a_typed_error_not_a_hang(peer_process
         me.close()
 
 
+def _state(pid: int) -> str:
+    """The process's state letter (``T``: stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def _queued_at(port: int) -> int:
     """Bytes waiting unread in the receive queues of this host's established TCP sockets
     whose local port is ``port`` (the kernel's ``/proc/net/tcp``)."""
@@ -301,6 +307,10 @@ def test_closing_with_a_read_stalled_on_a_stopped_peer_returns_at_once():
         assert me.read(url, 0, 0, PAGE).succeeded_mask == [True]  # the session is up
         os.kill(proc.pid, signal.SIGSTOP)
         stopped = True
+        deadline = time.monotonic() + 10  # the signal is delivered asynchronously
+        while _state(proc.pid) != "T" and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert _state(proc.pid) == "T", "the peer did not stop"
         client = me.ctx.get_transfer_channel_client(url)
         client.submit_read([TransferChannelAddress(PAGE, PAGE)], [TransferChannelAddress(5 * PAGE, PAGE)])
         deadline = time.monotonic() + 10
