@@ -1496,6 +1496,8 @@ impl PyChannel {
         d.set_item("bytes_in_flight", s.bytes_in_flight)?;
         d.set_item("batches_waiting_for_room", s.batches_waiting_for_room)?;
         d.set_item("in_flight_refused", s.in_flight_refused)?;
+        d.set_item("late_answers_discarded", s.late_answers_discarded)?;
+        d.set_item("peer_bytes_in_flight", s.peer_bytes_in_flight)?;
         d.set_item("access_denied", s.access_denied)?;
         d.set_item("sessions_ended", s.sessions_ended)?;
         d.set_item("handshakes_refused", s.handshakes_refused)?;

@@ -149,13 +149,16 @@ impl Transfer {
 
     /// Gives up on the batch: the engine drops it (bytes may or may not have landed) and
     /// ``wait()`` raises ``kvbridge.LocalError``; no effect on the outcome once it ended.
-    /// Returns once the batch's task let go of it, within ``timeout`` seconds: ``True`` when
-    /// it did, so that no copy of this batch runs in this process any more (a same-host copy
-    /// under way when it was cancelled has ended). What it cannot stop: the peer's answer to
-    /// a read already sent over TCP is still copied into the read's destinations when it
-    /// comes, until the session with that peer ends; a caller that reuses those
-    /// destinations ends the session first (``Channel.disconnect``, which returns once the
-    /// session's readers stopped).
+    /// Returns once the engine let go of the batch, within ``timeout`` seconds: ``True``
+    /// when it did. Then no byte of a read lands in its destinations any more (a copy into
+    /// them under way when it was cancelled has ended; the peer's late answer over TCP is
+    /// read past and dropped, counted in ``stats()["late_answers_discarded"]``), and a
+    /// write's sources are not read any more (bytes of it already sent may still land at
+    /// the peer). The session goes on. Over UCX, whose posted operations cannot be called
+    /// back, the cancel ends the session instead (``kvbridge.Disconnected`` for what else
+    /// was in flight on it); bytes of a cancelled UCX read may land until that session's
+    /// teardown ended (``Channel.disconnect`` returns after it). ``False``: ``timeout``
+    /// passed first (a copy of it still runs).
     #[pyo3(signature = (timeout=5.0))]
     fn cancel(&self, py: Python<'_>, timeout: f64) -> PyResult<bool> {
         if !(timeout.is_finite() && timeout >= 0.0) {

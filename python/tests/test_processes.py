@@ -93,6 +93,78 @@ def test_peer_in_another_process_byte_exact():
             proc.wait()
 
 
+def queued_at(port):
+    """Bytes waiting unread in the receive queues of this host's established TCP sockets
+    whose local port is `port` (the kernel's /proc/net/tcp)."""
+    total = 0
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            fields = line.split()
+            if fields[3] == "01" and int(fields[1].split(":")[1], 16) == port:
+                total += int(fields[4].split(":")[1], 16)
+    return total
+
+
+def stop(pid):
+    """SIGSTOPs `pid` and returns once it is stopped (the signal is delivered
+    asynchronously: a peer still running would serve the read)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with open("/proc/%d/stat" % pid) as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.001)
+    pytest.fail("process %d did not stop" % pid)
+
+
+def test_a_read_cancelled_while_its_peer_is_stopped_lands_nothing():
+    """The peer holds a read (SIGSTOP, over TCP: a same-host copy would not need it); the
+    read is cancelled (True), its destination overwritten, the peer resumed: its answer is
+    dropped when it comes (counted), the destination keeps what was written, and the
+    session goes on (the next read lands)."""
+    proc = spawn("listen", "0", "tcp")
+    stopped = False
+    try:
+        addr, region = readline(proc).split()
+        region, port = int(region), int(addr.rsplit(":", 1)[1])
+        with channel("prefill-cancel", transport="tcp") as ch:
+            peer = ch.connect(addr)
+            dst = np.zeros(2 * PAGE, dtype=np.uint8)
+            dst_region = ch.register_buffer(dst, PAGE)
+            ch.read_pages(peer, dst_region, [1], region, [3])  # the data connection is up
+            stop(proc.pid)
+            stopped = True
+            t = ch.submit_read_pages(peer, dst_region, [0], region, [5])
+            deadline = time.monotonic() + 10
+            while queued_at(port) == 0 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert queued_at(port) > 0, "the read request never reached the stopped peer"
+            assert t.cancel() is True
+            dst[:PAGE] = 0xAB
+            os.kill(proc.pid, signal.SIGCONT)
+            stopped = False
+            ch.read_pages(peer, dst_region, [1], region, [7])
+            assert (dst[PAGE:] == 7).all()
+            # with several data connections the late answer may come on another one than
+            # this read's: wait until it was read past, so that it had its chance to land
+            deadline = time.monotonic() + 10
+            while ch.stats().get("late_answers_discarded", 0) == 0 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert (dst[:PAGE] == 0xAB).all(), "the cancelled read landed after its cancel"
+            assert ch.stats()["late_answers_discarded"] == 1
+            ch.notify(peer, b"bye")
+        _, err = finish(proc)
+        assert proc.returncode == 0, err
+    finally:
+        if stopped:
+            os.kill(proc.pid, signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def write_kill_write(ch, proc, peer, region):
     """Writes a page to the `listen` peer, kills its process, then writes until a write
     fails (the session ends once the peer is seen gone); returns that error and the seconds

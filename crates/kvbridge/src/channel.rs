@@ -359,6 +359,7 @@ impl Channel {
             shm_offer: shm.as_ref().map(|(_, o)| o.clone()),
             tls: tls.clone(),
             in_flight_refused: Arc::new(AtomicU64::new(0)),
+            late_answers: Arc::new(AtomicU64::new(0)),
             direct_copies: Default::default(),
             frames_fast_lane: Default::default(),
             #[cfg(feature = "ucx")]

@@ -522,6 +522,8 @@ impl Core {
             batches_in_flight: established.iter().map(|h| h.data.in_flight()).sum(),
             bytes_in_flight: established.iter().map(|h| h.data.bytes_in_flight()).sum(),
             in_flight_refused: self.env.in_flight_refused.load(Ordering::Relaxed),
+            peer_bytes_in_flight: established.iter().map(|h| h.data.incoming().held()).sum(),
+            late_answers_discarded: self.env.late_answers.load(Ordering::Relaxed),
             access_denied: self.env.table.denied(),
             shm_batches: self.env.direct_copies.shm.load(Ordering::Relaxed),
             cma_batches: self.env.direct_copies.cma.load(Ordering::Relaxed),

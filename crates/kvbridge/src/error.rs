@@ -163,7 +163,8 @@ pub enum Error {
     /// The channel was closed locally.
     #[error("channel closed")]
     Closed,
-    /// The session was ended locally by `Channel::disconnect`.
+    /// The session was ended locally: by `Channel::disconnect`, or by a cancelled batch
+    /// that only the session's end could stop (a batch posted on UCX; `reason` says which).
     #[error("session with peer {peer} ended locally: {reason}")]
     Disconnected {
         /// The peer.

@@ -26,6 +26,13 @@ pub struct Stats {
     /// Peer batches refused because they would pass `Limits::max_bytes_in_flight_per_peer`
     /// (each ended its session).
     pub in_flight_refused: u64,
+    /// Payload bytes of the peers' batches this side accepted and has not completed yet (a
+    /// write being read in, a read's answer not sent yet).
+    pub peer_bytes_in_flight: u64,
+    /// Answers to our batches cancelled after they were sent (their callers stopped
+    /// waiting), read past and dropped when they came: a read's bytes never land once its
+    /// cancel returned. A slow peer is not a hostile one, so these end no session.
+    pub late_answers_discarded: u64,
     /// Peer batches refused with `AccessDenied`: an op in a direction its region's grant
     /// does not give, or outside the windows open to the peer and to the grant token the
     /// batch names (each ended its session; the first of each peer is logged at WARN).

@@ -72,6 +72,7 @@ pub fn validate_batch(
         notifications,
         out,
         in_flight_refused: Default::default(),
+        late_answers: Default::default(),
     };
     ctx.resolve(batch, true).map(|slices| {
         slices

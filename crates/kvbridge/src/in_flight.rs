@@ -49,8 +49,7 @@ impl InFlight {
         })
     }
 
-    /// Bytes held now.
-    #[cfg(all(test, kvbridge_loom))]
+    /// Bytes held now (`Stats::peer_bytes_in_flight`).
     pub(crate) fn held(&self) -> u64 {
         self.held.load(Ordering::Acquire)
     }

@@ -24,6 +24,12 @@ pub struct TestHooks {
     pub write_apply_delay: Option<Duration>,
     /// Delay before serving each incoming read batch (reads held in flight).
     pub read_serve_delay: Option<Duration>,
+    /// Initiator: delay, on the writer of the data connection, between taking a queued
+    /// batch whose regions the peer mapped for us (a read, say) and copying it: a copy under
+    /// way when the batch is cancelled.
+    pub direct_copy_delay: Option<Duration>,
+    /// Counts the batches `direct_copy_delay` held (a test learns that a copy is under way).
+    pub direct_copies_delayed: std::sync::Arc<std::sync::atomic::AtomicU64>,
     /// Initiator: the cross-memory-attach probe fails with `EPERM`, as where the kernel
     /// does not permit it (tests the fallback to TCP on hosts where it would work).
     pub cma_deny: bool,

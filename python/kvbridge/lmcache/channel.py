@@ -726,7 +726,13 @@ class KvbridgeChannel(BaseTransferChannel):
         try:
             msg, fut = self._landed_msg(local, remote)
         except BaseException:
-            transfer.cancel()
+            # True: the engine reads none of the pages any more, the caller may reuse them
+            if not transfer.cancel():
+                logger.error(
+                    "kvbridge: a write to LMCache peer %s was not let go of within 5 s of its "
+                    "cancel: its pages may still be read",
+                    lmc_peer,
+                )
             raise
         try:
             transfer.wait()
@@ -746,7 +752,14 @@ class KvbridgeChannel(BaseTransferChannel):
         try:
             msg, fut = self._landed_msg(local, remote)  # while the write is in flight
         except BaseException:
-            write.cancel()
+            # The write is left to end before the error goes up, so that the caller does not
+            # reuse pages the engine still sends from: cancelling an awaitable aborts the
+            # engine's task without waiting for it to let go of them (only
+            # ``Transfer.cancel`` waits).
+            try:
+                await asyncio.shield(write)
+            except Exception:
+                pass  # the first error is the one to report
             raise
         try:
             await write

@@ -163,14 +163,29 @@ class KvbridgeTransferChannelClient(TransferChannelClient):
         return TransferChannelReadResult(finished=True, succeeded_mask=[False] * count)
 
     def close(self) -> None:
-        """Cancel and forget the pending tasks; the session stays (the context owns it)."""
+        """Cancel and forget the pending tasks; the session stays (the context owns it).
+        Returns once none of their bytes can land in the local objects any more (a cancel
+        returns once the engine let go of its read), except over UCX, where a cancel ends
+        the session and a read's bytes may land until its teardown ended: then, and when a
+        cancel was not confirmed, the session is ended here and waited for."""
         with self._lock:
             self._closed = True
             tasks = list(self._tasks.values())
             self._tasks.clear()
-        for transfer, _ in tasks:
-            if transfer is not None:
-                transfer.cancel()
+        cancelled = [t for t, _ in tasks if t is not None and not t.done]
+        confirmed = all([t.cancel() for t in cancelled])
+        if cancelled and (not confirmed or self._ctx.channel.transport == "ucx"):
+            try:
+                self._ctx.channel.disconnect(self._peer, "transfer channel client closed")
+            except kvbridge.UnknownPeer:
+                pass  # that session already ended, its readers with it
+            except kvbridge.KvbridgeError as e:
+                logger.error(
+                    "kvbridge transfer channel: ending the session with %s after cancelled "
+                    "reads failed: %s; their bytes may still land",
+                    self._peer,
+                    e,
+                )
 
 
 ############################################################

@@ -11,12 +11,10 @@ after its data tasks stopped, so "when a caller learns that its batch ended, no 
 can still land". A read whose answer does not come within the engine's op deadline ends the
 session and completes only once the session drained (``Submitted::outcome`` and
 ``abort_after_timeout`` in ``datapath/pending.rs``; a striped read likewise,
-``DataPath::striped``). That holds only while the caller awaits the batch: the deadline is
-enforced inside the batch's future, and ``Transfer.cancel()`` drops that future, leaving the
-read's entry in the session's table (``Pending``) with its destinations, where the TCP reader
-still copies a late answer into them (``transport/tcp/reader.rs``, ``ReadResp``) until the
-session ends. So a given-up read is never cancelled: it is left to complete, and its slot
-comes back when its ``Transfer`` is ``done``. The exception is UCX: a UCX batch that fails
+``DataPath::striped``). A given-up read is left to complete, and its slot comes back when
+its ``Transfer`` is ``done``. (``Transfer.cancel()`` returning ``True`` would say the same
+over TCP, shared memory and cross-memory attach, ``datapath/cancel.rs``, but a read left
+running needs nothing more from the caller.) The exception is UCX: a UCX batch that fails
 (its deadline, a lost endpoint) completes as ``FailedMayLand`` before the session it ends
 has drained (``DataPath::post_one_sided``), so a get posted to the peer may still land; a
 slot whose read failed where the session may carry UCX stays parked.

@@ -939,9 +939,10 @@ class KvbridgeWorker:
             try:
                 t.wait(min(LEASE_READ_STALL_S, max(0.0, deadline - time.monotonic())))
             except TimeoutError:
-                # Not cancelled: a cancelled read's answer can still land, and its end is
-                # never seen (scratch_slots.py); left running, it ends at the latest at the
-                # engine's op deadline, which ends the session it stalls on.
+                # Left running rather than cancelled: it ends at the latest at the engine's
+                # op deadline (which ends the session it stalls on), its slot comes back
+                # then (scratch_slots.py), and its answer, should it come, is not mistaken
+                # for the next read's.
                 raise _LeaseReadStalled(reads, t) from None
             found = lease_state(req, bytes(page))
             if found is LeaseState.HELD:
@@ -1006,10 +1007,14 @@ class KvbridgeWorker:
 
     def _give_up_reads(self, transfers: list, peer_ids: list[str], why: str) -> bool:
         """Reads given up at their deadline, ended so that none of their bytes lands in
-        memory vLLM may hand out again: each is cancelled (which returns once no same-host
-        copy of it runs), then every session they went over is ended (``disconnect``
-        returns once its readers stopped: an answer to a read sent over TCP would otherwise
-        still be copied into the blocks when it comes). Other loads on those sessions fail
+        memory vLLM may hand out again: each is cancelled (``True`` once nothing of it can
+        land any more: a copy under way has ended, a late answer over TCP is dropped), then
+        every session they went over is ended (``disconnect`` returns once its readers
+        stopped). The disconnect stays although the cancel alone keeps the blocks safe over
+        TCP, shared memory and cross-memory attach: a prefiller rank that let a read pass
+        its deadline is dead or stalled, and the next load had better dial it afresh than
+        queue behind it; and over UCX a cancel ends the session without waiting for its
+        teardown, which the disconnect does wait for. Other loads on those sessions fail
         as ``peer_lost``; the next load dials again. Returns whether all of that was
         confirmed; when not, says so loudly (the blocks are still reported, or the request
         would never end)."""

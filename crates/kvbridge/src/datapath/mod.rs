@@ -11,18 +11,24 @@
 //! backend (or by the session after the data tasks have stopped): when a caller learns that its
 //! batch ended, no byte of it can still land. A batch that passes its deadline therefore
 //! ends the whole session — tearing down the connection is the only way to be sure the
-//! peer's late bytes never arrive.
+//! peer's late bytes never arrive. A write or read whose caller stops waiting before then
+//! is cancelled instead (`cancel.rs`): it leaves the table, its drop waits for any copy of
+//! its memory under way, and the peer's late answer to it is dropped when it comes; the
+//! session goes on.
 
+mod cancel;
 pub(crate) mod pending;
 mod stripe;
+mod submitted;
 
-pub(crate) use pending::{AbortHandle, Submitted};
+pub(crate) use pending::AbortHandle;
+pub(crate) use submitted::Submitted;
 
 use crate::dir::Dir;
 use crate::error::{Error, Result};
 use crate::in_flight::InFlight;
 use crate::region::LocalSlice;
-use crate::transport::one_sided::{BatchRef, OneSided, Outcome};
+use crate::transport::one_sided::{BatchRef, OneSided, Outcome, Posted};
 use crate::writer_queue::Outgoing;
 use crate::writer_queue::{self, FastSend, WriterQueue, WriterRx};
 use kvbridge_proto::handshake::Step;
@@ -280,7 +286,12 @@ impl DataPath {
             deadline,
             until,
         });
+        let ends = matches!(posted, Posted::Pending(_))
+            .then(|| cancel::EndSessionOnDrop::new(self.abort.clone(), self.peer.clone(), step));
         let outcome = posted.complete().await;
+        if let Some(g) = ends {
+            g.disarm();
+        }
         drop(room);
         match outcome {
             Outcome::Done => Some(Ok(())),
@@ -433,61 +444,69 @@ impl DataPath {
         }
         // Every part is entered before any frame is queued.
         self.pending.enter_all(entries)?;
-        let mut rxs = rxs;
-        // Receivers that returned: a oneshot must not be polled again after that.
-        let mut resolved = 0usize;
-        let submit_and_wait = async {
-            for (i, o) in sends {
-                // A writer that is gone means the session is tearing down and drains us.
-                let _ = self.queue(i).send(o).await;
-            }
-            let mut first_err = None;
-            for rx in rxs.iter_mut() {
-                let r = rx.await.unwrap_or_else(|_| {
-                    Err(Error::lost(self.peer.as_str(), step, "session ended"))
-                });
-                resolved += 1;
-                if let Err(e) = r {
-                    first_err = Some(e);
-                    break;
+        let cancel = self.cancel_on_drop(step, first..first + last as u64 + 1, deadline, until);
+        // Every return below comes once each part ended, or the session was ended and
+        // drained them: only a drop before that cancels.
+        let r = async move {
+            let mut rxs = rxs;
+            // Receivers that returned: a oneshot must not be polled again after that.
+            let mut resolved = 0usize;
+            let submit_and_wait = async {
+                for (i, o) in sends {
+                    // A writer that is gone means the session is tearing down and drains us.
+                    let _ = self.queue(i).send(o).await;
                 }
-            }
-            first_err
-        };
-        let err = match tokio::time::timeout_at(until, submit_and_wait).await {
-            Ok(None) => return Ok(()),
-            Ok(Some(e)) => e,
-            Err(_) => Error::Timeout {
-                peer: self.peer.to_string(),
-                step,
-                after: deadline,
-            },
-        };
-        // A read part the peer refused moved nothing (the refusal comes instead of its
-        // bytes), and a read refused for its windows ends no session there: wait for the
-        // other parts, and only one that fails otherwise, or runs late, ends the session.
-        let err = if refused_read(&err) {
-            match self
-                .after_refused_read(&mut rxs, &mut resolved, step, until, deadline)
-                .await
-            {
-                None => return Err(err),
-                Some(ends) => ends,
-            }
-        } else {
-            err
-        };
-        // One part failed or ran late: end the session, then wait until every part has
-        // ended (the session stops all data tasks before it drains), so nothing of this
-        // batch can land after we return.
-        self.abort.abort(err.clone());
-        let all = async {
-            for rx in rxs.iter_mut().skip(resolved) {
-                let _ = rx.await;
-            }
-        };
-        let _ = tokio::time::timeout(Duration::from_secs(30), all).await;
-        Err(err)
+                let mut first_err = None;
+                for rx in rxs.iter_mut() {
+                    let r = rx.await.unwrap_or_else(|_| {
+                        Err(Error::lost(self.peer.as_str(), step, "session ended"))
+                    });
+                    resolved += 1;
+                    if let Err(e) = r {
+                        first_err = Some(e);
+                        break;
+                    }
+                }
+                first_err
+            };
+            let err = match tokio::time::timeout_at(until, submit_and_wait).await {
+                Ok(None) => return Ok(()),
+                Ok(Some(e)) => e,
+                Err(_) => Error::Timeout {
+                    peer: self.peer.to_string(),
+                    step,
+                    after: deadline,
+                },
+            };
+            // A read part the peer refused moved nothing (the refusal comes instead of its
+            // bytes), and a read refused for its windows ends no session there: wait for the
+            // other parts, and only one that fails otherwise, or runs late, ends the session.
+            let err = if refused_read(&err) {
+                match self
+                    .after_refused_read(&mut rxs, &mut resolved, step, until, deadline)
+                    .await
+                {
+                    None => return Err(err),
+                    Some(ends) => ends,
+                }
+            } else {
+                err
+            };
+            // One part failed or ran late: end the session, then wait until every part has
+            // ended (the session stops all data tasks before it drains), so nothing of this
+            // batch can land after we return.
+            self.abort.abort(err.clone());
+            let all = async {
+                for rx in rxs.iter_mut().skip(resolved) {
+                    let _ = rx.await;
+                }
+            };
+            let _ = tokio::time::timeout(Duration::from_secs(30), all).await;
+            Err(err)
+        }
+        .await;
+        cancel.disarm();
+        r
     }
 
     /// Waits, within `deadline`, until every transfer entered in `order` before now ended
@@ -588,23 +607,32 @@ impl DataPath {
         waiting: impl FnOnce(oneshot::Sender<Result<()>>) -> Waiting,
         outgoing: impl FnOnce(u64) -> Outgoing,
     ) -> Result<Submitted> {
-        self.submit_with(step, deadline, bytes, waiting, |id| Ok(outgoing(id)))
+        self.submit_with(step, deadline, bytes, waiting, |id| Ok(outgoing(id)), true)
             .await
     }
 
     /// Submits a notification of `data` (its outcome is the peer's acknowledgement); it
     /// goes on the writer's fast lane when the connection is idle.
     pub(crate) async fn notify(&self, deadline: Duration, data: Vec<u8>) -> Result<Submitted> {
-        self.submit_with(Step::Notify, deadline, 0, Waiting::Notify, |id| {
-            Message::Notify(Notify {
-                id,
-                data: Blob(data),
-                unacked: false,
-            })
-            .to_frame()
-            .map(Outgoing::Frame)
-            .map_err(|e| Error::Local(e.to_string()))
-        })
+        // Not cancelled when its waiter goes: a notification dropped unconfirmed is still
+        // delivered (`QueuedNotify`), and touches no memory of ours.
+        self.submit_with(
+            Step::Notify,
+            deadline,
+            0,
+            Waiting::Notify,
+            |id| {
+                Message::Notify(Notify {
+                    id,
+                    data: Blob(data),
+                    unacked: false,
+                })
+                .to_frame()
+                .map(Outgoing::Frame)
+                .map_err(|e| Error::Local(e.to_string()))
+            },
+            false,
+        )
         .await
     }
 
@@ -656,7 +684,8 @@ impl DataPath {
     }
 
     /// [`DataPath::submit`] with an item that may fail to build (before anything is
-    /// entered). An encoded frame tries the fast lane first.
+    /// entered). An encoded frame tries the fast lane first. `cancellable`: the batch is
+    /// cancelled when its caller stops waiting (`cancel.rs`), from the moment it is entered.
     async fn submit_with(
         &self,
         step: Step,
@@ -664,6 +693,7 @@ impl DataPath {
         bytes: u64,
         waiting: impl FnOnce(oneshot::Sender<Result<()>>) -> Waiting,
         outgoing: impl FnOnce(u64) -> Result<Outgoing>,
+        cancellable: bool,
     ) -> Result<Submitted> {
         let until = tokio::time::Instant::now() + deadline;
         let room = self
@@ -682,6 +712,7 @@ impl DataPath {
             step,
             peer: self.peer.clone(),
             abort: self.abort.clone(),
+            cancel: cancellable.then(|| self.cancel_on_drop(step, id..id + 1, deadline, until)),
         };
         if let Outgoing::Frame(frame) = &o {
             match self.out.send_fast(frame) {
@@ -701,6 +732,25 @@ impl DataPath {
             Ok(_) => Ok(submitted),
             Err(_) => Err(submitted.abort_after_timeout().await),
         }
+    }
+
+    /// A guard that cancels the batches `ids` when dropped armed (`cancel.rs`).
+    fn cancel_on_drop(
+        &self,
+        step: Step,
+        ids: std::ops::Range<u64>,
+        deadline: Duration,
+        until: tokio::time::Instant,
+    ) -> cancel::CancelOnDrop {
+        cancel::CancelOnDrop::new(
+            self.pending.clone(),
+            self.abort.clone(),
+            self.peer.clone(),
+            step,
+            ids,
+            deadline,
+            until,
+        )
     }
 
     pub(crate) fn write_waiting(tx: oneshot::Sender<Result<()>>) -> Waiting {

@@ -5,6 +5,16 @@
 //! its first frame is queued, and the TCP reader (an acknowledgement), the TCP writer and the
 //! direct copy (a batch copied without the data connection) take it out and complete it. None
 //! of them calls back into the data path.
+//!
+//! A batch whose caller stopped waiting is cancelled here ([`Pending::cancel`]): it leaves
+//! the table, so nothing completes it any more. A reader or writer that works on a batch's
+//! memory (fills a read's destinations, sends or copies a write's sources) holds a [`Claim`]
+//! on it meanwhile, and a cancel waits for the claims on its batch to drop
+//! ([`Pending::wait_released`]). A batch cancelled after it went on the wire leaves a
+//! tombstone behind: the peer's late answer to it is recognised, its payload read and
+//! dropped ([`Landing::Late`]), and the tombstone keeps the batch's room under the per-peer
+//! limit until then (the peer still counts the batch). Batch ids are never reused within a
+//! session, so a tombstone names one batch only.
 
 use crate::error::{Error, Result};
 use crate::region::LocalSlice;
@@ -12,7 +22,7 @@ use kvbridge_proto::handshake::Step;
 use kvbridge_proto::PeerId;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 
@@ -46,6 +56,17 @@ impl Waiting {
 struct Entry {
     waiting: Waiting,
     bytes: u64,
+    room: Option<OwnedSemaphorePermit>,
+    /// Its request is (being) written on the connection: the peer may answer it.
+    sent: bool,
+}
+
+/// A batch cancelled after it was sent, whose answer may still come.
+struct Late {
+    /// A read (its answer carries `bytes` of payload) or a write (its acknowledgement none).
+    read: bool,
+    bytes: u64,
+    /// Its room under the per-peer limit, held until the answer came.
     _room: Option<OwnedSemaphorePermit>,
 }
 
@@ -56,6 +77,54 @@ struct Table {
     bytes: u64,
     /// Set when the session ended: no new batch may wait after that.
     closed: Option<Error>,
+    /// Batches cancelled after they were sent, by id.
+    late: HashMap<u64, Late>,
+    /// Batches whose memory a reader or writer works on now ([`Claim`]), each with whether
+    /// that runs on a thread of its own (a data thread), not as a task of the runtime.
+    claimed: HashMap<u64, bool>,
+    /// Cancels waiting for claims to drop ([`Pending::wait_released`]): a claim that drops
+    /// while none waits wakes nobody (no system call on the data path).
+    waiters: usize,
+}
+
+/// A reader or writer working on a batch's memory: a cancel of the batch waits until this
+/// drops.
+pub(crate) struct Claim<'a> {
+    pending: &'a Pending,
+    id: u64,
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        let mut t = self.pending.table.lock().expect("pending poisoned");
+        t.claimed.remove(&self.id);
+        let wake = t.waiters > 0;
+        drop(t);
+        if wake {
+            self.pending.released.notify_all();
+        }
+    }
+}
+
+/// What an answer's id names ([`Pending::take`], [`Pending::land`]).
+pub(crate) enum Landing<T> {
+    /// A batch waiting for it.
+    Live(T),
+    /// A batch cancelled after it was sent: the answer is dropped; a read's brings `bytes`
+    /// of payload to read past.
+    Late { bytes: u64 },
+    /// No batch of ours, or one of the other direction: the peer broke the protocol.
+    Unknown,
+}
+
+/// What cancelling a batch left to do ([`Pending::cancel`]).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct Cancelled {
+    /// Batches a reader or writer works on now, with whether it runs on a thread of its
+    /// own: the cancel is over once their claims dropped.
+    pub(crate) claimed: Vec<(u64, bool)>,
+    /// Some batch was already sent: its answer may still come (a tombstone waits for it).
+    pub(crate) late: bool,
 }
 
 /// The per-peer limit on bytes in flight counts in units of this many bytes (a semaphore
@@ -76,6 +145,8 @@ pub(crate) struct Pending {
     room: Arc<Semaphore>,
     /// Our batches waiting for room under the limit (backpressure, visible in stats).
     waiting_for_room: AtomicUsize,
+    /// Signalled whenever a [`Claim`] drops.
+    released: Condvar,
 }
 
 impl Pending {
@@ -87,6 +158,7 @@ impl Pending {
             table: Mutex::new(Table::default()),
             room: Arc::new(Semaphore::new(units)),
             waiting_for_room: AtomicUsize::new(0),
+            released: Condvar::new(),
         }
     }
 
@@ -107,7 +179,8 @@ impl Pending {
                 Entry {
                     waiting,
                     bytes,
-                    _room: room,
+                    room,
+                    sent: false,
                 },
             );
         }
@@ -125,12 +198,121 @@ impl Pending {
         self.enter_all([(id, waiting, bytes, room)])
     }
 
-    /// Removes a waiting batch; its room under the per-peer limit is released.
-    pub(crate) fn take(&self, id: u64) -> Option<Waiting> {
+    /// Takes the batch an acknowledgement (`WriteAck`, `NotifyAck`) names out of the table;
+    /// its room under the per-peer limit is released. A write cancelled after it was sent is
+    /// [`Landing::Late`] (its tombstone goes).
+    pub(crate) fn take(&self, id: u64) -> Landing<Waiting> {
+        let mut t = self.table.lock().expect("pending poisoned");
+        if let Some(e) = t.map.remove(&id) {
+            t.bytes -= e.bytes;
+            return Landing::Live(e.waiting);
+        }
+        match t.late.get(&id) {
+            Some(l) if !l.read => {
+                t.late.remove(&id);
+                Landing::Late { bytes: 0 }
+            }
+            _ => Landing::Unknown,
+        }
+    }
+
+    /// Takes the read a `ReadResp` names out of the table, with a claim on its destinations
+    /// held while the payload is read into them (`own_thread`: the reader runs on a thread
+    /// of its own). A read cancelled after it was sent is [`Landing::Late`] (its tombstone
+    /// goes); an id that names no read of ours, or a write, is [`Landing::Unknown`].
+    pub(crate) fn land(
+        &self,
+        id: u64,
+        own_thread: bool,
+    ) -> Landing<(Vec<LocalSlice>, oneshot::Sender<Result<()>>, Claim<'_>)> {
+        let mut t = self.table.lock().expect("pending poisoned");
+        if matches!(t.map.get(&id), Some(e) if matches!(e.waiting, Waiting::Read(..))) {
+            let e = t.map.remove(&id).expect("looked up");
+            t.bytes -= e.bytes;
+            t.claimed.insert(id, own_thread);
+            let Waiting::Read(dests, tx) = e.waiting else {
+                unreachable!("matched a read")
+            };
+            return Landing::Live((dests, tx, Claim { pending: self, id }));
+        }
+        match t.late.get(&id) {
+            Some(l) if l.read => {
+                let bytes = l.bytes;
+                t.late.remove(&id);
+                Landing::Late { bytes }
+            }
+            _ => Landing::Unknown,
+        }
+    }
+
+    /// Takes a batch out of the table to run it right here (a direct copy in the writer),
+    /// with a claim on its memory held while it runs; `None` when it already ended or was
+    /// cancelled (nothing to run).
+    pub(crate) fn take_claimed(&self, id: u64, own_thread: bool) -> Option<(Waiting, Claim<'_>)> {
         let mut t = self.table.lock().expect("pending poisoned");
         let e = t.map.remove(&id)?;
         t.bytes -= e.bytes;
-        Some(e.waiting)
+        t.claimed.insert(id, own_thread);
+        Some((e.waiting, Claim { pending: self, id }))
+    }
+
+    /// Marks a batch sent and claims its memory while its request (a read's ops, a write's
+    /// ops and payload) is written on the connection; `None` when it ended or was cancelled
+    /// before (nothing is sent).
+    pub(crate) fn claim_to_send(&self, id: u64, own_thread: bool) -> Option<Claim<'_>> {
+        let mut t = self.table.lock().expect("pending poisoned");
+        t.map.get_mut(&id)?.sent = true;
+        t.claimed.insert(id, own_thread);
+        Some(Claim { pending: self, id })
+    }
+
+    /// Cancels the batches `ids` whose caller stopped waiting: each leaves the table (its
+    /// waiter is dropped unanswered), with a tombstone when it was sent (its room stays
+    /// held by it until the answer came). Never waits: what it returns says which claims
+    /// the cancel must wait for ([`Pending::wait_released`]).
+    pub(crate) fn cancel(&self, ids: impl IntoIterator<Item = u64>) -> Cancelled {
+        let mut t = self.table.lock().expect("pending poisoned");
+        let mut out = Cancelled::default();
+        for id in ids {
+            if let Some(e) = t.map.remove(&id) {
+                t.bytes -= e.bytes;
+                if e.sent {
+                    let read = matches!(e.waiting, Waiting::Read(..));
+                    t.late.insert(
+                        id,
+                        Late {
+                            read,
+                            bytes: e.bytes,
+                            _room: e.room,
+                        },
+                    );
+                    out.late = true;
+                }
+            }
+            if let Some(&own_thread) = t.claimed.get(&id) {
+                out.claimed.push((id, own_thread));
+            }
+        }
+        out
+    }
+
+    /// Waits (blocking this thread, at most `limit`) until no claim on `ids` is held;
+    /// whether none is.
+    pub(crate) fn wait_released(&self, ids: &[u64], limit: Duration) -> bool {
+        let mut t = self.table.lock().expect("pending poisoned");
+        t.waiters += 1;
+        let (mut t, _) = self
+            .released
+            .wait_timeout_while(t, limit, |t| ids.iter().any(|i| t.claimed.contains_key(i)))
+            .expect("pending poisoned");
+        t.waiters -= 1;
+        !ids.iter().any(|i| t.claimed.contains_key(i))
+    }
+
+    /// Whether any of `ids` is still a tombstone (its answer has not come).
+    pub(crate) fn late_left(&self, ids: impl IntoIterator<Item = u64>) -> bool {
+        let t = self.table.lock().expect("pending poisoned");
+        ids.into_iter().any(|i| t.late.contains_key(&i))
     }
 
     /// Why the session ended, once it did.
@@ -145,6 +327,9 @@ impl Pending {
             let mut t = self.table.lock().expect("pending poisoned");
             t.closed.get_or_insert_with(|| err.clone());
             t.bytes = 0;
+            // No answer comes any more: the tombstones' room goes back (and the semaphore
+            // closes below).
+            t.late.clear();
             t.map.drain().map(|(_, e)| e.waiting).collect()
         };
         // Callers waiting for room wake up and find the session closed.
@@ -226,41 +411,144 @@ impl AbortHandle {
     }
 }
 
-/// A batch queued on its connection whose outcome is still to come
-/// (`DataPath::submit`).
-pub(crate) struct Submitted {
-    pub(crate) rx: oneshot::Receiver<Result<()>>,
-    pub(crate) until: tokio::time::Instant,
-    pub(crate) deadline: Duration,
-    pub(crate) step: Step,
-    pub(crate) peer: PeerId,
-    pub(crate) abort: AbortHandle,
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::region::Region;
 
-impl Submitted {
-    /// The batch's outcome, within the deadline it was submitted under. Past it, the
-    /// session is torn down (so nothing of the batch can land later) and the outcome is
-    /// `Timeout`.
-    pub(crate) async fn outcome(mut self) -> Result<()> {
-        match tokio::time::timeout_at(self.until, &mut self.rx).await {
-            Ok(Ok(r)) => r,
-            Ok(Err(_)) => Err(Error::lost(self.peer.as_str(), self.step, "session ended")),
-            Err(_) => Err(self.abort_after_timeout().await),
-        }
+    fn pending() -> Arc<Pending> {
+        Arc::new(Pending::new(PeerId::new("peer").unwrap(), 1 << 20))
     }
 
-    /// Past the deadline: asks the session to tear down, and returns once it drained us
-    /// (after that nothing of this batch can land any more).
-    pub(crate) async fn abort_after_timeout(self) -> Error {
-        let err = Error::Timeout {
-            peer: self.peer.to_string(),
-            step: self.step,
-            after: self.deadline,
+    fn read(r: &Region) -> (Waiting, oneshot::Receiver<Result<()>>) {
+        let (tx, rx) = oneshot::channel();
+        let dest = LocalSlice {
+            region: r.begin_write(),
+            offset: 0,
+            len: 4096,
         };
-        self.abort.abort(err.clone());
-        match tokio::time::timeout(Duration::from_secs(30), self.rx).await {
-            Ok(Ok(Err(e))) if e != err => e,
-            _ => err,
+        (Waiting::Read(vec![dest], tx), rx)
+    }
+
+    fn write() -> (Waiting, oneshot::Receiver<Result<()>>) {
+        let (tx, rx) = oneshot::channel();
+        (Waiting::Write(tx), rx)
+    }
+
+    #[test]
+    fn a_batch_cancelled_before_it_was_sent_is_never_sent_and_leaves_nothing() {
+        let p = pending();
+        let r = Region::alloc(4096, 4096).unwrap();
+        let (w, _rx) = read(&r);
+        p.enter(1, w, 4096, None).unwrap();
+        assert_eq!(p.cancel([1]), Cancelled::default());
+        assert!(p.claim_to_send(1, true).is_none(), "sent after its cancel");
+        assert!(matches!(p.land(1, true), Landing::Unknown));
+        assert_eq!((p.len(), p.bytes()), (0, 0));
+        assert_eq!(r.in_use(), 0, "the destinations are still held");
+    }
+
+    #[test]
+    fn the_answer_to_a_read_cancelled_after_it_was_sent_is_recognised_once() {
+        let p = pending();
+        let r = Region::alloc(4096, 4096).unwrap();
+        let (w, mut rx) = read(&r);
+        p.enter(7, w, 4096, None).unwrap();
+        drop(p.claim_to_send(7, true).expect("not cancelled"));
+        let c = p.cancel([7]);
+        assert_eq!(
+            c,
+            Cancelled {
+                claimed: vec![],
+                late: true
+            }
+        );
+        assert_eq!(r.in_use(), 0, "the destinations are still held");
+        assert!(p.late_left([7]));
+        // The waiter is gone unanswered (its caller stopped waiting).
+        assert!(rx.try_recv().is_err());
+        assert!(matches!(p.land(7, true), Landing::Late { bytes: 4096 }));
+        assert!(!p.late_left([7]));
+        // A second answer for it is the peer's mistake.
+        assert!(matches!(p.land(7, true), Landing::Unknown));
+    }
+
+    #[test]
+    fn the_acknowledgement_of_a_write_cancelled_after_it_was_sent_is_recognised() {
+        let p = pending();
+        let (w, _rx) = write();
+        p.enter(3, w, 100, None).unwrap();
+        drop(p.claim_to_send(3, false));
+        assert!(p.cancel([3]).late);
+        // Not as a read's answer: the peer mixed them up.
+        assert!(matches!(p.land(3, true), Landing::Unknown));
+        assert!(matches!(p.take(3), Landing::Late { bytes: 0 }));
+        assert!(matches!(p.take(3), Landing::Unknown));
+    }
+
+    #[test]
+    fn a_cancel_names_the_claims_it_must_wait_for_and_they_release_it() {
+        let p = pending();
+        let r = Region::alloc(4096, 4096).unwrap();
+        let (w, _rx) = read(&r);
+        p.enter(5, w, 4096, None).unwrap();
+        drop(p.claim_to_send(5, true));
+        let Landing::Live((dests, _done, claim)) = p.land(5, false) else {
+            panic!("the read is waiting");
+        };
+        let c = p.cancel([5]);
+        assert_eq!(c.claimed, vec![(5, false)]);
+        assert!(
+            !c.late,
+            "taken for landing: no answer of it is left to come"
+        );
+        assert!(!p.wait_released(&[5], Duration::from_millis(20)));
+        let waiter = {
+            let p = p.clone();
+            std::thread::spawn(move || p.wait_released(&[5], Duration::from_secs(10)))
+        };
+        drop(dests);
+        drop(claim);
+        assert!(
+            waiter.join().unwrap(),
+            "the claim's drop did not wake the cancel"
+        );
+    }
+
+    #[test]
+    fn the_room_of_a_cancelled_batch_comes_back_with_its_answer_or_the_sessions_end() {
+        let p = Pending::new(PeerId::new("peer").unwrap(), 4096);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        let room = |p: &Pending| {
+            rt.block_on(p.acquire_room(
+                Step::Read,
+                Duration::from_millis(10),
+                tokio::time::Instant::now() + Duration::from_millis(10),
+                4096,
+            ))
+        };
+        for end in ["answer", "drain"] {
+            let r = Region::alloc(4096, 4096).unwrap();
+            let held = room(&p).unwrap();
+            assert!(held.is_some());
+            let (w, _rx) = read(&r);
+            p.enter(9, w, 4096, held).unwrap();
+            drop(p.claim_to_send(9, true));
+            assert!(p.cancel([9]).late);
+            assert!(
+                room(&p).is_err(),
+                "the cancelled read's room was given back early"
+            );
+            if end == "answer" {
+                assert!(matches!(p.land(9, true), Landing::Late { .. }));
+                assert!(room(&p).unwrap().is_some(), "its answer gave no room back");
+            } else {
+                p.drain(&Error::Closed);
+                assert!(!p.late_left([9]));
+            }
         }
     }
 }

@@ -61,6 +61,9 @@ pub(crate) struct SessionEnv {
     pub(crate) tls: Option<Arc<crate::tls::Tls>>,
     /// The channel's count of peer batches refused for bytes in flight.
     pub(crate) in_flight_refused: Arc<std::sync::atomic::AtomicU64>,
+    /// The channel's count of answers to cancelled batches, dropped when they came
+    /// (`Stats::late_answers_discarded`).
+    pub(crate) late_answers: Arc<std::sync::atomic::AtomicU64>,
     /// The channel's counts of batches copied directly (shared memory, cross-memory attach).
     pub(crate) direct_copies: Arc<crate::transport::shm::DirectCopyCounters>,
     /// The channel's count of frames written past the writers (`Stats::frames_fast_lane`).
@@ -1243,7 +1246,12 @@ impl Session {
             notifications: self.env.notifications.clone(),
             out: out.clone(),
             in_flight_refused: self.env.in_flight_refused.clone(),
+            late_answers: self.env.late_answers.clone(),
         };
+        let hooks = &self.env.config.hooks;
+        let copy_delay = hooks
+            .direct_copy_delay
+            .map(|d| (d, hooks.direct_copies_delayed.clone()));
         let (s, blocking) = if self.env.config.data_threads {
             match s {
                 Stream::Tokio(t) => match Stream::Tokio(t).into_blocking_split() {
@@ -1275,7 +1283,7 @@ impl Session {
                         run_here,
                         w,
                         out_rx,
-                        self.env.config.deadlines.op,
+                        (self.env.config.deadlines.op, copy_delay.clone()),
                     ),
                 );
                 let reader = spawn_data_thread("kvb-data-rx", stop_rx, run_reader(r, ctx));
@@ -1300,7 +1308,7 @@ impl Session {
                         run_here,
                         w,
                         out_rx,
-                        self.env.config.deadlines.op,
+                        (self.env.config.deadlines.op, copy_delay),
                     )),
                     reader: tokio::spawn(run_reader(r, ctx)),
                     out,

@@ -5,6 +5,7 @@ foreign notifications, a restarted peer, and use after close."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -261,3 +262,75 @@ def test_a_killed_peer_fails_the_read_with_a_typed_error_not_a_hang(peer_process
             assert result.is_finished() and result.succeeded_mask == [False]
     finally:
         me.close()
+
+
+def _state(pid: int) -> str:
+    """The process's state letter (``T``: stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _queued_at(port: int) -> int:
+    """Bytes waiting unread in the receive queues of this host's established TCP sockets
+    whose local port is ``port`` (the kernel's ``/proc/net/tcp``)."""
+    total = 0
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            fields = line.split()
+            local, state, queues = fields[1], fields[3], fields[4]
+            if state == "01" and int(local.split(":")[1], 16) == port:
+                total += int(queues.split(":")[1], 16)
+    return total
+
+
+def test_closing_with_a_read_stalled_on_a_stopped_peer_returns_at_once():
+    """A context closed while its read waits for a peer that stopped (SIGSTOP; over TCP,
+    since a same-host copy would not wait for the peer) cancels the read and returns at
+    once: the cancel returns once no byte of the read can land in the arena, so
+    deregistering the arena need not wait for the read. (It waited for the channel's op
+    deadline, 30 s, while a cancelled read kept its destination in the session's table.)"""
+    from lmcache.v1.distributed.transfer_channel.api import TransferChannelAddress
+
+    url = _free_url()
+    port = int(url.rsplit(":", 1)[1])
+    proc = subprocess.Popen(
+        [sys.executable, str(PEER), url, str(PAGES), str(PAGE), "7"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        text=True, env=dict(os.environ, KVBRIDGE_TRANSPORT="tcp"),
+    )  # fmt: skip
+    me = None
+    stopped = False
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        me = _Context(fill=3, transport="tcp")
+        assert me.read(url, 0, 0, PAGE).succeeded_mask == [True]  # the session is up
+        os.kill(proc.pid, signal.SIGSTOP)
+        stopped = True
+        deadline = time.monotonic() + 10  # the signal is delivered asynchronously
+        while _state(proc.pid) != "T" and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert _state(proc.pid) == "T", "the peer did not stop"
+        client = me.ctx.get_transfer_channel_client(url)
+        client.submit_read([TransferChannelAddress(PAGE, PAGE)], [TransferChannelAddress(5 * PAGE, PAGE)])
+        deadline = time.monotonic() + 10
+        while _queued_at(port) == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert _queued_at(port) > 0, "the read request never reached the stopped peer"
+        t = time.monotonic()
+        me.close()
+        took = time.monotonic() - t
+        me = None
+        assert took < 10, f"close took {took:.1f} s"
+    finally:
+        if stopped:
+            os.kill(proc.pid, signal.SIGCONT)
+        if me is not None:
+            me.close()
+        try:
+            proc.stdin.write("exit\n")
+            proc.stdin.close()
+            proc.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            proc.kill()
+            proc.wait()

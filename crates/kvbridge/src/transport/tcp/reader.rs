@@ -3,7 +3,7 @@
 //! into place, and completes our own batches when their acknowledgements arrive.
 
 use crate::config::Limits;
-use crate::datapath::pending::{Pending, Waiting};
+use crate::datapath::pending::{Landing, Pending, Waiting};
 use crate::error::{Error, Result};
 use crate::events::Notification;
 use crate::grant::{Denied, RegionTable};
@@ -43,6 +43,9 @@ pub(crate) struct ReaderCtx {
     /// The channel's count of batches refused for passing the per-peer limit on bytes in
     /// flight.
     pub(crate) in_flight_refused: Arc<AtomicU64>,
+    /// The channel's count of answers to batches cancelled after they were sent, dropped
+    /// when they came (`Stats::late_answers_discarded`).
+    pub(crate) late_answers: Arc<AtomicU64>,
 }
 
 impl ReaderCtx {
@@ -223,6 +226,77 @@ impl ReaderCtx {
             room.fill(notification);
         }
         Ok(true)
+    }
+
+    /// The peer's answer `a` to one of our reads: its payload read straight into the read's
+    /// destinations (claimed meanwhile, so that a cancel of the read waits for the copy),
+    /// then the read completed. The answer to a read cancelled after it was sent is read
+    /// past and dropped, and counted: a slow peer is not a hostile one.
+    async fn land_read(&self, r: &mut ReadHalf, a: Ack, own_thread: bool) -> Result<bool> {
+        let (dests, done, claim) = match self.pending.land(a.id, own_thread) {
+            Landing::Live(l) => l,
+            Landing::Late { bytes } => {
+                self.late_answers.fetch_add(1, Ordering::Relaxed);
+                if a.error.is_none() {
+                    self.read_past(r, bytes).await?;
+                }
+                return Ok(true);
+            }
+            Landing::Unknown => {
+                return Err(self.misbehaved(
+                    Step::Read,
+                    format!("read response for unknown batch {}", a.id),
+                ))
+            }
+        };
+        if let Some(rj) = a.error {
+            let _ = done.send(Err(Error::Rejected {
+                peer: self.peer.to_string(),
+                step: Step::Read,
+                code: rj.code,
+                message: rj.message,
+            }));
+            return Ok(true);
+        }
+        let mut iov: Vec<PeerRange<'_>> = dests.iter().map(LocalSlice::as_range).collect();
+        let result = r
+            .read_exact_vectored_within(&mut iov, self.payload_deadline)
+            .await
+            .map_err(|e| self.payload_error(Step::Read, e));
+        drop(iov);
+        drop(dests);
+        let failed = result.clone().err();
+        let _ = done.send(result);
+        drop(claim);
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(true),
+        }
+    }
+
+    /// Reads `bytes` of payload off the connection into a scratch buffer, within the
+    /// payload deadline (the answer to a cancelled read).
+    async fn read_past(&self, r: &mut ReadHalf, mut bytes: u64) -> Result<()> {
+        /// Scratch bytes per read: the payload's destinations are gone, so it goes nowhere.
+        const SCRATCH: usize = 256 << 10;
+        let mut scratch = vec![0u8; SCRATCH.min(usize::try_from(bytes).unwrap_or(SCRATCH))];
+        let start = std::time::Instant::now();
+        while bytes > 0 {
+            let n = scratch
+                .len()
+                .min(usize::try_from(bytes).unwrap_or(usize::MAX));
+            // At least a millisecond: a zero timeout is refused by the socket.
+            let left = self
+                .payload_deadline
+                .saturating_sub(start.elapsed())
+                .max(std::time::Duration::from_millis(1));
+            let mut iov = [PeerRange::owned(&mut scratch[..n])];
+            r.read_exact_vectored_within(&mut iov, left)
+                .await
+                .map_err(|e| self.payload_error(Step::Read, e))?;
+            bytes -= n as u64;
+        }
+        Ok(())
     }
 
     fn payload_error(&self, step: Step, e: std::io::Error) -> Error {
@@ -407,6 +481,7 @@ fn disjoint(dests: Vec<LocalSlice>, b: &Batch) -> std::result::Result<Vec<LocalS
 /// The reader task: serves the peer's batches and completes ours, until the connection ends.
 pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
     let peer = ctx.peer.clone();
+    let own_thread = matches!(r, ReadHalf::Blocking(_));
     let mut buf = Vec::new();
     loop {
         let msg = read_data_frame(
@@ -423,11 +498,18 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
             Message::ReadBatch(b) => ctx.serve_read(b).await?,
             Message::Notify(n) => ctx.deliver(n).await?,
             Message::WriteAck(a) | Message::NotifyAck(a) => {
-                let Some(w) = ctx.pending.take(a.id) else {
-                    return Err(ctx.misbehaved(
-                        Step::Write,
-                        format!("completion for unknown batch {}", a.id),
-                    ));
+                let w = match ctx.pending.take(a.id) {
+                    Landing::Live(w) => w,
+                    Landing::Late { .. } => {
+                        ctx.late_answers.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    }
+                    Landing::Unknown => {
+                        return Err(ctx.misbehaved(
+                            Step::Write,
+                            format!("completion for unknown batch {}", a.id),
+                        ))
+                    }
                 };
                 let step = if matches!(w, Waiting::Notify(_)) {
                     Step::Notify
@@ -445,36 +527,7 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
                 });
                 true
             }
-            Message::ReadResp(a) => {
-                let Some(Waiting::Read(dests, done)) = ctx.pending.take(a.id) else {
-                    return Err(ctx.misbehaved(
-                        Step::Read,
-                        format!("read response for unknown batch {}", a.id),
-                    ));
-                };
-                if let Some(rj) = a.error {
-                    let _ = done.send(Err(Error::Rejected {
-                        peer: peer.to_string(),
-                        step: Step::Read,
-                        code: rj.code,
-                        message: rj.message,
-                    }));
-                    continue;
-                }
-                let mut iov: Vec<PeerRange<'_>> = dests.iter().map(LocalSlice::as_range).collect();
-                let result = r
-                    .read_exact_vectored_within(&mut iov, ctx.payload_deadline)
-                    .await
-                    .map_err(|e| ctx.payload_error(Step::Read, e));
-                drop(iov);
-                drop(dests);
-                let failed = result.clone().err();
-                let _ = done.send(result);
-                if let Some(e) = failed {
-                    return Err(e);
-                }
-                true
-            }
+            Message::ReadResp(a) => ctx.land_read(&mut r, a, own_thread).await?,
             // The listener refused the data connection (its session ended meanwhile).
             Message::Reject(rj) | Message::Bye(rj) => {
                 return Err(Error::Rejected {
