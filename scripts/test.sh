@@ -102,4 +102,6 @@ run_suite "binding" 110 python/tests --ignore=python/tests/lmcache --ignore=pyth
   --ignore=python/tests/sglang --ignore=python/tests/sglang_e2e
 run_suite "LMCache legacy channel" 68 python/tests/lmcache/legacy
 run_suite "LMCache distributed channel" 61 python/tests/lmcache/contract
+# bench/test_vllm_load_timer.py: the vLLM benchmark's load timer against stand-in connectors (no vLLM needed).
+run_suite "bench load timer" 12 bench
 exit $status
