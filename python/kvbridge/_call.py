@@ -25,8 +25,10 @@ class Call(asyncio.Future[_T]):
     ``gather``) asks the engine to drop the call, and the future turns cancelled only once
     the engine's task let go of it: by then no byte of a cancelled read lands in its
     destinations any more and a cancelled write's sources are not read any more (the
-    guarantee of ``Transfer.cancel``, with its UCX exception: there the cancel ends the
-    session, and bytes of a read may land until that session's teardown ended). A task
+    guarantee of ``Transfer.cancel``). Over UCX, whose posted operations cannot be called
+    back, the cancel of a read or write ends the session with the peer, and the future
+    turns cancelled once that session's teardown ended (``Transfer.cancel`` returns before
+    it). A task
     awaiting it resumes with ``CancelledError`` only then, so it may reuse its pages in its
     ``except`` clause. The loop goes on meanwhile. Should the engine not let go within
     ``limit`` seconds (the channel's op deadline plus 2 s), the call ends the session with

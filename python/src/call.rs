@@ -208,7 +208,13 @@ pub(crate) struct Stuck {
     pub(crate) limit: Duration,
     /// Ends the session with the peer, where the call touches memory.
     pub(crate) end: Option<Box<dyn Fn() + Send + Sync>>,
+    /// Runs once the task let go of a call it did not finish, before the Call hears of it:
+    /// what the engine's drop cannot wait for (a UCX session's teardown).
+    pub(crate) settle: Option<Settle>,
 }
+
+/// An async step after a cancelled call's drop ([`Stuck::settle`]).
+pub(crate) type Settle = Box<dyn FnOnce() -> Pin<Box<dyn Future<Output = ()> + Send>> + Send>;
 
 /// `kvbridge._call.Call`, the asyncio future the awaitables are.
 static CALL: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
@@ -276,9 +282,15 @@ where
     ))?;
     let loop_ref = event_loop.clone().unbind();
     let call_ref = call.clone().unbind();
-    let let_go = LetGo(Some((loop_ref.clone_ref(py), call_ref.clone_ref(py))));
+    let finished = Arc::new(AtomicBool::new(false));
+    let let_go = LetGo {
+        call: Some((loop_ref.clone_ref(py), call_ref.clone_ref(py))),
+        finished: finished.clone(),
+        settle: stuck.settle,
+    };
     let body = async move {
         let result = fut.await;
+        finished.store(true, Ordering::SeqCst);
         // never on this (runtime) thread: see `completer`
         completer::run(Box::new(move |py| {
             complete(py, loop_ref, call_ref, result, convert, undelivered)
@@ -343,23 +355,46 @@ fn complete<T, U>(
 
 /// Moved into an awaitable's task after its future ([`Then`]): tells the Call, on its loop,
 /// that the task let go of the future (it ended, or its abort took effect), after the
-/// outcome, if any, was handed over.
-struct LetGo(Option<(Py<PyAny>, Py<PyAny>)>);
+/// outcome, if any, was handed over; for a call that did not finish, after its `settle`.
+struct LetGo {
+    /// The Call's loop and the Call.
+    call: Option<(Py<PyAny>, Py<PyAny>)>,
+    /// The future ran to its end.
+    finished: Arc<AtomicBool>,
+    settle: Option<Settle>,
+}
 
 impl Drop for LetGo {
     fn drop(&mut self) {
-        let Some((loop_ref, call_ref)) = self.0.take() else {
+        let Some(call) = self.call.take() else {
             return;
         };
-        // never on the runtime's thread: see `completer`
-        completer::run(Box::new(move |py| {
-            let posted = call_ref
-                .getattr(py, "_kvb_released")
-                .and_then(|f| loop_ref.call_method1(py, "call_soon_threadsafe", (f,)));
-            // An error here is a closed loop: nobody waits for the Call any more.
-            drop(posted);
-        }));
+        let settle = self.settle.take();
+        match settle.filter(|_| !self.finished.load(Ordering::SeqCst)) {
+            Some(settle) => match runtime::handle() {
+                Ok(rt) => {
+                    rt.spawn(async move {
+                        settle().await;
+                        released(call);
+                    });
+                }
+                Err(_) => released(call),
+            },
+            None => released(call),
+        }
     }
+}
+
+/// Tells the Call `call` (with its loop) that its task let go of it.
+fn released((loop_ref, call_ref): (Py<PyAny>, Py<PyAny>)) {
+    // never on the runtime's thread: see `completer`
+    completer::run(Box::new(move |py| {
+        let posted = call_ref
+            .getattr(py, "_kvb_released")
+            .and_then(|f| loop_ref.call_method1(py, "call_soon_threadsafe", (f,)));
+        // An error here is a closed loop: nobody waits for the Call any more.
+        drop(posted);
+    }));
 }
 
 /// A future that drops `after` once its inner future was dropped: right after it completed,

@@ -192,6 +192,26 @@ fn none(py: Python<'_>, _: ()) -> PyResult<PyObject> {
     Ok(py.None())
 }
 
+/// What a cancelled batch waits for after the engine dropped it, where the drop cannot wait:
+/// a batch posted on UCX may still land until its session's teardown ended (the engine ends
+/// the session at the cancel; `Channel::disconnect` returns once the teardown ended). So a
+/// cancel of a batch to a peer whose session carries UCX, or whose session is already
+/// ending, ends that session and waits for its teardown.
+fn ucx_teardown(channel: Channel, peer: PeerId, what: String) -> call::Settle {
+    Box::new(move || {
+        Box::pin(async move {
+            let ending = match channel.peer_transport(&peer).await {
+                Ok(t) => t == Transport::Ucx,
+                Err(_) => true,
+            };
+            if ending {
+                let reason = format!("the {what} was cancelled");
+                let _ = channel.disconnect(&peer, &reason).await;
+            }
+        })
+    })
+}
+
 /// FNV-1a: the compatibility hash of a description (peers compare hashes).
 fn compat_hash(description: &str) -> u64 {
     description.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
@@ -531,6 +551,7 @@ impl PyChannel {
         let peer_id = peer_arg(py, peer)?;
         let limit = channel.config().deadlines.op + call::LET_GO_GRACE;
         let reason = format!("the cancelled {what} was still held {limit:?} after its cancel");
+        let settle = ucx_teardown(channel.clone(), peer_id.clone(), what.clone());
         let end = move || {
             let (channel, peer, reason) = (channel.clone(), peer_id.clone(), reason.clone());
             if let Ok(rt) = runtime::handle() {
@@ -543,6 +564,7 @@ impl PyChannel {
             step: dir.name(),
             limit,
             end: Some(Box::new(end)),
+            settle: Some(settle),
         };
         call::awaitable(py, batch, none, stuck)
     }
@@ -562,6 +584,7 @@ impl PyChannel {
             step,
             limit: open.channel.config().deadlines.op + call::LET_GO_GRACE,
             end: None,
+            settle: None,
         }
     }
 
