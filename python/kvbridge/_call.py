@@ -15,7 +15,8 @@ logger = logging.getLogger("kvbridge")
 
 
 class Call(asyncio.Future[_T]):
-    """A call running in kvbridge's engine, as an asyncio future of the loop it was made on.
+    """A call running in kvbridge's engine, as an asyncio future of the loop it was made on
+    (``Channel``'s ``*_async`` methods make them; nothing else needs to).
 
     It is awaited as any future is (``await``, ``asyncio.wait_for``, ``asyncio.gather``,
     ``asyncio.ensure_future``, ``asyncio.shield``) and gives the call's value or raises its
