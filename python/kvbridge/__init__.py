@@ -48,6 +48,8 @@ from ._errors import (
 )
 import atexit as _atexit
 
+from ._call import Call
+
 from ._native import (
     DIGEST_ALGORITHM,
     TRANSPORTS,
@@ -67,6 +69,7 @@ from ._native import (
 _atexit.register(_at_exit)
 
 __all__ = [
+    "Call",
     "Channel",
     "ReadPlanner",
     "RegionInfo",

@@ -1,14 +1,18 @@
 //! Running engine futures on the runtime for Python callers: blocking (GIL released, woken
-//! every [`SIGNAL_POLL`] to let Python run its signal handlers), or as an asyncio future.
+//! every [`SIGNAL_POLL`] to let Python run its signal handlers), or as an asyncio future
+//! (`kvbridge._call.Call`) whose cancel waits until the engine let go of the call.
 
 use crate::completer;
 use crate::errors;
 use crate::runtime;
 use pyo3::prelude::*;
+use pyo3::sync::GILOnceCell;
 use pyo3::types::PyCFunction;
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{mpsc, Mutex};
+use std::sync::{mpsc, Arc, Mutex, OnceLock};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use tokio::task::AbortHandle;
 
@@ -189,28 +193,57 @@ where
 /// Converts a future's value to a Python object, with the GIL held.
 pub(crate) type Convert<T> = fn(Python<'_>, T) -> PyResult<PyObject>;
 
-/// Runs `fut` on the runtime and returns an asyncio future of the running loop that it
-/// completes (through `loop.call_soon_threadsafe`). Cancelling the asyncio future cancels
-/// `fut`.
+/// How much longer than the op deadline a cancelled awaitable waits for the engine to let go
+/// of its call: the engine's own wait for a copy under way is bounded by the op deadline and
+/// one second more (`datapath/cancel.rs`), after which it ends the session itself.
+pub(crate) const LET_GO_GRACE: Duration = Duration::from_secs(2);
+
+/// What a cancelled awaitable names, and does, when the engine has not let go of its call
+/// within `limit` (`kvbridge/_call.py`).
+pub(crate) struct Stuck {
+    /// The call, for the message (``"read of 4 pages with peer decode-0"``).
+    pub(crate) what: String,
+    pub(crate) peer: Option<String>,
+    pub(crate) step: &'static str,
+    pub(crate) limit: Duration,
+    /// Ends the session with the peer, where the call touches memory.
+    pub(crate) end: Option<Box<dyn Fn() + Send + Sync>>,
+    /// Runs once the task let go of a call it did not finish, before the Call hears of it:
+    /// what the engine's drop cannot wait for (a UCX session's teardown).
+    pub(crate) settle: Option<Settle>,
+}
+
+/// An async step after a cancelled call's drop ([`Stuck::settle`]).
+pub(crate) type Settle = Box<dyn FnOnce() -> Pin<Box<dyn Future<Output = ()> + Send>> + Send>;
+
+/// `kvbridge._call.Call`, the asyncio future the awaitables are.
+static CALL: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
+
+/// Runs `fut` on the runtime and returns a `kvbridge._call.Call` (an asyncio future of the
+/// running loop) that it completes through `loop.call_soon_threadsafe`. Cancelling the
+/// Call aborts the task and cancels the Call only once the task let go of `fut` (or ends it
+/// after `stuck.limit`).
 pub(crate) fn awaitable<'py, T, F>(
     py: Python<'py>,
     fut: F,
     convert: Convert<T>,
+    stuck: Stuck,
 ) -> PyResult<Bound<'py, PyAny>>
 where
     T: Send + 'static,
     F: Future<Output = EngineResult<T>> + Send + 'static,
 {
-    awaitable_with(py, fut, convert, drop)
+    awaitable_with(py, fut, convert, drop, stuck)
 }
 
-/// [`awaitable`], handing a value the future produced to `undelivered` when the asyncio
-/// future was cancelled (or its loop closed) before the value could be set on it.
+/// [`awaitable`], handing a value the future produced to `undelivered` when the Call was
+/// cancelled (or its loop closed) before the value could be set on it.
 pub(crate) fn awaitable_with<'py, T, F, U>(
     py: Python<'py>,
     fut: F,
     convert: Convert<T>,
     undelivered: U,
+    stuck: Stuck,
 ) -> PyResult<Bound<'py, PyAny>>
 where
     T: Send + 'static,
@@ -218,60 +251,176 @@ where
     U: FnOnce(T) + Send + 'static,
 {
     let event_loop = py.import("asyncio")?.call_method0("get_running_loop")?;
-    let py_future = event_loop.call_method0("create_future")?;
+    let rt = runtime(py)?;
+    // Set right after the spawn, before Python can see the Call (and so cancel it).
+    let abort_slot = Arc::new(OnceLock::<AbortHandle>::new());
+    let aborts = abort_slot.clone();
+    let abort = PyCFunction::new_closure(py, None, None, move |_args, _kwargs| {
+        if let Some(a) = aborts.get() {
+            a.abort();
+        }
+    })?;
+    let end = match stuck.end {
+        Some(end) => {
+            PyCFunction::new_closure(py, None, None, move |_args, _kwargs| end())?.into_any()
+        }
+        None => py.None().into_bound(py),
+    };
+    let class = CALL.get_or_try_init(py, || {
+        py.import("kvbridge._call")?
+            .getattr("Call")
+            .map(Bound::unbind)
+    })?;
+    let call = class.bind(py).call1((
+        &event_loop,
+        abort,
+        end,
+        stuck.limit.as_secs_f64(),
+        stuck.what,
+        stuck.peer,
+        stuck.step,
+    ))?;
     let loop_ref = event_loop.clone().unbind();
-    let future_ref = py_future.clone().unbind();
-    let task = runtime(py)?.spawn(async move {
+    let call_ref = call.clone().unbind();
+    let finished = Arc::new(AtomicBool::new(false));
+    let let_go = LetGo {
+        call: Some((loop_ref.clone_ref(py), call_ref.clone_ref(py))),
+        finished: finished.clone(),
+        settle: stuck.settle,
+    };
+    let body = async move {
         let result = fut.await;
+        finished.store(true, Ordering::SeqCst);
         // never on this (runtime) thread: see `completer`
         completer::run(Box::new(move |py| {
-            let pending = Mutex::new(Some((result, undelivered)));
-            // Runs on the loop's thread, where the future's state cannot change under it.
-            let complete = PyCFunction::new_closure(py, None, None, move |args, _| {
-                let py = args.py();
-                let taken = pending.lock().ok().and_then(|mut p| p.take());
-                let Some((result, undelivered)) = taken else {
-                    return Ok(());
-                };
-                let future = future_ref.bind(py);
-                if future.call_method0("done")?.is_truthy()? {
-                    if let Ok(v) = result {
-                        undelivered(v);
-                    }
-                    return Ok(());
-                }
-                match result.map_err(|e| e.to_py(py)).and_then(|v| convert(py, v)) {
-                    Ok(v) => future.call_method1("set_result", (v,))?,
-                    Err(e) => future.call_method1("set_exception", (e.into_value(py),))?,
-                };
-                PyResult::Ok(())
-            });
-            match complete {
-                Ok(f) => {
-                    if loop_ref
-                        .call_method1(py, "call_soon_threadsafe", (f.clone(),))
-                        .is_err()
-                    {
-                        // The loop is closed: nobody waits any more; hand the value back.
-                        if let Err(e) = f.call0() {
-                            e.write_unraisable(py, None);
-                        }
-                    }
-                }
-                Err(e) => e.write_unraisable(py, None),
-            }
+            complete(py, loop_ref, call_ref, result, convert, undelivered)
         }));
-    });
-    let abort = task.abort_handle();
-    let on_done = PyCFunction::new_closure(py, None, None, move |args, _kwargs| -> PyResult<()> {
-        let fut = args.get_item(0)?;
-        if fut.call_method0("cancelled")?.is_truthy()? {
-            abort.abort();
+    };
+    let task = rt.spawn(Then::new(body, let_go));
+    let _ = abort_slot.set(task.abort_handle());
+    Ok(call)
+}
+
+/// Hands `result` to the Call on its loop's thread, where its state cannot change under it:
+/// sets it, unless the Call is done or cancelling (then `undelivered` takes the value).
+fn complete<T, U>(
+    py: Python<'_>,
+    loop_ref: Py<PyAny>,
+    call_ref: Py<PyAny>,
+    result: EngineResult<T>,
+    convert: Convert<T>,
+    undelivered: U,
+) where
+    T: Send + 'static,
+    U: FnOnce(T) + Send + 'static,
+{
+    // The Call goes with the outcome, so that running the closure lets go of it: a closure
+    // freed by Python later drops what it holds outside any call into this module, where
+    // PyO3 defers the decrement to its next call.
+    let pending = Mutex::new(Some((result, undelivered, call_ref)));
+    let complete = PyCFunction::new_closure(py, None, None, move |args, _| {
+        let py = args.py();
+        let taken = pending.lock().ok().and_then(|mut p| p.take());
+        let Some((result, undelivered, call_ref)) = taken else {
+            return Ok(());
+        };
+        let call = call_ref.bind(py);
+        if !call.call_method0("_kvb_wants_outcome")?.is_truthy()? {
+            if let Ok(v) = result {
+                undelivered(v);
+            }
+            return Ok(());
         }
-        Ok(())
-    })?;
-    py_future.call_method1("add_done_callback", (on_done,))?;
-    Ok(py_future)
+        match result.map_err(|e| e.to_py(py)).and_then(|v| convert(py, v)) {
+            Ok(v) => call.call_method1("set_result", (v,))?,
+            Err(e) => call.call_method1("set_exception", (e.into_value(py),))?,
+        };
+        PyResult::Ok(())
+    });
+    match complete {
+        Ok(f) => {
+            if loop_ref
+                .call_method1(py, "call_soon_threadsafe", (f.clone(),))
+                .is_err()
+            {
+                // The loop is closed: nobody waits any more; hand the value back.
+                if let Err(e) = f.call0() {
+                    e.write_unraisable(py, None);
+                }
+            }
+        }
+        Err(e) => e.write_unraisable(py, None),
+    }
+}
+
+/// Moved into an awaitable's task after its future ([`Then`]): tells the Call, on its loop,
+/// that the task let go of the future (it ended, or its abort took effect), after the
+/// outcome, if any, was handed over; for a call that did not finish, after its `settle`.
+struct LetGo {
+    /// The Call's loop and the Call.
+    call: Option<(Py<PyAny>, Py<PyAny>)>,
+    /// The future ran to its end.
+    finished: Arc<AtomicBool>,
+    settle: Option<Settle>,
+}
+
+impl Drop for LetGo {
+    fn drop(&mut self) {
+        let Some(call) = self.call.take() else {
+            return;
+        };
+        let settle = self.settle.take();
+        match settle.filter(|_| !self.finished.load(Ordering::SeqCst)) {
+            Some(settle) => match runtime::handle() {
+                Ok(rt) => {
+                    rt.spawn(async move {
+                        settle().await;
+                        released(call);
+                    });
+                }
+                Err(_) => released(call),
+            },
+            None => released(call),
+        }
+    }
+}
+
+/// Tells the Call `call` (with its loop) that its task let go of it.
+fn released((loop_ref, call_ref): (Py<PyAny>, Py<PyAny>)) {
+    // never on the runtime's thread: see `completer`
+    completer::run(Box::new(move |py| {
+        let posted = call_ref
+            .getattr(py, "_kvb_released")
+            .and_then(|f| loop_ref.call_method1(py, "call_soon_threadsafe", (f,)));
+        // An error here is a closed loop: nobody waits for the Call any more.
+        drop(posted);
+    }));
+}
+
+/// A future that drops `after` once its inner future was dropped: right after it completed,
+/// or when the task running it is aborted or dropped before (even if never polled). Fields
+/// drop in declaration order, so `after` sees the inner future's drop, and what that drop
+/// waited for (a cancelled batch's copy under way), done.
+pub(crate) struct Then<F, G> {
+    fut: Pin<Box<F>>,
+    _after: G,
+}
+
+impl<F, G> Then<F, G> {
+    pub(crate) fn new(fut: F, after: G) -> Self {
+        Self {
+            fut: Box::pin(fut),
+            _after: after,
+        }
+    }
+}
+
+impl<F: Future, G: Unpin> Future for Then<F, G> {
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        self.get_mut().fut.as_mut().poll(cx)
+    }
 }
 
 /// Spawns `fut` on the runtime for a [`crate::transfer::Transfer`] to poll.

@@ -8,6 +8,7 @@ use crate::buffer::{self, Keep, Memory};
 use crate::call::{self, EngineResult, Outcome};
 use crate::errors;
 use crate::grants::{self, Windows};
+use crate::runtime;
 use crate::transfer::{Slot, StopGuard, Transfer};
 use kvbridge::config::DEFAULT_DATA_CONNECTIONS;
 use kvbridge::proto::auth::Secret;
@@ -191,6 +192,26 @@ fn none(py: Python<'_>, _: ()) -> PyResult<PyObject> {
     Ok(py.None())
 }
 
+/// What a cancelled batch waits for after the engine dropped it, where the drop cannot wait:
+/// a batch posted on UCX may still land until its session's teardown ended (the engine ends
+/// the session at the cancel; `Channel::disconnect` returns once the teardown ended). So a
+/// cancel of a batch to a peer whose session carries UCX, or whose session is already
+/// ending, ends that session and waits for its teardown.
+fn ucx_teardown(channel: Channel, peer: PeerId, what: String) -> call::Settle {
+    Box::new(move || {
+        Box::pin(async move {
+            let ending = match channel.peer_transport(&peer).await {
+                Ok(t) => t == Transport::Ucx,
+                Err(_) => true,
+            };
+            if ending {
+                let reason = format!("the {what} was cancelled");
+                let _ = channel.disconnect(&peer, &reason).await;
+            }
+        })
+    })
+}
+
 /// FNV-1a: the compatibility hash of a description (peers compare hashes).
 fn compat_hash(description: &str) -> u64 {
     description.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
@@ -248,8 +269,9 @@ impl PyRegionInfo {
 ///
 /// Blocking methods release the GIL and wake every 100 ms to let Python handle signals
 /// (Ctrl-C raises ``KeyboardInterrupt`` and abandons the call; the channel stays usable).
-/// ``*_async`` methods return awaitables of the running asyncio loop; ``submit_*`` methods
-/// return a ``Transfer`` to poll. Errors are ``kvbridge.KvbridgeError`` subclasses with
+/// ``*_async`` methods return a ``kvbridge.Call``, an asyncio future of the running loop;
+/// cancelling it (or the task awaiting it) ends only once the engine let go of the call's
+/// memory, as ``Transfer.cancel`` does. ``submit_*`` methods return a ``Transfer`` to poll. Errors are ``kvbridge.KvbridgeError`` subclasses with
 /// ``.peer`` and ``.step``. After ``close()`` every call raises ``kvbridge.Closed``.
 #[pyclass(frozen, module = "kvbridge._native", name = "Channel")]
 pub(crate) struct PyChannel {
@@ -506,13 +528,64 @@ impl PyChannel {
     fn submit(py: Python<'_>, batch: Batch, what: String) -> PyResult<Transfer> {
         let slot = Arc::new(Slot::default());
         let filled = slot.clone();
-        // Outside the async block, so it is dropped with the future even if never polled.
+        // Dropped right after the batch's future, even if that was never polled.
         let stop = StopGuard(slot.clone());
-        let abort = call::spawn(py, async move {
-            let _stop = stop;
-            filled.finish(batch.await)
-        })?;
+        let abort = call::spawn(
+            py,
+            call::Then::new(async move { filled.finish(batch.await) }, stop),
+        )?;
         Ok(Transfer::new(slot, abort, what))
+    }
+
+    /// `batch` as an awaitable (`call::awaitable`): cancelled, it turns cancelled once the
+    /// engine let go of the batch's memory; should that take longer than the op deadline and
+    /// [`call::LET_GO_GRACE`], it ends the session with `peer` and raises `Timeout`.
+    fn batch_awaitable<'py>(
+        &self,
+        py: Python<'py>,
+        (batch, what): (Batch, String),
+        peer: &str,
+        dir: Dir,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let channel = self.open(py)?.channel.clone();
+        let peer_id = peer_arg(py, peer)?;
+        let limit = channel.config().deadlines.op + call::LET_GO_GRACE;
+        let reason = format!("the cancelled {what} was still held {limit:?} after its cancel");
+        let settle = ucx_teardown(channel.clone(), peer_id.clone(), what.clone());
+        let end = move || {
+            let (channel, peer, reason) = (channel.clone(), peer_id.clone(), reason.clone());
+            if let Ok(rt) = runtime::handle() {
+                rt.spawn(async move { channel.disconnect(&peer, &reason).await });
+            }
+        };
+        let stuck = call::Stuck {
+            what,
+            peer: Some(peer.to_string()),
+            step: dir.name(),
+            limit,
+            end: Some(Box::new(end)),
+            settle: Some(settle),
+        };
+        call::awaitable(py, batch, none, stuck)
+    }
+
+    /// What a cancelled awaitable that touches no caller memory names when the engine did
+    /// not let go of it in time (it ends no session).
+    fn stuck(
+        &self,
+        open: &Open,
+        what: String,
+        peer: Option<String>,
+        step: &'static str,
+    ) -> call::Stuck {
+        call::Stuck {
+            what,
+            peer,
+            step,
+            limit: open.channel.config().deadlines.op + call::LET_GO_GRACE,
+            end: None,
+            settle: None,
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1118,11 +1191,19 @@ impl PyChannel {
 
     /// ``connect`` as an awaitable.
     fn connect_async<'py>(&self, py: Python<'py>, addr: String) -> PyResult<Bound<'py, PyAny>> {
-        let channel = self.open(py)?.channel.clone();
+        let open = self.open(py)?;
+        let stuck = self.stuck(
+            &open,
+            format!("connect to {addr}"),
+            Some(addr.clone()),
+            "connect",
+        );
+        let channel = open.channel.clone();
         call::awaitable(
             py,
             async move { Ok(channel.connect(&addr).await?.to_string()) },
             |py, s: String| Ok(PyString::new(py, &s).into_any().unbind()),
+            stuck,
         )
     }
 
@@ -1217,7 +1298,7 @@ impl PyChannel {
         page_len: Option<&Bound<'py, PyAny>>,
         token: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let (batch, _) = self.pages_batch(
+        let batch = self.pages_batch(
             py,
             Dir::Write,
             peer,
@@ -1228,7 +1309,7 @@ impl PyChannel {
             page_len,
             token,
         )?;
-        call::awaitable(py, batch, none)
+        self.batch_awaitable(py, batch, peer, Dir::Write)
     }
 
     /// ``read_pages`` as an awaitable.
@@ -1245,7 +1326,7 @@ impl PyChannel {
         page_len: Option<&Bound<'py, PyAny>>,
         token: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let (batch, _) = self.pages_batch(
+        let batch = self.pages_batch(
             py,
             Dir::Read,
             peer,
@@ -1256,7 +1337,7 @@ impl PyChannel {
             page_len,
             token,
         )?;
-        call::awaitable(py, batch, none)
+        self.batch_awaitable(py, batch, peer, Dir::Read)
     }
 
     /// ``write_pages`` without waiting: returns a ``Transfer`` to ``poll()`` or ``wait()``.
@@ -1351,8 +1432,8 @@ impl PyChannel {
         ops: &Bound<'py, PyAny>,
         token: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let (batch, _) = self.ops_batch(py, Dir::Write, peer, ops, token)?;
-        call::awaitable(py, batch, none)
+        let batch = self.ops_batch(py, Dir::Write, peer, ops, token)?;
+        self.batch_awaitable(py, batch, peer, Dir::Write)
     }
 
     /// ``read`` as an awaitable.
@@ -1364,8 +1445,8 @@ impl PyChannel {
         ops: &Bound<'py, PyAny>,
         token: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let (batch, _) = self.ops_batch(py, Dir::Read, peer, ops, token)?;
-        call::awaitable(py, batch, none)
+        let batch = self.ops_batch(py, Dir::Read, peer, ops, token)?;
+        self.batch_awaitable(py, batch, peer, Dir::Read)
     }
 
     /// ``write`` without waiting: returns a ``Transfer``.
@@ -1410,13 +1491,21 @@ impl PyChannel {
         peer: &str,
         data: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let channel = self.open(py)?.channel.clone();
+        let open = self.open(py)?;
+        let stuck = self.stuck(
+            &open,
+            format!("notify of peer {peer}"),
+            Some(peer.to_string()),
+            "notify",
+        );
+        let channel = open.channel.clone();
         let peer = peer_arg(py, peer)?;
         let data = bytes_arg(data)?;
         call::awaitable(
             py,
             async move { Ok(channel.notify(&peer, &data).await?) },
             none,
+            stuck,
         )
     }
 
@@ -1449,6 +1538,7 @@ impl PyChannel {
         let limit = timeout_arg(py, timeout)?;
         let returned = open.returned.clone();
         let fut = recv(open.channel.clone(), open.returned.clone(), limit);
+        let stuck = self.stuck(&open, "receive of a notification".into(), None, "notify");
         call::awaitable_with(
             py,
             fut,
@@ -1462,6 +1552,7 @@ impl PyChannel {
                 })
             },
             move |got| give_back(&returned, got),
+            stuck,
         )
     }
 

@@ -752,13 +752,13 @@ class KvbridgeChannel(BaseTransferChannel):
         try:
             msg, fut = self._landed_msg(local, remote)  # while the write is in flight
         except BaseException:
-            # The write is left to end before the error goes up, so that the caller does not
-            # reuse pages the engine still sends from: cancelling an awaitable aborts the
-            # engine's task without waiting for it to let go of them (only
-            # ``Transfer.cancel`` waits).
+            # The write runs already: it is cancelled, and the error goes up once the engine
+            # let go of the pages it sends from (a cancelled ``kvbridge.Call`` ends only
+            # then), so that the caller does not reuse them under it.
+            write.cancel()
             try:
-                await asyncio.shield(write)
-            except Exception:
+                await write
+            except BaseException:
                 pass  # the first error is the one to report
             raise
         try:

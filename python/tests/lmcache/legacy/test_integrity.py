@@ -166,3 +166,40 @@ def test_the_setting_comes_from_the_environment(make, monkeypatch):  # noqa: F81
     monkeypatch.setenv("KVBRIDGE_LMCACHE_INTEGRITY", "maybe")
     with pytest.raises(ValueError, match="KVBRIDGE_LMCACHE_INTEGRITY"):
         make("sender")
+
+
+def test_an_async_write_whose_check_message_fails_is_cancelled_and_let_go_first(make, monkeypatch):
+    """The integrity message of an async write is built while the write is in flight; when
+    that fails, the write is cancelled, and the error goes up only once the engine let go of
+    the pages the write sends from (the caller may reuse them at once)."""
+    send, recv = _pair(make, "cma")
+    real, calls = send._ch, []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def write_pages_async(self, *a, **kw):
+            calls.append(real.write_pages_async(*a, **kw))
+            return calls[-1]
+
+    send._ch = Spy()
+
+    def no_message(*_):
+        raise RuntimeError("no message")
+
+    monkeypatch.setattr(send, "_landed_msg", no_message)
+
+    async def go():
+        with pytest.raises(RuntimeError, match="no message"):
+            await send.async_batched_write(_objs([1]), {"receiver_id": "R", "remote_indexes": [40]})
+        (write,) = calls
+        # (a write left to run ends done, not cancelled; a cancel not waited for, pending)
+        assert write.cancelled() and write._kvb_let_go, (
+            "the error went up before the write was cancelled and the engine let go of it"
+        )
+
+    asyncio.run(go())
+    send._ch = real
+    monkeypatch.undo()
+    assert send.batched_write(_objs([2]), {"receiver_id": "R", "remote_indexes": [41]}) == 1
