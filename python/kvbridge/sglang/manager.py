@@ -60,7 +60,7 @@ from sglang.srt.disaggregation.common.utils import TransferKVChunk
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.utils.network import get_local_ip_auto
 
-from . import messages
+from . import messages, metrics
 from .config import ConfigError, settings
 from .head_slices import HeadSlices, RankPool, prefill_ranks_of
 from .ops import page_runs, write_ops
@@ -101,7 +101,7 @@ class KvbridgeKVManager(CommonKVManager):
         )
         self.channel = kvbridge.Channel(self.kvbridge_peer_id, f"{host}:0", secret=self.settings.secret)
         self.kvbridge_addr = self.channel.local_addr
-        self.stats: Dict[str, int] = defaultdict(int)
+        self.stats = metrics.stats(self.role, args.engine_rank)  # on SGLang's /metrics with --enable-metrics
         self._stopped = threading.Event()
         writable = disaggregation_mode == DisaggregationMode.DECODE
         self.kv_regions = self._register(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens, writable, "KV")
