@@ -187,6 +187,23 @@ def test_a_prefill_of_another_tp_is_taken_and_its_dead_ranks_fail_the_request_at
         server.close()
 
 
+def test_a_decode_refuses_a_prefill_tp_sglang_cannot_pair_once(pd):
+    """Decode TP 2 and prefill TP 3: SGLang's rank mapping needs one to divide the other;
+    the decode rank refuses before it registers, decided (and counted) once per server."""
+    from sglang.srt.runtime_context import get_parallel
+
+    with get_parallel().override(tp_size=2, attn_tp_size=2, moe_tp_size=2, tp_rank=1, attn_tp_rank=1):
+        decode = type(pd.decode)(kv_args(Pool.make(), rank=1), DisaggregationMode.DECODE, pd.server_args, False)
+    try:
+        for _ in range(2):
+            why = decode.tp_refusal("127.0.0.1:9", 3)
+            assert "Incompatible (step layout)" in why and "prefill TP 3 and decode TP 2" in why, why
+        assert decode.stats["layouts_refused"] == 1
+        assert decode.tp_refusal("127.0.0.1:9", 4) is None and decode.tp_refusal("127.0.0.1:9", 1) is None
+    finally:
+        decode.close()
+
+
 def _put(requests, port, row):
     try:
         return requests.put(f"http://127.0.0.1:{port}/route", json=row, timeout=5).status_code
