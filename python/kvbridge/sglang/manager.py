@@ -101,7 +101,7 @@ class KvbridgeKVManager(CommonKVManager):
         )
         self.channel = kvbridge.Channel(self.kvbridge_peer_id, f"{host}:0", secret=self.settings.secret)
         self.kvbridge_addr = self.channel.local_addr
-        self.stats = metrics.stats(self.role, args.engine_rank)  # on SGLang's /metrics with --enable-metrics
+        self.stats = metrics.stats(self.role)  # on SGLang's /metrics with --enable-metrics
         self._stopped = threading.Event()
         writable = disaggregation_mode == DisaggregationMode.DECODE
         self.kv_regions = self._register(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens, writable, "KV")

@@ -82,14 +82,16 @@ class Stats(defaultdict):
             logger.exception("kvbridge: the Prometheus counter of %r failed; metrics of this rank stop", key)
 
 
-def stats(role: str, tp_rank: int) -> Stats:
-    """The manager's counters: exported when SGLang runs with ``--enable-metrics``."""
-    from sglang.srt.runtime_context import get_observability, get_serving
+def stats(role: str) -> Stats:
+    """The manager's counters: exported when SGLang runs with ``--enable-metrics``, with
+    the labels SGLang's scheduler metrics of this process carry (``tp_rank`` is the global
+    TP rank, as there, not the rank within an attention-DP group)."""
+    from sglang.srt.runtime_context import get_observability, get_parallel, get_serving
 
     try:
         if not get_observability().enable_metrics:
             return Stats()
-        model = str(get_serving().served_model_name)
+        model, tp_rank = str(get_serving().served_model_name), get_parallel().tp_rank
     except ValueError:  # SGLang's context not published (a manager made outside a scheduler)
         return Stats()
     labels = {"model_name": model, "engine_type": role, "tp_rank": str(tp_rank)}
