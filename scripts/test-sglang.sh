@@ -59,7 +59,8 @@ ROUTER_VERSION=0.3.2
 # (.venv-sglang): orjson for sglang.srt.utils; IPython, traitlets for sglang.utils;
 # gguf for sglang.srt.layers.quantization; datasets, multiprocess, pandas, python-dateutil,
 # six, pyarrow, xxhash for sglang.benchmark, which sglang.test.test_utils (published_topology)
-# imports. Installed without their dependencies: the rest comes from .venv.
+# imports. Installed without their dependencies: the rest comes from .venv (test_metrics.py's
+# fastapi, starlette's TestClient with httpx, and prometheus_client come with LMCache there).
 SLIM_PACKAGES=(orjson==3.13.0 ipython==9.19.1 traitlets==5.16.1 gguf==0.19.0 datasets==5.2.0
   multiprocess==0.70.19 pandas==3.1.1 python-dateutil==2.9.0.post0 six==1.17.0 pyarrow==26.0.1
   xxhash==4.1.0)
@@ -136,7 +137,7 @@ status=0
 REPORTS=$(mktemp -d)
 trap 'rm -rf "$REPORTS"' EXIT
 # How many tests each step holds today (raise with new tests).
-UNIT_MIN=35
+UNIT_MIN=62
 E2E_MIN=4
 counted() { "$PY" scripts/pytest-counts.py "test-sglang.sh: $1" "$2" "$3" || status=1; }
 

@@ -29,11 +29,14 @@ of the prefill rank's kvbridge listener fails (a dead prefill is known within
 its pages at ``KVBRIDGE_SGLANG_LEASE_S``.
 
 Supported: MHA and MLA KV pools with the same attention TP on both sides (each decode rank
-pairs with the prefill rank of its index, as SGLang's rank mapping does), MLA with any TP
-(MLA KV is the same on every rank: one prefill rank sends it, the others are dummies, as in
-SGLang), attention DP. Refused at startup with a clear error: state pools (Mamba, SWA,
-DSA...), PP > 1, CP/DCP > 1, KV sharding; per request: MHA with different TP on the two
-sides, decode radix-cache prefix hits.
+pairs with the prefill rank of its index, as SGLang's rank mapping does), MHA with different
+TP on the two sides (SGLang's rank mapping picks the prefill ranks; each writes the heads
+the decode rank holds, planned once per decode rank at its registration: head_slices.py),
+MLA with any TP (MLA KV is the same on every rank: one prefill rank sends it, the others
+are dummies, as in SGLang), attention DP. Refused at startup with a clear error: state pools
+(Mamba, SWA, DSA...), PP > 1, CP/DCP > 1, KV sharding; at a decode rank's registration
+(``kvbridge.Incompatible``, every request of that pair failing at once with it): MHA pools
+of different TP that cannot be translated; per request: decode radix-cache prefix hits.
 """
 
 from __future__ import annotations
@@ -57,8 +60,9 @@ from sglang.srt.disaggregation.common.utils import TransferKVChunk
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.utils.network import get_local_ip_auto
 
-from . import messages
+from . import messages, metrics
 from .config import ConfigError, settings
+from .head_slices import HeadSlices, RankPool, prefill_ranks_of
 from .ops import page_runs, write_ops
 
 logger = logging.getLogger(__name__)
@@ -70,9 +74,10 @@ CLOSE_WAIT_S = 5.0
 class DecodePeer:
     """A decode rank as a prefill rank knows it (after its registration)."""
 
-    def __init__(self, reg: messages.Registration, error: Optional[str]):
+    def __init__(self, reg: messages.Registration, error: Optional[str], slices: Optional[HeadSlices] = None):
         self.reg = reg
         self.error = error  # why its requests fail at once (layout mismatch, connect)
+        self.slices = slices  # MHA KV of another attention TP: the heads it holds (head_slices.py)
 
 
 class KvbridgeKVManager(CommonKVManager):
@@ -96,7 +101,7 @@ class KvbridgeKVManager(CommonKVManager):
         )
         self.channel = kvbridge.Channel(self.kvbridge_peer_id, f"{host}:0", secret=self.settings.secret)
         self.kvbridge_addr = self.channel.local_addr
-        self.stats: Dict[str, int] = defaultdict(int)
+        self.stats = metrics.stats(self.role)  # on SGLang's /metrics with --enable-metrics
         self._stopped = threading.Event()
         writable = disaggregation_mode == DisaggregationMode.DECODE
         self.kv_regions = self._register(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens, writable, "KV")
@@ -118,6 +123,7 @@ class KvbridgeKVManager(CommonKVManager):
             self.room_peers: Dict[int, Dict[str, str]] = {}  # room -> prefill peer id -> its addr
             self._room_deadline: Dict[int, float] = {}
             self._room_bootstrap: Dict[int, str] = {}
+            self._tp_refusals: Dict[Tuple[str, int], Optional[str]] = {}
             probe_id = identity.check_peer_id(f"{self.kvbridge_peer_id}/probe", f"{identity.PEER_ID_ENV} (the probe's id)")
             self._probe = kvbridge.Channel(probe_id, secret=self.settings.secret)
             self._threads = [
@@ -287,6 +293,25 @@ class KvbridgeKVManager(CommonKVManager):
             self.stats["grants_closed"] += 1
             return True
 
+    def tp_refusal(self, bootstrap_addr: str, prefill_tp: int) -> Optional[str]:
+        """Why this decode rank cannot take MHA KV from the prefill server at
+        ``bootstrap_addr`` of attention TP ``prefill_tp`` (SGLang's rank mapping needs one TP
+        size to divide the other), or None; decided, and logged, once per server and TP.
+        The rest of the check is the prefill rank's, at this rank's registration."""
+        if self.is_mla_backend or prefill_tp == self.attn_tp_size:
+            return None
+        key = (bootstrap_addr, prefill_tp)
+        if key not in self._tp_refusals:
+            try:
+                prefill_ranks_of(self.attn_tp_rank, self.attn_tp_size, prefill_tp)
+                why = None
+            except ValueError as e:
+                why = f"kvbridge: Incompatible (step layout): the prefill at {bootstrap_addr}: {e}"
+                self.stats["layouts_refused"] += 1
+                logger.error("%s", why)
+            self._tp_refusals[key] = why
+        return self._tp_refusals[key]
+
     def expect(self, room: int, peers: Dict[str, str], bootstrap_addr: str) -> None:
         self.room_peers[room] = dict(peers)
         self._room_bootstrap[room] = bootstrap_addr
@@ -338,17 +363,27 @@ class KvbridgeKVManager(CommonKVManager):
                 self.stats["bad_notices"] += 1
                 logger.warning("kvbridge: %s sent a status for room %s, which it does not serve", peer, room)
                 continue
-            if note["status"] == KVPoll.Success:
-                self.stats["kv_received"] += 1
-                logger.info(
-                    "kvbridge: room %s: KV received over kvbridge from %s (kv_received=%d)",
-                    room, peer, self.stats["kv_received"],
-                )  # fmt: skip
             status = note["status"]
             reason = note["reason"] or None
             if status == KVPoll.Failed:
                 reason = f"kvbridge: prefill {peer} failed room {room}: {reason or 'no reason given'}"
+            self.stats["statuses_received"] += 1
+            last = status == KVPoll.Success and self._completes(room, note["rank"])
             self.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=note["rank"], failure_reason=reason)
+            if last:
+                self.stats["kv_received"] += 1
+                logger.info(
+                    "kvbridge: room %s: KV received over kvbridge from %s (kv_received=%d)",
+                    room, sorted(self.room_peers.get(room, {})), self.stats["kv_received"],
+                )  # fmt: skip
+
+    def _completes(self, room: int, rank: int) -> bool:
+        """Whether a Success from prefill rank ``rank`` is the last the room waits for
+        (SGLang's count of the prefill ranks a decode rank hears from). Only the notice
+        thread adds to that count."""
+        done = self.prefill_response_tracker.get(room)
+        need = self.required_prefill_response_num_table.get(room)
+        return done is not None and need is not None and rank not in done and len(done) + 1 == need
 
     def _probe_loop(self) -> None:
         while not self._stopped.wait(self.settings.probe_s):
@@ -442,17 +477,8 @@ class KvbridgeKVManager(CommonKVManager):
         return True
 
     def _register_decode(self, reg: messages.Registration) -> None:
-        error = None
-        own = self.kv_args
-        if list(reg.kv_item_lens) != list(own.kv_item_lens):
-            error = (
-                f"KV layout differs: decode {reg.peer_id} (TP {reg.tp_size}) has {len(reg.kv_item_lens)} KV "
-                f"buffers of {sorted(set(reg.kv_item_lens))} bytes a page, this prefill (TP {self.attn_tp_size}) "
-                f"{len(own.kv_item_lens)} of {sorted(set(own.kv_item_lens))}"
-            )
-        elif list(reg.aux_item_lens)[: len(own.aux_item_lens)] != list(own.aux_item_lens)[: len(reg.aux_item_lens)]:
-            error = f"metadata buffers differ: decode {reg.aux_item_lens}, prefill {list(own.aux_item_lens)}"
-        else:
+        error, slices = self._layout(reg)
+        if error is None:
             try:
                 got = self.channel.connect(reg.addr)
                 if got != reg.peer_id:
@@ -462,7 +488,47 @@ class KvbridgeKVManager(CommonKVManager):
                 error = f"connecting to decode {reg.peer_id} at {reg.addr} failed (step {e.step}): {type(e).__name__}: {e}"
         if error:
             logger.error("kvbridge: decode rank at %s:%s refused: %s", reg.endpoint, reg.port, error)
-        self.decode_peers[reg.key] = DecodePeer(reg, error)
+        self.decode_peers[reg.key] = DecodePeer(reg, error, slices)
+
+    def _layout(self, reg: messages.Registration) -> Tuple[Optional[str], Optional[HeadSlices]]:
+        """Whether this rank's KV can go to the decode rank: ``(why not, None)``, or
+        ``(None, the head slices)`` for MHA KV of another attention TP, ``(None, None)``
+        for whole pages. Decided once per decode rank, here."""
+        own = self.kv_args
+        if not self.is_mla_backend and reg.tp_size != self.attn_tp_size:
+            try:
+                slices = self._head_slices(reg)
+            except kvbridge.Incompatible as e:
+                self.stats["layouts_refused"] += 1
+                return f"kvbridge: {type(e).__name__} (step {e.step}): {e}", None
+        elif list(reg.kv_item_lens) != list(own.kv_item_lens):
+            return (
+                f"KV layout differs: decode {reg.peer_id} (TP {reg.tp_size}) has {len(reg.kv_item_lens)} KV "
+                f"buffers of {sorted(set(reg.kv_item_lens))} bytes a page, this prefill (TP {self.attn_tp_size}) "
+                f"{len(own.kv_item_lens)} of {sorted(set(own.kv_item_lens))}"
+            ), None
+        else:
+            slices = None
+        if list(reg.aux_item_lens)[: len(own.aux_item_lens)] != list(own.aux_item_lens)[: len(reg.aux_item_lens)]:
+            return f"metadata buffers differ: decode {reg.aux_item_lens}, prefill {list(own.aux_item_lens)}", None
+        return None, slices
+
+    def _head_slices(self, reg: messages.Registration) -> HeadSlices:
+        """The translation of this rank's MHA KV into a decode rank's of another attention
+        TP, decided once, at its registration; ``kvbridge.Incompatible`` when there is none."""
+        own = self.kv_args
+        # SGLang's prefill sets both for MHA; a per-rank count alone loses heads when ranks
+        # outnumber them (as SGLang's resolve_total_kv_heads reads it)
+        total_heads = int(getattr(own, "total_kv_head_num", 0) or 0)
+        total_heads = total_heads or int(getattr(own, "kv_head_num", 0) or 0) * self.attn_tp_size
+        return HeadSlices(
+            RankPool(
+                self.attn_tp_rank, self.attn_tp_size, tuple(own.kv_item_lens), own.page_size, str(self.kv_cache_dtype_str)
+            ),
+            RankPool(reg.tp_rank, reg.tp_size, tuple(reg.kv_item_lens), reg.page_size, reg.kv_cache_dtype),
+            total_heads,
+            reg.peer_id,
+        )
 
     def _add_transfer_info(self, info: messages.TransferInfo) -> None:
         room = info.room
@@ -552,7 +618,10 @@ class KvbridgeKVManager(CommonKVManager):
                     f"room {room}: decode {info.peer_id} gave {len(dst)} pages for slice "
                     f"{chunk.index_slice.start}:{chunk.index_slice.stop}, the prefill sends {len(src)}"
                 )
-            ops = write_ops(src, dst, self.kv_regions, peer.reg.kv_regions, self.kv_args.kv_item_lens)
+            if peer.slices is not None:
+                ops = peer.slices.ops(src, dst, self.kv_regions, peer.reg.kv_regions)
+            else:
+                ops = write_ops(src, dst, self.kv_regions, peer.reg.kv_regions, self.kv_args.kv_item_lens)
             if chunk.is_last_chunk and chunk.prefill_aux_index is not None and info.dst_aux_index is not None:
                 for s_reg, d_reg, item in zip(self.aux_regions, peer.reg.aux_regions, self.kv_args.aux_item_lens):
                     ops.append((s_reg, chunk.prefill_aux_index * item, d_reg, info.dst_aux_index * item, item))
@@ -567,6 +636,9 @@ class KvbridgeKVManager(CommonKVManager):
                 )
                 return
             self.stats["bytes_sent"] += sum(op[4] for op in ops)
+            self.stats["write_ops"] += len(ops)
+            if chunk.is_last_chunk:
+                self.stats["decode_ranks_sent"] += 1
         if chunk.is_last_chunk:
             self.stats["transfers_done"] += 1
             logger.info(

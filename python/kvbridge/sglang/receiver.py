@@ -21,12 +21,9 @@ class KvbridgeKVReceiver(CommonKVReceiver):
     def init(self, prefill_dp_rank: int) -> None:
         if self.conclude_state != KVPoll.Failed:
             info = self.kv_mgr.prefill_info_table.get(self.bootstrap_addr)
-            if info is not None and not self.kv_mgr.is_mla_backend and info.attn_tp_size != self.kv_mgr.attn_tp_size:
-                self._fail(
-                    f"kvbridge: prefill at {self.bootstrap_addr} runs attention TP {info.attn_tp_size}, this decode "
-                    f"TP {self.kv_mgr.attn_tp_size}: MHA KV needs the same TP on both sides with the kvbridge "
-                    "backend (MLA works with any)"
-                )
+            why = None if info is None else self.kv_mgr.tp_refusal(self.bootstrap_addr, info.attn_tp_size)
+            if why is not None:
+                self._fail(why)
                 return
         super().init(prefill_dp_rank)
 

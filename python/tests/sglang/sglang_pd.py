@@ -35,32 +35,33 @@ class Pool:
 
     kv: List[np.ndarray]
     aux: List[np.ndarray]
+    item: int = ITEM  # bytes of one page of one KV buffer
 
     @classmethod
-    def make(cls, fill: Optional[int] = None) -> "Pool":
-        kv = [np.zeros(PAGES * ITEM, dtype=np.uint8) for _ in range(2 * LAYERS)]
+    def make(cls, fill: Optional[int] = None, item: int = ITEM) -> "Pool":
+        kv = [np.zeros(PAGES * item, dtype=np.uint8) for _ in range(2 * LAYERS)]
         aux = [np.zeros(AUX_ITEMS * AUX_ITEM, dtype=np.uint8) for _ in range(2)]
         if fill is not None:
             rng = np.random.default_rng(fill)
             for b in kv + aux:
                 b[:] = rng.integers(0, 256, b.size, dtype=np.uint8)
-        return cls(kv, aux)
+        return cls(kv, aux, item)
 
     def page(self, buf: int, page: int) -> bytes:
-        return self.kv[buf][page * ITEM : (page + 1) * ITEM].tobytes()
+        return self.kv[buf][page * self.item : (page + 1) * self.item].tobytes()
 
     def aux_slot(self, buf: int, slot: int) -> bytes:
         return self.aux[buf][slot * AUX_ITEM : (slot + 1) * AUX_ITEM].tobytes()
 
 
-def kv_args(pool: Pool, rank: int = 0) -> Any:
+def kv_args(pool: Pool, rank: int = 0, heads: int = 2, total_heads: int = 2) -> Any:
     from sglang.srt.disaggregation.base.conn import KVArgs
 
     a = KVArgs()
     a.engine_rank = rank
     a.kv_data_ptrs = [b.ctypes.data for b in pool.kv]
     a.kv_data_lens = [b.nbytes for b in pool.kv]
-    a.kv_item_lens = [ITEM] * len(pool.kv)
+    a.kv_item_lens = [pool.item] * len(pool.kv)
     a.kv_layer_ids = [i // 2 for i in range(len(pool.kv))]
     a.aux_data_ptrs = [b.ctypes.data for b in pool.aux]
     a.aux_data_lens = [b.nbytes for b in pool.aux]
@@ -77,8 +78,8 @@ def kv_args(pool: Pool, rank: int = 0) -> Any:
     a.page_size = PAGE_TOKENS
     a.ib_device = None
     a.gpu_id = 0
-    a.kv_head_num = 2
-    a.total_kv_head_num = 2
+    a.kv_head_num = heads
+    a.total_kv_head_num = total_heads
     a.system_dp_rank = 0
     a.rust_http_port = None
     a.pp_rank = 0

@@ -1,6 +1,6 @@
 """Every request ends, on both sides, with a reason that names the peer and the step: a
 prefill killed mid-transfer, a silent prefill, a decode that dies, aborts or never sends
-its indices, and a prefill and decode with KV layouts that cannot pair."""
+its indices, and a prefill of another TP whose ranks are gone."""
 
 import os
 import select
@@ -159,7 +159,9 @@ def test_the_prefill_frees_a_request_whose_decode_never_comes_at_its_lease(pd):
     assert "timed out" in failure_text(sender)
 
 
-def test_mha_with_different_tp_fails_fast_with_the_reason(pd):
+def test_a_prefill_of_another_tp_is_taken_and_its_dead_ranks_fail_the_request_at_the_probe(pd):
+    """MHA from prefill TP 2 to this decode's TP 1 is a pairing, not a refusal: the decode
+    registers with both prefill ranks and waits on both; these ones are not there."""
     import requests
 
     from kvbridge.sglang.bootstrap import sign
@@ -169,16 +171,37 @@ def test_mha_with_different_tp_fails_fast_with_the_reason(pd):
     server = type(pd.server)(host="127.0.0.1", port=port)
     try:
         for rank in (0, 1):
-            row = registration(port, attn_tp_size=2, attn_tp_rank=rank)
+            row = registration(port, attn_tp_size=2, attn_tp_rank=rank, kvbridge_peer=f"sglang-prefill-test-{rank}")
             row["kvbridge_sig"] = sign(settings().secret, row)
             wait_for(lambda: _put(requests, port, row) == 200, 10, "the registration")
         room = pd.room()
         receiver = pd.receiver(room, bootstrap_addr=f"127.0.0.1:{port}")
-        assert receiver.poll() == KVPoll.Failed
+        assert receiver.poll() != KVPoll.Failed, failure_text(receiver)
+        assert receiver.required_prefill_response_num == 2  # SGLang's count: both prefill ranks
+        receiver.send_metadata(np.array([60], dtype=np.int32), aux_index=10)
+        assert until_done(receiver, timeout=10) == KVPoll.Failed
         text = failure_text(receiver)
-        assert "TP 2" in text and "TP 1" in text and "same TP" in text, text
+        assert "kvbridge: prefill sglang-prefill-test-" in text and "unreachable (step" in text, text
+        receiver.clear()
     finally:
         server.close()
+
+
+def test_a_decode_refuses_a_prefill_tp_sglang_cannot_pair_once(pd):
+    """Decode TP 2 and prefill TP 3: SGLang's rank mapping needs one to divide the other;
+    the decode rank refuses before it registers, decided (and counted) once per server."""
+    from sglang.srt.runtime_context import get_parallel
+
+    with get_parallel().override(tp_size=2, attn_tp_size=2, moe_tp_size=2, tp_rank=1, attn_tp_rank=1):
+        decode = type(pd.decode)(kv_args(Pool.make(), rank=1), DisaggregationMode.DECODE, pd.server_args, False)
+    try:
+        for _ in range(2):
+            why = decode.tp_refusal("127.0.0.1:9", 3)
+            assert "Incompatible (step layout)" in why and "prefill TP 3 and decode TP 2" in why, why
+        assert decode.stats["layouts_refused"] == 1
+        assert decode.tp_refusal("127.0.0.1:9", 4) is None and decode.tp_refusal("127.0.0.1:9", 1) is None
+    finally:
+        decode.close()
 
 
 def _put(requests, port, row):
