@@ -703,12 +703,17 @@ impl Initiator {
                     &proof.0,
                 )
             }) else {
-                self.core.fail(unauth(if self.local.peer_key.is_some() {
-                    "the listener could not prove it knows our own key (peer_key) or the \
-                     shared secret"
-                } else {
-                    "the listener could not prove it knows the shared secret"
-                }));
+                self.core
+                    .fail(unauth(match (&self.local.peer_key, &self.local.secret) {
+                        (Some(_), Some(_)) => {
+                            "the listener could not prove it knows our own key (peer_key) or \
+                             the shared secret"
+                        }
+                        (Some(_), None) => {
+                            "the listener could not prove it knows our own key (peer_key)"
+                        }
+                        _ => "the listener could not prove it knows the shared secret",
+                    }));
                 return;
             };
             let mine = auth::prove(key, Role::Initiator, &self.challenge, &cl.0, me, &w.peer_id);
