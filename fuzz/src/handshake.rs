@@ -289,6 +289,7 @@ fn identity(name: &str, inc: u64, hash: u64, secret: Option<bool>) -> LocalIdent
         },
         secret: secret.map(|s| Secret::new(SECRETS[usize::from(s)].as_bytes().to_vec()).unwrap()),
         peer_keys: None,
+        peer_key: None,
     }
 }
 

@@ -80,6 +80,7 @@ class Channel:
         listen: str | None = None,
         *,
         secret: bytes | str | None = None,
+        peer_key: bytes | str | None = None,
         transport: Literal["auto", "tcp", "shm", "ucx"] | None = None,
         tls_cert: str | PathLike[str] | None = None,
         tls_key: str | PathLike[str] | None = None,

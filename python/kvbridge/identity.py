@@ -1,6 +1,7 @@
 """The kvbridge peer id an integration's channel goes by (the LMCache channel, the SGLang
 backend): random per start, unless the operator names it, so that a listener's keyring
-(``KVBRIDGE_PEER_KEYS``: lines ``peer-id key``) can bind it to a key.
+(``KVBRIDGE_PEER_KEYS``: lines ``peer-id key``) can bind it to a key, which this side holds
+as ``KVBRIDGE_PEER_KEY`` (the engine proves it when dialing a listener that binds the id).
 
 ``KVBRIDGE_PEER_ID`` is a template, since every TP rank of an engine is a process of its
 own with the same environment: ``{role}`` (the integration's role: ``sender``/``receiver``
@@ -12,7 +13,8 @@ whitespace, not starting with ``#``); anything else is a ``ValueError`` naming t
 
 A random id cannot be in any keyring: whoever holds the shared secret and learns it can
 claim it. When ``KVBRIDGE_PEER_KEYS`` is set (the deployment binds ids to keys) and this
-side's id is random, that is logged once per process.
+side's id is random, that is logged once per process; ``KVBRIDGE_PEER_KEY`` with a random id
+(a key no keyring can list it under) is a ``ValueError`` naming both variables.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ logger = logging.getLogger(__name__)
 PEER_ID_ENV = "KVBRIDGE_PEER_ID"
 #: The listener's keyring file (read by the engine; here only to warn about random ids).
 PEER_KEYS_ENV = "KVBRIDGE_PEER_KEYS"
+#: This side's own key (read by the engine; here only to refuse it with a random id).
+PEER_KEY_ENV = "KVBRIDGE_PEER_KEY"
 #: ``PeerId::new``'s limit, in bytes.
 MAX_PEER_ID_LEN = 256
 _RANK_FIELDS = ("tp_rank", "rank")
@@ -77,6 +81,12 @@ def peer_id(random_id: str, *, role: str, rank: int, template: Optional[str] = N
     if template is None:
         template = os.environ.get(PEER_ID_ENV) or None
     if template is None:
+        if os.environ.get(PEER_KEY_ENV):
+            raise ValueError(
+                f"{PEER_KEY_ENV} is set but {PEER_ID_ENV} is not: this side's peer id is random "
+                f"({random_id}), so no keyring can list the key under it; set {PEER_ID_ENV} "
+                "(e.g. 'prefill-a-{role}-tp{tp_rank}') to the id the listeners' keyrings name"
+            )
         _note_random(random_id)
         return random_id
     _fields(template, source)

@@ -188,6 +188,16 @@ fn bytes_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
     Ok(b.downcast::<PyBytes>()?.as_bytes().to_vec())
 }
 
+/// A secret or key argument (bytes or str); empty is refused, naming `what`.
+fn key_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Secret> {
+    let bytes = if let Ok(s) = obj.downcast::<PyString>() {
+        s.to_str()?.as_bytes().to_vec()
+    } else {
+        bytes_arg(obj)?
+    };
+    Secret::new(bytes).ok_or_else(|| errors::invalid(py, format!("{what} is empty")))
+}
+
 fn none(py: Python<'_>, _: ()) -> PyResult<PyObject> {
     Ok(py.None())
 }
@@ -249,6 +259,11 @@ impl PyRegionInfo {
 ///   makes an initiator-only channel.
 /// - ``secret``: shared secret (bytes or str); peers that cannot prove they know it are
 ///   refused (``Unauthenticated``). Default: ``KVBRIDGE_SECRET``.
+/// - ``peer_key``: this side's own key (bytes or str, 16 bytes or more), the one a
+///   listener's keyring (``KVBRIDGE_PEER_KEYS``) lists for ``peer_id``: dialing, the channel
+///   proves it to a listener that proves it and ``secret`` to any other; its own listener
+///   still takes ``secret`` from others. A key equal to ``secret``, or one on a listening
+///   channel without a secret, raises ``LocalError``. Default: ``KVBRIDGE_PEER_KEY``.
 /// - ``transport``: ``"auto"`` (shared memory with a peer on this host, else TCP), ``"tcp"``,
 ///   ``"shm"`` or ``"ucx"`` (UCX's one-sided puts and gets with a peer that offers UCX, else
 ///   TCP; in a package built with UCX, see ``kvbridge.TRANSPORTS``). Default:
@@ -697,13 +712,14 @@ impl PyChannel {
 #[pymethods]
 impl PyChannel {
     #[new]
-    #[pyo3(signature = (peer_id, listen=None, *, secret=None, transport=None, tls_cert=None, tls_key=None, tls_ca=None, tls_server_name=None, compat=None, use_env=true, deadlines=None, ucx_trusted_fabric=None))]
+    #[pyo3(signature = (peer_id, listen=None, *, secret=None, peer_key=None, transport=None, tls_cert=None, tls_key=None, tls_ca=None, tls_server_name=None, compat=None, use_env=true, deadlines=None, ucx_trusted_fabric=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         peer_id: &str,
         listen: Option<&str>,
         secret: Option<&Bound<'_, PyAny>>,
+        peer_key: Option<&Bound<'_, PyAny>>,
         transport: Option<&str>,
         tls_cert: Option<PathBuf>,
         tls_key: Option<PathBuf>,
@@ -718,6 +734,7 @@ impl PyChannel {
         let mut config = ChannelConfig::new(peer_id, listen);
         if !use_env {
             config.secret = None;
+            config.peer_key = None;
             config.tls = None;
             config.data_threads = true;
             config.transport = Transport::Auto;
@@ -730,13 +747,10 @@ impl PyChannel {
             config.ucx_trusted_fabric = trusted;
         }
         if let Some(s) = secret {
-            let bytes = if let Ok(s) = s.downcast::<PyString>() {
-                s.to_str()?.as_bytes().to_vec()
-            } else {
-                bytes_arg(s)?
-            };
-            config.secret =
-                Some(Secret::new(bytes).ok_or_else(|| errors::invalid(py, "the secret is empty"))?);
+            config.secret = Some(key_arg(py, s, "the secret")?);
+        }
+        if let Some(k) = peer_key {
+            config.peer_key = Some(key_arg(py, k, "peer_key")?);
         }
         if let Some(t) = transport {
             config.transport = Transport::parse(t).ok_or_else(|| {

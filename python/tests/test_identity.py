@@ -13,6 +13,7 @@ from kvbridge import identity
 def clean(monkeypatch):
     monkeypatch.delenv(identity.PEER_ID_ENV, raising=False)
     monkeypatch.delenv(identity.PEER_KEYS_ENV, raising=False)
+    monkeypatch.delenv(identity.PEER_KEY_ENV, raising=False)
     monkeypatch.setattr(identity, "_random_logged", False)
 
 
@@ -62,3 +63,14 @@ def test_a_random_id_under_a_keyring_is_said_once(monkeypatch, caplog):
     monkeypatch.setenv(identity.PEER_ID_ENV, "p{tp_rank}")
     identity.peer_id("random-3", role="sender", rank=0)
     assert len(caplog.records) == 1, "a stable id is not random"
+
+
+def test_an_own_key_with_a_random_id_fails_naming_both_variables(monkeypatch):
+    """A key no keyring could list under a random id binds nothing: refused, not ignored."""
+    monkeypatch.setenv(identity.PEER_KEY_ENV, "key-of-prefill-a-0123")
+    with pytest.raises(ValueError) as e:
+        identity.peer_id("random-1", role="prefill", rank=0)
+    assert identity.PEER_KEY_ENV in str(e.value) and identity.PEER_ID_ENV in str(e.value), e.value
+    assert "random-1" in str(e.value) and "key-of" not in str(e.value), e.value
+    monkeypatch.setenv(identity.PEER_ID_ENV, "prefill-a-{role}-r{rank}")
+    assert identity.peer_id("random-1", role="prefill", rank=0) == "prefill-a-prefill-r0"

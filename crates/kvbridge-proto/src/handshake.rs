@@ -52,18 +52,32 @@ pub struct LocalIdentity {
     /// What the other side must match.
     pub compat: Compat,
     /// Shared secret; when set, the peer must prove it knows it (and so must we). An
-    /// initiator proves itself with it.
+    /// initiator proves itself with it unless its own key ([`Self::peer_key`]) is what the
+    /// listener proves.
     pub secret: Option<Secret>,
     /// (Listener) Per-peer keys: a peer claiming an id of the ring must prove that id's
     /// key, not the shared secret ([`Keyring`]). Set, the listener always requires
     /// authentication.
     pub peer_keys: Option<Keyring>,
+    /// (Initiator) This side's own key: the one a listener's keyring lists for our
+    /// `peer_id`. A listener proves itself first, with the key it will require of us; we
+    /// answer with our own key when that proof checks out under it, else with the shared
+    /// secret (a listener that does not bind our id). Our listener never uses it: it
+    /// accepts the shared secret (and its keyring) from others, so holding a key of our
+    /// own does not change what our dialers must hold.
+    pub peer_key: Option<Secret>,
 }
 
 impl LocalIdentity {
     /// Whether a listener with this identity requires peers to authenticate.
     pub fn authenticates(&self) -> bool {
         self.secret.is_some() || self.peer_keys.is_some()
+    }
+
+    /// The keys an initiator with this identity may prove, in the order it tries the
+    /// listener's proof under them: its own key first, then the shared secret.
+    fn dial_keys(&self) -> impl Iterator<Item = &Secret> {
+        self.peer_key.iter().chain(self.secret.iter())
     }
 
     /// The key a peer claiming `claimed` must prove (`None`: no authentication).
@@ -482,14 +496,14 @@ impl Initiator {
             peer_id: local.peer_id.clone(),
             incarnation: local.incarnation,
             compat: local.compat.clone(),
-            auth: local.secret.as_ref().map(|_| Auth {
+            auth: local.dial_keys().next().map(|_| Auth {
                 challenge: Some(Blob(challenge.to_vec())),
                 response: None,
             }),
             unacked_notify: true,
             host_after_proof: true,
-            // Only a secret gives a key to answer with.
-            data_proof: local.secret.is_some(),
+            // Only a key gives a data key to answer with.
+            data_proof: local.dial_keys().next().is_some(),
             data_connections,
             ucx: false,
             grant_tokens: true,
@@ -652,7 +666,7 @@ impl Initiator {
             self.core.fail(e);
             return;
         }
-        if let Some(secret) = &self.local.secret {
+        if self.local.dial_keys().next().is_some() {
             // The listener proves itself first; only then do we prove ourselves, and only
             // then does anything of ours (memory, data connection) go to it.
             let unauth = |detail: &str| HandshakeError::Unauthenticated {
@@ -675,41 +689,41 @@ impl Initiator {
                 return;
             }
             let me = &self.local.peer_id;
-            if !auth::verify(
-                secret,
-                Role::Listener,
-                &self.challenge,
-                &cl.0,
-                me,
-                &w.peer_id,
-                &proof.0,
-            ) {
-                self.core.fail(unauth(
-                    "the listener could not prove it knows the shared secret",
-                ));
-                return;
-            }
-            let mine = auth::prove(
-                secret,
-                Role::Initiator,
-                &self.challenge,
-                &cl.0,
-                me,
-                &w.peer_id,
-            );
-            self.core.send(Message::Proof(Auth {
-                challenge: None,
-                response: Some(Blob(mine)),
-            }));
-            if w.data_proof {
-                self.data_key = Some(auth::data_key(
-                    secret,
+            // The key the listener proved is the one it checks our proof against: our own
+            // when its keyring binds our id, else the shared secret. Answering with any
+            // other could never pass, and says nothing a proof under it would not.
+            let Some(key) = self.local.dial_keys().find(|k| {
+                auth::verify(
+                    k,
+                    Role::Listener,
                     &self.challenge,
                     &cl.0,
                     me,
                     &w.peer_id,
-                ));
+                    &proof.0,
+                )
+            }) else {
+                self.core
+                    .fail(unauth(match (&self.local.peer_key, &self.local.secret) {
+                        (Some(_), Some(_)) => {
+                            "the listener could not prove it knows our own key (peer_key) or \
+                             the shared secret"
+                        }
+                        (Some(_), None) => {
+                            "the listener could not prove it knows our own key (peer_key)"
+                        }
+                        _ => "the listener could not prove it knows the shared secret",
+                    }));
+                return;
+            };
+            let mine = auth::prove(key, Role::Initiator, &self.challenge, &cl.0, me, &w.peer_id);
+            if w.data_proof {
+                self.data_key = Some(auth::data_key(key, &self.challenge, &cl.0, me, &w.peer_id));
             }
+            self.core.send(Message::Proof(Auth {
+                challenge: None,
+                response: Some(Blob(mine)),
+            }));
         }
         self.peer = Some((w.peer_id.clone(), w.incarnation));
         self.grant_tokens = w.grant_tokens;

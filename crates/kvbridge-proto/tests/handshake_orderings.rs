@@ -2,7 +2,7 @@
 //! message deliveries and data-connection bindings (exhaustively), and under arbitrary event
 //! sequences (property test).
 
-use kvbridge_proto::auth::{Keyring, Secret};
+use kvbridge_proto::auth::{DataKey, Keyring, Secret};
 use kvbridge_proto::handshake::{
     Established, HandshakeError, Initiator, ListenerSession, LocalIdentity, Output, Step,
 };
@@ -27,6 +27,7 @@ fn ident(name: &str, inc: u64, hash: u64) -> LocalIdentity {
         },
         secret: None,
         peer_keys: None,
+        peer_key: None,
     }
 }
 
@@ -62,6 +63,8 @@ struct Pair {
     now: Instant,
     listener_secret: Option<&'static str>,
     listener_keys: Option<Keyring>,
+    /// The data-connection key the initiator's `Welcomed` carried.
+    init_data_key: Option<DataKey>,
 }
 
 impl Pair {
@@ -74,13 +77,17 @@ impl Pair {
         initiator_secret: Option<&'static str>,
         listener_secret: Option<&'static str>,
     ) -> Self {
+        Self::dialing(
+            now,
+            with_secret(ident("prefill-0", 1, 42), initiator_secret),
+            listener_secret,
+        )
+    }
+
+    /// "prefill-0" as `me` dials "decode-0", which holds `listener_secret`.
+    fn dialing(now: Instant, me: LocalIdentity, listener_secret: Option<&'static str>) -> Self {
         let mut p = Pair {
-            init: Initiator::new(
-                with_secret(ident("prefill-0", 1, 42), initiator_secret),
-                STEP,
-                now,
-                [1; 32],
-            ),
+            init: Initiator::new(me, STEP, now, [1; 32]),
             listen: None,
             to_listener: VecDeque::new(),
             to_initiator: VecDeque::new(),
@@ -93,6 +100,7 @@ impl Pair {
             now,
             listener_secret,
             listener_keys: None,
+            init_data_key: None,
         };
         p.drain();
         p
@@ -114,8 +122,9 @@ impl Pair {
         while let Some(o) = self.init.poll_output() {
             match o {
                 Output::Send(m) => self.to_listener.push_back(m),
-                Output::Welcomed { .. } => {
+                Output::Welcomed { data_key, .. } => {
                     self.welcomed = true;
+                    self.init_data_key = data_key;
                     self.init.provide_mem_info(mem(1), self.now);
                 }
                 Output::Ready(e) => self.init_ready = Some(e),
@@ -235,6 +244,12 @@ fn explore_expecting(p: Pair, terminals: &mut usize, succeed: bool) {
         assert_eq!(l.regions, mem(1), "listener sees the initiator's grant");
         assert_eq!(i.peer_id.as_str(), "decode-0");
         assert_eq!(l.peer_id.as_str(), "prefill-0");
+        // Both sides derived the same data-connection key (from the same key), or neither.
+        assert_eq!(
+            p.init_data_key.as_ref(),
+            p.listen.as_ref().unwrap().data_key(),
+            "the two sides' data-connection keys differ"
+        );
         return;
     }
     for c in choices {
@@ -345,6 +360,102 @@ fn per_peer_keys_bind_the_claimed_id_under_every_ordering() {
             Pair::with_keys(Instant::now(), claim_with, None, others()),
             &mut terminals,
             false,
+        );
+    }
+}
+
+fn with_own_key(mut id: LocalIdentity, key: &str) -> LocalIdentity {
+    id.peer_key = Secret::new(key.as_bytes().to_vec());
+    id
+}
+
+/// "prefill-0" holding its own key (`peer_key`) beside the shared secret: it establishes,
+/// under every ordering, with a listener whose ring binds its id to that key (with or
+/// without the shared secret there) and with one that binds nothing and takes the shared
+/// secret; both sides derive the same data key each time.
+#[test]
+fn an_own_key_dials_both_a_binding_listener_and_a_shared_one_under_every_ordering() {
+    let own = || {
+        with_own_key(
+            with_secret(ident("prefill-0", 1, 42), Some("shared-secret")),
+            "key-of-prefill-0",
+        )
+    };
+    let binding = || ring(&[("prefill-0", "key-of-prefill-0")]);
+    let others = || ring(&[("prefill-1", "key-of-prefill-1")]);
+    for (shared, keys) in [
+        (Some("shared-secret"), Some(binding())),
+        (None, Some(binding())),
+        (Some("shared-secret"), None),
+        (Some("shared-secret"), Some(others())),
+    ] {
+        let mut p = Pair::dialing(Instant::now(), own(), shared);
+        p.listener_keys = keys.clone();
+        let mut terminals = 0;
+        explore(p, &mut terminals);
+        assert!(terminals >= 10, "{shared:?}/{keys:?}");
+    }
+    // Without the shared secret the own key is all it has: a listener that binds its id
+    // takes it.
+    let alone = || with_own_key(ident("prefill-0", 1, 42), "key-of-prefill-0");
+    let mut p = Pair::dialing(Instant::now(), alone(), None);
+    p.listener_keys = Some(binding());
+    let mut terminals = 0;
+    explore(p, &mut terminals);
+    assert!(terminals >= 10);
+}
+
+/// What an own key does not open: a listener whose ring binds "prefill-0" refuses an
+/// impostor claiming it with the shared secret, with the shared secret plus a wrong own
+/// key, or with another id's key as its own, under every ordering (nothing established,
+/// no data connection bound); an own key alone does not pass a listener that takes only
+/// the shared secret, or one whose ring binds the id to another key.
+#[test]
+fn an_own_key_opens_only_the_listeners_that_bind_it_under_every_ordering() {
+    let binding = || Some(ring(&[("prefill-0", "key-of-prefill-0")]));
+    let claim = |own: Option<&str>, secret: Option<&str>| {
+        let id = with_secret(ident("prefill-0", 1, 42), secret);
+        match own {
+            Some(k) => with_own_key(id, k),
+            None => id,
+        }
+    };
+    for (own, secret, listener_secret, keys) in [
+        // impostors holding the shared secret, claiming the bound id
+        (
+            None,
+            Some("shared-secret"),
+            Some("shared-secret"),
+            binding(),
+        ),
+        (
+            Some("not-prefill-0s-key"),
+            Some("shared-secret"),
+            Some("shared-secret"),
+            binding(),
+        ),
+        (
+            Some("key-of-prefill-1"),
+            Some("shared-secret"),
+            Some("shared-secret"),
+            binding(),
+        ),
+        // the real key, where the listener does not take it
+        (Some("key-of-prefill-0"), None, Some("shared-secret"), None),
+        (
+            Some("key-of-prefill-0"),
+            Some("shared-secret"),
+            Some("shared-secret"),
+            Some(ring(&[("prefill-0", "another-key-of-p0")])),
+        ),
+    ] {
+        let mut p = Pair::dialing(Instant::now(), claim(own, secret), listener_secret);
+        p.listener_keys = keys.clone();
+        let mut terminals = 0;
+        explore_expecting(p, &mut terminals, false);
+        assert!(
+            terminals >= 1,
+            "{own:?}/{secret:?}/{listener_secret:?}/{keys:?}"
         );
     }
 }

@@ -225,7 +225,41 @@ fn checked_keys(config: &ChannelConfig) -> Result<Option<Keyring>> {
             )));
         }
     }
+    checked_own_key(config, peer_keys.is_some())?;
     Ok(peer_keys)
+}
+
+/// The channel's own key (`ChannelConfig::peer_key`), refused when it is short, when it is
+/// the shared secret (every holder of the secret would hold it: it binds nothing), or when
+/// the channel listens without a secret or a keyring (the key proves this side to others
+/// while its listener would take any peer unauthenticated).
+fn checked_own_key(config: &ChannelConfig, keyring: bool) -> Result<()> {
+    let Some(k) = &config.peer_key else {
+        return Ok(());
+    };
+    const NAME: &str = "this channel's own key (ChannelConfig::peer_key / KVBRIDGE_PEER_KEY)";
+    if k.len() < Secret::MIN_LEN {
+        return Err(Error::Local(format!(
+            "{NAME} is {} bytes; at least {} are required",
+            k.len(),
+            Secret::MIN_LEN
+        )));
+    }
+    if config.secret.as_ref() == Some(k) {
+        return Err(Error::Local(format!(
+            "{NAME} is the shared secret (ChannelConfig::secret / KVBRIDGE_SECRET): every \
+             holder of the secret holds it, so it binds this side's id to nothing; give the \
+             id a key of its own"
+        )));
+    }
+    if config.listen_addr.is_some() && config.secret.is_none() && !keyring {
+        return Err(Error::Local(format!(
+            "{NAME} is set on a listening channel without a shared secret \
+             (ChannelConfig::secret / KVBRIDGE_SECRET) or a keyring (KVBRIDGE_PEER_KEYS): \
+             its listener would take any peer unauthenticated; set KVBRIDGE_SECRET"
+        )));
+    }
+    Ok(())
 }
 
 /// The bounds of the notification queues, refused when a notification of the largest size
@@ -318,6 +352,7 @@ impl Channel {
             compat: config.compat.clone(),
             secret: config.secret.clone(),
             peer_keys,
+            peer_key: config.peer_key.clone(),
         };
         let tls = match &config.tls {
             Some(t) => {

@@ -297,6 +297,15 @@ pub struct ChannelConfig {
     /// `KVBRIDGE_PEER_KEYS` (lines `peer-id key`) if set, and fails if it cannot; never
     /// logged.
     pub peer_keys: Option<Keyring>,
+    /// (Initiator) This side's own key, for the listeners whose keyring (`peer_keys`) lists
+    /// it for this side's `peer_id`: dialing, the channel proves it to a listener that
+    /// proves it, and the shared `secret` to any other. Its listener still takes `secret`
+    /// (and its keyring) from others, so a peer can hold a key for its own id apart from
+    /// the secret it accepts. Read from `KVBRIDGE_PEER_KEY` by [`ChannelConfig::new`];
+    /// never logged. [`Channel::new`](crate::Channel::new) refuses one shorter than
+    /// [`Secret::MIN_LEN`], one equal to `secret`, and one on a listening channel with
+    /// neither `secret` nor `peer_keys` (that listener would take unauthenticated peers).
+    pub peer_key: Option<Secret>,
     /// TLS on the control connection; `None` (the default, unless `KVBRIDGE_TLS_*` is set)
     /// for plaintext. See [`TlsConfig`].
     pub tls: Option<TlsConfig>,
@@ -364,6 +373,9 @@ impl ChannelConfig {
                 .ok()
                 .and_then(|s| Secret::new(s.into_bytes())),
             peer_keys: None,
+            peer_key: std::env::var("KVBRIDGE_PEER_KEY")
+                .ok()
+                .and_then(|s| Secret::new(s.into_bytes())),
             tls: TlsConfig::from_env(),
             deadlines: Deadlines::default(),
             limits: Limits::default(),

@@ -543,6 +543,7 @@ async fn authenticated_by_hand(
         compat: Compat::default(),
         secret: secret(key),
         peer_keys: None,
+        peer_key: None,
     };
     let now = std::time::Instant::now;
     let mut m = Initiator::declaring(local, Duration::from_secs(10), now(), [3; 32], streams);

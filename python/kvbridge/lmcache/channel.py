@@ -17,8 +17,8 @@ the call returns both sides know each other.
 Identity: this channel's kvbridge peer id is random per start (``lmcache-{role}-tp{rank}-
 {pid}-{8 hex}``) unless ``peer_id``/``KVBRIDGE_PEER_ID`` names a template
 (``kvbridge.identity``): a stable id that a listener's keyring (``KVBRIDGE_PEER_KEYS``) binds to
-the key this side holds as its ``KVBRIDGE_SECRET``, so that a holder of the shared secret
-cannot claim it (and write through the windows a receiver opened to it). A restarted sender
+the key this side holds as its ``KVBRIDGE_PEER_KEY`` (or as its ``KVBRIDGE_SECRET``), so that a
+holder of the shared secret cannot claim it (and write through the windows a receiver opened to it). A restarted sender
 with the same id proves the key again and its new session replaces the old one.
 
 A peer's restart: a peer's arena is a region whose id is random per registration, so a write

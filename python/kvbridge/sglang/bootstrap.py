@@ -7,7 +7,10 @@ reach the port can register a rank at an address of their choosing. This one ans
 malformed request with a 400 naming the field, refuses a registration that changes the
 topology the first one set (409), and, with ``KVBRIDGE_SECRET`` set, one not signed with
 the secret (401): a rank signs its registration (HMAC-SHA256 over the canonical JSON), so
-only a holder of the secret can say where a prefill rank's KV comes from. A lookup also
+only a holder of the secret can say where a prefill rank's KV comes from. With
+``KVBRIDGE_PEER_KEY`` (the prefill's own key, in the environment the server shares with its
+ranks) the signature is made and checked with that key instead, so a holder of the shared
+secret cannot re-register a rank whose id a decode binds at another address or id. A lookup also
 returns the rank's kvbridge channel (``kvbridge_addr``, ``kvbridge_peer``).
 """
 
@@ -88,7 +91,7 @@ def _rank_query(request: web.Request) -> Tuple[int, int, int, int]:
 
 class KvbridgeKVBootstrapServer(CommonKVBootstrapServer):
     def __init__(self, host: str, port: int):
-        self._secret = settings().secret
+        self._key_name, self._secret = settings().registration_key
         self.kvbridge_table: Dict[Tuple[int, int, int, int], Dict[str, str]] = {}
         self.refused = 0
         super().__init__(host, port)
@@ -109,7 +112,7 @@ class KvbridgeKVBootstrapServer(CommonKVBootstrapServer):
         if self._secret:
             sig = data.get("kvbridge_sig")
             if not isinstance(sig, str) or not hmac.compare_digest(sig, sign(self._secret, data)):
-                return self._bad(401, "registration not signed with KVBRIDGE_SECRET")
+                return self._bad(401, f"registration not signed with {self._key_name}")
         for field, mine in (("attn_tp_size", self.attn_tp_size), ("attn_cp_size", self.attn_cp_size), ("pp_size", self.pp_size)):
             if mine is not None and data[field] != mine:
                 return self._bad(409, f"{field} {data[field]} differs from the registered {mine}")

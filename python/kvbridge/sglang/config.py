@@ -6,6 +6,12 @@ the same way).
   channels refuse a peer that cannot prove it (``Unauthenticated``), and the bootstrap
   server refuses a rank registration not signed with it. Unset: no authentication (the
   channels warn); set it in any deployment whose network others can reach.
+* ``KVBRIDGE_PEER_KEY``: a prefill rank's own key, which a decode's keyring
+  (``KVBRIDGE_PEER_KEYS``) lists for the rank's id (``KVBRIDGE_PEER_ID``): the rank proves it
+  when it dials a decode that binds its id (the shared secret to any other), and signs its
+  bootstrap registration with it, which the bootstrap server (same environment) checks.
+  Its listener still takes the shared secret, so the decode's probe gets in. Unset: the
+  shared secret does all of it.
 * ``KVBRIDGE_SGLANG_TRANSFER_TIMEOUT_S`` (default 60): seconds a decode request waits, from
   sending its page indices, for its KV; past it the request fails (SGLang's own wait is
   ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``, 300 s; the shorter one applies).
@@ -45,14 +51,24 @@ def _seconds(name: str, default: float) -> float:
 @dataclass(frozen=True)
 class Settings:
     secret: str | None
+    peer_key: str | None
     transfer_timeout_s: float
     probe_s: float
     lease_s: float
+
+    @property
+    def registration_key(self) -> tuple[str, str | None]:
+        """What signs (and checks) a prefill's bootstrap registration, and its variable: the
+        prefill's own key when it has one, else the shared secret."""
+        if self.peer_key:
+            return "KVBRIDGE_PEER_KEY", self.peer_key
+        return "KVBRIDGE_SECRET", self.secret
 
 
 def settings() -> Settings:
     return Settings(
         secret=os.environ.get("KVBRIDGE_SECRET") or None,
+        peer_key=os.environ.get("KVBRIDGE_PEER_KEY") or None,
         transfer_timeout_s=_seconds("KVBRIDGE_SGLANG_TRANSFER_TIMEOUT_S", 60.0),
         probe_s=_seconds("KVBRIDGE_SGLANG_PROBE_S", 1.0),
         lease_s=_seconds("KVBRIDGE_SGLANG_LEASE_S", 60.0),

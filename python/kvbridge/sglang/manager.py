@@ -15,9 +15,11 @@ writes name the token; any other byte is refused (``AccessDenied``) by the decod
 process. The windows close (and drain) when the request ends on the decode, whatever the
 reason, before SGLang reuses its pages. Channels authenticate with ``KVBRIDGE_SECRET``; a
 rank's kvbridge peer id is random per start unless ``KVBRIDGE_PEER_ID`` names a template
-(``{role}``, ``{rank}``: ``kvbridge.identity``). A decode's keyring cannot bind a prefill's id
-yet: a prefill keyed by its own ``KVBRIDGE_SECRET`` would refuse the decode's probe, which
-dials with the shared secret (docs/sglang.md, *Identities*).
+(``{role}``, ``{rank}``: ``kvbridge.identity``), which a decode's keyring
+(``KVBRIDGE_PEER_KEYS``) binds to the prefill's own key (``KVBRIDGE_PEER_KEY``): the prefill
+proves that key when it dials such a decode and signs its bootstrap registration with it,
+while its listener still takes the decode's probe under the shared secret (docs/sglang.md,
+*Identities*).
 
 How a request ends: the prefill's writes for the last chunk are followed by a kvbridge
 notification (delivered after them) carrying Success, or a failure with its reason; a
@@ -99,7 +101,9 @@ class KvbridgeKVManager(CommonKVManager):
         self.kvbridge_peer_id = identity.peer_id(
             f"sglang-{self.role}-r{args.engine_rank}-{uuid.uuid4().hex[:12]}", role=self.role, rank=args.engine_rank
         )
-        self.channel = kvbridge.Channel(self.kvbridge_peer_id, f"{host}:0", secret=self.settings.secret)
+        self.channel = kvbridge.Channel(
+            self.kvbridge_peer_id, f"{host}:0", secret=self.settings.secret, peer_key=self.settings.peer_key
+        )
         self.kvbridge_addr = self.channel.local_addr
         self.stats = metrics.stats(self.role)  # on SGLang's /metrics with --enable-metrics
         self._stopped = threading.Event()
@@ -171,7 +175,7 @@ class KvbridgeKVManager(CommonKVManager):
         from .bootstrap import sign
 
         payload = dict(payload, kvbridge_addr=self.kvbridge_addr, kvbridge_peer=self.kvbridge_peer_id)
-        payload["kvbridge_sig"] = sign(self.settings.secret, payload)
+        payload["kvbridge_sig"] = sign(self.settings.registration_key[1], payload)
         super()._register_topology_row(url, payload)
 
     def deregister_buffer_to_engine(self) -> None:
@@ -409,6 +413,7 @@ class KvbridgeKVManager(CommonKVManager):
                     if got != peer:
                         raise kvbridge.PeerMisbehaved(f"{addr} is {got}, not {peer}", peer=got, step="probe")
                     self._probe.notify(got, b'{"t": "ping"}')
+                    self.stats["probes"] += 1
                 except kvbridge.Closed:
                     return
                 except kvbridge.KvbridgeError as e:

@@ -8,7 +8,8 @@ are allocated over LMCache's own alloc socket (an ``AllocRequest`` naming it, as
 sender's does). The impostors are plain ``kvbridge.Channel``s claiming the sender's id: one
 holds the shared secret, one another id's key. Without the keyring (the parametrised
 baseline) the first one takes the sender's session over and its write lands in the
-sender's pages: the gap this closes.
+sender's pages: the gap this closes. The sender holds its key as ``KVBRIDGE_PEER_KEY``
+beside the shared secret, or (the older way, still binding) as its ``KVBRIDGE_SECRET``.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def _refused(r, before: dict) -> dict:
 
 
 class _Setup:
-    def __init__(self, tmp_path, procs, make, monkeypatch, keyring: bool):  # noqa: F811
+    def __init__(self, tmp_path, procs, make, monkeypatch, keyring: bool, own_key: str = "peer_key"):  # noqa: F811
         import importlib
         import typing
 
@@ -60,7 +61,7 @@ class _Setup:
         import kvbridge.lmcache
         from lmcache.utils import CacheEngineKey
 
-        self.make, self.monkeypatch, self.keyring = make, monkeypatch, keyring
+        self.make, self.monkeypatch, self.keyring, self.own_key = make, monkeypatch, keyring, own_key
         env = {"KVBRIDGE_TRANSPORT": "tcp", "KVBRIDGE_LMCACHE_WRITE_WINDOWS": "1", "KVBRIDGE_SECRET": SHARED}
         if keyring:
             ring = tmp_path / "peer-keys"
@@ -92,9 +93,15 @@ class _Setup:
         assert len(self.pages) == 2 and min(self.pages) >= 0, got
 
     def real_sender(self, seed: int):
-        """The sender as its operator runs it: its own key as its secret; with the keyring,
-        its stable id from the template (without, a random id, as by default)."""
-        self.monkeypatch.setenv("KVBRIDGE_SECRET", SENDER_KEY if self.keyring else SHARED)
+        """The sender as its operator runs it: with the keyring, its stable id from the
+        template and its own key, as ``KVBRIDGE_PEER_KEY`` beside the shared secret (or as
+        its secret, ``own_key="secret"``); without, a random id, as by default."""
+        older = self.keyring and self.own_key == "secret"
+        self.monkeypatch.setenv("KVBRIDGE_SECRET", SENDER_KEY if older else SHARED)
+        if self.keyring and not older:
+            self.monkeypatch.setenv("KVBRIDGE_PEER_KEY", SENDER_KEY)
+        else:
+            self.monkeypatch.delenv("KVBRIDGE_PEER_KEY", raising=False)
         if self.keyring:
             self.monkeypatch.setenv("KVBRIDGE_PEER_ID", TEMPLATE)
         else:
@@ -120,6 +127,7 @@ def _impostor(monkeypatch, claimed: str, secret: str, page: int):
     import kvbridge
 
     monkeypatch.setenv("KVBRIDGE_SECRET", secret)
+    monkeypatch.delenv("KVBRIDGE_PEER_KEY", raising=False)  # the sender's, not the impostor's
     ch = kvbridge.Channel(claimed)
     arena = Arena(pages=1, page=page)
     arena.fill(0, seed=99)
@@ -127,11 +135,11 @@ def _impostor(monkeypatch, claimed: str, secret: str, page: int):
     return ch, region, arena
 
 
-@pytest.mark.parametrize("keyring", [True, False])
-def test_a_holder_of_the_shared_secret_cannot_claim_a_keyed_senders_id(tmp_path, procs, make, monkeypatch, keyring):  # noqa: F811
+@pytest.mark.parametrize("keyring,own_key", [(True, "peer_key"), (True, "secret"), (False, None)])
+def test_a_holder_of_the_shared_secret_cannot_claim_a_keyed_senders_id(tmp_path, procs, make, monkeypatch, keyring, own_key):  # noqa: F811
     import kvbridge
 
-    t = _Setup(tmp_path, procs, make, monkeypatch, keyring)
+    t = _Setup(tmp_path, procs, make, monkeypatch, keyring, own_key)
     t.write(t.sender, t.pages[0])
     assert t.landed(t.sender, t.pages[0])
     before = _sessions(t.receiver)
