@@ -190,8 +190,10 @@ def read_events(folder: str) -> list[dict]:
 def transfer_spans(folders: list[str], since: float) -> tuple[list[dict], list[str]]:
     """The transfers whose decode sent its metadata at or after ``since``
     (``time.monotonic()``), one per room, in order of ``metadata``: ``transfer_s`` (metadata
-    to done), ``tail_s`` (the prefill's last ``send`` to done; absent without the prefill's
-    events), ``chunks``, ``polls``. Also what is wrong: a room that failed on either side
+    to done) and, with the prefill's events, its three parts: ``to_first_chunk_s`` (to the
+    prefill's first ``send``: its queue and first chunk's compute), ``chunks_s`` (first to
+    last ``send``: the other chunks' compute, their transfers overlapping it) and ``tail_s``
+    (the last ``send`` to done); ``chunks``, ``polls``. Also what is wrong: a room that failed on either side
     at or after ``since`` (with or without metadata), never reported done, or whose prefill
     never reported it sent."""
     events = [e for f in folders for e in read_events(f)]
@@ -221,6 +223,10 @@ def transfer_spans(folders: list[str], since: float) -> tuple[list[dict], list[s
             if room not in last_send or ("sent", room) not in first:
                 problems.append(f"room {room}: the prefill never reported it sent")
                 continue
-            span.update(tail_s=done["t"] - last_send[room]["t"], chunks=last_send[room]["chunk"])
+            first_send, last = first[("send", room)], last_send[room]
+            span.update(
+                to_first_chunk_s=first_send["t"] - meta["t"], chunks_s=last["t"] - first_send["t"],
+                tail_s=done["t"] - last["t"], chunks=last["chunk"],
+            )  # fmt: skip
         spans.append(span)
     return spans, problems

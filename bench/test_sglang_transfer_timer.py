@@ -1,4 +1,5 @@
-"""bench/sglang_transfer_timer.py and bench/sglang_nixl_dram.py without SGLang or NIXL:
+"""bench/sglang_transfer_timer.py and the backends' CPU stand-ins (bench/sglang_nixl_dram.py,
+bench/sglang_mooncake_cpu.py) without SGLang, NIXL or Mooncake:
 stand-in receiver and sender classes with the calls SGLang makes, timed through the hooked
 ``get_kv_class``, and ``transfer_spans`` over the events they wrote.
 
@@ -14,6 +15,7 @@ import types
 from pathlib import Path
 
 import pytest
+import sglang_mooncake_cpu
 import sglang_nixl_dram
 import sglang_transfer_timer as timer
 
@@ -115,6 +117,8 @@ def test_a_transfer_spans_from_the_metadata_to_the_first_success_poll(folder, cl
     assert problems == []
     assert sp["transfer_s"] == pytest.approx(by["done"]["t"] - by["metadata"]["t"])
     assert sp["tail_s"] == pytest.approx(by["done"]["t"] - evs[2]["t"])  # from the last chunk
+    assert sp["to_first_chunk_s"] == pytest.approx(evs[1]["t"] - by["metadata"]["t"])
+    assert sp["to_first_chunk_s"] + sp["chunks_s"] + sp["tail_s"] == pytest.approx(sp["transfer_s"])
     assert (sp["room"], sp["chunks"], sp["polls"]) == (7, 2, 3)
 
 
@@ -252,3 +256,9 @@ def test_nixl_is_told_dram_where_sglang_says_vram_and_nothing_else_changes(monke
         ("register", "DRAM", ["UCX"]), ("register", "DRAM", ()), ("register", "DRAM", ()),
         ("reg", "DRAM"), ("xfer", "DRAM"), ("prep", "VRAM", "DRAM"), ("prep", "peer", "FILE"),
     ]  # fmt: skip
+
+
+def test_mooncakes_sender_takes_its_page_indices_as_every_other_backends_on_cpu():
+    sender = type("MooncakeKVSender", (), {"supports_host_tensor_indices": True})
+    sglang_mooncake_cpu.install(sender)
+    assert sender.supports_host_tensor_indices is False

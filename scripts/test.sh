@@ -103,7 +103,7 @@ run_suite "binding" 110 python/tests --ignore=python/tests/lmcache --ignore=pyth
 run_suite "LMCache legacy channel" 68 python/tests/lmcache/legacy
 run_suite "LMCache distributed channel" 61 python/tests/lmcache/contract
 # bench/: the benchmarks' timers against stand-ins (no vLLM, SGLang or NIXL needed): the vLLM
-# load timer (test_vllm_load_timer.py, 12) and the SGLang transfer timer with its NIXL
-# stand-in (test_sglang_transfer_timer.py, 11).
-run_suite "bench timers" 23 bench
+# load timer (test_vllm_load_timer.py, 12) and the SGLang transfer timer with the backends' CPU
+# stand-ins (test_sglang_transfer_timer.py, 12).
+run_suite "bench timers" 24 bench
 exit $status
