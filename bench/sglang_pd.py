@@ -235,7 +235,12 @@ def run_backend(name: str, run: int, a, prompts: list[str], refs: dict[str, str]
         wait_ready([r], "/readiness", ROUTER_DEADLINE_S)  # /health answers before it has workers
         out["fronts"]["router"] = measure(f"run {run} {name} router", r.url, a, prompts, refs, timer_dirs)
         if name == "kvbridge" and a.proxy and binary is not None:
-            px = SglangProxy(binary, prefill, bport, decode, logs, "--prefill-timeout", "180", "--decode-timeout", "180")
+            # a server on one loaded core can take over a second to answer /health while it
+            # computes: the benchmark measures the backends, not the health check's ejections
+            px = SglangProxy(
+                binary, prefill, bport, decode, logs, "--prefill-timeout", "180", "--decode-timeout", "180",
+                "--health-timeout", "10",
+            )  # fmt: skip
             procs.append(px)
             px.wait_healthy()
             out["fronts"]["proxy"] = measure(f"run {run} {name} proxy", px.url, a, prompts, refs, timer_dirs)
