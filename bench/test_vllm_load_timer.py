@@ -1,8 +1,8 @@
 """bench/vllm_load_timer.py without vLLM: a stand-in connector class with the calls vLLM
 makes, timed through ``timed``, and ``load_spans`` over the events it wrote.
 
-Run: ``python -m pytest bench/test_vllm_load_timer.py`` (not part of scripts/test.sh: the
-timer is benchmark code)."""
+Run: ``python -m pytest bench/test_vllm_load_timer.py`` (scripts/test.sh runs it in its
+"bench timers" suite, counted)."""
 
 from __future__ import annotations
 

@@ -102,6 +102,8 @@ run_suite "binding" 138 python/tests --ignore=python/tests/lmcache --ignore=pyth
   --ignore=python/tests/sglang --ignore=python/tests/sglang_e2e
 run_suite "LMCache legacy channel" 70 python/tests/lmcache/legacy
 run_suite "LMCache distributed channel" 61 python/tests/lmcache/contract
-# bench/test_vllm_load_timer.py: the vLLM benchmark's load timer against stand-in connectors (no vLLM needed).
-run_suite "bench load timer" 12 bench
+# bench/: the benchmarks' timers against stand-ins (no vLLM, SGLang or NIXL needed): the vLLM
+# load timer (test_vllm_load_timer.py, 12) and the SGLang transfer timer with the backends' CPU
+# stand-ins (test_sglang_transfer_timer.py, 12).
+run_suite "bench timers" 24 bench
 exit $status
