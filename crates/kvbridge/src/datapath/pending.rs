@@ -79,25 +79,51 @@ struct Table {
     closed: Option<Error>,
     /// Batches cancelled after they were sent, by id.
     late: HashMap<u64, Late>,
-    /// Batches whose memory a reader or writer works on now ([`Claim`]), each with whether
-    /// that runs on a thread of its own (a data thread), not as a task of the runtime.
-    claimed: HashMap<u64, bool>,
+    /// Batches whose memory a reader or writer works on now ([`Claim`]), with how many
+    /// claims each has: a read is claimed by the writer sending its request and by the
+    /// reader landing its answer, and the answer can come before the writer let go.
+    claimed: HashMap<u64, Claims>,
     /// Cancels waiting for claims to drop ([`Pending::wait_released`]): a claim that drops
     /// while none waits wakes nobody (no system call on the data path).
     waiters: usize,
 }
 
-/// A reader or writer working on a batch's memory: a cancel of the batch waits until this
-/// drops.
+/// The claims on one batch's memory held now.
+#[derive(Debug, Clone, Copy, Default)]
+struct Claims {
+    /// Claims held.
+    held: u32,
+    /// Of those, claims held by runtime tasks rather than by threads of their own.
+    on_tasks: u32,
+}
+
+impl Table {
+    /// One more claim on batch `id`.
+    fn claim(&mut self, id: u64, own_thread: bool) {
+        let c = self.claimed.entry(id).or_default();
+        c.held += 1;
+        c.on_tasks += u32::from(!own_thread);
+    }
+}
+
+/// A reader or writer working on a batch's memory: a cancel of the batch waits until every
+/// claim on it dropped.
 pub(crate) struct Claim<'a> {
     pending: &'a Pending,
     id: u64,
+    own_thread: bool,
 }
 
 impl Drop for Claim<'_> {
     fn drop(&mut self) {
         let mut t = self.pending.table.lock().expect("pending poisoned");
-        t.claimed.remove(&self.id);
+        if let Some(c) = t.claimed.get_mut(&self.id) {
+            c.held -= 1;
+            c.on_tasks -= u32::from(!self.own_thread);
+            if c.held == 0 {
+                t.claimed.remove(&self.id);
+            }
+        }
         let wake = t.waiters > 0;
         drop(t);
         if wake {
@@ -229,11 +255,16 @@ impl Pending {
         if matches!(t.map.get(&id), Some(e) if matches!(e.waiting, Waiting::Read(..))) {
             let e = t.map.remove(&id).expect("looked up");
             t.bytes -= e.bytes;
-            t.claimed.insert(id, own_thread);
+            t.claim(id, own_thread);
             let Waiting::Read(dests, tx) = e.waiting else {
                 unreachable!("matched a read")
             };
-            return Landing::Live((dests, tx, Claim { pending: self, id }));
+            let claim = Claim {
+                pending: self,
+                id,
+                own_thread,
+            };
+            return Landing::Live((dests, tx, claim));
         }
         match t.late.get(&id) {
             Some(l) if l.read => {
@@ -252,8 +283,15 @@ impl Pending {
         let mut t = self.table.lock().expect("pending poisoned");
         let e = t.map.remove(&id)?;
         t.bytes -= e.bytes;
-        t.claimed.insert(id, own_thread);
-        Some((e.waiting, Claim { pending: self, id }))
+        t.claim(id, own_thread);
+        Some((
+            e.waiting,
+            Claim {
+                pending: self,
+                id,
+                own_thread,
+            },
+        ))
     }
 
     /// Marks a batch sent and claims its memory while its request (a read's ops, a write's
@@ -262,8 +300,12 @@ impl Pending {
     pub(crate) fn claim_to_send(&self, id: u64, own_thread: bool) -> Option<Claim<'_>> {
         let mut t = self.table.lock().expect("pending poisoned");
         t.map.get_mut(&id)?.sent = true;
-        t.claimed.insert(id, own_thread);
-        Some(Claim { pending: self, id })
+        t.claim(id, own_thread);
+        Some(Claim {
+            pending: self,
+            id,
+            own_thread,
+        })
     }
 
     /// Cancels the batches `ids` whose caller stopped waiting: each leaves the table (its
@@ -289,8 +331,8 @@ impl Pending {
                     out.late = true;
                 }
             }
-            if let Some(&own_thread) = t.claimed.get(&id) {
-                out.claimed.push((id, own_thread));
+            if let Some(c) = t.claimed.get(&id) {
+                out.claimed.push((id, c.on_tasks == 0));
             }
         }
         out
@@ -484,6 +526,36 @@ mod tests {
         assert!(matches!(p.land(3, true), Landing::Unknown));
         assert!(matches!(p.take(3), Landing::Late { bytes: 0 }));
         assert!(matches!(p.take(3), Landing::Unknown));
+    }
+
+    #[test]
+    fn a_read_landing_before_its_sender_let_go_stays_claimed_until_both_did() {
+        // The answer can come while the writer still holds the claim it sent the request
+        // under: the writer's drop must not release the reader's claim, or a cancel returns
+        // while the reader still fills the destinations.
+        let p = pending();
+        let r = Region::alloc(4096, 4096).unwrap();
+        let (w, _rx) = read(&r);
+        p.enter(9, w, 4096, None).unwrap();
+        let sending = p.claim_to_send(9, true).expect("not cancelled");
+        let Landing::Live((_dests, _done, landing)) = p.land(9, false) else {
+            panic!("the read is waiting");
+        };
+        let c = p.cancel([9]);
+        assert_eq!(
+            c.claimed,
+            vec![(9, false)],
+            "a task holds one of the claims"
+        );
+        drop(sending);
+        assert!(
+            !p.wait_released(&[9], Duration::from_millis(20)),
+            "the sender's drop released the reader's claim"
+        );
+        assert_eq!(p.cancel([9]).claimed, vec![(9, false)]);
+        drop(landing);
+        assert!(p.wait_released(&[9], Duration::from_millis(20)));
+        assert!(p.cancel([9]).claimed.is_empty());
     }
 
     #[test]
