@@ -91,3 +91,31 @@ async fn reconnect(pre: &kvbridge::Channel, dec: &kvbridge::Channel) -> kvbridge
 }
 
 per_transport!(access_modes_hold_per_transport, super::modes_hold);
+
+/// The owner ends the session of a refused write; the writer is told of the refusal only
+/// once its own side of that session is down, so a dial right after the refusal gets a new
+/// session, never the ending one (whose lookups would fail once it is gone).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dial_right_after_a_refused_write_gets_a_new_session() {
+    let (dec, _rw) = listener("decode-0", |_| {}, 2 * PAGE, PAGE).await;
+    let ro = Region::alloc(2 * PAGE, PAGE).unwrap();
+    dec.register(&ro, Grant::AllPeers.read_only()).unwrap();
+    let (pre, src) = initiator("prefill-0", |_| {}, 2 * PAGE, PAGE).await;
+    for round in 0..5 {
+        let peer = pre.connect(&addr(&dec)).await.unwrap();
+        pre.peer_regions(&peer).await.unwrap();
+        assert_denied(
+            pre.write(&peer, &[Op::page(&src, 0, ro.id(), 0, PAGE)])
+                .await,
+            "decode-0",
+            Step::Write,
+            "granted",
+        );
+        let s = pre.stats().await.unwrap();
+        assert_eq!(
+            (s.established, s.sessions),
+            (0, 0),
+            "round {round}: the refused session is still on the writer's side: {s:?}"
+        );
+    }
+}

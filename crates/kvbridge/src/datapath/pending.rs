@@ -86,6 +86,9 @@ struct Table {
     /// Cancels waiting for claims to drop ([`Pending::wait_released`]): a claim that drops
     /// while none waits wakes nobody (no system call on the data path).
     waiters: usize,
+    /// Batches the peer refused with a refusal after which it ends the session, each with
+    /// that refusal ([`Pending::complete_at_end`]).
+    at_end: Vec<(Waiting, Error)>,
 }
 
 /// The claims on one batch's memory held now.
@@ -362,22 +365,41 @@ impl Pending {
         self.table.lock().expect("pending poisoned").closed.clone()
     }
 
+    /// Completes `w` with `err` once the session is down ([`Pending::drain`]) rather than
+    /// now: for a batch the peer refused with a refusal after which it ends the session. Its
+    /// caller, told at once, could dial again before the session is down and be handed the
+    /// ending session; told at the end, it finds nothing of the session left, as the
+    /// callers of the batches a session's end fails do.
+    pub(crate) fn complete_at_end(&self, w: Waiting, err: Error) {
+        let mut t = self.table.lock().expect("pending poisoned");
+        if t.closed.is_some() {
+            drop(t);
+            w.complete(Err(err));
+            return;
+        }
+        t.at_end.push((w, err));
+    }
+
     /// Fails every waiting batch and refuses new ones. Called by the session only after the
     /// reader and writer tasks have stopped.
     pub(crate) fn drain(&self, err: &Error) {
-        let waiting: Vec<Waiting> = {
+        let (waiting, at_end): (Vec<Waiting>, Vec<(Waiting, Error)>) = {
             let mut t = self.table.lock().expect("pending poisoned");
             t.closed.get_or_insert_with(|| err.clone());
             t.bytes = 0;
             // No answer comes any more: the tombstones' room goes back (and the semaphore
             // closes below).
             t.late.clear();
-            t.map.drain().map(|(_, e)| e.waiting).collect()
+            let at_end = std::mem::take(&mut t.at_end);
+            (t.map.drain().map(|(_, e)| e.waiting).collect(), at_end)
         };
         // Callers waiting for room wake up and find the session closed.
         self.room.close();
         for w in waiting {
             w.complete(Err(err.clone()));
+        }
+        for (w, own) in at_end {
+            w.complete(Err(own));
         }
     }
 
@@ -622,5 +644,27 @@ mod tests {
                 assert!(!p.late_left([9]));
             }
         }
+    }
+
+    #[test]
+    fn a_refusal_that_ends_the_session_is_told_only_once_the_session_is_down() {
+        let p = pending();
+        let (w, mut rx) = write();
+        p.enter(1, w, 4096, None).unwrap();
+        let (other, mut other_rx) = write();
+        p.enter(2, other, 4096, None).unwrap();
+        let Landing::Live(w) = p.take(1) else {
+            panic!("batch 1 is waiting")
+        };
+        let refusal = Error::Local("refused".into());
+        p.complete_at_end(w, refusal);
+        assert!(rx.try_recv().is_err(), "told before the session was down");
+        p.drain(&Error::Closed);
+        assert!(matches!(rx.try_recv(), Ok(Err(Error::Local(m))) if m == "refused"));
+        assert!(matches!(other_rx.try_recv(), Ok(Err(Error::Closed))));
+        // After the end, a refusal is told at once.
+        let (w, mut rx) = write();
+        p.complete_at_end(w, Error::Local("late".into()));
+        assert!(matches!(rx.try_recv(), Ok(Err(Error::Local(m))) if m == "late"));
     }
 }

@@ -516,15 +516,35 @@ pub(crate) async fn run_reader(mut r: ReadHalf, ctx: ReaderCtx) -> Result<()> {
                 } else {
                     Step::Write
                 };
-                w.complete(match a.error {
-                    None => Ok(()),
-                    Some(rj) => Err(Error::Rejected {
+                match a.error {
+                    None => w.complete(Ok(())),
+                    // The peer ends the session of a refused write (`apply_write`): the
+                    // session ends here too, and the caller learns of the refusal once
+                    // the session is down.
+                    Some(rj) if step == Step::Write => {
+                        let ends = Error::PeerClosed {
+                            peer: peer.to_string(),
+                            code: rj.code,
+                            message: format!("it refused write batch {}: {}", a.id, rj.message),
+                        };
+                        ctx.pending.complete_at_end(
+                            w,
+                            Error::Rejected {
+                                peer: peer.to_string(),
+                                step,
+                                code: rj.code,
+                                message: rj.message,
+                            },
+                        );
+                        return Err(ends);
+                    }
+                    Some(rj) => w.complete(Err(Error::Rejected {
                         peer: peer.to_string(),
                         step,
                         code: rj.code,
                         message: rj.message,
-                    }),
-                });
+                    })),
+                }
                 true
             }
             Message::ReadResp(a) => ctx.land_read(&mut r, a, own_thread).await?,
