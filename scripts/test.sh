@@ -98,7 +98,7 @@ run_suite() { # NAME MIN DIR [pytest args...]: at least MIN tests (scripts/pytes
 # fails, and under CI one that skips any. Raise these with new tests.
 # python/tests/vllm and python/tests/vllm_e2e are scripts/test-vllm.sh's (they need vLLM);
 # python/tests/sglang and python/tests/sglang_e2e scripts/test-sglang.sh's (they need SGLang).
-run_suite "binding" 138 python/tests --ignore=python/tests/lmcache --ignore=python/tests/vllm --ignore=python/tests/vllm_e2e \
+run_suite "binding" 144 python/tests --ignore=python/tests/lmcache --ignore=python/tests/vllm --ignore=python/tests/vllm_e2e \
   --ignore=python/tests/sglang --ignore=python/tests/sglang_e2e
 run_suite "LMCache legacy channel" 70 python/tests/lmcache/legacy
 run_suite "LMCache distributed channel" 61 python/tests/lmcache/contract

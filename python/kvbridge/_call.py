@@ -28,9 +28,8 @@ class Call(asyncio.Future[_T]):
     destinations any more and a cancelled write's sources are not read any more (the
     guarantee of ``Transfer.cancel``). Over UCX, whose posted operations cannot be called
     back, the cancel of a read or write ends the session with the peer, and the future
-    turns cancelled once that session's teardown ended (``Transfer.cancel`` returns before
-    it). A task
-    awaiting it resumes with ``CancelledError`` only then, so it may reuse its pages in its
+    turns cancelled once that session's teardown ended (as ``Transfer.cancel`` returns). A
+    task awaiting it resumes with ``CancelledError`` only then, so it may reuse its pages in its
     ``except`` clause. The loop goes on meanwhile. Should the engine not let go within
     ``limit`` seconds (the channel's op deadline plus 2 s), the call ends the session with
     the peer, logs a warning and fails with ``kvbridge.Timeout`` naming the peer and the

@@ -540,14 +540,26 @@ impl PyChannel {
         Ok(timeout_arg(py, timeout)?.unwrap_or(open.channel.config().deadlines.op))
     }
 
-    fn submit(py: Python<'_>, batch: Batch, what: String) -> PyResult<Transfer> {
+    /// `batch` as a [`Transfer`]; cancelled over UCX, it ends the session with `peer` and
+    /// counts as stopped once that session's teardown ended.
+    fn submit(
+        &self,
+        py: Python<'_>,
+        (batch, what): (Batch, String),
+        peer: &str,
+    ) -> PyResult<Transfer> {
+        let settle = ucx_teardown(
+            self.open(py)?.channel.clone(),
+            peer_arg(py, peer)?,
+            what.clone(),
+        );
         let slot = Arc::new(Slot::default());
         let filled = slot.clone();
         // Dropped right after the batch's future, even if that was never polled.
-        let stop = StopGuard(slot.clone());
+        let stop = StopGuard::new(slot.clone(), settle);
         let abort = call::spawn(
             py,
-            call::Then::new(async move { filled.finish(batch.await) }, stop),
+            call::Then::new(async move { filled.ran(batch.await) }, stop),
         )?;
         Ok(Transfer::new(slot, abort, what))
     }
@@ -1368,7 +1380,7 @@ impl PyChannel {
         page_len: Option<&Bound<'_, PyAny>>,
         token: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Transfer> {
-        let (batch, what) = self.pages_batch(
+        let batch = self.pages_batch(
             py,
             Dir::Write,
             peer,
@@ -1379,7 +1391,7 @@ impl PyChannel {
             page_len,
             token,
         )?;
-        Self::submit(py, batch, what)
+        self.submit(py, batch, peer)
     }
 
     /// ``read_pages`` without waiting: returns a ``Transfer`` to ``poll()`` or ``wait()``.
@@ -1396,7 +1408,7 @@ impl PyChannel {
         page_len: Option<&Bound<'_, PyAny>>,
         token: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Transfer> {
-        let (batch, what) = self.pages_batch(
+        let batch = self.pages_batch(
             py,
             Dir::Read,
             peer,
@@ -1407,7 +1419,7 @@ impl PyChannel {
             page_len,
             token,
         )?;
-        Self::submit(py, batch, what)
+        self.submit(py, batch, peer)
     }
 
     /// Writes a batch of ops, each ``(local_region, local_offset, remote_region,
@@ -1472,8 +1484,8 @@ impl PyChannel {
         ops: &Bound<'_, PyAny>,
         token: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Transfer> {
-        let (batch, what) = self.ops_batch(py, Dir::Write, peer, ops, token)?;
-        Self::submit(py, batch, what)
+        let batch = self.ops_batch(py, Dir::Write, peer, ops, token)?;
+        self.submit(py, batch, peer)
     }
 
     /// ``read`` without waiting: returns a ``Transfer``.
@@ -1485,8 +1497,8 @@ impl PyChannel {
         ops: &Bound<'_, PyAny>,
         token: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Transfer> {
-        let (batch, what) = self.ops_batch(py, Dir::Read, peer, ops, token)?;
-        Self::submit(py, batch, what)
+        let batch = self.ops_batch(py, Dir::Read, peer, ops, token)?;
+        self.submit(py, batch, peer)
     }
 
     /// Sends ``data`` (bytes) to the peer's application; it is delivered after every write

@@ -1,6 +1,7 @@
 //! `Transfer`: a batch submitted without waiting, to poll or wait for later.
 
-use crate::call::{Outcome, SIGNAL_POLL};
+use crate::call::{Outcome, Settle, SIGNAL_POLL};
+use crate::runtime;
 use pyo3::exceptions::PyTimeoutError;
 use pyo3::prelude::*;
 use std::sync::{Arc, Condvar, Mutex};
@@ -17,10 +18,14 @@ pub(crate) struct Slot {
 #[derive(Default)]
 struct State {
     result: Option<Result<(), Outcome>>,
-    /// The batch's task let go of its future: it completed, or an abort took effect. A
-    /// same-host copy runs inside the task's poll (`block_in_place`), where an abort cannot
-    /// reach it; it has ended by the time this is set.
+    /// The batch's task let go of its future: it completed, or an abort took effect (and,
+    /// for a batch that did not run to its end, what its drop cannot wait for ended: a UCX
+    /// session's teardown). A same-host copy runs inside the task's poll
+    /// (`block_in_place`), where an abort cannot reach it; it has ended by the time this is
+    /// set.
     stopped: bool,
+    /// The batch's future ran to its end (its outcome is the engine's).
+    ran_to_end: bool,
 }
 
 impl Slot {
@@ -32,6 +37,22 @@ impl Slot {
         }
         drop(state);
         self.done.notify_all();
+    }
+
+    /// The batch's future ended with `r`: [`Slot::finish`], and it ran to its end.
+    pub(crate) fn ran(&self, r: Result<(), Outcome>) {
+        self.state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .ran_to_end = true;
+        self.finish(r);
+    }
+
+    fn ran_to_end(&self) -> bool {
+        self.state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .ran_to_end
     }
 
     fn stop(&self) {
@@ -49,12 +70,38 @@ impl Slot {
 }
 
 /// Moved into a batch's task: marks its [`Slot`] stopped when the task's future is dropped,
-/// whether it ran to the end, was aborted between polls, or never ran.
-pub(crate) struct StopGuard(pub(crate) Arc<Slot>);
+/// whether it ran to the end, was aborted between polls, or never ran; for a batch that did
+/// not run to its end, only after its `settle` (a UCX session's teardown) ended.
+pub(crate) struct StopGuard {
+    slot: Arc<Slot>,
+    settle: Option<Settle>,
+}
+
+impl StopGuard {
+    pub(crate) fn new(slot: Arc<Slot>, settle: Settle) -> Self {
+        Self {
+            slot,
+            settle: Some(settle),
+        }
+    }
+}
 
 impl Drop for StopGuard {
     fn drop(&mut self) {
-        self.0.stop();
+        let settle = self.settle.take();
+        match settle.filter(|_| !self.slot.ran_to_end()) {
+            Some(settle) => match runtime::handle() {
+                Ok(rt) => {
+                    let slot = self.slot.clone();
+                    rt.spawn(async move {
+                        settle().await;
+                        slot.stop();
+                    });
+                }
+                Err(_) => self.slot.stop(),
+            },
+            None => self.slot.stop(),
+        }
     }
 }
 
@@ -156,9 +203,9 @@ impl Transfer {
     /// write's sources are not read any more (bytes of it already sent may still land at
     /// the peer). The session goes on. Over UCX, whose posted operations cannot be called
     /// back, the cancel ends the session instead (``kvbridge.Disconnected`` for what else
-    /// was in flight on it); bytes of a cancelled UCX read may land until that session's
-    /// teardown ended (``Channel.disconnect`` returns after it). ``False``: ``timeout``
-    /// passed first (a copy of it still runs).
+    /// was in flight on it) and returns once that session's teardown ended: by then no
+    /// posted operation of it reads or writes memory any more. ``False``: ``timeout``
+    /// passed first (a copy of it, or the teardown, still runs).
     #[pyo3(signature = (timeout=5.0))]
     fn cancel(&self, py: Python<'_>, timeout: f64) -> PyResult<bool> {
         if !(timeout.is_finite() && timeout >= 0.0) {

@@ -66,6 +66,21 @@ class Big:
                 await self.read(self.local2_region, self.kv2_region)
             self.peer = await self.prefiller.connect_async(self.decoder.local_addr)
 
+    def after_transfer_cancel(self):
+        """``after_cancel`` for a cancelled ``Transfer``."""
+        if self.transport == "ucx":
+            with pytest.raises(kvbridge.UnknownPeer):
+                self.submit_read(self.local2_region, self.kv2_region).wait(60)
+            self.peer = self.prefiller.connect(self.decoder.local_addr)
+
+    def submit_read(self, dst_region, src_region):
+        pages = list(range(PAGES))
+        return self.prefiller.submit_read_pages(self.peer, dst_region, pages, src_region, pages)
+
+    def submit_write(self, src_region, dst_region):
+        pages = list(range(PAGES))
+        return self.prefiller.submit_write_pages(self.peer, src_region, pages, dst_region, pages)
+
     def read(self, dst_region, src_region):
         pages = list(range(PAGES))
         return self.prefiller.read_pages_async(self.peer, dst_region, pages, src_region, pages)
@@ -172,6 +187,49 @@ def test_a_cancelled_write_sends_nothing_after_its_cancelled_error(big):
         check_carrier(big, before)
 
     asyncio.run(main())
+
+
+def until_moving(transfer, first, last):
+    """``until_under_way`` for a ``Transfer``."""
+    deadline = time.monotonic() + 20
+    while first[0] == 0:
+        assert transfer.poll() == "PROC", "the batch ended before its bytes were seen moving"
+        assert time.monotonic() < deadline, "the batch never got under way"
+    assert last[0] == 0, "the batch was nearly done when seen moving: nothing left to cancel"
+
+
+def test_a_cancelled_transfer_read_lands_nothing_once_cancel_returned(big):
+    big.kv[:] = SENT
+    big.kv2[:] = AGAIN
+    before = big.direct_copies()
+    t = big.submit_read(big.local_region, big.kv_region)
+    until_moving(t, big.local[:1], big.local[-1:])
+    assert t.cancel(timeout=60) is True
+    big.local[TAILS] = MARK  # the pages are the caller's again
+    with pytest.raises(kvbridge.LocalError):
+        t.wait(1)
+    big.after_transfer_cancel()
+    big.submit_read(big.local2_region, big.kv2_region).wait(60)
+    assert (big.local2 == AGAIN).all(), "the read after the cancel did not land"
+    landed_late = int((big.local[TAILS] != MARK).sum())
+    assert landed_late == 0, "%d pages of the cancelled read landed after cancel() returned" % landed_late
+    check_carrier(big, before)
+
+
+def test_a_cancelled_transfer_write_sends_nothing_once_cancel_returned(big):
+    big.local[:] = SENT
+    big.local2[:] = AGAIN
+    before = big.direct_copies()
+    t = big.submit_write(big.local_region, big.kv_region)
+    until_moving(t, big.kv[:1], big.kv[-1:])
+    assert t.cancel(timeout=60) is True
+    big.local[TAILS] = MARK
+    big.after_transfer_cancel()
+    big.submit_write(big.local2_region, big.kv2_region).wait(60)
+    assert (big.kv2 == AGAIN).all(), "the write after the cancel did not land"
+    sent_late = int((big.kv[TAILS] == MARK).sum())
+    assert sent_late == 0, "%d pages were read from the caller's memory after cancel() returned" % sent_late
+    check_carrier(big, before)
 
 
 def test_wait_for_that_times_out_raises_once_the_engine_let_go(pair):
