@@ -44,10 +44,7 @@ CACHE="$VENV/cache"
 
 # The package is built with kvbridge's UCX transport (libucx-dev: scripts/setup.sh).
 PACKAGE_BUILD_ARGS="--features ucx"
-stamp() { # what the installed kvbridge package was built from, and how
-  { echo "$PACKAGE_BUILD_ARGS"; find python -path python/target -prune -o -type f \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' -o -name '*.toml' -o -name 'Cargo.lock' \) -print \
-      | grep -v '^python/tests/' | grep -v '^python/kvbridge/vllm' | LC_ALL=C sort | xargs sha256sum; } | sha256sum | cut -d' ' -f1
-}
+stamp() { scripts/package-stamp.sh "$PACKAGE_BUILD_ARGS"; }
 
 if [ "$INSTALL" = 1 ]; then
   t0=$(date +%s)
