@@ -44,6 +44,7 @@ of different TP that cannot be translated; per request: decode radix-cache prefi
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -62,7 +63,7 @@ from sglang.srt.disaggregation.common.utils import TransferKVChunk
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.utils.network import get_local_ip_auto
 
-from . import messages, metrics
+from . import messages, metrics, trust
 from .config import ConfigError, settings
 from .head_slices import HeadSlices, RankPool, prefill_ranks_of
 from .ops import page_runs, write_ops
@@ -97,6 +98,10 @@ class KvbridgeKVManager(CommonKVManager):
         self.settings = settings()
         self._refuse_unsupported(args)
         self.role = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
+        # the decode's keyring when it takes KV only from bound prefill ids (trust.py)
+        self.prefill_keys: Optional[Dict[str, bytes]] = None
+        if self.role == "decode" and self.settings.require_bound_prefill:
+            self.prefill_keys = trust.load_keyring(os.environ.get(identity.PEER_KEYS_ENV))
         host = get_local_ip_auto()
         self.kvbridge_peer_id = identity.peer_id(
             f"sglang-{self.role}-r{args.engine_rank}-{uuid.uuid4().hex[:12]}", role=self.role, rank=args.engine_rank
@@ -123,6 +128,7 @@ class KvbridgeKVManager(CommonKVManager):
             # SGLang's own wait (SGLANG_DISAGGREGATION_WAITING_TIMEOUT) stays as the backstop;
             # the probe loop's deadline, when shorter, ends the request first with the peer named
             self._grants: Dict[int, bytes] = {}
+            self._grant_windows: Dict[int, List[int]] = {}  # room -> windows open to bound ids
             self._grant_lock = threading.RLock()
             self.room_peers: Dict[int, Dict[str, str]] = {}  # room -> prefill peer id -> its addr
             self._room_deadline: Dict[int, float] = {}
@@ -171,11 +177,9 @@ class KvbridgeKVManager(CommonKVManager):
         return regions
 
     def _register_topology_row(self, url: str, payload: Dict) -> None:
-        # the bootstrap server hands the decode ranks our channel, and checks our signature
-        from .bootstrap import sign
-
+        # the bootstrap server hands the decode ranks our channel and, signed, this registration
         payload = dict(payload, kvbridge_addr=self.kvbridge_addr, kvbridge_peer=self.kvbridge_peer_id)
-        payload["kvbridge_sig"] = sign(self.settings.registration_key[1], payload)
+        payload["kvbridge_sig"] = trust.sign(self.settings.registration_key[1], payload)
         super()._register_topology_row(url, payload)
 
     def deregister_buffer_to_engine(self) -> None:
@@ -256,22 +260,27 @@ class KvbridgeKVManager(CommonKVManager):
             token=self._grants.get(bootstrap_room, b"\0" * 16),
         ).to_zmq()
 
-    def open_grant(self, room: int, kv_indices: Any, aux_index: Optional[int]) -> None:
-        """Opens the room's pages and metadata slot to a fresh token (before its indices
-        leave). Raises ``kvbridge.KvbridgeError`` or ``ValueError``; nothing stays open then."""
+    def open_grant(self, room: int, kv_indices: Any, aux_index: Optional[int], writers: Optional[List[str]] = None) -> None:
+        """Opens the room's pages and metadata slot (before its indices leave): to a fresh
+        token, which travels with the indices; with bound prefills required, to the bound ids
+        ``writers`` instead, so that no other peer's write lands even with the token.
+        Raises ``kvbridge.KvbridgeError`` or ``ValueError``; nothing stays open then."""
         token = kvbridge.new_grant_token()
+        holders = [{"token": token}] if self.prefill_keys is None else [{"peer": w} for w in writers or []]
         with self._grant_lock:
             self.close_grant(room)
             self._grants[room] = token
+            windows = self._grant_windows.setdefault(room, [])
         try:
             spans = page_runs(np.asarray(kv_indices, dtype=np.int64))
-            for region, item in zip(self.kv_regions, self.kv_args.kv_item_lens):
-                # one call per buffer: all of the room's runs in it, under one engine lock
-                offsets, lengths = [first * item for first, _ in spans], [count * item for _, count in spans]
-                self.channel.open_windows(region, offsets, lengths, token=token, access="write")
-            if aux_index is not None:
-                for region, item in zip(self.aux_regions, self.kv_args.aux_item_lens):
-                    self.channel.open_window(region, aux_index * item, item, token=token, access="write")
+            for holder in holders:
+                for region, item in zip(self.kv_regions, self.kv_args.kv_item_lens):
+                    # one call per buffer: all of the room's runs in it, under one engine lock
+                    offsets, lengths = [first * item for first, _ in spans], [count * item for _, count in spans]
+                    windows += self.channel.open_windows(region, offsets, lengths, access="write", **holder)
+                if aux_index is not None:
+                    for region, item in zip(self.aux_regions, self.kv_args.aux_item_lens):
+                        windows.append(self.channel.open_window(region, aux_index * item, item, access="write", **holder))
         except BaseException:
             self.close_grant(room)
             raise
@@ -286,6 +295,10 @@ class KvbridgeKVManager(CommonKVManager):
                 return True
             try:
                 users = self.channel.close_token(token, timeout=CLOSE_WAIT_S)
+                left = self.channel.close_windows(self._grant_windows.get(room, []), timeout=CLOSE_WAIT_S)
+                if left:
+                    self._grant_windows[room] = left
+                    raise kvbridge.Timeout(f"{len(left)} windows of room {room} still in use", step="close-window")
             except kvbridge.Timeout:
                 logger.warning("kvbridge: writes into room %s still in flight %.0f s after its grant closed", room, CLOSE_WAIT_S)
                 return False
@@ -294,8 +307,21 @@ class KvbridgeKVManager(CommonKVManager):
             else:
                 logger.debug("kvbridge: room %s grant closed (writers %s)", room, users)
             del self._grants[room]
+            self._grant_windows.pop(room, None)
             self.stats["grants_closed"] += 1
             return True
+
+    def vouch(self, bootstrap_addr: str, info: Dict[str, Any], rank: trust.Rank) -> None:
+        """With bound prefills required, checks what the bootstrap server said about a prefill
+        rank (trust.py); raises ``kvbridge.Unauthenticated`` naming the step, counted."""
+        if self.prefill_keys is None:
+            return
+        try:
+            trust.check_lookup(info, self.prefill_keys, rank, bootstrap_addr, self.prefill_info_table.get(bootstrap_addr))
+        except kvbridge.Unauthenticated as e:
+            self.stats["unbound_prefills" if e.step == "keyring" else "unvouched_lookups"] += 1
+            logger.error("kvbridge: %s", e)
+            raise
 
     def tp_refusal(self, bootstrap_addr: str, prefill_tp: int) -> Optional[str]:
         """Why this decode rank cannot take MHA KV from the prefill server at
@@ -500,6 +526,12 @@ class KvbridgeKVManager(CommonKVManager):
         ``(None, the head slices)`` for MHA KV of another attention TP, ``(None, None)``
         for whole pages. Decided once per decode rank, here."""
         own = self.kv_args
+        if reg.page_size != own.page_size or reg.kv_cache_dtype != str(self.kv_cache_dtype_str):
+            self.stats["layouts_refused"] += 1
+            return (
+                f"KV pages differ: decode {reg.peer_id} has pages of {reg.page_size} tokens of {reg.kv_cache_dtype!r}, "
+                f"this prefill {own.page_size} of {str(self.kv_cache_dtype_str)!r}"
+            )[:1000], None
         if not self.is_mla_backend and reg.tp_size != self.attn_tp_size:
             try:
                 slices = self._head_slices(reg)
