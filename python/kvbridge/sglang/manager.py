@@ -50,6 +50,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
@@ -72,6 +73,11 @@ logger = logging.getLogger(__name__)
 
 #: Seconds a closing grant waits for writes already admitted through its windows.
 CLOSE_WAIT_S = 5.0
+#: Threads that dial registered decode ranks, off the control thread: a registration naming
+#: an address that accepts and never answers holds its dialer for the handshake's deadline.
+DIALERS = 4
+#: Registrations waiting for a dialer; past it a registration is refused at once.
+MAX_DIALS_WAITING = 64
 
 
 class DecodePeer:
@@ -120,6 +126,8 @@ class KvbridgeKVManager(CommonKVManager):
             self.bootstrap_timeout = min(self.bootstrap_timeout, self.settings.lease_s)
             self.decode_peers: Dict[Tuple[str, int], DecodePeer] = {}
             self._queue: "queue.Queue[Optional[TransferKVChunk]]" = queue.Queue()
+            self._dialers = ThreadPoolExecutor(DIALERS, thread_name_prefix="kvbridge-sglang-dial")
+            self._dials = threading.BoundedSemaphore(MAX_DIALS_WAITING)
             self._threads = [
                 threading.Thread(target=self._control_loop, name="kvbridge-sglang-control", daemon=True),
                 threading.Thread(target=self._transfer_loop, name="kvbridge-sglang-transfer", daemon=True),
@@ -202,6 +210,7 @@ class KvbridgeKVManager(CommonKVManager):
         self._stopped.set()
         if self.role == "prefill":
             self._queue.put(None)
+            self._dialers.shutdown(wait=False, cancel_futures=True)
         else:
             self._heartbeat_shutdown.set()
             self._probe.close()
@@ -508,18 +517,39 @@ class KvbridgeKVManager(CommonKVManager):
         return True
 
     def _register_decode(self, reg: messages.Registration) -> None:
+        """Takes a decode rank's registration: its layout decided here, its session dialed by
+        a dialer thread (the control thread serves the other ranks meanwhile); a request of
+        it that comes first waits for its KV as any other, and fails if the dial does."""
         error, slices = self._layout(reg)
+        peer = DecodePeer(reg, error, slices)
+        self.decode_peers[reg.key] = peer
         if error is None:
-            try:
-                got = self.channel.connect(reg.addr)
-                if got != reg.peer_id:
-                    error = f"{reg.addr} authenticated as {got}, not {reg.peer_id} as registered"
-                    self.channel.disconnect(got, "not the registered peer")
-            except kvbridge.KvbridgeError as e:
-                error = f"connecting to decode {reg.peer_id} at {reg.addr} failed (step {e.step}): {type(e).__name__}: {e}"
-        if error:
-            logger.error("kvbridge: decode rank at %s:%s refused: %s", reg.endpoint, reg.port, error)
-        self.decode_peers[reg.key] = DecodePeer(reg, error, slices)
+            if self._dials.acquire(blocking=False):
+                self._dialers.submit(self._dial_decode, peer)
+            else:
+                peer.error = f"decode {reg.peer_id} at {reg.addr}: {MAX_DIALS_WAITING} registrations already wait to be dialed"
+                self.stats["dials_shed"] += 1
+        if peer.error:
+            logger.error("kvbridge: decode rank at %s:%s refused: %s", reg.endpoint, reg.port, peer.error)
+
+    def _dial_decode(self, peer: DecodePeer) -> None:
+        reg = peer.reg
+        try:
+            got = self.channel.connect(reg.addr)
+            if got != reg.peer_id:
+                peer.error = f"{reg.addr} authenticated as {got}, not {reg.peer_id} as registered"
+                self.channel.disconnect(got, "not the registered peer")
+        except kvbridge.Closed:
+            return
+        except kvbridge.KvbridgeError as e:
+            peer.error = f"connecting to decode {reg.peer_id} at {reg.addr} failed (step {e.step}): {type(e).__name__}: {e}"
+        finally:
+            self._dials.release()
+        if peer.error:
+            logger.error("kvbridge: decode rank at %s:%s refused: %s", reg.endpoint, reg.port, peer.error)
+            for room, infos in list(self.transfer_infos.items()):
+                if reg.peer_id in infos and self.decode_peers.get(reg.key) is peer:
+                    self.conclude_failure(bootstrap_room=room, failure_reason=peer.error, targets=[reg.key])
 
     def _layout(self, reg: messages.Registration) -> Tuple[Optional[str], Optional[HeadSlices]]:
         """Whether this rank's KV can go to the decode rank: ``(why not, None)``, or

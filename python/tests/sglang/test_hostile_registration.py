@@ -252,3 +252,31 @@ def test_hostile_decode_registrations_are_refused_and_the_rank_goes_on(pd, caplo
     assert pd.dpool.page(0, 62) == pd.ppool.page(0, 8)
     sender.clear()
     receiver.clear()
+
+
+def test_a_registration_naming_an_address_that_never_answers_stalls_no_one(pd):
+    """Dialing it takes the handshake's deadline (10 s); the control thread serves the honest
+    decode meanwhile (before, every request behind it waited those 10 s)."""
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(16)  # accepts, never answers
+    try:
+        key = ("10.255.0.2", 22_000)
+        _push(pd, [_reg(pd, key[1], endpoint=key[0], addr=f"127.0.0.1:{hole.getsockname()[1]}")])
+        wait_for(lambda: key in pd.prefill.decode_peers, 10, "the registration taken")
+        room = pd.room()
+        sender, receiver = pd.sender(room), pd.receiver(room)
+        receiver.send_metadata(np.array([63], dtype=np.int32), aux_index=13)
+        wait_for(lambda: sender.poll() == KVPoll.WaitingForInput, 5, "the decode's indices, while the dial waits")
+        assert pd.prefill.decode_peers[key].error is None  # still dialing
+        sender.init(1, aux_index=2)
+        sender.send(np.array([9], dtype=np.int32))
+        assert until_done(receiver) == KVPoll.Success
+        assert pd.dpool.page(0, 63) == pd.ppool.page(0, 9)
+        sender.clear()
+        receiver.clear()
+        # the dial ends at its deadline, with the reason named
+        wait_for(lambda: pd.prefill.decode_peers[key].error, 30, "the dial's end")
+        assert "step welcome" in pd.prefill.decode_peers[key].error, pd.prefill.decode_peers[key].error
+    finally:
+        hole.close()
