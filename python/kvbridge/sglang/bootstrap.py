@@ -11,7 +11,10 @@ only a holder of the secret can say where a prefill rank's KV comes from. With
 ``KVBRIDGE_PEER_KEY`` (the prefill's own key, in the environment the server shares with its
 ranks) the signature is made and checked with that key instead, so a holder of the shared
 secret cannot re-register a rank whose id a decode binds at another address or id. A lookup also
-returns the rank's kvbridge channel (``kvbridge_addr``, ``kvbridge_peer``).
+returns the rank's kvbridge channel (``kvbridge_addr``, ``kvbridge_peer``) and its signed
+registration (``kvbridge_registration``), which a decode that requires bound prefills checks
+against its keyring (trust.py). The checks of a registration's fields and the limits on
+bodies are in ``check_registration`` and ``_body``.
 """
 
 from __future__ import annotations

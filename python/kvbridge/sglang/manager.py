@@ -12,7 +12,8 @@ What a peer can reach: a decode rank registers its KV and metadata buffers with 
 confined to windows; for each request it opens windows on exactly that request's pages
 (and metadata slot) to a fresh grant token, which travels with the indices. The prefill's
 writes name the token; any other byte is refused (``AccessDenied``) by the decode's
-process. The windows close (and drain) when the request ends on the decode, whatever the
+process. A decode that requires bound prefills (``KVBRIDGE_SGLANG_REQUIRE_BOUND_PREFILL``)
+opens them to the prefill ids it expects instead, each checked first (trust.py). The windows close (and drain) when the request ends on the decode, whatever the
 reason, before SGLang reuses its pages. Channels authenticate with ``KVBRIDGE_SECRET``; a
 rank's kvbridge peer id is random per start unless ``KVBRIDGE_PEER_ID`` names a template
 (``{role}``, ``{rank}``: ``kvbridge.identity``), which a decode's keyring
