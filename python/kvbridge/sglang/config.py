@@ -12,6 +12,15 @@ the same way).
   bootstrap registration with it, which the bootstrap server (same environment) checks.
   Its listener still takes the shared secret, so the decode's probe gets in. Unset: the
   shared secret does all of it.
+* ``KVBRIDGE_SGLANG_REQUIRE_BOUND_PREFILL`` (a decode's; ``1`` to turn on, default off): the
+  decode takes KV only from prefill ranks its keyring (``KVBRIDGE_PEER_KEYS``, required then)
+  binds, and only where the rank's own key vouches for it: every rank the bootstrap server
+  names must have its id in the keyring, and the registration the server forwards must be
+  signed with the key bound to that id and name the address, port, id and rank the lookup
+  answered (``trust.py``). Anything else fails the request before the decode registers with
+  the rank or opens a page (``kvbridge.Unauthenticated``, step ``keyring`` or ``bootstrap``,
+  counted), and the request's pages open only to the bound ids it expects, not to a token.
+  Unset: the prefill id the bootstrap server names is taken as it comes.
 * ``KVBRIDGE_SGLANG_TRANSFER_TIMEOUT_S`` (default 60): seconds a decode request waits, from
   sending its page indices, for its KV; past it the request fails (SGLang's own wait is
   ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``, 300 s; the shorter one applies).
@@ -31,8 +40,24 @@ import os
 from dataclasses import dataclass
 
 
+#: The decode's setting that takes KV only from prefill ids its keyring binds.
+REQUIRE_BOUND_ENV = "KVBRIDGE_SGLANG_REQUIRE_BOUND_PREFILL"
+
+
 class ConfigError(ValueError):
     """A ``KVBRIDGE_*`` setting that cannot be used, naming the variable."""
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def _flag(name: str) -> bool:
+    raw = os.environ.get(name, "")
+    if raw.strip().lower() in _TRUE:
+        return True
+    if raw.strip().lower() in _FALSE:
+        return False
+    raise ConfigError(f"{name} must be 1 or 0, got {raw!r}")
 
 
 def _seconds(name: str, default: float) -> float:
@@ -55,6 +80,7 @@ class Settings:
     transfer_timeout_s: float
     probe_s: float
     lease_s: float
+    require_bound_prefill: bool
 
     @property
     def registration_key(self) -> tuple[str, str | None]:
@@ -72,4 +98,5 @@ def settings() -> Settings:
         transfer_timeout_s=_seconds("KVBRIDGE_SGLANG_TRANSFER_TIMEOUT_S", 60.0),
         probe_s=_seconds("KVBRIDGE_SGLANG_PROBE_S", 1.0),
         lease_s=_seconds("KVBRIDGE_SGLANG_LEASE_S", 60.0),
+        require_bound_prefill=_flag(REQUIRE_BOUND_ENV),
     )

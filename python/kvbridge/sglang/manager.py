@@ -12,7 +12,8 @@ What a peer can reach: a decode rank registers its KV and metadata buffers with 
 confined to windows; for each request it opens windows on exactly that request's pages
 (and metadata slot) to a fresh grant token, which travels with the indices. The prefill's
 writes name the token; any other byte is refused (``AccessDenied``) by the decode's
-process. The windows close (and drain) when the request ends on the decode, whatever the
+process. A decode that requires bound prefills (``KVBRIDGE_SGLANG_REQUIRE_BOUND_PREFILL``)
+opens them to the prefill ids it expects instead, each checked first (trust.py). The windows close (and drain) when the request ends on the decode, whatever the
 reason, before SGLang reuses its pages. Channels authenticate with ``KVBRIDGE_SECRET``; a
 rank's kvbridge peer id is random per start unless ``KVBRIDGE_PEER_ID`` names a template
 (``{role}``, ``{rank}``: ``kvbridge.identity``), which a decode's keyring
@@ -44,11 +45,13 @@ of different TP that cannot be translated; per request: decode radix-cache prefi
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
 import uuid
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
@@ -62,7 +65,7 @@ from sglang.srt.disaggregation.common.utils import TransferKVChunk
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.utils.network import get_local_ip_auto
 
-from . import messages, metrics
+from . import messages, metrics, trust
 from .config import ConfigError, settings
 from .head_slices import HeadSlices, RankPool, prefill_ranks_of
 from .ops import page_runs, write_ops
@@ -71,6 +74,11 @@ logger = logging.getLogger(__name__)
 
 #: Seconds a closing grant waits for writes already admitted through its windows.
 CLOSE_WAIT_S = 5.0
+#: Threads that dial registered decode ranks, off the control thread: a registration naming
+#: an address that accepts and never answers holds its dialer for the handshake's deadline.
+DIALERS = 4
+#: Registrations waiting for a dialer; past it a registration is refused at once.
+MAX_DIALS_WAITING = 64
 
 
 class DecodePeer:
@@ -97,6 +105,10 @@ class KvbridgeKVManager(CommonKVManager):
         self.settings = settings()
         self._refuse_unsupported(args)
         self.role = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
+        # the decode's keyring when it takes KV only from bound prefill ids (trust.py)
+        self.prefill_keys: Optional[Dict[str, bytes]] = None
+        if self.role == "decode" and self.settings.require_bound_prefill:
+            self.prefill_keys = trust.load_keyring(os.environ.get(identity.PEER_KEYS_ENV))
         host = get_local_ip_auto()
         self.kvbridge_peer_id = identity.peer_id(
             f"sglang-{self.role}-r{args.engine_rank}-{uuid.uuid4().hex[:12]}", role=self.role, rank=args.engine_rank
@@ -115,6 +127,8 @@ class KvbridgeKVManager(CommonKVManager):
             self.bootstrap_timeout = min(self.bootstrap_timeout, self.settings.lease_s)
             self.decode_peers: Dict[Tuple[str, int], DecodePeer] = {}
             self._queue: "queue.Queue[Optional[TransferKVChunk]]" = queue.Queue()
+            self._dialers = ThreadPoolExecutor(DIALERS, thread_name_prefix="kvbridge-sglang-dial")
+            self._dials = threading.BoundedSemaphore(MAX_DIALS_WAITING)
             self._threads = [
                 threading.Thread(target=self._control_loop, name="kvbridge-sglang-control", daemon=True),
                 threading.Thread(target=self._transfer_loop, name="kvbridge-sglang-transfer", daemon=True),
@@ -123,6 +137,7 @@ class KvbridgeKVManager(CommonKVManager):
             # SGLang's own wait (SGLANG_DISAGGREGATION_WAITING_TIMEOUT) stays as the backstop;
             # the probe loop's deadline, when shorter, ends the request first with the peer named
             self._grants: Dict[int, bytes] = {}
+            self._grant_windows: Dict[int, List[int]] = {}  # room -> windows open to bound ids
             self._grant_lock = threading.RLock()
             self.room_peers: Dict[int, Dict[str, str]] = {}  # room -> prefill peer id -> its addr
             self._room_deadline: Dict[int, float] = {}
@@ -171,11 +186,9 @@ class KvbridgeKVManager(CommonKVManager):
         return regions
 
     def _register_topology_row(self, url: str, payload: Dict) -> None:
-        # the bootstrap server hands the decode ranks our channel, and checks our signature
-        from .bootstrap import sign
-
+        # the bootstrap server hands the decode ranks our channel and, signed, this registration
         payload = dict(payload, kvbridge_addr=self.kvbridge_addr, kvbridge_peer=self.kvbridge_peer_id)
-        payload["kvbridge_sig"] = sign(self.settings.registration_key[1], payload)
+        payload["kvbridge_sig"] = trust.sign(self.settings.registration_key[1], payload)
         super()._register_topology_row(url, payload)
 
     def deregister_buffer_to_engine(self) -> None:
@@ -198,6 +211,7 @@ class KvbridgeKVManager(CommonKVManager):
         self._stopped.set()
         if self.role == "prefill":
             self._queue.put(None)
+            self._dialers.shutdown(wait=False, cancel_futures=True)
         else:
             self._heartbeat_shutdown.set()
             self._probe.close()
@@ -256,22 +270,27 @@ class KvbridgeKVManager(CommonKVManager):
             token=self._grants.get(bootstrap_room, b"\0" * 16),
         ).to_zmq()
 
-    def open_grant(self, room: int, kv_indices: Any, aux_index: Optional[int]) -> None:
-        """Opens the room's pages and metadata slot to a fresh token (before its indices
-        leave). Raises ``kvbridge.KvbridgeError`` or ``ValueError``; nothing stays open then."""
+    def open_grant(self, room: int, kv_indices: Any, aux_index: Optional[int], writers: Optional[List[str]] = None) -> None:
+        """Opens the room's pages and metadata slot (before its indices leave): to a fresh
+        token, which travels with the indices; with bound prefills required, to the bound ids
+        ``writers`` instead, so that no other peer's write lands even with the token.
+        Raises ``kvbridge.KvbridgeError`` or ``ValueError``; nothing stays open then."""
         token = kvbridge.new_grant_token()
+        holders = [{"token": token}] if self.prefill_keys is None else [{"peer": w} for w in writers or []]
         with self._grant_lock:
             self.close_grant(room)
             self._grants[room] = token
+            windows = self._grant_windows.setdefault(room, [])
         try:
             spans = page_runs(np.asarray(kv_indices, dtype=np.int64))
-            for region, item in zip(self.kv_regions, self.kv_args.kv_item_lens):
-                # one call per buffer: all of the room's runs in it, under one engine lock
-                offsets, lengths = [first * item for first, _ in spans], [count * item for _, count in spans]
-                self.channel.open_windows(region, offsets, lengths, token=token, access="write")
-            if aux_index is not None:
-                for region, item in zip(self.aux_regions, self.kv_args.aux_item_lens):
-                    self.channel.open_window(region, aux_index * item, item, token=token, access="write")
+            for holder in holders:
+                for region, item in zip(self.kv_regions, self.kv_args.kv_item_lens):
+                    # one call per buffer: all of the room's runs in it, under one engine lock
+                    offsets, lengths = [first * item for first, _ in spans], [count * item for _, count in spans]
+                    windows += self.channel.open_windows(region, offsets, lengths, access="write", **holder)
+                if aux_index is not None:
+                    for region, item in zip(self.aux_regions, self.kv_args.aux_item_lens):
+                        windows.append(self.channel.open_window(region, aux_index * item, item, access="write", **holder))
         except BaseException:
             self.close_grant(room)
             raise
@@ -286,6 +305,10 @@ class KvbridgeKVManager(CommonKVManager):
                 return True
             try:
                 users = self.channel.close_token(token, timeout=CLOSE_WAIT_S)
+                left = self.channel.close_windows(self._grant_windows.get(room, []), timeout=CLOSE_WAIT_S)
+                if left:
+                    self._grant_windows[room] = left
+                    raise kvbridge.Timeout(f"{len(left)} windows of room {room} still in use", step="close-window")
             except kvbridge.Timeout:
                 logger.warning("kvbridge: writes into room %s still in flight %.0f s after its grant closed", room, CLOSE_WAIT_S)
                 return False
@@ -294,8 +317,21 @@ class KvbridgeKVManager(CommonKVManager):
             else:
                 logger.debug("kvbridge: room %s grant closed (writers %s)", room, users)
             del self._grants[room]
+            self._grant_windows.pop(room, None)
             self.stats["grants_closed"] += 1
             return True
+
+    def vouch(self, bootstrap_addr: str, info: Dict[str, Any], rank: trust.Rank) -> None:
+        """With bound prefills required, checks what the bootstrap server said about a prefill
+        rank (trust.py); raises ``kvbridge.Unauthenticated`` naming the step, counted."""
+        if self.prefill_keys is None:
+            return
+        try:
+            trust.check_lookup(info, self.prefill_keys, rank, bootstrap_addr, self.prefill_info_table.get(bootstrap_addr))
+        except kvbridge.Unauthenticated as e:
+            self.stats["unbound_prefills" if e.step == "keyring" else "unvouched_lookups"] += 1
+            logger.error("kvbridge: %s", e)
+            raise
 
     def tp_refusal(self, bootstrap_addr: str, prefill_tp: int) -> Optional[str]:
         """Why this decode rank cannot take MHA KV from the prefill server at
@@ -482,24 +518,51 @@ class KvbridgeKVManager(CommonKVManager):
         return True
 
     def _register_decode(self, reg: messages.Registration) -> None:
+        """Takes a decode rank's registration: its layout decided here, its session dialed by
+        a dialer thread (the control thread serves the other ranks meanwhile); a request of
+        it that comes first waits for its KV as any other, and fails if the dial does."""
         error, slices = self._layout(reg)
+        peer = DecodePeer(reg, error, slices)
+        self.decode_peers[reg.key] = peer
         if error is None:
-            try:
-                got = self.channel.connect(reg.addr)
-                if got != reg.peer_id:
-                    error = f"{reg.addr} authenticated as {got}, not {reg.peer_id} as registered"
-                    self.channel.disconnect(got, "not the registered peer")
-            except kvbridge.KvbridgeError as e:
-                error = f"connecting to decode {reg.peer_id} at {reg.addr} failed (step {e.step}): {type(e).__name__}: {e}"
-        if error:
-            logger.error("kvbridge: decode rank at %s:%s refused: %s", reg.endpoint, reg.port, error)
-        self.decode_peers[reg.key] = DecodePeer(reg, error, slices)
+            if self._dials.acquire(blocking=False):
+                self._dialers.submit(self._dial_decode, peer)
+            else:
+                peer.error = f"decode {reg.peer_id} at {reg.addr}: {MAX_DIALS_WAITING} registrations already wait to be dialed"
+                self.stats["dials_shed"] += 1
+        if peer.error:
+            logger.error("kvbridge: decode rank at %s:%s refused: %s", reg.endpoint, reg.port, peer.error)
+
+    def _dial_decode(self, peer: DecodePeer) -> None:
+        reg = peer.reg
+        try:
+            got = self.channel.connect(reg.addr)
+            if got != reg.peer_id:
+                peer.error = f"{reg.addr} authenticated as {got}, not {reg.peer_id} as registered"
+                self.channel.disconnect(got, "not the registered peer")
+        except kvbridge.Closed:
+            return
+        except kvbridge.KvbridgeError as e:
+            peer.error = f"connecting to decode {reg.peer_id} at {reg.addr} failed (step {e.step}): {type(e).__name__}: {e}"
+        finally:
+            self._dials.release()
+        if peer.error:
+            logger.error("kvbridge: decode rank at %s:%s refused: %s", reg.endpoint, reg.port, peer.error)
+            for room, infos in list(self.transfer_infos.items()):
+                if reg.peer_id in infos and self.decode_peers.get(reg.key) is peer:
+                    self.conclude_failure(bootstrap_room=room, failure_reason=peer.error, targets=[reg.key])
 
     def _layout(self, reg: messages.Registration) -> Tuple[Optional[str], Optional[HeadSlices]]:
         """Whether this rank's KV can go to the decode rank: ``(why not, None)``, or
         ``(None, the head slices)`` for MHA KV of another attention TP, ``(None, None)``
         for whole pages. Decided once per decode rank, here."""
         own = self.kv_args
+        if reg.page_size != own.page_size or reg.kv_cache_dtype != str(self.kv_cache_dtype_str):
+            self.stats["layouts_refused"] += 1
+            return (
+                f"KV pages differ: decode {reg.peer_id} has pages of {reg.page_size} tokens of {reg.kv_cache_dtype!r}, "
+                f"this prefill {own.page_size} of {str(self.kv_cache_dtype_str)!r}"
+            )[:1000], None
         if not self.is_mla_backend and reg.tp_size != self.attn_tp_size:
             try:
                 slices = self._head_slices(reg)

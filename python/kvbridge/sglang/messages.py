@@ -80,6 +80,8 @@ def _json(frame: bytes, what: str) -> dict:
         d = json.loads(frame)
     except (ValueError, UnicodeDecodeError) as e:
         raise BadMessage(f"{what}: not JSON ({e})") from None
+    except RecursionError:
+        raise BadMessage(f"{what}: not JSON (nested too deep)") from None
     if not isinstance(d, dict):
         raise BadMessage(f"{what}: not a JSON object")
     return d

@@ -40,6 +40,9 @@ HELP = {
     "grants_closed": "requests whose pages this decode rank closed again",
     "probe_failures": "probes of a prefill rank that failed",
     "bad_messages": "control messages refused (malformed, or from an unregistered peer)",
+    "dials_shed": "decode registrations refused because too many others waited to be dialed",
+    "unbound_prefills": "prefill ranks refused because the decode's keyring does not bind their id (KVBRIDGE_SGLANG_REQUIRE_BOUND_PREFILL)",
+    "unvouched_lookups": "bootstrap answers refused because the prefill rank's own key does not vouch for them (KVBRIDGE_SGLANG_REQUIRE_BOUND_PREFILL)",
     "bad_notices": "notifications refused (malformed, or for a room the sender does not serve)",
 }
 

@@ -1,8 +1,10 @@
 """``KvbridgeKVReceiver``: a decode request's side of one transfer.
 
 SGLang's ``CommonKVReceiver`` does the bootstrap (prefill ranks from the bootstrap server,
-registration once per prefill rank); this adds the grant (the request's pages opened to the
-writer, closed when the request ends) and the peers and deadline the manager watches.
+registration once per prefill rank); this adds the check of each rank the bootstrap server
+names, when the decode requires bound prefills (``KvbridgeKVManager.vouch``: before the
+decode registers with the rank), the grant (the request's pages opened to the writer, closed
+when the request ends) and the peers and deadline the manager watches.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import kvbridge
 
 class KvbridgeKVReceiver(CommonKVReceiver):
     _grant_closed: bool = True
+    _refused: Optional[str] = None  # why a rank the bootstrap server named was not believed
 
     def init(self, prefill_dp_rank: int) -> None:
         if self.conclude_state != KVPoll.Failed:
@@ -26,6 +29,20 @@ class KvbridgeKVReceiver(CommonKVReceiver):
                 self._fail(why)
                 return
         super().init(prefill_dp_rank)
+        if self._refused is not None:
+            self._fail(self._refused)  # in place of SGLang's "Could not fetch bootstrap info"
+
+    def _get_bootstrap_info_from_server(self, prefill_dp_rank, prefill_cp_rank, target_tp_rank, target_pp_rank):
+        info = super()._get_bootstrap_info_from_server(prefill_dp_rank, prefill_cp_rank, target_tp_rank, target_pp_rank)
+        if info is None:
+            return None
+        rank = (int(prefill_dp_rank), int(prefill_cp_rank), int(target_tp_rank), int(target_pp_rank))
+        try:
+            self.kv_mgr.vouch(self.bootstrap_addr, info, rank)
+        except kvbridge.Unauthenticated as e:
+            self._refused = f"kvbridge: Unauthenticated (step {e.step}): {e}"
+            return None  # SGLang then fails the request, before it registers with the rank
+        return info
 
     def _fail(self, reason: str) -> None:
         self.kv_mgr.record_failure(self.bootstrap_room, reason)
@@ -56,7 +73,7 @@ class KvbridgeKVReceiver(CommonKVReceiver):
                 return
             peers[peer] = addr
         try:
-            self.kv_mgr.open_grant(self.bootstrap_room, kv_indices, aux_index)
+            self.kv_mgr.open_grant(self.bootstrap_room, kv_indices, aux_index, list(peers))
         except (kvbridge.KvbridgeError, ValueError) as e:
             self._fail(f"kvbridge: opening room {self.bootstrap_room}'s pages failed: {type(e).__name__}: {e}")
             return

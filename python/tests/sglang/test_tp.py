@@ -18,6 +18,8 @@ CASES = [
     "2,1,mha,4",  # the decode rank: both prefill ranks' heads
     "2,4,mha,4",  # one prefill rank writes two decode ranks
     "4,2,mha,2",  # heads replicated on the prefill: one replica writes each
+    "2,1,mha,4,bound",  # bound prefills required: the decode's pages open to both prefill ids
+    "1,2,mla,1,bound",  # bound prefills required, MLA: dummies vouched for, write nothing
 ]
 REFUSED = "1,2,mha,4,refuse"  # decode pages of another head size
 

@@ -1,7 +1,7 @@
 """Prefill and decode ranks of the kvbridge backend with attention TP on each side, in one
 process of its own (the runtime context is per process), for test_tp.py:
 
-    python tp_process.py CASE...    CASE: P,D,mha|mla,HEADS[,refuse]
+    python tp_process.py CASE...    CASE: P,D,mha|mla,HEADS[,refuse][,bound]
 
 runs the cases one after another (SGLang imported once) and prints, for each, ``OK CASE
 {json of what was counted}`` or ``FAIL CASE {the traceback as JSON}``.
@@ -20,10 +20,16 @@ MLA (the same KV on every rank): every decode rank receives prefill rank 0's.
 
 ``refuse``: the decode's pages hold heads of another size; each prefill rank refuses each
 decode rank once, at its registration, and every request fails at once with the reason.
+
+``bound``: the prefill ranks have ids bound to the prefill's own key, and the decodes
+require bound prefills (``KVBRIDGE_SGLANG_REQUIRE_BOUND_PREFILL``): each decode rank checks
+every prefill rank it hears from, and opens its pages to each of their ids.
 """
 
 import json
+import os
 import sys
+import tempfile
 import traceback
 
 import numpy as np
@@ -36,6 +42,15 @@ from sglang_pd import wait_for
 HEAD_BYTES = 16  # head_dim 8, fp16
 BUFFERS = 2 * LAYERS
 SRC, DST = [3, 4, 8], [10, 11, 30]  # pages 3 and 4 land in adjacent pages: one run, then another
+BOUND_KEY = "key-of-the-tp-prefill-server-0123"
+
+
+def set_env(**values) -> None:
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def heads_of(rank: int, tp: int, total: int) -> range:
@@ -105,7 +120,8 @@ def main() -> None:
 def run_case(case: str) -> dict:
     fields = case.split(",")
     ptp, dtp, mla, total = int(fields[0]), int(fields[1]), fields[2] == "mla", int(fields[3])
-    refuse = fields[4:] == ["refuse"]
+    refuse, bound = "refuse" in fields[4:], "bound" in fields[4:]
+    set_env(KVBRIDGE_PEER_ID=None, KVBRIDGE_PEER_KEY=None, KVBRIDGE_PEER_KEYS=None, KVBRIDGE_SGLANG_REQUIRE_BOUND_PREFILL=None)
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend, get_kv_class
     from sglang.srt.runtime_context import get_parallel
@@ -122,15 +138,25 @@ def run_case(case: str) -> dict:
         head_bytes = HEAD_BYTES * 2 if refuse else HEAD_BYTES
         dpools = [Pool.make(item=PAGE_TOKENS * len(heads_of(r, dtp, total)) * head_bytes) for r in range(dtp)]
     with topology(port, tp_size=dtp) as server_args:
+        if bound:  # the prefill server's environment, its bootstrap server's too
+            set_env(KVBRIDGE_PEER_ID="tp-bound-{role}-r{rank}", KVBRIDGE_PEER_KEY=BOUND_KEY)
         server = cls[KVClassType.BOOTSTRAP_SERVER](host="127.0.0.1", port=port)
         pm, dm = [], []
         for r in range(ptp):
             with get_parallel().override(tp_size=ptp, attn_tp_size=ptp, moe_tp_size=ptp, tp_rank=r, attn_tp_rank=r):
                 args = kv_args(ppools[r], rank=r, heads=len(heads_of(r, ptp, total)), total_heads=total)
                 pm.append(cls[KVClassType.MANAGER](args, DisaggregationMode.PREFILL, server_args, mla))
+        ring = tempfile.NamedTemporaryFile("w", suffix=".keys")
+        if bound:  # the decode server's: a keyring naming every prefill rank, and the requirement
+            ring.write("".join(f"{m.kvbridge_peer_id} {BOUND_KEY}\n" for m in pm))
+            ring.flush()
+            set_env(KVBRIDGE_PEER_ID=None, KVBRIDGE_PEER_KEY=None, KVBRIDGE_PEER_KEYS=ring.name)
+            set_env(KVBRIDGE_SGLANG_REQUIRE_BOUND_PREFILL="1")
         for r in range(dtp):
             with get_parallel().override(tp_rank=r, attn_tp_rank=r):
                 dm.append(cls[KVClassType.MANAGER](kv_args(dpools[r], rank=r), DisaggregationMode.DECODE, server_args, mla))
+        set_env(KVBRIDGE_PEER_KEYS=None, KVBRIDGE_SGLANG_REQUIRE_BOUND_PREFILL=None)
+        assert all((m.prefill_keys is not None) == bound for m in dm)
 
         def request(room):
             senders = [cls[KVClassType.SENDER](pm[r], addr, room) for r in range(ptp)]
@@ -197,9 +223,13 @@ def run_case(case: str) -> dict:
                 pairs = [[r for d in range(dtp) if r in prefill_ranks_of(d, dtp, ptp)] for r in range(ptp)]
                 assert counted["decode_ranks_sent"] == [len(p) for p in pairs], counted
                 assert counted["statuses_received"] == [len(prefill_ranks_of(d, dtp, ptp)) for d in range(dtp)], counted
+        if bound:
+            counted["unvouched"] = [m.stats["unvouched_lookups"] + m.stats["unbound_prefills"] for m in dm]
+            assert counted["unvouched"] == [0] * dtp, counted
         for m in pm + dm:
             m.close()
         server.close()
+        ring.close()
     return counted
 
 
