@@ -182,7 +182,7 @@ if [ "$UPSTREAM" = 1 ]; then
   SG_TESTS=$("$PY" -c 'import pathlib, sglang.test as t; print(pathlib.Path(t.__file__).parent / "manual" / "disaggregation")')
   t0=$(date +%s)
   PYTHONPATH="$ROOT/python/tests/sglang_upstream${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest -p no:cacheprovider \
-    -p kvbridge_sglang_upstream -q -s -W ignore::DeprecationWarning --rootdir "$REPORTS" \
+    -p kvbridge_sglang_upstream -q -s -rxX -W ignore::DeprecationWarning --rootdir "$SG_TESTS" \
     --junitxml="$REPORTS/upstream.xml" "$SG_TESTS" || status=1
   counted "sglang/test/manual/disaggregation" "$REPORTS/upstream.xml" "$UPSTREAM_MIN"
   echo "test-sglang.sh: SGLang's own disaggregation tests took $(( $(date +%s) - t0 )) s"

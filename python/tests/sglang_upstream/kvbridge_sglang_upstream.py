@@ -23,6 +23,11 @@ their environment or from a hub:
   ``--base-gpu-id 1``: on a host with one NUMA node its scheduler dies at startup ("NUMA index
   1 ... is out of range for 1 numa nodes").
 
+For a comparison, ``SGLANG_TEST_PD_DISAGG_BACKEND=nixl`` runs the same tests against SGLang's
+NIXL backend, with the stand-in it needs on CPU (``bench/sglang_nixl_dram.py``: NIXL told
+"DRAM" where SGLang says "VRAM"), installed in every server process by a ``sitecustomize``
+written beside the stand-ins.
+
 After the session, each server log's "KV sent/received over kvbridge" lines are counted (the
 backend's line per request, ``kvbridge/sglang/manager.py``) and its ``server_args`` line read:
 a PD server that ran another backend than ``SGLANG_TEST_PD_DISAGG_BACKEND`` fails the session,
@@ -41,6 +46,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent
 #: KV slots per server: their longest prompt (about 20k tokens) and its 4096 new tokens fit.
@@ -53,6 +60,19 @@ KV_RECEIVED = r"kvbridge: room \d+: KV received over kvbridge"
 KV_SENT = r"kvbridge: room \d+: KV sent over kvbridge"
 
 _state: dict = {"logs": [], "root": None}
+
+#: Their tests that fail against every backend of SGLang 0.5.23 whose receiver is SGLang's
+#: CommonKVReceiver (kvbridge's, Mooncake's, NIXL's): (file, class, test) -> (what the failure
+#: must say, why). Such a failure is reported as an expected one (xfail); any other outcome of
+#: the test stays what it was, and a pass shows it is no longer known.
+KNOWN_FAILURES = {
+    ("test_disaggregation_peer_liveness_abort.py", "TestDisaggregationPeerLivenessAbort", "test_peer_failures_abort_without_hanging"): (
+        ("Expected only clean aborts or successful completions", "Failed due to an unknown reason from another rank"),
+        "SGLang's failure injection fails a poll with no reason recorded, and SGLang's CommonKVReceiver then "
+        "says 'Failed due to an unknown reason from another rank', none of the words the test counts as an "
+        "abort; SGLang's NIXL backend fails it the same way (docs/sglang.md)",
+    ),
+}
 
 
 def _model(root: Path) -> Path:
@@ -73,6 +93,21 @@ def _standins(root: Path) -> Path:
 
     os.environ.update(standins.PREFILL_ENV)
     return standins.write(root / "standins")
+
+
+NIXL_SITECUSTOMIZE = """# written by kvbridge's sglang_upstream plugin: bench/sglang_nixl_dram.py in every process
+import sys
+
+sys.path.insert(0, {bench!r})
+import sglang_nixl_dram
+
+sglang_nixl_dram.install()
+"""
+
+
+def _nixl_standin(standins: Path) -> None:
+    bench = TESTS.parent.parent / "bench"
+    (standins / "sitecustomize.py").write_text(NIXL_SITECUSTOMIZE.format(bench=str(bench)))
 
 
 def _log_sinks(kind: str, args: list[str]):
@@ -128,6 +163,8 @@ def pytest_configure(config) -> None:
     os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     os.environ["PYTHONPATH"] = os.pathsep.join([str(standins), str(TESTS.parent), os.environ.get("PYTHONPATH", "")])
     os.environ.setdefault("SGLANG_TEST_PD_DISAGG_BACKEND", "kvbridge")
+    if os.environ["SGLANG_TEST_PD_DISAGG_BACKEND"] == "nixl":
+        _nixl_standin(standins)
     os.environ.setdefault("KVBRIDGE_SECRET", SECRET)
     os.environ.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     cores = f"0-{(os.cpu_count() or 1) - 1}"
@@ -139,6 +176,19 @@ def pytest_configure(config) -> None:
     test_utils.DEFAULT_MODEL_NAME_FOR_TEST = str(model)
     _wrap(test_utils)
     print(f"kvbridge_sglang_upstream: backend {os.environ['SGLANG_TEST_PD_DISAGG_BACKEND']}, model {model}, logs {root / 'logs'}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    cls = getattr(item, "cls", None)
+    key = (item.path.name, cls.__name__ if cls else "", item.name)
+    if key in KNOWN_FAILURES and report.when == "call" and report.failed:
+        says, why = KNOWN_FAILURES[key]
+        if all(s in str(report.longrepr) for s in says):
+            report.outcome = "skipped"
+            report.wasxfail = why
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
