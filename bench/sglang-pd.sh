@@ -7,7 +7,11 @@
 #
 # Usage: bench/sglang-pd.sh [bench/sglang_pd.py flags: --runs 3 --requests 6 --prompt-tokens 900
 #                            --max-tokens 4 --chunk-tokens 256 --layers 8 --kv-heads 4 --head-dim 64
-#                            --backends kvbridge,nixl,mooncake --proxy on|off --timer on|off --pin on|off]
+#                            --backends kvbridge,nixl,mooncake --proxy on|off --timer on|off --pin on|off
+#                            --decode-allocation-policy early|prefill_complete]
+# --decode-allocation-policy: SGLang's --disaggregation-decode-allocation-policy on both servers
+# (default early); SGLang takes prefill_complete with Mooncake only (kvbridge's hook adds
+# kvbridge), so under it the backends default to kvbridge,mooncake and nixl is refused.
 # Transfer time per request comes from bench/sglang_transfer_timer.py around every backend's
 # receiver and sender classes (--timer off: without it; the answers must not change).
 # Env: BENCH_DIR (default /tmp/kvbridge-sglang-pd), KVBRIDGE_SGLANG_VENV (default .venv-sglang,
