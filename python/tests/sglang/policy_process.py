@@ -111,35 +111,24 @@ def lease(pd) -> dict:
 
 def dead(pd) -> dict:
     """The prefill rank dies while it computes: the decode's probe fails the request within
-    a few probes, not at SGLang's waiting timeout (300 s)."""
+    a few probes, not at SGLang's waiting timeout (300 s). The last case: it closes the
+    pair's prefill rank."""
     from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.utils import DisaggregationMode
-    from sglang_pd import Pool, kv_args
 
-    port = free_port()
-    addr = f"127.0.0.1:{port}"
-    server = pd.cls[pd.types.BOOTSTRAP_SERVER](host="127.0.0.1", port=port)
-    prefill = pd.cls[pd.types.MANAGER](kv_args(Pool.make(fill=3)), DisaggregationMode.PREFILL, pd.server_args, False)
-    closed = False
-    try:
-        room = pd.room()
-        pd.cls[pd.types.SENDER](prefill, addr, room)
-        receiver = pd.receiver(room, bootstrap_addr=addr)
-        assert receiver.poll() == KVPoll.Bootstrapping
-        t0 = time.monotonic()
-        prefill.close()
-        closed = True
-        assert until_done(receiver, timeout=10) == KVPoll.Failed
-        took = time.monotonic() - t0
-        assert took < 3.0, took
-        text = failure_text(receiver)
-        assert "unreachable (step" in text and prefill.kvbridge_peer_id in text, text
-        assert room not in pd.decode.room_peers
-        return {"failed_after_s": round(took, 2), "reason": text}
-    finally:
-        if not closed:
-            prefill.close()
-        server.close()
+    room = pd.room()
+    pd.sender(room)
+    receiver = pd.receiver(room)
+    assert receiver.poll() == KVPoll.Bootstrapping
+    t0 = time.monotonic()
+    pd.prefill.close()
+    pd.prefill.close = lambda: None  # closed once, here
+    assert until_done(receiver, timeout=10) == KVPoll.Failed
+    took = time.monotonic() - t0
+    assert took < 3.0, took
+    text = failure_text(receiver)
+    assert "unreachable (step" in text and pd.prefill.kvbridge_peer_id in text, text
+    assert room not in pd.decode.room_peers
+    return {"failed_after_s": round(took, 2), "reason": text}
 
 
 CASES = {"order": order, "lease": lease, "dead": dead}
