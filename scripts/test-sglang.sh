@@ -137,7 +137,7 @@ status=0
 REPORTS=$(mktemp -d)
 trap 'rm -rf "$REPORTS"' EXIT
 # How many tests each step holds today (raise with new tests).
-UNIT_MIN=67
+UNIT_MIN=71
 E2E_MIN=4
 counted() { "$PY" scripts/pytest-counts.py "test-sglang.sh: $1" "$2" "$3" || status=1; }
 

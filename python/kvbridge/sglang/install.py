@@ -128,7 +128,9 @@ def _allow_prefill_complete() -> None:
     try:
         mod = importlib.import_module(POLICY_CHECK_MODULE)
     except ImportError as e:  # a release without the policy, or that moved its check
-        logger.warning("kvbridge: %s not importable, prefill_complete left as SGLang has it: %s", POLICY_CHECK_MODULE, e)
+        logger.warning(
+            "kvbridge: %s not importable, prefill_complete left as SGLang has it: %s", POLICY_CHECK_MODULE, e
+        )
         return
     check = getattr(mod, "_validate_prefill_complete", None)
     if check is None or _is_hook(check):
