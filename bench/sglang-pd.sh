@@ -7,7 +7,11 @@
 #
 # Usage: bench/sglang-pd.sh [bench/sglang_pd.py flags: --runs 3 --requests 6 --prompt-tokens 900
 #                            --max-tokens 4 --chunk-tokens 256 --layers 8 --kv-heads 4 --head-dim 64
-#                            --backends kvbridge,nixl,mooncake --proxy on|off --timer on|off --pin on|off]
+#                            --backends kvbridge,nixl,mooncake --proxy on|off --timer on|off --pin on|off
+#                            --decode-allocation-policy early|prefill_complete]
+# --decode-allocation-policy: SGLang's --disaggregation-decode-allocation-policy on both servers
+# (default early); SGLang takes prefill_complete with Mooncake only (kvbridge's hook adds
+# kvbridge), so under it the backends default to kvbridge,mooncake and nixl is refused.
 # Transfer time per request comes from bench/sglang_transfer_timer.py around every backend's
 # receiver and sender classes (--timer off: without it; the answers must not change).
 # Env: BENCH_DIR (default /tmp/kvbridge-sglang-pd), KVBRIDGE_SGLANG_VENV (default .venv-sglang,
@@ -36,12 +40,15 @@ if ! "$PY" -c "from mooncake.engine import TransferEngine" 2>/dev/null; then
   echo "bench/sglang-pd.sh: installing mooncake-transfer-engine-non-cuda $MOONCAKE_VERSION (benchmark only)" >&2
   "$PY" -m pip install --quiet "mooncake-transfer-engine-non-cuda==$MOONCAKE_VERSION"
 fi
+# this tree's kvbridge package in every server, whatever the venv's own points to, so that
+# the figures are those of the commit in the header
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 WORK=${BENCH_DIR:-/tmp/kvbridge-sglang-pd}
 rm -rf "$WORK" && mkdir -p "$WORK"
 out=$WORK/output.txt
 {
   echo "# bench/sglang-pd.sh $* on $(git rev-parse --short=12 HEAD)$(git diff --quiet HEAD -- python bench crates || echo '+dirty'), $(date -u +%FT%TZ)"
-  echo "# host: $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg); SGLang $("$PY" -c 'import importlib.metadata as m; print(m.version("sglang"))'), sglang-router $("$PY" -c 'import importlib.metadata as m; print(m.version("sglang-router"))'), nixl $("$PY" -c 'import importlib.metadata as m; print(m.version("nixl"))'), mooncake-transfer-engine-non-cuda $("$PY" -c 'import importlib.metadata as m; print(m.version("mooncake-transfer-engine-non-cuda"))'); kvbridge binary ${KVBRIDGE_BIN:-target/release or debug}"
+  echo "# host: $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg); SGLang $("$PY" -c 'import importlib.metadata as m; print(m.version("sglang"))'), sglang-router $("$PY" -c 'import importlib.metadata as m; print(m.version("sglang-router"))'), nixl $("$PY" -c 'import importlib.metadata as m; print(m.version("nixl"))'), mooncake-transfer-engine-non-cuda $("$PY" -c 'import importlib.metadata as m; print(m.version("mooncake-transfer-engine-non-cuda"))'); kvbridge package $("$PY" -c 'import kvbridge, os; print(os.path.dirname(kvbridge.__file__))' 2>/dev/null), binary ${KVBRIDGE_BIN:-target/release or debug}"
 } | tee "$out"
 "$PY" bench/sglang_pd.py --work "$WORK" "$@" 2>"$WORK/stderr.txt" | tee -a "$out" || {
   tail -20 "$WORK/stderr.txt" >&2

@@ -99,7 +99,8 @@ def wait_ready(procs: list, path: str, deadline_s: float) -> float:
             if http_status(p.url + path) == 200:
                 pending.remove(p)
         if pending and time.monotonic() - t0 > deadline_s:
-            raise Failed(f"{[p.name for p in pending]} not ready in {deadline_s} s:\n" + "\n".join(p.tail(3000) for p in pending))
+            tails = "\n".join(p.tail(3000) for p in pending)
+            raise Failed(f"{[p.name for p in pending]} not ready in {deadline_s} s:\n{tails}")
         if pending:
             time.sleep(0.5)
     return time.monotonic() - t0
@@ -118,8 +119,12 @@ def router(a, prefill: Server, bport: int, decode: Server, logdir: Path) -> Proc
 
 def completion(url: str, model: Path, text: str, max_tokens: int) -> tuple[float, str]:
     """Seconds to the first content chunk of a streamed greedy completion, and its text."""
-    doc = {"model": str(model), "prompt": text, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(doc).encode(), {"content-type": "application/json"})
+    doc = {
+        "model": str(model), "prompt": text, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+        "stream": True,
+    }  # fmt: skip
+    headers = {"content-type": "application/json"}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(doc).encode(), headers)
     t0 = time.perf_counter()
     first, answer = None, []
     try:
@@ -158,7 +163,8 @@ def start_pair(name: str, a, logs: Path, timer_dirs: dict[str, Path]) -> tuple[S
     pport, dport, bport = free_ports(3)
     env = BACKEND_ENV[name]
     pin = (os.cpu_count() or 1) >= 2 and a.pin
-    common = ["--disaggregation-transfer-backend", name]
+    # the same policy on both servers: SGLang's decode refuses a prefill whose policy differs
+    common = ["--disaggregation-transfer-backend", name, "--disaggregation-decode-allocation-policy", a.policy]
     penv, denv = dict(env), dict(env)
     if timer_dirs:
         penv[timer.ENV], denv[timer.ENV] = str(timer_dirs["prefill"]), str(timer_dirs["decode"])
@@ -258,7 +264,9 @@ def kv_over_kvbridge(name: str, prefill: Server, decode: Server, sent: int) -> s
     received = kv_lines_reach(decode, KV_RECEIVED, sent)
     pushed = kv_lines_reach(prefill, KV_SENT, sent)
     if received != sent or pushed != sent:
-        raise Failed(f"kvbridge: {sent} requests, {pushed} 'KV sent' lines (prefill), {received} 'KV received' (decode)")
+        raise Failed(
+            f"kvbridge: {sent} requests, {pushed} 'KV sent' lines (prefill), {received} 'KV received' (decode)"
+        )
     return f"{pushed} KV sent, {received} KV received over kvbridge for {sent} requests"
 
 
@@ -278,13 +286,24 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--backends", default="kvbridge,nixl,mooncake")
+    # default: kvbridge,nixl,mooncake; under prefill_complete kvbridge,mooncake (see below)
+    ap.add_argument("--backends", default=None)
     # the kvbridge pair also behind `kvbridge proxy --flow sglang` ("off": the router only)
     ap.add_argument("--proxy", default="on", choices=("on", "off"))
     # "off": the backends' classes as they are, to check the timer changes no answer
     ap.add_argument("--timer", default="on", choices=("on", "off"))
     ap.add_argument("--pin", default="on", choices=("on", "off"))
+    # SGLang's --disaggregation-decode-allocation-policy: "early", the decode sends its page
+    # indices before the prefill computed; "prefill_complete", after
+    ap.add_argument(
+        "--decode-allocation-policy", dest="policy", default="early", choices=("early", "prefill_complete")
+    )
     a = ap.parse_args()
+    if a.backends is None:
+        a.backends = "kvbridge,mooncake" if a.policy == "prefill_complete" else "kvbridge,nixl,mooncake"
+    if a.policy == "prefill_complete" and "nixl" in a.backends.split(","):
+        # its _validate_prefill_complete: Mooncake only (kvbridge.sglang.install() adds kvbridge)
+        ap.error("SGLang refuses --disaggregation-decode-allocation-policy prefill_complete with its NIXL backend")
     a.proxy, a.pin = a.proxy == "on", a.pin == "on"
     return a
 
@@ -292,6 +311,7 @@ def parse() -> argparse.Namespace:
 def main() -> int:
     a = parse()
     (a.work / "logs").mkdir(parents=True, exist_ok=True)
+    print(f"# --disaggregation-decode-allocation-policy {a.policy} on both servers of every pair", flush=True)
     a.model = build(a.work / "model", layers=a.layers, kv_heads=a.kv_heads, head_dim=a.head_dim)
     a.standins = standins.write(a.work / "standins")
     binary = kvbridge_binary()
@@ -302,7 +322,8 @@ def main() -> int:
     per_run = []
     for run in range(1, a.runs + 1):
         rng = random.Random(run)
-        per_run.append([" ".join(rng.choice(WORDS) for _ in range(a.prompt_tokens)) for _ in range(WARM_UP + a.requests)])
+        n = WARM_UP + a.requests
+        per_run.append([" ".join(rng.choice(WORDS) for _ in range(a.prompt_tokens)) for _ in range(n)])
     results: dict[str, list[dict]] = {n: [] for n in names}
     try:
         refs = reference_answers(a, [p for ps in per_run for p in ps], a.work / "logs")
@@ -319,7 +340,7 @@ def main() -> int:
           f"x head_dim {a.head_dim}, bf16), chunked prefill {a.chunk_tokens} tokens, max_tokens {a.max_tokens}; "
           f"{a.runs} runs, one pair up at a time, order alternating; {WARM_UP} warm-up + {a.requests} timed "
           f"requests per front and run, sequential, answers equal to a single server's; timer {a.timer}; "
-          f"servers pinned to a core each: {a.pin}")  # fmt: skip
+          f"servers pinned to a core each: {a.pin}; decode allocation policy {a.policy}")  # fmt: skip
     if a.timer == "on":
         import sglang_pd_report
 
@@ -331,7 +352,10 @@ def print_run(name: str, run: int, r: dict) -> None:
     """One backend's run as it ends, so that a later failed run leaves these figures."""
     for front, m in r["fronts"].items():
         s = [v * 1e3 for v in m["samples"]]
-        line = f"run {run} {name} via {front}: TTFT p50 {statistics.median(s):.1f} ms (min {min(s):.1f}, max {max(s):.1f})"
+        line = (
+            f"run {run} {name} via {front}: TTFT p50 {statistics.median(s):.1f} ms "
+            f"(min {min(s):.1f}, max {max(s):.1f})"
+        )
         for key, what in (("transfer_s", "transfer"), ("tail_s", "tail")):
             vals = [sp[key] * 1e3 for sp in m["spans"] if key in sp]
             if vals:

@@ -147,7 +147,7 @@ status=0
 REPORTS=$(mktemp -d)
 trap 'rm -rf "$REPORTS"' EXIT
 # How many tests each step holds today (raise with new tests).
-UNIT_MIN=139
+UNIT_MIN=143
 E2E_MIN=4
 UPSTREAM_MIN=4
 counted() { "$PY" scripts/pytest-counts.py "test-sglang.sh: $1" "$2" "$3" || status=1; }

@@ -9,6 +9,13 @@ plugins with ``add_disagg_transfer_backend_choices``), the ``TransferBackend`` e
 module that imported it to a wrapper that returns kvbridge's classes for
 ``TransferBackend.KVBRIDGE`` and calls SGLang's own for anything else.
 
+SGLang also refuses ``--disaggregation-decode-allocation-policy prefill_complete`` with any
+backend but Mooncake (``_validate_prefill_complete`` in
+``sglang.srt.arg_groups.pd_disaggregation_hook``): that policy needs a backend to carry the
+decode's ``BOOTSTRAP`` request and the prefill's readiness, which this one does
+(receiver.py, manager.py). ``install()`` rebinds the check to a wrapper that drops that one
+reason for ``kvbridge`` and keeps every other (TP, PP, role switch...).
+
 It runs in every SGLang process: SGLang calls its general plugins (entry point group
 ``sglang.srt.plugins``, which kvbridge's package declares) early in the main process, the
 scheduler and the detokenizer; ``python -m kvbridge.sglang.launch_server`` also calls it.
@@ -36,6 +43,12 @@ GET_KV_CLASS_USERS = (
     "sglang.srt.disaggregation.decode",
     "sglang.srt.managers.disagg_service",
 )
+
+#: The module whose ``_validate_prefill_complete`` refuses other backends than Mooncake.
+POLICY_CHECK_MODULE = "sglang.srt.arg_groups.pd_disaggregation_hook"
+#: How that check starts its refusal, and the reason it gives for the backend.
+POLICY_REFUSAL = "--disaggregation-decode-allocation-policy prefill_complete does not yet support "
+MOONCAKE_ONLY = "transfer backends other than Mooncake"
 
 _lock = threading.Lock()
 _original: Optional[Callable[..., Any]] = None
@@ -92,6 +105,39 @@ def _wrap(original: Callable[..., Any], backend_member: Any) -> Callable[..., An
     return get_kv_class
 
 
+def _wrap_policy_check(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _validate_prefill_complete(server_args: Any) -> None:
+        try:
+            original(server_args)
+        except ValueError as e:
+            text = str(e)
+            if getattr(server_args, "disaggregation_transfer_backend", None) != BACKEND_NAME:
+                raise
+            if not text.startswith(POLICY_REFUSAL):
+                raise
+            rest = [r for r in text[len(POLICY_REFUSAL) :].split(", ") if r != MOONCAKE_ONLY]
+            if rest:
+                raise ValueError(POLICY_REFUSAL + ", ".join(rest)) from None
+
+    _validate_prefill_complete.__wrapped__ = original  # type: ignore[attr-defined]
+    _validate_prefill_complete.kvbridge_hook = True  # type: ignore[attr-defined]
+    return _validate_prefill_complete
+
+
+def _allow_prefill_complete() -> None:
+    try:
+        mod = importlib.import_module(POLICY_CHECK_MODULE)
+    except ImportError as e:  # a release without the policy, or that moved its check
+        logger.warning(
+            "kvbridge: %s not importable, prefill_complete left as SGLang has it: %s", POLICY_CHECK_MODULE, e
+        )
+        return
+    check = getattr(mod, "_validate_prefill_complete", None)
+    if check is None or _is_hook(check):
+        return
+    mod._validate_prefill_complete = _wrap_policy_check(check)
+
+
 def _is_hook(fn: Any) -> bool:
     return bool(getattr(fn, "kvbridge_hook", False))
 
@@ -129,6 +175,7 @@ def install() -> None:
                 logger.warning("kvbridge: %s.get_kv_class is not SGLang's; left as is", name)
                 continue
             mod.get_kv_class = hook
+        _allow_prefill_complete()
 
 
 def installed() -> list[str]:

@@ -352,10 +352,14 @@ class KvbridgeKVManager(CommonKVManager):
             self._tp_refusals[key] = why
         return self._tp_refusals[key]
 
-    def expect(self, room: int, peers: Dict[str, str], bootstrap_addr: str) -> None:
+    def expect(self, room: int, peers: Dict[str, str], bootstrap_addr: str, deadline: bool = True) -> None:
+        """From now on the room takes statuses from ``peers`` and the probe loop watches
+        them; with ``deadline``, its KV must come within the transfer timeout. Without it
+        (the prefill still computing, under ``prefill_complete``) only the probe ends it."""
         self.room_peers[room] = dict(peers)
         self._room_bootstrap[room] = bootstrap_addr
-        self._room_deadline[room] = time.monotonic() + self.settings.transfer_timeout_s
+        if deadline:
+            self._room_deadline[room] = time.monotonic() + self.settings.transfer_timeout_s
 
     def forget(self, room: int) -> None:
         self.room_peers.pop(room, None)

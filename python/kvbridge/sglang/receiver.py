@@ -5,11 +5,18 @@ registration once per prefill rank); this adds the check of each rank the bootst
 names, when the decode requires bound prefills (``KvbridgeKVManager.vouch``: before the
 decode registers with the rank), the grant (the request's pages opened to the writer, closed
 when the request ends) and the peers and deadline the manager watches.
+
+Under ``--disaggregation-decode-allocation-policy prefill_complete`` the decode allocates
+only once the prefill has computed: ``init`` asks the prefill rank to say when
+(``BOOTSTRAP``), and its answer (``WaitingForInput``) comes over kvbridge before any
+``send_metadata``. So the room takes statuses from its prefill peers, and the probe watches
+them, from the bootstrap on (before that message leaves), with no transfer deadline while
+the prefill computes; ``send_metadata`` starts the deadline.
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferDestination
 from sglang.srt.disaggregation.common.conn import CommonKVReceiver
@@ -20,6 +27,33 @@ import kvbridge
 class KvbridgeKVReceiver(CommonKVReceiver):
     _grant_closed: bool = True
     _refused: Optional[str] = None  # why a rank the bootstrap server named was not believed
+    _watched: bool = False  # the manager has the room's peers (expect), to be forgotten
+
+    def _setup_bootstrap_infos(self) -> None:
+        super()._setup_bootstrap_infos()
+        if self.kv_mgr.defer_decode_allocation and self.conclude_state != KVPoll.Failed and self.bootstrap_infos:
+            # before init sends BOOTSTRAP: the prefill's readiness may come back at once
+            peers = self._peers()
+            if peers is not None:
+                self.kv_mgr.expect(self.bootstrap_room, peers, self.bootstrap_addr, deadline=False)
+                self._watched = True
+
+    def _peers(self) -> Optional[Dict[str, str]]:
+        """The prefill ranks' kvbridge peer ids and addresses; None (and the request
+        failed) when a rank does not run this backend."""
+        peers = {}
+        for info in self.bootstrap_infos:
+            if info.get("is_dummy"):
+                continue
+            peer, addr = info.get("kvbridge_peer"), info.get("kvbridge_addr")
+            if not isinstance(peer, str) or not isinstance(addr, str):
+                self._fail(
+                    f"kvbridge: the prefill at {self.bootstrap_addr} (rank {info.get('rank_ip')}:"
+                    f"{info.get('rank_port')}) does not run the kvbridge transfer backend"
+                )
+                return None
+            peers[peer] = addr
+        return peers
 
     def init(self, prefill_dp_rank: int) -> None:
         if self.conclude_state != KVPoll.Failed:
@@ -60,18 +94,9 @@ class KvbridgeKVReceiver(CommonKVReceiver):
     ) -> None:
         if self.conclude_state == KVPoll.Failed or getattr(self, "bootstrap_infos", None) is None:
             return super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len, destination)
-        peers = {}
-        for info in self.bootstrap_infos:
-            if info.get("is_dummy"):
-                continue
-            peer, addr = info.get("kvbridge_peer"), info.get("kvbridge_addr")
-            if not isinstance(peer, str) or not isinstance(addr, str):
-                self._fail(
-                    f"kvbridge: the prefill at {self.bootstrap_addr} (rank {info.get('rank_ip')}:"
-                    f"{info.get('rank_port')}) does not run the kvbridge transfer backend"
-                )
-                return
-            peers[peer] = addr
+        peers = self._peers()
+        if peers is None:
+            return
         try:
             self.kv_mgr.open_grant(self.bootstrap_room, kv_indices, aux_index, list(peers))
         except (kvbridge.KvbridgeError, ValueError) as e:
@@ -79,13 +104,15 @@ class KvbridgeKVReceiver(CommonKVReceiver):
             return
         self._grant_closed = False
         self.kv_mgr.expect(self.bootstrap_room, peers, self.bootstrap_addr)
+        self._watched = True
         super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len, destination)
 
     def _close_grant(self) -> bool:
         if not self._grant_closed:
             self._grant_closed = self.kv_mgr.close_grant(self.bootstrap_room)
-            if self._grant_closed:
-                self.kv_mgr.forget(self.bootstrap_room)
+        if self._grant_closed and self._watched:
+            self._watched = False
+            self.kv_mgr.forget(self.bootstrap_room)
         return self._grant_closed
 
     def poll(self) -> KVPoll:

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import pytest
 from sglang.srt.arg_groups import choices
 from sglang.srt.disaggregation import utils
 from sglang.srt.disaggregation.utils import KVClassType, TransferBackend
@@ -69,3 +70,28 @@ def test_the_launcher_installs_at_import_for_spawned_children():
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "TransferBackend.KVBRIDGE" in out.stdout
+
+
+def _policy_check(backend: str, **fields):
+    from sglang.srt.arg_groups import pd_disaggregation_hook as hook
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(
+        model_path="m", disaggregation_mode="prefill", disaggregation_transfer_backend=backend,
+        disaggregation_decode_allocation_policy="prefill_complete", **fields,
+    )  # fmt: skip
+    # what SGLang's resolution step calls, looked up where it looks it up
+    return hook.handle_pd_disaggregation.__globals__["_validate_prefill_complete"](args)
+
+
+def test_sglang_takes_prefill_complete_with_the_backend_and_keeps_its_other_refusals():
+    kvbridge.sglang.install()
+    kvbridge.sglang.install()
+    _policy_check("kvbridge")
+    _policy_check("mooncake")  # SGLang's own answer, unchanged
+    with pytest.raises(ValueError, match="transfer backends other than Mooncake"):
+        _policy_check("nixl")
+    with pytest.raises(ValueError) as refused:
+        _policy_check("kvbridge", tp_size=2)
+    assert "attention tensor parallelism greater than one" in str(refused.value)
+    assert "Mooncake" not in str(refused.value)
