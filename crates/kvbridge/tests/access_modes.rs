@@ -49,13 +49,7 @@ async fn modes_hold(t: Carrier) {
     // The other direction is refused, and nothing lands.
     let mut before = vec![0u8; 2 * PAGE];
     ro.read_at(0, &mut before).unwrap();
-    assert_denied(
-        pre.write(&peer, &[Op::page(&src, 0, ro.id(), 0, PAGE)])
-            .await,
-        "decode-0",
-        Step::Write,
-        "granted",
-    );
+    write_into_read_only(&pre, &peer, &src, &ro).await;
     let mut after = vec![0u8; 2 * PAGE];
     ro.read_at(0, &mut after).unwrap();
     assert!(before == after, "a write landed in the read-only region");
@@ -68,6 +62,22 @@ async fn modes_hold(t: Carrier) {
             .await,
         "decode-0",
         Step::Read,
+        "granted",
+    );
+}
+
+/// Writes `src`'s first page over the first page of `ro`, a region `decode-0` grants
+/// read-only: the write is refused, `AccessDenied` at step write.
+async fn write_into_read_only(
+    pre: &kvbridge::Channel,
+    peer: &kvbridge::PeerId,
+    src: &Region,
+    ro: &Region,
+) {
+    assert_denied(
+        pre.write(peer, &[Op::page(src, 0, ro.id(), 0, PAGE)]).await,
+        "decode-0",
+        Step::Write,
         "granted",
     );
 }
@@ -104,13 +114,7 @@ async fn a_dial_right_after_a_refused_write_gets_a_new_session() {
     for round in 0..5 {
         let peer = pre.connect(&addr(&dec)).await.unwrap();
         pre.peer_regions(&peer).await.unwrap();
-        assert_denied(
-            pre.write(&peer, &[Op::page(&src, 0, ro.id(), 0, PAGE)])
-                .await,
-            "decode-0",
-            Step::Write,
-            "granted",
-        );
+        write_into_read_only(&pre, &peer, &src, &ro).await;
         let s = pre.stats().await.unwrap();
         assert_eq!(
             (s.established, s.sessions),

@@ -5,39 +5,16 @@ kvbridge backend follows that order without a deadline or lease firing while the
 computes, frees the room on both sides when it ends, and still learns of a dead prefill
 from its probe."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from case_runs import result, run_cases
+
 CASES = ["order", "lease", "dead"]
 
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE] + sys.path))
-    out = subprocess.run(
-        [sys.executable, os.path.join(HERE, "policy_process.py"), *CASES],
-        capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
-    got = {}
-    for line in out.stdout.splitlines():
-        word, _, rest = line.partition(" ")
-        if word in ("OK", "FAIL"):
-            case, _, detail = rest.partition(" ")
-            got[case] = (word, json.loads(detail))
-    return got, out
-
-
-def result(results, case):
-    got, out = results
-    assert case in got, f"no result for {case} (exit {out.returncode}): {out.stderr[-4000:]}"
-    word, detail = got[case]
-    assert word == "OK", detail
-    return detail
+    return run_cases("policy_process.py", CASES, timeout=300)
 
 
 def test_the_decode_allocates_after_the_prefill_computed_and_the_kv_lands(results):

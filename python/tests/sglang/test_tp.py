@@ -2,14 +2,9 @@
 in one process of its own, one after another, so SGLang is imported once; the runtime
 context is per process)."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from case_runs import result, run_cases
 
 CASES = [
     "2,2,mha,4",  # decode rank r receives prefill rank r's heads, whole pages
@@ -26,26 +21,7 @@ REFUSED = "1,2,mha,4,refuse"  # decode pages of another head size
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE] + sys.path))
-    out = subprocess.run(
-        [sys.executable, os.path.join(HERE, "tp_process.py"), *CASES, REFUSED],
-        capture_output=True, text=True, timeout=600, env=env,
-    )  # fmt: skip
-    got = {}
-    for line in out.stdout.splitlines():
-        word, _, rest = line.partition(" ")
-        if word in ("OK", "FAIL"):
-            case, _, detail = rest.partition(" ")
-            got[case] = (word, json.loads(detail))
-    return got, out
-
-
-def result(results, case):
-    got, out = results
-    assert case in got, f"no result for {case} (exit {out.returncode}): {out.stderr[-4000:]}"
-    word, detail = got[case]
-    assert word == "OK", detail
-    return detail
+    return run_cases("tp_process.py", [*CASES, REFUSED], timeout=600)
 
 
 @pytest.mark.parametrize("case", CASES)
